@@ -1,0 +1,237 @@
+"""Compare a candidate capture with a reference capture, position by position.
+
+``compare_runs`` checks that the two runs are comparable (vocabulary, tokenizer, the same
+items with the same teacher tokens at the same positions), streams both through the
+metrics in bounded batches of rows and returns a :class:`Comparison`: per-position
+columns plus the descriptions the report needs. No file is written here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from . import metrics as M
+from .errors import LogitdiffError
+from .store import RunItem, RunReader
+
+TOPK_DESCRIPTION = (
+    "Approximate KL(P_bf16 || P_quant) over next-token top-K distributions. Missing candidate "
+    "top-K tokens receive candidate tail_mass/(vocab_size - K). A single explicit tail bucket is included."
+)
+FULL_DESCRIPTION = (
+    "Exact KL(P_ref || P_cand), reverse KL and Jensen-Shannon divergence over the full vocabulary, "
+    "in float64 after log_softmax of the captured logits, per teacher-forced output position. "
+    "The seed's top-K fields (top masses, shared tokens) are computed from the full logits at "
+    "K = top_logprobs, and kl_topk_nats is the top-K approximation of the same position."
+)
+
+
+@dataclass
+class Comparison:
+    kind: str  # "full_vocab" | "top_k"
+    columns: dict[str, np.ndarray]  # one entry per position
+    items: list[RunItem]
+    ref: RunReader
+    cand: RunReader
+    method: dict
+    vocab: list[str] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.columns["position"])
+
+    def token_text(self, token_id: int) -> str:
+        if self.vocab is not None and 0 <= token_id < len(self.vocab):
+            return self.vocab[token_id]
+        return f"<{token_id}>"
+
+
+def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = False) -> tuple[list[RunItem], list[RunItem], list[str]]:
+    """Pair items of both runs; raise a one-line error at the first mismatch."""
+    notes: list[str] = []
+    if ref.vocab_size != cand.vocab_size:
+        raise LogitdiffError(
+            f"vocab sizes differ: {ref.path} has V={ref.vocab_size}, {cand.path} has V={cand.vocab_size}"
+        )
+    if ref.tokenizer_hash and cand.tokenizer_hash and ref.tokenizer_hash != cand.tokenizer_hash:
+        raise LogitdiffError(
+            f"tokenizers differ: {ref.path} field 'tokenizer_hash' {ref.tokenizer_hash[:19]}... vs "
+            f"{cand.path} {cand.tokenizer_hash[:19]}..."
+        )
+    if not (ref.tokenizer_hash and cand.tokenizer_hash):
+        notes.append("tokenizer hash unknown on one side; identity rests on equal teacher token ids")
+    cand_by_id = {it.id: it for it in cand.items()}
+    ref_ids = {it.id for it in ref.items()}
+    extra = [i for i in cand_by_id if i not in ref_ids]
+    if extra:
+        raise LogitdiffError(f"{cand.path}: item {extra[0]!r} is not in the reference run {ref.path}")
+    pairs_r, pairs_c = [], []
+    for r in ref.items():
+        c = cand_by_id.get(r.id)
+        if c is None:
+            if allow_partial:
+                continue
+            raise LogitdiffError(f"{cand.path}: item {r.id!r} of the reference run is missing")
+        if r.prompt_ids and c.prompt_ids and r.prompt_ids != c.prompt_ids:
+            j = next((k for k, (a, b) in enumerate(zip(r.prompt_ids, c.prompt_ids)) if a != b), min(len(r.prompt_ids), len(c.prompt_ids)))
+            raise LogitdiffError(
+                f"item {r.id!r}: prompt token ids differ at prompt position {j} "
+                f"(reference {r.prompt_ids[j] if j < len(r.prompt_ids) else 'end'}, "
+                f"candidate {c.prompt_ids[j] if j < len(c.prompt_ids) else 'end'})"
+            )
+        if r.positions != c.positions:
+            j = next((k for k, (a, b) in enumerate(zip(r.positions, c.positions)) if a != b), min(len(r.positions), len(c.positions)))
+            raise LogitdiffError(
+                f"item {r.id!r}: scored positions differ (reference has {len(r.positions)}, candidate "
+                f"{len(c.positions)}; first difference at row {j})"
+            )
+        rt, ct = r.next_tokens, c.next_tokens
+        bad = np.nonzero(rt != ct)[0]
+        if bad.size:
+            j = int(bad[0])
+            raise LogitdiffError(
+                f"item {r.id!r}: teacher token differs at output position {r.positions[j]} "
+                f"(reference {int(rt[j])}, candidate {int(ct[j])}): runs are misaligned"
+            )
+        pairs_r.append(r)
+        pairs_c.append(c)
+    if len(pairs_r) < len(ref.items()):
+        notes.append(f"--allow-partial: {len(pairs_r)} of {len(ref.items())} reference items compared")
+    if not pairs_r:
+        raise LogitdiffError(f"{ref.path} and {cand.path} have no items in common")
+    return pairs_r, pairs_c, notes
+
+
+def _batches(items_r, items_c, max_rows: int):
+    batch_r, batch_c, rows = [], [], 0
+    for r, c in zip(items_r, items_c):
+        batch_r.append(r)
+        batch_c.append(c)
+        rows += len(r.positions)
+        if rows >= max_rows:
+            yield batch_r, batch_c
+            batch_r, batch_c, rows = [], [], 0
+    if batch_r:
+        yield batch_r, batch_c
+
+
+def _topk_of(reader: RunReader, item: RunItem, k: int) -> tuple[np.ndarray, np.ndarray]:
+    if reader.k:
+        d = reader.topk(item)
+        return d["ids"][:, :k], d["logprobs"][:, :k]
+    st = M.row_stats(np.asarray(reader.logits(item)), k=k)
+    return st["topk_ids"], st["topk_logprobs"]
+
+
+def compare_runs(
+    ref: RunReader,
+    cand: RunReader,
+    *,
+    top_logprobs: int = 64,
+    overlap_k: int = 10,
+    eps: float = 1e-12,
+    allow_partial: bool = False,
+    device=None,
+    progress: Callable[[int], None] | None = None,
+    max_batch_rows: int | None = None,
+) -> Comparison:
+    items_r, items_c, notes = check_comparable(ref, cand, allow_partial=allow_partial)
+    vocab = ref.vocab() or cand.vocab()
+    V = ref.vocab_size
+    kind = "top_k" if (ref.k or cand.k) else "full_vocab"
+    # K of the top-K fields: what the top-K side(s) stored; for two full runs, top_logprobs.
+    stored_k = [x for x in (ref.k, cand.k) if x]
+    k_eff = min(stored_k + [V]) if stored_k else min(top_logprobs, V)
+    if max_batch_rows is None:
+        max_batch_rows = max(1, (256 << 20) // (V * 4 * 2))
+    cols: dict[str, list] = {}
+
+    def push(name, arr):
+        cols.setdefault(name, []).append(np.asarray(arr))
+
+    for br, bc in _batches(items_r, items_c, max_batch_rows):
+        item_ids = np.concatenate([[it.id] * len(it.positions) for it in br]) if br else np.array([])
+        positions = np.concatenate([np.asarray(it.positions, dtype=np.int64) for it in br])
+        next_tok = np.concatenate([it.next_tokens for it in br])
+        push("item_id", item_ids.astype(object))
+        push("position", positions)
+        push("token_id", next_tok)
+        if kind == "full_vocab":
+            zr = np.concatenate([np.asarray(ref.logits(it)) for it in br])
+            zc = np.concatenate([np.asarray(cand.logits(it)) for it in bc])
+            try:
+                m = M.full_vocab(zr, zc, next_tok, k=min(overlap_k, V), device=device)
+            except M.NonFiniteLogits as e:
+                owner = br[0] if len(br) == 1 else None
+                row = e.row
+                for it in br:
+                    if row < len(it.positions):
+                        owner = it
+                        break
+                    row -= len(it.positions)
+                run = ref if e.side == "reference" else cand
+                raise LogitdiffError(
+                    f"{run.path}: item {owner.id!r} has NaN/inf logits at output position {owner.positions[row]}"
+                ) from None
+            for key, v in m.items():
+                push(key, v)
+            sr = M.row_stats(zr, k=k_eff)
+            sc = M.row_stats(zc, k=k_eff)
+            t = M.topk(sr["topk_ids"], sr["topk_logprobs"], sc["topk_ids"], sc["topk_logprobs"], V, eps=eps)
+            for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
+                push(key, t[key])
+            push("kl_topk_nats", t["kl_nats"])
+            del zr, zc
+        else:
+            ids_r, lp_r, ids_c, lp_c = [], [], [], []
+            for r, c in zip(br, bc):
+                a, b = _topk_of(ref, r, k_eff)
+                ids_r.append(a), lp_r.append(b)
+                a, b = _topk_of(cand, c, k_eff)
+                ids_c.append(a), lp_c.append(b)
+            ir, lr, ic, lc = (np.concatenate(x) for x in (ids_r, lp_r, ids_c, lp_c))
+            try:
+                t = M.topk(ir, lr, ic, lc, V, eps=eps)
+            except ValueError as e:
+                raise LogitdiffError(f"{ref.path} vs {cand.path}: {e}") from None
+            for key, v in t.items():
+                if key != "kl_bits":
+                    push(key, v)
+            # Token metrics where the teacher token is inside a top-K set; NaN otherwise.
+            p_ref = _prob_of(ir, lr, next_tok)
+            p_cand = _prob_of(ic, lc, next_tok)
+            push("p_ref_token", p_ref)
+            push("p_cand_token", p_cand)
+            push("delta_p", p_cand - p_ref)
+            push("nll_ref", -np.log(p_ref))
+            push("nll_cand", -np.log(p_cand))
+            top2 = np.sort(np.exp(lr), axis=1)[:, ::-1]
+            push("margin_ref", top2[:, 0] - (top2[:, 1] if top2.shape[1] > 1 else 0.0))
+        if progress:
+            progress(len(positions))
+
+    columns = {k: np.concatenate(v) for k, v in cols.items()}
+    tags_per_item = {it.id: list(it.tags) for it in items_r}
+    method = {
+        "description": FULL_DESCRIPTION if kind == "full_vocab" else TOPK_DESCRIPTION,
+        "kind": kind,
+        "epsilon": eps,
+        "top_logprobs": int(k_eff),
+        "vocab_size": int(V),
+        "topk_overlap_k": int(min(overlap_k, V)) if kind == "full_vocab" else None,
+        "log": "natural (nats); every *_nats figure has a *_bits twin = nats / ln 2",
+        "precision": "float64 after log_softmax",
+    }
+    comp = Comparison(kind=kind, columns=columns, items=items_r, ref=ref, cand=cand, method=method, vocab=vocab, notes=notes)
+    comp.tags_per_item = tags_per_item  # type: ignore[attr-defined]
+    return comp
+
+
+def _prob_of(ids: np.ndarray, logprobs: np.ndarray, tok: np.ndarray) -> np.ndarray:
+    hit = ids == tok[:, None]
+    p = np.where(hit, np.exp(logprobs), 0.0).sum(1)
+    return np.where(hit.any(1), p, np.nan)

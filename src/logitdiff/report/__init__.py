@@ -1,0 +1,247 @@
+"""REPORT directories: report.json (the seed's keys and fields, extended), tokens.parquet,
+report.md. Everything is built in memory first and the files are renamed into place, so a
+failure never leaves half a report behind."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .. import __version__
+from ..compare import Comparison
+from ..metrics import LN2
+from ..summarize import DEFAULT_RANGES, by_groups, range_masks, summarize_group
+
+REPORT_SCHEMA = "logitdiff.report/1"
+
+# Row fields of the seed report, in its order.
+SEED_ROW_FIELDS = (
+    "baseline_top_mass",
+    "baseline_top_token",
+    "baseline_top_token_id",
+    "candidate_top_mass",
+    "candidate_top_token",
+    "candidate_top_token_id",
+    "kl_bits",
+    "kl_nats",
+    "shared_baseline_mass",
+    "shared_candidate_mass",
+    "shared_tokens",
+    "source_id",
+    "top1_match",
+)
+
+
+def _clean(x):
+    """JSON-safe scalars: numpy -> python, NaN/inf -> None."""
+    if isinstance(x, (np.bool_, bool)):
+        return bool(x)
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        x = float(x)
+        return x if math.isfinite(x) else None
+    return x
+
+
+def _side(reader, label: str) -> dict:
+    m = reader.manifest
+    src = m.get("source") or {}
+    return {
+        "path": str(reader.path),
+        "served_model": src.get("served_model") or src.get("spec"),
+        "spec": src.get("spec"),
+        "identity": src.get("identity"),
+        "status": m.get("status"),
+        "tokenizer_hash": m.get("tokenizer_hash"),
+        "store": m["settings"].get("store"),
+        "dtype": m["settings"].get("dtype"),
+        "n_items": m.get("n_items"),
+        "n_positions": m.get("n_positions"),
+        "role": label,
+    }
+
+
+def build_report(
+    comp: Comparison,
+    *,
+    ranges: Sequence[int] = DEFAULT_RANGES,
+    n_boot: int = 1000,
+    seed: int = 0,
+    include_rows: bool = True,
+    noise_floor: dict | None = None,
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """The report.json object and the per-position table (columns) behind it."""
+    c = dict(comp.columns)
+    n = comp.n
+    # Seed-compatible names and bits twins.
+    c["source_id"] = c["item_id"]
+    c["baseline_top_token_id"] = c["top1_ref"]
+    c["candidate_top_token_id"] = c["top1_cand"]
+    for key in [k for k in list(c) if k.endswith("_nats")]:
+        c[key[:-5] + "_bits"] = np.asarray(c[key], dtype=np.float64) / LN2
+    item_tags = {it.id: it.tags for it in comp.items}
+    _, item_index = np.unique(c["item_id"].astype(str), return_inverse=True)
+    kw = {"n_boot": n_boot, "seed": seed}
+
+    overall = summarize_group(c, item_index, **kw)
+    kl = np.asarray(c["kl_nats"])
+    imax = int(np.argmax(kl)) if n else 0
+    match = np.asarray(c["top1_match"], dtype=bool)
+    summary = {
+        # The seed's summary fields first.
+        "baseline_top_mass_mean": _clean(np.mean(c["baseline_top_mass"])) if n else None,
+        "candidate_top_mass_mean": _clean(np.mean(c["candidate_top_mass"])) if n else None,
+        "kl_bits_max": _clean(kl.max() / LN2) if n else None,
+        "kl_bits_mean": _clean(kl.mean() / LN2) if n else None,
+        "kl_nats_max": _clean(kl.max()) if n else None,
+        "kl_nats_mean": _clean(kl.mean()) if n else None,
+        "kl_nats_p50": _clean(np.percentile(kl, 50)) if n else None,
+        "kl_nats_p95": _clean(np.percentile(kl, 95)) if n else None,
+        "max_kl_baseline_top_token": comp.token_text(int(c["top1_ref"][imax])) if n else None,
+        "max_kl_candidate_top_token": comp.token_text(int(c["top1_cand"][imax])) if n else None,
+        "max_kl_source_id": str(c["item_id"][imax]) if n else None,
+        "max_kl_position": int(c["position"][imax]) if n else None,
+        "paired_prompts": len(comp.items),
+        "shared_baseline_mass_mean": _clean(np.mean(c["shared_baseline_mass"])) if n else None,
+        "top1_match_rate": _clean(match.mean()) if n else None,
+        "top1_matches": int(match.sum()),
+        "top1_mismatches": int((~match).sum()),
+        # Ours.
+        "positions": n,
+        "top1_disagreement": overall.get("top1_disagreement"),
+        "metrics": {k: v for k, v in overall.items() if isinstance(v, dict) and k != "top1_disagreement"},
+    }
+    for key in ("ppl_ref", "ppl_cand", "ppl_ratio", "nll_ref_mean", "nll_cand_mean"):
+        if key in overall:
+            summary[key] = overall[key]
+    if noise_floor:
+        summary["noise_floor"] = noise_floor
+        floor = noise_floor.get("kl_nats_mean")
+        summary["kl_mean_x_noise_floor"] = (kl.mean() / floor) if (n and floor) else None
+
+    pos = np.asarray(c["position"])
+    range_rows = by_groups(c, item_index, range_masks(pos, ranges), **kw)
+    all_tags = sorted({t for tags in item_tags.values() for t in tags})
+    tag_of_row = [item_tags.get(str(i), []) for i in c["item_id"]]
+    tag_rows = by_groups(
+        c, item_index, ((t, np.array([t in tags for tags in tag_of_row], dtype=bool)) for t in all_tags), **kw
+    )
+    item_rows = []
+    for it in comp.items:
+        mask = c["item_id"] == it.id
+        g = summarize_group({k: np.asarray(v)[mask] for k, v in c.items()}, item_index[mask], n_boot=0)
+        item_rows.append({"id": it.id, "tags": it.tags, **g})
+
+    report = {
+        "schema": REPORT_SCHEMA,
+        "tool": {"name": "logitdiff", "version": __version__},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "baseline": _side(comp.ref, "reference"),
+        "candidate": _side(comp.cand, "candidate"),
+        "method": {
+            **comp.method,
+            "bootstrap": {"resample": "items", "n": n_boot, "seed": seed, "level": 0.95},
+            "ranges": list(ranges),
+            "notes": comp.notes,
+        },
+        "rows": [],
+        "summary": summary,
+        "ranges": range_rows,
+        "tags": tag_rows,
+        "items": item_rows,
+    }
+    if include_rows:
+        report["rows"] = _rows(comp, c)
+    else:
+        report["rows_omitted"] = True
+    c["tags"] = np.array([list(t) for t in tag_of_row], dtype=object)
+    c["baseline_top_token"] = np.array([comp.token_text(int(t)) for t in c["top1_ref"]], dtype=object)
+    c["candidate_top_token"] = np.array([comp.token_text(int(t)) for t in c["top1_cand"]], dtype=object)
+    c["token"] = np.array([comp.token_text(int(t)) for t in c["token_id"]], dtype=object)
+    return _json_clean(report), c
+
+
+def _rows(comp: Comparison, c: dict) -> list[dict]:
+    keys = [k for k in c if k not in ("item_id",)]
+    rows = []
+    cols = {k: np.asarray(c[k]) for k in keys}
+    for i in range(comp.n):
+        r = {k: _clean(cols[k][i]) for k in keys}
+        r["baseline_top_token"] = comp.token_text(int(cols["top1_ref"][i]))
+        r["candidate_top_token"] = comp.token_text(int(cols["top1_cand"][i]))
+        r["token"] = comp.token_text(int(cols["token_id"][i]))
+        r["item_id"] = str(c["item_id"][i])
+        r["source_id"] = str(c["item_id"][i])
+        # Seed fields first, then ours alphabetically.
+        ordered = {k: r[k] for k in SEED_ROW_FIELDS if k in r}
+        ordered.update({k: r[k] for k in sorted(r) if k not in ordered})
+        rows.append(ordered)
+    return rows
+
+
+def _json_clean(obj):
+    if isinstance(obj, dict):
+        return {k: _json_clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_clean(v) for v in obj]
+    return _clean(obj)
+
+
+def write_parquet(path: Path, columns: dict[str, np.ndarray]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    first = ["item_id", "tags", "position", "token_id", "token"]
+    names = first + sorted(k for k in columns if k not in first)
+    arrays = []
+    for k in names:
+        v = columns[k]
+        if k == "tags":
+            arrays.append(pa.array([list(x) for x in v], type=pa.list_(pa.string())))
+        elif v.dtype == object:
+            arrays.append(pa.array([str(x) for x in v], type=pa.string()))
+        else:
+            arrays.append(pa.array(v))
+    pq.write_table(pa.table(arrays, names=names), path)
+
+
+def write_report_dir(
+    out: str | Path,
+    report: dict,
+    columns: dict[str, np.ndarray],
+    *,
+    markdown: str,
+    extra_files: dict[str, bytes] | None = None,
+) -> Path:
+    """Write report.json, tokens.parquet, report.md (+ extras) via a temp dir and rename."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        (tmp / "report.json").write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+        write_parquet(tmp / "tokens.parquet", columns)
+        (tmp / "report.md").write_text(markdown)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,96 @@
+"""report.md: the same numbers as report.json, for people."""
+
+from __future__ import annotations
+
+
+def _f(x, digits: int = 4) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        if x == 0:
+            return "0"
+        if abs(x) < 1e-3 or abs(x) >= 1e5:
+            return f"{x:.{digits - 1}e}"
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _ci(d) -> str:
+    ci = (d or {}).get("ci95") or [None, None]
+    return f"[{_f(ci[0])}, {_f(ci[1])}]"
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.2f} %"
+
+
+def group_table(rows: list[dict], label: str) -> str:
+    head = (
+        f"| {label} | n | items | mean KL | 95 % CI | p50 | p90 | p95 | p99 | p99.9 | max | JSD mean | top-1 disagr. | 95 % CI |\n"
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
+    )
+    lines = []
+    for r in rows:
+        kl = r.get("kl_nats") or {}
+        js = r.get("jsd_nats") or {}
+        t1 = r.get("top1_disagreement") or {}
+        lines.append(
+            f"| {r.get('group', r.get('id'))} | {r.get('n', 0)} | {r.get('n_items', 0)} | {_f(kl.get('mean'))} | {_ci(kl)} | "
+            f"{_f(kl.get('p50'))} | {_f(kl.get('p90'))} | {_f(kl.get('p95'))} | {_f(kl.get('p99'))} | "
+            f"{_f(kl.get('p99_9'))} | {_f(kl.get('max'))} | {_f(js.get('mean'))} | {_pct(t1.get('rate'))} | "
+            f"[{_pct((t1.get('ci95') or [None])[0])}, {_pct((t1.get('ci95') or [None, None])[1])}] |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def render_markdown(report: dict) -> str:
+    s = report["summary"]
+    m = report["method"]
+    b, c = report["baseline"], report["candidate"]
+    t1 = s.get("top1_disagreement") or {}
+    mets = s.get("metrics", {})
+    out = [
+        f"# logitdiff report: drift of `{c.get('spec') or c['path']}` from `{b.get('spec') or b['path']}`\n",
+        "BF16 (or whatever the reference is) is a numerical-fidelity reference, not an oracle: the "
+        "figures below are *drift from the reference*, not correctness.\n",
+        f"- method: **{m['kind']}** — {m['description']}",
+        f"- vocabulary: {m['vocab_size']:,}; top-K fields at K = {m['top_logprobs']}; ε = {m['epsilon']}",
+        f"- positions: {s['positions']:,} over {s['paired_prompts']} items; 95 % CIs from {m['bootstrap']['n']} "
+        f"bootstrap resamples of items (seed {m['bootstrap']['seed']})",
+    ]
+    for note in m.get("notes") or []:
+        out.append(f"- note: {note}")
+    out.append("\n## Summary\n")
+    out.append("| metric | mean | 95 % CI | p50 | p95 | p99 | max |\n|---|---:|---|---:|---:|---:|---:|")
+    for key, label in (("kl_nats", "KL(ref‖cand) nats"), ("kl_rev_nats", "KL(cand‖ref) nats"), ("jsd_nats", "JSD nats")):
+        d = mets.get(key)
+        if d:
+            out.append(
+                f"| {label} | {_f(d['mean'])} | {_ci(d)} | {_f(d['p50'])} | {_f(d['p95'])} | {_f(d['p99'])} | {_f(d['max'])} |"
+            )
+    out.append(
+        f"\n- top-1 disagreement: **{_pct(t1.get('rate'))}** ({t1.get('mismatches', s['top1_mismatches'])} of "
+        f"{s['positions']} positions), 95 % CI [{_pct((t1.get('ci95') or [None])[0])}, {_pct((t1.get('ci95') or [None, None])[1])}]"
+    )
+    if s.get("ppl_ratio") is not None:
+        out.append(f"- perplexity on the teacher tokens: reference {_f(s['ppl_ref'])}, candidate {_f(s['ppl_cand'])}, ratio {_f(s['ppl_ratio'], 6)}")
+    if s.get("noise_floor"):
+        nf = s["noise_floor"]
+        out.append(
+            f"- noise floor (reference vs its rerun): mean KL {_f(nf.get('kl_nats_mean'))}; this candidate is "
+            f"{_f(s.get('kl_mean_x_noise_floor'), 2)} × the floor"
+        )
+    out.append(
+        f"- largest KL: {_f(s['kl_nats_max'])} nats at item `{s['max_kl_source_id']}` position {s.get('max_kl_position')} "
+        f"(reference top token {s['max_kl_baseline_top_token']!r}, candidate {s['max_kl_candidate_top_token']!r})"
+    )
+    out.append("\n## By output range\n")
+    out.append(group_table(report["ranges"], "positions"))
+    if report.get("tags"):
+        out.append("\n## By tag\n")
+        out.append(group_table(report["tags"], "tag"))
+    worst = sorted(report["items"], key=lambda r: -((r.get("kl_nats") or {}).get("mean") or 0))[:10]
+    out.append("\n## Items with the highest mean KL\n")
+    out.append(group_table([{**r, "group": r["id"]} for r in worst], "item"))
+    out.append(f"\n_logitdiff {report['tool']['version']}, {report['created']}_\n")
+    return "\n".join(out)

@@ -1,0 +1,163 @@
+"""Sources: where next-token distributions come from, behind one small interface.
+
+A source is named by a spec string ``KIND:TARGET[,key=value...]``:
+
+    hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda]
+    gguf:PATH[,n_ctx=N][,threads=N]
+    builtin:tiny            the bundled model through transformers (BF16)
+    builtin:tiny-F32        ... through transformers in float32
+    builtin:tiny-Q4_K_M     a GGUF of the bundled model's quant ladder (llama.cpp)
+
+Every source can
+
+* ``render(item)``       -> prompt token ids (chat template and tools applied),
+* ``generate(ids, n)``   -> greedy continuation ids and the logits at each step,
+* ``score(ids, teacher)``-> logits ``[len(teacher), V]``; row t is the distribution of
+                            the next token after ``ids + teacher[:t]`` (teacher forcing),
+* ``identity()``         -> a JSON-able description (files, hashes, dtype, versions...).
+
+Output position t therefore always means "the distribution that predicts teacher[t]".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import LogitdiffError
+
+
+@dataclass
+class Generation:
+    """A greedy continuation: ``token_ids[t]`` is the argmax of ``logits[t]``."""
+
+    token_ids: list[int]
+    logits: np.ndarray  # [len(token_ids), V] float32 (or the source's native float dtype)
+    stopped_by: str = "max_tokens"  # "eos" | "max_tokens"
+
+
+@dataclass
+class Spec:
+    kind: str
+    target: str
+    options: dict[str, str] = field(default_factory=dict)
+    text: str = ""
+
+
+def parse_spec(text: str) -> Spec:
+    """Split ``kind:target,key=value,...``. Targets may themselves contain ':' (URLs)."""
+    if ":" not in text:
+        raise LogitdiffError(
+            f"source spec {text!r}: expected KIND:TARGET (hf:PATH, gguf:PATH, openai:URL, builtin:NAME)"
+        )
+    kind, rest = text.split(":", 1)
+    parts = rest.split(",")
+    target = parts[0]
+    options: dict[str, str] = {}
+    for part in parts[1:]:
+        if "=" not in part:
+            raise LogitdiffError(f"source spec {text!r}: option {part!r} is not key=value")
+        k, v = part.split("=", 1)
+        options[k.strip()] = v.strip()
+    return Spec(kind=kind.strip(), target=target, options=options, text=text)
+
+
+def tokenizer_hash_of(tokens: Sequence[str]) -> str:
+    """Content hash of a vocabulary: token strings in id order.
+
+    Backends that hold the same vocabulary (a HF ``tokenizer.json`` and the GGUF
+    ``tokenizer.ggml.tokens`` converted from it) give the same hash.
+    """
+    h = hashlib.sha256()
+    for t in tokens:
+        h.update(t.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    return "sha256:" + h.hexdigest()
+
+
+def file_sha256(path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return "sha256:" + h.hexdigest()
+
+
+class Source:
+    """Base class. Subclasses set ``spec``, ``vocab_size``, ``tokenizer_hash``."""
+
+    spec: str
+    vocab_size: int  # size of the distribution rows the source returns
+    tokenizer_hash: str
+    eos_token_ids: tuple[int, ...] = ()
+
+    # --- tokenization -------------------------------------------------------------
+    def render(self, item: Any) -> list[int]:
+        """Prompt token ids for a workload item (chat template + tools applied)."""
+        raise NotImplementedError
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def token_text(self, token_id: int) -> str:
+        """Printable text of one token (for reports)."""
+        return self.detokenize([token_id])
+
+    # --- model --------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
+        raise NotImplementedError
+
+    def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> np.ndarray:
+        """Logits ``[len(teacher_ids), V]``: row t predicts ``teacher_ids[t]``."""
+        raise NotImplementedError
+
+    def score_many(
+        self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[np.ndarray]:
+        """Several (prompt, teacher) pairs; backends override to batch."""
+        return [self.score(p, t) for p, t in batch]
+
+    def identity(self) -> dict:
+        raise NotImplementedError
+
+    def close(self) -> None:  # pragma: no cover - trivial
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_source(text: str) -> Source:
+    """Build a source from its spec string."""
+    spec = parse_spec(text)
+    if spec.kind == "hf":
+        from .hf import HFSource
+
+        return HFSource.from_spec(spec)
+    if spec.kind == "gguf":
+        from .gguf import GGUFSource
+
+        return GGUFSource.from_spec(spec)
+    if spec.kind == "builtin":
+        from ..builtin import open_builtin
+
+        return open_builtin(spec)
+    if spec.kind == "openai":
+        raise LogitdiffError(f"source spec {text!r}: openai: sources are not available in this version")
+    raise LogitdiffError(
+        f"source spec {text!r}: unknown kind {spec.kind!r} (expected hf, gguf, openai or builtin)"
+    )
+
+
+def json_safe(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))

@@ -1,0 +1,412 @@
+"""``gguf:PATH[,n_ctx=N][,threads=N][,seed=N]`` - a GGUF model run in process by llama.cpp.
+
+Uses llama-cpp-python's ``Llama`` (``logits_all=True``) and reads the file's metadata
+(tokens, special ids, chat template, file type) with ``gguf.GGUFReader``.
+
+Weight repacking is disabled.  llama.cpp's CPU backend, by default, moves quantized
+weights into "extra buffer types" at load time (``llama_model_params.use_extra_bufts``,
+default ``true``): the AMX / interleaved ("repack") layouts of ``ggml-cpu``.  With a
+natively built llama.cpp (``GGML_NATIVE=ON``, the pip default) on AMX-capable Xeons,
+every quantized GGUF crashed (SIGSEGV) in that AMX repacking path, while F32/F16 files,
+which are not repacked, ran fine.  ``Llama(...)`` has no argument for it, so
+:func:`load_llama` builds the model with ``use_extra_bufts = False``: it wraps
+``llama_cpp.llama_model_default_params`` (which ``Llama.__init__`` calls) for the
+duration of the constructor, under a lock, and then verifies on
+``llm.model_params.use_extra_bufts`` that the flag really reached llama.cpp.  Weights
+stay in the plain CPU buffer, which computes the same quantized dot products (results
+may differ from a repacked run by float summation order only).  On llama-cpp-python
+builds whose ``llama_model_params`` has no ``use_extra_bufts`` field there is nothing to
+switch off and a warning is recorded in ``identity()["extra_bufts"]``.
+
+Token conventions (chosen to match the HF source on the same tokenizer):
+
+* raw ``prompt`` items: ``tokenize(add_bos=False, special=True)`` - HF's
+  ``tokenizer(prompt, add_special_tokens=False)`` adds no BOS but does match special
+  tokens written in the text;
+* ``messages`` items: the GGUF's ``tokenizer.chat_template`` rendered with jinja2 the way
+  transformers renders it (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``tojson``,
+  ``raise_exception``, ``strftime_now``, ``bos_token``/``eos_token``...), with
+  ``messages``, ``tools`` and ``add_generation_prompt=True``; then tokenized with
+  ``special=True`` and no BOS (whatever BOS the template writes is kept);
+* ``tokenizer_hash`` hashes ``tokenizer.ggml.tokens`` in id order, without the trailing
+  ``[PAD{i}]`` placeholders converters add to pad the vocabulary to the embedding size
+  (HF's ``len(tokenizer)`` does not count them); ``vocab_size`` is the full row width;
+* ``eos_token_ids`` are the file's ``eos``/``eot``/``eom`` token ids; ``generate`` stops
+  after emitting one of them (it is included in ``token_ids``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import threading
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import LogitdiffError
+from . import Generation, Source, Spec, file_sha256, json_safe, parse_spec, tokenizer_hash_of
+
+_load_lock = threading.Lock()
+_KNOWN_OPTIONS = {"n_ctx", "threads", "seed", "n_batch"}
+_PAD_RE = re.compile(r"^\[PAD(\d+)\]$")
+
+
+def extra_bufts_supported() -> bool:
+    """Whether the installed llama-cpp-python exposes ``llama_model_params.use_extra_bufts``."""
+    import llama_cpp
+
+    return any(f[0] == "use_extra_bufts" for f in llama_cpp.llama_model_params._fields_)
+
+
+def load_llama(path: str | Path, **kwargs):
+    """``llama_cpp.Llama(path, **kwargs)`` with extra buffer types (weight repacking) off."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as C
+
+    has_field = extra_bufts_supported()
+    with _load_lock:
+        orig = C.llama_model_default_params
+
+        def no_repack_params():
+            p = orig()
+            if has_field:
+                p.use_extra_bufts = False
+            return p
+
+        C.llama_model_default_params = no_repack_params
+        try:
+            llm = llama_cpp.Llama(model_path=str(path), **kwargs)
+        finally:
+            C.llama_model_default_params = orig
+    if has_field and bool(llm.model_params.use_extra_bufts):  # pragma: no cover - defensive
+        llm.close()
+        raise LogitdiffError(f"{path}: could not disable llama.cpp weight repacking (use_extra_bufts)")
+    return llm
+
+
+# --------------------------------------------------------------------------------------
+# chat template rendering, as transformers does it
+# --------------------------------------------------------------------------------------
+
+
+def _jinja_env():
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` renders its body (HF assistant masks)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+# --------------------------------------------------------------------------------------
+# the source
+# --------------------------------------------------------------------------------------
+
+
+class GGUFSource(Source):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        n_ctx: int = 4096,
+        threads: int | None = None,
+        seed: int = 0,
+        n_batch: int = 512,
+        spec: str | None = None,
+    ):
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise LogitdiffError("gguf: sources need llama-cpp-python (pip install 'logitdiff[gguf]')") from None
+        self.path = Path(path)
+        self.spec = spec or f"gguf:{path}"
+        p = self.path
+        if not p.exists():
+            raise LogitdiffError(f"{p}: GGUF file not found")
+        if not p.is_file():
+            raise LogitdiffError(f"{p}: not a file")
+        with open(p, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise LogitdiffError(f"{p}: not a GGUF file (bad magic {magic!r})")
+        if n_ctx < 1:
+            raise LogitdiffError(f"{self.spec}: n_ctx must be positive")
+        self.threads = int(threads) if threads else max(1, os.cpu_count() or 1)
+        self._read_metadata()
+
+        n_batch = max(1, min(int(n_batch), int(n_ctx)))
+        try:
+            self.llm = load_llama(
+                p,
+                n_ctx=int(n_ctx),
+                n_batch=n_batch,
+                n_ubatch=n_batch,
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                logits_all=True,
+                seed=int(seed),
+                n_gpu_layers=0,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise LogitdiffError(f"{p}: llama.cpp could not load the model ({msg})") from None
+        # llama.cpp may round the context up (to a multiple of 256); the limit enforced
+        # here is the one the user asked for.
+        self.n_ctx = min(int(n_ctx), int(self.llm.n_ctx()))
+        self.vocab_size = int(self.llm.n_vocab())
+        if self.vocab_size != len(self._tokens):
+            raise LogitdiffError(
+                f"{p}: llama.cpp reports {self.vocab_size} tokens but tokenizer.ggml.tokens has {len(self._tokens)}"
+            )
+        self.seed = int(seed)
+        self._sha256: str | None = None
+        self._template = None
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_spec(cls, spec: Spec | str) -> "GGUFSource":
+        if isinstance(spec, str):
+            spec = parse_spec(spec)
+        text = spec.text or f"{spec.kind}:{spec.target}"
+        unknown = set(spec.options) - _KNOWN_OPTIONS
+        if unknown:
+            raise LogitdiffError(
+                f"source spec {text!r}: unknown option {sorted(unknown)[0]!r} (expected n_ctx, threads, seed, n_batch)"
+            )
+        kw: dict[str, Any] = {}
+        for k in ("n_ctx", "threads", "seed", "n_batch"):
+            if k in spec.options:
+                try:
+                    kw[k] = int(spec.options[k])
+                except ValueError:
+                    raise LogitdiffError(f"source spec {text!r}: option {k} must be an integer") from None
+                if k != "seed" and kw[k] < 1:
+                    raise LogitdiffError(f"source spec {text!r}: option {k} must be positive")
+        if not spec.target:
+            raise LogitdiffError(f"source spec {text!r}: missing GGUF path")
+        return cls(spec.target, spec=text, **kw)
+
+    def _read_metadata(self) -> None:
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+            raise LogitdiffError(f"{self.path}: not a readable GGUF file ({e})") from None
+
+        def get(key, default=None):
+            f = reader.fields.get(key)
+            if f is None:
+                return default
+            try:
+                return f.contents()
+            except Exception:  # noqa: BLE001
+                return default
+
+        tokens = get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise LogitdiffError(f"{self.path}: GGUF has no tokenizer.ggml.tokens (no embedded tokenizer)")
+        self._tokens: list[str] = list(tokens)
+        self._token_types: list[int] = list(get("tokenizer.ggml.token_type") or [])
+        self.arch = get("general.architecture")
+        self.model_name = get("general.name")
+        self.file_type = get("general.file_type")
+        self.chat_template: str | None = get("tokenizer.chat_template")
+        self.tokenizer_model = get("tokenizer.ggml.model")
+        self._bos = get("tokenizer.ggml.bos_token_id")
+        self._eos = get("tokenizer.ggml.eos_token_id")
+        eos = []
+        for key in ("eos", "eot", "eom"):
+            v = get(f"tokenizer.ggml.{key}_token_id")
+            if v is not None and int(v) not in eos and 0 <= int(v) < len(self._tokens):
+                eos.append(int(v))
+        self.eos_token_ids = tuple(eos)
+        self._special_strs = {}
+        for key in ("bos", "eos", "pad", "unk"):
+            v = get(f"tokenizer.ggml.{key}_token_id")
+            if v is not None and 0 <= int(v) < len(self._tokens):
+                self._special_strs[f"{key}_token"] = self._tokens[int(v)]
+        # drop the trailing [PADi] placeholders a converter adds to reach the embedding size
+        n = len(self._tokens)
+        while n > 0:
+            m = _PAD_RE.match(self._tokens[n - 1])
+            if not (m and int(m.group(1)) == n - 1):
+                break
+            n -= 1
+        self.tokenizer_hash = tokenizer_hash_of(self._tokens[:n])
+
+    # ---- tokenization -----------------------------------------------------------------
+    def _tokenize(self, text: str, where: str) -> list[int]:
+        ids = self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        return [int(i) for i in ids]
+
+    def render_text(self, item: Any) -> str:
+        """The chat-template text of a ``messages`` item (the raw prompt for ``prompt`` items)."""
+        if getattr(item, "prompt", None) is not None:
+            return item.prompt
+        if not self.chat_template:
+            raise LogitdiffError(
+                f"item {getattr(item, 'id', '?')!r}: {self.path} has no tokenizer.chat_template for chat messages"
+            )
+        import jinja2
+
+        if self._template is None:
+            try:
+                self._template = _jinja_env().from_string(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise LogitdiffError(f"{self.path}: chat template does not compile ({e})") from None
+        kwargs = dict(self._special_strs)
+        try:
+            return self._template.render(
+                messages=item.messages,
+                tools=item.tools,
+                add_generation_prompt=True,
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise LogitdiffError(f"item {item.id!r}: chat template of {self.path} failed ({e})") from None
+
+    def render(self, item: Any) -> list[int]:
+        return self._tokenize(self.render_text(item), f"item {getattr(item, 'id', '?')!r}")
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        self._check_ids(ids, "detokenize")
+        b = self.llm.detokenize([int(i) for i in ids], special=True)
+        return b.decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        self._check_ids([token_id], "token_text")
+        b = self.llm.detokenize([int(token_id)], special=True)
+        return b.decode("utf-8", errors="backslashreplace")
+
+    # ---- model ---------------------------------------------------------------------------
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        for i in ids:
+            if not (0 <= int(i) < self.vocab_size):
+                raise LogitdiffError(f"{self.path}: {what}: token id {int(i)} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def _eval(self, tokens: list[int]) -> None:
+        self.llm.reset()
+        self.llm.eval(tokens)
+
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        return np.array(self.llm.scores[start:stop, : self.vocab_size], dtype=np.float32, copy=True)
+
+    def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> np.ndarray:
+        prompt = [int(i) for i in prompt_ids]
+        teacher = [int(i) for i in teacher_ids]
+        if not teacher:
+            return np.zeros((0, self.vocab_size), dtype=np.float32)
+        if not prompt:
+            raise LogitdiffError(f"{self.path}: score needs at least one prompt token")
+        self._check_ids(prompt, "prompt")
+        self._check_ids(teacher, "teacher")
+        seq = prompt + teacher[:-1]
+        if len(seq) > self.n_ctx:
+            raise LogitdiffError(
+                f"{self.path}: prompt ({len(prompt)}) + continuation ({len(teacher)}) tokens exceed n_ctx={self.n_ctx}"
+                " (raise it with gguf:PATH,n_ctx=N)"
+            )
+        self._eval(seq)
+        p = len(prompt) - 1
+        return self._rows(p, p + len(teacher))
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
+        prompt = [int(i) for i in prompt_ids]
+        if not prompt:
+            raise LogitdiffError(f"{self.path}: generate needs at least one prompt token")
+        self._check_ids(prompt, "prompt")
+        if len(prompt) + max_tokens - 1 > self.n_ctx:
+            raise LogitdiffError(
+                f"{self.path}: prompt ({len(prompt)}) + max_tokens ({max_tokens}) tokens exceed n_ctx={self.n_ctx}"
+                " (raise it with gguf:PATH,n_ctx=N)"
+            )
+        out: list[int] = []
+        rows: list[np.ndarray] = []
+        stopped = "max_tokens"
+        if max_tokens <= 0:
+            return Generation([], np.zeros((0, self.vocab_size), dtype=np.float32), stopped)
+        eos = set(self.eos_token_ids)
+        self._eval(prompt)
+        pos = len(prompt) - 1
+        while True:
+            row = self._rows(pos, pos + 1)[0]
+            tok = int(np.argmax(row))
+            out.append(tok)
+            rows.append(row)
+            if tok in eos:
+                stopped = "eos"
+                break
+            if len(out) >= max_tokens:
+                break
+            self.llm.eval([tok])
+            pos += 1
+        return Generation(out, np.stack(rows).astype(np.float32, copy=False), stopped)
+
+    # ---- identity -------------------------------------------------------------------------
+    def identity(self) -> dict:
+        import llama_cpp
+
+        from ..quantize import ftype_name
+
+        if self._sha256 is None:
+            self._sha256 = file_sha256(self.path)
+        return json_safe({
+            "kind": "gguf",
+            "spec": self.spec,
+            "backend": "llama.cpp",
+            "llama_cpp_python": getattr(llama_cpp, "__version__", "unknown"),
+            "path": str(self.path.resolve()),
+            "sha256": self._sha256,
+            "size": self.path.stat().st_size,
+            "file_type": ftype_name(self.file_type),
+            "quant": ftype_name(self.file_type),
+            "arch": self.arch,
+            "name": self.model_name,
+            "n_ctx": self.n_ctx,
+            "threads": self.threads,
+            "seed": self.seed,
+            "vocab_size": self.vocab_size,
+            "tokenizer_hash": self.tokenizer_hash,
+            "extra_bufts": False if extra_bufts_supported() else "not supported by this llama-cpp-python",
+        })
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.close()
+            self.llm = None

@@ -1,0 +1,365 @@
+"""The transformers backend: a local HF model directory as a source of logits.
+
+Spec: ``hf:PATH[,dtype=bfloat16|float16|float32][,device=cpu|cuda][,threads=N][,batch=N]``
+
+* ``dtype``   defaults to the dtype in ``config.json`` (``dtype``/``torch_dtype``), else bfloat16:
+              the reference is the model as its authors shipped it.
+* ``device``  ``cpu`` (default) or ``cuda``; asking for cuda without one is an error, never a
+              silent fallback (the numbers would differ).
+* ``threads`` calls ``torch.set_num_threads(N)`` (process-wide; torch has no per-model knob).
+* ``batch``   sequences per forward pass in :meth:`HFSource.score_many` (default 8).
+
+Why the code looks the way it does:
+
+* **One logits path.** ``generate`` and ``score`` both run the base model (``model.model``) to
+  hidden states and apply ``lm_head`` themselves (:meth:`HFSource._head`). The argmax that
+  greedy decoding takes is taken on exactly the float32 rows we return, and teacher-forced
+  scoring of a generation reproduces its logits. We do not call ``model.generate``: its logits
+  processors and cache/padding choices are not ours to audit.
+* **Only output positions hit the lm_head.** Scoring gathers the hidden states at positions
+  ``len(prompt)-1 ... len(prompt)+len(teacher)-2`` before the (large) vocabulary projection, so a
+  ``[T_total, V]`` tensor for the whole prompt is never materialised.
+* **Padded vocabularies.** Many checkpoints pad the output layer beyond the tokenizer
+  (``config.vocab_size > len(tokenizer)``, e.g. to a multiple of 64). Those rows are no token
+  at all; we drop output rows with ids ``>= len(tokenizer)`` *before* anything takes a softmax,
+  so ``vocab_size == len(tokenizer)`` and distributions are comparable with backends (GGUF)
+  that only know real tokens. ``identity()["padded_logits"]`` says so when it happens.
+* **Batching with right padding.** Padding sits after the real tokens, so with the attention
+  mask every real position sees exactly the keys it sees unbatched and keeps its default
+  position id; results match unbatched scoring to float rounding.
+* **Rendering.** A raw ``prompt`` is encoded with ``add_special_tokens=False`` (no BOS is
+  added behind the workload's back); ``messages`` go through the tokenizer's chat template
+  as text and are then encoded the same way, so a BOS appears only if the template writes it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import LogitdiffError
+from . import Generation, Source, Spec, file_sha256, tokenizer_hash_of
+
+_DTYPES = ("bfloat16", "float16", "float32")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _int_option(spec: Spec, key: str, default: int | None) -> int | None:
+    if key not in spec.options:
+        return default
+    raw = spec.options[key]
+    try:
+        v = int(raw)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise LogitdiffError(f"source spec {spec.text!r}: option {key}={raw!r} must be a positive integer")
+    return v
+
+
+def _config_dtype(cfg: Any) -> str | None:
+    """The dtype a config declares (``dtype`` in transformers 5, ``torch_dtype`` before)."""
+    for attr in ("dtype", "torch_dtype"):
+        d = cfg.__dict__.get(attr)
+        if d is not None:
+            name = str(d).replace("torch.", "")
+            return name if name in _DTYPES else None
+    return None
+
+
+class HFSource(Source):
+    """A local transformers checkpoint. Rows have ``len(tokenizer)`` columns (padded output
+    rows of the lm_head, ids ``>= len(tokenizer)``, are dropped before any softmax)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        dtype: str | None = None,
+        device: str = "cpu",
+        threads: int | None = None,
+        batch: int = 8,
+        spec: str | None = None,
+    ):
+        import torch
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.path = Path(path).expanduser()
+        self.spec = spec or f"hf:{path}"
+        if not self.path.exists():
+            raise LogitdiffError(f"{self.path}: model path not found")
+        if not self.path.is_dir() or not (self.path / "config.json").is_file():
+            raise LogitdiffError(f"{self.path}: not a transformers model directory (no config.json)")
+        if dtype is not None and dtype not in _DTYPES:
+            raise LogitdiffError(f"{self.spec}: unknown dtype {dtype!r} (expected one of {', '.join(_DTYPES)})")
+        if device not in ("cpu", "cuda"):
+            raise LogitdiffError(f"{self.spec}: unknown device {device!r} (expected cpu or cuda)")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise LogitdiffError(f"{self.spec}: device=cuda asked for but torch sees no CUDA device")
+        if threads:
+            torch.set_num_threads(threads)
+        self.batch = batch
+        self.device = torch.device(device)
+
+        try:
+            cfg = AutoConfig.from_pretrained(str(self.path))
+            self.dtype_name = dtype or _config_dtype(cfg) or "bfloat16"
+            self.torch_dtype = getattr(torch, self.dtype_name)
+            # transformers >= 4.56 renamed ``torch_dtype`` to ``dtype`` (5.x warns on the old name).
+            major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+            dkw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), **{dkw: self.torch_dtype})
+            self.tok = AutoTokenizer.from_pretrained(str(self.path))
+        except LogitdiffError:
+            raise
+        except Exception as e:  # transformers raises many types; the user needs one line
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise LogitdiffError(f"{self.path}: cannot load model/tokenizer ({type(e).__name__}: {msg})") from None
+        self.model.to(self.device).eval()
+        self.config = self.model.config
+        # the decoder stack without the lm_head: ``model.model`` for Llama-likes
+        self.base = self.model.model if hasattr(self.model, "model") else self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+
+        n_tok = len(self.tok)
+        self.out_rows = int(self.lm_head.weight.shape[0])
+        self.vocab_size = min(n_tok, self.out_rows)
+        self.padded = self.out_rows - self.vocab_size
+        self.tokenizer_hash = tokenizer_hash_of(self.tok.convert_ids_to_tokens(list(range(n_tok))))
+        self.max_positions = getattr(self.config, "max_position_embeddings", None)
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+
+        eos: list[int] = []
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        for e in ([gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])) + [self.tok.eos_token_id]:
+            if isinstance(e, int) and e not in eos:
+                eos.append(e)
+        self.eos_token_ids = tuple(eos)
+        self._identity: dict | None = None
+
+    @classmethod
+    def from_spec(cls, spec: Spec) -> "HFSource":
+        unknown = set(spec.options) - {"dtype", "device", "threads", "batch"}
+        if unknown:
+            raise LogitdiffError(
+                f"source spec {spec.text!r}: unknown option(s) {', '.join(sorted(unknown))} "
+                "(hf: takes dtype, device, threads, batch)"
+            )
+        if not spec.target:
+            raise LogitdiffError(f"source spec {spec.text!r}: hf: needs a model directory path")
+        return cls(
+            spec.target,
+            dtype=spec.options.get("dtype"),
+            device=spec.options.get("device", "cpu"),
+            threads=_int_option(spec, "threads", None),
+            batch=_int_option(spec, "batch", 8),
+            spec=spec.text,
+        )
+
+    # --- tokenization -------------------------------------------------------------
+    def render(self, item: Any) -> list[int]:
+        if item.messages is not None:
+            try:
+                text = self.tok.apply_chat_template(
+                    item.messages, tools=item.tools, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as e:
+                raise LogitdiffError(
+                    f"item {item.id!r}: chat template of {self.path} failed ({type(e).__name__}: {e})".splitlines()[0]
+                ) from None
+            if not isinstance(text, str):  # some versions/templates hand back a list or a dict
+                text = text["text"] if isinstance(text, dict) else "".join(text)
+        else:
+            text = item.prompt
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise LogitdiffError(f"item {item.id!r}: prompt renders to zero tokens with {self.path}")
+        if self.max_positions and len(ids) > self.max_positions:
+            raise LogitdiffError(
+                f"item {item.id!r}: prompt is {len(ids)} tokens, longer than max_position_embeddings="
+                f"{self.max_positions} of {self.path}"
+            )
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_text(self, token_id: int) -> str:
+        """Decoded text; a byte-level fragment of a multi-byte character (which decodes to
+        U+FFFD) falls back to the raw token string so reports can tell tokens apart."""
+        s = self.detokenize([token_id])
+        if "\ufffd" in s:
+            raw = self.tok.convert_ids_to_tokens(int(token_id))
+            if raw is not None:
+                return raw
+        return s
+
+    # --- model --------------------------------------------------------------------
+    def _head(self, hidden):
+        """Hidden states ``[N, H]`` -> float32 logits ``[N, vocab_size]``.
+
+        Mirrors what ``*ForCausalLM.forward`` does after the decoder for the architectures
+        that post-process logits (Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma 2/3
+        ``final_logit_softcapping``); padded rows are dropped first."""
+        import torch
+
+        logits = self.lm_head(hidden)[..., : self.vocab_size].float()
+        cfg = self.config
+        if getattr(cfg, "logit_scale", None) is not None and cfg.model_type.startswith("cohere"):
+            logits = logits * cfg.logit_scale
+        if getattr(cfg, "logits_scaling", None):
+            logits = logits / cfg.logits_scaling
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _check_len(self, n: int, what: str) -> None:
+        if self.max_positions and n > self.max_positions:
+            raise LogitdiffError(
+                f"{self.path}: {what} needs {n} positions, more than max_position_embeddings={self.max_positions}"
+            )
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
+        """Greedy decoding with a KV cache; ties go to the lowest id (``np.argmax``).
+
+        Stops after emitting an eos id (kept in the output) or after ``max_tokens`` tokens, or
+        at the context limit (``max_position_embeddings``, reported as ``max_tokens``)."""
+        import torch
+
+        prompt = [int(i) for i in prompt_ids]
+        if not prompt:
+            raise LogitdiffError(f"{self.path}: generate needs a non-empty prompt")
+        self._check_len(len(prompt), "prompt")
+        if self.max_positions:
+            max_tokens = min(max_tokens, self.max_positions - len(prompt) + 1)
+        out_ids: list[int] = []
+        rows: list[np.ndarray] = []
+        stopped = "max_tokens"
+        with torch.inference_mode():
+            x = torch.tensor([prompt], device=self.device)
+            cache: dict = {}
+            for _ in range(max(0, max_tokens)):
+                out = self.base(input_ids=x, use_cache=True, **cache)
+                # transformers 5.2x renamed ``past_key_values`` to ``cache`` (argument and output).
+                kw = "cache" if "cache" in out else "past_key_values"
+                cache = {kw: out[kw]}
+                row = self._head(out.last_hidden_state[0, -1:])[0].cpu().numpy()
+                nxt = int(np.argmax(row))
+                rows.append(row)
+                out_ids.append(nxt)
+                if nxt in self.eos_token_ids:
+                    stopped = "eos"
+                    break
+                x = torch.tensor([[nxt]], device=self.device)
+        logits = np.stack(rows) if rows else np.zeros((0, self.vocab_size), np.float32)
+        return Generation(token_ids=out_ids, logits=logits, stopped_by=stopped)
+
+    def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> np.ndarray:
+        return self.score_many([(prompt_ids, teacher_ids)])[0]
+
+    def score_many(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+        """Teacher-forced logits for many pairs, ``self.batch`` sequences per forward pass.
+
+        Each sequence is ``prompt + teacher[:-1]`` (the last teacher token predicts nothing we
+        need), right-padded; pairs are grouped by length to waste little on padding."""
+        import torch
+
+        seqs: list[list[int]] = []
+        for k, (p, t) in enumerate(batch):
+            p, t = [int(i) for i in p], [int(i) for i in t]
+            if not p:
+                raise LogitdiffError(f"{self.path}: scoring pair {k} has an empty prompt")
+            self._check_len(len(p) + max(len(t) - 1, 0), f"scoring pair {k}")
+            seqs.append(p + t[:-1])
+        results: list[np.ndarray | None] = [None] * len(batch)
+        order = sorted(range(len(batch)), key=lambda k: -len(seqs[k]))
+        with torch.inference_mode():
+            for start in range(0, len(order), self.batch):
+                group = [k for k in order[start : start + self.batch] if len(batch[k][1]) > 0]
+                for k in order[start : start + self.batch]:
+                    if len(batch[k][1]) == 0:
+                        results[k] = np.zeros((0, self.vocab_size), np.float32)
+                if not group:
+                    continue
+                width = max(len(seqs[k]) for k in group)
+                ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros((len(group), width), dtype=torch.long)
+                rows_b, rows_t = [], []
+                for b, k in enumerate(group):
+                    n, lp, lt = len(seqs[k]), len(batch[k][0]), len(batch[k][1])
+                    ids[b, :n] = torch.tensor(seqs[k])
+                    mask[b, :n] = 1
+                    rows_b += [b] * lt
+                    rows_t += range(lp - 1, lp + lt - 1)
+                hidden = self.base(
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
+                ).last_hidden_state
+                picked = hidden[torch.tensor(rows_b, device=self.device), torch.tensor(rows_t, device=self.device)]  # [sum(lt), H]
+                logits = self._head(picked).cpu().numpy()
+                at = 0
+                for k in group:
+                    lt = len(batch[k][1])
+                    results[k] = logits[at : at + lt]
+                    at += lt
+        return results  # type: ignore[return-value]
+
+    # --- identity -----------------------------------------------------------------
+    def identity(self) -> dict:
+        """What produced the numbers: versions, files (sha256), dtype, device, threads.
+        Hashing weights reads them once; the result is cached."""
+        if self._identity is None:
+            import torch
+            import transformers
+
+            weights = sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("*.bin"))
+            d: dict[str, Any] = {
+                "backend": "transformers",
+                "spec": self.spec,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "model_path": str(self.path.resolve()),
+                "architecture": (getattr(self.config, "architectures", None) or [type(self.model).__name__])[0],
+                "dtype": self.dtype_name,
+                "device": str(self.device),
+                "threads": torch.get_num_threads(),
+                "attn_implementation": getattr(self.config, "_attn_implementation", None),
+                "vocab_size": self.vocab_size,
+                "tokenizer_hash": self.tokenizer_hash,
+                "eos_token_ids": list(self.eos_token_ids),
+                "weight_files": {f.name: file_sha256(f) for f in weights},
+                "tokenizer_files": {
+                    n: file_sha256(self.path / n) for n in _TOKENIZER_FILES if (self.path / n).is_file()
+                },
+                "config_files": {
+                    n: file_sha256(self.path / n)
+                    for n in ("config.json", "generation_config.json")
+                    if (self.path / n).is_file()
+                },
+            }
+            if self.padded > 0:
+                d["padded_logits"] = (
+                    f"dropped {self.padded} padded output rows (ids >= len(tokenizer)) before log_softmax"
+                )
+            if self.out_rows < len(self.tok):
+                d["short_output_layer"] = (
+                    f"lm_head has {self.out_rows} rows but the tokenizer {len(self.tok)} tokens; "
+                    f"rows cover ids < {self.out_rows} only"
+                )
+            self._identity = d
+        return dict(self._identity)

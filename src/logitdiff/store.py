@@ -1,0 +1,370 @@
+"""RUN directories: a capture's manifest, items and per-position distributions.
+
+Layout::
+
+    RUN/
+      manifest.json          schema, tool version, source, tokenizer hash, vocab size,
+                             settings, status (partial|complete), list of finished chunks
+      vocab.json             optional: printable text of every token id (for reports)
+      chunks/000000.items.jsonl   the items of chunk 0: id, tags, prompt, prompt_ids,
+                                  teacher_ids, positions (scored output positions), row
+      chunks/000000.logits.npy    full logits [rows, V] in native dtype (bf16 as uint16)
+      chunks/000000.topk.npz      or top-K: ids, logprobs, logsumexp, tail_mass, entropy
+
+Every file of a chunk is written to a temporary name and renamed; the manifest (which
+lists finished chunks) is rewritten atomically after each chunk. A killed capture leaves
+only whole chunks behind, and ``RunWriter(resume=True)`` continues after them.
+Row r of a chunk is the distribution that predicts ``teacher_ids[positions[j]]`` of the
+item whose rows it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from . import __version__
+from .errors import LogitdiffError
+
+RUN_SCHEMA = "logitdiff.run/1"
+_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
+
+
+@dataclass
+class RunItem:
+    """One captured item: its prompt, teacher sequence and which output positions were scored."""
+
+    id: str
+    prompt_ids: list[int]
+    teacher_ids: list[int]
+    positions: list[int]
+    tags: list[str] = field(default_factory=list)
+    prompt: object = None  # text or messages, for reports
+    extra: dict = field(default_factory=dict)
+    chunk: int = -1
+    row: int = -1  # first row of this item in its chunk
+
+    @property
+    def next_tokens(self) -> np.ndarray:
+        """Teacher-forced token at each scored position (what row j predicts)."""
+        t = np.asarray(self.teacher_ids, dtype=np.int64)
+        return t[np.asarray(self.positions, dtype=np.int64)] if len(self.positions) else t[:0]
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "tags": self.tags,
+            "prompt": self.prompt,
+            "prompt_ids": [int(x) for x in self.prompt_ids],
+            "teacher_ids": [int(x) for x in self.teacher_ids],
+            "positions": [int(x) for x in self.positions],
+            "row": self.row,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, chunk: int) -> "RunItem":
+        return cls(
+            id=d["id"],
+            prompt_ids=d["prompt_ids"],
+            teacher_ids=d["teacher_ids"],
+            positions=d["positions"],
+            tags=d.get("tags") or [],
+            prompt=d.get("prompt"),
+            extra=d.get("extra") or {},
+            chunk=chunk,
+            row=d["row"],
+        )
+
+
+def _bf16_to_f32(u16: np.ndarray) -> np.ndarray:
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bfloat16 bits (what torch does)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((u >> 16) & 1) + 0x7FFF
+    return ((u + rounding) >> 16).astype(np.uint16)
+
+
+class RunWriter:
+    """Writes a RUN chunk by chunk. ``store`` is ``"full"`` or ``"topk:K"``.
+
+    Use ``add(item, logits)`` (full: logits ``[len(positions), V]``) or
+    ``add(item, topk=dict)`` (top-K: ids, logprobs, logsumexp, tail_mass, entropy); rows
+    are buffered and flushed every ``chunk_rows`` rows. ``finish()`` marks the run complete.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        source: dict,
+        vocab_size: int,
+        tokenizer_hash: str | None,
+        store: str = "full",
+        dtype: str = "float32",
+        settings: dict | None = None,
+        chunk_rows: int = 2048,
+        resume: bool = False,
+        overwrite: bool = False,
+        vocab: list[str] | None = None,
+    ):
+        self.path = Path(path)
+        self.store = store
+        self.k = int(store.split(":", 1)[1]) if store.startswith("topk:") else 0
+        if store != "full" and not self.k:
+            raise LogitdiffError(f"--store {store!r}: expected full or topk:K")
+        if dtype not in _DTYPES:
+            raise LogitdiffError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+        self.dtype = dtype
+        self.chunk_rows = chunk_rows
+        self.vocab_size = int(vocab_size)
+        self._buf_items: list[RunItem] = []
+        self._buf_rows: list = []
+        self._nrows = 0
+        mpath = self.path / "manifest.json"
+        if mpath.exists() and resume:
+            self.manifest = json.loads(mpath.read_text())
+            if self.manifest.get("schema") != RUN_SCHEMA:
+                raise LogitdiffError(f"{mpath}: schema {self.manifest.get('schema')!r}, expected {RUN_SCHEMA}")
+            for key, want in (("vocab_size", self.vocab_size), ("tokenizer_hash", tokenizer_hash)):
+                if self.manifest.get(key) != want:
+                    raise LogitdiffError(
+                        f"{mpath}: cannot resume, field {key!r} is {self.manifest.get(key)!r} here but {want!r} now"
+                    )
+            if self.manifest["settings"].get("store") != store:
+                raise LogitdiffError(f"{mpath}: cannot resume, stored as {self.manifest['settings'].get('store')!r}, asked {store!r}")
+            self.manifest["status"] = "partial"
+        else:
+            if mpath.exists() and not overwrite:
+                raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
+            (self.path / "chunks").mkdir(parents=True, exist_ok=True)
+            if overwrite:
+                for f in (self.path / "chunks").iterdir():
+                    f.unlink()
+            self.manifest = {
+                "schema": RUN_SCHEMA,
+                "tool": "logitdiff",
+                "tool_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "status": "partial",
+                "source": source,
+                "vocab_size": self.vocab_size,
+                "tokenizer_hash": tokenizer_hash,
+                "settings": {**(settings or {}), "store": store, "dtype": dtype if not self.k else None},
+                "chunks": [],
+                "n_items": 0,
+                "n_positions": 0,
+            }
+            if vocab is not None:
+                atomic_write_json(self.path / "vocab.json", vocab)
+            self._write_manifest()
+
+    # -------------------------------------------------------------------------------
+    def done_ids(self) -> set[str]:
+        """Ids of the items already on disk (for resuming)."""
+        ids: set[str] = set()
+        for c in self.manifest["chunks"]:
+            with open(self.path / "chunks" / c["items"]) as f:
+                ids.update(json.loads(line)["id"] for line in f if line.strip())
+        return ids
+
+    def add(self, item: RunItem, logits=None, topk: dict | None = None) -> None:
+        n = len(item.positions)
+        if self.k:
+            if topk is None:
+                raise ValueError("top-K run: pass topk=")
+            for key in ("ids", "logprobs"):
+                if np.asarray(topk[key]).shape != (n, self.k):
+                    raise LogitdiffError(f"item {item.id!r}: top-K {key} shape {np.asarray(topk[key]).shape}, expected ({n}, {self.k})")
+            self._buf_rows.append({k: np.asarray(v) for k, v in topk.items()})
+        else:
+            arr = np.asarray(logits)
+            if arr.shape != (n, self.vocab_size):
+                raise LogitdiffError(
+                    f"item {item.id!r}: logits shape {arr.shape}, expected ({n}, {self.vocab_size})"
+                )
+            if not np.isfinite(arr).all():
+                bad = int(np.nonzero(~np.isfinite(arr).all(1))[0][0])
+                raise LogitdiffError(
+                    f"item {item.id!r}: NaN/inf logits at output position {item.positions[bad]}"
+                )
+            self._buf_rows.append(arr)
+        item.row = self._nrows
+        self._buf_items.append(item)
+        self._nrows += n
+        if self._nrows >= self.chunk_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buf_items:
+            return
+        idx = len(self.manifest["chunks"])
+        stem = f"{idx:06d}"
+        cdir = self.path / "chunks"
+        entry = {"index": idx, "items": f"{stem}.items.jsonl", "rows": self._nrows, "n_items": len(self._buf_items)}
+        if self.k:
+            keys = self._buf_rows[0].keys()
+            cat = {k: np.concatenate([r[k] for r in self._buf_rows]) for k in keys}
+            import io
+
+            bio = io.BytesIO()
+            np.savez(bio, **cat)
+            atomic_write_bytes(cdir / f"{stem}.topk.npz", bio.getvalue())
+            entry["data"] = f"{stem}.topk.npz"
+        else:
+            rows = np.concatenate(self._buf_rows) if self._buf_rows else np.zeros((0, self.vocab_size))
+            if self.dtype == "bfloat16":
+                rows = rows if rows.dtype == np.uint16 else _f32_to_bf16(rows)
+            else:
+                rows = rows.astype(_DTYPES[self.dtype], copy=False)
+            import io
+
+            bio = io.BytesIO()
+            np.save(bio, rows)
+            atomic_write_bytes(cdir / f"{stem}.logits.npy", bio.getvalue())
+            entry["data"] = f"{stem}.logits.npy"
+        text = "".join(json.dumps(it.to_json()) + "\n" for it in self._buf_items)
+        atomic_write_bytes(cdir / entry["items"], text.encode())
+        self.manifest["chunks"].append(entry)
+        self.manifest["n_items"] += len(self._buf_items)
+        self.manifest["n_positions"] += self._nrows
+        self._write_manifest()
+        self._buf_items, self._buf_rows, self._nrows = [], [], 0
+
+    def finish(self, extra: dict | None = None) -> None:
+        self.flush()
+        if extra:
+            self.manifest.update(extra)
+        self.manifest["status"] = "complete"
+        self.manifest["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        atomic_write_json(self.path / "manifest.json", self.manifest)
+
+
+class RunReader:
+    """Streaming reader: chunks are memory-mapped on demand, never the whole run."""
+
+    def __init__(self, path: str | Path, *, allow_partial: bool = False):
+        self.path = Path(path)
+        mpath = self.path / "manifest.json"
+        if not self.path.is_dir():
+            raise LogitdiffError(f"{self.path}: not a RUN directory")
+        if not mpath.exists():
+            raise LogitdiffError(f"{mpath}: missing (not a logitdiff RUN)")
+        try:
+            self.manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise LogitdiffError(f"{mpath}: not valid JSON ({e.msg})") from None
+        if self.manifest.get("schema") != RUN_SCHEMA:
+            raise LogitdiffError(f"{mpath}: field 'schema' is {self.manifest.get('schema')!r}, expected {RUN_SCHEMA!r}")
+        if self.manifest.get("status") != "complete" and not allow_partial:
+            raise LogitdiffError(
+                f"{mpath}: run is marked {self.manifest.get('status')!r} (resume the capture, or pass --allow-partial)"
+            )
+        st = self.manifest["settings"]["store"]
+        self.store = st
+        self.k = int(st.split(":", 1)[1]) if st.startswith("topk:") else 0
+        self.vocab_size = int(self.manifest["vocab_size"])
+        self.tokenizer_hash = self.manifest.get("tokenizer_hash")
+        self.dtype = self.manifest["settings"].get("dtype")
+        self._items: list[RunItem] | None = None
+        self._cache: tuple[int, object] | None = None
+
+    @property
+    def is_partial(self) -> bool:
+        return self.manifest.get("status") != "complete"
+
+    @property
+    def spec(self) -> str:
+        return (self.manifest.get("source") or {}).get("spec", str(self.path))
+
+    def items(self) -> list[RunItem]:
+        if self._items is None:
+            items: list[RunItem] = []
+            seen: set[str] = set()
+            for c in self.manifest["chunks"]:
+                p = self.path / "chunks" / c["items"]
+                if not p.exists():
+                    raise LogitdiffError(f"{p}: chunk file missing (truncated run)")
+                for line in p.read_text().splitlines():
+                    if line.strip():
+                        it = RunItem.from_json(json.loads(line), c["index"])
+                        if it.id in seen:
+                            raise LogitdiffError(f"{p}: duplicate item id {it.id!r}")
+                        seen.add(it.id)
+                        items.append(it)
+            self._items = items
+        return self._items
+
+    def vocab(self) -> list[str] | None:
+        p = self.path / "vocab.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def _chunk(self, index: int):
+        if self._cache is not None and self._cache[0] == index:
+            return self._cache[1]
+        c = self.manifest["chunks"][index]
+        p = self.path / "chunks" / c["data"]
+        if not p.exists():
+            raise LogitdiffError(f"{p}: chunk file missing (truncated run)")
+        try:
+            if self.k:
+                with np.load(p) as z:
+                    data = {k: z[k] for k in z.files}
+                n = data["ids"].shape[0]
+            else:
+                data = np.load(p, mmap_mode="r")
+                n = data.shape[0]
+                if data.ndim != 2 or data.shape[1] != self.vocab_size:
+                    raise LogitdiffError(f"{p}: logits shape {data.shape}, expected (*, {self.vocab_size})")
+        except (ValueError, OSError, EOFError) as e:
+            raise LogitdiffError(f"{p}: unreadable chunk ({e})") from None
+        if n != c["rows"]:
+            raise LogitdiffError(f"{p}: holds {n} rows, manifest says {c['rows']} (truncated run)")
+        self._cache = (index, data)
+        return data
+
+    def logits(self, item: RunItem) -> np.ndarray:
+        """Full logits ``[len(positions), V]`` of an item (float32 view for bf16 runs)."""
+        if self.k:
+            raise LogitdiffError(f"{self.path}: run stores top-{self.k}, not full logits")
+        data = self._chunk(item.chunk)
+        rows = data[item.row : item.row + len(item.positions)]
+        if self.dtype == "bfloat16":
+            return _bf16_to_f32(np.asarray(rows))
+        return rows
+
+    def topk(self, item: RunItem) -> dict[str, np.ndarray]:
+        if not self.k:
+            raise LogitdiffError(f"{self.path}: run stores full logits, not top-K")
+        data = self._chunk(item.chunk)
+        sl = slice(item.row, item.row + len(item.positions))
+        return {k: v[sl] for k, v in data.items()}
+
+    def iter_items(self) -> Iterator[RunItem]:
+        """Items in chunk order, so each chunk is mapped once."""
+        yield from self.items()

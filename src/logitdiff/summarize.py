@@ -1,0 +1,136 @@
+"""Summaries: percentiles, item-bootstrap confidence intervals, grouping.
+
+Tokens of one item are correlated (a drifted item drifts for many positions), so every
+confidence interval resamples *items* with replacement and recomputes the pooled
+per-position mean: mean* = sum(item sums drawn) / sum(item counts drawn).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p95", 95.0), ("p99", 99.0), ("p99_9", 99.9))
+DEFAULT_RANGES = (0, 1, 8, 32, 128, 512)
+DIVERGENCES = ("kl_nats", "kl_rev_nats", "jsd_nats")
+
+
+def describe(values: np.ndarray) -> dict:
+    """n, mean, p50, p90, p95, p99, p99.9 and max of a 1-D array (NaN ignored)."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    out: dict = {"n": int(v.size)}
+    if v.size == 0:
+        out.update({"mean": None, **{k: None for k, _ in PERCENTILES}, "max": None})
+        return out
+    out["mean"] = float(v.mean())
+    qs = np.percentile(v, [q for _, q in PERCENTILES])
+    for (name, _), q in zip(PERCENTILES, qs):
+        out[name] = float(q)
+    out["max"] = float(v.max())
+    return out
+
+
+def bootstrap_mean_ci(
+    values: np.ndarray,
+    item_index: np.ndarray,
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> tuple[float | None, float | None]:
+    """Percentile CI of the pooled mean, resampling items. ``item_index`` maps rows to items."""
+    v = np.asarray(values, dtype=np.float64)
+    ok = ~np.isnan(v)
+    v, idx = v[ok], np.asarray(item_index)[ok]
+    if v.size == 0:
+        return None, None
+    _, inv = np.unique(idx, return_inverse=True)
+    n_items = int(inv.max()) + 1
+    sums = np.bincount(inv, weights=v, minlength=n_items)
+    counts = np.bincount(inv, minlength=n_items).astype(np.float64)
+    if n_items == 1 or n_boot <= 0:
+        m = float(sums.sum() / counts.sum())
+        return m, m
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, n_items, size=(n_boot, n_items))
+    means = sums[draws].sum(1) / counts[draws].sum(1)
+    a = (1.0 - level) / 2.0
+    lo, hi = np.quantile(means, [a, 1.0 - a])
+    return float(lo), float(hi)
+
+
+def summarize_group(
+    metrics: dict[str, np.ndarray],
+    item_index: np.ndarray,
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    fields: Sequence[str] = DIVERGENCES,
+) -> dict:
+    """Stats of each divergence plus the top-1 disagreement rate, each mean with its CI."""
+    out: dict = {"n": int(len(item_index)), "n_items": int(len(np.unique(item_index)))}
+    for f in fields:
+        if f not in metrics:
+            continue
+        d = describe(metrics[f])
+        d["ci95"] = list(bootstrap_mean_ci(metrics[f], item_index, n_boot=n_boot, seed=seed))
+        out[f] = d
+    if "top1_match" in metrics:
+        mism = (~np.asarray(metrics["top1_match"], dtype=bool)).astype(np.float64)
+        rate = float(mism.mean()) if mism.size else None
+        out["top1_disagreement"] = {
+            "rate": rate,
+            "mismatches": int(mism.sum()),
+            "ci95": list(bootstrap_mean_ci(mism, item_index, n_boot=n_boot, seed=seed)),
+        }
+    for f in ("nll_ref", "nll_cand"):
+        if f in metrics and np.isfinite(metrics[f]).any():
+            out[f + "_mean"] = float(np.nanmean(metrics[f]))
+    if "nll_ref_mean" in out and "nll_cand_mean" in out:
+        out["ppl_ref"] = float(np.exp(out["nll_ref_mean"]))
+        out["ppl_cand"] = float(np.exp(out["nll_cand_mean"]))
+        out["ppl_ratio"] = float(np.exp(out["nll_cand_mean"] - out["nll_ref_mean"]))
+    return out
+
+
+def range_labels(edges: Sequence[int]) -> list[str]:
+    e = list(edges)
+    return [f"[{a},{b})" for a, b in zip(e[:-1], e[1:])] + [f"[{e[-1]},inf)"]
+
+
+def parse_ranges(text: str) -> tuple[int, ...]:
+    try:
+        edges = tuple(int(x) for x in text.split(",") if x.strip() != "")
+    except ValueError:
+        raise ValueError(f"--ranges {text!r}: expected comma-separated integers like 0,1,8,32") from None
+    if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"--ranges {text!r}: edges must start at 0 and increase")
+    return edges
+
+
+def by_groups(
+    metrics: dict[str, np.ndarray],
+    item_index: np.ndarray,
+    groups: Iterable[tuple[str, np.ndarray]],
+    **kw,
+) -> list[dict]:
+    """Summaries of the rows selected by each boolean mask, labelled."""
+    out = []
+    for label, mask in groups:
+        mask = np.asarray(mask, dtype=bool)
+        if not mask.any():
+            out.append({"group": label, "n": 0, "n_items": 0})
+            continue
+        sub = {k: np.asarray(v)[mask] for k, v in metrics.items()}
+        out.append({"group": label, **summarize_group(sub, np.asarray(item_index)[mask], **kw)})
+    return out
+
+
+def range_masks(positions: np.ndarray, edges: Sequence[int]):
+    pos = np.asarray(positions)
+    labels = range_labels(edges)
+    bounds = list(edges) + [np.iinfo(np.int64).max]
+    for lab, a, b in zip(labels, bounds[:-1], bounds[1:]):
+        yield lab, (pos >= a) & (pos < b)

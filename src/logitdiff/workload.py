@@ -1,0 +1,126 @@
+"""Reading and validating workloads (JSONL, one item per line).
+
+Each line is an object with
+
+* ``id``        string, required, unique in the file;
+* ``prompt``    raw text, or ``messages`` (OpenAI-style chat list) - exactly one;
+* ``tools``     optional list of OpenAI tool schemas (``{"type": "function", "function":
+                {"name", "description", "parameters"}}``);
+* ``tags``      optional list of strings (``code``, ``prose``, ``math``, ``tool`` ...);
+* ``max_tokens`` optional positive int;
+* ``expected``  optional label: ``{"answer": "42"}``, ``{"regex": "..."}``,
+                ``{"numeric": 3.5, "tol": 1e-6}`` or ``{"tool_call": {"name", "arguments"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import LogitdiffError
+
+_KNOWN_EXPECTED = {"answer", "regex", "numeric", "tool_call"}
+
+
+@dataclass
+class Item:
+    id: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    tags: list[str] = field(default_factory=list)
+    max_tokens: int | None = None
+    expected: dict | None = None
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"id": self.id}
+        if self.prompt is not None:
+            d["prompt"] = self.prompt
+        if self.messages is not None:
+            d["messages"] = self.messages
+        if self.tools is not None:
+            d["tools"] = self.tools
+        if self.tags:
+            d["tags"] = list(self.tags)
+        if self.max_tokens is not None:
+            d["max_tokens"] = self.max_tokens
+        if self.expected is not None:
+            d["expected"] = self.expected
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "item") -> "Item":
+        if not isinstance(d, dict):
+            raise LogitdiffError(f"{where}: expected a JSON object")
+        iid = d.get("id")
+        if not isinstance(iid, str) or not iid:
+            raise LogitdiffError(f"{where}: field 'id' must be a non-empty string")
+        where = f"{where} (id {iid!r})"
+        has_p, has_m = "prompt" in d, "messages" in d
+        if has_p == has_m:
+            raise LogitdiffError(f"{where}: exactly one of 'prompt' or 'messages' is required")
+        if has_p and not isinstance(d["prompt"], str):
+            raise LogitdiffError(f"{where}: field 'prompt' must be a string")
+        if has_m:
+            msgs = d["messages"]
+            if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs
+            ):
+                raise LogitdiffError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
+        tools = d.get("tools")
+        if tools is not None:
+            if not isinstance(tools, list):
+                raise LogitdiffError(f"{where}: field 'tools' must be a list")
+            for k, t in enumerate(tools):
+                fn = t.get("function") if isinstance(t, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise LogitdiffError(f"{where}: tools[{k}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        tags = d.get("tags", [])
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise LogitdiffError(f"{where}: field 'tags' must be a list of strings")
+        mt = d.get("max_tokens")
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt <= 0):
+            raise LogitdiffError(f"{where}: field 'max_tokens' must be a positive integer")
+        exp = d.get("expected")
+        if exp is not None:
+            if not isinstance(exp, dict) or not (set(exp) & _KNOWN_EXPECTED):
+                raise LogitdiffError(
+                    f"{where}: field 'expected' names no known check (one of {sorted(_KNOWN_EXPECTED)})"
+                )
+        return cls(
+            id=iid,
+            prompt=d.get("prompt"),
+            messages=d.get("messages"),
+            tools=tools,
+            tags=list(tags),
+            max_tokens=mt,
+            expected=exp,
+        )
+
+
+def read_workload(path: str | Path) -> list[Item]:
+    path = Path(path)
+    if not path.exists():
+        raise LogitdiffError(f"{path}: workload file not found")
+    items: list[Item] = []
+    seen: dict[str, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise LogitdiffError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            item = Item.from_json(d, where=f"{path}:{lineno}")
+            if item.id in seen:
+                raise LogitdiffError(
+                    f"{path}:{lineno}: duplicate item id {item.id!r} (first on line {seen[item.id]})"
+                )
+            seen[item.id] = lineno
+            items.append(item)
+    if not items:
+        raise LogitdiffError(f"{path}: workload has no items")
+    return items

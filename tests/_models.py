@@ -1,0 +1,102 @@
+"""Small real models for tests: a byte-level BPE tokenizer and a random Llama.
+
+Built offline in seconds; saved with ``save_pretrained`` so every backend reads real files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+
+
+def _corpus() -> list[str]:
+    import inspect
+    import json as _json
+    import textwrap
+
+    texts = [inspect.getsource(_json), inspect.getsource(textwrap)]
+    texts.append("The quick brown fox jumps over the lazy dog. " * 20)
+    texts.append("What is 12 + 30? 42. Repeat: hello world. " * 20)
+    return texts
+
+
+def make_tokenizer(out_dir: str | Path, vocab_size: int = 512):
+    """Train a byte-level BPE (GPT-2 style) tokenizer and save it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_random_llama(
+    out_dir: str | Path,
+    *,
+    hidden: int = 256,
+    intermediate: int = 768,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+) -> Path:
+    """A random-init LlamaForCausalLM plus tokenizer in ``out_dir`` (real files)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out_dir, vocab_size=vocab_size)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    model = LlamaForCausalLM(cfg)
+    # Larger-than-default init so the random model has peaked, varied distributions.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out_dir))
+    (out_dir / "logitdiff_test_model.json").write_text(json.dumps({"seed": seed}))
+    return out_dir

@@ -1,0 +1,223 @@
+"""`compare`: comparability checks, report.json / tokens.parquet / report.md contents."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy.special import log_softmax, rel_entr
+
+from logitdiff.cli import main
+from logitdiff.compare import compare_runs
+from logitdiff.errors import LogitdiffError
+from logitdiff.store import RunItem, RunReader, RunWriter
+
+V = 300
+
+
+def make_run(path, logits_by_item, teacher_by_item, *, tok_hash="sha256:t", vocab=V, store="full", tags=None, finish=True, dtype="float32"):
+    w = RunWriter(path, source={"spec": f"test:{path.name}"}, vocab_size=vocab, tokenizer_hash=tok_hash, store=store, dtype=dtype, chunk_rows=16,
+                  vocab=[f"t{i}" for i in range(vocab)])
+    for iid, lg in logits_by_item.items():
+        T = lg.shape[0]
+        it = RunItem(id=iid, prompt_ids=[1, 2], teacher_ids=list(teacher_by_item[iid]), positions=list(range(T)), tags=(tags or {}).get(iid, []))
+        if store == "full":
+            w.add(it, logits=lg)
+        else:
+            k = int(store.split(":")[1])
+            lp = log_softmax(lg.astype(np.float64), axis=1)
+            ids = np.argsort(-lp, axis=1, kind="stable")[:, :k]
+            w.add(it, topk={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
+    if finish:
+        w.finish()
+    else:
+        w.flush()
+    return path
+
+
+@pytest.fixture
+def pair(tmp_path):
+    rng = np.random.default_rng(0)
+    lens = {"a": 40, "b": 3, "c": 12, "d": 7}
+    ref = {k: rng.normal(0, 3, (n, V)).astype(np.float32) for k, n in lens.items()}
+    cand = {k: (v + rng.normal(0, 0.4, v.shape)).astype(np.float32) for k, v in ref.items()}
+    teacher = {k: rng.integers(0, V, n) for k, n in lens.items()}
+    tags = {"a": ["code"], "b": ["math"], "c": ["code", "tool"], "d": []}
+    r = make_run(tmp_path / "ref", ref, teacher, tags=tags)
+    c = make_run(tmp_path / "cand", cand, teacher, tags=tags)
+    return r, c, ref, cand, teacher, tmp_path
+
+
+def test_report_numbers_match_scipy(pair):
+    r, c, ref, cand, teacher, tmp = pair
+    assert main(["compare", str(r), str(c), "--out", str(tmp / "rep"), "--bootstrap", "200"]) == 0
+    rep = json.loads((tmp / "rep" / "report.json").read_text())
+    assert set(rep) >= {"baseline", "candidate", "method", "rows", "summary"}
+    kls, t1 = [], []
+    for iid in ref:
+        lp = log_softmax(ref[iid].astype(np.float64), axis=1)
+        lq = log_softmax(cand[iid].astype(np.float64), axis=1)
+        kls.append(rel_entr(np.exp(lp), np.exp(lq)).sum(1))
+        t1.append(lp.argmax(1) == lq.argmax(1))
+    kls, t1 = np.concatenate(kls), np.concatenate(t1)
+    s = rep["summary"]
+    assert s["kl_nats_mean"] == pytest.approx(kls.mean(), rel=1e-9)
+    assert s["kl_nats_max"] == pytest.approx(kls.max(), rel=1e-9)
+    assert s["kl_nats_p95"] == pytest.approx(np.percentile(kls, 95), rel=1e-9)
+    assert s["kl_bits_mean"] == pytest.approx(kls.mean() / np.log(2), rel=1e-9)
+    assert s["top1_matches"] == int(t1.sum()) and s["top1_mismatches"] == int((~t1).sum())
+    assert s["paired_prompts"] == 4 and s["positions"] == len(kls)
+    lo, hi = s["metrics"]["kl_nats"]["ci95"]
+    assert lo < kls.mean() < hi
+    # Rows: seed fields + position + every metric.
+    row = rep["rows"][0]
+    for f in ("baseline_top_mass", "baseline_top_token", "baseline_top_token_id", "candidate_top_mass", "candidate_top_token",
+              "candidate_top_token_id", "kl_bits", "kl_nats", "shared_baseline_mass", "shared_candidate_mass", "shared_tokens",
+              "source_id", "top1_match", "position", "kl_rev_nats", "jsd_nats", "margin_ref", "p_ref_token", "delta_p",
+              "nll_ref", "entropy_cand", "topk_overlap", "kl_topk_nats"):
+        assert f in row, f
+    assert [x["kl_nats"] for x in rep["rows"]] == pytest.approx(kls.tolist(), rel=1e-9)
+    # Ranges [0,1) holds exactly one position per item.
+    r01 = next(g for g in rep["ranges"] if g["group"] == "[0,1)")
+    assert r01["n"] == 4
+    assert r01["kl_nats"]["mean"] == pytest.approx(np.mean([kls[0], kls[40], kls[43], kls[55]]), rel=1e-9)
+    tags = {g["group"]: g for g in rep["tags"]}
+    assert tags["code"]["n"] == 52 and tags["math"]["n"] == 3 and tags["tool"]["n"] == 12
+    assert len(rep["items"]) == 4
+
+
+def test_parquet_matches_report(pair):
+    r, c, *_, tmp = pair
+    assert main(["compare", str(r), str(c), "--out", str(tmp / "rep"), "--bootstrap", "20"]) == 0
+    df = pd.read_parquet(tmp / "rep" / "tokens.parquet")
+    rep = json.loads((tmp / "rep" / "report.json").read_text())
+    assert len(df) == rep["summary"]["positions"]
+    assert df["kl_nats"].mean() == pytest.approx(rep["summary"]["kl_nats_mean"], rel=1e-12)
+    assert (1 - df["top1_match"].mean()) == pytest.approx(rep["summary"]["top1_disagreement"]["rate"])
+    by_item = df.groupby("item_id")["kl_nats"].mean()
+    for it in rep["items"]:
+        assert by_item[it["id"]] == pytest.approx(it["kl_nats"]["mean"], rel=1e-12)
+    assert list(df.loc[df.item_id == "c", "tags"].iloc[0]) == ["code", "tool"]
+    md = (tmp / "rep" / "report.md").read_text()
+    assert "By output range" in md and "top-1 disagreement" in md
+
+
+def test_self_compare_is_exactly_zero(pair):
+    r, *_ , tmp = pair
+    comp = compare_runs(RunReader(r), RunReader(r))
+    assert np.all(comp.columns["kl_nats"] == 0) and np.all(comp.columns["jsd_nats"] == 0)
+    assert comp.columns["top1_match"].all()
+
+
+def test_no_rows_and_ranges_option(pair):
+    r, c, *_, tmp = pair
+    assert main(["compare", str(r), str(c), "--out", str(tmp / "rep"), "--no-rows", "--ranges", "0,10", "--bootstrap", "10"]) == 0
+    rep = json.loads((tmp / "rep" / "report.json").read_text())
+    assert rep["rows"] == [] and rep["rows_omitted"] is True
+    assert [g["group"] for g in rep["ranges"]] == ["[0,10)", "[10,inf)"]
+
+
+def test_bootstrap_is_seeded(pair):
+    r, c, *_, tmp = pair
+    for out in ("r1", "r2"):
+        assert main(["compare", str(r), str(c), "--out", str(tmp / out), "--bootstrap", "100", "--seed", "3"]) == 0
+    a = json.loads((tmp / "r1" / "report.json").read_text())["summary"]["metrics"]["kl_nats"]["ci95"]
+    b = json.loads((tmp / "r2" / "report.json").read_text())["summary"]["metrics"]["kl_nats"]["ci95"]
+    assert a == b
+
+
+def test_topk_compare_matches_full_at_large_k(tmp_path):
+    rng = np.random.default_rng(1)
+    ref = {"a": rng.normal(0, 3, (6, V)).astype(np.float32)}
+    cand = {"a": (ref["a"] + rng.normal(0, 0.3, (6, V))).astype(np.float32)}
+    teacher = {"a": rng.integers(0, V, 6)}
+    r = make_run(tmp_path / "r", ref, teacher, store=f"topk:{V}")
+    c = make_run(tmp_path / "c", cand, teacher, store=f"topk:{V}")
+    comp = compare_runs(RunReader(r), RunReader(c))
+    assert comp.kind == "top_k" and comp.method["top_logprobs"] == V
+    lp = log_softmax(ref["a"].astype(np.float64), axis=1)
+    lq = log_softmax(cand["a"].astype(np.float64), axis=1)
+    np.testing.assert_allclose(comp.columns["kl_nats"], rel_entr(np.exp(lp), np.exp(lq)).sum(1), rtol=1e-9, atol=1e-12)
+    # Top-K (K=8) against the full reference: seed method, mixed kinds.
+    c8 = make_run(tmp_path / "c8", cand, teacher, store="topk:8")
+    comp8 = compare_runs(RunReader(r), RunReader(c8))
+    assert comp8.method["top_logprobs"] == 8 and comp8.method["description"].startswith("Approximate KL")
+    assert np.all(comp8.columns["shared_tokens"] <= 8)
+
+
+# ---------------------------------------------------------------------------- bad input
+def _expect_error(args, capsys, *needles, out=None):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    if out is not None:
+        assert not out.exists()
+
+
+def test_vocab_mismatch(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    t = {"a": [1, 2]}
+    r = make_run(tmp_path / "r", {"a": rng.normal(size=(2, V)).astype(np.float32)}, t)
+    c = make_run(tmp_path / "c", {"a": rng.normal(size=(2, V + 1)).astype(np.float32)}, t, vocab=V + 1)
+    _expect_error(["compare", str(r), str(c), "--out", str(tmp_path / "rep")], capsys, "vocab", f"V={V + 1}", out=tmp_path / "rep")
+
+
+def test_tokenizer_mismatch(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    t = {"a": [1, 2]}
+    lg = rng.normal(size=(2, V)).astype(np.float32)
+    r = make_run(tmp_path / "r", {"a": lg}, t)
+    c = make_run(tmp_path / "c", {"a": lg}, t, tok_hash="sha256:other")
+    _expect_error(["compare", str(r), str(c), "--out", str(tmp_path / "rep")], capsys, "tokenizer", out=tmp_path / "rep")
+
+
+def test_teacher_mismatch_names_item_and_position(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    lg = rng.normal(size=(5, V)).astype(np.float32)
+    r = make_run(tmp_path / "r", {"a": lg, "b": lg}, {"a": [1, 2, 3, 4, 5], "b": [1, 2, 3, 4, 5]})
+    c = make_run(tmp_path / "c", {"a": lg, "b": lg}, {"a": [1, 2, 3, 4, 5], "b": [1, 2, 3, 9, 5]})
+    _expect_error(["compare", str(r), str(c), "--out", str(tmp_path / "rep")], capsys, "item 'b'", "position 3", out=tmp_path / "rep")
+
+
+def test_missing_and_extra_items(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    lg = rng.normal(size=(2, V)).astype(np.float32)
+    r = make_run(tmp_path / "r", {"a": lg, "b": lg}, {"a": [1, 2], "b": [1, 2]})
+    c = make_run(tmp_path / "c", {"a": lg}, {"a": [1, 2]})
+    _expect_error(["compare", str(r), str(c), "--out", str(tmp_path / "rep")], capsys, "item 'b'", "missing")
+    _expect_error(["compare", str(c), str(r), "--out", str(tmp_path / "rep")], capsys, "item 'b'", "not in the reference")
+
+
+def test_nan_logits_name_item_and_position(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    lg = rng.normal(size=(4, V)).astype(np.float32)
+    r = make_run(tmp_path / "r", {"a": lg, "b": lg}, {"a": [1, 2, 3, 4], "b": [1, 2, 3, 4]})
+    c = make_run(tmp_path / "c", {"a": lg, "b": lg}, {"a": [1, 2, 3, 4], "b": [1, 2, 3, 4]})
+    # Corrupt the candidate's stored logits after the fact (the writer refuses NaN).
+    chunk = next((c / "chunks").glob("*.npy"))
+    arr = np.load(chunk)
+    arr[6, 10] = np.nan  # item b, position 2
+    np.save(chunk, arr)
+    _expect_error(["compare", str(r), str(c), "--out", str(tmp_path / "rep")], capsys, "item 'b'", "position 2", "NaN", out=tmp_path / "rep")
+
+
+def test_partial_run_refused_unless_allowed(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    lg = rng.normal(size=(2, V)).astype(np.float32)
+    r = make_run(tmp_path / "r", {"a": lg}, {"a": [1, 2]})
+    c = make_run(tmp_path / "c", {"a": lg}, {"a": [1, 2]}, finish=False)
+    _expect_error(["compare", str(r), str(c), "--out", str(tmp_path / "rep")], capsys, "partial", out=tmp_path / "rep")
+    assert main(["compare", str(r), str(c), "--out", str(tmp_path / "rep"), "--allow-partial", "--bootstrap", "10"]) == 0
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert any("partial" in n for n in rep["method"]["notes"])
+
+
+def test_failed_compare_keeps_previous_report(pair, capsys):
+    r, c, *_, tmp = pair
+    assert main(["compare", str(r), str(c), "--out", str(tmp / "rep"), "--bootstrap", "10"]) == 0
+    before = (tmp / "rep" / "report.json").read_text()
+    capsys.readouterr()
+    _expect_error(["compare", str(r), str(tmp / "nope"), "--out", str(tmp / "rep")], capsys, "nope")
+    assert (tmp / "rep" / "report.json").read_text() == before

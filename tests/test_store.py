@@ -1,0 +1,175 @@
+"""RUN files: round trips in every dtype, atomic chunks, resume, streaming reads, bad files."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from logitdiff.errors import LogitdiffError
+from logitdiff.store import RunItem, RunReader, RunWriter, _bf16_to_f32, _f32_to_bf16
+
+
+def _items(n_items=5, V=50, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n_items):
+        T = int(rng.integers(1, 9))
+        teacher = rng.integers(0, V, T).tolist()
+        out.append((RunItem(id=f"i{i}", prompt_ids=[1, 2, i], teacher_ids=teacher, positions=list(range(T)), tags=["a" if i % 2 else "b"]),
+                    rng.normal(0, 2, (T, V)).astype(np.float32)))
+    return out
+
+
+def _writer(path, V=50, **kw):
+    return RunWriter(path, source={"spec": "test:x"}, vocab_size=V, tokenizer_hash="sha256:t", **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_full_round_trip(tmp_path, dtype):
+    data = _items()
+    w = _writer(tmp_path / "run", dtype=dtype, chunk_rows=7)
+    for it, lg in data:
+        w.add(it, logits=lg)
+    w.finish()
+    r = RunReader(tmp_path / "run")
+    assert r.manifest["status"] == "complete"
+    assert len(r.manifest["chunks"]) > 1  # several chunks were written
+    got = r.items()
+    assert [g.id for g in got] == [it.id for it, _ in data]
+    for g, (it, lg) in zip(got, data):
+        assert g.teacher_ids == it.teacher_ids and g.positions == it.positions and g.tags == it.tags
+        back = np.asarray(r.logits(g), dtype=np.float64)
+        if dtype == "bfloat16":
+            np.testing.assert_array_equal(back, _bf16_to_f32(_f32_to_bf16(lg)))
+        elif dtype == "float16":
+            np.testing.assert_array_equal(back, lg.astype(np.float16))
+        else:
+            np.testing.assert_array_equal(back, lg)
+
+
+def test_bf16_rounding_matches_torch():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(1).normal(0, 100, 10000).astype(np.float32)
+    ours = _bf16_to_f32(_f32_to_bf16(x))
+    theirs = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_full_logits_are_memory_mapped(tmp_path):
+    w = _writer(tmp_path / "run")
+    for it, lg in _items():
+        w.add(it, logits=lg)
+    w.finish()
+    r = RunReader(tmp_path / "run")
+    arr = r.logits(r.items()[0])
+    assert isinstance(arr.base, np.memmap) or isinstance(arr, np.memmap)
+
+
+def test_topk_round_trip(tmp_path):
+    w = _writer(tmp_path / "run", store="topk:4")
+    rng = np.random.default_rng(0)
+    it = RunItem(id="a", prompt_ids=[1], teacher_ids=[3, 4], positions=[0, 1])
+    tk = {"ids": rng.integers(0, 50, (2, 4)), "logprobs": -rng.random((2, 4)), "logsumexp": np.zeros(2), "tail_mass": np.ones(2) * 0.1, "entropy": np.ones(2)}
+    w.add(it, topk=tk)
+    w.finish()
+    r = RunReader(tmp_path / "run")
+    got = r.topk(r.items()[0])
+    for k in tk:
+        np.testing.assert_array_equal(got[k], tk[k])
+    with pytest.raises(LogitdiffError, match="top-4"):
+        r.logits(r.items()[0])
+
+
+def test_partial_run_refused_then_resumed(tmp_path):
+    data = _items(6)
+    w = _writer(tmp_path / "run", chunk_rows=1)
+    for it, lg in data[:3]:
+        w.add(it, logits=lg)
+    w.flush()
+    # Not finished: marked partial.
+    with pytest.raises(LogitdiffError, match="partial"):
+        RunReader(tmp_path / "run")
+    assert len(RunReader(tmp_path / "run", allow_partial=True).items()) == 3
+    w2 = _writer(tmp_path / "run", chunk_rows=1, resume=True)
+    done = w2.done_ids()
+    assert done == {"i0", "i1", "i2"}
+    for it, lg in data:
+        if it.id not in done:
+            w2.add(it, logits=lg)
+    w2.finish()
+    r = RunReader(tmp_path / "run")
+    assert [g.id for g in r.items()] == [f"i{k}" for k in range(6)]
+    for g, (_, lg) in zip(r.items(), data):
+        np.testing.assert_array_equal(r.logits(g), lg)
+
+
+def test_killed_writer_leaves_only_whole_chunks(tmp_path):
+    """A real process killed mid-capture: what is on disk reads back and resumes."""
+    code = textwrap.dedent(
+        f"""
+        import os, numpy as np
+        from logitdiff.store import RunItem, RunWriter
+        w = RunWriter({str(tmp_path / 'run')!r}, source={{'spec': 't'}}, vocab_size=50, tokenizer_hash='h', chunk_rows=1)
+        rng = np.random.default_rng(0)
+        for i in range(1000):
+            w.add(RunItem(id=f'i{{i}}', prompt_ids=[1], teacher_ids=[2], positions=[0]), logits=rng.normal(size=(1, 50)).astype(np.float32))
+            if i == 4:
+                os.kill(os.getpid(), 9)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert proc.returncode != 0
+    r = RunReader(tmp_path / "run", allow_partial=True)
+    assert r.is_partial
+    ids = [it.id for it in r.items()]
+    assert ids == [f"i{k}" for k in range(len(ids))] and 1 <= len(ids) <= 5
+    for it in r.items():
+        assert r.logits(it).shape == (1, 50)
+    # The kill came between adds, so no temporary file is left behind either.
+    assert not [p.name for p in (tmp_path / "run" / "chunks").iterdir() if ".tmp" in p.name]
+
+
+def test_existing_run_not_overwritten(tmp_path):
+    w = _writer(tmp_path / "run")
+    w.finish()
+    with pytest.raises(LogitdiffError, match="already holds a run"):
+        _writer(tmp_path / "run")
+
+
+def test_resume_refuses_other_tokenizer(tmp_path):
+    _writer(tmp_path / "run").flush()
+    with pytest.raises(LogitdiffError, match="tokenizer_hash"):
+        RunWriter(tmp_path / "run", source={}, vocab_size=50, tokenizer_hash="other", resume=True)
+
+
+def test_nan_logits_refused_at_write(tmp_path):
+    w = _writer(tmp_path / "run")
+    lg = np.zeros((3, 50), np.float32)
+    lg[1, 7] = np.nan
+    with pytest.raises(LogitdiffError, match="item 'x'.*position 1"):
+        w.add(RunItem(id="x", prompt_ids=[], teacher_ids=[1, 2, 3], positions=[0, 1, 2]), logits=lg)
+
+
+def test_truncated_chunk_detected(tmp_path):
+    w = _writer(tmp_path / "run")
+    for it, lg in _items():
+        w.add(it, logits=lg)
+    w.finish()
+    chunk = next((tmp_path / "run" / "chunks").glob("*.npy"))
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[: len(data) // 2])
+    r = RunReader(tmp_path / "run")
+    with pytest.raises(LogitdiffError, match="chunk"):
+        r.logits(r.items()[0])
+
+
+def test_foreign_directory(tmp_path):
+    with pytest.raises(LogitdiffError, match="manifest.json"):
+        RunReader(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema": "other/9"}))
+    with pytest.raises(LogitdiffError, match="schema"):
+        RunReader(tmp_path)
