@@ -1,0 +1,73 @@
+"""The bundled default: a tiny Llama trained by ``train_tiny.py``, its workload, and its
+GGUF quant ladder built on demand.
+
+Specs:
+
+    builtin:tiny                 transformers, BF16 (the reference of ``logitdiff run``)
+    builtin:tiny,dtype=float32   transformers, F32
+    builtin:tiny-F32             llama.cpp, F32 GGUF exported from the same weights
+    builtin:tiny-BF16            llama.cpp, BF16 GGUF (the cross-engine floor)
+    builtin:tiny-Q8_0 ... -Q2_K  llama.cpp quantizations (see ``LADDER``)
+
+GGUF files are built the first time they are asked for into ``$LOGITDIFF_CACHE`` (default
+``~/.cache/logitdiff``), under a directory keyed by a hash of the weights, tokenizer and
+exporter version, so they are rebuilt exactly when any of those change.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import LogitdiffError
+
+HERE = Path(__file__).parent
+TINY_DIR = HERE / "tiny"
+WORKLOAD = HERE / "workload.jsonl"
+# The quant ladder of `logitdiff run`, best to worst.
+LADDER = ("Q8_0", "Q6_K", "Q4_K_M", "IQ4_XS", "Q3_K_M", "Q2_K")
+GGUF_TYPES = ("F32", "BF16") + LADDER
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LOGITDIFF_CACHE") or Path.home() / ".cache" / "logitdiff")
+
+
+def gguf_path(name: str, progress=None) -> Path:
+    """Path of ``builtin:tiny-<name>``, building the ladder entry on demand."""
+    from ..quantize import build_ladder
+
+    if name not in GGUF_TYPES:
+        raise LogitdiffError(f"builtin:tiny-{name}: unknown type (expected one of {', '.join(GGUF_TYPES)})")
+    quants = [name] if name in LADDER else []
+    paths = build_ladder(TINY_DIR, cache_dir(), quants, progress=progress)
+    return Path(paths[name])
+
+
+def open_builtin(spec):
+    """Open a ``builtin:`` spec (already parsed)."""
+    from ..sources import parse_spec
+
+    target = spec.target
+    if not TINY_DIR.joinpath("config.json").exists():
+        raise LogitdiffError(f"{TINY_DIR}: the bundled model is missing from this installation")
+    opts = ",".join(f"{k}={v}" for k, v in spec.options.items())
+    if target == "tiny":
+        from ..sources.hf import HFSource
+
+        hf_spec = parse_spec(f"hf:{TINY_DIR}" + ("," + opts if opts else ""))
+        if "dtype" not in hf_spec.options:
+            hf_spec.options["dtype"] = "bfloat16"
+        src = HFSource.from_spec(hf_spec)
+        src.spec = spec.text
+        return src
+    if target.startswith("tiny-"):
+        from ..sources.gguf import GGUFSource
+
+        path = gguf_path(target[len("tiny-"):])
+        src = GGUFSource.from_spec(parse_spec(f"gguf:{path}" + ("," + opts if opts else "")))
+        src.spec = spec.text
+        return src
+    raise LogitdiffError(
+        f"source spec {spec.text!r}: unknown builtin {target!r} (expected tiny or tiny-TYPE, TYPE in {', '.join(GGUF_TYPES)})"
+    )

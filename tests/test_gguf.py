@@ -1,0 +1,311 @@
+"""GGUF export, llama.cpp quant ladder and the gguf: source, on a real random Llama.
+
+No mocks: a random-init Llama (tests/_models.py) is exported with our own exporter,
+quantized by llama.cpp, and compared against transformers in float32.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+pytest.importorskip("llama_cpp")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from _models import make_random_llama  # noqa: E402
+
+from logitdiff.errors import LogitdiffError  # noqa: E402
+from logitdiff.quantize import DEFAULT_QUANTS, build_ladder, check_tensor_types, quantize  # noqa: E402
+from logitdiff.sources import open_source, tokenizer_hash_of  # noqa: E402
+from logitdiff.sources.gguf import GGUFSource, extra_bufts_supported  # noqa: E402
+from logitdiff.workload import Item  # noqa: E402
+
+THREADS = 2
+
+TEXT = (
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "The quick brown fox jumps over the lazy dog. What is 12 + 30? 42.  Two  spaces,\ttabs,\n\nnewlines; "
+    "json.dumps({'key': [1, 2.5, None]}) -> textwrap.dedent(text) ... hello world! "
+    "Unicode: café, naïve, Ωmega, 日本語, 😀 and 'quotes' don't won't it's."
+)
+
+CHAT = Item(
+    id="chat1",
+    messages=[
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 12 + 30?\nAnswer with a number."},
+    ],
+)
+
+
+def _log_softmax64(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _kl_top1(ref_logits: np.ndarray, cand_logits: np.ndarray) -> tuple[float, float]:
+    lp, lq = _log_softmax64(ref_logits), _log_softmax64(cand_logits)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    agree = (ref_logits.argmax(-1) == cand_logits.argmax(-1)).mean()
+    return float(kl.mean()), float(agree)
+
+
+# ----------------------------------------------------------------------------------------
+# fixtures
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_random_llama(tmp_path_factory.mktemp("llama") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def ladder(model_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    t0 = time.perf_counter()
+    events = []
+    paths = build_ladder(model_dir, cache, DEFAULT_QUANTS, progress=lambda *a: events.append(a))
+    elapsed = time.perf_counter() - t0
+    print(f"\nladder build: {elapsed:.2f}s for {len(paths)} files")
+    return {"paths": paths, "cache": cache, "events": events, "seconds": elapsed}
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(THREADS)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def f32(ladder):
+    src = GGUFSource(ladder["paths"]["F32"], n_ctx=512, threads=THREADS)
+    yield src
+    src.close()
+
+
+@pytest.fixture(scope="module")
+def sequence(hf):
+    """(prompt ids, teacher ids, HF float32 logits rows predicting each teacher token)."""
+    tok, model = hf
+    ids = tok(TEXT + " " + TEXT, add_special_tokens=False)["input_ids"]
+    prompt, teacher = ids[:8], ids[8:]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float().numpy()
+    ref = logits[len(prompt) - 1: len(ids) - 1]
+    assert ref.shape[0] == len(teacher)
+    return prompt, teacher, ref
+
+
+def _hf_render(tok, item: Item) -> list[int]:
+    if item.prompt is not None:
+        return tok(item.prompt, add_special_tokens=False)["input_ids"]
+    text = tok.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------------------
+# (a) tokenizer
+# ----------------------------------------------------------------------------------------
+
+
+def test_tokenizer_hash_matches_hf(hf, f32):
+    tok, _ = hf
+    hf_hash = tokenizer_hash_of([tok.convert_ids_to_tokens(i) for i in range(len(tok))])
+    assert f32.tokenizer_hash == hf_hash
+    assert f32.vocab_size == len(tok)
+    assert f32.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        CHAT,
+        Item(id="raw", prompt=TEXT),
+        Item(id="raw-special", prompt="hello<|im_end|>\n<|im_start|>user\nworld <tool_call>x</tool_call>"),
+        Item(id="spaces", prompt="   leading and trailing   \n\n\n"),
+    ],
+    ids=lambda it: it.id,
+)
+def test_render_matches_hf(hf, f32, item):
+    tok, _ = hf
+    assert f32.render(item) == _hf_render(tok, item)
+
+
+def test_chat_text_and_detokenize(hf, f32):
+    tok, _ = hf
+    text = tok.apply_chat_template(CHAT.messages, add_generation_prompt=True, tokenize=False)
+    assert f32.render_text(CHAT) == text
+    ids = f32.render(CHAT)
+    assert f32.detokenize(ids) == text
+    assert f32.token_text(ids[0]) == "<|im_start|>"
+
+
+# ----------------------------------------------------------------------------------------
+# (b) cross-engine: transformers F32 vs llama.cpp F32
+# ----------------------------------------------------------------------------------------
+
+
+def test_cross_engine_f32(f32, sequence):
+    prompt, teacher, ref = sequence
+    got = f32.score(prompt, teacher)
+    assert got.dtype == np.float32 and got.shape == (len(teacher), f32.vocab_size)
+    kl, agree = _kl_top1(ref, got)
+    print(f"\nHF F32 vs GGUF F32: mean KL {kl:.3e} nats, top-1 agreement {agree:.4f} over {len(teacher)} positions")
+    assert kl <= 1e-4
+    assert agree >= 0.995
+
+
+def test_score_is_stateless(f32, sequence):
+    prompt, teacher, _ = sequence
+    a = f32.score(prompt, teacher[:20])
+    f32.score(prompt[:3], teacher[5:40])  # different history in between
+    b = f32.score(prompt, teacher[:20])
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------
+# (c) greedy generation
+# ----------------------------------------------------------------------------------------
+
+
+def test_generate_greedy_and_consistent_with_score(f32):
+    prompt = f32.render(CHAT)
+    gen = f32.generate(prompt, 24)
+    assert 1 <= len(gen.token_ids) <= 24
+    assert gen.logits.shape == (len(gen.token_ids), f32.vocab_size)
+    assert list(gen.logits.argmax(-1)) == gen.token_ids
+    if gen.stopped_by == "eos":
+        assert gen.token_ids[-1] in f32.eos_token_ids
+    else:
+        assert gen.stopped_by == "max_tokens" and len(gen.token_ids) == 24
+    scored = f32.score(prompt, gen.token_ids)
+    assert list(scored.argmax(-1)) == gen.token_ids
+    # batched (score) vs one-token (generate) evaluation differ only by float summation order
+    np.testing.assert_allclose(scored, gen.logits, rtol=0, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------------------
+# (d) ladder + quantized files
+# ----------------------------------------------------------------------------------------
+
+
+def test_ladder_files_and_cache(ladder, model_dir):
+    paths = ladder["paths"]
+    assert set(paths) == {"F32", "BF16", *DEFAULT_QUANTS}
+    for name, p in paths.items():
+        assert p.is_file() and p.stat().st_size > 0
+        info = check_tensor_types(p, name)
+        assert info["file_type"] == name
+    # second call: everything cached, same paths
+    events = []
+    again = build_ladder(model_dir, ladder["cache"], DEFAULT_QUANTS, progress=lambda *a: events.append(a))
+    assert again == paths
+    assert {e[3] for e in events} == {"cached"}
+    assert {e[0] for e in ladder["events"] if e[3] == "built"} == set(paths)
+
+
+def test_check_tensor_types_rejects_wrong_type(ladder):
+    with pytest.raises(LogitdiffError, match="Q8_0"):
+        check_tensor_types(ladder["paths"]["Q8_0"], "Q4_K_M")
+    mix = check_tensor_types(ladder["paths"]["Q4_K_M"], "Q4_K_M")
+    assert mix["dominant"] == "Q4_K"
+
+
+def test_check_tensor_types_catches_fallback(tmp_path):
+    """Rows of 320 are not multiples of 256: llama.cpp silently falls back to Q5_0."""
+    d = make_random_llama(tmp_path / "odd", hidden=320, intermediate=512, layers=1, heads=4, kv_heads=4)
+    from logitdiff.gguf_export import export_gguf
+
+    src = export_gguf(d, tmp_path / "odd-F32.gguf", "F32")
+    with pytest.raises(LogitdiffError, match=r"blk\.0\.\w+\.weight"):
+        quantize(src, tmp_path / "odd-Q4_K_M.gguf", "Q4_K_M")
+    assert not (tmp_path / "odd-Q4_K_M.gguf").exists()
+
+
+def test_quantized_files_run_and_order(ladder, f32, sequence):
+    prompt, teacher, _ = sequence
+    base = f32.score(prompt, teacher)
+    kls = {}
+    for name in ("BF16",) + tuple(DEFAULT_QUANTS):
+        with GGUFSource(ladder["paths"][name], n_ctx=512, threads=THREADS) as src:
+            assert src.tokenizer_hash == f32.tokenizer_hash
+            got = src.score(prompt, teacher)
+            assert np.isfinite(got).all(), name
+            kls[name], _ = _kl_top1(base, got)
+            ident = src.identity()
+            assert ident["quant"] == name and ident["backend"] == "llama.cpp"
+    print("\nKL vs GGUF F32:", {k: f"{v:.2e}" for k, v in kls.items()})
+    assert kls["BF16"] < kls["Q8_0"] < kls["Q4_K_M"] < kls["Q2_K"]
+
+
+def test_identity(f32, ladder):
+    ident = f32.identity()
+    p = ladder["paths"]["F32"]
+    assert ident["backend"] == "llama.cpp"
+    assert ident["path"] == str(p.resolve())
+    assert ident["size"] == p.stat().st_size
+    assert ident["sha256"].startswith("sha256:")
+    assert ident["file_type"] == "F32"
+    assert ident["n_ctx"] >= 512 and ident["threads"] == THREADS
+    assert ident["extra_bufts"] is False
+    # the flag really reached llama.cpp (weight repacking / extra buffer types off)
+    assert extra_bufts_supported()
+    assert f32.llm.model_params.use_extra_bufts is False
+
+
+# ----------------------------------------------------------------------------------------
+# (e) bad input
+# ----------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(LogitdiffError, match="nope.gguf: GGUF file not found"):
+        open_source(f"gguf:{missing}")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_text("this is not a model\n")
+    with pytest.raises(LogitdiffError, match="model.gguf: not a GGUF file"):
+        GGUFSource(bad)
+
+
+def test_truncated_gguf(tmp_path, ladder):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(ladder["paths"]["Q8_0"].read_bytes()[:4096])
+    with pytest.raises(LogitdiffError, match="cut.gguf"):
+        GGUFSource(cut)
+
+
+def test_bad_spec_options(ladder):
+    p = ladder["paths"]["F32"]
+    with pytest.raises(LogitdiffError, match="unknown option 'bogus'"):
+        open_source(f"gguf:{p},bogus=1")
+    with pytest.raises(LogitdiffError, match="n_ctx must be an integer"):
+        open_source(f"gguf:{p},n_ctx=big")
+
+
+def test_too_long(ladder, sequence):
+    prompt, teacher, _ = sequence
+    with open_source(f"gguf:{ladder['paths']['Q8_0']},n_ctx=64,threads={THREADS}") as src:
+        assert src.n_ctx == 64
+        with pytest.raises(LogitdiffError, match="exceed n_ctx=64"):
+            src.score(prompt, teacher[:100])
+        with pytest.raises(LogitdiffError, match="exceed n_ctx=64"):
+            src.generate(prompt, 100)
+        with pytest.raises(LogitdiffError, match="outside the vocabulary"):
+            src.score(prompt, [src.vocab_size + 5])
+        # still usable after the errors
+        assert src.score(prompt, teacher[:10]).shape == (10, src.vocab_size)
