@@ -58,12 +58,16 @@ def cmd_compare(args) -> int:
     except ValueError as e:
         raise LogitdiffError(str(e)) from None
     ref = RunReader(args.reference, allow_partial=args.allow_partial)
-    if not Path(args.candidate).is_dir() and ":" in args.candidate:
-        raise LogitdiffError(
-            f"{args.candidate}: live scoring of a source spec needs the native capture backends; "
-            "capture it with `logitdiff capture SPEC --teacher REF_RUN` first"
-        )
-    cand = RunReader(args.candidate, allow_partial=args.allow_partial)
+    live_source = None
+    if not Path(args.candidate).exists() and ":" in args.candidate:
+        # A source spec: score it live against the reference, store nothing.
+        from .capture import LiveRun
+        from .sources import open_source
+
+        live_source = open_source(args.candidate)
+        cand = LiveRun(live_source, ref)
+    else:
+        cand = RunReader(args.candidate, allow_partial=args.allow_partial)
     noise = None
     if args.noise_floor:
         nf = compare_runs(ref, RunReader(args.noise_floor, allow_partial=args.allow_partial), top_logprobs=args.top_logprobs)
@@ -96,7 +100,8 @@ def print_summary(report: dict) -> None:
     t = Table(title=f"{report['candidate'].get('spec')} vs {report['baseline'].get('spec')}  ({report['method']['kind']})")
     for col in ("positions", "mean KL", "95% CI", "p99 KL", "max KL", "mean JSD", "top-1 disagr."):
         t.add_column(col, justify="right")
-    for r in [{"group": "all", **{"n": s["positions"]}, **s["metrics"], "top1_disagreement": s["top1_disagreement"]}] + report["ranges"]:
+    groups = [{"group": "all", **{"n": s["positions"]}, **s["metrics"], "top1_disagreement": s["top1_disagreement"]}]
+    for r in groups + [g for g in report["ranges"] if g.get("n")]:
         kl = r.get("kl_nats") or {}
         js = r.get("jsd_nats") or {}
         t1 = r.get("top1_disagreement") or {}
@@ -113,6 +118,100 @@ def print_summary(report: dict) -> None:
         )
     from rich.console import Console
 
+    Console().print(t)
+
+
+# ----------------------------------------------------------------------------- capture
+def cmd_capture(args) -> int:
+    from .capture import capture_candidate, capture_reference
+    from .sources import open_source
+    from .store import RunReader
+
+    if args.teacher and args.workload:
+        raise LogitdiffError("--teacher and --workload exclude each other: a candidate capture takes its items from the teacher run")
+    if args.teacher:
+        teacher = RunReader(args.teacher)
+        with open_source(args.spec) as src:
+            prog, advance = _progress(len(teacher.items()), f"scoring {args.spec}")
+            with prog:
+                capture_candidate(src, teacher, args.out, store=args.store, resume=args.resume, overwrite=args.overwrite, progress=advance)
+    else:
+        from .builtin import WORKLOAD
+        from .workload import read_workload
+
+        wl = args.workload or str(WORKLOAD)
+        items = read_workload(wl)
+        with open_source(args.spec) as src:
+            prog, advance = _progress(len(items), f"capturing {args.spec}")
+            with prog:
+                capture_reference(src, items, args.out, max_tokens=args.max_tokens, store=args.store, positions=args.positions,
+                                  resume=args.resume, overwrite=args.overwrite, settings={"workload": wl}, progress=advance)
+    _console().print(f"wrote RUN {args.out}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .pipeline import Hooks, RunConfig, check_specs, default_candidates, run_pipeline
+    from .summarize import parse_ranges
+
+    try:
+        ranges = parse_ranges(args.ranges)
+    except ValueError as e:
+        raise LogitdiffError(str(e)) from None
+    cfg = RunConfig(
+        reference=args.reference, candidates=args.candidates or default_candidates(), workload=args.workload, out=args.out,
+        max_tokens=args.max_tokens, positions=args.positions, noise_floor=not args.no_noise_floor, bootstrap=args.bootstrap,
+        ranges=ranges, fresh=args.fresh,
+    )
+    check_specs(cfg)
+    console = _console()
+
+    class RichHooks(Hooks):
+        def __init__(self):
+            self.prog = None
+
+        def stage(self, text):
+            console.print(f"[bold cyan]▶[/] {text}")
+
+        def bar(self, total, text):
+            if self.prog is not None:
+                self.prog[0].stop()
+            p, adv = _progress(total, text)
+            p.start()
+            self.prog = (p, adv)
+            return adv
+
+        def done(self):
+            if self.prog is not None:
+                self.prog[0].stop()
+
+    hooks = RichHooks()
+    try:
+        summary = run_pipeline(cfg, hooks)
+    finally:
+        hooks.done()
+    print_run_summary(summary)
+    console.print(f"wrote {args.out}/summary.md, {args.out}/summary.json and one report per candidate in {args.out}/reports/")
+    return 0
+
+
+def print_run_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    nf = summary.get("noise_floor")
+    title = f"drift from {summary['reference']} — {summary['items']} items, {summary['positions']} positions"
+    if nf:
+        title += f"; noise floor mean KL {nf['kl_nats_mean']:.3g}"
+    t = Table(title=title)
+    for col in ("candidate", "mean KL", "95% CI", "p99 KL", "mean JSD", "top-1 disagr.", "PPL ratio", "× floor"):
+        t.add_column(col, justify="right" if col != "candidate" else "left")
+    g = lambda x: "n/a" if x is None else f"{x:.3g}"
+    for r in summary["candidates"]:
+        ci = r["kl_mean_ci95"]
+        t.add_row(r.get("name") or r["candidate"], g(r["kl_mean"]), f"[{g(ci[0])}, {g(ci[1])}]", g(r["kl_p99"]), g(r["jsd_mean"]),
+                  f"{100 * r['top1_disagreement']:.2f}%", "n/a" if r["ppl_ratio"] is None else f"{r['ppl_ratio']:.4f}",
+                  g(r["x_noise_floor"]))
     Console().print(t)
 
 
@@ -196,16 +295,54 @@ def build_parser() -> argparse.ArgumentParser:
     nz.add_argument("--overwrite", action="store_true")
     nz.set_defaults(func=cmd_import_npz)
 
-    _add_capture_commands(sub)
+    cap = sub.add_parser(
+        "capture",
+        help="capture a source's distributions over a workload (reference) or a reference's tokens (candidate)",
+        description=(
+            "Without --teacher: the source generates greedily (temperature 0) for every workload item; "
+            "the output token ids are the teacher sequence and the source's distribution at every output "
+            "position is kept. With --teacher RUN: the source is fed exactly the reference's token ids "
+            "(teacher forcing) and scored at the same positions; its tokenization of every item is first "
+            "checked against the reference's. Distributions always come from one prefill over prompt + "
+            "teacher, so reference, rerun and candidates are computed alike. A killed capture resumes "
+            "with --resume."
+        ),
+        epilog="SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda] | gguf:PATH[,n_ctx=N][,threads=N] | builtin:tiny | builtin:tiny-Q4_K_M ...",
+    )
+    cap.add_argument("spec", metavar="SPEC", help="source spec")
+    cap.add_argument("--workload", help="workload JSONL (reference capture; default: the bundled workload)")
+    cap.add_argument("--teacher", metavar="RUN", help="reference RUN whose token ids the source is fed (candidate capture)")
+    cap.add_argument("--out", required=True, help="RUN directory to write")
+    cap.add_argument("--max-tokens", type=int, default=None, help="generation budget per item (default: the item's max_tokens, else 64)")
+    cap.add_argument("--store", default="full", help="full (native-dtype logits) or topk:K (default: %(default)s)")
+    cap.add_argument("--positions", default="all", help="all | first | sample:FRAC — output positions kept (reference capture; default: %(default)s)")
+    cap.add_argument("--resume", action="store_true", help="continue a partial capture in --out")
+    cap.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    cap.set_defaults(func=cmd_capture)
+
+    run = sub.add_parser(
+        "run",
+        help="the whole job: reference, noise floor, candidates, reports (no arguments: the bundled default)",
+        description=(
+            "Capture the reference on the workload, rerun it for the noise floor, teacher-force every "
+            "candidate on the reference's tokens and write one report per candidate plus a summary table. "
+            "With no arguments: the bundled tiny Llama through transformers in BF16 as the reference, and "
+            "its llama.cpp GGUF BF16 (cross-engine floor) and quant ladder Q8_0, Q6_K, Q4_K_M, IQ4_XS, "
+            "Q3_K_M, Q2_K as candidates, on the bundled workload — offline, in minutes."
+        ),
+    )
+    run.add_argument("--reference", default="builtin:tiny", help="reference spec (default: %(default)s)")
+    run.add_argument("--candidate", action="append", dest="candidates", metavar="SPEC", help="candidate spec (repeatable; default: the bundled ladder)")
+    run.add_argument("--workload", help="workload JSONL (default: the bundled workload)")
+    run.add_argument("--out", default="logitdiff-out", help="output directory (default: %(default)s)")
+    run.add_argument("--max-tokens", type=int, default=None, help="generation budget per item (default: the item's, else 64)")
+    run.add_argument("--positions", default="all", help="all | first | sample:FRAC (default: %(default)s)")
+    run.add_argument("--no-noise-floor", action="store_true", help="skip the reference rerun")
+    run.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of items (default: %(default)s)")
+    run.add_argument("--ranges", default="0,1,8,32,128,512", help="output-position range edges (default: %(default)s)")
+    run.add_argument("--fresh", action="store_true", help="recapture the reference even if OUT/runs/reference matches")
+    run.set_defaults(func=cmd_run)
     return p
-
-
-def _add_capture_commands(sub) -> None:
-    try:
-        from .capture import add_commands
-    except ImportError:  # the capture module arrives with the native backends
-        return
-    add_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,10 @@ def open_builtin(spec):
     from ..sources import parse_spec
 
     target = spec.target
+    if target != "tiny" and not target.startswith("tiny-"):
+        raise LogitdiffError(
+            f"source spec {spec.text!r}: unknown builtin {target!r} (expected tiny or tiny-TYPE, TYPE in {', '.join(GGUF_TYPES)})"
+        )
     if not TINY_DIR.joinpath("config.json").exists():
         raise LogitdiffError(f"{TINY_DIR}: the bundled model is missing from this installation")
     opts = ",".join(f"{k}={v}" for k, v in spec.options.items())

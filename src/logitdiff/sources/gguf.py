@@ -140,7 +140,7 @@ class GGUFSource(Source):
         self,
         path: str | Path,
         *,
-        n_ctx: int = 4096,
+        n_ctx: int | None = None,
         threads: int | None = None,
         seed: int = 0,
         n_batch: int = 512,
@@ -161,10 +161,13 @@ class GGUFSource(Source):
             magic = f.read(4)
         if magic != b"GGUF":
             raise LogitdiffError(f"{p}: not a GGUF file (bad magic {magic!r})")
-        if n_ctx < 1:
+        if n_ctx is not None and n_ctx < 1:
             raise LogitdiffError(f"{self.spec}: n_ctx must be positive")
         self.threads = int(threads) if threads else max(1, os.cpu_count() or 1)
         self._read_metadata()
+        if n_ctx is None:
+            # Default: the model's training context, capped at 4096 (KV memory).
+            n_ctx = min(4096, int(self.n_ctx_train)) if self.n_ctx_train else 4096
 
         n_batch = max(1, min(int(n_batch), int(n_ctx)))
         try:
@@ -242,6 +245,7 @@ class GGUFSource(Source):
         self._tokens: list[str] = list(tokens)
         self._token_types: list[int] = list(get("tokenizer.ggml.token_type") or [])
         self.arch = get("general.architecture")
+        self.n_ctx_train = get(f"{self.arch}.context_length") if self.arch else None
         self.model_name = get("general.name")
         self.file_type = get("general.file_type")
         self.chat_template: str | None = get("tokenizer.chat_template")

@@ -1,0 +1,226 @@
+"""`logitdiff run`: reference capture, noise floor, candidates, one report each, a summary.
+
+    reference  --capture (greedy, then teacher-forced distributions)-->  OUT/runs/reference
+    reference again, teacher-forced            --> noise floor (reproducibility)
+    each candidate, teacher-forced, scored live --> OUT/reports/<candidate>/
+    all candidates                              --> OUT/summary.json, OUT/summary.md
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .capture import LiveRun, capture_reference
+from .compare import compare_runs
+from .errors import LogitdiffError
+from .report import build_report, write_report_dir
+from .report.markdown import render_markdown
+from .sources import open_source
+from .store import RunReader, atomic_write_bytes, atomic_write_json
+from .workload import read_workload
+
+
+def default_candidates() -> list[str]:
+    from .builtin import LADDER
+
+    return ["builtin:tiny-BF16"] + [f"builtin:tiny-{q}" for q in LADDER]
+
+
+@dataclass
+class RunConfig:
+    reference: str = "builtin:tiny"
+    candidates: list[str] = field(default_factory=default_candidates)
+    workload: str | None = None
+    out: str = "logitdiff-out"
+    max_tokens: int | None = None
+    positions: str = "all"
+    noise_floor: bool = True
+    bootstrap: int = 1000
+    seed: int = 0
+    ranges: tuple[int, ...] = (0, 1, 8, 32, 128, 512)
+    top_logprobs: int = 64
+    fresh: bool = False
+
+
+def safe_name(spec: str) -> str:
+    """A directory name for a candidate: ``builtin:tiny-Q4_K_M`` -> ``tiny-Q4_K_M``,
+    ``gguf:/models/x-Q4_K_M.gguf`` -> ``x-Q4_K_M``, ``openai:http://h:8000/v1,model=m`` -> ``h_8000_v1``."""
+    kind, _, target = spec.split(",")[0].partition(":")
+    if kind in ("gguf", "hf"):
+        target = Path(target.rstrip("/")).name.removesuffix(".gguf")
+    elif kind == "openai":
+        target = target.split("//", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", target).strip("_")[-80:] or "candidate"
+
+
+class Hooks:
+    """Progress callbacks; the CLI passes rich-backed ones."""
+
+    def stage(self, text: str) -> None:  # pragma: no cover - trivial
+        pass
+
+    def bar(self, total: int, text: str) -> Callable[[int], None]:  # pragma: no cover - trivial
+        return lambda n=1: None
+
+    def done(self) -> None:  # pragma: no cover - trivial
+        pass
+
+
+def _workload_path(cfg: RunConfig) -> Path:
+    if cfg.workload:
+        return Path(cfg.workload)
+    from .builtin import WORKLOAD
+
+    return WORKLOAD
+
+
+def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunReader:
+    """Capture the reference, or reuse/resume a matching capture in OUT/runs/reference."""
+    path = Path(cfg.out) / "runs" / "reference"
+    want = {"workload_sha256": wl_hash, "spec": cfg.reference, "max_tokens": cfg.max_tokens, "positions": cfg.positions}
+    resume = False
+    if (path / "manifest.json").exists() and not cfg.fresh:
+        m = json.loads((path / "manifest.json").read_text())
+        have = {"workload_sha256": m["settings"].get("workload_sha256"), "spec": m["source"]["spec"],
+                "max_tokens": m["settings"].get("max_tokens"), "positions": m["settings"].get("positions")}
+        if have == want:
+            if m.get("status") == "complete":
+                hooks.stage(f"reference: reusing {path}")
+                return RunReader(path)
+            resume = True
+    hooks.stage(f"reference: {cfg.reference} generating greedily on {len(items)} items")
+    src = open_source(cfg.reference)
+    try:
+        advance = hooks.bar(len(items), "reference")
+        capture_reference(
+            src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, resume=resume, overwrite=not resume,
+            settings={"workload_sha256": wl_hash, "workload": str(_workload_path(cfg))}, progress=advance,
+        )
+    finally:
+        src.close()
+    return RunReader(path)
+
+
+def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
+    hooks = hooks or Hooks()
+    t0 = time.time()
+    wl_path = _workload_path(cfg)
+    items = read_workload(wl_path)
+    wl_hash = hashlib.sha256(wl_path.read_bytes()).hexdigest()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ref = _reference_run(cfg, items, wl_hash, hooks)
+    n_pos = sum(len(it.positions) for it in ref.items())
+
+    def score(spec: str, label: str):
+        src = open_source(spec)
+        try:
+            live = LiveRun(src, ref)
+            advance = hooks.bar(n_pos, label)
+            return compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance)
+        finally:
+            src.close()
+
+    noise = None
+    if cfg.noise_floor:
+        hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
+        nf = score(cfg.reference, "noise floor")
+        noise = {
+            "spec": cfg.reference,
+            "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
+            "kl_nats_max": float(np.max(nf.columns["kl_nats"])),
+            "top1_disagreement": float(1.0 - np.mean(nf.columns["top1_match"])),
+            "positions": int(nf.n),
+        }
+    rows = []
+    for spec in cfg.candidates:
+        hooks.stage(f"candidate: {spec}")
+        comp = score(spec, safe_name(spec))
+        report, columns = build_report(comp, ranges=cfg.ranges, n_boot=cfg.bootstrap, seed=cfg.seed, noise_floor=noise)
+        report["baseline"]["spec"] = cfg.reference
+        rdir = out / "reports" / safe_name(spec)
+        write_report_dir(rdir, report, columns, markdown=render_markdown(report))
+        rows.append(_summary_row(spec, report, rdir, noise))
+    summary = {
+        "schema": "logitdiff.run-summary/1",
+        "reference": cfg.reference,
+        "workload": str(wl_path),
+        "workload_sha256": wl_hash,
+        "items": len(items),
+        "positions": n_pos,
+        "noise_floor": noise,
+        "candidates": rows,
+        "seconds": round(time.time() - t0, 1),
+    }
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_bytes(out / "summary.md", render_summary_md(summary).encode())
+    hooks.done()
+    return summary
+
+
+def _summary_row(spec: str, report: dict, rdir: Path, noise: dict | None) -> dict:
+    s = report["summary"]
+    m = s["metrics"]
+    kl, js = m["kl_nats"], m["jsd_nats"]
+    t1 = s["top1_disagreement"]
+    floor = (noise or {}).get("kl_nats_mean")
+    return {
+        "candidate": spec,
+        "name": rdir.name,
+        "report": str(rdir),
+        "kl_mean": kl["mean"],
+        "kl_mean_ci95": kl["ci95"],
+        "kl_p99": kl["p99"],
+        "kl_max": kl["max"],
+        "kl_rev_mean": m["kl_rev_nats"]["mean"],
+        "jsd_mean": js["mean"],
+        "top1_disagreement": t1["rate"],
+        "top1_disagreement_ci95": t1["ci95"],
+        "ppl_ratio": s.get("ppl_ratio"),
+        "x_noise_floor": (kl["mean"] / floor) if floor else None,
+        "within_2x_noise_floor": bool(floor) and kl["mean"] <= 2 * floor,
+    }
+
+
+def _f(x, spec=".4g"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def render_summary_md(summary: dict) -> str:
+    nf = summary.get("noise_floor")
+    lines = [
+        f"# logitdiff run: drift from `{summary['reference']}`\n",
+        f"- workload: `{summary['workload']}` ({summary['items']} items, {summary['positions']} teacher-forced positions)",
+    ]
+    if nf:
+        lines.append(
+            f"- noise floor (reference rerun): mean KL {_f(nf['kl_nats_mean'])} nats, top-1 disagreement "
+            f"{100 * nf['top1_disagreement']:.2f} %" + (" — the rerun is bit-identical, so × floor is undefined" if nf["kl_nats_mean"] == 0 else "")
+        )
+    lines += [
+        "",
+        "| candidate | mean KL (nats) | 95 % CI | p99 KL | mean JSD | top-1 disagreement | 95 % CI | PPL ratio | × noise floor |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in summary["candidates"]:
+        ci, tci = r["kl_mean_ci95"], r["top1_disagreement_ci95"]
+        lines.append(
+            f"| `{r['candidate']}` | {_f(r['kl_mean'])} | [{_f(ci[0])}, {_f(ci[1])}] | {_f(r['kl_p99'])} | {_f(r['jsd_mean'])} | "
+            f"{100 * r['top1_disagreement']:.2f} % | [{100 * tci[0]:.2f} %, {100 * tci[1]:.2f} %] | {_f(r['ppl_ratio'], '.5f')} | "
+            f"{_f(r['x_noise_floor'], '.3g')} |"
+        )
+    lines.append(f"\nOne report per candidate under `reports/`. Wall time {summary['seconds']} s.\n")
+    return "\n".join(lines)
+
+
+def check_specs(cfg: RunConfig) -> None:
+    if not cfg.candidates:
+        raise LogitdiffError("logitdiff run: no candidates (pass --candidate SPEC)")
