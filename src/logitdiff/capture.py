@@ -46,7 +46,21 @@ def select_positions(n: int, mode: str, item_id: str) -> list[int]:
     raise LogitdiffError(f"--positions {mode!r}: expected all, first or sample:FRAC")
 
 
-def _rows_for_store(writer: RunWriter, logits: np.ndarray) -> dict:
+def _select(scored, positions):
+    """Rows of a score result at the given positions: full logits or a top-K dict."""
+    if isinstance(scored, dict):
+        return {k: np.asarray(v)[positions] for k, v in scored.items()}
+    return np.asarray(scored)[positions]
+
+
+def _rows_for_store(writer: RunWriter, logits) -> dict:
+    if isinstance(logits, dict):  # a top-K source (served model): ids + logprobs per row
+        if not writer.k:
+            raise LogitdiffError("a top-K source can only be stored with --store topk:K")
+        k = writer.k
+        if logits["ids"].shape[1] < k:
+            raise LogitdiffError(f"the source returned {logits['ids'].shape[1]} logprobs per position, fewer than K={k}")
+        return {"topk": {"ids": logits["ids"][:, :k], "logprobs": logits["logprobs"][:, :k]}}
     if writer.k:
         st = M.row_stats(logits, k=writer.k)
         return {"topk": {"ids": st["topk_ids"], "logprobs": st["topk_logprobs"], "logsumexp": st["logsumexp"],
@@ -116,7 +130,7 @@ def capture_reference(
                 tags=list(it.tags), prompt=it.prompt if it.prompt is not None else it.messages,
                 extra={"item": it.to_json(), "stopped_by": gen.stopped_by, "text": source.detokenize(gen.token_ids)},
             )
-            writer.add(run_item, **_rows_for_store(writer, np.asarray(logits)[pos]))
+            writer.add(run_item, **_rows_for_store(writer, _select(logits, pos)))
             if progress:
                 progress(1)
     writer.finish()
@@ -163,6 +177,8 @@ def capture_candidate(
 ) -> Path:
     """Teacher-forced capture at exactly the reference's positions."""
     pairs = verified_prompts(source, teacher)
+    if getattr(source, "distribution", "full") == "topk" and store == "full":
+        store = f"topk:{source.top_k}"
     writer = RunWriter(
         out,
         source=_source_meta(source),
@@ -185,7 +201,7 @@ def capture_candidate(
         for (it, p), logits in zip(group, scored):
             ci = RunItem(id=it.id, prompt_ids=p, teacher_ids=list(it.teacher_ids), positions=list(it.positions),
                          tags=list(it.tags), prompt=it.prompt, extra={k: v for k, v in it.extra.items() if k == "item"})
-            writer.add(ci, **_rows_for_store(writer, np.asarray(logits)[it.positions]))
+            writer.add(ci, **_rows_for_store(writer, _select(logits, it.positions)))
             if progress:
                 progress(1)
     writer.finish()
@@ -198,11 +214,12 @@ class LiveRun:
     Quacks like :class:`RunReader` for :func:`logitdiff.compare.compare_runs`.
     """
 
-    k = 0
     is_partial = False
 
     def __init__(self, source: Source, teacher: RunReader, *, batch: int = 8):
         self.source = source
+        # Served sources return top-K ids + logprobs per position instead of full logits.
+        self.k = int(source.top_k) if getattr(source, "distribution", "full") == "topk" else 0
         self.teacher = teacher
         self.batch = batch
         self._pairs = verified_prompts(source, teacher)
@@ -215,7 +232,7 @@ class LiveRun:
             "source": _source_meta(source),
             "status": "complete",
             "tokenizer_hash": source.tokenizer_hash,
-            "settings": {"store": "live (scored on demand, not stored)", "dtype": getattr(source, "logits_dtype", "float32")},
+            "settings": {"store": f"topk:{self.k}" if self.k else "full", "live": True, "dtype": getattr(source, "logits_dtype", "float32")},
             "n_items": len(self._pairs),
             "n_positions": sum(len(it.positions) for it, _ in self._pairs),
         }
@@ -226,10 +243,20 @@ class LiveRun:
     def vocab(self):
         return None
 
-    def logits(self, item: RunItem) -> np.ndarray:
+    def _rows(self, item: RunItem):
         if item.id not in self._cache:
             i = self._order[item.id]
             group = self._pairs[i : i + self.batch]
             scored = self.source.score_many([(p, it.teacher_ids) for it, p in group])
-            self._cache = {it.id: np.asarray(lg)[it.positions] for (it, _), lg in zip(group, scored)}
+            self._cache = {it.id: _select(lg, it.positions) for (it, _), lg in zip(group, scored)}
         return self._cache.pop(item.id)
+
+    def logits(self, item: RunItem) -> np.ndarray:
+        if self.k:
+            raise LogitdiffError(f"{self.path}: a top-{self.k} source has no full logits")
+        return self._rows(item)
+
+    def topk(self, item: RunItem) -> dict:
+        if not self.k:
+            raise LogitdiffError(f"{self.path}: a full-logits source, not top-K")
+        return self._rows(item)

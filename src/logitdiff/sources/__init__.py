@@ -91,9 +91,17 @@ def file_sha256(path, chunk: int = 1 << 22) -> str:
 
 
 class Source:
-    """Base class. Subclasses set ``spec``, ``vocab_size``, ``tokenizer_hash``."""
+    """Base class. Subclasses set ``spec``, ``vocab_size``, ``tokenizer_hash``.
+
+    ``distribution`` is ``"full"`` (``score``/``score_many`` return float logits
+    ``[T, V]``) or ``"topk"`` (served models: they return ``{"ids": int [T, K],
+    "logprobs": float64 [T, K]}``, descending, log-probabilities normalised over the whole
+    vocabulary, with ``top_k`` = K).
+    """
 
     spec: str
+    distribution: str = "full"
+    top_k: int = 0
     vocab_size: int  # size of the distribution rows the source returns
     tokenizer_hash: str
     eos_token_ids: tuple[int, ...] = ()
@@ -153,7 +161,9 @@ def open_source(text: str) -> Source:
 
         return open_builtin(spec)
     if spec.kind == "openai":
-        raise LogitdiffError(f"source spec {text!r}: openai: sources are not available in this version")
+        from .openai import OpenAISource
+
+        return OpenAISource.from_spec(spec)
     raise LogitdiffError(
         f"source spec {text!r}: unknown kind {spec.kind!r} (expected hf, gguf, openai or builtin)"
     )
