@@ -204,14 +204,14 @@ def print_run_summary(summary: dict) -> None:
     if nf:
         title += f"; noise floor mean KL {nf['kl_nats_mean']:.3g}"
     t = Table(title=title)
-    for col in ("candidate", "mean KL", "95% CI", "p99 KL", "mean JSD", "top-1 disagr.", "PPL ratio", "× floor"):
+    for col in ("candidate", "mean KL", "95% CI", "p99 KL", "mean JSD", "top-1 disagr.", "PPL ratio", "× noise floor", "× BF16 floor"):
         t.add_column(col, justify="right" if col != "candidate" else "left")
     g = lambda x: "n/a" if x is None else f"{x:.3g}"
     for r in summary["candidates"]:
         ci = r["kl_mean_ci95"]
         t.add_row(r.get("name") or r["candidate"], g(r["kl_mean"]), f"[{g(ci[0])}, {g(ci[1])}]", g(r["kl_p99"]), g(r["jsd_mean"]),
                   f"{100 * r['top1_disagreement']:.2f}%", "n/a" if r["ppl_ratio"] is None else f"{r['ppl_ratio']:.4f}",
-                  g(r["x_noise_floor"]))
+                  g(r["x_noise_floor"]), g(r.get("x_cross_engine_floor")))
     Console().print(t)
 
 
@@ -346,6 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    # Our own progress bars only: silence transformers' weight-loading bars and advisories.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -129,6 +129,7 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
         finally:
             src.close()
 
+    _prebuild_builtin_ladder(cfg, hooks)
     noise = None
     if cfg.noise_floor:
         hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
@@ -149,6 +150,12 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
         rdir = out / "reports" / safe_name(spec)
         write_report_dir(rdir, report, columns, markdown=render_markdown(report))
         rows.append(_summary_row(spec, report, rdir, noise))
+    # The cross-engine floor: the reference's own weights in another engine (BF16 GGUF in
+    # the default run). A bit-identical rerun gives a noise floor of 0, so this is the
+    # floor that says which drift is the quantization's and which the engine's.
+    xf = next((r for r in rows if r["name"].upper().endswith("BF16") and r["candidate"] != cfg.reference), None)
+    for r in rows:
+        r["x_cross_engine_floor"] = (r["kl_mean"] / xf["kl_mean"]) if (xf and xf["kl_mean"]) else None
     summary = {
         "schema": "logitdiff.run-summary/1",
         "reference": cfg.reference,
@@ -157,6 +164,7 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
         "items": len(items),
         "positions": n_pos,
         "noise_floor": noise,
+        "cross_engine_floor": ({"candidate": xf["candidate"], "kl_nats_mean": xf["kl_mean"]} if xf else None),
         "candidates": rows,
         "seconds": round(time.time() - t0, 1),
     }
@@ -164,6 +172,25 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
     atomic_write_bytes(out / "summary.md", render_summary_md(summary).encode())
     hooks.done()
     return summary
+
+
+def _prebuild_builtin_ladder(cfg: RunConfig, hooks: Hooks) -> None:
+    """Build the bundled model's GGUFs up front, with progress, into the hash-keyed cache."""
+    names = [c.split(",")[0][len("builtin:tiny-"):] for c in cfg.candidates if c.startswith("builtin:tiny-")]
+    if not names:
+        return
+    from .builtin import LADDER, TINY_DIR, cache_dir
+    from .quantize import build_ladder
+
+    quants = [n for n in names if n in LADDER]
+    hooks.stage(f"GGUF ladder of the bundled model (F32, BF16, {', '.join(quants) or 'no quants'}) in {cache_dir()}")
+    advance = hooks.bar(2 + len(quants), "ladder")
+
+    def progress(name, index, total, status):
+        if status in ("built", "cached"):
+            advance(1)
+
+    build_ladder(TINY_DIR, cache_dir(), quants, progress=progress)
 
 
 def _summary_row(spec: str, report: dict, rdir: Path, noise: dict | None) -> dict:
@@ -205,17 +232,20 @@ def render_summary_md(summary: dict) -> str:
             f"- noise floor (reference rerun): mean KL {_f(nf['kl_nats_mean'])} nats, top-1 disagreement "
             f"{100 * nf['top1_disagreement']:.2f} %" + (" — the rerun is bit-identical, so × floor is undefined" if nf["kl_nats_mean"] == 0 else "")
         )
+    xf = summary.get("cross_engine_floor")
+    if xf:
+        lines.append(f"- cross-engine floor (same weights, other engine): `{xf['candidate']}`, mean KL {_f(xf['kl_nats_mean'])} nats")
     lines += [
         "",
-        "| candidate | mean KL (nats) | 95 % CI | p99 KL | mean JSD | top-1 disagreement | 95 % CI | PPL ratio | × noise floor |",
-        "|---|---:|---|---:|---:|---:|---|---:|---:|",
+        "| candidate | mean KL (nats) | 95 % CI | p99 KL | mean JSD | top-1 disagreement | 95 % CI | PPL ratio | × noise floor | × cross-engine floor |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in summary["candidates"]:
         ci, tci = r["kl_mean_ci95"], r["top1_disagreement_ci95"]
         lines.append(
             f"| `{r['candidate']}` | {_f(r['kl_mean'])} | [{_f(ci[0])}, {_f(ci[1])}] | {_f(r['kl_p99'])} | {_f(r['jsd_mean'])} | "
             f"{100 * r['top1_disagreement']:.2f} % | [{100 * tci[0]:.2f} %, {100 * tci[1]:.2f} %] | {_f(r['ppl_ratio'], '.5f')} | "
-            f"{_f(r['x_noise_floor'], '.3g')} |"
+            f"{_f(r['x_noise_floor'], '.3g')} | {_f(r.get('x_cross_engine_floor'), '.3g')} |"
         )
     lines.append(f"\nOne report per candidate under `reports/`. Wall time {summary['seconds']} s.\n")
     return "\n".join(lines)
