@@ -27,6 +27,7 @@ The top-K approximation (`topk`) is the seed report's method, see its docstring.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from typing import Mapping
 
@@ -110,30 +111,59 @@ def _rows_per_chunk(vocab: int, budget_bytes: int) -> int:
     return max(1, int(budget_bytes // (vocab * 8 * 6)))
 
 
-# Float64 work on CPU runs one row at a time per worker thread, in column tiles of at most
-# this many values: the tile temporaries (~1.5 MB) stay in a core's L2 cache, and an op of
-# this size stays below torch's intra-op grain (32768), so the cores are used by the row
-# workers, not by a fork/join per op (which stalls badly on a loaded machine).
+# Float64 work on CPU runs one row at a time per worker thread (torch.get_num_threads() of
+# them, each with one intra-op thread), in column tiles of at most this many values: the
+# tile temporaries (~1 MB) stay in a core's L2 cache and the ops are few enough per row
+# that their fixed cost is small. (Intra-op fork/join per op instead stalls badly on a
+# loaded machine: measured 5-10x slower than this with 2 threads and a busy neighbour.)
 _CPU_TILE = 32000
+# CPU uses the per-row tiled path; False selects the batched path of other devices (tests).
+_CPU_PER_ROW = True
 # Block width of the exact top-K candidate search (see `_topk_candidates`).
-_BLOCK = 256
+_BLOCK = 128
 _TINY = float(np.finfo(np.float64).tiny)
 
 
 def _tiles(vocab: int, tile: int) -> list[tuple[int, int]]:
+    """Column ranges of at most ``tile`` values, starting on multiples of ``_BLOCK``."""
     n = -(-vocab // tile)
-    w = -(-vocab // n)
+    w = -(-(-(-vocab // n)) // _BLOCK) * _BLOCK
     return [(c, min(vocab, c + w)) for c in range(0, vocab, w)]
 
 
-def _topk_candidates(z, kk: int):
+def _block_max_row(z, tile: int):
+    """Maxima of the ``_BLOCK``-wide blocks of one row ``z`` [V] (the last may be partial),
+    a tile at a time so that no op is large."""
+    import torch
+
+    bounds = _tiles(z.shape[0], tile)
+    parts = []
+    for zt in z.split(bounds[0][1] - bounds[0][0]):
+        n = zt.shape[0]
+        full = n // _BLOCK * _BLOCK
+        if full:
+            parts.append(zt[:full].reshape(-1, _BLOCK).amax(-1))
+        if full < n:
+            parts.append(zt[full:].amax(-1, keepdim=True))
+    return torch.cat(parts)
+
+
+def _row_top(z, kk: int, tile: int):
+    """`_topk_candidates` of one row [V] with small ops only: (ids [kk], values [kk])."""
+    bm = None if z.shape[0] <= _BLOCK * max(8, 2 * kk) else _block_max_row(z, tile)[None]
+    ids, vals = _topk_candidates(z[None], kk, bm)
+    return ids[0], vals[0]
+
+
+def _topk_candidates(z, kk: int, bm=None):
     """The ``kk`` largest logits of each row of ``z`` [R, V] (any float dtype), by
     descending value and lowest id first on ties: (ids [R, kk] int64, values [R, kk] float64).
 
     Exact without sorting V values: the ``kk`` largest block maxima are ``kk`` distinct
     elements >= the kk-th largest block maximum t, so every top-kk element (ties included)
     is >= t and lies in a block whose maximum is >= t; only those blocks are searched.
-    Works on the input dtype (the float64 upcast preserves order and ties).
+    Works on the input dtype (the float64 upcast preserves order and ties). ``bm``: the
+    block maxima [R, ceil(V / _BLOCK)] if already known.
     """
     import torch
 
@@ -142,10 +172,11 @@ def _topk_candidates(z, kk: int):
         ids = torch.arange(v, device=z.device).expand(r, v)
         vals = z
     else:
-        nb = v // _BLOCK
-        bm = z[:, : nb * _BLOCK].reshape(r, nb, _BLOCK).amax(-1)
-        if nb * _BLOCK < v:
-            bm = torch.cat([bm, z[:, nb * _BLOCK :].amax(-1, keepdim=True)], 1)
+        if bm is None:
+            nb = v // _BLOCK
+            bm = z[:, : nb * _BLOCK].reshape(r, nb, _BLOCK).amax(-1)
+            if nb * _BLOCK < v:
+                bm = torch.cat([bm, z[:, nb * _BLOCK :].amax(-1, keepdim=True)], 1)
         t = torch.topk(bm, kk, dim=-1).values[:, -1:]
         # At least kk blocks: a NaN row (refused later) compares false everywhere.
         m = max(kk, int((bm >= t).sum(-1).max()))
@@ -155,115 +186,149 @@ def _topk_candidates(z, kk: int):
         vals = z.gather(1, ids.clamp(max=v - 1))
         if not bool(valid.all()):
             vals = vals.masked_fill(~valid, float("-inf"))
-    # ids ascend along each row, so a stable descending sort puts the lowest id first on ties.
+    # Narrow to the values >= the kk-th largest (ties included), then order those few by
+    # (value desc, id asc): ids ascend along each row, so a stable descending sort of the
+    # id-sorted survivors puts the lowest id first on ties.
+    if vals.shape[1] > kk:
+        t = torch.topk(vals, kk, dim=-1).values[:, -1:]
+        m = max(kk, int((vals >= t).sum(-1).max()))
+        pos = torch.topk(vals, m, dim=-1, sorted=False).indices
+        pos = pos.sort(-1).values  # ascending position = ascending id
+        ids, vals = ids.gather(1, pos), vals.gather(1, pos)
     order = torch.sort(vals, dim=-1, descending=True, stable=True).indices[:, :kk]
     return ids.gather(1, order), vals.gather(1, order).to(torch.float64)
 
 
 class _Work:
-    """Float64 scratch of one worker: exp rows of both sides and four tile temporaries."""
+    """Float64 scratch of one worker: exp of each side (a row for pairs, a tile for one side)
+    and [4, tile] matrices: 2 x 8V bytes + ~2 MB, whatever N."""
 
     def __init__(self, rows: int, vocab: int, tile: int, device, pair: bool):
         import torch
 
-        f = dict(dtype=torch.float64, device=device)
-        self.rows, self.tile = rows, tile
-        self.e = torch.empty(2 if pair else 1, rows, vocab, **f)
-        self.t = torch.empty(4, rows * tile, **f)
+        self.f = dict(dtype=torch.float64, device=device)
+        self.pair = pair
+        self.e = torch.empty(2 if pair else 1, rows, vocab if pair else min(vocab, tile), **self.f)
+        self._mats: dict[int, object] = {}
+        self._views: dict[tuple[int, int], list] = {}
 
-    def tmp(self, i: int, r: int, n: int):
-        return self.t[i, : r * n].view(r, n)
+    def tiles(self, vocab: int, tile: int) -> list:
+        """Per tile of `_tiles`: (width, x [4, n], x[0], x[1], x[2], x[::3], e_p, e_q) views,
+        made once per worker (view creation is a noticeable share of the per-op cost)."""
+        v = self._views.get((vocab, tile))
+        if v is None:
+            v = []
+            for c0, c1 in _tiles(vocab, tile):
+                x = self.mat(c1 - c0)
+                if self.pair:
+                    e0, e1 = self.e[0, 0, c0:c1], self.e[1, 0, c0:c1]
+                else:
+                    e0 = e1 = x[1]
+                v.append((c1 - c0, x, x[0], x[1], x[2], x[::3], e0, e1))
+            self._views[(vocab, tile)] = v
+        return v
+
+    def mat(self, n: int):
+        """[4, n] tile matrix: rows 0-2 scratch, row 3 all ones (so one matrix-vector
+        product gives three dot products and a sum)."""
+        import torch
+
+        x = self._mats.get(n)
+        if x is None:
+            x = self._mats[n] = torch.empty(4, n, **self.f)
+            x[3] = 1.0
+        return x
 
 
-def _rowdot(x, y, out) -> None:
+def _split(z, views):
+    """Row z [V] cut into the column tiles of ``views`` (one call, views of z)."""
+    return z.split(views[0][0])
+
+
+def _side_sums_row(z, m: float, w: _Work, tile: int) -> tuple[float, float]:
+    """One row z [V] with maximum m: (s, A), a = z - m, e = exp(a), s = sum e, A = sum e*a.
+    (log-sum-exp = m + ln s, entropy = ln s - A/s.)"""
     import torch
 
-    if x.shape[0] == 1:  # BLAS ddot: faster than a batched reduction for one row
-        torch.dot(x[0], y[0], out=out[0])
-    else:
-        torch.linalg.vecdot(x, y, out=out)
-
-
-def _shifted(z, m, out):
-    """out = float64(z) - m[:, None]  (the upcast is exact; two cheap passes beat one
-    mixed-dtype op)."""
-    import torch
-
-    if z.dtype == torch.float64:
-        torch.sub(z, m[:, None], out=out)
-    else:
-        out.copy_(z)
-        out.sub_(m[:, None])
-
-
-def _side_sums(z, m, w: _Work, tile: int):
-    """One side, rows [R, V] with row maxima m: [2, R] = (s, A) with a = z - m, e = exp(a),
-    s = sum e, A = sum e*a. (log-sum-exp = m + ln s, entropy = ln s - A/s.)"""
-    import torch
-
-    r, v = z.shape
-    bounds = _tiles(v, tile)
-    acc = torch.empty(len(bounds), 2, r, dtype=torch.float64, device=z.device)
-    for j, (c0, c1) in enumerate(bounds):
-        a = w.tmp(0, r, c1 - c0)
-        _shifted(z[:, c0:c1], m, a)
-        e = w.tmp(1, r, c1 - c0)
+    views = w.tiles(z.shape[0], tile)
+    parts = []
+    for zt, (_, _, a, e, _, x03, _, _) in zip(_split(z, views), views):
+        a.copy_(zt)  # exact upcast; copy + in-place shift beat one mixed-dtype op by far
+        a.sub_(m)
         torch.exp(a, out=e)
-        torch.sum(e, -1, out=acc[j, 0])
-        _rowdot(e, a, acc[j, 1])
-    return acc.sum(0)
+        parts.append(torch.mv(x03, e))  # (sum e*a, sum e)
+    sa, s = torch.stack(parts).sum(0).tolist()
+    return s, sa
 
 
-def _pair_sums(zp, zq, mp, mq, w: _Work, tile: int):
-    """Both sides, rows [R, V] with row maxima mp, mq. Returns [7, R]:
-    s_p, A_p, s_q, A_q (as in `_side_sums`), D_p = sum e_p d, D_q = sum e_q d with
+def _pair_sums_row(zp, zq, mp: float, mq: float, w: _Work, tile: int) -> list[float]:
+    """Both sides of one row ([V] each, maxima mp, mq): [s_p, A_p, s_q, A_q, D_p, D_q, G]
+    with a, e, s, A as in `_side_sums_row`, D_p = sum e_p d, D_q = sum e_q d for
     d = a_p - a_q (shift-invariant, so KL is a sum of small terms, not a difference of
-    entropies), and G = sum g ln g with g = e_p + (s_p/s_q) e_q = s_p (p + q).
+    entropies), and G = sum g ln g for g = e_p + (s_p/s_q) e_q = s_p (p + q).
 
-    Two passes over V: exp of each side is computed once (kept in ``w.e``), ln once (of g).
+    Two passes over V in L2-sized tiles (the second, for G, needs s_p/s_q): exp of each
+    side is taken once (kept in ``w.e``, measured cheaper than recomputing it) and ln
+    once (of g); one matrix-vector product per side gives its four first-pass sums.
     """
     import torch
 
-    r, v = zp.shape
-    bounds = _tiles(v, tile)
-    acc = torch.empty(len(bounds), 7, r, dtype=torch.float64, device=zp.device)
-    ep_all, eq_all = w.e[0, :r], w.e[1, :r]
-    for j, (c0, c1) in enumerate(bounds):
-        n = c1 - c0
-        ap, aq, d = w.tmp(0, r, n), w.tmp(1, r, n), w.tmp(2, r, n)
-        ep, eq = ep_all[:, c0:c1], eq_all[:, c0:c1]
-        _shifted(zp[:, c0:c1], mp, ap)
+    views = w.tiles(zp.shape[0], tile)
+    parts = []
+    for zpt, zqt, (_, x, ap, aq, d, _, ep, eq) in zip(_split(zp, views), _split(zq, views), views):
+        ap.copy_(zpt)  # exact upcast; copy + in-place shift beat one mixed-dtype op by far
+        ap.sub_(mp)
         torch.exp(ap, out=ep)
-        torch.sum(ep, -1, out=acc[j, 0])
-        _rowdot(ep, ap, acc[j, 1])
-        _shifted(zq[:, c0:c1], mq, aq)
+        aq.copy_(zqt)
+        aq.sub_(mq)
         torch.exp(aq, out=eq)
-        torch.sum(eq, -1, out=acc[j, 2])
-        _rowdot(eq, aq, acc[j, 3])
         torch.sub(ap, aq, out=d)
-        _rowdot(ep, d, acc[j, 4])
-        _rowdot(eq, d, acc[j, 5])
-    tot = acc[:, :6].sum(0)
-    ratio = tot[0] / tot[2]
+        parts.append(torch.mv(x, ep))  # sum e_p a_p, sum e_p a_q, D_p, s_p
+        parts.append(torch.mv(x, eq))  # sum e_q a_p, A_q, D_q, s_q
+    t = torch.stack(parts).view(-1, 2, 4).sum(0).tolist()
+    s_p, s_q = t[0][3], t[1][3]
+    ratio = s_p / s_q
+    g_sum = math.nan
     for clamp in (False, True):
-        for j, (c0, c1) in enumerate(bounds):
-            n = c1 - c0
-            g, lg = w.tmp(3, r, n), w.tmp(0, r, n)
-            ep, eq = ep_all[:, c0:c1], eq_all[:, c0:c1]
-            if r == 1:
-                torch.add(ep, eq, alpha=float(ratio[0]), out=g)
-            else:
-                torch.addcmul(ep, eq, ratio[:, None], out=g)
+        parts = []
+        for _, _, g, lg, _, _, ep, eq in views:
+            torch.add(ep, eq, alpha=ratio, out=g)
             if clamp:
                 g.clamp_min_(_TINY)
             torch.log(g, out=lg)
-            _rowdot(g, lg, acc[j, 6])
-        gl = acc[:, 6].sum(0)
+            parts.append(torch.dot(g, lg))
+        g_sum = float(torch.stack(parts).sum())
         # g underflows to 0 only > ~745 nats below both maxima; then 0 * ln 0 = NaN and
         # the pass is redone with g >= tiny (each such term is then ~1e-305, i.e. 0).
-        if clamp or bool(torch.isfinite(gl).all()) or not bool(torch.isfinite(tot).all()):
+        if math.isfinite(g_sum) or not all(math.isfinite(v) for v in t[0] + t[1]):
             break
-    return torch.cat([tot, gl[None]], 0)
+    return [s_p, t[0][0], s_q, t[1][1], t[0][2], t[1][2], g_sum]
+
+
+def _pair_sums_batched(zp, zq, mp, mq):
+    """`_pair_sums_row` for a chunk of rows [R, V] at once (GPU path): [7, R] tensor."""
+    import torch
+
+    f64 = torch.float64
+    ap = zp.to(f64) - mp[:, None]
+    aq = zq.to(f64) - mq[:, None]
+    ep, eq = ap.exp(), aq.exp()
+    s_p, s_q = ep.sum(-1), eq.sum(-1)
+    d = ap - aq
+    sums = [s_p, torch.linalg.vecdot(ep, ap), s_q, torch.linalg.vecdot(eq, aq)]
+    sums += [torch.linalg.vecdot(ep, d), torch.linalg.vecdot(eq, d)]
+    del ap, aq, d
+    g = torch.addcmul(ep, eq, (s_p / s_q)[:, None])
+    g_sum = torch.linalg.vecdot(g, g.clamp_min(_TINY).log())
+    return torch.stack(sums + [g_sum])
+
+
+def _side_sums_batched(z, m):
+    import torch
+
+    a = z.to(torch.float64) - m[:, None]
+    e = a.exp()
+    return torch.stack([e.sum(-1), torch.linalg.vecdot(e, a)])
 
 
 def _row_pool(n_rows: int, dev):
@@ -280,15 +345,20 @@ def _row_pool(n_rows: int, dev):
     return ThreadPoolExecutor(nw, thread_name_prefix="logitdiff-metrics")
 
 
-def _map_rows(pool, fn, rows: int, make_work):
-    """sums[:, i] = fn(i, work) for each row i, on the pool (thread-local scratch) or inline."""
-    import threading
+def _map_rows(pool, local, fn, rows: int, make_work):
+    """[fn(i, work) for each row i], on the pool or inline; ``work`` is per thread, kept in
+    ``local`` (a ``threading.local``) across calls."""
 
-    local = threading.local()
+    import torch
 
     def one(i):
         w = getattr(local, "w", None)
         if w is None:
+            # Each worker is one stream of small ops: no intra-op fork/join (torch's exp/log
+            # fork at 2048 values; with the rows already spread over the cores that only
+            # adds barrier waits, ruinous on a loaded machine). This sets the calling
+            # thread's OpenMP/MKL thread count; the caller restores the global value.
+            torch.set_num_threads(1)
             w = local.w = make_work()
         return fn(i, w)
 
@@ -364,8 +434,10 @@ def full_vocab(
     if n == 0:
         return out
     dev = torch.device(device) if device is not None else zp_all.device
-    per_row = dev.type == "cpu"
+    per_row = dev.type == "cpu" and _CPU_PER_ROW
+    threads = torch.get_num_threads()
     pool = _row_pool(n, dev) if per_row else None
+    local = threading.local()
     nw = pool._max_workers if pool is not None else 1
     if per_row:
         tile = min(vocab, _CPU_TILE)
@@ -380,21 +452,23 @@ def full_vocab(
             b = min(n, a + step)
             zp = zp_all[a:b].to(dev)
             zq = zq_all[a:b].to(dev)
-            ids_p, vals_p = _topk_candidates(zp, kk)
-            ids_q, vals_q = _topk_candidates(zq, kk)
-            mp, mq = vals_p[:, 0].contiguous(), vals_q[:, 0].contiguous()
             if per_row:
-                sums = torch.stack(
-                    _map_rows(
-                        pool,
-                        lambda i, w: _pair_sums(zp[i : i + 1], zq[i : i + 1], mp[i : i + 1], mq[i : i + 1], w, tile)[:, 0],
-                        b - a,
-                        lambda: _Work(1, vocab, tile, dev, True),
-                    ),
-                    1,
-                )
+
+                def one_row(i, w):
+                    zpi, zqi = zp[i], zq[i]
+                    ip, vp = _row_top(zpi, kk, tile)
+                    iq, vq = _row_top(zqi, kk, tile)
+                    sums = _pair_sums_row(zpi, zqi, float(vp[0]), float(vq[0]), w, tile)
+                    return ip, vp, iq, vq, sums
+
+                rows = _map_rows(pool, local, one_row, b - a, lambda: _Work(1, vocab, tile, dev, True))
+                ids_p, vals_p, ids_q, vals_q = (torch.stack([r[j] for r in rows]) for j in range(4))
+                sums = torch.tensor([r[4] for r in rows], dtype=torch.float64).T
             else:
-                sums = _pair_sums(zp, zq, mp, mq, _Work(b - a, vocab, tile, dev, True), tile)
+                ids_p, vals_p = _topk_candidates(zp, kk)
+                ids_q, vals_q = _topk_candidates(zq, kk)
+                sums = _pair_sums_batched(zp, zq, vals_p[:, 0].contiguous(), vals_q[:, 0].contiguous())
+            mp, mq = vals_p[:, 0], vals_q[:, 0]
             s_p, a_p, s_q, a_q, d_p, d_q, g = sums
             if check_finite:
                 bad_p = ~(torch.isfinite(mp) & torch.isfinite(a_p))
@@ -442,6 +516,8 @@ def full_vocab(
     finally:
         if pool is not None:
             pool.shutdown()
+        if per_row:
+            torch.set_num_threads(threads)
     return out
 
 
@@ -467,8 +543,10 @@ def row_stats(logits, *, k: int = 0, device=None, chunk_bytes: int = 256 << 20):
     ids = np.empty((n, k), np.int64)
     lps = np.empty((n, k), np.float64)
     dev = torch.device(device) if device is not None else z_all.device
-    per_row = dev.type == "cpu"
+    per_row = dev.type == "cpu" and _CPU_PER_ROW
+    threads = torch.get_num_threads()
     pool = _row_pool(n, dev) if per_row and n else None
+    local = threading.local()
     nw = pool._max_workers if pool is not None else 1
     if per_row:
         tile = min(vocab, _CPU_TILE)
@@ -480,20 +558,19 @@ def row_stats(logits, *, k: int = 0, device=None, chunk_bytes: int = 256 << 20):
         for a in range(0, n, step):
             b = min(n, a + step)
             z = z_all[a:b].to(dev)
-            top_i, top_v = _topk_candidates(z, max(k, 1))
-            m = top_v[:, 0].contiguous()
             if per_row:
-                sums = torch.stack(
-                    _map_rows(
-                        pool,
-                        lambda i, w: _side_sums(z[i : i + 1], m[i : i + 1], w, tile)[:, 0],
-                        b - a,
-                        lambda: _Work(1, vocab, tile, dev, False),
-                    ),
-                    1,
-                )
+
+                def one_row(i, w):
+                    ti, tv = _row_top(z[i], max(k, 1), tile)
+                    return ti, tv, _side_sums_row(z[i], float(tv[0]), w, tile)
+
+                rows = _map_rows(pool, local, one_row, b - a, lambda: _Work(1, vocab, tile, dev, False))
+                top_i, top_v = (torch.stack([r[j] for r in rows]) for j in range(2))
+                sums = torch.tensor([r[2] for r in rows], dtype=torch.float64).T
             else:
-                sums = _side_sums(z, m, _Work(b - a, vocab, tile, dev, False), tile)
+                top_i, top_v = _topk_candidates(z, max(k, 1))
+                sums = _side_sums_batched(z, top_v[:, 0].contiguous())
+            m = top_v[:, 0]
             s, sa = sums
             bad = ~(torch.isfinite(m) & torch.isfinite(sa))
             if bool(bad.any()):
@@ -507,6 +584,8 @@ def row_stats(logits, *, k: int = 0, device=None, chunk_bytes: int = 256 << 20):
     finally:
         if pool is not None:
             pool.shutdown()
+        if per_row:
+            torch.set_num_threads(threads)
     res = {"logsumexp": lse, "entropy": ent}
     if k:
         res["topk_ids"] = ids

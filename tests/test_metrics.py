@@ -1,0 +1,574 @@
+"""metrics.py against an independent float64 reference built on scipy, plus properties.
+
+The reference never calls logitdiff: log_softmax / rel_entr / jensenshannon / entropy from
+scipy on the float64 upcast of exactly the values handed to `full_vocab` (so a float16 or
+bfloat16 input is compared with the reference of its own rounded values).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import warnings
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
+from scipy.spatial.distance import jensenshannon
+from scipy.special import log_softmax, logsumexp, rel_entr
+from scipy.stats import entropy
+
+from logitdiff import metrics
+from logitdiff.metrics import FULL_VOCAB_FIELDS, NonFiniteLogits, full_vocab, row_stats, topk
+
+LN2 = math.log(2.0)
+RTOL, ATOL = 1e-9, 1e-12
+
+# --------------------------------------------------------------------------- reference
+
+
+def _f64(z) -> np.ndarray:
+    if isinstance(z, torch.Tensor):
+        return z.to(torch.float64).numpy()
+    return np.asarray(z, dtype=np.float64)
+
+
+def _order(z: np.ndarray) -> np.ndarray:
+    """Row-wise ids by descending logit, lowest id first on ties."""
+    ids = np.arange(z.shape[1])
+    return np.stack([np.lexsort((ids, -row)) for row in z])
+
+
+def ref_full_vocab(zp, zq, y, k):
+    zp, zq = _f64(zp), _f64(zq)
+    warnings.filterwarnings("ignore", "invalid value encountered in sqrt", RuntimeWarning)
+    lp, lq = log_softmax(zp, axis=1), log_softmax(zq, axis=1)
+    p, q = np.exp(lp), np.exp(lq)
+    op, oq = _order(zp), _order(zq)
+    rows = np.arange(zp.shape[0])
+    ps = np.sort(p, axis=1)
+    out = {
+        "kl_nats": rel_entr(p, q).sum(1),
+        "kl_rev_nats": rel_entr(q, p).sum(1),
+        # scipy takes sqrt(js/2): a rounding of -1e-17 gives NaN; DESIGN reports it as 0.
+        "jsd_nats": np.nan_to_num(jensenshannon(p, q, axis=1) ** 2, nan=0.0),
+        "top1_ref": op[:, 0],
+        "top1_cand": oq[:, 0],
+        "top1_match": op[:, 0] == oq[:, 0],
+        "margin_ref": ps[:, -1] - (ps[:, -2] if zp.shape[1] > 1 else 0.0),
+        "p_ref_token": p[rows, y],
+        "p_cand_token": q[rows, y],
+        "delta_p": q[rows, y] - p[rows, y],
+        "nll_ref": -lp[rows, y],
+        "nll_cand": -lq[rows, y],
+        "entropy_ref": entropy(p, axis=1),
+        "entropy_cand": entropy(q, axis=1),
+        "topk_overlap": np.array([len(set(a[:k]) & set(b[:k])) / k for a, b in zip(op, oq)]),
+    }
+    return out
+
+
+def assert_matches(got, want, rtol=RTOL, atol=ATOL, fields=FULL_VOCAB_FIELDS):
+    for f in fields:
+        g, w = np.asarray(got[f]), np.asarray(want[f])
+        if g.dtype.kind in "bi":
+            np.testing.assert_array_equal(g, w, err_msg=f)
+        else:
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=f)
+
+
+def make_pair(rng, n, v, sigma, dtype):
+    """Reference logits ~ N(0, sigma^2); candidate rows: independent, a small perturbation,
+    an identical row and a shifted copy, in the requested input dtype."""
+    zp = rng.standard_normal((n, v)) * sigma
+    zq = np.empty_like(zp)
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            zq[i] = rng.standard_normal(v) * sigma
+        elif kind == 1:
+            zq[i] = zp[i] + rng.standard_normal(v) * 0.1 * sigma
+        elif kind == 2:
+            zq[i] = zp[i]
+        else:
+            zq[i] = zp[i] + 3.25
+    y = rng.integers(0, v, n)
+    if dtype == "bfloat16":
+        return torch.from_numpy(zp).to(torch.bfloat16), torch.from_numpy(zq).to(torch.bfloat16), y
+    return zp.astype(dtype), zq.astype(dtype), y
+
+
+# --------------------------------------------------------------------------- full_vocab
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
+@pytest.mark.parametrize("sigma", [0.1, 1.0, 5.0, 20.0])
+@pytest.mark.parametrize("vocab", [2, 17, 1000, 32000])
+def test_full_vocab_matches_scipy(vocab, sigma, dtype):
+    rng = np.random.default_rng(vocab * 1000 + int(sigma * 10))
+    n = 8 if vocab < 32000 else 4
+    zp, zq, y = make_pair(rng, n, vocab, sigma, dtype)
+    k = min(10, vocab)
+    got = full_vocab(zp, zq, y, k=k)
+    assert_matches(got, ref_full_vocab(zp, zq, y, k))
+    assert got["kl_nats"].dtype == np.float64 and got["top1_ref"].dtype == np.int64
+    assert got["top1_match"].dtype == bool
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_full_vocab_real_vocabulary(dtype):
+    rng = np.random.default_rng(7)
+    zp, zq, y = make_pair(rng, 4, 248_320, 2.0, dtype)
+    got = full_vocab(zp, zq, y, k=20)
+    assert_matches(got, ref_full_vocab(zp, zq, y, 20))
+
+
+def test_full_vocab_near_identical_small_kl_is_accurate():
+    """KL of quantisation size (~5e-7 nats) is summed from logit differences, not taken as a
+    difference of entropies (~10 nats), so it keeps float64's accuracy: within a few 1e-9
+    of an 80-bit long double reference, as scipy's own rel_entr sum is."""
+    rng = np.random.default_rng(3)
+    zp = rng.standard_normal((6, 50_000)) * 3
+    zq = zp + rng.standard_normal((6, 50_000)) * 1e-3
+    got = full_vocab(zp, zq, k=5)
+    want = ref_full_vocab(zp, zq, np.zeros(6, int), 5)
+
+    def lsm(z):
+        a = z.astype(np.longdouble) - z.max(1, keepdims=True)
+        return a - np.log(np.exp(a).sum(1, keepdims=True))
+
+    lp, lq = lsm(zp), lsm(zq)
+    exact = (np.exp(lp) * (lp - lq)).sum(1).astype(np.float64)
+    exact_rev = (np.exp(lq) * (lq - lp)).sum(1).astype(np.float64)
+    np.testing.assert_allclose(got["kl_nats"], exact, rtol=3e-9)
+    np.testing.assert_allclose(got["kl_rev_nats"], exact_rev, rtol=3e-9)
+    np.testing.assert_allclose(got["kl_nats"], want["kl_nats"], rtol=3e-9)
+    np.testing.assert_allclose(got["jsd_nats"], want["jsd_nats"], rtol=1e-6)
+
+
+def test_full_vocab_ties_lowest_id():
+    v, k = 50, 4
+    zp = np.zeros((3, v))
+    zq = np.zeros((3, v))
+    zp[0, [9, 5, 3]] = 2.0  # top-1 tie: 3
+    zq[0, [5, 9]] = 2.0  # top-1 tie: 5
+    # top-K boundary ties: 3 clear winners, then a 4-way tie for the last slot -> id 7.
+    zp[1, [40, 41, 42]] = 5.0
+    zp[1, [30, 7, 20, 11]] = 1.0
+    zq[1, [40, 41, 42]] = 5.0
+    zq[1, [11, 7]] = 1.0  # cand's last slot: 7 as well -> overlap 4/4
+    zp[2] = np.arange(v) % 3  # many ties everywhere
+    zq[2] = -(np.arange(v) % 5)
+    got = full_vocab(zp, zq, np.zeros(3, int), k=k)
+    want = ref_full_vocab(zp, zq, np.zeros(3, int), k)
+    assert_matches(got, want)
+    assert got["top1_ref"][0] == 3 and got["top1_cand"][0] == 5 and not got["top1_match"][0]
+    assert got["topk_overlap"][1] == 1.0
+    assert got["margin_ref"][0] == 0.0
+    # the same ties survive the block-wise top-K search of a large vocabulary
+    big = np.zeros((1, 100_000), np.float32)
+    big[0, [99_999, 70_000, 300, 12_345]] = 4.0
+    big[0, [5, 50_000, 90_000]] = 3.0
+    res = full_vocab(big, big[:, ::-1].copy(), [0], k=6)
+    want = ref_full_vocab(big, big[:, ::-1], [0], 6)
+    assert_matches(res, want)
+    assert res["top1_ref"][0] == 300
+
+
+def test_full_vocab_without_tokens_gives_nan_token_metrics():
+    rng = np.random.default_rng(0)
+    zp, zq, _ = make_pair(rng, 3, 40, 1.0, "float32")
+    got = full_vocab(zp, zq, k=3)
+    for f in ("p_ref_token", "p_cand_token", "delta_p", "nll_ref", "nll_cand"):
+        assert np.isnan(got[f]).all()
+    assert np.isfinite(got["kl_nats"]).all()
+
+
+def test_full_vocab_peaked_underflow_is_finite():
+    """Logit gaps of 1e3: probabilities underflow to 0 on both sides; no NaN, exact limits."""
+    v = 1000
+    zp = np.zeros((3, v))
+    zq = np.zeros((3, v))
+    zp[:, 0] = 1000.0
+    zq[0, 1] = 1000.0  # disjoint winners: KL ~ 1000, JSD = ln 2
+    zq[1, 0] = 1000.0  # same winner: everything 0
+    zq[2, 0] = 999.0  # same winner, slightly less sure
+    got = full_vocab(zp, zq, np.array([0, 1, 2]), k=2)
+    for f in FULL_VOCAB_FIELDS:
+        assert not np.isnan(np.asarray(got[f], dtype=float)).any(), f
+    assert np.isfinite(got["kl_nats"]).all() and np.isfinite(got["kl_rev_nats"]).all()
+    np.testing.assert_allclose(got["kl_nats"][0], 1000.0, atol=1e-9)
+    np.testing.assert_allclose(got["kl_rev_nats"][0], 1000.0, atol=1e-9)
+    np.testing.assert_allclose(got["jsd_nats"][0], LN2, atol=1e-12)
+    assert got["kl_nats"][1] == 0.0 and got["jsd_nats"][1] == 0.0
+    assert got["margin_ref"][0] == 1.0 and got["top1_match"][1]
+    assert got["kl_nats"][2] < 1e-300 and got["entropy_ref"][0] == 0.0
+    assert got["nll_cand"][0] == 1000.0
+    # float32 input too, and the JSD of rows with partly underflowing mixtures
+    zp32 = np.zeros((2, 500), np.float32)
+    zp32[:, :10] = np.linspace(0, 900, 10)
+    zq32 = zp32[:, ::-1].copy()
+    got = full_vocab(zp32, zq32, k=3)
+    want = ref_full_vocab(zp32, zq32, [0, 0], 3)
+    assert np.isfinite(got["kl_nats"]).all()
+    np.testing.assert_allclose(got["jsd_nats"], want["jsd_nats"], rtol=1e-9, atol=1e-12)
+
+
+def test_full_vocab_tiles_with_very_different_maxima():
+    """V spans several CPU tiles whose maxima differ by up to 1e3 nats (tile weights that
+    underflow to 0): same answers as scipy, and finite where scipy's q underflows."""
+    v = 100_000
+    rng = np.random.default_rng(11)
+    zp = rng.standard_normal((4, v)) * 2
+    zq = zp + rng.standard_normal((4, v)) * 0.3
+    zp[0, 40_000:60_000] += 40.0  # one region dominates
+    zq[0, 40_000:60_000] += 39.0
+    zp[1, :30_000] += 25.0
+    zq[1, 70_000:] += 25.0  # the winners move to another tile
+    zp[2, 99_000:] += 700.0  # beyond exp's range: other tiles' weights underflow
+    zq[2, 99_000:] += 700.0
+    zp[3, 5] = 1000.0  # disjoint single winners 1e3 above everything
+    zq[3, 95_000] = 1000.0
+    y = np.array([45_000, 10, 99_500, 5])
+    got = full_vocab(zp, zq, y, k=10)
+    want = ref_full_vocab(zp, zq, y, 10)
+    assert_matches({f: got[f][:3] for f in got}, {f: want[f][:3] for f in want})
+    for f in FULL_VOCAB_FIELDS:
+        assert not np.isnan(np.asarray(got[f], dtype=float)).any(), f
+    # p and q are single points (others < e^-900): KL = lP[5] - lQ[5] = 1000 - zq[5]
+    np.testing.assert_allclose(got["kl_nats"][3], 1000.0 - zq[3, 5], rtol=1e-12)
+    np.testing.assert_allclose(got["kl_rev_nats"][3], 1000.0 - zp[3, 95_000], rtol=1e-12)
+    np.testing.assert_allclose(got["jsd_nats"][3], LN2, atol=1e-12)
+    assert got["top1_ref"][3] == 5 and got["top1_cand"][3] == 95_000
+    st_ = row_stats(zp, k=3)
+    np.testing.assert_allclose(st_["logsumexp"], logsumexp(zp, axis=1), rtol=1e-12)
+    np.testing.assert_allclose(st_["entropy"], want["entropy_ref"], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("side", ["reference", "candidate"])
+def test_full_vocab_non_finite_names_row(bad, side):
+    rng = np.random.default_rng(1)
+    zp = rng.standard_normal((10, 700)).astype(np.float32)
+    zq = rng.standard_normal((10, 700)).astype(np.float32)
+    (zp if side == "reference" else zq)[7, 123] = bad
+    for chunk in (1, 64 << 20):  # the bad row in a later chunk, or in the only one
+        with pytest.raises(NonFiniteLogits) as ei:
+            full_vocab(zp, zq, k=3, chunk_bytes=chunk)
+        assert ei.value.row == 7 and ei.value.side == side
+        assert (np.isnan(ei.value.value) and np.isnan(bad)) or ei.value.value == bad
+        assert "row 7" in str(ei.value)
+    # the first bad row wins, whichever side holds it
+    zq2 = zq.copy()
+    zq2[3, 5] = float("nan")
+    with pytest.raises(NonFiniteLogits) as ei:
+        full_vocab(zp, zq2, k=3)
+    assert ei.value.row == 3 and ei.value.side == "candidate"
+
+
+def test_full_vocab_chunking_is_exact():
+    rng = np.random.default_rng(5)
+    zp, zq, y = make_pair(rng, 13, 70_001, 2.0, "float32")
+    one = full_vocab(zp, zq, y, k=7, chunk_bytes=1 << 40)
+    many = full_vocab(zp, zq, y, k=7, chunk_bytes=1)
+    for f in FULL_VOCAB_FIELDS:
+        np.testing.assert_array_equal(one[f], many[f], err_msg=f)
+    # torch tensors, numpy arrays and memory-mapped arrays give the same answer
+    t = full_vocab(torch.from_numpy(zp), torch.from_numpy(zq), y, k=7)
+    for f in FULL_VOCAB_FIELDS:
+        np.testing.assert_array_equal(one[f], t[f], err_msg=f)
+
+
+def test_batched_path_of_other_devices(monkeypatch):
+    """The batched path (GPU) runs here on CPU tensors and gives the same answers."""
+    monkeypatch.setattr(metrics, "_CPU_PER_ROW", False)
+    rng = np.random.default_rng(8)
+    for dtype in ("float32", "bfloat16"):
+        zp, zq, y = make_pair(rng, 8, 5000, 3.0, dtype)
+        assert_matches(full_vocab(zp, zq, y, k=6, chunk_bytes=5000 * 8 * 6 * 3), ref_full_vocab(zp, zq, y, 6))
+        z64 = _f64(zp)
+        st_ = row_stats(zp, k=5)
+        np.testing.assert_allclose(st_["logsumexp"], logsumexp(z64, axis=1), rtol=1e-12)
+        np.testing.assert_allclose(st_["entropy"], entropy(np.exp(log_softmax(z64, axis=1)), axis=1), rtol=1e-9)
+        np.testing.assert_array_equal(st_["topk_ids"], _order(z64)[:, :5])
+    zp = np.zeros((2, 600))
+    zq = np.zeros((2, 600))
+    zp[:, 0] = zq[:, 1] = 1000.0
+    got = full_vocab(zp, zq, k=2)
+    assert np.isfinite(got["jsd_nats"]).all() and np.allclose(got["jsd_nats"], LN2)
+    zp[1, 3] = np.nan
+    with pytest.raises(NonFiniteLogits) as ei:
+        full_vocab(zp, zq, k=2)
+    assert ei.value.row == 1
+
+
+def test_full_vocab_memory_mapped_input(tmp_path):
+    rng = np.random.default_rng(6)
+    zp, zq, y = make_pair(rng, 5, 3000, 1.0, "float32")
+    np.save(tmp_path / "p.npy", zp)
+    np.save(tmp_path / "q.npy", zq)
+    mp = np.load(tmp_path / "p.npy", mmap_mode="r")
+    mq = np.load(tmp_path / "q.npy", mmap_mode="r")
+    assert_matches(full_vocab(mp, mq, y, k=4), ref_full_vocab(zp, zq, y, 4))
+
+
+def test_full_vocab_zero_rows():
+    got = full_vocab(np.zeros((0, 50), np.float32), np.zeros((0, 50), np.float32), np.zeros(0, int), k=5)
+    assert set(got) == set(FULL_VOCAB_FIELDS)
+    for f in FULL_VOCAB_FIELDS:
+        assert got[f].shape == (0,)
+    assert got["top1_ref"].dtype == np.int64 and got["kl_nats"].dtype == np.float64
+
+
+def test_full_vocab_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        full_vocab(np.zeros((2, 5)), np.zeros((2, 6)))
+    with pytest.raises(ValueError):
+        full_vocab(np.zeros((2, 5)), np.zeros((2, 5)), k=6)
+    with pytest.raises(ValueError):
+        full_vocab(np.zeros((2, 5)), np.zeros((2, 5)), [0, 5], k=2)
+
+
+def test_full_vocab_memory_independent_of_n():
+    """Peak RSS of full_vocab on [N, 248320] float32 does not grow with N (no N x V float64).
+
+    Inputs are stride-0 expansions of one row, so they occupy no memory themselves; the
+    peak RSS delta between N=32 and N=256 must be far below (256-32) x V x 8 bytes."""
+    code = textwrap.dedent(
+        """
+        import resource, sys, numpy as np, torch
+        from logitdiff import metrics
+        n, v = int(sys.argv[1]), 248320
+        g = torch.Generator().manual_seed(0)
+        zp = torch.randn(1, v, generator=g).expand(n, v)
+        zq = (zp[:1] + 0.1 * torch.randn(1, v, generator=g)).expand(n, v)
+        metrics.full_vocab(zp[:2], zq[:2], k=10)  # warm-up: lazy allocations of torch itself
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        r = metrics.full_vocab(zp, zq, np.zeros(n, int), k=10)
+        assert np.isfinite(r["kl_nats"]).all() and r["kl_nats"].shape == (n,)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+        """
+    )
+
+    def grow_kb(n):
+        out = subprocess.run([sys.executable, "-c", code, str(n)], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    small, large = grow_kb(32), grow_kb(256)
+    full_f64 = (256 - 32) * 248_320 * 8 / 1024
+    assert large - small < 0.05 * full_f64, (small, large, full_f64)
+    assert large < 0.1 * 256 * 248_320 * 8 / 1024
+
+
+# --------------------------------------------------------------------------- row_stats
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
+@pytest.mark.parametrize("vocab,k", [(2, 2), (17, 5), (1000, 10), (32000, 20), (248_320, 8)])
+def test_row_stats_matches_scipy(vocab, k, dtype):
+    rng = np.random.default_rng(vocab + k)
+    n = 3 if vocab > 100_000 else 6
+    z = rng.standard_normal((n, vocab)) * 3
+    z[0, :2] = z[0].max() + 1.0  # a tie at the top
+    zin = torch.from_numpy(z).to(torch.bfloat16) if dtype == "bfloat16" else z.astype(dtype)
+    z64 = _f64(zin)
+    got = row_stats(zin, k=k)
+    lp = log_softmax(z64, axis=1)
+    np.testing.assert_allclose(got["logsumexp"], logsumexp(z64, axis=1), rtol=1e-12, atol=ATOL)
+    np.testing.assert_allclose(got["entropy"], entropy(np.exp(lp), axis=1), rtol=RTOL, atol=ATOL)
+    order = _order(z64)[:, :k]
+    np.testing.assert_array_equal(got["topk_ids"], order)
+    np.testing.assert_allclose(got["topk_logprobs"], np.take_along_axis(lp, order, 1), rtol=1e-12, atol=ATOL)
+    want_tail = np.maximum(1.0 - np.exp(np.take_along_axis(lp, order, 1)).sum(1), 0.0)
+    np.testing.assert_allclose(got["tail_mass"], want_tail, rtol=1e-9, atol=1e-12)
+    assert (got["tail_mass"] >= 0).all()
+
+
+def test_row_stats_without_k_and_chunking():
+    rng = np.random.default_rng(2)
+    z = rng.standard_normal((9, 5000)).astype(np.float32)
+    a = row_stats(z)
+    assert set(a) == {"logsumexp", "entropy"}
+    b = row_stats(z, k=4, chunk_bytes=1)
+    np.testing.assert_array_equal(a["logsumexp"], b["logsumexp"])
+    np.testing.assert_array_equal(a["entropy"], b["entropy"])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_row_stats_non_finite_names_row(bad):
+    z = np.zeros((6, 300), np.float32)
+    z[4, 17] = bad
+    with pytest.raises(NonFiniteLogits) as ei:
+        row_stats(z, k=3, chunk_bytes=1)
+    assert ei.value.row == 4 and ei.value.side == "logits"
+
+
+# --------------------------------------------------------------------------- topk
+
+
+def ref_topk(ref_ids, ref_lp, cand_ids, cand_lp, vocab, eps=1e-12):
+    """DESIGN.md's top-K approximation, written out plainly one row at a time."""
+    out = {f: [] for f in ("kl_nats", "baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass")}
+    for ri, rl, ci, cl in zip(ref_ids, ref_lp, cand_ids, cand_lp):
+        P = {int(i): math.exp(l) for i, l in zip(ri, rl) if i >= 0}
+        Q = {int(i): math.exp(l) for i, l in zip(ci, cl) if i >= 0}
+        base = sum(P.values())
+        cand = sum(Q.values())
+        tail_p = max(1.0 - base, 0.0)
+        tail_q = max(1.0 - cand, 0.0)
+        K = len(Q)
+        qhat = {i: (Q[i] if i in Q else tail_q / (vocab - K)) for i in P}
+        tail_bucket_q = max(1.0 - sum(qhat.values()), 0.0)
+        kl = sum(p * (math.log(max(p, eps)) - math.log(max(qhat[i], eps))) for i, p in P.items())
+        kl += tail_p * (math.log(max(tail_p, eps)) - math.log(max(tail_bucket_q, eps)))
+        shared = set(P) & set(Q)
+        out["kl_nats"].append(max(kl, 0.0))  # "Divergences are never negative."
+        out["baseline_top_mass"].append(base)
+        out["candidate_top_mass"].append(cand)
+        out["shared_tokens"].append(len(shared))
+        out["shared_baseline_mass"].append(sum(P[i] for i in shared))
+        out["shared_candidate_mass"].append(sum(Q[i] for i in shared))
+    return {f: np.array(v) for f, v in out.items()}
+
+
+def _topk_of(z, k):
+    lp = log_softmax(_f64(z), axis=1)
+    ids = _order(_f64(z))[:, :k]
+    return ids, np.take_along_axis(lp, ids, 1)
+
+
+@pytest.mark.parametrize("vocab,k,sigma", [(50, 3, 1.0), (1000, 10, 2.0), (1000, 20, 0.1), (32000, 5, 5.0)])
+def test_topk_matches_plain_formula(vocab, k, sigma):
+    rng = np.random.default_rng(vocab + k)
+    zp = rng.standard_normal((12, vocab)) * sigma
+    zq = zp + rng.standard_normal((12, vocab)) * sigma
+    zq[0] = zp[0]  # identical row
+    ri, rl = _topk_of(zp, k)
+    ci, cl = _topk_of(zq, k)
+    got = topk(ri, rl, ci, cl, vocab)
+    want = ref_topk(ri, rl, ci, cl, vocab)
+    for f, w in want.items():
+        np.testing.assert_allclose(got[f], w, rtol=1e-12, atol=1e-15, err_msg=f)
+    np.testing.assert_allclose(got["kl_bits"], got["kl_nats"] / LN2, rtol=1e-15)
+    assert got["kl_nats"][0] == 0.0
+    np.testing.assert_array_equal(got["top1_match"], ri[:, 0] == ci[:, 0])
+
+
+def test_topk_missing_candidate_tokens():
+    vocab = 100
+    ref_ids = np.array([[4, 9, 1], [4, 9, 1], [7, 8, 9]])
+    ref_lp = np.log(np.array([[0.5, 0.2, 0.1], [0.5, 0.2, 0.1], [0.3, 0.3, 0.3]]))
+    cand_ids = np.array([[4, 2, 3], [9, 4, 1], [1, 2, 3]])  # row 2: none of the reference's
+    cand_lp = np.log(np.array([[0.4, 0.3, 0.1], [0.4, 0.3, 0.05], [0.6, 0.2, 0.1]]))
+    got = topk(ref_ids, ref_lp, cand_ids, cand_lp, vocab)
+    want = ref_topk(ref_ids, ref_lp, cand_ids, cand_lp, vocab)
+    for f, w in want.items():
+        np.testing.assert_allclose(got[f], w, rtol=1e-12, atol=1e-15, err_msg=f)
+    assert list(got["shared_tokens"]) == [1, 3, 0]
+    # row 0 by hand: 9 and 1 are missing from K_Q and share its tail 0.2 / 97
+    qh = {4: 0.4, 9: 0.2 / 97, 1: 0.2 / 97}
+    p = {4: 0.5, 9: 0.2, 1: 0.1}
+    tb = 1 - sum(qh.values())
+    kl0 = sum(p[i] * math.log(p[i] / qh[i]) for i in p) + 0.2 * math.log(0.2 / tb)
+    assert got["kl_nats"][0] == pytest.approx(kl0, rel=1e-12)
+    assert got["shared_baseline_mass"][1] == pytest.approx(0.8) and got["shared_candidate_mass"][1] == pytest.approx(0.75)
+    assert got["shared_baseline_mass"][2] == 0.0 and got["shared_candidate_mass"][2] == 0.0
+
+
+def test_topk_padding_ids_are_ignored():
+    vocab = 30
+    ri = np.array([[3, 5, -1]])
+    rl = np.log(np.array([[0.6, 0.3, 0.05]]))
+    ci = np.array([[5, -1, -1]])
+    cl = np.log(np.array([[0.5, 0.1, 0.1]]))
+    got = topk(ri, rl, ci, cl, vocab)
+    want = ref_topk(ri, rl, ci, cl, vocab)
+    for f, w in want.items():
+        np.testing.assert_allclose(got[f], w, rtol=1e-12, atol=1e-15, err_msg=f)
+
+
+def test_topk_identical_inputs_exactly_zero():
+    rng = np.random.default_rng(4)
+    z = rng.standard_normal((20, 500)) * 3
+    ids, lp = _topk_of(z, 8)
+    got = topk(ids, lp, ids.copy(), lp.copy(), 500)
+    assert (got["kl_nats"] == 0.0).all()
+    np.testing.assert_array_equal(got["shared_tokens"], 8)
+    np.testing.assert_array_equal(got["shared_baseline_mass"], got["baseline_top_mass"])
+
+
+@pytest.mark.parametrize("vocab", [2, 17, 300])
+def test_topk_k_equals_v_is_exact_kl(vocab):
+    rng = np.random.default_rng(vocab)
+    zp = rng.standard_normal((10, vocab)) * 2
+    zq = zp + rng.standard_normal((10, vocab))
+    sp, sq = row_stats(zp, k=vocab), row_stats(zq, k=vocab)
+    got = topk(sp["topk_ids"], sp["topk_logprobs"], sq["topk_ids"], sq["topk_logprobs"], vocab)
+    exact = full_vocab(zp, zq, k=1)["kl_nats"]
+    np.testing.assert_allclose(got["kl_nats"], exact, atol=1e-9)
+    np.testing.assert_allclose(got["kl_nats"], ref_full_vocab(zp, zq, np.zeros(10, int), 1)["kl_nats"], atol=1e-9)
+
+
+# --------------------------------------------------------------------------- properties
+
+PROP = settings(max_examples=50, deadline=None)
+_elems = st.floats(-30, 30, allow_nan=False, allow_infinity=False, width=64)
+
+
+@st.composite
+def logit_pairs(draw, lo=-30.0, hi=30.0):
+    n = draw(st.integers(1, 4))
+    v = draw(st.integers(2, 40))
+    el = st.floats(lo, hi, allow_nan=False, allow_infinity=False, width=64)
+    zp = draw(hnp.arrays(np.float64, (n, v), elements=el))
+    zq = draw(hnp.arrays(np.float64, (n, v), elements=el))
+    return zp, zq
+
+
+@PROP
+@given(logit_pairs())
+def test_prop_divergences_bounded(pair):
+    zp, zq = pair
+    r = full_vocab(zp, zq, k=1)
+    assert (r["kl_nats"] >= 0).all() and (r["kl_rev_nats"] >= 0).all()
+    assert (r["jsd_nats"] >= 0).all() and (r["jsd_nats"] <= LN2).all()
+    assert (r["entropy_ref"] >= 0).all() and (r["entropy_ref"] <= np.log(zp.shape[1]) + 1e-12).all()
+    s = full_vocab(zq, zp, k=1)
+    np.testing.assert_allclose(r["jsd_nats"], s["jsd_nats"], rtol=1e-9, atol=1e-12)  # symmetric
+    np.testing.assert_allclose(r["kl_nats"], s["kl_rev_nats"], rtol=1e-9, atol=1e-12)
+    want = ref_full_vocab(zp, zq, np.zeros(len(zp), int), 1)
+    np.testing.assert_allclose(r["kl_nats"], want["kl_nats"], rtol=1e-8, atol=1e-11)
+
+
+@PROP
+@given(logit_pairs())
+def test_prop_self_divergence_exactly_zero(pair):
+    zp, _ = pair
+    r = full_vocab(zp, zp.copy(), k=1)
+    assert (r["kl_nats"] == 0.0).all() and (r["kl_rev_nats"] == 0.0).all() and (r["jsd_nats"] == 0.0).all()
+    assert r["top1_match"].all() and (r["topk_overlap"] == 1.0).all()
+
+
+@PROP
+@given(logit_pairs(), st.lists(st.floats(-100, 100, allow_nan=False), min_size=8, max_size=8))
+def test_prop_shift_invariance(pair, shifts):
+    zp, zq = pair
+    c = np.array(shifts[: len(zp)])[:, None]
+    a = full_vocab(zp, zq, np.zeros(len(zp), int), k=1)
+    b = full_vocab(zp + c, zq - c, np.zeros(len(zp), int), k=1)
+    for f in ("kl_nats", "kl_rev_nats", "jsd_nats", "entropy_ref", "entropy_cand", "nll_ref", "p_cand_token", "margin_ref"):
+        np.testing.assert_allclose(a[f], b[f], rtol=0, atol=1e-10, err_msg=f)
+
+
+@PROP
+@given(logit_pairs(-10.0, 10.0))
+def test_prop_topk_with_k_equal_v_is_full_kl(pair):
+    zp, zq = pair
+    v = zp.shape[1]
+    sp, sq = row_stats(zp, k=v), row_stats(zq, k=v)
+    got = topk(sp["topk_ids"], sp["topk_logprobs"], sq["topk_ids"], sq["topk_logprobs"], v)
+    np.testing.assert_allclose(got["kl_nats"], full_vocab(zp, zq, k=1)["kl_nats"], atol=1e-9)
