@@ -1,0 +1,90 @@
+"""The bundled default, end to end: `logitdiff run` with no arguments on the trained tiny
+model, its real llama.cpp quant ladder and the bundled workload."""
+
+import json
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from logitdiff.builtin import LADDER, TINY_DIR, WORKLOAD
+from logitdiff.cli import main
+from logitdiff.gguf_export import export_gguf  # noqa: F401  (import check: exporter ships)
+from logitdiff.workload import read_workload
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default") / "out"
+    cache = os.environ.get("LOGITDIFF_CACHE")
+    cwd = os.getcwd()
+    os.chdir(out.parent)
+    try:
+        assert main(["run", "--out", str(out)]) == 0
+    finally:
+        os.chdir(cwd)
+    assert cache == os.environ.get("LOGITDIFF_CACHE")
+    return out
+
+
+def test_bundled_workload_is_complete():
+    items = read_workload(WORKLOAD)
+    assert len(items) >= 48
+    tags = {t for it in items for t in it.tags}
+    assert {"code", "prose", "math", "tool"} <= tags
+    tool_items = [it for it in items if "tool" in it.tags]
+    assert tool_items and all(it.tools and it.expected and "tool_call" in it.expected for it in tool_items)
+    assert all(it.expected for it in items if "math" in it.tags)
+    assert (TINY_DIR / "model.safetensors").stat().st_size + (TINY_DIR / "tokenizer.json").stat().st_size <= 25 * 2**20
+
+
+def test_default_run_summary(default_run):
+    s = json.loads((default_run / "summary.json").read_text())
+    names = [c["name"] for c in s["candidates"]]
+    assert names == ["tiny-BF16"] + [f"tiny-{q}" for q in LADDER]
+    # The reference rerun is bit-identical: a noise floor of exactly 0.
+    assert s["noise_floor"]["kl_nats_mean"] == 0.0 and s["noise_floor"]["top1_disagreement"] == 0.0
+    kl = {c["name"]: c["kl_mean"] for c in s["candidates"]}
+    # The ladder is ordered.
+    assert kl["tiny-BF16"] < kl["tiny-Q8_0"] < kl["tiny-Q4_K_M"] < kl["tiny-Q2_K"]
+    for c in s["candidates"]:
+        lo, hi = c["kl_mean_ci95"]
+        assert lo <= c["kl_mean"] <= hi
+        assert (default_run / "reports" / c["name"] / "report.json").exists()
+    md = (default_run / "summary.md").read_text()
+    assert "tiny-Q2_K" in md and "noise floor" in md
+
+
+def test_default_reports_cross_checked_with_parquet(default_run):
+    """Numbers in report.json recomputed independently from tokens.parquet with pandas."""
+    for name in ("tiny-Q4_K_M", "tiny-Q2_K"):
+        d = default_run / "reports" / name
+        rep = json.loads((d / "report.json").read_text())
+        df = pd.read_parquet(d / "tokens.parquet")
+        assert len(df) == rep["summary"]["positions"] == len(rep["rows"])
+        assert df["kl_nats"].mean() == pytest.approx(rep["summary"]["kl_nats_mean"], rel=1e-12)
+        assert np.percentile(df["kl_nats"], 95) == pytest.approx(rep["summary"]["kl_nats_p95"], rel=1e-12)
+        assert int((~df["top1_match"]).sum()) == rep["summary"]["top1_mismatches"]
+        for g in rep["tags"]:
+            sub = df[df["tags"].apply(lambda t: g["group"] in list(t))]
+            assert len(sub) == g["n"]
+            assert sub["kl_nats"].mean() == pytest.approx(g["kl_nats"]["mean"], rel=1e-12)
+        for g in rep["ranges"]:
+            lo, hi = g["group"].strip("[)").split(",")
+            sub = df[(df.position >= int(lo)) & (df.position < (np.inf if hi == "inf" else int(hi)))]
+            assert len(sub) == g["n"]
+            if g["n"]:
+                assert sub["kl_nats"].mean() == pytest.approx(g["kl_nats"]["mean"], rel=1e-12)
+        assert rep["method"]["vocab_size"] == 4096
+        assert rep["baseline"]["spec"] == "builtin:tiny"
+
+
+def test_cross_engine_f32_agreement(default_run, tmp_path):
+    """transformers F32 vs llama.cpp F32 GGUF of the bundled weights over the bundled workload."""
+    ref = default_run / "runs" / "reference"
+    assert main(["capture", "builtin:tiny,dtype=float32", "--teacher", str(ref), "--out", str(tmp_path / "hf32")]) == 0
+    assert main(["compare", str(tmp_path / "hf32"), "builtin:tiny-F32", "--out", str(tmp_path / "rep"), "--bootstrap", "50"]) == 0
+    s = json.loads((tmp_path / "rep" / "report.json").read_text())["summary"]
+    assert s["kl_nats_mean"] <= 1e-4
+    assert s["top1_match_rate"] >= 0.995
