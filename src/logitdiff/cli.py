@@ -28,6 +28,13 @@ def _console():
     return Console(stderr=True)
 
 
+def _stdout_console():
+    """Tables go to stdout; when piped (no terminal) use a width that fits them."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
 def _progress(total: int | None, description: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -116,9 +123,7 @@ def print_summary(report: dict) -> None:
             fmt(js.get("mean")),
             "n/a" if t1.get("rate") is None else f"{100 * t1['rate']:.2f}%",
         )
-    from rich.console import Console
-
-    Console().print(t)
+    _stdout_console().print(t)
 
 
 # ----------------------------------------------------------------------------- capture
@@ -166,12 +171,15 @@ def cmd_run(args) -> int:
     check_specs(cfg)
     console = _console()
 
+    import time
+
     class RichHooks(Hooks):
         def __init__(self):
             self.prog = None
+            self.t0 = time.time()
 
         def stage(self, text):
-            console.print(f"[bold cyan]▶[/] {text}")
+            console.print(f"[bold cyan]▶[/] [dim]{time.time() - self.t0:6.1f}s[/] {text}")
 
         def bar(self, total, text):
             if self.prog is not None:
@@ -196,7 +204,6 @@ def cmd_run(args) -> int:
 
 
 def print_run_summary(summary: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     nf = summary.get("noise_floor")
@@ -212,7 +219,7 @@ def print_run_summary(summary: dict) -> None:
         t.add_row(r.get("name") or r["candidate"], g(r["kl_mean"]), f"[{g(ci[0])}, {g(ci[1])}]", g(r["kl_p99"]), g(r["jsd_mean"]),
                   f"{100 * r['top1_disagreement']:.2f}%", "n/a" if r["ppl_ratio"] is None else f"{r['ppl_ratio']:.4f}",
                   g(r["x_noise_floor"]), g(r.get("x_cross_engine_floor")))
-    Console().print(t)
+    _stdout_console().print(t)
 
 
 # ----------------------------------------------------------------------------- import
