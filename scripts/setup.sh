@@ -13,4 +13,11 @@ fi
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" python -m pip install --quiet -e '.[all,test]'
+# Served-model backends for the tests and `openai:` sources: llama.cpp's llama-server
+# built from the same llama.cpp as llama-cpp-python, and vLLM (CPU) in its own venv. Both
+# live in ~/.cache/logitdiff/tools and are reused when present. SKIP_SERVERS=1 skips them.
+if [ "${SKIP_SERVERS:-0}" != "1" ]; then
+  bash scripts/build_llama_server.sh
+  bash scripts/setup_vllm.sh
+fi
 python -c "import logitdiff, torch, transformers, llama_cpp; print('logitdiff', logitdiff.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| llama_cpp', llama_cpp.__version__)"

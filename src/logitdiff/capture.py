@@ -96,6 +96,8 @@ def capture_reference(
     batch: int = 8,
 ) -> Path:
     """Greedy generation (the teacher sequence), then teacher-forced distributions."""
+    if getattr(source, "distribution", "full") == "topk" and store == "full":
+        store = f"topk:{source.top_k}"
     writer = RunWriter(
         out,
         source=_source_meta(source),
@@ -137,8 +139,11 @@ def capture_reference(
     return Path(out)
 
 
-def verified_prompts(source: Source, teacher: RunReader) -> list[tuple[RunItem, list[int]]]:
-    """Check vocab, tokenizer and every item's tokenization against the teacher run."""
+def verified_prompts(source: Source, teacher: RunReader, shard=None) -> list[tuple[RunItem, list[int]]]:
+    """Check vocab, tokenizer and every item's tokenization against the teacher run
+    (only the items of ``shard`` when given)."""
+    from .served import shard_items
+
     if source.vocab_size != teacher.vocab_size:
         raise LogitdiffError(
             f"{source.spec}: vocab size {source.vocab_size} differs from the reference run {teacher.path} ({teacher.vocab_size})"
@@ -149,7 +154,7 @@ def verified_prompts(source: Source, teacher: RunReader) -> list[tuple[RunItem, 
             f"{source.tokenizer_hash[:19]}... vs {teacher.tokenizer_hash[:19]}...)"
         )
     out = []
-    for it in teacher.items():
+    for it in shard_items(teacher.items(), shard):
         wl = it.extra.get("item")
         if wl is not None:
             ids = source.render(Item.from_json(wl))
@@ -174,9 +179,14 @@ def capture_candidate(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
     batch: int = 8,
+    shard: str | tuple[int, int] | None = None,
+    settings: dict | None = None,
 ) -> Path:
-    """Teacher-forced capture at exactly the reference's positions."""
-    pairs = verified_prompts(source, teacher)
+    """Teacher-forced capture at exactly the reference's positions (of one shard: items k
+    with k mod n == i, see ``logitdiff merge``)."""
+    from .served import shard_items
+
+    pairs = verified_prompts(source, teacher, shard=shard)
     if getattr(source, "distribution", "full") == "topk" and store == "full":
         store = f"topk:{source.top_k}"
     writer = RunWriter(
@@ -187,7 +197,7 @@ def capture_candidate(
         store=store,
         dtype=getattr(source, "logits_dtype", "float32"),
         settings={"role": "candidate", "teacher": str(teacher.path), "positions": teacher.manifest["settings"].get("positions"),
-                  "distributions": "teacher-forced prefill over prompt + teacher"},
+                  "distributions": "teacher-forced prefill over prompt + teacher", **(settings or {})},
         resume=resume,
         overwrite=overwrite,
         vocab=None if resume else _vocab(source),

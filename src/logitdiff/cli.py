@@ -134,23 +134,29 @@ def cmd_capture(args) -> int:
 
     if args.teacher and args.workload:
         raise LogitdiffError("--teacher and --workload exclude each other: a candidate capture takes its items from the teacher run")
+    from .served import parse_shard, shard_items, with_endpoints
+
+    spec = with_endpoints(args.spec, args.endpoint)
+    shard = parse_shard(args.shard)
+    extra = {"shard": args.shard} if shard else {}
     if args.teacher:
         teacher = RunReader(args.teacher)
-        with open_source(args.spec) as src:
-            prog, advance = _progress(len(teacher.items()), f"scoring {args.spec}")
+        with open_source(spec) as src:
+            prog, advance = _progress(len(shard_items(teacher.items(), shard)), f"scoring {args.spec}")
             with prog:
-                capture_candidate(src, teacher, args.out, store=args.store, resume=args.resume, overwrite=args.overwrite, progress=advance)
+                capture_candidate(src, teacher, args.out, store=args.store, resume=args.resume, overwrite=args.overwrite,
+                                  progress=advance, shard=shard, settings=extra)
     else:
         from .builtin import WORKLOAD
         from .workload import read_workload
 
         wl = args.workload or str(WORKLOAD)
-        items = read_workload(wl)
-        with open_source(args.spec) as src:
+        items = shard_items(read_workload(wl), shard)
+        with open_source(spec) as src:
             prog, advance = _progress(len(items), f"capturing {args.spec}")
             with prog:
                 capture_reference(src, items, args.out, max_tokens=args.max_tokens, store=args.store, positions=args.positions,
-                                  resume=args.resume, overwrite=args.overwrite, settings={"workload": wl}, progress=advance)
+                                  resume=args.resume, overwrite=args.overwrite, settings={"workload": wl, **extra}, progress=advance)
     _console().print(f"wrote RUN {args.out}")
     return 0
 
@@ -314,7 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
             "teacher, so reference, rerun and candidates are computed alike. A killed capture resumes "
             "with --resume."
         ),
-        epilog="SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda] | gguf:PATH[,n_ctx=N][,threads=N] | builtin:tiny | builtin:tiny-Q4_K_M ...",
+        epilog=(
+            "SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda] | gguf:PATH[,n_ctx=N][,threads=N] | "
+            "openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K] | "
+            "builtin:tiny | builtin:tiny-Q4_K_M ..."
+        ),
     )
     cap.add_argument("spec", metavar="SPEC", help="source spec")
     cap.add_argument("--workload", help="workload JSONL (reference capture; default: the bundled workload)")
@@ -325,7 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--positions", default="all", help="all | first | sample:FRAC — output positions kept (reference capture; default: %(default)s)")
     cap.add_argument("--resume", action="store_true", help="continue a partial capture in --out")
     cap.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    cap.add_argument("--shard", metavar="I/N", help="only items k with k mod N == I; join the shards with `logitdiff merge`")
+    cap.add_argument("--endpoint", action="append", default=[], metavar="URL",
+                     help="another replica of an openai: server, shared round-robin (repeatable)")
     cap.set_defaults(func=cmd_capture)
+
+    from .served_cli import add_commands as add_served_commands
+
+    add_served_commands(sub)
 
     run = sub.add_parser(
         "run",

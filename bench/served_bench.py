@@ -1,0 +1,250 @@
+"""Served-model benchmarks (issue 4).
+
+    python bench/served_bench.py topk-runs OUT      # runs for `logitdiff topk-error`
+    python bench/served_bench.py throughput OUT [--servers llamacpp,vllm]
+
+``topk-runs``: a random Llama (V=2048, hidden 256, 4 layers, F32) through transformers as
+the reference on a generated workload, and its Q4_K_M GGUF (llama.cpp, in process) as a
+full-logit candidate; then run
+``logitdiff topk-error OUT/ref OUT/q4km --k 8,20,64,256 --json OUT/topk_error.json``.
+
+``throughput``: teacher-forced top-K capture rate through each server (OpenAISource.score_many,
+the capture path) against the same server's own prompt-processing rate in the same run:
+
+* vLLM: capture = ``prompt_logprobs: 64`` over ``prompt + teacher``; own rate = the same
+  sequences with ``max_tokens: 1`` and no prompt logprobs. Both in tokens/s; ratio target >= 80 %.
+* llama-server: capture = one request per output position (``n_probs: 64``, cached prefix);
+  own rate = ``timings.prompt_per_second`` of single full-sequence prefills (no cache).
+  Reported: positions/s, wall ms per position-request, server ms per request, HTTP+JSON overhead.
+
+Servers are started by ``tests/servers.py`` (build them first: scripts/build_llama_server.sh,
+scripts/setup_vllm.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def make_model(out: Path, *, vocab: int = 2048, hidden: int = 256, layers: int = 4) -> Path:
+    from _models import make_random_llama
+
+    d = out / f"model-v{vocab}-h{hidden}-l{layers}"
+    if not (d / "config.json").exists():
+        make_random_llama(d, vocab_size=vocab, hidden=hidden, intermediate=3 * hidden, layers=layers, heads=4, kv_heads=2, dtype="float32")
+    return d
+
+
+def make_workload(path: Path, n: int, max_tokens: int) -> Path:
+    topics = ["def add(a, b):\n    return", "The quick brown fox", "What is 12 + 30?", "import json\n\ndef load(path):",
+              "Repeat: hello world.", "class Stack:\n    def push(self, x):", "The lazy dog sleeps because", "textwrap.dedent("]
+    rows = []
+    for i in range(n):
+        t = topics[i % len(topics)]
+        if i % 2:
+            rows.append({"id": f"c{i}", "messages": [{"role": "user", "content": f"{t} ({i})"}], "max_tokens": max_tokens})
+        else:
+            rows.append({"id": f"p{i}", "prompt": f"{t} # {i}\n", "max_tokens": max_tokens})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def cmd_topk_runs(args) -> None:
+    from logitdiff.capture import capture_candidate, capture_reference
+    from logitdiff.quantize import build_ladder
+    from logitdiff.sources import open_source
+    from logitdiff.store import RunReader
+    from logitdiff.workload import read_workload
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    d = make_model(out)
+    ladder = build_ladder(d, out / "ladder", ["Q4_K_M"])
+    wl = make_workload(out / "workload.jsonl", args.items, args.max_tokens)
+    t = time.time()
+    if not (out / "ref" / "manifest.json").exists():
+        capture_reference(open_source(f"hf:{d},dtype=float32"), read_workload(wl), out / "ref")
+    ref = RunReader(out / "ref")
+    if not (out / "q4km" / "manifest.json").exists():
+        with open_source(f"gguf:{ladder['Q4_K_M']}") as g:
+            capture_candidate(g, ref, out / "q4km")
+    print(f"runs ready in {time.time() - t:.0f} s: {out}/ref ({ref.manifest['n_positions']} positions, V={ref.vocab_size}), {out}/q4km")
+    print(f"logitdiff topk-error {out}/ref {out}/q4km --k 8,20,64,256 --json {out}/topk_error.json")
+
+
+def _pairs(d: Path, n: int, prompt_len: int, teacher_len: int, seed: int = 0):
+    """(prompt, teacher) token-id pairs: real text prompts cut to prompt_len, random teachers."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(d))
+    text = open(REPO / "tests" / "_models.py").read() * 4
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        s = int(rng.integers(0, len(ids) - prompt_len))
+        out.append((ids[s : s + prompt_len], rng.integers(0, len(tok), teacher_len).tolist()))
+    return out
+
+
+def bench_vllm(d: Path, pairs, logs: Path, K: int) -> dict:
+    from servers import vllm_server
+
+    from logitdiff.sources import open_source
+
+    res = {"server": "vllm", "K": K}
+    # no prefix caching: the plain prefill must not be answered from the cache of its warm-up
+    with vllm_server(d, logs, max_logprobs=K, extra=["--no-enable-prefix-caching"]) as srv:
+        res["startup_s"] = round(srv.started_in, 1)
+        tokens = sum(len(p) + len(t) for p, t in pairs)
+        positions = sum(len(t) for _, t in pairs)
+        with open_source(f"openai:{srv.url},top_k={K},concurrency=8,batch=4") as src:
+            src.score_many(pairs[:4])  # warm up
+            t0 = time.perf_counter()
+            src.score_many(pairs)
+            cap = time.perf_counter() - t0
+            # the server's own prompt processing of the same sequences: no prompt logprobs
+            c = src._client
+
+            async def plain():
+                import asyncio
+
+                async def grp(g):
+                    body = {"model": src.model, "prompt": [p + t for p, t in g], "max_tokens": 1, "temperature": 0.0}
+                    await c.request("POST", "/v1/completions", body)
+
+                await asyncio.gather(*(grp(pairs[i : i + 4]) for i in range(0, len(pairs), 4)))
+
+            c.run(plain())  # warm
+            t0 = time.perf_counter()
+            c.run(plain())
+            pp = time.perf_counter() - t0
+        res.update({
+            "sequences": len(pairs), "tokens": tokens, "output_positions": positions,
+            "capture_s": round(cap, 3), "capture_tokens_per_s": round(tokens / cap, 1), "capture_positions_per_s": round(positions / cap, 1),
+            "prefill_s": round(pp, 3), "prefill_tokens_per_s": round(tokens / pp, 1),
+            "capture_vs_prefill": round(pp / cap, 3),
+        })
+    return res
+
+
+def bench_llamacpp(d: Path, pairs, logs: Path, K: int, threads: int) -> dict:
+    import httpx
+    from servers import llama_server
+
+    from logitdiff.quantize import build_ladder
+    from logitdiff.sources import open_source
+
+    gguf = build_ladder(d, d.parent / "ladder", [])["F32"]
+    res = {"server": "llama-server", "K": K, "gguf": "F32"}
+    with llama_server(gguf, logs, parallel=4, threads=threads) as srv:
+        res["startup_s"] = round(srv.started_in, 1)
+        positions = sum(len(t) for _, t in pairs)
+        tokens = sum(len(p) + len(t) for p, t in pairs)
+        with open_source(f"openai:{srv.url},top_k={K},concurrency=4") as src:
+            src.score_many(pairs[:2])
+            t0 = time.perf_counter()
+            src.score_many(pairs)
+            cap = time.perf_counter() - t0
+        # per-request server cost of one position request (cached prefix + 1 token + top-K)
+        p, t = pairs[0]
+        server_ms, wall_ms, cached, evaluated = [], [], 0, 0
+        with httpx.Client(timeout=60) as h:
+            for j in range(len(t)):
+                body = {"prompt": p + t[:j], "n_predict": 1, "n_probs": K, "temperature": 0.0, "cache_prompt": True}
+                t1 = time.perf_counter()
+                r = h.post(srv.url + "/completion", json=body).json()
+                wall_ms.append(1000 * (time.perf_counter() - t1))
+                tm = r.get("timings") or {}
+                server_ms.append(float(tm.get("prompt_ms", 0)) + float(tm.get("predicted_ms", 0)))
+                cached += int(tm.get("cache_n", 0))
+                evaluated += int(tm.get("prompt_n", 0))
+            # the server's own prompt-processing rate: full-sequence prefills, no cache
+            pn, pms = 0, 0.0
+            t1 = time.perf_counter()
+            for p, t in pairs:
+                r = h.post(srv.url + "/completion", json={"prompt": p + t, "n_predict": 1, "temperature": 0.0, "cache_prompt": False}).json()
+                tm = r.get("timings") or {}
+                pn += int(tm.get("prompt_n", 0))
+                pms += float(tm.get("prompt_ms", 0))
+            pp_wall = time.perf_counter() - t1
+        import statistics as st
+
+        res.update({
+            "sequences": len(pairs), "output_positions": positions, "tokens": tokens,
+            "capture_s": round(cap, 3), "capture_positions_per_s": round(positions / cap, 1),
+            "request_wall_ms_median": round(st.median(wall_ms), 2), "request_server_ms_median": round(st.median(server_ms), 2),
+            "request_overhead_ms_median": round(st.median(w - s for w, s in zip(wall_ms, server_ms)), 2),
+            "sequential_requests_prompt_tokens_cached": cached, "sequential_requests_prompt_tokens_evaluated": evaluated,
+            "prefill_tokens_per_s_server": round(1000 * pn / pms, 1) if pms else None,
+            "prefill_tokens_per_s_wall": round(tokens / pp_wall, 1),
+            "capture_positions_vs_prefill_tokens": round((positions / cap) / (1000 * pn / pms), 3) if pms else None,
+        })
+    return res
+
+
+def cmd_throughput(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    d = make_model(out, vocab=2048, hidden=args.hidden, layers=args.layers)
+    pairs = _pairs(d, args.sequences, args.prompt_len, args.teacher_len)
+    results = []
+    for s in args.servers.split(","):
+        if s == "vllm":
+            results.append(bench_vllm(d, pairs, out / "logs", args.k))
+        elif s == "llamacpp":
+            results.append(bench_llamacpp(d, pairs, out / "logs", args.k, args.threads))
+        print(json.dumps(results[-1]), flush=True)
+    (out / "served_bench.json").write_text(json.dumps({"model": str(d), "args": vars(args), "results": results}, indent=1, default=str))
+
+
+def cmd_table(args) -> None:
+    """Markdown table of a `logitdiff topk-error --json` file."""
+    r = json.loads(Path(args.json).read_text())
+    e = r["exact"]
+    print(f"{r['n']} positions, {r['items']} items, V={r['vocab_size']}; exact top-1 agreement {100 * e['top1_agreement']:.1f} %\n")
+    print("| K | exact mean | approx mean | exact p95 | approx p95 | exact max | approx max | mean abs err | rel err of mean |"
+          " median rel err | ref top-K mass |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for x in r["rows"]:
+        print(f"| {x['k']} | {e['mean']:.4g} | {x['approx_mean']:.4g} | {e['p95']:.4g} | {x['approx_p95']:.4g} | {e['max']:.4g} |"
+              f" {x['approx_max']:.4g} | {x['mean_abs_err']:.3g} | {100 * x['rel_err_of_mean']:.1f} % | {100 * x['median_rel_err']:.1f} % |"
+              f" {x['ref_top_mass_mean']:.4f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("topk-runs")
+    a.add_argument("out")
+    a.add_argument("--items", type=int, default=24)
+    a.add_argument("--max-tokens", type=int, default=32)
+    a.set_defaults(func=cmd_topk_runs)
+    b = sub.add_parser("throughput")
+    b.add_argument("out")
+    b.add_argument("--servers", default="llamacpp,vllm")
+    b.add_argument("--sequences", type=int, default=32)
+    b.add_argument("--prompt-len", type=int, default=96)
+    b.add_argument("--teacher-len", type=int, default=32)
+    b.add_argument("--k", type=int, default=64)
+    b.add_argument("--hidden", type=int, default=512)
+    b.add_argument("--layers", type=int, default=4)
+    b.add_argument("--threads", type=int, default=2)
+    b.set_defaults(func=cmd_throughput)
+    c = sub.add_parser("table")
+    c.add_argument("json")
+    c.set_defaults(func=cmd_table)
+    args = ap.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

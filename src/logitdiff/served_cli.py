@@ -1,0 +1,103 @@
+"""CLI commands of the served-models work: ``merge`` and ``topk-error``.
+
+``cli.build_parser`` calls :func:`add_commands` with its subparsers object.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def cmd_merge(args) -> int:
+    from rich.console import Console
+
+    from .served import merge_runs
+    from .store import RunReader
+
+    out = merge_runs(args.runs, args.out, overwrite=args.overwrite)
+    r = RunReader(out)
+    Console(stderr=True).print(f"wrote RUN {out} ({len(r.items())} items, {r.manifest['n_positions']} positions from {len(args.runs)} runs)")
+    return 0
+
+
+def cmd_topk_error(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .served import parse_ks, topk_error
+    from .store import RunReader
+
+    ks = parse_ks(args.k)
+    res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks)
+    ex = res["exact"]
+    t = Table(title=f"top-K approximation vs exact KL — {res['n']} positions, {res['items']} items, V={res['vocab_size']} (nats)")
+    for col in ("K", "exact mean", "approx mean", "exact p95", "approx p95", "exact max", "approx max", "mean |err|", "rel err of mean",
+                "median rel err", "ref top-K mass", "top-1 agree"):
+        t.add_column(col, justify="right")
+    g = lambda x: f"{x:.4g}"
+    for row in res["rows"]:
+        t.add_row(str(row["k"]), g(ex["mean"]), g(row["approx_mean"]), g(ex["p95"]), g(row["approx_p95"]), g(ex["max"]),
+                  g(row["approx_max"]), g(row["mean_abs_err"]), f"{100 * row['rel_err_of_mean']:.2f}%",
+                  f"{100 * row['median_rel_err']:.2f}%", f"{row['ref_top_mass_mean']:.4f}", f"{100 * row['top1_agreement']:.2f}%")
+    import sys
+
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        Console(stderr=True).print(f"wrote {args.json}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    m = sub.add_parser(
+        "merge",
+        help="merge shard RUNs (capture --shard i/n) into one RUN",
+        description=(
+            "Join complete RUNs that are shards of one capture into one RUN. Refuses partial runs, "
+            "different vocabularies, tokenizers, stores or capture settings, an item present twice, "
+            "and an incomplete shard set (when the runs record their --shard). Shards of i mod n are "
+            "interleaved back into workload order. Written to a temporary directory and renamed."
+        ),
+    )
+    m.add_argument("runs", nargs="+", metavar="RUN", help="shard RUN directories")
+    m.add_argument("--out", required=True, help="RUN directory to create")
+    m.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    m.set_defaults(func=cmd_merge)
+
+    t = sub.add_parser(
+        "topk-error",
+        help="measure the error of the top-K KL approximation on two full-logit RUNs",
+        description=(
+            "For two full-logit RUNs (reference, candidate): exact KL(P_ref || P_cand) over the whole "
+            "vocabulary next to the seed report's top-K approximation at each K (missing candidate "
+            "tokens share its tail mass, one tail bucket): mean, p95 and max of both, mean absolute "
+            "error, relative error of the mean, median per-position relative error, top-1 agreement."
+        ),
+    )
+    t.add_argument("run_a", metavar="RUN_A", help="reference RUN (full logits)")
+    t.add_argument("run_b", metavar="RUN_B", help="candidate RUN (full logits)")
+    t.add_argument("--k", default="8,20,64,256", help="comma-separated K values (default: %(default)s)")
+    t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    t.set_defaults(func=cmd_topk_error)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m logitdiff.served_cli merge|topk-error ...``) until cli.py wires these in."""
+    import argparse
+    import sys
+
+    from .errors import LogitdiffError
+
+    p = argparse.ArgumentParser(prog="logitdiff")
+    add_commands(p.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = p.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except LogitdiffError as e:
+        print(f"logitdiff: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

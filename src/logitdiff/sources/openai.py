@@ -1,0 +1,838 @@
+"""Served models: an OpenAI-compatible inference server as a source of top-K logprobs.
+
+Spec::
+
+    openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K]
+          [,concurrency=N][,timeout=S][,retries=N][,batch=N][,endpoints=URL2|URL3]
+          [,vocab_size=N][,tokenizer=PATH]
+
+* ``kind``        which server speaks at URL (default ``auto``: probed, see :func:`detect_kind`).
+* ``top_k``       K log-probabilities per position (default 64).
+* ``concurrency`` requests in flight at once, over all endpoints (default 8).
+* ``timeout``     seconds per request (default 300); ``retries`` attempts per request on
+                  timeouts, connection errors and 5xx, with exponential backoff (default 4).
+* ``batch``       sequences per vLLM request (default 4); llama-server scores one position
+                  per request, SGLang one sequence per request.
+* ``endpoints``   more replicas of the same model (``|``-separated URLs), used round-robin.
+* ``vocab_size``  V of the distribution (default: from the server or ``tokenizer``).
+* ``tokenizer``   a local HF tokenizer directory: gives the tokenizer hash, the vocabulary
+                  size and token texts; the server's tokenization is checked against it.
+* ``cache_prompt`` llama-server only (default true): reuse the cached prefix, so each
+                  position request evaluates one new token. ``false`` re-evaluates the whole
+                  prefix per position (quadratic cost) in one batch, as the in-process
+                  ``gguf:`` source does: incremental decoding differs from a batched prefill by
+                  float rounding (up to ~1e-4 in logprobs on a random F32 model).
+
+Every request sends **token ids**, never text, so the server scores exactly the teacher
+sequence. Per server:
+
+* **vLLM** (``/v1/completions``): ``prompt`` = list of token-id lists (``batch`` sequences),
+  ``prompt_logprobs: K``, ``max_tokens: 1``. Each ``choices[i].prompt_logprobs`` is a list
+  whose entry j (entry 0 is null) maps token id (string) -> ``{logprob, rank,
+  decoded_token}`` for the distribution predicting prompt token j; the prompt token itself is
+  always included (so K or K+1 entries); we keep the K highest (ties: lowest id). The
+  sequence sent is ``prompt + teacher`` so entries ``P .. P+T-1`` predict ``teacher[0..T-1]``.
+  Raw or processed: in vLLM 0.32 prompt logprobs are ``log_softmax`` (float32) of the model's
+  logits (``gpu_model_runner._get_prompt_logprobs_dict``; the ``logprobs_mode`` doc in
+  ``vllm/config/model.py``: "for prompt_logprobs, processed_* and raw_* yield identical
+  results because prompt tokens do not go through sampling processors"), so
+  ``--logprobs-mode raw_logprobs`` (default) and ``processed_logprobs`` both give raw
+  logprobs. ``raw_logits``/``processed_logits`` put unnormalised *logits* there; those are
+  refused by the checks below (a positive value, or a top-K summing above 1) and the
+  refusal names the server. Scoring requests also carry neutral sampling parameters
+  (temperature 1, top_p 1, top_k off, no penalties), so processed and raw coincide anyway.
+  The server's ``--max-logprobs`` (default 20) caps K: its 400 answer becomes one line
+  saying the cap and the flag to raise it.
+* **llama-server** (``/completion``): no prompt logprobs, so one request per position:
+  ``prompt`` = token-id prefix, ``n_predict: 1``, ``n_probs: K``, ``post_sampling_probs:
+  false`` (raw softmax of the logits over the whole vocabulary), ``cache_prompt: true``;
+  we read ``completion_probabilities[0].top_logprobs`` (``id``, ``logprob``). Positions of
+  one item are sent in order to one server slot (``id_slot``; each request extends the
+  cached prefix by one token); items run concurrently, one per slot of each replica.
+* **SGLang** (``/generate``): ``input_ids`` = ``prompt + teacher``, ``return_logprob: true``,
+  ``logprob_start_len: P - 1``, ``top_logprobs_num: K``, ``max_new_tokens: 1``; entry j of
+  ``meta_info.input_top_logprobs`` (a list of ``[logprob, token_id, text]``; entry 0 is null)
+  predicts input token ``P - 1 + j``.
+
+Refused (a one-line :class:`LogitdiffError`, never a report): fewer than K finite entries,
+an unsorted list, probabilities summing above 1 + 1e-4, a positive log-probability, a
+missing forced token (vLLM), post-sampling probabilities (llama-server ``top_probs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import re
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import LogitdiffError
+from . import Generation, Source, Spec, json_safe, tokenizer_hash_of
+
+KINDS = ("llamacpp", "vllm", "sglang")
+_KNOWN_OPTIONS = {"model", "kind", "top_k", "concurrency", "timeout", "retries", "batch", "endpoints", "vocab_size", "tokenizer",
+                  "cache_prompt"}
+SUM_TOL = 1e-4
+
+
+def _one_line(s: Any, n: int = 300) -> str:
+    s = " ".join(str(s).split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _root(url: str) -> str:
+    u = url.strip().rstrip("/")
+    if not re.match(r"^https?://", u):
+        raise LogitdiffError(f"openai: endpoint {url!r} must start with http:// or https://")
+    if u.endswith("/v1"):
+        u = u[: -len("/v1")]
+    return u
+
+
+def _bool_option(spec: Spec, key: str, default: bool) -> bool:
+    v = spec.options.get(key)
+    if v is None:
+        return default
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise LogitdiffError(f"source spec {spec.text!r}: option {key}={v!r} must be true or false")
+
+
+class ServerError(LogitdiffError):
+    """An HTTP error answer (4xx) of a server; ``status`` and ``body`` kept for callers."""
+
+    def __init__(self, msg: str, status: int = 0, body: Any = None):
+        super().__init__(msg)
+        self.status, self.body = status, body
+
+
+# --------------------------------------------------------------------------------------
+# validation of one position's top-K (shared by every server kind)
+# --------------------------------------------------------------------------------------
+
+
+def topk_row(pairs: list[tuple[int, float]], k: int, where: str, *, ordered: bool, forced: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Validate and normalise one position: ``pairs`` = (token id, logprob) as the server sent them.
+
+    ``ordered``: the server promises a descending list (checked). ``forced``: the token the
+    protocol promises to include (vLLM). Returns the K best (descending, lowest id on ties).
+    """
+    clean = []
+    for tid, lp in pairs:
+        if lp is None:
+            continue
+        lp = float(lp)
+        if math.isnan(lp):
+            raise LogitdiffError(f"{where}: the server returned a NaN logprob for token {tid}")
+        if lp > 1e-6:
+            raise LogitdiffError(f"{where}: the server returned logprob {lp:.6g} > 0 for token {tid}: not log-probabilities")
+        clean.append((int(tid), lp))
+    if ordered:
+        lps = [lp for _, lp in clean]
+        if any(b > a for a, b in zip(lps, lps[1:])):
+            raise LogitdiffError(f"{where}: the server's top-K list is not sorted by logprob (refusing it)")
+    if forced is not None and not any(t == forced for t, _ in clean):
+        raise LogitdiffError(f"{where}: the server's logprobs lack the scored token {forced}, which its protocol always includes")
+    clean.sort(key=lambda x: (-x[1], x[0]))
+    finite = [(t, lp) for t, lp in clean if math.isfinite(lp)]
+    if len({t for t, _ in finite}) != len(finite):
+        raise LogitdiffError(f"{where}: the server returned a token twice in one top-K list")
+    if len(finite) < k:
+        raise LogitdiffError(
+            f"{where}: the server returned {len(finite)} < K={k} finite logprobs (processed/truncated "
+            "distribution or a server cap; lower top_k or raise the server's limit)"
+        )
+    top = finite[:k]
+    total = math.fsum(math.exp(lp) for _, lp in top)
+    if total > 1.0 + SUM_TOL:
+        raise LogitdiffError(f"{where}: the top-{k} probabilities sum to {total:.6f} > 1: not raw normalised logprobs")
+    return np.array([t for t, _ in top], np.int64), np.array([lp for _, lp in top], np.float64)
+
+
+# --------------------------------------------------------------------------------------
+# an HTTP client on its own event loop thread (sync facade for the Source interface)
+# --------------------------------------------------------------------------------------
+
+
+class _Client:
+    def __init__(self, roots: list[str], *, concurrency: int, timeout: float, retries: int, spec: str):
+        import httpx
+
+        self.roots = roots
+        self.spec = spec
+        self.retries = retries
+        self.concurrency = concurrency
+        self._rr = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="logitdiff-openai", daemon=True)
+        self._thread.start()
+        limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+
+        async def make():
+            self._sem = asyncio.Semaphore(concurrency)
+            return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)), limits=limits)
+
+        self._http = self.run(make())
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self.run(self._http.aclose())
+        except Exception:  # noqa: BLE001
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def next_root(self) -> str:
+        return self.roots[next(self._rr) % len(self.roots)]
+
+    async def request(self, method: str, path: str, body: Any = None, *, root: str | None = None, retry: bool = True,
+                      bounded: bool = True, failover: bool = False) -> Any:
+        """JSON request with bounded concurrency and retries (timeouts, connection errors, 5xx).
+
+        Without ``root`` each attempt takes the next endpoint (round-robin); with ``root`` the
+        first attempt goes there and, with ``failover``, retries move on to the other replicas."""
+        import httpx
+
+        attempts = self.retries if retry else 1
+        last = ""
+        delay = 0.25
+        for attempt in range(max(1, attempts)):
+            if root is not None and (attempt == 0 or not failover):
+                base = root
+            else:
+                base = self.next_root()
+            url = base + path
+            try:
+                if bounded:
+                    async with self._sem:
+                        r = await self._http.request(method, url, json=body)
+                else:
+                    r = await self._http.request(method, url, json=body)
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                last = f"{url}: {type(e).__name__}{': ' + _one_line(e, 120) if str(e) else ''}"
+            else:
+                if r.status_code < 400:
+                    try:
+                        return r.json()
+                    except ValueError:
+                        raise LogitdiffError(f"{url}: answer is not JSON ({_one_line(r.text, 120)!r})") from None
+                try:
+                    payload = r.json()
+                except ValueError:
+                    payload = r.text
+                if r.status_code >= 500 and r.status_code != 501:
+                    last = f"{url}: HTTP {r.status_code} {_one_line(_err_text(payload), 160)}"
+                else:
+                    raise ServerError(f"{url}: HTTP {r.status_code} {_one_line(_err_text(payload), 240)}", r.status_code, payload)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 8.0)
+        raise LogitdiffError(f"{self.spec}: server unreachable or failing after {max(1, attempts)} attempt(s) ({last})")
+
+
+def _err_text(payload: Any) -> str:
+    if isinstance(payload, dict):
+        e = payload.get("error", payload.get("message", payload.get("detail", payload)))
+        if isinstance(e, dict):
+            return str(e.get("message", e))
+        return str(e)
+    return str(payload)
+
+
+async def _probe(http, url: str) -> tuple[int, Any]:
+    import httpx
+
+    try:
+        r = await http.get(url, timeout=10.0)
+    except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError):
+        return -1, None
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, r.text
+
+
+# --------------------------------------------------------------------------------------
+# the source
+# --------------------------------------------------------------------------------------
+
+
+class OpenAISource(Source):
+    distribution = "topk"
+    logits_dtype = "float32"
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        model: str | None = None,
+        kind: str = "auto",
+        top_k: int = 64,
+        concurrency: int = 8,
+        timeout: float = 300.0,
+        retries: int = 4,
+        batch: int = 4,
+        vocab_size: int | None = None,
+        tokenizer: str | None = None,
+        cache_prompt: bool = True,
+        spec: str | None = None,
+    ):
+        if not urls:
+            raise LogitdiffError("openai: needs a server URL (openai:http://HOST:PORT)")
+        self.roots = [_root(u) for u in urls]
+        self.spec = spec or f"openai:{urls[0]}"
+        if kind not in ("auto",) + KINDS:
+            raise LogitdiffError(f"source spec {self.spec!r}: kind={kind!r} (expected auto, llamacpp, vllm or sglang)")
+        if top_k < 1:
+            raise LogitdiffError(f"source spec {self.spec!r}: top_k must be >= 1")
+        self.top_k = int(top_k)
+        self.batch = max(1, int(batch))
+        self._extra_score_body: dict = {}  # tests: force server options (e.g. post_sampling_probs)
+        self._force_tok: int | None = None
+        self._n_slots = 1
+        self.cache_prompt = cache_prompt
+        self._client = _Client(self.roots, concurrency=max(1, int(concurrency)), timeout=float(timeout),
+                               retries=max(1, int(retries)), spec=self.spec)
+        try:
+            self._init(model, kind, vocab_size, tokenizer)
+        except BaseException:
+            self._client.close()
+            raise
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_spec(cls, spec: Spec) -> "OpenAISource":
+        text = spec.text or f"{spec.kind}:{spec.target}"
+        unknown = set(spec.options) - _KNOWN_OPTIONS
+        if unknown:
+            raise LogitdiffError(
+                f"source spec {text!r}: unknown option {sorted(unknown)[0]!r} (openai: takes {', '.join(sorted(_KNOWN_OPTIONS))})"
+            )
+        if not spec.target:
+            raise LogitdiffError(f"source spec {text!r}: missing server URL (openai:http://HOST:PORT)")
+
+        def num(key, default, conv=int):
+            if key not in spec.options:
+                return default
+            try:
+                v = conv(spec.options[key])
+            except ValueError:
+                v = -1
+            if v <= 0:
+                raise LogitdiffError(f"source spec {text!r}: option {key}={spec.options[key]!r} must be a positive number")
+            return v
+
+        urls = [spec.target] + [u for u in spec.options.get("endpoints", "").split("|") if u.strip()]
+        return cls(
+            urls,
+            model=spec.options.get("model") or None,
+            kind=spec.options.get("kind", "auto"),
+            top_k=num("top_k", 64),
+            concurrency=num("concurrency", 8),
+            timeout=num("timeout", 300.0, float),
+            retries=num("retries", 4),
+            batch=num("batch", 4),
+            vocab_size=num("vocab_size", None),
+            tokenizer=spec.options.get("tokenizer") or None,
+            cache_prompt=_bool_option(spec, "cache_prompt", True),
+            spec=text,
+        )
+
+    def _init(self, model, kind, vocab_size, tokenizer) -> None:
+        c = self._client
+        root = self.roots[0]
+        if kind == "auto":
+            kind = c.run(detect_kind(c._http, root, self.spec))
+        self.kind = kind
+        self.server_info: dict = {"kind": kind}
+        self.model = model
+        self.tok = None
+        self._token_text: dict[int, str] = {}
+        server_vocab = None
+        # every replica must answer and serve the same model
+        for r in self.roots:
+            try:
+                models = c.run(c.request("GET", "/v1/models", root=r, retry=True))
+            except ServerError as e:
+                if kind == "sglang":
+                    models = {"data": []}
+                else:
+                    raise LogitdiffError(f"{self.spec}: {e}") from None
+            served = [m.get("id") for m in (models.get("data") or []) if isinstance(m, dict)]
+            if self.model is None:
+                if kind == "vllm" and len(served) != 1:
+                    raise LogitdiffError(
+                        f"{self.spec}: the server serves {len(served)} models ({', '.join(map(str, served))}); pick one with model=NAME"
+                    )
+                self.model = served[0] if served else None
+            elif served and self.model not in served:
+                raise LogitdiffError(f"{self.spec}: model {self.model!r} is not served at {r} (it serves: {', '.join(map(str, served))})")
+            for m in models.get("data") or []:
+                if isinstance(m, dict) and m.get("id") == self.model:
+                    meta = m.get("meta") or {}
+                    if meta.get("n_vocab"):
+                        server_vocab = int(meta["n_vocab"])
+                    if m.get("max_model_len"):
+                        self.server_info["max_model_len"] = m["max_model_len"]
+                    if m.get("root"):
+                        self.server_info["root"] = m["root"]
+        if kind == "llamacpp":
+            props = c.run(c.request("GET", "/props", root=root))
+            self.server_info["build_info"] = props.get("build_info")
+            self.server_info["model_path"] = props.get("model_path")
+            self.server_info["n_ctx"] = (props.get("default_generation_settings") or {}).get("n_ctx")
+            gen = (props.get("default_generation_settings") or {}).get("params") or {}
+            if gen.get("post_sampling_probs"):
+                raise LogitdiffError(f"{self.spec}: llama-server is configured for post-sampling probabilities (post_sampling_probs=true); raw logprobs are required")
+            self.server_info["chat_template"] = bool(props.get("chat_template"))
+            self._force_tok = self._ascii_token()
+            self._n_slots = max(1, int(props.get("total_slots") or 1))
+            self.server_info["total_slots"] = self._n_slots
+        elif kind == "vllm":
+            try:
+                self.server_info["version"] = c.run(c.request("GET", "/version", root=root)).get("version")
+            except LogitdiffError:
+                pass
+        elif kind == "sglang":
+            for path in ("/get_model_info", "/model_info"):
+                try:
+                    info = c.run(c.request("GET", path, root=root, retry=False))
+                    self.server_info["model_info"] = info
+                    self.model = self.model or info.get("model_path")
+                    break
+                except LogitdiffError:
+                    continue
+        if tokenizer:
+            from transformers import AutoTokenizer
+
+            p = Path(tokenizer).expanduser()
+            try:
+                self.tok = AutoTokenizer.from_pretrained(str(p))
+            except Exception as e:  # noqa: BLE001
+                raise LogitdiffError(f"{self.spec}: tokenizer={tokenizer}: cannot load ({type(e).__name__}: {_one_line(e, 120)})") from None
+            n_tok = len(self.tok)
+            self.tokenizer_hash = tokenizer_hash_of(self.tok.convert_ids_to_tokens(list(range(n_tok))))
+            self._tok_vocab = n_tok
+        else:
+            self.tokenizer_hash = None
+            self._tok_vocab = None
+        v = vocab_size or self._tok_vocab or server_vocab
+        if v is None and kind == "vllm" and self.server_info.get("root") and Path(str(self.server_info["root"])).is_dir():
+            # the server runs on this machine: read its tokenizer to learn V
+            try:
+                from transformers import AutoTokenizer
+
+                v = len(AutoTokenizer.from_pretrained(str(self.server_info["root"])))
+            except Exception:  # noqa: BLE001
+                v = None
+        if v is None:
+            raise LogitdiffError(f"{self.spec}: the {kind} server does not say its vocabulary size; pass vocab_size=N or tokenizer=PATH")
+        if server_vocab and vocab_size and server_vocab != vocab_size:
+            raise LogitdiffError(f"{self.spec}: vocab_size={vocab_size} but the server reports n_vocab={server_vocab}")
+        self.vocab_size = int(v)
+        if self.top_k > self.vocab_size:
+            raise LogitdiffError(f"{self.spec}: top_k={self.top_k} exceeds the vocabulary size {self.vocab_size}")
+        eos = []
+        if self.tok is not None and self.tok.eos_token_id is not None:
+            eos.append(int(self.tok.eos_token_id))
+        self.eos_token_ids = tuple(eos)
+        if self.tok is not None:
+            self._check_tokenizer_agrees()
+        self._preflight()
+
+    def _preflight(self) -> None:
+        """Score one tiny pair before anything is written: a server that caps logprobs below K,
+        returns fewer than K, unsorted or processed (post-sampling) logprobs is refused here."""
+        try:
+            self.score_many([([0, 1], [2])])
+        except LogitdiffError as e:
+            msg = str(e)
+            raise LogitdiffError(msg if msg.startswith(self.spec) else f"{self.spec}: {msg}") from None
+
+    def _ascii_token(self) -> int | None:
+        """A token whose text is one complete ASCII character (llama-server, see _score_llamacpp)."""
+        c = self._client
+        for text in ("a", "e", "0", " ", "x", "."):
+            r = c.run(c.request("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": False}))
+            toks = r.get("tokens") or []
+            if len(toks) == 1:
+                t = toks[0]
+                return int(t["id"]) if isinstance(t, dict) else int(t)
+        return None
+
+    def _check_tokenizer_agrees(self) -> None:
+        probe = "The quick brown fox: 12 + 30 = 42.\n"
+        local = [int(i) for i in self.tok(probe, add_special_tokens=False)["input_ids"]]
+        remote = self._tokenize_text(probe)
+        if remote is not None and remote != local:
+            raise LogitdiffError(f"{self.spec}: the server tokenizes differently from tokenizer={self.tok.name_or_path} (probe text)")
+
+    # ---- tokenization -----------------------------------------------------------------
+    def _tokenize_text(self, text: str) -> list[int] | None:
+        c = self._client
+        if self.kind == "vllm":
+            body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+            return [int(i) for i in c.run(c.request("POST", "/tokenize", body))["tokens"]]
+        if self.kind == "llamacpp":
+            r = c.run(c.request("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": True}))
+            return [int(t["id"]) if isinstance(t, dict) else int(t) for t in r["tokens"]]
+        return None  # SGLang: no stable tokenize endpoint
+
+    def render(self, item: Any) -> list[int]:
+        where = f"item {getattr(item, 'id', '?')!r}"
+        c = self._client
+        try:
+            if self.kind == "vllm":
+                if item.messages is not None:
+                    body = {"model": self.model, "messages": item.messages, "add_generation_prompt": True,
+                            "add_special_tokens": False}
+                    if item.tools:
+                        body["tools"] = item.tools
+                    ids = c.run(c.request("POST", "/tokenize", body))["tokens"]
+                else:
+                    ids = self._tokenize_text(item.prompt)
+            elif self.kind == "llamacpp":
+                if item.messages is not None:
+                    body = {"messages": item.messages}
+                    if item.tools:
+                        body["tools"] = item.tools
+                    text = c.run(c.request("POST", "/apply-template", body))["prompt"]
+                else:
+                    text = item.prompt
+                ids = self._tokenize_text(text)
+            else:
+                if self.tok is None:
+                    raise LogitdiffError(f"{where}: an SGLang source needs tokenizer=PATH (a local copy of the served tokenizer) to render prompts")
+                ids = self._local_render(item)
+        except ServerError as e:
+            raise LogitdiffError(f"{where}: the server could not tokenize it ({e})") from None
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise LogitdiffError(f"{where}: prompt renders to zero tokens on {self.spec}")
+        return ids
+
+    def _local_render(self, item) -> list[int]:
+        if item.messages is not None:
+            text = self.tok.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True, tokenize=False)
+            if not isinstance(text, str):
+                text = text["text"] if isinstance(text, dict) else "".join(text)
+        else:
+            text = item.prompt
+        return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        if self.tok is not None:
+            return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        c = self._client
+        if self.kind == "vllm":
+            return c.run(c.request("POST", "/detokenize", {"model": self.model, "tokens": ids}))["prompt"]
+        if self.kind == "llamacpp":
+            return c.run(c.request("POST", "/detokenize", {"tokens": ids}))["content"]
+        return "".join(f"<{i}>" for i in ids)
+
+    def token_text(self, token_id: int) -> str:
+        token_id = int(token_id)
+        if token_id not in self._token_text:
+            self._prefetch_vocab()
+        return self._token_text.get(token_id, f"<{token_id}>")
+
+    def _prefetch_vocab(self) -> None:
+        """Texts of all token ids at once (one detokenize request per id, concurrently)."""
+        if self.tok is not None:
+            for i in range(self.vocab_size):
+                s = self.tok.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                if "\ufffd" in s:
+                    s = self.tok.convert_ids_to_tokens(i) or s
+                self._token_text[i] = s
+            return
+        if self.kind == "sglang":
+            self._token_text.update({i: f"<{i}>" for i in range(self.vocab_size)})
+            return
+        c = self._client
+
+        async def one(i):
+            if self.kind == "vllm":
+                r = await c.request("POST", "/detokenize", {"model": self.model, "tokens": [i]})
+                return i, r.get("prompt", "")
+            r = await c.request("POST", "/detokenize", {"tokens": [i]})
+            return i, r.get("content", "")
+
+        async def allv():
+            return await asyncio.gather(*(one(i) for i in range(self.vocab_size)))
+
+        try:
+            self._token_text.update(dict(c.run(allv())))
+        except ServerError:
+            self._token_text.update({i: f"<{i}>" for i in range(self.vocab_size)})
+
+    # ---- model ---------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
+        prompt = [int(i) for i in prompt_ids]
+        if not prompt:
+            raise LogitdiffError(f"{self.spec}: generate needs a non-empty prompt")
+        if max_tokens <= 0:
+            return Generation([], np.zeros((0, 0), np.float32), "max_tokens")
+        c = self._client
+        stopped = "max_tokens"
+        try:
+            if self.kind == "vllm":
+                body = {"model": self.model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0.0,
+                        "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                        "frequency_penalty": 0.0, "return_token_ids": True, "skip_special_tokens": False}
+                r = c.run(c.request("POST", "/v1/completions", body))
+                ch = r["choices"][0]
+                ids = ch.get("token_ids")
+                if ids is None:
+                    raise LogitdiffError(f"{self.spec}: vLLM did not return token_ids (needs vLLM >= 0.10.2 for return_token_ids)")
+                if ch.get("finish_reason") == "stop":
+                    stopped = "eos"
+            elif self.kind == "llamacpp":
+                body = {"prompt": prompt, "n_predict": int(max_tokens), "temperature": 0.0, "return_tokens": True,
+                        "cache_prompt": True, "repeat_penalty": 1.0, "dry_multiplier": 0.0, "stream": False}
+                r = c.run(c.request("POST", "/completion", body))
+                ids = r.get("tokens") or []
+                if r.get("stop_type") == "eos":
+                    stopped = "eos"
+            else:
+                body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": int(max_tokens), "temperature": 0.0}}
+                r = c.run(c.request("POST", "/generate", body))
+                ids = list(r.get("output_ids") or [])
+                fr = (r.get("meta_info") or {}).get("finish_reason") or {}
+                if isinstance(fr, dict) and fr.get("type") == "stop":
+                    stopped = "eos"
+                    m = fr.get("matched")
+                    if isinstance(m, int) and (not ids or ids[-1] != m):
+                        ids.append(m)
+        except ServerError as e:
+            raise LogitdiffError(f"{self.spec}: generation failed ({e})") from None
+        ids = [int(i) for i in ids][:max_tokens]
+        return Generation(ids, np.zeros((len(ids), 0), np.float32), stopped)
+
+    def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> dict:
+        return self.score_many([(prompt_ids, teacher_ids)])[0]
+
+    def score_many(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[dict]:
+        """Teacher-forced top-K per position: ``[{"ids": [T, K] int64, "logprobs": [T, K] float64}]``."""
+        pairs = []
+        for n, (p, t) in enumerate(batch):
+            p, t = [int(i) for i in p], [int(i) for i in t]
+            if not p:
+                raise LogitdiffError(f"{self.spec}: scoring pair {n} has an empty prompt")
+            pairs.append((p, t))
+        if self.kind == "vllm":
+            coro = self._score_vllm(pairs)
+        elif self.kind == "llamacpp":
+            coro = self._score_llamacpp(pairs)
+        else:
+            coro = self._score_sglang(pairs)
+        return self._client.run(coro)
+
+    def _empty(self) -> dict:
+        return {"ids": np.zeros((0, self.top_k), np.int64), "logprobs": np.zeros((0, self.top_k), np.float64)}
+
+    @staticmethod
+    def _stack(rows) -> dict:
+        return {"ids": np.stack([r[0] for r in rows]), "logprobs": np.stack([r[1] for r in rows])}
+
+    # vLLM: prompt logprobs, several sequences per request
+    async def _score_vllm(self, pairs):
+        c, K = self._client, self.top_k
+        results: list[dict | None] = [None] * len(pairs)
+        todo = [n for n, (p, t) in enumerate(pairs) if t]
+        for n, (p, t) in enumerate(pairs):
+            if not t:
+                results[n] = self._empty()
+
+        async def group(idx):
+            body = {"model": self.model, "prompt": [pairs[n][0] + pairs[n][1] for n in idx], "max_tokens": 1,
+                    "prompt_logprobs": K, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    **self._extra_score_body}
+            try:
+                r = await c.request("POST", "/v1/completions", body)
+            except ServerError as e:
+                raise self._vllm_error(e) from None
+            choices = sorted(r.get("choices") or [], key=lambda ch: ch.get("index", 0))
+            if len(choices) != len(idx):
+                raise LogitdiffError(f"{self.spec}: vLLM answered {len(choices)} choices for {len(idx)} prompts")
+            for n, ch in zip(idx, choices):
+                p, t = pairs[n]
+                pl = ch.get("prompt_logprobs")
+                if pl is None:
+                    raise LogitdiffError(f"{self.spec}: vLLM returned no prompt_logprobs (is this vLLM?)")
+                if len(pl) != len(p) + len(t):
+                    raise LogitdiffError(f"{self.spec}: vLLM returned {len(pl)} prompt_logprobs entries for {len(p) + len(t)} tokens")
+                rows = []
+                for j in range(len(t)):
+                    entry = pl[len(p) + j]
+                    where = f"{self.spec}: output position {j}"
+                    if not isinstance(entry, dict):
+                        raise LogitdiffError(f"{where}: vLLM prompt_logprobs entry is {type(entry).__name__}, expected an object")
+                    pairs_j = [(int(tid), (v or {}).get("logprob") if isinstance(v, dict) else v) for tid, v in entry.items()]
+                    rows.append(topk_row(pairs_j, K, where, ordered=False, forced=t[j]))
+                results[n] = self._stack(rows)
+
+        groups = [todo[i : i + self.batch] for i in range(0, len(todo), self.batch)]
+        await asyncio.gather(*(group(g) for g in groups))
+        return results
+
+    def _vllm_error(self, e: ServerError) -> LogitdiffError:
+        msg = str(e)
+        if "logprob" in msg.lower() and ("max" in msg.lower() or "allowed" in msg.lower()):
+            m = re.search(r"(?:max(?:imum)?[^0-9]{0,40}?|allowed[^0-9]{0,20}?)(\d+)", msg, re.I)
+            cap = m.group(1) if m else "?"
+            return LogitdiffError(
+                f"{self.spec}: the server caps logprobs at {cap} < top_k={self.top_k}; restart vLLM with "
+                f"--max-logprobs {self.top_k} (or use top_k<={cap})"
+            )
+        if e.status == 404:
+            return LogitdiffError(f"{self.spec}: model {self.model!r} not found on the server ({_one_line(msg, 160)})")
+        return LogitdiffError(f"{self.spec}: scoring request refused ({_one_line(msg, 240)})")
+
+    # llama-server: one position per request; an item's positions in order (prompt cache)
+    async def _score_llamacpp(self, pairs):
+        c, K = self._client, self.top_k
+
+        async def one_position(root, slot, seq, forced, where):
+            body = {"prompt": seq, "n_predict": 1, "n_probs": K, "temperature": 0.0, "post_sampling_probs": False,
+                    "cache_prompt": self.cache_prompt, "return_tokens": False, "stream": False, "id_slot": slot,
+                    **self._extra_score_body}
+            if self._force_tok is not None:
+                # llama-server drops the probabilities of a sampled token whose text is an
+                # incomplete UTF-8 sequence (a byte token); the sampled token is not what we
+                # read, so a logit bias (a sampler: the raw n_probs are computed from the
+                # model's logits before any sampler) makes it a plain ASCII one.
+                body["logit_bias"] = [[self._force_tok, 1e6]]
+            try:
+                r = await c.request("POST", "/completion", body, root=root, failover=True)
+            except ServerError as e:
+                raise LogitdiffError(f"{where}: scoring request refused ({e})") from None
+            cp = r.get("completion_probabilities")
+            if not cp:
+                raise LogitdiffError(f"{where}: llama-server returned no completion_probabilities (n_probs ignored?)")
+            e0 = cp[0]
+            if "top_probs" in e0 or ("prob" in e0 and "logprob" not in e0):
+                raise LogitdiffError(f"{where}: llama-server returned post-sampling probabilities (top_probs); raw logprobs are required")
+            if "top_logprobs" not in e0:
+                raise LogitdiffError(f"{where}: llama-server answer has no top_logprobs (server too old: needs token ids and logprobs)")
+            return topk_row([(d["id"], d.get("logprob")) for d in e0["top_logprobs"]], K, where, ordered=True)
+
+        # Each item holds one server slot (id_slot) of one replica for all its positions, so
+        # its growing prefix stays in that slot's KV cache: one new token per request. Without
+        # pinning, concurrent items evict each other's slots (llama-server picks a free slot by
+        # prefix similarity, else the least recently used) and every request re-prefills.
+        slots: dict[str, asyncio.Queue] = {}
+        for r in self.roots:
+            q: asyncio.Queue = asyncio.Queue()
+            for k in range(self._n_slots):
+                q.put_nowait(k)
+            slots[r] = q
+
+        async def item(n):
+            p, t = pairs[n]
+            root = c.next_root()
+            slot = await slots[root].get()
+            try:
+                rows = []
+                for j in range(len(t)):
+                    rows.append(await one_position(root, slot, p + t[:j], t[j], f"{self.spec}: output position {j}"))
+            finally:
+                slots[root].put_nowait(slot)
+            return self._stack(rows) if rows else self._empty()
+
+        return list(await asyncio.gather(*(item(n) for n in range(len(pairs)))))
+
+    # SGLang: input top logprobs, one sequence per request
+    async def _score_sglang(self, pairs):
+        c, K = self._client, self.top_k
+
+        async def one(n):
+            p, t = pairs[n]
+            if not t:
+                return self._empty()
+            start = len(p) - 1
+            body = {"input_ids": p + t, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": K,
+                    "return_text_in_logprobs": False,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0},
+                    **self._extra_score_body}
+            try:
+                r = await c.request("POST", "/generate", body)
+            except ServerError as e:
+                raise LogitdiffError(f"{self.spec}: scoring request refused ({e})") from None
+            if isinstance(r, list):
+                r = r[0]
+            itl = (r.get("meta_info") or {}).get("input_top_logprobs")
+            if itl is None:
+                raise LogitdiffError(f"{self.spec}: SGLang returned no meta_info.input_top_logprobs")
+            n_in = len(p) + len(t)
+            if len(itl) != n_in - start:
+                raise LogitdiffError(f"{self.spec}: SGLang returned {len(itl)} input_top_logprobs entries, expected {n_in - start}")
+            rows = []
+            for j in range(len(t)):
+                entry = itl[j + 1]
+                where = f"{self.spec}: output position {j}"
+                if not entry:
+                    raise LogitdiffError(f"{where}: SGLang returned an empty input_top_logprobs entry")
+                rows.append(topk_row([(e[1], e[0]) for e in entry], K, where, ordered=True))
+            return self._stack(rows)
+
+        return list(await asyncio.gather(*(one(n) for n in range(len(pairs)))))
+
+    # ---- identity -------------------------------------------------------------------------
+    def identity(self) -> dict:
+        return json_safe({
+            "kind": "openai",
+            "spec": self.spec,
+            "server": self.kind,
+            "endpoints": self.roots,
+            "model": self.model,
+            "top_k": self.top_k,
+            "vocab_size": self.vocab_size,
+            "tokenizer_hash": self.tokenizer_hash,
+            "tokenizer": getattr(self.tok, "name_or_path", None),
+            "logprobs": "raw (log_softmax of the model's logits over the full vocabulary)",
+            **{k: v for k, v in self.server_info.items() if k != "kind"},
+        })
+
+    def close(self) -> None:
+        c = getattr(self, "_client", None)
+        if c is not None:
+            c.close()
+            self._client = None
+
+
+async def detect_kind(http, root: str, spec: str) -> str:
+    """llama-server answers ``/props``; SGLang ``/get_model_info``; vLLM ``/version`` + ``/v1/models``."""
+    st, body = await _probe(http, root + "/props")
+    if st == -1:
+        raise LogitdiffError(f"{spec}: server unreachable at {root} (connection failed)")
+    if st == 200 and isinstance(body, dict) and ("default_generation_settings" in body or "build_info" in body):
+        return "llamacpp"
+    st, body = await _probe(http, root + "/get_model_info")
+    if st == 200 and isinstance(body, dict) and "model_path" in body:
+        return "sglang"
+    st, body = await _probe(http, root + "/server_info")
+    if st == 200 and isinstance(body, dict) and ("model_path" in body or "tokenizer_path" in body):
+        return "sglang"
+    st_v, body_v = await _probe(http, root + "/version")
+    st_m, body_m = await _probe(http, root + "/v1/models")
+    if st_v == 200 and isinstance(body_v, dict) and "version" in body_v and st_m == 200:
+        return "vllm"
+    raise LogitdiffError(
+        f"{spec}: cannot tell which server runs at {root} (no llama-server /props, SGLang /get_model_info or vLLM /version); "
+        "pass kind=llamacpp|vllm|sglang"
+    )
