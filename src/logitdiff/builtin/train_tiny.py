@@ -145,8 +145,11 @@ def build_tokenizer(out_dir: Path, code: list[str], prose: list[str], seed: int,
 
 
 class Data:
-    def __init__(self, tok, code: list[str], prose: list[str], seed: int, seq_len: int, exclude: set[str], mix: dict):
+    def __init__(self, tok, code: list[str], prose: list[str], seed: int, seq_len: int, exclude: set[str], mix: dict,
+                 tool_kinds: list[str] | None = None, small_kinds: list[str] | None = None):
         self.tok, self.T, self.exclude, self.mix = tok, seq_len, exclude, mix
+        self.tool_kinds = tool_kinds or ["tool", "tool", "tool", "math"]
+        self.small_kinds = small_kinds or ["math", "math", "copy", "lookup"]
         eot = tok.convert_tokens_to_ids("<|endoftext|>")
         self.im_end_nl = tok.encode("<|im_end|>\n", add_special_tokens=False)
 
@@ -192,7 +195,7 @@ class Data:
             return ids[:-1], ids[1:]
         # chat row: packed examples; "tool" rows hold tool calls (long prompts), "small" rows the
         # short labelled tasks
-        kinds = ["tool", "tool", "tool", "math"] if kind == "tool" else ["math", "math", "copy", "lookup"]
+        kinds = self.tool_kinds if kind == "tool" else self.small_kinds
         ids: list[int] = []
         labels: list[int] = []
         tries = 0
@@ -335,6 +338,10 @@ def main(argv=None) -> int:
     ap.add_argument("--init-from", default=None, help="continue training from this model dir (same tokenizer)")
     ap.add_argument("--mix", default="0.30,0.15,0.25,0.30", help="row fractions: code,prose,tool,small")
     ap.add_argument("--n-eval", type=int, default=40, help="extra fresh chat items for the final eval")
+    ap.add_argument("--tool-kinds", default="tool,tool,tool,math", help="task kinds drawn (uniformly) for packed tool rows")
+    ap.add_argument("--small-kinds", default="math,math,copy,lookup", help="task kinds drawn (uniformly) for packed short-task rows")
+    ap.add_argument("--eval-every", type=int, default=0, help="evaluate (bf16) on the workload every N steps and keep the best weights")
+    ap.add_argument("--stop-at", default=None, help="wall-clock HH:MM (local time) after which training stops (best weights kept)")
     args = ap.parse_args(argv)
 
     import torch
@@ -387,7 +394,8 @@ def main(argv=None) -> int:
             assert n <= it["max_tokens"], (it["id"], n)
 
     mix = dict(zip(["code", "prose", "tool", "small"], map(float, args.mix.split(","))))
-    data = Data(tok, code, prose, args.seed + (1000 if args.init_from else 0), args.seq_len, exclude, mix)
+    data = Data(tok, code, prose, args.seed + (1000 if args.init_from else 0), args.seq_len, exclude, mix,
+                args.tool_kinds.split(","), args.small_kinds.split(","))
 
     cfg = LlamaConfig(
         vocab_size=len(tok),
@@ -426,6 +434,32 @@ def main(argv=None) -> int:
     ema = None
     step = 0
     probe = args.warmup - 5
+    stop_at = None
+    if args.stop_at:
+        hh, mm = map(int, args.stop_at.split(":"))
+        lt = time.localtime()
+        stop_at = time.mktime((lt.tm_year, lt.tm_mon, lt.tm_mday, hh, mm, 0, 0, 0, -1))
+    best = None  # (score, step, state_dict, eval)
+
+    def score_of(ev):
+        meets = ev["tool_valid"] >= 0.9 and ev["labelled_correct"] >= 0.5
+        return (meets, ev["labelled_correct"] + 0.5 * ev["tool_valid"])
+
+    def eval_now(step):
+        nonlocal best
+        import copy
+
+        m16 = copy.deepcopy(model).to(torch.bfloat16)
+        m16.eval()
+        t0 = time.time()
+        ev = evaluate(m16, tok, workload)
+        sc = score_of(ev)
+        better = best is None or sc > best[0]
+        log(f"eval @ step {step} ({time.time() - t0:.0f}s): {ev}{' (best so far)' if better else ''}")
+        if better:
+            best = (sc, step, {k: v.detach().clone() for k, v in model.state_dict().items()}, ev)
+        del m16
+
     while True:
         if total is None and step == probe:
             el = time.time() - t_train
@@ -433,6 +467,9 @@ def main(argv=None) -> int:
             total = max(args.warmup + 10, int((budget - (time.time() - t_start) + el) / rate))
             log(f"measured {rate:.2f} s/step -> --steps {total}")
         if total is not None and step >= total:
+            break
+        if stop_at is not None and time.time() >= stop_at:
+            log(f"stopping at step {step}: --stop-at {args.stop_at} reached")
             break
         if total is not None and args.steps is None and time.time() - t_train > budget * 1.25:
             log(f"stopping early at step {step}: over the time budget")
@@ -456,8 +493,18 @@ def main(argv=None) -> int:
         step += 1
         if step % 10 == 0 or step == 1:
             log(f"step {step}/{total or '?'} loss {lv:.3f} ema {ema:.3f} lr {lr:.2e} ({time.time() - t_train:.0f}s)")
+        if args.eval_every and step % args.eval_every == 0:
+            eval_now(step)
     train_s = time.time() - t_train
     steps_done = step
+    best_note = ""
+    if args.eval_every:
+        if step % args.eval_every != 0:
+            eval_now(step)
+        if best is not None and best[1] != step:
+            model.load_state_dict(best[2])
+            log(f"restored best weights from step {best[1]}")
+        best_note = f"best workload eval at step {best[1]} of {step} (evaluated every {args.eval_every} steps; those weights are saved)"
 
     model.eval()
     model = model.to(torch.bfloat16)
@@ -469,7 +516,8 @@ def main(argv=None) -> int:
     log(f"saved -> {out}")
 
     vl = {"code": val_loss(model, data.code_val, args.seq_len), "prose": val_loss(model, data.prose_val, args.seq_len)}
-    ev_w = evaluate(model, tok, workload)
+    # the bf16 eval of the saved weights was already done during training when --eval-every is set
+    ev_w = best[3] if args.eval_every and best is not None else evaluate(model, tok, workload)
     ev_x = evaluate(model, tok, extra)
     log(f"val loss (bf16): {vl}")
     log(f"workload eval (bf16): {ev_w}")
@@ -483,7 +531,7 @@ def main(argv=None) -> int:
         + "".join(
             f" --{k.replace('_', '-')} {v}"
             for k, v in vars(args).items()
-            if k in ("init_from", "mix", "minutes", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq_len", "batch", "lr", "warmup", "code_chars")
+            if k in ("init_from", "mix", "tool_kinds", "small_kinds", "eval_every", "minutes", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq_len", "batch", "lr", "warmup", "code_chars")
             and v != ap.get_default(k)
         )
     )
@@ -503,7 +551,7 @@ Written by `logitdiff.builtin.train_tiny` at the end of the run.
 * Held-out loss (bf16, nats/token): code {vl['code']:.3f}, prose {vl['prose']:.3f}
 * Bundled workload (`workload.jsonl`, {len(workload)} items), greedy, bf16: tool-call schema-valid {ev_w['tool_valid']:.0%} of {ev_w['n_tool']}, labelled correct {ev_w['labelled_correct']:.0%} of {ev_w['n_labelled']} ({', '.join(f'{k[8:]} {v:.0%}' for k, v in ev_w.items() if k.startswith('correct_'))})
 * Fresh held-out chat items ({len(extra)}), greedy, bf16: tool-call schema-valid {ev_x['tool_valid']:.0%}, labelled correct {ev_x['labelled_correct']:.0%} ({', '.join(f'{k[8:]} {v:.0%}' for k, v in ev_x.items() if k.startswith('correct_'))})
-* Data mix used: {args.mix} (code, prose, tool rows, short-task rows){f"; continued from `{args.init_from}` (the earlier phase below)" if args.init_from else ""}
+* Data mix used: {args.mix} (code, prose, tool rows, short-task rows); tool rows draw {args.tool_kinds}, short-task rows draw {args.small_kinds}{"; " + best_note if best_note else ""}{f"; continued from `{args.init_from}` (the earlier phase below)" if args.init_from else ""}
 * Files: {', '.join(f'{k} {v / 1e6:.2f} MB' for k, v in sizes.items())}; total {total_mb:.2f} MB
 """
     if previous_md:
