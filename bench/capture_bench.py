@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 
 def _bare_hf(src, pairs, batch):

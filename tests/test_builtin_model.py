@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from logitdiff.builtin.tasks import parse_tool_call as _parse_tool_call
+
 BUILTIN = Path(__file__).resolve().parents[1] / "src" / "logitdiff" / "builtin"
 MODEL_DIR = BUILTIN / "tiny"
 WORKLOAD = BUILTIN / "workload.jsonl"
@@ -43,20 +45,6 @@ def model():
     m = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.bfloat16)
     m.eval()
     return m
-
-
-def _parse_tool_call(text: str):
-    a = text.find("<tool_call>")
-    b = text.find("</tool_call>", a + 1)
-    if a < 0 or b < 0:
-        return None
-    try:
-        obj = json.loads(text[a + len("<tool_call>") : b])
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
-        return None
-    return obj
 
 
 # ---------------------------------------------------------------------------------------------

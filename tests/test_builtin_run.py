@@ -10,7 +10,6 @@ import pytest
 
 from logitdiff.builtin import LADDER, TINY_DIR, WORKLOAD
 from logitdiff.cli import main
-from logitdiff.gguf_export import export_gguf  # noqa: F401  (import check: exporter ships)
 from logitdiff.workload import read_workload
 
 

@@ -9,7 +9,6 @@ from scipy.special import log_softmax, rel_entr
 
 from logitdiff.cli import main
 from logitdiff.compare import compare_runs
-from logitdiff.errors import LogitdiffError
 from logitdiff.store import RunItem, RunReader, RunWriter
 
 V = 300

@@ -1,7 +1,6 @@
 """RUN files: round trips in every dtype, atomic chunks, resume, streaming reads, bad files."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap

@@ -76,6 +76,24 @@ def _vocab(source: Source) -> list[str]:
     return [source.token_text(i) for i in range(source.vocab_size)]
 
 
+def _writer(source: Source, out, store: str, resume: bool, overwrite: bool, settings: dict) -> RunWriter:
+    # A served (top-K) source cannot give full logits: store what it has.
+    if getattr(source, "distribution", "full") == "topk" and store == "full":
+        store = f"topk:{source.top_k}"
+    return RunWriter(
+        out,
+        source=_source_meta(source),
+        vocab_size=source.vocab_size,
+        tokenizer_hash=source.tokenizer_hash,
+        store=store,
+        dtype=getattr(source, "logits_dtype", "float32"),
+        settings={**settings, "distributions": "teacher-forced prefill over prompt + teacher"},
+        resume=resume,
+        overwrite=overwrite,
+        vocab=None if resume else _vocab(source),
+    )
+
+
 def _batched(seq: Sequence, n: int):
     for i in range(0, len(seq), n):
         yield seq[i : i + n]
@@ -96,20 +114,9 @@ def capture_reference(
     batch: int = 8,
 ) -> Path:
     """Greedy generation (the teacher sequence), then teacher-forced distributions."""
-    if getattr(source, "distribution", "full") == "topk" and store == "full":
-        store = f"topk:{source.top_k}"
-    writer = RunWriter(
-        out,
-        source=_source_meta(source),
-        vocab_size=source.vocab_size,
-        tokenizer_hash=source.tokenizer_hash,
-        store=store,
-        dtype=getattr(source, "logits_dtype", "float32"),
-        settings={"role": "reference", "max_tokens": max_tokens, "positions": positions, "decoding": "greedy (temperature 0)",
-                  "distributions": "teacher-forced prefill over prompt + teacher", **(settings or {})},
-        resume=resume,
-        overwrite=overwrite,
-        vocab=None if resume else _vocab(source),
+    writer = _writer(
+        source, out, store, resume, overwrite,
+        {"role": "reference", "max_tokens": max_tokens, "positions": positions, "decoding": "greedy (temperature 0)", **(settings or {})},
     )
     done = writer.done_ids() if resume else set()
     todo = [it for it in items if it.id not in done]
@@ -184,23 +191,11 @@ def capture_candidate(
 ) -> Path:
     """Teacher-forced capture at exactly the reference's positions (of one shard: items k
     with k mod n == i, see ``logitdiff merge``)."""
-    from .served import shard_items
 
     pairs = verified_prompts(source, teacher, shard=shard)
-    if getattr(source, "distribution", "full") == "topk" and store == "full":
-        store = f"topk:{source.top_k}"
-    writer = RunWriter(
-        out,
-        source=_source_meta(source),
-        vocab_size=source.vocab_size,
-        tokenizer_hash=source.tokenizer_hash,
-        store=store,
-        dtype=getattr(source, "logits_dtype", "float32"),
-        settings={"role": "candidate", "teacher": str(teacher.path), "positions": teacher.manifest["settings"].get("positions"),
-                  "distributions": "teacher-forced prefill over prompt + teacher", **(settings or {})},
-        resume=resume,
-        overwrite=overwrite,
-        vocab=None if resume else _vocab(source),
+    writer = _writer(
+        source, out, store, resume, overwrite,
+        {"role": "candidate", "teacher": str(teacher.path), "positions": teacher.manifest["settings"].get("positions"), **(settings or {})},
     )
     done = writer.done_ids() if resume else set()
     todo = [(it, p) for it, p in pairs if it.id not in done]

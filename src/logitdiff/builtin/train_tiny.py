@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -84,7 +83,7 @@ def prose_texts(code: list[str]) -> list[str]:
 
 
 def build_tokenizer(out_dir: Path, code: list[str], prose: list[str], seed: int, vocab_size: int):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(seed + 1)
