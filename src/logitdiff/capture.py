@@ -50,7 +50,10 @@ def _select(scored, positions):
     """Rows of a score result at the given positions: full logits or a top-K dict."""
     if isinstance(scored, dict):
         return {k: np.asarray(v)[positions] for k, v in scored.items()}
-    return np.asarray(scored)[positions]
+    scored = np.asarray(scored)
+    if len(positions) == len(scored) and (not len(positions) or (positions[0] == 0 and positions[-1] == len(scored) - 1)):
+        return scored  # every position, in order: no copy
+    return scored[positions]
 
 
 def _rows_for_store(writer: RunWriter, logits) -> dict:

@@ -45,6 +45,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def atomic_save_npy(path: Path, arr: np.ndarray) -> None:
+    """np.save straight into a temp file, then rename (no in-memory copy of the chunk)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
 
@@ -239,11 +249,7 @@ class RunWriter:
                 rows = rows if rows.dtype == np.uint16 else _f32_to_bf16(rows)
             else:
                 rows = rows.astype(_DTYPES[self.dtype], copy=False)
-            import io
-
-            bio = io.BytesIO()
-            np.save(bio, rows)
-            atomic_write_bytes(cdir / f"{stem}.logits.npy", bio.getvalue())
+            atomic_save_npy(cdir / f"{stem}.logits.npy", rows)
             entry["data"] = f"{stem}.logits.npy"
         text = "".join(json.dumps(it.to_json()) + "\n" for it in self._buf_items)
         atomic_write_bytes(cdir / entry["items"], text.encode())
