@@ -189,3 +189,15 @@ def test_bad_specs(capsys, tmp_path):
         assert main(["capture", spec, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_too_long_prompt_fails_before_anything_is_written(model, tmp_path, capsys):
+    wl = tmp_path / "long.jsonl"
+    wl.write_text(json.dumps({"id": "ok", "prompt": "def f(x):"}) + "\n"
+                  + json.dumps({"id": "huge", "prompt": "x = 1 + 2 * 3\n" * 2000}) + "\n")
+    out = tmp_path / "run"
+    assert main(["capture", f"hf:{model['dir']},dtype=float32", "--workload", str(wl), "--out", str(out)]) == 2
+    # (transformers, imported earlier in this test process, may print its loading bar first)
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "item 'huge'" in errors[0] and "max_position_embeddings" in errors[0], errors
+    assert not out.exists()

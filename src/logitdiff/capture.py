@@ -19,7 +19,7 @@ import numpy as np
 from . import metrics as M
 from .errors import LogitdiffError
 from .sources import Source
-from .store import RunItem, RunReader, RunWriter
+from .store import RunItem, RunReader, RunWriter, first_difference
 from .workload import Item
 
 DEFAULT_MAX_TOKENS = 64
@@ -117,6 +117,9 @@ def capture_reference(
     batch: int = 8,
 ) -> Path:
     """Greedy generation (the teacher sequence), then teacher-forced distributions."""
+    # Render every item first: a prompt the source refuses (too long, bad template) is a
+    # one-line error before any RUN file exists, not a half-written run.
+    rendered = {it.id: source.render(it) for it in items}
     writer = _writer(
         source, out, store, resume, overwrite,
         {"role": "reference", "max_tokens": max_tokens, "positions": positions, "decoding": "greedy (temperature 0)", **(settings or {})},
@@ -128,7 +131,7 @@ def capture_reference(
     for group in _batched(todo, batch):
         gens = []
         for it in group:
-            prompt_ids = source.render(it)
+            prompt_ids = rendered[it.id]
             mt = max_tokens or it.max_tokens or DEFAULT_MAX_TOKENS
             gen = source.generate(prompt_ids, mt)
             if not gen.token_ids:
@@ -169,7 +172,7 @@ def verified_prompts(source: Source, teacher: RunReader, shard=None) -> list[tup
         if wl is not None:
             ids = source.render(Item.from_json(wl))
             if list(ids) != list(it.prompt_ids):
-                j = next((k for k, (a, b) in enumerate(zip(ids, it.prompt_ids)) if a != b), min(len(ids), len(it.prompt_ids)))
+                j = first_difference(ids, it.prompt_ids)
                 a = it.prompt_ids[j] if j < len(it.prompt_ids) else "end"
                 b = ids[j] if j < len(ids) else "end"
                 raise LogitdiffError(

@@ -94,6 +94,8 @@ def cmd_compare(args) -> int:
     )
     if args.allow_partial and (ref.is_partial or cand.is_partial):
         report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
+    if live_source is not None:
+        live_source.close()
     write_report_dir(args.out, report, columns, markdown=render_markdown(report))
     print_summary(report)
     _console().print(f"wrote {args.out}/report.json, tokens.parquet, report.md")

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import metrics as M
 from .errors import LogitdiffError
-from .store import RunItem, RunReader
+from .store import RunItem, RunReader, first_difference
 
 TOPK_DESCRIPTION = (
     "Approximate KL(P_bf16 || P_quant) over next-token top-K distributions. Missing candidate "
@@ -77,14 +77,14 @@ def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = F
                 continue
             raise LogitdiffError(f"{cand.path}: item {r.id!r} of the reference run is missing")
         if r.prompt_ids and c.prompt_ids and r.prompt_ids != c.prompt_ids:
-            j = next((k for k, (a, b) in enumerate(zip(r.prompt_ids, c.prompt_ids)) if a != b), min(len(r.prompt_ids), len(c.prompt_ids)))
+            j = first_difference(r.prompt_ids, c.prompt_ids)
             raise LogitdiffError(
                 f"item {r.id!r}: prompt token ids differ at prompt position {j} "
                 f"(reference {r.prompt_ids[j] if j < len(r.prompt_ids) else 'end'}, "
                 f"candidate {c.prompt_ids[j] if j < len(c.prompt_ids) else 'end'})"
             )
         if r.positions != c.positions:
-            j = next((k for k, (a, b) in enumerate(zip(r.positions, c.positions)) if a != b), min(len(r.positions), len(c.positions)))
+            j = first_difference(r.positions, c.positions)
             raise LogitdiffError(
                 f"item {r.id!r}: scored positions differ (reference has {len(r.positions)}, candidate "
                 f"{len(c.positions)}; first difference at row {j})"

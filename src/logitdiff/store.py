@@ -106,6 +106,11 @@ class RunItem:
         )
 
 
+def first_difference(a, b) -> int:
+    """Index of the first position where two id sequences differ (len of the shorter if one is a prefix)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _bf16_to_f32(u16: np.ndarray) -> np.ndarray:
     return (u16.astype(np.uint32) << 16).view(np.float32)
 
