@@ -87,3 +87,41 @@ def test_cross_engine_f32_agreement(default_run, tmp_path):
     s = json.loads((tmp_path / "rep" / "report.json").read_text())["summary"]
     assert s["kl_nats_mean"] <= 1e-4
     assert s["top1_match_rate"] >= 0.995
+
+
+BAD = ("meaning_changed", "tool_call_malformed", "tool_call_changed")
+
+
+def test_default_run_flips_and_correctness(default_run):
+    """Issue checks: Q2_K's flips do more damage than Q8_0's; the reference rerun has no flips;
+    flips.parquet and correctness.parquet agree with report.json."""
+    s = json.loads((default_run / "summary.json").read_text())
+    assert s["noise_floor"]["top1_flips"] == 0
+    rows = {c["name"]: c for c in s["candidates"]}
+    bad = {n: sum(rows[n]["flip_outcomes"][o] for o in BAD) for n in rows}
+    assert bad["tiny-Q2_K"] > bad["tiny-Q8_0"]
+    for name in ("tiny-Q8_0", "tiny-Q2_K"):
+        d = default_run / "reports" / name
+        rep = json.loads((d / "report.json").read_text())
+        f = rep["flips"]
+        fl = pd.read_parquet(d / "flips.parquet")
+        assert len(fl) == f["n_branches"] > 0
+        assert f["n_flips"] == rep["summary"]["top1_mismatches"]
+        assert fl["outcome"].value_counts().to_dict() == {k: v for k, v in f["outcomes"].items() if v}
+        # every branch starts at a real flip of tokens.parquet, with the same KL
+        tok = pd.read_parquet(d / "tokens.parquet").set_index(["item_id", "position"])
+        for r in fl.itertuples():
+            t = tok.loc[(r.item_id, r.position)]
+            assert not t["top1_match"] and t["kl_nats"] == r.kl_nats and int(t["top1_cand"]) == r.cand_token_id
+            assert json.loads(r.signals)["decided_by"] == r.decided_by
+        c = rep["correctness"]
+        cr = pd.read_parquet(d / "correctness.parquet")
+        assert len(cr) == c["n_labelled"] == sum(1 for it in read_workload(WORKLOAD) if it.expected)
+        assert cr["ref_correct"].mean() == pytest.approx(c["accuracy_ref"])
+        assert cr["cand_correct"].mean() == pytest.approx(c["accuracy_cand"])
+        assert int((cr.ref_correct & ~cr.cand_correct).sum()) == c["right_to_wrong"]
+        assert int((~cr.ref_correct & cr.cand_correct).sum()) == c["wrong_to_right"]
+        assert 0.0 <= c["mcnemar_p"] <= 1.0
+        md = (d / "report.md").read_text()
+        assert "What the flips do" in md and "Correctness of free-running answers" in md
+    assert "meaning changed" in (default_run / "summary.md").read_text()

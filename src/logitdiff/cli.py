@@ -96,9 +96,12 @@ def cmd_compare(args) -> int:
         report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
     if live_source is not None:
         live_source.close()
-    write_report_dir(args.out, report, columns, markdown=render_markdown(report))
+    from .report.html import render_html
+
+    html = render_html([report], [columns], paths=[args.out])
+    write_report_dir(args.out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()})
     print_summary(report)
-    _console().print(f"wrote {args.out}/report.json, tokens.parquet, report.md")
+    _console().print(f"wrote {args.out}/report.json, tokens.parquet, report.md, report.html")
     return 0
 
 
@@ -174,8 +177,12 @@ def cmd_run(args) -> int:
     cfg = RunConfig(
         reference=args.reference, candidates=args.candidates or default_candidates(), workload=args.workload, out=args.out,
         max_tokens=args.max_tokens, positions=args.positions, noise_floor=not args.no_noise_floor, bootstrap=args.bootstrap,
-        ranges=ranges, fresh=args.fresh,
+        ranges=ranges, fresh=args.fresh, flips=not args.no_flips, correctness=not (args.no_correctness or args.no_flips),
+        flip_select=args.select, max_branches=args.max_branches, similarity=args.similarity,
     )
+    from .flips import parse_select
+
+    parse_select(args.select)
     check_specs(cfg)
     console = _console()
 
@@ -207,7 +214,7 @@ def cmd_run(args) -> int:
     finally:
         hooks.done()
     print_run_summary(summary)
-    console.print(f"wrote {args.out}/summary.md, {args.out}/summary.json and one report per candidate in {args.out}/reports/")
+    console.print(f"wrote {args.out}/report.html, summary.md, summary.json and one report per candidate in {args.out}/reports/")
     return 0
 
 
@@ -346,6 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_served_commands(sub)
 
+    from .flips_cli import add_commands as add_flips_commands
+
+    add_flips_commands(sub)
+
+    from .report_cli import add_commands as add_report_commands
+
+    add_report_commands(sub)
+
     run = sub.add_parser(
         "run",
         help="the whole job: reference, noise floor, candidates, reports (no arguments: the bundled default)",
@@ -367,6 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of items (default: %(default)s)")
     run.add_argument("--ranges", default="0,1,8,32,128,512", help="output-position range edges (default: %(default)s)")
     run.add_argument("--fresh", action="store_true", help="recapture the reference even if OUT/runs/reference matches")
+    run.add_argument("--no-flips", action="store_true", help="skip branching at top-1 flips (and correctness)")
+    run.add_argument("--no-correctness", action="store_true", help="skip grading free-running answers of labelled items")
+    run.add_argument("--select", default="first", help="flips to branch from: first | all | top-kl:N | low-margin:N | sample:N (default: %(default)s)")
+    run.add_argument("--max-branches", type=int, default=24, help="branches per candidate, highest KL kept (default: %(default)s)")
+    run.add_argument("--similarity", default="auto", choices=("auto", "minilm", "edit"), help="text similarity for flips (default: %(default)s)")
     run.set_defaults(func=cmd_run)
     return p
 

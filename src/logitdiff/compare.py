@@ -185,6 +185,7 @@ def compare_runs(
             for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
                 push(key, t[key])
             push("kl_topk_nats", t["kl_nats"])
+            _push_tops(push, sr["topk_ids"], sr["topk_logprobs"], sc["topk_ids"], sc["topk_logprobs"])
             del zr, zc
         else:
             ids_r, lp_r, ids_c, lp_c = [], [], [], []
@@ -211,6 +212,7 @@ def compare_runs(
             push("nll_cand", -np.log(p_cand))
             top2 = np.sort(np.exp(lr), axis=1)[:, ::-1]
             push("margin_ref", top2[:, 0] - (top2[:, 1] if top2.shape[1] > 1 else 0.0))
+            _push_tops(push, ir, lr, ic, lc)
         if progress:
             progress(len(positions))
 
@@ -229,6 +231,22 @@ def compare_runs(
     comp = Comparison(kind=kind, columns=columns, items=items_r, ref=ref, cand=cand, method=method, vocab=vocab, notes=notes)
     comp.tags_per_item = tags_per_item  # type: ignore[attr-defined]
     return comp
+
+
+TOP_SHOWN = 5  # top tokens kept per side for the token view of reports
+
+
+def _push_tops(push, ids_r, lp_r, ids_c, lp_c) -> None:
+    """Each side's winner probability and its top-5 (ids, probabilities), descending.
+
+    Flips are read from these: the reference's winner and how sure it was, the
+    candidate's winner and how sure *it* was."""
+    push("p_top1_ref", np.exp(np.asarray(lp_r[:, 0], dtype=np.float64)))
+    push("p_top1_cand", np.exp(np.asarray(lp_c[:, 0], dtype=np.float64)))
+    push("top5_ref_ids", np.asarray(ids_r[:, :TOP_SHOWN], dtype=np.int64))
+    push("top5_ref_p", np.exp(np.asarray(lp_r[:, :TOP_SHOWN], dtype=np.float64)))
+    push("top5_cand_ids", np.asarray(ids_c[:, :TOP_SHOWN], dtype=np.int64))
+    push("top5_cand_p", np.exp(np.asarray(lp_c[:, :TOP_SHOWN], dtype=np.float64)))
 
 
 def _prob_of(ids: np.ndarray, logprobs: np.ndarray, tok: np.ndarray) -> np.ndarray:

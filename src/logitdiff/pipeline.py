@@ -20,6 +20,7 @@ import numpy as np
 
 from .capture import LiveRun, capture_reference
 from .compare import compare_runs
+from .consequences import Settings, analyse
 from .errors import LogitdiffError
 from .report import build_report, write_report_dir
 from .report.markdown import render_markdown
@@ -48,6 +49,13 @@ class RunConfig:
     ranges: tuple[int, ...] = (0, 1, 8, 32, 128, 512)
     top_logprobs: int = 64
     fresh: bool = False
+    # what the flips do, and correctness (budgeted: the default run stays within minutes)
+    flips: bool = True
+    flip_select: str = "first"
+    max_branches: int = 24
+    correctness: bool = True
+    similarity: str = "auto"
+    html: bool = True
 
 
 def safe_name(spec: str) -> str:
@@ -120,35 +128,51 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
     ref = _reference_run(cfg, items, wl_hash, hooks)
     n_pos = sum(len(it.positions) for it in ref.items())
 
-    def score(spec: str, label: str):
+    def score(spec: str, label: str, after=None):
         src = open_source(spec)
         try:
             live = LiveRun(src, ref)
             advance = hooks.bar(n_pos, label)
-            return compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance)
+            comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance)
+            return comp, (after(src, comp) if after else None)
         finally:
             src.close()
+
+    similarity = None
+    if cfg.flips or cfg.correctness:
+        from .grading import load_similarity
+
+        similarity = load_similarity(cfg.similarity)
+    fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
+
+    def consequences(src, comp):
+        if not (cfg.flips or cfg.correctness):
+            return {}, {}
+        return analyse(src, ref, comp.columns, similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
+                       bar=lambda n, label: hooks.bar(n, label))
 
     _prebuild_builtin_ladder(cfg, hooks)
     noise = None
     if cfg.noise_floor:
         hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
-        nf = score(cfg.reference, "noise floor")
+        nf, _ = score(cfg.reference, "noise floor")
         noise = {
             "spec": cfg.reference,
             "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
             "kl_nats_max": float(np.max(nf.columns["kl_nats"])),
             "top1_disagreement": float(1.0 - np.mean(nf.columns["top1_match"])),
+            "top1_flips": int(np.sum(~np.asarray(nf.columns["top1_match"], dtype=bool))),
             "positions": int(nf.n),
         }
     rows = []
     for spec in cfg.candidates:
         hooks.stage(f"candidate: {spec}")
-        comp = score(spec, safe_name(spec))
+        comp, (sections, files) = score(spec, safe_name(spec), consequences)
         report, columns = build_report(comp, ranges=cfg.ranges, n_boot=cfg.bootstrap, seed=cfg.seed, noise_floor=noise)
         report["baseline"]["spec"] = cfg.reference
+        report.update(sections)
         rdir = out / "reports" / safe_name(spec)
-        write_report_dir(rdir, report, columns, markdown=render_markdown(report))
+        write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files)
         rows.append(_summary_row(spec, report, rdir, noise))
     # The cross-engine floor: the reference's own weights in another engine (BF16 GGUF in
     # the default run). A bit-identical rerun gives a noise floor of 0, so this is the
@@ -170,6 +194,11 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
     }
     atomic_write_json(out / "summary.json", summary)
     atomic_write_bytes(out / "summary.md", render_summary_md(summary).encode())
+    if cfg.html:
+        from .report.html import write_html
+
+        hooks.stage("report.html: every candidate on one page")
+        write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
     hooks.done()
     return summary
 
@@ -214,7 +243,27 @@ def _summary_row(spec: str, report: dict, rdir: Path, noise: dict | None) -> dic
         "ppl_ratio": s.get("ppl_ratio"),
         "x_noise_floor": (kl["mean"] / floor) if floor else None,
         "within_2x_noise_floor": bool(floor) and kl["mean"] <= 2 * floor,
+        **_consequence_cols(report),
     }
+
+
+BAD_OUTCOMES = ("meaning_changed", "tool_call_malformed", "tool_call_changed")
+
+
+def _consequence_cols(report: dict) -> dict:
+    out: dict = {}
+    f = report.get("flips")
+    if f:
+        out["flip_branches"] = f["n_branches"]
+        out["flip_outcomes"] = f["outcomes"]
+        out["flips_consequential"] = sum(f["outcomes"][o] for o in BAD_OUTCOMES)
+    c = report.get("correctness")
+    if c:
+        out.update(
+            accuracy_ref=c["accuracy_ref"], accuracy_cand=c["accuracy_cand"], right_to_wrong=c["right_to_wrong"],
+            wrong_to_right=c["wrong_to_right"], mcnemar_p=c["mcnemar_p"], tool_call_valid_cand=c.get("tool_call_valid_cand"),
+        )
+    return out
 
 
 def _f(x, spec=".4g"):
@@ -247,6 +296,24 @@ def render_summary_md(summary: dict) -> str:
             f"{100 * r['top1_disagreement']:.2f} % | [{100 * tci[0]:.2f} %, {100 * tci[1]:.2f} %] | {_f(r['ppl_ratio'], '.5f')} | "
             f"{_f(r['x_noise_floor'], '.3g')} | {_f(r.get('x_cross_engine_floor'), '.3g')} |"
         )
+    if any("flip_branches" in r or "accuracy_cand" in r for r in summary["candidates"]):
+        lines += [
+            "",
+            "What the drift does (free-running answers and branches from top-1 flips; see each report):",
+            "",
+            "| candidate | branches | recovered | benign | meaning changed | tool call malformed | tool call changed | "
+            "accuracy (ref → cand) | right→wrong | wrong→right | McNemar p | valid tool calls |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in summary["candidates"]:
+            o = r.get("flip_outcomes") or {}
+            acc = (f"{100 * r['accuracy_ref']:.1f} % → {100 * r['accuracy_cand']:.1f} %" if r.get("accuracy_cand") is not None else "n/a")
+            lines.append(
+                f"| `{r['candidate']}` | {r.get('flip_branches', 'n/a')} | "
+                + " | ".join(str(o.get(k, "n/a")) for k in ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed"))
+                + f" | {acc} | {r.get('right_to_wrong', 'n/a')} | {r.get('wrong_to_right', 'n/a')} | {_f(r.get('mcnemar_p'), '.3g')} | "
+                + ("n/a" if r.get("tool_call_valid_cand") is None else f"{100 * r['tool_call_valid_cand']:.0f} %") + " |"
+            )
     lines.append(f"\nOne report per candidate under `reports/`. Wall time {summary['seconds']} s.\n")
     return "\n".join(lines)
 

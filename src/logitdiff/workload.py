@@ -8,6 +8,8 @@ Each line is an object with
                 {"name", "description", "parameters"}}``);
 * ``tags``      optional list of strings (``code``, ``prose``, ``math``, ``tool`` ...);
 * ``max_tokens`` optional positive int;
+* ``tools_module`` optional path (relative to the workload file) of a Python module whose
+                functions implement the tools, for the executable tool-call check;
 * ``expected``  optional label: ``{"answer": "42"}``, ``{"regex": "..."}``,
                 ``{"numeric": 3.5, "tol": 1e-6}`` or ``{"tool_call": {"name", "arguments"}}``.
 """
@@ -21,7 +23,6 @@ from typing import Any
 
 from .errors import LogitdiffError
 
-_KNOWN_EXPECTED = {"answer", "regex", "numeric", "tool_call"}
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Item:
     tags: list[str] = field(default_factory=list)
     max_tokens: int | None = None
     expected: dict | None = None
+    tools_module: str | None = None
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"id": self.id}
@@ -48,6 +50,8 @@ class Item:
             d["max_tokens"] = self.max_tokens
         if self.expected is not None:
             d["expected"] = self.expected
+        if self.tools_module is not None:
+            d["tools_module"] = self.tools_module
         return d
 
     @classmethod
@@ -85,10 +89,16 @@ class Item:
             raise LogitdiffError(f"{where}: field 'max_tokens' must be a positive integer")
         exp = d.get("expected")
         if exp is not None:
-            if not isinstance(exp, dict) or not (set(exp) & _KNOWN_EXPECTED):
-                raise LogitdiffError(
-                    f"{where}: field 'expected' names no known check (one of {sorted(_KNOWN_EXPECTED)})"
-                )
+            from .grading import check_expected
+
+            check_expected(exp, where)
+        if tools:
+            from .toolcalls import check_tools_schema
+
+            check_tools_schema(tools, where)
+        tm = d.get("tools_module")
+        if tm is not None and (not isinstance(tm, str) or not tm):
+            raise LogitdiffError(f"{where}: field 'tools_module' must be a path string")
         return cls(
             id=iid,
             prompt=d.get("prompt"),
@@ -97,6 +107,7 @@ class Item:
             tags=list(tags),
             max_tokens=mt,
             expected=exp,
+            tools_module=tm,
         )
 
 
@@ -115,6 +126,11 @@ def read_workload(path: str | Path) -> list[Item]:
             except json.JSONDecodeError as e:
                 raise LogitdiffError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             item = Item.from_json(d, where=f"{path}:{lineno}")
+            if item.tools_module is not None:
+                tm = (path.parent / item.tools_module).resolve()
+                if not tm.is_file():
+                    raise LogitdiffError(f"{path}:{lineno} (id {item.id!r}): field 'tools_module' {item.tools_module!r} is not a file")
+                item.tools_module = str(tm)
             if item.id in seen:
                 raise LogitdiffError(
                     f"{path}:{lineno}: duplicate item id {item.id!r} (first on line {seen[item.id]})"

@@ -41,6 +41,8 @@ SEED_ROW_FIELDS = (
 
 def _clean(x):
     """JSON-safe scalars: numpy -> python, NaN/inf -> None."""
+    if isinstance(x, np.ndarray):
+        return [_clean(v) for v in x.tolist()]
     if isinstance(x, (np.bool_, bool)):
         return bool(x)
     if isinstance(x, (np.integer,)):
@@ -166,6 +168,11 @@ def build_report(
     c["baseline_top_token"] = np.array([comp.token_text(int(t)) for t in c["top1_ref"]], dtype=object)
     c["candidate_top_token"] = np.array([comp.token_text(int(t)) for t in c["top1_cand"]], dtype=object)
     c["token"] = np.array([comp.token_text(int(t)) for t in c["token_id"]], dtype=object)
+    for side in ("ref", "cand"):
+        if f"top5_{side}_ids" in c:
+            c[f"top5_{side}_tokens"] = np.array(
+                [[comp.token_text(int(t)) for t in row] for row in np.asarray(c[f"top5_{side}_ids"])], dtype=object
+            )
     return _json_clean(report), c
 
 
@@ -204,8 +211,10 @@ def write_parquet(path: Path, columns: dict[str, np.ndarray]) -> None:
     arrays = []
     for k in names:
         v = columns[k]
-        if k == "tags":
-            arrays.append(pa.array([list(x) for x in v], type=pa.list_(pa.string())))
+        if k in ("tags", "top5_ref_tokens", "top5_cand_tokens"):
+            arrays.append(pa.array([[str(t) for t in x] for x in v], type=pa.list_(pa.string())))
+        elif getattr(v, "ndim", 1) == 2:
+            arrays.append(pa.array(list(v)))
         elif v.dtype == object:
             arrays.append(pa.array([str(x) for x in v], type=pa.string()))
         else:
@@ -245,3 +254,53 @@ def write_report_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def update_report_dir(out: str | Path, report: dict, files: dict[str, bytes]) -> None:
+    """Replace report.json and add/replace ``files`` in an existing REPORT directory.
+
+    Every file is written to a temporary name first and only then renamed into place, so
+    a failure while producing the new contents leaves the old report untouched.
+    """
+    out = Path(out)
+    payload = {"report.json": (json.dumps(_json_clean(report), indent=1, allow_nan=False) + "\n").encode(), **files}
+    tmps = []
+    try:
+        for name, data in payload.items():
+            tmp = out / f".{name}.tmp{os.getpid()}"
+            tmp.write_bytes(data)
+            tmps.append((tmp, out / name))
+        for tmp, final in tmps:
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in tmps:
+            if tmp.exists():
+                tmp.unlink()
+
+
+def read_columns(report_dir: str | Path, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Columns of a REPORT's tokens.parquet as numpy arrays."""
+    import pyarrow.parquet as pq
+
+    path = Path(report_dir) / "tokens.parquet"
+    if not path.exists():
+        from ..errors import LogitdiffError
+
+        raise LogitdiffError(f"{path}: not found (is {report_dir} a logitdiff REPORT directory?)")
+    t = pq.read_table(path, columns=list(names) if names else None)
+    return {k: t.column(k).to_numpy(zero_copy_only=False) for k in t.column_names}
+
+
+def read_report(report_dir: str | Path) -> dict:
+    from ..errors import LogitdiffError
+
+    path = Path(report_dir) / "report.json"
+    try:
+        rep = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LogitdiffError(f"{path}: not found (is {report_dir} a logitdiff REPORT directory?)") from None
+    except json.JSONDecodeError as e:
+        raise LogitdiffError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if rep.get("schema") != REPORT_SCHEMA:
+        raise LogitdiffError(f"{path}: field 'schema' is {rep.get('schema')!r}, this logitdiff reads {REPORT_SCHEMA!r}")
+    return rep

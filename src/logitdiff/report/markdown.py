@@ -92,5 +92,87 @@ def render_markdown(report: dict) -> str:
     worst = sorted(report["items"], key=lambda r: -((r.get("kl_nats") or {}).get("mean") or 0))[:10]
     out.append("\n## Items with the highest mean KL\n")
     out.append(group_table([{**r, "group": r["id"]} for r in worst], "item"))
+    if report.get("flips"):
+        out.append(flips_markdown(report["flips"]))
+    if report.get("correctness"):
+        out.append(correctness_markdown(report["correctness"]))
     out.append(f"\n_logitdiff {report['tool']['version']}, {report['created']}_\n")
     return "\n".join(out)
+
+
+OUTCOMES = ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed")
+
+
+def _one_line(text: str, n: int = 80) -> str:
+    t = text.replace("\n", "⏎").replace("|", "\\|")
+    return t if len(t) <= n else t[: n - 1] + "…"
+
+
+def _outcome_table(groups: dict, label: str) -> str:
+    lines = [f"| {label} | branches | " + " | ".join(OUTCOMES) + " |", "|---|---:|" + "---:|" * len(OUTCOMES)]
+    for g, d in groups.items():
+        lines.append(f"| {g} | {d['n']} | " + " | ".join(f"{d[o]} ({_pct(d['rates'][o])})" for o in OUTCOMES) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def flips_markdown(f: dict) -> str:
+    out = ["\n## What the flips do\n"]
+    out.append(
+        f"- {f['n_flips']} top-1 flips ({_pct(f.get('flip_rate'))} of positions); {f['selection']}; "
+        f"{f['n_branches']} branches continued greedily by the candidate"
+    )
+    out.append(f"- similarity: {f['similarity']} (threshold {f['settings']['similarity_threshold']}); "
+               f"re-join = {f['settings']['resync_tokens']} common tokens")
+    if f["n_branches"]:
+        out.append("\n| outcome | branches | rate |\n|---|---:|---:|")
+        for o in OUTCOMES:
+            out.append(f"| {o} | {f['outcomes'][o]} | {_pct(f['rates'][o])} |")
+        out.append("\n### By tag\n")
+        out.append(_outcome_table(f["by_tag"], "tag"))
+        out.append("\n### By output range\n")
+        out.append(_outcome_table(f["by_range"], "positions"))
+        out.append("\n### By reference margin p(top1) − p(top2)\n")
+        out.append(_outcome_table(f["by_margin"], "margin"))
+    if f.get("both"):
+        b = f["both"]
+        out.append(
+            f"\n- reference continuing from the candidate's token: token was poison in {b['token_was_poison']} "
+            f"branches, the candidate drifts anyway in {b['candidate_drifts_anyway']}"
+        )
+    if f.get("top"):
+        out.append("\n### Most consequential flips\n")
+        out.append("| item | pos | outcome | KL | margin | ref → cand token | reference continues | candidate continues |")
+        out.append("|---|---:|---|---:|---:|---|---|---|")
+        for r in f["top"]:
+            out.append(
+                f"| {r['item_id']} | {r['position']} | {r['outcome']} | {_f(r['kl_nats'])} | {_f(r['margin_ref'])} | "
+                f"{_one_line(repr(r['ref_token']), 20)} → {_one_line(repr(r['cand_token']), 20)} | "
+                f"{_one_line(r['ref_continuation'])} | {_one_line(r['branch_continuation'])} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def correctness_markdown(c: dict) -> str:
+    ci = lambda x: f"[{_pct(x[0])}, {_pct(x[1])}]" if x and x[0] is not None else "n/a"  # noqa: E731
+    out = ["\n## Correctness of free-running answers\n"]
+    out.append(
+        f"- {c['n_labelled']} labelled items: reference {_pct(c['accuracy_ref'])} {ci(c['accuracy_ref_ci'])}, "
+        f"candidate {_pct(c['accuracy_cand'])} {ci(c['accuracy_cand_ci'])}; difference {_pct(c['accuracy_diff'])} "
+        f"{ci(c['accuracy_diff_ci'])}"
+    )
+    out.append(
+        f"- correctness flips: **{c['right_to_wrong']} right→wrong**, **{c['wrong_to_right']} wrong→right** "
+        f"(McNemar exact p = {_f(c['mcnemar_p'], 3)}); {c['flips_starting_at_top1_flip']} of {c['correctness_flips']} "
+        f"start at a teacher-forced top-1 flip"
+    )
+    if c.get("n_tool_items"):
+        out.append(
+            f"- schema-valid tool calls on {c['n_tool_items']} tool items: reference {_pct(c['tool_call_valid_ref'])}, "
+            f"candidate {_pct(c['tool_call_valid_cand'])}"
+        )
+    if c.get("items_right_to_wrong"):
+        out.append(f"- right→wrong items: {', '.join(c['items_right_to_wrong'][:20])}")
+    out.append("\n| tag | n | reference | candidate | right→wrong | wrong→right |\n|---|---:|---:|---:|---:|---:|")
+    for t, d in c["by_tag"].items():
+        out.append(f"| {t} | {d['n']} | {_pct(d['accuracy_ref'])} | {_pct(d['accuracy_cand'])} | {d['right_to_wrong']} | {d['wrong_to_right']} |")
+    return "\n".join(out) + "\n"

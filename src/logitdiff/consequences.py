@@ -1,0 +1,443 @@
+"""Drive flips and correctness for one comparison: generate, grade, classify, summarise.
+
+Inputs are the reference RUN (prompts, teacher ids, the workload items), the per-position
+columns of a comparison (``tokens.parquet`` or a live :class:`~logitdiff.compare.Comparison`)
+and an open candidate source. Outputs are plain dicts/rows: the ``flips`` and
+``correctness`` sections of report.json and the rows of ``flips.parquet`` and
+``correctness.parquet``. Writing files is left to the caller (report/ and cli).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .capture import DEFAULT_MAX_TOKENS
+from .errors import LogitdiffError
+from .flips import OUTCOMES, Flip, classify, find_flips, select_flips, summarize_branches
+from .grading import Similarity, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
+from .sources import Source
+from .store import RunItem, RunReader, first_difference
+from .summarize import DEFAULT_RANGES
+from .toolcalls import ToolCall, check_tools_schema, parse_tool_calls, validate_call
+
+
+@dataclass
+class Settings:
+    select: str = "first"
+    max_branches: int | None = 32
+    max_tokens: int | None = None  # branch budget; default: what is left of the item's
+    both: bool = False
+    resync: int = 4
+    seed: int = 0
+    exec_timeout: float = 5.0
+    n_boot: int = 2000
+    ranges: Sequence[int] = DEFAULT_RANGES
+
+
+def _item_json(it: RunItem) -> dict:
+    return dict(it.extra.get("item") or {"id": it.id, "tags": it.tags})
+
+
+def _budget(reader: RunReader, it: RunItem) -> int:
+    """The generation budget the reference had for this item."""
+    mt = (reader.manifest.get("settings") or {}).get("max_tokens")
+    return int(mt or _item_json(it).get("max_tokens") or DEFAULT_MAX_TOKENS)
+
+
+def _strip_end(ids: Sequence[int], eos: set[int]) -> list[int]:
+    ids = list(ids)
+    while ids and ids[-1] in eos:
+        ids.pop()
+    return ids
+
+
+def _checked_items(items: Sequence[RunItem]) -> None:
+    """Tools must be valid JSON Schema and labels must name a known check: fail before any work."""
+    for it in items:
+        d = _item_json(it)
+        where = f"item {it.id!r}"
+        if d.get("tools"):
+            check_tools_schema(d["tools"], where)
+        if d.get("expected") is not None:
+            check_expected(d["expected"], where)
+
+
+def _exec_checker(item: dict, timeout: float) -> Callable | None:
+    mod = item.get("tools_module")
+    if not mod:
+        return None
+    from .toolexec import compare_results, execute_calls
+
+    def run(ref_calls: list[ToolCall], branch_calls: list[ToolCall]) -> dict:
+        a = execute_calls(mod, ref_calls, timeout=timeout)
+        b = execute_calls(mod, branch_calls, timeout=timeout)
+        same, reasons = compare_results(a, b)
+        return {
+            "same_result": same,
+            "reasons": reasons,
+            "ref": [{"ok": r.ok, "value": r.value, "error": r.error, "timed_out": r.timed_out} for r in a],
+            "branch": [{"ok": r.ok, "value": r.value, "error": r.error, "timed_out": r.timed_out} for r in b],
+        }
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# flips
+
+
+def run_flips(
+    source: Source,
+    ref: RunReader,
+    columns: dict,
+    similarity: Similarity,
+    settings: Settings,
+    *,
+    reference_source: Source | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> tuple[dict, list[dict]]:
+    """Branch at the selected flips; return the report section and one row per branch."""
+    items = {it.id: it for it in ref.items()}
+    _checked_items(list(items.values()))
+    if settings.both and reference_source is None:
+        raise LogitdiffError("--both needs the reference as a source (pass --reference SPEC)")
+    tags_of = {i: it.tags for i, it in items.items()}
+    all_flips = find_flips(columns, tags_of)
+    chosen, note = select_flips(all_flips, settings.select, settings.max_branches, settings.seed)
+    if on_total:
+        on_total(len(chosen))
+    eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
+    rows: list[dict] = []
+    pending = []
+    for f in chosen:
+        it = items.get(f.item_id)
+        if it is None:
+            raise LogitdiffError(f"{ref.path}: flip at item {f.item_id!r} is not in the reference run")
+        t = f.position
+        teacher = list(it.teacher_ids)
+        if t >= len(teacher):
+            raise LogitdiffError(
+                f"{ref.path}: item {f.item_id!r} has {len(teacher)} teacher tokens, the report flips at output "
+                f"position {t}; report and run do not belong together"
+            )
+        # The teacher is the reference's greedy (incremental) output, the distributions come
+        # from one prefill: in low precision the two can pick different near-tied winners, so
+        # teacher[t] need not be top1_ref. The control is always the teacher.
+        left = _budget(ref, it) - t - 1
+        if settings.max_tokens is not None:
+            left = min(left, settings.max_tokens)
+        prefix = list(it.prompt_ids) + teacher[:t] + [f.cand_token_id]
+        cont = [] if f.cand_token_id in eos or left <= 0 else source.generate(prefix, left).token_ids
+        branch = teacher[:t] + [f.cand_token_id] + list(cont)
+        ref_out = teacher[: t + 1 + max(left, 0)]
+        alt = None
+        if settings.both:
+            alt_cont = [] if f.cand_token_id in eos or left <= 0 else reference_source.generate(prefix, left).token_ids
+            alt = teacher[:t] + [f.cand_token_id] + list(alt_cont)
+        pending.append((f, it, ref_out, branch, alt))
+        if progress:
+            progress(1)
+
+    def text(ids):
+        return source.detokenize(_strip_end(ids, eos))
+
+    ref_tails, br_tails, alt_tails = [], [], []
+    for f, it, ref_out, branch, alt in pending:
+        t = f.position
+        ref_tails.append(text(ref_out[t:]))
+        br_tails.append(text(branch[t:]))
+        alt_tails.append(text(alt[t:]) if alt is not None else "")
+    sims = similarity.score_many(ref_tails, br_tails)
+    alt_sims = similarity.score_many(ref_tails, alt_tails) if settings.both else None
+    for k, (f, it, ref_out, branch, alt) in enumerate(pending):
+        item = _item_json(it)
+        ref_text, br_text = text(ref_out), text(branch)
+        outcome, sig = classify(
+            item=item, ref_ids=ref_out, branch_ids=branch, position=f.position, ref_text=ref_text,
+            branch_text=br_text, similarity=float(sims[k]), threshold=similarity.threshold,
+            min_run=settings.resync, exec_check=_exec_checker(item, settings.exec_timeout),
+        )
+        row = {
+            "item_id": f.item_id,
+            "tags": list(f.tags),
+            "position": f.position,
+            "ref_token_id": f.ref_token_id,
+            "cand_token_id": f.cand_token_id,
+            "ref_token": source.token_text(f.ref_token_id),
+            "cand_token": source.token_text(f.cand_token_id),
+            "p_ref": f.p_ref,
+            "p_cand": f.p_cand,
+            "margin_ref": f.margin_ref,
+            "kl_nats": f.kl_nats,
+            "outcome": outcome,
+            "decided_by": sig.get("decided_by", ""),
+            "similarity": float(sims[k]),
+            "ref_continuation": ref_tails[k],
+            "branch_continuation": br_tails[k],
+            "branch_tokens": len(branch) - f.position,
+            "signals": json.dumps(sig, sort_keys=True, default=str),
+        }
+        if alt is not None:
+            o2, s2 = classify(
+                item=item, ref_ids=ref_out, branch_ids=alt, position=f.position, ref_text=ref_text,
+                branch_text=text(alt), similarity=float(alt_sims[k]), threshold=similarity.threshold,
+                min_run=settings.resync,
+            )
+            row["outcome_ref_from_cand_token"] = o2
+            row["ref_from_cand_continuation"] = alt_tails[k]
+        rows.append(row)
+    n_pos = len(columns["position"])
+    section = summarize_branches(
+        rows, n_flips=len(all_flips), n_positions=n_pos, note=note, similarity_name=similarity.name,
+        ranges=settings.ranges,
+        settings={"select": settings.select, "max_branches": settings.max_branches, "max_tokens": settings.max_tokens,
+                  "resync_tokens": settings.resync, "similarity_threshold": similarity.threshold, "both": settings.both},
+    )
+    return section, rows
+
+
+# --------------------------------------------------------------------------------------------
+# correctness
+
+
+def run_correctness(
+    source: Source,
+    ref: RunReader,
+    columns: dict,
+    *,
+    settings: Settings,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> tuple[dict, list[dict]]:
+    """Grade free-running greedy outputs of both models on labelled items; count correctness flips.
+
+    The reference's free-running output is its teacher sequence; the candidate generates
+    from the same prompt ids with the same budget. A correctness flip "starts at a top-1
+    flip" when the first position where the candidate's output leaves the teacher is a
+    scored position whose top-1 differed under teacher forcing.
+    """
+    items = [it for it in ref.items() if _item_json(it).get("expected") is not None]
+    _checked_items(items)
+    if on_total:
+        on_total(len(items))
+    eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
+    # (item, position) -> top1_match, to locate where a divergence started
+    key = {(str(i), int(p)): bool(m) for i, p, m in zip(columns["item_id"], columns["position"], columns["top1_match"])}
+    rows = []
+    for it in items:
+        d = _item_json(it)
+        tools = d.get("tools") or []
+        gen = source.generate(list(it.prompt_ids), _budget(ref, it))
+        cand_ids = list(gen.token_ids)
+        ref_ids = list(it.teacher_ids)
+        ref_text = source.detokenize(_strip_end(ref_ids, eos))
+        cand_text = source.detokenize(_strip_end(cand_ids, eos))
+        gr = grade(d["expected"], ref_text, tools, where=f"item {it.id!r}")
+        gc = grade(d["expected"], cand_text, tools, where=f"item {it.id!r}")
+        div = first_difference(ref_ids, cand_ids)
+        diverged = div < max(len(ref_ids), len(cand_ids))
+        at_flip = None
+        if diverged and (it.id, div) in key:
+            at_flip = not key[(it.id, div)]
+        row = {
+            "item_id": it.id,
+            "tags": list(it.tags),
+            "check": gr.check,
+            "ref_correct": gr.correct,
+            "cand_correct": gc.correct,
+            "ref_detail": gr.detail,
+            "cand_detail": gc.detail,
+            "ref_output": ref_text,
+            "cand_output": cand_text,
+            "first_divergence": div if diverged else None,
+            "divergence_at_top1_flip": at_flip,
+        }
+        if tools:
+            for side, txt in (("ref", ref_text), ("cand", cand_text)):
+                p = parse_tool_calls(txt)
+                row[f"{side}_tool_call_valid"] = bool(p.ok and not [e for c in p.calls for e in validate_call(c, tools)])
+        rows.append(row)
+        if progress:
+            progress(1)
+    return correctness_section(rows, settings), rows
+
+
+def correctness_section(rows: list[dict], settings: Settings) -> dict:
+    n = len(rows)
+    r_ok = np.array([r["ref_correct"] for r in rows], dtype=bool)
+    c_ok = np.array([r["cand_correct"] for r in rows], dtype=bool)
+    r2w = [r for r in rows if r["ref_correct"] and not r["cand_correct"]]
+    w2r = [r for r in rows if not r["ref_correct"] and r["cand_correct"]]
+    flips = r2w + w2r
+    sec = {
+        "n_labelled": n,
+        "accuracy_ref": float(r_ok.mean()) if n else None,
+        "accuracy_ref_ci": wilson_ci(int(r_ok.sum()), n),
+        "accuracy_cand": float(c_ok.mean()) if n else None,
+        "accuracy_cand_ci": wilson_ci(int(c_ok.sum()), n),
+        "accuracy_diff": float(c_ok.mean() - r_ok.mean()) if n else None,
+        "accuracy_diff_ci": paired_diff_ci(r_ok, c_ok, n_boot=settings.n_boot, seed=settings.seed),
+        "both_right": int((r_ok & c_ok).sum()),
+        "both_wrong": int((~r_ok & ~c_ok).sum()),
+        "right_to_wrong": len(r2w),
+        "wrong_to_right": len(w2r),
+        "correctness_flips": len(flips),
+        "mcnemar_p": mcnemar_exact(len(r2w), len(w2r)),
+        "flips_starting_at_top1_flip": sum(1 for r in flips if r["divergence_at_top1_flip"]),
+        "flips_with_unscored_start": sum(1 for r in flips if r["divergence_at_top1_flip"] is None),
+        "method": "free-running greedy outputs graded against each item's label; McNemar exact "
+        "(binomial) test on the discordant items; Wilson 95 % CIs; paired bootstrap (items) for the difference",
+        "items_right_to_wrong": [r["item_id"] for r in r2w],
+        "items_wrong_to_right": [r["item_id"] for r in w2r],
+    }
+    tool_rows = [r for r in rows if "ref_tool_call_valid" in r]
+    if tool_rows:
+        sec["tool_call_valid_ref"] = float(np.mean([r["ref_tool_call_valid"] for r in tool_rows]))
+        sec["tool_call_valid_cand"] = float(np.mean([r["cand_tool_call_valid"] for r in tool_rows]))
+        sec["n_tool_items"] = len(tool_rows)
+    by_tag: dict[str, dict] = {}
+    for r in rows:
+        for t in r["tags"] or ["(untagged)"]:
+            d = by_tag.setdefault(t, {"n": 0, "ref_correct": 0, "cand_correct": 0, "right_to_wrong": 0, "wrong_to_right": 0})
+            d["n"] += 1
+            d["ref_correct"] += int(r["ref_correct"])
+            d["cand_correct"] += int(r["cand_correct"])
+            d["right_to_wrong"] += int(r["ref_correct"] and not r["cand_correct"])
+            d["wrong_to_right"] += int(r["cand_correct"] and not r["ref_correct"])
+    for d in by_tag.values():
+        d["accuracy_ref"] = d["ref_correct"] / d["n"]
+        d["accuracy_cand"] = d["cand_correct"] / d["n"]
+    sec["by_tag"] = dict(sorted(by_tag.items()))
+    return sec
+
+
+# --------------------------------------------------------------------------------------------
+# files
+
+
+def rows_table(rows: list[dict]):
+    """A pyarrow table of branch/correctness rows (lists of strings for tags)."""
+    import pyarrow as pa
+
+    if not rows:
+        return pa.table({"item_id": pa.array([], pa.string())})
+    names = list(rows[0])
+    for r in rows[1:]:
+        names += [k for k in r if k not in names]
+    cols = {}
+    for k in names:
+        vals = [r.get(k) for r in rows]
+        if k == "tags":
+            cols[k] = pa.array(vals, type=pa.list_(pa.string()))
+        else:
+            cols[k] = pa.array(vals)
+    return pa.table(cols)
+
+
+def parquet_bytes(rows: list[dict]) -> bytes:
+    import io
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(rows_table(rows), buf)
+    return buf.getvalue()
+
+
+FLIP_COLUMNS = ("item_id", "position", "top1_match", "top1_ref", "top1_cand", "p_top1_ref", "p_top1_cand", "margin_ref", "kl_nats")
+
+
+def analyse(
+    source: Source,
+    ref: RunReader,
+    columns: dict,
+    similarity: Similarity,
+    settings: Settings,
+    *,
+    reference_source: Source | None = None,
+    correctness: bool = True,
+    flips: bool = True,
+    bar: Callable[[int, str], Callable[[int], None]] | None = None,
+) -> tuple[dict, dict[str, bytes]]:
+    """Flips (and correctness) for one comparison: report sections and file contents."""
+    sections: dict = {}
+    files: dict[str, bytes] = {}
+    state = {}
+
+    def total(label):
+        def set_total(n):
+            state[label] = bar(n, label) if bar else None
+        return set_total
+
+    def adv(label):
+        return lambda n=1: state.get(label) and state[label](n)
+
+    if flips:
+        sec, rows = run_flips(source, ref, columns, similarity, settings, reference_source=reference_source,
+                              progress=adv("branches"), on_total=total("branches"))
+        sections["flips"] = sec
+        files["flips.parquet"] = parquet_bytes(rows)
+    if correctness:
+        sec, rows = run_correctness(source, ref, columns, settings=settings, progress=adv("correctness"),
+                                    on_total=total("correctness"))
+        if rows:
+            sections["correctness"] = sec
+            files["correctness.parquet"] = parquet_bytes(rows)
+    return sections, files
+
+
+def analyse_report_dir(
+    report_dir: str | Path,
+    *,
+    candidate: str | None = None,
+    reference: str | None = None,
+    settings: Settings,
+    similarity: str = "auto",
+    similarity_threshold: float | None = None,
+    correctness: bool = True,
+    bar=None,
+) -> dict:
+    """``logitdiff flips REPORT/``: add flips (+ correctness) to an existing report."""
+    from .grading import load_similarity
+    from .report import read_columns, read_report, update_report_dir
+    from .report.markdown import render_markdown
+    from .sources import open_source
+
+    report = read_report(report_dir)
+    if report["method"].get("kind") not in ("full_vocab", "top_k"):
+        raise LogitdiffError(f"{report_dir}/report.json: field 'method.kind' is {report['method'].get('kind')!r}")
+    cols = read_columns(report_dir)
+    missing = [c for c in ("item_id", "position", "top1_match", "top1_ref", "top1_cand", "margin_ref", "kl_nats") if c not in cols]
+    if missing:
+        raise LogitdiffError(f"{report_dir}/tokens.parquet: column {missing[0]!r} is missing")
+    ref_path = report["baseline"].get("path")
+    if not ref_path or not Path(ref_path).exists():
+        raise LogitdiffError(f"{report_dir}/report.json: field 'baseline.path' ({ref_path}) is not a reference RUN that exists here")
+    ref = RunReader(ref_path)
+    spec = candidate or report["candidate"].get("spec")
+    if not spec:
+        raise LogitdiffError(f"{report_dir}/report.json: field 'candidate.spec' is empty; pass --candidate SPEC")
+    sim = load_similarity(similarity, similarity_threshold)
+    source = open_source(spec)
+    ref_src = open_source(reference or report["baseline"].get("spec")) if settings.both else None
+    try:
+        if source.tokenizer_hash and ref.tokenizer_hash and source.tokenizer_hash != ref.tokenizer_hash:
+            raise LogitdiffError(f"{spec}: tokenizer differs from the reference run {ref.path} (field 'tokenizer_hash')")
+        sections, files = analyse(source, ref, cols, sim, settings, reference_source=ref_src, correctness=correctness, bar=bar)
+    finally:
+        source.close()
+        if ref_src is not None:
+            ref_src.close()
+    report.update(sections)
+    files["report.md"] = render_markdown(report).encode()
+    from .report.html import render_html
+
+    files["report.html"] = render_html([report], [cols], paths=[str(report_dir)]).encode()
+    update_report_dir(report_dir, report, files)
+    return report

@@ -1,0 +1,134 @@
+"""``logitdiff flips``: what the top-1 flips of a comparison do, and correctness flips."""
+
+from __future__ import annotations
+
+import sys
+
+FLIPS_DESCRIPTION = """\
+Branch at the top-1 flips of a REPORT: from prompt + teacher[:t] + the candidate's winner,
+the candidate continues greedily; the reference's own continuation (the teacher) is the
+control. Each branch is classified, with the signals that decided it, as
+
+  recovered            re-joins the reference text (--resync common tokens) with the same
+                       final answer / tool call
+  benign               no re-join, same answer / call, similarity >= threshold
+  meaning_changed      a different answer, or similarity below the threshold
+  tool_call_malformed  the reference's call was schema-valid; the branch's does not parse
+                       or violates the tool's JSON schema
+  tool_call_changed    valid, but another function or other arguments (AST check, BFCL-style)
+
+Labelled items are also graded free-running (both models, greedy): accuracy of each,
+correctness flips right->wrong / wrong->right with an exact McNemar test, and whether
+each correctness flip starts at a teacher-forced top-1 flip.
+
+Writes REPORT/flips.parquet (one row per branch, texts and signals),
+REPORT/correctness.parquet, and adds "flips" and "correctness" sections to
+REPORT/report.json and report.md. The candidate is re-opened from the report's
+candidate spec (override with --candidate).
+"""
+
+
+def cmd_flips(args) -> int:
+    from .cli import _console, _progress
+    from .consequences import Settings, analyse_report_dir
+    from .summarize import parse_ranges
+
+    settings = Settings(
+        select=args.select,
+        max_branches=args.max_branches,
+        max_tokens=args.max_tokens,
+        both=args.both,
+        resync=args.resync,
+        seed=args.seed,
+        exec_timeout=args.exec_timeout,
+    )
+    from .errors import LogitdiffError
+    from .flips import parse_select
+
+    parse_select(args.select)
+    if args.resync < 1:
+        raise LogitdiffError("--resync must be >= 1")
+    if args.max_branches is not None and args.max_branches < 0:
+        raise LogitdiffError("--max-branches must be >= 0")
+    bars = []
+
+    def bar(total, label):
+        prog, advance = _progress(total, label)
+        prog.start()
+        bars.append(prog)
+        return advance
+
+    try:
+        report = analyse_report_dir(
+            args.report, candidate=args.candidate, reference=args.reference, settings=settings,
+            similarity=args.similarity, similarity_threshold=args.similarity_threshold,
+            correctness=not args.no_correctness, bar=bar,
+        )
+    finally:
+        for p in bars:
+            p.stop()
+    print_flips(report)
+    _console().print(f"wrote {args.report}/flips.parquet" + (", correctness.parquet" if report.get("correctness") else "")
+                     + " and updated report.json, report.md")
+    return 0
+
+
+def print_flips(report: dict) -> None:
+    from rich.table import Table
+
+    from .cli import _stdout_console
+    from .flips import OUTCOMES
+
+    f = report["flips"]
+    t = Table(title=f"{f['n_flips']} flips, {f['n_branches']} branches ({f['selection']}); similarity: {f['similarity'].split(' (')[0]}")
+    t.add_column("outcome")
+    t.add_column("branches", justify="right")
+    t.add_column("rate", justify="right")
+    for o in OUTCOMES:
+        r = f["rates"][o]
+        t.add_row(o, str(f["outcomes"][o]), "n/a" if r is None else f"{100 * r:.1f}%")
+    con = _stdout_console()
+    con.print(t)
+    c = report.get("correctness")
+    if c:
+        con.print(
+            f"correctness on {c['n_labelled']} labelled items: reference {100 * c['accuracy_ref']:.1f}%, "
+            f"candidate {100 * c['accuracy_cand']:.1f}%; {c['right_to_wrong']} right→wrong, "
+            f"{c['wrong_to_right']} wrong→right (McNemar p = {c['mcnemar_p']:.3g}); "
+            f"{c['flips_starting_at_top1_flip']} of {c['correctness_flips']} start at a top-1 flip"
+        )
+
+
+def add_commands(sub) -> None:
+    import argparse
+
+    f = sub.add_parser(
+        "flips", help="branch at top-1 flips and classify what they do; grade labelled answers",
+        description=FLIPS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    f.add_argument("report", metavar="REPORT", help="REPORT directory written by compare or run")
+    f.add_argument("--select", default="first",
+                   help="first (first flip of each item) | all | top-kl:N | low-margin:N | sample:N (default: %(default)s)")
+    f.add_argument("--max-branches", type=int, default=32,
+                   help="at most this many branches; the highest-KL flips are kept (default: %(default)s)")
+    f.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens per branch (default: what is left of the item's budget, so both outputs end alike)")
+    f.add_argument("--both", action="store_true",
+                   help="also let the reference continue from the candidate's token (separates a poisoned token from drift)")
+    f.add_argument("--resync", type=int, default=4, help="common tokens that count as re-joining the reference (default: %(default)s)")
+    f.add_argument("--similarity", default="auto", choices=("auto", "minilm", "edit"),
+                   help="MiniLM embeddings (optional extra 'similarity'), normalised edit similarity, or auto (default: %(default)s)")
+    f.add_argument("--similarity-threshold", type=float, default=None,
+                   help="below this, meaning changed (default: 0.80 for MiniLM, 0.60 for edit)")
+    f.add_argument("--candidate", metavar="SPEC", help="candidate source (default: the report's candidate spec)")
+    f.add_argument("--reference", metavar="SPEC", help="reference source for --both (default: the report's baseline spec)")
+    f.add_argument("--no-correctness", action="store_true", help="skip grading free-running answers")
+    f.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per executed tool call (items with tools_module)")
+    f.add_argument("--seed", type=int, default=0, help="seed of sample:N and the bootstrap (default: %(default)s)")
+    f.set_defaults(func=cmd_flips)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from .cli import main
+
+    sys.exit(main(["flips", *sys.argv[1:]]))

@@ -1,0 +1,933 @@
+"""report.html: one self-contained page comparing one or more candidates' REPORTs.
+
+The page is a single file: plotly.js is inlined once, the figures and every number derived
+from tokens.parquet travel as JSON inside the page, and a Content-Security-Policy meta tag
+forbids the browser from fetching anything at all (no CDN, no fonts, no images), so the
+file can be mailed, archived or opened offline and always shows the same thing.
+
+Rules the page follows:
+
+* Every number in the candidate matrix is read from report.json (or the run's
+  summary.json for the cross-engine floor); the embedded ``logitdiff-data`` JSON records,
+  for each matrix cell, the value and the report.json path it came from, so a test (or a
+  suspicious reader) can check it.
+* Numbers computed here from tokens.parquet (KL CDF, reference-confidence buckets, worst
+  items, paired item statistics, Pareto frontier) are also in ``logitdiff-data``.
+* Reports are only put side by side when they measure the same thing: the same report
+  schema, the same workload (item ids, reference tokenizer, teacher tokens) and the same
+  method (full vocabulary, or top-K with the same K). Anything else is refused with a
+  :class:`LogitdiffError` naming both report directories and the field; make one page per
+  method instead. (Separate matrices for mixed methods would still invite comparing
+  numbers across them, and the plots share axes, so refusing is the honest choice.)
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .. import __version__
+from ..errors import LogitdiffError
+from ..stats import adjacent_pairs, per_item_values
+
+# Buckets of the reference's probability of its own top token.
+REF_CONF_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
+# Token shading: KL in nats on a log scale from SHADE_LO (no shade) to SHADE_HI (full).
+SHADE_LO, SHADE_HI = 1e-4, 1.0
+WORST_ITEMS = 5
+# tokens.parquet columns the page uses (others are not read).
+TOKEN_COLUMNS = (
+    "item_id", "position", "token_id", "token", "kl_nats", "top1_match", "top1_ref", "top1_cand",
+    "p_ref_token", "p_cand_token", "margin_ref", "baseline_top_token", "candidate_top_token",
+)
+# Identity fields worth showing as "machine / versions" (whatever of these a source records).
+VERSION_KEYS = (
+    "backend", "torch", "transformers", "llama_cpp_python", "vllm", "sglang", "server", "engine", "device",
+    "dtype", "threads", "attn_implementation", "architecture", "arch", "gpu", "cpu", "host",
+)
+
+# The candidate matrix: (key, header, tooltip, report.json paths tried in order, format).
+MATRIX = (
+    ("file_size", "file size", "candidate weight file size", ("candidate.identity.size", "candidate.identity.file_size", "candidate.identity.size_bytes"), "bytes"),
+    ("bpw", "bits/weight", "bits per weight as recorded by the candidate source", ("candidate.identity.bits_per_weight", "candidate.identity.bpw"), "g"),
+    ("kl_mean", "KL mean", "mean KL(P_ref‖P_cand), nats, 95 % CI from an item bootstrap", ("summary.metrics.kl_nats.mean",), "g"),
+    ("kl_p95", "KL p95", "95th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p95",), "g"),
+    ("kl_p99", "KL p99", "99th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p99",), "g"),
+    ("kl_rev_mean", "rev KL mean", "mean KL(P_cand‖P_ref), nats, 95 % CI", ("summary.metrics.kl_rev_nats.mean",), "g"),
+    ("kl_rev_p95", "rev p95", "95th percentile of reverse KL, nats", ("summary.metrics.kl_rev_nats.p95",), "g"),
+    ("kl_rev_p99", "rev p99", "99th percentile of reverse KL, nats", ("summary.metrics.kl_rev_nats.p99",), "g"),
+    ("jsd_mean", "JSD mean", "mean Jensen-Shannon divergence, nats, 95 % CI", ("summary.metrics.jsd_nats.mean",), "g"),
+    ("top1", "top-1 disagr.", "share of positions whose top-1 token differs, 95 % CI", ("summary.top1_disagreement.rate",), "pct"),
+    ("x_noise_floor", "× noise floor", "mean KL / mean KL of the reference against its own rerun", ("summary.kl_mean_x_noise_floor",), "x"),
+    ("ppl_ratio", "PPL ratio", "perplexity of the candidate / of the reference on the teacher tokens", ("summary.ppl_ratio",), "ratio"),
+)
+CI_OF = {
+    "kl_mean": "summary.metrics.kl_nats.ci95",
+    "kl_rev_mean": "summary.metrics.kl_rev_nats.ci95",
+    "jsd_mean": "summary.metrics.jsd_nats.ci95",
+    "top1": "summary.top1_disagreement.ci95",
+}
+CORRECTNESS = (
+    ("accuracy_ref", "acc. ref", "accuracy of the reference's free-running answers", "pct"),
+    ("accuracy_cand", "acc. cand", "accuracy of the candidate's free-running answers", "pct"),
+    ("right_to_wrong", "right→wrong", "items the reference got right and the candidate wrong", "g"),
+    ("wrong_to_right", "wrong→right", "items the reference got wrong and the candidate right", "g"),
+    ("mcnemar_p", "McNemar p", "exact McNemar test of the correctness flips", "g"),
+)
+
+CSS = """
+:root{--fg:#1d2330;--mut:#5b6475;--line:#d9dde5;--bg:#fff;--alt:#f5f7fa;--warn:#fff4d6;--warnb:#e0a800}
+*{box-sizing:border-box}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg);margin:0 auto;max-width:1500px;padding:16px 24px}
+h1{font-size:22px;margin:4px 0 8px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid var(--line);padding-bottom:4px}h3{font-size:15px;margin:16px 0 6px}
+.lead{color:var(--mut);margin:0 0 12px}
+dl.hdr{display:grid;grid-template-columns:max-content 1fr;gap:3px 16px;margin:0}dl.hdr dt{color:var(--mut)}dl.hdr dd{margin:0}
+code,.mono{font:12.5px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
+table{border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:13px}
+th,td{padding:3px 6px;border-bottom:1px solid var(--line);text-align:right;vertical-align:top;white-space:nowrap}
+th{background:var(--alt);position:sticky;top:0;font-weight:600}
+th:first-child,td:first-child{text-align:left}
+table.sortable th[data-sort]{cursor:pointer;user-select:none}
+table.sortable th[data-sort]:hover{background:#e8ecf3}
+th[data-dir=asc]::after{content:" ▲"}th[data-dir=desc]::after{content:" ▼"}
+td small{display:block;color:var(--mut);font-size:11px}
+tr.warn td{background:var(--warn)}
+.badge{display:inline-block;font-size:11px;padding:0 5px;border-radius:3px;background:var(--warn);border:1px solid var(--warnb);margin-left:6px}
+.scroll{overflow-x:auto}
+.note{color:var(--mut);font-size:13px;margin:4px 0}
+.plot{width:100%;height:420px}
+.grid2{display:grid;grid-template-columns:1fr 1fr;gap:12px}@media(max-width:1000px){.grid2{grid-template-columns:1fr}}
+details{margin:6px 0}summary{cursor:pointer;font-weight:600}
+.toks{white-space:pre-wrap;word-break:break-word;border:1px solid var(--line);border-radius:4px;padding:8px;background:#fcfcfd}
+.toks span{background:rgba(214,39,40,var(--a,0));border-radius:2px}
+.toks span.flip{outline:2px solid #1f4fd1;outline-offset:-1px}
+.legend{display:inline-block;width:160px;height:10px;vertical-align:middle;background:linear-gradient(90deg,rgba(214,39,40,0),rgba(214,39,40,.85));border:1px solid var(--line)}
+td.say{text-align:left;white-space:normal;min-width:220px}
+footer{margin-top:32px;color:var(--mut);font-size:12px}
+"""
+
+# Sorting, plot rendering and the #selftest hook (used by the headless-browser test).
+JS = r"""
+(function(){
+  var errors = [];
+  window.addEventListener('error', function(e){ errors.push(String(e.message || e)); });
+  function val(row, i, text){
+    var c = row.cells[i], v = c ? c.getAttribute('data-v') : null;
+    if (v === null || v === '') return null;
+    return text ? v : parseFloat(v);
+  }
+  function sortBy(th){
+    var table = th.closest('table'), body = table.tBodies[0];
+    var i = Array.prototype.indexOf.call(th.parentNode.children, th);
+    var dir = th.getAttribute('data-dir') === 'asc' ? 'desc' : 'asc', text = th.getAttribute('data-sort') === 'text';
+    table.querySelectorAll('th').forEach(function(h){ h.removeAttribute('data-dir'); });
+    th.setAttribute('data-dir', dir);
+    var rows = Array.prototype.slice.call(body.rows);
+    rows.sort(function(a, b){
+      var x = val(a, i, text), y = val(b, i, text);
+      if (x === null || y === null) return (x === null) - (y === null);  // n/a always last
+      var c = x < y ? -1 : x > y ? 1 : 0;
+      return dir === 'asc' ? c : -c;
+    });
+    rows.forEach(function(r){ body.appendChild(r); });
+  }
+  document.querySelectorAll('table.sortable th[data-sort]').forEach(function(th){
+    th.addEventListener('click', function(){ sortBy(th); });
+  });
+  var figs = JSON.parse(document.getElementById('logitdiff-figures').textContent);
+  var config = {displaylogo: false, responsive: true, showLink: false, showSendToCloud: false, showEditInChartStudio: false};
+  figs.forEach(function(f){
+    try { Plotly.newPlot(f.id, f.data, f.layout, config); } catch (e) { errors.push(f.id + ': ' + e); }
+  });
+  if (location.hash === '#selftest') {
+    var res = {errors: errors, plots: {}, sort: null};
+    document.querySelectorAll('.plot').forEach(function(d){ res.plots[d.id] = d.querySelectorAll('.main-svg').length; });
+    var th = document.querySelector('#matrix th[data-key=kl_mean]');
+    if (th) {
+      var col = Array.prototype.indexOf.call(th.parentNode.children, th);
+      var read = function(){ return Array.prototype.map.call(document.querySelectorAll('#matrix tbody tr'), function(r){ return val(r, col, false); }); };
+      th.click(); var up = read(); th.click(); var down = read();
+      var mono = function(a, s){ for (var k = 1; k < a.length; k++) if (a[k] !== null && a[k-1] !== null && s * (a[k] - a[k-1]) < 0) return false; return true; };
+      res.sort = {asc: up, desc: down, ok: mono(up, 1) && mono(down, -1) && up.length > 0};
+    }
+    var out = document.createElement('pre'); out.id = 'selftest-result'; out.textContent = JSON.stringify(res);
+    document.body.appendChild(out);
+  }
+})();
+"""
+
+
+# ----------------------------------------------------------------------------- helpers
+def _get(obj: Any, path: str):
+    """``_get(report, "summary.metrics.kl_nats.mean")``; None where any step is missing."""
+    for part in path.split("."):
+        if not isinstance(obj, Mapping) or part not in obj:
+            return None
+        obj = obj[part]
+    return obj
+
+
+def _first(report: dict, paths: Sequence[str]) -> tuple[Any, str | None]:
+    for p in paths:
+        v = _get(report, p)
+        if v is not None:
+            return v, p
+    return None, None
+
+
+def _num(x) -> float | None:
+    if isinstance(x, bool) or x is None:
+        return None
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def fmt(x, kind: str = "g") -> str:
+    """Display formatting only (never a new number): 4 significant digits, % for rates."""
+    v = _num(x)
+    if v is None:
+        # Not a number: say so, or show the (escaped) text the report holds.
+        return "n/a" if x is None or isinstance(x, (bool, int, float)) else html.escape(str(x))
+    if kind == "pct":
+        return f"{100 * v:.2f} %"
+    if kind == "x":
+        return f"{v:.3g}×"
+    if kind == "ratio":
+        return f"{v:.5f}"
+    if kind == "bytes":
+        for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if v >= div:
+                return f"{v / div:.3g} {unit}"
+        return f"{v:.0f} B"
+    if v == 0:
+        return "0"
+    if isinstance(x, int) or (v.is_integer() and abs(v) < 1e9 and kind == "int"):
+        return str(int(v))
+    return f"{v:.4g}"
+
+
+def _e(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def readable_token(tok: str) -> str:
+    """Byte-level BPE pieces shown as text: 'Ġ' is a space, 'Ċ' a newline, 'ĉ' a tab."""
+    return str(tok).replace("Ġ", " ").replace("Ċ", "\n").replace("ĉ", "\t")
+
+
+def _json_for_script(obj) -> str:
+    """JSON safe inside <script>: no '</script>' or '<!--' can be formed."""
+    text = json.dumps(obj, allow_nan=False, separators=(",", ":"), default=_json_default)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _clean(obj):
+    """NaN/inf -> None recursively, so the embedded JSON is strict."""
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _clean(obj.tolist())
+    if isinstance(obj, (np.floating, float)):
+        return float(obj) if math.isfinite(float(obj)) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
+
+
+def token_columns(tok) -> dict[str, np.ndarray] | None:
+    """tokens.parquet content as numpy columns, from a DataFrame, a mapping or report rows."""
+    if tok is None:
+        return None
+    if hasattr(tok, "columns") and hasattr(tok, "__getitem__") and not isinstance(tok, Mapping):
+        return {str(c): np.asarray(tok[c].to_numpy()) for c in tok.columns if str(c) in TOKEN_COLUMNS}
+    return {k: np.asarray(v) for k, v in tok.items() if k in TOKEN_COLUMNS}
+
+
+def _rows_as_columns(report: dict) -> dict[str, np.ndarray] | None:
+    rows = report.get("rows") or []
+    if not rows:
+        return None
+    cols = {k: np.asarray([r.get(k) for r in rows]) for k in TOKEN_COLUMNS if k in rows[0]}
+    if "item_id" not in cols and "source_id" in rows[0]:
+        cols["item_id"] = np.asarray([r["source_id"] for r in rows])
+    return cols
+
+
+def load_tokens(path: str | Path) -> dict[str, np.ndarray] | None:
+    """The columns of tokens.parquet the page needs (pyarrow only; pandas not required)."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.exists():
+        return None
+    names = set(pq.read_schema(path).names)
+    table = pq.read_table(path, columns=[c for c in TOKEN_COLUMNS if c in names])
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+
+# ----------------------------------------------------------------------------- checks
+def _method_key(report: dict) -> tuple:
+    m = report.get("method") or {}
+    kind = m.get("kind")
+    # For full-vocabulary reports top_logprobs is only the K of the auxiliary top-K fields.
+    return (kind, m.get("top_logprobs") if kind == "top_k" else None)
+
+
+def _teacher(cols: dict | None):
+    if not cols or not all(k in cols for k in ("item_id", "position", "token_id")):
+        return None
+    ids = np.asarray(cols["item_id"]).astype(str)
+    pos = np.asarray(cols["position"], dtype=np.int64)
+    order = np.lexsort((pos, ids))
+    return ids[order], pos[order], np.asarray(cols["token_id"], dtype=np.int64)[order]
+
+
+def check_comparable(reports: Sequence[dict], tokens: Sequence[dict | None], labels: Sequence[str]) -> None:
+    """Refuse reports that do not measure the same thing (see the module docstring)."""
+    if not reports:
+        raise LogitdiffError("logitdiff report: no reports given")
+    first = reports[0]
+    t0 = _teacher(tokens[0]) if tokens else None
+    for i in range(1, len(reports)):
+        r = reports[i]
+        a, b = labels[0], labels[i]
+
+        def refuse(field, va, vb, hint=""):
+            raise LogitdiffError(f"cannot put {a} and {b} on one page: different {field} ({va!r} vs {vb!r}){hint}")
+
+        if r.get("schema") != first.get("schema"):
+            refuse("schema", first.get("schema"), r.get("schema"))
+        ha, hb = _get(first, "baseline.tokenizer_hash"), _get(r, "baseline.tokenizer_hash")
+        if ha and hb and ha != hb:
+            refuse("workload: baseline.tokenizer_hash", ha[:19] + "…", hb[:19] + "…")
+        ia = sorted(str(x.get("id")) for x in first.get("items") or [])
+        ib = sorted(str(x.get("id")) for x in r.get("items") or [])
+        if ia != ib:
+            only = sorted(set(ia) ^ set(ib))[:3]
+            refuse("workload: item ids", f"{len(ia)} items", f"{len(ib)} items", f"; e.g. {', '.join(only)} in only one")
+        if _method_key(first) != _method_key(r):
+            refuse("method (kind, top-K K)", _method_key(first), _method_key(r), "; make one page per method")
+        ti = _teacher(tokens[i]) if tokens else None
+        if t0 is not None and ti is not None:
+            if len(t0[0]) != len(ti[0]) or not (np.array_equal(t0[0], ti[0]) and np.array_equal(t0[1], ti[1])):
+                refuse("workload: teacher positions (tokens.parquet item_id/position)", f"{len(t0[0])} positions", f"{len(ti[0])} positions")
+            if not np.array_equal(t0[2], ti[2]):
+                k = int(np.flatnonzero(t0[2] != ti[2])[0])
+                refuse("workload: teacher tokens (tokens.parquet token_id)", f"{t0[0][k]}@{t0[1][k]}={t0[2][k]}", f"{ti[2][k]}")
+
+
+# ----------------------------------------------------------------------------- derived data
+def kl_cdf(kl: np.ndarray, max_points: int = 1500) -> dict:
+    """Empirical CDF of KL: x = sorted positive KL, y = share of positions ≤ x.
+
+    Zeros cannot sit on a log axis, so the curve starts at the share of KL == 0 (recorded
+    as ``n_zero``). Long columns are thinned to ``max_points`` points, denser in the tail
+    where the interesting part of a KL distribution lives."""
+    v = np.sort(np.asarray(kl, dtype=np.float64)[np.isfinite(kl)])
+    n = int(v.size)
+    if n == 0:
+        return {"n": 0, "n_zero": 0, "x": [], "y": []}
+    idx = np.arange(n)
+    if n > max_points:
+        body = np.linspace(0, 0.95, max_points // 2)
+        tail = 1.0 - np.geomspace(0.05, 0.5 / n, max_points - max_points // 2)
+        idx = np.unique(np.clip(np.ceil(np.concatenate([body, tail]) * n).astype(np.int64) - 1, 0, n - 1))
+        idx = np.unique(np.concatenate([idx, [n - 1]]))
+    keep = v[idx] > 0
+    return {"n": n, "n_zero": int((v <= 0).sum()), "x": v[idx][keep].tolist(), "y": ((idx[keep] + 1) / n).tolist()}
+
+
+def ref_confidence(cols: dict) -> tuple[np.ndarray, str, int]:
+    """Per position: the reference's probability of its own top token, and how it was had.
+
+    tokens.parquet has no top-1 probability column, but where the teacher token is the
+    reference's top-1 (always, up to numerical ties, when the teacher is the reference's
+    greedy output) ``p_ref_token`` *is* that probability; the other positions are left out
+    (NaN) and counted. If fewer than half qualify (an imported, non-greedy teacher), the
+    reference margin p1 − p2 (``margin_ref``) is bucketed instead, and labelled so."""
+    n = len(cols["kl_nats"])
+    if all(k in cols for k in ("p_ref_token", "token_id", "top1_ref")):
+        p = np.asarray(cols["p_ref_token"], dtype=np.float64)
+        ok = (np.asarray(cols["token_id"]) == np.asarray(cols["top1_ref"])) & np.isfinite(p)
+        if n and ok.mean() >= 0.5:
+            return np.where(ok, p, np.nan), "p_ref_token where the teacher token is the reference's top-1", int(n - ok.sum())
+    if "margin_ref" in cols:
+        m = np.asarray(cols["margin_ref"], dtype=np.float64)
+        return m, "margin_ref (reference p1 − p2; no top-1 probability available)", int((~np.isfinite(m)).sum())
+    return np.full(n, np.nan), "none", n
+
+
+def bucket_stats(conf: np.ndarray, cols: dict, edges: Sequence[float] = REF_CONF_EDGES) -> dict:
+    """Mean KL and top-1 disagreement per reference-confidence bucket ([a,b), last closed)."""
+    kl = np.asarray(cols["kl_nats"], dtype=np.float64)
+    mism = ~np.asarray(cols["top1_match"], dtype=bool)
+    out = {"labels": [], "n": [], "kl_mean": [], "top1_disagreement": []}
+    for j, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        last = j == len(edges) - 2
+        m = (conf >= a) & ((conf <= b) if last else (conf < b))
+        out["labels"].append(f"[{a:g},{b:g}]" if last else f"[{a:g},{b:g})")
+        out["n"].append(int(m.sum()))
+        out["kl_mean"].append(float(kl[m].mean()) if m.any() else None)
+        out["top1_disagreement"].append(float(mism[m].mean()) if m.any() else None)
+    return out
+
+
+def pareto_front(points: Sequence[tuple[str, float, float]]) -> list[str]:
+    """Names on the size/KL Pareto frontier: nothing smaller has lower (or equal) KL."""
+    front, best = [], math.inf
+    for name, size, kl in sorted(points, key=lambda p: (p[1], p[2])):
+        if kl < best:
+            front.append(name)
+            best = kl
+    return front
+
+
+def _item_value(by_id: dict, item_id: str, path: str) -> float:
+    v = _num(_get(by_id.get(item_id) or {}, path))
+    return np.nan if v is None else v
+
+
+def _item_arrays(reports, tokens, names, item_ids):
+    """Per candidate, item mean KL and item top-1 disagreement aligned with ``item_ids``:
+    from report["items"] (the same numbers report.json shows), else from tokens.parquet."""
+    kl, t1 = {}, {}
+    for name, rep, cols in zip(names, reports, tokens):
+        by_id = {str(x.get("id")): x for x in rep.get("items") or []}
+        if by_id:
+            kl[name] = np.array([_item_value(by_id, i, "kl_nats.mean") for i in item_ids], dtype=np.float64)
+            t1[name] = np.array([_item_value(by_id, i, "top1_disagreement.rate") for i in item_ids], dtype=np.float64)
+        elif cols is not None:
+            kl[name] = per_item_values(cols["item_id"], cols["kl_nats"], item_ids)
+            t1[name] = per_item_values(cols["item_id"], ~np.asarray(cols["top1_match"], dtype=bool), item_ids)
+    return kl, t1
+
+
+# ----------------------------------------------------------------------------- figures
+def _fig(fig) -> dict:
+    """A plotly figure as plain JSON (data + layout) for Plotly.newPlot in the page."""
+    d = json.loads(fig.to_json())
+    return {"data": d.get("data", []), "layout": d.get("layout", {})}
+
+
+def _layout(fig, title: str, top: int = 50, **kw):
+    fig.update_layout(
+        title={"text": title, "x": 0.01, "font": {"size": 15}}, template="plotly_white", margin={"l": 60, "r": 20, "t": top, "b": 50},
+        legend={"font": {"size": 11}}, hovermode="closest", font={"family": "system-ui, sans-serif", "size": 12}, **kw,
+    )
+    return fig
+
+
+def build_figures(names, reports, cdfs, buckets, conf_label, pareto) -> tuple[list[dict], list[str]]:
+    """The page's plots, each {id, title, note, data, layout}; and notes on omitted plots."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    figs, omitted = [], []
+    colors = _palette(len(names))
+
+    if any(c and c["x"] for c in cdfs.values()):
+        f = go.Figure()
+        for name, col in zip(names, colors):
+            c = cdfs.get(name)
+            if c and c["x"]:
+                f.add_scatter(x=c["x"], y=c["y"], name=name, mode="lines", line={"color": col, "width": 2},
+                              hovertemplate=name + "<br>KL %{x:.3g} nats<br>share ≤ x: %{y:.4f}<extra></extra>")
+        _layout(f, "KL(P_ref‖P_cand) per position: cumulative share (log x)")
+        f.update_xaxes(type="log", title="KL, nats")
+        f.update_yaxes(title="share of positions ≤ x", range=[0, 1.01])
+        figs.append({"id": "plot-kl-cdf", "note": "Curves to the left are closer to the reference. Positions with KL exactly 0 "
+                     "cannot sit on a log axis: a curve starts at their share.", **_fig(f)})
+    else:
+        omitted.append("KL CDF: no tokens.parquet")
+
+    ranges = [r.get("ranges") or [] for r in reports]
+    if any(ranges):
+        f = make_subplots(rows=1, cols=2, subplot_titles=("mean KL (95 % CI)", "p95 KL"), horizontal_spacing=0.08)
+        for name, col, rr in zip(names, colors, ranges):
+            rr = [g for g in rr if g.get("n")]
+            x = [g["group"] for g in rr]
+            mean = [_get(g, "kl_nats.mean") for g in rr]
+            ci = [_get(g, "kl_nats.ci95") or [None, None] for g in rr]
+            f.add_scatter(x=x, y=mean, name=name, legendgroup=name, mode="lines+markers", line={"color": col}, row=1, col=1,
+                          error_y={"type": "data", "symmetric": False, "array": [(c[1] - m) if None not in (c[1], m) else None for c, m in zip(ci, mean)],
+                                   "arrayminus": [(m - c[0]) if None not in (c[0], m) else None for c, m in zip(ci, mean)], "thickness": 1},
+                          hovertemplate=name + " %{x}<br>mean KL %{y:.4g}<extra></extra>")
+            f.add_scatter(x=x, y=[_get(g, "kl_nats.p95") for g in rr], name=name, legendgroup=name, showlegend=False, mode="lines+markers",
+                          line={"color": col, "dash": "dot"}, row=1, col=2, hovertemplate=name + " %{x}<br>p95 KL %{y:.4g}<extra></extra>")
+        _layout(f, "KL by output range (position from the start of the output)", top=80)
+        f.update_yaxes(type="log", title="KL, nats")
+        f.update_xaxes(type="category")
+        figs.append({"id": "plot-ranges-kl", "note": "From report.json ranges. Empty ranges are left out.", **_fig(f)})
+
+        f = go.Figure()
+        for name, col, rr in zip(names, colors, ranges):
+            rr = [g for g in rr if g.get("n")]
+            rate = [_get(g, "top1_disagreement.rate") for g in rr]
+            ci = [_get(g, "top1_disagreement.ci95") or [None, None] for g in rr]
+            f.add_scatter(x=[g["group"] for g in rr], y=[None if v is None else 100 * v for v in rate], name=name, mode="lines+markers",
+                          line={"color": col},
+                          error_y={"type": "data", "symmetric": False, "thickness": 1,
+                                   "array": [100 * (c[1] - v) if None not in (c[1], v) else None for c, v in zip(ci, rate)],
+                                   "arrayminus": [100 * (v - c[0]) if None not in (c[0], v) else None for c, v in zip(ci, rate)]},
+                          hovertemplate=name + " %{x}<br>top-1 disagreement %{y:.2f} %<extra></extra>")
+        _layout(f, "Top-1 disagreement by output range (95 % CI)")
+        f.update_yaxes(title="% of positions", rangemode="tozero")
+        f.update_xaxes(type="category")
+        figs.append({"id": "plot-ranges-top1", "note": "From report.json ranges.", **_fig(f)})
+    else:
+        omitted.append("output ranges: no ranges in report.json")
+
+    if buckets:
+        f = make_subplots(rows=1, cols=2, subplot_titles=("mean KL", "top-1 disagreement (%)"), horizontal_spacing=0.08)
+        for name, col in zip(names, colors):
+            b = buckets.get(name)
+            if not b:
+                continue
+            f.add_scatter(x=b["labels"], y=b["kl_mean"], customdata=b["n"], name=name, legendgroup=name, mode="lines+markers", line={"color": col},
+                          row=1, col=1, hovertemplate=name + " p_ref %{x}<br>mean KL %{y:.4g}<br>%{customdata} positions<extra></extra>")
+            f.add_scatter(x=b["labels"], y=[None if v is None else 100 * v for v in b["top1_disagreement"]], customdata=b["n"], name=name,
+                          legendgroup=name, showlegend=False, mode="lines+markers", line={"color": col}, row=1, col=2,
+                          hovertemplate=name + " p_ref %{x}<br>%{y:.2f} %<br>%{customdata} positions<extra></extra>")
+        _layout(f, "Drift by reference confidence (p of the reference's top token)", top=80)
+        f.update_yaxes(type="log", row=1, col=1, title="KL, nats")
+        f.update_yaxes(rangemode="tozero", row=1, col=2)
+        f.update_xaxes(type="category", title="reference confidence")
+        figs.append({"id": "plot-ref-confidence", "note": f"Confidence column: {conf_label}. Decisions the reference was unsure of "
+                     "flip first; drift on confident positions is the worrying kind.", **_fig(f)})
+    else:
+        omitted.append("reference confidence: no tokens.parquet")
+
+    by_tag = {n: _get(r, "flips.by_tag") for n, r in zip(names, reports) if _get(r, "flips.by_tag")}
+    if by_tag:
+        rows = []  # (candidate, tag, outcome, count)
+        for name, bt in by_tag.items():
+            items = bt.items() if isinstance(bt, Mapping) else ((x.get("tag") or x.get("group"), x) for x in bt)
+            for tag, d in items:
+                for outcome, count in _outcome_counts(d).items():
+                    rows.append((name, str(tag), outcome, count))
+        # Outcomes that occurred, in the order the report lists them (flips.py: mildest first).
+        outcomes = list(dict.fromkeys(r[2] for r in rows if r[3]))
+        f = go.Figure()
+        for oc in outcomes:
+            sel = [r for r in rows if r[2] == oc and r[3]]
+            f.add_bar(x=[[r[0] for r in sel], [r[1] for r in sel]], y=[r[3] for r in sel], name=oc)
+        _layout(f, "Flip outcomes by tag", barmode="stack")
+        f.update_yaxes(title="flips")
+        figs.append({"id": "plot-flips-by-tag", "note": "From report.json flips.by_tag.", **_fig(f)})
+    else:
+        omitted.append("flip outcomes by tag: no report has flips.by_tag (run flips to get it)")
+
+    if len(pareto["points"]) >= 2:
+        pts, front = pareto["points"], set(pareto["front"])
+        f = go.Figure()
+        f.add_scatter(x=[p["size"] for p in pts], y=[p["kl_mean"] for p in pts], text=[p["name"] for p in pts], mode="markers+text",
+                      textposition="top center", marker={"size": 10, "color": ["#d62728" if p["name"] in front else "#7f7f7f" for p in pts]},
+                      name="candidates", hovertemplate="%{text}<br>%{x:.4s}B<br>mean KL %{y:.4g}<extra></extra>")
+        fp = sorted((p for p in pts if p["name"] in front), key=lambda p: p["size"])
+        f.add_scatter(x=[p["size"] for p in fp], y=[p["kl_mean"] for p in fp], mode="lines", line={"color": "#d62728", "dash": "dot"},
+                      name="Pareto frontier", hoverinfo="skip")
+        _layout(f, "Mean KL vs file size (Pareto frontier in red)")
+        f.update_xaxes(title="file size, bytes", type="log")
+        f.update_yaxes(title="mean KL, nats", type="log")
+        figs.append({"id": "plot-pareto", "note": "File size from candidate.identity; candidates without one are left out.", **_fig(f)})
+    else:
+        omitted.append("Pareto of KL vs file size: fewer than two candidates record a file size")
+    return figs, omitted
+
+
+def _outcome_counts(d) -> dict[str, float]:
+    """Outcome -> count of a flips group: ``{"recovered": 3, ..., "n": 5, "rates": {...}}`` (the
+    shape flips.py writes) or ``{"outcomes": {...}}``; totals and rates are not outcomes."""
+    if not isinstance(d, Mapping):
+        return {}
+    d = d.get("outcomes", d) if isinstance(d.get("outcomes"), Mapping) else d
+    return {str(k): v for k, v in d.items() if k not in ("n", "rates") and _num(v) is not None}
+
+
+def _palette(n: int) -> list[str]:
+    base = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    return [base[i % len(base)] for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- HTML parts
+def _header(names, paths, reports, summary) -> str:
+    r0 = reports[0]
+    b = r0.get("baseline") or {}
+    m = r0.get("method") or {}
+    s0 = r0.get("summary") or {}
+    if m.get("kind") == "top_k":
+        method = f"top-K approximation, K = {_e(m.get('top_logprobs'))} of V = {_e(m.get('vocab_size'))} (the seed report's method)"
+    else:
+        method = f"exact, full vocabulary (V = {_e(m.get('vocab_size'))}), float64 after log_softmax"
+    boot = m.get("bootstrap") or {}
+    floors = {json.dumps(_get(r, "summary.noise_floor"), sort_keys=True) for r in reports}
+    nf = s0.get("noise_floor")
+    if len(floors) > 1:
+        noise = "differs per report (see × noise floor)"
+    elif nf:
+        noise = (f"mean KL {fmt(nf.get('kl_nats_mean'))} nats, top-1 disagreement {fmt(nf.get('top1_disagreement'), 'pct')} "
+                 f"(<code>{_e(nf.get('spec'))}</code> against its own rerun, {_e(nf.get('positions'))} positions)")
+        if nf.get("kl_nats_mean") == 0:
+            noise += " — the rerun is bit-identical, so × noise floor is undefined"
+    else:
+        noise = "not measured"
+    rows = [
+        ("reference", f"<code>{_e(b.get('spec') or b.get('path'))}</code> ({_e(b.get('store'))} logits, {_e(b.get('dtype'))})"),
+        ("candidates", ", ".join(f"<code>{_e(n)}</code>" for n in names) + f" ({len(names)})"),
+        ("workload", f"{_e(s0.get('paired_prompts'))} items, {_e(s0.get('positions'))} teacher-forced output positions"
+         + (f"; <code>{_e(summary.get('workload'))}</code>" if summary and summary.get("workload") else "")),
+        ("method", method + (f"; 95 % CIs from {_e(boot.get('n'))} bootstrap resamples of items" if boot else "")),
+        ("noise floor", noise),
+    ]
+    xf = (summary or {}).get("cross_engine_floor")
+    if xf:
+        rows.append(("cross-engine floor", f"<code>{_e(xf.get('candidate'))}</code>: the reference's weights in another engine, "
+                     f"mean KL {fmt(xf.get('kl_nats_mean'))} nats (from summary.json)"))
+    ident = b.get("identity") or {}
+    ref_v = ", ".join(f"{k} {_e(ident[k])}" for k in VERSION_KEYS if ident.get(k) not in (None, ""))
+    cand_v: dict[str, set] = {}
+    for r in reports:
+        ci = _get(r, "candidate.identity") or {}
+        for k in VERSION_KEYS:
+            if ci.get(k) not in (None, ""):
+                cand_v.setdefault(k, set()).add(str(ci[k]))
+    rows.append(("machine / versions", f"reference: {ref_v or 'n/a'}<br>candidates: "
+                 + (", ".join(f"{k} {_e(' / '.join(sorted(v)))}" for k, v in cand_v.items()) or "n/a")))
+    tools = sorted({str(_get(r, "tool.version")) for r in reports})
+    created = sorted(str(r.get("created")) for r in reports if r.get("created"))
+    rows.append(("tool", f"reports by logitdiff {_e(', '.join(tools))}; page by logitdiff {_e(__version__)}"))
+    rows.append(("date", (f"reports {_e(created[0])}" + (f" … {_e(created[-1])}" if created[-1] != created[0] else "") if created else "n/a")
+                 + f"; page {_e(time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))}"))
+    notes = sorted({n for r in reports for n in (_get(r, "method.notes") or [])})
+    for n in notes:
+        rows.append(("note", _e(n)))
+    dl = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in rows)
+    return f'<dl class="hdr">{dl}</dl>'
+
+
+def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
+    """Per candidate, every matrix cell as {value, from} (from: where in report.json)."""
+    out = {}
+    xrows = {str(c.get("candidate")): c for c in (summary or {}).get("candidates") or []}
+    has_corr = any(r.get("correctness") for r in reports)
+    for name, rep in zip(names, reports):
+        cells = {}
+        for key, _, _, paths, _ in MATRIX:
+            v, p = _first(rep, paths)
+            cells[key] = {"value": v, "from": p or paths[0]}
+            if key in CI_OF:
+                cells[key + "_ci95"] = {"value": _get(rep, CI_OF[key]), "from": CI_OF[key]}
+        sc = xrows.get(str(_get(rep, "candidate.spec")))
+        if summary is not None:
+            cells["x_cross_engine_floor"] = {"value": (sc or {}).get("x_cross_engine_floor"), "from": "summary.json:candidates[].x_cross_engine_floor"}
+        if _get(rep, "flips.outcomes") is not None:
+            cells["flips"] = {"value": _get(rep, "flips.outcomes"), "from": "flips.outcomes"}
+        if has_corr:
+            for key, *_ in CORRECTNESS:
+                cells[key] = {"value": _get(rep, f"correctness.{key}"), "from": f"correctness.{key}"}
+        out[name] = cells
+    extra = (["x_cross_engine_floor"] if summary is not None else []) + (["flips"] if any("flips" in c for c in out.values()) else [])
+    return out, extra + ([k for k, *_ in CORRECTNESS] if has_corr else [])
+
+
+def _matrix_html(names, paths, reports, cells_by_name, extra, summary) -> str:
+    # bits/weight is rarely recorded; a column of nothing but n/a is left out.
+    cols = [(k, h, t, f) for k, h, t, _, f in MATRIX
+            if k != "bpw" or any(c["bpw"]["value"] is not None for c in cells_by_name.values())]
+    extra_cols = {"x_cross_engine_floor": ("× engine floor", "mean KL / mean KL of the reference's weights in another engine (summary.json)", "x"),
+                  "flips": ("flip outcomes", "what branching at top-1 flips led to (report.json flips.outcomes)", "flips")}
+    extra_cols.update({k: (h, t, f) for k, h, t, f in CORRECTNESS})
+    for k in extra:
+        h, t, f = extra_cols[k]
+        # The cross-engine floor sits beside the noise floor; flips and correctness go last.
+        at = [c[0] for c in cols].index("x_noise_floor") + 1 if k == "x_cross_engine_floor" else len(cols)
+        cols.insert(at, (k, h, t, f))
+    head = '<th data-sort="num" data-key="order" title="candidate (click: original order)">candidate</th>' + "".join(
+        f'<th data-sort="{"text" if f == "flips" else "num"}" data-key="{k}" title="{_e(t)}">{_e(h)}</th>' for k, h, t, f in cols)
+    xf = (summary or {}).get("cross_engine_floor") or {}
+    body = []
+    for i, (name, path, rep) in enumerate(zip(names, paths, reports)):
+        cells = cells_by_name[name]
+        kl = _num(cells["kl_mean"]["value"])
+        floor = _num(_get(rep, "summary.noise_floor.kl_nats_mean"))
+        warn = []
+        if kl is not None and floor is not None and kl <= 2 * floor:
+            warn.append(("within 2× noise floor", "mean KL is at most twice the reference-vs-rerun KL: indistinguishable from noise"))
+        xfl = _num(xf.get("kl_nats_mean"))
+        if kl is not None and xfl and kl <= 2 * xfl and str(_get(rep, "candidate.spec")) != str(xf.get("candidate")):
+            warn.append(("within 2× cross-engine floor", "mean KL is at most twice that of the same weights in another engine"))
+        badges = "".join(f'<span class="badge" title="{_e(t)}">⚠ {_e(w)}</span>' for w, t in warn)
+        tds = [f'<td data-v="{i}" title="{_e(path)}"><code>{_e(name)}</code>{badges}</td>']
+        for k, h, t, f in cols:
+            v = cells.get(k, {}).get("value")
+            if f == "flips":
+                counts = _outcome_counts(v)
+                # Outcomes that happened; zero counts would only crowd the cell.
+                text = (" · ".join(f"{_e(o)} {_e(c)}" for o, c in counts.items() if c) or "none") if v else "n/a"
+                tds.append(f'<td data-v="{_e(text)}">{text}</td>')
+                continue
+            nv = _num(v)
+            ci = cells.get(k + "_ci95", {}).get("value")
+            sub = ""
+            if ci and None not in ci:
+                sub = f"<small>[{fmt(ci[0], f)}, {fmt(ci[1], f)}]</small>"
+            tds.append(f'<td data-v="{"" if nv is None else repr(nv)}">{fmt(v, f)}{sub}</td>')
+        body.append(f'<tr class="{"warn" if warn else ""}" data-name="{_e(name)}">' + "".join(tds) + "</tr>")
+    return (f'<div class="scroll"><table id="matrix" class="sortable"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div>')
+
+
+def _p(p) -> str:
+    v = _num(p)
+    return "n/a" if v is None else ("p < 0.001" if v < 0.001 else f"p = {v:.2g}")
+
+
+def _verdict(a: str, b: str, r: dict | None, kind: str) -> str:
+    """One table cell: the paired difference b − a with its CI, and what it allows to say."""
+    if not r or r.get("diff") is None:
+        return "<td>n/a</td>"
+    lo, hi = r["ci"]
+    diff = f"{fmt(r['diff'], kind)} <small>[{fmt(lo, kind)}, {fmt(hi, kind)}] · {_p(r['p_two_sided'])}</small>"
+    if r["separable"]:
+        more, less = (b, a) if r["diff"] > 0 else (a, b)
+        say = f"<b>{_e(more)}</b> drifts more than <b>{_e(less)}</b>"
+    else:
+        need = r.get("items_needed")
+        say = (f"cannot order {_e(a)} and {_e(b)} with {r['n_items']} items; "
+               + ("no difference observed" if need is None or math.isinf(need) else f"~{int(need)} items would likely settle it"))
+    return f'<td data-v="{r["diff"]!r}">{diff}</td><td class="say">{say}</td>'
+
+
+def _pairs_html(pairs, n_items) -> str:
+    if not pairs:
+        return '<p class="note">One candidate: nothing to order.</p>'
+    rows = "".join(
+        f'<tr><td><code>{_e(p["a"])}</code> → <code>{_e(p["b"])}</code></td>'
+        + _verdict(p["a"], p["b"], p.get("kl"), "g") + _verdict(p["a"], p["b"], p.get("top1"), "pct") + "</tr>"
+        for p in pairs
+    )
+    return ('<p class="note">Neighbours in the order of mean item KL, compared on the same items: a paired bootstrap over '
+            f'{n_items} items of the difference of per-item means (b − a), 95 % CI.</p>'
+            '<div class="scroll"><table id="pairs"><thead><tr><th>a → b</th><th>Δ mean item KL</th><th></th>'
+            "<th>Δ item top-1 disagr.</th><th></th></tr></thead><tbody>" + rows + "</tbody></table></div>")
+
+
+def _shade(kl: float) -> float:
+    if not kl or not math.isfinite(kl) or kl <= SHADE_LO:
+        return 0.0
+    a = (math.log10(kl) - math.log10(SHADE_LO)) / (math.log10(SHADE_HI) - math.log10(SHADE_LO))
+    return round(min(1.0, a) * 0.85, 3)
+
+
+def _show(tok) -> str:
+    """A token for a tooltip: readable and quoted, with control characters spelled out."""
+    t = readable_token(tok)
+    return "'" + t.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r") + "'"
+
+
+def _token_view(name, rep, cols, worst_ids, *, open_: bool) -> str:
+    items = {str(x.get("id")): x for x in rep.get("items") or []}
+    ids = np.asarray(cols["item_id"]).astype(str)
+    parts = []
+    for iid in worst_ids:
+        sel = np.flatnonzero(ids == iid)
+        sel = sel[np.argsort(np.asarray(cols["position"])[sel], kind="stable")]
+        spans = []
+        for j in sel:
+            tok = readable_token(cols["token"][j]) if "token" in cols else f"<{cols['token_id'][j]}>"
+            kl = _num(cols["kl_nats"][j])
+            flip = "top1_match" in cols and not bool(cols["top1_match"][j])
+            tip = [f"position {int(cols['position'][j])} · KL {fmt(kl)} nats"]
+            if "p_ref_token" in cols:
+                tip.append(f"teacher {_show(cols['token'][j]) if 'token' in cols else ''}: p_ref {fmt(cols['p_ref_token'][j])}, "
+                           f"p_cand {fmt(cols['p_cand_token'][j]) if 'p_cand_token' in cols else 'n/a'}")
+            if "baseline_top_token" in cols and "candidate_top_token" in cols:
+                tip.append(f"ref top-1 {_show(cols['baseline_top_token'][j])} · cand top-1 {_show(cols['candidate_top_token'][j])}"
+                           + ("  ← FLIP" if flip else ""))
+            if "margin_ref" in cols:
+                tip.append(f"ref margin p1−p2 {fmt(cols['margin_ref'][j])}")
+            text = tok.replace("\n", "↵\n") if tok else "∅"
+            spans.append(f'<span{" class=flip" if flip else ""} style="--a:{_shade(kl)}" title="{_e(chr(10).join(tip))}">{_e(text)}</span>')
+        it = items.get(iid, {})
+        t1 = it.get("top1_disagreement") or {}
+        head = (f"<code>{_e(iid)}</code> {_e(' '.join('#' + t for t in it.get('tags') or []))} — mean KL {fmt(_get(it, 'kl_nats.mean'))} nats, "
+                f"max {fmt(_get(it, 'kl_nats.max'))}; top-1 flips {fmt(t1.get('mismatches'))} of {fmt(it.get('n'))}")
+        parts.append(f'<h3>{head}</h3><div class="toks mono">{"".join(spans)}</div>')
+    return (f'<details{" open" if open_ else ""}><summary>{_e(name)}: {len(worst_ids)} items with the highest mean KL</summary>'
+            + "".join(parts) + "</details>")
+
+
+# ----------------------------------------------------------------------------- page
+def _names(reports, paths) -> list[str]:
+    raw = [Path(p).name if p else str(_get(r, "candidate.spec") or _get(r, "candidate.served_model") or f"candidate {i + 1}")
+           for i, (r, p) in enumerate(zip(reports, paths))]
+    seen: dict[str, int] = {}
+    out = []
+    for n in raw:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
+    return out
+
+
+def render_html(
+    reports: list[dict],
+    tokens: list | None = None,
+    *,
+    title: str | None = None,
+    summary: dict | None = None,
+    paths: Sequence[str | Path | None] | None = None,
+) -> str:
+    """The self-contained page for ``reports`` (report.json objects) and their tokens.
+
+    ``tokens[i]`` is report i's tokens.parquet as a pandas DataFrame or a mapping of
+    columns, or None (then report.json rows are used when present, and token-based parts
+    are left out otherwise). ``summary`` is an optional run summary.json (cross-engine
+    floor, workload path). ``paths`` name the report directories, for labels and errors.
+    """
+    import plotly.offline
+
+    if not reports:
+        raise LogitdiffError("logitdiff report: no reports given")
+    tokens = list(tokens) if tokens is not None else [None] * len(reports)
+    if len(tokens) != len(reports):
+        raise ValueError("tokens must have one entry per report")
+    paths = [None if p is None else str(p) for p in (paths or [None] * len(reports))]
+    cols = [token_columns(t) if t is not None else _rows_as_columns(r) for r, t in zip(reports, tokens)]
+    labels = [p or str(_get(r, "candidate.spec") or f"report {i + 1}") for i, (r, p) in enumerate(zip(reports, paths))]
+    check_comparable(reports, cols, labels)
+    names = _names(reports, paths)
+
+    cells, extra = matrix_data(names, reports, summary)
+    data: dict = {"schema": "logitdiff.html-data/1", "generator": f"logitdiff {__version__}", "candidates": names,
+                  "reports": labels, "matrix": cells, "kl_cdf": {}, "ref_confidence": {}, "worst_items": {}}
+    buckets, conf_label = {}, None
+    for name, c in zip(names, cols):
+        if c is None or "kl_nats" not in c:
+            continue
+        data["kl_cdf"][name] = kl_cdf(c["kl_nats"])
+        conf, conf_label, left_out = ref_confidence(c)
+        b = bucket_stats(conf, c)
+        b["left_out"] = left_out
+        buckets[name] = b
+    if buckets:
+        data["ref_confidence"] = {"column": conf_label, "edges": list(REF_CONF_EDGES), "by_candidate": buckets}
+
+    item_ids = [str(x.get("id")) for x in reports[0].get("items") or []]
+    if not item_ids and cols[0] is not None:
+        item_ids = sorted(set(np.asarray(cols[0]["item_id"]).astype(str)))
+    ikl, it1 = _item_arrays(reports, cols, names, item_ids)
+    pairs = adjacent_pairs(item_ids, ikl, it1, n_boot=2000, seed=0) if len(ikl) >= 2 else []
+    data["pairs"] = pairs
+
+    pts = [{"name": n, "size": _num(cells[n]["file_size"]["value"]), "kl_mean": _num(cells[n]["kl_mean"]["value"])} for n in names]
+    pts = [p for p in pts if p["size"] and p["kl_mean"]]
+    data["pareto"] = {"points": pts, "front": pareto_front([(p["name"], p["size"], p["kl_mean"]) for p in pts])}
+
+    figs, omitted = build_figures(names, reports, data["kl_cdf"], buckets, conf_label, data["pareto"])
+
+    # Token view: worst items by item mean KL, for every candidate; the worst candidate open.
+    kl_of = {n: (_num(cells[n]["kl_mean"]["value"]) or 0.0) for n in names}
+    worst_cand = max(names, key=lambda n: kl_of[n])
+    views = []
+    for name, rep, c in zip(names, reports, cols):
+        if c is None or "kl_nats" not in c:
+            continue
+        arr = ikl.get(name)
+        if arr is None or not len(arr):
+            continue
+        order = [item_ids[k] for k in np.argsort(-np.nan_to_num(arr, nan=-np.inf), kind="stable")[:WORST_ITEMS]]
+        data["worst_items"][name] = [{"id": i, "kl_mean": float(arr[item_ids.index(i)])} for i in order]
+        views.append((name, rep, c, order))
+    views.sort(key=lambda v: -kl_of[v[0]])
+
+    title = title or f"logitdiff: drift from {_get(reports[0], 'baseline.spec') or 'the reference'}"
+    plot_divs = []
+    for f in figs:
+        plot_divs.append(f'<div class="plotbox"><div id="{f["id"]}" class="plot"></div><p class="note">{_e(f["note"])}</p></div>')
+    omitted_html = "".join(f'<p class="note">Not shown: {_e(o)}.</p>' for o in omitted)
+    tv = "".join(_token_view(n, r, c, o, open_=(n == worst_cand)) for n, r, c, o in views) or '<p class="note">No tokens.parquet: no token view.</p>'
+    fig_json = [{"id": f["id"], "data": f["data"], "layout": f["layout"]} for f in figs]
+    csp = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:; font-src data:"
+
+    return "".join([
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
+        f'<meta http-equiv="Content-Security-Policy" content="{csp}">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{_e(title)}</title><style>{CSS}</style>",
+        f'<script id="plotly-js">{plotly.offline.get_plotlyjs()}</script>',
+        "</head><body>",
+        f"<h1>{_e(title)}</h1>",
+        '<p class="lead">Drift of each candidate\'s next-token distributions from the reference, teacher-forced on the same tokens. '
+        "The reference is a numerical-fidelity reference, not an oracle: these figures are <em>drift from the reference</em>, "
+        "not correctness.</p>",
+        _header(names, paths, reports, summary),
+        "<h2>Candidates</h2>",
+        '<p class="note">Click a header to sort. Means carry a 95 % CI from a bootstrap over items. '
+        "Rows marked ⚠ are within 2× of a floor: their drift is not distinguishable from the floor's.</p>",
+        _matrix_html(names, [p or "" for p in paths], reports, cells, extra, summary),
+        "<h3>Can the candidates be ordered?</h3>",
+        _pairs_html(pairs, len(item_ids)),
+        '<h2 id="plots">Plots</h2>',
+        '<div class="grid2">' + "".join(plot_divs) + "</div>",
+        omitted_html,
+        '<h2 id="tokens">Worst items, token by token</h2>',
+        f'<p class="note">Teacher text; each token shaded by its KL (<span class="legend"></span> {SHADE_LO:g} → {SHADE_HI:g} nats, log scale); '
+        "<span style=\"outline:2px solid #1f4fd1\">outlined</span> tokens are top-1 flips. Hover a token for both models' top-1 "
+        "tokens and the teacher token's probability under each. ↵ marks a newline.</p>",
+        tv,
+        f'<footer>logitdiff {_e(__version__)} — report.json is the source of every number; the numbers computed here from tokens.parquet are in the '
+        "embedded <code>logitdiff-data</code> JSON.</footer>",
+        f'<script type="application/json" id="logitdiff-data">{_json_for_script(_clean(data))}</script>',
+        f'<script type="application/json" id="logitdiff-figures">{_json_for_script(_clean(fig_json))}</script>',
+        f"<script>{JS}</script>",
+        "</body></html>\n",
+    ])
+
+
+def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: dict | None = None, *, title: str | None = None) -> Path:
+    """Read each REPORT dir's report.json and tokens.parquet, write one page atomically."""
+    reports, tokens, paths = [], [], []
+    for d in report_dirs:
+        d = Path(d)
+        f = d / "report.json"
+        if not f.is_file():
+            raise LogitdiffError(f"{d}: not a REPORT directory (no report.json)")
+        try:
+            reports.append(json.loads(f.read_text()))
+        except json.JSONDecodeError as e:
+            raise LogitdiffError(f"{f}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        tokens.append(load_tokens(d / "tokens.parquet"))
+        paths.append(str(d))
+    page = render_html(reports, tokens, title=title, summary=summary, paths=paths)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out

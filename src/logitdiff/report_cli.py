@@ -1,0 +1,134 @@
+"""CLI command ``logitdiff report``: one self-contained HTML page from REPORT directories.
+
+``cli.build_parser`` calls :func:`add_commands` with its subparsers object.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import LogitdiffError
+
+DESCRIPTION = """\
+Write one self-contained HTML page (plotly inlined, no network access needed or allowed)
+that compares the candidates of one or more REPORT directories, as written by
+`logitdiff compare` or `logitdiff run`: a header (reference, workload, method, noise floor,
+versions), a sortable candidate matrix (KL mean/p95/p99 forward and reverse, JSD,
+top-1 disagreement with 95 % CIs, x noise floor, PPL ratio, file size, flips and
+correctness where recorded), whether neighbouring candidates can be told apart on this
+many items, plots (KL CDF, KL and top-1 disagreement by output range, drift by the
+reference's confidence, flip outcomes by tag, KL vs file size) and the worst items token
+by token.
+
+A REPORT_DIR may also be the OUT directory of `logitdiff run`: it stands for all its
+reports/*, in the run's order, and its summary.json is used for the cross-engine floor.
+
+Reports are refused (exit status 2) unless they share the report schema, the workload
+(item ids, reference tokenizer, teacher tokens) and the method (full vocabulary, or top-K
+with the same K): make one page per method.
+"""
+
+EPILOG = """\
+examples:
+  logitdiff report logitdiff-out --out ladder.html
+  logitdiff report reports/q8 reports/q4 --out q8-vs-q4.html --title "Q8_0 vs Q4_K_M"
+"""
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LogitdiffError(f"{path}: cannot read JSON ({e})") from None
+
+
+def expand_report_dirs(args: list[str]) -> tuple[list[Path], dict | None]:
+    """REPORT dirs from the command line; a `run` OUT dir expands to its reports.
+
+    Returns the report dirs and the run summary.json that covers all of them, if any."""
+    dirs: list[Path] = []
+    summary = None
+    for a in args:
+        p = Path(a)
+        if (p / "report.json").is_file():
+            dirs.append(p)
+        elif (p / "reports").is_dir():
+            s = _load_json(p / "summary.json") if (p / "summary.json").is_file() else None
+            found = {d.name: d for d in sorted((p / "reports").iterdir()) if (d / "report.json").is_file()}
+            if not found:
+                raise LogitdiffError(f"{p}/reports: no REPORT directories (no */report.json)")
+            order = [c.get("name") for c in (s or {}).get("candidates") or [] if c.get("name") in found]
+            dirs.extend(found[n] for n in order + [n for n in found if n not in order])
+            summary = summary or s
+        elif p.exists():
+            raise LogitdiffError(f"{p}: not a REPORT directory (no report.json) nor a `logitdiff run` output (no reports/)")
+        else:
+            raise LogitdiffError(f"{p}: no such directory")
+    if summary is None:
+        summary = find_summary(dirs)
+    return dirs, summary
+
+
+def find_summary(dirs: list[Path]) -> dict | None:
+    """The run summary.json next to the reports, when every report dir is one of its candidates."""
+    parents = {d.resolve().parent for d in dirs}
+    if len(parents) != 1:
+        return None
+    parent = parents.pop()
+    f = parent.parent / "summary.json"
+    if parent.name != "reports" or not f.is_file():
+        return None
+    s = _load_json(f)
+    names = {c.get("name") for c in s.get("candidates") or []}
+    return s if all(d.name in names for d in dirs) else None
+
+
+def cmd_report(args) -> int:
+    from rich.console import Console
+
+    from .report.html import write_html
+
+    dirs, summary = expand_report_dirs(args.report_dirs)
+    if args.summary:
+        summary = _load_json(Path(args.summary))
+    out = write_html(dirs, args.out, summary=summary, title=args.title)
+    size = out.stat().st_size
+    Console(stderr=True).print(f"wrote {out} ({len(dirs)} candidate{'s' if len(dirs) != 1 else ''}, {size / 1e6:.1f} MB)")
+    return 0
+
+
+def add_commands(sub) -> None:
+    import argparse
+
+    r = sub.add_parser(
+        "report",
+        help="one self-contained HTML page comparing REPORT directories",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("report_dirs", nargs="+", metavar="REPORT_DIR", help="REPORT directories, or the OUT directory of `logitdiff run`")
+    r.add_argument("--out", required=True, metavar="FILE", help="HTML file to write (written to a temporary file and renamed)")
+    r.add_argument("--title", metavar="T", help="page title (default: drift from <reference spec>)")
+    r.add_argument("--summary", metavar="PATH", help="run summary.json to use (default: found next to the reports when it lists them)")
+    r.set_defaults(func=cmd_report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m logitdiff.report_cli report ...``) until cli.py wires this in."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="logitdiff")
+    add_commands(p.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = p.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except LogitdiffError as e:
+        print(f"logitdiff: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

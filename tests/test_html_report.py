@@ -1,0 +1,331 @@
+"""report.html: a self-contained page whose numbers are report.json's, rendered in a real browser.
+
+The REPORT dirs are built here from synthetic RUNs (RunWriter -> compare_runs ->
+build_report -> write_report_dir), so the test does not depend on any earlier run.
+"""
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from logitdiff import report_cli
+from logitdiff.compare import compare_runs
+from logitdiff.errors import LogitdiffError
+from logitdiff.report import build_report, write_report_dir
+from logitdiff.report.html import REF_CONF_EDGES, render_html, write_html
+from logitdiff.report.markdown import render_markdown
+from logitdiff.store import RunItem, RunReader, RunWriter
+
+V = 64
+# Token strings that must be escaped or made readable in the token view.
+SPECIAL = {5: "<script>alert(1)</script>", 6: "ĠhelloĠworld", 7: "Ċ", 8: "a&b\"c"}
+VOCAB = [SPECIAL.get(i, f"t{i}") for i in range(V)]
+LENS = {"code-1": 30, "math-1": 12, "tool-1": 20, "chat-1": 9}
+TAGS = {"code-1": ["code"], "math-1": ["math"], "tool-1": ["tool"], "chat-1": []}
+NOISE = {"q8": 0.05, "q4": 0.4, "q2": 1.2}
+SIZES = {"q8": 8_000_000, "q4": 4_000_000, "q2": None}
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROME_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+]
+
+
+def _write_run(path, logits, teacher, spec, identity=None):
+    w = RunWriter(path, source={"spec": spec, "identity": identity or {"backend": "test"}}, vocab_size=V,
+                  tokenizer_hash="sha256:test", chunk_rows=16, vocab=VOCAB)
+    for iid, lg in logits.items():
+        w.add(RunItem(id=iid, prompt_ids=[1, 2], teacher_ids=list(teacher[iid]), positions=list(range(len(lg))), tags=TAGS[iid]), logits=lg)
+    w.finish()
+    return RunReader(path)
+
+
+def _flips_section():
+    """A report.json ``flips`` section in the shape flips.summarize_branches writes."""
+    from logitdiff.flips import OUTCOMES
+
+    def group(**c):
+        d = {o: c.get(o, 0) for o in OUTCOMES}
+        d["n"] = sum(d.values())
+        d["rates"] = {o: d[o] / d["n"] for o in OUTCOMES}
+        return d
+
+    total = group(recovered=3, benign=2, meaning_changed=1)
+    return {"n_flips": 9, "flip_rate": 0.1, "n_branches": 6, "selection": "all flips", "similarity": "test",
+            "settings": {"similarity_threshold": 0.9, "resync_tokens": 4},
+            "outcomes": {o: total[o] for o in OUTCOMES}, "rates": total["rates"],
+            "by_tag": {"code": group(recovered=2, benign=1), "math": group(recovered=1, meaning_changed=1)},
+            "by_range": {}, "by_margin": {}}
+
+
+@pytest.fixture(scope="module")
+def ladder(tmp_path_factory):
+    """A reference RUN and three candidate REPORT dirs (q8 < q4 < q2 in drift), plus the page."""
+    tmp = tmp_path_factory.mktemp("ladder")
+    rng = np.random.default_rng(0)
+    ref = {k: rng.normal(0, 3, (n, V)).astype(np.float32) for k, n in LENS.items()}
+    # Make the special tokens the reference's top-1 somewhere, so they are teacher tokens.
+    for j, tok in enumerate(SPECIAL):
+        ref["code-1"][3 + j, tok] += 25.0
+    teacher = {k: lg.argmax(1) for k, lg in ref.items()}  # greedy teacher, as a reference capture makes
+    ref_run = _write_run(tmp / "runs" / "ref", ref, teacher, "test:ref")
+    comps = {}
+    for name, s in NOISE.items():
+        cand = {k: (v + rng.normal(0, s, v.shape)).astype(np.float32) for k, v in ref.items()}
+        ident = {"backend": "test", "quant": name} | ({"size": SIZES[name]} if SIZES[name] else {})
+        comps[name] = compare_runs(ref_run, _write_run(tmp / "runs" / name, cand, teacher, f"test:{name}", ident))
+    # A noise floor that puts q8 (only) within 2x of it.
+    floor = 0.75 * float(np.mean(comps["q8"].columns["kl_nats"]))
+    noise = {"spec": "test:ref", "kl_nats_mean": floor, "kl_nats_max": floor * 3, "top1_disagreement": 0.0, "positions": 71}
+    dirs = []
+    for name, comp in comps.items():
+        rep, cols = build_report(comp, n_boot=200, noise_floor=noise)
+        if name == "q4":
+            rep["flips"] = _flips_section()
+            rep["correctness"] = {"n_labelled": 4, "accuracy_ref": 0.75, "accuracy_cand": 0.5, "accuracy_ref_ci": [0.25, 1.0],
+                                  "accuracy_cand_ci": [0.0, 1.0], "accuracy_diff": -0.25, "accuracy_diff_ci": [-0.75, 0.25],
+                                  "right_to_wrong": 2, "wrong_to_right": 1, "mcnemar_p": 1.0, "correctness_flips": 3,
+                                  "flips_starting_at_top1_flip": 1, "by_tag": {}}
+        dirs.append(write_report_dir(tmp / "out" / "reports" / name, rep, cols, markdown=render_markdown(rep)))
+    page = write_html(dirs, tmp / "page" / "report.html")
+    return {"tmp": tmp, "dirs": dirs, "page": page, "html": page.read_text(encoding="utf-8"),
+            "reports": {d.name: json.loads((d / "report.json").read_text()) for d in dirs}}
+
+
+def _embedded(html_text, element_id):
+    m = re.search(rf'<script type="application/json" id="{element_id}">(.*?)</script>', html_text, re.S)
+    assert m, element_id
+    return json.loads(m.group(1))
+
+
+def _resolve(obj, path):
+    for part in path.split("."):
+        obj = obj[part]
+    return obj
+
+
+def test_page_is_self_contained(ladder):
+    import plotly.offline
+
+    text = ladder["html"]
+    js = plotly.offline.get_plotlyjs()
+    assert text.count(js) == 1, "plotly.js must be inlined exactly once"
+    assert text.count("<script id=\"plotly-js\">") == 1
+    # Nothing is loaded from anywhere: no src/href with a scheme or protocol-relative URL, and a
+    # CSP that forbids all fetches. Outside plotly.js itself (whose code mentions URLs of map
+    # tiles it never loads for these plots) the page holds no URL at all.
+    rest = text.replace(js, "")
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", rest, re.I)
+    assert "<link" not in rest and "@import" not in rest and "url(" not in rest
+    assert "http://" not in rest and "https://" not in rest
+    assert "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none';" in text
+    assert not re.search(r"<script[^>]+src=", text)
+
+
+def test_every_candidate_and_warning_present(ladder):
+    text = ladder["html"]
+    data = _embedded(text, "logitdiff-data")
+    assert data["candidates"] == ["q8", "q4", "q2"]
+    matrix = re.search(r'<table id="matrix".*?</table>', text, re.S).group(0)
+    rows = dict(re.findall(r'<tr class="([^"]*)" data-name="([^"]+)"', matrix)[i][::-1] for i in range(3))
+    assert set(rows) == {"q8", "q4", "q2"}
+    assert rows["q8"] == "warn" and rows["q4"] == "" and rows["q2"] == ""
+    assert matrix.count("within 2× noise floor") == 1
+    for name in NOISE:
+        assert f"<summary>{name}: " in text  # a token view per candidate
+    # Flips and correctness of q4 are in the matrix; the others show n/a.
+    assert "recovered 3 · benign 2 · meaning_changed 1" in matrix
+    assert "McNemar p" in matrix
+    figs = _embedded(text, "logitdiff-figures")
+    ids = [f["id"] for f in figs]
+    assert ids == ["plot-kl-cdf", "plot-ranges-kl", "plot-ranges-top1", "plot-ref-confidence", "plot-flips-by-tag", "plot-pareto"]
+    for i in ids:
+        assert f'<div id="{i}" class="plot">' in text
+    pareto = next(f for f in figs if f["id"] == "plot-pareto")
+    assert sorted(pareto["data"][0]["text"]) == ["q4", "q8"]  # q2 records no file size
+
+
+def test_matrix_numbers_are_report_json_numbers(ladder):
+    text, reports = ladder["html"], ladder["reports"]
+    data = _embedded(text, "logitdiff-data")
+    matrix = re.search(r'<table id="matrix".*?</table>', text, re.S).group(0)
+    keys = re.findall(r'<th data-sort="\w+" data-key="(\w+)"', matrix)
+    assert keys[0] == "order" and "kl_mean" in keys and "top1" in keys and "kl_rev_p99" in keys
+    checked = 0
+    for name, rep in reports.items():
+        cells = data["matrix"][name]
+        for key, cell in cells.items():
+            if cell["from"].startswith("summary.json"):
+                continue
+            try:
+                want = _resolve(rep, cell["from"])
+            except KeyError:
+                want = None
+            assert cell["value"] == want, (name, key, cell)
+            checked += 1
+        # The table cells' sort values are the same numbers.
+        row = re.search(rf'<tr class="[^"]*" data-name="{name}">(.*?)</tr>', matrix, re.S).group(1)
+        shown = dict(zip(keys, re.findall(r'<td data-v="([^"]*)"', row)))
+        for key in ("kl_mean", "kl_p95", "kl_p99", "kl_rev_mean", "jsd_mean", "top1", "ppl_ratio"):
+            assert float(shown[key]) == _resolve(rep, cells[key]["from"]), (name, key)
+        assert float(shown["kl_mean"]) == rep["summary"]["metrics"]["kl_nats"]["mean"]
+        assert shown["file_size"] == ("" if SIZES[name] is None else repr(float(SIZES[name])))
+    assert checked > 40
+
+
+def test_token_derived_numbers_match_tokens_parquet(ladder):
+    data = _embedded(ladder["html"], "logitdiff-data")
+    for d in ladder["dirs"]:
+        name, rep = d.name, ladder["reports"][d.name]
+        t = pq.read_table(d / "tokens.parquet").to_pandas()
+        cdf = data["kl_cdf"][name]
+        assert cdf["n"] == len(t) == rep["summary"]["positions"]
+        assert cdf["x"][-1] == rep["summary"]["metrics"]["kl_nats"]["max"] and cdf["y"][-1] == 1.0
+        assert cdf["x"] == sorted(cdf["x"])
+        b = data["ref_confidence"]["by_candidate"][name]
+        conf = t.p_ref_token.where(t.token_id == t.top1_ref)
+        assert sum(b["n"]) + b["left_out"] == len(t)
+        edges = REF_CONF_EDGES
+        for j, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+            m = (conf >= lo) & ((conf <= hi) if j == len(edges) - 2 else (conf < hi))
+            assert b["n"][j] == int(m.sum())
+            if m.any():
+                assert b["kl_mean"][j] == pytest.approx(t.kl_nats[m].mean(), rel=1e-12)
+                assert b["top1_disagreement"][j] == pytest.approx((~t.top1_match[m]).mean(), rel=1e-12)
+        worst = sorted(rep["items"], key=lambda it: -it["kl_nats"]["mean"])
+        assert [w["id"] for w in data["worst_items"][name]] == [it["id"] for it in worst[:5]]
+        assert [w["kl_mean"] for w in data["worst_items"][name]] == [it["kl_nats"]["mean"] for it in worst[:5]]
+    pairs = data["pairs"]
+    assert [(p["a"], p["b"]) for p in pairs] == [("q8", "q4"), ("q4", "q2")]
+    assert all(p["kl"]["separable"] for p in pairs)
+
+
+def test_token_view_escapes_and_reads_bpe(ladder):
+    text = ladder["html"]
+    assert "<script>alert(1)</script>" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert "ĠhelloĠworld" not in text.split('id="tokens"')[1]
+    assert ">a&amp;b&quot;c</span>" in text
+    assert "> hello world</span>" in text
+    assert ">↵\n</span>" in text
+    assert 'class=flip' in text  # the noisiest candidate flips somewhere
+
+
+def _copy(ladder, name, new):
+    dst = ladder["tmp"] / "bad" / new
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(ladder["dirs"][0].parent / name, dst)
+    return dst
+
+
+@pytest.mark.parametrize("what", ["schema", "items", "tokenizer", "teacher", "method"])
+def test_mixing_incomparable_reports_is_refused(ladder, what):
+    bad = _copy(ladder, "q4", f"q4-{what}")
+    rep = json.loads((bad / "report.json").read_text())
+    field = {"schema": "schema", "items": "item ids", "tokenizer": "tokenizer_hash", "teacher": "teacher tokens", "method": "method"}[what]
+    if what == "schema":
+        rep["schema"] = "logitdiff.report/2"
+    elif what == "items":
+        rep["items"] = rep["items"][1:]
+    elif what == "tokenizer":
+        rep["baseline"]["tokenizer_hash"] = "sha256:other"
+    elif what == "method":
+        rep["method"]["kind"] = "top_k"
+    else:
+        import pyarrow as pa
+
+        t = pq.read_table(bad / "tokens.parquet")
+        ids = t.column("token_id").to_numpy().copy()
+        ids[5] = (ids[5] + 1) % V
+        pq.write_table(t.set_column(t.schema.get_field_index("token_id"), "token_id", pa.array(ids)), bad / "tokens.parquet")
+    (bad / "report.json").write_text(json.dumps(rep))
+    first = ladder["dirs"][0]
+    with pytest.raises(LogitdiffError) as e:
+        write_html([first, bad], ladder["tmp"] / "bad.html")
+    msg = str(e.value)
+    assert str(first) in msg and str(bad) in msg and field in msg and "\n" not in msg
+    assert not (ladder["tmp"] / "bad.html").exists()
+
+
+def test_render_without_tokens_uses_report_rows(ladder):
+    reports = list(ladder["reports"].values())
+    page = render_html(reports, [None] * len(reports), title="rows only <x>")
+    data = _embedded(page, "logitdiff-data")
+    assert data["candidates"] == ["test:q8", "test:q4", "test:q2"]  # no paths: named by candidate spec
+    assert data["kl_cdf"]["test:q2"]["n"] == reports[2]["summary"]["positions"]
+    assert "<title>rows only &lt;x&gt;</title>" in page
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="logitdiff")
+    report_cli.add_commands(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def test_cli_report(ladder, capsys):
+    out = ladder["tmp"] / "cli" / "ladder.html"
+    args = _parser().parse_args(["report", str(ladder["tmp"] / "out"), "--out", str(out), "--title", "Ladder"])
+    assert args.func(args) == 0
+    text = out.read_text(encoding="utf-8")
+    assert "<title>Ladder</title>" in text
+    assert _embedded(text, "logitdiff-data")["candidates"] == ["q2", "q4", "q8"]  # a run dir without summary.json: sorted
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["report", str(ladder["dirs"][0])])  # --out is required
+    assert report_cli.main(["report", str(ladder["tmp"] / "nope"), "--out", str(out)]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    help_text = _parser()._subparsers._group_actions[0].choices["report"].format_help()
+    assert "REPORT_DIR" in help_text and "--title" in help_text and "self-contained" in help_text
+
+
+def _chromium(url, *extra, timeout=120):
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run(
+            [CHROMIUM, *CHROME_FLAGS, f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
+             "--virtual-time-budget=10000", *extra, url],
+            capture_output=True, text=True, timeout=timeout,
+        )
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (scripts/install_chromium.sh installs it)")
+def test_page_renders_in_headless_chromium(ladder):
+    r = _chromium(ladder["page"].resolve().as_uri() + "#selftest", "--dump-dom")
+    assert r.returncode == 0, r.stderr[-2000:]
+    console = [ln for ln in r.stderr.splitlines() if ":CONSOLE" in ln]
+    bad = [ln for ln in console if re.search(r"Uncaught|Error|error|violates|Refused", ln)]
+    assert not bad, bad
+    m = re.search(r'<pre id="selftest-result">(.*?)</pre>', r.stdout, re.S)
+    assert m, "the #selftest hook did not run"
+    res = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    assert res["errors"] == []
+    figs = [f["id"] for f in _embedded(ladder["html"], "logitdiff-figures")]
+    assert set(res["plots"]) == set(figs)
+    assert all(n >= 1 for n in res["plots"].values()), res["plots"]  # plotly drew its main-svg in every plot
+    assert r.stdout.count("main-svg") >= len(figs)
+    kls = sorted(rep["summary"]["metrics"]["kl_nats"]["mean"] for rep in ladder["reports"].values())
+    assert res["sort"]["ok"] and res["sort"]["asc"] == kls and res["sort"]["desc"] == kls[::-1]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (scripts/install_chromium.sh installs it)")
+def test_screenshot_is_not_blank(ladder):
+    shot = ladder["tmp"] / "shot.png"
+    r = _chromium(ladder["page"].resolve().as_uri(), f"--screenshot={shot}", "--window-size=1400,2000")
+    assert r.returncode == 0 and shot.exists(), r.stderr[-2000:]
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000  # a blank page compresses to a few kB
+
+
+def test_render_from_dataframes_equals_write_html(ladder):
+    reports = [ladder["reports"][d.name] for d in ladder["dirs"]]
+    frames = [pq.read_table(d / "tokens.parquet").to_pandas() for d in ladder["dirs"]]
+    page = render_html(reports, frames, paths=ladder["dirs"])
+    a, b = _embedded(page, "logitdiff-data"), _embedded(ladder["html"], "logitdiff-data")
+    for key in ("candidates", "matrix", "kl_cdf", "ref_confidence", "worst_items", "pairs", "pareto"):
+        assert a[key] == b[key], key
