@@ -125,3 +125,29 @@ def test_default_run_flips_and_correctness(default_run):
         md = (d / "report.md").read_text()
         assert "What the flips do" in md and "Correctness of free-running answers" in md
     assert "meaning changed" in (default_run / "summary.md").read_text()
+
+
+def test_flips_command_on_a_report(default_run, tmp_path, capsys):
+    """`logitdiff flips` re-opens the candidate, branches with --both, gates, and rewrites
+    the report in place; bad input is a one-line error."""
+    import shutil
+
+    d = tmp_path / "q2"
+    shutil.copytree(default_run / "reports" / "tiny-Q2_K", d)
+    code = main(["flips", str(d), "--select", "top-kl:4", "--max-branches", "500", "--both", "--no-correctness",
+                 "--similarity", "edit", "--fail-on", "flips>0,tool_call_malformed>100"])
+    assert code == 3
+    rep = json.loads((d / "report.json").read_text())
+    f = rep["flips"]
+    assert f["n_branches"] == 4 and "edit" in f["similarity"] and f["settings"]["both"]
+    assert rep["gates"]["crossed"] == ["flips>0"]
+    fl = pd.read_parquet(d / "flips.parquet")
+    assert set(fl.outcome_ref_from_cand_token) <= {"recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed"}
+    top = pd.read_parquet(d / "tokens.parquet").query("not top1_match").nlargest(4, "kl_nats")
+    assert sorted(fl.kl_nats) == sorted(top.kl_nats)
+    assert "report.html" in {p.name for p in d.iterdir()}
+    capsys.readouterr()
+    assert main(["flips", str(d), "--select", "worst:3"]) == 2
+    assert "--select" in capsys.readouterr().err
+    assert main(["flips", str(tmp_path / "nope")]) == 2
+    assert "not found" in capsys.readouterr().err

@@ -220,3 +220,50 @@ def test_failed_compare_keeps_previous_report(pair, capsys):
     capsys.readouterr()
     _expect_error(["compare", str(r), str(tmp / "nope"), "--out", str(tmp / "rep")], capsys, "nope")
     assert (tmp / "rep" / "report.json").read_text() == before
+
+
+def test_fail_on_gates_set_exit_status_and_report(pair, capsys):
+    r, c, *_, tmp = pair
+    rep_dir = tmp / "gated"
+    # random logits: mean KL is large, so kl_mean>0.01 is crossed; jsd_mean>10 is not.
+    code = main(["compare", str(r), str(c), "--out", str(rep_dir), "--bootstrap", "10", "--fail-on", "kl_mean>0.01, jsd_mean>10"])
+    assert code == 3
+    rep = json.loads((rep_dir / "report.json").read_text())
+    assert rep["gates"]["crossed"] == ["kl_mean>0.01"] and not rep["gates"]["passed"]
+    kl = pd.read_parquet(rep_dir / "tokens.parquet")["kl_nats"].mean()
+    assert rep["gates"]["gates"][0]["value"] == pytest.approx(kl, rel=1e-12)
+    assert "gates crossed: kl_mean>0.01" in (rep_dir / "report.md").read_text()
+    assert "gate crossed" in capsys.readouterr().err
+    assert main(["compare", str(r), str(c), "--out", str(rep_dir), "--bootstrap", "10", "--fail-on", "kl_mean>1e9"]) == 0
+    # a gate on a metric this report lacks (no flips were run) fails closed
+    assert main(["compare", str(r), str(c), "--out", str(rep_dir), "--bootstrap", "10", "--fail-on", "meaning_changed>0"]) == 3
+    assert main(["compare", str(r), str(c), "--out", str(rep_dir), "--fail-on", "kl_avg>1"]) == 2
+    assert "kl_avg" in capsys.readouterr().err
+
+
+def test_segments_summarised_from_teacher_text(tmp_path):
+    vocab = ["<think>", "</think>", "<tool_call>", "</tool_call>", "x", " y", "{}", "<|im_end|>"]
+    rng = np.random.default_rng(1)
+    teacher = {"r": [0, 4, 5, 1, 5, 2, 6, 3, 7], "p": [4, 5, 4]}
+    ref = {k: rng.normal(0, 2, (len(t), len(vocab))).astype(np.float32) for k, t in teacher.items()}
+    cand = {k: (v + rng.normal(0, 0.5, v.shape)).astype(np.float32) for k, v in ref.items()}
+
+    def run(path, logits):
+        w = RunWriter(path, source={"spec": "t"}, vocab_size=len(vocab), tokenizer_hash="h", vocab=vocab)
+        for iid, lg in logits.items():
+            w.add(RunItem(id=iid, prompt_ids=[4], teacher_ids=teacher[iid], positions=list(range(len(teacher[iid])))), logits=lg)
+        w.finish()
+        return path
+
+    assert main(["compare", str(run(tmp_path / "a", ref)), str(run(tmp_path / "b", cand)), "--out", str(tmp_path / "rep"), "--bootstrap", "10"]) == 0
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    df = pd.read_parquet(tmp_path / "rep" / "tokens.parquet")
+    r = df[df.item_id == "r"].sort_values("position")
+    assert list(r.segment) == ["think"] * 4 + ["answer"] + ["tool_call"] * 3 + ["answer"]
+    assert (df[df.item_id == "p"].segment == "answer").all()
+    seg = {g["group"]: g for g in rep["segments"]}
+    for name, g in seg.items():
+        sub = df[df.segment == name]
+        assert g["n"] == len(sub)
+        assert g["kl_nats"]["mean"] == pytest.approx(sub.kl_nats.mean(), rel=1e-12)
+    assert "By segment" in (tmp_path / "rep" / "report.md").read_text()

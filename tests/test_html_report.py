@@ -5,6 +5,7 @@ build_report -> write_report_dir), so the test does not depend on any earlier ru
 """
 
 import argparse
+import html as htmlmod
 import json
 import re
 import shutil
@@ -19,7 +20,7 @@ from logitdiff import report_cli
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
 from logitdiff.report import build_report, write_report_dir
-from logitdiff.report.html import REF_CONF_EDGES, render_html, write_html
+from logitdiff.report.html import REF_CONF_EDGES, readable_token, render_html, write_html
 from logitdiff.report.markdown import render_markdown
 from logitdiff.store import RunItem, RunReader, RunWriter
 
@@ -190,7 +191,10 @@ def test_token_derived_numbers_match_tokens_parquet(ladder):
         assert cdf["x"][-1] == rep["summary"]["metrics"]["kl_nats"]["max"] and cdf["y"][-1] == 1.0
         assert cdf["x"] == sorted(cdf["x"])
         b = data["ref_confidence"]["by_candidate"][name]
-        conf = t.p_ref_token.where(t.token_id == t.top1_ref)
+        # The reference's own top-1 probability, at every position (tokens.parquet p_top1_ref).
+        assert data["ref_confidence"]["column"].startswith("p_top1_ref")
+        conf = t.p_top1_ref
+        assert b["left_out"] == 0
         assert sum(b["n"]) + b["left_out"] == len(t)
         edges = REF_CONF_EDGES
         for j, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
@@ -329,3 +333,119 @@ def test_render_from_dataframes_equals_write_html(ladder):
     a, b = _embedded(page, "logitdiff-data"), _embedded(ladder["html"], "logitdiff-data")
     for key in ("candidates", "matrix", "kl_cdf", "ref_confidence", "worst_items", "pairs", "pareto"):
         assert a[key] == b[key], key
+
+
+# ----------------------------------------------------------------------------- top-5 hover
+def _token_titles(page, candidate, item_id):
+    """position -> unescaped title of each token span of ``item_id`` in ``candidate``'s token view."""
+    view = page.split(f"<summary>{candidate}: ", 1)[1].split("</details>", 1)[0]
+    block = view.split(f"<h3><code>{item_id}</code>", 1)[1].split("</div>", 1)[0]
+    titles = [htmlmod.unescape(t) for t in re.findall(r'<span[^>]* title="([^"]*)"', block)]
+    return {int(re.match(r"position (\d+) ", t).group(1)): t for t in titles}
+
+
+def _quoted(tok):
+    t = readable_token(tok)
+    return "'" + t.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r") + "'"
+
+
+def _worst_flip(ladder, name):
+    """tokens.parquet row of the highest-KL top-1 flip inside the candidate's worst item."""
+    data = _embedded(ladder["html"], "logitdiff-data")
+    worst = data["worst_items"][name][0]["id"]
+    t = pq.read_table(ladder["dirs"][0].parent / name / "tokens.parquet").to_pandas()
+    sel = t[(t.item_id == worst) & ~t.top1_match]
+    assert len(sel), "the noisiest candidate flips in its worst item"
+    return worst, sel.loc[sel.kl_nats.idxmax()]
+
+
+def test_token_view_hover_shows_both_top5(ladder):
+    worst, row = _worst_flip(ladder, "q2")
+    title = _token_titles(ladder["html"], "q2", worst)[int(row.position)]
+    assert len(row.top5_ref_tokens) == len(row.top5_cand_tokens) == 5
+    ref_line = next(ln for ln in title.split("\n") if ln.startswith("reference top-5: "))
+    cand_line = next(ln for ln in title.split("\n") if ln.startswith("candidate top-5: "))
+    want_ref = " · ".join(f"{_quoted(t)} {100 * p:.2f} %" for t, p in zip(row.top5_ref_tokens, row.top5_ref_p))
+    want_cand = " · ".join(f"{_quoted(t)} {100 * p:.2f} %" for t, p in zip(row.top5_cand_tokens, row.top5_cand_p))
+    assert ref_line == f"reference top-5: {want_ref}  ← FLIP"
+    assert cand_line == f"candidate top-5: {want_cand}"
+    # Each list is the model's own ranking: the reference's first token is its top-1, and so on.
+    assert row.top5_ref_tokens[0] == row.baseline_top_token and row.top5_cand_tokens[0] == row.candidate_top_token
+    assert list(row.top5_ref_p) == sorted(row.top5_ref_p, reverse=True)
+    assert "ref top-1 " not in title  # the top-5 lines replace the top-1 line
+
+
+def test_token_view_hover_escapes_top5_tokens(ladder):
+    # The special tokens are the reference's top-1 at code-1 positions 3..6, so they head its top-5.
+    data = _embedded(ladder["html"], "logitdiff-data")
+    name = next(n for n in NOISE if "code-1" in [w["id"] for w in data["worst_items"][n]])
+    titles = _token_titles(ladder["html"], name, "code-1")
+    assert titles[3].split("reference top-5: '<script>alert(1)</script>' ")[1]
+    assert "reference top-5: ' hello world' " in titles[4]
+    assert "reference top-5: '\\n' " in titles[5]
+    assert "reference top-5: 'a&b\"c' " in titles[6]
+    assert "<script>alert(1)</script>" not in ladder["html"]
+
+
+def test_token_view_hover_without_token_strings_or_top5(ladder):
+    name = "q2"
+    worst, row = _worst_flip(ladder, name)
+    reports = [ladder["reports"][d.name] for d in ladder["dirs"]]
+    frames = [pq.read_table(d / "tokens.parquet").to_pandas() for d in ladder["dirs"]]
+    k = [d.name for d in ladder["dirs"]].index(name)
+    # report.json rows carry top-5 ids and probabilities but no strings: ids are shown.
+    assert "top5_ref_ids" in reports[k]["rows"][0] and "top5_ref_tokens" not in reports[k]["rows"][0]
+    page = render_html(reports, [None] * len(reports), paths=ladder["dirs"])
+    title = _token_titles(page, name, worst)[int(row.position)]
+    assert f"reference top-5: {' · '.join(f'#{int(i)} {100 * p:.2f} %' for i, p in zip(row.top5_ref_ids, row.top5_ref_p))}" in title
+    # A tokens.parquet from before the top-5 columns: today's top-1 line.
+    old = [f.drop(columns=[c for c in f.columns if c.startswith("top5_") or c.startswith("p_top1_")]) for f in frames]
+    page = render_html(reports, old, paths=ladder["dirs"])
+    title = _token_titles(page, name, worst)[int(row.position)]
+    assert "top-5" not in title
+    assert f"ref top-1 {_quoted(row.baseline_top_token)} · cand top-1 {_quoted(row.candidate_top_token)}  ← FLIP" in title
+    # ... and reference confidence falls back to p_ref_token where the teacher is the reference's top-1.
+    data = _embedded(page, "logitdiff-data")
+    assert data["ref_confidence"]["column"].startswith("p_ref_token where")
+    assert "p_top1_ref" in _embedded(ladder["html"], "logitdiff-data")["ref_confidence"]["column"]
+    assert "exllamav3" in ladder["html"]
+
+
+def test_flips_cell_and_tool_calls_column(ladder):
+    matrix = re.search(r'<table id="matrix".*?</table>', ladder["html"], re.S).group(0)
+    assert "<small>6 branched of 9 top-1 flips</small>" in matrix
+    assert 'data-key="tool_call_valid_cand"' in matrix
+
+
+# ----------------------------------------------------------------------------- gates
+def test_gates_crossed_shown_in_red_per_candidate(ladder):
+    from logitdiff.gates import evaluate, parse_gates
+
+    gates = parse_gates("kl_mean>0.01, meaning_changed>0, accuracy_drop>=0.25")
+    reports = [json.loads(json.dumps(ladder["reports"][d.name])) for d in ladder["dirs"]]
+    for r in reports:
+        r["gates"] = evaluate(r, gates)
+    by = {d.name: r for d, r in zip(ladder["dirs"], reports)}
+    assert by["q4"]["gates"]["crossed"] == ["kl_mean>0.01", "meaning_changed>0", "accuracy_drop>=0.25"]
+    page = render_html(reports, [None] * len(reports), paths=ladder["dirs"])
+    dd = re.search(r"<dt>gates</dt><dd>(.*?)</dd>", page, re.S).group(1)
+    lines = dict(re.match(r"<code>([^<]+)</code>: (.*)", ln, re.S).groups() for ln in dd.split("<br>")[:3])
+    assert set(lines) == {"q8", "q4", "q2"}
+    for name, line in lines.items():
+        crossed = by[name]["gates"]["crossed"]
+        assert crossed, "q8/q2 have no flips or correctness section: those gates fail closed"
+        assert f'<span class="crossed">✗ crossed {len(crossed)} of 3:</span>' in line
+        for g in crossed:
+            assert f"{htmlmod.escape(g)} (" in line
+    assert "meaning_changed&gt;0 (missing)" in lines["q8"]
+    assert "accuracy_drop&gt;=0.25 (0.25)" in lines["q4"]
+    assert ".crossed{color:#c62828" in page
+    data = _embedded(page, "logitdiff-data")
+    assert data["gates"]["q4"] == by["q4"]["gates"]
+    matrix = re.search(r'<table id="matrix".*?</table>', page, re.S).group(0)
+    assert matrix.count('class="badge bad"') == 3
+    # A passing candidate says so; a page without gates has no gates row.
+    reports[0]["gates"] = evaluate(reports[0], parse_gates("kl_max>100"))
+    page = render_html(reports[:1], [None], paths=ladder["dirs"][:1])
+    assert '<span class="passed">✓ passed all 1 gates</span>' in page and 'class="badge bad"' not in page
+    assert "<dt>gates</dt>" not in ladder["html"]

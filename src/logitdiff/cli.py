@@ -64,6 +64,7 @@ def cmd_compare(args) -> int:
         ranges = parse_ranges(args.ranges)
     except ValueError as e:
         raise LogitdiffError(str(e)) from None
+    gates = parse_fail_on(args.fail_on)
     ref = RunReader(args.reference, allow_partial=args.allow_partial)
     live_source = None
     if not Path(args.candidate).exists() and ":" in args.candidate:
@@ -98,11 +99,45 @@ def cmd_compare(args) -> int:
         live_source.close()
     from .report.html import render_html
 
+    apply_gates(report, gates)
     html = render_html([report], [columns], paths=[args.out])
     write_report_dir(args.out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()})
     print_summary(report)
     _console().print(f"wrote {args.out}/report.json, tokens.parquet, report.md, report.html")
-    return 0
+    return gate_exit([report])
+
+
+GATES_EXIT = 3
+FAIL_ON_HELP = (
+    "quality gates, e.g. 'kl_mean>0.05,top1_disagreement>0.02,tool_call_malformed>0': exit status 3 when "
+    "any is crossed (a metric the report lacks counts as crossed); the report says which"
+)
+
+
+def parse_fail_on(text: str | None):
+    if not text:
+        return None
+    from .gates import parse_gates
+
+    return parse_gates(text)
+
+
+def apply_gates(report: dict, gates) -> None:
+    """Evaluate gates on a report and store the result in it (report.json ``gates``)."""
+    if gates:
+        from .gates import evaluate
+
+        report["gates"] = evaluate(report, gates)
+
+
+def gate_exit(reports: list[dict]) -> int:
+    crossed = [(r["candidate"].get("spec") or r["candidate"].get("path"), g) for r in reports for g in (r.get("gates") or {}).get("crossed", [])]
+    if not crossed:
+        return 0
+    con = _console()
+    for who, g in crossed:
+        con.print(f"[bold red]gate crossed[/]: {who}: {g}")
+    return GATES_EXIT
 
 
 def print_summary(report: dict) -> None:
@@ -183,6 +218,7 @@ def cmd_run(args) -> int:
     from .flips import parse_select
 
     parse_select(args.select)
+    cfg.gates = parse_fail_on(args.fail_on)
     check_specs(cfg)
     console = _console()
 
@@ -215,6 +251,10 @@ def cmd_run(args) -> int:
         hooks.done()
     print_run_summary(summary)
     console.print(f"wrote {args.out}/report.html, summary.md, summary.json and one report per candidate in {args.out}/reports/")
+    if summary.get("gates_crossed"):
+        for who, gs in summary["gates_crossed"].items():
+            console.print(f"[bold red]gate crossed[/]: {who}: {', '.join(gs)}")
+        return GATES_EXIT
     return 0
 
 
@@ -290,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--allow-partial", action="store_true", help="accept runs marked partial (stated in the report)")
     c.add_argument("--no-rows", action="store_true", help="omit per-position rows from report.json (tokens.parquet keeps them)")
     c.add_argument("--device", default=None, help="torch device for the metrics (cpu, cuda); default: cpu")
+    c.add_argument("--fail-on", metavar="GATES", help=FAIL_ON_HELP)
     c.set_defaults(func=cmd_compare)
 
     imp = sub.add_parser("import", help="import another tool's logits into a RUN", description="Import another tool's logits into a RUN directory.")
@@ -387,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--select", default="first", help="flips to branch from: first | all | top-kl:N | low-margin:N | sample:N (default: %(default)s)")
     run.add_argument("--max-branches", type=int, default=24, help="branches per candidate, highest KL kept (default: %(default)s)")
     run.add_argument("--similarity", default="auto", choices=("auto", "minilm", "edit"), help="text similarity for flips (default: %(default)s)")
+    run.add_argument("--fail-on", metavar="GATES", help=FAIL_ON_HELP + " (checked for every candidate)")
     run.set_defaults(func=cmd_run)
     return p
 

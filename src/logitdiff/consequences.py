@@ -402,6 +402,7 @@ def analyse_report_dir(
     similarity_threshold: float | None = None,
     correctness: bool = True,
     bar=None,
+    gates=None,
 ) -> dict:
     """``logitdiff flips REPORT/``: add flips (+ correctness) to an existing report."""
     from .grading import load_similarity
@@ -435,6 +436,10 @@ def analyse_report_dir(
         if ref_src is not None:
             ref_src.close()
     report.update(sections)
+    if gates:
+        from .gates import evaluate
+
+        report["gates"] = evaluate(report, gates)
     files["report.md"] = render_markdown(report).encode()
     from .report.html import render_html
 

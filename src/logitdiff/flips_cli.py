@@ -46,6 +46,9 @@ def cmd_flips(args) -> int:
     from .flips import parse_select
 
     parse_select(args.select)
+    from .cli import parse_fail_on
+
+    gates = parse_fail_on(args.fail_on)
     if args.resync < 1:
         raise LogitdiffError("--resync must be >= 1")
     if args.max_branches is not None and args.max_branches < 0:
@@ -62,15 +65,17 @@ def cmd_flips(args) -> int:
         report = analyse_report_dir(
             args.report, candidate=args.candidate, reference=args.reference, settings=settings,
             similarity=args.similarity, similarity_threshold=args.similarity_threshold,
-            correctness=not args.no_correctness, bar=bar,
+            correctness=not args.no_correctness, bar=bar, gates=gates,
         )
     finally:
         for p in bars:
             p.stop()
     print_flips(report)
     _console().print(f"wrote {args.report}/flips.parquet" + (", correctness.parquet" if report.get("correctness") else "")
-                     + " and updated report.json, report.md")
-    return 0
+                     + " and updated report.json, report.md, report.html")
+    from .cli import gate_exit
+
+    return gate_exit([report])
 
 
 def print_flips(report: dict) -> None:
@@ -125,6 +130,9 @@ def add_commands(sub) -> None:
     f.add_argument("--no-correctness", action="store_true", help="skip grading free-running answers")
     f.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per executed tool call (items with tools_module)")
     f.add_argument("--seed", type=int, default=0, help="seed of sample:N and the bootstrap (default: %(default)s)")
+    from .cli import FAIL_ON_HELP
+
+    f.add_argument("--fail-on", metavar="GATES", help=FAIL_ON_HELP)
     f.set_defaults(func=cmd_flips)
 
 

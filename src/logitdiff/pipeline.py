@@ -56,6 +56,7 @@ class RunConfig:
     correctness: bool = True
     similarity: str = "auto"
     html: bool = True
+    gates: list | None = None  # logitdiff.gates.Gate; crossed gates are listed in summary.json
 
 
 def safe_name(spec: str) -> str:
@@ -171,6 +172,10 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
         report, columns = build_report(comp, ranges=cfg.ranges, n_boot=cfg.bootstrap, seed=cfg.seed, noise_floor=noise)
         report["baseline"]["spec"] = cfg.reference
         report.update(sections)
+        if cfg.gates:
+            from .gates import evaluate
+
+            report["gates"] = evaluate(report, cfg.gates)
         rdir = out / "reports" / safe_name(spec)
         write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files)
         rows.append(_summary_row(spec, report, rdir, noise))
@@ -192,6 +197,9 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
         "candidates": rows,
         "seconds": round(time.time() - t0, 1),
     }
+    if cfg.gates:
+        summary["gates"] = [g.text for g in cfg.gates]
+        summary["gates_crossed"] = {r["name"]: r["gates_crossed"] for r in rows if r.get("gates_crossed")}
     atomic_write_json(out / "summary.json", summary)
     atomic_write_bytes(out / "summary.md", render_summary_md(summary).encode())
     if cfg.html:
@@ -244,6 +252,7 @@ def _summary_row(spec: str, report: dict, rdir: Path, noise: dict | None) -> dic
         "x_noise_floor": (kl["mean"] / floor) if floor else None,
         "within_2x_noise_floor": bool(floor) and kl["mean"] <= 2 * floor,
         **_consequence_cols(report),
+        **({"gates_crossed": report["gates"]["crossed"]} if report.get("gates") else {}),
     }
 
 
@@ -314,6 +323,10 @@ def render_summary_md(summary: dict) -> str:
                 + f" | {acc} | {r.get('right_to_wrong', 'n/a')} | {r.get('wrong_to_right', 'n/a')} | {_f(r.get('mcnemar_p'), '.3g')} | "
                 + ("n/a" if r.get("tool_call_valid_cand") is None else f"{100 * r['tool_call_valid_cand']:.0f} %") + " |"
             )
+    if summary.get("gates"):
+        crossed = summary.get("gates_crossed") or {}
+        lines.append(f"\nGates `{', '.join(summary['gates'])}`: " + (
+            "; ".join(f"`{n}` crossed {', '.join(g)}" for n, g in crossed.items()) if crossed else "every candidate passed") + ".")
     lines.append(f"\nOne report per candidate under `reports/`. Wall time {summary['seconds']} s.\n")
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ import numpy as np
 from .. import __version__
 from ..compare import Comparison
 from ..metrics import LN2
+from ..segments import item_segments, segment_masks, vocab_scheme
 from ..summarize import DEFAULT_RANGES, by_groups, range_masks, summarize_group
 
 REPORT_SCHEMA = "logitdiff.report/1"
@@ -136,6 +137,12 @@ def build_report(
     tag_rows = by_groups(
         c, item_index, ((t, np.array([t in tags for tags in tag_of_row], dtype=bool)) for t in all_tags), **kw
     )
+    seg_rows = []
+    if comp.vocab is not None:
+        labels = _segment_labels(comp)
+        if labels is not None:
+            c["segment"] = labels
+            seg_rows = by_groups(c, item_index, segment_masks(labels), **kw)
     item_rows = []
     for it in comp.items:
         mask = c["item_id"] == it.id
@@ -158,6 +165,7 @@ def build_report(
         "summary": summary,
         "ranges": range_rows,
         "tags": tag_rows,
+        "segments": seg_rows,
         "items": item_rows,
     }
     if include_rows:
@@ -174,6 +182,20 @@ def build_report(
                 [[comp.token_text(int(t)) for t in row] for row in np.asarray(c[f"top5_{side}_ids"])], dtype=object
             )
     return _json_clean(report), c
+
+
+def _segment_labels(comp: Comparison) -> np.ndarray | None:
+    """Segment (think / tool_call / answer) of every compared position, from the teacher text."""
+    vocab = comp.vocab
+    scheme = vocab_scheme(vocab)
+    out = []
+    for it in comp.items:
+        if any(t >= len(vocab) for t in it.teacher_ids):
+            return None
+        labels = item_segments(vocab, it.teacher_ids, scheme=scheme)
+        out.extend(labels[p] for p in it.positions)
+    arr = np.array(out, dtype=object)
+    return arr if len(arr) == comp.n else None
 
 
 def _rows(comp: Comparison, c: dict) -> list[dict]:

@@ -46,7 +46,10 @@ WORST_ITEMS = 5
 TOKEN_COLUMNS = (
     "item_id", "position", "token_id", "token", "kl_nats", "top1_match", "top1_ref", "top1_cand",
     "p_ref_token", "p_cand_token", "margin_ref", "baseline_top_token", "candidate_top_token",
+    "p_top1_ref", "p_top1_cand", "top5_ref_ids", "top5_ref_p", "top5_cand_ids", "top5_cand_p", "top5_ref_tokens", "top5_cand_tokens",
 )
+# Columns holding a short list per position (the top-5 of each model).
+LIST_COLUMNS = ("top5_ref_ids", "top5_ref_p", "top5_cand_ids", "top5_cand_p", "top5_ref_tokens", "top5_cand_tokens")
 # Identity fields worth showing as "machine / versions" (whatever of these a source records).
 VERSION_KEYS = (
     "backend", "torch", "transformers", "llama_cpp_python", "vllm", "sglang", "server", "engine", "device",
@@ -80,6 +83,7 @@ CORRECTNESS = (
     ("right_to_wrong", "right→wrong", "items the reference got right and the candidate wrong", "g"),
     ("wrong_to_right", "wrong→right", "items the reference got wrong and the candidate right", "g"),
     ("mcnemar_p", "McNemar p", "exact McNemar test of the correctness flips", "g"),
+    ("tool_call_valid_cand", "tool calls valid", "share of tool items whose candidate tool call parses and validates", "pct"),
 )
 
 CSS = """
@@ -100,6 +104,8 @@ th[data-dir=asc]::after{content:" ▲"}th[data-dir=desc]::after{content:" ▼"}
 td small{display:block;color:var(--mut);font-size:11px}
 tr.warn td{background:var(--warn)}
 .badge{display:inline-block;font-size:11px;padding:0 5px;border-radius:3px;background:var(--warn);border:1px solid var(--warnb);margin-left:6px}
+.badge.bad{background:#fde4e2;border-color:#c62828;color:#b71c1c}
+.crossed{color:#c62828;font-weight:600}.passed{color:#2e7d32}
 .scroll{overflow-x:auto}
 .note{color:var(--mut);font-size:13px;margin:4px 0}
 .plot{width:100%;height:420px}
@@ -269,10 +275,19 @@ def _rows_as_columns(report: dict) -> dict[str, np.ndarray] | None:
     rows = report.get("rows") or []
     if not rows:
         return None
-    cols = {k: np.asarray([r.get(k) for r in rows]) for k in TOKEN_COLUMNS if k in rows[0]}
+    cols = {k: (_object_array([r.get(k) for r in rows]) if k in LIST_COLUMNS else np.asarray([r.get(k) for r in rows]))
+            for k in TOKEN_COLUMNS if k in rows[0]}
     if "item_id" not in cols and "source_id" in rows[0]:
         cols["item_id"] = np.asarray([r["source_id"] for r in rows])
     return cols
+
+
+def _object_array(values: list) -> np.ndarray:
+    """One entry per position, each a list (a 1-D object array, whatever the lists' lengths)."""
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
 
 
 def load_tokens(path: str | Path) -> dict[str, np.ndarray] | None:
@@ -362,12 +377,18 @@ def kl_cdf(kl: np.ndarray, max_points: int = 1500) -> dict:
 def ref_confidence(cols: dict) -> tuple[np.ndarray, str, int]:
     """Per position: the reference's probability of its own top token, and how it was had.
 
-    tokens.parquet has no top-1 probability column, but where the teacher token is the
+    Where tokens.parquet has ``p_top1_ref`` (the reference's probability of its own top-1
+    token, recorded at every position) that column is used as is: exactly the quantity
+    exllamav3 buckets by. Older files have no top-1 probability column, but where the teacher token is the
     reference's top-1 (always, up to numerical ties, when the teacher is the reference's
     greedy output) ``p_ref_token`` *is* that probability; the other positions are left out
     (NaN) and counted. If fewer than half qualify (an imported, non-greedy teacher), the
     reference margin p1 − p2 (``margin_ref``) is bucketed instead, and labelled so."""
     n = len(cols["kl_nats"])
+    if "p_top1_ref" in cols:
+        p = np.asarray(cols["p_top1_ref"], dtype=np.float64)
+        return (p, "p_top1_ref, the reference's probability of its own top-1 token at every position "
+                "(exactly the reference's top-token probability, as exllamav3 buckets)", int((~np.isfinite(p)).sum()))
     if all(k in cols for k in ("p_ref_token", "token_id", "top1_ref")):
         p = np.asarray(cols["p_ref_token"], dtype=np.float64)
         ok = (np.asarray(cols["token_id"]) == np.asarray(cols["top1_ref"])) & np.isfinite(p)
@@ -596,6 +617,10 @@ def _header(names, paths, reports, summary) -> str:
     rows = [
         ("reference", f"<code>{_e(b.get('spec') or b.get('path'))}</code> ({_e(b.get('store'))} logits, {_e(b.get('dtype'))})"),
         ("candidates", ", ".join(f"<code>{_e(n)}</code>" for n in names) + f" ({len(names)})"),
+    ]
+    if any(isinstance(r.get("gates"), Mapping) for r in reports):
+        rows.append(("gates", _gates_html(names, reports)))
+    rows += [
         ("workload", f"{_e(s0.get('paired_prompts'))} items, {_e(s0.get('positions'))} teacher-forced output positions"
          + (f"; <code>{_e(summary.get('workload'))}</code>" if summary and summary.get("workload") else "")),
         ("method", method + (f"; 95 % CIs from {_e(boot.get('n'))} bootstrap resamples of items" if boot else "")),
@@ -627,6 +652,41 @@ def _header(names, paths, reports, summary) -> str:
     return f'<dl class="hdr">{dl}</dl>'
 
 
+def _crossed_gates(report: dict) -> list[dict]:
+    """The crossed gates of a report's ``gates`` section (gates.evaluate's shape)."""
+    g = report.get("gates")
+    if not isinstance(g, Mapping):
+        return []
+    rows = [x for x in g.get("gates") or [] if isinstance(x, Mapping)]
+    if rows:
+        return [x for x in rows if x.get("crossed")]
+    return [{"gate": str(t)} for t in g.get("crossed") or []]
+
+
+def _gates_html(names, reports) -> str:
+    """Per candidate: the gates it crossed, in red, with the value that crossed (or 'missing')."""
+    lines = []
+    for name, rep in zip(names, reports):
+        g = rep.get("gates")
+        if not isinstance(g, Mapping):
+            lines.append(f"<code>{_e(name)}</code>: no gates evaluated")
+            continue
+        total = len(g.get("gates") or [])
+        crossed = _crossed_gates(rep)
+        if not crossed:
+            lines.append(f'<code>{_e(name)}</code>: <span class="passed">✓ passed {"all " + str(total) + " gates" if total else "(no gates)"}</span>')
+            continue
+        each = ", ".join(
+            f'<span class="crossed" title="{_e(x.get("metric", ""))} = '
+            f'{"missing from report.json (fails closed)" if x.get("missing") else _e(repr(x.get("value")))}">'
+            f'{_e(x["gate"])} ({"missing" if x.get("missing") else fmt(x.get("value"))})</span>'
+            for x in crossed)
+        lines.append(f'<code>{_e(name)}</code>: <span class="crossed">✗ crossed {len(crossed)}'
+                     f'{" of " + str(total) if total else ""}:</span> {each}')
+    return "<br>".join(lines) + ('<br><small class="note">A gate names a failure condition; one whose metric the report lacks '
+                                 "counts as crossed (fail closed).</small>")
+
+
 def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
     """Per candidate, every matrix cell as {value, from} (from: where in report.json)."""
     out = {}
@@ -644,6 +704,8 @@ def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
             cells["x_cross_engine_floor"] = {"value": (sc or {}).get("x_cross_engine_floor"), "from": "summary.json:candidates[].x_cross_engine_floor"}
         if _get(rep, "flips.outcomes") is not None:
             cells["flips"] = {"value": _get(rep, "flips.outcomes"), "from": "flips.outcomes"}
+            cells["flips_n_branches"] = {"value": _get(rep, "flips.n_branches"), "from": "flips.n_branches"}
+            cells["flips_n_flips"] = {"value": _get(rep, "flips.n_flips"), "from": "flips.n_flips"}
         if has_corr:
             for key, *_ in CORRECTNESS:
                 cells[key] = {"value": _get(rep, f"correctness.{key}"), "from": f"correctness.{key}"}
@@ -679,6 +741,10 @@ def _matrix_html(names, paths, reports, cells_by_name, extra, summary) -> str:
         if kl is not None and xfl and kl <= 2 * xfl and str(_get(rep, "candidate.spec")) != str(xf.get("candidate")):
             warn.append(("within 2× cross-engine floor", "mean KL is at most twice that of the same weights in another engine"))
         badges = "".join(f'<span class="badge" title="{_e(t)}">⚠ {_e(w)}</span>' for w, t in warn)
+        crossed = _crossed_gates(rep)
+        if crossed:
+            badges += (f'<span class="badge bad" title="{_e("crossed: " + ", ".join(g["gate"] for g in crossed))}">'
+                       f'✗ {len(crossed)} gate{"s" if len(crossed) != 1 else ""}</span>')
         tds = [f'<td data-v="{i}" title="{_e(path)}"><code>{_e(name)}</code>{badges}</td>']
         for k, h, t, f in cols:
             v = cells.get(k, {}).get("value")
@@ -686,7 +752,9 @@ def _matrix_html(names, paths, reports, cells_by_name, extra, summary) -> str:
                 counts = _outcome_counts(v)
                 # Outcomes that happened; zero counts would only crowd the cell.
                 text = (" · ".join(f"{_e(o)} {_e(c)}" for o, c in counts.items() if c) or "none") if v else "n/a"
-                tds.append(f'<td data-v="{_e(text)}">{text}</td>')
+                nb, nf = cells.get("flips_n_branches", {}).get("value"), cells.get("flips_n_flips", {}).get("value")
+                sub = f"<small>{fmt(nb)} branched of {fmt(nf)} top-1 flips</small>" if v and nb is not None else ""
+                tds.append(f'<td data-v="{_e(text)}">{text}{sub}</td>')
                 continue
             nv = _num(v)
             ci = cells.get(k + "_ci95", {}).get("value")
@@ -747,6 +815,31 @@ def _show(tok) -> str:
     return "'" + t.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r") + "'"
 
 
+def _top5_line(cols, side: str, j: int) -> str | None:
+    """``'name' 3.17 % · 'f' 1.59 % · …`` for one model at position j; None without top-5 columns.
+
+    Token strings come from ``top5_<side>_tokens`` (tokens.parquet); report.json rows carry
+    only ids, which are then shown as ``#id``."""
+    if f"top5_{side}_p" not in cols or (f"top5_{side}_tokens" not in cols and f"top5_{side}_ids" not in cols):
+        return None
+    ps = cols[f"top5_{side}_p"][j]
+    toks = cols[f"top5_{side}_tokens"][j] if f"top5_{side}_tokens" in cols else None
+    ids = cols[f"top5_{side}_ids"][j] if f"top5_{side}_ids" in cols else None
+    if ps is None or (toks is None and ids is None):
+        return None
+    out = []
+    for k, p in enumerate(ps):
+        if toks is not None and k < len(toks):
+            t = _show(toks[k])
+        elif ids is not None and k < len(ids):
+            t = f"#{int(ids[k])}"
+        else:
+            continue
+        v = _num(p)
+        out.append(f"{t} {'n/a' if v is None else f'{100 * v:.2f} %'}")
+    return " · ".join(out) or None
+
+
 def _token_view(name, rep, cols, worst_ids, *, open_: bool) -> str:
     items = {str(x.get("id")): x for x in rep.get("items") or []}
     ids = np.asarray(cols["item_id"]).astype(str)
@@ -763,7 +856,12 @@ def _token_view(name, rep, cols, worst_ids, *, open_: bool) -> str:
             if "p_ref_token" in cols:
                 tip.append(f"teacher {_show(cols['token'][j]) if 'token' in cols else ''}: p_ref {fmt(cols['p_ref_token'][j])}, "
                            f"p_cand {fmt(cols['p_cand_token'][j]) if 'p_cand_token' in cols else 'n/a'}")
-            if "baseline_top_token" in cols and "candidate_top_token" in cols:
+            top5 = [_top5_line(cols, side, j) for side in ("ref", "cand")]
+            if all(top5):
+                # Both models' five most likely tokens with their probabilities, most likely first.
+                tip.append(f"reference top-5: {top5[0]}" + ("  ← FLIP" if flip else ""))
+                tip.append(f"candidate top-5: {top5[1]}")
+            elif "baseline_top_token" in cols and "candidate_top_token" in cols:
                 tip.append(f"ref top-1 {_show(cols['baseline_top_token'][j])} · cand top-1 {_show(cols['candidate_top_token'][j])}"
                            + ("  ← FLIP" if flip else ""))
             if "margin_ref" in cols:
@@ -843,6 +941,7 @@ def render_html(
 
     pts = [{"name": n, "size": _num(cells[n]["file_size"]["value"]), "kl_mean": _num(cells[n]["kl_mean"]["value"])} for n in names]
     pts = [p for p in pts if p["size"] and p["kl_mean"]]
+    data["gates"] = {n: r["gates"] for n, r in zip(names, reports) if isinstance(r.get("gates"), Mapping)}
     data["pareto"] = {"points": pts, "front": pareto_front([(p["name"], p["size"], p["kl_mean"]) for p in pts])}
 
     figs, omitted = build_figures(names, reports, data["kl_cdf"], buckets, conf_label, data["pareto"])
@@ -894,8 +993,9 @@ def render_html(
         omitted_html,
         '<h2 id="tokens">Worst items, token by token</h2>',
         f'<p class="note">Teacher text; each token shaded by its KL (<span class="legend"></span> {SHADE_LO:g} → {SHADE_HI:g} nats, log scale); '
-        "<span style=\"outline:2px solid #1f4fd1\">outlined</span> tokens are top-1 flips. Hover a token for both models' top-1 "
-        "tokens and the teacher token's probability under each. ↵ marks a newline.</p>",
+        "<span style=\"outline:2px solid #1f4fd1\">outlined</span> tokens are top-1 flips. Hover a token for both models' top-5 "
+        "tokens with their probabilities (top-1 only where the report has no top-5 columns) and the teacher token's probability "
+        "under each. ↵ marks a newline.</p>",
         tv,
         f'<footer>logitdiff {_e(__version__)} — report.json is the source of every number; the numbers computed here from tokens.parquet are in the '
         "embedded <code>logitdiff-data</code> JSON.</footer>",

@@ -60,6 +60,15 @@ def render_markdown(report: dict) -> str:
     ]
     for note in m.get("notes") or []:
         out.append(f"- note: {note}")
+    g = report.get("gates")
+    if g:
+        if g["crossed"]:
+            out.append(f"- **gates crossed: {', '.join(g['crossed'])}** (exit status 3)")
+        else:
+            out.append(f"- gates: all {len(g['gates'])} passed ({', '.join(x['gate'] for x in g['gates'])})")
+        for x in g["gates"]:
+            if x.get("missing"):
+                out.append(f"  - `{x['gate']}`: the report has no `{x['metric']}`; a missing metric counts as crossed")
     out.append("\n## Summary\n")
     out.append("| metric | mean | 95 % CI | p50 | p95 | p99 | max |\n|---|---:|---|---:|---:|---:|---:|")
     for key, label in (("kl_nats", "KL(ref‖cand) nats"), ("kl_rev_nats", "KL(cand‖ref) nats"), ("jsd_nats", "JSD nats")):
@@ -89,6 +98,11 @@ def render_markdown(report: dict) -> str:
     if report.get("tags"):
         out.append("\n## By tag\n")
         out.append(group_table(report["tags"], "tag"))
+    if report.get("segments"):
+        out.append("\n## By segment of the output\n")
+        out.append("Segments come from the teacher text: `think` inside <think>…</think>, `tool_call` inside a tool-call span "
+                   "(Hermes, Mistral, Llama-3 JSON), `answer` everything else.\n")
+        out.append(group_table(report["segments"], "segment"))
     worst = sorted(report["items"], key=lambda r: -((r.get("kl_nats") or {}).get("mean") or 0))[:10]
     out.append("\n## Items with the highest mean KL\n")
     out.append(group_table([{**r, "group": r["id"]} for r in worst], "item"))
