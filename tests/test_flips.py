@@ -157,3 +157,42 @@ def test_margin_buckets():
     assert margin_bucket(0.0) == "[0,0.05)"
     assert margin_bucket(0.3) == "[0.2,0.5)"
     assert margin_bucket(1.0) == "[0.5,1]"
+
+
+def test_executable_check_runs_both_calls(tmp_path):
+    """A tools module: both calls really run (sandboxed) and their results are compared."""
+    from pathlib import Path
+
+    from logitdiff.consequences import _exec_checker
+
+    impl = Path(__file__).parent / "data" / "tools_impl.py"
+    check = _exec_checker({"tools_module": str(impl)}, timeout=5.0)
+    item = {"id": "t", "tools": TOOLS, "expected": {"tool_call": CALL}}
+    other = {"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius"}}
+    ref_ids = [ord(c) for c in hermes(CALL)]
+    br = hermes(other)
+    t = next(i for i, (a, b) in enumerate(zip(hermes(CALL), br)) if a != b)
+    o, sig = classify(item=item, ref_ids=ref_ids, branch_ids=[ord(c) for c in br], position=t, ref_text=hermes(CALL),
+                      branch_text=br, similarity=0.9, threshold=0.8, exec_check=check)
+    assert o == "tool_call_changed"
+    ex = sig["exec"]
+    want = lambda city: sum(map(ord, city)) % 35  # noqa: E731 - what tools_impl.get_weather computes
+    assert ex["ref"][0]["ok"] and ex["ref"][0]["value"]["temperature"] == want("Paris")
+    assert ex["branch"][0]["value"]["temperature"] == want("Lima")
+    assert ex["same_result"] is (want("Paris") == want("Lima"))
+
+
+def test_broken_tools_module_is_refused_before_work(tmp_path):
+    from pathlib import Path
+
+    from logitdiff.consequences import _checked_items
+    from logitdiff.store import RunItem
+
+    broken = Path(__file__).parent / "data" / "toolexec_broken.py"
+    it = RunItem(id="x", prompt_ids=[1], teacher_ids=[2], positions=[0], extra={"item": {"id": "x", "tools_module": str(broken)}})
+    with pytest.raises(LogitdiffError, match="failed to import"):
+        _checked_items([it])
+    bad_schema = RunItem(id="y", prompt_ids=[1], teacher_ids=[2], positions=[0],
+                         extra={"item": {"id": "y", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}})
+    with pytest.raises(LogitdiffError, match="item 'y'.*not valid JSON Schema"):
+        _checked_items([bad_schema])

@@ -467,3 +467,63 @@ def test_openai_spec_errors(capsys, tmp_path):
     assert with_endpoints("openai:http://a:1,top_k=8", ["http://b:2", "http://c:3"]) == "openai:http://a:1,top_k=8,endpoints=http://b:2|http://c:3"
     with pytest.raises(LogitdiffError, match="openai"):
         with_endpoints("hf:x", ["http://b:2"])
+
+
+# ------------------------------------------------------------------------ flips through servers
+def _forced_flips(ref):
+    """Comparison columns with one flip per item at output position 1: the candidate's winner
+    is another token than the teacher's (the random model's quants rarely flip on their own);
+    what is tested is the branching, which is real."""
+    import numpy as np
+
+    cols = {k: [] for k in ("item_id", "position", "top1_match", "top1_ref", "top1_cand", "p_top1_ref", "p_top1_cand", "margin_ref", "kl_nats")}
+    for it in ref.items():
+        if len(it.teacher_ids) < 3:
+            continue
+        t = 1
+        cols["item_id"].append(it.id)
+        cols["position"].append(t)
+        cols["top1_match"].append(False)
+        cols["top1_ref"].append(it.teacher_ids[t])
+        cols["top1_cand"].append((it.teacher_ids[t] + 7) % ref.vocab_size)
+        cols["p_top1_ref"].append(0.5)
+        cols["p_top1_cand"].append(0.5)
+        cols["margin_ref"].append(0.1)
+        cols["kl_nats"].append(0.01 * len(cols["kl_nats"]))
+    return {k: np.array(v, dtype=object if k == "item_id" else None) for k, v in cols.items()}
+
+
+def _branches(source, ref, cols, n=6):
+    from logitdiff.consequences import Settings, run_flips
+    from logitdiff.grading import load_similarity
+
+    _, rows = run_flips(source, ref, cols, load_similarity("edit"), Settings(select="all", max_branches=n))
+    return {(r["item_id"], r["position"]): r for r in rows}
+
+
+def test_flips_branch_through_llama_server(env, llama):
+    """Branching with a served candidate (llama-server, token-id prompts) continues exactly
+    as the same GGUF does in process."""
+    ref = env["ref"]
+    cols = _forced_flips(ref)
+    with open_source(f"gguf:{env['ladder']['Q8_0']}") as gg:
+        local = _branches(gg, ref, cols)
+    with open_source(f"openai:{llama('Q8_0').url},top_k={K}") as src:
+        served = _branches(src, ref, cols)
+    assert len(local) >= 4 and served.keys() == local.keys()
+    same = [k for k in local if local[k]["branch_continuation"] == served[k]["branch_continuation"]]
+    assert len(same) >= len(local) - 1, [(local[k]["branch_continuation"], served[k]["branch_continuation"]) for k in local]
+    assert all(served[k]["outcome"] == local[k]["outcome"] for k in same)
+
+
+def test_flips_branch_through_vllm(env, vllm):
+    """vLLM (float32) continuing from flip positions = transformers float32 continuing."""
+    ref = env["ref"]
+    cols = _forced_flips(ref)
+    with open_source(f"hf:{env['dir']},dtype=float32") as hf:
+        native = _branches(hf, ref, cols, n=4)
+    with open_source(f"openai:{vllm.url},top_k=64,tokenizer={env['dir']}") as src:
+        served = _branches(src, ref, cols, n=4)
+    assert len(native) == 4 and served.keys() == native.keys()
+    for k in native:
+        assert served[k]["branch_continuation"] == native[k]["branch_continuation"], k

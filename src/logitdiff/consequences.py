@@ -56,8 +56,10 @@ def _strip_end(ids: Sequence[int], eos: set[int]) -> list[int]:
     return ids
 
 
-def _checked_items(items: Sequence[RunItem]) -> None:
-    """Tools must be valid JSON Schema and labels must name a known check: fail before any work."""
+def _checked_items(items: Sequence[RunItem], exec_timeout: float = 10.0) -> None:
+    """Tools must be valid JSON Schema, labels must name a known check and tools modules
+    must import (sandboxed, within the timeout): fail before any work."""
+    modules = set()
     for it in items:
         d = _item_json(it)
         where = f"item {it.id!r}"
@@ -65,6 +67,13 @@ def _checked_items(items: Sequence[RunItem]) -> None:
             check_tools_schema(d["tools"], where)
         if d.get("expected") is not None:
             check_expected(d["expected"], where)
+        if d.get("tools_module"):
+            modules.add(d["tools_module"])
+    if modules:
+        from .toolexec import load_check
+
+        for m in sorted(modules):
+            load_check(m, timeout=exec_timeout)
 
 
 def _exec_checker(item: dict, timeout: float) -> Callable | None:
@@ -104,7 +113,7 @@ def run_flips(
 ) -> tuple[dict, list[dict]]:
     """Branch at the selected flips; return the report section and one row per branch."""
     items = {it.id: it for it in ref.items()}
-    _checked_items(list(items.values()))
+    _checked_items(list(items.values()), settings.exec_timeout)
     if settings.both and reference_source is None:
         raise LogitdiffError("--both needs the reference as a source (pass --reference SPEC)")
     tags_of = {i: it.tags for i, it in items.items()}
@@ -223,7 +232,7 @@ def run_correctness(
     scored position whose top-1 differed under teacher forcing.
     """
     items = [it for it in ref.items() if _item_json(it).get("expected") is not None]
-    _checked_items(items)
+    _checked_items(items, settings.exec_timeout)
     if on_total:
         on_total(len(items))
     eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
