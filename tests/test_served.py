@@ -229,7 +229,7 @@ def test_llama_server_killed_mid_capture_resumes(env, tmp_path):
         "def init(self, *a, **k):\n    k['chunk_rows'] = 1\n    oi(self, *a, **k)\n"
         "RunWriter.__init__ = init\n"
         "of = RunWriter.flush\n"
-        "def flush(self):\n    of(self)\n    time.sleep(0.4)\n"
+        "def flush(self, wait=True):\n    of(self, wait=True)\n    time.sleep(0.4)\n"
         "RunWriter.flush = flush\n"
         "from logitdiff import capture\n"
         "oc = capture.capture_candidate\n"

@@ -89,6 +89,10 @@ def render_markdown(report: dict) -> str:
             f"- noise floor (reference vs its rerun): mean KL {_f(nf.get('kl_nats_mean'))}; this candidate is "
             f"{_f(s.get('kl_mean_x_noise_floor'), 2)} × the floor"
         )
+        x = s.get("kl_mean_x_noise_floor")
+        if x is not None and x <= 2:
+            out.append("- **warning: within 2× of the noise floor** — this drift is not distinguishable from the "
+                       "reference's own run-to-run variation")
     out.append(
         f"- largest KL: {_f(s['kl_nats_max'])} nats at item `{s['max_kl_source_id']}` position {s.get('max_kl_position')} "
         f"(reference top token {s['max_kl_baseline_top_token']!r}, candidate {s['max_kl_candidate_top_token']!r})"
