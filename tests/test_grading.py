@@ -135,3 +135,37 @@ def test_similarity_backends():
     assert s[2] == 1.0
     with pytest.raises(LogitdiffError, match="--similarity"):
         load_similarity("bert")
+
+
+@pytest.mark.parametrize(
+    "item, fragment",
+    [
+        ({"id": "a", "prompt": "x", "expected": {"judge": "llm"}}, "exactly one check"),
+        ({"id": "b", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
+         "not valid JSON Schema"),
+        ({"id": "c", "prompt": "x", "tools_module": "missing_tools.py"}, "tools_module"),
+    ],
+)
+def test_bad_workload_items_are_refused_at_load(tmp_path, item, fragment):
+    import json
+
+    from logitdiff.workload import read_workload
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"id": "ok", "prompt": "fine"}) + "\n" + json.dumps(item) + "\n")
+    with pytest.raises(LogitdiffError, match=fragment) as e:
+        read_workload(wl)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{wl}:2" in msg and repr(item["id"]) in msg
+
+
+def test_tools_module_path_is_resolved_next_to_the_workload(tmp_path):
+    import json
+
+    from logitdiff.workload import read_workload
+
+    (tmp_path / "impl.py").write_text("def f():\n    return 1\n")
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"id": "t", "prompt": "x", "tools_module": "impl.py"}) + "\n")
+    (it,) = read_workload(wl)
+    assert it.tools_module == str((tmp_path / "impl.py").resolve()) and it.to_json()["tools_module"] == it.tools_module
