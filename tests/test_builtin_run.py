@@ -151,3 +151,24 @@ def test_flips_command_on_a_report(default_run, tmp_path, capsys):
     assert "--select" in capsys.readouterr().err
     assert main(["flips", str(tmp_path / "nope")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_default_run_html_numbers_match_parquet(default_run):
+    """OUT/report.html: its embedded numbers recomputed independently from tokens.parquet."""
+    import re
+
+    html = (default_run / "report.html").read_text()
+    assert "https://" not in re.sub(r"<script id=\"plotly-js\">.*?</script>", "", html, flags=re.S)
+    data = json.loads(re.search(r'<script type="application/json" id="logitdiff-data">(.*?)</script>', html, re.S).group(1))
+    assert data["candidates"] == ["tiny-BF16"] + [f"tiny-{q}" for q in LADDER]
+    for name in ("tiny-Q8_0", "tiny-Q2_K"):
+        df = pd.read_parquet(default_run / "reports" / name / "tokens.parquet")
+        rep = json.loads((default_run / "reports" / name / "report.json").read_text())
+        m = data["matrix"][name]
+        assert m["kl_mean"]["value"] == pytest.approx(df.kl_nats.mean(), rel=1e-12)
+        assert m["top1"]["value"] == pytest.approx(1 - df.top1_match.mean(), rel=1e-12)
+        assert m["flips"]["value"] == rep["flips"]["outcomes"]
+        worst = df.groupby("item_id").kl_nats.mean().sort_values(ascending=False)
+        assert [w["id"] for w in data["worst_items"][name]][:3] == list(worst.index[:3])
+        rc = data["ref_confidence"]["by_candidate"][name]
+        assert sum(rc["n"]) + rc.get("left_out", 0) == len(df)

@@ -76,7 +76,15 @@ def _source_meta(source: Source) -> dict:
 
 
 def _vocab(source: Source) -> list[str]:
-    return [source.token_text(i) for i in range(source.vocab_size)]
+    # Printable token strings, computed once per open source (a capture per candidate).
+    cached = getattr(source, "_logitdiff_vocab", None)
+    if cached is None or len(cached) != source.vocab_size:
+        cached = [source.token_text(i) for i in range(source.vocab_size)]
+        try:
+            source._logitdiff_vocab = cached
+        except AttributeError:  # pragma: no cover - a source with __slots__
+            pass
+    return cached
 
 
 def _writer(source: Source, out, store: str, resume: bool, overwrite: bool, settings: dict) -> RunWriter:

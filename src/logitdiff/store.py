@@ -158,7 +158,7 @@ class RunWriter:
         store: str = "full",
         dtype: str = "float32",
         settings: dict | None = None,
-        chunk_rows: int = 2048,
+        chunk_rows: int | None = None,
         resume: bool = False,
         overwrite: bool = False,
         vocab: list[str] | None = None,
@@ -171,6 +171,11 @@ class RunWriter:
         if dtype not in _DTYPES:
             raise LogitdiffError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
         self.dtype = dtype
+        if chunk_rows is None:
+            # ~8 MiB of rows per chunk (64..2048 rows): small enough that the writer thread
+            # overlaps the next forward passes and the last write at finish() is short.
+            row_bytes = int(vocab_size) * (8 * 2 if store.startswith("topk:") else np.dtype(_DTYPES[dtype]).itemsize)
+            chunk_rows = int(min(2048, max(64, (8 << 20) // max(1, row_bytes))))
         self.chunk_rows = chunk_rows
         self.vocab_size = int(vocab_size)
         self._buf_items: list[RunItem] = []

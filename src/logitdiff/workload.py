@@ -93,9 +93,7 @@ class Item:
 
             check_expected(exp, where)
         if tools:
-            from .toolcalls import check_tools_schema
-
-            check_tools_schema(tools, where)
+            _check_tools_once(tools, where)
         tm = d.get("tools_module")
         if tm is not None and (not isinstance(tm, str) or not tm):
             raise LogitdiffError(f"{where}: field 'tools_module' must be a path string")
@@ -109,6 +107,21 @@ class Item:
             expected=exp,
             tools_module=tm,
         )
+
+
+_TOOLS_CHECKED: set[str] = set()
+
+
+def _check_tools_once(tools: list, where: str) -> None:
+    """JSON Schema meta-validation of a tools list; the same list (workloads repeat a few
+    tool sets over many items) is checked once per process."""
+    key = json.dumps(tools, sort_keys=True, default=str)
+    if key in _TOOLS_CHECKED:
+        return
+    from .toolcalls import check_tools_schema
+
+    check_tools_schema(tools, where)
+    _TOOLS_CHECKED.add(key)
 
 
 def read_workload(path: str | Path) -> list[Item]:
