@@ -172,3 +172,9 @@ def test_default_run_html_numbers_match_parquet(default_run):
         assert [w["id"] for w in data["worst_items"][name]][:3] == list(worst.index[:3])
         rc = data["ref_confidence"]["by_candidate"][name]
         assert sum(rc["n"]) + rc.get("left_out", 0) == len(df)
+        # the most consequential flip, both continuations side by side
+        import html as html_mod
+
+        top = rep["flips"]["top"][0]
+        assert html_mod.escape(top["branch_continuation"], quote=True) in html
+        assert html_mod.escape(top["ref_continuation"], quote=True) in html

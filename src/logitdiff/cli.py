@@ -15,6 +15,8 @@ Typical use:
   logitdiff capture hf:./bf16-model --workload w.jsonl --out runs/ref
   logitdiff capture gguf:./q4.gguf --teacher runs/ref --out runs/q4
   logitdiff compare runs/ref runs/q4 --out reports/q4
+  logitdiff flips reports/q4                      # what the top-1 flips do; correctness flips
+  logitdiff report reports/q8 reports/q4 --out q.html
   logitdiff import llamacpp-kld base.kld --out runs/base
 
 Every divergence is in nats (natural log) with a bits twin; drift is measured against the

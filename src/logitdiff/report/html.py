@@ -86,7 +86,7 @@ CORRECTNESS = (
     ("tool_call_valid_cand", "tool calls valid", "share of tool items whose candidate tool call parses and validates", "pct"),
 )
 
-CSS = """
+CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px} table.flips td{vertical-align:top} 
 :root{--fg:#1d2330;--mut:#5b6475;--line:#d9dde5;--bg:#fff;--alt:#f5f7fa;--warn:#fff4d6;--warnb:#e0a800}
 *{box-sizing:border-box}
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg);margin:0 auto;max-width:1500px;padding:16px 24px}
@@ -877,6 +877,30 @@ def _token_view(name, rep, cols, worst_ids, *, open_: bool) -> str:
             + "".join(parts) + "</details>")
 
 
+def _flips_view(name, rep, *, open_: bool) -> str:
+    """report.json flips.top: the most consequential branches, both continuations side by side."""
+    f = rep.get("flips") or {}
+    top = f.get("top") or []
+    if not top:
+        return ""
+    rows = []
+    for r in top:
+        rows.append(
+            f"<tr><td><code>{_e(r.get('item_id'))}</code></td><td class=num>{_e(r.get('position'))}</td>"
+            f"<td><span class=\"outcome {_e(r.get('outcome'))}\">{_e(r.get('outcome'))}</span></td>"
+            f"<td class=num>{fmt(r.get('kl_nats'))}</td><td class=num>{fmt(r.get('margin_ref'))}</td>"
+            f"<td class=mono>{_e(_show(r.get('ref_token')))} → {_e(_show(r.get('cand_token')))}</td>"
+            f"<td class=\"mono cont\">{_e(r.get('ref_continuation', ''))}</td>"
+            f"<td class=\"mono cont\">{_e(r.get('branch_continuation', ''))}</td>"
+            f"<td class=note>{_e(r.get('decided_by', ''))}</td></tr>"
+        )
+    head = ("<tr><th>item</th><th>pos</th><th>outcome</th><th>KL</th><th>ref margin</th><th>ref → cand token</th>"
+            "<th>reference continues</th><th>candidate continues</th><th>decided by</th></tr>")
+    return (f'<details{" open" if open_ else ""}><summary>{_e(name)}: {len(top)} most consequential of '
+            f'{_e(f.get("n_branches"))} branches ({_e(f.get("selection", ""))})</summary>'
+            f'<table class="flips">{head}{"".join(rows)}</table></details>')
+
+
 # ----------------------------------------------------------------------------- page
 def _names(reports, paths) -> list[str]:
     raw = [Path(p).name if p else str(_get(r, "candidate.spec") or _get(r, "candidate.served_model") or f"candidate {i + 1}")
@@ -991,6 +1015,10 @@ def render_html(
         '<h2 id="plots">Plots</h2>',
         '<div class="grid2">' + "".join(plot_divs) + "</div>",
         omitted_html,
+        ('<h2 id="flips">Most consequential flips</h2><p class="note">Branches from top-1 flips ranked by outcome '
+         "(malformed or changed tool call, changed meaning, benign, recovered), then KL: the reference's own continuation "
+         "beside the candidate's, from the flip on (report.json <code>flips.top</code>; every branch is in flips.parquet).</p>"
+         + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports))) if any((r.get("flips") or {}).get("top") for r in reports) else "",
         '<h2 id="tokens">Worst items, token by token</h2>',
         f'<p class="note">Teacher text; each token shaded by its KL (<span class="legend"></span> {SHADE_LO:g} → {SHADE_HI:g} nats, log scale); '
         "<span style=\"outline:2px solid #1f4fd1\">outlined</span> tokens are top-1 flips. Hover a token for both models' top-5 "
