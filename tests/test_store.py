@@ -130,7 +130,17 @@ def test_killed_writer_leaves_only_whole_chunks(tmp_path):
     assert ids == [f"i{k}" for k in range(len(ids))] and 3 <= len(ids) <= 5
     for it in r.items():
         assert r.logits(it).shape == (1, 50)
-    # The kill came between adds, so no temporary file is left behind either.
+    # A chunk being written by the writer thread when the kill came leaves at most its
+    # temporary file, which no manifest lists; resuming removes it and completes the run.
+    assert len([p for p in (tmp_path / "run" / "chunks").iterdir() if ".tmp" in p.name]) <= 1
+    w = RunWriter(tmp_path / "run", source={"spec": "t"}, vocab_size=50, tokenizer_hash="h", chunk_rows=1, resume=True)
+    have = w.done_ids()
+    rng = np.random.default_rng(1)
+    for i in range(len(have), 8):
+        w.add(RunItem(id=f"i{i}", prompt_ids=[1], teacher_ids=[2], positions=[0]), logits=rng.normal(size=(1, 50)).astype(np.float32))
+    w.finish()
+    done = RunReader(tmp_path / "run")
+    assert [it.id for it in done.items()] == [f"i{k}" for k in range(8)]
     assert not [p.name for p in (tmp_path / "run" / "chunks").iterdir() if ".tmp" in p.name]
 
 

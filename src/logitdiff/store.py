@@ -200,6 +200,10 @@ class RunWriter:
             if self.manifest["settings"].get("store") != store:
                 raise LogitdiffError(f"{mpath}: cannot resume, stored as {self.manifest['settings'].get('store')!r}, asked {store!r}")
             self.manifest["status"] = "partial"
+            # A kill during a background chunk write leaves its temporary file behind; the
+            # manifest never listed it, so it is garbage: remove it before writing again.
+            for stale in (self.path / "chunks").glob(".*.tmp*"):
+                stale.unlink(missing_ok=True)
         else:
             if mpath.exists() and not overwrite:
                 raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
