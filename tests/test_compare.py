@@ -267,3 +267,14 @@ def test_segments_summarised_from_teacher_text(tmp_path):
         assert g["n"] == len(sub)
         assert g["kl_nats"]["mean"] == pytest.approx(sub.kl_nats.mean(), rel=1e-12)
     assert "By segment" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_report_names_the_machine(pair):
+    import os
+
+    r, c, *_, tmp = pair
+    assert main(["compare", str(r), str(c), "--out", str(tmp / "m"), "--bootstrap", "10"]) == 0
+    rep = json.loads((tmp / "m" / "report.json").read_text())
+    assert rep["machine"]["cpu_count"] == os.cpu_count() and rep["machine"]["python"]
+    assert "compared on:" in (tmp / "m" / "report.md").read_text()
+    assert "<th>machine</th>" in (tmp / "m" / "report.html").read_text() or ">machine<" in (tmp / "m" / "report.html").read_text()

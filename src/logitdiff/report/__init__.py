@@ -54,6 +54,26 @@ def _clean(x):
     return x
 
 
+def machine_info() -> dict:
+    """Where the comparison ran (the captures' own devices are in each side's identity)."""
+    import os
+    import platform
+
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    return {"cpu": cpu or platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "memory_gib": mem,
+            "platform": platform.platform(terse=True), "python": platform.python_version()}
+
+
 def _side(reader, label: str) -> dict:
     m = reader.manifest
     src = m.get("source") or {}
@@ -153,6 +173,7 @@ def build_report(
         "schema": REPORT_SCHEMA,
         "tool": {"name": "logitdiff", "version": __version__},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
         "baseline": _side(comp.ref, "reference"),
         "candidate": _side(comp.cand, "candidate"),
         "method": {

@@ -640,6 +640,9 @@ def _header(names, paths, reports, summary) -> str:
                 cand_v.setdefault(k, set()).add(str(ci[k]))
     rows.append(("machine / versions", f"reference: {ref_v or 'n/a'}<br>candidates: "
                  + (", ".join(f"{k} {_e(' / '.join(sorted(v)))}" for k, v in cand_v.items()) or "n/a")))
+    machines = sorted({_machine_text(r["machine"]) for r in reports if r.get("machine")})
+    if machines:
+        rows.append(("machine", "<br>".join(_e(m) for m in machines)))
     tools = sorted({str(_get(r, "tool.version")) for r in reports})
     created = sorted(str(r.get("created")) for r in reports if r.get("created"))
     rows.append(("tool", f"reports by logitdiff {_e(', '.join(tools))}; page by logitdiff {_e(__version__)}"))
@@ -875,6 +878,12 @@ def _token_view(name, rep, cols, worst_ids, *, open_: bool) -> str:
         parts.append(f'<h3>{head}</h3><div class="toks mono">{"".join(spans)}</div>')
     return (f'<details{" open" if open_ else ""}><summary>{_e(name)}: {len(worst_ids)} items with the highest mean KL</summary>'
             + "".join(parts) + "</details>")
+
+
+def _machine_text(m: dict) -> str:
+    return ", ".join(str(x) for x in (m.get("cpu"), f"{m.get('cpu_count')} cores" if m.get("cpu_count") else None,
+                                       f"{m.get('memory_gib')} GiB" if m.get("memory_gib") else None, m.get("platform"),
+                                       f"Python {m['python']}" if m.get("python") else None) if x)
 
 
 def _flips_view(name, rep, *, open_: bool) -> str:

@@ -58,6 +58,9 @@ def render_markdown(report: dict) -> str:
         f"- positions: {s['positions']:,} over {s['paired_prompts']} items; 95 % CIs from {m['bootstrap']['n']} "
         f"bootstrap resamples of items (seed {m['bootstrap']['seed']})",
     ]
+    mc = report.get("machine")
+    if mc:
+        out.append(f"- compared on: {mc.get('cpu')}, {mc.get('cpu_count')} cores, {mc.get('memory_gib')} GiB, {mc.get('platform')}, Python {mc.get('python')}")
     for note in m.get("notes") or []:
         out.append(f"- note: {note}")
     g = report.get("gates")
