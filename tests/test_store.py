@@ -157,10 +157,11 @@ def test_resume_refuses_other_tokenizer(tmp_path):
         RunWriter(tmp_path / "run", source={}, vocab_size=50, tokenizer_hash="other", resume=True)
 
 
-def test_nan_logits_refused_at_write(tmp_path):
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_logits_refused_at_write(tmp_path, bad):
     w = _writer(tmp_path / "run")
     lg = np.zeros((3, 50), np.float32)
-    lg[1, 7] = np.nan
+    lg[1, 7] = bad
     with pytest.raises(LogitdiffError, match="item 'x'.*position 1"):
         w.add(RunItem(id="x", prompt_ids=[], teacher_ids=[1, 2, 3], positions=[0, 1, 2]), logits=lg)
 
