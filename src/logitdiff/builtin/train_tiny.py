@@ -432,7 +432,7 @@ def main(argv=None) -> int:
     t_train = time.time()
     ema = None
     step = 0
-    probe = args.warmup - 5
+    probe = max(5, args.warmup - 5)  # steps timed before --minutes sets --steps
     stop_at = None
     if args.stop_at:
         hh, mm = map(int, args.stop_at.split(":"))
