@@ -276,7 +276,20 @@ def print_run_summary(summary: dict) -> None:
         t.add_row(r.get("name") or r["candidate"], g(r["kl_mean"]), f"[{g(ci[0])}, {g(ci[1])}]", g(r["kl_p99"]), g(r["jsd_mean"]),
                   f"{100 * r['top1_disagreement']:.2f}%", "n/a" if r["ppl_ratio"] is None else f"{r['ppl_ratio']:.4f}",
                   g(r["x_noise_floor"]), g(r.get("x_cross_engine_floor")))
-    _stdout_console().print(t)
+    con = _stdout_console()
+    con.print(t)
+    if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
+        t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
+        for col in ("candidate", "branches", "recovered", "benign", "meaning changed", "tool call malformed", "tool call changed",
+                    "accuracy ref → cand", "right→wrong", "wrong→right", "McNemar p"):
+            t2.add_column(col, justify="right" if col != "candidate" else "left")
+        for r in summary["candidates"]:
+            o = r.get("flip_outcomes") or {}
+            acc = "n/a" if r.get("accuracy_cand") is None else f"{100 * r['accuracy_ref']:.1f}% → {100 * r['accuracy_cand']:.1f}%"
+            t2.add_row(r.get("name") or r["candidate"], str(r.get("flip_branches", "n/a")),
+                       *[str(o.get(k, "n/a")) for k in ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed")],
+                       acc, str(r.get("right_to_wrong", "n/a")), str(r.get("wrong_to_right", "n/a")), g(r.get("mcnemar_p")))
+        con.print(t2)
 
 
 # ----------------------------------------------------------------------------- import
