@@ -4,7 +4,6 @@ The REPORT dirs are built here from synthetic RUNs (RunWriter -> compare_runs ->
 build_report -> write_report_dir), so the test does not depend on any earlier run.
 """
 
-import argparse
 import html as htmlmod
 import json
 import re
@@ -16,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from logitdiff import report_cli
+
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
 from logitdiff.report import build_report, write_report_dir
@@ -269,9 +268,9 @@ def test_render_without_tokens_uses_report_rows(ladder):
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="logitdiff")
-    report_cli.add_commands(p.add_subparsers(dest="command", required=True))
-    return p
+    from logitdiff.cli import build_parser
+
+    return build_parser()
 
 
 def test_cli_report(ladder, capsys):
@@ -283,7 +282,9 @@ def test_cli_report(ladder, capsys):
     assert _embedded(text, "logitdiff-data")["candidates"] == ["q2", "q4", "q8"]  # a run dir without summary.json: sorted
     with pytest.raises(SystemExit):
         _parser().parse_args(["report", str(ladder["dirs"][0])])  # --out is required
-    assert report_cli.main(["report", str(ladder["tmp"] / "nope"), "--out", str(out)]) == 2
+    from logitdiff.cli import main
+
+    assert main(["report", str(ladder["tmp"] / "nope"), "--out", str(out)]) == 2
     assert "no such directory" in capsys.readouterr().err
     help_text = _parser()._subparsers._group_actions[0].choices["report"].format_help()
     assert "REPORT_DIR" in help_text and "--title" in help_text and "self-contained" in help_text

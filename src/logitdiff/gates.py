@@ -123,7 +123,8 @@ def parse_gates(text: str) -> list[Gate]:
     return gates
 
 
-def _get(obj: Any, path: str):
+def get_path(obj: Any, path: str):
+    """``get_path(report, "summary.metrics.kl_nats.mean")``; None where any step is missing."""
     for part in path.split("."):
         if not isinstance(obj, Mapping) or part not in obj:
             return None
@@ -145,14 +146,14 @@ def metric_value(report: dict, metric: str) -> float | None:
         raise LogitdiffError(f"unknown gate metric {metric!r}; {_known()}")
     paths = _SOURCES[metric][1]
     if metric == "accuracy_drop":
-        ref, cand = (_num(_get(report, p)) for p in paths)
+        ref, cand = (_num(get_path(report, p)) for p in paths)
         # Rounded so that k/n fractions compare as written (0.5 - 0.45 is 0.04999999999999993).
         return None if ref is None or cand is None else round(ref - cand, 12)
     for p in paths:
-        v = _num(_get(report, p))
+        v = _num(get_path(report, p))
         if v is not None:
             return v
-    if metric.endswith("_rate") and _num(_get(report, "flips.n_flips")) == 0:
+    if metric.endswith("_rate") and _num(get_path(report, "flips.n_flips")) == 0:
         return 0.0  # no top-1 flips at all: nothing branched, so no flip had this outcome
     return None
 

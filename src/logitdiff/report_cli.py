@@ -113,22 +113,3 @@ def add_commands(sub) -> None:
     r.add_argument("--title", metavar="T", help="page title (default: drift from <reference spec>)")
     r.add_argument("--summary", metavar="PATH", help="run summary.json to use (default: found next to the reports when it lists them)")
     r.set_defaults(func=cmd_report)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m logitdiff.report_cli report ...``) until cli.py wires this in."""
-    import argparse
-    import sys
-
-    p = argparse.ArgumentParser(prog="logitdiff")
-    add_commands(p.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = p.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except LogitdiffError as e:
-        print(f"logitdiff: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

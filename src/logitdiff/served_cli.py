@@ -80,24 +80,3 @@ def add_commands(sub) -> None:
     t.add_argument("--k", default="8,20,64,256", help="comma-separated K values (default: %(default)s)")
     t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     t.set_defaults(func=cmd_topk_error)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m logitdiff.served_cli merge|topk-error ...``) until cli.py wires these in."""
-    import argparse
-    import sys
-
-    from .errors import LogitdiffError
-
-    p = argparse.ArgumentParser(prog="logitdiff")
-    add_commands(p.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = p.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except LogitdiffError as e:
-        print(f"logitdiff: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import LogitdiffError
+from ..gates import get_path as _get
 from ..stats import adjacent_pairs, per_item_values
 
 # Buckets of the reference's probability of its own top token.
@@ -171,13 +172,6 @@ JS = r"""
 
 
 # ----------------------------------------------------------------------------- helpers
-def _get(obj: Any, path: str):
-    """``_get(report, "summary.metrics.kl_nats.mean")``; None where any step is missing."""
-    for part in path.split("."):
-        if not isinstance(obj, Mapping) or part not in obj:
-            return None
-        obj = obj[part]
-    return obj
 
 
 def _first(report: dict, paths: Sequence[str]) -> tuple[Any, str | None]:
