@@ -146,7 +146,21 @@ def test_flips_command_on_a_report(default_run, tmp_path, capsys):
     top = pd.read_parquet(d / "tokens.parquet").query("not top1_match").nlargest(4, "kl_nats")
     assert sorted(fl.kl_nats) == sorted(top.kl_nats)
     assert "report.html" in {p.name for p in d.iterdir()}
+    # a rerun replaces every section and file an earlier one wrote
+    assert main(["flips", str(d), "--select", "top-kl:2", "--similarity", "edit"]) == 0
+    rep = json.loads((d / "report.json").read_text())
+    assert "gates" not in rep and rep["flips"]["n_branches"] == 2 and (d / "correctness.parquet").exists()
+    assert main(["flips", str(d), "--select", "top-kl:2", "--similarity", "edit", "--no-correctness"]) == 0
+    rep = json.loads((d / "report.json").read_text())
+    assert "correctness" not in rep and not (d / "correctness.parquet").exists()
+    assert "Correctness of free-running" not in (d / "report.md").read_text()
     capsys.readouterr()
+    for bad, needle in ((["--max-tokens", "0"], "--max-tokens"), (["--exec-timeout", "0"], "--exec-timeout"),
+                        (["--similarity-threshold", "1.5"], "--similarity-threshold")):
+        assert main(["flips", str(d), *bad]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1
+    assert json.loads((d / "report.json").read_text()) == rep  # nothing was rewritten
     assert main(["flips", str(d), "--select", "worst:3"]) == 2
     assert "--select" in capsys.readouterr().err
     assert main(["flips", str(tmp_path / "nope")]) == 2

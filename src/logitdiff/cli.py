@@ -220,6 +220,8 @@ def cmd_run(args) -> int:
     from .flips import parse_select
 
     parse_select(args.select)
+    if args.max_branches < 0:
+        raise LogitdiffError("--max-branches must be >= 0")
     cfg.gates = parse_fail_on(args.fail_on)
     check_specs(cfg)
     console = _console()

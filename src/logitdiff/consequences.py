@@ -359,6 +359,7 @@ def parquet_bytes(rows: list[dict]) -> bytes:
     return buf.getvalue()
 
 
+# tokens.parquet columns flips read (p_top1_* are optional: reports from before they existed)
 FLIP_COLUMNS = ("item_id", "position", "top1_match", "top1_ref", "top1_cand", "p_top1_ref", "p_top1_cand", "margin_ref", "kl_nats")
 
 
@@ -423,7 +424,7 @@ def analyse_report_dir(
     if report["method"].get("kind") not in ("full_vocab", "top_k"):
         raise LogitdiffError(f"{report_dir}/report.json: field 'method.kind' is {report['method'].get('kind')!r}")
     cols = read_columns(report_dir)
-    missing = [c for c in ("item_id", "position", "top1_match", "top1_ref", "top1_cand", "margin_ref", "kl_nats") if c not in cols]
+    missing = [c for c in FLIP_COLUMNS if c not in cols and not c.startswith("p_top1")]
     if missing:
         raise LogitdiffError(f"{report_dir}/tokens.parquet: column {missing[0]!r} is missing")
     ref_path = report["baseline"].get("path")
@@ -444,6 +445,10 @@ def analyse_report_dir(
         source.close()
         if ref_src is not None:
             ref_src.close()
+    # A rerun replaces what an earlier `flips` wrote: no section or file from it survives
+    # beside the new ones (e.g. old correctness after --no-correctness, old gates).
+    for key in ("flips", "correctness", "gates"):
+        report.pop(key, None)
     report.update(sections)
     if gates:
         from .gates import evaluate
@@ -453,5 +458,6 @@ def analyse_report_dir(
     from .report.html import render_html
 
     files["report.html"] = render_html([report], [cols], paths=[str(report_dir)]).encode()
-    update_report_dir(report_dir, report, files)
+    stale = [n for n in ("flips.parquet", "correctness.parquet") if n not in files]
+    update_report_dir(report_dir, report, files, remove=stale)
     return report

@@ -53,6 +53,12 @@ def cmd_flips(args) -> int:
         raise LogitdiffError("--resync must be >= 1")
     if args.max_branches is not None and args.max_branches < 0:
         raise LogitdiffError("--max-branches must be >= 0")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise LogitdiffError("--max-tokens must be >= 1")
+    if not args.exec_timeout > 0:
+        raise LogitdiffError("--exec-timeout must be > 0 seconds")
+    if args.similarity_threshold is not None and not 0.0 <= args.similarity_threshold <= 1.0:
+        raise LogitdiffError("--similarity-threshold must be in [0, 1]")
     bars = []
 
     def bar(total, label):

@@ -299,8 +299,8 @@ def write_report_dir(
     return out
 
 
-def update_report_dir(out: str | Path, report: dict, files: dict[str, bytes]) -> None:
-    """Replace report.json and add/replace ``files`` in an existing REPORT directory.
+def update_report_dir(out: str | Path, report: dict, files: dict[str, bytes], remove: Sequence[str] = ()) -> None:
+    """Replace report.json, add/replace ``files`` and delete ``remove`` in an existing REPORT directory.
 
     Every file is written to a temporary name first and only then renamed into place, so
     a failure while producing the new contents leaves the old report untouched.
@@ -315,6 +315,8 @@ def update_report_dir(out: str | Path, report: dict, files: dict[str, bytes]) ->
             tmps.append((tmp, out / name))
         for tmp, final in tmps:
             os.replace(tmp, final)
+        for name in remove:
+            (out / name).unlink(missing_ok=True)
     finally:
         for tmp, _ in tmps:
             if tmp.exists():
