@@ -23,7 +23,8 @@ from .grading import Similarity, check_expected, grade, mcnemar_exact, paired_di
 from .sources import Source
 from .store import RunItem, RunReader, first_difference
 from .summarize import DEFAULT_RANGES
-from .toolcalls import ToolCall, check_tools_schema, parse_tool_calls, validate_call
+from .toolcalls import ToolCall, parse_tool_calls, validate_call
+from .workload import check_tools_once
 
 
 @dataclass
@@ -56,6 +57,9 @@ def _strip_end(ids: Sequence[int], eos: set[int]) -> list[int]:
     return ids
 
 
+_MODULES_IMPORTED: set[str] = set()
+
+
 def _checked_items(items: Sequence[RunItem], exec_timeout: float = 10.0) -> None:
     """Tools must be valid JSON Schema, labels must name a known check and tools modules
     must import (sandboxed, within the timeout): fail before any work."""
@@ -64,16 +68,20 @@ def _checked_items(items: Sequence[RunItem], exec_timeout: float = 10.0) -> None
         d = _item_json(it)
         where = f"item {it.id!r}"
         if d.get("tools"):
-            check_tools_schema(d["tools"], where)
+            check_tools_once(d["tools"], where)
         if d.get("expected") is not None:
             check_expected(d["expected"], where)
         if d.get("tools_module"):
             modules.add(d["tools_module"])
-    if modules:
+    # Each module is imported (in a sandboxed subprocess) once per process, not once per
+    # candidate and step: `run` checks the same reference items for every candidate.
+    todo = sorted(modules - _MODULES_IMPORTED)
+    if todo:
         from .toolexec import load_check
 
-        for m in sorted(modules):
+        for m in todo:
             load_check(m, timeout=exec_timeout)
+            _MODULES_IMPORTED.add(m)
 
 
 def _exec_checker(item: dict, timeout: float) -> Callable | None:

@@ -93,7 +93,7 @@ class Item:
 
             check_expected(exp, where)
         if tools:
-            _check_tools_once(tools, where)
+            check_tools_once(tools, where)
         tm = d.get("tools_module")
         if tm is not None and (not isinstance(tm, str) or not tm):
             raise LogitdiffError(f"{where}: field 'tools_module' must be a path string")
@@ -112,7 +112,7 @@ class Item:
 _TOOLS_CHECKED: set[str] = set()
 
 
-def _check_tools_once(tools: list, where: str) -> None:
+def check_tools_once(tools: list, where: str) -> None:
     """JSON Schema meta-validation of a tools list; the same list (workloads repeat a few
     tool sets over many items) is checked once per process."""
     key = json.dumps(tools, sort_keys=True, default=str)
