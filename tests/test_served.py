@@ -326,6 +326,32 @@ def test_vllm_faults(env, vllm, tmp_path, capsys):
     assert not (tmp_path / "cap").exists()  # refused when the source opened, before any RUN
 
 
+def test_vllm_skip_tokenizer_init(env, vllm, tmp_path):
+    """A vLLM started with --skip-tokenizer-init (no per-entry detokenization, the fast capture
+    set-up) gives the same top-K as the ordinary one; prompts are rendered locally."""
+    ref = env["ref"]
+    fast = _start(vllm_server, env["dir"], env["logs"], max_logprobs=64, extra=["--skip-tokenizer-init"])
+    try:
+        with pytest.raises(LogitdiffError, match="skip-tokenizer-init.*tokenizer=PATH"):
+            open_source(f"openai:{fast.url},top_k=64")
+        with open_source(f"openai:{fast.url},top_k=64,tokenizer={env['dir']}") as src:
+            assert src.identity()["server_tokenizer"] is False
+            run_fast = RunReader(capture_candidate(src, ref, tmp_path / "fast"))
+            vref = RunReader(capture_reference(src, read_workload(env["wl"]), tmp_path / "vref", store="topk:64"))
+        with open_source(f"openai:{vllm.url},top_k=64") as src:
+            assert src.identity()["server_tokenizer"] is True
+            run_slow = RunReader(capture_candidate(src, ref, tmp_path / "slow"))
+        for a, b in zip(run_fast.items(), run_slow.items()):
+            ta, tb = run_fast.topk(a), run_slow.topk(b)
+            np.testing.assert_array_equal(ta["ids"], tb["ids"], err_msg=a.id)
+            np.testing.assert_allclose(ta["logprobs"], tb["logprobs"], rtol=0, atol=1e-6, err_msg=a.id)
+        # local rendering + greedy generation reproduce the transformers teacher sequences
+        for a, b in zip(vref.items(), ref.items()):
+            assert a.prompt_ids == b.prompt_ids and a.teacher_ids == b.teacher_ids, a.id
+    finally:
+        fast.stop()
+
+
 # ------------------------------------------------------------------------ SGLang (replay)
 @pytest.fixture(scope="module")
 def sglang(env):

@@ -167,6 +167,20 @@ class Data:
         log(f"tokens: code {len(self.code):,} (+{hc:,} val), prose {len(self.prose):,} (+{hp:,} val)")
         self.rng = random.Random(seed + 2)
         self.skipped = 0
+        self._check_fits()
+
+    def _check_fits(self, n: int = 300) -> None:
+        # An example longer than a row is never packed (row() skips it), so a seq_len that is
+        # too short silently drops e.g. every prompt offering two or three tools. Refuse it.
+        saved = self.rng.getstate()
+        for kind in sorted(set(self.tool_kinds) | set(self.small_kinds)):
+            longest = max(len(self.chat_example(kind)[0]) for _ in range(n))
+            if longest > self.T + 1:
+                raise SystemExit(
+                    f"train_tiny: --seq-len {self.T} is too short for '{kind}' examples "
+                    f"(longest of {n} sampled: {longest} tokens); they would never be trained"
+                )
+        self.rng.setstate(saved)
 
     def chat_example(self, kind: str) -> tuple[list[int], list[int]]:
         while True:

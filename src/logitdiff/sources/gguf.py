@@ -329,6 +329,39 @@ class GGUFSource(Source):
     def _rows(self, start: int, stop: int) -> np.ndarray:
         return np.array(self.llm.scores[start:stop, : self.vocab_size], dtype=np.float32, copy=True)
 
+    def _decode_outputs(self, seq: list[int], first: int) -> np.ndarray:
+        """Logits ``[len(seq) - first, V]`` of positions ``first ..`` of one prefill of ``seq``.
+
+        ``Llama.eval`` with ``logits_all`` asks llama.cpp for the logits of every position and
+        copies them all into ``Llama.scores``; a teacher-forced score needs only the output
+        positions. Here the batch's output flags select them, so llama.cpp runs the output
+        layer on those rows only and nothing else is copied. The KV cache is cleared and
+        ``Llama``'s own position counter is set, so ``Llama.eval`` can continue after it.
+        """
+        from llama_cpp import llama_get_logits
+
+        llm = self.llm
+        ctx, batch, n_vocab_model = llm._ctx, llm._batch, llm.n_vocab()
+        ctx.kv_cache_seq_rm(-1, 0, -1)
+        out = np.empty((len(seq) - first, self.vocab_size), dtype=np.float32)
+        k = 0
+        for a in range(0, len(seq), llm.n_batch):
+            chunk = seq[a : a + llm.n_batch]
+            batch.set_batch(batch=chunk, n_past=a, logits_all=False)
+            n_out = 0
+            for j in range(len(chunk)):
+                flag = a + j >= first
+                batch.batch.logits[j] = flag
+                n_out += flag
+            ctx.decode(batch)
+            if n_out:
+                rows = np.ctypeslib.as_array(llama_get_logits(ctx.ctx), shape=(n_out, n_vocab_model))
+                out[k : k + n_out] = rows[:, : self.vocab_size]
+                k += n_out
+        llm.input_ids[: len(seq)] = seq
+        llm.n_tokens = len(seq)
+        return out
+
     def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> np.ndarray:
         prompt = [int(i) for i in prompt_ids]
         teacher = [int(i) for i in teacher_ids]
@@ -344,9 +377,7 @@ class GGUFSource(Source):
                 f"{self.path}: prompt ({len(prompt)}) + continuation ({len(teacher)}) tokens exceed n_ctx={self.n_ctx}"
                 " (raise it with gguf:PATH,n_ctx=N)"
             )
-        self._eval(seq)
-        p = len(prompt) - 1
-        return self._rows(p, p + len(teacher))
+        return self._decode_outputs(seq, len(prompt) - 1)
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
         prompt = [int(i) for i in prompt_ids]
@@ -364,10 +395,11 @@ class GGUFSource(Source):
         if max_tokens <= 0:
             return Generation([], np.zeros((0, self.vocab_size), dtype=np.float32), stopped)
         eos = set(self.eos_token_ids)
-        self._eval(prompt)
+        row = self._decode_outputs(prompt, len(prompt) - 1)[0]
         pos = len(prompt) - 1
         while True:
-            row = self._rows(pos, pos + 1)[0]
+            if pos >= len(prompt):
+                row = self._rows(pos, pos + 1)[0]
             tok = int(np.argmax(row))
             out.append(tok)
             rows.append(row)

@@ -43,6 +43,12 @@ sequence. Per server:
   (temperature 1, top_p 1, top_k off, no penalties), so processed and raw coincide anyway.
   The server's ``--max-logprobs`` (default 20) caps K: its 400 answer becomes one line
   saying the cap and the flag to raise it.
+  **Start vLLM with ``--skip-tokenizer-init`` for capture** and pass ``tokenizer=PATH``:
+  vLLM otherwise decodes the text of every one of the K+1 entries of every prompt row in
+  Python (one ``tokenizer.decode`` per entry, ``v1/engine/logprobs.py``), which we never
+  read; measured in bench/RESULTS.md, it is most of the capture time on a small model. Such
+  a server has no ``/tokenize``; prompts are then rendered with the local tokenizer, and the
+  identity says that the server's own tokenization could not be checked.
 * **llama-server** (``/completion``): no prompt logprobs, so one request per position:
   ``prompt`` = token-id prefix, ``n_predict: 1``, ``n_probs: K``, ``post_sampling_probs:
   false`` (raw softmax of the logits over the whole vocabulary), ``cache_prompt: true``;
@@ -357,6 +363,7 @@ class OpenAISource(Source):
         if kind == "auto":
             kind = c.run(detect_kind(c._http, root, self.spec))
         self.kind = kind
+        self._vllm_tokenizer = True  # False: vLLM started with --skip-tokenizer-init
         self.server_info: dict = {"kind": kind}
         self.model = model
         self.tok = None
@@ -406,6 +413,13 @@ class OpenAISource(Source):
                 self.server_info["version"] = c.run(c.request("GET", "/version", root=root)).get("version")
             except LogitdiffError:
                 pass
+            self._vllm_tokenizer = self._vllm_has_tokenizer()
+            self.server_info["server_tokenizer"] = self._vllm_tokenizer
+            if not self._vllm_tokenizer and not tokenizer:
+                raise LogitdiffError(
+                    f"{self.spec}: the vLLM server runs with --skip-tokenizer-init (no /tokenize); "
+                    "pass tokenizer=PATH, a local copy of the served model's tokenizer"
+                )
         elif kind == "sglang":
             for path in ("/get_model_info", "/model_info"):
                 try:
@@ -462,6 +476,17 @@ class OpenAISource(Source):
             msg = str(e)
             raise LogitdiffError(msg if msg.startswith(self.spec) else f"{self.spec}: {msg}") from None
 
+    def _vllm_has_tokenizer(self) -> bool:
+        """False when vLLM runs with ``--skip-tokenizer-init`` (its /tokenize answers 400)."""
+        c = self._client
+        try:
+            c.run(c.request("POST", "/tokenize", {"model": self.model, "prompt": "a", "add_special_tokens": False}, retry=False))
+            return True
+        except ServerError as e:
+            if e.status == 400 and "tokenizer" in str(e).lower():
+                return False
+            raise LogitdiffError(f"{self.spec}: vLLM /tokenize failed ({_one_line(e, 200)})") from None
+
     def _ascii_token(self) -> int | None:
         """A token whose text is one complete ASCII character (llama-server, see _score_llamacpp)."""
         c = self._client
@@ -483,6 +508,8 @@ class OpenAISource(Source):
     # ---- tokenization -----------------------------------------------------------------
     def _tokenize_text(self, text: str) -> list[int] | None:
         c = self._client
+        if self.kind == "vllm" and not self._vllm_tokenizer:
+            return None  # --skip-tokenizer-init: nothing to check against
         if self.kind == "vllm":
             body = {"model": self.model, "prompt": text, "add_special_tokens": False}
             return [int(i) for i in c.run(c.request("POST", "/tokenize", body))["tokens"]]
@@ -495,7 +522,9 @@ class OpenAISource(Source):
         where = f"item {getattr(item, 'id', '?')!r}"
         c = self._client
         try:
-            if self.kind == "vllm":
+            if self.kind == "vllm" and not self._vllm_tokenizer:
+                ids = self._local_render(item)
+            elif self.kind == "vllm":
                 if item.messages is not None:
                     body = {"model": self.model, "messages": item.messages, "add_generation_prompt": True,
                             "add_special_tokens": False}
