@@ -13,6 +13,8 @@ the capture path) against the same server's own prompt-processing rate in the sa
 
 * vLLM: capture = ``prompt_logprobs: 64`` over ``prompt + teacher``; own rate = the same
   sequences with ``max_tokens: 1`` and no prompt logprobs. Both in tokens/s; ratio target >= 80 %.
+  ``vllm-skip-tokenizer``: the same with the server started with ``--skip-tokenizer-init``
+  (no per-entry detokenization; the source renders with ``tokenizer=PATH``).
 * llama-server: capture = one request per output position (``n_probs: 64``, cached prefix);
   own rate = ``timings.prompt_per_second`` of single full-sequence prefills (no cache).
   Reported: positions/s, wall ms per position-request, server ms per request, HTTP+JSON overhead.
@@ -95,22 +97,23 @@ def _pairs(d: Path, n: int, prompt_len: int, teacher_len: int, seed: int = 0):
     return out
 
 
-def bench_vllm(d: Path, pairs, logs: Path, K: int) -> dict:
+def bench_vllm(d: Path, pairs, logs: Path, K: int, *, skip_tokenizer: bool = False, repeats: int = 3) -> dict:
+    import statistics
+
     from servers import vllm_server
 
     from logitdiff.sources import open_source
 
-    res = {"server": "vllm", "K": K}
+    res = {"server": "vllm" + (" --skip-tokenizer-init" if skip_tokenizer else ""), "K": K, "repeats": repeats}
     # no prefix caching: the plain prefill must not be answered from the cache of its warm-up
-    with vllm_server(d, logs, max_logprobs=K, extra=["--no-enable-prefix-caching"]) as srv:
+    extra = ["--no-enable-prefix-caching"] + (["--skip-tokenizer-init"] if skip_tokenizer else [])
+    spec_tail = f",tokenizer={d}" if skip_tokenizer else ""
+    with vllm_server(d, logs, max_logprobs=K, extra=extra) as srv:
         res["startup_s"] = round(srv.started_in, 1)
         tokens = sum(len(p) + len(t) for p, t in pairs)
         positions = sum(len(t) for _, t in pairs)
-        with open_source(f"openai:{srv.url},top_k={K},concurrency=8,batch=4") as src:
+        with open_source(f"openai:{srv.url},top_k={K},concurrency=8,batch=4{spec_tail}") as src:
             src.score_many(pairs[:4])  # warm up
-            t0 = time.perf_counter()
-            src.score_many(pairs)
-            cap = time.perf_counter() - t0
             # the server's own prompt processing of the same sequences: no prompt logprobs
             c = src._client
 
@@ -124,10 +127,17 @@ def bench_vllm(d: Path, pairs, logs: Path, K: int) -> dict:
                 await asyncio.gather(*(grp(pairs[i : i + 4]) for i in range(0, len(pairs), 4)))
 
             c.run(plain())  # warm
-            t0 = time.perf_counter()
-            c.run(plain())
-            pp = time.perf_counter() - t0
+            caps, pps = [], []
+            for _ in range(repeats):  # alternating, median of each
+                t0 = time.perf_counter()
+                src.score_many(pairs)
+                caps.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                c.run(plain())
+                pps.append(time.perf_counter() - t0)
+            cap, pp = statistics.median(caps), statistics.median(pps)
         res.update({
+            "capture_s_all": [round(x, 3) for x in caps], "prefill_s_all": [round(x, 3) for x in pps],
             "sequences": len(pairs), "tokens": tokens, "output_positions": positions,
             "capture_s": round(cap, 3), "capture_tokens_per_s": round(tokens / cap, 1), "capture_positions_per_s": round(positions / cap, 1),
             "prefill_s": round(pp, 3), "prefill_tokens_per_s": round(tokens / pp, 1),
@@ -198,8 +208,8 @@ def cmd_throughput(args) -> None:
     pairs = _pairs(d, args.sequences, args.prompt_len, args.teacher_len)
     results = []
     for s in args.servers.split(","):
-        if s == "vllm":
-            results.append(bench_vllm(d, pairs, out / "logs", args.k))
+        if s in ("vllm", "vllm-skip-tokenizer"):
+            results.append(bench_vllm(d, pairs, out / "logs", args.k, skip_tokenizer=s != "vllm", repeats=args.repeats))
         elif s == "llamacpp":
             results.append(bench_llamacpp(d, pairs, out / "logs", args.k, args.threads))
         print(json.dumps(results[-1]), flush=True)
@@ -230,7 +240,9 @@ def main() -> None:
     a.set_defaults(func=cmd_topk_runs)
     b = sub.add_parser("throughput")
     b.add_argument("out")
-    b.add_argument("--servers", default="llamacpp,vllm")
+    b.add_argument("--servers", default="llamacpp,vllm,vllm-skip-tokenizer",
+                   help="comma list of llamacpp, vllm, vllm-skip-tokenizer (vLLM with --skip-tokenizer-init)")
+    b.add_argument("--repeats", type=int, default=3, help="vLLM: alternating capture/prefill rounds, median of each")
     b.add_argument("--sequences", type=int, default=32)
     b.add_argument("--prompt-len", type=int, default=96)
     b.add_argument("--teacher-len", type=int, default=32)

@@ -388,6 +388,32 @@ def test_row_stats_matches_scipy(vocab, k, dtype):
     assert (got["tail_mass"] >= 0).all()
 
 
+@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize("vocab,k_out", [(40, 40), (4096, 64), (40000, 64), (40000, 3)])
+def test_full_vocab_top_k_out_matches_scipy_and_row_stats(monkeypatch, per_row, vocab, k_out):
+    """The top-K returned by full_vocab's own pass is the scipy top-K (lowest id on ties),
+    equals row_stats of each side, and leaves every other output unchanged."""
+    monkeypatch.setattr(metrics, "_CPU_PER_ROW", per_row)
+    rng = np.random.default_rng(vocab + k_out)
+    zp, zq, y = make_pair(rng, 7, vocab, 3.0, "float32")
+    zp[0, :3] = zp[0].max() + 1.0  # a three-way tie at the top
+    got = full_vocab(zp, zq, y, k=5, top_k_out=k_out)
+    plain = full_vocab(zp, zq, y, k=5)
+    for key, v in plain.items():
+        np.testing.assert_array_equal(got[key], v, err_msg=key)
+    for side, z in (("ref", zp), ("cand", zq)):
+        z64 = _f64(z)
+        lp = log_softmax(z64, axis=1)
+        order = _order(z64)[:, :k_out]
+        np.testing.assert_array_equal(got[f"topk_ids_{side}"], order)
+        np.testing.assert_allclose(got[f"topk_logprobs_{side}"], np.take_along_axis(lp, order, 1), rtol=1e-12, atol=ATOL)
+        rs = row_stats(z, k=k_out)
+        np.testing.assert_array_equal(got[f"topk_ids_{side}"], rs["topk_ids"])
+        np.testing.assert_allclose(got[f"topk_logprobs_{side}"], rs["topk_logprobs"], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="top_k_out"):
+        full_vocab(zp, zq, k=5, top_k_out=vocab + 1)
+
+
 def test_row_stats_without_k_and_chunking():
     rng = np.random.default_rng(2)
     z = rng.standard_normal((9, 5000)).astype(np.float32)

@@ -164,7 +164,7 @@ def compare_runs(
             zr = np.concatenate([np.asarray(ref.logits(it)) for it in br])
             zc = np.concatenate([np.asarray(cand.logits(it)) for it in bc])
             try:
-                m = M.full_vocab(zr, zc, next_tok, k=min(overlap_k, V), device=device)
+                m = M.full_vocab(zr, zc, next_tok, k=min(overlap_k, V), top_k_out=k_eff, device=device)
             except M.NonFiniteLogits as e:
                 owner = br[0] if len(br) == 1 else None
                 row = e.row
@@ -177,15 +177,16 @@ def compare_runs(
                 raise LogitdiffError(
                     f"{run.path}: item {owner.id!r} has NaN/inf logits at output position {owner.positions[row]}"
                 ) from None
+            ir, lr = m.pop("topk_ids_ref"), m.pop("topk_logprobs_ref")
+            ic, lc = m.pop("topk_ids_cand"), m.pop("topk_logprobs_cand")
             for key, v in m.items():
                 push(key, v)
-            sr = M.row_stats(zr, k=k_eff)
-            sc = M.row_stats(zc, k=k_eff)
-            t = M.topk(sr["topk_ids"], sr["topk_logprobs"], sc["topk_ids"], sc["topk_logprobs"], V, eps=eps)
+            # the seed's top-K fields from the same pass (no second log-softmax per side)
+            t = M.topk(ir, lr, ic, lc, V, eps=eps)
             for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
                 push(key, t[key])
             push("kl_topk_nats", t["kl_nats"])
-            _push_tops(push, sr["topk_ids"], sr["topk_logprobs"], sc["topk_ids"], sc["topk_logprobs"])
+            _push_tops(push, ir, lr, ic, lc)
             del zr, zc
         else:
             ids_r, lp_r, ids_c, lp_c = [], [], [], []

@@ -373,6 +373,7 @@ def full_vocab(
     next_tokens=None,
     *,
     k: int = 10,
+    top_k_out: int = 0,
     device=None,
     chunk_bytes: int = 64 << 20,
     check_finite: bool = True,
@@ -386,6 +387,11 @@ def full_vocab(
     ``nll_cand``); without it those are NaN. ``k`` is the top-K of ``topk_overlap`` (top-K
     sets with the lowest id first on ties). ``device`` (e.g. ``"cuda"``) moves each chunk
     there; the results always come back as numpy arrays.
+
+    ``top_k_out`` > 0 also returns each side's top-``top_k_out`` from the same pass
+    (``topk_ids_ref``/``topk_ids_cand`` [N, top_k_out], descending, lowest id first on
+    ties; ``topk_logprobs_ref``/``topk_logprobs_cand`` float64, normalised over the full
+    vocabulary), as `row_stats` would give them, without a second pass over the logits.
 
     Memory: on CPU each worker thread (``torch.get_num_threads()`` of them) holds two
     float64 rows of V plus ~1.5 MB of tiles, whatever N; ``chunk_bytes`` bounds the rows
@@ -406,6 +412,8 @@ def full_vocab(
     n, vocab = zp_all.shape
     if not 1 <= k <= vocab:
         raise ValueError(f"k={k} must be in [1, V={vocab}]")
+    if not 0 <= top_k_out <= vocab:
+        raise ValueError(f"top_k_out={top_k_out} must be in [0, V={vocab}]")
     y_all = None
     if next_tokens is not None:
         y_all = torch.as_tensor(np.asarray(next_tokens), dtype=torch.int64)
@@ -431,6 +439,10 @@ def full_vocab(
         "entropy_cand": np.empty(n, np.float64),
         "topk_overlap": np.empty(n, np.float64),
     }
+    if top_k_out:
+        for side in ("ref", "cand"):
+            out[f"topk_ids_{side}"] = np.empty((n, top_k_out), np.int64)
+            out[f"topk_logprobs_{side}"] = np.empty((n, top_k_out), np.float64)
     if n == 0:
         return out
     dev = torch.device(device) if device is not None else zp_all.device
@@ -446,7 +458,9 @@ def full_vocab(
     else:
         tile = vocab
         step = _rows_per_chunk(vocab, chunk_bytes)
-    kk = min(vocab, max(k, 2))
+    # One exact top-kk search serves top-1, the margin, the top-k overlap and the stored
+    # top-K: its order (value desc, id asc) makes every prefix the top of that size.
+    kk = min(vocab, max(k, 2, top_k_out))
     try:
         for a in range(0, n, step):
             b = min(n, a + step)
@@ -503,6 +517,11 @@ def full_vocab(
             out["entropy_ref"][sl] = ent_p.clamp_min(0.0).cpu().numpy()
             out["entropy_cand"][sl] = ent_q.clamp_min(0.0).cpu().numpy()
             out["topk_overlap"][sl] = overlap.cpu().numpy()
+            if top_k_out:
+                out["topk_ids_ref"][sl] = ids_p[:, :top_k_out].cpu().numpy()
+                out["topk_ids_cand"][sl] = ids_q[:, :top_k_out].cpu().numpy()
+                out["topk_logprobs_ref"][sl] = ((vals_p[:, :top_k_out] - mp[:, None]) - ls_p[:, None]).cpu().numpy()
+                out["topk_logprobs_cand"][sl] = ((vals_q[:, :top_k_out] - mq[:, None]) - ls_q[:, None]).cpu().numpy()
             if y_all is not None:
                 y = y_all[a:b].to(dev)[:, None]
                 # lP[y] = (z[y] - max) - ln s, as log_softmax computes it.
