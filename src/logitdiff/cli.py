@@ -389,8 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda] | gguf:PATH[,n_ctx=N][,threads=N] | "
-            "openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K] | "
-            "builtin:tiny | builtin:tiny-Q4_K_M ..."
+            "openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K][,tokenizer=PATH] | "
+            "builtin:tiny | builtin:tiny-Q4_K_M ...  "
+            "vLLM: start it with --max-logprobs K and, for speed, --skip-tokenizer-init (then pass tokenizer=PATH); "
+            "without that flag vLLM decodes the text of every returned logprob entry, which logitdiff never reads."
         ),
     )
     cap.add_argument("spec", metavar="SPEC", help="source spec")
