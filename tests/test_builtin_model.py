@@ -235,3 +235,18 @@ def test_bf16_text_continuation_is_not_garbage(model, tok):
             losses.append(float(model(input_ids=ids, labels=ids).loss))
     mean = sum(losses) / len(losses)
     assert mean < 0.7 * math.log(len(tok)), (mean, losses)
+
+
+def test_training_refuses_rows_too_short_for_its_examples(tok):
+    """A --seq-len shorter than an example means row packing skips that example forever
+    (phases 4-7 never saw a prompt offering two or three tools); train_tiny refuses it."""
+    from logitdiff.builtin import train_tiny as TT
+
+    mix = {"code": 0.0, "prose": 0.0, "tool": 1.0, "small": 0.0}
+    text = ["def f(x):\n    return x + 1\n" * 200]
+    with pytest.raises(SystemExit, match="--seq-len 256 is too short for 'tool' examples"):
+        TT.Data(tok, text, text, 0, 256, set(), mix, ["tool"], ["math"])
+    data = TT.Data(tok, text, text, 0, 512, set(), mix, ["tool"], ["math"])
+    ids, labels = data.row()
+    assert len(ids) == len(labels) == 512
+    assert any(l != -100 for l in labels)  # an answer is trained in every chat row
