@@ -622,6 +622,9 @@ class OpenAISource(Source):
                 body = {"model": self.model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0.0,
                         "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                         "frequency_penalty": 0.0, "return_token_ids": True, "skip_special_tokens": False}
+                if not self._vllm_tokenizer and self.eos_token_ids:
+                    # without its tokenizer vLLM knows EOS only from generation_config.json
+                    body["stop_token_ids"] = list(self.eos_token_ids)
                 r = c.run(c.request("POST", "/v1/completions", body))
                 ch = r["choices"][0]
                 ids = ch.get("token_ids")
