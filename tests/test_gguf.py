@@ -174,6 +174,24 @@ def test_score_is_stateless(f32, sequence):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
+def test_score_asks_only_output_rows_and_equals_full_eval(ladder, f32, sequence):
+    """score() flags only the output positions; the rows equal llama-cpp-python's own
+    Llama.eval with logits_all bit for bit, and a prompt spanning several n_batch chunks
+    (the first ones without any output row) gives the same distributions."""
+    prompt, teacher, _ = sequence
+    prompt = (prompt * 6)[:40]
+    got = f32.score(prompt, teacher)
+    f32.llm.reset()
+    f32.llm.eval(prompt + teacher[:-1])
+    full = np.array(f32.llm.scores[len(prompt) - 1 : len(prompt) - 1 + len(teacher), : f32.vocab_size])
+    np.testing.assert_array_equal(got, full)
+    with GGUFSource(ladder["paths"]["F32"], n_ctx=512, threads=THREADS, n_batch=16) as small:
+        chunked = small.score(prompt, teacher)
+        assert small.generate(prompt, 6).token_ids == f32.generate(prompt, 6).token_ids
+    np.testing.assert_allclose(chunked, got, rtol=0, atol=1e-3)  # other batch shapes, other float rounding
+    assert (chunked.argmax(1) == got.argmax(1)).mean() >= 0.97
+
+
 # ----------------------------------------------------------------------------------------
 # (c) greedy generation
 # ----------------------------------------------------------------------------------------
