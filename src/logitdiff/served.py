@@ -214,13 +214,13 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
             return
         zr = np.concatenate([np.asarray(ref.logits(it), dtype=np.float32) for it in batch_r])
         zc = np.concatenate([np.asarray(cand.logits(it), dtype=np.float32) for it in batch_c])
-        m = M.full_vocab(zr, zc, k=min(10, V))
+        # exact metrics and each side's top-kmax from one pass; every prefix is the top-k
+        m = M.full_vocab(zr, zc, k=min(10, V), top_k_out=kmax)
         exact.append(m["kl_nats"])
         top1.append(m["top1_match"])
-        sr = M.row_stats(zr, k=kmax)
-        sc = M.row_stats(zc, k=kmax)
+        ir, lr, ic, lc = m["topk_ids_ref"], m["topk_logprobs_ref"], m["topk_ids_cand"], m["topk_logprobs_cand"]
         for k in ks:
-            t = M.topk(sr["topk_ids"][:, :k], sr["topk_logprobs"][:, :k], sc["topk_ids"][:, :k], sc["topk_logprobs"][:, :k], V, eps=eps)
+            t = M.topk(ir[:, :k], lr[:, :k], ic[:, :k], lc[:, :k], V, eps=eps)
             approx[k].append(t["kl_nats"])
             approx_top1[k].append(t["top1_match"])
             top_mass[k].append(t["baseline_top_mass"])

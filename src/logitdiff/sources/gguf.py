@@ -322,10 +322,6 @@ class GGUFSource(Source):
             if not (0 <= int(i) < self.vocab_size):
                 raise LogitdiffError(f"{self.path}: {what}: token id {int(i)} is outside the vocabulary (0..{self.vocab_size - 1})")
 
-    def _eval(self, tokens: list[int]) -> None:
-        self.llm.reset()
-        self.llm.eval(tokens)
-
     def _rows(self, start: int, stop: int) -> np.ndarray:
         return np.array(self.llm.scores[start:stop, : self.vocab_size], dtype=np.float32, copy=True)
 
