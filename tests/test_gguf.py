@@ -192,6 +192,20 @@ def test_score_asks_only_output_rows_and_equals_full_eval(ladder, f32, sequence)
     assert (chunked.argmax(1) == got.argmax(1)).mean() >= 0.97
 
 
+
+def test_score_without_internal_batch_api_falls_back(monkeypatch, f32, sequence):
+    """A llama-cpp-python without the internals the output-row path uses gets Llama.eval."""
+    import logitdiff.sources.gguf as G
+
+    prompt, teacher, _ = sequence
+    fast, fast_gen = f32.score(prompt, teacher), f32.generate(prompt, 5)
+    monkeypatch.setattr(G, "_has_output_batch_api", lambda llm: False)
+    np.testing.assert_array_equal(f32.score(prompt, teacher), fast)
+    slow_gen = f32.generate(prompt, 5)
+    assert slow_gen.token_ids == fast_gen.token_ids
+    np.testing.assert_array_equal(slow_gen.logits, fast_gen.logits)
+
+
 # ----------------------------------------------------------------------------------------
 # (c) greedy generation
 # ----------------------------------------------------------------------------------------

@@ -89,6 +89,17 @@ def load_llama(path: str | Path, **kwargs):
     return llm
 
 
+def _has_output_batch_api(llm) -> bool:
+    """Whether this llama-cpp-python exposes the internals `_decode_outputs` drives."""
+    ctx, batch = getattr(llm, "_ctx", None), getattr(llm, "_batch", None)
+    return (
+        all(hasattr(ctx, a) for a in ("kv_cache_seq_rm", "decode", "ctx"))
+        and hasattr(batch, "set_batch")
+        and hasattr(getattr(batch, "batch", None), "logits")
+        and hasattr(llm, "input_ids")
+    )
+
+
 # --------------------------------------------------------------------------------------
 # chat template rendering, as transformers does it
 # --------------------------------------------------------------------------------------
@@ -333,10 +344,17 @@ class GGUFSource(Source):
         positions. Here the batch's output flags select them, so llama.cpp runs the output
         layer on those rows only and nothing else is copied. The KV cache is cleared and
         ``Llama``'s own position counter is set, so ``Llama.eval`` can continue after it.
+        This uses llama-cpp-python's internal context and batch objects (those ``Llama.eval``
+        itself uses); a version without them gets the plain ``Llama.eval`` path, same rows.
         """
-        from llama_cpp import llama_get_logits
+        import llama_cpp
 
         llm = self.llm
+        if not _has_output_batch_api(llm):
+            llm.reset()
+            llm.eval(seq)
+            return self._rows(first, len(seq))
+        llama_get_logits = llama_cpp.llama_get_logits
         ctx, batch, n_vocab_model = llm._ctx, llm._batch, llm.n_vocab()
         ctx.kv_cache_seq_rm(-1, 0, -1)
         out = np.empty((len(seq) - first, self.vocab_size), dtype=np.float32)
