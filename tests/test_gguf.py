@@ -203,7 +203,8 @@ def test_score_without_internal_batch_api_falls_back(monkeypatch, f32, sequence)
     np.testing.assert_array_equal(f32.score(prompt, teacher), fast)
     slow_gen = f32.generate(prompt, 5)
     assert slow_gen.token_ids == fast_gen.token_ids
-    np.testing.assert_array_equal(slow_gen.logits, fast_gen.logits)
+    # one output row instead of all: another matmul shape in the last layer, float rounding
+    np.testing.assert_allclose(slow_gen.logits, fast_gen.logits, rtol=0, atol=1e-3)
 
 
 # ----------------------------------------------------------------------------------------
