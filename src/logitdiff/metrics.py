@@ -33,6 +33,7 @@ from typing import Mapping
 
 import numpy as np
 
+from . import kernel
 from .errors import LogitdiffError
 
 LN2 = math.log(2.0)
@@ -65,6 +66,13 @@ TOPK_FIELDS = (
     "shared_candidate_mass",
     "top1_match",
 )
+
+
+# Implementations of `full_vocab`: "auto" takes the compiled kernel (kernel.py) for CPU
+# inputs it reads in place (float32, bfloat16, float16) and torch otherwise (GPUs,
+# float64, or where the extension was not built); the others force one path (tests,
+# benchmarks). "native-scalar" is the compiled kernel without SIMD.
+BACKENDS = ("auto", "native", "native-scalar", "torch")
 
 
 class NonFiniteLogits(LogitdiffError):
@@ -262,10 +270,11 @@ def _side_sums_row(z, m: float, w: _Work, tile: int) -> tuple[float, float]:
 
 
 def _pair_sums_row(zp, zq, mp: float, mq: float, w: _Work, tile: int) -> list[float]:
-    """Both sides of one row ([V] each, maxima mp, mq): [s_p, A_p, s_q, A_q, D_p, D_q, G]
+    """Both sides of one row ([V] each, maxima mp, mq): [s_p, A_p, s_q, A_q, D_p, D_q, G, S_d]
     with a, e, s, A as in `_side_sums_row`, D_p = sum e_p d, D_q = sum e_q d for
     d = a_p - a_q (shift-invariant, so KL is a sum of small terms, not a difference of
-    entropies), and G = sum g ln g for g = e_p + (s_p/s_q) e_q = s_p (p + q).
+    entropies), G = sum g ln g for g = e_p + (s_p/s_q) e_q = s_p (p + q) and
+    S_d = sum (e_p - e_q) (= s_p - s_q, summed directly: see `full_vocab`).
 
     Two passes over V in L2-sized tiles (the second, for G, needs s_p/s_q): exp of each
     side is taken once (kept in ``w.e``, measured cheaper than recomputing it) and ln
@@ -275,6 +284,7 @@ def _pair_sums_row(zp, zq, mp: float, mq: float, w: _Work, tile: int) -> list[fl
 
     views = w.tiles(zp.shape[0], tile)
     parts = []
+    sd = []
     for zpt, zqt, (_, x, ap, aq, d, _, ep, eq) in zip(_split(zp, views), _split(zq, views), views):
         ap.copy_(zpt)  # exact upcast; copy + in-place shift beat one mixed-dtype op by far
         ap.sub_(mp)
@@ -285,6 +295,7 @@ def _pair_sums_row(zp, zq, mp: float, mq: float, w: _Work, tile: int) -> list[fl
         torch.sub(ap, aq, out=d)
         parts.append(torch.mv(x, ep))  # sum e_p a_p, sum e_p a_q, D_p, s_p
         parts.append(torch.mv(x, eq))  # sum e_q a_p, A_q, D_q, s_q
+        sd.append(torch.sub(ep, eq, out=ap).sum())
     t = torch.stack(parts).view(-1, 2, 4).sum(0).tolist()
     s_p, s_q = t[0][3], t[1][3]
     ratio = s_p / s_q
@@ -302,11 +313,11 @@ def _pair_sums_row(zp, zq, mp: float, mq: float, w: _Work, tile: int) -> list[fl
         # the pass is redone with g >= tiny (each such term is then ~1e-305, i.e. 0).
         if math.isfinite(g_sum) or not all(math.isfinite(v) for v in t[0] + t[1]):
             break
-    return [s_p, t[0][0], s_q, t[1][1], t[0][2], t[1][2], g_sum]
+    return [s_p, t[0][0], s_q, t[1][1], t[0][2], t[1][2], g_sum, float(torch.stack(sd).sum())]
 
 
 def _pair_sums_batched(zp, zq, mp, mq):
-    """`_pair_sums_row` for a chunk of rows [R, V] at once (GPU path): [7, R] tensor."""
+    """`_pair_sums_row` for a chunk of rows [R, V] at once (GPU path): [8, R] tensor."""
     import torch
 
     f64 = torch.float64
@@ -320,7 +331,7 @@ def _pair_sums_batched(zp, zq, mp, mq):
     del ap, aq, d
     g = torch.addcmul(ep, eq, (s_p / s_q)[:, None])
     g_sum = torch.linalg.vecdot(g, g.clamp_min(_TINY).log())
-    return torch.stack(sums + [g_sum])
+    return torch.stack(sums + [g_sum, (ep - eq).sum(-1)])
 
 
 def _side_sums_batched(z, m):
@@ -331,13 +342,27 @@ def _side_sums_batched(z, m):
     return torch.stack([e.sum(-1), torch.linalg.vecdot(e, a)])
 
 
-def _row_pool(n_rows: int, dev):
+def _use_native(backend: str, dev, zp, zq) -> bool:
+    """Whether `full_vocab` runs the compiled kernel (see `BACKENDS`)."""
+    if backend == "torch":
+        return False
+    ok = dev.type == "cpu" and zp.dtype == zq.dtype and kernel.supports(zp) and kernel.supports(zq)
+    if backend == "auto":
+        return ok and kernel.available()
+    if not kernel.available():
+        raise RuntimeError("backend='native': the compiled kernel logitdiff._kernel is not built")
+    if not ok:
+        raise ValueError(f"backend={backend!r} reads CPU float32/bfloat16/float16 [N, V] rows of one dtype; got {zp.dtype}/{zq.dtype} on {dev}")
+    return True
+
+
+def _row_pool(n_rows: int, dev, n_threads: int | None = None):
     """Worker threads for the per-row CPU path (torch releases the GIL inside ops)."""
     import torch
 
     if dev.type != "cpu":
         return None
-    nw = min(torch.get_num_threads(), n_rows)
+    nw = min(n_threads or torch.get_num_threads(), n_rows)
     if nw <= 1:
         return None
     from concurrent.futures import ThreadPoolExecutor
@@ -377,6 +402,8 @@ def full_vocab(
     device=None,
     chunk_bytes: int = 64 << 20,
     check_finite: bool = True,
+    threads: int | None = None,
+    backend: str = "auto",
 ) -> dict[str, np.ndarray]:
     """Per-position metrics from two full-vocabulary logit arrays ``[N, V]``.
 
@@ -393,7 +420,11 @@ def full_vocab(
     ties; ``topk_logprobs_ref``/``topk_logprobs_cand`` float64, normalised over the full
     vocabulary), as `row_stats` would give them, without a second pass over the logits.
 
-    Memory: on CPU each worker thread (``torch.get_num_threads()`` of them) holds two
+    ``threads``: CPU worker threads (default ``torch.get_num_threads()``); ``backend``:
+    one of `BACKENDS`. The compiled kernel reads float32/bfloat16/float16 rows in place
+    (no float32 or float64 copy of a chunk) with a few KB of scratch per thread.
+
+    Memory: on the torch CPU path each worker thread holds two
     float64 rows of V plus ~1.5 MB of tiles, whatever N; ``chunk_bytes`` bounds the rows
     handed out at once. On other devices a chunk of rows is processed batched, about six
     float64 ``[rows, V]`` temporaries within ``chunk_bytes``. Per-row results do not depend
@@ -443,15 +474,23 @@ def full_vocab(
         for side in ("ref", "cand"):
             out[f"topk_ids_{side}"] = np.empty((n, top_k_out), np.int64)
             out[f"topk_logprobs_{side}"] = np.empty((n, top_k_out), np.float64)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1")
     if n == 0:
         return out
     dev = torch.device(device) if device is not None else zp_all.device
-    per_row = dev.type == "cpu" and _CPU_PER_ROW
+    native = _use_native(backend, dev, zp_all, zq_all)
+    per_row = dev.type == "cpu" and _CPU_PER_ROW and not native
+    n_threads = threads or torch.get_num_threads()
     threads = torch.get_num_threads()
-    pool = _row_pool(n, dev) if per_row else None
+    pool = _row_pool(n, dev, n_threads) if per_row else None
     local = threading.local()
     nw = pool._max_workers if pool is not None else 1
-    if per_row:
+    if native:
+        step = max(n_threads, int(chunk_bytes // max(1, vocab * (zp_all.element_size() + zq_all.element_size()))))
+    elif per_row:
         tile = min(vocab, _CPU_TILE)
         in_bytes = vocab * (zp_all.element_size() + zq_all.element_size())
         step = max(nw, int(chunk_bytes // max(1, in_bytes)))
@@ -466,7 +505,12 @@ def full_vocab(
             b = min(n, a + step)
             zp = zp_all[a:b].to(dev)
             zq = zq_all[a:b].to(dev)
-            if per_row:
+            if native:
+                r = kernel.pair_rows(zp, zq, kk, n_threads, "scalar" if backend == "native-scalar" else "auto")
+                ids_p, ids_q = (torch.from_numpy(r["top_ids"][:, j]) for j in (0, 1))
+                vals_p, vals_q = (torch.from_numpy(r["top_vals"][:, j]) for j in (0, 1))
+                sums = torch.from_numpy(r["sums"].T.copy())
+            elif per_row:
 
                 def one_row(i, w):
                     zpi, zqi = zp[i], zq[i]
@@ -483,7 +527,7 @@ def full_vocab(
                 ids_q, vals_q = _topk_candidates(zq, kk)
                 sums = _pair_sums_batched(zp, zq, vals_p[:, 0].contiguous(), vals_q[:, 0].contiguous())
             mp, mq = vals_p[:, 0], vals_q[:, 0]
-            s_p, a_p, s_q, a_q, d_p, d_q, g = sums
+            s_p, a_p, s_q, a_q, d_p, d_q, g, s_d = sums
             if check_finite:
                 bad_p = ~(torch.isfinite(mp) & torch.isfinite(a_p))
                 bad_q = ~(torch.isfinite(mq) & torch.isfinite(a_q))
@@ -492,7 +536,11 @@ def full_vocab(
             ls_p, ls_q = torch.log(s_p), torch.log(s_q)
             ent_p = ls_p - a_p / s_p  # -sum p lP, lP = a_p - ln s_p
             ent_q = ls_q - a_q / s_q
-            c = ls_p - ls_q
+            # c = ln(s_p/s_q) = log1p(S_d/s_q), S_d = sum (e_p - e_q) summed directly: its
+            # rounding error scales with sum |e_p - e_q| (small for near-identical rows), not
+            # with s_p + s_q as ln s_p - ln s_q's does; |x| <= 1/2 bounds log1p's condition.
+            x = s_d / s_q
+            c = torch.where(x.abs() <= 0.5, torch.log1p(x), ls_p - ls_q)
             kl = (d_p / s_p - c).clamp_min(0.0)  # sum p (lP - lQ) = sum p d - (ln s_p - ln s_q)
             kl_rev = (c - d_q / s_q).clamp_min(0.0)
             # JSD = H(M) - (H_P + H_Q)/2 with H(M) = ln 2 - 1/2 sum (p+q) ln(p+q),

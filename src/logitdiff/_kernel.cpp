@@ -1,0 +1,488 @@
+// Compiled full-vocabulary kernel of `logitdiff.metrics.full_vocab` (CPU path).
+//
+// Pure numerics: arrays in, sums out; no state outside a call. Called through ctypes
+// (kernel.py), which releases the GIL; rows are spread over `threads` std::threads that
+// live for one call. Per row and per side it returns the maximum, the exact top-kk
+// (value descending, lowest id first on ties) and eight float64 sums from which
+// metrics.py derives every field (see `pair_row`):
+//
+//   a = z - max, e = exp(a), d = a_p - a_q, g = e_p + r e_q with r = s_p / s_q
+//   s_p = sum e_p   A_p = sum e_p a_p   s_q = sum e_q   A_q = sum e_q a_q
+//   D_p = sum e_p d   D_q = sum e_q d   G = sum g ln g   S_d = sum (e_p - e_q)
+//
+// Two passes over each row. Pass 1 (per side, float32 SIMD, tiles of 1024 values in L1):
+// maximum, non-finite check, top-kk through a bounded heap that is only touched when a
+// tile's maximum beats the heap's threshold, and float32 estimates of s (online max).
+// Pass 2 (both sides, float64): the eight sums with float64 exp and log, in tiles whose
+// partial sums are added at the end (blocked summation: error ~ (512 + V/2048) ulp
+// instead of V/4 ulp). G needs the exact r, known only at the end of pass 2; pass 2
+// takes G at r0 (the pass-1 estimate) and its derivative H = sum e_q (ln g + 1), and
+// G(r) = G(r0) + (r - r0) H + R with |R| <= s_q (r - r0)^2 / (2 min(r, r0)) (G'' =
+// sum e_q^2 / g <= s_q / r). When that bound exceeds R_TOL s_p (R/(2 s_p) is the JSD
+// error) the row's G is recomputed at the exact r (pass 3, rare: r0 is good to ~1e-6).
+//
+// Accuracy of the float64 primitives (error analysis in tests/test_kernel.py):
+// exp_pd: |a| reduced by n ln2/2 to |r| <= ln2/4, Taylor degree 11 (truncation < 2e-18),
+// times 2^(n/2) (exact power of two, and sqrt2 for odd n): <= 4 ulp. log_pd: m in
+// [sqrt(1/2), sqrt(2)), ln m = 2 atanh(f), f = (m-1)/(m+1), series to f^19 (truncation
+// < 3e-17 relative), plus n ln2 in two parts: <= 4 ulp of max(|ln g|, 1). Values below
+// e^-708 (both sides) are flushed to 0: their total weight is < V e^-708 < 1e-300.
+
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define LD_X86 1
+#include <immintrin.h>
+#else
+#define LD_X86 0
+#endif
+
+namespace {
+
+enum Dtype : int { F32 = 0, BF16 = 1, F16 = 2 };
+enum Isa : int { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2 };
+enum Flag : int { FLAG_BAD = 1, FLAG_PASS3 = 2 };
+
+constexpr int64_t TILE1 = 1024;  // pass-1 tile (values), fits L1 for any dtype
+constexpr int64_t TILE2 = 2048;  // pass-2 tile (indices): 512 values per SIMD lane
+constexpr double R_TOL = 1e-15;  // Taylor remainder of G allowed, relative to s_p
+constexpr double FLUSH = -708.0;  // exp(a) for a < FLUSH is taken as 0
+constexpr double G_MIN = 1e-300;  // g >= G_MIN: g ln g of a flushed pair is ~1e-297
+
+struct Args {
+    const void* zp;
+    const void* zq;
+    int64_t n, vocab, stride_p, stride_q;  // strides in elements
+    int dtype, kk;
+    double* sums;      // [n, 8]: s_p A_p s_q A_q D_p D_q G S_d
+    double* maxes;     // [n, 2]
+    int64_t* top_ids;  // [n, 2, kk]
+    double* top_vals;  // [n, 2, kk]
+    int32_t* flags;    // [n]: FLAG_BAD (non-finite input: sums NaN), FLAG_PASS3
+};
+
+// ----------------------------------------------------------------------------- scalar
+
+inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) {  // subnormal half: normalise
+        int e = -1;
+        do { man <<= 1; ++e; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float load1(const void* base, int64_t i, int dtype) {
+    if (dtype == F32) return static_cast<const float*>(base)[i];
+    uint16_t h = static_cast<const uint16_t*>(base)[i];
+    if (dtype == F16) return half_to_float(h);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// Bounded min-heap of the kk best (value desc, id asc) seen so far; ids arrive ascending,
+// so a newcomer equal to the threshold never wins (it has the higher id).
+struct TopK {
+    int kk = 0;
+    std::vector<std::pair<float, int64_t>> h;
+    static bool worse(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+        return a.first < b.first || (a.first == b.first && a.second > b.second);
+    }
+    // heap comparator: "a after b" so that the worst element is at the front
+    static bool cmp(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) { return worse(b, a); }
+    void reset(int k) { kk = k; h.clear(); h.reserve(k); }
+    bool full() const { return (int)h.size() == kk; }
+    float threshold() const { return full() ? h.front().first : -std::numeric_limits<float>::infinity(); }
+    void offer(float v, int64_t id) {
+        if (!full()) {
+            h.emplace_back(v, id);
+            std::push_heap(h.begin(), h.end(), cmp);
+        } else if (v > h.front().first) {
+            std::pop_heap(h.begin(), h.end(), cmp);
+            h.back() = {v, id};
+            std::push_heap(h.begin(), h.end(), cmp);
+        }
+    }
+    void write(int64_t* ids, double* vals) {
+        std::sort(h.begin(), h.end(), [](const auto& a, const auto& b) { return worse(b, a); });
+        for (int j = 0; j < kk; ++j) { ids[j] = h[j].second; vals[j] = h[j].first; }
+    }
+};
+
+struct Side1 {  // pass-1 result of one side
+    float m;
+    double s_est;  // float-grade estimate of sum exp(z - m)
+    bool bad;
+};
+
+// Pass 1, portable: maximum, top-kk, estimate of s (std::exp: exact to the estimate's
+// purpose), non-finite check.
+Side1 pass1_scalar(const void* z, int64_t v, int dtype, TopK& top) {
+    float m = -std::numeric_limits<float>::infinity();
+    double s = 0.0;
+    for (int64_t i = 0; i < v; ++i) {
+        float x = load1(z, i, dtype);
+        if (!std::isfinite(x)) return {x, NAN, true};
+        if (x > m) {
+            s = (m == -std::numeric_limits<float>::infinity()) ? 0.0 : s * std::exp((double)m - (double)x);
+            m = x;
+        }
+        s += std::exp((double)x - (double)m);
+        top.offer(x, i);
+    }
+    return {m, s, false};
+}
+
+struct Sums {
+    double sp, ap, sq, aq, dp, dq, g0, h, sd;
+};
+
+// Pass 2 over [i0, i1), portable (also the tail of the SIMD pass).
+void pass2_scalar(const void* zp, const void* zq, int64_t i0, int64_t i1, int dtype, double mp, double mq,
+                  double r0, Sums& t) {
+    for (int64_t i = i0; i < i1; ++i) {
+        double ap = (double)load1(zp, i, dtype) - mp, aq = (double)load1(zq, i, dtype) - mq;
+        double ep = ap < FLUSH ? 0.0 : std::exp(ap), eq = aq < FLUSH ? 0.0 : std::exp(aq);
+        double d = ap - aq;
+        t.sp += ep; t.ap += ep * ap; t.sq += eq; t.aq += eq * aq;
+        t.dp += ep * d; t.dq += eq * d; t.sd += ep - eq;
+        double g = std::max(std::fma(r0, eq, ep), G_MIN), lg = std::log(g);
+        t.g0 += g * lg; t.h += eq * lg;
+    }
+}
+
+// ----------------------------------------------------------------------------- AVX2
+
+#if LD_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* base, int64_t i, int dtype) {
+    if (dtype == F32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    if (dtype == F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256d load4d(const void* base, int64_t i, int dtype) {
+    __m128 f;
+    if (dtype == F32) {
+        f = _mm_loadu_ps(static_cast<const float*>(base) + i);
+    } else {
+        __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+        f = dtype == F16 ? _mm_cvtph_ps(h) : _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_cvtps_pd(f);
+}
+
+// float32 exp for x <= 0 (the pass-1 estimate only): |rel err| < 3e-7; x < -87 gives 0.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 exp_ps(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// float64 exp for a <= 0 (see the header for its error); NaN propagates.
+__attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd(__m256d a) {
+    const __m256d lo = _mm256_set1_pd(FLUSH);
+    __m256d under = _mm256_cmp_pd(a, lo, _CMP_LT_OQ);
+    __m256d x = _mm256_max_pd(lo, a);  // max(lo, NaN) = NaN
+    const __m256d magic = _mm256_set1_pd(6755399441055744.0);  // 1.5 * 2^52
+    __m256d t = _mm256_fmadd_pd(x, _mm256_set1_pd(2.8853900817779268), magic);  // x * 2/ln2
+    __m256d n = _mm256_sub_pd(t, magic);
+    // ln2/2 = C1 + C2 (fdlibm's ln2_hi/2, ln2_lo/2): n * C1 is exact for |n| <= 2043
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0.34657359018456191), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(9.5410746463529385e-11), r);
+    __m256d p = _mm256_set1_pd(1.0 / 39916800);
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 3628800));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 362880));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 40320));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 5040));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 720));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 120));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 24));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 6));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.5));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+    // n in [-2043, 0]: u = n + 2048 >= 0, 2^floor(n/2) has biased exponent (u >> 1) - 1
+    __m256i u = _mm256_add_epi64(_mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(magic)), _mm256_set1_epi64x(2048));
+    __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(_mm256_srli_epi64(u, 1), _mm256_set1_epi64x(1)), 52));
+    __m256d odd = _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_and_si256(u, _mm256_set1_epi64x(1)), _mm256_set1_epi64x(1)));
+    p = _mm256_mul_pd(p, _mm256_blendv_pd(_mm256_set1_pd(1.0), _mm256_set1_pd(1.4142135623730951), odd));
+    return _mm256_andnot_pd(under, _mm256_mul_pd(p, scale));
+}
+
+// float64 log for normal g > 0 (see the header for its error).
+__attribute__((target("avx2,fma,f16c"))) inline __m256d log_pd(__m256d g) {
+    __m256i bits = _mm256_castpd_si256(g);
+    __m256i ex = _mm256_srli_epi64(bits, 52);  // biased exponent (g > 0)
+    __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000fffffffffffffLL)),
+                                                    _mm256_set1_epi64x(0x3ff0000000000000LL)));
+    __m256d big = _mm256_cmp_pd(m, _mm256_set1_pd(1.4142135623730951), _CMP_GT_OQ);
+    m = _mm256_blendv_pd(m, _mm256_mul_pd(m, _mm256_set1_pd(0.5)), big);
+    ex = _mm256_sub_epi64(ex, _mm256_castpd_si256(big));  // big lanes are all ones = -1
+    // exponent as double: ex - 1023 via the 2^52 trick
+    const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
+    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(ex, _mm256_castpd_si256(two52))),
+                              _mm256_set1_pd(4503599627370496.0 + 1023.0));
+    __m256d f = _mm256_div_pd(_mm256_sub_pd(m, _mm256_set1_pd(1.0)), _mm256_add_pd(m, _mm256_set1_pd(1.0)));
+    __m256d f2 = _mm256_mul_pd(f, f);
+    __m256d p = _mm256_set1_pd(1.0 / 19);
+    p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 17));
+    p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 15));
+    p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 13));
+    p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 11));
+    p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 9));
+    p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 7));
+    p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 5));
+    p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 3));
+    __m256d f2x = _mm256_add_pd(f, f);
+    __m256d lnm = _mm256_fmadd_pd(_mm256_mul_pd(f2x, f2), p, f2x);  // 2f + 2f^3 P(f^2)
+    __m256d lo = _mm256_fmadd_pd(e, _mm256_set1_pd(1.9082149292705877e-10), lnm);  // ln2 = hi + lo
+    return _mm256_fmadd_pd(e, _mm256_set1_pd(0.69314718036912382), lo);
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline double hsum(__m256d v) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t v, int dtype, TopK& top) {
+    const float ninf = -std::numeric_limits<float>::infinity();
+    float m = ninf;
+    double s = 0.0;
+    int64_t vv = v / 8 * 8;
+    for (int64_t t0 = 0; t0 < vv; t0 += TILE1) {
+        int64_t t1 = std::min(vv, t0 + TILE1);
+        __m256 vmax = _mm256_set1_ps(ninf), bad = _mm256_setzero_ps();
+        for (int64_t i = t0; i < t1; i += 8) {
+            __m256 x = load8(z, i, dtype);
+            vmax = _mm256_max_ps(vmax, x);
+            __m256 dx = _mm256_sub_ps(x, x);  // NaN for NaN and +-inf
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(dx, dx, _CMP_UNORD_Q));
+        }
+        if (_mm256_movemask_ps(bad)) return {NAN, NAN, true};
+        float tm = hmax(vmax);
+        if (tm > m) {
+            s = (m == ninf) ? 0.0 : s * std::exp((double)m - (double)tm);
+            m = tm;
+        }
+        __m256d acc = _mm256_setzero_pd();
+        const __m256 mv = _mm256_set1_ps(m);
+        for (int64_t i = t0; i < t1; i += 8) {
+            __m256 e = exp_ps(_mm256_sub_ps(load8(z, i, dtype), mv));
+            acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        s += hsum(acc);
+        if (!top.full() || tm > top.threshold()) {
+            for (int64_t i = t0; i < t1; i += 8) {
+                __m256 x = load8(z, i, dtype);
+                int mask = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(top.threshold()), _CMP_GT_OQ));
+                while (mask) {
+                    int j = __builtin_ctz(mask);
+                    mask &= mask - 1;
+                    top.offer(load1(z, i + j, dtype), i + j);
+                }
+            }
+        }
+    }
+    for (int64_t i = vv; i < v; ++i) {  // tail
+        float x = load1(z, i, dtype);
+        if (!std::isfinite(x)) return {x, NAN, true};
+        if (x > m) {
+            s = (m == ninf) ? 0.0 : s * std::exp((double)m - (double)x);
+            m = x;
+        }
+        s += std::exp((double)x - (double)m);
+        top.offer(x, i);
+    }
+    return {m, s, false};
+}
+
+__attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const void* zq, int64_t v, int dtype,
+                                                          double mp, double mq, double r0, Sums& out) {
+    const __m256d mpv = _mm256_set1_pd(mp), mqv = _mm256_set1_pd(mq), r0v = _mm256_set1_pd(r0),
+                  gmin = _mm256_set1_pd(G_MIN);
+    __m256d T[9];
+    for (auto& x : T) x = _mm256_setzero_pd();
+    int64_t vv = v / 4 * 4;
+    for (int64_t t0 = 0; t0 < vv; t0 += TILE2) {
+        int64_t t1 = std::min(vv, t0 + TILE2);
+        __m256d sp = _mm256_setzero_pd(), ap_ = sp, sq = sp, aq_ = sp, dp = sp, dq = sp, g0 = sp, h = sp, sd = sp;
+        for (int64_t i = t0; i < t1; i += 4) {
+            __m256d ap = _mm256_sub_pd(load4d(zp, i, dtype), mpv);
+            __m256d aq = _mm256_sub_pd(load4d(zq, i, dtype), mqv);
+            __m256d ep = exp_pd(ap), eq = exp_pd(aq);
+            __m256d d = _mm256_sub_pd(ap, aq);
+            sp = _mm256_add_pd(sp, ep);
+            ap_ = _mm256_fmadd_pd(ep, ap, ap_);
+            sq = _mm256_add_pd(sq, eq);
+            aq_ = _mm256_fmadd_pd(eq, aq, aq_);
+            dp = _mm256_fmadd_pd(ep, d, dp);
+            dq = _mm256_fmadd_pd(eq, d, dq);
+            sd = _mm256_add_pd(sd, _mm256_sub_pd(ep, eq));
+            __m256d g = _mm256_max_pd(_mm256_fmadd_pd(r0v, eq, ep), gmin);  // NaN g -> gmin (row is refused anyway)
+            __m256d lg = log_pd(g);
+            g0 = _mm256_fmadd_pd(g, lg, g0);
+            h = _mm256_fmadd_pd(eq, lg, h);
+        }
+        T[0] = _mm256_add_pd(T[0], sp); T[1] = _mm256_add_pd(T[1], ap_); T[2] = _mm256_add_pd(T[2], sq);
+        T[3] = _mm256_add_pd(T[3], aq_); T[4] = _mm256_add_pd(T[4], dp); T[5] = _mm256_add_pd(T[5], dq);
+        T[6] = _mm256_add_pd(T[6], g0); T[7] = _mm256_add_pd(T[7], h); T[8] = _mm256_add_pd(T[8], sd);
+    }
+    Sums t{0, 0, 0, 0, 0, 0, 0, 0, 0};
+    pass2_scalar(zp, zq, vv, v, dtype, mp, mq, r0, t);
+    out.sp = hsum(T[0]) + t.sp; out.ap = hsum(T[1]) + t.ap; out.sq = hsum(T[2]) + t.sq;
+    out.aq = hsum(T[3]) + t.aq; out.dp = hsum(T[4]) + t.dp; out.dq = hsum(T[5]) + t.dq;
+    out.g0 = hsum(T[6]) + t.g0; out.h = hsum(T[7]) + t.h; out.sd = hsum(T[8]) + t.sd;
+}
+
+#pragma GCC pop_options
+#endif
+
+bool have_avx2() {
+#if LD_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+// Blocked pass 2 for the portable path too (same summation structure as the SIMD one).
+void pass2_portable(const void* zp, const void* zq, int64_t v, int dtype, double mp, double mq, double r0, Sums& out) {
+    out = Sums{0, 0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t t0 = 0; t0 < v; t0 += TILE2 / 4) {
+        Sums t{0, 0, 0, 0, 0, 0, 0, 0, 0};
+        pass2_scalar(zp, zq, t0, std::min(v, t0 + TILE2 / 4), dtype, mp, mq, r0, t);
+        out.sp += t.sp; out.ap += t.ap; out.sq += t.sq; out.aq += t.aq; out.dp += t.dp;
+        out.dq += t.dq; out.g0 += t.g0; out.h += t.h; out.sd += t.sd;
+    }
+}
+
+void pair_row(const Args& a, int64_t row, bool avx2, TopK& tp, TopK& tq) {
+    size_t es = a.dtype == F32 ? 4 : 2;
+    const void* zp = static_cast<const char*>(a.zp) + (size_t)(row * a.stride_p) * es;
+    const void* zq = static_cast<const char*>(a.zq) + (size_t)(row * a.stride_q) * es;
+    double* sums = a.sums + row * 8;
+    tp.reset(a.kk);
+    tq.reset(a.kk);
+    Side1 p, q;
+#if LD_X86
+    if (avx2) {
+        p = pass1_avx2(zp, a.vocab, a.dtype, tp);
+        q = p.bad ? Side1{NAN, NAN, true} : pass1_avx2(zq, a.vocab, a.dtype, tq);
+    } else
+#endif
+    {
+        p = pass1_scalar(zp, a.vocab, a.dtype, tp);
+        q = p.bad ? Side1{NAN, NAN, true} : pass1_scalar(zq, a.vocab, a.dtype, tq);
+    }
+    a.flags[row] = 0;
+    if (p.bad || q.bad) {
+        a.flags[row] = FLAG_BAD;
+        for (int j = 0; j < 8; ++j) sums[j] = NAN;
+        a.maxes[row * 2] = a.maxes[row * 2 + 1] = NAN;
+        return;
+    }
+    a.maxes[row * 2] = p.m;
+    a.maxes[row * 2 + 1] = q.m;
+    tp.write(a.top_ids + row * 2 * a.kk, a.top_vals + row * 2 * a.kk);
+    tq.write(a.top_ids + (row * 2 + 1) * a.kk, a.top_vals + (row * 2 + 1) * a.kk);
+    double r0 = p.s_est / q.s_est;
+    Sums s;
+#if LD_X86
+    auto pass2 = avx2 ? pass2_avx2 : pass2_portable;
+#else
+    auto pass2 = pass2_portable;
+#endif
+    pass2(zp, zq, a.vocab, a.dtype, p.m, q.m, r0, s);
+    double r = s.sp / s.sq;
+    double g = s.g0 + (r - r0) * (s.h + s.sq);  // G(r0) + (r - r0) G'(r0)
+    double bound = s.sq * (r - r0) * (r - r0) / (2.0 * std::min(r, r0));
+    if (!(bound <= R_TOL * s.sp)) {  // also when not finite
+        Sums s3;
+        pass2(zp, zq, a.vocab, a.dtype, p.m, q.m, r, s3);
+        g = s3.g0;
+        a.flags[row] |= FLAG_PASS3;
+    }
+    double vals[8] = {s.sp, s.ap, s.sq, s.aq, s.dp, s.dq, g, s.sd};
+    std::memcpy(sums, vals, sizeof vals);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 for bad arguments. `isa`: ISA_AUTO, ISA_SCALAR or ISA_AVX2 (the
+// latter falls back to scalar where the CPU lacks AVX2/FMA/F16C).
+__attribute__((visibility("default"))) int logitdiff_pair_rows(
+    const void* zp, const void* zq, int64_t n, int64_t vocab, int64_t stride_p, int64_t stride_q, int dtype, int kk,
+    int threads, int isa, double* sums, double* maxes, int64_t* top_ids, double* top_vals, int32_t* flags) {
+    if (n < 0 || vocab < 1 || kk < 1 || kk > vocab || dtype < F32 || dtype > F16 || threads < 1) return 1;
+    Args a{zp, zq, n, vocab, stride_p, stride_q, dtype, kk, sums, maxes, top_ids, top_vals, flags};
+    bool avx2 = isa != ISA_SCALAR && have_avx2();
+    std::atomic<int64_t> next{0};
+    auto work = [&]() {
+        TopK tp, tq;
+        for (int64_t row; (row = next.fetch_add(1)) < n;) pair_row(a, row, avx2, tp, tq);
+    };
+    int nt = (int)std::min<int64_t>(threads, std::max<int64_t>(n, 1));
+    std::vector<std::thread> pool;
+    for (int t = 1; t < nt; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+    return 0;
+}
+
+__attribute__((visibility("default"))) int logitdiff_has_avx2(void) { return have_avx2() ? 1 : 0; }
+
+}  // extern "C"
+
+// A module object so that the library is found and built like any extension; the
+// functions are reached through ctypes (logitdiff/kernel.py).
+static struct PyModuleDef kernel_module = {PyModuleDef_HEAD_INIT, "_kernel", "compiled full_vocab kernel (ctypes)", -1,
+                                           nullptr};
+PyMODINIT_FUNC PyInit__kernel(void) { return PyModule_Create(&kernel_module); }

@@ -1,0 +1,97 @@
+"""Bridge to the compiled full-vocabulary kernel (``_kernel.cpp``, built by ``pip install``).
+
+`pair_rows` hands two ``[R, V]`` CPU tensors (float32, bfloat16 or float16, rows of unit
+stride; any row stride, so memory maps and stride-0 expansions are read in place, never
+copied or upcast) to the kernel and returns, per row, the maxima, the exact top-kk of
+each side and the eight float64 sums that `metrics.full_vocab` turns into its fields.
+ctypes releases the GIL for the call; the kernel's threads live for that call only.
+Importing this module loads nothing; `available()` says whether the library was built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+
+import numpy as np
+
+# Input dtypes the kernel reads directly (torch dtype name -> kernel code).
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+# Instruction sets: auto (AVX2+FMA+F16C where the CPU has them), or the portable path.
+ISA_CODES = {"auto": 0, "scalar": 1}
+# Order of the per-row sums returned in ``sums`` (see _kernel.cpp).
+SUM_FIELDS = ("s_p", "a_p", "s_q", "a_q", "d_p", "d_q", "g", "s_d")
+FLAG_BAD = 1  # a row holds NaN/inf (its sums are NaN)
+FLAG_PASS3 = 2  # G was recomputed at the exact ratio (the first-order estimate was not enough)
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    spec = importlib.util.find_spec("logitdiff._kernel")
+    if spec is None or not spec.origin:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    f = lib.logitdiff_pair_rows
+    p = ctypes.c_void_p
+    i64, i32 = ctypes.c_int64, ctypes.c_int
+    f.argtypes = [p, p, i64, i64, i64, i64, i32, i32, i32, i32, p, p, p, p, p]
+    f.restype = i32
+    lib.logitdiff_has_avx2.restype = i32
+    return lib
+
+
+def available() -> bool:
+    """True when the compiled kernel is installed (it is built by ``pip install``)."""
+    return _lib() is not None
+
+
+def has_simd() -> bool:
+    """True when the kernel's AVX2/FMA path runs on this CPU."""
+    lib = _lib()
+    return bool(lib is not None and lib.logitdiff_has_avx2())
+
+
+def supports(z) -> bool:
+    """Whether ``z`` (a torch tensor) can be read by the kernel in place."""
+    import torch
+
+    return (
+        isinstance(z, torch.Tensor)
+        and z.device.type == "cpu"
+        and z.dim() == 2
+        and str(z.dtype).removeprefix("torch.") in DTYPE_CODES
+        and (z.stride(1) == 1 or z.shape[1] == 1)
+    )
+
+
+def pair_rows(zp, zq, kk: int, threads: int, isa: str = "auto") -> dict[str, np.ndarray]:
+    """Per-row maxima, top-kk and sums of two ``[R, V]`` tensors of one dtype (see module doc).
+
+    Returns ``maxes`` [R, 2] (reference, candidate), ``top_ids`` [R, 2, kk] int64 (value
+    descending, lowest id first on ties), ``top_vals`` [R, 2, kk] float64, ``sums`` [R, 8]
+    in `SUM_FIELDS` order and ``flags`` [R] (`FLAG_BAD`, `FLAG_PASS3`).
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the compiled kernel logitdiff._kernel is not built (reinstall with pip install -e .)")
+    if not (supports(zp) and supports(zq)) or zp.shape != zq.shape or zp.dtype != zq.dtype:
+        raise ValueError(f"kernel input must be two CPU [R, V] tensors of one dtype in {sorted(DTYPE_CODES)} with unit column stride")
+    n, vocab = zp.shape
+    out = {
+        "sums": np.empty((n, 8), np.float64),
+        "maxes": np.empty((n, 2), np.float64),
+        "top_ids": np.empty((n, 2, kk), np.int64),
+        "top_vals": np.empty((n, 2, kk), np.float64),
+        "flags": np.empty(n, np.int32),
+    }
+    if n == 0:
+        return out
+    rc = lib.logitdiff_pair_rows(
+        zp.data_ptr(), zq.data_ptr(), n, vocab, zp.stride(0), zq.stride(0),
+        DTYPE_CODES[str(zp.dtype).removeprefix("torch.")], kk, max(1, int(threads)), ISA_CODES[isa],
+        *(out[f].ctypes.data for f in ("sums", "maxes", "top_ids", "top_vals", "flags")),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"kernel rejected its arguments (n={n}, V={vocab}, kk={kk}, threads={threads})")
+    return out
