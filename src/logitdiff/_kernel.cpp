@@ -177,14 +177,16 @@ void pass2_scalar(const void* zp, const void* zq, int64_t i0, int64_t i1, int dt
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* base, int64_t i, int dtype) {
+template <int dtype>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* base, int64_t i) {
     if (dtype == F32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
     if (dtype == F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-__attribute__((target("avx2,fma,f16c"))) inline __m256d load4d(const void* base, int64_t i, int dtype) {
+template <int dtype>
+__attribute__((target("avx2,fma,f16c"))) inline __m256d load4d(const void* base, int64_t i) {
     __m128 f;
     if (dtype == F32) {
         f = _mm_loadu_ps(static_cast<const float*>(base) + i);
@@ -288,7 +290,8 @@ __attribute__((target("avx2,fma,f16c"))) inline float hmax(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-__attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t v, int dtype, TopK& top) {
+template <int dtype>
+__attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t v, TopK& top) {
     const float ninf = -std::numeric_limits<float>::infinity();
     float m = ninf;
     double s = 0.0;
@@ -297,7 +300,7 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
         int64_t t1 = std::min(vv, t0 + TILE1);
         __m256 vmax = _mm256_set1_ps(ninf), bad = _mm256_setzero_ps();
         for (int64_t i = t0; i < t1; i += 8) {
-            __m256 x = load8(z, i, dtype);
+            __m256 x = load8<dtype>(z, i);
             vmax = _mm256_max_ps(vmax, x);
             __m256 dx = _mm256_sub_ps(x, x);  // NaN for NaN and +-inf
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(dx, dx, _CMP_UNORD_Q));
@@ -311,14 +314,14 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
         __m256d acc = _mm256_setzero_pd();
         const __m256 mv = _mm256_set1_ps(m);
         for (int64_t i = t0; i < t1; i += 8) {
-            __m256 e = exp_ps(_mm256_sub_ps(load8(z, i, dtype), mv));
+            __m256 e = exp_ps(_mm256_sub_ps(load8<dtype>(z, i), mv));
             acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
             acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
         }
         s += hsum(acc);
         if (!top.full() || tm > top.threshold()) {
             for (int64_t i = t0; i < t1; i += 8) {
-                __m256 x = load8(z, i, dtype);
+                __m256 x = load8<dtype>(z, i);
                 int mask = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(top.threshold()), _CMP_GT_OQ));
                 while (mask) {
                     int j = __builtin_ctz(mask);
@@ -341,8 +344,9 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
     return {m, s, false};
 }
 
-__attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const void* zq, int64_t v, int dtype,
-                                                          double mp, double mq, double r0, Sums& out) {
+template <int dtype>
+__attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const void* zq, int64_t v, double mp,
+                                                          double mq, double r0, Sums& out) {
     const __m256d mpv = _mm256_set1_pd(mp), mqv = _mm256_set1_pd(mq), r0v = _mm256_set1_pd(r0),
                   gmin = _mm256_set1_pd(G_MIN);
     __m256d T[9];
@@ -352,8 +356,8 @@ __attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const v
         int64_t t1 = std::min(vv, t0 + TILE2);
         __m256d sp = _mm256_setzero_pd(), ap_ = sp, sq = sp, aq_ = sp, dp = sp, dq = sp, g0 = sp, h = sp, sd = sp;
         for (int64_t i = t0; i < t1; i += 4) {
-            __m256d ap = _mm256_sub_pd(load4d(zp, i, dtype), mpv);
-            __m256d aq = _mm256_sub_pd(load4d(zq, i, dtype), mqv);
+            __m256d ap = _mm256_sub_pd(load4d<dtype>(zp, i), mpv);
+            __m256d aq = _mm256_sub_pd(load4d<dtype>(zq, i), mqv);
             __m256d ep = exp_pd(ap), eq = exp_pd(aq);
             __m256d d = _mm256_sub_pd(ap, aq);
             sp = _mm256_add_pd(sp, ep);
@@ -377,6 +381,18 @@ __attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const v
     out.sp = hsum(T[0]) + t.sp; out.ap = hsum(T[1]) + t.ap; out.sq = hsum(T[2]) + t.sq;
     out.aq = hsum(T[3]) + t.aq; out.dp = hsum(T[4]) + t.dp; out.dq = hsum(T[5]) + t.dq;
     out.g0 = hsum(T[6]) + t.g0; out.h = hsum(T[7]) + t.h; out.sd = hsum(T[8]) + t.sd;
+}
+
+// The dtype as a template parameter keeps the inner loops free of branches.
+__attribute__((target("avx2,fma,f16c"))) Side1 pass1_simd(const void* z, int64_t v, int dtype, TopK& top) {
+    return dtype == F32 ? pass1_avx2<F32>(z, v, top) : dtype == BF16 ? pass1_avx2<BF16>(z, v, top) : pass1_avx2<F16>(z, v, top);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void pass2_simd(const void* zp, const void* zq, int64_t v, int dtype, double mp,
+                                                          double mq, double r0, Sums& out) {
+    if (dtype == F32) pass2_avx2<F32>(zp, zq, v, mp, mq, r0, out);
+    else if (dtype == BF16) pass2_avx2<BF16>(zp, zq, v, mp, mq, r0, out);
+    else pass2_avx2<F16>(zp, zq, v, mp, mq, r0, out);
 }
 
 #pragma GCC pop_options
@@ -412,8 +428,8 @@ void pair_row(const Args& a, int64_t row, bool avx2, TopK& tp, TopK& tq) {
     Side1 p, q;
 #if LD_X86
     if (avx2) {
-        p = pass1_avx2(zp, a.vocab, a.dtype, tp);
-        q = p.bad ? Side1{NAN, NAN, true} : pass1_avx2(zq, a.vocab, a.dtype, tq);
+        p = pass1_simd(zp, a.vocab, a.dtype, tp);
+        q = p.bad ? Side1{NAN, NAN, true} : pass1_simd(zq, a.vocab, a.dtype, tq);
     } else
 #endif
     {
@@ -434,7 +450,7 @@ void pair_row(const Args& a, int64_t row, bool avx2, TopK& tp, TopK& tq) {
     double r0 = p.s_est / q.s_est;
     Sums s;
 #if LD_X86
-    auto pass2 = avx2 ? pass2_avx2 : pass2_portable;
+    auto pass2 = avx2 ? pass2_simd : pass2_portable;
 #else
     auto pass2 = pass2_portable;
 #endif

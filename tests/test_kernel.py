@@ -1,0 +1,176 @@
+"""The compiled full-vocabulary kernel (logitdiff._kernel via logitdiff.kernel): built by the
+install, exact against scipy on the rows that stress it (ties, underflow, huge and tiny
+spreads, non-finite input, SIMD tails), independent of threads and chunking, reading
+bfloat16 in place. The scipy reference and tolerances are those of test_metrics.py.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+
+import numpy as np
+import pytest
+import torch
+from test_metrics import ATOL, RTOL, U, assert_matches, kl_error_bound, make_pair, ref_full_vocab
+
+from logitdiff import kernel
+from logitdiff.metrics import FULL_VOCAB_FIELDS, NonFiniteLogits, full_vocab
+
+NATIVE = ("native", "native-scalar")
+LN2 = math.log(2.0)
+
+
+def test_kernel_is_built():
+    """The install builds the extension (a CI machine without it would silently test only
+    the torch path); on x86-64 with AVX2/FMA/F16C the SIMD path is the one taken."""
+    assert kernel.available()
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+        if all(f in flags.split() for f in ("avx2", "fma", "f16c")):
+            assert kernel.has_simd()
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_kernel_edge_rows_match_scipy(backend):
+    """Ties at the top and at the top-K boundary, probabilities that underflow, logits of
+    +-1e38 (differences ~1e38: every exp but the top is 0), spreads of 1e-6, a row whose
+    other side is a constant, exact zeros for identical rows."""
+    v = 1003  # not a multiple of 8: the SIMD loops and their scalar tails both run
+    rng = np.random.default_rng(21)
+    zp = rng.standard_normal((8, v)).astype(np.float32)
+    zq = (zp + 0.01 * rng.standard_normal((8, v))).astype(np.float32)
+    zp[0, [9, 5, 3, 1001]] = 7.0  # top-1 tie -> 3; ids beyond the last full SIMD block
+    zq[0, [1002, 5]] = 7.0
+    zp[1] = 0.0
+    zp[1, 700] = 1000.0  # p is a point; q's logits 1000 below it underflow
+    zq[1, 700] = -1000.0
+    zp[2] = np.linspace(-3e38, 3e38, v, dtype=np.float32)  # huge spread
+    zq[2] = zp[2][::-1]
+    zp[3] = 1.0 + np.arange(v, dtype=np.float32) * 1e-9  # tiny spread (rounds to few values)
+    zq[3] = 1.0 + np.float32(1e-6) * rng.standard_normal(v).astype(np.float32)
+    zq[4] = 5.0  # constant row: uniform
+    zq[5] = zp[5]  # identical
+    zp[6] = np.arange(v) % 3  # ties everywhere
+    zq[6] = -(np.arange(v) % 5)
+    zq[7] = zp[7] + 3.25  # shifted copy: identical distribution
+    y = rng.integers(0, v, 8)
+    got = full_vocab(zp, zq, y, k=6, top_k_out=12, backend=backend)
+    want = ref_full_vocab(zp, zq, y, 6)
+    finite = [0, 3, 4, 5, 6, 7]  # rows 1, 2: scipy's q underflows to 0 under p's point (KL inf)
+    assert_matches({f: got[f][finite] for f in got}, {f: want[f][finite] for f in want})
+    for f in FULL_VOCAB_FIELDS:
+        assert not np.isnan(np.asarray(got[f], dtype=float)).any(), f
+    assert got["top1_ref"][0] == 3 and got["top1_cand"][0] == 5
+    assert got["kl_nats"][5] == 0.0 and got["kl_rev_nats"][5] == 0.0 and got["jsd_nats"][5] == 0.0
+    # p is a point at id 700 (others e^-1000 = 0): KL = -lQ[700] = 1000 + logsumexp(zq[1])
+    # (rounding: u * 1e3 on the difference); disjoint points: JSD = ln 2
+    from scipy.special import logsumexp
+
+    np.testing.assert_allclose(got["kl_nats"][1], 1000.0 + logsumexp(zq[1].astype(np.float64)), rtol=1e-13)
+    np.testing.assert_allclose(got["jsd_nats"][1:3], LN2, rtol=0, atol=1e-15)
+    # row 2: points at opposite ends, 6e38 apart (float64 holds the difference exactly)
+    assert got["kl_nats"][2] == got["kl_rev_nats"][2] == float(np.float64(zp[2, -1]) - np.float64(zp[2, 0]))
+    torch_path = full_vocab(zp, zq, y, k=6, top_k_out=12, backend="torch")
+    for side in ("ref", "cand"):
+        np.testing.assert_array_equal(got[f"topk_ids_{side}"], torch_path[f"topk_ids_{side}"])
+        np.testing.assert_allclose(got[f"topk_logprobs_{side}"], torch_path[f"topk_logprobs_{side}"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_kernel_non_finite_names_row(backend, dtype, bad):
+    rng = np.random.default_rng(1)
+    v = 700  # 696 values in SIMD blocks, 4 in the scalar tail
+    for col in (123, 698):
+        zp = torch.from_numpy(rng.standard_normal((10, v)).astype(np.float32)).to(getattr(torch, dtype))
+        zq = torch.from_numpy(rng.standard_normal((10, v)).astype(np.float32)).to(getattr(torch, dtype))
+        zq[7, col] = bad
+        zp[9, 5] = bad
+        with pytest.raises(NonFiniteLogits) as ei:
+            full_vocab(zp, zq, k=3, backend=backend, chunk_bytes=1)
+        assert ei.value.row == 7 and ei.value.side == "candidate"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_threads_and_chunking_do_not_change_results(dtype):
+    rng = np.random.default_rng(5)
+    zp, zq, y = make_pair(rng, 11, 20_001, 2.0, dtype)
+    one = full_vocab(zp, zq, y, k=7, top_k_out=5, threads=1, chunk_bytes=1 << 40, backend="native")
+    for threads, chunk in ((2, 1), (3, 1 << 40), (5, 20_001 * 8)):
+        other = full_vocab(zp, zq, y, k=7, top_k_out=5, threads=threads, chunk_bytes=chunk, backend="native")
+        for f in one:
+            np.testing.assert_array_equal(one[f], other[f], err_msg=f)
+
+
+def test_kernel_simd_and_scalar_agree_within_error_bound():
+    """The SIMD exp/log and the portable libm path differ only by rounding: KL within the
+    worst-case bound of test_metrics.kl_error_bound, every field within the contract."""
+    rng = np.random.default_rng(9)
+    zp = (rng.standard_normal((6, 30_000)) * 3).astype(np.float32)
+    zq = (zp + rng.standard_normal((6, 30_000)) * 1e-3).astype(np.float32)
+    a = full_vocab(zp, zq, k=5, backend="native")
+    b = full_vocab(zp, zq, k=5, backend="native-scalar")
+    bound, bound_rev = kl_error_bound(zp, zq, "native", True)
+    assert (np.abs(a["kl_nats"] - b["kl_nats"]) <= 2 * bound).all()
+    assert (np.abs(a["kl_rev_nats"] - b["kl_rev_nats"]) <= 2 * bound_rev).all()
+    assert_matches(a, b)
+
+
+def test_kernel_exact_ratio_pass_for_jsd():
+    """G = sum g ln g needs r = s_p/s_q, known only after the pass; the kernel takes G at
+    the float32 estimate r0 plus the first-order term, and redoes G at the exact r when
+    the remainder bound exceeds 1e-15 s_p (short rows, where the estimate's float32
+    rounding does not average out, take that path). JSD matches scipy either way."""
+    if not kernel.has_simd():
+        pytest.skip("the portable path's estimate is float64 (no float32 rounding to correct)")
+    rng = np.random.default_rng(13)
+    zp = torch.from_numpy(rng.standard_normal((2000, 8)).astype(np.float32))
+    zq = torch.from_numpy(rng.standard_normal((2000, 8)).astype(np.float32))
+    flags = kernel.pair_rows(zp, zq, 2, 2)["flags"]
+    assert (flags & kernel.FLAG_PASS3).any() and not (flags & kernel.FLAG_PASS3).all()
+    got = full_vocab(zp, zq, k=2, backend="native")
+    want = ref_full_vocab(zp, zq, np.zeros(2000, int), 2)
+    np.testing.assert_allclose(got["jsd_nats"], want["jsd_nats"], rtol=RTOL, atol=ATOL)
+
+
+def test_kernel_reads_bfloat16_memory_map_in_place(tmp_path):
+    """bf16 stored as uint16 bits, memory-mapped and viewed as bfloat16: the kernel takes it
+    as is (no float32 copy of the chunk: the tensor shares the map's memory) and gives the
+    same answers as a bfloat16 tensor in memory; a stride-0 expansion is read in place."""
+    rng = np.random.default_rng(6)
+    zp, zq, y = make_pair(rng, 5, 3001, 2.0, "bfloat16")
+    for name, z in (("p", zp), ("q", zq)):
+        np.save(tmp_path / f"{name}.npy", z.view(torch.int16).numpy().view(np.uint16))
+    maps = [np.load(tmp_path / f"{n}.npy", mmap_mode="r") for n in ("p", "q")]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        tp, tq = (torch.from_numpy(m.view(np.int16)).view(torch.bfloat16) for m in maps)
+    assert kernel.supports(tp) and tp.data_ptr() == maps[0].ctypes.data
+    a = full_vocab(tp, tq, y, k=4, backend="native")
+    b = full_vocab(zp, zq, y, k=4, backend="native")
+    for f in FULL_VOCAB_FIELDS:
+        np.testing.assert_array_equal(a[f], b[f], err_msg=f)
+    wide = zp[:1].expand(3, -1)
+    assert wide.stride(0) == 0 and kernel.supports(wide)
+    c = full_vocab(wide, zq[:1].expand(3, -1), k=4, backend="native")
+    assert (c["kl_nats"] == c["kl_nats"][0]).all()
+    np.testing.assert_allclose(c["kl_nats"][0], ref_full_vocab(zp[:1], zq[:1], [0], 4)["kl_nats"][0], rtol=RTOL, atol=ATOL)
+
+
+def test_kernel_rejects_what_it_cannot_read():
+    with pytest.raises(ValueError, match="backend"):
+        full_vocab(np.zeros((2, 5)), np.zeros((2, 5)), k=2, backend="native")  # float64
+    with pytest.raises(ValueError, match="backend"):
+        full_vocab(np.zeros((2, 5), np.float32), np.zeros((2, 5), np.float32), k=2, backend="fast")
+    with pytest.raises(ValueError, match="threads"):
+        full_vocab(np.zeros((2, 5), np.float32), np.zeros((2, 5), np.float32), k=2, threads=0)
+    assert not kernel.supports(torch.zeros(4, 6)[:, ::2])  # column stride 2
+    # auto falls back to torch for what the kernel cannot read, with the same answers
+    z = np.random.default_rng(0).standard_normal((3, 50))
+    y = np.array([0, 7, 49])
+    assert_matches(full_vocab(z, z[::-1].copy(), y, k=3), ref_full_vocab(z, z[::-1], y, 3))
+    assert U == 2.0**-53
