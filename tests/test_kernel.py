@@ -15,7 +15,7 @@ import torch
 from test_metrics import ATOL, RTOL, U, assert_matches, kl_error_bound, make_pair, ref_full_vocab
 
 from logitdiff import kernel
-from logitdiff.metrics import FULL_VOCAB_FIELDS, NonFiniteLogits, full_vocab
+from logitdiff.metrics import FULL_VOCAB_FIELDS, NonFiniteLogits, bfloat16_view, full_vocab
 
 NATIVE = ("native", "native-scalar")
 LN2 = math.log(2.0)
@@ -144,11 +144,9 @@ def test_kernel_reads_bfloat16_memory_map_in_place(tmp_path):
     for name, z in (("p", zp), ("q", zq)):
         np.save(tmp_path / f"{name}.npy", z.view(torch.int16).numpy().view(np.uint16))
     maps = [np.load(tmp_path / f"{n}.npy", mmap_mode="r") for n in ("p", "q")]
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        tp, tq = (torch.from_numpy(m.view(np.int16)).view(torch.bfloat16) for m in maps)
+    tp, tq = (bfloat16_view(m) for m in maps)
+    with pytest.raises(TypeError):
+        bfloat16_view(np.zeros(3, np.float32))
     assert kernel.supports(tp) and tp.data_ptr() == maps[0].ctypes.data
     a = full_vocab(tp, tq, y, k=4, backend="native")
     b = full_vocab(zp, zq, y, k=4, backend="native")

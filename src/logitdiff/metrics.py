@@ -1,11 +1,15 @@
 """The metrics of DESIGN.md, vectorised and chunked. Pure: arrays in, arrays out, no I/O.
 
-Full-vocabulary metrics (`full_vocab`) run on torch tensors so the same code path serves
-CPU and GPU; numpy inputs are wrapped without a copy. Everything is computed in float64
-after ``log_softmax`` of the captured logits, a row (or chunk of rows) and a tile of columns at
-a time, so that ``[N, V]`` float64 is never materialised (V = 248,320 is a real vocabulary).
-Each side is exponentiated once and one log is taken (of p + q); KL is accumulated from
-the shift-invariant differences of the logits, not as a difference of entropies.
+Full-vocabulary metrics (`full_vocab`) run, on CPU, in the compiled kernel (``_kernel.cpp``
+through `kernel`: one float32 pass for maxima and top-K, one float64 pass for the sums,
+SIMD, threads over rows, float32/bfloat16/float16 read in place), and on torch tensors
+otherwise (GPUs, float64 input, or where the extension was not built); numpy inputs are
+wrapped without a copy. Everything is computed in float64 after ``log_softmax`` of the
+captured logits, a row (or chunk of rows) and a tile of columns at a time, so that
+``[N, V]`` float64 is never materialised (V = 248,320 is a real vocabulary). Each side is
+exponentiated once and one log is taken (of p + q); KL is accumulated from the
+shift-invariant differences of the logits and from sum (e_p - e_q), not as a difference
+of entropies or of log-sums.
 
 Definitions (natural log; P = reference, Q = candidate, y = teacher-forced next token):
 
@@ -96,6 +100,20 @@ def _as_tensor(x):
         # A read-only memory map is wrapped without a copy and never written to.
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(x)
+
+
+def bfloat16_view(bits: np.ndarray):
+    """A torch bfloat16 tensor over ``bits`` (uint16 bfloat16 bit patterns, as RUN chunks
+    store them; memory maps included), without a copy: what `full_vocab` reads in place."""
+    import torch
+
+    bits = np.asarray(bits)
+    if bits.dtype != np.uint16:
+        raise TypeError(f"bfloat16 bits must be uint16, got {bits.dtype}")
+    with warnings.catch_warnings():
+        # A read-only memory map is wrapped without a copy and never written to.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
 
 
 def _raise_nonfinite(sides, row0: int) -> None:
@@ -408,8 +426,8 @@ def full_vocab(
     """Per-position metrics from two full-vocabulary logit arrays ``[N, V]``.
 
     ``ref_logits``/``cand_logits`` may be numpy arrays (memory maps included) or torch
-    tensors of any float dtype (bf16/f16/f32/f64); they are upcast to float64 a tile at a
-    time and never copied whole. ``next_tokens`` ([N] ints, the teacher-forced tokens)
+    tensors of any float dtype (bf16/f16/f32/f64; stored bf16 bits: `bfloat16_view`); they
+    are upcast to float64 a tile (kernel: 4 values) at a time and never copied whole. ``next_tokens`` ([N] ints, the teacher-forced tokens)
     enables the token metrics (``p_ref_token``, ``p_cand_token``, ``delta_p``, ``nll_ref``,
     ``nll_cand``); without it those are NaN. ``k`` is the top-K of ``topk_overlap`` (top-K
     sets with the lowest id first on ties). ``device`` (e.g. ``"cuda"``) moves each chunk
