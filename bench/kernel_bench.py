@@ -31,6 +31,12 @@ llama.cpp's KL against the same reference (max relative error).
 
 Prints a markdown table: median positions/s over the repeats, ratios ours/llama.cpp and
 ours/memory limit, load average before and after.
+
+``--e2e`` also writes the broad arrays as two RUN directories (float32 and bfloat16
+stores, items of 32 positions) and times ``logitdiff compare REF CAND --out DIR`` (in
+process: reading chunks, the kernel, tokens.parquet, summaries, bootstrap, report files)
+against ``full_vocab`` on the same rows with the arguments compare passes (k=10,
+top_k_out=64), interleaved: the end-to-end overhead over the kernel.
 """
 
 from __future__ import annotations
@@ -200,6 +206,50 @@ def run_ours(files, dtype, threads, y):
     return time.perf_counter() - t, r
 
 
+def write_runs(files: dict, tmp: str, n: int, vocab: int, tokens: np.ndarray) -> dict:
+    """The arrays of ``files`` as RUN directories (float32 and bfloat16 stores)."""
+    from logitdiff.store import RunItem, RunWriter
+
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        for side in ("ref", "cand"):
+            path = os.path.join(tmp, f"run_{side}_{dtype}")
+            w = RunWriter(path, source={"spec": f"bench:{side}"}, vocab_size=vocab, tokenizer_hash="sha256:bench", dtype=dtype, chunk_rows=64)
+            z = np.load(files[side], mmap_mode="r")
+            for i0 in range(0, n, 32):
+                i1 = min(n, i0 + 32)
+                it = RunItem(id=f"item{i0 // 32}", prompt_ids=[1, 2], teacher_ids=[int(t) for t in tokens[i0:i1]], positions=list(range(i1 - i0)))
+                w.add(it, logits=np.asarray(z[i0:i1]))
+            w.finish()
+            runs[(side, dtype)] = path
+    return runs
+
+
+def run_e2e(files, runs, dtype, threads, y, tmp) -> tuple[float, float]:
+    """(seconds of logitdiff compare, seconds of the bare kernel call) on the same rows."""
+    import contextlib
+    import io
+
+    import torch
+
+    from logitdiff import metrics
+    from logitdiff.cli import main as cli_main
+
+    zp, zq = load(files, dtype)
+    t = time.perf_counter()
+    metrics.full_vocab(zp, zq, y, k=10, top_k_out=64, threads=threads)
+    t_kernel = time.perf_counter() - t
+    out = os.path.join(tmp, f"report_{dtype}")
+    torch.set_num_threads(threads)  # compare's kernel calls take torch's thread count
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = cli_main(["compare", runs[("ref", dtype)], runs[("cand", dtype)], "--out", out])
+    t_e2e = time.perf_counter() - t
+    if rc not in (0, None):
+        raise SystemExit(f"logitdiff compare exited {rc}")
+    return t_e2e, t_kernel
+
+
 def run_exe(args) -> dict:
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -215,6 +265,7 @@ def main() -> None:
     ap.add_argument("--check-rows", type=int, default=8, help="rows checked against scipy")
     ap.add_argument("--llama-version", default=None, help="llama-cpp-python sdist (default: the installed version)")
     ap.add_argument("--json", default=None, help="also write the raw timings here")
+    ap.add_argument("--e2e", action="store_true", help="also time logitdiff compare end to end (broad regime)")
     args = ap.parse_args()
 
     from logitdiff import kernel
@@ -261,6 +312,15 @@ def main() -> None:
                     want_kl = scipy_reference(zp64, zq64, y, 10)["kl_nats"]
                     d["llama_kl_relerr"] = float(np.max(np.abs(np.asarray(d["llama_kld"][:m]) - want_kl) / want_kl))
             d.pop("llama_kld")
+        e2e = {}
+        if args.e2e and "broad" in data:
+            runs = write_runs(data["broad"], tmp, args.n, args.vocab, ys["broad"])
+            for dtype in ("float32", "bfloat16"):
+                run_e2e(data["broad"], runs, dtype, args.threads, ys["broad"], tmp)  # warm-up
+            for rep in range(args.repeats):
+                for dtype in ("float32", "bfloat16"):
+                    e2e.setdefault(dtype, []).append(run_e2e(data["broad"], runs, dtype, args.threads, ys["broad"], tmp))
+            res["e2e"] = e2e
     load1 = os.getloadavg()
 
     vocab = args.vocab
@@ -270,12 +330,20 @@ def main() -> None:
           "| memory GB/s | limit f32 pos/s | ours f32 / limit | ours bf16 / limit (bf16 bytes) | ours vs scipy (contract <= 1) f32, bf16 | llama.cpp KL max rel err |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for regime, d in res.items():
+        if regime == "e2e":
+            continue
         med = {k: statistics.median(v) for k, v in d.items() if isinstance(v, list)}
         lim32 = med["memory_gbs"] * 1e9 / (2 * 4 * vocab)
         lim16 = med["memory_gbs"] * 1e9 / (2 * 2 * vocab)
         print(f"| {regime} | {med['ours_f32']:,.0f} | {med['ours_bf16']:,.0f} | {med['llama']:,.0f} | {med['ours_f32'] / med['llama']:.2f}x "
               f"| {med['ours_bf16'] / med['llama']:.2f}x | {med['memory_gbs']:.1f} | {lim32:,.0f} | {med['ours_f32'] / lim32:.2f} "
               f"| {med['ours_bf16'] / lim16:.2f} | {d['contract_float32']:.2g}, {d['contract_bfloat16']:.2g} | {d['llama_kl_relerr']:.1e} |")
+    if "e2e" in res:
+        print("\n| broad, end to end | compare s | kernel s (same rows) | compare / kernel |\n| --- | ---: | ---: | ---: |")
+        for dtype, runs_ in res["e2e"].items():
+            e2e_s = statistics.median(r[0] for r in runs_)
+            k_s = statistics.median(r[1] for r in runs_)
+            print(f"| {dtype} | {e2e_s:.2f} | {k_s:.2f} | {e2e_s / k_s:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "load": [load0, load1], "results": res}, f, indent=1)
