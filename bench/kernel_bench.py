@@ -197,12 +197,12 @@ def contract_error(got: dict, want: dict) -> float:
 # --------------------------------------------------------------------------- runs
 
 
-def run_ours(files, dtype, threads, y):
+def run_ours(files, dtype, threads, y, backend="auto"):
     from logitdiff import metrics
 
     zp, zq = load(files, dtype)
     t = time.perf_counter()
-    r = metrics.full_vocab(zp, zq, y, k=10, threads=threads)
+    r = metrics.full_vocab(zp, zq, y, k=10, threads=threads, backend=backend)
     return time.perf_counter() - t, r
 
 
@@ -266,6 +266,7 @@ def main() -> None:
     ap.add_argument("--llama-version", default=None, help="llama-cpp-python sdist (default: the installed version)")
     ap.add_argument("--json", default=None, help="also write the raw timings here")
     ap.add_argument("--e2e", action="store_true", help="also time logitdiff compare end to end (broad regime)")
+    ap.add_argument("--torch-path", action="store_true", help="also time full_vocab's torch CPU path (the previous kernel)")
     args = ap.parse_args()
 
     from logitdiff import kernel
@@ -281,6 +282,8 @@ def main() -> None:
         for regime in args.regimes.split(","):
             data[regime] = make_inputs(os.path.join(tmp, regime), regime, args.n, args.vocab)
             res[regime] = {"ours_f32": [], "ours_bf16": [], "llama": [], "memory_gbs": []}
+            if args.torch_path:
+                res[regime]["torch_f32"] = []
         ys = {r: np.load(os.path.join(tmp, r, "tok.npy")) for r in data}
         # untimed warm-up of every path (page cache, lazy imports, the driver binary)
         for regime, files in data.items():
@@ -293,6 +296,8 @@ def main() -> None:
                 d["llama"].append(args.n / lj["seconds"])
                 d["llama_kld"] = lj["kld"]
                 d["ours_bf16"].append(args.n / run_ours(files, "bfloat16", args.threads, ys[regime])[0])
+                if args.torch_path:
+                    d["torch_f32"].append(args.n / run_ours(files, "float32", args.threads, ys[regime], "torch")[0])
                 mj = run_exe([exe, "stream", files["ref"], files["cand"], str(args.threads)])
                 d["memory_gbs"].append(mj["bytes"] / mj["seconds"] / 1e9)
             print(f"repeat {rep + 1}/{args.repeats} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
@@ -338,6 +343,12 @@ def main() -> None:
         print(f"| {regime} | {med['ours_f32']:,.0f} | {med['ours_bf16']:,.0f} | {med['llama']:,.0f} | {med['ours_f32'] / med['llama']:.2f}x "
               f"| {med['ours_bf16'] / med['llama']:.2f}x | {med['memory_gbs']:.1f} | {lim32:,.0f} | {med['ours_f32'] / lim32:.2f} "
               f"| {med['ours_bf16'] / lim16:.2f} | {d['contract_float32']:.2g}, {d['contract_bfloat16']:.2g} | {d['llama_kl_relerr']:.1e} |")
+    if args.torch_path:
+        print("\n| regime | torch path f32 pos/s | ours f32 / torch path |\n| --- | ---: | ---: |")
+        for regime, d in res.items():
+            if regime != "e2e":
+                t = statistics.median(d["torch_f32"])
+                print(f"| {regime} | {t:,.0f} | {statistics.median(d['ours_f32']) / t:.2f}x |")
     if "e2e" in res:
         print("\n| broad, end to end | compare s | kernel s (same rows) | compare / kernel |\n| --- | ---: | ---: | ---: |")
         for dtype, runs_ in res["e2e"].items():
