@@ -28,8 +28,6 @@
 // < 3e-17 relative), plus n ln2 in two parts: <= 4 ulp of max(|ln g|, 1). Values below
 // e^-708 (both sides) are flushed to 0: their total weight is < V e^-708 < 1e-300.
 
-#include <Python.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -464,6 +462,10 @@ void pair_row(const Args& a, int64_t row, bool avx2, TopK& tp, TopK& tq) {
         a.flags[row] = FLAG_BAD;
         for (int j = 0; j < 8; ++j) sums[j] = NAN;
         a.maxes[row * 2] = a.maxes[row * 2 + 1] = NAN;
+        for (int64_t j = 0; j < 2 * a.kk; ++j) {  // defined output for callers that skip the check
+            a.top_ids[row * 2 * a.kk + j] = 0;
+            a.top_vals[row * 2 * a.kk + j] = NAN;
+        }
         return;
     }
     a.maxes[row * 2] = p.m;
@@ -520,8 +522,12 @@ __attribute__((visibility("default"))) int logitdiff_has_avx2(void) { return hav
 
 }  // extern "C"
 
-// A module object so that the library is found and built like any extension; the
-// functions are reached through ctypes (logitdiff/kernel.py).
+// The functions are reached through ctypes (logitdiff/kernel.py), so the library needs no
+// Python headers (a machine without python3-dev still builds it); where they are present
+// it is also an importable (empty) module.
+#if __has_include(<Python.h>)
+#include <Python.h>
 static struct PyModuleDef kernel_module = {PyModuleDef_HEAD_INIT, "_kernel", "compiled full_vocab kernel (ctypes)", -1,
                                            nullptr};
 PyMODINIT_FUNC PyInit__kernel(void) { return PyModule_Create(&kernel_module); }
+#endif

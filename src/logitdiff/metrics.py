@@ -427,9 +427,10 @@ def full_vocab(
 
     ``ref_logits``/``cand_logits`` may be numpy arrays (memory maps included) or torch
     tensors of any float dtype (bf16/f16/f32/f64; stored bf16 bits: `bfloat16_view`); they
-    are upcast to float64 a tile (kernel: 4 values) at a time and never copied whole. ``next_tokens`` ([N] ints, the teacher-forced tokens)
-    enables the token metrics (``p_ref_token``, ``p_cand_token``, ``delta_p``, ``nll_ref``,
-    ``nll_cand``); without it those are NaN. ``k`` is the top-K of ``topk_overlap`` (top-K
+    are upcast to float64 a tile (kernel: 4 values) at a time and never copied whole.
+    ``next_tokens`` ([N] ints, the teacher-forced tokens) enables the token metrics
+    (``p_ref_token``, ``p_cand_token``, ``delta_p``, ``nll_ref``, ``nll_cand``); without
+    it those are NaN. ``k`` is the top-K of ``topk_overlap`` (top-K
     sets with the lowest id first on ties). ``device`` (e.g. ``"cuda"``) moves each chunk
     there; the results always come back as numpy arrays.
 
@@ -502,7 +503,7 @@ def full_vocab(
     native = _use_native(backend, dev, zp_all, zq_all)
     per_row = dev.type == "cpu" and _CPU_PER_ROW and not native
     n_threads = threads or torch.get_num_threads()
-    threads = torch.get_num_threads()
+    torch_threads = torch.get_num_threads()  # restored after the torch per-row path
     pool = _row_pool(n, dev, n_threads) if per_row else None
     local = threading.local()
     nw = pool._max_workers if pool is not None else 1
@@ -602,7 +603,7 @@ def full_vocab(
         if pool is not None:
             pool.shutdown()
         if per_row:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(torch_threads)
     return out
 
 
