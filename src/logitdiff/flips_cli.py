@@ -69,7 +69,12 @@ def cmd_flips(args) -> int:
 
     from pathlib import Path
 
-    from .outputs import locked
+    from .outputs import Kind, is_kind, locked
+
+    if not is_kind(Path(args.report), Kind.REPORT):
+        from .report import read_report
+
+        read_report(args.report)  # the one-line error saying what is wrong with it
 
     # flips rewrites files of the REPORT it reads: one writer per REPORT at a time.
     try:

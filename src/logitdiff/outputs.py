@@ -59,10 +59,21 @@ class Kind(enum.Enum):
         return self in (Kind.RUN, Kind.REPORT, Kind.RUN_OUT)
 
 
+_SCHEMA_FIRST = re.compile(rb'\A\s*\{\s*"schema"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
 def _json_schema(path: Path) -> str | None:
+    """The ``schema`` of a JSON object file. Our files write it as the first key, so a big
+    report.json is recognised from its head; anything else is parsed whole (when small)."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read(64 << 20)).get("schema")
+            head = f.read(4096)
+            m = _SCHEMA_FIRST.match(head)
+            if m:
+                return json.loads(m.group(1))
+            if os.fstat(f.fileno()).st_size > (16 << 20):
+                return None
+            return json.loads(head + f.read()).get("schema")
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -157,7 +157,8 @@ def resume_difference(old: dict, new: dict) -> tuple[str, object, object] | None
         for k in ("tokenizer_hash", "vocab_size"):
             yield k, old.get(k), new.get(k)
         os_, ns = old.get("settings") or {}, new.get("settings") or {}
-        for k in sorted(set(os_) | set(ns)):
+        # store first: a top-K run also differs in dtype, but the store is what was asked
+        for k in sorted(set(os_) | set(ns), key=lambda k: (k != "store", k)):
             yield f"settings.{k}", os_.get(k), ns.get(k)
 
     for name, a, b in pairs():

@@ -264,16 +264,17 @@ def _err_text(payload: Any) -> str:
 
 PROBE_TIMEOUT_S = 10.0
 PROBE_UNREACHABLE = -1  # no connection
-PROBE_SILENT = -2  # connected, but no answer within PROBE_TIMEOUT_S
+PROBE_SILENT = -2  # connected, but no answer in time (the body is the seconds waited)
 
 
 async def _probe(http, url: str) -> tuple[int, Any]:
     import httpx
 
+    wait = min(PROBE_TIMEOUT_S, http.timeout.read or PROBE_TIMEOUT_S)
     try:
-        r = await http.get(url, timeout=PROBE_TIMEOUT_S)
+        r = await http.get(url, timeout=wait)
     except httpx.ReadTimeout:
-        return PROBE_SILENT, None
+        return PROBE_SILENT, wait
     except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError):
         return PROBE_UNREACHABLE, None
     try:
@@ -864,7 +865,7 @@ async def detect_kind(http, root: str, spec: str) -> str:
     if st == PROBE_UNREACHABLE:
         raise LogitdiffError(f"{spec}: server unreachable at {root} (connection failed)")
     if st == PROBE_SILENT:
-        raise LogitdiffError(f"{spec}: {root} accepted the connection but sent no response within {PROBE_TIMEOUT_S:g} s")
+        raise LogitdiffError(f"{spec}: {root} accepted the connection but sent no response within {body:g} s")
     if st == 200 and isinstance(body, dict) and ("default_generation_settings" in body or "build_info" in body):
         return "llamacpp"
     st, body = await _probe(http, root + "/get_model_info")
