@@ -322,7 +322,7 @@ def test_real_concurrent_capture_is_refused(w, tmp_path):
         first.send_signal(signal.SIGCONT)
     assert first.wait(timeout=600) == 0, first.stderr.read()
     run = RunReader(out)
-    assert run.manifest["source"]["spec"] == "builtin:tiny" and run.dtype == "bfloat16"
+    assert run.manifest["source"]["spec"] == "builtin:tiny" and run.manifest["source"]["identity"]["dtype"] == "bfloat16"
     assert [it.id for it in run.items()] == [f"i{k}" for k in range(24)]
     assert sorted(os.listdir(tmp_path)) == ["run", "wl.jsonl"]
 
@@ -571,7 +571,7 @@ def test_kld_nonfinite_rows(tmp_path, capsys, value, needle):
     write_llamacpp_kld(path, rng.normal(size=(2, 8, 32)).astype(np.float32), rng.integers(0, 32, size=(2, 8)))
     data = bytearray(path.read_bytes())
     nv = 2 * ((32 + 1) // 2) + 4
-    row = 20 + 4 * 8 * 2 + 2 * nv * (3 + 1)  # chunk 1, scored row 0
+    row = 20 + 4 * 8 * 2 + 2 * nv * 3  # chunk 1, scored row 0 (3 scored rows a chunk: n_ctx - 1 - n_ctx//2)
     field = 4 if value == -np.inf else 0  # min_log_prob, or the scale
     data[row + field : row + field + 4] = np.array([value], dtype="<f4").tobytes()
     path.write_bytes(bytes(data))

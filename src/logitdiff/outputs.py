@@ -375,7 +375,7 @@ def report_names(specs: list[str]) -> list[str]:
             parent = Path(target.rstrip("/")).parent.name if kind in ("gguf", "hf") else ""
             name = _clean_name(f"{parent}-{name}") if parent else name
         names.append(name)
-    for i, (spec, name) in enumerate(zip(specs, names)):
-        if names.count(name) > 1 or name.lower() in [n.lower() for j, n in enumerate(names) if j != i]:
-            names[i] = f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
-    return names
+    # still shared (also when only the case differs: case-insensitive file systems)
+    lower = [n.lower() for n in names]
+    return [f"{n}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}" if lower.count(n.lower()) > 1 else n
+            for spec, n in zip(specs, names)]
