@@ -296,6 +296,19 @@ def test_concurrent_writer_is_refused_and_a_dead_one_does_not_block(cmd, w, tmp_
     assert sorted(os.listdir(out.parent)) == [out.name]
 
 
+def test_flips_takes_the_report_lock(w, tmp_path, capsys):
+    """flips rewrites files of its REPORT: a second writer of that REPORT is refused."""
+    rep = copy_of(w, "rep", tmp_path / "rep")
+    before = digest(rep)
+    holder = hold_lock(rep)
+    try:
+        check_error(capsys, ["flips", rep, "--similarity", "edit"], f"pid {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert digest(rep) == before
+
+
 def test_real_concurrent_capture_is_refused(w, tmp_path):
     """Two real logitdiff processes capturing into one RUN: the second fails at once,
     naming the first's pid; the first completes a run holding only its own model."""

@@ -83,7 +83,9 @@ def cmd_compare(args) -> int:
     inputs = [args.reference, args.noise_floor] + ([] if live else [args.candidate])
     check_output(args.out, Kind.REPORT, inputs=inputs)
     ref = RunReader(args.reference, allow_partial=args.allow_partial)
-    if args.top_logprobs > ref.vocab_size:
+    if args.top_logprobs is None:
+        args.top_logprobs = min(DEFAULT_TOP_LOGPROBS, ref.vocab_size)
+    elif args.top_logprobs > ref.vocab_size:
         raise LogitdiffError(f"--top-logprobs {args.top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {args.reference}")
     live_source = None
     if live:
@@ -129,6 +131,7 @@ def cmd_compare(args) -> int:
 
 
 MAX_BOOTSTRAP = 100_000
+DEFAULT_TOP_LOGPROBS = 64
 
 
 def check_at_least(flag: str, value: int | None, low: int) -> None:
@@ -424,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--bootstrap", type=int, default=1000,
                    help="bootstrap resamples of items for 95%% CIs, 0 (no CIs) to 100000 (default: %(default)s)")
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
-    c.add_argument("--top-logprobs", type=int, default=64, help="K of the seed's top-K fields, 1..V (default: %(default)s)")
+    c.add_argument("--top-logprobs", type=int, default=None,
+                   help=f"K of the seed's top-K fields, 1..V (default: {DEFAULT_TOP_LOGPROBS}, or V when smaller)")
     c.add_argument("--noise-floor", metavar="RUN", help="a rerun of the reference: its drift is printed beside the candidate's")
     c.add_argument("--allow-partial", action="store_true", help="accept runs marked partial (stated in the report)")
     c.add_argument("--no-rows", action="store_true", help="omit per-position rows from report.json (tokens.parquet keeps them)")

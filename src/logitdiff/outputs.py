@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -249,10 +250,9 @@ def _remove(path: Path) -> None:
 def _sweep_stale(out: Path) -> None:
     """Temporaries of an earlier writer killed with SIGKILL: only the lock holder makes
     them, and we hold the lock now, so every one left is garbage."""
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):
-        _remove(stale)
-    for stale in out.parent.glob(f".{out.name}.old-*"):
-        _remove(stale)
+    for what in ("tmp", "old"):
+        for stale in out.parent.glob(glob.escape(f".{out.name}.{what}-") + "*"):
+            _remove(stale)
 
 
 def _make_parents(out: Path) -> list[Path]:

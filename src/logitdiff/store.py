@@ -146,16 +146,16 @@ def parse_store(text: str, vocab_size: int | None = None) -> int:
 
 def resume_difference(old: dict, new: dict) -> tuple[str, object, object] | None:
     """First field in which a RUN's manifest differs from what a resumed capture would
-    write: source spec, model identity, tokenizer, vocabulary, then every setting
+    write: vocabulary, tokenizer, source spec, model identity, then every setting
     (store, dtype, workload hash, max_tokens, positions, teacher...)."""
     def pairs():
+        for k in ("vocab_size", "tokenizer_hash"):
+            yield k, old.get(k), new.get(k)
         yield "source.spec", (old.get("source") or {}).get("spec"), (new.get("source") or {}).get("spec")
         oi, ni = (old.get("source") or {}).get("identity") or {}, (new.get("source") or {}).get("identity") or {}
         for k in sorted(set(oi) | set(ni)):
             if k not in RESUME_FREE_IDENTITY:
                 yield f"source.identity.{k}", oi.get(k), ni.get(k)
-        for k in ("tokenizer_hash", "vocab_size"):
-            yield k, old.get(k), new.get(k)
         os_, ns = old.get("settings") or {}, new.get("settings") or {}
         # store first: a top-K run also differs in dtype, but the store is what was asked
         for k in sorted(set(os_) | set(ns), key=lambda k: (k != "store", k)):
