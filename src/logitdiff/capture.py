@@ -158,7 +158,7 @@ def capture_reference(
 
     ``out`` is guarded and locked (:mod:`logitdiff.outputs`); ``inputs`` are paths the
     capture reads (the workload), which ``out`` must not be, hold or sit inside."""
-    _check_flags(resume, overwrite)
+    check_resume_flags(resume, overwrite)
     check_max_tokens(max_tokens)
     parse_positions(positions)
     store = _store_for(source, store)
@@ -178,7 +178,7 @@ def capture_reference(
     return Path(out)
 
 
-def _check_flags(resume: bool, overwrite: bool) -> None:
+def check_resume_flags(resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise LogitdiffError("--resume and --overwrite exclude each other: continue the run, or replace it")
 
@@ -257,7 +257,7 @@ def capture_candidate(
     """Teacher-forced capture at exactly the reference's positions (of one shard: items k
     with k mod n == i, see ``logitdiff merge``). ``out`` is guarded and locked; it must
     not be, hold or sit inside the teacher run."""
-    _check_flags(resume, overwrite)
+    check_resume_flags(resume, overwrite)
     store = _store_for(source, store)
     pairs = verified_prompts(source, teacher, shard=shard)
     settings = {"role": "candidate", "teacher": str(teacher.path), "teacher_manifest_sha256": _manifest_sha256(teacher),

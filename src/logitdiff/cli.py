@@ -226,18 +226,17 @@ def print_summary(report: dict) -> None:
 
 # ----------------------------------------------------------------------------- capture
 def cmd_capture(args) -> int:
-    from .capture import capture_candidate, capture_reference, check_max_tokens, parse_positions
+    from .capture import capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
     from .outputs import Kind, check_output
     from .sources import open_source
     from .store import RunReader, parse_store
 
     if args.teacher and args.workload:
         raise LogitdiffError("--teacher and --workload exclude each other: a candidate capture takes its items from the teacher run")
-    if args.resume and args.overwrite:
-        raise LogitdiffError("--resume and --overwrite exclude each other: continue the run, or replace it")
     from .served import parse_shard, shard_items, with_endpoints
 
     # Arguments first, then the output path, then the inputs; the source (slow) last.
+    check_resume_flags(args.resume, args.overwrite)
     parse_store(args.store)
     check_max_tokens(args.max_tokens)
     parse_positions(args.positions)
