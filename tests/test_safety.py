@@ -662,3 +662,19 @@ def test_silent_server_says_no_response(tmp_path, capsys):
     finally:
         srv.close()
     assert not (tmp_path / "run").exists()
+
+
+def test_run_does_not_resume_a_reference_made_with_another_model(w, tmp_path, capsys):
+    """A partial reference in OUT whose model identity differs is captured afresh, not continued."""
+    out = copy_of(w, "run_out", tmp_path / "out")
+    mpath = out / "runs" / "reference" / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["status"] = "partial"
+    m["source"]["identity"]["weight_files"] = {"model.safetensors": "0" * 64}
+    mpath.write_text(json.dumps(m))
+    capsys.readouterr()
+    assert main(RUN_ARGS(w["wl"]) + ["--out", str(out)]) == 0
+    assert "capturing afresh" in capsys.readouterr().err
+    fresh = RunReader(out / "runs" / "reference")
+    assert fresh.manifest["source"]["identity"]["weight_files"] == RunReader(w["ref"]).manifest["source"]["identity"]["weight_files"]
+    assert [it.teacher_ids for it in fresh.items()] == [it.teacher_ids for it in RunReader(w["ref"]).items()]
