@@ -31,7 +31,7 @@ import numpy as np
 
 from . import __version__
 from .errors import LogitdiffError
-from .outputs import RUN_SCHEMA
+from .outputs import RUN_SCHEMA, Kind, check_output
 
 # Keys of a source's identity that may change between a capture and its --resume without
 # changing the numbers (parallelism, which replicas serve the same model); every other
@@ -271,6 +271,8 @@ class RunWriter:
         else:
             if mpath.exists() and not overwrite:
                 raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
+            # Library callers too: never clear or fill a directory that is not a RUN.
+            check_output(self.path, Kind.RUN, overwrite=overwrite)
             (self.path / "chunks").mkdir(parents=True, exist_ok=True)
             if overwrite:
                 for f in (self.path / "chunks").iterdir():
