@@ -388,9 +388,9 @@ def test_sigterm_during_capture_overwrite_keeps_old_run(w, tmp_path):
 
 
 # ----------------------------------------------------------------------------- resume
-def partial_copy(w: dict, dest: Path) -> Path:
-    """The reference run as a kill after its first item leaves it: one chunk listed, partial."""
-    shutil.copytree(w["ref"], dest)
+def partial_copy(w: dict, dest: Path, key: str = "ref") -> Path:
+    """A run as a kill after its first item leaves it: one chunk listed, partial."""
+    shutil.copytree(w[key], dest)
     m = json.loads((dest / "manifest.json").read_text())
     assert m["n_items"] == 3
     first = m["chunks"][0]
@@ -433,6 +433,31 @@ def test_resume_refuses_to_mix(w, tmp_path, capsys, change, field):
     err = one_line_error(capsys)
     assert f"field {field!r}" in err and "cannot resume" in err, err
     assert digest(run) == before
+
+
+@pytest.mark.parametrize("teacher_change, field", [("moved", "settings.teacher"), ("recaptured", "settings.teacher_manifest_sha256")])
+def test_candidate_resume_refuses_another_teacher(w, tmp_path, capsys, teacher_change, field):
+    teacher = shutil.copytree(w["ref"], tmp_path / "ref")
+    run = partial_copy(w, tmp_path / "cand", key="cand")
+    m = json.loads((run / "manifest.json").read_text())
+    m["settings"]["teacher"] = str(teacher)
+    m["settings"]["teacher_manifest_sha256"] = hashlib.sha256((teacher / "manifest.json").read_bytes()).hexdigest()
+    (run / "manifest.json").write_text(json.dumps(m))
+    if teacher_change == "moved":
+        teacher = teacher.rename(tmp_path / "ref2")
+    else:  # the same path, captured again (its manifest, e.g. its creation time, differs)
+        tm = json.loads((teacher / "manifest.json").read_text())
+        tm["created"] = "2000-01-01T00:00:00Z"
+        (teacher / "manifest.json").write_text(json.dumps(tm))
+    before = digest(run)
+    check_error(capsys, ["capture", "builtin:tiny,dtype=float32", "--teacher", teacher, "--out", run, "--resume"],
+                f"field {field!r}", "cannot resume")
+    assert digest(run) == before
+    # with the teacher it was made on, the resume completes it
+    if teacher_change == "moved":
+        teacher.rename(tmp_path / "ref")
+        assert main(["capture", "builtin:tiny,dtype=float32", "--teacher", str(tmp_path / "ref"), "--out", str(run), "--resume"]) == 0
+        assert [it.id for it in RunReader(run).items()] == [it.id for it in RunReader(w["cand"]).items()]
 
 
 def test_resume_with_the_same_settings_completes_like_a_fresh_capture(w, tmp_path, capsys):
