@@ -36,7 +36,7 @@ from .outputs import RUN_SCHEMA, Kind, check_output
 # Keys of a source's identity that may change between a capture and its --resume without
 # changing the numbers (parallelism, which replicas serve the same model); every other
 # identity key (weight hashes, dtype, quant, versions, device) must match.
-RESUME_FREE_IDENTITY = ("threads", "endpoints", "extra_bufts")
+RESUME_FREE_IDENTITY = ("threads", "endpoints", "extra_bufts", "total_slots")
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
 
 
