@@ -18,6 +18,7 @@ import numpy as np
 
 from . import metrics as M
 from .errors import LogitdiffError
+from .outputs import Kind, writing
 from .sources import Source
 from .store import RunItem, RunReader, RunWriter, first_difference
 from .workload import Item
@@ -25,25 +26,38 @@ from .workload import Item
 DEFAULT_MAX_TOKENS = 64
 
 
-def select_positions(n: int, mode: str, item_id: str) -> list[int]:
-    """Output positions to score: ``all``, ``first`` or ``sample:FRAC`` (seeded per item)."""
-    if n <= 0:
-        return []
-    if mode == "all":
-        return list(range(n))
-    if mode == "first":
-        return [0]
-    if mode.startswith("sample:"):
+def parse_positions(mode: str) -> tuple[str, float]:
+    """``all``, ``first`` or ``sample:FRAC`` with 0 < FRAC <= 1 -> (kind, frac); else a one-line error."""
+    if mode in ("all", "first"):
+        return mode, 1.0
+    if isinstance(mode, str) and mode.startswith("sample:"):
         try:
             frac = float(mode.split(":", 1)[1])
         except ValueError:
-            frac = -1.0
-        if not 0.0 < frac <= 1.0:
-            raise LogitdiffError(f"--positions {mode!r}: FRAC must be in (0, 1]")
-        k = max(1, math.ceil(frac * n))
-        seed = int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "little")
-        return sorted(np.random.default_rng(seed).choice(n, size=k, replace=False).tolist())
+            frac = float("nan")
+        if not 0.0 < frac <= 1.0:  # also refuses nan and inf
+            raise LogitdiffError(f"--positions {mode!r}: FRAC must be a number in (0, 1]")
+        return "sample", frac
     raise LogitdiffError(f"--positions {mode!r}: expected all, first or sample:FRAC")
+
+
+def check_max_tokens(max_tokens: int | None) -> None:
+    if max_tokens is not None and max_tokens < 1:
+        raise LogitdiffError(f"--max-tokens {max_tokens}: must be at least 1")
+
+
+def select_positions(n: int, mode: str, item_id: str) -> list[int]:
+    """Output positions to score: ``all``, ``first`` or ``sample:FRAC`` (seeded per item)."""
+    kind, frac = parse_positions(mode)
+    if n <= 0:
+        return []
+    if kind == "all":
+        return list(range(n))
+    if kind == "first":
+        return [0]
+    k = max(1, math.ceil(frac * n))
+    seed = int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "little")
+    return sorted(np.random.default_rng(seed).choice(n, size=k, replace=False).tolist())
 
 
 def _select(scored, positions):
@@ -87,10 +101,18 @@ def _vocab(source: Source) -> list[str]:
     return cached
 
 
-def _writer(source: Source, out, store: str, resume: bool, overwrite: bool, settings: dict) -> RunWriter:
-    # A served (top-K) source cannot give full logits: store what it has.
+def _store_for(source: Source, store: str) -> str:
+    """The store a capture uses: a served (top-K) source cannot give full logits, so
+    ``full`` means its top-K; ``topk:K`` is checked against the vocabulary."""
+    from .store import parse_store
+
+    parse_store(store, source.vocab_size)
     if getattr(source, "distribution", "full") == "topk" and store == "full":
-        store = f"topk:{source.top_k}"
+        return f"topk:{source.top_k}"
+    return store
+
+
+def _writer(source: Source, out, store: str, resume: bool, settings: dict) -> RunWriter:
     return RunWriter(
         out,
         source=_source_meta(source),
@@ -100,9 +122,16 @@ def _writer(source: Source, out, store: str, resume: bool, overwrite: bool, sett
         dtype=getattr(source, "logits_dtype", "float32"),
         settings={**settings, "distributions": "teacher-forced prefill over prompt + teacher"},
         resume=resume,
-        overwrite=overwrite,
         vocab=None if resume else _vocab(source),
     )
+
+
+def _close_quietly(writer: RunWriter) -> None:
+    """Stop the writer thread after a failure (its error, if any, is not the one to report)."""
+    try:
+        writer.close()
+    except Exception:
+        pass
 
 
 def _batched(seq: Sequence, n: int):
@@ -123,15 +152,38 @@ def capture_reference(
     settings: dict | None = None,
     progress: Callable[[int], None] | None = None,
     batch: int = 8,
+    inputs: Sequence[str | Path] = (),
 ) -> Path:
-    """Greedy generation (the teacher sequence), then teacher-forced distributions."""
+    """Greedy generation (the teacher sequence), then teacher-forced distributions.
+
+    ``out`` is guarded and locked (:mod:`logitdiff.outputs`); ``inputs`` are paths the
+    capture reads (the workload), which ``out`` must not be, hold or sit inside."""
+    check_resume_flags(resume, overwrite)
+    check_max_tokens(max_tokens)
+    parse_positions(positions)
+    store = _store_for(source, store)
     # Render every item first: a prompt the source refuses (too long, bad template) is a
     # one-line error before any RUN file exists, not a half-written run.
     rendered = {it.id: source.render(it) for it in items}
-    writer = _writer(
-        source, out, store, resume, overwrite,
-        {"role": "reference", "max_tokens": max_tokens, "positions": positions, "decoding": "greedy (temperature 0)", **(settings or {})},
-    )
+    settings = {"role": "reference", "max_tokens": max_tokens, "positions": positions, "decoding": "greedy (temperature 0)",
+                **(settings or {})}
+    with writing(out, Kind.RUN, inputs=inputs, overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
+        writer = _writer(source, path, store, resume, settings)
+        try:
+            _reference_rows(writer, source, items, rendered, max_tokens=max_tokens, positions=positions, resume=resume,
+                            progress=progress, batch=batch)
+        except BaseException:
+            _close_quietly(writer)
+            raise
+    return Path(out)
+
+
+def check_resume_flags(resume: bool, overwrite: bool) -> None:
+    if resume and overwrite:
+        raise LogitdiffError("--resume and --overwrite exclude each other: continue the run, or replace it")
+
+
+def _reference_rows(writer: RunWriter, source: Source, items, rendered, *, max_tokens, positions, resume, progress, batch) -> None:
     done = writer.done_ids() if resume else set()
     todo = [it for it in items if it.id not in done]
     if progress and done:
@@ -157,7 +209,6 @@ def capture_reference(
             if progress:
                 progress(1)
     writer.finish()
-    return Path(out)
 
 
 def verified_prompts(source: Source, teacher: RunReader, shard=None) -> list[tuple[RunItem, list[int]]]:
@@ -204,13 +255,29 @@ def capture_candidate(
     settings: dict | None = None,
 ) -> Path:
     """Teacher-forced capture at exactly the reference's positions (of one shard: items k
-    with k mod n == i, see ``logitdiff merge``)."""
-
+    with k mod n == i, see ``logitdiff merge``). ``out`` is guarded and locked; it must
+    not be, hold or sit inside the teacher run."""
+    check_resume_flags(resume, overwrite)
+    store = _store_for(source, store)
     pairs = verified_prompts(source, teacher, shard=shard)
-    writer = _writer(
-        source, out, store, resume, overwrite,
-        {"role": "candidate", "teacher": str(teacher.path), "positions": teacher.manifest["settings"].get("positions"), **(settings or {})},
-    )
+    settings = {"role": "candidate", "teacher": str(teacher.path), "teacher_manifest_sha256": _manifest_sha256(teacher),
+                "positions": teacher.manifest["settings"].get("positions"), **(settings or {})}
+    with writing(out, Kind.RUN, inputs=[teacher.path], overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
+        writer = _writer(source, path, store, resume, settings)
+        try:
+            _candidate_rows(writer, source, pairs, resume=resume, progress=progress, batch=batch)
+        except BaseException:
+            _close_quietly(writer)
+            raise
+    return Path(out)
+
+
+def _manifest_sha256(run: RunReader) -> str:
+    """Which teacher a candidate was scored on (a recapture at the same path differs)."""
+    return hashlib.sha256((Path(run.path) / "manifest.json").read_bytes()).hexdigest()
+
+
+def _candidate_rows(writer: RunWriter, source: Source, pairs, *, resume, progress, batch) -> None:
     done = writer.done_ids() if resume else set()
     todo = [(it, p) for it, p in pairs if it.id not in done]
     if progress and done:
@@ -224,7 +291,6 @@ def capture_candidate(
             if progress:
                 progress(1)
     writer.finish()
-    return Path(out)
 
 
 class LiveRun:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +19,12 @@ Typical use:
   logitdiff flips reports/q4                      # what the top-1 flips do; correctness flips
   logitdiff report reports/q8 reports/q4 --out q.html
   logitdiff import llamacpp-kld base.kld --out runs/base
+
+Outputs: --out is replaced only when it holds the same kind of logitdiff output (and,
+where a command has --overwrite, only with it), never when it is another directory or
+file or one of the command's inputs; a new output is built beside the old one and swapped
+in when complete, and a second writer to the same output is refused (naming its pid).
+Errors are one line on stderr, exit status 2.
 
 Every divergence is in nats (natural log) with a bits twin; drift is measured against the
 reference, which is a numerical-fidelity reference, not an oracle of correctness.
@@ -57,19 +64,31 @@ def _progress(total: int | None, description: str):
 # ----------------------------------------------------------------------------- compare
 def cmd_compare(args) -> int:
     from .compare import compare_runs
+    from .outputs import Kind, check_output
     from .report import build_report, write_report_dir
     from .report.markdown import render_markdown
     from .store import RunReader
     from .summarize import parse_ranges
 
+    # Every argument and input is checked before anything is computed or written.
     try:
         ranges = parse_ranges(args.ranges)
     except ValueError as e:
         raise LogitdiffError(str(e)) from None
     gates = parse_fail_on(args.fail_on)
+    check_bootstrap(args.bootstrap)
+    check_at_least("--top-logprobs", args.top_logprobs, 1)
+    check_device(args.device)
+    live = not Path(args.candidate).exists() and ":" in args.candidate
+    inputs = [args.reference, args.noise_floor] + ([] if live else [args.candidate])
+    check_output(args.out, Kind.REPORT, inputs=inputs)
     ref = RunReader(args.reference, allow_partial=args.allow_partial)
+    if args.top_logprobs is None:
+        args.top_logprobs = min(DEFAULT_TOP_LOGPROBS, ref.vocab_size)
+    elif args.top_logprobs > ref.vocab_size:
+        raise LogitdiffError(f"--top-logprobs {args.top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {args.reference}")
     live_source = None
-    if not Path(args.candidate).exists() and ":" in args.candidate:
+    if live:
         # A source spec: score it live against the reference, store nothing.
         from .capture import LiveRun
         from .sources import open_source
@@ -78,9 +97,10 @@ def cmd_compare(args) -> int:
         cand = LiveRun(live_source, ref)
     else:
         cand = RunReader(args.candidate, allow_partial=args.allow_partial)
+    noise_run = RunReader(args.noise_floor, allow_partial=args.allow_partial) if args.noise_floor else None
     noise = None
-    if args.noise_floor:
-        nf = compare_runs(ref, RunReader(args.noise_floor, allow_partial=args.allow_partial), top_logprobs=args.top_logprobs)
+    if noise_run is not None:
+        nf = compare_runs(ref, noise_run, top_logprobs=args.top_logprobs)
         import numpy as np
 
         noise = {"path": str(args.noise_floor), "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
@@ -103,10 +123,46 @@ def cmd_compare(args) -> int:
 
     apply_gates(report, gates)
     html = render_html([report], [columns], paths=[args.out])
-    write_report_dir(args.out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()})
+    write_report_dir(args.out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()},
+                     inputs=inputs)
     print_summary(report)
     _console().print(f"wrote {args.out}/report.json, tokens.parquet, report.md, report.html")
     return gate_exit([report])
+
+
+MAX_BOOTSTRAP = 100_000
+DEFAULT_TOP_LOGPROBS = 64
+
+
+def check_at_least(flag: str, value: int | None, low: int) -> None:
+    if value is not None and value < low:
+        raise LogitdiffError(f"{flag} {value}: must be at least {low}")
+
+
+def check_bootstrap(n: int) -> None:
+    """0 (no confidence intervals) .. MAX_BOOTSTRAP (the resample index array is n x items)."""
+    if not 0 <= n <= MAX_BOOTSTRAP:
+        raise LogitdiffError(f"--bootstrap {n}: must be between 0 (no confidence intervals) and {MAX_BOOTSTRAP}")
+
+
+def check_device(device: str | None) -> None:
+    """``--device``: cpu, cuda or cuda:N, and CUDA only where torch can reach a GPU."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise LogitdiffError(f"--device {device!r}: not a device (expected cpu, cuda or cuda:N)") from None
+    if d.type not in ("cpu", "cuda"):
+        raise LogitdiffError(f"--device {device!r}: unsupported (expected cpu, cuda or cuda:N)")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no usable GPU"
+            raise LogitdiffError(f"--device {device!r}: CUDA is not available (torch {torch.__version__}, {build}); use --device cpu")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise LogitdiffError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
 GATES_EXIT = 3
@@ -170,35 +226,49 @@ def print_summary(report: dict) -> None:
 
 # ----------------------------------------------------------------------------- capture
 def cmd_capture(args) -> int:
-    from .capture import capture_candidate, capture_reference
+    from .capture import capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
+    from .outputs import Kind, check_output
     from .sources import open_source
-    from .store import RunReader
+    from .store import RunReader, parse_store
 
     if args.teacher and args.workload:
         raise LogitdiffError("--teacher and --workload exclude each other: a candidate capture takes its items from the teacher run")
     from .served import parse_shard, shard_items, with_endpoints
 
+    # Arguments first, then the output path, then the inputs; the source (slow) last.
+    check_resume_flags(args.resume, args.overwrite)
+    parse_store(args.store)
+    check_max_tokens(args.max_tokens)
+    parse_positions(args.positions)
     spec = with_endpoints(args.spec, args.endpoint)
     shard = parse_shard(args.shard)
     extra = {"shard": args.shard} if shard else {}
     if args.teacher:
+        check_output(args.out, Kind.RUN, inputs=[args.teacher], overwrite=args.overwrite, resume=args.resume)
         teacher = RunReader(args.teacher)
+        teacher.items()  # a damaged teacher is a one-line error before the source loads
         with open_source(spec) as src:
             prog, advance = _progress(len(shard_items(teacher.items(), shard)), f"scoring {args.spec}")
             with prog:
                 capture_candidate(src, teacher, args.out, store=args.store, resume=args.resume, overwrite=args.overwrite,
                                   progress=advance, shard=shard, settings=extra)
     else:
+        import hashlib
+
         from .builtin import WORKLOAD
         from .workload import read_workload
 
         wl = args.workload or str(WORKLOAD)
+        check_output(args.out, Kind.RUN, inputs=[wl], overwrite=args.overwrite, resume=args.resume)
         items = shard_items(read_workload(wl), shard)
+        # The workload's bytes, not its path, decide whether a --resume continues the same capture.
+        wl_hash = hashlib.sha256(Path(wl).read_bytes()).hexdigest()
         with open_source(spec) as src:
             prog, advance = _progress(len(items), f"capturing {args.spec}")
             with prog:
                 capture_reference(src, items, args.out, max_tokens=args.max_tokens, store=args.store, positions=args.positions,
-                                  resume=args.resume, overwrite=args.overwrite, settings={"workload": wl, **extra}, progress=advance)
+                                  resume=args.resume, overwrite=args.overwrite,
+                                  settings={"workload": wl, "workload_sha256": wl_hash, **extra}, progress=advance, inputs=[wl])
     _console().print(f"wrote RUN {args.out}")
     return 0
 
@@ -207,10 +277,15 @@ def cmd_run(args) -> int:
     from .pipeline import Hooks, RunConfig, check_specs, default_candidates, run_pipeline
     from .summarize import parse_ranges
 
+    from .capture import check_max_tokens, parse_positions
+
     try:
         ranges = parse_ranges(args.ranges)
     except ValueError as e:
         raise LogitdiffError(str(e)) from None
+    check_bootstrap(args.bootstrap)
+    check_max_tokens(args.max_tokens)
+    parse_positions(args.positions)
     cfg = RunConfig(
         reference=args.reference, candidates=args.candidates or default_candidates(), workload=args.workload, out=args.out,
         max_tokens=args.max_tokens, positions=args.positions, noise_floor=not args.no_noise_floor, bootstrap=args.bootstrap,
@@ -297,7 +372,9 @@ def print_run_summary(summary: dict) -> None:
 # ----------------------------------------------------------------------------- import
 def cmd_import_llamacpp(args) -> int:
     from .importers import import_llamacpp_kld, read_kld_header
+    from .outputs import Kind, check_output
 
+    check_output(args.out, Kind.RUN, inputs=[args.file], overwrite=args.overwrite)
     _, _, n_chunk = read_kld_header(Path(args.file)) if Path(args.file).exists() else (0, 0, None)
     prog, advance = _progress(n_chunk, "importing chunks")
     with prog:
@@ -308,6 +385,9 @@ def cmd_import_llamacpp(args) -> int:
 
 def cmd_import_npz(args) -> int:
     from .importers import import_npz
+    from .outputs import Kind, check_output
+
+    check_output(args.out, Kind.RUN, inputs=[args.file], overwrite=args.overwrite)
 
     import_npz(args.file, args.out, overwrite=args.overwrite)
     _console().print(f"wrote RUN {args.out}")
@@ -316,6 +396,8 @@ def cmd_import_npz(args) -> int:
 
 # ----------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from .outputs import REPORT_NAMES_HELP
+
     p = argparse.ArgumentParser(
         prog="logitdiff",
         description="How far a candidate LLM (quant, kernel, server) drifts from its reference, token by token.",
@@ -338,15 +420,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("reference", help="reference RUN directory")
     c.add_argument("candidate", help="candidate RUN directory")
-    c.add_argument("--out", required=True, help="REPORT directory to write (replaced atomically)")
+    c.add_argument("--out", required=True, help="REPORT directory to write: new, empty or a REPORT (replaced only when the new one is "
+                   "complete); never another directory, a file or one of the runs read")
     c.add_argument("--ranges", default="0,1,8,32,128,512", help="output-position range edges (default: %(default)s)")
-    c.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of items for 95%% CIs (default: %(default)s)")
+    c.add_argument("--bootstrap", type=int, default=1000,
+                   help="bootstrap resamples of items for 95%% CIs, 0 (no CIs) to 100000 (default: %(default)s)")
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
-    c.add_argument("--top-logprobs", type=int, default=64, help="K of the seed's top-K fields (default: %(default)s)")
+    c.add_argument("--top-logprobs", type=int, default=None,
+                   help=f"K of the seed's top-K fields, 1..V (default: {DEFAULT_TOP_LOGPROBS}, or V when smaller)")
     c.add_argument("--noise-floor", metavar="RUN", help="a rerun of the reference: its drift is printed beside the candidate's")
     c.add_argument("--allow-partial", action="store_true", help="accept runs marked partial (stated in the report)")
     c.add_argument("--no-rows", action="store_true", help="omit per-position rows from report.json (tokens.parquet keeps them)")
-    c.add_argument("--device", default=None, help="torch device for the metrics (cpu, cuda); default: cpu")
+    c.add_argument("--device", default=None, help="torch device for the metrics: cpu, cuda or cuda:N (default: cpu)")
     c.add_argument("--fail-on", metavar="GATES", help=FAIL_ON_HELP)
     c.set_defaults(func=cmd_compare)
 
@@ -362,17 +447,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     lk.add_argument("file")
-    lk.add_argument("--out", required=True, help="RUN directory to create")
+    lk.add_argument("--out", required=True, help="RUN directory to create (or, with --overwrite, a RUN to replace)")
     lk.add_argument("--bos-id", type=int, default=None, help="replace token 0 of each chunk by this BOS id, as llama.cpp does for models that add BOS")
-    lk.add_argument("--overwrite", action="store_true")
+    lk.add_argument("--overwrite", action="store_true", help="replace --out if it holds a RUN (never anything else)")
     lk.set_defaults(func=cmd_import_llamacpp)
     nz = isub.add_parser(
         "npz", help="NumPy .npz with logits, token_ids, item_ids, positions",
         description="Import a .npz holding logits [N, V], token_ids [N] (the token each row predicts), item_ids [N], positions [N].",
     )
     nz.add_argument("file")
-    nz.add_argument("--out", required=True, help="RUN directory to create")
-    nz.add_argument("--overwrite", action="store_true")
+    nz.add_argument("--out", required=True, help="RUN directory to create (or, with --overwrite, a RUN to replace)")
+    nz.add_argument("--overwrite", action="store_true", help="replace --out if it holds a RUN (never anything else)")
     nz.set_defaults(func=cmd_import_npz)
 
     cap = sub.add_parser(
@@ -398,12 +483,17 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("spec", metavar="SPEC", help="source spec")
     cap.add_argument("--workload", help="workload JSONL (reference capture; default: the bundled workload)")
     cap.add_argument("--teacher", metavar="RUN", help="reference RUN whose token ids the source is fed (candidate capture)")
-    cap.add_argument("--out", required=True, help="RUN directory to write")
-    cap.add_argument("--max-tokens", type=int, default=None, help="generation budget per item (default: the item's max_tokens, else 64)")
-    cap.add_argument("--store", default="full", help="full (native-dtype logits) or topk:K (default: %(default)s)")
-    cap.add_argument("--positions", default="all", help="all | first | sample:FRAC — output positions kept (reference capture; default: %(default)s)")
-    cap.add_argument("--resume", action="store_true", help="continue a partial capture in --out")
-    cap.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    cap.add_argument("--out", required=True, help="RUN directory to write: new or empty (written in place, so --resume can "
+                     "continue it), or a RUN with --resume / --overwrite; never anything else")
+    cap.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's max_tokens, else 64)")
+    cap.add_argument("--store", default="full", help="full (native-dtype logits) or topk:K, 1 <= K <= V (default: %(default)s)")
+    cap.add_argument("--positions", default="all",
+                     help="all | first | sample:FRAC with 0 < FRAC <= 1 — output positions kept (reference capture; default: %(default)s)")
+    cap.add_argument("--resume", action="store_true",
+                     help="continue a partial capture in --out; refused unless spec, model identity (weight hashes), tokenizer, "
+                     "workload hash and every setting match the run's manifest (the first differing field is named)")
+    cap.add_argument("--overwrite", action="store_true",
+                     help="replace the RUN in --out; the new run is built beside it and swapped in only when complete")
     cap.add_argument("--shard", metavar="I/N", help="only items k with k mod N == I; join the shards with `logitdiff merge`")
     cap.add_argument("--endpoint", action="append", default=[], metavar="URL",
                      help="another replica of an openai: server, shared round-robin (repeatable)")
@@ -433,13 +523,15 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("--reference", default="builtin:tiny", help="reference spec (default: %(default)s)")
-    run.add_argument("--candidate", action="append", dest="candidates", metavar="SPEC", help="candidate spec (repeatable; default: the bundled ladder)")
+    run.add_argument("--candidate", action="append", dest="candidates", metavar="SPEC",
+                     help="candidate spec (repeatable; default: the bundled ladder); " + REPORT_NAMES_HELP)
     run.add_argument("--workload", help="workload JSONL (default: the bundled workload)")
-    run.add_argument("--out", default="logitdiff-out", help="output directory (default: %(default)s)")
-    run.add_argument("--max-tokens", type=int, default=None, help="generation budget per item (default: the item's, else 64)")
-    run.add_argument("--positions", default="all", help="all | first | sample:FRAC (default: %(default)s)")
+    run.add_argument("--out", default="logitdiff-out",
+                     help="output directory: new, empty or an earlier run's (its reference capture is reused) (default: %(default)s)")
+    run.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's, else 64)")
+    run.add_argument("--positions", default="all", help="all | first | sample:FRAC with 0 < FRAC <= 1 (default: %(default)s)")
     run.add_argument("--no-noise-floor", action="store_true", help="skip the reference rerun")
-    run.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of items (default: %(default)s)")
+    run.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of items, 0 to 100000 (default: %(default)s)")
     run.add_argument("--ranges", default="0,1,8,32,128,512", help="output-position range edges (default: %(default)s)")
     run.add_argument("--fresh", action="store_true", help="recapture the reference even if OUT/runs/reference matches")
     run.add_argument("--no-flips", action="store_true", help="skip branching at top-1 flips (and correctness)")
@@ -450,6 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fail-on", metavar="GATES", help=FAIL_ON_HELP + " (checked for every candidate)")
     run.set_defaults(func=cmd_run)
     return p
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that cleanup runs as for Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,14 +564,26 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    # SIGTERM unwinds like Ctrl-C, so every temporary output is removed on the way out
+    # (the default action would kill the process where it stands). Restored on return.
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         return int(args.func(args) or 0)
     except LogitdiffError as e:
         print(f"logitdiff: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("logitdiff: terminated (SIGTERM); the output was left as it was", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
-        print("logitdiff: interrupted", file=sys.stderr)
+        print("logitdiff: interrupted; the output was left as it was", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

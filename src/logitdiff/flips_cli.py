@@ -67,12 +67,23 @@ def cmd_flips(args) -> int:
         bars.append(prog)
         return advance
 
+    from pathlib import Path
+
+    from .outputs import Kind, is_kind, locked
+
+    if not is_kind(Path(args.report), Kind.REPORT):
+        from .report import read_report
+
+        read_report(args.report)  # the one-line error saying what is wrong with it
+
+    # flips rewrites files of the REPORT it reads: one writer per REPORT at a time.
     try:
-        report = analyse_report_dir(
-            args.report, candidate=args.candidate, reference=args.reference, settings=settings,
-            similarity=args.similarity, similarity_threshold=args.similarity_threshold,
-            correctness=not args.no_correctness, bar=bar, gates=gates,
-        )
+        with locked(Path(args.report)):
+            report = analyse_report_dir(
+                args.report, candidate=args.candidate, reference=args.reference, settings=settings,
+                similarity=args.similarity, similarity_threshold=args.similarity_threshold,
+                correctness=not args.no_correctness, bar=bar, gates=gates,
+            )
     finally:
         for p in bars:
             p.stop()

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import LogitdiffError
+from .outputs import Kind, writing
 from .store import RunItem, RunWriter
 
 MAGIC = b"_logits_"
@@ -81,41 +82,62 @@ def import_llamacpp_kld(
         raise LogitdiffError(f"{path}: token ids outside [0, {n_vocab}) in the token block")
     data_off = 20 + 4 * n_ctx * n_chunk
     rows = np.frombuffer(mm, dtype="<u2", count=nv * n_scored * n_chunk, offset=data_off).reshape(n_chunk, n_scored, nv)
-    w = RunWriter(
-        out,
-        source={"spec": f"llamacpp-kld:{path}", "kind": "llamacpp-kld", "file": str(path), "identity": {"backend": "llama.cpp llama-perplexity", "n_ctx": n_ctx}},
-        vocab_size=n_vocab,
-        tokenizer_hash=None,
-        store="full",
-        dtype="float32",
-        settings={"imported_from": "llamacpp-kld", "n_ctx": n_ctx, "n_chunk": n_chunk, "first_scored": first, "bos_id": bos_id},
-        chunk_rows=max(1, (64 << 20) // (4 * n_vocab)),
-        overwrite=overwrite,
-    )
+    # Every row's scale and minimum first (8 bytes a row): a corrupt row is a one-line
+    # error before any output exists, not a failure half-way through the import.
     for c in range(n_chunk):
-        r = rows[c]
-        scale_min = np.ascontiguousarray(r[:, :4]).view("<f4")  # [n_scored, 2]
-        q = r[:, 4 : 4 + n_vocab].astype(np.float32)
-        logp = scale_min[:, 0:1] * q + scale_min[:, 1:2]
-        if not np.isfinite(logp).all():
-            bad = int(np.nonzero(~np.isfinite(logp).all(1))[0][0])
-            raise LogitdiffError(f"{path}: chunk {c} scored row {bad} holds NaN/inf (corrupt file)")
-        prompt = tokens[c, : first + 1].tolist()
-        if bos_id is not None:
-            prompt[0] = int(bos_id)
-        teacher = tokens[c, first + 1 :].tolist()
-        item = RunItem(
-            id=f"chunk-{c:05d}",
-            prompt_ids=prompt,
-            teacher_ids=teacher,
-            positions=list(range(n_scored)),
-            tags=["llamacpp-chunk"],
+        scale_min = np.ascontiguousarray(rows[c, :, :4]).view("<f4")  # [n_scored, 2]
+        with np.errstate(over="ignore", invalid="ignore"):
+            top = scale_min[:, 0] * np.float32(65535) + scale_min[:, 1]
+        bad = ~(np.isfinite(scale_min).all(1) & np.isfinite(top))
+        if bad.any():
+            r = int(np.nonzero(bad)[0][0])
+            values = np.array([scale_min[r, 0], scale_min[r, 1], top[r]])
+            raise LogitdiffError(nonfinite_message(
+                f"{path}: chunk {c} scored row {r} (scale {float(scale_min[r, 0])!r}, min_log_prob {float(scale_min[r, 1])!r})",
+                values))
+    with writing(out, Kind.RUN, inputs=[path], overwrite=overwrite) as tmp:
+        w = RunWriter(
+            tmp,
+            source={"spec": f"llamacpp-kld:{path}", "kind": "llamacpp-kld", "file": str(path), "identity": {"backend": "llama.cpp llama-perplexity", "n_ctx": n_ctx}},
+            vocab_size=n_vocab,
+            tokenizer_hash=None,
+            store="full",
+            dtype="float32",
+            settings={"imported_from": "llamacpp-kld", "n_ctx": n_ctx, "n_chunk": n_chunk, "first_scored": first, "bos_id": bos_id},
+            chunk_rows=max(1, (64 << 20) // (4 * n_vocab)),
         )
-        w.add(item, logits=logp)
-        if progress:
-            progress(1)
-    w.finish()
+        try:
+            for c in range(n_chunk):
+                r = rows[c]
+                scale_min = np.ascontiguousarray(r[:, :4]).view("<f4")  # [n_scored, 2]
+                q = r[:, 4 : 4 + n_vocab].astype(np.float32)
+                logp = scale_min[:, 0:1] * q + scale_min[:, 1:2]
+                prompt = tokens[c, : first + 1].tolist()
+                if bos_id is not None:
+                    prompt[0] = int(bos_id)
+                teacher = tokens[c, first + 1 :].tolist()
+                item = RunItem(
+                    id=f"chunk-{c:05d}",
+                    prompt_ids=prompt,
+                    teacher_ids=teacher,
+                    positions=list(range(n_scored)),
+                    tags=["llamacpp-chunk"],
+                )
+                w.add(item, logits=logp)
+                if progress:
+                    progress(1)
+            w.finish()
+        except BaseException:
+            _close_quietly(w)
+            raise
     return Path(out)
+
+
+def _close_quietly(writer: RunWriter) -> None:
+    try:
+        writer.close()
+    except Exception:
+        pass
 
 
 def write_llamacpp_kld(path: str | Path, logits: np.ndarray, tokens: np.ndarray) -> None:
@@ -151,43 +173,97 @@ def write_llamacpp_kld(path: str | Path, logits: np.ndarray, tokens: np.ndarray)
                 f.write(row.tobytes())
 
 
+# Longest output position an import accepts: the teacher sequence up to it is kept as a
+# list of ids, so a corrupt 1e10 must be refused rather than allocated (74 GiB).
+MAX_POSITION = 1 << 22
+_NPZ_FLOATS = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
+
+
+def nonfinite_message(where: str, row: np.ndarray) -> str:
+    """Why a row of logits is refused: NaN, +inf, or -inf (masked tokens)."""
+    if np.isnan(row).any():
+        return f"{where}: logits hold NaN"
+    if np.isposinf(row).any():
+        return f"{where}: logits hold +inf (overflow in the export?)"
+    return (f"{where}: logits hold -inf: masked tokens are not supported (every token needs a finite logit); "
+            "export the unmasked logits, or replace -inf by a finite value far below the row's maximum (e.g. max - 1e4)")
+
+
+def _one_line(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _npz_array(z, path: Path, key: str) -> np.ndarray:
+    try:
+        return z[key]
+    except ValueError as e:
+        if "allow_pickle" in str(e) or "Object arrays" in str(e):
+            raise LogitdiffError(f"{path}: field {key!r} is an object array (pickled); save it as strings or integers") from None
+        raise LogitdiffError(f"{path}: field {key!r} unreadable ({_one_line(e)})") from None
+    except Exception as e:  # zipfile.BadZipFile, zlib.error, EOFError, OSError: a damaged archive
+        raise LogitdiffError(
+            f"{path}: field {key!r} unreadable, the .npz is damaged or truncated ({type(e).__name__}: {_one_line(e)})"
+        ) from None
+
+
+def _first_outside(arr: np.ndarray, low: int, high: int) -> int | None:
+    """Row of the first value outside [low, high), or None (no int64 overflow for uint64)."""
+    bad = (arr < low) | (arr >= high)
+    return int(np.nonzero(bad)[0][0]) if bad.any() else None
+
+
 def import_npz(path: str | Path, out: str | Path, *, overwrite: bool = False, vocab_size: int | None = None) -> Path:
+    """Import ``logits [N, V]``, ``token_ids [N]``, ``item_ids [N]``, ``positions [N]``.
+
+    Everything is checked before the output is touched: dtypes (float logits, integer
+    ids and positions, string or integer item ids), shapes, ranges, finiteness."""
     path = Path(path)
     if not path.exists():
         raise LogitdiffError(f"{path}: file not found")
     try:
         z = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise LogitdiffError(f"{path}: not a readable .npz ({e})") from None
+    except Exception as e:  # ValueError, OSError, zipfile.BadZipFile, EOFError
+        raise LogitdiffError(f"{path}: not a readable .npz ({type(e).__name__}: {_one_line(e)})") from None
+    if not hasattr(z, "files"):
+        raise LogitdiffError(f"{path}: a single .npy array, not a .npz with logits, token_ids, item_ids, positions")
     for key in ("logits", "token_ids", "item_ids", "positions"):
         if key not in z.files:
             raise LogitdiffError(f"{path}: missing array {key!r} (needs logits, token_ids, item_ids, positions)")
-    logits = z["logits"]
-    tok = z["token_ids"].astype(np.int64)
-    ids = [str(x) for x in z["item_ids"]]
-    pos = z["positions"].astype(np.int64)
-    n = logits.shape[0]
-    if logits.ndim != 2 or not (tok.shape == pos.shape == (n,)) or len(ids) != n:
-        raise LogitdiffError(f"{path}: shapes logits {logits.shape}, token_ids {tok.shape}, item_ids ({len(ids)},), positions {pos.shape} do not agree")
+    logits = _npz_array(z, path, "logits")
+    tok_raw = _npz_array(z, path, "token_ids")
+    ids_raw = _npz_array(z, path, "item_ids")
+    pos_raw = _npz_array(z, path, "positions")
+    if logits.dtype not in _NPZ_FLOATS:
+        raise LogitdiffError(f"{path}: field 'logits' has dtype {logits.dtype}; expected float16, float32 or float64")
+    for key, arr in (("token_ids", tok_raw), ("positions", pos_raw)):
+        if arr.dtype.kind not in "iu":
+            raise LogitdiffError(f"{path}: field {key!r} has dtype {arr.dtype}; expected integers")
+    if ids_raw.dtype.kind not in "iuUS":
+        raise LogitdiffError(f"{path}: field 'item_ids' has dtype {ids_raw.dtype}; expected strings or integers")
+    n = logits.shape[0] if logits.ndim else 0
+    if logits.ndim != 2 or not (tok_raw.shape == pos_raw.shape == ids_raw.shape == (n,)):
+        raise LogitdiffError(
+            f"{path}: shapes logits {logits.shape}, token_ids {tok_raw.shape}, item_ids {ids_raw.shape}, "
+            f"positions {pos_raw.shape} do not agree"
+        )
+    if n == 0 or logits.shape[1] == 0:
+        raise LogitdiffError(f"{path}: no rows or an empty vocabulary (logits {logits.shape})")
+    ids = [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in ids_raw.tolist()]
     V = logits.shape[1]
     if vocab_size is not None and V != vocab_size:
         raise LogitdiffError(f"{path}: logits have V={V}, expected {vocab_size}")
-    if (tok < 0).any() or (tok >= V).any():
-        raise LogitdiffError(f"{path}: field 'token_ids' has ids outside [0, {V})")
-    if (pos < 0).any():
-        raise LogitdiffError(f"{path}: field 'positions' has negative values")
-    dtype = {np.dtype(np.float16): "float16", np.dtype(np.float64): "float64"}.get(logits.dtype, "float32")
-    w = RunWriter(
-        out,
-        source={"spec": f"npz:{path}", "kind": "npz", "file": str(path)},
-        vocab_size=V,
-        tokenizer_hash=None,
-        store="full",
-        dtype=dtype,
-        settings={"imported_from": "npz"},
-        chunk_rows=max(1, (64 << 20) // (4 * V)),
-        overwrite=overwrite,
-    )
+    r = _first_outside(tok_raw, 0, V)
+    if r is not None:
+        raise LogitdiffError(f"{path}: field 'token_ids' has id {tok_raw[r]} (row {r}, item {ids[r]!r}) outside [0, {V})")
+    r = _first_outside(pos_raw, 0, MAX_POSITION)
+    if r is not None:
+        raise LogitdiffError(
+            f"{path}: field 'positions' has {pos_raw[r]} (row {r}, item {ids[r]!r}) outside [0, {MAX_POSITION})"
+        )
+    tok = tok_raw.astype(np.int64)
+    pos = pos_raw.astype(np.int64)
+    dtype = _NPZ_FLOATS[logits.dtype]
     order: list[str] = []
     rows_of: dict[str, list[int]] = {}
     for r, i in enumerate(ids):
@@ -195,6 +271,7 @@ def import_npz(path: str | Path, out: str | Path, *, overwrite: bool = False, vo
             rows_of[i] = []
             order.append(i)
         rows_of[i].append(r)
+    plan = []
     for iid in order:
         rr = np.asarray(rows_of[iid])
         rr = rr[np.argsort(pos[rr], kind="stable")]
@@ -202,12 +279,31 @@ def import_npz(path: str | Path, out: str | Path, *, overwrite: bool = False, vo
         if len(np.unique(p)) != len(p):
             dup = int(p[np.nonzero(np.diff(p) == 0)[0][0]])
             raise LogitdiffError(f"{path}: item {iid!r} has position {dup} twice")
-        teacher = np.full(int(p.max()) + 1, -1, dtype=np.int64)
-        teacher[p] = tok[rr]
-        row_logits = np.asarray(logits[rr])
-        if not np.isfinite(row_logits).all():
-            bad = int(np.nonzero(~np.isfinite(row_logits).all(1))[0][0])
-            raise LogitdiffError(f"{path}: item {iid!r} has NaN/inf logits at position {int(p[bad])}")
-        w.add(RunItem(id=iid, prompt_ids=[], teacher_ids=teacher.tolist(), positions=p.tolist()), logits=row_logits)
-    w.finish()
+        # max and min propagate NaN and expose ±inf without a full boolean temporary.
+        block = logits[rr]
+        if not (np.isfinite(block.max()) and np.isfinite(block.min())):
+            bad = int(np.nonzero(~np.isfinite(block).all(1))[0][0])
+            raise LogitdiffError(nonfinite_message(f"{path}: item {iid!r} position {int(p[bad])}", block[bad]))
+        plan.append((iid, rr, p))
+    with writing(out, Kind.RUN, inputs=[path], overwrite=overwrite) as tmp:
+        w = RunWriter(
+            tmp,
+            source={"spec": f"npz:{path}", "kind": "npz", "file": str(path)},
+            vocab_size=V,
+            tokenizer_hash=None,
+            store="full",
+            dtype=dtype,
+            settings={"imported_from": "npz"},
+            chunk_rows=max(1, (64 << 20) // (4 * V)),
+        )
+        try:
+            for iid, rr, p in plan:
+                teacher = np.full(int(p.max()) + 1, -1, dtype=np.int64)
+                teacher[p] = tok[rr]
+                w.add(RunItem(id=iid, prompt_ids=[], teacher_ids=teacher.tolist(), positions=p.tolist()),
+                      logits=np.asarray(logits[rr]))
+            w.finish()
+        except BaseException:
+            _close_quietly(w)
+            raise
     return Path(out)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +21,11 @@ from .capture import LiveRun, capture_reference
 from .compare import compare_runs
 from .consequences import Settings, analyse
 from .errors import LogitdiffError
+from .outputs import RUN_SUMMARY_SCHEMA, Kind, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from .report import build_report, write_report_dir
 from .report.markdown import render_markdown
 from .sources import open_source
-from .store import RunReader, atomic_write_bytes, atomic_write_json
+from .store import ResumeMismatch, RunReader, atomic_write_bytes, atomic_write_json
 from .workload import read_workload
 
 
@@ -59,17 +59,6 @@ class RunConfig:
     gates: list | None = None  # logitdiff.gates.Gate; crossed gates are listed in summary.json
 
 
-def safe_name(spec: str) -> str:
-    """A directory name for a candidate: ``builtin:tiny-Q4_K_M`` -> ``tiny-Q4_K_M``,
-    ``gguf:/models/x-Q4_K_M.gguf`` -> ``x-Q4_K_M``, ``openai:http://h:8000/v1,model=m`` -> ``h_8000_v1``."""
-    kind, _, target = spec.split(",")[0].partition(":")
-    if kind in ("gguf", "hf"):
-        target = Path(target.rstrip("/")).name.removesuffix(".gguf")
-    elif kind == "openai":
-        target = target.split("//", 1)[-1]
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", target).strip("_")[-80:] or "candidate"
-
-
 class Hooks:
     """Progress callbacks; the CLI passes rich-backed ones."""
 
@@ -96,7 +85,7 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunRead
     path = Path(cfg.out) / "runs" / "reference"
     want = {"workload_sha256": wl_hash, "spec": cfg.reference, "max_tokens": cfg.max_tokens, "positions": cfg.positions}
     resume = False
-    if (path / "manifest.json").exists() and not cfg.fresh:
+    if is_kind(path, Kind.RUN) and not cfg.fresh:
         m = json.loads((path / "manifest.json").read_text())
         have = {"workload_sha256": m["settings"].get("workload_sha256"), "spec": m["source"]["spec"],
                 "max_tokens": m["settings"].get("max_tokens"), "positions": m["settings"].get("positions")}
@@ -109,10 +98,16 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunRead
     src = open_source(cfg.reference)
     try:
         advance = hooks.bar(len(items), "reference")
-        capture_reference(
-            src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, resume=resume, overwrite=not resume,
-            settings={"workload_sha256": wl_hash, "workload": str(_workload_path(cfg))}, progress=advance,
-        )
+        settings = {"workload_sha256": wl_hash, "workload": str(_workload_path(cfg))}
+        try:
+            capture_reference(src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, resume=resume,
+                              overwrite=not resume, settings=settings, progress=advance, inputs=[_workload_path(cfg)])
+        except ResumeMismatch as e:
+            # The partial capture was made with another model or settings: start again
+            # rather than mix the two (the old one is replaced only when the new is whole).
+            hooks.stage(f"reference: not resuming ({str(e).split('cannot resume, ', 1)[-1]}); capturing afresh")
+            capture_reference(src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, overwrite=True,
+                              settings=settings, progress=hooks.bar(len(items), "reference"), inputs=[_workload_path(cfg)])
     finally:
         src.close()
     return RunReader(path)
@@ -120,9 +115,22 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunRead
 
 def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
     hooks = hooks or Hooks()
-    t0 = time.time()
     wl_path = _workload_path(cfg)
+    names = report_names(cfg.candidates)
+    out = Path(cfg.out)
+    # OUT is new, empty or an earlier run's OUT; each report dir in it new or a REPORT.
+    check_output(out, Kind.RUN_OUT, inputs=[wl_path], resume=True)
+    for name in names:
+        check_output(out / "reports" / name, Kind.REPORT)
     items = read_workload(wl_path)
+    # One `run` per OUT at a time; a new OUT that fails is removed, an interrupted one kept
+    # (its reference capture resumes).
+    with writing(out, Kind.RUN_OUT, inputs=[wl_path], resume=True, in_place_when_new=True):
+        return _run_locked(cfg, hooks, wl_path, items, names)
+
+
+def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str]) -> dict:
+    t0 = time.time()
     wl_hash = hashlib.sha256(wl_path.read_bytes()).hexdigest()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,9 +174,9 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
             "positions": int(nf.n),
         }
     rows = []
-    for spec in cfg.candidates:
+    for spec, name in zip(cfg.candidates, names):
         hooks.stage(f"candidate: {spec}")
-        comp, (sections, files) = score(spec, safe_name(spec), consequences)
+        comp, (sections, files) = score(spec, name, consequences)
         report, columns = build_report(comp, ranges=cfg.ranges, n_boot=cfg.bootstrap, seed=cfg.seed, noise_floor=noise)
         report["baseline"]["spec"] = cfg.reference
         report.update(sections)
@@ -176,8 +184,8 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
             from .gates import evaluate
 
             report["gates"] = evaluate(report, cfg.gates)
-        rdir = out / "reports" / safe_name(spec)
-        write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files)
+        rdir = out / "reports" / name
+        write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files, inputs=[wl_path])
         rows.append(_summary_row(spec, report, rdir, noise))
     # The cross-engine floor: the reference's own weights in another engine (BF16 GGUF in
     # the default run). A bit-identical rerun gives a noise floor of 0, so this is the
@@ -186,7 +194,7 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
     for r in rows:
         r["x_cross_engine_floor"] = (r["kl_mean"] / xf["kl_mean"]) if (xf and xf["kl_mean"]) else None
     summary = {
-        "schema": "logitdiff.run-summary/1",
+        "schema": RUN_SUMMARY_SCHEMA,
         "reference": cfg.reference,
         "workload": str(wl_path),
         "workload_sha256": wl_hash,

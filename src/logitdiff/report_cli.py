@@ -89,10 +89,16 @@ def cmd_report(args) -> int:
 
     from .report.html import write_html
 
+    from .outputs import Kind, check_output
+
     dirs, summary = expand_report_dirs(args.report_dirs)
+    # The REPORT directories actually read (a `run` OUT stands for its reports/*, so its
+    # report.html may be rewritten) and --summary are inputs --out must stay clear of.
+    inputs = [*dirs, *([args.summary] if args.summary else [])]
+    check_output(args.out, Kind.HTML, inputs=inputs)
     if args.summary:
         summary = _load_json(Path(args.summary))
-    out = write_html(dirs, args.out, summary=summary, title=args.title)
+    out = write_html(dirs, args.out, summary=summary, title=args.title, inputs=inputs)
     size = out.stat().st_size
     Console(stderr=True).print(f"wrote {out} ({len(dirs)} candidate{'s' if len(dirs) != 1 else ''}, {size / 1e6:.1f} MB)")
     return 0
@@ -109,7 +115,8 @@ def add_commands(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     r.add_argument("report_dirs", nargs="+", metavar="REPORT_DIR", help="REPORT directories, or the OUT directory of `logitdiff run`")
-    r.add_argument("--out", required=True, metavar="FILE", help="HTML file to write (written to a temporary file and renamed)")
+    r.add_argument("--out", required=True, metavar="FILE", help="HTML file to write: new, or a page logitdiff wrote (replaced via a temporary file and a rename); "
+                   "never a directory, another file or one of the inputs")
     r.add_argument("--title", metavar="T", help="page title (default: drift from <reference spec>)")
     r.add_argument("--summary", metavar="PATH", help="run summary.json to use (default: found next to the reports when it lists them)")
     r.set_defaults(func=cmd_report)

@@ -13,8 +13,6 @@ error of the top-K approximation against exact full-vocabulary KL.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Sequence
 
@@ -22,6 +20,7 @@ import numpy as np
 
 from . import metrics as M
 from .errors import LogitdiffError
+from .outputs import Kind, check_output, writing
 from .store import RunReader, RunWriter
 
 # settings that may differ between shards of one capture
@@ -81,8 +80,7 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
     if len(paths) < 1:
         raise LogitdiffError("merge: give at least one RUN")
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise LogitdiffError(f"{out}: already exists (use --overwrite)")
+    check_output(out, Kind.RUN, inputs=paths, overwrite=overwrite)
     runs = [RunReader(p) for p in paths]  # refuses partial runs
     first = runs[0]
     for r in runs[1:]:
@@ -136,10 +134,7 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
     else:
         sequence = [(r, it) for r, items in queue for it in items]
 
-    tmp = out.with_name(f".{out.name}.merge-tmp{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with writing(out, Kind.RUN, inputs=paths, overwrite=overwrite) as tmp:
         settings = {k: v for k, v in (first.manifest.get("settings") or {}).items() if k not in _SHARD_KEYS and k not in ("store", "dtype")}
         settings["merged_from"] = [str(r.path) for r in runs]
         src = dict(first.manifest.get("source") or {})
@@ -150,21 +145,22 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
                       dtype=first.dtype or "float32", settings=settings, vocab=first.vocab())
         from .store import RunItem
 
-        for r, it in sequence:
-            ni = RunItem(id=it.id, prompt_ids=it.prompt_ids, teacher_ids=it.teacher_ids, positions=it.positions, tags=it.tags,
-                         prompt=it.prompt, extra=it.extra)
-            if r.k:
-                w.add(ni, topk={k: np.asarray(v) for k, v in r.topk(it).items()})
-            else:
-                # bf16 runs read back as float32 and round-trip exactly to the same bf16 bits
-                w.add(ni, logits=np.asarray(r.logits(it)))
-        w.finish({"merged": {"runs": [str(r.path) for r in runs], "shards": [s for s in shards if s is not None]}})
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        try:
+            for r, it in sequence:
+                ni = RunItem(id=it.id, prompt_ids=it.prompt_ids, teacher_ids=it.teacher_ids, positions=it.positions, tags=it.tags,
+                             prompt=it.prompt, extra=it.extra)
+                if r.k:
+                    w.add(ni, topk={k: np.asarray(v) for k, v in r.topk(it).items()})
+                else:
+                    # bf16 runs read back as float32 and round-trip exactly to the same bf16 bits
+                    w.add(ni, logits=np.asarray(r.logits(it)))
+            w.finish({"merged": {"runs": [str(r.path) for r in runs], "shards": [s for s in shards if s is not None]}})
+        except BaseException:
+            try:
+                w.close()
+            except Exception:
+                pass
+            raise
     return out
 
 

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 
 def cmd_merge(args) -> int:
@@ -28,7 +27,11 @@ def cmd_topk_error(args) -> int:
     from .served import parse_ks, topk_error
     from .store import RunReader
 
+    from .outputs import TOPK_ERROR_SCHEMA, Kind, check_output, writing
+
     ks = parse_ks(args.k)
+    if args.json:
+        check_output(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b])
     res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks)
     ex = res["exact"]
     t = Table(title=f"top-K approximation vs exact KL — {res['n']} positions, {res['items']} items, V={res['vocab_size']} (nats)")
@@ -44,7 +47,8 @@ def cmd_topk_error(args) -> int:
 
     Console(width=None if sys.stdout.isatty() else 200).print(t)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        with writing(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b]) as tmp:
+            tmp.write_text(json.dumps({"schema": TOPK_ERROR_SCHEMA, **res}, indent=1) + "\n")
         Console(stderr=True).print(f"wrote {args.json}")
     return 0
 
@@ -62,7 +66,7 @@ def add_commands(sub) -> None:
     )
     m.add_argument("runs", nargs="+", metavar="RUN", help="shard RUN directories")
     m.add_argument("--out", required=True, help="RUN directory to create")
-    m.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    m.add_argument("--overwrite", action="store_true", help="replace --out if it holds a RUN (never anything else)")
     m.set_defaults(func=cmd_merge)
 
     t = sub.add_parser(
@@ -78,5 +82,5 @@ def add_commands(sub) -> None:
     t.add_argument("run_a", metavar="RUN_A", help="reference RUN (full logits)")
     t.add_argument("run_b", metavar="RUN_B", help="candidate RUN (full logits)")
     t.add_argument("--k", default="8,20,64,256", help="comma-separated K values (default: %(default)s)")
-    t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (a new file, or one topk-error wrote)")
     t.set_defaults(func=cmd_topk_error)

@@ -31,8 +31,12 @@ import numpy as np
 
 from . import __version__
 from .errors import LogitdiffError
+from .outputs import RUN_SCHEMA, Kind, check_output
 
-RUN_SCHEMA = "logitdiff.run/1"
+# Keys of a source's identity that may change between a capture and its --resume without
+# changing the numbers (parallelism, which replicas serve the same model); every other
+# identity key (weight hashes, dtype, quant, versions, device) must match.
+RESUME_FREE_IDENTITY = ("threads", "endpoints", "extra_bufts", "total_slots")
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
 
 
@@ -124,6 +128,46 @@ class RunItem:
         )
 
 
+class ResumeMismatch(LogitdiffError):
+    """``--resume`` asked to continue a run captured with something else."""
+
+
+def parse_store(text: str, vocab_size: int | None = None) -> int:
+    """``full`` -> 0, ``topk:K`` -> K (1 <= K <= vocab_size when known); else a one-line error."""
+    if text == "full":
+        return 0
+    kind, _, k = str(text).partition(":")
+    if kind != "topk" or not k.isdigit() or int(k) < 1:
+        raise LogitdiffError(f"--store {text!r}: expected full or topk:K with K a positive integer")
+    if vocab_size is not None and int(k) > vocab_size:
+        raise LogitdiffError(f"--store {text!r}: K={int(k)} exceeds the vocabulary size {vocab_size}")
+    return int(k)
+
+
+def resume_difference(old: dict, new: dict) -> tuple[str, object, object] | None:
+    """First field in which a RUN's manifest differs from what a resumed capture would
+    write: vocabulary, tokenizer, source spec, model identity, then every setting
+    (store, dtype, workload hash, max_tokens, positions, teacher...)."""
+    def pairs():
+        for k in ("vocab_size", "tokenizer_hash"):
+            yield k, old.get(k), new.get(k)
+        yield "source.spec", (old.get("source") or {}).get("spec"), (new.get("source") or {}).get("spec")
+        oi, ni = (old.get("source") or {}).get("identity") or {}, (new.get("source") or {}).get("identity") or {}
+        for k in sorted(set(oi) | set(ni)):
+            if k not in RESUME_FREE_IDENTITY:
+                yield f"source.identity.{k}", oi.get(k), ni.get(k)
+        os_, ns = old.get("settings") or {}, new.get("settings") or {}
+        # store first: a top-K run also differs in dtype, but the store is what was asked
+        for k in sorted(set(os_) | set(ns), key=lambda k: (k != "store", k)):
+            yield f"settings.{k}", os_.get(k), ns.get(k)
+
+    for name, a, b in pairs():
+        # JSON round trip: the stored manifest went through it (tuples became lists)
+        if json.loads(json.dumps(a, default=str)) != json.loads(json.dumps(b, default=str)):
+            return name, a, b
+    return None
+
+
 def first_difference(a, b) -> int:
     """Index of the first position where two id sequences differ (len of the shorter if one is a prefix)."""
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -138,6 +182,11 @@ def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounding = ((u >> 16) & 1) + 0x7FFF
     return ((u + rounding) >> 16).astype(np.uint16)
+
+
+def _short(x, limit: int = 80) -> str:
+    text = json.dumps(x, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class RunWriter:
@@ -165,9 +214,7 @@ class RunWriter:
     ):
         self.path = Path(path)
         self.store = store
-        self.k = int(store.split(":", 1)[1]) if store.startswith("topk:") else 0
-        if store != "full" and not self.k:
-            raise LogitdiffError(f"--store {store!r}: expected full or topk:K")
+        self.k = parse_store(store, vocab_size)
         if dtype not in _DTYPES:
             raise LogitdiffError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
         self.dtype = dtype
@@ -188,17 +235,34 @@ class RunWriter:
         self._pool = None
         self._pending: list = []
         mpath = self.path / "manifest.json"
+        fresh = {
+            "schema": RUN_SCHEMA,
+            "tool": "logitdiff",
+            "tool_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "status": "partial",
+            "source": source,
+            "vocab_size": self.vocab_size,
+            "tokenizer_hash": tokenizer_hash,
+            "settings": {**(settings or {}), "store": store, "dtype": dtype if not self.k else None},
+            "chunks": [],
+            "n_items": 0,
+            "n_positions": 0,
+        }
         if mpath.exists() and resume:
-            self.manifest = json.loads(mpath.read_text())
+            try:
+                self.manifest = json.loads(mpath.read_text())
+            except (OSError, ValueError) as e:
+                raise LogitdiffError(f"{mpath}: cannot resume, unreadable manifest ({e})") from None
             if self.manifest.get("schema") != RUN_SCHEMA:
                 raise LogitdiffError(f"{mpath}: schema {self.manifest.get('schema')!r}, expected {RUN_SCHEMA}")
-            for key, want in (("vocab_size", self.vocab_size), ("tokenizer_hash", tokenizer_hash)):
-                if self.manifest.get(key) != want:
-                    raise LogitdiffError(
-                        f"{mpath}: cannot resume, field {key!r} is {self.manifest.get(key)!r} here but {want!r} now"
-                    )
-            if self.manifest["settings"].get("store") != store:
-                raise LogitdiffError(f"{mpath}: cannot resume, stored as {self.manifest['settings'].get('store')!r}, asked {store!r}")
+            diff = resume_difference(self.manifest, fresh)
+            if diff is not None:
+                name, have, want = diff
+                raise ResumeMismatch(
+                    f"{mpath}: cannot resume, field {name!r} is {_short(have)} in the run but {_short(want)} now "
+                    "(resume with the run's own settings, or --overwrite to start again)"
+                )
             self.manifest["status"] = "partial"
             # A kill during a background chunk write leaves its temporary file behind; the
             # manifest never listed it, so it is garbage: remove it before writing again.
@@ -207,24 +271,13 @@ class RunWriter:
         else:
             if mpath.exists() and not overwrite:
                 raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
+            # Library callers too: never clear or fill a directory that is not a RUN.
+            check_output(self.path, Kind.RUN, overwrite=overwrite)
             (self.path / "chunks").mkdir(parents=True, exist_ok=True)
             if overwrite:
                 for f in (self.path / "chunks").iterdir():
                     f.unlink()
-            self.manifest = {
-                "schema": RUN_SCHEMA,
-                "tool": "logitdiff",
-                "tool_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "status": "partial",
-                "source": source,
-                "vocab_size": self.vocab_size,
-                "tokenizer_hash": tokenizer_hash,
-                "settings": {**(settings or {}), "store": store, "dtype": dtype if not self.k else None},
-                "chunks": [],
-                "n_items": 0,
-                "n_positions": 0,
-            }
+            self.manifest = fresh
             if vocab is not None:
                 atomic_write_json(self.path / "vocab.json", vocab)
             self._write_manifest()
@@ -343,6 +396,22 @@ class RunWriter:
         atomic_write_json(self.path / "manifest.json", self.manifest)
 
 
+def _parse_item_line(path: Path, lineno: int, line: bytes, chunk: int) -> RunItem:
+    """One line of a chunk's items.jsonl, or a one-line error naming file, line and field."""
+    try:
+        d = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise LogitdiffError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); the run is damaged") from None
+    except json.JSONDecodeError as e:
+        raise LogitdiffError(f"{path}:{lineno}: not valid JSON ({e.msg}; truncated line?); the run is damaged") from None
+    if not isinstance(d, dict):
+        raise LogitdiffError(f"{path}:{lineno}: expected a JSON object; the run is damaged")
+    for key, types in (("id", str), ("prompt_ids", list), ("teacher_ids", list), ("positions", list), ("row", int)):
+        if not isinstance(d.get(key), types) or isinstance(d.get(key), bool):
+            raise LogitdiffError(f"{path}:{lineno}: field {key!r} missing or not a {types.__name__}; the run is damaged")
+    return RunItem.from_json(d, chunk)
+
+
 class RunReader:
     """Streaming reader: chunks are memory-mapped on demand, never the whole run."""
 
@@ -363,10 +432,15 @@ class RunReader:
             raise LogitdiffError(
                 f"{mpath}: run is marked {self.manifest.get('status')!r} (resume the capture, or pass --allow-partial)"
             )
-        st = self.manifest["settings"]["store"]
+        try:
+            st = self.manifest["settings"]["store"]
+            self.k = parse_store(st)
+            self.vocab_size = int(self.manifest["vocab_size"])
+            if not isinstance(self.manifest["chunks"], list):
+                raise TypeError("chunks")
+        except (KeyError, TypeError, ValueError, LogitdiffError) as e:
+            raise LogitdiffError(f"{mpath}: field {str(e).strip(chr(39))!r} missing or malformed (not a RUN this logitdiff reads)") from None
         self.store = st
-        self.k = int(st.split(":", 1)[1]) if st.startswith("topk:") else 0
-        self.vocab_size = int(self.manifest["vocab_size"])
         self.tokenizer_hash = self.manifest.get("tokenizer_hash")
         self.dtype = self.manifest["settings"].get("dtype")
         self._items: list[RunItem] | None = None
@@ -388,9 +462,9 @@ class RunReader:
                 p = self.path / "chunks" / c["items"]
                 if not p.exists():
                     raise LogitdiffError(f"{p}: chunk file missing (truncated run)")
-                for line in p.read_text().splitlines():
+                for lineno, line in enumerate(p.read_bytes().split(b"\n"), 1):
                     if line.strip():
-                        it = RunItem.from_json(json.loads(line), c["index"])
+                        it = _parse_item_line(p, lineno, line, c["index"])
                         if it.id in seen:
                             raise LogitdiffError(f"{p}: duplicate item id {it.id!r}")
                         seen.add(it.id)

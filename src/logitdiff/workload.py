@@ -130,8 +130,14 @@ def read_workload(path: str | Path) -> list[Item]:
         raise LogitdiffError(f"{path}: workload file not found")
     items: list[Item] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    if not path.is_file():
+        raise LogitdiffError(f"{path}: not a regular file (a workload is a JSONL file)")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise LogitdiffError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:

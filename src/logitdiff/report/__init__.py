@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Sequence
@@ -17,10 +16,10 @@ import numpy as np
 from .. import __version__
 from ..compare import Comparison
 from ..metrics import LN2
+from ..outputs import REPORT_SCHEMA  # declared once, beside the output guard
 from ..segments import item_segments, segment_masks, vocab_scheme
 from ..summarize import DEFAULT_RANGES, by_groups, range_masks, summarize_group
 
-REPORT_SCHEMA = "logitdiff.report/1"
 
 # Row fields of the seed report, in its order.
 SEED_ROW_FIELDS = (
@@ -272,30 +271,21 @@ def write_report_dir(
     *,
     markdown: str,
     extra_files: dict[str, bytes] | None = None,
+    inputs: Sequence[str | Path] = (),
 ) -> Path:
-    """Write report.json, tokens.parquet, report.md (+ extras) via a temp dir and rename."""
+    """Write report.json, tokens.parquet, report.md (+ extras) into a temporary directory
+    and swap it in: ``out`` must be new, empty or a REPORT, and none of ``inputs``
+    (see :func:`logitdiff.outputs.writing`)."""
+    from ..outputs import Kind, writing
+
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        (tmp / "report.json").write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+    text = json.dumps(report, indent=1, allow_nan=False) + "\n"
+    with writing(out, Kind.REPORT, inputs=inputs) as tmp:
+        (tmp / "report.json").write_text(text)
         write_parquet(tmp / "tokens.parquet", columns)
         (tmp / "report.md").write_text(markdown)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -36,6 +35,7 @@ import numpy as np
 from .. import __version__
 from ..errors import LogitdiffError
 from ..gates import get_path as _get
+from ..outputs import HTML_DATA_SCHEMA, HTML_GENERATOR_META, Kind, writing
 from ..stats import adjacent_pairs, per_item_values
 
 # Buckets of the reference's probability of its own top token.
@@ -945,7 +945,7 @@ def render_html(
     names = _names(reports, paths)
 
     cells, extra = matrix_data(names, reports, summary)
-    data: dict = {"schema": "logitdiff.html-data/1", "generator": f"logitdiff {__version__}", "candidates": names,
+    data: dict = {"schema": HTML_DATA_SCHEMA, "generator": f"logitdiff {__version__}", "candidates": names,
                   "reports": labels, "matrix": cells, "kl_cdf": {}, "ref_confidence": {}, "worst_items": {}}
     buckets, conf_label = {}, None
     for name, c in zip(names, cols):
@@ -999,6 +999,7 @@ def render_html(
 
     return "".join([
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
+        HTML_GENERATOR_META,  # how `report --out` recognises a page it may replace
         f'<meta http-equiv="Content-Security-Policy" content="{csp}">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_e(title)}</title><style>{CSS}</style>",
@@ -1037,7 +1038,8 @@ def render_html(
     ])
 
 
-def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: dict | None = None, *, title: str | None = None) -> Path:
+def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: dict | None = None, *, title: str | None = None,
+               inputs: Sequence[str | Path] = ()) -> Path:
     """Read each REPORT dir's report.json and tokens.parquet, write one page atomically."""
     reports, tokens, paths = [], [], []
     for d in report_dirs:
@@ -1053,12 +1055,7 @@ def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: dict
         paths.append(str(d))
     page = render_html(reports, tokens, title=title, summary=summary, paths=paths)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
+    # out: new, or a page this tool wrote; never a directory, another file or an input.
+    with writing(out, Kind.HTML, inputs=[*report_dirs, *inputs]) as tmp:
         tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return out

@@ -174,6 +174,7 @@ class _Client:
         self.roots = roots
         self.spec = spec
         self.retries = retries
+        self.timeout = timeout
         self.concurrency = concurrency
         self._rr = itertools.count()
         self._loop = asyncio.new_event_loop()
@@ -227,6 +228,9 @@ class _Client:
                         r = await self._http.request(method, url, json=body)
                 else:
                     r = await self._http.request(method, url, json=body)
+            except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
+                # connected, then silence: say so rather than "connection failed"
+                last = f"{url}: no response within {self.timeout:g} s"
             except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
                 last = f"{url}: {type(e).__name__}{': ' + _one_line(e, 120) if str(e) else ''}"
             else:
@@ -258,13 +262,21 @@ def _err_text(payload: Any) -> str:
     return str(payload)
 
 
+PROBE_TIMEOUT_S = 10.0
+PROBE_UNREACHABLE = -1  # no connection
+PROBE_SILENT = -2  # connected, but no answer in time (the body is the seconds waited)
+
+
 async def _probe(http, url: str) -> tuple[int, Any]:
     import httpx
 
+    wait = min(PROBE_TIMEOUT_S, http.timeout.read or PROBE_TIMEOUT_S)
     try:
-        r = await http.get(url, timeout=10.0)
+        r = await http.get(url, timeout=wait)
+    except httpx.ReadTimeout:
+        return PROBE_SILENT, wait
     except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError):
-        return -1, None
+        return PROBE_UNREACHABLE, None
     try:
         return r.status_code, r.json()
     except ValueError:
@@ -850,8 +862,10 @@ class OpenAISource(Source):
 async def detect_kind(http, root: str, spec: str) -> str:
     """llama-server answers ``/props``; SGLang ``/get_model_info``; vLLM ``/version`` + ``/v1/models``."""
     st, body = await _probe(http, root + "/props")
-    if st == -1:
+    if st == PROBE_UNREACHABLE:
         raise LogitdiffError(f"{spec}: server unreachable at {root} (connection failed)")
+    if st == PROBE_SILENT:
+        raise LogitdiffError(f"{spec}: {root} accepted the connection but sent no response within {body:g} s")
     if st == 200 and isinstance(body, dict) and ("default_generation_settings" in body or "build_info" in body):
         return "llamacpp"
     st, body = await _probe(http, root + "/get_model_info")

@@ -1,0 +1,381 @@
+"""Output paths: what a command may replace, one writer at a time, and swap on success.
+
+Every command that writes goes through :func:`writing`:
+
+1. **guard** (:func:`check_output`): an existing ``--out`` is replaced only when it is
+   the same kind of logitdiff output (a RUN for a run, a REPORT for a report, a page this
+   tool wrote for ``report --out``; an empty directory counts as free), and, where the
+   command has ``--overwrite``, only with it. Anything else — a source tree, a regular
+   file, a symlink, the command's own input, a path inside or around an input, the
+   current directory, a path below a regular file — is a one-line error and stays
+   untouched.
+2. **lock**: an exclusive ``fcntl.flock`` on ``.NAME.lock`` beside the output for the
+   whole write. A second writer fails at once naming the holder's pid; the kernel drops
+   the lock when its holder dies, so a killed process never blocks the next one.
+3. **build beside, swap on success**: the new output is written to a temporary sibling
+   ``.NAME.tmp-PID`` and renamed over the old one only when complete. On an error,
+   Ctrl-C or SIGTERM the temporary is removed and the old output is as it was.
+
+A capture into a new directory is the one exception to 3: it writes in place so that
+``capture --resume`` can continue it after a kill (``in_place_when_new``).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .errors import LogitdiffError
+
+RUN_SCHEMA = "logitdiff.run/1"
+REPORT_SCHEMA = "logitdiff.report/1"
+RUN_SUMMARY_SCHEMA = "logitdiff.run-summary/1"
+TOPK_ERROR_SCHEMA = "logitdiff.topk-error/1"
+# report.html carries this in its <head>; pages written before it carried the data schema.
+HTML_GENERATOR_META = '<meta name="generator" content="logitdiff">'
+HTML_DATA_SCHEMA = "logitdiff.html-data/1"
+
+
+class Kind(enum.Enum):
+    """What a command writes; ``value`` is how error messages name it."""
+
+    RUN = "RUN directory"
+    REPORT = "REPORT directory"
+    RUN_OUT = "`logitdiff run` output directory"
+    HTML = "logitdiff HTML page"
+    TOPK_JSON = "topk-error JSON file"
+
+    @property
+    def is_dir(self) -> bool:
+        return self in (Kind.RUN, Kind.REPORT, Kind.RUN_OUT)
+
+
+_SCHEMA_FIRST = re.compile(rb'\A\s*\{\s*"schema"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def _json_schema(path: Path) -> str | None:
+    """The ``schema`` of a JSON object file. Our files write it as the first key, so a big
+    report.json is recognised from its head; anything else is parsed whole (when small)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+            m = _SCHEMA_FIRST.match(head)
+            if m:
+                return json.loads(m.group(1))
+            if os.fstat(f.fileno()).st_size > (16 << 20):
+                return None
+            return json.loads(head + f.read()).get("schema")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _file_contains(path: Path, needle: bytes, limit: int = 256 << 20) -> bool:
+    """Whether ``needle`` occurs in the first ``limit`` bytes, read in blocks (pages are MBs)."""
+    try:
+        with open(path, "rb") as f:
+            tail = b""
+            done = 0
+            while done < limit:
+                block = f.read(1 << 20)
+                if not block:
+                    return False
+                if needle in tail + block:
+                    return True
+                tail = block[-len(needle):]
+                done += len(block)
+    except OSError:
+        return False
+    return False
+
+
+def is_kind(path: Path, kind: Kind) -> bool:
+    """Whether an existing path is a logitdiff output of this kind (by its own markers)."""
+    path = Path(path)
+    if kind is Kind.RUN:
+        return path.is_dir() and _json_schema(path / "manifest.json") == RUN_SCHEMA
+    if kind is Kind.REPORT:
+        return path.is_dir() and _json_schema(path / "report.json") == REPORT_SCHEMA
+    if kind is Kind.RUN_OUT:
+        return path.is_dir() and (
+            _json_schema(path / "summary.json") == RUN_SUMMARY_SCHEMA or is_kind(path / "runs" / "reference", Kind.RUN)
+        )
+    if kind is Kind.HTML:
+        if not path.is_file():
+            return False
+        with open(path, "rb") as f:
+            head = f.read(4096)
+        return head.lstrip().lower().startswith(b"<!doctype html") and (
+            HTML_GENERATOR_META.encode() in head or _file_contains(path, HTML_DATA_SCHEMA.encode())
+        )
+    if kind is Kind.TOPK_JSON:
+        return path.is_file() and _json_schema(path) == TOPK_ERROR_SCHEMA
+    raise AssertionError(kind)
+
+
+def _holds_no_files(path: Path) -> bool:
+    """No file anywhere below ``path`` (stops at the first one found)."""
+    for _, _, files in os.walk(path):
+        if files:
+            return False
+    return True
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def check_output(
+    out: str | Path,
+    kind: Kind,
+    *,
+    inputs: Sequence[str | Path] = (),
+    overwrite: bool | None = None,
+    resume: bool = False,
+) -> None:
+    """Raise a one-line :class:`LogitdiffError` unless ``out`` may be written as ``kind``.
+
+    ``overwrite`` is None for commands without ``--overwrite`` (they replace their own
+    kind of output freely); ``resume`` (capture) accepts an existing RUN to continue."""
+    out = Path(out)
+    if not str(out) or out.name in ("", ".", ".."):
+        raise LogitdiffError(f"--out {str(out)!r}: name a file or directory to write, not {str(out) or 'an empty path'!r}")
+    if out.is_symlink():
+        raise LogitdiffError(f"{out}: is a symbolic link; refusing to replace it (name the real path)")
+    real = _real(out)
+    for anc in reversed(real.parents):
+        if anc.exists() and not anc.is_dir():
+            raise LogitdiffError(f"{out}: below {anc}, which is a regular file, not a directory")
+    cwd = _real(Path.cwd())
+    if real == cwd or real in cwd.parents:
+        raise LogitdiffError(f"{out}: is the current directory or contains it; name a new directory for --out")
+    for given in inputs:
+        if given is None:
+            continue
+        inp = _real(Path(given))
+        if real == inp:
+            raise LogitdiffError(f"{out}: is the input {given}; --out must not overwrite what the command reads")
+        if inp in real.parents:
+            raise LogitdiffError(f"{out}: is inside the input {given}; --out must not write into what the command reads")
+        if real in inp.parents:
+            raise LogitdiffError(f"{out}: contains the input {given}; --out must not replace what the command reads")
+    if not out.exists():
+        return
+    if kind.is_dir:
+        if not out.is_dir():
+            raise LogitdiffError(f"{out}: exists and is not a directory; refusing to replace it with a {kind.value}")
+        if _holds_no_files(out):
+            return  # nothing to lose: empty, or only empty directories (an interrupted start)
+    elif out.is_dir():
+        raise LogitdiffError(f"{out}: is a directory; --out names the file to write (a {kind.value})")
+    if not is_kind(out, kind):
+        raise LogitdiffError(
+            f"{out}: exists and is not a {kind.value}; refusing to replace it (remove it yourself or choose another --out)"
+        )
+    if resume:
+        return
+    if overwrite is False:
+        hint = "--resume to continue it or --overwrite to replace it" if kind is Kind.RUN else "--overwrite to replace it"
+        raise LogitdiffError(f"{out}: already holds a {kind.value} (use {hint})")
+
+
+def lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.lock"
+
+
+@contextmanager
+def locked(out: str | Path) -> Iterator[None]:
+    """Exclusive lock on ``out`` (``.NAME.lock`` beside it) for the block; never waits."""
+    out = Path(out)
+    path = lock_path(out)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise LogitdiffError(f"{out}: cannot write there ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise LogitdiffError(
+                    f"{out}: another logitdiff process (pid {holder}) is writing it; wait for it or choose another --out"
+                ) from None
+            raise LogitdiffError(f"{out}: cannot lock {path} ({e.strerror})") from None
+        # The previous holder unlinks the lock file on release: if ours is no longer the
+        # file at that name, lock the new one instead (else two writers could both "hold" it).
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _temp_sibling(out: Path, what: str) -> Path:
+    return out.parent / f".{out.name}.{what}-{os.getpid()}"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def _sweep_stale(out: Path) -> None:
+    """Temporaries of an earlier writer killed with SIGKILL: only the lock holder makes
+    them, and we hold the lock now, so every one left is garbage."""
+    for what in ("tmp", "old"):
+        for stale in out.parent.glob(glob.escape(f".{out.name}.{what}-") + "*"):
+            _remove(stale)
+
+
+def _make_parents(out: Path) -> list[Path]:
+    """Create the missing parent directories; return them (deepest last) for cleanup."""
+    missing = [p for p in reversed(out.parent.parents) if not p.exists()]
+    if not out.parent.exists():
+        missing.append(out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LogitdiffError(f"{out}: cannot create its directory ({e.strerror})") from None
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for d in reversed(dirs):
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+def _swap(tmp: Path, out: Path) -> None:
+    if out.is_dir() and not out.is_symlink():
+        old = _temp_sibling(out, "old")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)  # a file, or nothing there: one atomic rename
+
+
+@contextmanager
+def writing(
+    out: str | Path,
+    kind: Kind,
+    *,
+    inputs: Sequence[str | Path] = (),
+    overwrite: bool | None = None,
+    resume: bool = False,
+    in_place_when_new: bool = False,
+) -> Iterator[Path]:
+    """Guard, lock and yield the path to write ``out``'s new contents to.
+
+    The yielded path is a fresh temporary sibling (a created directory for directory
+    kinds, a file path for file kinds) that replaces ``out`` when the block succeeds, or
+    ``out`` itself when resuming or (``in_place_when_new``) when ``out`` did not exist.
+    On any exception the temporary is removed and ``out`` is left as it was; an output
+    written in place is removed too, unless the exception is an interrupt (Ctrl-C,
+    SIGTERM: a partial capture to ``--resume``)."""
+    out = Path(out)
+    check_output(out, kind, inputs=inputs, overwrite=overwrite, resume=resume)
+    created = _make_parents(out)
+    try:
+        with locked(out):
+            # Again under the lock: another writer may have written it in the meantime.
+            check_output(out, kind, inputs=inputs, overwrite=overwrite, resume=resume)
+            _sweep_stale(out)
+            existed = out.exists()
+            if (resume and existed) or (in_place_when_new and not existed):
+                try:
+                    yield out
+                except BaseException as e:
+                    if not existed and not isinstance(e, KeyboardInterrupt):
+                        _remove(out)
+                    raise
+                return
+            tmp = _temp_sibling(out, "tmp")
+            try:
+                if kind.is_dir:
+                    tmp.mkdir()
+                yield tmp
+                _swap(tmp, out)
+            except BaseException:
+                _remove(tmp)
+                raise
+    except BaseException:
+        _remove_empty(created)
+        raise
+
+
+# --------------------------------------------------------------------------------------
+# names of the reports `logitdiff run` writes
+# --------------------------------------------------------------------------------------
+
+
+def safe_name(spec: str) -> str:
+    """A directory name for a candidate: ``builtin:tiny-Q4_K_M`` -> ``tiny-Q4_K_M``,
+    ``gguf:/models/x-Q4_K_M.gguf`` -> ``x-Q4_K_M``, ``openai:http://h:8000/v1,model=m`` -> ``h_8000_v1``."""
+    kind, _, target = spec.split(",")[0].partition(":")
+    if kind in ("gguf", "hf"):
+        target = Path(target.rstrip("/")).name.removesuffix(".gguf")
+    elif kind == "openai":
+        target = target.split("//", 1)[-1]
+    return _clean_name(target)
+
+
+def _clean_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[-80:] or "candidate"
+
+
+REPORT_NAMES_HELP = (
+    "each candidate's report is OUT/reports/NAME, NAME the spec's file name (gguf:a/model.gguf -> model); when "
+    "candidates share a name, the parent directory is prefixed (a-model), and when that is shared too an 8-digit "
+    "hash of the spec is appended (model-1a2b3c4d)"
+)
+
+
+def report_names(specs: list[str]) -> list[str]:
+    """One unique report directory name per candidate; a name depends only on the spec
+    and on which other candidates share its plain name (see ``REPORT_NAMES_HELP``)."""
+    dup = sorted({s for s in specs if specs.count(s) > 1})
+    if dup:
+        raise LogitdiffError(f"--candidate {dup[0]!r} given twice: each candidate gets one report")
+    plain = [safe_name(s) for s in specs]
+    names = []
+    for spec, name in zip(specs, plain):
+        if plain.count(name) > 1:
+            kind, _, target = spec.split(",")[0].partition(":")
+            parent = Path(target.rstrip("/")).parent.name if kind in ("gguf", "hf") else ""
+            name = _clean_name(f"{parent}-{name}") if parent else name
+        names.append(name)
+    # still shared (also when only the case differs: case-insensitive file systems)
+    lower = [n.lower() for n in names]
+    return [f"{n}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}" if lower.count(n.lower()) > 1 else n
+            for spec, n in zip(specs, names)]
