@@ -80,10 +80,19 @@ def cmd_compare(args) -> int:
         cand = RunReader(args.candidate, allow_partial=args.allow_partial)
     noise = None
     if args.noise_floor:
-        nf = compare_runs(ref, RunReader(args.noise_floor, allow_partial=args.allow_partial), top_logprobs=args.top_logprobs)
         import numpy as np
 
-        noise = {"path": str(args.noise_floor), "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
+        from .capture import layout_text
+        from .pipeline import identical_distributions
+
+        nf_run = RunReader(args.noise_floor, allow_partial=args.allow_partial)
+        nf = compare_runs(ref, nf_run, top_logprobs=args.top_logprobs)
+        # Any rerun of the reference works; one with other batch mates (capture --batch N) is
+        # the floor of a deterministic backend, whose plain rerun is bit-identical.
+        rerun = f"rerun {nf_run.path} ({layout_text(nf_run.manifest.get('settings') or {})}; reference {layout_text(ref.manifest.get('settings') or {})})"
+        if identical_distributions(nf):
+            rerun += "; bit-identical: capture the rerun with another --batch for other batch mates"
+        noise = {"path": str(args.noise_floor), "rerun": rerun, "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
                  "top1_disagreement": float(1 - np.mean(nf.columns["top1_match"]))}
     total = sum(len(it.positions) for it in ref.items())
     prog, advance = _progress(total, "comparing")
@@ -170,7 +179,7 @@ def print_summary(report: dict) -> None:
 
 # ----------------------------------------------------------------------------- capture
 def cmd_capture(args) -> int:
-    from .capture import capture_candidate, capture_reference
+    from .capture import SCORE_BATCH, capture_candidate, capture_reference
     from .sources import open_source
     from .store import RunReader
 
@@ -180,25 +189,30 @@ def cmd_capture(args) -> int:
 
     spec = with_endpoints(args.spec, args.endpoint)
     shard = parse_shard(args.shard)
-    extra = {"shard": args.shard} if shard else {}
+    batch = SCORE_BATCH if args.batch is None else args.batch
+    if batch < 1:
+        raise LogitdiffError(f"--batch {batch}: must be at least 1")
+    # a shard holds whole scoring blocks: its items keep the batch mates of an unsharded capture
+    extra = {"shard": args.shard, "shard_block": batch} if shard else {}
     if args.teacher:
         teacher = RunReader(args.teacher)
         with open_source(spec) as src:
-            prog, advance = _progress(len(shard_items(teacher.items(), shard)), f"scoring {args.spec}")
+            prog, advance = _progress(len(shard_items(teacher.items(), shard, block=batch)), f"scoring {args.spec}")
             with prog:
                 capture_candidate(src, teacher, args.out, store=args.store, resume=args.resume, overwrite=args.overwrite,
-                                  progress=advance, shard=shard, settings=extra)
+                                  progress=advance, shard=shard, settings=extra, batch=batch)
     else:
         from .builtin import WORKLOAD
         from .workload import read_workload
 
         wl = args.workload or str(WORKLOAD)
-        items = shard_items(read_workload(wl), shard)
+        items = shard_items(read_workload(wl), shard, block=batch)
         with open_source(spec) as src:
             prog, advance = _progress(len(items), f"capturing {args.spec}")
             with prog:
                 capture_reference(src, items, args.out, max_tokens=args.max_tokens, store=args.store, positions=args.positions,
-                                  resume=args.resume, overwrite=args.overwrite, settings={"workload": wl, **extra}, progress=advance)
+                                  resume=args.resume, overwrite=args.overwrite, settings={"workload": wl, **extra}, progress=advance,
+                                  batch=batch)
     _console().print(f"wrote RUN {args.out}")
     return 0
 
@@ -343,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of items for 95%% CIs (default: %(default)s)")
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
     c.add_argument("--top-logprobs", type=int, default=64, help="K of the seed's top-K fields (default: %(default)s)")
-    c.add_argument("--noise-floor", metavar="RUN", help="a rerun of the reference: its drift is printed beside the candidate's")
+    c.add_argument("--noise-floor", metavar="RUN",
+                   help="a rerun of the reference (e.g. `capture REF_SPEC --teacher REF_RUN --batch 3`: other batch mates, "
+                        "where a plain rerun on CPU is bit-identical): its drift is printed beside the candidate's")
     c.add_argument("--allow-partial", action="store_true", help="accept runs marked partial (stated in the report)")
     c.add_argument("--no-rows", action="store_true", help="omit per-position rows from report.json (tokens.parquet keeps them)")
     c.add_argument("--device", default=None, help="torch device for the metrics (cpu, cuda); default: cpu")
@@ -404,7 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--positions", default="all", help="all | first | sample:FRAC — output positions kept (reference capture; default: %(default)s)")
     cap.add_argument("--resume", action="store_true", help="continue a partial capture in --out")
     cap.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
-    cap.add_argument("--shard", metavar="I/N", help="only items k with k mod N == I; join the shards with `logitdiff merge`")
+    cap.add_argument("--shard", metavar="I/N",
+                     help="only the blocks k of --batch consecutive items with k mod N == I (every item keeps the batch mates "
+                          "it has unsharded); join the shards with `logitdiff merge`")
+    cap.add_argument("--batch", type=int, default=None, metavar="N",
+                     help="items scored together: blocks of N consecutive items in workload order, recorded in the manifest "
+                          "(default: 8). A batched backend's numbers depend on the batch mates; --resume and --shard keep them. "
+                          "A rerun of the reference with another N is a noise floor for `compare --noise-floor`")
     cap.add_argument("--endpoint", action="append", default=[], metavar="URL",
                      help="another replica of an openai: server, shared round-robin (repeatable)")
     cap.set_defaults(func=cmd_capture)
@@ -425,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="the whole job: reference, noise floor, candidates, reports (no arguments: the bundled default)",
         description=(
-            "Capture the reference on the workload, rerun it for the noise floor, teacher-force every "
+            "Capture the reference on the workload, rerun it for the noise floor (when that rerun is "
+            "bit-identical, as on CPU, the floor comes from a rerun with the batch boundaries moved by half a "
+            "batch: other batch mates, other float rounding), teacher-force every "
             "candidate on the reference's tokens and write one report per candidate plus a summary table. "
             "With no arguments: the bundled tiny Llama through transformers in BF16 as the reference, and "
             "its llama.cpp GGUF BF16 (cross-engine floor) and quant ladder Q8_0, Q6_K, Q4_K_M, IQ4_XS, "
@@ -438,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default="logitdiff-out", help="output directory (default: %(default)s)")
     run.add_argument("--max-tokens", type=int, default=None, help="generation budget per item (default: the item's, else 64)")
     run.add_argument("--positions", default="all", help="all | first | sample:FRAC (default: %(default)s)")
-    run.add_argument("--no-noise-floor", action="store_true", help="skip the reference rerun")
+    run.add_argument("--no-noise-floor", action="store_true", help="skip the reference reruns")
     run.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of items (default: %(default)s)")
     run.add_argument("--ranges", default="0,1,8,32,128,512", help="output-position range edges (default: %(default)s)")
     run.add_argument("--fresh", action="store_true", help="recapture the reference even if OUT/runs/reference matches")
