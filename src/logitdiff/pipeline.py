@@ -169,8 +169,9 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
             noise = _noise_floor(cfg.reference, nf, f"rerun with batch boundaries moved by {shift} items (other batch mates); "
                                                     "the plain rerun is bit-identical")
             if identical_distributions(nf):
-                noise["rerun"] += ("; bit-identical with other batch mates too: this backend's numbers do not depend on "
-                                   "the batch (e.g. llama.cpp scores each sequence alone), so x noise floor is undefined")
+                noise["rerun"] += ("; bit-identical with other batch mates too: on this workload the backend's numbers do "
+                                   "not depend on the batch (llama.cpp, for one, scores each sequence alone), so x noise floor "
+                                   "is undefined")
     rows = []
     for spec in cfg.candidates:
         hooks.stage(f"candidate: {spec}")
