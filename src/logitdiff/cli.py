@@ -443,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_commands(sub)
 
+    from .toolexec import SANDBOX_HELP
+
     run = sub.add_parser(
         "run",
         help="the whole job: reference, noise floor, candidates, reports (no arguments: the bundled default)",
@@ -455,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
             "its llama.cpp GGUF BF16 (cross-engine floor) and quant ladder Q8_0, Q6_K, Q4_K_M, IQ4_XS, "
             "Q3_K_M, Q2_K as candidates, on the bundled workload — offline, in minutes."
         ),
+        epilog=SANDBOX_HELP,
     )
     run.add_argument("--reference", default="builtin:tiny", help="reference spec (default: %(default)s)")
     run.add_argument("--candidate", action="append", dest="candidates", metavar="SPEC", help="candidate spec (repeatable; default: the bundled ladder)")
