@@ -422,12 +422,15 @@ def test_shard_and_merge(env, tmp_path, capsys):
     with pytest.raises(LogitdiffError, match="shard"):
         parse_shard("3/3")
     src = open_source(f"hf:{env['dir']},dtype=float32")
+    # shards hold whole scoring blocks (here 4 items), so each item keeps its batch mates and
+    # the merge is bit-identical to an unsharded capture with the same blocks
     shards = []
     for i in range(2):
-        shards.append(capture_reference(src, shard_items(items, f"{i}/2"), tmp_path / f"s{i}", settings={"shard": f"{i}/2", "workload": "w"}))
+        shards.append(capture_reference(src, shard_items(items, f"{i}/2", block=4), tmp_path / f"s{i}", batch=4,
+                                        settings={"shard": f"{i}/2", "shard_block": 4, "workload": "w"}))
     assert _run_cli(["merge", str(shards[1]), str(shards[0]), "--out", str(tmp_path / "merged")]) == 0
     merged = RunReader(tmp_path / "merged")
-    ref = env["ref"]
+    ref = RunReader(capture_reference(src, items, tmp_path / "ref4", batch=4, settings={"workload": "w"}))
     assert [it.id for it in merged.items()] == [it.id for it in ref.items()]
     for a, b in zip(merged.items(), ref.items()):
         assert a.teacher_ids == b.teacher_ids
@@ -442,7 +445,8 @@ def test_shard_and_merge(env, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and any(n in err for n in needle.split("|")), err
         assert not (tmp_path / "bad").exists()
-    other = capture_reference(src, shard_items(items, "1/2"), tmp_path / "o1", max_tokens=3, settings={"shard": "1/2", "workload": "w"})
+    other = capture_reference(src, shard_items(items, "1/2", block=4), tmp_path / "o1", max_tokens=3, batch=4,
+                              settings={"shard": "1/2", "shard_block": 4, "workload": "w"})
     with pytest.raises(LogitdiffError, match="setting 'max_tokens'"):
         merge_runs([shards[0], other], tmp_path / "bad")
     part = tmp_path / "part"

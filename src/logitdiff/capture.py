@@ -5,10 +5,20 @@ Every capture stores distributions from one teacher-forced prefill over
 ``prompt + teacher`` — the reference too, after it generated its teacher sequence
 greedily — so reference, rerun and candidates are computed the same way and a
 deterministic rerun of the reference is bit-identical (noise floor 0).
+
+Batch layout: a batched backend's numbers depend on which sequences share a forward pass
+(padding width and matrix shapes change the float rounding; on the bundled model in bf16 a
+changed grouping moves logits by up to 0.125). So items are scored in fixed blocks of
+``batch`` consecutive items of the workload order (:func:`batch_blocks`), never "the next
+``batch`` items still to do": a resumed capture rescores the whole block it stopped in and
+keeps only the missing items, ``--shard`` hands out whole blocks, and each stored item lists
+the ids it was scored with (``extra["scored_with"]``); the manifest's settings record
+``batch`` and ``batch_layout``.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from pathlib import Path
@@ -24,6 +34,34 @@ from .store import RunItem, RunReader, RunWriter, first_difference
 from .workload import Item
 
 DEFAULT_MAX_TOKENS = 64
+SCORE_BATCH = 8  # items per score_many call: one block of the batch layout
+BATCH_LAYOUT = "blocks of `batch` consecutive items in workload order"
+
+
+def batch_blocks(n: int, batch: int, offset: int = 0) -> list[range]:
+    """The batch layout: index ranges of the items scored together, blocks of ``batch``
+    consecutive items; with ``offset`` the first block is ``[0, offset)`` and every
+    boundary moves by ``offset`` (another composition of the same batch size)."""
+    if batch < 1:
+        raise LogitdiffError(f"batch {batch}: must be at least 1")
+    edges = sorted({0, n, *range(offset % batch or batch, n, batch)})
+    return [range(a, b) for a, b in zip(edges, edges[1:])]
+
+
+def layout_text(settings: dict) -> str:
+    """The batch layout a run's settings record, in words (for noise-floor notes)."""
+    if settings.get("batch") is None:
+        return "batch layout not recorded"
+    off = settings.get("batch_offset")
+    return f"scored in blocks of {settings['batch']} items" + (f", boundaries moved by {off}" if off else "")
+
+
+def _layout(source: Source, batch: int) -> dict:
+    """Manifest settings that say which items were scored together."""
+    d = {"batch": batch, "batch_layout": BATCH_LAYOUT}
+    if isinstance(getattr(source, "batch", None), int):  # the backend's own sequences per forward pass
+        d["source_batch"] = source.batch
+    return d
 
 
 def parse_positions(mode: str) -> tuple[str, float]:
@@ -134,11 +172,6 @@ def _close_quietly(writer: RunWriter) -> None:
         pass
 
 
-def _batched(seq: Sequence, n: int):
-    for i in range(0, len(seq), n):
-        yield seq[i : i + n]
-
-
 def capture_reference(
     source: Source,
     items: list[Item],
@@ -151,10 +184,11 @@ def capture_reference(
     overwrite: bool = False,
     settings: dict | None = None,
     progress: Callable[[int], None] | None = None,
-    batch: int = 8,
+    batch: int = SCORE_BATCH,
     inputs: Sequence[str | Path] = (),
 ) -> Path:
-    """Greedy generation (the teacher sequence), then teacher-forced distributions.
+    """Greedy generation (the teacher sequence), then teacher-forced distributions, scored
+    in the blocks of :func:`batch_blocks` (a resumed block is rescored whole).
 
     ``out`` is guarded and locked (:mod:`logitdiff.outputs`); ``inputs`` are paths the
     capture reads (the workload), which ``out`` must not be, hold or sit inside."""
@@ -166,7 +200,7 @@ def capture_reference(
     # one-line error before any RUN file exists, not a half-written run.
     rendered = {it.id: source.render(it) for it in items}
     settings = {"role": "reference", "max_tokens": max_tokens, "positions": positions, "decoding": "greedy (temperature 0)",
-                **(settings or {})}
+                **(settings or {}), **_layout(source, batch)}
     with writing(out, Kind.RUN, inputs=inputs, overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
         writer = _writer(source, path, store, resume, settings)
         try:
@@ -184,26 +218,36 @@ def check_resume_flags(resume: bool, overwrite: bool) -> None:
 
 
 def _reference_rows(writer: RunWriter, source: Source, items, rendered, *, max_tokens, positions, resume, progress, batch) -> None:
-    done = writer.done_ids() if resume else set()
-    todo = [it for it in items if it.id not in done]
+    done = _done_ids(writer, resume, batch)
+    stored = _stored_items(writer.path, items, done, batch)
     if progress and done:
-        progress(len(items) - len(todo))
-    for group in _batched(todo, batch):
+        progress(len(done & {it.id for it in items}))
+    for block in batch_blocks(len(items), batch):
+        group = [items[k] for k in block]
+        if all(it.id in done for it in group):
+            continue
         gens = []
         for it in group:
+            if it.id in done:  # scored again with its block, not written again
+                gens.append((it, stored[it.id].prompt_ids, None, stored[it.id].teacher_ids))
+                continue
             prompt_ids = rendered[it.id]
             mt = max_tokens or it.max_tokens or DEFAULT_MAX_TOKENS
             gen = source.generate(prompt_ids, mt)
             if not gen.token_ids:
                 raise LogitdiffError(f"item {it.id!r}: the reference generated no token")
-            gens.append((it, prompt_ids, gen))
-        scored = source.score_many([(p, g.token_ids) for _, p, g in gens])
-        for (it, prompt_ids, gen), logits in zip(gens, scored):
+            gens.append((it, prompt_ids, gen, gen.token_ids))
+        scored = source.score_many([(p, t) for _, p, _, t in gens])
+        with_ids = [it.id for it in group]
+        for (it, prompt_ids, gen, _), logits in zip(gens, scored):
+            if gen is None:
+                continue
             pos = select_positions(len(gen.token_ids), positions, it.id)
             run_item = RunItem(
                 id=it.id, prompt_ids=list(prompt_ids), teacher_ids=list(gen.token_ids), positions=pos,
                 tags=list(it.tags), prompt=it.prompt if it.prompt is not None else it.messages,
-                extra={"item": it.to_json(), "stopped_by": gen.stopped_by, "text": source.detokenize(gen.token_ids)},
+                extra={"item": it.to_json(), "stopped_by": gen.stopped_by, "text": source.detokenize(gen.token_ids),
+                       "scored_with": with_ids},
             )
             writer.add(run_item, **_rows_for_store(writer, _select(logits, pos)))
             if progress:
@@ -211,9 +255,29 @@ def _reference_rows(writer: RunWriter, source: Source, items, rendered, *, max_t
     writer.finish()
 
 
-def verified_prompts(source: Source, teacher: RunReader, shard=None) -> list[tuple[RunItem, list[int]]]:
+def _done_ids(writer: RunWriter, resume: bool, batch: int) -> set[str]:
+    """Items already on disk; a resume must keep the batch layout it started with."""
+    if not resume:
+        return set()
+    had = writer.manifest["settings"].get("batch")
+    if had is not None and had != batch:
+        raise LogitdiffError(f"{writer.path}: cannot resume, setting 'batch' is {had} here but {batch} now")
+    return writer.done_ids()
+
+
+def _stored_items(out, items: Sequence, done: set[str], batch: int) -> dict[str, RunItem]:
+    """Stored items of a resumed run that share a block with an item still to do."""
+    ids = [it.id for it in items]
+    want = {ids[k] for block in batch_blocks(len(ids), batch) if not all(ids[k] in done for k in block)
+            for k in block if ids[k] in done}
+    if not want:
+        return {}
+    return {it.id: it for it in RunReader(out, allow_partial=True).items() if it.id in want}
+
+
+def verified_prompts(source: Source, teacher: RunReader, shard=None, block: int = 1) -> list[tuple[RunItem, list[int]]]:
     """Check vocab, tokenizer and every item's tokenization against the teacher run
-    (only the items of ``shard`` when given)."""
+    (only the items of ``shard`` when given, in blocks of ``block`` items)."""
     from .served import shard_items
 
     if source.vocab_size != teacher.vocab_size:
@@ -226,7 +290,7 @@ def verified_prompts(source: Source, teacher: RunReader, shard=None) -> list[tup
             f"{source.tokenizer_hash[:19]}... vs {teacher.tokenizer_hash[:19]}...)"
         )
     out = []
-    for it in shard_items(teacher.items(), shard):
+    for it in shard_items(teacher.items(), shard, block=block):
         wl = it.extra.get("item")
         if wl is not None:
             ids = source.render(Item.from_json(wl))
@@ -250,18 +314,19 @@ def capture_candidate(
     resume: bool = False,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
-    batch: int = 8,
+    batch: int = SCORE_BATCH,
     shard: str | tuple[int, int] | None = None,
     settings: dict | None = None,
 ) -> Path:
-    """Teacher-forced capture at exactly the reference's positions (of one shard: items k
-    with k mod n == i, see ``logitdiff merge``). ``out`` is guarded and locked; it must
-    not be, hold or sit inside the teacher run."""
+    """Teacher-forced capture at exactly the reference's positions, scored in the blocks of
+    :func:`batch_blocks` (of one shard: blocks k of ``batch`` items with k mod n == i, see
+    ``logitdiff merge``; a resumed block is rescored whole). ``out`` is guarded and locked;
+    it must not be, hold or sit inside the teacher run."""
     check_resume_flags(resume, overwrite)
     store = _store_for(source, store)
-    pairs = verified_prompts(source, teacher, shard=shard)
+    pairs = verified_prompts(source, teacher, shard=shard, block=batch)
     settings = {"role": "candidate", "teacher": str(teacher.path), "teacher_manifest_sha256": _manifest_sha256(teacher),
-                "positions": teacher.manifest["settings"].get("positions"), **(settings or {})}
+                "positions": teacher.manifest["settings"].get("positions"), **(settings or {}), **_layout(source, batch)}
     with writing(out, Kind.RUN, inputs=[teacher.path], overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
         writer = _writer(source, path, store, resume, settings)
         try:
@@ -278,15 +343,21 @@ def _manifest_sha256(run: RunReader) -> str:
 
 
 def _candidate_rows(writer: RunWriter, source: Source, pairs, *, resume, progress, batch) -> None:
-    done = writer.done_ids() if resume else set()
-    todo = [(it, p) for it, p in pairs if it.id not in done]
+    done = _done_ids(writer, resume, batch)
     if progress and done:
-        progress(len(pairs) - len(todo))
-    for group in _batched(todo, batch):
-        scored = source.score_many([(p, it.teacher_ids) for it, p in group])
+        progress(sum(it.id in done for it, _ in pairs))
+    for block in batch_blocks(len(pairs), batch):
+        group = [pairs[k] for k in block]
+        if all(it.id in done for it, _ in group):
+            continue
+        scored = source.score_many([(p, it.teacher_ids) for it, p in group])  # done items too: same batch mates
+        with_ids = [it.id for it, _ in group]
         for (it, p), logits in zip(group, scored):
+            if it.id in done:
+                continue
             ci = RunItem(id=it.id, prompt_ids=p, teacher_ids=list(it.teacher_ids), positions=list(it.positions),
-                         tags=list(it.tags), prompt=it.prompt, extra={k: v for k, v in it.extra.items() if k == "item"})
+                         tags=list(it.tags), prompt=it.prompt,
+                         extra={**{k: v for k, v in it.extra.items() if k == "item"}, "scored_with": with_ids})
             writer.add(ci, **_rows_for_store(writer, _select(logits, it.positions)))
             if progress:
                 progress(1)
@@ -296,19 +367,24 @@ def _candidate_rows(writer: RunWriter, source: Source, pairs, *, resume, progres
 class LiveRun:
     """A candidate scored on demand against a reference run, nothing stored.
 
-    Quacks like :class:`RunReader` for :func:`logitdiff.compare.compare_runs`.
+    Quacks like :class:`RunReader` for :func:`logitdiff.compare.compare_runs`. Items are
+    scored in the blocks of :func:`batch_blocks` (``offset`` shifts every boundary: the
+    noise floor's rerun with another batch composition).
     """
 
     is_partial = False
 
-    def __init__(self, source: Source, teacher: RunReader, *, batch: int = 8):
+    def __init__(self, source: Source, teacher: RunReader, *, batch: int = SCORE_BATCH, offset: int = 0):
         self.source = source
         # Served sources return top-K ids + logprobs per position instead of full logits.
         self.k = int(source.top_k) if getattr(source, "distribution", "full") == "topk" else 0
         self.teacher = teacher
         self.batch = batch
+        self.offset = offset
         self._pairs = verified_prompts(source, teacher)
         self._order = {it.id: i for i, (it, _) in enumerate(self._pairs)}
+        self._blocks = batch_blocks(len(self._pairs), batch, offset)
+        self._starts = [b.start for b in self._blocks]
         self._cache: dict[str, np.ndarray] = {}
         self.path = source.spec
         self.vocab_size = source.vocab_size
@@ -317,7 +393,8 @@ class LiveRun:
             "source": _source_meta(source),
             "status": "complete",
             "tokenizer_hash": source.tokenizer_hash,
-            "settings": {"store": f"topk:{self.k}" if self.k else "full", "live": True, "dtype": getattr(source, "logits_dtype", "float32")},
+            "settings": {"store": f"topk:{self.k}" if self.k else "full", "live": True, "dtype": getattr(source, "logits_dtype", "float32"),
+                         **_layout(source, batch), **({"batch_offset": offset} if offset else {})},
             "n_items": len(self._pairs),
             "n_positions": sum(len(it.positions) for it, _ in self._pairs),
         }
@@ -331,7 +408,8 @@ class LiveRun:
     def _rows(self, item: RunItem):
         if item.id not in self._cache:
             i = self._order[item.id]
-            group = self._pairs[i : i + self.batch]
+            block = self._blocks[bisect.bisect_right(self._starts, i) - 1]
+            group = self._pairs[block.start : block.stop]
             scored = self.source.score_many([(p, it.teacher_ids) for it, p in group])
             self._cache = {it.id: _select(lg, it.positions) for (it, _), lg in zip(group, scored)}
         return self._cache.pop(item.id)

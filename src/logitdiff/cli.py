@@ -100,10 +100,19 @@ def cmd_compare(args) -> int:
     noise_run = RunReader(args.noise_floor, allow_partial=args.allow_partial) if args.noise_floor else None
     noise = None
     if noise_run is not None:
-        nf = compare_runs(ref, noise_run, top_logprobs=args.top_logprobs)
         import numpy as np
 
-        noise = {"path": str(args.noise_floor), "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
+        from .capture import layout_text
+        from .pipeline import identical_distributions
+
+        nf_run = noise_run
+        nf = compare_runs(ref, nf_run, top_logprobs=args.top_logprobs)
+        # Any rerun of the reference works; one with other batch mates (capture --batch N) is
+        # the floor of a deterministic backend, whose plain rerun is bit-identical.
+        rerun = f"rerun {nf_run.path} ({layout_text(nf_run.manifest.get('settings') or {})}; reference {layout_text(ref.manifest.get('settings') or {})})"
+        if identical_distributions(nf):
+            rerun += "; bit-identical: capture the rerun with another --batch for other batch mates"
+        noise = {"path": str(args.noise_floor), "rerun": rerun, "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
                  "top1_disagreement": float(1 - np.mean(nf.columns["top1_match"]))}
     total = sum(len(it.positions) for it in ref.items())
     prog, advance = _progress(total, "comparing")
@@ -226,7 +235,7 @@ def print_summary(report: dict) -> None:
 
 # ----------------------------------------------------------------------------- capture
 def cmd_capture(args) -> int:
-    from .capture import capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
+    from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
     from .outputs import Kind, check_output
     from .sources import open_source
     from .store import RunReader, parse_store
@@ -242,16 +251,20 @@ def cmd_capture(args) -> int:
     parse_positions(args.positions)
     spec = with_endpoints(args.spec, args.endpoint)
     shard = parse_shard(args.shard)
-    extra = {"shard": args.shard} if shard else {}
+    batch = SCORE_BATCH if args.batch is None else args.batch
+    if batch < 1:
+        raise LogitdiffError(f"--batch {batch}: must be at least 1")
+    # a shard holds whole scoring blocks: its items keep the batch mates of an unsharded capture
+    extra = {"shard": args.shard, "shard_block": batch} if shard else {}
     if args.teacher:
         check_output(args.out, Kind.RUN, inputs=[args.teacher], overwrite=args.overwrite, resume=args.resume)
         teacher = RunReader(args.teacher)
         teacher.items()  # a damaged teacher is a one-line error before the source loads
         with open_source(spec) as src:
-            prog, advance = _progress(len(shard_items(teacher.items(), shard)), f"scoring {args.spec}")
+            prog, advance = _progress(len(shard_items(teacher.items(), shard, block=batch)), f"scoring {args.spec}")
             with prog:
                 capture_candidate(src, teacher, args.out, store=args.store, resume=args.resume, overwrite=args.overwrite,
-                                  progress=advance, shard=shard, settings=extra)
+                                  progress=advance, shard=shard, settings=extra, batch=batch)
     else:
         import hashlib
 
@@ -260,7 +273,7 @@ def cmd_capture(args) -> int:
 
         wl = args.workload or str(WORKLOAD)
         check_output(args.out, Kind.RUN, inputs=[wl], overwrite=args.overwrite, resume=args.resume)
-        items = shard_items(read_workload(wl), shard)
+        items = shard_items(read_workload(wl), shard, block=batch)
         # The workload's bytes, not its path, decide whether a --resume continues the same capture.
         wl_hash = hashlib.sha256(Path(wl).read_bytes()).hexdigest()
         with open_source(spec) as src:
@@ -268,7 +281,8 @@ def cmd_capture(args) -> int:
             with prog:
                 capture_reference(src, items, args.out, max_tokens=args.max_tokens, store=args.store, positions=args.positions,
                                   resume=args.resume, overwrite=args.overwrite,
-                                  settings={"workload": wl, "workload_sha256": wl_hash, **extra}, progress=advance, inputs=[wl])
+                                  settings={"workload": wl, "workload_sha256": wl_hash, **extra}, progress=advance, inputs=[wl],
+                                  batch=batch)
     _console().print(f"wrote RUN {args.out}")
     return 0
 
@@ -428,7 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
     c.add_argument("--top-logprobs", type=int, default=None,
                    help=f"K of the seed's top-K fields, 1..V (default: {DEFAULT_TOP_LOGPROBS}, or V when smaller)")
-    c.add_argument("--noise-floor", metavar="RUN", help="a rerun of the reference: its drift is printed beside the candidate's")
+    c.add_argument("--noise-floor", metavar="RUN",
+                   help="a rerun of the reference (e.g. `capture REF_SPEC --teacher REF_RUN --batch 3`: other batch mates, "
+                        "where a plain rerun on CPU is bit-identical): its drift is printed beside the candidate's")
     c.add_argument("--allow-partial", action="store_true", help="accept runs marked partial (stated in the report)")
     c.add_argument("--no-rows", action="store_true", help="omit per-position rows from report.json (tokens.parquet keeps them)")
     c.add_argument("--device", default=None, help="torch device for the metrics: cpu, cuda or cuda:N (default: cpu)")
@@ -494,7 +510,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "workload hash and every setting match the run's manifest (the first differing field is named)")
     cap.add_argument("--overwrite", action="store_true",
                      help="replace the RUN in --out; the new run is built beside it and swapped in only when complete")
-    cap.add_argument("--shard", metavar="I/N", help="only items k with k mod N == I; join the shards with `logitdiff merge`")
+    cap.add_argument("--shard", metavar="I/N",
+                     help="only the blocks k of --batch consecutive items with k mod N == I (every item keeps the batch mates "
+                          "it has unsharded); join the shards with `logitdiff merge`")
+    cap.add_argument("--batch", type=int, default=None, metavar="N",
+                     help="items scored together: blocks of N consecutive items in workload order, recorded in the manifest "
+                          "(default: 8). A batched backend's numbers depend on the batch mates; --resume and --shard keep them. "
+                          "A rerun of the reference with another N is a noise floor for `compare --noise-floor`")
     cap.add_argument("--endpoint", action="append", default=[], metavar="URL",
                      help="another replica of an openai: server, shared round-robin (repeatable)")
     cap.set_defaults(func=cmd_capture)
@@ -511,16 +533,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_commands(sub)
 
+    from .toolexec import SANDBOX_HELP
+
     run = sub.add_parser(
         "run",
         help="the whole job: reference, noise floor, candidates, reports (no arguments: the bundled default)",
         description=(
-            "Capture the reference on the workload, rerun it for the noise floor, teacher-force every "
+            "Capture the reference on the workload, rerun it for the noise floor (when that rerun is "
+            "bit-identical, as on CPU, the floor comes from a rerun with the batch boundaries moved by half a "
+            "batch: other batch mates, other float rounding), teacher-force every "
             "candidate on the reference's tokens and write one report per candidate plus a summary table. "
             "With no arguments: the bundled tiny Llama through transformers in BF16 as the reference, and "
             "its llama.cpp GGUF BF16 (cross-engine floor) and quant ladder Q8_0, Q6_K, Q4_K_M, IQ4_XS, "
             "Q3_K_M, Q2_K as candidates, on the bundled workload — offline, in minutes."
         ),
+        epilog=SANDBOX_HELP,
     )
     run.add_argument("--reference", default="builtin:tiny", help="reference spec (default: %(default)s)")
     run.add_argument("--candidate", action="append", dest="candidates", metavar="SPEC",
@@ -530,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="output directory: new, empty or an earlier run's (its reference capture is reused) (default: %(default)s)")
     run.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's, else 64)")
     run.add_argument("--positions", default="all", help="all | first | sample:FRAC with 0 < FRAC <= 1 (default: %(default)s)")
-    run.add_argument("--no-noise-floor", action="store_true", help="skip the reference rerun")
+    run.add_argument("--no-noise-floor", action="store_true", help="skip the reference reruns")
     run.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of items, 0 to 100000 (default: %(default)s)")
     run.add_argument("--ranges", default="0,1,8,32,128,512", help="output-position range edges (default: %(default)s)")
     run.add_argument("--fresh", action="store_true", help="recapture the reference even if OUT/runs/reference matches")

@@ -99,6 +99,7 @@ def _exec_checker(item: dict, timeout: float) -> Callable | None:
             "reasons": reasons,
             "ref": [{"ok": r.ok, "value": r.value, "error": r.error, "timed_out": r.timed_out} for r in a],
             "branch": [{"ok": r.ok, "value": r.value, "error": r.error, "timed_out": r.timed_out} for r in b],
+            "containment": next((r.containment for r in a + b if r.containment), None),  # what held the tool processes
         }
 
     return run

@@ -124,9 +124,11 @@ def print_flips(report: dict) -> None:
 def add_commands(sub) -> None:
     import argparse
 
+    from .toolexec import SANDBOX_HELP
+
     f = sub.add_parser(
         "flips", help="branch at top-1 flips and classify what they do; grade labelled answers",
-        description=FLIPS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=FLIPS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SANDBOX_HELP,
     )
     f.add_argument("report", metavar="REPORT", help="REPORT directory written by compare or run")
     f.add_argument("--select", default="first",

@@ -1,7 +1,8 @@
 """`logitdiff run`: reference capture, noise floor, candidates, one report each, a summary.
 
     reference  --capture (greedy, then teacher-forced distributions)-->  OUT/runs/reference
-    reference again, teacher-forced            --> noise floor (reproducibility)
+    reference again, teacher-forced            --> noise floor (reproducibility; when that rerun
+                                                   is bit-identical, a rerun with other batch mates)
     each candidate, teacher-forced, scored live --> OUT/reports/<candidate>/
     all candidates                              --> OUT/summary.json, OUT/summary.md
 """
@@ -17,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from .capture import LiveRun, capture_reference
+from .capture import SCORE_BATCH, LiveRun, capture_reference
 from .compare import compare_runs
 from .consequences import Settings, analyse
 from .errors import LogitdiffError
@@ -137,10 +138,10 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     ref = _reference_run(cfg, items, wl_hash, hooks)
     n_pos = sum(len(it.positions) for it in ref.items())
 
-    def score(spec: str, label: str, after=None):
+    def score(spec: str, label: str, after=None, offset: int = 0):
         src = open_source(spec)
         try:
-            live = LiveRun(src, ref)
+            live = LiveRun(src, ref, offset=offset)
             advance = hooks.bar(n_pos, label)
             comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance)
             return comp, (after(src, comp) if after else None)
@@ -165,14 +166,20 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     if cfg.noise_floor:
         hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
         nf, _ = score(cfg.reference, "noise floor")
-        noise = {
-            "spec": cfg.reference,
-            "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
-            "kl_nats_max": float(np.max(nf.columns["kl_nats"])),
-            "top1_disagreement": float(1.0 - np.mean(nf.columns["top1_match"])),
-            "top1_flips": int(np.sum(~np.asarray(nf.columns["top1_match"], dtype=bool))),
-            "positions": int(nf.n),
-        }
+        noise = _noise_floor(cfg.reference, nf, f"rerun, same batch layout (blocks of {SCORE_BATCH} items)")
+        if identical_distributions(nf):
+            # A deterministic backend reruns bit-identically (CPU): that says nothing about its
+            # numerical noise. Other batch mates (what --resume, --shard or a server's batching
+            # give) change the float rounding of a batched backend: that is the floor.
+            shift = SCORE_BATCH // 2
+            hooks.stage(f"noise floor: the rerun is bit-identical; rerun with batch boundaries moved by {shift} items")
+            nf, _ = score(cfg.reference, "noise floor, other batch mates", offset=shift)
+            noise = _noise_floor(cfg.reference, nf, f"rerun with batch boundaries moved by {shift} items (other batch mates); "
+                                                    "the plain rerun is bit-identical")
+            if identical_distributions(nf):
+                noise["rerun"] += ("; bit-identical with other batch mates too: on this workload the backend's numbers do "
+                                   "not depend on the batch (llama.cpp, for one, scores each sequence alone), so x noise floor "
+                                   "is undefined")
     rows = []
     for spec, name in zip(cfg.candidates, names):
         hooks.stage(f"candidate: {spec}")
@@ -217,6 +224,25 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
     hooks.done()
     return summary
+
+
+def identical_distributions(comp) -> bool:
+    """Same distributions at every position (identical rows give exactly 0 both ways)."""
+    c = comp.columns
+    return not (np.any(c["kl_nats"]) or np.any(c.get("kl_rev_nats", 0))) and bool(np.all(c["top1_match"]))
+
+
+def _noise_floor(spec: str, comp, rerun: str) -> dict:
+    c = comp.columns
+    return {
+        "spec": spec,
+        "rerun": rerun,
+        "kl_nats_mean": float(np.mean(c["kl_nats"])),
+        "kl_nats_max": float(np.max(c["kl_nats"])),
+        "top1_disagreement": float(1.0 - np.mean(c["top1_match"])),
+        "top1_flips": int(np.sum(~np.asarray(c["top1_match"], dtype=bool))),
+        "positions": int(comp.n),
+    }
 
 
 def _prebuild_builtin_ladder(cfg: RunConfig, hooks: Hooks) -> None:
@@ -295,7 +321,7 @@ def render_summary_md(summary: dict) -> str:
     ]
     if nf:
         lines.append(
-            f"- noise floor (reference rerun): mean KL {_f(nf['kl_nats_mean'])} nats, top-1 disagreement "
+            f"- noise floor ({nf.get('rerun') or 'reference rerun'}): mean KL {_f(nf['kl_nats_mean'])} nats, top-1 disagreement "
             f"{100 * nf['top1_disagreement']:.2f} %" + (" — the rerun is bit-identical, so × floor is undefined" if nf["kl_nats_mean"] == 0 else "")
         )
     xf = summary.get("cross_engine_floor")

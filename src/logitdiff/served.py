@@ -1,9 +1,11 @@
 """Scale-out and served-model helpers: sharded captures, merging shards, and measuring the
 error of the top-K approximation against exact full-vocabulary KL.
 
-* :func:`parse_shard` / :func:`shard_items` — ``--shard i/n`` keeps items ``k`` with
-  ``k mod n == i`` (workload order), so n processes (one per replica or machine) capture
-  disjoint parts of one workload.
+* :func:`parse_shard` / :func:`shard_items` — ``--shard i/n`` keeps the blocks ``k`` of
+  ``block`` consecutive items (workload order) with ``k mod n == i``, so n processes (one
+  per replica or machine) capture disjoint parts of one workload. ``capture`` uses its
+  scoring batch as the block (recorded as setting ``shard_block``), so every item is scored
+  with the same batch mates as in an unsharded capture.
 * :func:`merge_runs` — joins complete shard RUNs into one RUN after checking that they are
   the same capture (vocabulary, tokenizer, store, settings) of disjoint items; the merged run
   is written to a temporary directory and renamed, so a failed merge leaves nothing behind.
@@ -41,12 +43,12 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     return i, n
 
 
-def shard_items(items: Sequence, shard: str | tuple[int, int] | None) -> list:
-    """Items ``k`` (position in ``items``) with ``k mod n == i``."""
+def shard_items(items: Sequence, shard: str | tuple[int, int] | None, block: int = 1) -> list:
+    """Items at positions ``k`` in ``items`` with ``(k // block) mod n == i``."""
     if shard is None:
         return list(items)
     i, n = parse_shard(shard) if isinstance(shard, str) else shard
-    return [it for k, it in enumerate(items) if k % n == i]
+    return [it for k, it in enumerate(items) if (k // block) % n == i]
 
 
 def shard_pairs(pairs: Sequence, shard: str | tuple[int, int] | None) -> list:
@@ -121,16 +123,17 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
             if it.id in seen:
                 raise LogitdiffError(f"merge: item {it.id!r} is in both {seen[it.id]} and {r.path}")
             seen[it.id] = r.path
-    # restore the workload order of i mod n shards: round-robin over shards in shard order
+    # restore the workload order of i mod n shards: round-robin over shards in shard order,
+    # one block of `shard_block` items at a time (1 for runs that do not record it)
     queue = [(runs[k], list(runs[k].items())) for k in order]
     sequence = []
     if all(s is not None for s in shards):
+        b = int((first.manifest.get("settings") or {}).get("shard_block") or 1)
         j = 0
         while any(j < len(items) for _, items in queue):
             for r, items in queue:
-                if j < len(items):
-                    sequence.append((r, items[j]))
-            j += 1
+                sequence += [(r, it) for it in items[j : j + b]]
+            j += b
     else:
         sequence = [(r, it) for r, items in queue for it in items]
 

@@ -12,32 +12,50 @@ reduced to PATH, locale, one-thread BLAS settings and HOME/TMPDIR pointing at th
 proxies, no PYTHON* variables).  The runner reads the call from stdin and writes one JSON
 object to the original stdout; what the tool prints goes to stderr.
 
-Guards, set by the runner before the module is imported:
+Containment, set by the runner before the module is imported, each part where the platform
+allows it (every result says which parts were in force: :attr:`ExecResult.containment`):
 
-* resource limits (soft = hard): address space :data:`MEMORY_LIMIT`, file size
+* **kernel, Linux** (what holds even against ``ctypes`` and C extensions):
+
+  - *filesystem*: Landlock (Linux >= 5.13, the ``landlock`` LSM enabled): the process and
+    anything it starts may create, write, truncate, rename, link or remove files only beneath
+    the sandbox directory (and write ``/dev/null``); the rest of the filesystem is a read-only
+    view. Reading is allowed everywhere.
+  - *network*: a network namespace of its own (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``, or
+    ``CLONE_NEWNET`` alone as root): no interface is up, so nothing outside the process is
+    reachable over TCP, UDP or abstract Unix sockets. Without namespaces, Landlock ABI >= 4
+    still refuses TCP connect and bind.
+  - *processes*: a seccomp filter refuses fork, vfork, execve, execveat and clone without
+    ``CLONE_THREAD`` (threads work), so no program can be started, whatever the route.
+  - *signals*: Landlock ABI >= 6 scoping: no signal to a process outside the sandbox.
+
+  Each degrades on its own: where the kernel, a container's seccomp profile or a policy
+  (e.g. restricted user namespaces) refuses a part, that part is "audit hook only (reason)".
+* **resource limits** (soft = hard): address space :data:`MEMORY_LIMIT`, file size
   :data:`FILE_SIZE_LIMIT`, no core files, CPU seconds ``ceil(timeout) + 1``.  RLIMIT_NPROC is
   not set: Linux counts it per user (all of the user's processes) and threads count, so any
-  useful value would break thread use or depend on what else the user runs; process
-  creation is refused by the audit hook instead.
-* an audit hook (:pep:`578`) raising ``PermissionError`` on: network use (``socket.connect``
-  / ``bind`` / ``getaddrinfo`` / ``gethostbyname`` / ``gethostbyaddr`` / ``getnameinfo`` /
-  ``sendto`` / ``sendmsg``); process creation or signalling (``subprocess.Popen``,
-  ``os.system``, ``os.exec*``, ``os.posix_spawn``, ``os.spawn*``, ``os.fork``,
-  ``os.forkpty``, ``os.kill``, ``os.killpg``); ``open``/``os.open`` for writing (mode with
-  ``w a x +`` or flags with O_WRONLY, O_RDWR, O_CREAT, O_APPEND, O_TRUNC) of a path that does
-  not resolve (symlinks followed) inside the sandbox, except ``/dev/null``; and removing,
-  renaming, creating, linking, truncating or changing the metadata of such a path
+  useful value would break thread use or depend on what else the user runs.
+* **an audit hook** (:pep:`578`, every platform) raising ``PermissionError`` on: network use
+  (``socket.connect`` / ``bind`` / ``getaddrinfo`` / ``gethostbyname`` / ``gethostbyaddr`` /
+  ``getnameinfo`` / ``sendto`` / ``sendmsg``); process creation or signalling
+  (``subprocess.Popen``, ``os.system``, ``os.exec*``, ``os.posix_spawn``, ``os.spawn*``,
+  ``os.fork``, ``os.forkpty``, ``os.kill``, ``os.killpg``); ``open``/``os.open`` for writing
+  (mode with ``w a x +`` or flags with O_WRONLY, O_RDWR, O_CREAT, O_APPEND, O_TRUNC) of a path
+  that does not resolve (symlinks followed) inside the sandbox, except ``/dev/null``; and
+  removing, renaming, creating, linking, truncating or changing the metadata of such a path
   (``os.remove``/``unlink``/``rmdir``/``rename``/``replace``/``mkdir``/``link``/``symlink``/
   ``truncate``/``chmod``/``chown``/``utime``/``mkfifo``/``mknod``/xattrs, ``shutil.rmtree``/
   ``move``/``copy*``/``chown``/``make_archive``/``unpack_archive``, ``sqlite3.connect``).
-  Reading files anywhere is allowed.
-* a timeout: the process group (the runner starts a new session) is killed with SIGKILL at
+  It gives the readable errors; it is not a boundary: ``ctypes``, C extensions,
+  ``_posixsubprocess.fork_exec`` and paths relative to a ``dir_fd`` (judged against the cwd)
+  go around it. Where only the hook holds a part, that part is not contained.
+* **a timeout**: the process group (the runner starts a new session) is killed with SIGKILL at
   ``timeout`` seconds; the call then returns within about one more second.
 
-This guards against tools that by accident reach the network, spawn programs or write
-outside their directory.  It is not a security boundary against hostile code: audit hooks
-can be sidestepped (``ctypes``, C extensions), and paths given relative to a ``dir_fd`` are
-judged against the cwd.  Run untrusted tool code in a container.
+Not contained, anywhere: reading files (a tool can read what the user can), writing to the
+descriptors the process is given (its stderr file beside the sandbox, capped by the file
+size limit, and the result pipe: a tool can forge its own result), and CPU and memory use
+within the limits above.  For hostile code use a container or VM as well.
 """
 
 from __future__ import annotations
@@ -51,14 +69,28 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import LogitdiffError
-from .toolcalls import ToolCall, values_equal
+
+if TYPE_CHECKING:  # toolcalls pulls in jsonschema; the CLI imports SANDBOX_HELP at startup
+    from .toolcalls import ToolCall
 
 MEMORY_LIMIT = 1 << 30  # bytes of address space for the tool process
 FILE_SIZE_LIMIT = 16 << 20  # largest file the tool process may write (its stderr included)
 _KILL_GRACE = 1.0  # seconds to reap the process group after SIGKILL
+
+# What `--help` says (flips; run). Keep in step with the module docstring and README.
+SANDBOX_HELP = """\
+Executed tool calls (items with a tools_module) run one per fresh subprocess, in an empty
+temporary directory, with a timeout, memory/CPU/file-size limits and a Python audit hook.
+On Linux the kernel also confines the process where it allows: Landlock (writes only inside
+that directory; the rest of the filesystem is read-only), a network namespace (no network),
+seccomp (no new processes) and Landlock scoping (no signals to other processes). Any part
+the kernel refuses (old kernel, container profile, no user namespaces) falls back to the
+audit hook alone, which ctypes, C extensions and dir_fd paths go around: that part is NOT
+contained. Every execution records which parts held ("containment" in flips.parquet's
+signals). Reading files is never restricted. For hostile code, use a container as well."""
 
 # The runner, run with ``python -I -B -c _RUNNER MODE MODULE SANDBOX TIMEOUT MEM FSIZE``.
 # It is self-contained (isolated mode: no cwd on sys.path, logitdiff not needed).
@@ -77,6 +109,91 @@ for lim, val in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_FSIZE, int(fsi
 payload = json.loads(sys.stdin.read() or "null")
 
 import importlib.util, inspect
+
+def contain(sandbox):
+    """Kernel-level containment, as much as this platform allows, before any tool code runs.
+
+    Returns what is in force: {"filesystem", "network", "processes", "signals"} -> one short
+    line each. Each step degrades on its own (a kernel without Landlock still gets the
+    namespace); "audit hook only" means that only the Python-level guard below holds."""
+    got = {k: "audit hook only" for k in ("filesystem", "network", "processes", "signals")}
+    if not sys.platform.startswith("linux"):
+        return got
+    import ctypes, platform, struct
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    L = ctypes.c_long
+    def why():
+        return os.strerror(ctypes.get_errno())
+    # network: a network namespace of its own holds only a loopback that is down, so no
+    # address (TCP, UDP, abstract Unix sockets) outside the process is reachable. As root
+    # CLONE_NEWNET alone works; unprivileged users need a user namespace with it.
+    for flags in (0x10000000 | 0x40000000, 0x40000000):  # CLONE_NEWUSER | CLONE_NEWNET, CLONE_NEWNET
+        if libc.unshare(ctypes.c_int(flags)) == 0:
+            got["network"] = "network namespace (no interface up)"
+            break
+    else:
+        got["network"] = f"audit hook only (no network namespace: {why()})"
+    # Landlock and seccomp without privileges need no_new_privs (inherited, never undone)
+    if libc.prctl(L(38), L(1), L(0), L(0), L(0)) != 0:  # PR_SET_NO_NEW_PRIVS
+        got["filesystem"] = got["processes"] = got["signals"] = f"audit hook only (no_new_privs refused: {why()})"
+        return got
+    # filesystem: Landlock (Linux >= 5.13). Only write-like rights are handled, so reading
+    # stays allowed everywhere; they are granted beneath the sandbox and on /dev/null only.
+    abi = libc.syscall(L(444), None, L(0), L(1))  # landlock_create_ruleset(NULL, 0, VERSION)
+    if abi < 1:
+        got["filesystem"] = got["signals"] = f"audit hook only (no Landlock: {why()})"
+    else:
+        write_file, truncate = 1 << 1, (1 << 14 if abi >= 3 else 0)
+        fs = write_file | (1 << 4) | (1 << 5) | sum(1 << b for b in range(6, 13)) | truncate  # REMOVE_*, MAKE_*
+        fs |= (1 << 13) if abi >= 2 else 0  # REFER: links and renames across directories
+        net = 3 if abi >= 4 else 0  # BIND_TCP | CONNECT_TCP, no port allowed
+        scoped = 3 if abi >= 6 else 0  # abstract Unix sockets and signals of other domains
+        attr = struct.pack("<QQQ", fs, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
+        rs = libc.syscall(L(444), ctypes.c_char_p(attr), L(len(attr)), L(0))
+        ok = rs >= 0
+        for path, allowed in ((sandbox, fs), ("/dev/null", write_file | truncate)):
+            if not ok:
+                break
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            rule = ctypes.create_string_buffer(struct.pack("<Qi", allowed, fd), 12)
+            ok = libc.syscall(L(445), L(rs), L(1), rule, L(0)) == 0  # LANDLOCK_RULE_PATH_BENEATH
+            os.close(fd)
+        ok = ok and libc.syscall(L(446), L(rs), L(0)) == 0  # landlock_restrict_self
+        if ok:
+            got["filesystem"] = f"Landlock ABI {abi}: writes only inside the sandbox directory"
+            got["signals"] = (f"Landlock ABI {abi}: no signal to a process outside the sandbox" if scoped
+                              else f"audit hook only (Landlock ABI {abi} < 6 has no signal scoping)")
+            if abi >= 4 and not got["network"].startswith("network namespace"):
+                got["network"] = f"Landlock ABI {abi}: TCP refused; UDP and Unix sockets by the audit hook only"
+        else:
+            got["filesystem"] = got["signals"] = f"audit hook only (Landlock refused: {why()})"
+        if rs >= 0:
+            os.close(rs)
+    # processes: a seccomp filter refuses fork, vfork, execve and clone without CLONE_THREAD
+    # (threads still work; clone3 says ENOSYS so the C library falls back to clone).
+    arch = platform.machine()
+    nrs = {"x86_64": (0xC000003E, 56, (57, 58, 59, 322)), "aarch64": (0xC00000B7, 220, (221, 281))}.get(arch)
+    if nrs is None:
+        got["processes"] = f"audit hook only (no seccomp filter for {arch})"
+        return got
+    audit_arch, nr_clone, nr_deny = nrs
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, deny, nosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38  # ERRNO(EPERM), ERRNO(ENOSYS)
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, audit_arch), (ret, 0, 0, deny), (ld, 0, 0, 0),
+            (jge, 0, 1, 0x40000000), (ret, 0, 0, deny)]  # other ABIs (i386 on x86_64, x32): refused
+    for nr in nr_deny:
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, deny)]
+    prog += [(jeq, 0, 1, 435), (ret, 0, 0, nosys),  # clone3: its flags are out of reach
+             (jeq, 0, 3, nr_clone), (ld, 0, 0, 16), (jset, 1, 0, 0x10000), (ret, 0, 0, deny),  # CLONE_THREAD
+             (ret, 0, 0, allow)]
+    filt = ctypes.create_string_buffer(b"".join(struct.pack("<HBBI", *i) for i in prog))
+    fprog = struct.pack("<HxxxxxxQ", len(prog), ctypes.addressof(filt))
+    if libc.prctl(L(22), L(2), ctypes.c_char_p(fprog), L(0), L(0)) == 0:  # PR_SET_SECCOMP, FILTER
+        got["processes"] = "seccomp: fork and exec refused"
+    else:
+        got["processes"] = f"audit hook only (seccomp refused: {why()})"
+    return got
 
 SANDBOX = os.path.realpath(sandbox)
 BLOCKED = {
@@ -158,8 +275,12 @@ def run():
             value = f"<unrepresentable {type(value).__name__}: {one_line(e)}>"
     return {"ok": True, "value": value}
 
+try:
+    CONTAINMENT = contain(SANDBOX)
+except Exception as e:  # e.g. a Python built without ctypes: say so, run with the hook alone
+    CONTAINMENT = {k: f"audit hook only ({type(e).__name__}: {e})" for k in ("filesystem", "network", "processes", "signals")}
 sys.addaudithook(guard)
-data = json.dumps(run()).encode()
+data = json.dumps({**run(), "containment": CONTAINMENT}).encode()
 view = memoryview(data)
 while view:
     view = view[os.write(result_fd, view):]
@@ -174,7 +295,9 @@ class ExecResult:
     a value that JSON cannot hold is replaced by its ``repr`` string), None unless ok;
     ``error``: one line (``"TypeError: ..."``, a sandbox ``PermissionError``, ``timed out
     after 5s``, or how the process died); ``timed_out``: killed at the timeout;
-    ``seconds``: wall time of the subprocess.
+    ``seconds``: wall time of the subprocess; ``containment``: what held the tool process
+    (``{"filesystem", "network", "processes"}`` -> one line each, see :func:`contained`),
+    None when the process died before saying.
     """
 
     ok: bool
@@ -182,10 +305,11 @@ class ExecResult:
     error: str | None
     timed_out: bool
     seconds: float
+    containment: dict | None = None
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "value": self.value, "error": self.error,
-                "timed_out": self.timed_out, "seconds": self.seconds}
+                "timed_out": self.timed_out, "seconds": self.seconds, "containment": self.containment}
 
 
 def _env(sandbox: str) -> dict[str, str]:
@@ -244,9 +368,10 @@ def _run(module_path: Path, mode: str, payload: Any, timeout: float) -> ExecResu
             how = f"killed by {signal.Signals(-rc).name}"
         last = f": {' '.join(tail[-1].split())[:300]}" if tail else ""
         return ExecResult(False, None, f"tool process ended without a result ({how}){last}", False, seconds)
+    held = res.get("containment")
     if res["ok"]:
-        return ExecResult(True, res.get("value"), None, False, seconds)
-    return ExecResult(False, None, res.get("error") or "failed", False, seconds)
+        return ExecResult(True, res.get("value"), None, False, seconds, held)
+    return ExecResult(False, None, res.get("error") or "failed", False, seconds, held)
 
 
 def _module(module_path: str | Path) -> Path:
@@ -256,16 +381,17 @@ def _module(module_path: str | Path) -> Path:
     return p
 
 
-def load_check(module_path: str | Path, timeout: float = 10.0) -> None:
-    """Import the tools module once, sandboxed as a call would be; raise LogitdiffError
-    ``"<path>: tools module failed to import: <one line>"`` or ``"<path>: tools module did
-    not import within Ns"``."""
+def load_check(module_path: str | Path, timeout: float = 10.0) -> dict | None:
+    """Import the tools module once, sandboxed as a call would be; return the containment
+    that held (see :class:`ExecResult`); raise LogitdiffError ``"<path>: tools module failed
+    to import: <one line>"`` or ``"<path>: tools module did not import within Ns"``."""
     r = _run(_module(module_path), "import", None, timeout)
     if r.timed_out:
         raise LogitdiffError(f"{module_path}: tools module did not import within {timeout:g}s")
     if not r.ok:
         reason = r.error.removeprefix("tools module failed to import: ")
         raise LogitdiffError(f"{module_path}: tools module failed to import: {reason}")
+    return r.containment
 
 
 def execute_calls(module_path: str | Path, calls: list[ToolCall], *, timeout: float = 5.0) -> list[ExecResult]:
@@ -280,6 +406,8 @@ def compare_results(a: list[ExecResult], b: list[ExecResult]) -> tuple[bool, lis
     (:func:`~logitdiff.toolcalls.values_equal` without string normalisation: numbers within
     1e-9 relative, bool is not a number).  Two failures agree whatever their error text (a
     timeout and an exception are both failures).  Returns (equal, reasons)."""
+    from .toolcalls import values_equal
+
     reasons = []
     if len(a) != len(b):
         reasons.append(f"{len(a)} results != {len(b)}")

@@ -603,7 +603,8 @@ def _header(names, paths, reports, summary) -> str:
         noise = "differs per report (see × noise floor)"
     elif nf:
         noise = (f"mean KL {fmt(nf.get('kl_nats_mean'))} nats, top-1 disagreement {fmt(nf.get('top1_disagreement'), 'pct')} "
-                 f"(<code>{_e(nf.get('spec'))}</code> against its own rerun, {_e(nf.get('positions'))} positions)")
+                 f"(<code>{_e(nf.get('spec') or nf.get('path'))}</code> against its own {_e(nf.get('rerun') or 'rerun')}, "
+                 f"{_e(nf.get('positions'))} positions)")
         if nf.get("kl_nats_mean") == 0:
             noise += " — the rerun is bit-identical, so × noise floor is undefined"
     else:

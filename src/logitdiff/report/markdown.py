@@ -89,7 +89,7 @@ def render_markdown(report: dict) -> str:
     if s.get("noise_floor"):
         nf = s["noise_floor"]
         out.append(
-            f"- noise floor (reference vs its rerun): mean KL {_f(nf.get('kl_nats_mean'))}; this candidate is "
+            f"- noise floor (reference vs its {nf.get('rerun') or 'rerun'}): mean KL {_f(nf.get('kl_nats_mean'))}; this candidate is "
             f"{_f(s.get('kl_mean_x_noise_floor'), 2)} × the floor"
         )
         x = s.get("kl_mean_x_noise_floor")
