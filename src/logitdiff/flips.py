@@ -9,23 +9,30 @@ item's), so their ends are comparable. With ``both``, the reference also continu
 the candidate's token, which separates "the token was poison" (the reference, given that
 token, goes astray too) from "the candidate drifts anyway".
 
-Outcomes (checked in this order; every branch stores the signals that decided it):
+A flip where the reference's own top two are tied within rounding (``tie_tolerance``) is a
+*tie*: the engines broke it, the candidate did not flip. Ties are counted apart and not
+branched unless asked, and never enter outcome counts or gates.
+
+Outcomes (checked in this order; every branch stores the signals that decided it; the
+definitions are in docs/flips.md):
 
 ``tool_call_malformed``  the reference made a schema-valid tool call and the branch's call
                          does not parse, is missing, or violates the tool's JSON schema;
 ``tool_call_changed``    the branch's call is valid but names another function or other
                          arguments (AST comparison, `toolcalls.compare_calls`);
-``recovered``            the branch re-synchronises with the reference (a common run of at
-                         least ``resync`` tokens, or both ends identical when shorter) and
-                         its final answer / tool call is the same (items without a label
-                         or tool call have no answer: re-synchronising is enough);
-``benign``               no re-synchronisation, but the same answer / tool call and a
-                         similarity >= the threshold;
-``meaning_changed``      everything else: a different answer or a similarity below it.
+``recovered``            the branch re-joins the reference at an aligned point and stays
+                         joined (:func:`align`), and its answer / tool call is the same
+                         (items without a label or tool call: the same numbers and a
+                         similarity >= the threshold);
+``benign``               it does not stay joined (never re-joins, or leaves again), but the
+                         answer / tool call is the same (no label: same numbers, similarity
+                         >= the threshold);
+``meaning_changed``      everything else: a different answer or number, or a similarity
+                         below the threshold.
 
 Similarity is measured on the text from the flip onward (the shared prefix would inflate
-it): MiniLM cosine when the optional extra is installed, else a normalised edit
-similarity; the report names which.
+it) by the similarity that fits the text (`grading.SimilarityPolicy`: edit similarity on
+code, tool calls and repetitive text, MiniLM on prose); each branch records which.
 """
 
 from __future__ import annotations
