@@ -33,6 +33,11 @@ def load_cases() -> list[dict]:
     return [json.loads(line) for line in LABELS.read_text().splitlines() if line.strip()]
 
 
+@lru_cache(maxsize=None)
+def _built(case_json: str) -> dict:
+    return branch_of(json.loads(case_json))
+
+
 @lru_cache(maxsize=1)
 def _tokenizer():
     from tokenizers import Tokenizer
@@ -86,7 +91,7 @@ def classify_all(cases: list[dict], policy: SimilarityPolicy, scores=None) -> li
     thresholds = {policy.edit.kind: policy.edit.threshold, policy.prose.kind: policy.prose.threshold}
     out = []
     for c, (score, kind) in zip(cases, scores):
-        b = branch_of(c)
+        b = _built(json.dumps(c, sort_keys=True))
         o, sig = classify(item=b["item"], ref_ids=b["ref_ids"], branch_ids=b["branch_ids"], position=b["position"],
                           ref_text=b["ref_text"], branch_text=b["branch_text"], similarity=score, threshold=thresholds[kind],
                           end_ids=[b["eos"]])
@@ -169,14 +174,17 @@ def test_agreement_with_labels_edit_similarity():
     assert all(o == "meaning_changed" for c, (o, _) in zip(cases, results) if c in wrong_benign)
 
 
-def sweep(policy_kind: str, vary: str, thresholds=None) -> list[tuple[float, dict[str, float]]]:
-    """Per-class agreement as the threshold of one similarity (``vary``: edit or minilm)
-    of a policy (``auto`` or ``edit``) moves, the other at its default."""
+def sweep(policy_kind: str, vary: str, thresholds=None, fixed: dict[str, float] | None = None) -> list[tuple[float, dict[str, float]]]:
+    """Per-class agreement as the threshold of one similarity (``vary``: edit or minilm) of
+    a policy (``auto`` or ``edit``) moves; the other stays at ``fixed`` or its default."""
     from dataclasses import replace
 
     thresholds = thresholds or [round(0.30 + 0.05 * k, 2) for k in range(14)]
+    fixed = fixed or {}
     cases = load_cases()
     base = load_similarity(policy_kind)
+    base = SimilarityPolicy(replace(base.edit, threshold=fixed.get("edit", base.edit.threshold)),
+                            replace(base.prose, threshold=fixed.get(base.prose.kind, base.prose.threshold)))
     scores = score_all(cases, base)
     out = []
     for thr in thresholds:
@@ -187,9 +195,30 @@ def sweep(policy_kind: str, vary: str, thresholds=None) -> list[tuple[float, dic
     return out
 
 
+def plateau(policy_kind: str, vary: str, lo: float = 0.30, hi: float = 0.95, step: float = 0.01,
+            fixed: dict[str, float] | None = None) -> tuple[float, float] | None:
+    """The widest range of thresholds (to ``step``) at which every class agrees on >= 90 %."""
+    n = int(round((hi - lo) / step))
+    grid = [round(lo + k * step, 4) for k in range(n + 1)]
+    ok = [thr for thr, agr in sweep(policy_kind, vary, grid, fixed) if min(agr.values()) >= MIN_AGREEMENT]
+    if not ok:
+        return None
+    runs, cur = [], [ok[0]]
+    for x in ok[1:]:
+        if round(x - cur[-1], 4) <= step + 1e-9:
+            cur.append(x)
+        else:
+            runs.append(cur)
+            cur = [x]
+    runs.append(cur)
+    best = max(runs, key=len)
+    return best[0], best[-1]
+
+
 if __name__ == "__main__":  # pragma: no cover - the calibration record in docs/flips.md
     for policy_kind, vary in (("auto", "edit"), ("auto", "minilm"), ("edit", "edit")):
         print(f"\nsimilarity {policy_kind}: {vary} threshold (default {DEFAULT_THRESHOLDS[vary]})")
         print("| threshold | " + " | ".join(OUTCOMES) + " | lowest |\n|---|" + "---:|" * (len(OUTCOMES) + 1))
         for thr, agr in sweep(policy_kind, vary):
             print(f"| {thr:.2f} | " + " | ".join(f"{100 * agr[o]:.0f} %" for o in OUTCOMES) + f" | {100 * min(agr.values()):.0f} % |")
+        print(f"thresholds (0.01 steps) at which every class agrees on >= 90 %: {plateau(policy_kind, vary)}")

@@ -159,9 +159,12 @@ EDIT = "normalised character edit similarity (1 - Levenshtein / max length)"
 # Calibrated on the labelled branches in tests/data/flip_labels.jsonl (tests/test_flips_labelled.py
 # prints the sweep): the middle of the range of thresholds at which every class agrees
 # with the labels at >= 90 %. See docs/flips.md.
-DEFAULT_THRESHOLDS = {"minilm": 0.80, "edit": 0.60}
+DEFAULT_THRESHOLDS = {"minilm": 0.70, "edit": 0.40}
 # Items with these tags are code or tool calls: scored by edit similarity whatever --similarity auto finds.
 EDIT_TAGS = ("code", "tool")
+# Sentence embeddings need sentences: MiniLM puts "Yes" and "No" at cosine 0.73. Texts with
+# fewer words than this (either side) are scored by edit similarity.
+MIN_WORDS_FOR_EMBEDDING = 3
 
 
 def is_repetitive(text: str) -> bool:
@@ -176,9 +179,11 @@ class SimilarityPolicy:
 
     Sentence embeddings (MiniLM) are trained on prose: on code and on repetitive text
     (``#\\n#\\n`` against ``#\\n# Modules are not found``) they call nearly everything
-    similar, while a character edit similarity sees every changed token. So ``edit``
-    scores items tagged ``code`` or ``tool`` and any reference continuation that is mostly
-    repeated lines; ``prose`` (MiniLM when installed, else edit) scores the rest.
+    similar, and on a word or two (``Yes`` / ``No``) they are unreliable, while a character
+    edit similarity sees every changed token. So ``edit`` scores items tagged ``code`` or
+    ``tool``, any reference continuation that is mostly repeated lines and any pair with a
+    side of fewer than ``MIN_WORDS_FOR_EMBEDDING`` words; ``prose`` (MiniLM when installed,
+    else edit) scores the rest.
     """
 
     edit: Similarity
@@ -195,14 +200,17 @@ class SimilarityPolicy:
     def thresholds(self) -> dict[str, float]:
         return {self.edit.kind: self.edit.threshold, self.prose.kind: self.prose.threshold}
 
-    def pick(self, tags: Sequence[str], ref_text: str) -> Similarity:
+    def pick(self, tags: Sequence[str], ref_text: str, branch_text: str | None = None) -> Similarity:
         if any(t in EDIT_TAGS for t in tags or ()) or is_repetitive(ref_text):
+            return self.edit
+        words = len(ref_text.split()) if branch_text is None else min(len(ref_text.split()), len(branch_text.split()))
+        if words < MIN_WORDS_FOR_EMBEDDING:
             return self.edit
         return self.prose
 
     def score(self, tags_per_pair: Sequence[Sequence[str]], a: Sequence[str], b: Sequence[str]) -> list[tuple[float, Similarity]]:
         """(score, similarity used) per pair; each similarity runs once over its pairs."""
-        picked = [self.pick(tags, x) for tags, x in zip(tags_per_pair, a)]
+        picked = [self.pick(tags, x, y) for tags, x, y in zip(tags_per_pair, a, b)]
         out: list[tuple[float, Similarity] | None] = [None] * len(picked)
         for sim in {id(p): p for p in picked}.values():
             idx = [k for k, p in enumerate(picked) if p is sim]
