@@ -189,9 +189,11 @@ def run_flips(
         t = f.position
         ref_text, br_text = text(ref_out), text(branch)
         score, sim = sims[k]
+        ends = end_ratio(ref_tails[k], br_tails[k])
         outcome, sig = classify(
             item=item, ref_ids=ref_out, branch_ids=branch, position=t, ref_text=ref_text,
             branch_text=br_text, similarity=score, threshold=sim.threshold,
+            end_similarity=ends if sim.kind == "edit" else None,
             exec_check=_exec_checker(item, settings.exec_timeout), **rejoin_args,
         )
         # Where the flip token ends, the branch re-joined and left again, in characters of
@@ -228,7 +230,7 @@ def run_flips(
             "joined_share": sig["joined_share"],
             "left_position": sig["left_position"],
             "left_ref_position": sig["left_ref_position"],
-            "end_ratio": end_ratio(ref_tails[k], br_tails[k]),
+            "end_ratio": ends,
             "ref_continuation": ref_tails[k],
             "branch_continuation": br_tails[k],
             "marks": json.dumps(marks),
@@ -239,7 +241,8 @@ def run_flips(
             a_score, a_sim = alt_sims[k]
             o2, s2 = classify(
                 item=item, ref_ids=ref_out, branch_ids=alt, position=t, ref_text=ref_text,
-                branch_text=text(alt), similarity=a_score, threshold=a_sim.threshold, **rejoin_args,
+                branch_text=text(alt), similarity=a_score, threshold=a_sim.threshold,
+                end_similarity=end_ratio(ref_tails[k], alt_tails[k]) if a_sim.kind == "edit" else None, **rejoin_args,
             )
             row["outcome_ref_from_cand_token"] = o2
             row["ref_from_cand_continuation"] = alt_tails[k]

@@ -61,6 +61,10 @@ MIN_RUN = 4
 MAX_SHIFT = 8
 MAX_DETOUR = 8
 MIN_JOINED_SHARE = 0.8
+# Last thirds of two continuations this dissimilar (difflib ratio) end differently: a
+# recovered branch must not (the summary counts any that do, so a wrong class shows on the
+# page), and on character-scored text (code) neither may a benign one.
+END_RATIO_DISSIMILAR = 0.5
 
 
 @dataclass
@@ -352,14 +356,18 @@ def classify(
     max_shift: int = MAX_SHIFT,
     max_detour: int = MAX_DETOUR,
     end_ids: Sequence[int] = (),
+    end_similarity: float | None = None,
     exec_check: Callable[[list, list], dict] | None = None,
 ) -> tuple[str, dict]:
     """Outcome of one branch and the signals that decided it.
 
     ``ref_ids``/``branch_ids`` are whole outputs (token ids after the prompt, with the end
     token when the model stopped) that agree before ``position``; ``ref_text``/``branch_text``
-    their decoded text without the end token. ``exec_check(ref_calls, branch_calls)`` runs
-    both calls (optional).
+    their decoded text without the end token. ``end_similarity`` (:func:`end_ratio` of the
+    continuations) is given where the similarity is a character similarity (code,
+    repetitive text): there the whole-text figure is dominated by shared boilerplate, so a
+    branch must also end alike (>= ``END_RATIO_DISSIMILAR``) to mean the same.
+    ``exec_check(ref_calls, branch_calls)`` runs both calls (optional).
     """
     t = position
     sig: dict[str, Any] = {"similarity": float(similarity), "similarity_threshold": threshold}
@@ -421,8 +429,12 @@ def classify(
     # An answer label or a valid reference call says what the meaning is; only without
     # one does similarity stand in for it.
     label_free = not expected and not sig.get("ref_call_valid")
-    sim_ok = not label_free or similarity >= threshold
+    ends_alike = end_similarity is None or end_similarity >= END_RATIO_DISSIMILAR
+    sim_ok = not label_free or (similarity >= threshold and ends_alike)
     sim_text = f"similarity {similarity:.3f} {'>=' if similarity >= threshold else '<'} {threshold:g}" if label_free else ""
+    if label_free and not ends_alike:
+        sim_text += f", ends unlike the reference (last thirds {end_similarity:.2f} < {END_RATIO_DISSIMILAR:g})"
+    sig["end_similarity"] = end_similarity
     rejoin = f"re-joined the reference {al.rejoin[0] + 1} tokens after the flip" if al.rejoin is not None else ""
     if stays and same and sim_ok:
         share = f"{100 * al.joined_share:.0f} %"
@@ -484,9 +496,6 @@ SHOWN_FIELDS = (
     "similarity", "similarity_kind", "joined_share", "end_ratio",
     "rejoin_position", "rejoin_ref_position", "left_position", "left_ref_position", "marks",
 )
-# A recovered branch whose last third is this dissimilar (difflib ratio) to the reference's
-# did not recover: the summary counts them so that a wrong class is visible on the page.
-END_RATIO_DISSIMILAR = 0.5
 
 
 def _shown(r: dict) -> dict:

@@ -159,7 +159,7 @@ EDIT = "normalised character edit similarity (1 - Levenshtein / max length)"
 # Calibrated on the labelled branches in tests/data/flip_labels.jsonl (tests/test_flips_labelled.py
 # prints the sweep): the middle of the range of thresholds at which every class agrees
 # with the labels at >= 90 %. See docs/flips.md.
-DEFAULT_THRESHOLDS = {"minilm": 0.70, "edit": 0.40}
+DEFAULT_THRESHOLDS = {"minilm": 0.70, "edit": 0.45}
 # Items with these tags are code or tool calls: scored by edit similarity whatever --similarity auto finds.
 EDIT_TAGS = ("code", "tool")
 # Sentence embeddings need sentences: MiniLM puts "Yes" and "No" at cosine 0.73. Texts with
