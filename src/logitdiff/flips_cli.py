@@ -12,17 +12,18 @@ control. Each branch is classified, with the signals that decided it, as
   recovered            re-joins the reference (--resync common tokens, at most --max-shift
                        tokens out of line) and stays joined to the end of the shorter output
                        (later detours re-join within --max-detour tokens, >= 80 % of the
-                       rest joined), with the same answer / tool call (no label: the same
-                       numbers) and similarity >= threshold
-  benign               did not stay joined (or never re-joined), same answer / call,
-                       similarity >= threshold
-  meaning_changed      a different answer (or number), or similarity below the threshold
+                       tokens after the flip joined), with the same answer / tool call (no
+                       label: the same numbers and similarity >= threshold)
+  benign               does not stay joined (never re-joins, or leaves again), but the same
+                       answer / call (no label: same numbers, similarity >= threshold)
+  meaning_changed      another answer or number, or (no label) similarity below the threshold
   tool_call_malformed  the reference's call was schema-valid; the branch's does not parse
                        or violates the tool's JSON schema
   tool_call_changed    valid, but another function or other arguments (AST check, BFCL-style)
 
-Similarity: edit similarity on items tagged code or tool and on repetitive text, MiniLM
-on prose when the optional extra is installed (--similarity auto).
+Similarity (--similarity auto): edit similarity on items tagged code or tool, on
+repetitive text and on texts of a word or two (there a branch must also end alike: last
+thirds, difflib ratio >= 0.5); MiniLM on prose when the optional extra is installed.
 
 Ties are not flips: where the reference's margin p(top1) - p(top2) is within the bf16
 spacing at p(top1) (0 included), the engines only broke a tie. Ties are counted and listed
