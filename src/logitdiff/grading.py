@@ -192,8 +192,9 @@ class SimilarityPolicy:
     @property
     def name(self) -> str:
         if self.prose.kind == self.edit.kind:
-            return f"{self.edit.name}; threshold {self.edit.threshold:g}"
-        return (f"{self.edit.name} on code, tool calls and repetitive text (threshold {self.edit.threshold:g}); "
+            return f"{self.edit.name}; threshold {self.edit.threshold:g}, and the ends alike"
+        return (f"{self.edit.name} on code, tool calls, repetitive text and texts of a word or two "
+                f"(threshold {self.edit.threshold:g}, and the ends alike); "
                 f"{self.prose.name} on prose (threshold {self.prose.threshold:g})")
 
     @property
