@@ -87,7 +87,7 @@ CORRECTNESS = (
     ("tool_call_valid_cand", "tool calls valid", "share of tool items whose candidate tool call parses and validates", "pct"),
 )
 
-CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px} table.flips td{vertical-align:top} 
+CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px;text-align:left} table.flips td{vertical-align:top} 
 .cont .ftok{outline:2px solid #1f4fd1;outline-offset:-1px;background:#e3ebff}.cont .joined{background:#dff3e1}
 .cont .left{background:#fde4e2}.cont .cut{display:inline-block;width:0;border-left:2px solid #c62828;height:1.1em;vertical-align:text-bottom}
 :root{--fg:#1d2330;--mut:#5b6475;--line:#d9dde5;--bg:#fff;--alt:#f5f7fa;--warn:#fff4d6;--warnb:#e0a800}
