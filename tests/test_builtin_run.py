@@ -212,9 +212,12 @@ def test_default_run_html_numbers_match_parquet(default_run):
         assert [w["id"] for w in data["worst_items"][name]][:3] == list(worst.index[:3])
         rc = data["ref_confidence"]["by_candidate"][name]
         assert sum(rc["n"]) + rc.get("left_out", 0) == len(df)
-        # the most consequential flip, both continuations side by side
+        # the most consequential flip, both continuations side by side (the flip token, the
+        # joined stretch and the departure are spans inside them)
         import html as html_mod
 
         top = rep["flips"]["top"][0]
-        assert html_mod.escape(top["branch_continuation"], quote=True) in html
-        assert html_mod.escape(top["ref_continuation"], quote=True) in html
+        plain = re.sub(r"<span[^>]*>|</span>", "", html)
+        assert html_mod.escape(top["branch_continuation"], quote=True) in plain
+        assert html_mod.escape(top["ref_continuation"], quote=True) in plain
+        assert 'class="ftok"' in html
