@@ -110,7 +110,9 @@ def test_default_run_flips_and_correctness(default_run):
         f = rep["flips"]
         fl = pd.read_parquet(d / "flips.parquet")
         assert len(fl) == f["n_branches"] > 0
-        assert f["n_flips"] == rep["summary"]["top1_mismatches"]
+        # ties at the reference are flips of top-1 but not of the candidate: counted apart, not branched
+        assert f["n_flips"] + f["n_ties"] == rep["summary"]["top1_mismatches"]
+        assert not fl["tie"].any() and (fl["margin_ref"] > 0).all()
         assert fl["outcome"].value_counts().to_dict() == {k: v for k, v in f["outcomes"].items() if v}
         # every branch starts at a real flip of tokens.parquet, with the same KL
         tok = pd.read_parquet(d / "tokens.parquet").set_index(["item_id", "position"])
@@ -129,6 +131,30 @@ def test_default_run_flips_and_correctness(default_run):
         md = (d / "report.md").read_text()
         assert "What the flips do" in md and "Correctness of free-running answers" in md
     assert "meaning changed" in (default_run / "summary.md").read_text()
+
+
+def test_default_run_recovered_means_recovered(default_run):
+    """Issue 15: at most 5 % of the recovered branches end dissimilar to the reference (last
+    third, difflib ratio < 0.5, computed here independently of the classifier), no branch at an
+    exact tie is a flip outcome, and every recovered branch re-joined and stayed."""
+    from difflib import SequenceMatcher
+
+    def last_third_ratio(a, b):
+        return SequenceMatcher(None, a[2 * len(a) // 3:], b[2 * len(b) // 3:], autojunk=False).ratio()
+
+    n_rec = n_bad = 0
+    for d in sorted((default_run / "reports").iterdir()):
+        if not (d / "flips.parquet").exists():
+            continue
+        fl = pd.read_parquet(d / "flips.parquet")
+        if not len(fl):
+            continue
+        assert not ((fl["margin_ref"] == 0) & ~fl["tie"]).any()
+        rec = fl[fl.outcome == "recovered"]
+        assert rec["rejoin_position"].notna().all() and rec["left_position"].isna().all() and (rec["joined_share"] >= 0.8).all()
+        n_rec += len(rec)
+        n_bad += sum(last_third_ratio(a, b) < 0.5 for a, b in zip(rec.ref_continuation, rec.branch_continuation))
+    assert n_rec > 0 and n_bad <= 0.05 * n_rec, (n_bad, n_rec)
 
 
 def test_flips_command_on_a_report(default_run, tmp_path, capsys):
@@ -190,9 +216,12 @@ def test_default_run_html_numbers_match_parquet(default_run):
         assert [w["id"] for w in data["worst_items"][name]][:3] == list(worst.index[:3])
         rc = data["ref_confidence"]["by_candidate"][name]
         assert sum(rc["n"]) + rc.get("left_out", 0) == len(df)
-        # the most consequential flip, both continuations side by side
+        # the most consequential flip, both continuations side by side (the flip token, the
+        # joined stretch and the departure are spans inside them)
         import html as html_mod
 
         top = rep["flips"]["top"][0]
-        assert html_mod.escape(top["branch_continuation"], quote=True) in html
-        assert html_mod.escape(top["ref_continuation"], quote=True) in html
+        plain = re.sub(r"<span[^>]*>|</span>", "", html)
+        assert html_mod.escape(top["branch_continuation"], quote=True) in plain
+        assert html_mod.escape(top["ref_continuation"], quote=True) in plain
+        assert 'class="ftok"' in html

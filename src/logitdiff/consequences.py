@@ -18,8 +18,8 @@ import numpy as np
 
 from .capture import DEFAULT_MAX_TOKENS
 from .errors import LogitdiffError
-from .flips import OUTCOMES, Flip, classify, find_flips, select_flips, summarize_branches
-from .grading import Similarity, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
+from .flips import MAX_DETOUR, MAX_SHIFT, MIN_RUN, OUTCOMES, Flip, classify, end_ratio, find_flips, select_flips, summarize_branches
+from .grading import SimilarityPolicy, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
 from .sources import Source
 from .store import RunItem, RunReader, first_difference
 from .summarize import DEFAULT_RANGES
@@ -33,7 +33,10 @@ class Settings:
     max_branches: int | None = 32
     max_tokens: int | None = None  # branch budget; default: what is left of the item's
     both: bool = False
-    resync: int = 4
+    resync: int = MIN_RUN
+    max_shift: int = MAX_SHIFT
+    max_detour: int = MAX_DETOUR
+    branch_ties: bool = False
     seed: int = 0
     exec_timeout: float = 5.0
     n_boot: int = 2000
@@ -109,11 +112,18 @@ def _exec_checker(item: dict, timeout: float) -> Callable | None:
 # flips
 
 
+def _char_offset(text_of: Callable[[Sequence[int]], str], ids: Sequence[int], n: int | None, whole: str) -> int | None:
+    """Characters of ``whole`` (the decoded ``ids``) covered by its first ``n`` tokens."""
+    if n is None:
+        return None
+    return min(len(text_of(ids[:n])), len(whole))
+
+
 def run_flips(
     source: Source,
     ref: RunReader,
     columns: dict,
-    similarity: Similarity,
+    similarity: SimilarityPolicy,
     settings: Settings,
     *,
     reference_source: Source | None = None,
@@ -127,7 +137,7 @@ def run_flips(
         raise LogitdiffError("--both needs the reference as a source (pass --reference SPEC)")
     tags_of = {i: it.tags for i, it in items.items()}
     all_flips = find_flips(columns, tags_of)
-    chosen, note = select_flips(all_flips, settings.select, settings.max_branches, settings.seed)
+    chosen, note = select_flips(all_flips, settings.select, settings.max_branches, settings.seed, settings.branch_ties)
     if on_total:
         on_total(len(chosen))
     eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
@@ -171,20 +181,37 @@ def run_flips(
         ref_tails.append(text(ref_out[t:]))
         br_tails.append(text(branch[t:]))
         alt_tails.append(text(alt[t:]) if alt is not None else "")
-    sims = similarity.score_many(ref_tails, br_tails)
-    alt_sims = similarity.score_many(ref_tails, alt_tails) if settings.both else None
+    tags = [list(f.tags) for f, *_ in pending]
+    sims = similarity.score(tags, ref_tails, br_tails)
+    alt_sims = similarity.score(tags, ref_tails, alt_tails) if settings.both else None
+    rejoin_args = dict(min_run=settings.resync, max_shift=settings.max_shift, max_detour=settings.max_detour, end_ids=sorted(eos))
     for k, (f, it, ref_out, branch, alt) in enumerate(pending):
         item = _item_json(it)
+        t = f.position
         ref_text, br_text = text(ref_out), text(branch)
+        score, sim = sims[k]
+        ends = end_ratio(ref_tails[k], br_tails[k])
         outcome, sig = classify(
-            item=item, ref_ids=ref_out, branch_ids=branch, position=f.position, ref_text=ref_text,
-            branch_text=br_text, similarity=float(sims[k]), threshold=similarity.threshold,
-            min_run=settings.resync, exec_check=_exec_checker(item, settings.exec_timeout),
+            item=item, ref_ids=ref_out, branch_ids=branch, position=t, ref_text=ref_text,
+            branch_text=br_text, similarity=score, threshold=sim.threshold,
+            end_similarity=ends if sim.kind == "edit" else None,
+            exec_check=_exec_checker(item, settings.exec_timeout), **rejoin_args,
         )
+        # Where the flip token ends, the branch re-joined and left again, in characters of
+        # both continuations (from the flip on): the page highlights them.
+        r_ids, b_ids = ref_out[t:], branch[t:]
+        marks = {
+            "ref": [_char_offset(text, r_ids, n, ref_tails[k]) for n in (
+                1, None if sig["rejoin_ref_position"] is None else sig["rejoin_ref_position"] - t,
+                None if sig["left_ref_position"] is None else sig["left_ref_position"] - t)],
+            "branch": [_char_offset(text, b_ids, n, br_tails[k]) for n in (
+                1, None if sig["rejoin_position"] is None else sig["rejoin_position"] - t,
+                None if sig["left_position"] is None else sig["left_position"] - t)],
+        }
         row = {
             "item_id": f.item_id,
             "tags": list(f.tags),
-            "position": f.position,
+            "position": t,
             "ref_token_id": f.ref_token_id,
             "cand_token_id": f.cand_token_id,
             "ref_token": source.token_text(f.ref_token_id),
@@ -192,30 +219,47 @@ def run_flips(
             "p_ref": f.p_ref,
             "p_cand": f.p_cand,
             "margin_ref": f.margin_ref,
+            "tie": f.tie,
             "kl_nats": f.kl_nats,
             "outcome": outcome,
             "decided_by": sig.get("decided_by", ""),
-            "similarity": float(sims[k]),
+            "similarity": score,
+            "similarity_kind": sim.kind,
+            "similarity_threshold": sim.threshold,
+            "rejoin_position": sig["rejoin_position"],
+            "rejoin_ref_position": sig["rejoin_ref_position"],
+            "joined_share": sig["joined_share"],
+            "left_position": sig["left_position"],
+            "left_ref_position": sig["left_ref_position"],
+            "end_ratio": ends,
             "ref_continuation": ref_tails[k],
             "branch_continuation": br_tails[k],
-            "branch_tokens": len(branch) - f.position,
+            "marks": json.dumps(marks),
+            "branch_tokens": len(branch) - t,
             "signals": json.dumps(sig, sort_keys=True, default=str),
         }
         if alt is not None:
+            a_score, a_sim = alt_sims[k]
             o2, s2 = classify(
-                item=item, ref_ids=ref_out, branch_ids=alt, position=f.position, ref_text=ref_text,
-                branch_text=text(alt), similarity=float(alt_sims[k]), threshold=similarity.threshold,
-                min_run=settings.resync,
+                item=item, ref_ids=ref_out, branch_ids=alt, position=t, ref_text=ref_text,
+                branch_text=text(alt), similarity=a_score, threshold=a_sim.threshold,
+                end_similarity=end_ratio(ref_tails[k], alt_tails[k]) if a_sim.kind == "edit" else None, **rejoin_args,
             )
             row["outcome_ref_from_cand_token"] = o2
             row["ref_from_cand_continuation"] = alt_tails[k]
         rows.append(row)
+    ties = [
+        {"item_id": f.item_id, "position": f.position, "margin_ref": f.margin_ref, "p_ref": f.p_ref,
+         "ref_token": source.token_text(f.ref_token_id), "cand_token": source.token_text(f.cand_token_id)}
+        for f in all_flips if f.tie
+    ]
     n_pos = len(columns["position"])
     section = summarize_branches(
-        rows, n_flips=len(all_flips), n_positions=n_pos, note=note, similarity_name=similarity.name,
-        ranges=settings.ranges,
+        rows, n_flips=sum(not f.tie for f in all_flips), n_positions=n_pos, note=note, similarity_name=similarity.name,
+        ranges=settings.ranges, ties=ties,
         settings={"select": settings.select, "max_branches": settings.max_branches, "max_tokens": settings.max_tokens,
-                  "resync_tokens": settings.resync, "similarity_threshold": similarity.threshold, "both": settings.both},
+                  "resync_tokens": settings.resync, "max_shift": settings.max_shift, "max_detour": settings.max_detour,
+                  "similarity_thresholds": similarity.thresholds, "both": settings.both, "branch_ties": settings.branch_ties},
     )
     return section, rows
 

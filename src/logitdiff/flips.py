@@ -9,23 +9,30 @@ item's), so their ends are comparable. With ``both``, the reference also continu
 the candidate's token, which separates "the token was poison" (the reference, given that
 token, goes astray too) from "the candidate drifts anyway".
 
-Outcomes (checked in this order; every branch stores the signals that decided it):
+A flip where the reference's own top two are tied within rounding (``tie_tolerance``) is a
+*tie*: the engines broke it, the candidate did not flip. Ties are counted apart and not
+branched unless asked, and never enter outcome counts or gates.
+
+Outcomes (checked in this order; every branch stores the signals that decided it; the
+definitions are in docs/flips.md):
 
 ``tool_call_malformed``  the reference made a schema-valid tool call and the branch's call
                          does not parse, is missing, or violates the tool's JSON schema;
 ``tool_call_changed``    the branch's call is valid but names another function or other
                          arguments (AST comparison, `toolcalls.compare_calls`);
-``recovered``            the branch re-synchronises with the reference (a common run of at
-                         least ``resync`` tokens, or both ends identical when shorter) and
-                         its final answer / tool call is the same (items without a label
-                         or tool call have no answer: re-synchronising is enough);
-``benign``               no re-synchronisation, but the same answer / tool call and a
-                         similarity >= the threshold;
-``meaning_changed``      everything else: a different answer or a similarity below it.
+``recovered``            the branch re-joins the reference at an aligned point and stays
+                         joined (:func:`align`), and its answer / tool call is the same
+                         (items without a label or tool call: the same numbers and a
+                         similarity >= the threshold);
+``benign``               it does not stay joined (never re-joins, or leaves again), but the
+                         answer / tool call is the same (no label: same numbers, similarity
+                         >= the threshold);
+``meaning_changed``      everything else: a different answer or number, or a similarity
+                         below the threshold.
 
 Similarity is measured on the text from the flip onward (the shared prefix would inflate
-it): MiniLM cosine when the optional extra is installed, else a normalised edit
-similarity; the report names which.
+it) by the similarity that fits the text (`grading.SimilarityPolicy`: edit similarity on
+code, tool calls and repetitive text, MiniLM on prose); each branch records which.
 """
 
 from __future__ import annotations
@@ -37,13 +44,27 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .errors import LogitdiffError
-from .grading import Similarity, expected_calls, grade, last_number, normalise_answer
+from .grading import grade, last_number, normalise_answer, numbers_in
 from .toolcalls import ParsedCalls, compare_calls, parse_tool_calls, validate_call
 
 OUTCOMES = ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed")
 # Most consequential first: used to rank flips for the report.
 SEVERITY = {"tool_call_malformed": 4, "tool_call_changed": 3, "meaning_changed": 2, "benign": 1, "recovered": 0}
 MARGIN_BUCKETS = (0.0, 0.05, 0.2, 0.5, 1.0000001)
+
+# Recovery (docs/flips.md). A re-join is MIN_RUN common tokens at offsets in the branch and
+# the reference at most MAX_SHIFT apart; after it, a detour must re-join within MAX_DETOUR
+# tokens on each side, and at least MIN_JOINED_SHARE of the tokens after the flip (to the
+# end of the shorter output) must be joined. Eight tokens of the bundled tokenizer are a
+# few words or one short line.
+MIN_RUN = 4
+MAX_SHIFT = 8
+MAX_DETOUR = 8
+MIN_JOINED_SHARE = 0.8
+# Last thirds of two continuations this dissimilar (difflib ratio) end differently: a
+# recovered branch must not (the summary counts any that do, so a wrong class shows on the
+# page), and on character-scored text (code) neither may a benign one.
+END_RATIO_DISSIMILAR = 0.5
 
 
 @dataclass
@@ -57,6 +78,26 @@ class Flip:
     margin_ref: float
     kl_nats: float
     tags: list[str] = field(default_factory=list)
+    tie: bool = False  # the reference's top two were tied within rounding (see tie_tolerance)
+
+
+def tie_tolerance(p_top1: float) -> float:
+    """Largest reference margin p(top1) - p(top2) that is a tie, not a decision.
+
+    The spacing of bf16 numbers at p(top1): 2^(floor(log2 p) - 7) (8 significant bits).
+    Two probabilities closer than that would be stored as the same or as neighbouring bf16
+    values; a BF16 reference (and any bf16/quantized candidate) cannot order them, so which
+    one wins is the engine's tie-break (argmax takes the lowest id), not drift. For a float32
+    reference the bound is generous but still below 1 % of p. Exact ties (margin 0, as when
+    two bf16 logits are equal) are always ties; without p(top1) only those are.
+    """
+    if not np.isfinite(p_top1) or p_top1 <= 0:
+        return 0.0
+    return float(2.0 ** (np.floor(np.log2(min(p_top1, 1.0))) - 7))
+
+
+def is_tie(margin_ref: float, p_top1: float) -> bool:
+    return bool(margin_ref <= tie_tolerance(p_top1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,29 +129,39 @@ def find_flips(columns: dict, tags_of: dict[str, list[str]] | None = None) -> li
     out = []
     for i in idx:
         iid = str(columns["item_id"][i])
+        p1 = float(p_ref[i]) if p_ref is not None else float("nan")
+        margin = float(columns["margin_ref"][i])
         out.append(
             Flip(
                 item_id=iid,
                 position=int(columns["position"][i]),
                 ref_token_id=int(columns["top1_ref"][i]),
                 cand_token_id=int(columns["top1_cand"][i]),
-                p_ref=float(p_ref[i]) if p_ref is not None else float("nan"),
+                p_ref=p1,
                 p_cand=float(p_cand[i]) if p_cand is not None else float("nan"),
-                margin_ref=float(columns["margin_ref"][i]),
+                margin_ref=margin,
                 kl_nats=float(columns["kl_nats"][i]),
                 tags=list((tags_of or {}).get(iid, [])),
+                tie=is_tie(margin, p1),
             )
         )
     return out
 
 
-def select_flips(flips: Sequence[Flip], select: str = "first", max_branches: int | None = None, seed: int = 0) -> tuple[list[Flip], str]:
+def select_flips(
+    flips: Sequence[Flip], select: str = "first", max_branches: int | None = None, seed: int = 0, branch_ties: bool = False
+) -> tuple[list[Flip], str]:
     """The flips to branch from, and a sentence saying what was chosen.
 
-    When the selection is larger than ``max_branches``, the flips with the highest KL are
-    kept (they are the likeliest to matter); a budget larger than the flips is not an error.
+    Ties (``Flip.tie``) are not the candidate's flips and are left out unless
+    ``branch_ties``. When the selection is larger than ``max_branches``, the flips with the
+    highest KL are kept (they are the likeliest to matter); a budget larger than the flips
+    is not an error.
     """
     mode, n = parse_select(select)
+    n_ties = sum(f.tie for f in flips)
+    if not branch_ties:
+        flips = [f for f in flips if not f.tie]
     chosen = list(flips)
     if mode == "first":
         seen: set[str] = set()
@@ -122,6 +173,8 @@ def select_flips(flips: Sequence[Flip], select: str = "first", max_branches: int
     elif mode == "sample":
         chosen = random.Random(seed).sample(list(flips), min(n, len(flips)))
     note = f"{len(chosen)} of {len(flips)} flips selected by '{select}'"
+    if n_ties:
+        note += f" ({n_ties} tie{'s' if n_ties != 1 else ''} at the reference " + ("branched too" if branch_ties else "not branched") + ")"
     if max_branches is not None and len(chosen) > max_branches:
         chosen = sorted(chosen, key=lambda f: -f.kl_nats)[:max_branches]
         note += f", capped at --max-branches {max_branches} (highest KL kept)"
@@ -133,28 +186,137 @@ def select_flips(flips: Sequence[Flip], select: str = "first", max_branches: int
 # comparing two outputs
 
 
-def resync(ref_tail: Sequence[int], branch_tail: Sequence[int], min_run: int) -> tuple[int, int, int] | None:
-    """First (branch offset, reference offset, run length) where the tails re-join.
+def _run(b: Sequence[int], r: Sequence[int], i: int, j: int, cap: int | None = None) -> int:
+    """Length of the common run of ``b[i:]`` and ``r[j:]`` (stopping at ``cap`` when given)."""
+    n = 0
+    while i + n < len(b) and j + n < len(r) and b[i + n] == r[j + n] and (cap is None or n < cap):
+        n += 1
+    return n
 
-    A re-join is a common run of at least ``min_run`` tokens, or - when both whole tails
-    are shorter than that (a one-token answer and its end token) - both tails being
-    identical from some point to their ends.
+
+@dataclass(frozen=True)
+class Alignment:
+    """How a branch's tail lines up with the reference's tail.
+
+    Offsets count from the token after the flip (both tails start there). ``rejoin`` is the
+    first aligned common run, ``left`` where the branch left the reference for good (None
+    when it stayed joined to the end of the shorter tail), ``joined`` the tokens in common
+    from the re-join on and ``remainder`` the length of the shorter tail (everything after
+    the flip token), so ``joined / remainder`` is the joined share of the remainder: a
+    branch that re-joins only for the last few tokens has a small one.
     """
-    r, b = list(ref_tail), list(branch_tail)
-    grams: dict[tuple, int] = {}
-    for j in range(len(r) - min_run + 1):
-        grams.setdefault(tuple(r[j : j + min_run]), j)
-    for i in range(len(b)):
-        j = grams.get(tuple(b[i : i + min_run])) if len(b) - i >= min_run else None
-        if j is not None:
-            n = min_run
-            while i + n < len(b) and j + n < len(r) and b[i + n] == r[j + n]:
-                n += 1
-            return i, j, n
-        rest = len(b) - i
-        if len(b) < min_run and len(r) < min_run and 0 < rest <= len(r) and b[i:] == r[len(r) - rest :]:
-            return i, len(r) - rest, rest
+
+    rejoin: tuple[int, int] | None
+    left: tuple[int, int] | None = None
+    joined: int = 0
+    remainder: int = 0
+    detours: int = 0
+
+    @property
+    def joined_share(self) -> float | None:
+        if self.rejoin is None:
+            return None
+        return self.joined / self.remainder if self.remainder else 0.0
+
+    def stays_joined(self, min_share: float = MIN_JOINED_SHARE) -> bool:
+        """Re-joined, never left for good, and joined for at least ``min_share`` of the remainder."""
+        return self.rejoin is not None and self.left is None and (self.joined_share or 0.0) >= min_share
+
+
+def _first_rejoin(b, r, min_run: int, max_shift: int) -> tuple[int, int] | None:
+    """First branch offset where ``min_run`` tokens match the reference at most ``max_shift``
+    tokens away; of several such reference offsets (repetitive text) the nearest."""
+    for i in range(len(b) - min_run + 1):
+        lo, hi = max(0, i - max_shift), min(len(r) - min_run, i + max_shift)
+        for j in sorted(range(lo, hi + 1), key=lambda j: (abs(i - j), j)):
+            if b[i] == r[j] and _run(b, r, i, j, cap=min_run) >= min_run:
+                return i, j
     return None
+
+
+def _next_rejoin(b, r, i: int, j: int, min_run: int, max_shift: int, max_detour: int) -> tuple[int, int] | None:
+    """After a mismatch at (i, j): the nearest aligned point within ``max_detour`` tokens on
+    each side where the tails match again for ``min_run`` tokens or to the end of either."""
+    best = None
+    for i2 in range(i, min(len(b), i + max_detour + 1)):
+        for j2 in range(max(j, i2 - max_shift), min(len(r), j + max_detour + 1, i2 + max_shift + 1)):
+            if b[i2] != r[j2]:
+                continue
+            n = _run(b, r, i2, j2, cap=min_run)
+            if n >= min_run or i2 + n == len(b) or j2 + n == len(r):
+                key = ((i2 - i) + (j2 - j), abs(i2 - j2))
+                if best is None or key < best[0]:
+                    best = (key, (i2, j2))
+    return None if best is None else best[1]
+
+
+def align(
+    ref_tail: Sequence[int],
+    branch_tail: Sequence[int],
+    *,
+    min_run: int = MIN_RUN,
+    max_shift: int = MAX_SHIFT,
+    max_detour: int = MAX_DETOUR,
+    end_ids: Sequence[int] = (),
+) -> Alignment:
+    """Where the branch re-joins the reference, whether it stays, and where it leaves again.
+
+    A re-join is a run of ``min_run`` common tokens whose offsets in the branch and the
+    reference differ by at most ``max_shift`` (a run matching text from far elsewhere, as
+    every ``#\\n`` of a repetitive tail does, is not a re-join). From there the tails are
+    walked side by side; at a mismatch the branch may take a short detour: it must match
+    again (aligned, ``min_run`` tokens or to the end of either tail) within ``max_detour``
+    tokens on each side. A detour that runs into the end of both budgets (no end token on
+    either side) is cut short, not a departure. Otherwise the branch left for good there.
+    """
+    b, r = list(branch_tail), list(ref_tail)
+    start = _first_rejoin(b, r, min_run, max_shift)
+    if start is None:
+        return Alignment(None)
+    ends = set(end_ids)
+    i, j = start
+    remainder = min(len(b), len(r))
+    joined = detours = 0
+    left = None
+    while i < len(b) and j < len(r):
+        if b[i] == r[j]:
+            joined += 1
+            i += 1
+            j += 1
+            continue
+        nxt = _next_rejoin(b, r, i, j, min_run, max_shift, max_detour)
+        if nxt is None:
+            cut_short = min(len(b) - i, len(r) - j) <= max_detour and not ends.intersection(b[i:] + r[j:])
+            if not cut_short:
+                left = (i, j)
+            break
+        detours += 1
+        i, j = nxt
+    return Alignment(start, left, joined, remainder, detours)
+
+
+def numbers_agree(ref_text: str, branch_text: str, ref_cut: bool = False, branch_cut: bool = False) -> bool:
+    """The numbers of both texts agree, in order, as far as the shorter list goes.
+
+    A text cut by the token budget may end in the middle of a number, so its last number
+    is left out when it ends in a digit.
+    """
+    def nums(text: str, cut: bool) -> list[float]:
+        found = numbers_in(text)
+        return found[:-1] if cut and found and text.rstrip()[-1:].isdigit() else found
+
+    a, b = nums(ref_text, ref_cut), nums(branch_text, branch_cut)
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
+def end_ratio(ref_continuation: str, branch_continuation: str) -> float:
+    """difflib ratio of the last thirds of two continuations: do they end alike?"""
+    from difflib import SequenceMatcher
+
+    a = ref_continuation[2 * len(ref_continuation) // 3 :]
+    b = branch_continuation[2 * len(branch_continuation) // 3 :]
+    return SequenceMatcher(None, a, b, autojunk=False).ratio()
 
 
 def _answer_key(expected: dict | None, text: str) -> Any:
@@ -190,21 +352,33 @@ def classify(
     branch_text: str,
     similarity: float,
     threshold: float,
-    min_run: int = 4,
+    min_run: int = MIN_RUN,
+    max_shift: int = MAX_SHIFT,
+    max_detour: int = MAX_DETOUR,
+    end_ids: Sequence[int] = (),
+    end_similarity: float | None = None,
     exec_check: Callable[[list, list], dict] | None = None,
 ) -> tuple[str, dict]:
     """Outcome of one branch and the signals that decided it.
 
-    ``ref_ids``/``branch_ids`` are whole outputs (token ids after the prompt) that agree
-    before ``position``; ``ref_text``/``branch_text`` their decoded text without the end
-    token. ``exec_check(ref_calls, branch_calls)`` runs both calls (optional).
+    ``ref_ids``/``branch_ids`` are whole outputs (token ids after the prompt, with the end
+    token when the model stopped) that agree before ``position``; ``ref_text``/``branch_text``
+    their decoded text without the end token. ``end_similarity`` (:func:`end_ratio` of the
+    continuations) is given where the similarity is a character similarity (code,
+    repetitive text): there the whole-text figure is dominated by shared boilerplate, so a
+    branch must also end alike (>= ``END_RATIO_DISSIMILAR``) to mean the same.
+    ``exec_check(ref_calls, branch_calls)`` runs both calls (optional).
     """
     t = position
     sig: dict[str, Any] = {"similarity": float(similarity), "similarity_threshold": threshold}
-    rs = resync(ref_ids[t + 1 :], branch_ids[t + 1 :], min_run)
-    sig["resync_branch_offset"] = None if rs is None else t + 1 + rs[0]
-    sig["resync_ref_offset"] = None if rs is None else t + 1 + rs[1]
-    sig["resync_run"] = None if rs is None else rs[2]
+    al = align(ref_ids[t + 1 :], branch_ids[t + 1 :], min_run=min_run, max_shift=max_shift, max_detour=max_detour, end_ids=end_ids)
+    sig["rejoin_position"] = None if al.rejoin is None else t + 1 + al.rejoin[0]
+    sig["rejoin_ref_position"] = None if al.rejoin is None else t + 1 + al.rejoin[1]
+    sig["left_position"] = None if al.left is None else t + 1 + al.left[0]
+    sig["left_ref_position"] = None if al.left is None else t + 1 + al.left[1]
+    sig["joined_share"] = al.joined_share
+    sig["detours"] = al.detours
+    stays = al.stays_joined()
     tools = item.get("tools") or []
     expected = item.get("expected") or {}
     same: bool | None = None
@@ -234,6 +408,7 @@ def classify(
         elif pb.attempted:
             # The reference made no valid call; the branch's call is a behaviour change.
             same = pr.ok and pb.ok and compare_calls(pb.calls, pr.calls, tools).equal
+    what = "same answer"
     if same is None:
         key_r, key_b = _answer_key(expected, ref_text), _answer_key(expected, branch_text)
         if expected and ("answer" in expected or "numeric" in expected or "regex" in expected):
@@ -243,24 +418,44 @@ def classify(
             gr, gb = grade(expected, ref_text, tools), grade(expected, branch_text, tools)
             same = gr.extracted == gb.extracted
         else:
-            # No label, no tool call: there is no final answer to compare, so re-joining
-            # the reference text is what "the same" can mean.
-            same = rs is not None
+            # No label, no tool call: no final answer to compare. A changed number is a
+            # changed meaning whatever the rest of the text does; beyond that, re-joining
+            # or similarity decide.
+            ends = set(end_ids)
+            same = numbers_agree(ref_text, branch_text, ref_cut=not (ref_ids and ref_ids[-1] in ends),
+                                 branch_cut=not (branch_ids and branch_ids[-1] in ends))
+            what = "same numbers"
     sig["same_answer"] = bool(same)
-    # Without a label or a valid reference call there is no answer to compare: similarity
-    # alone separates benign from changed when the branch never re-joins.
+    # An answer label or a valid reference call says what the meaning is; only without
+    # one does similarity stand in for it.
     label_free = not expected and not sig.get("ref_call_valid")
-    if rs is not None and same:
-        what = "" if label_free else "; same answer"
-        sig["decided_by"] = f"re-joined the reference {rs[0] + 1} tokens after the flip for {rs[2]} tokens{what}"
+    ends_alike = end_similarity is None or end_similarity >= END_RATIO_DISSIMILAR
+    sim_ok = not label_free or (similarity >= threshold and ends_alike)
+    sim_text = f"similarity {similarity:.3f} {'>=' if similarity >= threshold else '<'} {threshold:g}" if label_free else ""
+    if label_free and not ends_alike:
+        sim_text += f", ends unlike the reference (last thirds {end_similarity:.2f} < {END_RATIO_DISSIMILAR:g})"
+    sig["end_similarity"] = end_similarity
+    rejoin = f"re-joined the reference {al.rejoin[0] + 1} tokens after the flip" if al.rejoin is not None else ""
+    if stays and same and sim_ok:
+        share = f"{100 * al.joined_share:.0f} %"
+        detours = f", {al.detours} short detour{'s' if al.detours != 1 else ''}" if al.detours else ""
+        sig["decided_by"] = f"{rejoin} and stayed ({share} joined{detours}); " + ", ".join(x for x in (what, sim_text) if x)
         return "recovered", sig
-    if (same or label_free) and similarity >= threshold:
-        sig["decided_by"] = ("same answer, " if same else "no re-join, ") + f"similarity {similarity:.3f} >= {threshold}"
-        return "benign", sig
-    if same or label_free:
-        sig["decided_by"] = ("same answer but " if same else "no re-join, ") + f"similarity {similarity:.3f} < {threshold}"
+    if al.rejoin is None:
+        how = "no aligned re-join"
+    elif al.left is not None:
+        how = f"{rejoin}, left again {al.left[0] - al.rejoin[0]} tokens later"
+    elif not stays:
+        how = f"{rejoin}, only {100 * (al.joined_share or 0):.0f} % joined"
     else:
-        sig["decided_by"] = "different answer" + ("" if rs is None else " (re-joined the text, not the answer)")
+        how = f"{rejoin} and stayed"
+    if same and sim_ok:
+        sig["decided_by"] = f"{how}; " + ", ".join(x for x in (what, sim_text) if x)
+        return "benign", sig
+    if not same:
+        sig["decided_by"] = f"{how}; " + ("different answer" if what == "same answer" else "a number changed")
+    else:
+        sig["decided_by"] = f"{how}; {what} but {sim_text}"
     return "meaning_changed", sig
 
 
@@ -294,30 +489,72 @@ def _counts(rows: list[dict], key: Callable[[dict], Any]) -> dict:
     return dict(sorted(out.items()))
 
 
-def summarize_branches(rows: list[dict], *, n_flips: int, n_positions: int, note: str, similarity_name: str, ranges: Sequence[int], settings: dict, n_top: int = 10) -> dict:
-    """The ``flips`` section of report.json."""
+# The fields of a branch that report.json carries for the page (every field is in flips.parquet).
+SHOWN_FIELDS = (
+    "item_id", "position", "outcome", "kl_nats", "margin_ref", "p_ref", "p_cand", "tie",
+    "ref_token", "cand_token", "ref_continuation", "branch_continuation", "decided_by",
+    "similarity", "similarity_kind", "joined_share", "end_ratio",
+    "rejoin_position", "rejoin_ref_position", "left_position", "left_ref_position", "marks",
+)
+
+
+def _shown(r: dict) -> dict:
+    return {k: r[k] for k in SHOWN_FIELDS if k in r}
+
+
+def summarize_branches(
+    rows: list[dict],
+    *,
+    n_flips: int,
+    n_positions: int,
+    note: str,
+    similarity_name: str,
+    ranges: Sequence[int],
+    settings: dict,
+    ties: Sequence[dict] = (),
+    n_top: int = 10,
+    n_examples: int = 3,
+) -> dict:
+    """The ``flips`` section of report.json.
+
+    ``rows`` are the branches; rows of ties (``tie`` true, branched only on request) are
+    reported under ``ties`` and kept out of the outcome counts, rates and groups, which are
+    what gates read. ``ties`` lists every tie (branched or not). ``top`` is the ``n_top``
+    most consequential branches followed by up to ``n_examples`` more of each outcome, so
+    that every class shows examples on the page.
+    """
+    tie_rows = [r for r in rows if r.get("tie")]
+    rows = [r for r in rows if not r.get("tie")]
     n = len(rows)
     outcomes = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
-    top = sorted(rows, key=lambda r: (-SEVERITY[r["outcome"]], -r["kl_nats"]))[:n_top]
+    rank = lambda r: (-SEVERITY[r["outcome"]], -r["kl_nats"])  # noqa: E731
+    ranked = sorted(rows, key=rank)
+    top = ranked[:n_top]
+    for o in OUTCOMES:
+        top += [r for r in ranked if r["outcome"] == o and r not in top][: max(0, n_examples - sum(t["outcome"] == o for t in top))]
+    top.sort(key=rank)
+    rec = [r for r in rows if r["outcome"] == "recovered" and r.get("end_ratio") is not None]
     sec = {
         "n_flips": n_flips,
         "flip_rate": (n_flips / n_positions) if n_positions else None,
+        "n_ties": len(ties),
         "n_branches": n,
         "selection": note,
         "similarity": similarity_name,
         "settings": settings,
         "outcomes": outcomes,
         "rates": {o: (c / n if n else None) for o, c in outcomes.items()},
+        "recovered_ending_dissimilar": sum(r["end_ratio"] < END_RATIO_DISSIMILAR for r in rec),
         "by_tag": _counts(rows, lambda r: r["tags"] or ["(untagged)"]),
         "by_range": _counts(rows, lambda r: [range_label(r["position"], ranges)]),
         "by_margin": _counts(rows, lambda r: [margin_bucket(r["margin_ref"])]),
-        "top": [
-            {k: r[k] for k in (
-                "item_id", "position", "outcome", "kl_nats", "margin_ref", "p_ref", "p_cand",
-                "ref_token", "cand_token", "ref_continuation", "branch_continuation", "decided_by",
-            ) if k in r}
-            for r in top
-        ],
+        "top": [_shown(r) for r in top],
+        "ties": {
+            "tolerance": "reference margin <= the bf16 spacing at p(top1), 2^(floor(log2 p) - 7)",
+            "n_branched": len(tie_rows),
+            "outcomes": {o: sum(r["outcome"] == o for r in tie_rows) for o in OUTCOMES},
+            "list": [dict(t) for t in ties[:100]],  # n_ties counts them all
+        },
     }
     if any("outcome_ref_from_cand_token" in r for r in rows):
         both = [r for r in rows if r.get("outcome_ref_from_cand_token")]

@@ -9,13 +9,25 @@ Branch at the top-1 flips of a REPORT: from prompt + teacher[:t] + the candidate
 the candidate continues greedily; the reference's own continuation (the teacher) is the
 control. Each branch is classified, with the signals that decided it, as
 
-  recovered            re-joins the reference text (--resync common tokens) with the same
-                       final answer / tool call
-  benign               no re-join, same answer / call, similarity >= threshold
-  meaning_changed      a different answer, or similarity below the threshold
+  recovered            re-joins the reference (--resync common tokens, at most --max-shift
+                       tokens out of line) and stays joined to the end of the shorter output
+                       (later detours re-join within --max-detour tokens, >= 80 % of the
+                       tokens after the flip joined), with the same answer / tool call (no
+                       label: the same numbers and similarity >= threshold)
+  benign               does not stay joined (never re-joins, or leaves again), but the same
+                       answer / call (no label: same numbers, similarity >= threshold)
+  meaning_changed      another answer or number, or (no label) similarity below the threshold
   tool_call_malformed  the reference's call was schema-valid; the branch's does not parse
                        or violates the tool's JSON schema
   tool_call_changed    valid, but another function or other arguments (AST check, BFCL-style)
+
+Similarity (--similarity auto): edit similarity on items tagged code or tool, on
+repetitive text and on texts of a word or two (there a branch must also end alike: last
+thirds, difflib ratio >= 0.5); MiniLM on prose when the optional extra is installed.
+
+Ties are not flips: where the reference's margin p(top1) - p(top2) is within the bf16
+spacing at p(top1) (0 included), the engines only broke a tie. Ties are counted and listed
+apart, not branched (unless --branch-ties), and never counted in outcomes or gates.
 
 Labelled items are also graded free-running (both models, greedy): accuracy of each,
 correctness flips right->wrong / wrong->right with an exact McNemar test, and whether
@@ -39,6 +51,9 @@ def cmd_flips(args) -> int:
         max_tokens=args.max_tokens,
         both=args.both,
         resync=args.resync,
+        max_shift=args.max_shift,
+        max_detour=args.max_detour,
+        branch_ties=args.branch_ties,
         seed=args.seed,
         exec_timeout=args.exec_timeout,
     )
@@ -51,6 +66,8 @@ def cmd_flips(args) -> int:
     gates = parse_fail_on(args.fail_on)
     if args.resync < 1:
         raise LogitdiffError("--resync must be >= 1")
+    if args.max_shift < 0 or args.max_detour < 0:
+        raise LogitdiffError("--max-shift and --max-detour must be >= 0")
     if args.max_branches is not None and args.max_branches < 0:
         raise LogitdiffError("--max-branches must be >= 0")
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -102,7 +119,8 @@ def print_flips(report: dict) -> None:
     from .flips import OUTCOMES
 
     f = report["flips"]
-    t = Table(title=f"{f['n_flips']} flips, {f['n_branches']} branches ({f['selection']}); similarity: {f['similarity'].split(' (')[0]}")
+    ties = f" and {f['n_ties']} ties" if f.get("n_ties") else ""
+    t = Table(title=f"{f['n_flips']} flips{ties}, {f['n_branches']} branches ({f['selection']})")
     t.add_column("outcome")
     t.add_column("branches", justify="right")
     t.add_column("rate", justify="right")
@@ -125,6 +143,8 @@ def add_commands(sub) -> None:
     import argparse
 
     from .toolexec import SANDBOX_HELP
+    from .flips import MAX_DETOUR, MAX_SHIFT, MIN_RUN
+    from .grading import DEFAULT_THRESHOLDS
 
     f = sub.add_parser(
         "flips", help="branch at top-1 flips and classify what they do; grade labelled answers",
@@ -139,11 +159,18 @@ def add_commands(sub) -> None:
                    help="tokens per branch (default: what is left of the item's budget, so both outputs end alike)")
     f.add_argument("--both", action="store_true",
                    help="also let the reference continue from the candidate's token (separates a poisoned token from drift)")
-    f.add_argument("--resync", type=int, default=4, help="common tokens that count as re-joining the reference (default: %(default)s)")
+    f.add_argument("--resync", type=int, default=MIN_RUN, help="common tokens that count as re-joining the reference (default: %(default)s)")
+    f.add_argument("--max-shift", type=int, default=MAX_SHIFT,
+                   help="a re-join is aligned when its offsets in branch and reference differ by at most this many tokens (default: %(default)s)")
+    f.add_argument("--max-detour", type=int, default=MAX_DETOUR,
+                   help="after re-joining, a detour must re-join within this many tokens, else the branch left (default: %(default)s)")
+    f.add_argument("--branch-ties", action="store_true",
+                   help="also branch at ties of the reference (reported apart, never in outcomes or gates)")
     f.add_argument("--similarity", default="auto", choices=("auto", "minilm", "edit"),
                    help="MiniLM embeddings (optional extra 'similarity'), normalised edit similarity, or auto (default: %(default)s)")
     f.add_argument("--similarity-threshold", type=float, default=None,
-                   help="below this, meaning changed (default: 0.80 for MiniLM, 0.60 for edit)")
+                   help="below this, meaning changed; replaces every default "
+                   f"({DEFAULT_THRESHOLDS['minilm']:.2f} for MiniLM, {DEFAULT_THRESHOLDS['edit']:.2f} for edit)")
     f.add_argument("--candidate", metavar="SPEC", help="candidate source (default: the report's candidate spec)")
     f.add_argument("--reference", metavar="SPEC", help="reference source for --both (default: the report's baseline spec)")
     f.add_argument("--no-correctness", action="store_true", help="skip grading free-running answers")

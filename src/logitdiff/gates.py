@@ -38,7 +38,7 @@ OPS: dict[str, Callable[[float, float], bool]] = {">": operator.gt, ">=": operat
 
 _OUTCOMES = ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed")
 _OUTCOME_TEXT = {
-    "recovered": "the branch re-synchronised with the reference's continuation",
+    "recovered": "the branch re-joined the reference's continuation and stayed joined",
     "benign": "the branch differs but means the same",
     "meaning_changed": "the branch means something else",
     "tool_call_malformed": "the branch's tool call no longer parses/validates",
@@ -57,10 +57,11 @@ _SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ppl_ratio": ("candidate perplexity / reference perplexity on the teacher tokens", ("summary.ppl_ratio",)),
     "x_noise_floor": ("mean KL / mean KL of the reference against its own rerun (null, so missing, when that floor is 0)",
                       ("summary.kl_mean_x_noise_floor",)),
-    "flips": ("number of top-1 flips (positions where the top-1 tokens differ) counted by `logitdiff flips`", ("flips.n_flips",)),
+    "flips": ("number of top-1 flips (positions where the top-1 tokens differ) counted by `logitdiff flips`, "
+              "ties at the reference (flips.n_ties) excluded", ("flips.n_flips",)),
 }
 for _o in _OUTCOMES:
-    _SOURCES[_o] = (f"branched flips whose outcome is {_o} ({_OUTCOME_TEXT[_o]}), a count", (f"flips.outcomes.{_o}",))
+    _SOURCES[_o] = (f"branched flips (ties excluded) whose outcome is {_o} ({_OUTCOME_TEXT[_o]}), a count", (f"flips.outcomes.{_o}",))
 for _o in _OUTCOMES:
     _SOURCES[f"{_o}_rate"] = (f"share (0-1) of branched flips whose outcome is {_o}; 0 when there were no flips at all",
                               (f"flips.rates.{_o}",))

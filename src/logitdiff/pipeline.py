@@ -298,6 +298,7 @@ def _consequence_cols(report: dict) -> dict:
     f = report.get("flips")
     if f:
         out["flip_branches"] = f["n_branches"]
+        out["flip_ties"] = f.get("n_ties", 0)
         out["flip_outcomes"] = f["outcomes"]
         out["flips_consequential"] = sum(f["outcomes"][o] for o in BAD_OUTCOMES)
     c = report.get("correctness")
@@ -345,8 +346,8 @@ def render_summary_md(summary: dict) -> str:
             "What the drift does (free-running answers and branches from top-1 flips; see each report):",
             "",
             "| candidate | branches | recovered | benign | meaning changed | tool call malformed | tool call changed | "
-            "accuracy (ref → cand) | right→wrong | wrong→right | McNemar p | valid tool calls |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+            "ties (not flips) | accuracy (ref → cand) | right→wrong | wrong→right | McNemar p | valid tool calls |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
         ]
         for r in summary["candidates"]:
             o = r.get("flip_outcomes") or {}
@@ -354,7 +355,7 @@ def render_summary_md(summary: dict) -> str:
             lines.append(
                 f"| `{r['candidate']}` | {r.get('flip_branches', 'n/a')} | "
                 + " | ".join(str(o.get(k, "n/a")) for k in ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed"))
-                + f" | {acc} | {r.get('right_to_wrong', 'n/a')} | {r.get('wrong_to_right', 'n/a')} | {_f(r.get('mcnemar_p'), '.3g')} | "
+                + f" | {r.get('flip_ties', 'n/a')} | {acc} | {r.get('right_to_wrong', 'n/a')} | {r.get('wrong_to_right', 'n/a')} | {_f(r.get('mcnemar_p'), '.3g')} | "
                 + ("n/a" if r.get("tool_call_valid_cand") is None else f"{100 * r['tool_call_valid_cand']:.0f} %") + " |"
             )
     if summary.get("gates"):

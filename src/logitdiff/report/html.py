@@ -87,7 +87,9 @@ CORRECTNESS = (
     ("tool_call_valid_cand", "tool calls valid", "share of tool items whose candidate tool call parses and validates", "pct"),
 )
 
-CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px} table.flips td{vertical-align:top} 
+CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px;text-align:left} table.flips td{vertical-align:top} 
+.cont .ftok{outline:2px solid #1f4fd1;outline-offset:-1px;background:#e3ebff}.cont .joined{background:#dff3e1}
+.cont .left{background:#fde4e2}.cont .cut{display:inline-block;width:0;border-left:2px solid #c62828;height:1.1em;vertical-align:text-bottom}
 :root{--fg:#1d2330;--mut:#5b6475;--line:#d9dde5;--bg:#fff;--alt:#f5f7fa;--warn:#fff4d6;--warnb:#e0a800}
 *{box-sizing:border-box}
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg);margin:0 auto;max-width:1500px;padding:16px 24px}
@@ -881,28 +883,85 @@ def _machine_text(m: dict) -> str:
                                        f"Python {m['python']}" if m.get("python") else None) if x)
 
 
+def _marks(r: dict) -> dict:
+    m = r.get("marks")
+    if isinstance(m, str):
+        try:
+            m = json.loads(m)
+        except ValueError:
+            m = None
+    return m if isinstance(m, dict) else {}
+
+
+def _evidence(text: str, marks: list | None) -> str:
+    """A continuation with its flip token outlined, the stretch joined to the other
+    continuation (from the re-join to where it left) green and what follows a departure red.
+    ``marks`` = [end of the flip token, re-join, left again] in characters (None: absent)."""
+    if not marks or len(marks) != 3:
+        return _e(text)
+    n = len(text)
+    flip_end, rejoin, left = (None if x is None else max(0, min(int(x), n)) for x in marks)
+    flip_end = flip_end or 0
+    out = [f'<span class="ftok" title="flip token">{_e(text[:flip_end])}</span>']
+    if rejoin is None:
+        out.append(_e(text[flip_end:]))
+        return "".join(out)
+    rejoin = max(rejoin, flip_end)
+    stop = n if left is None else max(left, rejoin)
+    out.append(_e(text[flip_end:rejoin]))
+    out.append(f'<span class="joined" title="joined to the other continuation">{_e(text[rejoin:stop])}</span>')
+    if left is not None:
+        out.append('<span class="cut" title="left again here"></span>'
+                   f'<span class="left" title="after leaving for good">{_e(text[stop:])}</span>')
+    return "".join(out)
+
+
+def _where(r: dict) -> str:
+    if "rejoin_position" not in r:
+        return ""
+    if r.get("rejoin_position") is None:
+        return "no re-join"
+    out = f"re-joined at {r['rejoin_position']} (ref {r.get('rejoin_ref_position')})"
+    if r.get("left_position") is not None:
+        out += f", left at {r['left_position']} (ref {r.get('left_ref_position')})"
+    else:
+        out += ", stayed"
+    if r.get("joined_share") is not None:
+        out += f"; {100 * r['joined_share']:.0f} % joined"
+    return out
+
+
 def _flips_view(name, rep, *, open_: bool) -> str:
-    """report.json flips.top: the most consequential branches, both continuations side by side."""
+    """report.json flips.top: the most consequential branches and examples of every outcome,
+    both continuations side by side with the flip token, the re-join and the departure marked."""
     f = rep.get("flips") or {}
     top = f.get("top") or []
     if not top:
         return ""
     rows = []
     for r in top:
+        m = _marks(r)
         rows.append(
             f"<tr><td><code>{_e(r.get('item_id'))}</code></td><td class=num>{_e(r.get('position'))}</td>"
             f"<td><span class=\"outcome {_e(r.get('outcome'))}\">{_e(r.get('outcome'))}</span></td>"
             f"<td class=num>{fmt(r.get('kl_nats'))}</td><td class=num>{fmt(r.get('margin_ref'))}</td>"
             f"<td class=mono>{_e(_show(r.get('ref_token')))} → {_e(_show(r.get('cand_token')))}</td>"
-            f"<td class=\"mono cont\">{_e(r.get('ref_continuation', ''))}</td>"
-            f"<td class=\"mono cont\">{_e(r.get('branch_continuation', ''))}</td>"
-            f"<td class=note>{_e(r.get('decided_by', ''))}</td></tr>"
+            f"<td class=\"mono cont\">{_evidence(r.get('ref_continuation', ''), m.get('ref'))}</td>"
+            f"<td class=\"mono cont\">{_evidence(r.get('branch_continuation', ''), m.get('branch'))}</td>"
+            f"<td class=say>{_e(_where(r))}<small>{_e(r.get('decided_by', ''))}</small></td></tr>"
         )
     head = ("<tr><th>item</th><th>pos</th><th>outcome</th><th>KL</th><th>ref margin</th><th>ref → cand token</th>"
-            "<th>reference continues</th><th>candidate continues</th><th>decided by</th></tr>")
-    return (f'<details{" open" if open_ else ""}><summary>{_e(name)}: {len(top)} most consequential of '
-            f'{_e(f.get("n_branches"))} branches ({_e(f.get("selection", ""))})</summary>'
-            f'<table class="flips">{head}{"".join(rows)}</table></details>')
+            "<th>reference continues</th><th>candidate continues</th><th>re-join, departure; decided by</th></tr>")
+    ties = f.get("ties") or {}
+    tie_note = ""
+    if f.get("n_ties"):
+        listed = ", ".join(f"{t.get('item_id')}@{t.get('position')} {_show(t.get('ref_token'))}/{_show(t.get('cand_token'))}"
+                           for t in (ties.get("list") or [])[:12])
+        tie_note = (f'<p class="note">{_e(f.get("n_ties"))} ties at the reference ({_e(ties.get("tolerance", ""))}): the engines '
+                    f"broke a tie, the candidate did not flip; not branched by default and not counted above or in gates. {_e(listed)}</p>")
+    return (f'<details{" open" if open_ else ""}><summary>{_e(name)}: {len(top)} of '
+            f'{_e(f.get("n_branches"))} branches ({_e(f.get("selection", ""))})</summary>{tie_note}'
+            f'<div class="scroll"><table class="flips">{head}{"".join(rows)}</table></div></details>')
 
 
 # ----------------------------------------------------------------------------- page
@@ -1020,9 +1079,12 @@ def render_html(
         '<h2 id="plots">Plots</h2>',
         '<div class="grid2">' + "".join(plot_divs) + "</div>",
         omitted_html,
-        ('<h2 id="flips">Most consequential flips</h2><p class="note">Branches from top-1 flips ranked by outcome '
-         "(malformed or changed tool call, changed meaning, benign, recovered), then KL: the reference's own continuation "
-         "beside the candidate's, from the flip on (report.json <code>flips.top</code>; every branch is in flips.parquet).</p>"
+        ('<h2 id="flips">What the flips do</h2><p class="note">Branches from top-1 flips: the most consequential '
+         "(malformed or changed tool call, changed meaning, benign, recovered; then KL) and examples of every outcome. The reference's "
+         "own continuation beside the candidate's, from the flip on: <span class=\"cont\"><span class=\"ftok\">flip token</span></span> outlined, "
+         "<span class=\"cont\"><span class=\"joined\">joined</span></span> from the re-join to where the branch "
+         "<span class=\"cont\"><span class=\"cut\"></span><span class=\"left\">left again</span></span> "
+         "(report.json <code>flips.top</code>; every branch is in flips.parquet).</p>"
          + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports))) if any((r.get("flips") or {}).get("top") for r in reports) else "",
         '<h2 id="tokens">Worst items, token by token</h2>',
         f'<p class="note">Teacher text; each token shaded by its KL (<span class="legend"></span> {SHADE_LO:g} → {SHADE_HI:g} nats, log scale); '

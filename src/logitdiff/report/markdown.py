@@ -138,12 +138,24 @@ def _outcome_table(groups: dict, label: str) -> str:
 
 def flips_markdown(f: dict) -> str:
     out = ["\n## What the flips do\n"]
+    st = f.get("settings") or {}
     out.append(
         f"- {f['n_flips']} top-1 flips ({_pct(f.get('flip_rate'))} of positions); {f['selection']}; "
         f"{f['n_branches']} branches continued greedily by the candidate"
     )
-    out.append(f"- similarity: {f['similarity']} (threshold {f['settings']['similarity_threshold']}); "
-               f"re-join = {f['settings']['resync_tokens']} common tokens")
+    if f.get("n_ties"):
+        out.append(f"- {f['n_ties']} ties at the reference (margin within rounding of 0: {f['ties']['tolerance']}): "
+                   "the engines break the tie, the candidate did not flip; not counted as flips or outcomes")
+    # Reports from before per-text similarities carry one threshold.
+    thr = st.get("similarity_thresholds") or st.get("similarity_threshold")
+    out.append(f"- similarity: {f['similarity']}" + ("" if "threshold" in f["similarity"] else f" (threshold {thr})"))
+    if "max_shift" in st:
+        out.append(f"- recovered = re-joined the reference ({st['resync_tokens']} common tokens at most {st['max_shift']} "
+                   f"tokens out of line) and stayed joined (detours of at most {st['max_detour']} tokens) to the end, with the "
+                   f"same answer; {f.get('recovered_ending_dissimilar', 0)} recovered branches end dissimilar to the reference "
+                   "(last third, difflib ratio < 0.5)")
+    else:
+        out.append(f"- re-join = {st.get('resync_tokens')} common tokens")
     if f["n_branches"]:
         out.append("\n| outcome | branches | rate |\n|---|---:|---:|")
         for o in OUTCOMES:
@@ -161,13 +173,19 @@ def flips_markdown(f: dict) -> str:
             f"branches, the candidate drifts anyway in {b['candidate_drifts_anyway']}"
         )
     if f.get("top"):
-        out.append("\n### Most consequential flips\n")
-        out.append("| item | pos | outcome | KL | margin | ref → cand token | reference continues | candidate continues |")
-        out.append("|---|---:|---|---:|---:|---|---|---|")
+        out.append("\n### Most consequential flips, and examples of every outcome\n")
+        out.append("| item | pos | outcome | KL | margin | ref → cand token | re-join / left at | reference continues | candidate continues |")
+        out.append("|---|---:|---|---:|---:|---|---|---|---|")
         for r in f["top"]:
+            if "rejoin_position" not in r:
+                at = "n/a"
+            elif r["rejoin_position"] is None:
+                at = "no re-join"
+            else:
+                at = f"{r['rejoin_position']} / " + ("stayed" if r.get("left_position") is None else str(r["left_position"]))
             out.append(
                 f"| {r['item_id']} | {r['position']} | {r['outcome']} | {_f(r['kl_nats'])} | {_f(r['margin_ref'])} | "
-                f"{_one_line(repr(r['ref_token']), 20)} → {_one_line(repr(r['cand_token']), 20)} | "
+                f"{_one_line(repr(r['ref_token']), 20)} → {_one_line(repr(r['cand_token']), 20)} | {at} | "
                 f"{_one_line(r['ref_continuation'])} | {_one_line(r['branch_continuation'])} |"
             )
     return "\n".join(out) + "\n"

