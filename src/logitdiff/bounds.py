@@ -401,11 +401,13 @@ def topk_vs_topk(ref_ids, ref_logp, cand_ids, cand_logp, vocab_size: int, *, flo
     q_at = np.where(shared_p, (eq * q[:, None, :]).sum(2), 0.0)
     lq_at = np.where(shared_p, np.log(np.where(shared_p, q_at, 1.0)), 0.0)
     shared_q = eq.any(1)
-    # Mass outside the shared set. 1 - sum of K terms is off by at most ~K ulps; the
-    # candidate's rest is taken that much larger (never 0 by rounding alone).
+    # Mass outside the shared set. 1 - sum of K terms is off by at most ~K ulps, so the
+    # candidate's rest is moved that far towards the reference's: rounding alone never
+    # makes a rest 0 (an infinite "bound") nor two equal rests differ.
     slack = 4.0 * (ir.shape[1] + 1) * np.finfo(np.float64).eps
     p_rest = np.maximum(1.0 - np.where(shared_p, p, 0.0).sum(1), 0.0)
-    q_rest = np.maximum(1.0 - np.where(shared_q, q, 0.0).sum(1), 0.0) + slack
+    q_rest = np.maximum(1.0 - np.where(shared_q, q, 0.0).sum(1), 0.0)
+    q_rest = q_rest + np.clip(p_rest - q_rest, -slack, slack)
     a_mask = vp & ~shared_p
     p_a = np.minimum(np.where(a_mask, p, 0.0).sum(1), p_rest)
     q_min = np.where(vq, q, np.inf).min(1)  # every unlisted candidate entry is <= this
