@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--teacher", metavar="RUN", help="reference RUN whose token ids the source is fed (candidate capture)")
     cap.add_argument("--out", required=True, help="RUN directory to write")
     cap.add_argument("--max-tokens", type=int, default=None, help="generation budget per item (default: the item's max_tokens, else 64)")
-    cap.add_argument("--store", default="full", help="full (native-dtype logits) or topk:K (default: %(default)s)")
+    cap.add_argument("--store", default="full", help="full (native-dtype logits), topk:K, or compact[:exact=E,band=B,bits=8|16] (a reference kept as exact top entries, a quantised band and exact tail mass: candidates compare against it with proven KL bounds; docs/bounds.md) (default: %(default)s)")
     cap.add_argument("--positions", default="all", help="all | first | sample:FRAC — output positions kept (reference capture; default: %(default)s)")
     cap.add_argument("--resume", action="store_true", help="continue a partial capture in --out")
     cap.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")

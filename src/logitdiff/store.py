@@ -30,6 +30,7 @@ from typing import Iterator
 import numpy as np
 
 from . import __version__
+from . import compact as compact_store
 from .errors import LogitdiffError
 
 RUN_SCHEMA = "logitdiff.run/1"
@@ -166,8 +167,10 @@ class RunWriter:
         self.path = Path(path)
         self.store = store
         self.k = int(store.split(":", 1)[1]) if store.startswith("topk:") else 0
-        if store != "full" and not self.k:
-            raise LogitdiffError(f"--store {store!r}: expected full or topk:K")
+        # compact reference store (compact.py): its own chunk kind, bounded comparisons
+        self.compact = compact_store.parse_spec(store) if compact_store.is_compact(store) else None
+        if store != "full" and not self.k and not self.compact:
+            raise LogitdiffError(f"--store {store!r}: expected full, topk:K or compact[:exact=E,band=B,bits=8|16]")
         if dtype not in _DTYPES:
             raise LogitdiffError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
         self.dtype = dtype
@@ -175,6 +178,8 @@ class RunWriter:
             # ~8 MiB of rows per chunk (64..2048 rows): small enough that the writer thread
             # overlaps the next forward passes and the last write at finish() is short.
             row_bytes = int(vocab_size) * (8 * 2 if store.startswith("topk:") else np.dtype(_DTYPES[dtype]).itemsize)
+            if self.compact:
+                row_bytes = 12 * self.compact.exact + 10 * self.compact.band
             chunk_rows = int(min(2048, max(64, (8 << 20) // max(1, row_bytes))))
         self.chunk_rows = chunk_rows
         self.vocab_size = int(vocab_size)
@@ -220,7 +225,7 @@ class RunWriter:
                 "source": source,
                 "vocab_size": self.vocab_size,
                 "tokenizer_hash": tokenizer_hash,
-                "settings": {**(settings or {}), "store": store, "dtype": dtype if not self.k else None},
+                "settings": {**(settings or {}), "store": store, "dtype": dtype if not (self.k or self.compact) else None},
                 "chunks": [],
                 "n_items": 0,
                 "n_positions": 0,
@@ -238,9 +243,13 @@ class RunWriter:
                 ids.update(json.loads(line)["id"] for line in f if line.strip())
         return ids
 
-    def add(self, item: RunItem, logits=None, topk: dict | None = None) -> None:
+    def add(self, item: RunItem, logits=None, topk: dict | None = None, compact: dict | None = None) -> None:
         n = len(item.positions)
-        if self.k:
+        if self.compact:
+            if compact is None or np.asarray(compact["max_logit"]).shape != (n,):
+                raise LogitdiffError(f"item {item.id!r}: compact run: pass compact= rows of {n} positions (compact.encode)")
+            self._buf_rows.append(compact)
+        elif self.k:
             if topk is None:
                 raise ValueError("top-K run: pass topk=")
             for key in ("ids", "logprobs"):
@@ -308,7 +317,10 @@ class RunWriter:
         stem = f"{idx:06d}"
         cdir = self.path / "chunks"
         entry = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items)}
-        if self.k:
+        if self.compact:
+            entry["data"] = f"{stem}.{compact_store.CHUNK_SUFFIX}"
+            atomic_write_bytes(cdir / entry["data"], compact_store.save_chunk(cdir / entry["data"], rows))
+        elif self.k:
             keys = rows[0].keys()
             cat = {k: np.concatenate([r[k] for r in rows]) for k in keys}
             import io
@@ -366,6 +378,7 @@ class RunReader:
         st = self.manifest["settings"]["store"]
         self.store = st
         self.k = int(st.split(":", 1)[1]) if st.startswith("topk:") else 0
+        self.compact = compact_store.parse_spec(st) if compact_store.is_compact(st) else None
         self.vocab_size = int(self.manifest["vocab_size"])
         self.tokenizer_hash = self.manifest.get("tokenizer_hash")
         self.dtype = self.manifest["settings"].get("dtype")
@@ -410,7 +423,10 @@ class RunReader:
         if not p.exists():
             raise LogitdiffError(f"{p}: chunk file missing (truncated run)")
         try:
-            if self.k:
+            if self.compact:
+                data = compact_store.load_chunk(p)
+                n = data["max_logit"].shape[0]
+            elif self.k:
                 with np.load(p) as z:
                     data = {k: z[k] for k in z.files}
                 n = data["ids"].shape[0]
@@ -430,6 +446,8 @@ class RunReader:
         """Full logits ``[len(positions), V]`` of an item (float32 view for bf16 runs)."""
         if self.k:
             raise LogitdiffError(f"{self.path}: run stores top-{self.k}, not full logits")
+        if self.compact:
+            raise LogitdiffError(f"{self.path}: run stores a compact reference ({self.store}), not full logits")
         data = self._chunk(item.chunk)
         rows = data[item.row : item.row + len(item.positions)]
         if self.dtype == "bfloat16":
@@ -442,6 +460,12 @@ class RunReader:
         data = self._chunk(item.chunk)
         sl = slice(item.row, item.row + len(item.positions))
         return {k: v[sl] for k, v in data.items()}
+
+    def compact_rows(self, item: RunItem) -> dict[str, np.ndarray]:
+        """The compact store's arrays of an item's rows (see compact.py)."""
+        if not self.compact:
+            raise LogitdiffError(f"{self.path}: run stores {self.store}, not a compact reference")
+        return compact_store.rows_of(self._chunk(item.chunk), slice(item.row, item.row + len(item.positions)))
 
     def iter_items(self) -> Iterator[RunItem]:
         """Items in chunk order, so each chunk is mapped once."""
