@@ -35,10 +35,9 @@ from logitdiff.store import RunReader
 
 LADDER = ("Q8_0", "Q6_K", "Q4_K_M", "IQ4_XS", "Q3_K_M", "Q2_K")
 V_BIG = 248_320
-SPECS_REAL = ("compact:exact=64,band=512", "compact:exact=256,band=1024", "compact:exact=512,band=3584",
-              "compact:exact=512,band=3584,bits=8", "compact:exact=4096,band=0")
-SPECS_BIG = ("compact:exact=512,band=2048", "compact:exact=512,band=5632", "compact:exact=1024,band=5120",
-             "compact:exact=512,band=5632,bits=8", "compact:exact=512,band=9216,bits=8")
+SPECS_REAL = ("compact:exact=256,band=1024", "compact:exact=512,band=2048", "compact:exact=512,band=3584",
+              "compact:exact=512,band=3584,bits=8")
+SPECS_BIG = ("compact:exact=512,band=2048", "compact:exact=512,band=5632", "compact:exact=512,band=9216,bits=8")
 
 
 def log_softmax(z):
@@ -112,8 +111,8 @@ def compact_eval(spec_text, zr, y, cands, lq_of, batch=64):
             "coverage": float(((lo <= ex + tol) & (ex <= hi + tol)).mean()),
             "mean_width": float((hi - lo).mean()),
             "width_over_mean_kl": float((hi - lo).mean() / ex.mean()),
-            "mid_mean": float(mid.mean()),
-            "mid_rel_err_of_mean": float(abs(mid.mean() - ex.mean()) / ex.mean()),
+            "estimate_mean": float(mid.mean()),
+            "estimate_rel_err_of_mean": float(abs(mid.mean() - ex.mean()) / ex.mean()),
             "top1_exact": bool((np.asarray(C.reference_top(blk, 1)[0][:, 0]) == lp.argmax(1)).all()),
         }
     return len(data) / n, t_write, t_read, out
@@ -158,7 +157,8 @@ def main(argv=None):
     ap.add_argument("--padded-rows", type=int, default=256)
     ap.add_argument("--gap", type=float, default=25.0, help="padded tail: nats below the row max (default %(default)s)")
     ap.add_argument("--std", type=float, default=2.0, help="padded tail: spread in nats (default %(default)s)")
-    ap.add_argument("--specs-big", default=",".join(SPECS_BIG).replace(",compact", ";compact"))
+    ap.add_argument("--specs-big", default=";".join(SPECS_BIG), help="';'-separated compact specs at V = 248,320")
+    ap.add_argument("--specs-real", default=";".join(SPECS_REAL), help="';'-separated compact specs at the model's V")
     ap.add_argument("--skip-real", action="store_true")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
@@ -171,13 +171,13 @@ def main(argv=None):
         res["real"] = {"full_bf16_bytes": V * 2, "topk64_bytes": topk_bytes(V, 64, 256), "llamacpp_bytes": llamacpp_bytes(V),
                        "seed_topk64_ratio": seed_topk_err(zr, lqs.get, cands), "compact": {}}
         print(f"[V={V}] bytes/position: full bf16 {V * 2}, topk:64 {res['real']['topk64_bytes']:.0f}, llama.cpp base {llamacpp_bytes(V)}")
-        for spec in SPECS_REAL:
+        for spec in filter(None, a.specs_real.split(";")):
             b, tw, tr, st = compact_eval(spec, zr, y, cands, lqs.get)
             res["real"]["compact"][spec] = {"bytes": b, "write_s": tw, "read_s": tr, "cands": st}
             print(f"[V={V}] {spec}: {b:.0f} B/pos, write {tw * 1e3:.2f} ms/pos, read {tr * 1e3:.3f} ms/pos", flush=True)
             for q, s in st.items():
                 print(f"    {q:7s} exact {s['exact_mean']:.3g}  width {s['mean_width']:.3g} ({100 * s['width_over_mean_kl']:.2f} %)  "
-                      f"coverage {100 * s['coverage']:.1f} %  midpoint err {100 * s['mid_rel_err_of_mean']:.2f} %", flush=True)
+                      f"coverage {100 * s['coverage']:.1f} %  estimate err {100 * s['estimate_rel_err_of_mean']:.2f} %", flush=True)
         del lqs
     big_r, big_c, idx = pad(zr, cands, a.padded_rows, a.gap, a.std)
     lqs = {}
@@ -190,13 +190,13 @@ def main(argv=None):
                   "seed_topk64_ratio": seed_topk_err(big_r, lqs.get, big_c), "compact": {}}
     print(f"[V={V_BIG}] {a.padded_rows} padded rows, tail mass mean {tail_mass.mean():.3g}; bytes/position: full bf16 {V_BIG * 2}, "
           f"topk:64 {res['big']['topk64_bytes']:.0f}, llama.cpp base {llamacpp_bytes(V_BIG)}", flush=True)
-    for spec in a.specs_big.split(";"):
+    for spec in filter(None, a.specs_big.split(";")):
         b, tw, tr, st = compact_eval(spec, big_r, y[idx], big_c, lqs.get, batch=16)
         res["big"]["compact"][spec] = {"bytes": b, "write_s": tw, "read_s": tr, "cands": st}
         print(f"[V={V_BIG}] {spec}: {b:.0f} B/pos, write {tw * 1e3:.1f} ms/pos, read {tr * 1e3:.2f} ms/pos", flush=True)
         for q, s in st.items():
             print(f"    {q:7s} exact {s['exact_mean']:.3g}  width {s['mean_width']:.3g} ({100 * s['width_over_mean_kl']:.2f} %)  "
-                  f"coverage {100 * s['coverage']:.1f} %  midpoint err {100 * s['mid_rel_err_of_mean']:.2f} %", flush=True)
+                  f"coverage {100 * s['coverage']:.1f} %  estimate err {100 * s['estimate_rel_err_of_mean']:.2f} %", flush=True)
     res["load_end"] = os.getloadavg()
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))

@@ -229,7 +229,7 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
 def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_k: int, overlap_k: int,
                  eps: float = 1e-12) -> dict[str, np.ndarray]:
     """Per-position columns for a compact reference (``block``, rows of `encode`) against
-    full candidate logits [N, V]: every divergence as its interval's midpoint with the
+    full candidate logits [N, V]: every divergence as its estimate (the minimiser) with the
     interval beside it, and the exact columns the store keeps (top-1, margin, p and nll
     of the teacher token, entropy, top-K overlap, the seed's top-K fields)."""
     from . import bounds as Bd

@@ -24,8 +24,9 @@ TOPK_DESCRIPTION = (
 COMPACT_DESCRIPTION = (
     "KL(P_ref || P_cand), reverse KL and Jensen-Shannon divergence between a compact reference "
     "(exact top entries, a quantised band, exact mass of the rest) and a full candidate: each "
-    "figure is the midpoint of a proven interval [*_lower_nats, *_upper_nats] that contains the "
-    "exact full-vocabulary value (docs/bounds.md). Top-1, margin, teacher-token p and entropy of "
+    "figure comes with a proven interval [*_lower_nats, *_upper_nats] that contains the exact "
+    "full-vocabulary value (docs/bounds.md); the figure itself is the divergence at the placement "
+    "of the unstored mass closest to the candidate (the interval's lower end). Top-1, margin, teacher-token p and entropy of "
     "the reference are exact."
 )
 TOPK_BOUNDS = (

@@ -596,7 +596,7 @@ def _header(names, paths, reports, summary) -> str:
         method = (f"top-K approximation, K = {_e(m.get('top_logprobs'))} of V = {_e(m.get('vocab_size'))} (the seed report's method), "
                   f"with proven intervals ({_e(m.get('bounds'))}; docs/bounds.md)")
     elif m.get("kind") == "compact":
-        method = (f"compact reference vs full candidate (V = {_e(m.get('vocab_size'))}): each divergence is the midpoint of a "
+        method = (f"compact reference vs full candidate (V = {_e(m.get('vocab_size'))}): each divergence with a "
                   f"proven interval ({_e(m.get('bounds'))}; docs/bounds.md)")
     else:
         method = f"exact, full vocabulary (V = {_e(m.get('vocab_size'))}), float64 after log_softmax"
