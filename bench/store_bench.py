@@ -133,6 +133,42 @@ def seed_topk_err(zr, lq_of, cands, K=64):
     return out
 
 
+def llamacpp_eval(zr, lq_of, cands, every=3, batch=64):
+    """llama.cpp base rows of the reference (its exact float32 arithmetic, via the real file
+    layout), bounded against each candidate: coverage, width, the dequantised estimate's error."""
+    import tempfile
+
+    from logitdiff.importers import read_kld_header, write_llamacpp_kld
+
+    idx = np.arange(0, zr.shape[0], every)
+    V = zr.shape[1]
+    z = np.zeros((len(idx), 4, V), np.float32)
+    z[:, 2] = zr[idx]  # n_ctx = 4 scores row 2 of each chunk
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "base.kld"
+        write_llamacpp_kld(path, z, np.zeros((len(idx), 4), np.int64))
+        n_ctx, n_vocab, n_chunk = read_kld_header(path)
+        nv = 2 * ((n_vocab + 1) // 2) + 4
+        raw = np.fromfile(path, dtype="<u2", offset=20 + 4 * n_ctx * n_chunk).reshape(-1, nv)
+    codes, sm = raw[:, 4:4 + V], np.ascontiguousarray(raw[:, :4]).view("<f4")
+    lp = log_softmax(zr[idx])
+    out = {}
+    for q in cands:
+        lq = lq_of(q)[idx]
+        ex = exact_kl(lp, lq)
+        lo, hi, est = [], [], []
+        for a in range(0, len(idx), batch):
+            sl = slice(a, a + batch)
+            iv = B.llamacpp_vs_full(codes[sl], sm[sl, 0], sm[sl, 1], lq[sl], divergences=(B.KL,))[B.KL]
+            lo.append(iv.lower), hi.append(iv.upper), est.append(iv.estimate)
+        lo, hi, est = map(np.concatenate, (lo, hi, est))
+        tol = 64 * np.finfo(np.float64).eps * (1 + (np.exp(lp) * np.abs(lp - lq)).sum(1))
+        out[q] = {"exact_mean": float(ex.mean()), "coverage": float(((lo <= ex + tol) & (ex <= hi + tol)).mean()),
+                  "mean_width": float((hi - lo).mean()), "width_over_mean_kl": float((hi - lo).mean() / ex.mean()),
+                  "estimate_rel_err_of_mean": float(abs(est.mean() - ex.mean()) / ex.mean()), "rows": int(len(idx))}
+    return out
+
+
 def pad(zr, cands, n_rows, gap, std, seed=0):
     """Rows padded to V_BIG (see the module docstring)."""
     V = zr.shape[1]
@@ -160,6 +196,8 @@ def main(argv=None):
     ap.add_argument("--specs-big", default=";".join(SPECS_BIG), help="';'-separated compact specs at V = 248,320")
     ap.add_argument("--specs-real", default=";".join(SPECS_REAL), help="';'-separated compact specs at the model's V")
     ap.add_argument("--skip-real", action="store_true")
+    ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--llamacpp", action="store_true", help="also bound llama.cpp base rows of the real reference")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     zr, y, cands = load(a.runs)
@@ -178,7 +216,17 @@ def main(argv=None):
             for q, s in st.items():
                 print(f"    {q:7s} exact {s['exact_mean']:.3g}  width {s['mean_width']:.3g} ({100 * s['width_over_mean_kl']:.2f} %)  "
                       f"coverage {100 * s['coverage']:.1f} %  estimate err {100 * s['estimate_rel_err_of_mean']:.2f} %", flush=True)
+        if a.llamacpp:
+            res["real"]["llamacpp"] = ll = llamacpp_eval(zr, lqs.get, cands)
+            print(f"[V={V}] llama.cpp base rows (every 3rd position), bounds from the uint16 step and the -16 nat floor:")
+            for q, s in ll.items():
+                print(f"    {q:7s} exact {s['exact_mean']:.3g}  width {s['mean_width']:.3g} ({100 * s['width_over_mean_kl']:.2f} %)  "
+                      f"coverage {100 * s['coverage']:.1f} %  dequantised estimate err {100 * s['estimate_rel_err_of_mean']:.2f} %", flush=True)
         del lqs
+    if a.skip_big:
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=1))
+        return 0
     big_r, big_c, idx = pad(zr, cands, a.padded_rows, a.gap, a.std)
     lqs = {}
     for q, z in big_c.items():

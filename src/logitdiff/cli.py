@@ -333,7 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
             "tokens at every position) and write REPORT/report.json (the seed report's keys and "
             "fields, extended), REPORT/tokens.parquet (one row per position) and REPORT/report.md. "
             "Full logits on both sides give exact full-vocabulary metrics; top-K on either side "
-            "uses the seed's top-K approximation with a tail bucket."
+            "uses the seed's top-K approximation with a tail bucket, plus proven intervals "
+            "(*_lower_nats, *_upper_nats; inf where nothing bounds the tail); a compact reference "
+            "(capture --store compact) against a full candidate gives each divergence with its proven "
+            "interval (docs/bounds.md). The report names the method; other pairings are refused."
         ),
     )
     c.add_argument("reference", help="reference RUN directory")

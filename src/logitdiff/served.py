@@ -155,6 +155,8 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
                          prompt=it.prompt, extra=it.extra)
             if r.k:
                 w.add(ni, topk={k: np.asarray(v) for k, v in r.topk(it).items()})
+            elif r.compact:
+                w.add(ni, compact=r.compact_rows(it))
             else:
                 # bf16 runs read back as float32 and round-trip exactly to the same bf16 bits
                 w.add(ni, logits=np.asarray(r.logits(it)))
