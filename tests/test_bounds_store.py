@@ -179,3 +179,19 @@ def test_bundled_model_rows_are_covered(tiny_rows, spec):
         assert (res[d].lower <= ex[d] + tol).all() and (ex[d] <= res[d].upper + tol).all(), (spec, d)
     if spec.endswith("band=3584"):  # every entry stored: only the band's 16-bit step is left
         assert res["kl"].width.mean() <= 0.01 * ex["kl"].mean()
+
+
+def test_merge_keeps_compact_rows(runs):
+    from logitdiff.served import merge_runs
+
+    tmp, ref, cand, teacher = runs
+    store = "compact:exact=8,band=40"
+    a = make_run(tmp / "a", {"a": ref["a"]}, teacher, store=store)
+    b = make_run(tmp / "b", {k: ref[k] for k in ("b", "c")}, teacher, store=store)
+    m = RunReader(merge_runs([a, b], tmp / "m"))
+    assert m.store == store and [it.id for it in m.items()] == ["a", "b", "c"]
+    for src in (RunReader(a), RunReader(b)):
+        for it in src.items():
+            got = m.compact_rows(next(x for x in m.items() if x.id == it.id))
+            for k, v in src.compact_rows(it).items():
+                np.testing.assert_array_equal(got[k], v)
