@@ -89,6 +89,8 @@ def _top_ids(z: np.ndarray, k: int) -> np.ndarray:
 def encode(logits, next_tokens, spec: CompactSpec) -> dict[str, np.ndarray]:
     """Rows [N, V] of logits (any float dtype) -> the arrays of one block of a compact store."""
     logits = np.asarray(logits)
+    if logits.dtype == np.uint16:  # bf16 bits (the full store's on-disk form): widen exactly
+        logits = (logits.astype(np.uint32) << 16).view(np.float32)
     n, V = logits.shape
     E = min(spec.exact, V)
     Bn = min(spec.band, V - E)
