@@ -337,10 +337,12 @@ def test_llamacpp_base_rows_are_covered(tmp_path, spread):
     # the boxes hold every true log-probability
     lo, hi = B.llamacpp_boxes(codes, scale, mn)
     assert (lo <= lp).all() and (lp <= hi).all()
-    # the same bound without the floor's mass: dropping the code-0 entries' freedom would
-    # be wrong, the floor is what widens the interval of the peaked row
-    w = res[B.KL].width
-    assert w[4 - first + 1] >= 0  # row of the peaked position exists
+    # what an import stores (float32 min + scale * code) gives the codes back exactly
+    stored = (mn[:, None] + scale[:, None] * codes.astype(np.float32)).astype(np.float32)
+    c2, s2, m2 = B.llamacpp_from_logp(stored)
+    np.testing.assert_array_equal(c2, codes)
+    np.testing.assert_array_equal(m2, mn)
+    np.testing.assert_allclose(s2, scale, rtol=1e-6)
 
 
 def test_llamacpp_boxes_edge_cases():

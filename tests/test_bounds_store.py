@@ -206,3 +206,33 @@ def test_encode_reads_bf16_bits_like_float32():
     a, b = C.encode(bits, None, spec), C.encode(_bf16_to_f32(bits), None, spec)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_imported_llamacpp_base_is_compared_with_intervals(tmp_path):
+    from logitdiff.importers import import_llamacpp_kld, write_llamacpp_kld
+
+    rng = np.random.default_rng(11)
+    n_chunk, n_ctx, Vb = 2, 10, 300
+    z = (rng.normal(size=(n_chunk, n_ctx, Vb)) * 4).astype(np.float32)
+    tokens = rng.integers(0, Vb, size=(n_chunk, n_ctx))
+    write_llamacpp_kld(tmp_path / "base.kld", z, tokens)
+    ref = RunReader(import_llamacpp_kld(tmp_path / "base.kld", tmp_path / "ref"))
+    first = n_ctx // 2
+    w = RunWriter(tmp_path / "cand", source={"spec": "test:cand"}, vocab_size=Vb, tokenizer_hash=None, store="full")
+    zc_all = []
+    for c, it in enumerate(ref.items()):
+        zc = z[c, first:n_ctx - 1] + rng.normal(size=(n_ctx - 1 - first, Vb)).astype(np.float32) * 0.3
+        zc_all.append(zc)
+        w.add(RunItem(id=it.id, prompt_ids=it.prompt_ids, teacher_ids=it.teacher_ids, positions=it.positions), logits=zc)
+    w.finish()
+    comp = compare_runs(ref, RunReader(tmp_path / "cand"))
+    assert comp.method["bounds"] == B.METHOD_LLAMACPP and "kl-divergence-base" in comp.method["description"]
+    lp = log_softmax(z[:, first:n_ctx - 1].reshape(-1, Vb).astype(np.float64), 1)
+    lq = log_softmax(np.concatenate(zc_all).astype(np.float64), 1)
+    p, q = np.exp(lp), np.exp(lq)
+    tol = 64 * EPS * (1 + (p * np.abs(lp - lq)).sum(1) + (q * np.abs(lp - lq)).sum(1))
+    col = comp.columns
+    for name, ex in (("kl", rel_entr(p, q).sum(1)), ("jsd", 0.5 * (rel_entr(p, (p + q) / 2).sum(1) + rel_entr(q, (p + q) / 2).sum(1))),
+                     ("kl_rev", rel_entr(q, p).sum(1))):
+        assert (col[f"{name}_lower_nats"] <= ex + tol).all() and (ex <= col[f"{name}_upper_nats"] + tol).all(), name
+    assert np.isinf(col["kl_rev_upper_nats"]).all()

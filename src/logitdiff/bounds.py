@@ -508,6 +508,20 @@ def llamacpp_boxes(codes, scale, min_log_prob) -> tuple[np.ndarray, np.ndarray]:
     return lo, np.minimum(hi, 0.0)
 
 
+def llamacpp_from_logp(logp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes, scale and min_log_prob of base rows from the float32 values an import stored
+    (``min_log_prob + scale * code``). The row minimum is min_log_prob exactly (the smallest
+    logit always gets code 0) and the maximum has code 65535, so scale = (max - min)/65535
+    up to float32 rounding (relative ~1e-7): the codes come back exactly (their error is
+    65535 * 1e-7 << 0.5) and the boxes move by < 2e-6 nats, inside LLAMACPP_SLACK."""
+    v = np.asarray(logp, np.float32)
+    mn = v.min(1)
+    scale = ((v.max(1) - mn) / np.float32(65535.0)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        codes = np.where(scale[:, None] > 0, np.rint((v - mn[:, None]) / np.where(scale > 0, scale, 1)[:, None]), 0)
+    return np.clip(codes, 0, 65535).astype(np.uint16), scale, mn
+
+
 def llamacpp_vs_full(codes, scale, min_log_prob, cand_logp, divergences=DIVERGENCES) -> dict[str, Interval]:
     """Intervals between imported llama.cpp base rows (the reference, known only up to its
     quantisation step and floor) and a full candidate [N, V]. One group: every entry, total

@@ -35,6 +35,12 @@ TOPK_BOUNDS = (
     "bound of forward and reverse KL is inf: nothing bounds a probability outside the top-K lists "
     "from below (no logit floor is known)."
 )
+LLAMACPP_BOUNDS = (
+    " The reference is an imported llama.cpp --kl-divergence-base file: its log-probabilities are "
+    "uint16-quantised with a floor at max - 16 nats, so each divergence also carries a proven interval "
+    "[*_lower_nats, *_upper_nats] from the quantisation step and the floor (docs/bounds.md, section 4); "
+    "reverse KL has no finite upper bound (floored entries may have p -> 0)."
+)
 # what compare does for what the two runs hold (docs/bounds.md, section 5)
 METHOD_OF_KIND = {"full_vocab": "exact", "compact": "compact-bounded", "top_k": "topk-bounded"}
 FULL_DESCRIPTION = (
@@ -159,6 +165,8 @@ def compare_runs(
     vocab = ref.vocab() or cand.vocab()
     V = ref.vocab_size
     kind = select_kind(ref, cand)
+    # an imported llama.cpp base file is a full run whose values are quantised: bound it
+    bounded_import = kind == "full_vocab" and (ref.manifest.get("settings") or {}).get("imported_from") == "llamacpp-kld"
     # K of the top-K fields: what the top-K side(s) stored; for two full runs, top_logprobs.
     stored_k = [x for x in (ref.k, cand.k) if x]
     k_eff = min(stored_k + [V]) if stored_k else min(top_logprobs, V)
@@ -202,6 +210,8 @@ def compare_runs(
             ic, lc = m.pop("topk_ids_cand"), m.pop("topk_logprobs_cand")
             for key, v in m.items():
                 push(key, v)
+            if bounded_import:  # llama.cpp base rows: intervals from the uint16 step and floor
+                _push_llamacpp_intervals(push, zr, zc)
             # the seed's top-K fields from the same pass (no second log-softmax per side)
             t = M.topk(ir, lr, ic, lc, V, eps=eps)
             for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
@@ -252,7 +262,7 @@ def compare_runs(
     method = {
         "description": {"full_vocab": FULL_DESCRIPTION, "compact": COMPACT_DESCRIPTION}.get(kind, TOPK_DESCRIPTION + TOPK_BOUNDS),
         "kind": kind,
-        "bounds": METHOD_OF_KIND[kind],
+        "bounds": "llamacpp-base-bounded" if bounded_import else METHOD_OF_KIND[kind],
         "epsilon": eps,
         "top_logprobs": int(k_eff),
         "vocab_size": int(V),
@@ -260,6 +270,8 @@ def compare_runs(
         "log": "natural (nats); every *_nats figure has a *_bits twin = nats / ln 2",
         "precision": "float64 after log_softmax",
     }
+    if bounded_import:
+        method["description"] += LLAMACPP_BOUNDS
     comp = Comparison(kind=kind, columns=columns, items=items_r, ref=ref, cand=cand, method=method, vocab=vocab, notes=notes)
     comp.tags_per_item = tags_per_item  # type: ignore[attr-defined]
     return comp
@@ -296,6 +308,21 @@ def _compact_batch(push, ref, cand, br, bc, next_tok, k_eff, overlap_k, eps) -> 
         for key, v in cols.items():
             push(key, v)
         _push_tops(push, ir, lr, ic, lc)
+
+
+def _push_llamacpp_intervals(push, zr, zc) -> None:
+    from . import bounds as Bd
+    from .compact import INTERVAL_COLUMNS, _log_softmax
+
+    zr = np.asarray(zr, np.float32)
+    step = max(1, (32 << 20) // (zr.shape[1] * 8))
+    for a in range(0, zr.shape[0], step):
+        codes, scale, mn = Bd.llamacpp_from_logp(zr[a:a + step])
+        ivs = Bd.llamacpp_vs_full(codes, scale, mn, _log_softmax(np.asarray(zc[a:a + step])))
+        for name, (lo, hi) in INTERVAL_COLUMNS.items():
+            iv = ivs[name[: -len("_nats")]]
+            push(lo, iv.lower)
+            push(hi, iv.upper)
 
 
 TOP_SHOWN = 5  # top tokens kept per side for the token view of reports
