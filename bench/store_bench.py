@@ -77,6 +77,23 @@ def llamacpp_bytes(V: int) -> int:
     return 2 * (2 * ((V + 1) // 2) + 4)
 
 
+def full_bf16_speed(zr):
+    """Peer run: write the same rows as a full bf16 chunk (RunWriter's writer) and read them
+    back as float32 — (s/position write, s/position read)."""
+    from logitdiff.store import _bf16_to_f32, atomic_save_npy_rows
+
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"store_bench_full_{os.getpid()}.npy"
+    t0 = time.perf_counter()
+    atomic_save_npy_rows(tmp, [zr], "bfloat16")
+    t_write = (time.perf_counter() - t0) / zr.shape[0]
+    t0 = time.perf_counter()
+    back = _bf16_to_f32(np.asarray(np.load(tmp, mmap_mode="r")))
+    t_read = (time.perf_counter() - t0) / zr.shape[0]
+    assert back.shape == zr.shape
+    tmp.unlink()
+    return t_write, t_read
+
+
 def compact_eval(spec_text, zr, y, cands, lq_of, batch=64):
     """(bytes/position, encode s/position, read s/position, {cand: stats})"""
     spec = C.parse_spec(spec_text)
@@ -238,6 +255,9 @@ def main(argv=None):
                   "seed_topk64_ratio": seed_topk_err(big_r, lqs.get, big_c), "compact": {}}
     print(f"[V={V_BIG}] {a.padded_rows} padded rows, tail mass mean {tail_mass.mean():.3g}; bytes/position: full bf16 {V_BIG * 2}, "
           f"topk:64 {res['big']['topk64_bytes']:.0f}, llama.cpp base {llamacpp_bytes(V_BIG)}", flush=True)
+    fw, fr = full_bf16_speed(big_r)
+    res["big"]["full_bf16_write_s"], res["big"]["full_bf16_read_s"] = fw, fr
+    print(f"[V={V_BIG}] peer: full bf16 chunk write {fw * 1e3:.2f} ms/pos, read {fr * 1e3:.2f} ms/pos", flush=True)
     for spec in filter(None, a.specs_big.split(";")):
         b, tw, tr, st = compact_eval(spec, big_r, y[idx], big_c, lqs.get, batch=16)
         res["big"]["compact"][spec] = {"bytes": b, "write_s": tw, "read_s": tr, "cands": st}
