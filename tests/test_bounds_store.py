@@ -110,6 +110,12 @@ def test_topk_compare_carries_intervals(runs):
     col = comp.columns
     assert (col["kl_lower_nats"] <= ex["kl"] + tol).all() and np.isinf(col["kl_upper_nats"]).all()
     assert (col["jsd_lower_nats"] <= ex["jsd"] + tol).all() and (ex["jsd"] <= col["jsd_upper_nats"] + tol).all()
+    out = tmp / "rep"
+    assert main(["compare", str(tmp / "rk"), str(tmp / "ck"), "--out", str(out), "--bootstrap", "10"]) == 0
+    md = (out / "report.md").read_text()
+    assert "topk-bounded" in md and "inf (no finite upper bound" in md
+    assert json.loads((out / "report.json").read_text())["summary"]["kl_upper_nats_mean"] is None  # inf
+    assert "proven interval" in (out / "report.html").read_text()
 
 
 def test_reports_show_interval_and_method(runs):

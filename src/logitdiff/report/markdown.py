@@ -209,5 +209,7 @@ def _interval_lines(s: dict, m: dict) -> list[str]:
             continue
         est = ((s.get("metrics") or {}).get(f"{name}_nats") or {}).get("mean")
         up = "inf (no finite upper bound, see method)" if hi is None else f"{hi:.4g}"
-        out.append(f"- {label}: {est:.4g} nats, proven interval [{lo:.4g}, {up}] — method **{m.get('bounds')}** (docs/bounds.md)")
+        low = "n/a" if lo is None else f"{lo:.4g}"
+        figure = "no estimate from this method" if est is None else f"{est:.4g} nats"
+        out.append(f"- {label}: {figure}, proven interval [{low}, {up}] — method **{m.get('bounds')}** (docs/bounds.md)")
     return out
