@@ -83,3 +83,27 @@ def test_topk_error_covers_the_bundled_ladder(ladder, capsys):
         assert full["width_over_exact_mean"] <= 0.01, (q, full)
     text = capsys.readouterr().out
     assert "proven intervals" in text and "coverage" in text
+
+
+def test_capture_compact_and_compare_end_to_end(ladder):
+    """`capture --store compact` of the reference (teacher-forced on its own run), then
+    `compare` against a real quant: the method is named, every interval contains the value
+    of the full/full comparison, top-1 and flips are the same."""
+    import pandas as pd
+
+    d = ladder
+    assert main(["capture", "builtin:tiny", "--teacher", str(d / "ref"), "--store", "compact:exact=64,band=512",
+                 "--out", str(d / "refc")]) == 0
+    assert RunReader(d / "refc").compact is not None
+    assert main(["compare", str(d / "refc"), str(d / "Q2_K"), "--out", str(d / "rep_c"), "--bootstrap", "10"]) == 0
+    assert main(["compare", str(d / "ref"), str(d / "Q2_K"), "--out", str(d / "rep_f"), "--bootstrap", "10"]) == 0
+    rep = json.loads((d / "rep_c" / "report.json").read_text())
+    assert rep["method"]["bounds"] == "compact-bounded"
+    a = pd.read_parquet(d / "rep_c" / "tokens.parquet")
+    b = pd.read_parquet(d / "rep_f" / "tokens.parquet")
+    tol = 1e-12 * (1 + b["kl_nats"].to_numpy())
+    for name in ("kl", "kl_rev", "jsd"):
+        ex = b[f"{name}_nats"].to_numpy()
+        assert (a[f"{name}_lower_nats"].to_numpy() <= ex + tol).all() and (ex <= a[f"{name}_upper_nats"].to_numpy() + tol).all()
+    assert (a["top1_ref"].to_numpy() == b["top1_ref"].to_numpy()).all()
+    assert (a["top1_match"].to_numpy() == b["top1_match"].to_numpy()).all()
