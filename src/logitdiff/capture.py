@@ -108,14 +108,20 @@ def _select(scored, positions):
     return scored[positions]
 
 
-def _rows_for_store(writer: RunWriter, logits) -> dict:
+def _rows_for_store(writer: RunWriter, logits, next_tokens=None) -> dict:
     if isinstance(logits, dict):  # a top-K source (served model): ids + logprobs per row
+        if writer.compact:
+            raise LogitdiffError("a top-K source cannot fill a compact store (it needs full logits)")
         if not writer.k:
             raise LogitdiffError("a top-K source can only be stored with --store topk:K")
         k = writer.k
         if logits["ids"].shape[1] < k:
             raise LogitdiffError(f"the source returned {logits['ids'].shape[1]} logprobs per position, fewer than K={k}")
         return {"topk": {"ids": logits["ids"][:, :k], "logprobs": logits["logprobs"][:, :k]}}
+    if writer.compact:
+        from . import compact
+
+        return {"compact": compact.encode(logits, next_tokens, writer.compact)}
     if writer.k:
         st = M.row_stats(logits, k=writer.k)
         return {"topk": {"ids": st["topk_ids"], "logprobs": st["topk_logprobs"], "logsumexp": st["logsumexp"],
@@ -249,7 +255,7 @@ def _reference_rows(writer: RunWriter, source: Source, items, rendered, *, max_t
                 extra={"item": it.to_json(), "stopped_by": gen.stopped_by, "text": source.detokenize(gen.token_ids),
                        "scored_with": with_ids},
             )
-            writer.add(run_item, **_rows_for_store(writer, _select(logits, pos)))
+            writer.add(run_item, **_rows_for_store(writer, _select(logits, pos), run_item.next_tokens))
             if progress:
                 progress(1)
     writer.finish()
@@ -358,7 +364,7 @@ def _candidate_rows(writer: RunWriter, source: Source, pairs, *, resume, progres
             ci = RunItem(id=it.id, prompt_ids=p, teacher_ids=list(it.teacher_ids), positions=list(it.positions),
                          tags=list(it.tags), prompt=it.prompt,
                          extra={**{k: v for k, v in it.extra.items() if k == "item"}, "scored_with": with_ids})
-            writer.add(ci, **_rows_for_store(writer, _select(logits, it.positions)))
+            writer.add(ci, **_rows_for_store(writer, _select(logits, it.positions), ci.next_tokens))
             if progress:
                 progress(1)
     writer.finish()

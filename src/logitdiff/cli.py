@@ -429,7 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
             "tokens at every position) and write REPORT/report.json (the seed report's keys and "
             "fields, extended), REPORT/tokens.parquet (one row per position) and REPORT/report.md. "
             "Full logits on both sides give exact full-vocabulary metrics; top-K on either side "
-            "uses the seed's top-K approximation with a tail bucket."
+            "uses the seed's top-K approximation with a tail bucket, plus proven intervals "
+            "(*_lower_nats, *_upper_nats; inf where nothing bounds the tail); a compact reference "
+            "(capture --store compact) against a full candidate gives each divergence with its proven "
+            "interval (docs/bounds.md). The report names the method; other pairings are refused."
         ),
     )
     c.add_argument("reference", help="reference RUN directory")
@@ -502,7 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--out", required=True, help="RUN directory to write: new or empty (written in place, so --resume can "
                      "continue it), or a RUN with --resume / --overwrite; never anything else")
     cap.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's max_tokens, else 64)")
-    cap.add_argument("--store", default="full", help="full (native-dtype logits) or topk:K, 1 <= K <= V (default: %(default)s)")
+    cap.add_argument("--store", default="full",
+                     help="full (native-dtype logits), topk:K with 1 <= K <= V, or compact[:exact=E,band=B,bits=8|16] (a reference "
+                          "kept as exact top entries, a quantised band and exact tail mass: candidates compare against it with "
+                          "proven KL bounds; docs/bounds.md) (default: %(default)s)")
     cap.add_argument("--positions", default="all",
                      help="all | first | sample:FRAC with 0 < FRAC <= 1 — output positions kept (reference capture; default: %(default)s)")
     cap.add_argument("--resume", action="store_true",

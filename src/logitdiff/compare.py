@@ -21,6 +21,28 @@ TOPK_DESCRIPTION = (
     "Approximate KL(P_bf16 || P_quant) over next-token top-K distributions. Missing candidate "
     "top-K tokens receive candidate tail_mass/(vocab_size - K). A single explicit tail bucket is included."
 )
+COMPACT_DESCRIPTION = (
+    "KL(P_ref || P_cand), reverse KL and Jensen-Shannon divergence between a compact reference "
+    "(exact top entries, a quantised band, exact mass of the rest) and a full candidate: each "
+    "figure comes with a proven interval [*_lower_nats, *_upper_nats] that contains the exact "
+    "full-vocabulary value (docs/bounds.md); the figure itself is the divergence at the placement "
+    "of the unstored mass closest to the candidate (the interval's lower end). Top-1, margin, teacher-token p and entropy of "
+    "the reference are exact."
+)
+TOPK_BOUNDS = (
+    " Each divergence also carries a proven interval [*_lower_nats, *_upper_nats] "
+    "(docs/bounds.md): the lower bound by data processing over the shared tokens; the upper "
+    "bound of forward and reverse KL is inf: nothing bounds a probability outside the top-K lists "
+    "from below (no logit floor is known)."
+)
+LLAMACPP_BOUNDS = (
+    " The reference is an imported llama.cpp --kl-divergence-base file: its log-probabilities are "
+    "uint16-quantised with a floor at max - 16 nats, so each divergence also carries a proven interval "
+    "[*_lower_nats, *_upper_nats] from the quantisation step and the floor (docs/bounds.md, section 4); "
+    "reverse KL has no finite upper bound (floored entries may have p -> 0)."
+)
+# what compare does for what the two runs hold (docs/bounds.md, section 5)
+METHOD_OF_KIND = {"full_vocab": "exact", "compact": "compact-bounded", "top_k": "topk-bounded"}
 FULL_DESCRIPTION = (
     "Exact KL(P_ref || P_cand), reverse KL and Jensen-Shannon divergence over the full vocabulary, "
     "in float64 after log_softmax of the captured logits, per teacher-forced output position. "
@@ -142,10 +164,15 @@ def compare_runs(
     items_r, items_c, notes = check_comparable(ref, cand, allow_partial=allow_partial)
     vocab = ref.vocab() or cand.vocab()
     V = ref.vocab_size
-    kind = "top_k" if (ref.k or cand.k) else "full_vocab"
+    kind = select_kind(ref, cand)
+    # an imported llama.cpp base file is a full run whose values are quantised: bound it
+    bounded_import = kind == "full_vocab" and (ref.manifest.get("settings") or {}).get("imported_from") == "llamacpp-kld"
     # K of the top-K fields: what the top-K side(s) stored; for two full runs, top_logprobs.
     stored_k = [x for x in (ref.k, cand.k) if x]
     k_eff = min(stored_k + [V]) if stored_k else min(top_logprobs, V)
+    if kind == "compact":  # the reference's top-K comes from its exact entries
+        k_eff = min(top_logprobs, ref.compact.exact, V)
+        overlap_k = min(overlap_k, ref.compact.exact)
     if max_batch_rows is None:
         max_batch_rows = max(1, (256 << 20) // (V * 4 * 2))
     cols: dict[str, list] = {}
@@ -160,7 +187,9 @@ def compare_runs(
         push("item_id", item_ids.astype(object))
         push("position", positions)
         push("token_id", next_tok)
-        if kind == "full_vocab":
+        if kind == "compact":
+            _compact_batch(push, ref, cand, br, bc, next_tok, k_eff, min(overlap_k, V), eps)
+        elif kind == "full_vocab":
             zr = np.concatenate([np.asarray(ref.logits(it)) for it in br])
             zc = np.concatenate([np.asarray(cand.logits(it)) for it in bc])
             try:
@@ -181,6 +210,8 @@ def compare_runs(
             ic, lc = m.pop("topk_ids_cand"), m.pop("topk_logprobs_cand")
             for key, v in m.items():
                 push(key, v)
+            if bounded_import:  # llama.cpp base rows: intervals from the uint16 step and floor
+                _push_llamacpp_intervals(push, zr, zc)
             # the seed's top-K fields from the same pass (no second log-softmax per side)
             t = M.topk(ir, lr, ic, lc, V, eps=eps)
             for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
@@ -203,6 +234,15 @@ def compare_runs(
             for key, v in t.items():
                 if key != "kl_bits":
                     push(key, v)
+            # proven intervals next to the seed's estimate (docs/bounds.md, section 3)
+            from . import bounds as Bd
+            from .compact import INTERVAL_COLUMNS
+
+            ivs = Bd.topk_vs_topk(ir, lr, ic, lc, V)
+            for name, (lo, hi) in INTERVAL_COLUMNS.items():
+                iv = ivs[name[: -len("_nats")]]
+                push(lo, iv.lower)
+                push(hi, iv.upper)
             # Token metrics where the teacher token is inside a top-K set; NaN otherwise.
             p_ref = _prob_of(ir, lr, next_tok)
             p_cand = _prob_of(ic, lc, next_tok)
@@ -220,18 +260,69 @@ def compare_runs(
     columns = {k: np.concatenate(v) for k, v in cols.items()}
     tags_per_item = {it.id: list(it.tags) for it in items_r}
     method = {
-        "description": FULL_DESCRIPTION if kind == "full_vocab" else TOPK_DESCRIPTION,
+        "description": {"full_vocab": FULL_DESCRIPTION, "compact": COMPACT_DESCRIPTION}.get(kind, TOPK_DESCRIPTION + TOPK_BOUNDS),
         "kind": kind,
+        "bounds": "llamacpp-base-bounded" if bounded_import else METHOD_OF_KIND[kind],
         "epsilon": eps,
         "top_logprobs": int(k_eff),
         "vocab_size": int(V),
-        "topk_overlap_k": int(min(overlap_k, V)) if kind == "full_vocab" else None,
+        "topk_overlap_k": int(min(overlap_k, V)) if kind in ("full_vocab", "compact") else None,
         "log": "natural (nats); every *_nats figure has a *_bits twin = nats / ln 2",
         "precision": "float64 after log_softmax",
     }
+    if bounded_import:
+        method["description"] += LLAMACPP_BOUNDS
     comp = Comparison(kind=kind, columns=columns, items=items_r, ref=ref, cand=cand, method=method, vocab=vocab, notes=notes)
     comp.tags_per_item = tags_per_item  # type: ignore[attr-defined]
     return comp
+
+
+def select_kind(ref, cand) -> str:
+    """The comparison method for what the two runs hold: full/full exact, compact/full
+    bounded, top-K on either side approximate + bound; anything else refused."""
+    if getattr(cand, "compact", None):
+        raise LogitdiffError(f"{cand.path}: a compact store is a reference store; capture the candidate with --store full")
+    if getattr(ref, "compact", None):
+        if cand.k:
+            raise LogitdiffError(f"{ref.path} is a compact reference and {cand.path} stores top-{cand.k}: "
+                                 "no bounded method for that pair; capture the candidate with --store full")
+        return "compact"
+    return "top_k" if (ref.k or cand.k) else "full_vocab"
+
+
+def _compact_batch(push, ref, cand, br, bc, next_tok, k_eff, overlap_k, eps) -> None:
+    """Compact reference vs full candidate, in sub-batches of ~32 MiB of float64 rows."""
+    from . import compact as C
+
+    step = max(1, (32 << 20) // (ref.vocab_size * 8))
+    blocks = [ref.compact_rows(it) for it in br]
+    blk = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+    zc = np.concatenate([np.asarray(cand.logits(it)) for it in bc])
+    if not np.isfinite(zc).all():
+        bad = int(np.nonzero(~np.isfinite(zc).all(1))[0][0])
+        raise LogitdiffError(f"{cand.path}: NaN/inf logits at row {bad} of items {bc[0].id!r}...")
+    for a in range(0, zc.shape[0], step):
+        sl = slice(a, a + step)
+        cols = C.compare_rows(C.rows_of(blk, sl), zc[sl], next_tok[sl], top_k=k_eff, overlap_k=overlap_k, eps=eps)
+        ir, lr, ic, lc = cols.pop("_tops")
+        for key, v in cols.items():
+            push(key, v)
+        _push_tops(push, ir, lr, ic, lc)
+
+
+def _push_llamacpp_intervals(push, zr, zc) -> None:
+    from . import bounds as Bd
+    from .compact import INTERVAL_COLUMNS, _log_softmax
+
+    zr = np.asarray(zr, np.float32)
+    step = max(1, (32 << 20) // (zr.shape[1] * 8))
+    for a in range(0, zr.shape[0], step):
+        codes, scale, mn = Bd.llamacpp_from_logp(zr[a:a + step])
+        ivs = Bd.llamacpp_vs_full(codes, scale, mn, _log_softmax(np.asarray(zc[a:a + step])))
+        for name, (lo, hi) in INTERVAL_COLUMNS.items():
+            iv = ivs[name[: -len("_nats")]]
+            push(lo, iv.lower)
+            push(hi, iv.upper)
 
 
 TOP_SHOWN = 5  # top tokens kept per side for the token view of reports

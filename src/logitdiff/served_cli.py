@@ -32,7 +32,7 @@ def cmd_topk_error(args) -> int:
     ks = parse_ks(args.k)
     if args.json:
         check_output(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b])
-    res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks)
+    res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks, compact_specs=args.compact or ())
     ex = res["exact"]
     t = Table(title=f"top-K approximation vs exact KL — {res['n']} positions, {res['items']} items, V={res['vocab_size']} (nats)")
     for col in ("K", "exact mean", "approx mean", "exact p95", "approx p95", "exact max", "approx max", "mean |err|", "rel err of mean",
@@ -45,12 +45,34 @@ def cmd_topk_error(args) -> int:
                   f"{100 * row['median_rel_err']:.2f}%", f"{row['ref_top_mass_mean']:.4f}", f"{100 * row['top1_agreement']:.2f}%")
     import sys
 
-    Console(width=None if sys.stdout.isatty() else 200).print(t)
+    con = Console(width=None if sys.stdout.isatty() else 200)
+    con.print(t)
+    con.print(_bounds_table(res))
     if args.json:
         with writing(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b]) as tmp:
             tmp.write_text(json.dumps({"schema": TOPK_ERROR_SCHEMA, **res}, indent=1) + "\n")
         Console(stderr=True).print(f"wrote {args.json}")
     return 0
+
+
+def _bounds_table(res: dict):
+    """Coverage and width of the proven intervals (docs/bounds.md), per K and per compact store."""
+    from rich.table import Table
+
+    t = Table(title="proven intervals vs exact (coverage must be 100 %; nats)")
+    for col in ("store", "divergence", "exact mean", "lower mean", "upper mean", "mean width", "width / exact", "coverage",
+                "estimate err of mean"):
+        t.add_column(col, justify="right")
+    exact = {"kl": res["exact"]["mean"], "kl_rev": res["exact"]["kl_rev_mean"], "jsd": res["exact"]["jsd_mean"]}
+    lines = [(f"topk:{r['k']}", r["bounds"], {"kl": r["rel_err_of_mean"]}) for r in res["rows"]]
+    lines += [(c["store"], c["bounds"], {}) for c in res.get("compact", [])]
+    for store, b, seed_err in lines:
+        for d, x in b.items():
+            est = x.get("estimate_rel_err_of_mean", seed_err.get(d))
+            w = x["width_over_exact_mean"]
+            t.add_row(store, d, f"{exact[d]:.4g}", f"{x['lower_mean']:.4g}", f"{x['upper_mean']:.4g}", f"{x['mean_width']:.4g}",
+                      "n/a" if w is None else f"{100 * w:.3g}%", f"{100 * x['coverage']:.2f}%", "" if est is None else f"{100 * est:.2f}%")
+    return t
 
 
 def add_commands(sub) -> None:
@@ -76,11 +98,16 @@ def add_commands(sub) -> None:
             "For two full-logit RUNs (reference, candidate): exact KL(P_ref || P_cand) over the whole "
             "vocabulary next to the seed report's top-K approximation at each K (missing candidate "
             "tokens share its tail mass, one tail bucket): mean, p95 and max of both, mean absolute "
-            "error, relative error of the mean, median per-position relative error, top-1 agreement."
+            "error, relative error of the mean, median per-position relative error, top-1 agreement. "
+            "It also checks the proven intervals (docs/bounds.md) against the exact values: per K those "
+            "of a top-K/top-K comparison, per --compact SPEC those of a compact reference; coverage, mean "
+            "width, and the estimate's error next to the seed's."
         ),
     )
     t.add_argument("run_a", metavar="RUN_A", help="reference RUN (full logits)")
     t.add_argument("run_b", metavar="RUN_B", help="candidate RUN (full logits)")
     t.add_argument("--k", default="8,20,64,256", help="comma-separated K values (default: %(default)s)")
+    t.add_argument("--compact", action="append", metavar="SPEC",
+                   help="also check a compact reference store, e.g. compact:exact=512,band=3584 (repeatable)")
     t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (a new file, or one topk-error wrote)")
     t.set_defaults(func=cmd_topk_error)

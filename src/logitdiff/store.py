@@ -30,6 +30,7 @@ from typing import Iterator
 import numpy as np
 
 from . import __version__
+from . import compact as compact_store
 from .errors import LogitdiffError
 from .outputs import RUN_SCHEMA, Kind, check_output
 
@@ -136,9 +137,13 @@ def parse_store(text: str, vocab_size: int | None = None) -> int:
     """``full`` -> 0, ``topk:K`` -> K (1 <= K <= vocab_size when known); else a one-line error."""
     if text == "full":
         return 0
+    if compact_store.is_compact(text):  # the compact reference store: not a top-K store
+        compact_store.parse_spec(text)
+        return 0
     kind, _, k = str(text).partition(":")
     if kind != "topk" or not k.isdigit() or int(k) < 1:
-        raise LogitdiffError(f"--store {text!r}: expected full or topk:K with K a positive integer")
+        raise LogitdiffError(f"--store {text!r}: expected full, topk:K with K a positive integer, "
+                             "or compact[:exact=E,band=B,bits=8|16]")
     if vocab_size is not None and int(k) > vocab_size:
         raise LogitdiffError(f"--store {text!r}: K={int(k)} exceeds the vocabulary size {vocab_size}")
     return int(k)
@@ -215,6 +220,8 @@ class RunWriter:
         self.path = Path(path)
         self.store = store
         self.k = parse_store(store, vocab_size)
+        # compact reference store (compact.py): its own chunk kind, bounded comparisons
+        self.compact = compact_store.parse_spec(store) if compact_store.is_compact(store) else None
         if dtype not in _DTYPES:
             raise LogitdiffError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
         self.dtype = dtype
@@ -222,6 +229,8 @@ class RunWriter:
             # ~8 MiB of rows per chunk (64..2048 rows): small enough that the writer thread
             # overlaps the next forward passes and the last write at finish() is short.
             row_bytes = int(vocab_size) * (8 * 2 if store.startswith("topk:") else np.dtype(_DTYPES[dtype]).itemsize)
+            if self.compact:
+                row_bytes = 12 * self.compact.exact + 10 * self.compact.band
             chunk_rows = int(min(2048, max(64, (8 << 20) // max(1, row_bytes))))
         self.chunk_rows = chunk_rows
         self.vocab_size = int(vocab_size)
@@ -244,7 +253,7 @@ class RunWriter:
             "source": source,
             "vocab_size": self.vocab_size,
             "tokenizer_hash": tokenizer_hash,
-            "settings": {**(settings or {}), "store": store, "dtype": dtype if not self.k else None},
+            "settings": {**(settings or {}), "store": store, "dtype": dtype if not (self.k or self.compact) else None},
             "chunks": [],
             "n_items": 0,
             "n_positions": 0,
@@ -291,9 +300,13 @@ class RunWriter:
                 ids.update(json.loads(line)["id"] for line in f if line.strip())
         return ids
 
-    def add(self, item: RunItem, logits=None, topk: dict | None = None) -> None:
+    def add(self, item: RunItem, logits=None, topk: dict | None = None, compact: dict | None = None) -> None:
         n = len(item.positions)
-        if self.k:
+        if self.compact:
+            if compact is None or np.asarray(compact["max_logit"]).shape != (n,):
+                raise LogitdiffError(f"item {item.id!r}: compact run: pass compact= rows of {n} positions (compact.encode)")
+            self._buf_rows.append(compact)
+        elif self.k:
             if topk is None:
                 raise ValueError("top-K run: pass topk=")
             for key in ("ids", "logprobs"):
@@ -361,7 +374,10 @@ class RunWriter:
         stem = f"{idx:06d}"
         cdir = self.path / "chunks"
         entry = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items)}
-        if self.k:
+        if self.compact:
+            entry["data"] = f"{stem}.{compact_store.CHUNK_SUFFIX}"
+            atomic_write_bytes(cdir / entry["data"], compact_store.save_chunk(cdir / entry["data"], rows))
+        elif self.k:
             keys = rows[0].keys()
             cat = {k: np.concatenate([r[k] for r in rows]) for k in keys}
             import io
@@ -441,6 +457,7 @@ class RunReader:
         except (KeyError, TypeError, ValueError, LogitdiffError) as e:
             raise LogitdiffError(f"{mpath}: field {str(e).strip(chr(39))!r} missing or malformed (not a RUN this logitdiff reads)") from None
         self.store = st
+        self.compact = compact_store.parse_spec(st) if compact_store.is_compact(st) else None
         self.tokenizer_hash = self.manifest.get("tokenizer_hash")
         self.dtype = self.manifest["settings"].get("dtype")
         self._items: list[RunItem] | None = None
@@ -484,7 +501,10 @@ class RunReader:
         if not p.exists():
             raise LogitdiffError(f"{p}: chunk file missing (truncated run)")
         try:
-            if self.k:
+            if self.compact:
+                data = compact_store.load_chunk(p)
+                n = data["max_logit"].shape[0]
+            elif self.k:
                 with np.load(p) as z:
                     data = {k: z[k] for k in z.files}
                 n = data["ids"].shape[0]
@@ -504,6 +524,8 @@ class RunReader:
         """Full logits ``[len(positions), V]`` of an item (float32 view for bf16 runs)."""
         if self.k:
             raise LogitdiffError(f"{self.path}: run stores top-{self.k}, not full logits")
+        if self.compact:
+            raise LogitdiffError(f"{self.path}: run stores a compact reference ({self.store}), not full logits")
         data = self._chunk(item.chunk)
         rows = data[item.row : item.row + len(item.positions)]
         if self.dtype == "bfloat16":
@@ -516,6 +538,12 @@ class RunReader:
         data = self._chunk(item.chunk)
         sl = slice(item.row, item.row + len(item.positions))
         return {k: v[sl] for k, v in data.items()}
+
+    def compact_rows(self, item: RunItem) -> dict[str, np.ndarray]:
+        """The compact store's arrays of an item's rows (see compact.py)."""
+        if not self.compact:
+            raise LogitdiffError(f"{self.path}: run stores {self.store}, not a compact reference")
+        return compact_store.rows_of(self._chunk(item.chunk), slice(item.row, item.row + len(item.positions)))
 
     def iter_items(self) -> Iterator[RunItem]:
         """Items in chunk order, so each chunk is mapped once."""

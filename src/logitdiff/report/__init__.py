@@ -144,6 +144,14 @@ def build_report(
     for key in ("ppl_ref", "ppl_cand", "ppl_ratio", "nll_ref_mean", "nll_cand_mean"):
         if key in overall:
             summary[key] = overall[key]
+    # Proven intervals (bounded methods): the mean of the bounds bounds the mean.
+    from ..compact import INTERVAL_COLUMNS
+
+    for lo, hi in INTERVAL_COLUMNS.values():
+        if lo in c and n:
+            summary[f"{lo}_mean"] = _clean(np.mean(c[lo]))
+            summary[f"{hi}_mean"] = _clean(np.mean(c[hi]))  # inf (JSON null): no finite upper bound
+            summary[f"{lo[:-len('_lower_nats')]}_interval_width_mean"] = _clean(np.mean(np.asarray(c[hi]) - np.asarray(c[lo])))
     if noise_floor:
         summary["noise_floor"] = noise_floor
         floor = noise_floor.get("kl_nats_mean")

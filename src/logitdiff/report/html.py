@@ -595,7 +595,11 @@ def _header(names, paths, reports, summary) -> str:
     m = r0.get("method") or {}
     s0 = r0.get("summary") or {}
     if m.get("kind") == "top_k":
-        method = f"top-K approximation, K = {_e(m.get('top_logprobs'))} of V = {_e(m.get('vocab_size'))} (the seed report's method)"
+        method = (f"top-K approximation, K = {_e(m.get('top_logprobs'))} of V = {_e(m.get('vocab_size'))} (the seed report's method), "
+                  f"with proven intervals ({_e(m.get('bounds'))}; docs/bounds.md)")
+    elif m.get("kind") == "compact":
+        method = (f"compact reference vs full candidate (V = {_e(m.get('vocab_size'))}): each divergence with a "
+                  f"proven interval ({_e(m.get('bounds'))}; docs/bounds.md)")
     else:
         method = f"exact, full vocabulary (V = {_e(m.get('vocab_size'))}), float64 after log_softmax"
     boot = m.get("bootstrap") or {}
@@ -761,10 +765,27 @@ def _matrix_html(names, paths, reports, cells_by_name, extra, summary) -> str:
             sub = ""
             if ci and None not in ci:
                 sub = f"<small>[{fmt(ci[0], f)}, {fmt(ci[1], f)}]</small>"
+            sub += _interval_sub(rep, k)
             tds.append(f'<td data-v="{"" if nv is None else repr(nv)}">{fmt(v, f)}{sub}</td>')
         body.append(f'<tr class="{"warn" if warn else ""}" data-name="{_e(name)}">' + "".join(tds) + "</tr>")
     return (f'<div class="scroll"><table id="matrix" class="sortable"><thead><tr>{head}</tr></thead>'
             f'<tbody>{"".join(body)}</tbody></table></div>')
+
+
+# matrix cell -> the interval columns of report.json (bounded methods, docs/bounds.md)
+INTERVAL_OF = {"kl_mean": "kl", "kl_rev_mean": "kl_rev", "jsd_mean": "jsd"}
+
+
+def _interval_sub(rep: dict, key: str) -> str:
+    """The proven interval of an approximated mean and its method, for the same cell."""
+    name = INTERVAL_OF.get(key)
+    s = rep.get("summary") or {}
+    if name is None or f"{name}_lower_nats_mean" not in s:
+        return ""
+    lo, hi = _num(s.get(f"{name}_lower_nats_mean")), _num(s.get(f"{name}_upper_nats_mean"))
+    method = _get(rep, "method.bounds")
+    return (f'<small class="interval" title="proven interval of the mean: contains the exact full-vocabulary value">'
+            f"proven interval [{fmt(lo)}, {'inf' if hi is None else fmt(hi)}] · {_e(method)}</small>")
 
 
 def _p(p) -> str:

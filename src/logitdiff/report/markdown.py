@@ -58,6 +58,7 @@ def render_markdown(report: dict) -> str:
         f"- positions: {s['positions']:,} over {s['paired_prompts']} items; 95 % CIs from {m['bootstrap']['n']} "
         f"bootstrap resamples of items (seed {m['bootstrap']['seed']})",
     ]
+    out += _interval_lines(s, m)
     mc = report.get("machine")
     if mc:
         out.append(f"- compared on: {mc.get('cpu')}, {mc.get('cpu_count')} cores, {mc.get('memory_gib')} GiB, {mc.get('platform')}, Python {mc.get('python')}")
@@ -215,3 +216,18 @@ def correctness_markdown(c: dict) -> str:
     for t, d in c["by_tag"].items():
         out.append(f"| {t} | {d['n']} | {_pct(d['accuracy_ref'])} | {_pct(d['accuracy_cand'])} | {d['right_to_wrong']} | {d['wrong_to_right']} |")
     return "\n".join(out) + "\n"
+
+
+def _interval_lines(s: dict, m: dict) -> list[str]:
+    """One line per approximated divergence: estimate, proven interval and method."""
+    out = []
+    for name, label in (("kl", "mean KL"), ("kl_rev", "mean reverse KL"), ("jsd", "mean JSD")):
+        lo, hi = s.get(f"{name}_lower_nats_mean"), s.get(f"{name}_upper_nats_mean")
+        if lo is None and f"{name}_lower_nats_mean" not in s:
+            continue
+        est = ((s.get("metrics") or {}).get(f"{name}_nats") or {}).get("mean")
+        up = "inf (no finite upper bound, see method)" if hi is None else f"{hi:.4g}"
+        low = "n/a" if lo is None else f"{lo:.4g}"
+        figure = "no estimate from this method" if est is None else f"{est:.4g} nats"
+        out.append(f"- {label}: {figure}, proven interval [{low}, {up}] — method **{m.get('bounds')}** (docs/bounds.md)")
+    return out

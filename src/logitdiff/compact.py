@@ -1,0 +1,270 @@
+"""The compact reference store: what later candidates need to be compared with proven
+bounds, at a fraction of the full store's size (docs/bounds.md, section 2).
+
+Per position: the ``exact`` largest entries (ids + raw logits, with the row's max logit and
+ln sum exp(z - max), so their log-probabilities are computed as the full path computes
+them), the next ``band`` entries (ids + a ``bits``-wide code of the log-probability on the
+row's band range), and of everything else the exact mass and the largest and smallest
+log-probability; plus the exact log-probability of the teacher token and the entropy.
+
+Spec: ``compact`` or ``compact:exact=E,band=B,bits=16`` (any subset). Ids are stored sorted
+per row as gaps (uint16 where every gap of the chunk fits, else uint32) and the chunk file
+is deflate-compressed, so the bytes per position depend on the data; bench/store_bench.py
+measures them.
+
+``encode`` (logits -> arrays) and ``decode`` (arrays -> :class:`bounds.CompactRows`) are pure;
+``save_chunk``/``load_chunk`` are the only I/O, used by store.py.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from .bounds import CompactRows
+from .errors import LogitdiffError
+
+STORE_PREFIX = "compact"
+CHUNK_SUFFIX = "compact.npz"
+DEFAULT_EXACT = 512
+DEFAULT_BAND = 5632
+DEFAULT_BITS = 16
+# Widening of every decoded box, in nats: the codes and the rest's extremes are computed
+# in float64 from log-probabilities of magnitude <= ~1e3, whose rounding is < 1e-13 nats.
+BOX_SLACK = 1e-12
+ROW_FIELDS = ("max_logit", "log_sum", "band_top", "band_step", "band_mass", "rest_mass", "rest_max",
+              "rest_min", "token_logp", "entropy")
+
+
+@dataclass(frozen=True)
+class CompactSpec:
+    exact: int = DEFAULT_EXACT
+    band: int = DEFAULT_BAND
+    bits: int = DEFAULT_BITS
+
+    @property
+    def text(self) -> str:
+        return f"{STORE_PREFIX}:exact={self.exact},band={self.band},bits={self.bits}"
+
+
+def is_compact(store: str | None) -> bool:
+    return bool(store) and (store == STORE_PREFIX or store.startswith(STORE_PREFIX + ":"))
+
+
+def parse_spec(store: str) -> CompactSpec:
+    """``compact[:exact=E,band=B,bits=8|16]`` -> CompactSpec; one-line error otherwise."""
+    if not is_compact(store):
+        raise LogitdiffError(f"--store {store!r}: not a compact store spec")
+    fields = {}
+    rest = store[len(STORE_PREFIX) + 1:] if ":" in store else ""
+    for part in filter(None, rest.split(",")):
+        key, _, val = part.partition("=")
+        if key not in ("exact", "band", "bits") or not val.isdigit():
+            raise LogitdiffError(f"--store {store!r}: expected compact[:exact=E,band=B,bits=8|16], got {part!r}")
+        fields[key] = int(val)
+    spec = CompactSpec(**fields)
+    if spec.exact < 2:
+        raise LogitdiffError(f"--store {store!r}: exact must be >= 2 (top-1 and the margin are read from it)")
+    if spec.bits not in (8, 16):
+        raise LogitdiffError(f"--store {store!r}: bits must be 8 or 16")
+    return spec
+
+
+def _top_ids(z: np.ndarray, k: int) -> np.ndarray:
+    """The k largest entries of one row, by value descending, lowest id first on ties."""
+    V = z.shape[0]
+    if k >= V:
+        sel = np.arange(V)
+    else:
+        part = np.argpartition(-z, k - 1)[:k]
+        t = z[part].min()
+        above = np.nonzero(z > t)[0]
+        ties = np.nonzero(z == t)[0][: k - above.size]  # ascending ids
+        sel = np.concatenate([above, ties])
+    return sel[np.lexsort((sel, -z[sel]))]
+
+
+def encode(logits, next_tokens, spec: CompactSpec) -> dict[str, np.ndarray]:
+    """Rows [N, V] of logits (any float dtype) -> the arrays of one block of a compact store."""
+    logits = np.asarray(logits)
+    if logits.dtype == np.uint16:  # bf16 bits (the full store's on-disk form): widen exactly
+        logits = (logits.astype(np.uint32) << 16).view(np.float32)
+    n, V = logits.shape
+    E = min(spec.exact, V)
+    Bn = min(spec.band, V - E)
+    levels = (1 << spec.bits) - 1
+    out = {
+        "exact_ids": np.zeros((n, E), np.int64),
+        "exact_logits": np.zeros((n, E), np.float32),
+        "band_ids": np.zeros((n, Bn), np.int64),
+        "band_codes": np.zeros((n, Bn), np.uint16 if spec.bits == 16 else np.uint8),
+        **{f: np.zeros(n, np.float64) for f in ROW_FIELDS},
+    }
+    y = None if next_tokens is None else np.asarray(next_tokens, np.int64)
+    for r in range(n):
+        z32 = logits[r]
+        z = z32.astype(np.float64)
+        sel = _top_ids(z, E + Bn)
+        m = z[sel[0]]
+        a = z - m
+        ls = float(np.log(np.exp(a).sum()))
+        lp = a - ls
+        e_ids, b_ids = sel[:E], sel[E:]
+        out["exact_ids"][r] = e_ids
+        out["exact_logits"][r] = np.asarray(z32[e_ids], np.float32)
+        out["max_logit"][r], out["log_sum"][r] = m, ls
+        if Bn:
+            lpb = lp[b_ids]
+            top, bot = lpb[0], lpb[-1]
+            step = (top - bot) / levels
+            code = np.floor((top - lpb) / step) if step > 0 else np.zeros(Bn)
+            out["band_ids"][r] = b_ids
+            out["band_codes"][r] = np.clip(code, 0, levels)
+            out["band_top"][r], out["band_step"][r] = top, step
+            out["band_mass"][r] = np.exp(lpb).sum()
+        rest = np.ones(V, bool)
+        rest[sel] = False
+        if rest.any():
+            lpr = lp[rest]
+            out["rest_mass"][r] = np.exp(lpr).sum()
+            out["rest_max"][r], out["rest_min"][r] = lpr.max(), lpr.min()
+        else:
+            out["rest_max"][r] = out["rest_min"][r] = -np.inf
+        p = np.exp(lp)
+        out["entropy"][r] = max(-(p * lp).sum(), 0.0)
+        out["token_logp"][r] = lp[y[r]] if y is not None else np.nan
+    return out
+
+
+def decode(block: dict[str, np.ndarray]) -> CompactRows:
+    """Arrays of `encode` (or a slice of them) -> the bounds' view of the reference."""
+    m = block["max_logit"][:, None]
+    ls = block["log_sum"][:, None]
+    exact_logp = (block["exact_logits"].astype(np.float64) - m) - ls
+    code = block["band_codes"].astype(np.float64)
+    top, step = block["band_top"][:, None], block["band_step"][:, None]
+    band_hi = top - code * step + BOX_SLACK
+    band_lo = top - (code + 1.0) * step - BOX_SLACK
+    return CompactRows(
+        exact_ids=np.asarray(block["exact_ids"], np.int64), exact_logp=exact_logp,
+        band_ids=np.asarray(block["band_ids"], np.int64), band_lo=band_lo, band_hi=np.minimum(band_hi, 0.0),
+        band_mass=block["band_mass"], rest_mass=block["rest_mass"],
+        rest_max=np.minimum(block["rest_max"] + BOX_SLACK, 0.0), rest_min=block["rest_min"] - BOX_SLACK,
+    )
+
+
+def reference_top(block: dict[str, np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's top-k (ids, log-probabilities), descending, lowest id first on
+    ties — exact, read from the exact entries (k <= exact)."""
+    ids = np.asarray(block["exact_ids"], np.int64)
+    if k > ids.shape[1]:
+        raise LogitdiffError(f"top-{k} asked of a compact store that keeps {ids.shape[1]} exact entries")
+    lp = (block["exact_logits"].astype(np.float64) - block["max_logit"][:, None]) - block["log_sum"][:, None]
+    order = np.lexsort((ids, -lp), axis=1)[:, :k]
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(lp, order, 1)
+
+
+# --------------------------------------------------------------------------------------
+# chunk files (the only I/O): ids as per-row sorted gaps, deflate-compressed npz
+# --------------------------------------------------------------------------------------
+
+
+def _pack_ids(ids: np.ndarray, *values: np.ndarray):
+    """Sort each row's ids ascending (values follow) and store them as gaps."""
+    order = np.argsort(ids, axis=1, kind="stable")
+    ids = np.take_along_axis(ids, order, 1)
+    gaps = np.diff(ids, axis=1, prepend=0)
+    dtype = np.uint16 if gaps.size == 0 or gaps.max() < (1 << 16) else np.uint32
+    return gaps.astype(dtype), [np.take_along_axis(v, order, 1) for v in values]
+
+
+def save_chunk(path, blocks: list[dict[str, np.ndarray]]) -> bytes:
+    """Bytes of one chunk file holding the row blocks stacked."""
+    cat = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+    e_gaps, (e_vals,) = _pack_ids(cat.pop("exact_ids"), cat.pop("exact_logits"))
+    b_gaps, (b_codes,) = _pack_ids(cat.pop("band_ids"), cat.pop("band_codes"))
+    bio = io.BytesIO()
+    np.savez_compressed(bio, exact_gaps=e_gaps, exact_logits=e_vals, band_gaps=b_gaps, band_codes=b_codes, **cat)
+    return bio.getvalue()
+
+
+def load_chunk(path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path) as z:
+            data = {k: z[k] for k in z.files}
+    except (ValueError, OSError, EOFError) as e:
+        raise LogitdiffError(f"{path}: unreadable compact chunk ({e})") from None
+    missing = [k for k in ("exact_gaps", "exact_logits", "band_gaps", "band_codes", *ROW_FIELDS) if k not in data]
+    if missing:
+        raise LogitdiffError(f"{path}: compact chunk lacks field {missing[0]!r}")
+    data["exact_ids"] = np.cumsum(data.pop("exact_gaps").astype(np.int64), axis=1)
+    data["band_ids"] = np.cumsum(data.pop("band_gaps").astype(np.int64), axis=1)
+    return data
+
+
+def rows_of(data: dict[str, np.ndarray], sl: slice) -> dict[str, np.ndarray]:
+    return {k: v[sl] for k, v in data.items()}
+
+
+# --------------------------------------------------------------------------------------
+# compare: a compact reference against a full candidate (pure: arrays in, columns out)
+# --------------------------------------------------------------------------------------
+
+# column names of the intervals, next to each estimate (contract shared with reports)
+INTERVAL_COLUMNS = {
+    "kl_nats": ("kl_lower_nats", "kl_upper_nats"),
+    "kl_rev_nats": ("kl_rev_lower_nats", "kl_rev_upper_nats"),
+    "jsd_nats": ("jsd_lower_nats", "jsd_upper_nats"),
+}
+_DIV_OF = {"kl_nats": "kl", "kl_rev_nats": "kl_rev", "jsd_nats": "jsd"}
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = np.asarray(z, np.float64)
+    m = z.max(1, keepdims=True)
+    a = z - m
+    return a - np.log(np.exp(a).sum(1, keepdims=True))
+
+
+def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_k: int, overlap_k: int,
+                 eps: float = 1e-12) -> dict[str, np.ndarray]:
+    """Per-position columns for a compact reference (``block``, rows of `encode`) against
+    full candidate logits [N, V]: every divergence as its estimate (the minimiser) with the
+    interval beside it, and the exact columns the store keeps (top-1, margin, p and nll
+    of the teacher token, entropy, top-K overlap, the seed's top-K fields)."""
+    from . import bounds as Bd
+    from . import metrics as M
+
+    lq = _log_softmax(cand_logits)
+    n, V = lq.shape
+    y = np.asarray(next_tokens, np.int64)
+    rows = np.arange(n)
+    cols: dict[str, np.ndarray] = {}
+    res = Bd.compact_vs_full(decode(block), lq)
+    for name, (lo, hi) in INTERVAL_COLUMNS.items():
+        iv = res[_DIV_OF[name]]
+        cols[name], cols[lo], cols[hi] = iv.estimate, iv.lower, iv.upper
+    kk = max(top_k, overlap_k, 2)
+    ir, lr = reference_top(block, kk)
+    ic = np.stack([_top_ids(lq[r], kk) for r in range(n)]) if n else np.zeros((0, kk), np.int64)
+    lc = np.take_along_axis(lq, ic, 1)
+    cols["top1_ref"], cols["top1_cand"] = ir[:, 0], ic[:, 0]
+    cols["top1_match"] = ir[:, 0] == ic[:, 0]
+    pr = np.exp(lr[:, :2])
+    cols["margin_ref"] = pr[:, 0] - pr[:, 1]
+    lpy, lqy = block["token_logp"], lq[rows, y]
+    cols["p_ref_token"], cols["p_cand_token"] = np.exp(lpy), np.exp(lqy)
+    cols["delta_p"] = np.exp(lqy) - np.exp(lpy)
+    cols["nll_ref"], cols["nll_cand"] = -lpy, -lqy
+    cols["entropy_ref"] = block["entropy"]
+    cols["entropy_cand"] = np.maximum(-(np.exp(lq) * lq).sum(1), 0.0)
+    kp, kq = ir[:, :overlap_k], ic[:, :overlap_k]
+    cols["topk_overlap"] = (kp[:, :, None] == kq[:, None, :]).any(-1).sum(-1) / overlap_k
+    t = M.topk(ir[:, :top_k], lr[:, :top_k], ic[:, :top_k], lc[:, :top_k], V, eps=eps)
+    for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
+        cols[key] = t[key]
+    cols["kl_topk_nats"] = t["kl_nats"]
+    cols["_tops"] = (ir, lr, ic, lc)
+    return cols

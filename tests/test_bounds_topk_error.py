@@ -1,0 +1,109 @@
+"""`topk-error` checks the proven intervals: coverage must be 100 % per K and per compact
+store, on adversarial rows and on the bundled model's real quant ladder."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from logitdiff.cli import main
+from logitdiff.served import topk_error
+from logitdiff.store import RunItem, RunReader, RunWriter
+
+from test_bounds import adversarial_rows
+
+COMPACT = ("compact:exact=4,band=16", "compact:exact=32,band=64,bits=8")
+
+
+def write_full(path, rows_by_item, teacher_by_item, V):
+    w = RunWriter(path, source={"spec": f"test:{path.name}"}, vocab_size=V, tokenizer_hash="sha256:t", store="full", dtype="float64")
+    for iid, z in rows_by_item.items():
+        w.add(RunItem(id=iid, prompt_ids=[1], teacher_ids=list(teacher_by_item[iid]), positions=list(range(len(z)))), logits=z)
+    w.finish()
+    return path
+
+
+def assert_all_covered(res):
+    for row in res["rows"]:
+        for d, b in row["bounds"].items():
+            assert b["coverage"] == 1.0, (row["k"], d, b)
+    for c in res["compact"]:
+        for d, b in c["bounds"].items():
+            assert b["coverage"] == 1.0, (c["store"], d, b)
+            assert b["lower_mean"] <= b["estimate_mean"] <= b["upper_mean"]
+
+
+def test_topk_error_covers_adversarial_rows(tmp_path):
+    V = 300
+    rows = adversarial_rows(V=V)
+    ref = {name: lp[None].astype(np.float64) for name, lp, _ in rows}
+    cand = {name: lq[None].astype(np.float64) for name, _, lq in rows}
+    # log-probabilities are valid logits (log_softmax of them is themselves)
+    teacher = {name: [int(np.argmax(lp))] for name, lp, _ in rows}
+    r = RunReader(write_full(tmp_path / "r", ref, teacher, V))
+    c = RunReader(write_full(tmp_path / "c", cand, teacher, V))
+    res = topk_error(r, c, [1, 4, 32], compact_specs=COMPACT)
+    assert res["n"] == len(rows)
+    assert_all_covered(res)
+    # forward KL from top-K lists has no finite upper bound; JSD does
+    assert all(row["bounds"]["kl"]["upper_mean"] == np.inf for row in res["rows"])
+    assert all(np.isfinite(row["bounds"]["jsd"]["upper_mean"]) for row in res["rows"])
+
+
+@pytest.fixture(scope="module")
+def ladder(tmp_path_factory):
+    """Reference builtin:tiny (transformers BF16) on four bundled items, 16 tokens each, and
+    three rungs of its real llama.cpp quant ladder, teacher-forced, full logits."""
+    from logitdiff.builtin import WORKLOAD
+    from logitdiff.workload import read_workload
+
+    d = tmp_path_factory.mktemp("ladder")
+    wl = d / "wl.jsonl"
+    items = read_workload(WORKLOAD)
+    wl.write_text("".join(json.dumps({**it.to_json(), "max_tokens": 16}) + "\n" for it in items[::12][:4]))
+    assert main(["capture", "builtin:tiny", "--workload", str(wl), "--out", str(d / "ref")]) == 0
+    for q in ("Q8_0", "Q4_K_M", "Q2_K"):
+        assert main(["capture", f"builtin:tiny-{q}", "--teacher", str(d / "ref"), "--out", str(d / q)]) == 0
+    return d
+
+
+def test_topk_error_covers_the_bundled_ladder(ladder, capsys):
+    for q in ("Q8_0", "Q4_K_M", "Q2_K"):
+        out = ladder / f"{q}.json"
+        args = ["topk-error", str(ladder / "ref"), str(ladder / q), "--k", "8,64", "--json", str(out)]
+        for spec in COMPACT + ("compact:exact=512,band=3584",):
+            args += ["--compact", spec]
+        assert main(args) == 0
+        res = json.loads(out.read_text())
+        assert_all_covered(res)
+        # every entry stored (V = 4096): only the 16-bit band step is left
+        full = res["compact"][-1]["bounds"]["kl"]
+        assert full["width_over_exact_mean"] <= 0.01, (q, full)
+    text = capsys.readouterr().out
+    assert "proven intervals" in text and "coverage" in text
+
+
+def test_capture_compact_and_compare_end_to_end(ladder):
+    """`capture --store compact` of the reference (teacher-forced on its own run), then
+    `compare` against a real quant: the method is named, every interval contains the value
+    of the full/full comparison, top-1 and flips are the same."""
+    import pandas as pd
+
+    d = ladder
+    assert main(["capture", "builtin:tiny", "--teacher", str(d / "ref"), "--store", "compact:exact=64,band=512",
+                 "--out", str(d / "refc")]) == 0
+    assert RunReader(d / "refc").compact is not None
+    assert main(["compare", str(d / "refc"), str(d / "Q2_K"), "--out", str(d / "rep_c"), "--bootstrap", "10"]) == 0
+    assert main(["compare", str(d / "ref"), str(d / "Q2_K"), "--out", str(d / "rep_f"), "--bootstrap", "10"]) == 0
+    rep = json.loads((d / "rep_c" / "report.json").read_text())
+    assert rep["method"]["bounds"] == "compact-bounded"
+    a = pd.read_parquet(d / "rep_c" / "tokens.parquet")
+    b = pd.read_parquet(d / "rep_f" / "tokens.parquet")
+    tol = 1e-12 * (1 + b["kl_nats"].to_numpy())
+    for name in ("kl", "kl_rev", "jsd"):
+        ex = b[f"{name}_nats"].to_numpy()
+        assert (a[f"{name}_lower_nats"].to_numpy() <= ex + tol).all() and (ex <= a[f"{name}_upper_nats"].to_numpy() + tol).all()
+    assert (a["top1_ref"].to_numpy() == b["top1_ref"].to_numpy()).all()
+    assert (a["top1_match"].to_numpy() == b["top1_match"].to_numpy()).all()
