@@ -21,6 +21,15 @@
 // sum e_q^2 / g <= s_q / r). When that bound exceeds R_TOL s_p (R/(2 s_p) is the JSD
 // error) the row's G is recomputed at the exact r (pass 3, rare: r0 is good to ~1e-6).
 //
+// Peaked rows (a head far above a long tail): pass 2 takes tiles that hold a tiny share of
+// both sides' mass ("tail tiles", chosen from pass 1's per-tile estimates) with a cheaper
+// exp (degree 6, 1.25e-9 relative) and, where |a_p - a_q - ln r0| <= 0.75 on the whole
+// tile, ln g from ln cosh (a short series, no division) instead of log. The extra error of
+// every output field is bounded from the exact sums afterwards (`tail_bound`); the row
+// keeps the result only when all bounds are <= 1/8 of the contract's atol, and is redone
+// with exact tiles otherwise. Pass 1 sums tiles whose estimate is negligible next to s
+// with a degree-3 float32 exp (only r0 and the tile choice depend on it).
+//
 // Accuracy of the float64 primitives (error analysis in tests/test_kernel.py):
 // exp_pd: |a| reduced by n ln2/2 to |r| <= ln2/4, Taylor degree 11 (truncation < 2e-18),
 // times 2^(n/2) (exact power of two, and sqrt2 for odd n): <= 4 ulp. log_pd: m in
