@@ -172,3 +172,86 @@ def test_kernel_rejects_what_it_cannot_read():
     y = np.array([0, 7, 49])
     assert_matches(full_vocab(z, z[::-1].copy(), y, k=3), ref_full_vocab(z, z[::-1], y, 3))
     assert U == 2.0**-53
+
+
+# Tail tiles (issue 14, peaked rows). The kernel's SIMD path takes a cheaper exp (degree 6,
+# relative error eps = 1.25e-9) and ln g = ln2 + (a_p + a_q + ln r0)/2 + ln cosh(delta/2)
+# (absolute error eta = 7e-9, for tiles with |delta| <= 0.75) on tiles that hold a tiny
+# share W of the mass. First order, every field moves by at most eps or eta times
+# tail-weighted sums the kernel accumulates (W, sum p|a|, sum g|ln g|, max|d|; the
+# formulas are in _kernel.cpp above `tail_bound`), and the row keeps the tail tiles only
+# when the largest of those bounds is <= 1.25e-13 = atol/8: the extra error is within 1/8
+# of every field's tolerance atol + rtol|x|, whatever the field's size. So the contract
+# test below is unchanged (rtol 1e-9, atol 1e-12), and the tail path differs from the
+# portable path (no tail tiles) by at most both paths' worst-case rounding bounds plus
+# TAIL_BUDGET.
+TAIL_BUDGET = 1.25e-13
+V_DESIGN = 248_320
+
+
+def peaked_rows(rng, v):
+    """Reference: N(0, 2^2) tail plus a head of 20 ids `depth` nats up; candidate: the
+    reference plus N(0, noise^2). (depth, noise) per row: the benchmark's shape, a tiny-KL
+    near-identical row, deeper and shallower tails, an identical row, a noisy tail (|delta|
+    beyond ln cosh's range: log in tail tiles) and a shifted copy."""
+    kinds = [(25, 0.05), (25, 1e-3), (35, 0.05), (60, 0.05), (18, 0.05), (25, 0.0), (25, 0.5), (25, "shift")]
+    zp = rng.standard_normal((len(kinds), v)) * 2.0
+    zq = np.empty_like(zp)
+    y = rng.integers(0, v, len(kinds))
+    for i, (depth, noise) in enumerate(kinds):
+        head = rng.choice(v, 20, replace=False)
+        zp[i, head] += depth
+        zq[i] = zp[i] + 3.25 if noise == "shift" else zp[i] + rng.standard_normal(v) * noise
+        if i % 2:
+            y[i] = head[0]  # the token in the head, else anywhere
+    return zp, zq, y
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_tail_tiles_keep_the_contract(dtype):
+    rng = np.random.default_rng(14)
+    zp, zq, y = peaked_rows(rng, V_DESIGN)
+    if dtype == "bfloat16":
+        zp, zq = (torch.from_numpy(z).to(torch.bfloat16) for z in (zp, zq))
+    else:
+        zp, zq = (torch.from_numpy(z.astype(np.float32)) for z in (zp, zq))
+    got = full_vocab(zp, zq, y, k=10, backend="native")
+    want = ref_full_vocab(zp, zq, y, 10)
+    assert_matches(got, want)
+    assert got["kl_nats"][5] == got["kl_rev_nats"][5] == got["jsd_nats"][5] == 0.0
+    if kernel.has_simd():
+        flags = kernel.pair_rows(zp, zq, 10, 2)["flags"]
+        tail = (flags & kernel.FLAG_TAIL) != 0
+        assert tail[[0, 1, 2, 3, 5, 6, 7]].all(), flags  # the path under test was taken
+        assert not (flags & kernel.FLAG_TAIL_REDONE).any(), flags
+    # against the portable path (no tail tiles): both rounding bounds plus the tail budget
+    scalar = full_vocab(zp, zq, y, k=10, backend="native-scalar")
+    (b1, b1_rev), (b2, b2_rev) = (kl_error_bound(zp, zq, path, True) for path in ("native", "native-scalar"))
+    assert (np.abs(got["kl_nats"] - scalar["kl_nats"]) <= b1 + b2 + TAIL_BUDGET).all()
+    assert (np.abs(got["kl_rev_nats"] - scalar["kl_rev_nats"]) <= b1_rev + b2_rev + TAIL_BUDGET).all()
+    for f in ("entropy_ref", "entropy_cand", "jsd_nats", "nll_ref", "p_cand_token"):
+        np.testing.assert_allclose(got[f], scalar[f], rtol=RTOL, atol=ATOL, err_msg=f)
+
+
+def test_kernel_tail_bound_failure_redoes_row():
+    """Head of 20 logits at exactly 26 over an N(0, 2^2) tail (tail mass W_p ~ 4.7e-7),
+    candidate = the same head over the tail lowered by a gap: the tail tiles are chosen
+    (small mass on both sides), and the KL bound eps W_p max|d| ~ 5.9e-16 * gap decides:
+    a 20-nat gap stays within the 1.25e-13 budget, a 600-nat gap does not, and that row is
+    redone with every tile exact. Both match scipy."""
+    if not kernel.has_simd():
+        pytest.skip("tail tiles are a SIMD-path feature")
+    rng = np.random.default_rng(3)
+    zp = rng.standard_normal((2, V_DESIGN)) * 2.0
+    zq = np.empty_like(zp)
+    for i, gap in enumerate((20.0, 600.0)):
+        head = rng.choice(V_DESIGN, 20, replace=False)
+        zp[i, head] = 26.0
+        zq[i] = zp[i] - gap
+        zq[i, head] = zp[i, head]
+    zp, zq = (torch.from_numpy(z.astype(np.float32)) for z in (zp, zq))
+    flags = kernel.pair_rows(zp, zq, 10, 2)["flags"]
+    assert flags[0] & kernel.FLAG_TAIL and not flags[0] & kernel.FLAG_TAIL_REDONE, flags
+    assert flags[1] & kernel.FLAG_TAIL_REDONE and not flags[1] & kernel.FLAG_TAIL, flags
+    y = np.array([5, 7])
+    assert_matches(full_vocab(zp, zq, y, k=10, backend="native"), ref_full_vocab(zp, zq, y, 10))

@@ -21,6 +21,15 @@
 // sum e_q^2 / g <= s_q / r). When that bound exceeds R_TOL s_p (R/(2 s_p) is the JSD
 // error) the row's G is recomputed at the exact r (pass 3, rare: r0 is good to ~1e-6).
 //
+// Peaked rows (a head far above a long tail): pass 2 takes tiles that hold a tiny share of
+// both sides' mass ("tail tiles", chosen from pass 1's per-tile estimates) with a cheaper
+// exp (degree 6, 1.25e-9 relative) and, where |a_p - a_q - ln r0| <= 0.75 on the whole
+// tile, ln g from ln cosh (a short series, no division) instead of log. The extra error of
+// every output field is bounded from the exact sums afterwards (`tail_bound`); the row
+// keeps the result only when all bounds are <= 1/8 of the contract's atol, and is redone
+// with exact tiles otherwise. Pass 1 sums tiles whose estimate is negligible next to s
+// with a degree-3 float32 exp (only r0 and the tile choice depend on it).
+//
 // Accuracy of the float64 primitives (error analysis in tests/test_kernel.py):
 // exp_pd: |a| reduced by n ln2/2 to |r| <= ln2/4, Taylor degree 11 (truncation < 2e-18),
 // times 2^(n/2) (exact power of two, and sqrt2 for odd n): <= 4 ulp. log_pd: m in
@@ -48,13 +57,19 @@ namespace {
 
 enum Dtype : int { F32 = 0, BF16 = 1, F16 = 2 };
 enum Isa : int { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2 };
-enum Flag : int { FLAG_BAD = 1, FLAG_PASS3 = 2 };
+enum Flag : int { FLAG_BAD = 1, FLAG_PASS3 = 2, FLAG_TAIL = 4, FLAG_TAIL_REDONE = 8 };
 
 constexpr int64_t TILE1 = 1024;  // pass-1 tile (values), fits L1 for any dtype
 constexpr int64_t TILE2 = 1024;  // pass-2 tile (indices): 256 values per SIMD lane, 16 KB of exps
 constexpr double R_TOL = 1e-15;  // Taylor remainder of G allowed, relative to s_p
 constexpr double FLUSH = -708.0;  // exp(a) for a < FLUSH is taken as 0
 constexpr double G_MIN = 1e-300;  // g >= G_MIN: g ln g of a flushed pair is ~1e-297
+
+// Tail tiles (SIMD path; error analysis in the comment above `tail_bound`).
+constexpr double TAIL_BUDGET = 1.25e-13;   // per field, absolute: 1/8 of the contract's atol 1e-12
+constexpr double EPS_TAIL_EXP = 1.25e-9;   // relative error of exp_pd<true> (degree 6)
+constexpr double ETA_TAIL_LOG = 7e-9;      // absolute error of ln g from ln_cosh_pd
+constexpr double TAIL_DELTA_MAX = 0.75;    // |delta| bound of a tile that takes ln_cosh_pd
 
 struct Args {
     const void* zp;
@@ -127,6 +142,14 @@ struct TopK {
     }
 };
 
+// Pass-1 record of one tile of TILE1 values (SIMD path): its maximum and its float32-grade
+// sum of exp(z - m_ref), m_ref the running maximum when it was summed. Pass 2 uses it only
+// to choose tail tiles (a guess; the choice is checked afterwards by `tail_bound`).
+struct TileEst {
+    float tmax, m_ref;
+    double sum;
+};
+
 struct Side1 {  // pass-1 result of one side
     float m;
     double s_est;  // float-grade estimate of sum exp(z - m)
@@ -153,6 +176,13 @@ Side1 pass1_scalar(const void* z, int64_t v, int dtype, TopK& top) {
 
 struct Sums {
     double sp, ap, sq, aq, dp, dq, g0, h, sd;
+};
+
+// Totals over a row's tail tiles: sum e_p, sum e_q, sum e_p a_p, sum e_q a_q (<= 0),
+// sum g |ln g|, sum g, max |delta|, tile count.
+struct TailSums {
+    double ep = 0, eq = 0, acp = 0, acq = 0, gabs = 0, gsum = 0, dmax = 0;
+    int64_t tiles = 0;
 };
 
 // Pass 2 over [i0, i1), portable (also the tail of the SIMD pass).
@@ -215,7 +245,27 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 exp_ps(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-// float64 exp for a <= 0 (see the header for its error); NaN propagates.
+// float32 exp for x <= 0, Taylor degree 3 after the ln2 reduction (|r| <= 0.347):
+// |rel err| <= r^4/24 e^r + rounding < 1e-3. Pass 1's estimate of deep tiles only.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 exp_ps_rough(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147182f), x);
+    __m256 p = _mm256_set1_ps(1.0f / 6);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// float64 exp for a <= 0 (see the header for its error); NaN propagates. `tail`: Taylor
+// degree 6 instead of 11, for tail tiles only: on |r| <= ln2/4 + 2^-50 the remainder is
+// <= r^7/7! / (1 - r/8) = 9.5e-10 absolute on e^r >= e^-0.1733 = 0.84, i.e. 1.13e-9
+// relative, plus <= 4 ulp of rounding: EPS_TAIL_EXP = 1.25e-9.
+template <bool tail = false>
 __attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd(__m256d a) {
     const __m256d lo = _mm256_set1_pd(FLUSH);
     __m256d under = _mm256_cmp_pd(a, lo, _CMP_LT_OQ);
@@ -226,12 +276,17 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd(__m256d a) {
     // ln2/2 = C1 + C2 (fdlibm's ln2_hi/2, ln2_lo/2): n * C1 is exact for |n| <= 2043
     __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0.34657359018456191), x);
     r = _mm256_fnmadd_pd(n, _mm256_set1_pd(9.5410746463529385e-11), r);
-    __m256d p = _mm256_set1_pd(1.0 / 39916800);
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 3628800));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 362880));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 40320));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 5040));
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 720));
+    __m256d p;
+    if (tail) {
+        p = _mm256_set1_pd(1.0 / 720);
+    } else {
+        p = _mm256_set1_pd(1.0 / 39916800);
+        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 3628800));
+        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 362880));
+        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 40320));
+        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 5040));
+        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 720));
+    }
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 120));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 24));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 6));
@@ -276,9 +331,30 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d log_pd(__m256d g) {
     return _mm256_fmadd_pd(e, _mm256_set1_pd(0.69314718036912382), lo);
 }
 
+// ln cosh x for |x| <= TAIL_DELTA_MAX/2 = 0.375, series through x^10 (tail tiles only):
+// ln cosh x = x^2/2 - x^4/12 + x^6/45 - 17x^8/2520 + 31x^10/14175 - 691x^12/935550 + ...
+// alternates with decreasing terms for |x| < pi/2, so the truncation is below the first
+// omitted term, 691/935550 * 0.375^12 = 5.7e-9; with ln g = ln2 + (a_p + a_q + ln r0)/2
+// + ln cosh(delta/2) (rounding <= 4u (|ln g| + 1) <= 7e-13 for |ln g| <= 1500):
+// ETA_TAIL_LOG = 7e-9 absolute.
+__attribute__((target("avx2,fma,f16c"))) inline __m256d ln_cosh_pd(__m256d x) {
+    __m256d y = _mm256_mul_pd(x, x);
+    __m256d p = _mm256_set1_pd(31.0 / 14175);
+    p = _mm256_fmadd_pd(p, y, _mm256_set1_pd(-17.0 / 2520));
+    p = _mm256_fmadd_pd(p, y, _mm256_set1_pd(1.0 / 45));
+    p = _mm256_fmadd_pd(p, y, _mm256_set1_pd(-1.0 / 12));
+    p = _mm256_fmadd_pd(p, y, _mm256_set1_pd(0.5));
+    return _mm256_mul_pd(p, y);
+}
+
 __attribute__((target("avx2,fma,f16c"))) inline double hsum(__m256d v) {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline double hmax_pd(__m256d v) {
+    __m128d s = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_max_sd(s, _mm_unpackhi_pd(s, s)));
 }
 
 __attribute__((target("avx2,fma,f16c"))) inline float hmax(__m256 v) {
@@ -289,7 +365,7 @@ __attribute__((target("avx2,fma,f16c"))) inline float hmax(__m256 v) {
 }
 
 template <int dtype>
-__attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t v, TopK& top) {
+__attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t v, TopK& top, TileEst* est) {
     const float ninf = -std::numeric_limits<float>::infinity();
     float m = ninf;
     double s = 0.0;
@@ -304,6 +380,13 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
         }
         return hsum(acc);
     };
+    // A tile whose estimate is tiny next to s may be summed with exp_ps_rough (rel err 1e-3)
+    // in float32: it is kept when 1e-3 ts <= DEEP_REL max(s, 1) (s relative to the running
+    // maximum is >= 1 at the end), so all such tiles move s by < V/TILE1 * DEEP_REL = 5e-9
+    // relative, 1/9 of the 4.5e-8 error of r0 that the pass-3 bound tolerates (that bound,
+    // not this one, guards the result). Whether to try it is guessed from the previous tile.
+    constexpr double DEEP_REL = 2e-11, ROUGH_ERR = 1e-3;
+    bool deep = false;
     for (int64_t t0 = 0; t0 < vv; t0 += TILE1) {
         int64_t t1 = std::min(vv, t0 + TILE1);
         // One loop for the tile's maximum, the non-finite check and the estimate relative to
@@ -311,25 +394,44 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
         // again (what the first loop gave it, possibly inf/NaN, is dropped).
         __m256 vmax = _mm256_set1_ps(ninf), bad = _mm256_setzero_ps();
         __m256d acc = _mm256_setzero_pd();
+        __m256 acc32 = _mm256_setzero_ps();
         const __m256 mv = _mm256_set1_ps(m);
-        for (int64_t i = t0; i < t1; i += 8) {
-            __m256 x = load8<dtype>(z, i);
-            vmax = _mm256_max_ps(vmax, x);
-            __m256 dx = _mm256_sub_ps(x, x);  // NaN for NaN and +-inf
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(dx, dx, _CMP_UNORD_Q));
-            __m256 e = exp_ps(_mm256_sub_ps(x, mv));
-            acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-            acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        if (deep) {
+            for (int64_t i = t0; i < t1; i += 8) {
+                __m256 x = load8<dtype>(z, i);
+                vmax = _mm256_max_ps(vmax, x);
+                __m256 dx = _mm256_sub_ps(x, x);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(dx, dx, _CMP_UNORD_Q));
+                acc32 = _mm256_add_ps(acc32, exp_ps_rough(_mm256_sub_ps(x, mv)));
+            }
+        } else {
+            for (int64_t i = t0; i < t1; i += 8) {
+                __m256 x = load8<dtype>(z, i);
+                vmax = _mm256_max_ps(vmax, x);
+                __m256 dx = _mm256_sub_ps(x, x);  // NaN for NaN and +-inf
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(dx, dx, _CMP_UNORD_Q));
+                __m256 e = exp_ps(_mm256_sub_ps(x, mv));
+                acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+                acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+            }
         }
         if (_mm256_movemask_ps(bad)) return {NAN, NAN, true};
         float tm = hmax(vmax);
+        double ts;
         if (tm > m) {
             s = (m == ninf) ? 0.0 : s * std::exp((double)m - (double)tm);
             m = tm;
-            s += tile_sum(t0, t1, m);
+            ts = tile_sum(t0, t1, m);
+        } else if (deep) {
+            acc = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(acc32)), _mm256_cvtps_pd(_mm256_extractf128_ps(acc32, 1)));
+            ts = hsum(acc);
+            if (ROUGH_ERR * ts > DEEP_REL * std::max(s, 1.0)) ts = tile_sum(t0, t1, m);  // not deep enough
         } else {
-            s += hsum(acc);
+            ts = hsum(acc);
         }
+        deep = ROUGH_ERR * ts <= 0.25 * DEEP_REL * std::max(s, 1.0);
+        s += ts;
+        est[t0 / TILE1] = {tm, m, ts};
         if (!top.full() || tm > top.threshold()) {
             for (int64_t i = t0; i < t1; i += 8) {
                 __m256 x = load8<dtype>(z, i);
@@ -358,44 +460,88 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
 // Per tile, two loops: exps and the seven linear sums (the exps kept in an L1-resident
 // buffer), then g, ln g and their two sums. One fused loop needs more live vectors than
 // AVX2 has registers; the split was measured ~30 % faster (CPU time per row).
-template <int dtype>
-__attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const void* zq, int64_t v, double mp,
-                                                          double mq, double r0, Sums& out) {
-    alignas(32) double bp[TILE2], bq[TILE2];
+// Tiles marked in `tail_tiles` take exp_pd<true> and, when every |delta| of the tile
+// (delta = a_p - a_q - ln r0) is <= TAIL_DELTA_MAX, ln g from ln_cosh_pd instead of log_pd;
+// their totals go to `ts` for `tail_bound`.
+template <int dtype, bool tail>
+__attribute__((target("avx2,fma,f16c"))) inline void pass2_tile(const void* zp, const void* zq, int64_t t0, int64_t t1,
+                                                                double mp, double mq, double r0, double* bp, double* bq,
+                                                                __m256d* T, TailSums& ts) {
     const __m256d mpv = _mm256_set1_pd(mp), mqv = _mm256_set1_pd(mq), r0v = _mm256_set1_pd(r0),
-                  gmin = _mm256_set1_pd(G_MIN);
-    __m256d T[9];
-    for (auto& x : T) x = _mm256_setzero_pd();
-    int64_t vv = v / 4 * 4;
-    for (int64_t t0 = 0; t0 < vv; t0 += TILE2) {
-        int64_t t1 = std::min(vv, t0 + TILE2);
-        __m256d sp = _mm256_setzero_pd(), ap_ = sp, sq = sp, aq_ = sp, dp = sp, dq = sp, sd = sp;
+                  gmin = _mm256_set1_pd(G_MIN), lr0 = _mm256_set1_pd(std::log(r0)),
+                  sign = _mm256_set1_pd(-0.0);
+    __m256d sp = _mm256_setzero_pd(), ap_ = sp, sq = sp, aq_ = sp, dp = sp, dq = sp, sd = sp, dmax = sp;
+    for (int64_t i = t0; i < t1; i += 4) {
+        __m256d ap = _mm256_sub_pd(load4d<dtype>(zp, i), mpv);
+        __m256d aq = _mm256_sub_pd(load4d<dtype>(zq, i), mqv);
+        __m256d ep = exp_pd<tail>(ap), eq = exp_pd<tail>(aq);
+        _mm256_store_pd(bp + (i - t0), ep);
+        _mm256_store_pd(bq + (i - t0), eq);
+        __m256d d = _mm256_sub_pd(ap, aq);
+        sp = _mm256_add_pd(sp, ep);
+        ap_ = _mm256_fmadd_pd(ep, ap, ap_);
+        sq = _mm256_add_pd(sq, eq);
+        aq_ = _mm256_fmadd_pd(eq, aq, aq_);
+        dp = _mm256_fmadd_pd(ep, d, dp);
+        dq = _mm256_fmadd_pd(eq, d, dq);
+        sd = _mm256_add_pd(sd, _mm256_sub_pd(ep, eq));
+        if (tail) dmax = _mm256_max_pd(dmax, _mm256_andnot_pd(sign, _mm256_sub_pd(d, lr0)));
+    }
+    __m256d g0 = _mm256_setzero_pd(), h = g0, gabs = g0, gsum = g0;
+    double dm = tail ? hmax_pd(dmax) : 0.0;
+    if (tail && dm <= TAIL_DELTA_MAX) {
+        const __m256d half = _mm256_set1_pd(0.5), c0 = _mm256_set1_pd(0.69314718055994531 + 0.5 * std::log(r0));
         for (int64_t i = t0; i < t1; i += 4) {
             __m256d ap = _mm256_sub_pd(load4d<dtype>(zp, i), mpv);
             __m256d aq = _mm256_sub_pd(load4d<dtype>(zq, i), mqv);
-            __m256d ep = exp_pd(ap), eq = exp_pd(aq);
-            _mm256_store_pd(bp + (i - t0), ep);
-            _mm256_store_pd(bq + (i - t0), eq);
-            __m256d d = _mm256_sub_pd(ap, aq);
-            sp = _mm256_add_pd(sp, ep);
-            ap_ = _mm256_fmadd_pd(ep, ap, ap_);
-            sq = _mm256_add_pd(sq, eq);
-            aq_ = _mm256_fmadd_pd(eq, aq, aq_);
-            dp = _mm256_fmadd_pd(ep, d, dp);
-            dq = _mm256_fmadd_pd(eq, d, dq);
-            sd = _mm256_add_pd(sd, _mm256_sub_pd(ep, eq));
+            __m256d ep = _mm256_load_pd(bp + (i - t0)), eq = _mm256_load_pd(bq + (i - t0));
+            __m256d g = _mm256_fmadd_pd(r0v, eq, ep);
+            __m256d x = _mm256_mul_pd(half, _mm256_sub_pd(_mm256_sub_pd(ap, aq), lr0));
+            __m256d lg = _mm256_add_pd(_mm256_fmadd_pd(half, _mm256_add_pd(ap, aq), c0), ln_cosh_pd(x));
+            g0 = _mm256_fmadd_pd(g, lg, g0);
+            h = _mm256_fmadd_pd(eq, lg, h);
+            gabs = _mm256_fmadd_pd(g, _mm256_andnot_pd(sign, lg), gabs);
+            gsum = _mm256_add_pd(gsum, g);
         }
-        __m256d g0 = _mm256_setzero_pd(), h = g0;
+    } else {
         for (int64_t i = 0; i < t1 - t0; i += 4) {
             __m256d ep = _mm256_load_pd(bp + i), eq = _mm256_load_pd(bq + i);
             __m256d g = _mm256_max_pd(_mm256_fmadd_pd(r0v, eq, ep), gmin);  // NaN g -> gmin (row is refused anyway)
             __m256d lg = log_pd(g);
             g0 = _mm256_fmadd_pd(g, lg, g0);
             h = _mm256_fmadd_pd(eq, lg, h);
+            if (tail) {
+                gabs = _mm256_fmadd_pd(g, _mm256_andnot_pd(sign, lg), gabs);
+                gsum = _mm256_add_pd(gsum, g);
+            }
         }
-        T[0] = _mm256_add_pd(T[0], sp); T[1] = _mm256_add_pd(T[1], ap_); T[2] = _mm256_add_pd(T[2], sq);
-        T[3] = _mm256_add_pd(T[3], aq_); T[4] = _mm256_add_pd(T[4], dp); T[5] = _mm256_add_pd(T[5], dq);
-        T[6] = _mm256_add_pd(T[6], g0); T[7] = _mm256_add_pd(T[7], h); T[8] = _mm256_add_pd(T[8], sd);
+    }
+    T[0] = _mm256_add_pd(T[0], sp); T[1] = _mm256_add_pd(T[1], ap_); T[2] = _mm256_add_pd(T[2], sq);
+    T[3] = _mm256_add_pd(T[3], aq_); T[4] = _mm256_add_pd(T[4], dp); T[5] = _mm256_add_pd(T[5], dq);
+    T[6] = _mm256_add_pd(T[6], g0); T[7] = _mm256_add_pd(T[7], h); T[8] = _mm256_add_pd(T[8], sd);
+    if (tail) {
+        ts.ep += hsum(sp); ts.eq += hsum(sq); ts.acp += hsum(ap_); ts.acq += hsum(aq_);
+        ts.gabs += hsum(gabs); ts.gsum += hsum(gsum);
+        ts.dmax = std::max(ts.dmax, dm);
+        ts.tiles += 1;
+    }
+}
+
+template <int dtype>
+__attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const void* zq, int64_t v, double mp,
+                                                          double mq, double r0, const uint8_t* tail_tiles, Sums& out,
+                                                          TailSums& ts) {
+    alignas(32) double bp[TILE2], bq[TILE2];
+    __m256d T[9];
+    for (auto& x : T) x = _mm256_setzero_pd();
+    ts = TailSums{};
+    int64_t vv = v / 4 * 4;
+    for (int64_t t0 = 0; t0 < vv; t0 += TILE2) {
+        int64_t t1 = std::min(vv, t0 + TILE2);
+        if (tail_tiles && tail_tiles[t0 / TILE2])
+            pass2_tile<dtype, true>(zp, zq, t0, t1, mp, mq, r0, bp, bq, T, ts);
+        else
+            pass2_tile<dtype, false>(zp, zq, t0, t1, mp, mq, r0, bp, bq, T, ts);
     }
     Sums t{0, 0, 0, 0, 0, 0, 0, 0, 0};
     pass2_scalar(zp, zq, vv, v, dtype, mp, mq, r0, t);
@@ -405,15 +551,16 @@ __attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const v
 }
 
 // The dtype as a template parameter keeps the inner loops free of branches.
-__attribute__((target("avx2,fma,f16c"))) Side1 pass1_simd(const void* z, int64_t v, int dtype, TopK& top) {
-    return dtype == F32 ? pass1_avx2<F32>(z, v, top) : dtype == BF16 ? pass1_avx2<BF16>(z, v, top) : pass1_avx2<F16>(z, v, top);
+__attribute__((target("avx2,fma,f16c"))) Side1 pass1_simd(const void* z, int64_t v, int dtype, TopK& top, TileEst* est) {
+    return dtype == F32 ? pass1_avx2<F32>(z, v, top, est) : dtype == BF16 ? pass1_avx2<BF16>(z, v, top, est) : pass1_avx2<F16>(z, v, top, est);
 }
 
 __attribute__((target("avx2,fma,f16c"))) void pass2_simd(const void* zp, const void* zq, int64_t v, int dtype, double mp,
-                                                          double mq, double r0, Sums& out) {
-    if (dtype == F32) pass2_avx2<F32>(zp, zq, v, mp, mq, r0, out);
-    else if (dtype == BF16) pass2_avx2<BF16>(zp, zq, v, mp, mq, r0, out);
-    else pass2_avx2<F16>(zp, zq, v, mp, mq, r0, out);
+                                                          double mq, double r0, const uint8_t* tail_tiles, Sums& out,
+                                                          TailSums& ts) {
+    if (dtype == F32) pass2_avx2<F32>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+    else if (dtype == BF16) pass2_avx2<BF16>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+    else pass2_avx2<F16>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
 }
 
 #pragma GCC pop_options
@@ -439,7 +586,74 @@ void pass2_portable(const void* zp, const void* zq, int64_t v, int dtype, double
     }
 }
 
-void pair_row(const Args& a, int64_t row, bool avx2, TopK& tp, TopK& tq) {
+// Per-thread scratch of `pair_row`.
+struct Scratch {
+    TopK tp, tq;
+    std::vector<TileEst> est_p, est_q;
+    std::vector<uint8_t> tail_tiles;
+};
+
+// Tail tiles: error analysis.
+//
+// A tail tile takes exp_pd<true> (relative error eps = EPS_TAIL_EXP instead of 4 ulp) and,
+// when all its |delta| <= TAIL_DELTA_MAX, ln g = ln2 + (a_p + a_q + ln r0)/2 + ln cosh(delta/2)
+// (absolute error eta = ETA_TAIL_LOG) instead of log_pd. With W_p = E_p/s_p, W_q = E_q/s_q
+// the tail tiles' shares of the mass (E = sum of their e), B = -sum e a / s over them,
+// dmax >= |d| there, Gabs = sum g |ln g| and Gsum = sum g over them, first-order bounds of
+// each field's extra error (every sum is perturbed by at most eps times the sum of its
+// tail terms' magnitudes; the ln g error eta enters G and H only):
+//   entropy_p: eps (W_p (1 + |A_p/s_p|) + B_p), entropy_q alike;
+//   c = ln(s_p/s_q) = log1p(x), x = S_d/s_q: dx = eps (r W_p + W_q (1 + |x|)),
+//     dc = 2 dx + eps (W_p + W_q) (log1p's condition <= 2 for |x| <= 1/2; else ln s_p - ln s_q);
+//   kl: eps W_p (dmax + |D_p/s_p|) + dc; kl_rev: eps W_q (dmax + |D_q/s_q|) + dc;
+//   G = G0 + (r - r0)(H + s_q): dG0 = eps (Gabs + Gsum) + eta Gsum,
+//     dH <= (eps Gabs + eta Gsum)/r0 (e_q <= g/r0), dr/r <= eps (W_p + W_q),
+//     dG = dG0 + |r - r0| (dH + eps E_q) + r eps (W_p + W_q) |H + s_q|;
+//   jsd: (dent_p + dent_q)/2 + (dG/s_p + |G/s_p| eps W_p)/2 + eps W_p;
+//   top-K log-probs, nll, p and delta_p of the token, margin: <= eps (W_p + W_q).
+// The row keeps its tail tiles only when every bound is <= TAIL_BUDGET (1/8 of the
+// contract's atol, so also of every field's tolerance atol + rtol |x|); otherwise pass 2
+// is redone without them (FLAG_TAIL_REDONE). Second-order terms (eps^2 W) are < 1e-27.
+// The tiles are chosen beforehand from pass 1's per-tile estimates (a guess: predicted
+// eps * mass * (|a| + 3) per tile within TAIL_BUDGET/4 of the row, pro rata); only the
+// bound above, computed from the exact sums, decides.
+double tail_bound(const Sums& s, const TailSums& ts, double r0, double g) {
+    const double eps = EPS_TAIL_EXP, eta = ETA_TAIL_LOG;
+    double r = s.sp / s.sq, wp = ts.ep / s.sp, wq = ts.eq / s.sq, bp = -ts.acp / s.sp, bq = -ts.acq / s.sq;
+    double dmax = ts.dmax + std::fabs(std::log(r0));
+    double ent_p = eps * (wp * (1 + std::fabs(s.ap / s.sp)) + bp), ent_q = eps * (wq * (1 + std::fabs(s.aq / s.sq)) + bq);
+    double x = s.sd / s.sq, dx = eps * (r * wp + wq * (1 + std::fabs(x))), dc = 2 * dx + eps * (wp + wq);
+    double kl = eps * wp * (dmax + std::fabs(s.dp / s.sp)) + dc, kl_rev = eps * wq * (dmax + std::fabs(s.dq / s.sq)) + dc;
+    double dg0 = eps * (ts.gabs + ts.gsum) + eta * ts.gsum, dh = (eps * ts.gabs + eta * ts.gsum) / r0;
+    double dg = dg0 + std::fabs(r - r0) * (dh + eps * ts.eq) + r * eps * (wp + wq) * std::fabs(s.h + s.sq);
+    double jsd = 0.5 * (ent_p + ent_q) + 0.5 * (dg / s.sp + std::fabs(g / s.sp) * eps * wp) + eps * wp;
+    double tok = eps * (wp + wq);
+    double worst = std::max({ent_p, ent_q, kl, kl_rev, jsd, tok});
+    return worst == worst ? worst : std::numeric_limits<double>::infinity();
+}
+
+// Marks the tiles pass 2 may take as tail tiles (see `tail_bound`): full TILE2 tiles whose
+// predicted share of the error budget is small on both sides. Returns how many.
+int64_t choose_tail_tiles(const Scratch& w, int64_t v, const Side1& p, const Side1& q, uint8_t* out) {
+    int64_t nt = v / 8 * 8 / TILE2, count = 0;  // full tiles inside both passes' SIMD ranges
+    double cap = TAIL_BUDGET / 4 * (double)TILE2 / (double)v / EPS_TAIL_EXP;
+    for (int64_t t = 0; t < (v + TILE2 - 1) / TILE2; ++t) {
+        bool ok = t < nt;
+        for (int side = 0; ok && side < 2; ++side) {
+            const TileEst& e = (side ? w.est_q : w.est_p)[t];
+            const Side1& s1 = side ? q : p;
+            double depth = (double)s1.m - (double)e.tmax;  // >= 0: |a| of the tile's top
+            double mass = e.sum * std::exp((double)e.m_ref - (double)s1.m);
+            ok = mass * (depth + 3.0) <= cap * s1.s_est;
+        }
+        out[t] = ok;
+        count += ok;
+    }
+    return count;
+}
+
+void pair_row(const Args& a, int64_t row, bool avx2, Scratch& w) {
+    TopK &tp = w.tp, &tq = w.tq;
     size_t es = a.dtype == F32 ? 4 : 2;
     const void* zp = static_cast<const char*>(a.zp) + (size_t)(row * a.stride_p) * es;
     const void* zq = static_cast<const char*>(a.zq) + (size_t)(row * a.stride_q) * es;
@@ -449,8 +663,12 @@ void pair_row(const Args& a, int64_t row, bool avx2, TopK& tp, TopK& tq) {
     Side1 p, q;
 #if LD_X86
     if (avx2) {
-        p = pass1_simd(zp, a.vocab, a.dtype, tp);
-        q = p.bad ? Side1{NAN, NAN, true} : pass1_simd(zq, a.vocab, a.dtype, tq);
+        int64_t ntiles = (a.vocab + TILE1 - 1) / TILE1;
+        w.est_p.resize(ntiles);
+        w.est_q.resize(ntiles);
+        w.tail_tiles.resize(ntiles);
+        p = pass1_simd(zp, a.vocab, a.dtype, tp, w.est_p.data());
+        q = p.bad ? Side1{NAN, NAN, true} : pass1_simd(zq, a.vocab, a.dtype, tq, w.est_q.data());
     } else
 #endif
     {
@@ -474,18 +692,37 @@ void pair_row(const Args& a, int64_t row, bool avx2, TopK& tp, TopK& tq) {
     tq.write(a.top_ids + (row * 2 + 1) * a.kk, a.top_vals + (row * 2 + 1) * a.kk);
     double r0 = p.s_est / q.s_est;
     Sums s;
+    TailSums ts;
+    const uint8_t* tail = nullptr;
 #if LD_X86
-    auto pass2 = avx2 ? pass2_simd : pass2_portable;
+    if (avx2 && choose_tail_tiles(w, a.vocab, p, q, w.tail_tiles.data()) > 0) tail = w.tail_tiles.data();
+    auto pass2 = [&](double rr, const uint8_t* tt, Sums& out, TailSums& tso) {
+        if (avx2) pass2_simd(zp, zq, a.vocab, a.dtype, p.m, q.m, rr, tt, out, tso);
+        else pass2_portable(zp, zq, a.vocab, a.dtype, p.m, q.m, rr, out);
+    };
 #else
-    auto pass2 = pass2_portable;
+    auto pass2 = [&](double rr, const uint8_t*, Sums& out, TailSums&) {
+        pass2_portable(zp, zq, a.vocab, a.dtype, p.m, q.m, rr, out);
+    };
 #endif
-    pass2(zp, zq, a.vocab, a.dtype, p.m, q.m, r0, s);
-    double r = s.sp / s.sq;
-    double g = s.g0 + (r - r0) * (s.h + s.sq);  // G(r0) + (r - r0) G'(r0)
+    double g = 0, r = 0;
+    for (;;) {
+        pass2(r0, tail, s, ts);
+        r = s.sp / s.sq;
+        g = s.g0 + (r - r0) * (s.h + s.sq);  // G(r0) + (r - r0) G'(r0)
+        if (!tail || ts.tiles == 0) break;
+        if (tail_bound(s, ts, r0, g) <= TAIL_BUDGET) {
+            a.flags[row] |= FLAG_TAIL;
+            break;
+        }
+        tail = nullptr;  // the bound failed: every tile exact
+        a.flags[row] |= FLAG_TAIL_REDONE;
+    }
     double bound = s.sq * (r - r0) * (r - r0) / (2.0 * std::min(r, r0));
     if (!(bound <= R_TOL * s.sp)) {  // also when not finite
         Sums s3;
-        pass2(zp, zq, a.vocab, a.dtype, p.m, q.m, r, s3);
+        TailSums ts3;
+        pass2(r, nullptr, s3, ts3);  // G only; exact tiles (its tail errors are in the bound above)
         g = s3.g0;
         a.flags[row] |= FLAG_PASS3;
     }
@@ -507,8 +744,8 @@ __attribute__((visibility("default"))) int logitdiff_pair_rows(
     bool avx2 = isa != ISA_SCALAR && have_avx2();
     std::atomic<int64_t> next{0};
     auto work = [&]() {
-        TopK tp, tq;
-        for (int64_t row; (row = next.fetch_add(1)) < n;) pair_row(a, row, avx2, tp, tq);
+        Scratch w;
+        for (int64_t row; (row = next.fetch_add(1)) < n;) pair_row(a, row, avx2, w);
     };
     int nt = (int)std::min<int64_t>(threads, std::max<int64_t>(n, 1));
     std::vector<std::thread> pool;

@@ -24,6 +24,8 @@ ISA_CODES = {"auto": 0, "scalar": 1}
 SUM_FIELDS = ("s_p", "a_p", "s_q", "a_q", "d_p", "d_q", "g", "s_d")
 FLAG_BAD = 1  # a row holds NaN/inf (its sums are NaN)
 FLAG_PASS3 = 2  # G was recomputed at the exact ratio (the first-order estimate was not enough)
+FLAG_TAIL = 4  # tail tiles took the cheaper exp/log (their error bound met the budget)
+FLAG_TAIL_REDONE = 8  # tail tiles were tried, the bound failed, the row was redone exactly
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,7 +72,8 @@ def pair_rows(zp, zq, kk: int, threads: int, isa: str = "auto") -> dict[str, np.
 
     Returns ``maxes`` [R, 2] (reference, candidate), ``top_ids`` [R, 2, kk] int64 (value
     descending, lowest id first on ties), ``top_vals`` [R, 2, kk] float64, ``sums`` [R, 8]
-    in `SUM_FIELDS` order and ``flags`` [R] (`FLAG_BAD`, `FLAG_PASS3`).
+    in `SUM_FIELDS` order and ``flags`` [R] (`FLAG_BAD`, `FLAG_PASS3`, `FLAG_TAIL`,
+    `FLAG_TAIL_REDONE`).
     """
     lib = _lib()
     if lib is None:
