@@ -59,7 +59,7 @@ def cmd_compare(args) -> int:
     from .compare import compare_runs
     from .report import build_report, write_report_dir
     from .report.markdown import render_markdown
-    from .store import RunReader
+    from .store import RunReader, parse_chunk_size
     from .summarize import parse_ranges
 
     try:
@@ -67,6 +67,7 @@ def cmd_compare(args) -> int:
     except ValueError as e:
         raise LogitdiffError(str(e)) from None
     gates = parse_fail_on(args.fail_on)
+    chunk_bytes = parse_chunk_size(args.chunk_size)
     ref = RunReader(args.reference, allow_partial=args.allow_partial)
     live_source = None
     if not Path(args.candidate).exists() and ":" in args.candidate:
@@ -75,12 +76,13 @@ def cmd_compare(args) -> int:
         from .sources import open_source
 
         live_source = open_source(args.candidate)
-        cand = LiveRun(live_source, ref)
+        cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
     else:
         cand = RunReader(args.candidate, allow_partial=args.allow_partial)
     noise = None
     if args.noise_floor:
-        nf = compare_runs(ref, RunReader(args.noise_floor, allow_partial=args.allow_partial), top_logprobs=args.top_logprobs)
+        nf = compare_runs(ref, RunReader(args.noise_floor, allow_partial=args.allow_partial), top_logprobs=args.top_logprobs,
+                          chunk_bytes=chunk_bytes)
         import numpy as np
 
         noise = {"path": str(args.noise_floor), "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
@@ -90,7 +92,7 @@ def cmd_compare(args) -> int:
     with prog:
         comp = compare_runs(
             ref, cand, top_logprobs=args.top_logprobs, allow_partial=args.allow_partial, progress=advance,
-            device=args.device,
+            device=args.device, chunk_bytes=chunk_bytes,
         )
     report, columns = build_report(
         comp, ranges=ranges, n_boot=args.bootstrap, seed=args.seed, include_rows=not args.no_rows, noise_floor=noise
@@ -172,7 +174,7 @@ def print_summary(report: dict) -> None:
 def cmd_capture(args) -> int:
     from .capture import capture_candidate, capture_reference
     from .sources import open_source
-    from .store import RunReader
+    from .store import RunReader, parse_chunk_size
 
     if args.teacher and args.workload:
         raise LogitdiffError("--teacher and --workload exclude each other: a candidate capture takes its items from the teacher run")
@@ -180,6 +182,7 @@ def cmd_capture(args) -> int:
 
     spec = with_endpoints(args.spec, args.endpoint)
     shard = parse_shard(args.shard)
+    chunk_bytes = parse_chunk_size(args.chunk_size)
     extra = {"shard": args.shard} if shard else {}
     if args.teacher:
         teacher = RunReader(args.teacher)
@@ -187,7 +190,7 @@ def cmd_capture(args) -> int:
             prog, advance = _progress(len(shard_items(teacher.items(), shard)), f"scoring {args.spec}")
             with prog:
                 capture_candidate(src, teacher, args.out, store=args.store, resume=args.resume, overwrite=args.overwrite,
-                                  progress=advance, shard=shard, settings=extra)
+                                  progress=advance, shard=shard, settings=extra, chunk_bytes=chunk_bytes)
     else:
         from .builtin import WORKLOAD
         from .workload import read_workload
@@ -198,7 +201,8 @@ def cmd_capture(args) -> int:
             prog, advance = _progress(len(items), f"capturing {args.spec}")
             with prog:
                 capture_reference(src, items, args.out, max_tokens=args.max_tokens, store=args.store, positions=args.positions,
-                                  resume=args.resume, overwrite=args.overwrite, settings={"workload": wl, **extra}, progress=advance)
+                                  resume=args.resume, overwrite=args.overwrite, settings={"workload": wl, **extra}, progress=advance,
+                                  chunk_bytes=chunk_bytes)
     _console().print(f"wrote RUN {args.out}")
     return 0
 
@@ -316,6 +320,8 @@ def cmd_import_npz(args) -> int:
 
 # ----------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from .store import CHUNK_SIZE_HELP
+
     p = argparse.ArgumentParser(
         prog="logitdiff",
         description="How far a candidate LLM (quant, kernel, server) drifts from its reference, token by token.",
@@ -348,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-rows", action="store_true", help="omit per-position rows from report.json (tokens.parquet keeps them)")
     c.add_argument("--device", default=None, help="torch device for the metrics (cpu, cuda); default: cpu")
     c.add_argument("--fail-on", metavar="GATES", help=FAIL_ON_HELP)
+    c.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
     c.set_defaults(func=cmd_compare)
 
     imp = sub.add_parser("import", help="import another tool's logits into a RUN", description="Import another tool's logits into a RUN directory.")
@@ -388,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
             "with --resume."
         ),
         epilog=(
-            "SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda] | gguf:PATH[,n_ctx=N][,threads=N] | "
+            "SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda][,batch=N][,prefill=N] | gguf:PATH[,n_ctx=N][,threads=N] | "
             "openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K][,tokenizer=PATH] | "
             "builtin:tiny | builtin:tiny-Q4_K_M ...  "
             "vLLM: start it with --max-logprobs K and, for speed, --skip-tokenizer-init (then pass tokenizer=PATH); "
@@ -401,12 +408,15 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--out", required=True, help="RUN directory to write")
     cap.add_argument("--max-tokens", type=int, default=None, help="generation budget per item (default: the item's max_tokens, else 64)")
     cap.add_argument("--store", default="full", help="full (native-dtype logits) or topk:K (default: %(default)s)")
-    cap.add_argument("--positions", default="all", help="all | first | sample:FRAC — output positions kept (reference capture; default: %(default)s)")
+    cap.add_argument("--positions", default="all",
+                     help="all | first | sample:FRAC[:SEED] — output positions kept (reference capture; default: %(default)s); "
+                          "only those are scored, so sampling saves memory and time as well as disk")
     cap.add_argument("--resume", action="store_true", help="continue a partial capture in --out")
     cap.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
     cap.add_argument("--shard", metavar="I/N", help="only items k with k mod N == I; join the shards with `logitdiff merge`")
     cap.add_argument("--endpoint", action="append", default=[], metavar="URL",
                      help="another replica of an openai: server, shared round-robin (repeatable)")
+    cap.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
     cap.set_defaults(func=cmd_capture)
 
     from .served_cli import add_commands as add_served_commands

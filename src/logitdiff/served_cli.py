@@ -13,9 +13,9 @@ def cmd_merge(args) -> int:
     from rich.console import Console
 
     from .served import merge_runs
-    from .store import RunReader
+    from .store import RunReader, parse_chunk_size
 
-    out = merge_runs(args.runs, args.out, overwrite=args.overwrite)
+    out = merge_runs(args.runs, args.out, overwrite=args.overwrite, chunk_bytes=parse_chunk_size(args.chunk_size))
     r = RunReader(out)
     Console(stderr=True).print(f"wrote RUN {out} ({len(r.items())} items, {r.manifest['n_positions']} positions from {len(args.runs)} runs)")
     return 0
@@ -26,10 +26,10 @@ def cmd_topk_error(args) -> int:
     from rich.table import Table
 
     from .served import parse_ks, topk_error
-    from .store import RunReader
+    from .store import RunReader, parse_chunk_size
 
     ks = parse_ks(args.k)
-    res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks)
+    res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks, chunk_bytes=parse_chunk_size(args.chunk_size))
     ex = res["exact"]
     t = Table(title=f"top-K approximation vs exact KL — {res['n']} positions, {res['items']} items, V={res['vocab_size']} (nats)")
     for col in ("K", "exact mean", "approx mean", "exact p95", "approx p95", "exact max", "approx max", "mean |err|", "rel err of mean",
@@ -50,6 +50,8 @@ def cmd_topk_error(args) -> int:
 
 
 def add_commands(sub) -> None:
+    from .store import CHUNK_SIZE_HELP
+
     m = sub.add_parser(
         "merge",
         help="merge shard RUNs (capture --shard i/n) into one RUN",
@@ -63,6 +65,7 @@ def add_commands(sub) -> None:
     m.add_argument("runs", nargs="+", metavar="RUN", help="shard RUN directories")
     m.add_argument("--out", required=True, help="RUN directory to create")
     m.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    m.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
     m.set_defaults(func=cmd_merge)
 
     t = sub.add_parser(
@@ -79,4 +82,5 @@ def add_commands(sub) -> None:
     t.add_argument("run_b", metavar="RUN_B", help="candidate RUN (full logits)")
     t.add_argument("--k", default="8,20,64,256", help="comma-separated K values (default: %(default)s)")
     t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    t.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
     t.set_defaults(func=cmd_topk_error)
