@@ -74,8 +74,22 @@ def run_step(name: str, args: list[str], work: Path, limit: int, results: list, 
     env = {**os.environ, "SCALE_OUT": str(out), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}"}
     cmd = ["prlimit", f"--as={limit}", sys.executable, str(Path(__file__).resolve()), "--child", *args]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    log = work / f".{name}.log"
+    with open(log, "w") as errf:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=errf)
+        peak = 0
+        while p.poll() is None:  # VmHWM as it grows, so a step that cannot finish still says where it stood
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    hwm = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:")), 0)
+            except OSError:
+                hwm = 0
+            if hwm > peak:
+                peak = hwm
+                (work / f".{name}.progress").write_text(json.dumps({"vmhwm_so_far": peak, "elapsed_s": round(time.perf_counter() - t0)}))
+            time.sleep(2)
     wall = time.perf_counter() - t0
+    p.stderr = log.read_text()
     vm = json.loads(out.read_text()) if out.exists() else {"vmhwm": None, "rc": p.returncode}
     rec = {"step": name, "wall_s": round(wall, 2), "vmhwm_bytes": vm["vmhwm"], "rc": p.returncode, "args": args, **extra,
            "loadavg_end": os.getloadavg()[0]}
