@@ -365,8 +365,8 @@ class HFSource(Source):
         """Teacher-forced rows, a bounded block at a time (see ``Source.score_blocks``).
 
         Each sequence is ``prompt + teacher[:-1]`` (the last teacher token predicts nothing
-        we need). Consecutive pairs whose sequences fit one window of ``prefill`` tokens go
-        ``batch`` at a time through one right-padded forward pass; a longer sequence goes
+        we need). Pairs whose sequences fit one window of ``prefill`` tokens go ``batch`` at a
+        time (by length) through one right-padded forward pass; a longer sequence goes
         alone, ``prefill`` tokens per forward pass over a KV cache, so neither activations nor
         attention masks grow with its length. Only the hidden states of selected output
         positions reach the (large) output head, in blocks of ``chunk_bytes`` of float32
@@ -388,29 +388,29 @@ class HFSource(Source):
             if want.size and (want.min() < 0 or want.max() >= len(t)):
                 raise LogitdiffError(f"{self.path}: scoring pair {k}: positions outside the {len(t)} teacher tokens")
             sel.append(len(p) - 1 + want)  # sequence index of each selected output row
-        k = 0
+        # Sequences that fit one window go through right-padded forward passes, ``batch`` at a
+        # time, grouped by length (little padding; the grouping of earlier versions, so the
+        # numbers are the same); their hidden states (``[rows, H]`` each, no vocabulary axis)
+        # wait while blocks are yielded in pair order.
+        short = sorted((k for k in range(len(batch)) if sel[k].size and len(seqs[k]) <= self.prefill), key=lambda k: -len(seqs[k]))
+        hidden: dict[int, Any] = {}
         with torch.inference_mode():
-            while k < len(batch):
+            for a in range(0, len(short), self.batch):
+                hidden.update(self._forward_group(short[a : a + self.batch], seqs, sel))
+            for k in range(len(batch)):
                 if not sel[k].size:
-                    k += 1
                     continue
-                if len(seqs[k]) > self.prefill:
+                if k not in hidden:
                     yield from self._score_long(k, seqs[k], sel[k], block)
-                    k += 1
                     continue
-                group = [k]
-                j = k + 1
-                while j < len(batch) and len(group) < self.batch and len(seqs[j]) <= self.prefill:
-                    if sel[j].size:
-                        group.append(j)
-                    j += 1
-                yield from self._score_group(group, seqs, sel, block)
-                k = j
+                h = hidden.pop(k)
+                for a in range(0, len(h), block):
+                    yield Block(k, a, self._to_numpy(self._head(h[a : a + block])))
 
-    def _score_group(self, group, seqs, sel, block):
+    def _forward_group(self, group, seqs, sel) -> dict:
         """One right-padded forward pass: padding sits after the real tokens, so with the
         attention mask every real position sees exactly the keys it sees unbatched and keeps
-        its default position id."""
+        its default position id. Returns the hidden states of each pair's selected rows."""
         import torch
 
         width = max(len(seqs[k]) for k in group)
@@ -419,12 +419,8 @@ class HFSource(Source):
         for b, k in enumerate(group):
             ids[b, : len(seqs[k])] = torch.tensor(seqs[k])
             mask[b, : len(seqs[k])] = 1
-        kw = {"attention_mask": mask.to(self.device)} if len(group) > 1 else {}
-        hidden = self.base(input_ids=ids.to(self.device), use_cache=False, **kw).last_hidden_state
-        for b, k in enumerate(group):
-            rows = torch.as_tensor(sel[k], device=self.device)
-            for a in range(0, len(rows), block):
-                yield Block(k, a, self._to_numpy(self._head(hidden[b, rows[a : a + block]])))
+        out = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False).last_hidden_state
+        return {k: out[b, torch.as_tensor(sel[k], device=self.device)] for b, k in enumerate(group)}
 
     def _score_long(self, k, seq, sel, block):
         """One sequence, ``prefill`` tokens per forward pass over a KV cache."""
