@@ -626,7 +626,7 @@ class OpenAISource(Source):
         if not prompt:
             raise LogitdiffError(f"{self.spec}: generate needs a non-empty prompt")
         if max_tokens <= 0:
-            return Generation([], np.zeros((0, 0), np.float32), "max_tokens")
+            return Generation([], "max_tokens")
         c = self._client
         stopped = "max_tokens"
         try:
@@ -664,7 +664,7 @@ class OpenAISource(Source):
         except ServerError as e:
             raise LogitdiffError(f"{self.spec}: generation failed ({e})") from None
         ids = [int(i) for i in ids][:max_tokens]
-        return Generation(ids, np.zeros((len(ids), 0), np.float32), stopped)
+        return Generation(ids, stopped)
 
     def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> dict:
         return self.score_many([(prompt_ids, teacher_ids)])[0]
