@@ -105,11 +105,11 @@ def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
     print(f"{flags} flags: {stats['prompt_tokens_evaluated']} prompt tokens evaluated for {tasks} positions "
           f"(bound {bound}, whole prefix each time: >= {quadratic}); {counts}")
     assert stats["prompt_tokens_evaluated"] <= bound
-    assert run.manifest["n_positions"] == sum(len(it.teacher_ids) for it in items) and all(len(it.teacher_ids) == T for it in items)
-    # every stored row is a valid top-K: K distinct ids, descending, probabilities <= 1
+    assert run.manifest["n_positions"] == sum(len(it.teacher_ids) for it in items) > 2 * LLAMACPP_TASKS_PER_REQUEST
+    # every stored row is a valid top-K: K distinct ids, descending
     for it in items:
         tk = run.topk(it)
-        assert tk["ids"].shape == (T, K)
+        assert tk["ids"].shape == (len(it.teacher_ids), K)
         assert (np.diff(tk["logprobs"], axis=1) <= 0).all()
         assert all(len(set(r)) == K for r in tk["ids"].tolist())
 

@@ -636,11 +636,16 @@ class OpenAISource(Source):
 
     def _vocab_texts(self) -> list[str]:
         """Texts of all V token ids, fetched once: from the local tokenizer when one is given
-        (one batched decode), else from the server in a few large /detokenize requests
-        (:meth:`_server_texts`), never one request per id; SGLang without a tokenizer: ``<id>``."""
+        (each id decoded on its own, as HFSource.token_text does), else from the server in a
+        few large /detokenize requests (:meth:`_server_texts`), never one request per id;
+        SGLang without a tokenizer: ``<id>``."""
         if self.tok is not None:
             n = min(self.vocab_size, len(self.tok))
-            texts = self.tok.batch_decode([[i] for i in range(n)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            fast = getattr(self.tok, "backend_tokenizer", None)
+            if fast is not None:  # a Rust tokenizer: all ids in one parallel call (~1 s at V = 248,320)
+                texts = fast.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+            else:
+                texts = [self.tok.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in range(n)]
             # a byte-level fragment of a multi-byte character decodes to U+FFFD: its raw
             # token string tells such tokens apart (as HFSource.token_text does)
             bad = [i for i, t in enumerate(texts) if "\ufffd" in t]
@@ -662,8 +667,8 @@ class OpenAISource(Source):
         return (await c.request("POST", "/detokenize", {"tokens": ids})).get("content", "")
 
     def _separator(self) -> tuple[list[int], str] | None:
-        """Token ids of a separator and the text they detokenize to, checked on the server:
-        ``a SEP a`` must come back as exactly two ``a`` around one SEP.
+        """Token ids of a separator and the text they read as between two tokens, checked on
+        the server: ``a SEP a`` must come back as exactly two ``a`` around one SEP.
 
         Both servers detokenize a list by concatenating the tokens' texts (llama-server:
         ``tokens_to_str``; vLLM: the tokenizer's ``decode``), so ``t0 SEP t1 SEP ...`` splits
@@ -679,12 +684,15 @@ class OpenAISource(Source):
                 r = c.run(c.request("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": False}))
                 ids = r.get("tokens") or []
             ids = [int(t["id"]) if isinstance(t, dict) else int(t) for t in ids]
-            sep = c.run(self._detokenize_ids(ids))
-            if not ids or not sep or not _border_free(sep):
+            if not ids:
                 continue
             a = self._force_tok if self._force_tok is not None else ids[0]
             one = c.run(self._detokenize_ids([a]))
-            if one and sep not in one and c.run(self._detokenize_ids([a, *ids, a])).split(sep) == [one, one]:
+            both = c.run(self._detokenize_ids([a, *ids, a]))
+            # the separator as it reads between two tokens (a SentencePiece decode drops a
+            # word-start space only at the start of the text)
+            sep = both[len(one) : len(both) - len(one)] if one and both.startswith(one) and both.endswith(one) else ""
+            if len(both) > 2 * len(one) and sep and _border_free(sep) and sep not in one and both.split(sep) == [one, one]:
                 return ids, sep
         return None
 
