@@ -4,7 +4,9 @@ At V = 248,320 (a random Llama on the bundled tokenizer widened with filler toke
 reference capture through a counting proxy on 127.0.0.1 must fetch the V token texts in a
 few /detokenize requests (never one per id), send an item's positions in groups, and - on
 llama-server's default flags as on the tuned ones - evaluate one new token per position
-after the item's prompt (read from the server's own timings).
+after the item's prompt (read from the server's own timings). Tuned flags: positions in
+groups per request, pinned to the item's slot; default flags (idle slots cleared whenever a
+task starts): one unpinned request per position, restored from the host-RAM prompt cache.
 
 A server that cannot start FAILS the test with its log tail (never a skip).
 """
@@ -61,23 +63,26 @@ def _local_texts(tok) -> list[str]:
 def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
     srv = _start(llama_server, wide["gguf"], wide["logs"], default_flags=flags == "default")
     try:
-        with CountingProxy(srv.url, keep=("/completion",)) as px:
+        with CountingProxy(srv.url, keep=("/completion", "/detokenize")) as px:
             with open_source(f"openai:{px.url},top_k={K}") as src:
                 assert src.vocab_size == V
                 run = RunReader(capture_reference(src, read_workload(wide["wl"]), tmp_path / "ref", store=f"topk:{K}"))
                 stats = dict(src.server_stats)
-                slots = src._n_slots
+                slots, pinned = src._n_slots, src._pin_slots
             counts = dict(px.counts)
-            bodies = list(px.bodies["/completion"])
+            bodies, detok = list(px.bodies["/completion"]), list(px.bodies["/detokenize"])
         log = srv.tail(2000)
     finally:
         srv.stop()
     if flags == "default":
         assert "kv_unified = 'true'" in log, "llama-server's defaults changed: no unified KV cache, so this test no longer covers them"
 
-    # token texts: a handful of /detokenize requests for all V ids (never one per id)
+    # token texts: all V ids in ceil(V / 65,536) /detokenize requests, never one per id (the
+    # only one-token request is the separator's probe; the rest are the items' own texts)
     n_chunks = math.ceil(V / DETOKENIZE_CHUNK)
-    assert counts.get("/detokenize", 0) <= n_chunks + 4, counts  # + the separator's probes
+    sizes = [len(b["tokens"]) for b in detok]
+    assert sum(n > DETOKENIZE_CHUNK for n in sizes) == n_chunks and sizes.count(1) <= 1, sizes
+    assert len(sizes) <= n_chunks + 2 + len(run.items()), sizes
     vocab = run.vocab()
     assert len(vocab) == V
     local = _local_texts(wide["tok"])
@@ -86,21 +91,26 @@ def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
     assert [i for i in range(V) if vocab[i] != local[i] and "\ufffd" not in local[i]] == []
     assert vocab[V - 1] == f"<fill{V - 1}>" and vocab[2] == "<|im_end|>"
 
-    # positions in groups: one /completion per 32 positions of an item (+ the preflight and
-    # one generation request per item)
+    # tuned flags: an item's positions in groups of 32 per request, pinned to its slot;
+    # default flags (idle slots cleared, found by the open's probe): one unpinned request per
+    # position (+ the preflight; besides: the probe's 3 requests, one generation per item)
     items = run.items()
+    assert pinned == (flags == "tuned")
     scoring = [b for b in bodies if isinstance(b.get("prompt"), list) and b["prompt"] and isinstance(b["prompt"][0], list)]
-    want = sum(math.ceil(len(it.teacher_ids) / LLAMACPP_TASKS_PER_REQUEST) for it in items if it.teacher_ids)
+    if pinned:
+        want = sum(math.ceil(len(it.teacher_ids) / LLAMACPP_TASKS_PER_REQUEST) for it in items if it.teacher_ids)
+        assert all(len(b["prompt"]) <= LLAMACPP_TASKS_PER_REQUEST and b["id_slot"] in range(slots) for b in scoring)
+    else:
+        want = sum(len(it.teacher_ids) for it in items)
+        assert all(len(b["prompt"]) == 1 and b["id_slot"] == -1 for b in scoring)
     assert len(scoring) == want + 1, (len(scoring), want)  # + the preflight
-    assert counts["/completion"] == len(scoring) + len(items)
-    assert all(len(b["prompt"]) <= LLAMACPP_TASKS_PER_REQUEST for b in scoring)
-    assert all(b["id_slot"] in range(slots) for b in scoring)
+    assert counts["/completion"] == len(scoring) + len(items) + 3
 
     # prefix reuse, from the server's timings: after its prompt, each position of an item
     # evaluates one new token (not its whole prefix)
     tasks = sum(len(it.teacher_ids) for it in items) + 1
     assert stats["tasks"] == tasks
-    bound = sum(len(it.prompt_ids) + len(it.teacher_ids) - 1 for it in items) + 3  # + the preflight's 2 + 1
+    bound = sum(len(it.prompt_ids) + len(it.teacher_ids) - 1 for it in items) + 2  # + the preflight's 2
     quadratic = sum(len(it.prompt_ids) * len(it.teacher_ids) for it in items)
     print(f"{flags} flags: {stats['prompt_tokens_evaluated']} prompt tokens evaluated for {tasks} positions "
           f"(bound {bound}, whole prefix each time: >= {quadratic}); {counts}")

@@ -58,10 +58,11 @@ sequence. Per server:
   we read ``completion_probabilities[0].top_logprobs`` (``id``, ``logprob``) of each answer
   (ordered by ``index``). Positions of one item run in order on one server slot
   (``id_slot``; each task extends the cached prefix by one token), with the item's next
-  request already queued on that slot while one runs, so the slot never idles between two
-  of its positions (on default flags an idle slot is cleared whenever any task starts);
-  items run concurrently, one per slot of each replica. ``timings`` (``prompt_n``,
-  ``cache_n``) of every answer are summed in ``server_stats``.
+  request already queued on that slot while one runs; items run concurrently, one per slot
+  of each replica. Where the server clears idle slots (llama-server's default flags: -np
+  auto, --cache-idle-slots; probed when the source opens), each position is one unpinned
+  request instead, in order per item, restored from the server's host-RAM prompt cache.
+  ``timings`` (``prompt_n``, ``cache_n``) of every answer are summed in ``server_stats``.
 * **SGLang** (``/generate``): ``input_ids`` = ``prompt + teacher``, ``return_logprob: true``,
   ``logprob_start_len: P - 1``, ``top_logprobs_num: K``, ``max_new_tokens: 1``; entry j of
   ``meta_info.input_top_logprobs`` (a list of ``[logprob, token_id, text]``; entry 0 is null)
@@ -359,6 +360,7 @@ class OpenAISource(Source):
         self._extra_score_body: dict = {}  # tests: force server options (e.g. post_sampling_probs)
         self._force_tok: int | None = None
         self._n_slots = 1
+        self._pin_slots = True
         self.cache_prompt = cache_prompt
         # llama-server: tasks answered and prompt tokens evaluated / taken from the cache
         # (its ``timings``), summed over this source's scoring requests
@@ -461,6 +463,8 @@ class OpenAISource(Source):
             self._force_tok = self._ascii_token()
             self._n_slots = max(1, int(props.get("total_slots") or 1))
             self.server_info["total_slots"] = self._n_slots
+            self._pin_slots = self._idle_slots_kept()
+            self.server_info["scheduling"] = "pinned slots" if self._pin_slots else "one position per request (host-RAM prompt cache)"
         elif kind == "vllm":
             try:
                 self.server_info["version"] = c.run(c.request("GET", "/version", root=root)).get("version")
@@ -539,6 +543,29 @@ class OpenAISource(Source):
             if e.status == 400 and "tokenizer" in str(e).lower():
                 return False
             raise LogitdiffError(f"{self.spec}: vLLM /tokenize failed ({_one_line(e, 200)})") from None
+
+    def _idle_slots_kept(self) -> bool:
+        """Does an idle slot keep its prompt while another slot starts a task? Three requests:
+        P on slot 0, Q on slot 1, then P + one token on slot 0, which evaluates 1 token if
+        slot 0 kept P. llama-server's default flags (-np auto: a unified KV cache with
+        --cache-idle-slots) save every idle slot to the host-RAM cache and clear it whenever
+        a task starts; a request pinned to a cleared slot is not restored from that cache."""
+        if self._n_slots < 2 or not self.cache_prompt:
+            return True
+        c = self._client
+        base = [self._force_tok if self._force_tok is not None else 0] * 8
+
+        def run(prompt, slot):
+            body = {"prompt": prompt, "n_predict": 1, "temperature": 0.0, "cache_prompt": True, "id_slot": slot,
+                    "stream": False, "response_fields": ["timings"]}
+            try:
+                return int((c.run(c.request("POST", "/completion", body, root=self.roots[0])).get("timings") or {}).get("prompt_n", 0))
+            except ServerError as e:
+                raise LogitdiffError(f"{self.spec}: llama-server refused a completion request ({e})") from None
+
+        run(base, 0)
+        run([1] + base, 1)
+        return run(base + [1], 0) <= 1
 
     def _ascii_token(self) -> int | None:
         """A token whose text is one complete ASCII character (llama-server, see _score_llamacpp)."""
@@ -895,6 +922,8 @@ class OpenAISource(Source):
             # one (stop: true) with the timings
             probs: dict[int, dict] = {}
             for e in events:
+                if e is None:
+                    continue  # "data: null": a task started (headers for the first one)
                 if not isinstance(e, dict):
                     raise LogitdiffError(f"{where}: llama-server sent an event that is not an object")
                 if "error" in e:
@@ -917,11 +946,13 @@ class OpenAISource(Source):
         # slot by prefix similarity, else the least recently used) and every request
         # re-prefills. Positions go in groups of tasks per request, and the item's next
         # request is sent as soon as the server has queued the tasks of the one before (its
-        # answer has started), so it waits on the slot behind them, in order: the slot is
-        # never idle between two positions of its item. That matters on llama-server's default
-        # flags (-np auto: a unified KV cache, --cache-idle-slots, --cache-ram 8192): starting
-        # any task saves every idle slot to the host-RAM cache and clears it, and a request
-        # pinned to a cleared slot is not restored from that cache (its prefix is re-evaluated).
+        # answer has started), so it waits on the slot behind them, in order.
+        # On llama-server's default flags (-np auto: a unified KV cache, --cache-idle-slots,
+        # --cache-ram 8192) starting any task saves every idle slot to the host-RAM cache and
+        # clears it - slots that finish in the same batch clear each other - and a request
+        # pinned to a cleared slot is not restored from that cache: there (found at open by
+        # _idle_slots_kept) each position is one unpinned request, in order, which llama-server
+        # restores from the host-RAM cache, so it also evaluates one new token.
         slots: dict[str, asyncio.Queue] = {}
         for r in self.roots:
             q: asyncio.Queue = asyncio.Queue()
@@ -934,9 +965,19 @@ class OpenAISource(Source):
             if not t:
                 return self._empty()
             per = max(1, min(LLAMACPP_TASKS_PER_REQUEST, LLAMACPP_TOKENS_PER_REQUEST // (len(p) + len(t))))
-            groups = [list(range(j, min(j + per, len(t)))) for j in range(0, len(t), per)]
             root = c.next_root()
             slot = await slots[root].get()
+            if not self._pin_slots:
+                # idle slots are cleared (default flags): one position per request, in order,
+                # on any slot, which restores the item's prefix from the host-RAM prompt cache
+                try:
+                    rows = []
+                    for j in range(len(t)):
+                        rows += await positions(root, -1, p, t, [j], asyncio.Event())
+                finally:
+                    slots[root].put_nowait(slot)
+                return self._stack(rows)
+            groups = [list(range(j, min(j + per, len(t)))) for j in range(0, len(t), per)]
             requests: list[asyncio.Future] = []
             try:
                 for g, js in enumerate(groups):
