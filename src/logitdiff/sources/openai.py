@@ -970,6 +970,7 @@ class OpenAISource(Source):
             if not self._pin_slots:
                 # idle slots are cleared (default flags): one position per request, in order,
                 # on any slot, which restores the item's prefix from the host-RAM prompt cache
+                # (the slot taken above only keeps as many items in flight as there are slots)
                 try:
                     rows = []
                     for j in range(len(t)):
