@@ -109,7 +109,7 @@ def build_models(work: Path) -> tuple[Path, Path]:
 
     m = work / "model"
     if not (m / "config.json").exists():
-        make_wide_llama(m)
+        make_wide_llama(m, max_positions=40_960, heads=2, kv_heads=1, dtype="bfloat16", never_eos=True)
     f32 = work / "model-F32.gguf"
     q8 = work / "model-Q8_0.gguf"
     if not q8.exists():

@@ -39,7 +39,7 @@ ITEMS = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_wide_llama(tmp_path_factory.mktemp("wide") / "m", max_positions=1024)
+    return make_wide_llama(tmp_path_factory.mktemp("wide") / "m", max_positions=1024, dtype="bfloat16", never_eos=True)
 
 
 @pytest.fixture(scope="module")
