@@ -474,6 +474,8 @@ class RunWriter:
         entry = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items)}
         if self.compact:
             entry["data"] = f"{stem}.{compact_store.CHUNK_SUFFIX}"
+            if not rows:  # a chunk that only closes items whose rows ended in earlier chunks
+                rows = [compact_store.encode(np.zeros((0, self.vocab_size), np.float32), np.zeros(0, np.int64), self.compact)]
             atomic_write_bytes(cdir / entry["data"], compact_store.save_chunk(cdir / entry["data"], rows))
         elif self.k:
             if rows:
