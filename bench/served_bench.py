@@ -19,6 +19,13 @@ the capture path) against the same server's own prompt-processing rate in the sa
   own rate = ``timings.prompt_per_second`` of single full-sequence prefills (no cache).
   Reported: positions/s, wall ms per position-request, server ms per request, HTTP+JSON overhead.
 
+``scale``: the same at V = 248,320 (a random Llama, hidden 128, 2 layers, on the bundled
+tokenizer widened with filler tokens: tests/_models.py ``make_wide_llama``): the time and
+request count of fetching all token texts; teacher-forced top-64 capture positions/s on
+llama-server with its default flags and with the tuned ones, each next to a peer that sends
+one request per position (logitdiff's scheduling before issue 16) and to the server's own
+prefill rate; prompt tokens the server evaluated per position (its timings); the same for vLLM.
+
 Servers are started by ``tests/servers.py`` (build them first: scripts/build_llama_server.sh,
 scripts/setup_vllm.sh).
 """
@@ -216,6 +223,192 @@ def cmd_throughput(args) -> None:
     (out / "served_bench.json").write_text(json.dumps({"model": str(d), "args": vars(args), "results": results}, indent=1, default=str))
 
 
+# ------------------------------------------------------------------ scale: V = 248,320 (issue 16)
+def _per_position_requests(url: str, pairs, K: int, n_slots: int) -> dict:
+    """The peer: logitdiff's scheduling before issue 16 - one /completion request per output
+    position, each item pinned to one slot for all its positions, items one per slot."""
+    import asyncio
+
+    import httpx
+
+    stats = {"requests": 0, "prompt_tokens_evaluated": 0}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=600) as h:
+            q: asyncio.Queue = asyncio.Queue()
+            for k in range(n_slots):
+                q.put_nowait(k)
+
+            async def item(p, t):
+                slot = await q.get()
+                try:
+                    for j in range(len(t)):
+                        body = {"prompt": p + t[:j], "n_predict": 1, "n_probs": K, "temperature": 0.0, "post_sampling_probs": False,
+                                "cache_prompt": True, "stream": False, "id_slot": slot}
+                        r = (await h.post(url + "/completion", json=body)).json()
+                        stats["requests"] += 1
+                        stats["prompt_tokens_evaluated"] += int(r["timings"]["prompt_n"])
+                finally:
+                    q.put_nowait(slot)
+
+            await asyncio.gather(*(item(p, t) for p, t in pairs))
+
+    t0 = time.perf_counter()
+    asyncio.run(run())
+    stats["s"] = time.perf_counter() - t0
+    return stats
+
+
+def _vmhwm_mb(pid: int) -> float | None:
+    try:
+        for ln in open(f"/proc/{pid}/status"):
+            if ln.startswith("VmHWM:"):
+                return round(int(ln.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+def _llama_prefill_rate(url: str, pairs) -> float:
+    """The server's own prompt processing: full-sequence prefills without the cache, tokens/s
+    from its timings (prompt_n / prompt_ms)."""
+    import httpx
+
+    pn, pms = 0, 0.0
+    with httpx.Client(timeout=600) as h:
+        for p, t in pairs:
+            r = h.post(url + "/completion", json={"prompt": p + t, "n_predict": 1, "temperature": 0.0, "cache_prompt": False}).json()
+            pn += int(r["timings"]["prompt_n"])
+            pms += float(r["timings"]["prompt_ms"])
+    return 1000 * pn / pms
+
+
+def bench_scale_llamacpp(gguf: Path, pair_sets, peer_sets, logs: Path, K: int, threads: int, flags: str) -> dict:
+    import statistics as st
+
+    from servers import CountingProxy, llama_server
+
+    from logitdiff.sources import open_source
+
+    res = {"server": f"llama-server ({flags} flags)", "K": K}
+    srv = llama_server(gguf, logs, threads=threads, default_flags=flags == "default")
+    with srv, CountingProxy(srv.url) as px:
+        res["startup_s"] = round(srv.started_in, 1)
+        t0 = time.perf_counter()
+        with open_source(f"openai:{px.url},top_k={K}") as src:
+            res["open_s"] = round(time.perf_counter() - t0, 2)
+            res["slots"] = src._n_slots
+            n_before = sum(px.counts.values())
+            t0 = time.perf_counter()
+            texts = [src.token_text(i) for i in range(src.vocab_size)]
+            res["token_texts_s"] = round(time.perf_counter() - t0, 2)
+            res["token_texts_requests"] = sum(px.counts.values()) - n_before
+            res["vocab_size"] = len(texts)
+            src.score_many(pair_sets[0][:1])  # warm-up
+            caps, evals, reqs, peers = [], [], [], []
+            # alternating rounds, each on fresh sequences (no answer from an earlier round's cache)
+            for pairs, peer_pairs in zip(pair_sets[1:], peer_sets):
+                s0, r0 = src.server_stats["prompt_tokens_evaluated"], px.counts["/completion"]
+                t0 = time.perf_counter()
+                src.score_many(pairs)
+                caps.append(time.perf_counter() - t0)
+                evals.append(src.server_stats["prompt_tokens_evaluated"] - s0)
+                reqs.append(px.counts["/completion"] - r0)
+                peers.append(_per_position_requests(srv.url, peer_pairs, K, res["slots"]))
+        positions = sum(len(t) for _, t in pair_sets[1])
+        pp = _llama_prefill_rate(srv.url, pair_sets[1])
+        res["server_vmhwm_mb"] = _vmhwm_mb(srv.proc.pid)
+    cap = st.median(caps)
+    peer = st.median(p["s"] for p in peers)
+    res.update({
+        "sequences": len(pair_sets[1]), "prompt_len": len(pair_sets[1][0][0]), "output_positions": positions,
+        "capture_s_all": [round(x, 3) for x in caps], "capture_positions_per_s": round(positions / cap, 1),
+        "capture_requests": reqs[0], "capture_tokens_evaluated_per_position": round(st.median(evals) / positions, 3),
+        "peer_s_all": [round(p["s"], 3) for p in peers],
+        "peer_positions_per_s": round(positions / peer, 1), "peer_requests": peers[0]["requests"],
+        "peer_tokens_evaluated_per_position": round(st.median(p["prompt_tokens_evaluated"] for p in peers) / positions, 3),
+        "capture_vs_peer_speed": round(peer / cap, 2),
+        "server_prefill_tokens_per_s": round(pp, 1),
+        "capture_positions_vs_prefill_tokens": round((positions / cap) / pp, 4),
+    })
+    return res
+
+
+def bench_scale_vllm(d: Path, pair_sets, logs: Path, K: int) -> dict:
+    import statistics as st
+
+    from servers import CountingProxy, vllm_server
+
+    from logitdiff.sources import open_source
+
+    res = {"server": "vllm", "K": K}
+    with vllm_server(d, logs, max_logprobs=K, extra=["--no-enable-prefix-caching", "--max-num-batched-tokens", "512"]) as srv, \
+            CountingProxy(srv.url) as px:
+        res["startup_s"] = round(srv.started_in, 1)
+        with open_source(f"openai:{px.url},top_k={K},concurrency=8,batch=4") as src:
+            n_before = sum(px.counts.values())
+            t0 = time.perf_counter()
+            texts = [src.token_text(i) for i in range(src.vocab_size)]
+            res["token_texts_s"] = round(time.perf_counter() - t0, 2)
+            res["token_texts_requests"] = sum(px.counts.values()) - n_before
+            res["vocab_size"] = len(texts)
+            src.score_many(pair_sets[0][:4])  # warm-up
+            c = src._client
+
+            async def plain(pairs):
+                import asyncio
+
+                async def grp(g):
+                    body = {"model": src.model, "prompt": [p + t for p, t in g], "max_tokens": 1, "temperature": 0.0}
+                    await c.request("POST", "/v1/completions", body)
+
+                await asyncio.gather(*(grp(pairs[i : i + 4]) for i in range(0, len(pairs), 4)))
+
+            caps, pps = [], []
+            for pairs in pair_sets[1:]:
+                t0 = time.perf_counter()
+                src.score_many(pairs)
+                caps.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                c.run(plain(pairs))
+                pps.append(time.perf_counter() - t0)
+        res["server_vmhwm_mb"] = _vmhwm_mb(srv.proc.pid)
+    positions = sum(len(t) for _, t in pair_sets[1])
+    tokens = sum(len(p) + len(t) for p, t in pair_sets[1])
+    cap, pp = st.median(caps), st.median(pps)
+    res.update({
+        "sequences": len(pair_sets[1]), "output_positions": positions, "tokens": tokens,
+        "capture_s_all": [round(x, 3) for x in caps], "prefill_s_all": [round(x, 3) for x in pps],
+        "capture_positions_per_s": round(positions / cap, 1), "capture_tokens_per_s": round(tokens / cap, 1),
+        "server_prefill_tokens_per_s": round(tokens / pp, 1), "capture_vs_prefill": round(pp / cap, 3),
+    })
+    return res
+
+
+def cmd_scale(args) -> None:
+    from _models import make_wide_llama
+
+    from logitdiff.quantize import build_ladder
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    d = make_wide_llama(out / f"wide-v{args.vocab}-h{args.hidden}-l{args.layers}", vocab_size=args.vocab, hidden=args.hidden,
+                        layers=args.layers)
+    gguf = build_ladder(d, out / "ladder", [])["F32"]
+    print(f"model ready in {time.perf_counter() - t0:.0f} s: {d}, {gguf}", flush=True)
+    pair_sets = [_pairs(d, args.sequences, args.prompt_len, args.teacher_len, seed=s) for s in range(args.repeats + 1)]
+    peer_sets = [_pairs(d, args.sequences, args.prompt_len, args.teacher_len, seed=100 + s) for s in range(args.repeats)]
+    results = []
+    for s in args.servers.split(","):
+        if s in ("llamacpp-default", "llamacpp-tuned"):
+            results.append(bench_scale_llamacpp(gguf, pair_sets, peer_sets, out / "logs", args.k, args.threads, s.split("-")[1]))
+        elif s == "vllm":
+            results.append(bench_scale_vllm(d, pair_sets, out / "logs", args.k))
+        print(json.dumps(results[-1]), flush=True)
+    (out / "served_scale.json").write_text(json.dumps({"model": str(d), "args": vars(args), "results": results}, indent=1, default=str))
+
+
 def cmd_table(args) -> None:
     """Markdown table of a `logitdiff topk-error --json` file."""
     r = json.loads(Path(args.json).read_text())
@@ -251,6 +444,21 @@ def main() -> None:
     b.add_argument("--layers", type=int, default=4)
     b.add_argument("--threads", type=int, default=2)
     b.set_defaults(func=cmd_throughput)
+    e = sub.add_parser("scale", help="teacher-forced top-K capture at V=248,320 through llama-server (default and tuned flags) and vLLM")
+    e.add_argument("out")
+    e.add_argument("--servers", default="llamacpp-default,llamacpp-tuned,vllm",
+                   help="comma list of llamacpp-default (llama-server's own defaults), llamacpp-tuned "
+                        "(-np 4 -fa off --cache-ram 0 ...), vllm")
+    e.add_argument("--vocab", type=int, default=248_320)
+    e.add_argument("--hidden", type=int, default=128)
+    e.add_argument("--layers", type=int, default=2)
+    e.add_argument("--repeats", type=int, default=3, help="rounds, each on fresh sequences; medians reported")
+    e.add_argument("--sequences", type=int, default=8)
+    e.add_argument("--prompt-len", type=int, default=64)
+    e.add_argument("--teacher-len", type=int, default=32)
+    e.add_argument("--k", type=int, default=64)
+    e.add_argument("--threads", type=int, default=2)
+    e.set_defaults(func=cmd_scale)
     c = sub.add_parser("table")
     c.add_argument("json")
     c.set_defaults(func=cmd_table)

@@ -90,13 +90,97 @@ def make_random_llama(
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )
-    model = LlamaForCausalLM(cfg)
+    _save_random(LlamaForCausalLM(cfg), out_dir, seed=seed, dtype=dtype)
+    return out_dir
+
+
+def _save_random(model, out_dir: Path, *, seed: int, dtype: str, zero_rows: tuple[int, ...] = ()) -> None:
+    import torch
+
     # Larger-than-default init so the random model has peaked, varied distributions.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+        for r in zero_rows:  # output rows whose logit is always 0
+            model.lm_head.weight[r].zero_()
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out_dir))
     (out_dir / "logitdiff_test_model.json").write_text(json.dumps({"seed": seed}))
+
+
+BUILTIN_TOKENIZER = Path(__file__).resolve().parents[1] / "src" / "logitdiff" / "builtin" / "tiny"
+
+
+def widen_tokenizer(src_dir: str | Path, out_dir: str | Path, vocab_size: int, *, extra: tuple[str, ...] = ()):
+    """Copy a byte-level BPE tokenizer and pad its vocabulary with filler tokens ``<fillN>``
+    to exactly ``vocab_size`` entries (a real-scale V such as Qwen's 248,320); ``extra``
+    (printable ASCII strings) are the first fillers.
+
+    The fillers are plain vocabulary entries without merges, so BPE never produces them:
+    tokenization is unchanged, only the size of the distribution grows."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in src_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out_dir / f.name)
+    tj = json.loads((src_dir / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    n = max(max(vocab.values()), max((a["id"] for a in tj.get("added_tokens") or []), default=-1)) + 1
+    if vocab_size < n:
+        raise ValueError(f"{src_dir}: tokenizer has {n} tokens > vocab_size={vocab_size}")
+    names = list(extra) + [f"<fill{i}>" for i in range(n + len(extra), vocab_size)]
+    for i, name in enumerate(names):
+        vocab[name] = n + i
+    (out_dir / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    assert len(tok) == vocab_size, (len(tok), vocab_size)
+    return tok
+
+
+WIDE_VOCAB = 248_320  # Qwen3.5's vocabulary size: the design point of issue 16
+
+
+def make_wide_llama(out_dir: str | Path, *, vocab_size: int = WIDE_VOCAB, hidden: int = 128, layers: int = 2, heads: int = 4,
+                    kv_heads: int = 2, max_positions: int = 4096, seed: int = 0, dtype: str = "float32",
+                    extra: tuple[str, ...] = (), never_eos: bool = False) -> Path:
+    """A random Llama whose vocabulary has exactly ``vocab_size`` tokens: the bundled
+    tokenizer (builtin:tiny) widened with filler tokens (:func:`widen_tokenizer`).
+
+    ``never_eos``: the end-of-sequence token's output row is zero, so its logit is 0 while
+    the largest of ~248k random logits is well above it: greedy generation runs to
+    ``max_tokens`` (benchmarks and scale tests need outputs of a set length)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists() and (out_dir / "logitdiff_test_model.json").exists():
+        return out_dir
+    tok = widen_tokenizer(BUILTIN_TOKENIZER, out_dir, vocab_size, extra=extra)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    model = LlamaForCausalLM(cfg)
+    if never_eos:
+        _save_random(model, out_dir, seed=seed, dtype=dtype, zero_rows=(eos,))
+    else:
+        _save_random(model, out_dir, seed=seed, dtype=dtype)
     return out_dir

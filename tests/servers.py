@@ -130,13 +130,19 @@ class Server:
 
 
 def llama_server(gguf: str | Path, log_dir: Path, *, port: int | None = None, parallel: int = 4, threads: int = 2,
-                 ctx: int = 4096, extra: list[str] | None = None) -> Server:
+                 ctx: int = 4096, extra: list[str] | None = None, default_flags: bool = False) -> Server:
+    """``default_flags``: only the model, address and thread count, everything else as
+    llama-server chooses (-np auto: 4 slots on a unified KV cache, --cache-ram 8192,
+    --cache-idle-slots, -fa auto, the model's context)."""
     if not LLAMA_SERVER.exists():
         raise ServerFailed(f"{LLAMA_SERVER} not found: run scripts/build_llama_server.sh first")
     port = port or free_port()
-    cmd = [LLAMA_SERVER, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx), "-np", str(parallel),
-           "-t", str(threads), "-tb", str(threads), "--jinja", "--no-webui", "--no-warmup",
-           "-fa", "off", "--no-repack", "--cache-ram", "0", *(extra or [])]
+    cmd = [LLAMA_SERVER, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads)]
+    if default_flags:
+        cmd += ["--no-webui", *(extra or [])]
+        return Server("llama-server", cmd, port, log_dir / f"llama-server-{port}.log", ready_path="/health", ready_timeout=120)
+    cmd += ["-c", str(ctx), "-np", str(parallel), "--jinja", "--no-webui", "--no-warmup",
+            "-fa", "off", "--no-repack", "--cache-ram", "0", *(extra or [])]
     # no flash attention, no weight repacking (as the gguf: source runs), no host-RAM prompt cache
     return Server("llama-server", cmd, port, log_dir / f"llama-server-{port}.log", ready_path="/health", ready_timeout=60)
 
@@ -159,6 +165,71 @@ def replay_server(model_dir: str | Path, log_dir: Path, *, port: int | None = No
     cmd = [sys.executable, str(Path(__file__).resolve()), "replay", "--model", model_dir, "--port", str(port), "--mode", mode]
     return Server(f"sglang-replay[{mode}]", cmd, port, log_dir / f"replay-{mode}-{port}.log", ready_path="/get_model_info",
                   ready_timeout=90)
+
+
+class CountingProxy:
+    """A real HTTP proxy on 127.0.0.1 in front of one server: forwards every request as is
+    and counts them per path (``counts``), keeping the JSON bodies of ``keep`` paths
+    (``bodies``). For tests that assert how many requests a client sends."""
+
+    def __init__(self, upstream: str, *, keep: tuple[str, ...] = ()):
+        import collections
+        import threading
+
+        self.upstream, self.keep = upstream.rstrip("/"), keep
+        self.counts: collections.Counter = collections.Counter()
+        self.bodies: dict[str, list] = collections.defaultdict(list)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "CountingProxy":
+        import http.client
+        import threading
+        import urllib.parse
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        up = urllib.parse.urlsplit(self.upstream)
+        proxy = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt, *args):
+                pass
+
+            def _forward(self):
+                n = int(self.headers.get("Content-Length", "0"))
+                body = self.rfile.read(n) if n else None
+                path = self.path.split("?")[0]
+                with proxy._lock:
+                    proxy.counts[path] += 1
+                    if path in proxy.keep and body:
+                        proxy.bodies[path].append(json.loads(body))
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=600)
+                try:
+                    conn.request(self.command, self.path, body=body, headers={"Content-Type": "application/json"} if body else {})
+                    r = conn.getresponse()
+                    data = r.read()
+                finally:
+                    conn.close()
+                self.send_response(r.status)
+                self.send_header("Content-Type", r.getheader("Content-Type") or "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _forward
+
+        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self._srv.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._srv.server_address[1]}"
+        self._thread = threading.Thread(target=self._srv.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._srv.shutdown()
+        self._srv.server_close()
+        self._thread.join(timeout=10)
 
 
 # --------------------------------------------------------------------------------------

@@ -172,7 +172,8 @@ def test_killed_capture_resumes(model, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
     partial = RunReader(out, allow_partial=True)
-    assert partial.is_partial and len(partial.items()) == 2
+    # the writer flushes by rows, also in the middle of an item: some items, not all, are on disk
+    assert partial.is_partial and 1 <= len(partial.items()) < len(read_workload(model["wl"]))
     assert main(["capture", f"hf:{model['dir']},dtype=float32", "--workload", str(model["wl"]), "--out", str(out)]) == 2
     assert main(["capture", f"hf:{model['dir']},dtype=float32", "--workload", str(model["wl"]), "--out", str(out), "--resume"]) == 0
     done = RunReader(out)

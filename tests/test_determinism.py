@@ -91,7 +91,7 @@ def test_killed_capture_resumes_bit_exact(wl, clean, tmp_path):
         "    n[0] += 1\n"
         f"    if n[0] == {KILL_AFTER}: os.kill(os.getpid(), 9)\n"
         "def init(self, *a, **k):\n"
-        "    k['chunk_rows'] = 1\n"  # one item per chunk: the kill lands exactly after KILL_AFTER items
+        "    k['chunk_rows'] = 1\n"  # one row per chunk: the kill lands within the first blocks
         "    orig_init(self, *a, **k)\n"
         "RunWriter.flush, RunWriter.__init__ = flush, init\n"
         "from logitdiff.cli import main\n"
@@ -99,7 +99,8 @@ def test_killed_capture_resumes_bit_exact(wl, clean, tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
-    assert len(RunReader(out, allow_partial=True).items()) == KILL_AFTER
+    # chunks end by rows, not by items (an item may span chunks): some items are on disk, not all
+    assert 0 < len(RunReader(out, allow_partial=True).items()) < len(clean.items())
     assert main(["capture", "builtin:tiny", "--workload", str(wl), "--out", str(out), "--resume", "--batch", "4"]) == 2
     assert main(["capture", "builtin:tiny", "--workload", str(wl), "--out", str(out), "--resume"]) == 0
     _same_bits(RunReader(out), clean)

@@ -151,18 +151,16 @@ def test_score_many_ragged_bf16(src16):
 
 @pytest.mark.parametrize("which", ["src32", "src16"])
 def test_generate_is_greedy_and_reproduced_by_score(which, request):
+    """Generation keeps token ids only; teacher-forced scoring of them reproduces the greedy
+    choice (the same model, the same head: argmax of the scored rows is the generated id)."""
     src = request.getfixturevalue(which)
     prompt = src.render(CHAT)
     g = src.generate(prompt, 12)
     assert len(g.token_ids) == 12 and g.stopped_by == "max_tokens"
-    assert g.logits.dtype == np.float32 and g.logits.shape == (12, src.vocab_size)
-    assert list(g.logits.argmax(-1)) == g.token_ids
+    assert not hasattr(g, "logits")
     rows = src.score(prompt, g.token_ids)
+    assert rows.dtype == np.float32 and rows.shape == (12, src.vocab_size)
     assert list(rows.argmax(-1)) == g.token_ids
-    if which == "src32":
-        assert np.abs(rows - g.logits).max() <= 1e-4
-    else:
-        assert _kl(g.logits, rows).max() <= 1e-2
 
 
 def test_generate_stops_after_eos(src32):
@@ -176,7 +174,6 @@ def test_generate_stops_after_eos(src32):
         src32.eos_token_ids = saved
     k = free.index(free[3])
     assert g.token_ids == free[: k + 1] and g.stopped_by == "eos"
-    assert g.logits.shape == (k + 1, src32.vocab_size)
 
 
 def test_padded_vocab_rows_dropped(padded):
@@ -191,7 +188,7 @@ def test_padded_vocab_rows_dropped(padded):
     full = _full_logits(src, prompt[:1] + prompt[1:5])
     assert np.abs(rows - full[:, :n]).max() <= 1e-4
     g = src.generate(prompt[:5], 4)
-    assert g.logits.shape == (4, n) and all(t < n for t in g.token_ids)
+    assert len(g.token_ids) == 4 and all(t < n for t in g.token_ids)
 
     # max_position_embeddings=64: a longer prompt is a one-line error naming the item
     long_item = Item(id="long", prompt=" ".join(str(i) for i in range(200)))

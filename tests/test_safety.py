@@ -372,11 +372,11 @@ def test_sigterm_during_capture_overwrite_keeps_old_run(w, tmp_path):
     code = (
         "import os, signal, sys\n"
         "from logitdiff.store import RunWriter\n"
-        "orig = RunWriter.add\n"
+        "orig = RunWriter.add_rows\n"
         "def add(self, *a, **k):\n"
         "    orig(self, *a, **k)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "RunWriter.add = add\n"
+        "RunWriter.add_rows = add\n"
         "from logitdiff.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )

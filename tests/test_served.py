@@ -352,6 +352,26 @@ def test_vllm_skip_tokenizer_init(env, vllm, tmp_path):
         fast.stop()
 
 
+def test_token_texts_without_per_id_requests(env, llama, vllm):
+    """All V token texts in a few /detokenize requests (a real proxy counts them), equal to
+    what one request per id gives (the independent reference, asked here)."""
+    import httpx
+
+    from servers import CountingProxy
+
+    for srv in (llama("F32"), vllm):
+        with CountingProxy(srv.url) as px, open_source(f"openai:{px.url},top_k={K}") as src:
+            texts = [src.token_text(i) for i in range(src.vocab_size)]
+            n_detok, kind, model = px.counts["/detokenize"], src.kind, src.model
+        with httpx.Client(timeout=60) as h:
+            if kind == "vllm":
+                one = [h.post(srv.url + "/detokenize", json={"model": model, "tokens": [i]}).json()["prompt"] for i in range(len(texts))]
+            else:
+                one = [h.post(srv.url + "/detokenize", json={"tokens": [i]}).json()["content"] for i in range(len(texts))]
+        assert texts == one, kind
+        assert n_detok <= 4, (kind, n_detok)  # the separator's 3 probes + one chunk of 65,536 ids
+
+
 # ------------------------------------------------------------------------ SGLang (replay)
 @pytest.fixture(scope="module")
 def sglang(env):

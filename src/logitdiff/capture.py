@@ -18,7 +18,6 @@ the ids it was scored with (``extra["scored_with"]``); the manifest's settings r
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import math
 from pathlib import Path
@@ -30,7 +29,7 @@ from . import metrics as M
 from .errors import LogitdiffError
 from .outputs import Kind, writing
 from .sources import Source
-from .store import RunItem, RunReader, RunWriter, first_difference
+from .store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
 from .workload import Item
 
 DEFAULT_MAX_TOKENS = 64
@@ -69,14 +68,8 @@ def parse_positions(mode: str) -> tuple[str, float]:
     if mode in ("all", "first"):
         return mode, 1.0
     if isinstance(mode, str) and mode.startswith("sample:"):
-        try:
-            frac = float(mode.split(":", 1)[1])
-        except ValueError:
-            frac = float("nan")
-        if not 0.0 < frac <= 1.0:  # also refuses nan and inf
-            raise LogitdiffError(f"--positions {mode!r}: FRAC must be a number in (0, 1]")
-        return "sample", frac
-    raise LogitdiffError(f"--positions {mode!r}: expected all, first or sample:FRAC")
+        return "sample", _parse_sample(mode)[0]  # also refuses nan and inf
+    raise LogitdiffError(f"--positions {mode!r}: expected all, first or sample:FRAC[:SEED]")
 
 
 def check_max_tokens(max_tokens: int | None) -> None:
@@ -84,9 +77,30 @@ def check_max_tokens(max_tokens: int | None) -> None:
         raise LogitdiffError(f"--max-tokens {max_tokens}: must be at least 1")
 
 
+def _parse_sample(mode: str) -> tuple[float, int | None]:
+    """``sample:FRAC[:SEED]`` -> (FRAC, SEED or None)."""
+    parts = mode.split(":")
+    try:
+        frac = float(parts[1]) if len(parts) in (2, 3) else -1.0
+        seed = int(parts[2]) if len(parts) == 3 else None
+    except ValueError:
+        frac, seed = -1.0, None
+    if not 0.0 < frac <= 1.0 or (seed is not None and seed < 0):
+        raise LogitdiffError(f"--positions {mode!r}: expected sample:FRAC[:SEED], FRAC in (0, 1], SEED >= 0")
+    return frac, seed
+
+
+SAMPLE_RULE = (
+    "per item, ceil(FRAC x output length) positions without replacement, numpy default_rng seeded by the "
+    "first 8 bytes (little-endian) of sha256(item id), or of sha256('SEED:' + item id) when a SEED is given"
+)
+
+
 def select_positions(n: int, mode: str, item_id: str) -> list[int]:
-    """Output positions to score: ``all``, ``first`` or ``sample:FRAC`` (seeded per item)."""
+    """Output positions to score: ``all``, ``first`` or ``sample:FRAC[:SEED]`` (seeded per
+    item, see ``SAMPLE_RULE``)."""
     kind, frac = parse_positions(mode)
+    seed = _parse_sample(mode)[1] if kind == "sample" else None
     if n <= 0:
         return []
     if kind == "all":
@@ -94,39 +108,73 @@ def select_positions(n: int, mode: str, item_id: str) -> list[int]:
     if kind == "first":
         return [0]
     k = max(1, math.ceil(frac * n))
-    seed = int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "little")
-    return sorted(np.random.default_rng(seed).choice(n, size=k, replace=False).tolist())
+    key = item_id if seed is None else f"{seed}:{item_id}"
+    rng_seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    return sorted(np.random.default_rng(rng_seed).choice(n, size=k, replace=False).tolist())
 
 
-def _select(scored, positions):
-    """Rows of a score result at the given positions: full logits or a top-K dict."""
-    if isinstance(scored, dict):
-        return {k: np.asarray(v)[positions] for k, v in scored.items()}
-    scored = np.asarray(scored)
-    if len(positions) == len(scored) and (not len(positions) or (positions[0] == 0 and positions[-1] == len(scored) - 1)):
-        return scored  # every position, in order: no copy
-    return scored[positions]
+def _sampling(mode: str) -> dict:
+    """How positions were sampled, for the manifest (and from there the reports)."""
+    if not mode.startswith("sample:"):
+        return {}
+    frac, seed = _parse_sample(mode)
+    return {"positions_sampling": {"fraction": frac, "seed": seed, "rule": SAMPLE_RULE}}
 
 
-def _rows_for_store(writer: RunWriter, logits, next_tokens=None) -> dict:
-    if isinstance(logits, dict):  # a top-K source (served model): ids + logprobs per row
+def _rows_for_store(writer: RunWriter, rows, next_tokens=None) -> dict:
+    """One block of a source's rows in the form the writer stores: top-K reduced here, a
+    block at a time, so ``--store topk:K`` never holds more than a block of full rows;
+    ``next_tokens`` (the teacher tokens of the block's rows) for the compact store."""
+    if isinstance(rows, dict):  # a top-K source (served model): ids + logprobs per row
         if writer.compact:
             raise LogitdiffError("a top-K source cannot fill a compact store (it needs full logits)")
         if not writer.k:
             raise LogitdiffError("a top-K source can only be stored with --store topk:K")
         k = writer.k
-        if logits["ids"].shape[1] < k:
-            raise LogitdiffError(f"the source returned {logits['ids'].shape[1]} logprobs per position, fewer than K={k}")
-        return {"topk": {"ids": logits["ids"][:, :k], "logprobs": logits["logprobs"][:, :k]}}
+        if rows["ids"].shape[1] < k:
+            raise LogitdiffError(f"the source returned {rows['ids'].shape[1]} logprobs per position, fewer than K={k}")
+        return {"topk": {"ids": rows["ids"][:, :k], "logprobs": rows["logprobs"][:, :k]}}
     if writer.compact:
         from . import compact
 
-        return {"compact": compact.encode(logits, next_tokens, writer.compact)}
+        z = bf16_to_f32(rows) if rows.dtype == np.uint16 else rows
+        return {"compact": compact.encode(z, next_tokens, writer.compact)}
     if writer.k:
-        st = M.row_stats(logits, k=writer.k)
+        z = bf16_to_f32(rows) if rows.dtype == np.uint16 else rows
+        st = M.row_stats(z, k=writer.k)
         return {"topk": {"ids": st["topk_ids"], "logprobs": st["topk_logprobs"], "logsumexp": st["logsumexp"],
                          "tail_mass": st["tail_mass"], "entropy": st["entropy"]}}
-    return {"logits": logits}
+    return {"logits": rows}
+
+
+def _write_scored(source: Source, writer: RunWriter, run_items: list[RunItem], pairs: list, chunk_bytes: int | None,
+                  progress: Callable[[int], None] | None, skip: set[str] = frozenset()) -> None:
+    """Score ``pairs`` (prompt, teacher) at each item's positions and hand every block to
+    the writer as it comes: memory is a block and the writer's chunk, not an output.
+    Items in ``skip`` (already on disk) are scored with their batch mates, not written."""
+    positions = [it.positions for it in run_items]
+    cur = -1
+
+    def advance_to(k: int) -> None:
+        nonlocal cur
+        while cur < k:
+            if cur >= 0 and run_items[cur].id not in skip:
+                writer.end_item()
+                if progress:
+                    progress(1)
+            cur += 1
+            if cur < len(run_items) and run_items[cur].id not in skip:
+                writer.begin_item(run_items[cur])
+
+    for b in source.score_blocks(pairs, positions, chunk_bytes=chunk_bytes):
+        advance_to(b.pair)
+        it = run_items[b.pair]
+        if it.id in skip:
+            continue
+        n = (b.rows["ids"] if isinstance(b.rows, dict) else b.rows).shape[0]
+        next_tokens = it.next_tokens[b.t0 : b.t0 + n] if writer.compact else None
+        writer.add_rows(**_rows_for_store(writer, b.rows, next_tokens))
+    advance_to(len(run_items))
 
 
 def _source_meta(source: Source) -> dict:
@@ -156,7 +204,7 @@ def _store_for(source: Source, store: str) -> str:
     return store
 
 
-def _writer(source: Source, out, store: str, resume: bool, settings: dict) -> RunWriter:
+def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk_bytes: int | None = None) -> RunWriter:
     return RunWriter(
         out,
         source=_source_meta(source),
@@ -164,9 +212,12 @@ def _writer(source: Source, out, store: str, resume: bool, settings: dict) -> Ru
         tokenizer_hash=source.tokenizer_hash,
         store=store,
         dtype=getattr(source, "logits_dtype", "float32"),
-        settings={**settings, "distributions": "teacher-forced prefill over prompt + teacher"},
+        settings={**settings, "distributions": "teacher-forced prefill over prompt + teacher",
+                  "source_dtype": "served top-K logprobs" if getattr(source, "distribution", "full") == "topk"
+                  else getattr(source, "logits_dtype", "float32")},
         resume=resume,
         vocab=None if resume else _vocab(source),
+        chunk_bytes=chunk_bytes,
     )
 
 
@@ -192,9 +243,12 @@ def capture_reference(
     progress: Callable[[int], None] | None = None,
     batch: int = SCORE_BATCH,
     inputs: Sequence[str | Path] = (),
+    chunk_bytes: int | None = None,
 ) -> Path:
-    """Greedy generation (the teacher sequence), then teacher-forced distributions, scored
-    in the blocks of :func:`batch_blocks` (a resumed block is rescored whole).
+    """Greedy generation (the teacher sequence, token ids only), then one streamed
+    teacher-forced scoring per block of :func:`batch_blocks` whose row blocks go straight
+    to the writer (a resumed block is generated and scored whole, written only where
+    missing: the same batch mates as a clean capture).
 
     ``out`` is guarded and locked (:mod:`logitdiff.outputs`); ``inputs`` are paths the
     capture reads (the workload), which ``out`` must not be, hold or sit inside."""
@@ -205,13 +259,13 @@ def capture_reference(
     # Render every item first: a prompt the source refuses (too long, bad template) is a
     # one-line error before any RUN file exists, not a half-written run.
     rendered = {it.id: source.render(it) for it in items}
-    settings = {"role": "reference", "max_tokens": max_tokens, "positions": positions, "decoding": "greedy (temperature 0)",
-                **(settings or {}), **_layout(source, batch)}
+    settings = {"role": "reference", "max_tokens": max_tokens, "positions": positions, **_sampling(positions),
+                "decoding": "greedy (temperature 0)", **(settings or {}), **_layout(source, batch)}
     with writing(out, Kind.RUN, inputs=inputs, overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
-        writer = _writer(source, path, store, resume, settings)
+        writer = _writer(source, path, store, resume, settings, chunk_bytes)
         try:
             _reference_rows(writer, source, items, rendered, max_tokens=max_tokens, positions=positions, resume=resume,
-                            progress=progress, batch=batch)
+                            progress=progress, batch=batch, chunk_bytes=chunk_bytes)
         except BaseException:
             _close_quietly(writer)
             raise
@@ -223,7 +277,8 @@ def check_resume_flags(resume: bool, overwrite: bool) -> None:
         raise LogitdiffError("--resume and --overwrite exclude each other: continue the run, or replace it")
 
 
-def _reference_rows(writer: RunWriter, source: Source, items, rendered, *, max_tokens, positions, resume, progress, batch) -> None:
+def _reference_rows(writer: RunWriter, source: Source, items, rendered, *, max_tokens, positions, resume, progress, batch,
+                    chunk_bytes) -> None:
     done = _done_ids(writer, resume, batch)
     stored = _stored_items(writer.path, items, done, batch)
     if progress and done:
@@ -232,32 +287,25 @@ def _reference_rows(writer: RunWriter, source: Source, items, rendered, *, max_t
         group = [items[k] for k in block]
         if all(it.id in done for it in group):
             continue
-        gens = []
-        for it in group:
+        prompts = [rendered[it.id] for it in group]
+        gens = source.generate_many(prompts, [max_tokens or it.max_tokens or DEFAULT_MAX_TOKENS for it in group])
+        with_ids = [it.id for it in group]
+        run_items = []
+        for it, prompt_ids, gen in zip(group, prompts, gens):
             if it.id in done:  # scored again with its block, not written again
-                gens.append((it, stored[it.id].prompt_ids, None, stored[it.id].teacher_ids))
+                run_items.append(stored[it.id])
                 continue
-            prompt_ids = rendered[it.id]
-            mt = max_tokens or it.max_tokens or DEFAULT_MAX_TOKENS
-            gen = source.generate(prompt_ids, mt)
             if not gen.token_ids:
                 raise LogitdiffError(f"item {it.id!r}: the reference generated no token")
-            gens.append((it, prompt_ids, gen, gen.token_ids))
-        scored = source.score_many([(p, t) for _, p, _, t in gens])
-        with_ids = [it.id for it in group]
-        for (it, prompt_ids, gen, _), logits in zip(gens, scored):
-            if gen is None:
-                continue
-            pos = select_positions(len(gen.token_ids), positions, it.id)
-            run_item = RunItem(
-                id=it.id, prompt_ids=list(prompt_ids), teacher_ids=list(gen.token_ids), positions=pos,
+            run_items.append(RunItem(
+                id=it.id, prompt_ids=list(prompt_ids), teacher_ids=list(gen.token_ids),
+                positions=select_positions(len(gen.token_ids), positions, it.id),
                 tags=list(it.tags), prompt=it.prompt if it.prompt is not None else it.messages,
                 extra={"item": it.to_json(), "stopped_by": gen.stopped_by, "text": source.detokenize(gen.token_ids),
                        "scored_with": with_ids},
-            )
-            writer.add(run_item, **_rows_for_store(writer, _select(logits, pos), run_item.next_tokens))
-            if progress:
-                progress(1)
+            ))
+        _write_scored(source, writer, run_items, [(it.prompt_ids, it.teacher_ids) for it in run_items], chunk_bytes,
+                      progress, skip=done)
     writer.finish()
 
 
@@ -323,6 +371,7 @@ def capture_candidate(
     batch: int = SCORE_BATCH,
     shard: str | tuple[int, int] | None = None,
     settings: dict | None = None,
+    chunk_bytes: int | None = None,
 ) -> Path:
     """Teacher-forced capture at exactly the reference's positions, scored in the blocks of
     :func:`batch_blocks` (of one shard: blocks k of ``batch`` items with k mod n == i, see
@@ -332,11 +381,13 @@ def capture_candidate(
     store = _store_for(source, store)
     pairs = verified_prompts(source, teacher, shard=shard, block=batch)
     settings = {"role": "candidate", "teacher": str(teacher.path), "teacher_manifest_sha256": _manifest_sha256(teacher),
-                "positions": teacher.manifest["settings"].get("positions"), **(settings or {}), **_layout(source, batch)}
+                "positions": teacher.manifest["settings"].get("positions"),
+                **{k: v for k, v in teacher.manifest["settings"].items() if k == "positions_sampling"},
+                **(settings or {}), **_layout(source, batch)}
     with writing(out, Kind.RUN, inputs=[teacher.path], overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
-        writer = _writer(source, path, store, resume, settings)
+        writer = _writer(source, path, store, resume, settings, chunk_bytes)
         try:
-            _candidate_rows(writer, source, pairs, resume=resume, progress=progress, batch=batch)
+            _candidate_rows(writer, source, pairs, resume=resume, progress=progress, batch=batch, chunk_bytes=chunk_bytes)
         except BaseException:
             _close_quietly(writer)
             raise
@@ -348,7 +399,7 @@ def _manifest_sha256(run: RunReader) -> str:
     return hashlib.sha256((Path(run.path) / "manifest.json").read_bytes()).hexdigest()
 
 
-def _candidate_rows(writer: RunWriter, source: Source, pairs, *, resume, progress, batch) -> None:
+def _candidate_rows(writer: RunWriter, source: Source, pairs, *, resume, progress, batch, chunk_bytes) -> None:
     done = _done_ids(writer, resume, batch)
     if progress and done:
         progress(sum(it.id in done for it, _ in pairs))
@@ -356,50 +407,47 @@ def _candidate_rows(writer: RunWriter, source: Source, pairs, *, resume, progres
         group = [pairs[k] for k in block]
         if all(it.id in done for it, _ in group):
             continue
-        scored = source.score_many([(p, it.teacher_ids) for it, p in group])  # done items too: same batch mates
         with_ids = [it.id for it, _ in group]
-        for (it, p), logits in zip(group, scored):
-            if it.id in done:
-                continue
-            ci = RunItem(id=it.id, prompt_ids=p, teacher_ids=list(it.teacher_ids), positions=list(it.positions),
-                         tags=list(it.tags), prompt=it.prompt,
-                         extra={**{k: v for k, v in it.extra.items() if k == "item"}, "scored_with": with_ids})
-            writer.add(ci, **_rows_for_store(writer, _select(logits, it.positions), ci.next_tokens))
-            if progress:
-                progress(1)
+        run_items = [RunItem(id=it.id, prompt_ids=p, teacher_ids=list(it.teacher_ids), positions=list(it.positions),
+                             tags=list(it.tags), prompt=it.prompt,
+                             extra={**{k: v for k, v in it.extra.items() if k == "item"}, "scored_with": with_ids})
+                     for it, p in group]
+        # done items are scored too (same batch mates as a clean capture), not written again
+        _write_scored(source, writer, run_items, [(p, it.teacher_ids) for it, p in group], chunk_bytes, progress, skip=done)
     writer.finish()
 
 
 class LiveRun:
     """A candidate scored on demand against a reference run, nothing stored.
 
-    Quacks like :class:`RunReader` for :func:`logitdiff.compare.compare_runs`. Items are
-    scored in the blocks of :func:`batch_blocks` (``offset`` shifts every boundary: the
-    noise floor's rerun with another batch composition).
+    Quacks like :class:`RunReader` for :func:`logitdiff.compare.compare_runs`: its
+    ``row_blocks`` streams the source's blocks, so a live compare holds a block, not an
+    item, of candidate rows. Items are scored in the blocks of :func:`batch_blocks`
+    (``offset`` shifts every boundary: the noise floor's rerun with other batch mates).
     """
 
     is_partial = False
 
-    def __init__(self, source: Source, teacher: RunReader, *, batch: int = SCORE_BATCH, offset: int = 0):
+    def __init__(self, source: Source, teacher: RunReader, *, batch: int = SCORE_BATCH, offset: int = 0,
+                 chunk_bytes: int | None = None):
         self.source = source
         # Served sources return top-K ids + logprobs per position instead of full logits.
         self.k = int(source.top_k) if getattr(source, "distribution", "full") == "topk" else 0
         self.teacher = teacher
         self.batch = batch
         self.offset = offset
+        self.chunk_bytes = chunk_bytes
         self._pairs = verified_prompts(source, teacher)
-        self._order = {it.id: i for i, (it, _) in enumerate(self._pairs)}
-        self._blocks = batch_blocks(len(self._pairs), batch, offset)
-        self._starts = [b.start for b in self._blocks]
-        self._cache: dict[str, np.ndarray] = {}
+        self._layout_blocks = batch_blocks(len(self._pairs), batch, offset)
         self.path = source.spec
         self.vocab_size = source.vocab_size
         self.tokenizer_hash = source.tokenizer_hash
+        self.dtype = getattr(source, "logits_dtype", "float32")
         self.manifest = {
             "source": _source_meta(source),
             "status": "complete",
             "tokenizer_hash": source.tokenizer_hash,
-            "settings": {"store": f"topk:{self.k}" if self.k else "full", "live": True, "dtype": getattr(source, "logits_dtype", "float32"),
+            "settings": {"store": f"topk:{self.k}" if self.k else "full", "live": True, "dtype": self.dtype,
                          **_layout(source, batch), **({"batch_offset": offset} if offset else {})},
             "n_items": len(self._pairs),
             "n_positions": sum(len(it.positions) for it, _ in self._pairs),
@@ -411,21 +459,34 @@ class LiveRun:
     def vocab(self):
         return None
 
-    def _rows(self, item: RunItem):
-        if item.id not in self._cache:
-            i = self._order[item.id]
-            block = self._blocks[bisect.bisect_right(self._starts, i) - 1]
+    def _blocks(self, items: list[RunItem]):
+        """Rows of ``items`` (a subsequence of the teacher's items, in order), scored in the
+        layout's blocks with all their batch mates; rows of other items are dropped."""
+        wanted = {it.id for it in items}
+        for block in self._layout_blocks:
             group = self._pairs[block.start : block.stop]
-            scored = self.source.score_many([(p, it.teacher_ids) for it, p in group])
-            self._cache = {it.id: _select(lg, it.positions) for (it, _), lg in zip(group, scored)}
-        return self._cache.pop(item.id)
+            if not any(it.id in wanted for it, _ in group):
+                continue
+            pairs = [(p, it.teacher_ids) for it, p in group]
+            for b in self.source.score_blocks(pairs, [it.positions for it, _ in group], chunk_bytes=self.chunk_bytes):
+                if group[b.pair][0].id in wanted:
+                    yield b.rows
+
+    def row_blocks(self, items, rows: int, *, raw: bool = False):
+        """The candidate's rows at the items' positions, as ``RunReader.row_blocks``."""
+        for b in reblock(self._blocks(list(items)), rows):
+            if not isinstance(b, dict) and b.dtype == np.uint16 and not raw:
+                b = bf16_to_f32(b)
+            yield b
 
     def logits(self, item: RunItem) -> np.ndarray:
         if self.k:
             raise LogitdiffError(f"{self.path}: a top-{self.k} source has no full logits")
-        return self._rows(item)
+        blocks = list(self.row_blocks([item], max(1, len(item.positions))))
+        return blocks[0] if blocks else np.zeros((0, self.vocab_size), np.float32)
 
     def topk(self, item: RunItem) -> dict:
         if not self.k:
             raise LogitdiffError(f"{self.path}: a full-logits source, not top-K")
-        return self._rows(item)
+        blocks = list(self.row_blocks([item], max(1, len(item.positions))))
+        return blocks[0] if blocks else {"ids": np.zeros((0, self.k), np.int64), "logprobs": np.zeros((0, self.k))}

@@ -67,7 +67,7 @@ def cmd_compare(args) -> int:
     from .outputs import Kind, check_output
     from .report import build_report, write_report_dir
     from .report.markdown import render_markdown
-    from .store import RunReader
+    from .store import RunReader, parse_chunk_size
     from .summarize import parse_ranges
 
     # Every argument and input is checked before anything is computed or written.
@@ -79,6 +79,7 @@ def cmd_compare(args) -> int:
     check_bootstrap(args.bootstrap)
     check_at_least("--top-logprobs", args.top_logprobs, 1)
     check_device(args.device)
+    chunk_bytes = parse_chunk_size(args.chunk_size)
     live = not Path(args.candidate).exists() and ":" in args.candidate
     inputs = [args.reference, args.noise_floor] + ([] if live else [args.candidate])
     check_output(args.out, Kind.REPORT, inputs=inputs)
@@ -94,7 +95,7 @@ def cmd_compare(args) -> int:
         from .sources import open_source
 
         live_source = open_source(args.candidate)
-        cand = LiveRun(live_source, ref)
+        cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
     else:
         cand = RunReader(args.candidate, allow_partial=args.allow_partial)
     noise_run = RunReader(args.noise_floor, allow_partial=args.allow_partial) if args.noise_floor else None
@@ -106,7 +107,7 @@ def cmd_compare(args) -> int:
         from .pipeline import identical_distributions
 
         nf_run = noise_run
-        nf = compare_runs(ref, nf_run, top_logprobs=args.top_logprobs)
+        nf = compare_runs(ref, nf_run, top_logprobs=args.top_logprobs, chunk_bytes=chunk_bytes)
         # Any rerun of the reference works; one with other batch mates (capture --batch N) is
         # the floor of a deterministic backend, whose plain rerun is bit-identical.
         rerun = f"rerun {nf_run.path} ({layout_text(nf_run.manifest.get('settings') or {})}; reference {layout_text(ref.manifest.get('settings') or {})})"
@@ -119,7 +120,7 @@ def cmd_compare(args) -> int:
     with prog:
         comp = compare_runs(
             ref, cand, top_logprobs=args.top_logprobs, allow_partial=args.allow_partial, progress=advance,
-            device=args.device,
+            device=args.device, chunk_bytes=chunk_bytes,
         )
     report, columns = build_report(
         comp, ranges=ranges, n_boot=args.bootstrap, seed=args.seed, include_rows=not args.no_rows, noise_floor=noise
@@ -238,7 +239,7 @@ def cmd_capture(args) -> int:
     from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
     from .outputs import Kind, check_output
     from .sources import open_source
-    from .store import RunReader, parse_store
+    from .store import RunReader, parse_chunk_size, parse_store
 
     if args.teacher and args.workload:
         raise LogitdiffError("--teacher and --workload exclude each other: a candidate capture takes its items from the teacher run")
@@ -254,6 +255,7 @@ def cmd_capture(args) -> int:
     batch = SCORE_BATCH if args.batch is None else args.batch
     if batch < 1:
         raise LogitdiffError(f"--batch {batch}: must be at least 1")
+    chunk_bytes = parse_chunk_size(args.chunk_size)
     # a shard holds whole scoring blocks: its items keep the batch mates of an unsharded capture
     extra = {"shard": args.shard, "shard_block": batch} if shard else {}
     if args.teacher:
@@ -264,7 +266,7 @@ def cmd_capture(args) -> int:
             prog, advance = _progress(len(shard_items(teacher.items(), shard, block=batch)), f"scoring {args.spec}")
             with prog:
                 capture_candidate(src, teacher, args.out, store=args.store, resume=args.resume, overwrite=args.overwrite,
-                                  progress=advance, shard=shard, settings=extra, batch=batch)
+                                  progress=advance, shard=shard, settings=extra, batch=batch, chunk_bytes=chunk_bytes)
     else:
         import hashlib
 
@@ -282,7 +284,7 @@ def cmd_capture(args) -> int:
                 capture_reference(src, items, args.out, max_tokens=args.max_tokens, store=args.store, positions=args.positions,
                                   resume=args.resume, overwrite=args.overwrite,
                                   settings={"workload": wl, "workload_sha256": wl_hash, **extra}, progress=advance, inputs=[wl],
-                                  batch=batch)
+                                  batch=batch, chunk_bytes=chunk_bytes)
     _console().print(f"wrote RUN {args.out}")
     return 0
 
@@ -411,6 +413,7 @@ def cmd_import_npz(args) -> int:
 # ----------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from .outputs import REPORT_NAMES_HELP
+    from .store import CHUNK_SIZE_HELP
 
     p = argparse.ArgumentParser(
         prog="logitdiff",
@@ -452,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-rows", action="store_true", help="omit per-position rows from report.json (tokens.parquet keeps them)")
     c.add_argument("--device", default=None, help="torch device for the metrics: cpu, cuda or cuda:N (default: cpu)")
     c.add_argument("--fail-on", metavar="GATES", help=FAIL_ON_HELP)
+    c.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
     c.set_defaults(func=cmd_compare)
 
     imp = sub.add_parser("import", help="import another tool's logits into a RUN", description="Import another tool's logits into a RUN directory.")
@@ -492,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
             "with --resume."
         ),
         epilog=(
-            "SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda] | gguf:PATH[,n_ctx=N][,threads=N] | "
+            "SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda][,batch=N][,prefill=N] | gguf:PATH[,n_ctx=N][,threads=N] | "
             "openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K][,tokenizer=PATH] | "
             "builtin:tiny | builtin:tiny-Q4_K_M ...  "
             "vLLM: start it with --max-logprobs K and, for speed, --skip-tokenizer-init (then pass tokenizer=PATH); "
@@ -510,7 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "kept as exact top entries, a quantised band and exact tail mass: candidates compare against it with "
                           "proven KL bounds; docs/bounds.md) (default: %(default)s)")
     cap.add_argument("--positions", default="all",
-                     help="all | first | sample:FRAC with 0 < FRAC <= 1 — output positions kept (reference capture; default: %(default)s)")
+                     help="all | first | sample:FRAC[:SEED] with 0 < FRAC <= 1 — output positions kept (reference capture; "
+                          "default: %(default)s); only those are scored, so sampling saves memory and time as well as disk")
     cap.add_argument("--resume", action="store_true",
                      help="continue a partial capture in --out; refused unless spec, model identity (weight hashes), tokenizer, "
                      "workload hash and every setting match the run's manifest (the first differing field is named)")
@@ -525,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "A rerun of the reference with another N is a noise floor for `compare --noise-floor`")
     cap.add_argument("--endpoint", action="append", default=[], metavar="URL",
                      help="another replica of an openai: server, shared round-robin (repeatable)")
+    cap.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
     cap.set_defaults(func=cmd_capture)
 
     from .served_cli import add_commands as add_served_commands

@@ -15,10 +15,10 @@ import numpy as np
 
 from . import metrics as M
 from .errors import LogitdiffError
-from .store import RunItem, RunReader, first_difference
+from .store import RunItem, RunReader, first_difference, rows_per_block
 
 TOPK_DESCRIPTION = (
-    "Approximate KL(P_bf16 || P_quant) over next-token top-K distributions. Missing candidate "
+    "Approximate KL(P_{ref} || P_{cand}) over next-token top-K distributions. Missing candidate "
     "top-K tokens receive candidate tail_mass/(vocab_size - K). A single explicit tail bucket is included."
 )
 COMPACT_DESCRIPTION = (
@@ -43,6 +43,34 @@ LLAMACPP_BOUNDS = (
 )
 # what compare does for what the two runs hold (docs/bounds.md, section 5)
 METHOD_OF_KIND = {"full_vocab": "exact", "compact": "compact-bounded", "top_k": "topk-bounded"}
+
+
+def run_dtype(run) -> str:
+    """What a run's distributions are, in words: the logits dtype (stored, or of the source
+    for a top-K store), with the GGUF file type when there is one; served top-K logprobs
+    say so; "unknown" when the run does not tell (imports)."""
+    settings = run.manifest.get("settings") or {}
+    ident = (run.manifest.get("source") or {}).get("identity") or {}
+    d = settings.get("dtype") or settings.get("source_dtype") or ident.get("logits_dtype") or ident.get("dtype")
+    if not d:
+        return "unknown"
+    return f"{d} logits of GGUF {ident['file_type']}" if ident.get("file_type") else str(d)
+
+
+def topk_description(ref, cand) -> str:
+    """The seed's method text, naming what the two sides really are (not always bf16 vs a quant)."""
+    return TOPK_DESCRIPTION.format(ref=run_dtype(ref), cand=run_dtype(cand))
+
+
+def positions_sampling(run) -> dict | None:
+    """``--positions`` of a sampled capture: mode, fraction, seed and rule; None for all."""
+    settings = run.manifest.get("settings") or {}
+    mode = settings.get("positions")
+    if not mode or mode == "all":
+        return None
+    out = {"mode": mode}
+    out.update(settings.get("positions_sampling") or {})
+    return out
 FULL_DESCRIPTION = (
     "Exact KL(P_ref || P_cand), reverse KL and Jensen-Shannon divergence over the full vocabulary, "
     "in float64 after log_softmax of the captured logits, per teacher-forced output position. "
@@ -128,25 +156,24 @@ def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = F
     return pairs_r, pairs_c, notes
 
 
-def _batches(items_r, items_c, max_rows: int):
-    batch_r, batch_c, rows = [], [], 0
-    for r, c in zip(items_r, items_c):
-        batch_r.append(r)
-        batch_c.append(c)
-        rows += len(r.positions)
-        if rows >= max_rows:
-            yield batch_r, batch_c
-            batch_r, batch_c, rows = [], [], 0
-    if batch_r:
-        yield batch_r, batch_c
+def _topk_blocks(run, items, rows: int, k: int):
+    """(ids [r, k], logprobs [r, k]) blocks of one side: stored top-K sliced to k, or the
+    exact top-k of full rows, reduced a block at a time."""
+    for b in run.row_blocks(items, rows):
+        if isinstance(b, dict):
+            yield b["ids"][:, :k], b["logprobs"][:, :k]
+        else:
+            st = M.row_stats(b, k=k)
+            yield st["topk_ids"], st["topk_logprobs"]
 
 
-def _topk_of(reader: RunReader, item: RunItem, k: int) -> tuple[np.ndarray, np.ndarray]:
-    if reader.k:
-        d = reader.topk(item)
-        return d["ids"][:, :k], d["logprobs"][:, :k]
-    st = M.row_stats(np.asarray(reader.logits(item)), k=k)
-    return st["topk_ids"], st["topk_logprobs"]
+def _owner(items: list[RunItem], row: int) -> tuple[RunItem, int]:
+    """The item holding global row ``row`` of a row stream over ``items``, and its index."""
+    for it in items:
+        if row < len(it.positions):
+            return it, row
+        row -= len(it.positions)
+    raise IndexError(row)
 
 
 def compare_runs(
@@ -160,7 +187,11 @@ def compare_runs(
     device=None,
     progress: Callable[[int], None] | None = None,
     max_batch_rows: int | None = None,
+    chunk_bytes: int | None = None,
 ) -> Comparison:
+    """Stream both runs through the metrics in blocks of rows that cross item boundaries
+    (``max_batch_rows``, default: a chunk of float32 rows): memory is a few blocks plus the
+    per-position columns, whatever the output lengths and the vocabulary."""
     items_r, items_c, notes = check_comparable(ref, cand, allow_partial=allow_partial)
     vocab = ref.vocab() or cand.vocab()
     V = ref.vocab_size
@@ -174,34 +205,32 @@ def compare_runs(
         k_eff = min(top_logprobs, ref.compact.exact, V)
         overlap_k = min(overlap_k, ref.compact.exact)
     if max_batch_rows is None:
-        max_batch_rows = max(1, (256 << 20) // (V * 4 * 2))
+        max_batch_rows = rows_per_block(V, chunk_bytes)
     cols: dict[str, list] = {}
 
     def push(name, arr):
         cols.setdefault(name, []).append(np.asarray(arr))
 
-    for br, bc in _batches(items_r, items_c, max_batch_rows):
-        item_ids = np.concatenate([[it.id] * len(it.positions) for it in br]) if br else np.array([])
-        positions = np.concatenate([np.asarray(it.positions, dtype=np.int64) for it in br])
-        next_tok = np.concatenate([it.next_tokens for it in br])
-        push("item_id", item_ids.astype(object))
-        push("position", positions)
-        push("token_id", next_tok)
-        if kind == "compact":
-            _compact_batch(push, ref, cand, br, bc, next_tok, k_eff, min(overlap_k, V), eps)
-        elif kind == "full_vocab":
-            zr = np.concatenate([np.asarray(ref.logits(it)) for it in br])
-            zc = np.concatenate([np.asarray(cand.logits(it)) for it in bc])
+    push("item_id", np.concatenate([np.array([it.id] * len(it.positions), dtype=object) for it in items_r]))
+    push("position", np.concatenate([np.asarray(it.positions, dtype=np.int64) for it in items_r]))
+    next_all = np.concatenate([it.next_tokens for it in items_r])
+    push("token_id", next_all)
+    a = 0
+    if kind == "compact":
+        # a compact reference against a full candidate, item groups of about a block of rows
+        for br, bc in _batches(items_r, items_c, max_batch_rows):
+            b = a + sum(len(it.positions) for it in br)
+            _compact_batch(push, ref, cand, br, bc, next_all[a:b], k_eff, min(overlap_k, V), eps)
+            if progress:
+                progress(b - a)
+            a = b
+    elif kind == "full_vocab":
+        for zr, zc in zip(ref.row_blocks(items_r, max_batch_rows), cand.row_blocks(items_c, max_batch_rows)):
+            b = a + len(zr)
             try:
-                m = M.full_vocab(zr, zc, next_tok, k=min(overlap_k, V), top_k_out=k_eff, device=device)
+                m = M.full_vocab(zr, zc, next_all[a:b], k=min(overlap_k, V), top_k_out=k_eff, device=device)
             except M.NonFiniteLogits as e:
-                owner = br[0] if len(br) == 1 else None
-                row = e.row
-                for it in br:
-                    if row < len(it.positions):
-                        owner = it
-                        break
-                    row -= len(it.positions)
+                owner, row = _owner(items_r, a + e.row)
                 run = ref if e.side == "reference" else cand
                 raise LogitdiffError(
                     f"{run.path}: item {owner.id!r} has NaN/inf logits at output position {owner.positions[row]}"
@@ -219,14 +248,13 @@ def compare_runs(
             push("kl_topk_nats", t["kl_nats"])
             _push_tops(push, ir, lr, ic, lc)
             del zr, zc
-        else:
-            ids_r, lp_r, ids_c, lp_c = [], [], [], []
-            for r, c in zip(br, bc):
-                a, b = _topk_of(ref, r, k_eff)
-                ids_r.append(a), lp_r.append(b)
-                a, b = _topk_of(cand, c, k_eff)
-                ids_c.append(a), lp_c.append(b)
-            ir, lr, ic, lc = (np.concatenate(x) for x in (ids_r, lp_r, ids_c, lp_c))
+            a = b
+            if progress:
+                progress(len(ir))
+    else:
+        for (ir, lr), (ic, lc) in zip(_topk_blocks(ref, items_r, max_batch_rows, k_eff), _topk_blocks(cand, items_c, max_batch_rows, k_eff)):
+            b = a + len(ir)
+            next_tok = next_all[a:b]
             try:
                 t = M.topk(ir, lr, ic, lc, V, eps=eps)
             except ValueError as e:
@@ -254,13 +282,17 @@ def compare_runs(
             top2 = np.sort(np.exp(lr), axis=1)[:, ::-1]
             push("margin_ref", top2[:, 0] - (top2[:, 1] if top2.shape[1] > 1 else 0.0))
             _push_tops(push, ir, lr, ic, lc)
-        if progress:
-            progress(len(positions))
+            a = b
+            if progress:
+                progress(len(ir))
+    if a != len(next_all):
+        raise LogitdiffError(f"{ref.path} vs {cand.path}: read {a} rows for {len(next_all)} scored positions (truncated run)")
 
     columns = {k: np.concatenate(v) for k, v in cols.items()}
     tags_per_item = {it.id: list(it.tags) for it in items_r}
     method = {
-        "description": {"full_vocab": FULL_DESCRIPTION, "compact": COMPACT_DESCRIPTION}.get(kind, TOPK_DESCRIPTION + TOPK_BOUNDS),
+        "description": (FULL_DESCRIPTION if kind == "full_vocab" else COMPACT_DESCRIPTION if kind == "compact"
+                        else topk_description(ref, cand) + TOPK_BOUNDS),
         "kind": kind,
         "bounds": "llamacpp-base-bounded" if bounded_import else METHOD_OF_KIND[kind],
         "epsilon": eps,
@@ -269,9 +301,21 @@ def compare_runs(
         "topk_overlap_k": int(min(overlap_k, V)) if kind in ("full_vocab", "compact") else None,
         "log": "natural (nats); every *_nats figure has a *_bits twin = nats / ln 2",
         "precision": "float64 after log_softmax",
+        "reference_dtype": run_dtype(ref),
+        "candidate_dtype": run_dtype(cand),
     }
     if bounded_import:
         method["description"] += LLAMACPP_BOUNDS
+    sampling = positions_sampling(ref)
+    if sampling:
+        method["positions"] = sampling
+        total = sum(len(it.teacher_ids) for it in items_r)
+        seed = sampling.get("seed")
+        notes.append(
+            f"sampled: --positions {sampling['mode']} scored {len(next_all):,} of {total:,} output positions"
+            + (f" (fraction {sampling['fraction']}, seed {'default' if seed is None else seed}: {sampling['rule']})"
+               if "fraction" in sampling else "")
+        )
     comp = Comparison(kind=kind, columns=columns, items=items_r, ref=ref, cand=cand, method=method, vocab=vocab, notes=notes)
     comp.tags_per_item = tags_per_item  # type: ignore[attr-defined]
     return comp
@@ -288,6 +332,20 @@ def select_kind(ref, cand) -> str:
                                  "no bounded method for that pair; capture the candidate with --store full")
         return "compact"
     return "top_k" if (ref.k or cand.k) else "full_vocab"
+
+
+def _batches(items_r, items_c, max_rows: int):
+    """Item groups of about ``max_rows`` rows (for the compact reference, read by item)."""
+    batch_r, batch_c, rows = [], [], 0
+    for r, c in zip(items_r, items_c):
+        batch_r.append(r)
+        batch_c.append(c)
+        rows += len(r.positions)
+        if rows >= max_rows:
+            yield batch_r, batch_c
+            batch_r, batch_c, rows = [], [], 0
+    if batch_r:
+        yield batch_r, batch_c
 
 
 def _compact_batch(push, ref, cand, br, bc, next_tok, k_eff, overlap_k, eps) -> None:

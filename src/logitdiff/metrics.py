@@ -727,9 +727,7 @@ def topk(
     tail_q = np.maximum(1.0 - cand_mass, 0.0)
     k_q = valid_q.sum(1)
     # For each reference top-K id: is it in the candidate's top-K, and with which q?
-    eq = (ref_ids[:, :, None] == cand_ids[:, None, :]) & valid_p[:, :, None] & valid_q[:, None, :]
-    in_q = eq.any(2)
-    q_at_p = np.where(in_q, (eq * q[:, None, :]).sum(2), 0.0)
+    in_q, q_at_p = _lookup(ref_ids, valid_p, cand_ids, valid_q, q)
     denom = np.maximum(vocab_size - k_q, 1)
     qhat = np.where(in_q, q_at_p, (tail_q / denom)[:, None])
     qhat = np.where(valid_p, qhat, 0.0)
@@ -753,6 +751,30 @@ def topk(
         "top1_ref": top1_p,
         "top1_cand": top1_q,
     }
+
+
+def _lookup(ref_ids, valid_p, cand_ids, valid_q, q):
+    """Per row: is each valid reference id among the row's valid candidate ids (``in_q``
+    [N, K]), and the candidate's probability there (``q_at_p``, 0 elsewhere).
+
+    By one sort of row-offset keys and a binary search: O(N K log(N K)) time and O(N K)
+    memory (a [N, K, K] comparison is 17 GB of float64 at K = 1,024). Top-K ids of a row are
+    distinct, so there is at most one match."""
+    n, k = ref_ids.shape
+    kc = cand_ids.shape[1]
+    if n == 0 or k == 0 or kc == 0:
+        return np.zeros((n, k), bool), np.zeros((n, k))
+    span = int(max(ref_ids.max(), cand_ids.max(), 0)) + 2  # ids < span - 1; span - 1 marks absent
+    off = np.arange(n, dtype=np.int64)[:, None] * span
+    ckey = np.where(valid_q, cand_ids, span - 1) + off
+    order = np.argsort(ckey, axis=1, kind="stable")
+    ckey = np.take_along_axis(ckey, order, 1).ravel()  # sorted across rows too: rows are offset
+    qs = np.take_along_axis(q, order, 1).ravel()
+    rkey = (ref_ids + off).ravel()
+    at = np.minimum(np.searchsorted(ckey, rkey), ckey.size - 1)
+    in_q = ((ckey[at] == rkey) & valid_p.ravel()).reshape(n, k)
+    # an absent candidate entry (key span - 1 of its row) never matches a valid reference id
+    return in_q, np.where(in_q, qs[at].reshape(n, k), 0.0)
 
 
 def _top1_of(ids: np.ndarray, lps: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ import numpy as np
 from . import metrics as M
 from .errors import LogitdiffError
 from .outputs import Kind, check_output, writing
-from .store import RunReader, RunWriter
+from .store import RunReader, RunWriter, rows_per_block
 
 # settings that may differ between shards of one capture
 _SHARD_KEYS = {"shard", "endpoint", "endpoints"}
@@ -76,7 +76,7 @@ def _comparable_settings(run: RunReader) -> dict:
     return {k: v for k, v in (run.manifest.get("settings") or {}).items() if k not in _SHARD_KEYS}
 
 
-def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool = False) -> Path:
+def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool = False, chunk_bytes: int | None = None) -> Path:
     """Merge complete shard runs into ``out``. Refuses partial runs, different vocabularies,
     tokenizers, stores or settings, duplicate items and incomplete shard sets."""
     if len(paths) < 1:
@@ -145,20 +145,23 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
         if len(specs) > 1:
             src["merged_specs"] = specs
         w = RunWriter(tmp, source=src, vocab_size=first.vocab_size, tokenizer_hash=first.tokenizer_hash, store=first.store,
-                      dtype=first.dtype or "float32", settings=settings, vocab=first.vocab())
+                      dtype=first.dtype or "float32", settings=settings, vocab=first.vocab(), chunk_bytes=chunk_bytes)
         from .store import RunItem
 
         try:
             for r, it in sequence:
                 ni = RunItem(id=it.id, prompt_ids=it.prompt_ids, teacher_ids=it.teacher_ids, positions=it.positions, tags=it.tags,
                              prompt=it.prompt, extra=it.extra)
-                if r.k:
-                    w.add(ni, topk={k: np.asarray(v) for k, v in r.topk(it).items()})
-                elif r.compact:
-                    w.add(ni, compact=r.compact_rows(it))
-                else:
-                    # bf16 runs read back as float32 and round-trip exactly to the same bf16 bits
-                    w.add(ni, logits=np.asarray(r.logits(it)))
+                # rows are copied a block at a time in their stored form (bf16 bits stay bits)
+                w.begin_item(ni)
+                for block in r.row_blocks([it], rows_per_block(first.vocab_size, chunk_bytes), raw=True):
+                    if r.k:
+                        w.add_rows(topk={k: np.asarray(v) for k, v in block.items()})
+                    elif r.compact:
+                        w.add_rows(compact=block)
+                    else:
+                        w.add_rows(logits=block)
+                w.end_item()
             w.finish({"merged": {"runs": [str(r.path) for r in runs], "shards": [s for s in shards if s is not None]}})
         except BaseException:
             try:
@@ -196,15 +199,18 @@ def _covered(lower, upper, exact) -> np.ndarray:
 
 
 def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float = 1e-12, max_batch_rows: int | None = None,
-               compact_specs: Sequence[str] = ()) -> dict:
+               compact_specs: Sequence[str] = (), chunk_bytes: int | None = None) -> dict:
     """Exact KL(P_ref || P_cand) vs the seed's top-K approximation at each K.
 
-    Both runs must hold full logits. Returns ``{"n", "vocab_size", "exact": {...}, "rows":
-    [{"k", "approx_mean", "approx_p95", "approx_max", "mean_abs_err", "max_abs_err",
-    "rel_err_of_mean", "median_rel_err", "top1_agreement", ..., "bounds": {...}}], "compact":
-    [...]}``. Every row also checks the proven intervals of docs/bounds.md against the exact
-    values: per K the top-K/top-K intervals (forward KL, reverse KL, JSD), per compact store
-    spec (``compact_specs``) the compact-reference intervals; ``coverage`` must be 1.0.
+    Both runs must hold full logits. Rows stream through in blocks that cross item
+    boundaries (``max_batch_rows``, default a chunk of float32 rows); each side's top-kmax is
+    taken per block, so memory is a few blocks plus per-position scalars. Returns ``{"n",
+    "vocab_size", "exact": {...}, "rows": [{"k", "approx_mean", "approx_p95", "approx_max",
+    "mean_abs_err", "max_abs_err", "rel_err_of_mean", "median_rel_err", "top1_agreement", ...,
+    "bounds": {...}}], "compact": [...]}``. Every row also checks the proven intervals of
+    docs/bounds.md against the exact values: per K the top-K/top-K intervals (forward KL,
+    reverse KL, JSD), per compact store spec (``compact_specs``) the compact-reference
+    intervals; ``coverage`` must be 1.0.
     """
     from . import bounds as Bd
     from . import compact as C
@@ -223,7 +229,7 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
         raise LogitdiffError(f"--k {over[0]} exceeds the vocabulary size {V}")
     kmax = max(ks)
     if max_batch_rows is None:
-        max_batch_rows = max(1, (128 << 20) // (V * 4 * 2))
+        max_batch_rows = rows_per_block(V, chunk_bytes)
     exact, top1 = [], []
     exact_rev, exact_jsd = [], []
     bnd: dict = {k: {d: ([], []) for d in Bd.DIVERGENCES} for k in ks}
@@ -231,13 +237,9 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
     approx: dict[int, list] = {k: [] for k in ks}
     approx_top1: dict[int, list] = {k: [] for k in ks}
     top_mass: dict[int, list] = {k: [] for k in ks}
-    batch_r, batch_c, rows = [], [], 0
-
-    def flush():
-        if not batch_r:
-            return
-        zr = np.concatenate([np.asarray(ref.logits(it), dtype=np.float32) for it in batch_r])
-        zc = np.concatenate([np.asarray(cand.logits(it), dtype=np.float32) for it in batch_c])
+    next_all = np.concatenate([it.next_tokens for it in items_r]) if items_r else np.zeros(0, np.int64)
+    a0 = 0
+    for zr, zc in zip(ref.row_blocks(items_r, max_batch_rows), cand.row_blocks(items_c, max_batch_rows)):
         # exact metrics and each side's top-kmax from one pass; every prefix is the top-k
         m = M.full_vocab(zr, zc, k=min(10, V), top_k_out=kmax)
         exact.append(m["kl_nats"])
@@ -257,7 +259,7 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
         if specs:
             # ~32 MiB of float64 rows at a time (the bounds hold a few [rows, V] arrays)
             step = max(1, (32 << 20) // (V * 8))
-            y = np.concatenate([it.next_tokens for it in batch_r])
+            y = next_all[a0 : a0 + zr.shape[0]]
             for a in range(0, zr.shape[0], step):
                 lq = _log_softmax(zc[a:a + step])
                 for sp in specs:
@@ -265,15 +267,7 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
                     for d in Bd.DIVERGENCES:
                         for j, arr in enumerate((ivs[d].lower, ivs[d].upper, ivs[d].estimate)):
                             cbnd[sp.text][d][j].append(arr)
-
-    for r, c in zip(items_r, items_c):
-        batch_r.append(r)
-        batch_c.append(c)
-        rows += len(r.positions)
-        if rows >= max_batch_rows:
-            flush()
-            batch_r, batch_c, rows = [], [], 0
-    flush()
+        a0 += zr.shape[0]
     ex = np.concatenate(exact) if exact else np.zeros(0)
     t1 = np.concatenate(top1) if top1 else np.zeros(0, bool)
     if ex.size == 0:

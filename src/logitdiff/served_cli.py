@@ -12,9 +12,9 @@ def cmd_merge(args) -> int:
     from rich.console import Console
 
     from .served import merge_runs
-    from .store import RunReader
+    from .store import RunReader, parse_chunk_size
 
-    out = merge_runs(args.runs, args.out, overwrite=args.overwrite)
+    out = merge_runs(args.runs, args.out, overwrite=args.overwrite, chunk_bytes=parse_chunk_size(args.chunk_size))
     r = RunReader(out)
     Console(stderr=True).print(f"wrote RUN {out} ({len(r.items())} items, {r.manifest['n_positions']} positions from {len(args.runs)} runs)")
     return 0
@@ -25,14 +25,15 @@ def cmd_topk_error(args) -> int:
     from rich.table import Table
 
     from .served import parse_ks, topk_error
-    from .store import RunReader
+    from .store import RunReader, parse_chunk_size
 
     from .outputs import TOPK_ERROR_SCHEMA, Kind, check_output, writing
 
     ks = parse_ks(args.k)
     if args.json:
         check_output(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b])
-    res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks, compact_specs=args.compact or ())
+    res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks, compact_specs=args.compact or (),
+                     chunk_bytes=parse_chunk_size(args.chunk_size))
     ex = res["exact"]
     t = Table(title=f"top-K approximation vs exact KL — {res['n']} positions, {res['items']} items, V={res['vocab_size']} (nats)")
     for col in ("K", "exact mean", "approx mean", "exact p95", "approx p95", "exact max", "approx max", "mean |err|", "rel err of mean",
@@ -76,6 +77,8 @@ def _bounds_table(res: dict):
 
 
 def add_commands(sub) -> None:
+    from .store import CHUNK_SIZE_HELP
+
     m = sub.add_parser(
         "merge",
         help="merge shard RUNs (capture --shard i/n) into one RUN",
@@ -89,6 +92,7 @@ def add_commands(sub) -> None:
     m.add_argument("runs", nargs="+", metavar="RUN", help="shard RUN directories")
     m.add_argument("--out", required=True, help="RUN directory to create")
     m.add_argument("--overwrite", action="store_true", help="replace --out if it holds a RUN (never anything else)")
+    m.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
     m.set_defaults(func=cmd_merge)
 
     t = sub.add_parser(
@@ -110,4 +114,5 @@ def add_commands(sub) -> None:
     t.add_argument("--compact", action="append", metavar="SPEC",
                    help="also check a compact reference store, e.g. compact:exact=512,band=3584 (repeatable)")
     t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (a new file, or one topk-error wrote)")
+    t.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
     t.set_defaults(func=cmd_topk_error)

@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -39,6 +39,43 @@ from .outputs import RUN_SCHEMA, Kind, check_output
 # identity key (weight hashes, dtype, quant, versions, device) must match.
 RESUME_FREE_IDENTITY = ("threads", "endpoints", "extra_bufts", "total_slots")
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
+
+# The one chunk-size knob (``--chunk-size``): the bytes of distribution rows a writer
+# buffers before it writes a chunk, a source hands out per block, and a reader or the
+# metrics take per batch. Memory of every streaming path is a small multiple of it,
+# whatever the output length or the vocabulary (at V = 248,320 float32: 67 rows).
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def parse_chunk_size(text: str | int | None) -> int:
+    """``"64MiB"``, ``"256MB"``, ``"1GiB"``, ``"1048576"`` -> bytes (>= 1 MiB)."""
+    if text is None:
+        return DEFAULT_CHUNK_BYTES
+    if isinstance(text, int):
+        n = text
+    else:
+        t = str(text).strip().lower().replace(" ", "")
+        units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1, "": 1}
+        num = t.rstrip("kmgib")
+        unit = t[len(num):]
+        try:
+            n = int(float(num) * units[unit])
+        except (ValueError, KeyError):
+            raise LogitdiffError(f"--chunk-size {text!r}: expected bytes with an optional unit, e.g. 64MiB or 1GiB") from None
+    if n < (1 << 20):
+        raise LogitdiffError(f"--chunk-size {text!r}: must be at least 1MiB")
+    return n
+
+
+CHUNK_SIZE_HELP = (
+    "bytes of distribution rows per chunk, e.g. 64MiB or 1GiB: what is written per chunk file and held per "
+    "block while streaming; memory is a small multiple of it, not of an output's length (default: 64MiB)"
+)
+
+
+def rows_per_block(vocab_size: int, chunk_bytes: int | None = None, bytes_per_value: int = 4) -> int:
+    """Rows of ``vocab_size`` values of ``bytes_per_value`` bytes that fit a chunk (>= 1)."""
+    return max(1, int((chunk_bytes or DEFAULT_CHUNK_BYTES) // max(1, int(vocab_size) * bytes_per_value)))
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -93,8 +130,8 @@ class RunItem:
     tags: list[str] = field(default_factory=list)
     prompt: object = None  # text or messages, for reports
     extra: dict = field(default_factory=dict)
-    chunk: int = -1
-    row: int = -1  # first row of this item in its chunk
+    chunk: int = -1  # chunk holding the item's first row (its rows may run on into the next chunks)
+    row: int = -1  # first row of this item in that chunk
 
     @property
     def next_tokens(self) -> np.ndarray:
@@ -114,6 +151,14 @@ class RunItem:
             **({"extra": self.extra} if self.extra else {}),
         }
 
+    def to_json_in(self, file_chunk: int) -> dict:
+        """``to_json`` for the items file of chunk ``file_chunk`` (the chunk where the item's
+        rows end); ``chunk`` names where they start when that is an earlier chunk."""
+        d = self.to_json()
+        if self.chunk != file_chunk:
+            d["chunk"] = self.chunk
+        return d
+
     @classmethod
     def from_json(cls, d: dict, chunk: int) -> "RunItem":
         return cls(
@@ -124,7 +169,7 @@ class RunItem:
             tags=d.get("tags") or [],
             prompt=d.get("prompt"),
             extra=d.get("extra") or {},
-            chunk=chunk,
+            chunk=int(d.get("chunk", chunk)),
             row=d["row"],
         )
 
@@ -178,8 +223,12 @@ def first_difference(a, b) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _bf16_to_f32(u16: np.ndarray) -> np.ndarray:
+def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16) -> float32 (exact)."""
     return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+_bf16_to_f32 = bf16_to_f32
 
 
 def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -197,9 +246,15 @@ def _short(x, limit: int = 80) -> str:
 class RunWriter:
     """Writes a RUN chunk by chunk. ``store`` is ``"full"`` or ``"topk:K"``.
 
-    Use ``add(item, logits)`` (full: logits ``[len(positions), V]``) or
-    ``add(item, topk=dict)`` (top-K: ids, logprobs, logsumexp, tail_mass, entropy); rows
-    are buffered and flushed every ``chunk_rows`` rows. ``finish()`` marks the run complete.
+    Rows stream in: ``begin_item(item)``, then ``add_rows(logits)`` (full: ``[r, V]``,
+    float or, for ``dtype="bfloat16"``, bf16 bits as uint16) or ``add_rows(topk=dict)``
+    (top-K: ids, logprobs, logsumexp, tail_mass, entropy) as often as the source hands out
+    blocks, then ``end_item()``; ``add(item, ...)`` does all three for a whole item. Rows
+    are buffered and written as a chunk once ``chunk_bytes`` of them are buffered (or
+    ``chunk_rows`` rows, when given) — also in the middle of an item, whose rows then run on
+    into the next chunk. An item is listed in the items file of the chunk where its rows
+    end, so a killed capture leaves no half item behind. ``finish()`` marks the run complete.
+    Memory: the buffered chunk plus at most one chunk being written.
     """
 
     def __init__(
@@ -213,6 +268,7 @@ class RunWriter:
         dtype: str = "float32",
         settings: dict | None = None,
         chunk_rows: int | None = None,
+        chunk_bytes: int | None = None,
         resume: bool = False,
         overwrite: bool = False,
         vocab: list[str] | None = None,
@@ -225,22 +281,23 @@ class RunWriter:
         if dtype not in _DTYPES:
             raise LogitdiffError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
         self.dtype = dtype
-        if chunk_rows is None:
-            # ~8 MiB of rows per chunk (64..2048 rows): small enough that the writer thread
-            # overlaps the next forward passes and the last write at finish() is short.
-            row_bytes = int(vocab_size) * (8 * 2 if store.startswith("topk:") else np.dtype(_DTYPES[dtype]).itemsize)
-            if self.compact:
-                row_bytes = 12 * self.compact.exact + 10 * self.compact.band
-            chunk_rows = int(min(2048, max(64, (8 << 20) // max(1, row_bytes))))
-        self.chunk_rows = chunk_rows
         self.vocab_size = int(vocab_size)
+        # bytes of one stored row: top-K ids (int64) + logprobs (float64) + 3 float64 stats
+        self.row_bytes = self.k * 16 + 24 if self.k else self.vocab_size * np.dtype(_DTYPES[dtype]).itemsize
+        if self.compact:  # exact ids + logits, band ids + codes (compact.encode), before compression
+            self.row_bytes = 12 * self.compact.exact + 10 * self.compact.band
+        self.chunk_bytes = int(chunk_bytes or DEFAULT_CHUNK_BYTES)
+        self.chunk_rows = int(chunk_rows) if chunk_rows else max(1, self.chunk_bytes // max(1, self.row_bytes))
         self._buf_items: list[RunItem] = []
         self._buf_rows: list = []
         self._nrows = 0
+        self._cur: RunItem | None = None
+        self._cur_rows = 0
         # Chunks are written by one background thread, in order, while the caller computes
         # the next rows (the file write and fsync cost a cheap model ~15 % of its forward
-        # time). The manifest lists a chunk only after its files are durable, so a kill
-        # still leaves whole chunks behind.
+        # time). At most one chunk is in flight: a producer faster than the disk waits
+        # rather than piling chunks up in memory. The manifest lists a chunk only after its
+        # files are durable, so a kill still leaves whole chunks behind.
         self._pool = None
         self._pending: list = []
         mpath = self.path / "manifest.json"
@@ -290,6 +347,7 @@ class RunWriter:
             if vocab is not None:
                 atomic_write_json(self.path / "vocab.json", vocab)
             self._write_manifest()
+        self._next_chunk = len(self.manifest["chunks"])
 
     # -------------------------------------------------------------------------------
     def done_ids(self) -> set[str]:
@@ -301,51 +359,92 @@ class RunWriter:
         return ids
 
     def add(self, item: RunItem, logits=None, topk: dict | None = None, compact: dict | None = None) -> None:
-        n = len(item.positions)
+        """A whole item: ``begin_item`` + ``add_rows`` + ``end_item``."""
+        self.begin_item(item)
+        self.add_rows(logits, topk=topk, compact=compact)
+        self.end_item()
+
+    def begin_item(self, item: RunItem) -> None:
+        if self._cur is not None:
+            raise ValueError(f"item {self._cur.id!r} is not finished (end_item)")
+        self._raise_failed()
+        item.chunk, item.row = self._next_chunk, self._nrows
+        self._cur, self._cur_rows = item, 0
+
+    def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None) -> None:
+        """The next rows of the current item (its positions in order)."""
+        item = self._cur
+        if item is None:
+            raise ValueError("add_rows outside begin_item/end_item")
+        n_left = len(item.positions) - self._cur_rows
         if self.compact:
-            if compact is None or np.asarray(compact["max_logit"]).shape != (n,):
-                raise LogitdiffError(f"item {item.id!r}: compact run: pass compact= rows of {n} positions (compact.encode)")
-            self._buf_rows.append(compact)
+            if compact is None:
+                raise LogitdiffError(f"item {item.id!r}: compact run: pass compact= rows (compact.encode)")
+            rows = {k: np.asarray(v) for k, v in compact.items()}
+            n = rows["max_logit"].shape[0]
+            if n > n_left:
+                raise LogitdiffError(f"item {item.id!r}: {n} compact rows given, {n_left} left")
         elif self.k:
             if topk is None:
                 raise ValueError("top-K run: pass topk=")
+            rows = {k: np.asarray(v) for k, v in topk.items()}
+            n = rows["ids"].shape[0] if rows["ids"].ndim == 2 else -1
             for key in ("ids", "logprobs"):
-                if np.asarray(topk[key]).shape != (n, self.k):
-                    raise LogitdiffError(f"item {item.id!r}: top-K {key} shape {np.asarray(topk[key]).shape}, expected ({n}, {self.k})")
-            self._buf_rows.append({k: np.asarray(v) for k, v in topk.items()})
+                if rows[key].ndim != 2 or rows[key].shape != (n, self.k) or n > n_left:
+                    raise LogitdiffError(
+                        f"item {item.id!r}: top-K {key} shape {rows[key].shape}, expected (<= {n_left}, {self.k})"
+                    )
         else:
-            arr = np.asarray(logits)
-            if arr.shape != (n, self.vocab_size):
+            rows = np.asarray(logits)
+            n = rows.shape[0] if rows.ndim == 2 else -1
+            if rows.ndim != 2 or rows.shape[1] != self.vocab_size or n > n_left:
                 raise LogitdiffError(
-                    f"item {item.id!r}: logits shape {arr.shape}, expected ({n}, {self.vocab_size})"
+                    f"item {item.id!r}: logits shape {rows.shape}, expected ({len(item.positions)}, {self.vocab_size})"
+                    + (f" in blocks ({n_left} rows left)" if self._cur_rows else "")
                 )
-            # max and min propagate NaN and expose ±inf without a full boolean temporary;
-            # only a bad array pays for locating the row.
-            if arr.size and not (np.isfinite(arr.max()) and np.isfinite(arr.min())):
-                bad = int(np.nonzero(~np.isfinite(arr).all(1))[0][0])
+            bad = _nonfinite_row(rows, self.dtype)
+            if bad is not None:
                 raise LogitdiffError(
-                    f"item {item.id!r}: NaN/inf logits at output position {item.positions[bad]}"
+                    f"item {item.id!r}: NaN/inf logits at output position {item.positions[self._cur_rows + bad]}"
                 )
-            self._buf_rows.append(arr)
-        item.row = self._nrows
-        self._buf_items.append(item)
+        if n == 0:
+            return
+        self._buf_rows.append(rows)
         self._nrows += n
+        self._cur_rows += n
+        if self._nrows >= self.chunk_rows:
+            self.flush(wait=False)
+
+    def end_item(self) -> None:
+        item = self._cur
+        if item is None:
+            raise ValueError("end_item without begin_item")
+        if self._cur_rows != len(item.positions):
+            raise LogitdiffError(
+                f"item {item.id!r}: {self._cur_rows} rows given for {len(item.positions)} scored positions"
+            )
+        self._cur = None
+        self._buf_items.append(item)
         if self._nrows >= self.chunk_rows:
             self.flush(wait=False)
 
     def flush(self, wait: bool = True) -> None:
         """Write the buffered rows as a chunk; by default return once every chunk is on disk.
 
-        ``add`` calls ``flush(wait=False)``: the chunk is handed to the writer thread."""
+        ``add_rows`` calls ``flush(wait=False)``: the chunk is handed to the writer thread
+        (after the previous one is written)."""
         self._raise_failed()
-        if self._buf_items:
+        if self._buf_items or self._nrows:
             items, rows, nrows = self._buf_items, self._buf_rows, self._nrows
             self._buf_items, self._buf_rows, self._nrows = [], [], 0
+            idx = self._next_chunk
+            self._next_chunk += 1
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitdiff-writer")
-            self._pending.append(self._pool.submit(self._write_chunk, items, rows, nrows))
+            self._drain()  # bound memory: one chunk in flight, one buffering
+            self._pending.append(self._pool.submit(self._write_chunk, idx, items, rows, nrows))
         if wait:
             self._drain()
 
@@ -369,17 +468,20 @@ class RunWriter:
                 self._pool.shutdown(wait=True)
                 self._pool = None
 
-    def _write_chunk(self, items: list[RunItem], rows: list, nrows: int) -> None:
-        idx = len(self.manifest["chunks"])
+    def _write_chunk(self, idx: int, items: list[RunItem], rows: list, nrows: int) -> None:
         stem = f"{idx:06d}"
         cdir = self.path / "chunks"
         entry = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items)}
         if self.compact:
             entry["data"] = f"{stem}.{compact_store.CHUNK_SUFFIX}"
+            if not rows:  # a chunk that only closes items whose rows ended in earlier chunks
+                rows = [compact_store.encode(np.zeros((0, self.vocab_size), np.float32), np.zeros(0, np.int64), self.compact)]
             atomic_write_bytes(cdir / entry["data"], compact_store.save_chunk(cdir / entry["data"], rows))
         elif self.k:
-            keys = rows[0].keys()
-            cat = {k: np.concatenate([r[k] for r in rows]) for k in keys}
+            if rows:
+                cat = {k: np.concatenate([r[k] for r in rows]) for k in rows[0].keys()}
+            else:
+                cat = {"ids": np.zeros((0, self.k), np.int64), "logprobs": np.zeros((0, self.k), np.float64)}
             import io
 
             bio = io.BytesIO()
@@ -390,14 +492,16 @@ class RunWriter:
             blocks = rows or [np.zeros((0, self.vocab_size), dtype=np.float32)]
             atomic_save_npy_rows(cdir / f"{stem}.logits.npy", blocks, self.dtype)
             entry["data"] = f"{stem}.logits.npy"
-        text = "".join(json.dumps(it.to_json()) + "\n" for it in items)
+        text = "".join(json.dumps(it.to_json_in(idx)) + "\n" for it in items)
         atomic_write_bytes(cdir / entry["items"], text.encode())
         self.manifest["chunks"].append(entry)
         self.manifest["n_items"] += len(items)
-        self.manifest["n_positions"] += nrows
+        self.manifest["n_positions"] += sum(len(it.positions) for it in items)
         self._write_manifest()
 
     def finish(self, extra: dict | None = None) -> None:
+        if self._cur is not None:
+            raise ValueError(f"item {self._cur.id!r} is not finished (end_item)")
         try:
             self.flush(wait=True)
         finally:
@@ -426,6 +530,56 @@ def _parse_item_line(path: Path, lineno: int, line: bytes, chunk: int) -> RunIte
         if not isinstance(d.get(key), types) or isinstance(d.get(key), bool):
             raise LogitdiffError(f"{path}:{lineno}: field {key!r} missing or not a {types.__name__}; the run is damaged")
     return RunItem.from_json(d, chunk)
+def _nonfinite_row(rows: np.ndarray, dtype: str) -> int | None:
+    """First row holding NaN/inf, or None. bf16 bits (uint16): exponent all ones."""
+    if not rows.size:
+        return None
+    if rows.dtype == np.uint16:
+        if dtype != "bfloat16":
+            raise ValueError("uint16 rows are bf16 bits: only for dtype='bfloat16'")
+        bad = (rows & 0x7F80) == 0x7F80
+        return int(np.nonzero(bad.any(1))[0][0]) if bad.any() else None
+    # max and min propagate NaN and expose +-inf without a full boolean temporary; only a
+    # bad array pays for locating the row.
+    if np.isfinite(rows.max()) and np.isfinite(rows.min()):
+        return None
+    return int(np.nonzero(~np.isfinite(rows).all(1))[0][0])
+
+
+def reblock(pieces: Iterable, rows: int) -> Iterator:
+    """Re-cut a stream of row blocks (arrays, or dicts of arrays with equal row counts) into
+    blocks of exactly ``rows`` rows (the last may be shorter); pieces that already are one
+    whole block pass through without a copy. Two streams of the same rows re-cut to the same
+    ``rows`` line up block by block."""
+    buf: list = []
+    have = 0
+
+    def n_of(p):
+        return (next(iter(p.values())) if isinstance(p, dict) else p).shape[0]
+
+    def cut(p, a, b):
+        return {k: v[a:b] for k, v in p.items()} if isinstance(p, dict) else p[a:b]
+
+    def cat(ps):
+        if len(ps) == 1:
+            return ps[0]
+        if isinstance(ps[0], dict):
+            return {k: np.concatenate([p[k] for p in ps]) for k in ps[0]}
+        return np.concatenate(ps)
+
+    for p in pieces:
+        n = n_of(p)
+        a = 0
+        while a < n:
+            take = min(rows - have, n - a)
+            buf.append(cut(p, a, a + take) if (a, take) != (0, n) else p)
+            have += take
+            a += take
+            if have == rows:
+                yield cat(buf)
+                buf, have = [], 0
+    if have:
+        yield cat(buf)
 
 
 class RunReader:
@@ -520,14 +674,40 @@ class RunReader:
         self._cache = (index, data)
         return data
 
+    def _chunk_rows(self) -> list[int]:
+        return [int(c["rows"]) for c in self.manifest["chunks"]]
+
+    def _pieces(self, item: RunItem, raw: bool = False) -> Iterator:
+        """The item's rows as views of its chunk(s), in order (an item may run on into the
+        following chunks). Full runs: native arrays (bf16 bits stay uint16 when ``raw``)."""
+        n_left = len(item.positions)
+        index, row = item.chunk, item.row
+        sizes = self._chunk_rows()
+        while n_left > 0:
+            if index >= len(sizes):
+                raise LogitdiffError(f"{self.path}: item {item.id!r} runs past the last chunk (truncated run)")
+            data = self._chunk(index)
+            take = min(n_left, sizes[index] - row)
+            if take <= 0:
+                raise LogitdiffError(f"{self.path}: item {item.id!r}: row {row} outside chunk {index} (corrupt run)")
+            if self.k or self.compact:
+                yield {k: v[row : row + take] for k, v in data.items()}
+            else:
+                yield data[row : row + take]
+            n_left -= take
+            index, row = index + 1, 0
+
     def logits(self, item: RunItem) -> np.ndarray:
-        """Full logits ``[len(positions), V]`` of an item (float32 view for bf16 runs)."""
+        """Full logits ``[len(positions), V]`` of one item (float32 for bf16 runs).
+
+        Holds the whole item: for small items and tests; streaming code uses
+        :meth:`row_blocks`."""
         if self.k:
             raise LogitdiffError(f"{self.path}: run stores top-{self.k}, not full logits")
         if self.compact:
             raise LogitdiffError(f"{self.path}: run stores a compact reference ({self.store}), not full logits")
-        data = self._chunk(item.chunk)
-        rows = data[item.row : item.row + len(item.positions)]
+        pieces = list(self._pieces(item))
+        rows = pieces[0] if len(pieces) == 1 else (np.concatenate(pieces) if pieces else np.zeros((0, self.vocab_size), _DTYPES[self.dtype or "float32"]))
         if self.dtype == "bfloat16":
             return _bf16_to_f32(np.asarray(rows))
         return rows
@@ -535,15 +715,33 @@ class RunReader:
     def topk(self, item: RunItem) -> dict[str, np.ndarray]:
         if not self.k:
             raise LogitdiffError(f"{self.path}: run stores full logits, not top-K")
-        data = self._chunk(item.chunk)
-        sl = slice(item.row, item.row + len(item.positions))
-        return {k: v[sl] for k, v in data.items()}
+        pieces = list(self._pieces(item))
+        if len(pieces) == 1:
+            return pieces[0]
+        if not pieces:
+            data = self._chunk(item.chunk) if item.chunk < len(self.manifest["chunks"]) else {}
+            return {k: v[:0] for k, v in data.items()} or {"ids": np.zeros((0, self.k), np.int64), "logprobs": np.zeros((0, self.k))}
+        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+
+    def row_blocks(self, items: Iterable[RunItem], rows: int, *, raw: bool = False) -> Iterator:
+        """The rows of ``items`` in order, cut into blocks of exactly ``rows`` rows across
+        item and chunk boundaries (the last may be shorter). Full runs give float32 (bf16
+        converted one block at a time; ``raw`` keeps the stored dtype, bf16 bits as uint16),
+        top-K runs dicts of arrays. Memory: one block, whatever the run's size."""
+        blocks = reblock((p for it in items for p in self._pieces(it)), rows)
+        for b in blocks:
+            if not self.k and self.dtype == "bfloat16" and not raw:
+                b = _bf16_to_f32(np.asarray(b))
+            yield b
 
     def compact_rows(self, item: RunItem) -> dict[str, np.ndarray]:
         """The compact store's arrays of an item's rows (see compact.py)."""
         if not self.compact:
             raise LogitdiffError(f"{self.path}: run stores {self.store}, not a compact reference")
-        return compact_store.rows_of(self._chunk(item.chunk), slice(item.row, item.row + len(item.positions)))
+        pieces = list(self._pieces(item))
+        if len(pieces) == 1:
+            return pieces[0]
+        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
 
     def iter_items(self) -> Iterator[RunItem]:
         """Items in chunk order, so each chunk is mapped once."""

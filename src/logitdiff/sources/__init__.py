@@ -11,9 +11,12 @@ A source is named by a spec string ``KIND:TARGET[,key=value...]``:
 Every source can
 
 * ``render(item)``       -> prompt token ids (chat template and tools applied),
-* ``generate(ids, n)``   -> greedy continuation ids and the logits at each step,
+* ``generate(ids, n)``   -> greedy continuation ids (ids only: no logits are kept),
+* ``generate_many``      -> several prompts, batched where the backend can,
 * ``score(ids, teacher)``-> logits ``[len(teacher), V]``; row t is the distribution of
                             the next token after ``ids + teacher[:t]`` (teacher forcing),
+* ``score_blocks``       -> the same rows as a stream of bounded blocks (what capture and
+                            live compare use: memory is a block, not an output),
 * ``identity()``         -> a JSON-able description (files, hashes, dtype, versions...).
 
 Output position t therefore always means "the distribution that predicts teacher[t]".
@@ -24,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -33,11 +36,24 @@ from ..errors import LogitdiffError
 
 @dataclass
 class Generation:
-    """A greedy continuation: ``token_ids[t]`` is the argmax of ``logits[t]``."""
+    """A greedy continuation: ``token_ids[t]`` is the argmax of the distribution after
+    ``prompt + token_ids[:t]``. Only the ids are kept: distributions come from one
+    teacher-forced prefill afterwards (``score_blocks``), so generation never holds a
+    ``[length, V]`` array."""
 
     token_ids: list[int]
-    logits: np.ndarray  # [len(token_ids), V] float32 (or the source's native float dtype)
     stopped_by: str = "max_tokens"  # "eos" | "max_tokens"
+
+
+@dataclass
+class Block:
+    """Rows ``t0 .. t0 + len(rows)`` of the selected positions of pair ``pair`` of a
+    ``score_blocks`` call: ``rows`` is float logits ``[r, V]`` (bf16 bits as uint16 when the
+    source's ``logits_dtype`` is ``"bfloat16"``) or, for top-K sources, ``{"ids", "logprobs"}``."""
+
+    pair: int
+    t0: int
+    rows: Any
 
 
 @dataclass
@@ -122,6 +138,10 @@ class Source:
     def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
         raise NotImplementedError
 
+    def generate_many(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> list[Generation]:
+        """Greedy continuations of several prompts; backends override to batch them."""
+        return [self.generate(p, n) for p, n in zip(prompts, max_tokens)]
+
     def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> np.ndarray:
         """Logits ``[len(teacher_ids), V]``: row t predicts ``teacher_ids[t]``."""
         raise NotImplementedError
@@ -131,6 +151,39 @@ class Source:
     ) -> list[np.ndarray]:
         """Several (prompt, teacher) pairs; backends override to batch."""
         return [self.score(p, t) for p, t in batch]
+
+    def score_blocks(
+        self,
+        batch: Sequence[tuple[Sequence[int], Sequence[int]]],
+        positions: Sequence[Sequence[int] | None] | None = None,
+        *,
+        chunk_bytes: int | None = None,
+    ) -> Iterator[Block]:
+        """Teacher-forced rows of several (prompt, teacher) pairs as a stream of
+        :class:`Block`, pair by pair in the given order and in position order within a
+        pair. ``positions[k]`` (sorted output positions, None = all) selects the rows of
+        pair k: only those are produced. A block holds at most ``chunk_bytes`` of float32
+        rows (the last of a pair may be shorter).
+
+        This base version scores one pair at a time (``score``) and cuts it up: backends
+        that can (transformers, llama.cpp) override it to compute a block at a time."""
+        from ..store import rows_per_block
+
+        # Top-K rows are small: a served source scores the whole batch in one call (its
+        # requests run concurrently); a full-logits source one pair at a time.
+        many = self.score_many(batch) if self.distribution == "topk" else None
+        for k, (p, t) in enumerate(batch):
+            pos = None if positions is None else positions[k]
+            if pos is not None and not len(pos):
+                continue
+            scored = many[k] if many is not None else self.score(p, t)
+            if pos is not None:
+                scored = {kk: np.asarray(v)[list(pos)] for kk, v in scored.items()} if isinstance(scored, dict) else np.asarray(scored)[list(pos)]
+            n = (scored["ids"] if isinstance(scored, dict) else scored).shape[0]
+            step = n if isinstance(scored, dict) else rows_per_block(self.vocab_size, chunk_bytes)
+            for a in range(0, n, max(1, step)):
+                rows = {kk: v[a : a + step] for kk, v in scored.items()} if isinstance(scored, dict) else scored[a : a + step]
+                yield Block(k, a, rows)
 
     def identity(self) -> dict:
         raise NotImplementedError

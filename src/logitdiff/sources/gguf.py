@@ -1,6 +1,6 @@
 """``gguf:PATH[,n_ctx=N][,threads=N][,seed=N]`` - a GGUF model run in process by llama.cpp.
 
-Uses llama-cpp-python's ``Llama`` (``logits_all=True``) and reads the file's metadata
+Uses llama-cpp-python's ``Llama`` and reads the file's metadata
 (tokens, special ids, chat template, file type) with ``gguf.GGUFReader``.
 
 Weight repacking is disabled.  llama.cpp's CPU backend, by default, moves quantized
@@ -44,12 +44,12 @@ import re
 import threading
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import LogitdiffError
-from . import Generation, Source, Spec, file_sha256, json_safe, parse_spec, tokenizer_hash_of
+from . import Block, Generation, Source, Spec, file_sha256, json_safe, parse_spec, tokenizer_hash_of
 
 _load_lock = threading.Lock()
 _KNOWN_OPTIONS = {"n_ctx", "threads", "seed", "n_batch"}
@@ -182,18 +182,27 @@ class GGUFSource(Source):
 
         n_batch = max(1, min(int(n_batch), int(n_ctx)))
         try:
-            self.llm = load_llama(
-                p,
-                n_ctx=int(n_ctx),
-                n_batch=n_batch,
-                n_ubatch=n_batch,
-                n_threads=self.threads,
-                n_threads_batch=self.threads,
-                logits_all=True,
-                seed=int(seed),
-                n_gpu_layers=0,
-                verbose=False,
-            )
+            # Without ``logits_all``: with it, ``Llama`` keeps an [n_ctx, V] float32 array
+            # (32 GB at n_ctx 32k, V 248,320). Rows are read from llama.cpp's own output
+            # buffer instead, a block at a time (``_output_blocks``). Only a binding without
+            # the internals that needs gets ``logits_all`` (and its memory) back.
+            for logits_all in (False, True):
+                self.llm = load_llama(
+                    p,
+                    n_ctx=int(n_ctx),
+                    n_batch=n_batch,
+                    n_ubatch=n_batch,
+                    n_threads=self.threads,
+                    n_threads_batch=self.threads,
+                    logits_all=logits_all,
+                    seed=int(seed),
+                    n_gpu_layers=0,
+                    verbose=False,
+                )
+                self._fast = _has_output_batch_api(self.llm)
+                if self._fast or logits_all:
+                    break
+                self.llm.close()
         except (ValueError, RuntimeError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise LogitdiffError(f"{p}: llama.cpp could not load the model ({msg})") from None
@@ -336,64 +345,107 @@ class GGUFSource(Source):
     def _rows(self, start: int, stop: int) -> np.ndarray:
         return np.array(self.llm.scores[start:stop, : self.vocab_size], dtype=np.float32, copy=True)
 
-    def _decode_outputs(self, seq: list[int], first: int) -> np.ndarray:
-        """Logits ``[len(seq) - first, V]`` of positions ``first ..`` of one prefill of ``seq``.
+    def _output_blocks(self, seq: list[int], out_idx: np.ndarray, block: int) -> Iterator[np.ndarray]:
+        """Logits of the positions ``out_idx`` (sorted indices into ``seq``) of one prefill of
+        ``seq``, as float32 blocks of at most ``block`` rows, in order.
 
         ``Llama.eval`` with ``logits_all`` asks llama.cpp for the logits of every position and
-        copies them all into ``Llama.scores``; a teacher-forced score needs only the output
-        positions. Here the batch's output flags select them, so llama.cpp runs the output
-        layer on those rows only and nothing else is copied. The KV cache is cleared and
-        ``Llama``'s own position counter is set, so ``Llama.eval`` can continue after it.
-        This uses llama-cpp-python's internal context and batch objects (those ``Llama.eval``
-        itself uses); a version without them gets the plain ``Llama.eval`` path, same rows.
-        """
+        copies them all into ``Llama.scores`` (an ``[n_ctx, V]`` array). Here the batch's
+        output flags select the wanted rows, so llama.cpp runs the output layer on those rows
+        only, and a decode call never flags more than ``block`` of them, so llama.cpp's own
+        output buffer stays within a block too. The KV cache is cleared and ``Llama``'s own
+        position counter is set, so ``Llama.eval`` can continue after it. This uses
+        llama-cpp-python's internal context and batch objects (those ``Llama.eval`` itself
+        uses); a version without them was loaded with ``logits_all`` (see ``__init__``) and
+        gets the plain ``Llama.eval`` path, same rows."""
         import llama_cpp
 
         llm = self.llm
-        if not _has_output_batch_api(llm):
+        if not self._fast:
             llm.reset()
             llm.eval(seq)
-            return self._rows(first, len(seq))
+            for a in range(0, len(out_idx), block):
+                yield np.array(llm.scores[out_idx[a : a + block], : self.vocab_size], dtype=np.float32)
+            return
         llama_get_logits = llama_cpp.llama_get_logits
         ctx, batch, n_vocab_model = llm._ctx, llm._batch, llm.n_vocab()
         ctx.kv_cache_seq_rm(-1, 0, -1)
-        out = np.empty((len(seq) - first, self.vocab_size), dtype=np.float32)
-        k = 0
-        for a in range(0, len(seq), llm.n_batch):
-            chunk = seq[a : a + llm.n_batch]
+        flags = np.zeros(len(seq), bool)
+        flags[out_idx] = True
+        a, j = 0, 0  # next sequence index, next output index
+        while a < len(seq):
+            b = min(len(seq), a + llm.n_batch)
+            n_out = int(np.searchsorted(out_idx, b) - j)
+            if n_out > block:  # end the window right after its block-th output row
+                b = int(out_idx[j + block - 1]) + 1
+                n_out = block
+            chunk = seq[a:b]
             batch.set_batch(batch=chunk, n_past=a, logits_all=False)
-            n_out = 0
-            for j in range(len(chunk)):
-                flag = a + j >= first
-                batch.batch.logits[j] = flag
-                n_out += flag
+            for i in range(len(chunk)):
+                batch.batch.logits[i] = bool(flags[a + i])
             ctx.decode(batch)
+            llm.input_ids[a:b] = chunk
+            llm.n_tokens = b
             if n_out:
                 rows = np.ctypeslib.as_array(llama_get_logits(ctx.ctx), shape=(n_out, n_vocab_model))
-                out[k : k + n_out] = rows[:, : self.vocab_size]
-                k += n_out
-        llm.input_ids[: len(seq)] = seq
-        llm.n_tokens = len(seq)
-        return out
+                yield np.array(rows[:, : self.vocab_size], dtype=np.float32)
+            j += n_out
+            a = b
 
-    def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> np.ndarray:
-        prompt = [int(i) for i in prompt_ids]
-        teacher = [int(i) for i in teacher_ids]
-        if not teacher:
-            return np.zeros((0, self.vocab_size), dtype=np.float32)
+    def _check_pair(self, prompt: list[int], teacher: list[int]) -> None:
         if not prompt:
             raise LogitdiffError(f"{self.path}: score needs at least one prompt token")
         self._check_ids(prompt, "prompt")
         self._check_ids(teacher, "teacher")
-        seq = prompt + teacher[:-1]
-        if len(seq) > self.n_ctx:
+        if len(prompt) + len(teacher) - 1 > self.n_ctx:
             raise LogitdiffError(
                 f"{self.path}: prompt ({len(prompt)}) + continuation ({len(teacher)}) tokens exceed n_ctx={self.n_ctx}"
                 " (raise it with gguf:PATH,n_ctx=N)"
             )
-        return self._decode_outputs(seq, len(prompt) - 1)
+
+    def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> np.ndarray:
+        blocks = [b.rows for b in self.score_blocks([(prompt_ids, teacher_ids)], chunk_bytes=1 << 62)]
+        return np.concatenate(blocks) if blocks else np.zeros((0, self.vocab_size), dtype=np.float32)
+
+    def score_blocks(self, batch, positions=None, *, chunk_bytes=None) -> Iterator[Block]:
+        """Teacher-forced rows of each pair, one prefill of ``prompt + teacher[:-1]`` per pair,
+        in blocks of at most ``chunk_bytes`` of float32 rows (see ``_output_blocks``)."""
+        from ..store import rows_per_block
+
+        block = rows_per_block(self.vocab_size, chunk_bytes)
+        for k, (p, t) in enumerate(batch):
+            prompt, teacher = [int(i) for i in p], [int(i) for i in t]
+            if not teacher:
+                continue
+            self._check_pair(prompt, teacher)
+            want = np.arange(len(teacher)) if positions is None or positions[k] is None else np.asarray(positions[k], np.int64)
+            if not want.size:
+                continue
+            if want.min() < 0 or want.max() >= len(teacher):
+                raise LogitdiffError(f"{self.path}: scoring pair {k}: positions outside the {len(teacher)} teacher tokens")
+            t0 = 0
+            for rows in self._output_blocks(prompt + teacher[:-1], len(prompt) - 1 + want, block):
+                yield Block(k, t0, rows)
+                t0 += len(rows)
+
+    def _next_row(self, tok: int, pos: int) -> np.ndarray:
+        """Feed one token at position ``pos``; the logits after it (a view of llama.cpp's
+        buffer, valid until the next decode)."""
+        import llama_cpp
+
+        llm = self.llm
+        if not self._fast:
+            llm.eval([tok])
+            return llm.scores[pos + 1, : self.vocab_size]
+        llm._batch.set_batch(batch=[tok], n_past=pos + 1, logits_all=False)
+        llm._ctx.decode(llm._batch)
+        llm.input_ids[pos + 1] = tok
+        llm.n_tokens = pos + 2
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm._ctx.ctx), shape=(1, llm.n_vocab()))[0, : self.vocab_size]
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
+        """Greedy decoding (ties: lowest id); only token ids are kept, each step's logits
+        are read in llama.cpp's buffer and dropped."""
         prompt = [int(i) for i in prompt_ids]
         if not prompt:
             raise LogitdiffError(f"{self.path}: generate needs at least one prompt token")
@@ -404,27 +456,23 @@ class GGUFSource(Source):
                 " (raise it with gguf:PATH,n_ctx=N)"
             )
         out: list[int] = []
-        rows: list[np.ndarray] = []
         stopped = "max_tokens"
         if max_tokens <= 0:
-            return Generation([], np.zeros((0, self.vocab_size), dtype=np.float32), stopped)
+            return Generation([], stopped)
         eos = set(self.eos_token_ids)
-        row = self._decode_outputs(prompt, len(prompt) - 1)[0]
+        row = next(self._output_blocks(prompt, np.array([len(prompt) - 1]), 1))[0]
         pos = len(prompt) - 1
         while True:
-            if pos >= len(prompt):
-                row = self._rows(pos, pos + 1)[0]
             tok = int(np.argmax(row))
             out.append(tok)
-            rows.append(row)
             if tok in eos:
                 stopped = "eos"
                 break
             if len(out) >= max_tokens:
                 break
-            self.llm.eval([tok])
+            row = self._next_row(tok, pos)
             pos += 1
-        return Generation(out, np.stack(rows).astype(np.float32, copy=False), stopped)
+        return Generation(out, stopped)
 
     # ---- identity -------------------------------------------------------------------------
     def identity(self) -> dict:
@@ -452,6 +500,7 @@ class GGUFSource(Source):
             "vocab_size": self.vocab_size,
             "tokenizer_hash": self.tokenizer_hash,
             "extra_bufts": False if extra_bufts_supported() else "not supported by this llama-cpp-python",
+            "logits": "output rows only, in blocks" if self._fast else "Llama.eval with logits_all (binding lacks the internals)",
         })
 
     def close(self) -> None:

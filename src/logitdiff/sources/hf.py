@@ -1,13 +1,17 @@
 """The transformers backend: a local HF model directory as a source of logits.
 
-Spec: ``hf:PATH[,dtype=bfloat16|float16|float32][,device=cpu|cuda][,threads=N][,batch=N]``
+Spec: ``hf:PATH[,dtype=bfloat16|float16|float32][,device=cpu|cuda][,threads=N][,batch=N][,prefill=N]``
 
 * ``dtype``   defaults to the dtype in ``config.json`` (``dtype``/``torch_dtype``), else bfloat16:
               the reference is the model as its authors shipped it.
 * ``device``  ``cpu`` (default) or ``cuda``; asking for cuda without one is an error, never a
               silent fallback (the numbers would differ).
 * ``threads`` calls ``torch.set_num_threads(N)`` (process-wide; torch has no per-model knob).
-* ``batch``   sequences per forward pass in :meth:`HFSource.score_many` (default 8).
+* ``batch``   sequences per forward pass, in generation (left padding) and in teacher-forced
+              scoring (right padding) alike (default 8).
+* ``prefill`` tokens per forward pass when scoring a sequence longer than that (default 2048):
+              long outputs are prefilled in windows over a KV cache, so memory does not grow
+              with the output's length.
 
 Why the code looks the way it does:
 
@@ -16,9 +20,12 @@ Why the code looks the way it does:
   greedy decoding takes is taken on exactly the float32 rows we return, and teacher-forced
   scoring of a generation reproduces its logits. We do not call ``model.generate``: its logits
   processors and cache/padding choices are not ours to audit.
-* **Only output positions hit the lm_head.** Scoring gathers the hidden states at positions
-  ``len(prompt)-1 ... len(prompt)+len(teacher)-2`` before the (large) vocabulary projection, so a
-  ``[T_total, V]`` tensor for the whole prompt is never materialised.
+* **Only output positions hit the lm_head, a block at a time.** Scoring gathers the hidden states
+  at the selected output positions (``len(prompt)-1+t``) and projects them onto the vocabulary in
+  blocks of a chunk's bytes (:meth:`HFSource.score_blocks`), so no ``[T, V]`` tensor exists;
+  generation keeps token ids only.
+* **Native dtype out.** A bf16 (or f16) model without logit post-processing hands out its
+  logits as they are (bf16 as uint16 bits, ``logits_dtype``), so a RUN stores 2 bytes per entry.
 * **Padded vocabularies.** Many checkpoints pad the output layer beyond the tokenizer
   (``config.vocab_size > len(tokenizer)``, e.g. to a multiple of 64). Those rows are no token
   at all; we drop output rows with ids ``>= len(tokenizer)`` *before* anything takes a softmax,
@@ -36,12 +43,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import LogitdiffError
-from . import Generation, Source, Spec, file_sha256, tokenizer_hash_of
+from ..store import bf16_to_f32 as _bits_to_f32
+from . import Block, Generation, Source, Spec, file_sha256, tokenizer_hash_of
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _TOKENIZER_FILES = (
@@ -92,6 +100,7 @@ class HFSource(Source):
         device: str = "cpu",
         threads: int | None = None,
         batch: int = 8,
+        prefill: int = 2048,
         spec: str | None = None,
     ):
         import torch
@@ -113,6 +122,7 @@ class HFSource(Source):
         if threads:
             torch.set_num_threads(threads)
         self.batch = batch
+        self.prefill = prefill
         self.device = torch.device(device)
 
         try:
@@ -149,15 +159,24 @@ class HFSource(Source):
             if isinstance(e, int) and e not in eos:
                 eos.append(e)
         self.eos_token_ids = tuple(eos)
+        cfg = self.config
+        self._postprocessed = bool(
+            (getattr(cfg, "logit_scale", None) is not None and str(getattr(cfg, "model_type", "")).startswith("cohere"))
+            or getattr(cfg, "logits_scaling", None)
+            or getattr(cfg, "final_logit_softcapping", None)
+        )
+        # What the head hands out and a RUN stores: the model's own 16-bit dtype when the
+        # logits are the head's output unchanged, float32 after any post-processing.
+        self.logits_dtype = self.dtype_name if self.dtype_name in ("bfloat16", "float16") and not self._postprocessed else "float32"
         self._identity: dict | None = None
 
     @classmethod
     def from_spec(cls, spec: Spec) -> "HFSource":
-        unknown = set(spec.options) - {"dtype", "device", "threads", "batch"}
+        unknown = set(spec.options) - {"dtype", "device", "threads", "batch", "prefill"}
         if unknown:
             raise LogitdiffError(
                 f"source spec {spec.text!r}: unknown option(s) {', '.join(sorted(unknown))} "
-                "(hf: takes dtype, device, threads, batch)"
+                "(hf: takes dtype, device, threads, batch, prefill)"
             )
         if not spec.target:
             raise LogitdiffError(f"source spec {spec.text!r}: hf: needs a model directory path")
@@ -167,6 +186,7 @@ class HFSource(Source):
             device=spec.options.get("device", "cpu"),
             threads=_int_option(spec, "threads", None),
             batch=_int_option(spec, "batch", 8),
+            prefill=_int_option(spec, "prefill", 2048),
             spec=spec.text,
         )
 
@@ -211,14 +231,18 @@ class HFSource(Source):
 
     # --- model --------------------------------------------------------------------
     def _head(self, hidden):
-        """Hidden states ``[N, H]`` -> float32 logits ``[N, vocab_size]``.
+        """Hidden states ``[N, H]`` -> logits ``[N, vocab_size]``: float32, or the model's
+        own dtype when that is what ``logits_dtype`` says is stored (no post-processing).
 
         Mirrors what ``*ForCausalLM.forward`` does after the decoder for the architectures
         that post-process logits (Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma 2/3
         ``final_logit_softcapping``); padded rows are dropped first."""
         import torch
 
-        logits = self.lm_head(hidden)[..., : self.vocab_size].float()
+        logits = self.lm_head(hidden)[..., : self.vocab_size]
+        if not self._postprocessed:
+            return logits
+        logits = logits.float()
         cfg = self.config
         if getattr(cfg, "logit_scale", None) is not None and cfg.model_type.startswith("cohere"):
             logits = logits * cfg.logit_scale
@@ -229,95 +253,190 @@ class HFSource(Source):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def _to_numpy(self, logits) -> np.ndarray:
+        """A head block on the host in the stored dtype: bf16 as its bits (uint16, exact),
+        else float32."""
+        import torch
+
+        if self.logits_dtype == "bfloat16":
+            return logits.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+        if self.logits_dtype == "float16":
+            return logits.to(torch.float16).cpu().numpy()
+        return logits.float().cpu().numpy()
+
     def _check_len(self, n: int, what: str) -> None:
         if self.max_positions and n > self.max_positions:
             raise LogitdiffError(
                 f"{self.path}: {what} needs {n} positions, more than max_position_embeddings={self.max_positions}"
             )
 
+    @staticmethod
+    def _cache_kw(out) -> dict:
+        # transformers 5.2x renamed ``past_key_values`` to ``cache`` (argument and output).
+        kw = "cache" if "cache" in out else "past_key_values"
+        return {kw: out[kw]}
+
     def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
-        """Greedy decoding with a KV cache; ties go to the lowest id (``np.argmax``).
+        """Greedy decoding with a KV cache; ties go to the lowest id.
 
         Stops after emitting an eos id (kept in the output) or after ``max_tokens`` tokens, or
         at the context limit (``max_position_embeddings``, reported as ``max_tokens``)."""
+        return self.generate_many([prompt_ids], [max_tokens])[0]
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> list[Generation]:
+        """Greedy decoding of ``batch`` prompts per forward pass (left padding: every
+        sequence's next token sits in the last column). Only token ids are kept: each step
+        takes the argmax of ``[batch, V]`` head rows and drops them. A lone prompt runs
+        without padding or mask, exactly as an unbatched decode."""
+        out: list[Generation] = []
+        for a in range(0, len(prompts), self.batch):
+            out += self._generate_group(list(prompts[a : a + self.batch]), list(max_tokens[a : a + self.batch]))
+        return out
+
+    def _generate_group(self, prompts: list, budgets: list) -> list[Generation]:
         import torch
 
-        prompt = [int(i) for i in prompt_ids]
-        if not prompt:
-            raise LogitdiffError(f"{self.path}: generate needs a non-empty prompt")
-        self._check_len(len(prompt), "prompt")
-        if self.max_positions:
-            max_tokens = min(max_tokens, self.max_positions - len(prompt) + 1)
-        out_ids: list[int] = []
-        rows: list[np.ndarray] = []
-        stopped = "max_tokens"
+        prompts = [[int(i) for i in p] for p in prompts]
+        budgets = list(budgets)
+        for k, p in enumerate(prompts):
+            if not p:
+                raise LogitdiffError(f"{self.path}: generate needs a non-empty prompt")
+            self._check_len(len(p), "prompt")
+            if self.max_positions:
+                budgets[k] = min(budgets[k], self.max_positions - len(p) + 1)
+        n = len(prompts)
+        ids_out: list[list[int]] = [[] for _ in prompts]
+        stopped = ["max_tokens"] * n
+        live = [b > 0 for b in budgets]
+        if not any(live):
+            return [Generation([], "max_tokens") for _ in prompts]
+        width = max(len(p) for p in prompts)
+        padded = n > 1 and any(len(p) != width for p in prompts)
+        eos = set(self.eos_token_ids)
+        dev = self.device
         with torch.inference_mode():
-            x = torch.tensor([prompt], device=self.device)
-            cache: dict = {}
-            for _ in range(max(0, max_tokens)):
-                out = self.base(input_ids=x, use_cache=True, **cache)
-                # transformers 5.2x renamed ``past_key_values`` to ``cache`` (argument and output).
-                kw = "cache" if "cache" in out else "past_key_values"
-                cache = {kw: out[kw]}
-                row = self._head(out.last_hidden_state[0, -1:])[0].cpu().numpy()
-                nxt = int(np.argmax(row))
-                rows.append(row)
-                out_ids.append(nxt)
-                if nxt in self.eos_token_ids:
-                    stopped = "eos"
-                    break
-                x = torch.tensor([[nxt]], device=self.device)
-        logits = np.stack(rows) if rows else np.zeros((0, self.vocab_size), np.float32)
-        return Generation(token_ids=out_ids, logits=logits, stopped_by=stopped)
+            x = torch.full((n, width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((n, width), dtype=torch.long)
+            for k, p in enumerate(prompts):
+                x[k, width - len(p) :] = torch.tensor(p)
+                mask[k, width - len(p) :] = 1
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)
+            kw: dict = {}
+            x = x.to(dev)
+            if padded:
+                mask, pos = mask.to(dev), pos.to(dev)
+            while any(live):
+                if padded:
+                    o = self.base(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+                else:
+                    o = self.base(input_ids=x, use_cache=True, **kw)
+                kw = self._cache_kw(o)
+                nxt = self._head(o.last_hidden_state[:, -1]).argmax(-1).tolist()  # first max: lowest id
+                for k in range(n):
+                    if not live[k]:
+                        continue
+                    ids_out[k].append(int(nxt[k]))
+                    if nxt[k] in eos:
+                        stopped[k], live[k] = "eos", False
+                    elif len(ids_out[k]) >= budgets[k]:
+                        live[k] = False
+                x = torch.tensor(nxt, dtype=torch.long, device=dev)[:, None]
+                if padded:
+                    mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], 1)
+                    pos = pos[:, -1:] + 1
+        return [Generation(token_ids=ids, stopped_by=s) for ids, s in zip(ids_out, stopped)]
 
     def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> np.ndarray:
         return self.score_many([(prompt_ids, teacher_ids)])[0]
 
     def score_many(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
-        """Teacher-forced logits for many pairs, ``self.batch`` sequences per forward pass.
+        """Float32 logits ``[len(teacher), V]`` per pair: ``score_blocks`` gathered (holds
+        whole outputs; for tests and small runs)."""
+        parts: list[list[np.ndarray]] = [[] for _ in batch]
+        for b in self.score_blocks(batch):
+            parts[b.pair].append(b.rows)
+        out = []
+        for k, ps in enumerate(parts):
+            rows = np.concatenate(ps) if ps else np.zeros((0, self.vocab_size), np.float32)
+            out.append(_bits_to_f32(rows) if rows.dtype == np.uint16 else rows)
+        return out
 
-        Each sequence is ``prompt + teacher[:-1]`` (the last teacher token predicts nothing we
-        need), right-padded; pairs are grouped by length to waste little on padding."""
+    def score_blocks(self, batch, positions=None, *, chunk_bytes=None) -> Iterator[Block]:
+        """Teacher-forced rows, a bounded block at a time (see ``Source.score_blocks``).
+
+        Each sequence is ``prompt + teacher[:-1]`` (the last teacher token predicts nothing
+        we need). Pairs whose sequences fit one window of ``prefill`` tokens go ``batch`` at a
+        time (by length) through one right-padded forward pass; a longer sequence goes
+        alone, ``prefill`` tokens per forward pass over a KV cache, so neither activations nor
+        attention masks grow with its length. Only the hidden states of selected output
+        positions reach the (large) output head, in blocks of ``chunk_bytes`` of float32
+        logits; blocks are yielded in pair order as they are computed."""
         import torch
 
+        from ..store import rows_per_block
+
+        block = rows_per_block(self.vocab_size, chunk_bytes)
         seqs: list[list[int]] = []
+        sel: list[np.ndarray] = []
         for k, (p, t) in enumerate(batch):
             p, t = [int(i) for i in p], [int(i) for i in t]
             if not p:
                 raise LogitdiffError(f"{self.path}: scoring pair {k} has an empty prompt")
             self._check_len(len(p) + max(len(t) - 1, 0), f"scoring pair {k}")
             seqs.append(p + t[:-1])
-        results: list[np.ndarray | None] = [None] * len(batch)
-        order = sorted(range(len(batch)), key=lambda k: -len(seqs[k]))
+            want = np.arange(len(t)) if positions is None or positions[k] is None else np.asarray(positions[k], dtype=np.int64)
+            if want.size and (want.min() < 0 or want.max() >= len(t)):
+                raise LogitdiffError(f"{self.path}: scoring pair {k}: positions outside the {len(t)} teacher tokens")
+            sel.append(len(p) - 1 + want)  # sequence index of each selected output row
+        # Sequences that fit one window go through right-padded forward passes, ``batch`` at a
+        # time, grouped by length (little padding; the grouping of earlier versions, so the
+        # numbers are the same); their hidden states (``[rows, H]`` each, no vocabulary axis)
+        # wait while blocks are yielded in pair order.
+        short = sorted((k for k in range(len(batch)) if sel[k].size and len(seqs[k]) <= self.prefill), key=lambda k: -len(seqs[k]))
+        hidden: dict[int, Any] = {}
         with torch.inference_mode():
-            for start in range(0, len(order), self.batch):
-                group = [k for k in order[start : start + self.batch] if len(batch[k][1]) > 0]
-                for k in order[start : start + self.batch]:
-                    if len(batch[k][1]) == 0:
-                        results[k] = np.zeros((0, self.vocab_size), np.float32)
-                if not group:
+            for a in range(0, len(short), self.batch):
+                hidden.update(self._forward_group(short[a : a + self.batch], seqs, sel))
+            for k in range(len(batch)):
+                if not sel[k].size:
                     continue
-                width = max(len(seqs[k]) for k in group)
-                ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
-                mask = torch.zeros((len(group), width), dtype=torch.long)
-                rows_b, rows_t = [], []
-                for b, k in enumerate(group):
-                    n, lp, lt = len(seqs[k]), len(batch[k][0]), len(batch[k][1])
-                    ids[b, :n] = torch.tensor(seqs[k])
-                    mask[b, :n] = 1
-                    rows_b += [b] * lt
-                    rows_t += range(lp - 1, lp + lt - 1)
-                hidden = self.base(
-                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
-                ).last_hidden_state
-                picked = hidden[torch.tensor(rows_b, device=self.device), torch.tensor(rows_t, device=self.device)]  # [sum(lt), H]
-                logits = self._head(picked).cpu().numpy()
-                at = 0
-                for k in group:
-                    lt = len(batch[k][1])
-                    results[k] = logits[at : at + lt]
-                    at += lt
-        return results  # type: ignore[return-value]
+                if k not in hidden:
+                    yield from self._score_long(k, seqs[k], sel[k], block)
+                    continue
+                h = hidden.pop(k)
+                for a in range(0, len(h), block):
+                    yield Block(k, a, self._to_numpy(self._head(h[a : a + block])))
+
+    def _forward_group(self, group, seqs, sel) -> dict:
+        """One right-padded forward pass: padding sits after the real tokens, so with the
+        attention mask every real position sees exactly the keys it sees unbatched and keeps
+        its default position id. Returns the hidden states of each pair's selected rows."""
+        import torch
+
+        width = max(len(seqs[k]) for k in group)
+        ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for b, k in enumerate(group):
+            ids[b, : len(seqs[k])] = torch.tensor(seqs[k])
+            mask[b, : len(seqs[k])] = 1
+        out = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False).last_hidden_state
+        return {k: out[b, torch.as_tensor(sel[k], device=self.device)] for b, k in enumerate(group)}
+
+    def _score_long(self, k, seq, sel, block):
+        """One sequence, ``prefill`` tokens per forward pass over a KV cache."""
+        import torch
+
+        kw: dict = {}
+        done = 0  # selected rows yielded so far
+        for a in range(0, len(seq), self.prefill):
+            b = min(len(seq), a + self.prefill)
+            o = self.base(input_ids=torch.tensor([seq[a:b]], device=self.device), use_cache=True, **kw)
+            kw = self._cache_kw(o)
+            stop = int(np.searchsorted(sel, b))
+            here = torch.as_tensor(sel[done:stop] - a, device=self.device)
+            for c in range(0, len(here), block):
+                yield Block(k, done + c, self._to_numpy(self._head(o.last_hidden_state[0, here[c : c + block]])))
+            done = stop
 
     # --- identity -----------------------------------------------------------------
     def identity(self) -> dict:
@@ -336,6 +455,9 @@ class HFSource(Source):
                 "model_path": str(self.path.resolve()),
                 "architecture": (getattr(self.config, "architectures", None) or [type(self.model).__name__])[0],
                 "dtype": self.dtype_name,
+                "logits_dtype": self.logits_dtype,
+                "batch": self.batch,
+                "prefill": self.prefill,
                 "device": str(self.device),
                 "threads": torch.get_num_threads(),
                 "attn_implementation": getattr(self.config, "_attn_implementation", None),

@@ -11,12 +11,14 @@ Spec::
 * ``concurrency`` requests in flight at once, over all endpoints (default 8).
 * ``timeout``     seconds per request (default 300); ``retries`` attempts per request on
                   timeouts, connection errors and 5xx, with exponential backoff (default 4).
-* ``batch``       sequences per vLLM request (default 4); llama-server scores one position
-                  per request, SGLang one sequence per request.
+* ``batch``       sequences per vLLM request (default 4); llama-server scores up to 32
+                  positions of one item per request, SGLang one sequence per request.
 * ``endpoints``   more replicas of the same model (``|``-separated URLs), used round-robin.
 * ``vocab_size``  V of the distribution (default: from the server or ``tokenizer``).
 * ``tokenizer``   a local HF tokenizer directory: gives the tokenizer hash, the vocabulary
                   size and token texts; the server's tokenization is checked against it.
+                  Without it the V token texts (for reports) come from the server's
+                  ``/detokenize`` in ``ceil(V / 65,536)`` requests, never one per id.
 * ``cache_prompt`` llama-server only (default true): reuse the cached prefix, so each
                   position request evaluates one new token. ``false`` re-evaluates the whole
                   prefix per position (quadratic cost) in one batch, as the in-process
@@ -49,12 +51,18 @@ sequence. Per server:
   read; measured in bench/RESULTS.md, it is most of the capture time on a small model. Such
   a server has no ``/tokenize``; prompts are then rendered with the local tokenizer, and the
   identity says that the server's own tokenization could not be checked.
-* **llama-server** (``/completion``): no prompt logprobs, so one request per position:
-  ``prompt`` = token-id prefix, ``n_predict: 1``, ``n_probs: K``, ``post_sampling_probs:
-  false`` (raw softmax of the logits over the whole vocabulary), ``cache_prompt: true``;
-  we read ``completion_probabilities[0].top_logprobs`` (``id``, ``logprob``). Positions of
-  one item are sent in order to one server slot (``id_slot``; each request extends the
-  cached prefix by one token); items run concurrently, one per slot of each replica.
+* **llama-server** (``/completion``): no prompt logprobs, so one task per position:
+  ``prompt`` = a list of token-id prefixes (up to 32 positions per request, one task each),
+  ``n_predict: 1``, ``n_probs: K``, ``post_sampling_probs: false`` (raw softmax of the logits
+  over the whole vocabulary), ``cache_prompt: true``, ``response_fields`` (only what we read);
+  we read ``completion_probabilities[0].top_logprobs`` (``id``, ``logprob``) of each answer
+  (ordered by ``index``). Positions of one item run in order on one server slot
+  (``id_slot``; each task extends the cached prefix by one token), with the item's next
+  request already queued on that slot while one runs; items run concurrently, one per slot
+  of each replica. Where the server clears idle slots (llama-server's default flags: -np
+  auto, --cache-idle-slots; probed when the source opens), each position is one unpinned
+  request instead, in order per item, restored from the server's host-RAM prompt cache.
+  ``timings`` (``prompt_n``, ``cache_n``) of every answer are summed in ``server_stats``.
 * **SGLang** (``/generate``): ``input_ids`` = ``prompt + teacher``, ``return_logprob: true``,
   ``logprob_start_len: P - 1``, ``top_logprobs_num: K``, ``max_new_tokens: 1``; entry j of
   ``meta_info.input_top_logprobs`` (a list of ``[logprob, token_id, text]``; entry 0 is null)
@@ -69,6 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 import re
 import threading
@@ -84,6 +93,16 @@ KINDS = ("llamacpp", "vllm", "sglang")
 _KNOWN_OPTIONS = {"model", "kind", "top_k", "concurrency", "timeout", "retries", "batch", "endpoints", "vocab_size", "tokenizer",
                   "cache_prompt"}
 SUM_TOL = 1e-4
+#: token ids per /detokenize request when token texts come from the server (a few MB of JSON)
+DETOKENIZE_CHUNK = 65_536
+#: llama-server scoring: positions (tasks) per /completion request, a cap on the prompt tokens
+#: one request carries, and the fields of its final events we read (the rest, e.g. the
+#: prompt's text, is not sent)
+LLAMACPP_TASKS_PER_REQUEST = 32
+LLAMACPP_TOKENS_PER_REQUEST = 262_144
+LLAMACPP_FIELDS = ("index", "stop", "timings")
+#: candidate separators between token texts in one /detokenize request (see OpenAISource._separator)
+SEPARATORS = ("[[~logitdiff|sep~]]", "{@ld#7f3a@}", "<~ld~sep~>")
 
 
 def _one_line(s: Any, n: int = 300) -> str:
@@ -98,6 +117,11 @@ def _root(url: str) -> str:
     if u.endswith("/v1"):
         u = u[: -len("/v1")]
     return u
+
+
+def _border_free(s: str) -> bool:
+    """No proper prefix of ``s`` is also a suffix: occurrences of ``s`` never overlap."""
+    return all(s[:i] != s[-i:] for i in range(1, len(s)))
 
 
 def _bool_option(spec: Spec, key: str, default: bool) -> bool:
@@ -205,12 +229,23 @@ class _Client:
     def next_root(self) -> str:
         return self.roots[next(self._rr) % len(self.roots)]
 
+    async def _send(self, method: str, url: str, body: Any, started: asyncio.Event | None):
+        if started is None:
+            return await self._http.request(method, url, json=body)
+        async with self._http.stream(method, url, json=body) as r:
+            if r.status_code < 400:
+                started.set()  # the server sends its headers with its first result
+            await r.aread()
+            return r
+
     async def request(self, method: str, path: str, body: Any = None, *, root: str | None = None, retry: bool = True,
-                      bounded: bool = True, failover: bool = False) -> Any:
+                      bounded: bool = True, failover: bool = False, started: asyncio.Event | None = None) -> Any:
         """JSON request with bounded concurrency and retries (timeouts, connection errors, 5xx).
 
         Without ``root`` each attempt takes the next endpoint (round-robin); with ``root`` the
-        first attempt goes there and, with ``failover``, retries move on to the other replicas."""
+        first attempt goes there and, with ``failover``, retries move on to the other replicas.
+        With ``started`` the answer is a server-sent event stream (``"stream": true``): the
+        event is set when its first event arrives, and the answer is the list of its events."""
         import httpx
 
         attempts = self.retries if retry else 1
@@ -225,15 +260,17 @@ class _Client:
             try:
                 if bounded:
                     async with self._sem:
-                        r = await self._http.request(method, url, json=body)
+                        r = await self._send(method, url, body, started)
                 else:
-                    r = await self._http.request(method, url, json=body)
+                    r = await self._send(method, url, body, started)
             except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
                 # connected, then silence: say so rather than "connection failed"
                 last = f"{url}: no response within {self.timeout:g} s"
             except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
                 last = f"{url}: {type(e).__name__}{': ' + _one_line(e, 120) if str(e) else ''}"
             else:
+                if r.status_code < 400 and started is not None:
+                    return _sse_events(r.text, url)
                 if r.status_code < 400:
                     try:
                         return r.json()
@@ -251,6 +288,20 @@ class _Client:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 8.0)
         raise LogitdiffError(f"{self.spec}: server unreachable or failing after {max(1, attempts)} attempt(s) ({last})")
+
+
+def _sse_events(text: str, url: str) -> list:
+    """The JSON payloads of a server-sent event stream (``data: {...}`` lines)."""
+    events = []
+    for line in text.splitlines():
+        if line.startswith("data:"):
+            data = line[len("data:"):].strip()
+            if data and data != "[DONE]":
+                try:
+                    events.append(json.loads(data))
+                except ValueError:
+                    raise LogitdiffError(f"{url}: an event of the answer is not JSON ({_one_line(data, 120)!r})") from None
+    return events
 
 
 def _err_text(payload: Any) -> str:
@@ -321,7 +372,11 @@ class OpenAISource(Source):
         self._extra_score_body: dict = {}  # tests: force server options (e.g. post_sampling_probs)
         self._force_tok: int | None = None
         self._n_slots = 1
+        self._pin_slots = True
         self.cache_prompt = cache_prompt
+        # llama-server: tasks answered and prompt tokens evaluated / taken from the cache
+        # (its ``timings``), summed over this source's scoring requests
+        self.server_stats = {"tasks": 0, "prompt_tokens_evaluated": 0, "prompt_tokens_cached": 0}
         self._client = _Client(self.roots, concurrency=max(1, int(concurrency)), timeout=float(timeout),
                                retries=max(1, int(retries)), spec=self.spec)
         try:
@@ -379,7 +434,7 @@ class OpenAISource(Source):
         self.server_info: dict = {"kind": kind}
         self.model = model
         self.tok = None
-        self._token_text: dict[int, str] = {}
+        self._token_texts: list[str] | None = None
         server_vocab = None
         # every replica must answer and serve the same model
         for r in self.roots:
@@ -420,6 +475,8 @@ class OpenAISource(Source):
             self._force_tok = self._ascii_token()
             self._n_slots = max(1, int(props.get("total_slots") or 1))
             self.server_info["total_slots"] = self._n_slots
+            self._pin_slots = self._idle_slots_kept()
+            self.server_info["scheduling"] = "pinned slots" if self._pin_slots else "one position per request (host-RAM prompt cache)"
         elif kind == "vllm":
             try:
                 self.server_info["version"] = c.run(c.request("GET", "/version", root=root)).get("version")
@@ -498,6 +555,29 @@ class OpenAISource(Source):
             if e.status == 400 and "tokenizer" in str(e).lower():
                 return False
             raise LogitdiffError(f"{self.spec}: vLLM /tokenize failed ({_one_line(e, 200)})") from None
+
+    def _idle_slots_kept(self) -> bool:
+        """Does an idle slot keep its prompt while another slot starts a task? Three requests:
+        P on slot 0, Q on slot 1, then P + one token on slot 0, which evaluates 1 token if
+        slot 0 kept P. llama-server's default flags (-np auto: a unified KV cache with
+        --cache-idle-slots) save every idle slot to the host-RAM cache and clear it whenever
+        a task starts; a request pinned to a cleared slot is not restored from that cache."""
+        if self._n_slots < 2 or not self.cache_prompt:
+            return True
+        c = self._client
+        base = [self._force_tok if self._force_tok is not None else 0] * 8
+
+        def run(prompt, slot):
+            body = {"prompt": prompt, "n_predict": 1, "temperature": 0.0, "cache_prompt": True, "id_slot": slot,
+                    "stream": False, "response_fields": ["timings"]}
+            try:
+                return int((c.run(c.request("POST", "/completion", body, root=self.roots[0])).get("timings") or {}).get("prompt_n", 0))
+            except ServerError as e:
+                raise LogitdiffError(f"{self.spec}: llama-server refused a completion request ({e})") from None
+
+        run(base, 0)
+        run([1] + base, 1)
+        return run(base + [1], 0) <= 1
 
     def _ascii_token(self) -> int | None:
         """A token whose text is one complete ASCII character (llama-server, see _score_llamacpp)."""
@@ -587,38 +667,107 @@ class OpenAISource(Source):
 
     def token_text(self, token_id: int) -> str:
         token_id = int(token_id)
-        if token_id not in self._token_text:
-            self._prefetch_vocab()
-        return self._token_text.get(token_id, f"<{token_id}>")
+        if self._token_texts is None:
+            self._token_texts = self._vocab_texts()
+        if 0 <= token_id < len(self._token_texts):
+            return self._token_texts[token_id]
+        return f"<{token_id}>"
 
-    def _prefetch_vocab(self) -> None:
-        """Texts of all token ids at once (one detokenize request per id, concurrently)."""
+    def _vocab_texts(self) -> list[str]:
+        """Texts of all V token ids, fetched once: from the local tokenizer when one is given
+        (each id decoded on its own, as HFSource.token_text does), else from the server in a
+        few large /detokenize requests (:meth:`_server_texts`), never one request per id;
+        SGLang without a tokenizer: ``<id>``."""
         if self.tok is not None:
-            for i in range(self.vocab_size):
-                s = self.tok.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                if "\ufffd" in s:
-                    s = self.tok.convert_ids_to_tokens(i) or s
-                self._token_text[i] = s
-            return
+            n = min(self.vocab_size, len(self.tok))
+            fast = getattr(self.tok, "backend_tokenizer", None)
+            if fast is not None:  # a Rust tokenizer: all ids in one parallel call (~1 s at V = 248,320)
+                texts = fast.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+            else:
+                texts = [self.tok.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in range(n)]
+            # a byte-level fragment of a multi-byte character decodes to U+FFFD: its raw
+            # token string tells such tokens apart (as HFSource.token_text does)
+            bad = [i for i, t in enumerate(texts) if "\ufffd" in t]
+            for i, raw in zip(bad, self.tok.convert_ids_to_tokens(bad)):
+                if raw is not None:
+                    texts[i] = raw
+            return texts + [f"<{i}>" for i in range(n, self.vocab_size)]
         if self.kind == "sglang":
-            self._token_text.update({i: f"<{i}>" for i in range(self.vocab_size)})
-            return
-        c = self._client
-
-        async def one(i):
-            if self.kind == "vllm":
-                r = await c.request("POST", "/detokenize", {"model": self.model, "tokens": [i]})
-                return i, r.get("prompt", "")
-            r = await c.request("POST", "/detokenize", {"tokens": [i]})
-            return i, r.get("content", "")
-
-        async def allv():
-            return await asyncio.gather(*(one(i) for i in range(self.vocab_size)))
-
+            return [f"<{i}>" for i in range(self.vocab_size)]
         try:
-            self._token_text.update(dict(c.run(allv())))
+            return self._server_texts()
         except ServerError:
-            self._token_text.update({i: f"<{i}>" for i in range(self.vocab_size)})
+            return [f"<{i}>" for i in range(self.vocab_size)]
+
+    async def _detokenize_ids(self, ids: list[int]) -> str:
+        c = self._client
+        if self.kind == "vllm":
+            return (await c.request("POST", "/detokenize", {"model": self.model, "tokens": ids})).get("prompt", "")
+        return (await c.request("POST", "/detokenize", {"tokens": ids})).get("content", "")
+
+    def _separator(self) -> tuple[list[int], str] | None:
+        """Token ids of a separator and the text they read as between two tokens, checked on
+        the server: ``a SEP a`` must come back as exactly two ``a`` around one SEP.
+
+        Both servers detokenize a list by concatenating the tokens' texts (llama-server:
+        ``tokens_to_str``; vLLM: the tokenizer's ``decode``), so ``t0 SEP t1 SEP ...`` splits
+        back into the tokens' own texts. The separator text is border-free (no proper prefix
+        is also a suffix), so a false split can only come from a token whose own text
+        contains it, which adds parts; the count check catches that (:meth:`_server_texts`)."""
+        c = self._client
+        for text in SEPARATORS:
+            if self.kind == "vllm":
+                body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+                ids = c.run(c.request("POST", "/tokenize", body))["tokens"]
+            else:
+                r = c.run(c.request("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": False}))
+                ids = r.get("tokens") or []
+            ids = [int(t["id"]) if isinstance(t, dict) else int(t) for t in ids]
+            if not ids:
+                continue
+            a = self._force_tok if self._force_tok is not None else ids[0]
+            one = c.run(self._detokenize_ids([a]))
+            both = c.run(self._detokenize_ids([a, *ids, a]))
+            # the separator as it reads between two tokens (a SentencePiece decode drops a
+            # word-start space only at the start of the text)
+            sep = both[len(one) : len(both) - len(one)] if one and both.startswith(one) and both.endswith(one) else ""
+            if len(both) > 2 * len(one) and sep and _border_free(sep) and sep not in one and both.split(sep) == [one, one]:
+                return ids, sep
+        return None
+
+    def _server_texts(self) -> list[str]:
+        """All token texts from the server in ``ceil(V / DETOKENIZE_CHUNK)`` requests: each
+        detokenizes ``t0 SEP t1 SEP ... tn`` and splits on SEP. A chunk that does not split
+        into exactly its n texts (a token whose text contains SEP) is halved until it does;
+        only such a token is then detokenized on its own."""
+        c = self._client
+        found = self._separator()
+        V = self.vocab_size
+
+        async def texts(ids: list[int]) -> list[str]:
+            if len(ids) == 1:
+                return [await self._detokenize_ids(ids)]
+            sep_ids, sep = found
+            body = [ids[0]]
+            for i in ids[1:]:
+                body += sep_ids
+                body.append(i)
+            parts = (await self._detokenize_ids(body)).split(sep)
+            if len(parts) == len(ids):
+                return parts
+            half = len(ids) // 2
+            a, b = await asyncio.gather(texts(ids[:half]), texts(ids[half:]))
+            return a + b
+
+        if found is None:
+            # no separator survives this server's detokenization: placeholders, never V requests
+            return [f"<{i}>" for i in range(V)]
+        chunks = [list(range(s, min(s + DETOKENIZE_CHUNK, V))) for s in range(0, V, DETOKENIZE_CHUNK)]
+
+        async def every():
+            return await asyncio.gather(*(texts(ch) for ch in chunks))
+
+        return [t for part in c.run(every()) for t in part]
 
     # ---- model ---------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
@@ -626,7 +775,7 @@ class OpenAISource(Source):
         if not prompt:
             raise LogitdiffError(f"{self.spec}: generate needs a non-empty prompt")
         if max_tokens <= 0:
-            return Generation([], np.zeros((0, 0), np.float32), "max_tokens")
+            return Generation([], "max_tokens")
         c = self._client
         stopped = "max_tokens"
         try:
@@ -664,7 +813,7 @@ class OpenAISource(Source):
         except ServerError as e:
             raise LogitdiffError(f"{self.spec}: generation failed ({e})") from None
         ids = [int(i) for i in ids][:max_tokens]
-        return Generation(ids, np.zeros((len(ids), 0), np.float32), stopped)
+        return Generation(ids, stopped)
 
     def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> dict:
         return self.score_many([(prompt_ids, teacher_ids)])[0]
@@ -747,25 +896,12 @@ class OpenAISource(Source):
             return LogitdiffError(f"{self.spec}: model {self.model!r} not found on the server ({_one_line(msg, 160)})")
         return LogitdiffError(f"{self.spec}: scoring request refused ({_one_line(msg, 240)})")
 
-    # llama-server: one position per request; an item's positions in order (prompt cache)
+    # llama-server: one task per position; an item's positions in order on one slot
     async def _score_llamacpp(self, pairs):
         c, K = self._client, self.top_k
 
-        async def one_position(root, slot, seq, forced, where):
-            body = {"prompt": seq, "n_predict": 1, "n_probs": K, "temperature": 0.0, "post_sampling_probs": False,
-                    "cache_prompt": self.cache_prompt, "return_tokens": False, "stream": False, "id_slot": slot,
-                    **self._extra_score_body}
-            if self._force_tok is not None:
-                # llama-server drops the probabilities of a sampled token whose text is an
-                # incomplete UTF-8 sequence (a byte token); the sampled token is not what we
-                # read, so a logit bias (a sampler: the raw n_probs are computed from the
-                # model's logits before any sampler) makes it a plain ASCII one.
-                body["logit_bias"] = [[self._force_tok, 1e6]]
-            try:
-                r = await c.request("POST", "/completion", body, root=root, failover=True)
-            except ServerError as e:
-                raise LogitdiffError(f"{where}: scoring request refused ({e})") from None
-            cp = r.get("completion_probabilities")
+        def row(e, where):
+            cp = e.get("completion_probabilities")
             if not cp:
                 raise LogitdiffError(f"{where}: llama-server returned no completion_probabilities (n_probs ignored?)")
             e0 = cp[0]
@@ -775,10 +911,60 @@ class OpenAISource(Source):
                 raise LogitdiffError(f"{where}: llama-server answer has no top_logprobs (server too old: needs token ids and logprobs)")
             return topk_row([(d["id"], d.get("logprob")) for d in e0["top_logprobs"]], K, where, ordered=True)
 
+        async def positions(root, slot, p, t, js, started):
+            """One request, one task per position j in js (prompt = p + t[:j]), all on ``slot``;
+            streamed, so ``started`` is set as soon as the server has queued all its tasks."""
+            body = {"prompt": [p + t[:j] for j in js], "n_predict": 1, "n_probs": K, "temperature": 0.0,
+                    "post_sampling_probs": False, "cache_prompt": self.cache_prompt, "return_tokens": False,
+                    "stream": True, "id_slot": slot, "response_fields": list(LLAMACPP_FIELDS), **self._extra_score_body}
+            if self._force_tok is not None:
+                # llama-server drops the probabilities of a sampled token whose text is an
+                # incomplete UTF-8 sequence (a byte token); the sampled token is not what we
+                # read, so a logit bias (a sampler: the raw n_probs are computed from the
+                # model's logits before any sampler) makes it a plain ASCII one.
+                body["logit_bias"] = [[self._force_tok, 1e6]]
+            where = f"{self.spec}: output positions {js[0]}..{js[-1]}"
+            try:
+                events = await c.request("POST", "/completion", body, root=root, failover=True, started=started)
+            except ServerError as e:
+                raise LogitdiffError(f"{where}: scoring request refused ({e})") from None
+            finally:
+                started.set()  # never leave the item's next request waiting on a failed one
+            # per task (its "index"): the event with the token's probabilities, and the final
+            # one (stop: true) with the timings
+            probs: dict[int, dict] = {}
+            for e in events:
+                if e is None:
+                    continue  # "data: null": a task started (headers for the first one)
+                if not isinstance(e, dict):
+                    raise LogitdiffError(f"{where}: llama-server sent an event that is not an object")
+                if "error" in e:
+                    raise LogitdiffError(f"{where}: scoring request failed on the server ({_one_line(_err_text(e), 240)})")
+                i = int(e.get("index", 0))
+                if e.get("completion_probabilities"):
+                    probs[i] = e
+                if e.get("stop"):
+                    tm = e.get("timings") or {}
+                    self.server_stats["tasks"] += 1
+                    self.server_stats["prompt_tokens_evaluated"] += int(tm.get("prompt_n") or 0)
+                    self.server_stats["prompt_tokens_cached"] += int(tm.get("cache_n") or 0)
+            if sorted(probs) != list(range(len(js))):
+                raise LogitdiffError(f"{where}: llama-server answered {len(probs)} of {len(js)} positions with completion_probabilities")
+            return [row(probs[n], f"{self.spec}: output position {j}") for n, j in enumerate(js)]
+
         # Each item holds one server slot (id_slot) of one replica for all its positions, so
-        # its growing prefix stays in that slot's KV cache: one new token per request. Without
-        # pinning, concurrent items evict each other's slots (llama-server picks a free slot by
-        # prefix similarity, else the least recently used) and every request re-prefills.
+        # its growing prefix stays in that slot's KV cache: one new token per position.
+        # Without pinning, concurrent items evict each other's slots (llama-server picks a
+        # slot by prefix similarity, else the least recently used) and every request
+        # re-prefills. Positions go in groups of tasks per request, and the item's next
+        # request is sent as soon as the server has queued the tasks of the one before (its
+        # answer has started), so it waits on the slot behind them, in order.
+        # On llama-server's default flags (-np auto: a unified KV cache, --cache-idle-slots,
+        # --cache-ram 8192) starting any task saves every idle slot to the host-RAM cache and
+        # clears it - slots that finish in the same batch clear each other - and a request
+        # pinned to a cleared slot is not restored from that cache: there (found at open by
+        # _idle_slots_kept) each position is one unpinned request, in order, which llama-server
+        # restores from the host-RAM cache, so it also evaluates one new token.
         slots: dict[str, asyncio.Queue] = {}
         for r in self.roots:
             q: asyncio.Queue = asyncio.Queue()
@@ -788,15 +974,39 @@ class OpenAISource(Source):
 
         async def item(n):
             p, t = pairs[n]
+            if not t:
+                return self._empty()
+            per = max(1, min(LLAMACPP_TASKS_PER_REQUEST, LLAMACPP_TOKENS_PER_REQUEST // (len(p) + len(t))))
             root = c.next_root()
             slot = await slots[root].get()
+            if not self._pin_slots:
+                # idle slots are cleared (default flags): one position per request, in order,
+                # on any slot, which restores the item's prefix from the host-RAM prompt cache
+                # (the slot taken above only keeps as many items in flight as there are slots)
+                try:
+                    rows = []
+                    for j in range(len(t)):
+                        rows += await positions(root, -1, p, t, [j], asyncio.Event())
+                finally:
+                    slots[root].put_nowait(slot)
+                return self._stack(rows)
+            groups = [list(range(j, min(j + per, len(t)))) for j in range(0, len(t), per)]
+            requests: list[asyncio.Future] = []
             try:
-                rows = []
-                for j in range(len(t)):
-                    rows.append(await one_position(root, slot, p + t[:j], t[j], f"{self.spec}: output position {j}"))
+                for g, js in enumerate(groups):
+                    if g >= 2:
+                        await requests[g - 2]  # two requests of an item at a time: one runs, one waits
+                    started = asyncio.Event()
+                    requests.append(asyncio.ensure_future(positions(root, slot, p, t, js, started)))
+                    await started.wait()
+                rows = [x for g in await asyncio.gather(*requests) for x in g]
+            except BaseException:
+                for f in requests:
+                    f.cancel()
+                raise
             finally:
                 slots[root].put_nowait(slot)
-            return self._stack(rows) if rows else self._empty()
+            return self._stack(rows)
 
         return list(await asyncio.gather(*(item(n) for n in range(len(pairs)))))
 

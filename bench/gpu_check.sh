@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The GPU path of issue 16, in one short run: at V = 248,320 (a random Llama, hidden 128,
+# 2 layers, on the bundled tokenizer widened to 248,320 tokens, built offline) capture a
+# bf16 reference and a float16 candidate with transformers on the GPU, compare them with
+# the metrics on the GPU, compare the same stored rows again on the CPU and check that both
+# give the same numbers; score one item's candidate rows on the CPU too and print how far
+# the GPU rows are from them. Prints positions/s of every step.
+#
+#   bench/gpu_check.sh            # needs torch with CUDA and a visible device
+#   bench/gpu_check.sh --cpu      # CPU fallback: every step on the CPU (tests the script)
+#
+# Environment: TOKENS (output length, default 2048), ITEMS (default 4), WORK (default a
+# temp dir), PYTHON (default: python). Exit status 0 only when every check passed.
+set -euo pipefail
+
+DEVICE=cuda
+if [ "${1:-}" = "--cpu" ]; then DEVICE=cpu; fi
+TOKENS=${TOKENS:-2048}
+ITEMS=${ITEMS:-4}
+PYTHON=${PYTHON:-python}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${WORK:-$(mktemp -d /tmp/logitdiff-gpu-check.XXXXXX)}
+export PYTHONPATH="$ROOT/src:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1
+LD() { "$PYTHON" -m logitdiff.cli "$@"; }
+
+if [ "$DEVICE" = cuda ]; then
+  "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no CUDA device (use --cpu to test the script)')"
+  "$PYTHON" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
+fi
+echo "work dir: $WORK  device: $DEVICE  tokens: $TOKENS  items: $ITEMS"
+
+M="$WORK/model"
+if [ ! -f "$M/config.json" ]; then
+  "$PYTHON" -c "from _models import make_wide_llama; make_wide_llama('$M')"
+fi
+"$PYTHON" - "$WORK/w.jsonl" "$ITEMS" <<'EOF'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for k in range(int(sys.argv[2])):
+        f.write(json.dumps({"id": f"item{k}", "prompt": f"Item {k}: def fibonacci(n):\n    "}) + "\n")
+EOF
+
+t() {  # t NAME POSITIONS CMD...: run, print wall time and positions/s
+  local name=$1 n=$2; shift 2
+  local t0 t1; t0=$(date +%s.%N)
+  "$@" >"$WORK/$name.log" 2>&1 || { echo "FAILED: $name"; tail -20 "$WORK/$name.log"; exit 1; }
+  t1=$(date +%s.%N)
+  "$PYTHON" -c "w=$t1-$t0; print(f'{\"$name\":<28} {w:8.2f} s  {$n/w:10.1f} positions/s')"
+}
+
+N=$((TOKENS * ITEMS))
+t "capture reference (bf16)" $N LD capture "hf:$M,device=$DEVICE,batch=$ITEMS" --workload "$WORK/w.jsonl" \
+  --max-tokens "$TOKENS" --out "$WORK/ref" --overwrite
+t "capture candidate (f16)" $N LD capture "hf:$M,dtype=float16,device=$DEVICE,batch=$ITEMS" --teacher "$WORK/ref" \
+  --out "$WORK/cand" --overwrite
+t "compare on $DEVICE" $N LD compare "$WORK/ref" "$WORK/cand" --out "$WORK/report-dev" --device "$DEVICE" --bootstrap 100 --no-rows
+t "compare on cpu (same rows)" $N LD compare "$WORK/ref" "$WORK/cand" --out "$WORK/report-cpu" --device cpu --bootstrap 100 --no-rows
+t "candidate item0 on cpu" $TOKENS LD capture "hf:$M,dtype=float16,device=cpu,batch=1" --teacher "$WORK/ref" \
+  --shard "0/$ITEMS" --out "$WORK/cand-cpu" --overwrite
+
+"$PYTHON" - "$WORK" <<'EOF'
+import sys
+import numpy as np
+import pyarrow.parquet as pq
+from logitdiff import metrics as M
+from logitdiff.store import RunReader
+
+work = sys.argv[1]
+dev = pq.read_table(f"{work}/report-dev/tokens.parquet").to_pandas()
+cpu = pq.read_table(f"{work}/report-cpu/tokens.parquet").to_pandas()
+ok = True
+# Same stored rows, float64 metrics on two devices: each sum of V = 248,320 terms of size
+# <= 1 differs by reduction order only, <= V * 2^-53 ~ 2.8e-11; a few sums per metric: 1e-9.
+for col in ("kl_nats", "kl_rev_nats", "jsd_nats", "nll_ref", "nll_cand"):
+    d = float(np.nanmax(np.abs(dev[col].to_numpy() - cpu[col].to_numpy())))
+    good = d <= 1e-9
+    ok &= good
+    print(f"{col:<12} max |device - cpu| = {d:.3g}  {'ok' if good else 'FAIL (> 1e-9)'}")
+for col in ("top1_ref", "top1_cand"):
+    same = bool((dev[col].to_numpy() == cpu[col].to_numpy()).all())
+    ok &= same
+    print(f"{col:<12} identical: {same}")
+print(f"mean KL(ref || cand) = {dev['kl_nats'].mean():.6g} nats over {len(dev)} positions")
+# The candidate's rows from the device vs from the CPU for item 0: another kernel, other
+# rounding; reported (it is drift between engines, not an error of the tool).
+a, b = RunReader(f"{work}/cand"), RunReader(f"{work}/cand-cpu")
+ia = next(it for it in a.items() if it.id == "item0")
+za, zb = a.logits(ia), b.logits(b.items()[0])
+m = M.full_vocab(za, zb, k=10)
+print(f"candidate item0, {len(za)} rows: {'GPU' if 'cuda' in str(a.manifest['source']) else 'device'} vs CPU "
+      f"mean KL {m['kl_nats'].mean():.3g} nats, max {m['kl_nats'].max():.3g}, top-1 agreement {m['top1_match'].mean():.4f}")
+sys.exit(0 if ok else 1)
+EOF
+echo "gpu_check: all checks passed ($DEVICE)"
