@@ -240,6 +240,10 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
     next_all = np.concatenate([it.next_tokens for it in items_r]) if items_r else np.zeros(0, np.int64)
     a0 = 0
     for zr, zc in zip(ref.row_blocks(items_r, max_batch_rows), cand.row_blocks(items_c, max_batch_rows)):
+        # float32, as the compact store keeps them (compact.encode): the exact value and the
+        # intervals are then of the same numbers (a float64 run's rows would differ from
+        # their stored float32 copy by ~1e-9 nats, outside the coverage tolerance)
+        zr, zc = np.asarray(zr, np.float32), np.asarray(zc, np.float32)
         # exact metrics and each side's top-kmax from one pass; every prefix is the top-k
         m = M.full_vocab(zr, zc, k=min(10, V), top_k_out=kmax)
         exact.append(m["kl_nats"])
