@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+torch = pytest.importorskip("torch")
 
 from _models import make_random_llama
 from logitdiff.capture import LiveRun, capture_candidate, capture_reference, select_positions
@@ -152,6 +153,8 @@ def test_killed_capture_resumes(model, tmp_path):
     out = tmp_path / "ref"
     code = (
         "import os, sys\n"
+        # the same torch thread count as this process: float32 sums differ with it
+        f"import torch; torch.set_num_threads({torch.get_num_threads()})\n"
         "from logitdiff import capture\n"
         "from logitdiff.store import RunWriter\n"
         "orig = RunWriter.flush\n"

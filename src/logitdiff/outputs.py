@@ -302,7 +302,7 @@ def writing(
     ``out`` itself when resuming or (``in_place_when_new``) when ``out`` did not exist.
     On any exception the temporary is removed and ``out`` is left as it was; an output
     written in place is removed too, unless the exception is an interrupt (Ctrl-C,
-    SIGTERM: a partial capture to ``--resume``)."""
+    SIGTERM) or it is a RUN with finished chunks: a partial capture to ``--resume``."""
     out = Path(out)
     check_output(out, kind, inputs=inputs, overwrite=overwrite, resume=resume)
     created = _make_parents(out)
@@ -316,7 +316,10 @@ def writing(
                 try:
                     yield out
                 except BaseException as e:
-                    if not existed and not isinstance(e, KeyboardInterrupt):
+                    # A new output written in place goes again on an error, unless it is an
+                    # interrupt or a RUN that already holds finished chunks (a server that died
+                    # mid-capture): that partial run is what `capture --resume` continues.
+                    if not existed and not isinstance(e, KeyboardInterrupt) and not _resumable(out, kind):
                         _remove(out)
                     raise
                 return
@@ -332,6 +335,17 @@ def writing(
     except BaseException:
         _remove_empty(created)
         raise
+
+
+def _resumable(out: Path, kind: Kind) -> bool:
+    """A partial RUN with at least one finished chunk listed in its manifest."""
+    if kind is not Kind.RUN:
+        return False
+    try:
+        m = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and m.get("status") == "partial" and bool(m.get("chunks"))
 
 
 # --------------------------------------------------------------------------------------
