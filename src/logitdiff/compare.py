@@ -217,10 +217,10 @@ def compare_runs(
     push("token_id", next_all)
     a = 0
     if kind == "compact":
-        # a compact reference against a full candidate, item groups of about a block of rows
-        for br, bc in _batches(items_r, items_c, max_batch_rows):
-            b = a + sum(len(it.positions) for it in br)
-            _compact_batch(push, ref, cand, br, bc, next_all[a:b], k_eff, min(overlap_k, V), eps)
+        # a compact reference against a full candidate, both streamed in the same row blocks
+        for blk, zc in zip(ref.row_blocks(items_r, max_batch_rows), cand.row_blocks(items_c, max_batch_rows)):
+            b = a + len(zc)
+            _compact_rows(push, cand, items_c, a, blk, zc, next_all[a:b], k_eff, min(overlap_k, V), eps)
             if progress:
                 progress(b - a)
             a = b
@@ -334,31 +334,16 @@ def select_kind(ref, cand) -> str:
     return "top_k" if (ref.k or cand.k) else "full_vocab"
 
 
-def _batches(items_r, items_c, max_rows: int):
-    """Item groups of about ``max_rows`` rows (for the compact reference, read by item)."""
-    batch_r, batch_c, rows = [], [], 0
-    for r, c in zip(items_r, items_c):
-        batch_r.append(r)
-        batch_c.append(c)
-        rows += len(r.positions)
-        if rows >= max_rows:
-            yield batch_r, batch_c
-            batch_r, batch_c, rows = [], [], 0
-    if batch_r:
-        yield batch_r, batch_c
-
-
-def _compact_batch(push, ref, cand, br, bc, next_tok, k_eff, overlap_k, eps) -> None:
-    """Compact reference vs full candidate, in sub-batches of ~32 MiB of float64 rows."""
+def _compact_rows(push, cand, items_c, row0, blk, zc, next_tok, k_eff, overlap_k, eps) -> None:
+    """One block of a compact reference against the candidate's rows, in sub-batches of
+    ~32 MiB of float64 rows (``row0``: the block's first global row, for errors)."""
     from . import compact as C
 
-    step = max(1, (32 << 20) // (ref.vocab_size * 8))
-    blocks = [ref.compact_rows(it) for it in br]
-    blk = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
-    zc = np.concatenate([np.asarray(cand.logits(it)) for it in bc])
-    if not np.isfinite(zc).all():
-        bad = int(np.nonzero(~np.isfinite(zc).all(1))[0][0])
-        raise LogitdiffError(f"{cand.path}: NaN/inf logits at row {bad} of items {bc[0].id!r}...")
+    zc = np.asarray(zc)
+    if zc.size and not (np.isfinite(zc.max()) and np.isfinite(zc.min())):
+        owner, row = _owner(items_c, row0 + int(np.nonzero(~np.isfinite(zc).all(1))[0][0]))
+        raise LogitdiffError(f"{cand.path}: item {owner.id!r} has NaN/inf logits at output position {owner.positions[row]}")
+    step = max(1, (32 << 20) // (zc.shape[1] * 8))
     for a in range(0, zc.shape[0], step):
         sl = slice(a, a + step)
         cols = C.compare_rows(C.rows_of(blk, sl), zc[sl], next_tok[sl], top_k=k_eff, overlap_k=overlap_k, eps=eps)
