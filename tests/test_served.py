@@ -6,7 +6,6 @@ A server that cannot start FAILS the test with its log tail (never a skip):
 run scripts/build_llama_server.sh and scripts/setup_vllm.sh first.
 """
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ from logitdiff.cli import main
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
 from logitdiff.served import merge_runs, parse_shard, shard_items, topk_error
-from logitdiff.served_cli import add_commands
+from logitdiff.cli import main as cli_main
 from logitdiff.sources import open_source
 from logitdiff.sources.openai import topk_row
 from logitdiff.store import RunReader
@@ -423,14 +422,7 @@ def test_topk_row_validation():
 
 # ------------------------------------------------------------------------ shards, merge, top-K error
 def _run_cli(argv) -> int:
-    p = argparse.ArgumentParser()
-    add_commands(p.add_subparsers())
-    args = p.parse_args(argv)
-    try:
-        return args.func(args)
-    except LogitdiffError as e:
-        print(f"logitdiff: error: {e}", file=sys.stderr)
-        return 2
+    return cli_main(argv)
 
 
 def test_shard_and_merge(env, tmp_path, capsys):

@@ -1,3 +1,51 @@
-"""logitdiff: how far a candidate LLM drifts from its reference, token by token."""
+"""logitdiff: how far a candidate LLM drifts from its reference, token by token.
 
-__version__ = "0.1.0"
+The public API (everything in ``__all__``; the rest of the package is internal):
+
+    import logitdiff
+
+    logitdiff.capture_run("builtin:tiny", "runs/ref", max_tokens=16)             # reference RUN
+    logitdiff.capture_run("builtin:tiny-Q4_K_M", "runs/q4", teacher="runs/ref")   # candidate RUN
+    report = logitdiff.diff_runs("runs/ref", "runs/q4", out="reports/q4")        # REPORT
+    logitdiff.testing.assert_drift_within("reports/q4", "kl_mean<0.05")
+
+Names are imported on first use, so ``import logitdiff`` stays cheap (no torch, no
+llama.cpp) and changes no process-wide state.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ._version import __version__
+
+# public name -> module that defines it
+_EXPORTS = {
+    # the jobs
+    "capture_run": "api", "diff_runs": "api", "run": "api", "load_report": "api",
+    # sources
+    "open_source": "sources", "parse_spec": "sources", "Source": "sources",
+    # data
+    "read_workload": "workload", "Item": "workload",
+    "RunReader": "store", "full_vocab": "metrics",
+    # contracts and checks
+    "LogitdiffError": "errors", "assert_drift_within": "testing",
+}
+_SUBMODULES = ("testing",)
+
+__all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'logitdiff' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

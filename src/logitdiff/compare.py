@@ -17,6 +17,9 @@ from . import metrics as M
 from .errors import LogitdiffError
 from .store import RunItem, RunReader, first_difference, rows_per_block
 
+# K of the seed's top-K fields when both runs hold full rows (and the vocabulary is larger).
+DEFAULT_TOP_LOGPROBS = 64
+
 TOPK_DESCRIPTION = (
     "Approximate KL(P_{ref} || P_{cand}) over next-token top-K distributions. Missing candidate "
     "top-K tokens receive candidate tail_mass/(vocab_size - K). A single explicit tail bucket is included."
@@ -180,7 +183,7 @@ def compare_runs(
     ref: RunReader,
     cand: RunReader,
     *,
-    top_logprobs: int = 64,
+    top_logprobs: int = DEFAULT_TOP_LOGPROBS,
     overlap_k: int = 10,
     eps: float = 1e-12,
     allow_partial: bool = False,

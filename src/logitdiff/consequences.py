@@ -23,6 +23,9 @@ from .grading import SimilarityPolicy, check_expected, grade, mcnemar_exact, pai
 from .sources import Source
 from .store import RunItem, RunReader, first_difference
 from .summarize import DEFAULT_RANGES
+
+# Branches per candidate at most (the highest-KL flips are kept): `run` and `flips` alike.
+DEFAULT_MAX_BRANCHES = 24
 from .toolcalls import ToolCall, parse_tool_calls, validate_call
 from .workload import check_tools_once
 
@@ -30,7 +33,7 @@ from .workload import check_tools_once
 @dataclass
 class Settings:
     select: str = "first"
-    max_branches: int | None = 32
+    max_branches: int | None = DEFAULT_MAX_BRANCHES
     max_tokens: int | None = None  # branch budget; default: what is left of the item's
     both: bool = False
     resync: int = MIN_RUN

@@ -19,13 +19,14 @@ from typing import Callable
 import numpy as np
 
 from .capture import SCORE_BATCH, LiveRun, capture_reference
-from .compare import compare_runs
-from .consequences import Settings, analyse
+from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
+from .consequences import DEFAULT_MAX_BRANCHES, Settings, analyse
 from .errors import LogitdiffError
 from .outputs import RUN_SUMMARY_SCHEMA, Kind, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from .report import build_report, write_report_dir
 from .report.markdown import render_markdown
 from .sources import open_source
+from .summarize import DEFAULT_BOOTSTRAP
 from .store import ResumeMismatch, RunReader, atomic_write_bytes, atomic_write_json
 from .workload import read_workload
 
@@ -45,15 +46,15 @@ class RunConfig:
     max_tokens: int | None = None
     positions: str = "all"
     noise_floor: bool = True
-    bootstrap: int = 1000
+    bootstrap: int = DEFAULT_BOOTSTRAP
     seed: int = 0
     ranges: tuple[int, ...] = (0, 1, 8, 32, 128, 512)
-    top_logprobs: int = 64
+    top_logprobs: int = DEFAULT_TOP_LOGPROBS
     fresh: bool = False
     # what the flips do, and correctness (budgeted: the default run stays within minutes)
     flips: bool = True
     flip_select: str = "first"
-    max_branches: int = 24
+    max_branches: int = DEFAULT_MAX_BRANCHES
     correctness: bool = True
     similarity: str = "auto"
     html: bool = True

@@ -20,6 +20,7 @@ item whose rows it holds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -29,10 +30,13 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from . import __version__
+from ._version import __version__
 from . import compact as compact_store
 from .errors import LogitdiffError
 from .outputs import RUN_SCHEMA, Kind, check_output
+
+# A RUN keeps a copy of every tools module its items name, here (so a RUN is portable).
+TOOLS_DIR = "tools"
 
 # Keys of a source's identity that may change between a capture and its --resume without
 # changing the numbers (parallelism, which replicas serve the same model); every other
@@ -369,7 +373,28 @@ class RunWriter:
             raise ValueError(f"item {self._cur.id!r} is not finished (end_item)")
         self._raise_failed()
         item.chunk, item.row = self._next_chunk, self._nrows
+        wl_item = item.extra.get("item") if isinstance(item.extra, dict) else None
+        if isinstance(wl_item, dict) and wl_item.get("tools_module"):
+            item.extra = {**item.extra, "item": {**wl_item, **self._keep_tools_module(wl_item["tools_module"], item.id)}}
         self._cur, self._cur_rows = item, 0
+
+    def _keep_tools_module(self, path: str, item_id: str) -> dict:
+        """A copy of an item's tools module inside the RUN (``tools/<sha256[:16]>-<name>``),
+        so that a RUN moved to another machine still executes its tool calls; the item names
+        it by that RUN-relative path and its hash (checked on read)."""
+        src = Path(path)
+        try:
+            data = src.read_bytes()
+        except OSError as e:
+            raise LogitdiffError(f"item {item_id!r}: field 'tools_module' {path!r}: cannot read ({e.strerror})") from None
+        digest = hashlib.sha256(data).hexdigest()
+        name = src.name.removeprefix(f"{digest[:16]}-")  # a teacher RUN's copy keeps its name
+        rel = f"{TOOLS_DIR}/{digest[:16]}-{name}"
+        dest = self.path / rel
+        if not dest.is_file():
+            dest.parent.mkdir(exist_ok=True)
+            atomic_write_bytes(dest, data)
+        return {"tools_module": rel, "tools_module_sha256": digest}
 
     def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None) -> None:
         """The next rows of the current item (its positions in order)."""
@@ -636,12 +661,29 @@ class RunReader:
                 for lineno, line in enumerate(p.read_bytes().split(b"\n"), 1):
                     if line.strip():
                         it = _parse_item_line(p, lineno, line, c["index"])
+                        self._resolve_tools_module(p, lineno, it)
                         if it.id in seen:
                             raise LogitdiffError(f"{p}: duplicate item id {it.id!r}")
                         seen.add(it.id)
                         items.append(it)
             self._items = items
         return self._items
+
+    def _resolve_tools_module(self, items_file: Path, lineno: int, it: RunItem) -> None:
+        """A RUN-relative ``tools_module`` (the copy ``RunWriter`` keeps) -> its path here,
+        after checking that the copy is there and has the recorded hash."""
+        wl_item = it.extra.get("item") if isinstance(it.extra, dict) else None
+        rel = wl_item.get("tools_module") if isinstance(wl_item, dict) else None
+        if not rel or Path(rel).is_absolute():
+            return  # none, or a RUN written before RUNs kept their tools modules
+        where = f"{items_file}:{lineno} (item {it.id!r}): field 'tools_module' {rel!r}"
+        local = self.path / rel
+        if not local.is_file() or ".." in Path(rel).parts:
+            raise LogitdiffError(f"{where}: not in the RUN (copied without its {TOOLS_DIR}/ directory?)")
+        want = wl_item.get("tools_module_sha256")
+        if want and hashlib.sha256(local.read_bytes()).hexdigest() != want:
+            raise LogitdiffError(f"{where}: its sha256 differs from the one recorded (the file was changed)")
+        wl_item["tools_module"] = str(local)
 
     def vocab(self) -> list[str] | None:
         p = self.path / "vocab.json"

@@ -13,6 +13,8 @@ import numpy as np
 
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p95", 95.0), ("p99", 99.0), ("p99_9", 99.9))
 DEFAULT_RANGES = (0, 1, 8, 32, 128, 512)
+# Item-bootstrap resamples behind every 95 % confidence interval of a report.
+DEFAULT_BOOTSTRAP = 1000
 DIVERGENCES = ("kl_nats", "kl_rev_nats", "jsd_nats")
 
 
@@ -36,7 +38,7 @@ def bootstrap_mean_ci(
     values: np.ndarray,
     item_index: np.ndarray,
     *,
-    n_boot: int = 1000,
+    n_boot: int = DEFAULT_BOOTSTRAP,
     seed: int = 0,
     level: float = 0.95,
 ) -> tuple[float | None, float | None]:
@@ -65,7 +67,7 @@ def summarize_group(
     metrics: dict[str, np.ndarray],
     item_index: np.ndarray,
     *,
-    n_boot: int = 1000,
+    n_boot: int = DEFAULT_BOOTSTRAP,
     seed: int = 0,
     fields: Sequence[str] = DIVERGENCES,
 ) -> dict:

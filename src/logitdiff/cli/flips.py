@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
+
+from ..errors import LogitdiffError
+from .console import Bars, console, table_console
+from .options import add_fail_on, add_max_branches, check_max_branches, gate_exit, parse_fail_on
+
+NAME = "flips"
+HELP = "branch at top-1 flips and classify what they do; grade labelled answers"
 
 FLIPS_DESCRIPTION = """\
 Branch at the top-1 flips of a REPORT: from prompt + teacher[:t] + the candidate's winner,
@@ -40,121 +47,19 @@ candidate spec (override with --candidate).
 """
 
 
-def cmd_flips(args) -> int:
-    from .cli import _console, _progress
-    from .consequences import Settings, analyse_report_dir
-    from .summarize import parse_ranges
-
-    settings = Settings(
-        select=args.select,
-        max_branches=args.max_branches,
-        max_tokens=args.max_tokens,
-        both=args.both,
-        resync=args.resync,
-        max_shift=args.max_shift,
-        max_detour=args.max_detour,
-        branch_ties=args.branch_ties,
-        seed=args.seed,
-        exec_timeout=args.exec_timeout,
-    )
-    from .errors import LogitdiffError
-    from .flips import parse_select
-
-    parse_select(args.select)
-    from .cli import parse_fail_on
-
-    gates = parse_fail_on(args.fail_on)
-    if args.resync < 1:
-        raise LogitdiffError("--resync must be >= 1")
-    if args.max_shift < 0 or args.max_detour < 0:
-        raise LogitdiffError("--max-shift and --max-detour must be >= 0")
-    if args.max_branches is not None and args.max_branches < 0:
-        raise LogitdiffError("--max-branches must be >= 0")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise LogitdiffError("--max-tokens must be >= 1")
-    if not args.exec_timeout > 0:
-        raise LogitdiffError("--exec-timeout must be > 0 seconds")
-    if args.similarity_threshold is not None and not 0.0 <= args.similarity_threshold <= 1.0:
-        raise LogitdiffError("--similarity-threshold must be in [0, 1]")
-    bars = []
-
-    def bar(total, label):
-        prog, advance = _progress(total, label)
-        prog.start()
-        bars.append(prog)
-        return advance
-
-    from pathlib import Path
-
-    from .outputs import Kind, is_kind, locked
-
-    if not is_kind(Path(args.report), Kind.REPORT):
-        from .report import read_report
-
-        read_report(args.report)  # the one-line error saying what is wrong with it
-
-    # flips rewrites files of the REPORT it reads: one writer per REPORT at a time.
-    try:
-        with locked(Path(args.report)):
-            report = analyse_report_dir(
-                args.report, candidate=args.candidate, reference=args.reference, settings=settings,
-                similarity=args.similarity, similarity_threshold=args.similarity_threshold,
-                correctness=not args.no_correctness, bar=bar, gates=gates,
-            )
-    finally:
-        for p in bars:
-            p.stop()
-    print_flips(report)
-    _console().print(f"wrote {args.report}/flips.parquet" + (", correctness.parquet" if report.get("correctness") else "")
-                     + " and updated report.json, report.md, report.html")
-    from .cli import gate_exit
-
-    return gate_exit([report])
-
-
-def print_flips(report: dict) -> None:
-    from rich.table import Table
-
-    from .cli import _stdout_console
-    from .flips import OUTCOMES
-
-    f = report["flips"]
-    ties = f" and {f['n_ties']} ties" if f.get("n_ties") else ""
-    t = Table(title=f"{f['n_flips']} flips{ties}, {f['n_branches']} branches ({f['selection']})")
-    t.add_column("outcome")
-    t.add_column("branches", justify="right")
-    t.add_column("rate", justify="right")
-    for o in OUTCOMES:
-        r = f["rates"][o]
-        t.add_row(o, str(f["outcomes"][o]), "n/a" if r is None else f"{100 * r:.1f}%")
-    con = _stdout_console()
-    con.print(t)
-    c = report.get("correctness")
-    if c:
-        con.print(
-            f"correctness on {c['n_labelled']} labelled items: reference {100 * c['accuracy_ref']:.1f}%, "
-            f"candidate {100 * c['accuracy_cand']:.1f}%; {c['right_to_wrong']} right→wrong, "
-            f"{c['wrong_to_right']} wrong→right (McNemar p = {c['mcnemar_p']:.3g}); "
-            f"{c['flips_starting_at_top1_flip']} of {c['correctness_flips']} start at a top-1 flip"
-        )
-
-
-def add_commands(sub) -> None:
+def register(sub) -> None:
     import argparse
 
-    from .toolexec import SANDBOX_HELP
-    from .flips import MAX_DETOUR, MAX_SHIFT, MIN_RUN
-    from .grading import DEFAULT_THRESHOLDS
+    from ..flips import MAX_DETOUR, MAX_SHIFT, MIN_RUN
+    from ..grading import DEFAULT_THRESHOLDS
+    from ..toolexec import SANDBOX_HELP
 
-    f = sub.add_parser(
-        "flips", help="branch at top-1 flips and classify what they do; grade labelled answers",
-        description=FLIPS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SANDBOX_HELP,
-    )
+    f = sub.add_parser(NAME, help=HELP, description=FLIPS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=SANDBOX_HELP)
     f.add_argument("report", metavar="REPORT", help="REPORT directory written by compare or run")
     f.add_argument("--select", default="first",
                    help="first (first flip of each item) | all | top-kl:N | low-margin:N | sample:N (default: %(default)s)")
-    f.add_argument("--max-branches", type=int, default=32,
-                   help="at most this many branches; the highest-KL flips are kept (default: %(default)s)")
+    add_max_branches(f)
     f.add_argument("--max-tokens", type=int, default=None,
                    help="tokens per branch (default: what is left of the item's budget, so both outputs end alike)")
     f.add_argument("--both", action="store_true",
@@ -176,13 +81,80 @@ def add_commands(sub) -> None:
     f.add_argument("--no-correctness", action="store_true", help="skip grading free-running answers")
     f.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per executed tool call (items with tools_module)")
     f.add_argument("--seed", type=int, default=0, help="seed of sample:N and the bootstrap (default: %(default)s)")
-    from .cli import FAIL_ON_HELP
-
-    f.add_argument("--fail-on", metavar="GATES", help=FAIL_ON_HELP)
-    f.set_defaults(func=cmd_flips)
+    add_fail_on(f)
+    f.set_defaults(func=run)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    from .cli import main
+def run(args) -> int:
+    from ..consequences import Settings, analyse_report_dir
+    from ..flips import parse_select
+    from ..outputs import Kind, is_kind, locked
 
-    sys.exit(main(["flips", *sys.argv[1:]]))
+    settings = Settings(
+        select=args.select,
+        max_branches=args.max_branches,
+        max_tokens=args.max_tokens,
+        both=args.both,
+        resync=args.resync,
+        max_shift=args.max_shift,
+        max_detour=args.max_detour,
+        branch_ties=args.branch_ties,
+        seed=args.seed,
+        exec_timeout=args.exec_timeout,
+    )
+    parse_select(args.select)
+    gates = parse_fail_on(args.fail_on)
+    if args.resync < 1:
+        raise LogitdiffError("--resync must be >= 1")
+    if args.max_shift < 0 or args.max_detour < 0:
+        raise LogitdiffError("--max-shift and --max-detour must be >= 0")
+    check_max_branches(args.max_branches)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise LogitdiffError("--max-tokens must be >= 1")
+    if not args.exec_timeout > 0:
+        raise LogitdiffError("--exec-timeout must be > 0 seconds")
+    if args.similarity_threshold is not None and not 0.0 <= args.similarity_threshold <= 1.0:
+        raise LogitdiffError("--similarity-threshold must be in [0, 1]")
+
+    if not is_kind(Path(args.report), Kind.REPORT):
+        from ..report import read_report
+
+        read_report(args.report)  # the one-line error saying what is wrong with it
+
+    # flips rewrites files of the REPORT it reads: one writer per REPORT at a time.
+    with locked(Path(args.report)), Bars() as bars:
+        report = analyse_report_dir(
+            args.report, candidate=args.candidate, reference=args.reference, settings=settings,
+            similarity=args.similarity, similarity_threshold=args.similarity_threshold,
+            correctness=not args.no_correctness, bar=bars.bar, gates=gates,
+        )
+    print_flips(report)
+    console().print(f"wrote {args.report}/flips.parquet" + (", correctness.parquet" if report.get("correctness") else "")
+                    + " and updated report.json, report.md, report.html")
+    return gate_exit([report])
+
+
+def print_flips(report: dict) -> None:
+    from rich.table import Table
+
+    from ..flips import OUTCOMES
+
+    f = report["flips"]
+    ties = f" and {f['n_ties']} ties" if f.get("n_ties") else ""
+    t = Table(title=f"{f['n_flips']} flips{ties}, {f['n_branches']} branches ({f['selection']})")
+    t.add_column("outcome")
+    t.add_column("branches", justify="right")
+    t.add_column("rate", justify="right")
+    for o in OUTCOMES:
+        r = f["rates"][o]
+        t.add_row(o, str(f["outcomes"][o]), "n/a" if r is None else f"{100 * r:.1f}%")
+    con = table_console()
+    con.print(t)
+    c = report.get("correctness")
+    if c:
+        con.print(
+            f"correctness on {c['n_labelled']} labelled items: reference {100 * c['accuracy_ref']:.1f}%, "
+            f"candidate {100 * c['accuracy_cand']:.1f}%; {c['right_to_wrong']} right→wrong, "
+            f"{c['wrong_to_right']} wrong→right (McNemar p = {c['mcnemar_p']:.3g}); "
+            f"{c['flips_starting_at_top1_flip']} of {c['correctness_flips']} start at a top-1 flip"
+        )

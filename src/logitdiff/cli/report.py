@@ -1,14 +1,15 @@
-"""CLI command ``logitdiff report``: one self-contained HTML page from REPORT directories.
-
-``cli.build_parser`` calls :func:`add_commands` with its subparsers object.
-"""
+"""``logitdiff report``: one self-contained HTML page from REPORT directories."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .errors import LogitdiffError
+from ..errors import LogitdiffError
+from .console import console
+
+NAME = "report"
+HELP = "one self-contained HTML page comparing REPORT directories"
 
 DESCRIPTION = """\
 Write one self-contained HTML page (plotly inlined, no network access needed or allowed)
@@ -84,12 +85,9 @@ def find_summary(dirs: list[Path]) -> dict | None:
     return s if all(d.name in names for d in dirs) else None
 
 
-def cmd_report(args) -> int:
-    from rich.console import Console
-
-    from .report.html import write_html
-
-    from .outputs import Kind, check_output
+def run(args) -> int:
+    from ..outputs import Kind, check_output
+    from ..report.html import write_html
 
     dirs, summary = expand_report_dirs(args.report_dirs)
     # The REPORT directories actually read (a `run` OUT stands for its reports/*, so its
@@ -100,16 +98,16 @@ def cmd_report(args) -> int:
         summary = _load_json(Path(args.summary))
     out = write_html(dirs, args.out, summary=summary, title=args.title, inputs=inputs)
     size = out.stat().st_size
-    Console(stderr=True).print(f"wrote {out} ({len(dirs)} candidate{'s' if len(dirs) != 1 else ''}, {size / 1e6:.1f} MB)")
+    console().print(f"wrote {out} ({len(dirs)} candidate{'s' if len(dirs) != 1 else ''}, {size / 1e6:.1f} MB)")
     return 0
 
 
-def add_commands(sub) -> None:
+def register(sub) -> None:
     import argparse
 
     r = sub.add_parser(
-        "report",
-        help="one self-contained HTML page comparing REPORT directories",
+        NAME,
+        help=HELP,
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -119,4 +117,4 @@ def add_commands(sub) -> None:
                    "never a directory, another file or one of the inputs")
     r.add_argument("--title", metavar="T", help="page title (default: drift from <reference spec>)")
     r.add_argument("--summary", metavar="PATH", help="run summary.json to use (default: found next to the reports when it lists them)")
-    r.set_defaults(func=cmd_report)
+    r.set_defaults(func=run)

@@ -1,33 +1,47 @@
-"""CLI commands of the served-models work: ``merge`` and ``topk-error``.
-
-``cli.build_parser`` calls :func:`add_commands` with its subparsers object.
-"""
+"""``logitdiff topk-error``: how wrong the top-K KL approximation is on two full-logit
+RUNs, and whether the proven intervals hold."""
 
 from __future__ import annotations
 
 import json
 
+from .console import console, table_console
+from .options import add_chunk_size
 
-def cmd_merge(args) -> int:
-    from rich.console import Console
-
-    from .served import merge_runs
-    from .store import RunReader, parse_chunk_size
-
-    out = merge_runs(args.runs, args.out, overwrite=args.overwrite, chunk_bytes=parse_chunk_size(args.chunk_size))
-    r = RunReader(out)
-    Console(stderr=True).print(f"wrote RUN {out} ({len(r.items())} items, {r.manifest['n_positions']} positions from {len(args.runs)} runs)")
-    return 0
+NAME = "topk-error"
+HELP = "measure the error of the top-K KL approximation on two full-logit RUNs"
 
 
-def cmd_topk_error(args) -> int:
-    from rich.console import Console
+def register(sub) -> None:
+    t = sub.add_parser(
+        NAME,
+        help=HELP,
+        description=(
+            "For two full-logit RUNs (reference, candidate): exact KL(P_ref || P_cand) over the whole "
+            "vocabulary next to the seed report's top-K approximation at each K (missing candidate "
+            "tokens share its tail mass, one tail bucket): mean, p95 and max of both, mean absolute "
+            "error, relative error of the mean, median per-position relative error, top-1 agreement. "
+            "It also checks the proven intervals (docs/bounds.md) against the exact values: per K those "
+            "of a top-K/top-K comparison, per --compact SPEC those of a compact reference; coverage, mean "
+            "width, and the estimate's error next to the seed's."
+        ),
+    )
+    t.add_argument("run_a", metavar="RUN_A", help="reference RUN (full logits)")
+    t.add_argument("run_b", metavar="RUN_B", help="candidate RUN (full logits)")
+    t.add_argument("--k", default="8,20,64,256", help="comma-separated K values (default: %(default)s)")
+    t.add_argument("--compact", action="append", metavar="SPEC",
+                   help="also check a compact reference store, e.g. compact:exact=512,band=3584 (repeatable)")
+    t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (a new file, or one topk-error wrote)")
+    add_chunk_size(t)
+    t.set_defaults(func=run)
+
+
+def run(args) -> int:
     from rich.table import Table
 
-    from .served import parse_ks, topk_error
-    from .store import RunReader, parse_chunk_size
-
-    from .outputs import TOPK_ERROR_SCHEMA, Kind, check_output, writing
+    from ..outputs import TOPK_ERROR_SCHEMA, Kind, check_output, writing
+    from ..served import parse_ks, topk_error
+    from ..store import RunReader, parse_chunk_size
 
     ks = parse_ks(args.k)
     if args.json:
@@ -44,15 +58,13 @@ def cmd_topk_error(args) -> int:
         t.add_row(str(row["k"]), g(ex["mean"]), g(row["approx_mean"]), g(ex["p95"]), g(row["approx_p95"]), g(ex["max"]),
                   g(row["approx_max"]), g(row["mean_abs_err"]), f"{100 * row['rel_err_of_mean']:.2f}%",
                   f"{100 * row['median_rel_err']:.2f}%", f"{row['ref_top_mass_mean']:.4f}", f"{100 * row['top1_agreement']:.2f}%")
-    import sys
-
-    con = Console(width=None if sys.stdout.isatty() else 200)
+    con = table_console(width=200)
     con.print(t)
     con.print(_bounds_table(res))
     if args.json:
         with writing(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b]) as tmp:
             tmp.write_text(json.dumps({"schema": TOPK_ERROR_SCHEMA, **res}, indent=1) + "\n")
-        Console(stderr=True).print(f"wrote {args.json}")
+        console().print(f"wrote {args.json}")
     return 0
 
 
@@ -74,45 +86,3 @@ def _bounds_table(res: dict):
             t.add_row(store, d, f"{exact[d]:.4g}", f"{x['lower_mean']:.4g}", f"{x['upper_mean']:.4g}", f"{x['mean_width']:.4g}",
                       "n/a" if w is None else f"{100 * w:.3g}%", f"{100 * x['coverage']:.2f}%", "" if est is None else f"{100 * est:.2f}%")
     return t
-
-
-def add_commands(sub) -> None:
-    from .store import CHUNK_SIZE_HELP
-
-    m = sub.add_parser(
-        "merge",
-        help="merge shard RUNs (capture --shard i/n) into one RUN",
-        description=(
-            "Join complete RUNs that are shards of one capture into one RUN. Refuses partial runs, "
-            "different vocabularies, tokenizers, stores or capture settings, an item present twice, "
-            "and an incomplete shard set (when the runs record their --shard). Shards of i mod n are "
-            "interleaved back into workload order. Written to a temporary directory and renamed."
-        ),
-    )
-    m.add_argument("runs", nargs="+", metavar="RUN", help="shard RUN directories")
-    m.add_argument("--out", required=True, help="RUN directory to create")
-    m.add_argument("--overwrite", action="store_true", help="replace --out if it holds a RUN (never anything else)")
-    m.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
-    m.set_defaults(func=cmd_merge)
-
-    t = sub.add_parser(
-        "topk-error",
-        help="measure the error of the top-K KL approximation on two full-logit RUNs",
-        description=(
-            "For two full-logit RUNs (reference, candidate): exact KL(P_ref || P_cand) over the whole "
-            "vocabulary next to the seed report's top-K approximation at each K (missing candidate "
-            "tokens share its tail mass, one tail bucket): mean, p95 and max of both, mean absolute "
-            "error, relative error of the mean, median per-position relative error, top-1 agreement. "
-            "It also checks the proven intervals (docs/bounds.md) against the exact values: per K those "
-            "of a top-K/top-K comparison, per --compact SPEC those of a compact reference; coverage, mean "
-            "width, and the estimate's error next to the seed's."
-        ),
-    )
-    t.add_argument("run_a", metavar="RUN_A", help="reference RUN (full logits)")
-    t.add_argument("run_b", metavar="RUN_B", help="candidate RUN (full logits)")
-    t.add_argument("--k", default="8,20,64,256", help="comma-separated K values (default: %(default)s)")
-    t.add_argument("--compact", action="append", metavar="SPEC",
-                   help="also check a compact reference store, e.g. compact:exact=512,band=3584 (repeatable)")
-    t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (a new file, or one topk-error wrote)")
-    t.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
-    t.set_defaults(func=cmd_topk_error)

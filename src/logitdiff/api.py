@@ -1,0 +1,239 @@
+"""The public Python API: the same jobs as the CLI commands, as functions
+(``capture_run`` is ``logitdiff capture``, ``diff_runs`` is ``logitdiff compare``, ``run`` is
+``logitdiff run``; the names differ from the modules ``logitdiff.capture``/``compare``, whose
+import would otherwise shadow them).
+
+    import logitdiff
+
+    logitdiff.capture_run("builtin:tiny", "runs/ref", max_tokens=16)             # reference RUN
+    logitdiff.capture_run("builtin:tiny-Q4_K_M", "runs/q4", teacher="runs/ref")   # candidate RUN
+    report = logitdiff.diff_runs("runs/ref", "runs/q4", out="reports/q4")        # REPORT
+    report["summary"]["kl_nats_mean"]
+
+Every function checks its arguments and its output path before it computes anything (the
+same one-line ``LogitdiffError`` as the CLI), writes through the same output guard (a
+foreign ``out`` is refused, a new one is swapped in when complete), and changes no
+process-wide state. ``bar`` arguments are progress callbacks: ``bar(total, label)`` returns
+``advance(n=1)`` (the CLI passes rich progress bars; the default draws nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import LogitdiffError
+
+Bar = Callable[[int | None, str], Callable[..., None]]
+
+__all__ = ["capture_run", "diff_runs", "load_report", "noise_floor_of", "run"]
+
+
+def _no_bar(total, label):
+    return lambda n=1: None
+
+
+def capture_run(
+    spec: str,
+    out: str | Path,
+    *,
+    workload: str | Path | None = None,
+    teacher: str | Path | None = None,
+    max_tokens: int | None = None,
+    store: str = "full",
+    positions: str = "all",
+    resume: bool = False,
+    overwrite: bool = False,
+    shard: str | None = None,
+    batch: int | None = None,
+    endpoints: Sequence[str] = (),
+    chunk_size: str | int | None = None,
+    bar: Bar | None = None,
+) -> Path:
+    """Capture a RUN: without ``teacher``, the source generates greedily over ``workload``
+    (default: the bundled one) and is scored on its own output (a reference); with
+    ``teacher`` (a reference RUN), it is scored on the teacher's tokens (a candidate).
+    ``spec`` is a source spec (``hf:PATH``, ``gguf:PATH``, ``openai:URL``, ``builtin:tiny``...).
+    Returns ``out``."""
+    from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
+    from .outputs import Kind, check_output
+    from .served import parse_shard, shard_items, with_endpoints
+    from .sources import open_source
+    from .store import RunReader, parse_chunk_size, parse_store
+
+    bar = bar or _no_bar
+    if teacher and workload:
+        raise LogitdiffError("--teacher and --workload exclude each other: a candidate capture takes its items from the teacher run")
+    # Arguments first, then the output path, then the inputs; the source (slow) last.
+    check_resume_flags(resume, overwrite)
+    parse_store(store)
+    check_max_tokens(max_tokens)
+    parse_positions(positions)
+    full_spec = with_endpoints(spec, list(endpoints))
+    shard_ix = parse_shard(shard)
+    batch = SCORE_BATCH if batch is None else batch
+    if batch < 1:
+        raise LogitdiffError(f"--batch {batch}: must be at least 1")
+    chunk_bytes = parse_chunk_size(chunk_size)
+    # a shard holds whole scoring blocks: its items keep the batch mates of an unsharded capture
+    extra = {"shard": shard, "shard_block": batch} if shard_ix else {}
+    if teacher:
+        check_output(out, Kind.RUN, inputs=[teacher], overwrite=overwrite, resume=resume)
+        teacher_run = RunReader(teacher)
+        teacher_run.items()  # a damaged teacher is a one-line error before the source loads
+        with open_source(full_spec) as src:
+            advance = bar(len(shard_items(teacher_run.items(), shard_ix, block=batch)), f"scoring {spec}")
+            capture_candidate(src, teacher_run, out, store=store, resume=resume, overwrite=overwrite, progress=advance,
+                              shard=shard_ix, settings=extra, batch=batch, chunk_bytes=chunk_bytes)
+    else:
+        from .builtin import WORKLOAD
+        from .workload import read_workload
+
+        wl = str(workload) if workload else str(WORKLOAD)
+        check_output(out, Kind.RUN, inputs=[wl], overwrite=overwrite, resume=resume)
+        items = shard_items(read_workload(wl), shard_ix, block=batch)
+        # The workload's bytes, not its path, decide whether a --resume continues the same capture.
+        wl_hash = hashlib.sha256(Path(wl).read_bytes()).hexdigest()
+        with open_source(full_spec) as src:
+            advance = bar(len(items), f"capturing {spec}")
+            capture_reference(src, items, out, max_tokens=max_tokens, store=store, positions=positions, resume=resume,
+                              overwrite=overwrite, settings={"workload": wl, "workload_sha256": wl_hash, **extra},
+                              progress=advance, inputs=[wl], batch=batch, chunk_bytes=chunk_bytes)
+    return Path(out)
+
+
+def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None = None) -> dict:
+    """The drift of a rerun of the reference (two open RUNs): the floor a report prints
+    beside the candidate's."""
+    import numpy as np
+
+    from .capture import layout_text
+    from .compare import compare_runs
+    from .pipeline import identical_distributions
+
+    nf = compare_runs(ref, rerun_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes)
+    # Any rerun of the reference works; one with other batch mates (capture --batch N) is
+    # the floor of a deterministic backend, whose plain rerun is bit-identical.
+    rerun = (f"rerun {rerun_run.path} ({layout_text(rerun_run.manifest.get('settings') or {})}; "
+             f"reference {layout_text(ref.manifest.get('settings') or {})})")
+    if identical_distributions(nf):
+        rerun += "; bit-identical: capture the rerun with another --batch for other batch mates"
+    return {"path": str(rerun_run.path), "rerun": rerun, "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
+            "top1_disagreement": float(1 - np.mean(nf.columns["top1_match"]))}
+
+
+def diff_runs(
+    reference: str | Path,
+    candidate: str | Path,
+    out: str | Path | None = None,
+    *,
+    noise_floor: str | Path | None = None,
+    ranges: Sequence[int] | None = None,
+    bootstrap: int | None = None,
+    seed: int = 0,
+    top_logprobs: int | None = None,
+    allow_partial: bool = False,
+    include_rows: bool = True,
+    device: str | None = None,
+    chunk_size: str | int | None = None,
+    gates: str | None = None,
+    bar: Bar | None = None,
+) -> dict:
+    """Compare a candidate (a RUN directory, or a source spec scored live against the
+    reference, nothing stored) with a reference RUN. Returns the report (the report.json
+    object); with ``out``, also writes the REPORT directory (report.json, tokens.parquet,
+    report.md, report.html). ``gates`` (``--fail-on`` syntax) are evaluated into the
+    report's ``gates`` section."""
+    from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
+    from .outputs import Kind, check_output
+    from .report import build_report, write_report_dir
+    from .report.html import render_html
+    from .report.markdown import render_markdown
+    from .store import RunReader, parse_chunk_size
+    from .summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
+
+    bar = bar or _no_bar
+    ranges = tuple(DEFAULT_RANGES if ranges is None else ranges)
+    bootstrap = DEFAULT_BOOTSTRAP if bootstrap is None else bootstrap
+    gate_list = None
+    if gates:
+        from .gates import parse_gates
+
+        gate_list = parse_gates(gates)
+    chunk_bytes = parse_chunk_size(chunk_size)
+    if top_logprobs is not None and top_logprobs < 1:
+        raise LogitdiffError(f"--top-logprobs {top_logprobs}: must be at least 1")
+    live = not Path(candidate).exists() and ":" in str(candidate)
+    inputs = [reference, noise_floor] + ([] if live else [candidate])
+    if out is not None:
+        check_output(out, Kind.REPORT, inputs=inputs)
+    ref = RunReader(reference, allow_partial=allow_partial)
+    if top_logprobs is None:
+        top_logprobs = min(DEFAULT_TOP_LOGPROBS, ref.vocab_size)
+    elif top_logprobs > ref.vocab_size:
+        raise LogitdiffError(f"--top-logprobs {top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {reference}")
+    live_source = None
+    try:
+        if live:
+            from .capture import LiveRun
+            from .sources import open_source
+
+            live_source = open_source(str(candidate))
+            cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
+        else:
+            cand = RunReader(candidate, allow_partial=allow_partial)
+        noise = None
+        if noise_floor:
+            nf_run = RunReader(noise_floor, allow_partial=allow_partial)
+            noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes)
+            noise["path"] = str(noise_floor)
+        advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
+        comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
+                            device=device, chunk_bytes=chunk_bytes)
+    finally:
+        if live_source is not None:
+            live_source.close()
+    report, columns = build_report(comp, ranges=ranges, n_boot=bootstrap, seed=seed, include_rows=include_rows,
+                                   noise_floor=noise)
+    if allow_partial and (ref.is_partial or cand.is_partial):
+        report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
+    if gate_list:
+        from .gates import evaluate
+
+        report["gates"] = evaluate(report, gate_list)
+    if out is not None:
+        html = render_html([report], [columns], paths=[out])
+        write_report_dir(out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()},
+                         inputs=inputs)
+    return report
+
+
+def load_report(report_dir: str | Path) -> dict:
+    """A REPORT directory's report.json, checked (schema, fields)."""
+    from .report import read_report
+
+    return read_report(report_dir)
+
+
+def run(**config) -> dict:
+    """The whole job of ``logitdiff run`` (keyword arguments: the fields of
+    :class:`logitdiff.pipeline.RunConfig`; none: the bundled default into ./logitdiff-out).
+    Returns summary.json's object."""
+    from .pipeline import RunConfig, check_specs, run_pipeline
+
+    bar = config.pop("bar", None)
+    cfg = RunConfig(**config)
+    check_specs(cfg)
+
+    class _Hooks:
+        def stage(self, text):
+            pass
+
+        def bar(self, total, text):
+            return (bar or _no_bar)(total, text)
+
+        def done(self):
+            pass
+
+    return run_pipeline(cfg, _Hooks())

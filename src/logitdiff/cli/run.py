@@ -1,0 +1,131 @@
+"""``logitdiff run``: the whole job (reference, noise floor, candidates, reports, flips);
+with no arguments, the bundled default."""
+
+from __future__ import annotations
+
+import time
+
+from .console import Bars, console, table_console
+from .options import (
+    GATES_EXIT, add_bootstrap, add_fail_on, add_max_branches, add_ranges, check_bootstrap, check_max_branches, parse_fail_on,
+    parse_ranges_arg,
+)
+
+NAME = "run"
+HELP = "the whole job: reference, noise floor, candidates, reports (no arguments: the bundled default)"
+DESCRIPTION = (
+    "Capture the reference on the workload, rerun it for the noise floor (when that rerun is "
+    "bit-identical, as on CPU, the floor comes from a rerun with the batch boundaries moved by half a "
+    "batch: other batch mates, other float rounding), teacher-force every "
+    "candidate on the reference's tokens and write one report per candidate plus a summary table. "
+    "With no arguments: the bundled tiny Llama through transformers in BF16 as the reference, and "
+    "its llama.cpp GGUF BF16 (cross-engine floor) and quant ladder Q8_0, Q6_K, Q4_K_M, IQ4_XS, "
+    "Q3_K_M, Q2_K as candidates, on the bundled workload — offline, in minutes."
+)
+
+
+def register(sub) -> None:
+    from ..outputs import REPORT_NAMES_HELP
+    from ..toolexec import SANDBOX_HELP
+
+    run_p = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=SANDBOX_HELP)
+    run_p.add_argument("--reference", default="builtin:tiny", help="reference spec (default: %(default)s)")
+    run_p.add_argument("--candidate", action="append", dest="candidates", metavar="SPEC",
+                       help="candidate spec (repeatable; default: the bundled ladder); " + REPORT_NAMES_HELP)
+    run_p.add_argument("--workload", help="workload JSONL (default: the bundled workload)")
+    run_p.add_argument("--out", default="logitdiff-out",
+                       help="output directory: new, empty or an earlier run's (its reference capture is reused) (default: %(default)s)")
+    run_p.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's, else 64)")
+    run_p.add_argument("--positions", default="all", help="all | first | sample:FRAC with 0 < FRAC <= 1 (default: %(default)s)")
+    run_p.add_argument("--no-noise-floor", action="store_true", help="skip the reference reruns")
+    add_bootstrap(run_p)
+    add_ranges(run_p)
+    run_p.add_argument("--fresh", action="store_true", help="recapture the reference even if OUT/runs/reference matches")
+    run_p.add_argument("--no-flips", action="store_true", help="skip branching at top-1 flips (and correctness)")
+    run_p.add_argument("--no-correctness", action="store_true", help="skip grading free-running answers of labelled items")
+    run_p.add_argument("--select", default="first", help="flips to branch from: first | all | top-kl:N | low-margin:N | sample:N (default: %(default)s)")
+    add_max_branches(run_p)
+    run_p.add_argument("--similarity", default="auto", choices=("auto", "minilm", "edit"), help="text similarity for flips (default: %(default)s)")
+    add_fail_on(run_p, " (checked for every candidate)")
+    run_p.set_defaults(func=run)
+
+
+class RichHooks:
+    """The pipeline's progress callbacks (``pipeline.Hooks``) on the shared console."""
+
+    def __init__(self, bars: Bars):
+        self.bars = bars
+        self.t0 = time.time()
+        self.con = console()
+
+    def stage(self, text):
+        self.con.print(f"[bold cyan]▶[/] [dim]{time.time() - self.t0:6.1f}s[/] {text}")
+
+    def bar(self, total, text):
+        return self.bars.bar(total, text)
+
+    def done(self):
+        pass
+
+
+def run(args) -> int:
+    from ..capture import check_max_tokens, parse_positions
+    from ..flips import parse_select
+    from ..pipeline import RunConfig, check_specs, default_candidates, run_pipeline
+
+    ranges = parse_ranges_arg(args.ranges)
+    check_bootstrap(args.bootstrap)
+    check_max_tokens(args.max_tokens)
+    parse_positions(args.positions)
+    cfg = RunConfig(
+        reference=args.reference, candidates=args.candidates or default_candidates(), workload=args.workload, out=args.out,
+        max_tokens=args.max_tokens, positions=args.positions, noise_floor=not args.no_noise_floor, bootstrap=args.bootstrap,
+        ranges=ranges, fresh=args.fresh, flips=not args.no_flips, correctness=not (args.no_correctness or args.no_flips),
+        flip_select=args.select, max_branches=args.max_branches, similarity=args.similarity,
+    )
+    parse_select(args.select)
+    check_max_branches(args.max_branches)
+    cfg.gates = parse_fail_on(args.fail_on)
+    check_specs(cfg)
+    with Bars() as bars:
+        summary = run_pipeline(cfg, RichHooks(bars))
+    print_run_summary(summary)
+    con = console()
+    con.print(f"wrote {args.out}/report.html, summary.md, summary.json and one report per candidate in {args.out}/reports/")
+    if summary.get("gates_crossed"):
+        for who, gs in summary["gates_crossed"].items():
+            con.print(f"[bold red]gate crossed[/]: {who}: {', '.join(gs)}")
+        return GATES_EXIT
+    return 0
+
+
+def print_run_summary(summary: dict) -> None:
+    from rich.table import Table
+
+    nf = summary.get("noise_floor")
+    title = f"drift from {summary['reference']} — {summary['items']} items, {summary['positions']} positions"
+    if nf:
+        title += f"; noise floor mean KL {nf['kl_nats_mean']:.3g}"
+    t = Table(title=title)
+    for col in ("candidate", "mean KL", "95% CI", "p99 KL", "mean JSD", "top-1 disagr.", "PPL ratio", "× noise floor", "× BF16 floor"):
+        t.add_column(col, justify="right" if col != "candidate" else "left")
+    g = lambda x: "n/a" if x is None else f"{x:.3g}"
+    for r in summary["candidates"]:
+        ci = r["kl_mean_ci95"]
+        t.add_row(r.get("name") or r["candidate"], g(r["kl_mean"]), f"[{g(ci[0])}, {g(ci[1])}]", g(r["kl_p99"]), g(r["jsd_mean"]),
+                  f"{100 * r['top1_disagreement']:.2f}%", "n/a" if r["ppl_ratio"] is None else f"{r['ppl_ratio']:.4f}",
+                  g(r["x_noise_floor"]), g(r.get("x_cross_engine_floor")))
+    con = table_console()
+    con.print(t)
+    if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
+        t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
+        for col in ("candidate", "branches", "recovered", "benign", "meaning changed", "tool call malformed", "tool call changed",
+                    "accuracy ref → cand", "right→wrong", "wrong→right", "McNemar p"):
+            t2.add_column(col, justify="right" if col != "candidate" else "left")
+        for r in summary["candidates"]:
+            o = r.get("flip_outcomes") or {}
+            acc = "n/a" if r.get("accuracy_cand") is None else f"{100 * r['accuracy_ref']:.1f}% → {100 * r['accuracy_cand']:.1f}%"
+            t2.add_row(r.get("name") or r["candidate"], str(r.get("flip_branches", "n/a")),
+                       *[str(o.get(k, "n/a")) for k in ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed")],
+                       acc, str(r.get("right_to_wrong", "n/a")), str(r.get("wrong_to_right", "n/a")), g(r.get("mcnemar_p")))
+        con.print(t2)

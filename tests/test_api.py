@@ -1,0 +1,248 @@
+"""The public Python API: ``logitdiff.__all__``, the README example, ``assert_drift_within``,
+and the package's structure (no import cycle, no process-wide state changed on import)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import logitdiff
+from logitdiff.errors import LogitdiffError
+from logitdiff.testing import DriftCheckFailed, assert_drift_within, drift_failures
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "src" / "logitdiff"
+
+
+# ----------------------------------------------------------------------------- structure
+def _module_graph() -> dict[str, set[str]]:
+    """Edges module -> package module for every import statement, at module level or in a
+    function (a lazy import is still a dependency)."""
+    mods: dict[str, tuple[Path, bool]] = {}
+    for f in PKG.rglob("*.py"):
+        parts = list(f.relative_to(PKG.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        mods[".".join(parts[:-1] if is_pkg else parts)] = (f, is_pkg)
+
+    def targets(mod: str, is_pkg: bool, node) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names if a.name.split(".")[0] == "logitdiff"]
+        if node.level:
+            base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+        elif (node.module or "").split(".")[0] == "logitdiff":
+            target = node.module
+        else:
+            return []
+        # `from . import x` imports the submodule x when there is one
+        return [f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target for a in node.names]
+
+    graph: dict[str, set[str]] = {}
+    for mod, (f, is_pkg) in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for t in targets(mod, is_pkg, node):
+                    while t not in mods and "." in t:
+                        t = t.rsplit(".", 1)[0]
+                    if t in mods and t != mod:
+                        deps.add(t)
+        graph[mod] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_cycle_finder_finds_a_cycle():
+    # the checker itself: a cycle of three, a self-contained tail, an isolated module
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": set()}
+    assert _cycles(g) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_between_modules():
+    graph = _module_graph()
+    assert "logitdiff.cli" in graph and "logitdiff.sources" in graph  # the walk saw the package
+    assert _cycles(graph) == []
+
+
+def test_library_does_not_import_the_cli():
+    graph = _module_graph()
+    offenders = {m: sorted(d for d in deps if d.startswith("logitdiff.cli")) for m, deps in graph.items()
+                 if not m.startswith("logitdiff.cli")}
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+_STATE_PROBE = r"""
+import importlib, json, logging, os, pkgutil, signal, sys, threading
+import torch
+import logitdiff
+
+def state():
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop": torch.get_num_interop_threads(),
+        "environ": dict(os.environ),
+        "signals": {s.name: repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)},
+        "root_handlers": [repr(h) for h in logging.getLogger().handlers],
+        "root_level": logging.getLogger().level,
+        "excepthook": repr(sys.excepthook),
+        "threads": threading.active_count(),
+        "cwd": os.getcwd(),
+    }
+
+before = state()
+names = [m.name for m in pkgutil.walk_packages(logitdiff.__path__, "logitdiff.")
+         if not m.name.endswith("__main__") and ".builtin.tiny" not in m.name]
+for name in names:
+    importlib.import_module(name)
+after = state()
+print(json.dumps({"modules": len(names), "before": before, "after": after}))
+"""
+
+
+def test_importing_every_module_changes_no_process_state():
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", _STATE_PROBE], capture_output=True, text=True, env=env, timeout=600, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["modules"] >= 30
+    assert res["after"] == res["before"]
+
+
+# ----------------------------------------------------------------------------- public names
+def test_public_names_resolve_and_import_is_light():
+    code = ("import sys, logitdiff; heavy = [m for m in ('torch', 'llama_cpp', 'transformers') if m in sys.modules]; "
+            "assert not heavy, heavy; [getattr(logitdiff, n) for n in logitdiff.__all__]; print(len(logitdiff.__all__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == len(logitdiff.__all__) >= 10
+    assert callable(logitdiff.capture_run) and callable(logitdiff.diff_runs) and callable(logitdiff.assert_drift_within)
+    with pytest.raises(AttributeError):
+        logitdiff.no_such_name  # noqa: B018
+
+
+def _readme_python_example() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Python API", 1)[1]
+    return textwrap.dedent(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs(tmp_path, monkeypatch):
+    code = _readme_python_example()
+    assert "logitdiff.capture_run" in code and "assert_drift_within" in code
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "README.md (Python API)", "exec"), namespace)
+    report = json.loads((tmp_path / "reports" / "q4" / "report.json").read_text())
+    assert report["candidate"]["spec"] == "builtin:tiny-Q4_K_M"
+    assert report["summary"]["kl_nats_mean"] > 0
+
+
+# ----------------------------------------------------------------------------- assert_drift_within
+@pytest.fixture(scope="module")
+def real_report(tmp_path_factory):
+    """A real comparison: the bundled model in BF16 (reference) against float32 (candidate)
+    through transformers, on three items of the bundled workload."""
+    from logitdiff.builtin import WORKLOAD
+
+    tmp = tmp_path_factory.mktemp("api")
+    lines = WORKLOAD.read_text(encoding="utf-8").splitlines()[:3]
+    wl = tmp / "w.jsonl"
+    wl.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    logitdiff.capture_run("builtin:tiny", tmp / "ref", workload=wl, max_tokens=12)
+    logitdiff.capture_run("builtin:tiny,dtype=float32", tmp / "cand", teacher=tmp / "ref")
+    report = logitdiff.diff_runs(tmp / "ref", tmp / "cand", out=tmp / "rep", bootstrap=0)
+    return tmp / "rep", report
+
+
+def test_drift_within_passes_when_every_clause_holds(real_report):
+    rep_dir, report = real_report
+    kl = report["summary"]["kl_nats_mean"]
+    assert kl > 0
+    assert_drift_within(rep_dir, f"kl_mean<{kl * 1.01}, kl_max<=10, top1_disagreement<=1")
+    assert_drift_within(rep_dir / "report.json", f"kl_mean<{kl * 1.01}")
+    assert_drift_within(report, f"kl_mean>={kl}")
+    assert drift_failures(rep_dir, f"kl_mean<{kl * 1.01}") == []
+
+
+def test_drift_within_fails_with_metric_value_and_worst_items(real_report):
+    rep_dir, report = real_report
+    kl = report["summary"]["kl_nats_mean"]
+    worst = max(report["items"], key=lambda it: it["kl_nats"]["mean"])
+    with pytest.raises(DriftCheckFailed) as e:
+        assert_drift_within(rep_dir, f"kl_mean<{kl / 2}, top1_disagreement<=1")
+    msg = str(e.value)
+    assert f"kl_mean<{kl / 2}" in msg and "top1_disagreement" not in msg.split("\n", 1)[1]
+    assert f"kl_mean = {kl:.6g}" in msg
+    assert f"worst items: {worst['id']} ({worst['kl_nats']['mean']:.4g})" in msg
+    [f] = e.value.failures
+    assert f["metric"] == "kl_mean" and f["value"] == pytest.approx(kl, rel=0, abs=0)
+    assert isinstance(e.value, AssertionError)
+
+
+def test_drift_within_fails_closed_on_a_missing_metric(real_report):
+    rep_dir, _ = real_report
+    # no `logitdiff flips` ran on this report: a flips clause cannot be shown to hold
+    with pytest.raises(DriftCheckFailed, match="meaning_changed = missing from the report"):
+        assert_drift_within(rep_dir, "meaning_changed<=0")
+
+
+def test_drift_within_rejects_bad_clauses(real_report):
+    rep_dir, _ = real_report
+    with pytest.raises(LogitdiffError, match="unknown metric 'kl_avg'"):
+        assert_drift_within(rep_dir, "kl_avg<0.1")
+    with pytest.raises(LogitdiffError, match="not found"):
+        assert_drift_within(rep_dir.parent / "nowhere", "kl_mean<0.1")
