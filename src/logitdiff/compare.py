@@ -292,7 +292,6 @@ def compare_runs(
         raise LogitdiffError(f"{ref.path} vs {cand.path}: read {a} rows for {len(next_all)} scored positions (truncated run)")
 
     columns = {k: np.concatenate(v) for k, v in cols.items()}
-    tags_per_item = {it.id: list(it.tags) for it in items_r}
     method = {
         "description": (FULL_DESCRIPTION if kind == "full_vocab" else COMPACT_DESCRIPTION if kind == "compact"
                         else topk_description(ref, cand) + TOPK_BOUNDS),
@@ -320,7 +319,6 @@ def compare_runs(
                if "fraction" in sampling else "")
         )
     comp = Comparison(kind=kind, columns=columns, items=items_r, ref=ref, cand=cand, method=method, vocab=vocab, notes=notes)
-    comp.tags_per_item = tags_per_item  # type: ignore[attr-defined]
     return comp
 
 

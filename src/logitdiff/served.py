@@ -51,12 +51,6 @@ def shard_items(items: Sequence, shard: str | tuple[int, int] | None, block: int
     return [it for k, it in enumerate(items) if (k // block) % n == i]
 
 
-def shard_pairs(pairs: Sequence, shard: str | tuple[int, int] | None) -> list:
-    """The same split for a candidate capture: pairs of :func:`capture.verified_prompts`
-    (teacher-run order) with index ``k mod n == i``."""
-    return shard_items(pairs, shard)
-
-
 def with_endpoints(spec: str, urls: Sequence[str]) -> str:
     """Add replica URLs (``capture --endpoint URL``, repeatable) to an ``openai:`` spec."""
     urls = [u for u in urls if u]

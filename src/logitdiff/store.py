@@ -91,16 +91,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def atomic_save_npy(path: Path, arr: np.ndarray) -> None:
-    """np.save straight into a temp file, then rename (no in-memory copy of the chunk)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def atomic_save_npy_rows(path: Path, blocks: list[np.ndarray], dtype) -> None:
     """One ``.npy`` of the row blocks stacked, written block by block (no concatenated
     copy in memory), then renamed into place. ``dtype`` ``"bfloat16"`` stores bf16 bits."""
@@ -785,6 +775,3 @@ class RunReader:
             return pieces[0]
         return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
 
-    def iter_items(self) -> Iterator[RunItem]:
-        """Items in chunk order, so each chunk is mapped once."""
-        yield from self.items()
