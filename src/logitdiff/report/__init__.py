@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import __version__
 from ..compare import Comparison
-from ..contracts import SCHEMA_VERSION, NoiseFloor, Report, json_clean, load_report, report_json
+from ..contracts import SCHEMA_VERSION, NoiseFloor, Report, Side, Summary, json_clean, load_report, report_json
 from ..metrics import LN2
 from ..outputs import REPORT_SCHEMA  # declared once, beside the output guard
 from ..segments import item_segments, segment_masks, vocab_scheme
@@ -58,7 +58,7 @@ def machine_info() -> dict:
             "platform": platform.platform(terse=True), "python": platform.python_version()}
 
 
-def _side(reader, label: str) -> dict:
+def _side(reader, label: str) -> Side:
     m = reader.manifest
     src = m.get("source") or {}
     return {
@@ -118,7 +118,7 @@ def build_report(
     kl = np.asarray(c["kl_nats"])
     imax = int(np.argmax(kl)) if n else 0
     match = np.asarray(c["top1_match"], dtype=bool)
-    summary = {
+    summary: Summary = {
         # The seed's summary fields first.
         "baseline_top_mass_mean": json_clean(np.mean(c["baseline_top_mass"])) if n else None,
         "candidate_top_mass_mean": json_clean(np.mean(c["candidate_top_mass"])) if n else None,
@@ -177,7 +177,7 @@ def build_report(
         g = summarize_group({k: np.asarray(v)[mask] for k, v in c.items()}, item_index[mask], n_boot=0)
         item_rows.append({"id": it.id, "tags": it.tags, **g})
 
-    report = {
+    report: Report = {
         "schema": REPORT_SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "logitdiff", "version": __version__},

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .. import __version__
-from ..contracts import GateResult, Outcome, Report, RunSummary, json_clean, load_report
+from ..contracts import GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report
 from ..errors import LogitdiffError
 from ..gates import get_path as _get
 from ..outputs import HTML_DATA_SCHEMA, HTML_GENERATOR_META, Kind, writing
@@ -286,7 +286,7 @@ def _method_key(report: dict) -> tuple:
     m = report.get("method") or {}
     kind = m.get("kind")
     # For full-vocabulary reports top_logprobs is only the K of the auxiliary top-K fields.
-    return (kind, m.get("top_logprobs") if kind == "top_k" else None)
+    return (kind, m.get("top_logprobs") if kind == MethodKind.TOP_K else None)
 
 
 def _teacher(cols: dict | None):
@@ -574,10 +574,10 @@ def _header(names, paths, reports, summary) -> str:
     b = r0.get("baseline") or {}
     m = r0.get("method") or {}
     s0 = r0.get("summary") or {}
-    if m.get("kind") == "top_k":
+    if m.get("kind") == MethodKind.TOP_K:
         method = (f"top-K approximation, K = {_e(m.get('top_logprobs'))} of V = {_e(m.get('vocab_size'))} (the seed report's method), "
                   f"with proven intervals ({_e(m.get('bounds'))}; docs/bounds.md)")
-    elif m.get("kind") == "compact":
+    elif m.get("kind") == MethodKind.COMPACT:
         method = (f"compact reference vs full candidate (V = {_e(m.get('vocab_size'))}): each divergence with a "
                   f"proven interval ({_e(m.get('bounds'))}; docs/bounds.md)")
     else:
