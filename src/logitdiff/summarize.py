@@ -11,12 +11,14 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .contracts import GroupStats
+
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p95", 95.0), ("p99", 99.0), ("p99_9", 99.9))
 DEFAULT_RANGES = (0, 1, 8, 32, 128, 512)
 DIVERGENCES = ("kl_nats", "kl_rev_nats", "jsd_nats")
 
 
-def describe(values: np.ndarray) -> dict:
+def describe(values: np.ndarray) -> dict:  # Stats without ci95
     """n, mean, p50, p90, p95, p99, p99.9 and max of a 1-D array (NaN ignored)."""
     v = np.asarray(values, dtype=np.float64)
     v = v[~np.isnan(v)]
@@ -78,9 +80,9 @@ def summarize_group(
     n_boot: int = 1000,
     seed: int = 0,
     fields: Sequence[str] = DIVERGENCES,
-) -> dict:
+) -> GroupStats:
     """Stats of each divergence plus the top-1 disagreement rate, each mean with its CI."""
-    out: dict = {"n": int(len(item_index)), "n_items": int(len(np.unique(item_index)))}
+    out: GroupStats = {"n": int(len(item_index)), "n_items": int(len(np.unique(item_index)))}
     for f in fields:
         if f not in metrics:
             continue
@@ -142,7 +144,7 @@ def by_groups(
     item_index: np.ndarray,
     groups: Iterable[tuple[str, np.ndarray]],
     **kw,
-) -> list[dict]:
+) -> list[GroupStats]:
     """Summaries of the rows selected by each boolean mask, labelled."""
     out = []
     for label, mask in groups:
