@@ -325,3 +325,31 @@ def test_one_item_bootstrap():
 def test_typed_dicts_are_plain_types():
     # TypedDicts are dicts at run time: writers stay byte-identical, readers need no conversion
     assert typing.get_type_hints(C.NoiseFloor)["top1_flips"] is int
+
+
+def test_top_k_report_with_bounds_validates(tmp_path):
+    """A top-K comparison (served models) writes the interval fields of bounded methods."""
+    rng = np.random.default_rng(5)
+    k = 8
+
+    def topk_run(path, logits, teacher):
+        w = RunWriter(path, source={"spec": f"test:{path.name}"}, vocab_size=V, tokenizer_hash="sha256:t", store=f"topk:{k}",
+                      chunk_rows=4)
+        for iid, lg in logits.items():
+            lp = lg - np.log(np.exp(lg.astype(np.float64)).sum(1, keepdims=True))
+            ids = np.argsort(-lp, 1)[:, :k]
+            w.add(RunItem(id=iid, prompt_ids=[1], teacher_ids=list(teacher[iid]), positions=list(range(len(lg))), tags=[]),
+                  topk={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
+        w.finish()
+        return RunReader(path)
+
+    ref = {k_: rng.normal(0, 2, (n, V)) for k_, n in LENS.items()}
+    teacher = {k_: lg.argmax(1) for k_, lg in ref.items()}
+    r = topk_run(tmp_path / "r", ref, teacher)
+    c = topk_run(tmp_path / "c", {k_: v + rng.normal(0, 0.3, v.shape) for k_, v in ref.items()}, teacher)
+    rep, cols = build_report(compare_runs(r, c), n_boot=20, include_rows=False)
+    out = write_report_dir(tmp_path / "rep", rep, cols, markdown=render_markdown(rep))
+    doc = C.load_report(out)
+    C.validate(doc, "report")
+    assert doc["method"]["kind"] == C.MethodKind.TOP_K and doc["rows_omitted"] is True and doc["rows"] == []
+    assert any(key.endswith("_lower_nats_mean") for key in doc["summary"])  # the patternProperties fields
