@@ -332,7 +332,7 @@ def render_summary_md(summary: RunSummary) -> str:
             "",
             "What the drift does (free-running answers and branches from top-1 flips; see each report):",
             "",
-            "| candidate | branches | recovered | benign | meaning changed | tool call malformed | tool call changed | "
+            "| candidate | branches | " + " | ".join(o.replace("_", " ") for o in Outcome.ALL) + " | "
             "ties (not flips) | accuracy (ref → cand) | right→wrong | wrong→right | McNemar p | valid tool calls |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
         ]
