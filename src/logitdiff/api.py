@@ -104,13 +104,12 @@ def capture_run(
 
 
 def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None = None) -> dict:
-    """The drift of a rerun of the reference (two open RUNs): the floor a report prints
-    beside the candidate's."""
-    import numpy as np
-
+    """The ``noise_floor`` section (report.noise_floor_section) of a rerun of the reference
+    (two open RUNs): the floor a report prints beside the candidate's."""
     from .capture import layout_text
     from .compare import compare_runs
     from .pipeline import identical_distributions
+    from .report import noise_floor_section
 
     nf = compare_runs(ref, rerun_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes)
     # Any rerun of the reference works; one with other batch mates (capture --batch N) is
@@ -119,8 +118,7 @@ def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None
              f"reference {layout_text(ref.manifest.get('settings') or {})})")
     if identical_distributions(nf):
         rerun += "; bit-identical: capture the rerun with another --batch for other batch mates"
-    return {"path": str(rerun_run.path), "rerun": rerun, "kl_nats_mean": float(np.mean(nf.columns["kl_nats"])),
-            "top1_disagreement": float(1 - np.mean(nf.columns["top1_match"]))}
+    return noise_floor_section(nf, spec=(rerun_run.manifest.get("source") or {}).get("spec"), rerun=rerun)
 
 
 def diff_runs(
@@ -187,7 +185,6 @@ def diff_runs(
         if noise_floor:
             nf_run = RunReader(noise_floor, allow_partial=allow_partial)
             noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes)
-            noise["path"] = str(noise_floor)
         advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
         comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
                             device=device, chunk_bytes=chunk_bytes)

@@ -14,6 +14,8 @@ from typing import Callable
 import numpy as np
 
 from . import metrics as M
+from .bounds import METHOD_COMPACT, METHOD_EXACT, METHOD_LLAMACPP, METHOD_TOPK
+from .contracts import MethodKind
 from .errors import LogitdiffError
 from .store import RunItem, RunReader, first_difference, rows_per_block
 
@@ -45,7 +47,7 @@ LLAMACPP_BOUNDS = (
     "reverse KL has no finite upper bound (floored entries may have p -> 0)."
 )
 # what compare does for what the two runs hold (docs/bounds.md, section 5)
-METHOD_OF_KIND = {"full_vocab": "exact", "compact": "compact-bounded", "top_k": "topk-bounded"}
+METHOD_OF_KIND = {MethodKind.FULL_VOCAB: METHOD_EXACT, MethodKind.COMPACT: METHOD_COMPACT, MethodKind.TOP_K: METHOD_TOPK}
 
 
 def run_dtype(run) -> str:
@@ -296,7 +298,7 @@ def compare_runs(
         "description": (FULL_DESCRIPTION if kind == "full_vocab" else COMPACT_DESCRIPTION if kind == "compact"
                         else topk_description(ref, cand) + TOPK_BOUNDS),
         "kind": kind,
-        "bounds": "llamacpp-base-bounded" if bounded_import else METHOD_OF_KIND[kind],
+        "bounds": METHOD_LLAMACPP if bounded_import else METHOD_OF_KIND[kind],
         "epsilon": eps,
         "top_logprobs": int(k_eff),
         "vocab_size": int(V),

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .capture import DEFAULT_MAX_TOKENS
+from .contracts import Correctness, MethodKind
 from .errors import LogitdiffError
 from .flips import MAX_DETOUR, MAX_SHIFT, MIN_RUN, OUTCOMES, Flip, classify, end_ratio, find_flips, select_flips, summarize_branches
 from .grading import SimilarityPolicy, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
@@ -333,14 +334,14 @@ def run_correctness(
     return correctness_section(rows, settings), rows
 
 
-def correctness_section(rows: list[dict], settings: Settings) -> dict:
+def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
     n = len(rows)
     r_ok = np.array([r["ref_correct"] for r in rows], dtype=bool)
     c_ok = np.array([r["cand_correct"] for r in rows], dtype=bool)
     r2w = [r for r in rows if r["ref_correct"] and not r["cand_correct"]]
     w2r = [r for r in rows if not r["ref_correct"] and r["cand_correct"]]
     flips = r2w + w2r
-    sec = {
+    sec: Correctness = {
         "n_labelled": n,
         "accuracy_ref": float(r_ok.mean()) if n else None,
         "accuracy_ref_ci": wilson_ci(int(r_ok.sum()), n),
@@ -477,7 +478,7 @@ def analyse_report_dir(
     from .sources import open_source
 
     report = read_report(report_dir)
-    if report["method"].get("kind") not in ("full_vocab", "top_k"):
+    if report["method"].get("kind") not in (MethodKind.FULL_VOCAB, MethodKind.TOP_K):
         raise LogitdiffError(f"{report_dir}/report.json: field 'method.kind' is {report['method'].get('kind')!r}")
     cols = read_columns(report_dir)
     missing = [c for c in FLIP_COLUMNS if c not in cols and not c.startswith("p_top1")]

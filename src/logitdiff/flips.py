@@ -43,13 +43,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .contracts import Flips, Outcome
 from .errors import LogitdiffError
 from .grading import grade, last_number, normalise_answer, numbers_in
+from .summarize import range_label
 from .toolcalls import ParsedCalls, compare_calls, parse_tool_calls, validate_call
 
-OUTCOMES = ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed")
+OUTCOMES = Outcome.ALL  # declared in contracts (gates, reports and summaries read the same names)
 # Most consequential first: used to rank flips for the report.
-SEVERITY = {"tool_call_malformed": 4, "tool_call_changed": 3, "meaning_changed": 2, "benign": 1, "recovered": 0}
+SEVERITY = {Outcome.TOOL_CALL_MALFORMED: 4, Outcome.TOOL_CALL_CHANGED: 3, Outcome.MEANING_CHANGED: 2, Outcome.BENIGN: 1,
+            Outcome.RECOVERED: 0}
 MARGIN_BUCKETS = (0.0, 0.05, 0.2, 0.5, 1.0000001)
 
 # Recovery (docs/flips.md). A re-join is MIN_RUN common tokens at offsets in the branch and
@@ -396,14 +399,14 @@ def classify(
         if ref_valid:
             if not br_valid:
                 sig["decided_by"] = "reference call valid, branch call " + ("invalid" if pb.ok else "unparsable or absent")
-                return "tool_call_malformed", sig
+                return Outcome.TOOL_CALL_MALFORMED, sig
             cmp = compare_calls(pb.calls, pr.calls, tools)
             sig["call_differences"] = cmp.reasons
             if exec_check is not None:
                 sig["exec"] = exec_check(pr.calls, pb.calls)
             if not cmp.equal:
                 sig["decided_by"] = "valid call, different: " + cmp.reasons[0]
-                return "tool_call_changed", sig
+                return Outcome.TOOL_CALL_CHANGED, sig
             same = True
         elif pb.attempted:
             # The reference made no valid call; the branch's call is a behaviour change.
@@ -440,7 +443,7 @@ def classify(
         share = f"{100 * al.joined_share:.0f} %"
         detours = f", {al.detours} short detour{'s' if al.detours != 1 else ''}" if al.detours else ""
         sig["decided_by"] = f"{rejoin} and stayed ({share} joined{detours}); " + ", ".join(x for x in (what, sim_text) if x)
-        return "recovered", sig
+        return Outcome.RECOVERED, sig
     if al.rejoin is None:
         how = "no aligned re-join"
     elif al.left is not None:
@@ -451,12 +454,12 @@ def classify(
         how = f"{rejoin} and stayed"
     if same and sim_ok:
         sig["decided_by"] = f"{how}; " + ", ".join(x for x in (what, sim_text) if x)
-        return "benign", sig
+        return Outcome.BENIGN, sig
     if not same:
         sig["decided_by"] = f"{how}; " + ("different answer" if what == "same answer" else "a number changed")
     else:
         sig["decided_by"] = f"{how}; {what} but {sim_text}"
-    return "meaning_changed", sig
+    return Outcome.MEANING_CHANGED, sig
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,13 +470,6 @@ def margin_bucket(m: float) -> str:
     for a, b in zip(MARGIN_BUCKETS, MARGIN_BUCKETS[1:]):
         if a <= m < b:
             return f"[{a:g},{min(b, 1.0):g}" + ("]" if b > 1 else ")")
-    return "n/a"
-
-
-def range_label(pos: int, edges: Sequence[int]) -> str:
-    for a, b in zip(edges, list(edges[1:]) + [None]):
-        if pos >= a and (b is None or pos < b):
-            return f"[{a},{b})" if b is not None else f"[{a},inf)"
     return "n/a"
 
 
@@ -514,7 +510,7 @@ def summarize_branches(
     ties: Sequence[dict] = (),
     n_top: int = 10,
     n_examples: int = 3,
-) -> dict:
+) -> Flips:
     """The ``flips`` section of report.json.
 
     ``rows`` are the branches; rows of ties (``tie`` true, branched only on request) are
@@ -533,8 +529,8 @@ def summarize_branches(
     for o in OUTCOMES:
         top += [r for r in ranked if r["outcome"] == o and r not in top][: max(0, n_examples - sum(t["outcome"] == o for t in top))]
     top.sort(key=rank)
-    rec = [r for r in rows if r["outcome"] == "recovered" and r.get("end_ratio") is not None]
-    sec = {
+    rec = [r for r in rows if r["outcome"] == Outcome.RECOVERED and r.get("end_ratio") is not None]
+    sec: Flips = {
         "n_flips": n_flips,
         "flip_rate": (n_flips / n_positions) if n_positions else None,
         "n_ties": len(ties),
@@ -558,7 +554,7 @@ def summarize_branches(
     }
     if any("outcome_ref_from_cand_token" in r for r in rows):
         both = [r for r in rows if r.get("outcome_ref_from_cand_token")]
-        bad = ("meaning_changed", "tool_call_malformed", "tool_call_changed")
+        bad = Outcome.BAD
         sec["both"] = {
             "outcomes_ref_from_cand_token": {o: sum(r["outcome_ref_from_cand_token"] == o for r in both) for o in OUTCOMES},
             "token_was_poison": sum(r["outcome"] in bad and r["outcome_ref_from_cand_token"] in bad for r in both),

@@ -32,18 +32,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .contracts import Gates, GateResult, Outcome, Report
 from .errors import LogitdiffError
 
 OPS: dict[str, Callable[[float, float], bool]] = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
-
-_OUTCOMES = ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed")
-_OUTCOME_TEXT = {
-    "recovered": "the branch re-joined the reference's continuation and stayed joined",
-    "benign": "the branch differs but means the same",
-    "meaning_changed": "the branch means something else",
-    "tool_call_malformed": "the branch's tool call no longer parses/validates",
-    "tool_call_changed": "the branch's tool call is valid but different",
-}
 
 # name -> (one-line description, report.json paths tried in order)
 _SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -60,9 +52,9 @@ _SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
     "flips": ("number of top-1 flips (positions where the top-1 tokens differ) counted by `logitdiff flips`, "
               "ties at the reference (flips.n_ties) excluded", ("flips.n_flips",)),
 }
-for _o in _OUTCOMES:
-    _SOURCES[_o] = (f"branched flips (ties excluded) whose outcome is {_o} ({_OUTCOME_TEXT[_o]}), a count", (f"flips.outcomes.{_o}",))
-for _o in _OUTCOMES:
+for _o in Outcome.ALL:
+    _SOURCES[_o] = (f"branched flips (ties excluded) whose outcome is {_o} ({Outcome.TEXT[_o]}), a count", (f"flips.outcomes.{_o}",))
+for _o in Outcome.ALL:
     _SOURCES[f"{_o}_rate"] = (f"share (0-1) of branched flips whose outcome is {_o}; 0 when there were no flips at all",
                               (f"flips.rates.{_o}",))
 _SOURCES.update({
@@ -141,7 +133,7 @@ def _num(x) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def metric_value(report: dict, metric: str) -> float | None:
+def metric_value(report: Report, metric: str) -> float | None:
     """The metric's value in ``report`` (a report.json object); None when the report lacks it."""
     if metric not in _SOURCES:
         raise LogitdiffError(f"unknown gate metric {metric!r}; {_known()}")
@@ -159,11 +151,11 @@ def metric_value(report: dict, metric: str) -> float | None:
     return None
 
 
-def evaluate(report: dict, gates: list[Gate]) -> dict:
+def evaluate(report: Report, gates: list[Gate]) -> Gates:
     """Every gate against ``report``: ``{"gates": [...], "crossed": [gate texts], "passed": bool}``.
 
     A gate whose metric is missing from the report counts as crossed (fail closed)."""
-    out = []
+    out: list[GateResult] = []
     for g in gates:
         v = metric_value(report, g.metric)
         missing = v is None

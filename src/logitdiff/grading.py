@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .errors import LogitdiffError
+from .summarize import resample_items
 from .toolcalls import ToolCall, compare_calls, parse_tool_calls, validate_call
 
 CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls")
@@ -298,7 +299,5 @@ def paired_diff_ci(ref_ok: np.ndarray, cand_ok: np.ndarray, n_boot: int = 2000, 
     if n == 0:
         return [None, None]
     d = cand_ok.astype(np.float64) - ref_ok.astype(np.float64)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(n_boot, n))
-    means = d[idx].mean(1)
+    means = resample_items(d, np.ones(n), n_boot=n_boot, seed=seed)
     return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]

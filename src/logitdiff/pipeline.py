@@ -21,13 +21,14 @@ import numpy as np
 from .capture import SCORE_BATCH, LiveRun, capture_reference
 from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from .consequences import DEFAULT_MAX_BRANCHES, Settings, analyse
+from .contracts import SCHEMA_VERSION, CandidateRow, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from .errors import LogitdiffError
 from .outputs import RUN_SUMMARY_SCHEMA, Kind, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
-from .report import build_report, write_report_dir
+from .report import build_report, noise_floor_section, write_report_dir
 from .report.markdown import render_markdown
 from .sources import open_source
-from .summarize import DEFAULT_BOOTSTRAP
-from .store import ResumeMismatch, RunReader, atomic_write_bytes, atomic_write_json
+from .store import ResumeMismatch, RunReader, atomic_write_bytes
+from .summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 from .workload import read_workload
 
 
@@ -48,7 +49,7 @@ class RunConfig:
     noise_floor: bool = True
     bootstrap: int = DEFAULT_BOOTSTRAP
     seed: int = 0
-    ranges: tuple[int, ...] = (0, 1, 8, 32, 128, 512)
+    ranges: tuple[int, ...] = DEFAULT_RANGES
     top_logprobs: int = DEFAULT_TOP_LOGPROBS
     fresh: bool = False
     # what the flips do, and correctness (budgeted: the default run stays within minutes)
@@ -115,7 +116,7 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunRead
     return RunReader(path)
 
 
-def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
+def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> RunSummary:
     hooks = hooks or Hooks()
     wl_path = _workload_path(cfg)
     names = report_names(cfg.candidates)
@@ -131,7 +132,7 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> dict:
         return _run_locked(cfg, hooks, wl_path, items, names)
 
 
-def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str]) -> dict:
+def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str]) -> RunSummary:
     t0 = time.time()
     wl_hash = hashlib.sha256(wl_path.read_bytes()).hexdigest()
     out = Path(cfg.out)
@@ -163,11 +164,11 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
                        bar=lambda n, label: hooks.bar(n, label))
 
     _prebuild_builtin_ladder(cfg, hooks)
-    noise = None
+    noise: NoiseFloor | None = None
     if cfg.noise_floor:
         hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
         nf, _ = score(cfg.reference, "noise floor")
-        noise = _noise_floor(cfg.reference, nf, f"rerun, same batch layout (blocks of {SCORE_BATCH} items)")
+        noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun, same batch layout (blocks of {SCORE_BATCH} items)")
         if identical_distributions(nf):
             # A deterministic backend reruns bit-identically (CPU): that says nothing about its
             # numerical noise. Other batch mates (what --resume, --shard or a server's batching
@@ -175,13 +176,13 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
             shift = SCORE_BATCH // 2
             hooks.stage(f"noise floor: the rerun is bit-identical; rerun with batch boundaries moved by {shift} items")
             nf, _ = score(cfg.reference, "noise floor, other batch mates", offset=shift)
-            noise = _noise_floor(cfg.reference, nf, f"rerun with batch boundaries moved by {shift} items (other batch mates); "
-                                                    "the plain rerun is bit-identical")
+            noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun with batch boundaries moved by {shift} items "
+                                        "(other batch mates); the plain rerun is bit-identical")
             if identical_distributions(nf):
                 noise["rerun"] += ("; bit-identical with other batch mates too: on this workload the backend's numbers do "
                                    "not depend on the batch (llama.cpp, for one, scores each sequence alone), so x noise floor "
                                    "is undefined")
-    rows = []
+    rows: list[CandidateRow] = []
     for spec, name in zip(cfg.candidates, names):
         hooks.stage(f"candidate: {spec}")
         comp, (sections, files) = score(spec, name, consequences)
@@ -201,8 +202,9 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     xf = next((r for r in rows if r["name"].upper().endswith("BF16") and r["candidate"] != cfg.reference), None)
     for r in rows:
         r["x_cross_engine_floor"] = (r["kl_mean"] / xf["kl_mean"]) if (xf and xf["kl_mean"]) else None
-    summary = {
+    summary: RunSummary = {
         "schema": RUN_SUMMARY_SCHEMA,
+        "schema_version": SCHEMA_VERSION,
         "reference": cfg.reference,
         "workload": str(wl_path),
         "workload_sha256": wl_hash,
@@ -216,7 +218,7 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     if cfg.gates:
         summary["gates"] = [g.text for g in cfg.gates]
         summary["gates_crossed"] = {r["name"]: r["gates_crossed"] for r in rows if r.get("gates_crossed")}
-    atomic_write_json(out / "summary.json", summary)
+    atomic_write_bytes(out / "summary.json", summary_json(summary, str(out / "summary.json")).encode())
     atomic_write_bytes(out / "summary.md", render_summary_md(summary).encode())
     if cfg.html:
         from .report.html import write_html
@@ -231,19 +233,6 @@ def identical_distributions(comp) -> bool:
     """Same distributions at every position (identical rows give exactly 0 both ways)."""
     c = comp.columns
     return not (np.any(c["kl_nats"]) or np.any(c.get("kl_rev_nats", 0))) and bool(np.all(c["top1_match"]))
-
-
-def _noise_floor(spec: str, comp, rerun: str) -> dict:
-    c = comp.columns
-    return {
-        "spec": spec,
-        "rerun": rerun,
-        "kl_nats_mean": float(np.mean(c["kl_nats"])),
-        "kl_nats_max": float(np.max(c["kl_nats"])),
-        "top1_disagreement": float(1.0 - np.mean(c["top1_match"])),
-        "top1_flips": int(np.sum(~np.asarray(c["top1_match"], dtype=bool))),
-        "positions": int(comp.n),
-    }
 
 
 def _prebuild_builtin_ladder(cfg: RunConfig, hooks: Hooks) -> None:
@@ -265,7 +254,7 @@ def _prebuild_builtin_ladder(cfg: RunConfig, hooks: Hooks) -> None:
     build_ladder(TINY_DIR, cache_dir(), quants, progress=progress)
 
 
-def _summary_row(spec: str, report: dict, rdir: Path, noise: dict | None) -> dict:
+def _summary_row(spec: str, report: Report, rdir: Path, noise: NoiseFloor | None) -> CandidateRow:
     s = report["summary"]
     m = s["metrics"]
     kl, js = m["kl_nats"], m["jsd_nats"]
@@ -291,17 +280,14 @@ def _summary_row(spec: str, report: dict, rdir: Path, noise: dict | None) -> dic
     }
 
 
-BAD_OUTCOMES = ("meaning_changed", "tool_call_malformed", "tool_call_changed")
-
-
-def _consequence_cols(report: dict) -> dict:
+def _consequence_cols(report: Report) -> dict:
     out: dict = {}
     f = report.get("flips")
     if f:
         out["flip_branches"] = f["n_branches"]
         out["flip_ties"] = f.get("n_ties", 0)
         out["flip_outcomes"] = f["outcomes"]
-        out["flips_consequential"] = sum(f["outcomes"][o] for o in BAD_OUTCOMES)
+        out["flips_consequential"] = sum(f["outcomes"][o] for o in Outcome.BAD)
     c = report.get("correctness")
     if c:
         out.update(
@@ -315,7 +301,7 @@ def _f(x, spec=".4g"):
     return "n/a" if x is None else format(x, spec)
 
 
-def render_summary_md(summary: dict) -> str:
+def render_summary_md(summary: RunSummary) -> str:
     nf = summary.get("noise_floor")
     lines = [
         f"# logitdiff run: drift from `{summary['reference']}`\n",
@@ -346,7 +332,7 @@ def render_summary_md(summary: dict) -> str:
             "",
             "What the drift does (free-running answers and branches from top-1 flips; see each report):",
             "",
-            "| candidate | branches | recovered | benign | meaning changed | tool call malformed | tool call changed | "
+            "| candidate | branches | " + " | ".join(o.replace("_", " ") for o in Outcome.ALL) + " | "
             "ties (not flips) | accuracy (ref → cand) | right→wrong | wrong→right | McNemar p | valid tool calls |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
         ]
@@ -355,7 +341,7 @@ def render_summary_md(summary: dict) -> str:
             acc = (f"{100 * r['accuracy_ref']:.1f} % → {100 * r['accuracy_cand']:.1f} %" if r.get("accuracy_cand") is not None else "n/a")
             lines.append(
                 f"| `{r['candidate']}` | {r.get('flip_branches', 'n/a')} | "
-                + " | ".join(str(o.get(k, "n/a")) for k in ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed"))
+                + " | ".join(str(o.get(k, "n/a")) for k in Outcome.ALL)
                 + f" | {r.get('flip_ties', 'n/a')} | {acc} | {r.get('right_to_wrong', 'n/a')} | {r.get('wrong_to_right', 'n/a')} | {_f(r.get('mcnemar_p'), '.3g')} | "
                 + ("n/a" if r.get("tool_call_valid_cand") is None else f"{100 * r['tool_call_valid_cand']:.0f} %") + " |"
             )

@@ -188,6 +188,12 @@ def parse_store(text: str, vocab_size: int | None = None) -> int:
     return int(k)
 
 
+def format_store(k: int) -> str:
+    """The ``store`` text of a full (``k`` = 0) or top-K store: parse_store's inverse for
+    those two (compact stores keep the spec they were given)."""
+    return f"topk:{int(k)}" if k else "full"
+
+
 def resume_difference(old: dict, new: dict) -> tuple[str, object, object] | None:
     """First field in which a RUN's manifest differs from what a resumed capture would
     write: vocabulary, tokenizer, source spec, model identity, then every setting

@@ -11,6 +11,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .contracts import GroupStats
+
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p95", 95.0), ("p99", 99.0), ("p99_9", 99.9))
 DEFAULT_RANGES = (0, 1, 8, 32, 128, 512)
 # Item-bootstrap resamples behind every 95 % confidence interval of a report.
@@ -18,7 +20,7 @@ DEFAULT_BOOTSTRAP = 1000
 DIVERGENCES = ("kl_nats", "kl_rev_nats", "jsd_nats")
 
 
-def describe(values: np.ndarray) -> dict:
+def describe(values: np.ndarray) -> dict:  # Stats without ci95
     """n, mean, p50, p90, p95, p99, p99.9 and max of a 1-D array (NaN ignored)."""
     v = np.asarray(values, dtype=np.float64)
     v = v[~np.isnan(v)]
@@ -32,6 +34,18 @@ def describe(values: np.ndarray) -> dict:
         out[name] = float(q)
     out["max"] = float(v.max())
     return out
+
+
+def resample_items(item_sums: np.ndarray, item_counts: np.ndarray, *, n_boot: int, seed: int) -> np.ndarray:
+    """The item bootstrap every CI of logitdiff uses: ``n_boot`` resamples of the items with
+    replacement (numpy ``default_rng(seed)``), each giving the pooled mean
+    sum(drawn item sums) / sum(drawn item counts). Per-item values (a paired difference, an
+    item's correctness) are sums with counts of 1: the plain mean over drawn items."""
+    sums = np.asarray(item_sums, dtype=np.float64)
+    counts = np.asarray(item_counts, dtype=np.float64)
+    n = sums.size
+    draws = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    return sums[draws].sum(1) / counts[draws].sum(1)
 
 
 def bootstrap_mean_ci(
@@ -55,9 +69,7 @@ def bootstrap_mean_ci(
     if n_items == 1 or n_boot <= 0:
         m = float(sums.sum() / counts.sum())
         return m, m
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, n_items, size=(n_boot, n_items))
-    means = sums[draws].sum(1) / counts[draws].sum(1)
+    means = resample_items(sums, counts, n_boot=n_boot, seed=seed)
     a = (1.0 - level) / 2.0
     lo, hi = np.quantile(means, [a, 1.0 - a])
     return float(lo), float(hi)
@@ -70,9 +82,9 @@ def summarize_group(
     n_boot: int = DEFAULT_BOOTSTRAP,
     seed: int = 0,
     fields: Sequence[str] = DIVERGENCES,
-) -> dict:
+) -> GroupStats:
     """Stats of each divergence plus the top-1 disagreement rate, each mean with its CI."""
-    out: dict = {"n": int(len(item_index)), "n_items": int(len(np.unique(item_index)))}
+    out: GroupStats = {"n": int(len(item_index)), "n_items": int(len(np.unique(item_index)))}
     for f in fields:
         if f not in metrics:
             continue
@@ -98,8 +110,25 @@ def summarize_group(
 
 
 def range_labels(edges: Sequence[int]) -> list[str]:
+    """``[a,b)`` per pair of edges and ``[last,inf)``: the ``group`` of report.json ranges."""
     e = list(edges)
     return [f"[{a},{b})" for a, b in zip(e[:-1], e[1:])] + [f"[{e[-1]},inf)"]
+
+
+def range_label(pos: int, edges: Sequence[int]) -> str:
+    """The range_labels label of output position ``pos`` ("n/a" before the first edge)."""
+    if not len(edges):
+        return "n/a"
+    labels = range_labels(edges)
+    for label, a, b in zip(labels, edges, list(edges[1:]) + [None]):
+        if pos >= a and (b is None or pos < b):
+            return label
+    return "n/a"
+
+
+def format_ranges(edges: Sequence[int]) -> str:
+    """The ``--ranges`` text of ``edges`` (parse_ranges' inverse): ``0,1,8,32,128,512``."""
+    return ",".join(str(int(e)) for e in edges)
 
 
 def parse_ranges(text: str) -> tuple[int, ...]:
@@ -117,7 +146,7 @@ def by_groups(
     item_index: np.ndarray,
     groups: Iterable[tuple[str, np.ndarray]],
     **kw,
-) -> list[dict]:
+) -> list[GroupStats]:
     """Summaries of the rows selected by each boolean mask, labelled."""
     out = []
     for label, mask in groups:

@@ -102,6 +102,8 @@ def run(args) -> int:
 def print_run_summary(summary: dict) -> None:
     from rich.table import Table
 
+    from ..contracts import Outcome
+
     nf = summary.get("noise_floor")
     title = f"drift from {summary['reference']} — {summary['items']} items, {summary['positions']} positions"
     if nf:
@@ -126,6 +128,6 @@ def print_run_summary(summary: dict) -> None:
             o = r.get("flip_outcomes") or {}
             acc = "n/a" if r.get("accuracy_cand") is None else f"{100 * r['accuracy_ref']:.1f}% → {100 * r['accuracy_cand']:.1f}%"
             t2.add_row(r.get("name") or r["candidate"], str(r.get("flip_branches", "n/a")),
-                       *[str(o.get(k, "n/a")) for k in ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed")],
+                       *[str(o.get(k, "n/a")) for k in Outcome.ALL],
                        acc, str(r.get("right_to_wrong", "n/a")), str(r.get("wrong_to_right", "n/a")), g(r.get("mcnemar_p")))
         con.print(t2)

@@ -4,8 +4,6 @@ failure never leaves half a report behind."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import time
 from pathlib import Path
@@ -13,8 +11,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..compare import Comparison
+from ..contracts import SCHEMA_VERSION, NoiseFloor, Report, Side, Summary, json_clean, load_report, report_json
 from ..metrics import LN2
 from ..outputs import REPORT_SCHEMA  # declared once, beside the output guard
 from ..segments import item_segments, segment_masks, vocab_scheme
@@ -39,20 +38,6 @@ SEED_ROW_FIELDS = (
 )
 
 
-def _clean(x):
-    """JSON-safe scalars: numpy -> python, NaN/inf -> None."""
-    if isinstance(x, np.ndarray):
-        return [_clean(v) for v in x.tolist()]
-    if isinstance(x, (np.bool_, bool)):
-        return bool(x)
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating, float)):
-        x = float(x)
-        return x if math.isfinite(x) else None
-    return x
-
-
 def machine_info() -> dict:
     """Where the comparison ran (the captures' own devices are in each side's identity)."""
     import os
@@ -73,7 +58,7 @@ def machine_info() -> dict:
             "platform": platform.platform(terse=True), "python": platform.python_version()}
 
 
-def _side(reader, label: str) -> dict:
+def _side(reader, label: str) -> Side:
     m = reader.manifest
     src = m.get("source") or {}
     return {
@@ -91,6 +76,22 @@ def _side(reader, label: str) -> dict:
     }
 
 
+def noise_floor_section(comp: Comparison, *, spec: str | None, rerun: str) -> NoiseFloor:
+    """The ``noise_floor`` of report.json and summary.json: the reference (``spec``) compared
+    with a rerun of itself; ``rerun`` says which rerun (batch layout, RUN path)."""
+    c = comp.columns
+    match = np.asarray(c["top1_match"], dtype=bool)
+    return {
+        "spec": spec,
+        "rerun": rerun,
+        "kl_nats_mean": float(np.mean(c["kl_nats"])),
+        "kl_nats_max": float(np.max(c["kl_nats"])),
+        "top1_disagreement": float(1.0 - np.mean(c["top1_match"])),
+        "top1_flips": int(np.sum(~match)),
+        "positions": int(comp.n),
+    }
+
+
 def build_report(
     comp: Comparison,
     *,
@@ -98,8 +99,8 @@ def build_report(
     n_boot: int = 1000,
     seed: int = 0,
     include_rows: bool = True,
-    noise_floor: dict | None = None,
-) -> tuple[dict, dict[str, np.ndarray]]:
+    noise_floor: NoiseFloor | None = None,
+) -> tuple[Report, dict[str, np.ndarray]]:
     """The report.json object and the per-position table (columns) behind it."""
     c = dict(comp.columns)
     n = comp.n
@@ -117,23 +118,23 @@ def build_report(
     kl = np.asarray(c["kl_nats"])
     imax = int(np.argmax(kl)) if n else 0
     match = np.asarray(c["top1_match"], dtype=bool)
-    summary = {
+    summary: Summary = {
         # The seed's summary fields first.
-        "baseline_top_mass_mean": _clean(np.mean(c["baseline_top_mass"])) if n else None,
-        "candidate_top_mass_mean": _clean(np.mean(c["candidate_top_mass"])) if n else None,
-        "kl_bits_max": _clean(kl.max() / LN2) if n else None,
-        "kl_bits_mean": _clean(kl.mean() / LN2) if n else None,
-        "kl_nats_max": _clean(kl.max()) if n else None,
-        "kl_nats_mean": _clean(kl.mean()) if n else None,
-        "kl_nats_p50": _clean(np.percentile(kl, 50)) if n else None,
-        "kl_nats_p95": _clean(np.percentile(kl, 95)) if n else None,
+        "baseline_top_mass_mean": json_clean(np.mean(c["baseline_top_mass"])) if n else None,
+        "candidate_top_mass_mean": json_clean(np.mean(c["candidate_top_mass"])) if n else None,
+        "kl_bits_max": json_clean(kl.max() / LN2) if n else None,
+        "kl_bits_mean": json_clean(kl.mean() / LN2) if n else None,
+        "kl_nats_max": json_clean(kl.max()) if n else None,
+        "kl_nats_mean": json_clean(kl.mean()) if n else None,
+        "kl_nats_p50": json_clean(np.percentile(kl, 50)) if n else None,
+        "kl_nats_p95": json_clean(np.percentile(kl, 95)) if n else None,
         "max_kl_baseline_top_token": comp.token_text(int(c["top1_ref"][imax])) if n else None,
         "max_kl_candidate_top_token": comp.token_text(int(c["top1_cand"][imax])) if n else None,
         "max_kl_source_id": str(c["item_id"][imax]) if n else None,
         "max_kl_position": int(c["position"][imax]) if n else None,
         "paired_prompts": len(comp.items),
-        "shared_baseline_mass_mean": _clean(np.mean(c["shared_baseline_mass"])) if n else None,
-        "top1_match_rate": _clean(match.mean()) if n else None,
+        "shared_baseline_mass_mean": json_clean(np.mean(c["shared_baseline_mass"])) if n else None,
+        "top1_match_rate": json_clean(match.mean()) if n else None,
         "top1_matches": int(match.sum()),
         "top1_mismatches": int((~match).sum()),
         # Ours.
@@ -149,9 +150,9 @@ def build_report(
 
     for lo, hi in INTERVAL_COLUMNS.values():
         if lo in c and n:
-            summary[f"{lo}_mean"] = _clean(np.mean(c[lo]))
-            summary[f"{hi}_mean"] = _clean(np.mean(c[hi]))  # inf (JSON null): no finite upper bound
-            summary[f"{lo[:-len('_lower_nats')]}_interval_width_mean"] = _clean(np.mean(np.asarray(c[hi]) - np.asarray(c[lo])))
+            summary[f"{lo}_mean"] = json_clean(np.mean(c[lo]))
+            summary[f"{hi}_mean"] = json_clean(np.mean(c[hi]))  # inf (JSON null): no finite upper bound
+            summary[f"{lo[:-len('_lower_nats')]}_interval_width_mean"] = json_clean(np.mean(np.asarray(c[hi]) - np.asarray(c[lo])))
     if noise_floor:
         summary["noise_floor"] = noise_floor
         floor = noise_floor.get("kl_nats_mean")
@@ -176,8 +177,9 @@ def build_report(
         g = summarize_group({k: np.asarray(v)[mask] for k, v in c.items()}, item_index[mask], n_boot=0)
         item_rows.append({"id": it.id, "tags": it.tags, **g})
 
-    report = {
+    report: Report = {
         "schema": REPORT_SCHEMA,
+        "schema_version": SCHEMA_VERSION,
         "tool": {"name": "logitdiff", "version": __version__},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine_info(),
@@ -209,7 +211,7 @@ def build_report(
             c[f"top5_{side}_tokens"] = np.array(
                 [[comp.token_text(int(t)) for t in row] for row in np.asarray(c[f"top5_{side}_ids"])], dtype=object
             )
-    return _json_clean(report), c
+    return json_clean(report), c
 
 
 def _segment_labels(comp: Comparison) -> np.ndarray | None:
@@ -231,7 +233,7 @@ def _rows(comp: Comparison, c: dict) -> list[dict]:
     rows = []
     cols = {k: np.asarray(c[k]) for k in keys}
     for i in range(comp.n):
-        r = {k: _clean(cols[k][i]) for k in keys}
+        r = {k: json_clean(cols[k][i]) for k in keys}
         r["baseline_top_token"] = comp.token_text(int(cols["top1_ref"][i]))
         r["candidate_top_token"] = comp.token_text(int(cols["top1_cand"][i]))
         r["token"] = comp.token_text(int(cols["token_id"][i]))
@@ -242,14 +244,6 @@ def _rows(comp: Comparison, c: dict) -> list[dict]:
         ordered.update({k: r[k] for k in sorted(r) if k not in ordered})
         rows.append(ordered)
     return rows
-
-
-def _json_clean(obj):
-    if isinstance(obj, dict):
-        return {k: _json_clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_clean(v) for v in obj]
-    return _clean(obj)
 
 
 def write_parquet(path: Path, columns: dict[str, np.ndarray]) -> None:
@@ -274,7 +268,7 @@ def write_parquet(path: Path, columns: dict[str, np.ndarray]) -> None:
 
 def write_report_dir(
     out: str | Path,
-    report: dict,
+    report: Report,
     columns: dict[str, np.ndarray],
     *,
     markdown: str,
@@ -287,7 +281,7 @@ def write_report_dir(
     from ..outputs import Kind, writing
 
     out = Path(out)
-    text = json.dumps(report, indent=1, allow_nan=False) + "\n"
+    text = report_json(report, str(out / "report.json"))
     with writing(out, Kind.REPORT, inputs=inputs) as tmp:
         (tmp / "report.json").write_text(text)
         write_parquet(tmp / "tokens.parquet", columns)
@@ -297,14 +291,14 @@ def write_report_dir(
     return out
 
 
-def update_report_dir(out: str | Path, report: dict, files: dict[str, bytes], remove: Sequence[str] = ()) -> None:
+def update_report_dir(out: str | Path, report: Report, files: dict[str, bytes], remove: Sequence[str] = ()) -> None:
     """Replace report.json, add/replace ``files`` and delete ``remove`` in an existing REPORT directory.
 
     Every file is written to a temporary name first and only then renamed into place, so
     a failure while producing the new contents leaves the old report untouched.
     """
     out = Path(out)
-    payload = {"report.json": (json.dumps(_json_clean(report), indent=1, allow_nan=False) + "\n").encode(), **files}
+    payload = {"report.json": report_json(report, str(out / "report.json")).encode(), **files}
     tmps = []
     try:
         for name, data in payload.items():
@@ -334,16 +328,6 @@ def read_columns(report_dir: str | Path, names: Sequence[str] | None = None) -> 
     return {k: t.column(k).to_numpy(zero_copy_only=False) for k in t.column_names}
 
 
-def read_report(report_dir: str | Path) -> dict:
-    from ..errors import LogitdiffError
-
-    path = Path(report_dir) / "report.json"
-    try:
-        rep = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LogitdiffError(f"{path}: not found (is {report_dir} a logitdiff REPORT directory?)") from None
-    except json.JSONDecodeError as e:
-        raise LogitdiffError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if rep.get("schema") != REPORT_SCHEMA:
-        raise LogitdiffError(f"{path}: field 'schema' is {rep.get('schema')!r}, this logitdiff reads {REPORT_SCHEMA!r}")
-    return rep
+def read_report(report_dir: str | Path) -> Report:
+    """report.json of a REPORT directory, checked (:func:`logitdiff.contracts.load_report`)."""
+    return load_report(Path(report_dir))

@@ -32,7 +32,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
+from ..contracts import GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report
 from ..errors import LogitdiffError
 from ..gates import get_path as _get
 from ..outputs import HTML_DATA_SCHEMA, HTML_GENERATOR_META, Kind, writing
@@ -53,14 +54,13 @@ TOKEN_COLUMNS = (
 LIST_COLUMNS = ("top5_ref_ids", "top5_ref_p", "top5_cand_ids", "top5_cand_p", "top5_ref_tokens", "top5_cand_tokens")
 # Identity fields worth showing as "machine / versions" (whatever of these a source records).
 VERSION_KEYS = (
-    "backend", "torch", "transformers", "llama_cpp_python", "vllm", "sglang", "server", "engine", "device",
-    "dtype", "threads", "attn_implementation", "architecture", "arch", "gpu", "cpu", "host",
+    "backend", "torch", "transformers", "llama_cpp_python", "server", "device",
+    "dtype", "threads", "attn_implementation", "architecture", "arch",
 )
 
 # The candidate matrix: (key, header, tooltip, report.json paths tried in order, format).
 MATRIX = (
-    ("file_size", "file size", "candidate weight file size", ("candidate.identity.size", "candidate.identity.file_size", "candidate.identity.size_bytes"), "bytes"),
-    ("bpw", "bits/weight", "bits per weight as recorded by the candidate source", ("candidate.identity.bits_per_weight", "candidate.identity.bpw"), "g"),
+    ("file_size", "file size", "candidate weight file size (GGUF sources record it)", ("candidate.identity.size",), "bytes"),
     ("kl_mean", "KL mean", "mean KL(P_ref‖P_cand), nats, 95 % CI from an item bootstrap", ("summary.metrics.kl_nats.mean",), "g"),
     ("kl_p95", "KL p95", "95th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p95",), "g"),
     ("kl_p99", "KL p99", "99th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p99",), "g"),
@@ -241,23 +241,6 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def _clean(obj):
-    """NaN/inf -> None recursively, so the embedded JSON is strict."""
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return _clean(obj.tolist())
-    if isinstance(obj, (np.floating, float)):
-        return float(obj) if math.isfinite(float(obj)) else None
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.bool_):
-        return bool(obj)
-    return obj
-
-
 def token_columns(tok) -> dict[str, np.ndarray] | None:
     """tokens.parquet content as numpy columns, from a DataFrame, a mapping or report rows."""
     if tok is None:
@@ -303,7 +286,7 @@ def _method_key(report: dict) -> tuple:
     m = report.get("method") or {}
     kind = m.get("kind")
     # For full-vocabulary reports top_logprobs is only the K of the auxiliary top-K fields.
-    return (kind, m.get("top_logprobs") if kind == "top_k" else None)
+    return (kind, m.get("top_logprobs") if kind == MethodKind.TOP_K else None)
 
 
 def _teacher(cols: dict | None):
@@ -540,8 +523,7 @@ def build_figures(names, reports, cdfs, buckets, conf_label, pareto) -> tuple[li
     if by_tag:
         rows = []  # (candidate, tag, outcome, count)
         for name, bt in by_tag.items():
-            items = bt.items() if isinstance(bt, Mapping) else ((x.get("tag") or x.get("group"), x) for x in bt)
-            for tag, d in items:
+            for tag, d in bt.items():
                 for outcome, count in _outcome_counts(d).items():
                     rows.append((name, str(tag), outcome, count))
         # Outcomes that occurred, in the order the report lists them (flips.py: mildest first).
@@ -574,13 +556,11 @@ def build_figures(names, reports, cdfs, buckets, conf_label, pareto) -> tuple[li
     return figs, omitted
 
 
-def _outcome_counts(d) -> dict[str, float]:
-    """Outcome -> count of a flips group: ``{"recovered": 3, ..., "n": 5, "rates": {...}}`` (the
-    shape flips.py writes) or ``{"outcomes": {...}}``; totals and rates are not outcomes."""
-    if not isinstance(d, Mapping):
+def _outcome_counts(d) -> dict[str, int]:
+    """Outcome -> count of ``flips.outcomes`` or of one ``flips.by_*`` group (which adds n and rates)."""
+    if not d:
         return {}
-    d = d.get("outcomes", d) if isinstance(d.get("outcomes"), Mapping) else d
-    return {str(k): v for k, v in d.items() if k not in ("n", "rates") and _num(v) is not None}
+    return {o: d[o] for o in Outcome.ALL}
 
 
 def _palette(n: int) -> list[str]:
@@ -594,10 +574,10 @@ def _header(names, paths, reports, summary) -> str:
     b = r0.get("baseline") or {}
     m = r0.get("method") or {}
     s0 = r0.get("summary") or {}
-    if m.get("kind") == "top_k":
+    if m.get("kind") == MethodKind.TOP_K:
         method = (f"top-K approximation, K = {_e(m.get('top_logprobs'))} of V = {_e(m.get('vocab_size'))} (the seed report's method), "
                   f"with proven intervals ({_e(m.get('bounds'))}; docs/bounds.md)")
-    elif m.get("kind") == "compact":
+    elif m.get("kind") == MethodKind.COMPACT:
         method = (f"compact reference vs full candidate (V = {_e(m.get('vocab_size'))}): each divergence with a "
                   f"proven interval ({_e(m.get('bounds'))}; docs/bounds.md)")
     else:
@@ -609,7 +589,7 @@ def _header(names, paths, reports, summary) -> str:
         noise = "differs per report (see × noise floor)"
     elif nf:
         noise = (f"mean KL {fmt(nf.get('kl_nats_mean'))} nats, top-1 disagreement {fmt(nf.get('top1_disagreement'), 'pct')} "
-                 f"(<code>{_e(nf.get('spec') or nf.get('path'))}</code> against its own {_e(nf.get('rerun') or 'rerun')}, "
+                 f"(<code>{_e(nf['spec'])}</code> against its own {_e(nf['rerun'])}, "
                  f"{_e(nf.get('positions'))} positions)")
         if nf.get("kl_nats_mean") == 0:
             noise += " — the rerun is bit-identical, so × noise floor is undefined"
@@ -619,7 +599,7 @@ def _header(names, paths, reports, summary) -> str:
         ("reference", f"<code>{_e(b.get('spec') or b.get('path'))}</code> ({_e(b.get('store'))} logits, {_e(b.get('dtype'))})"),
         ("candidates", ", ".join(f"<code>{_e(n)}</code>" for n in names) + f" ({len(names)})"),
     ]
-    if any(isinstance(r.get("gates"), Mapping) for r in reports):
+    if any(r.get("gates") for r in reports):
         rows.append(("gates", _gates_html(names, reports)))
     rows += [
         ("workload", f"{_e(s0.get('paired_prompts'))} items, {_e(s0.get('positions'))} teacher-forced output positions"
@@ -656,15 +636,10 @@ def _header(names, paths, reports, summary) -> str:
     return f'<dl class="hdr">{dl}</dl>'
 
 
-def _crossed_gates(report: dict) -> list[dict]:
+def _crossed_gates(report: Report) -> list[GateResult]:
     """The crossed gates of a report's ``gates`` section (gates.evaluate's shape)."""
     g = report.get("gates")
-    if not isinstance(g, Mapping):
-        return []
-    rows = [x for x in g.get("gates") or [] if isinstance(x, Mapping)]
-    if rows:
-        return [x for x in rows if x.get("crossed")]
-    return [{"gate": str(t)} for t in g.get("crossed") or []]
+    return [x for x in g["gates"] if x["crossed"]] if g else []
 
 
 def _gates_html(names, reports) -> str:
@@ -672,10 +647,10 @@ def _gates_html(names, reports) -> str:
     lines = []
     for name, rep in zip(names, reports):
         g = rep.get("gates")
-        if not isinstance(g, Mapping):
+        if not g:
             lines.append(f"<code>{_e(name)}</code>: no gates evaluated")
             continue
-        total = len(g.get("gates") or [])
+        total = len(g["gates"])
         crossed = _crossed_gates(rep)
         if not crossed:
             lines.append(f'<code>{_e(name)}</code>: <span class="passed">✓ passed {"all " + str(total) + " gates" if total else "(no gates)"}</span>')
@@ -719,9 +694,7 @@ def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
 
 
 def _matrix_html(names, paths, reports, cells_by_name, extra, summary) -> str:
-    # bits/weight is rarely recorded; a column of nothing but n/a is left out.
-    cols = [(k, h, t, f) for k, h, t, _, f in MATRIX
-            if k != "bpw" or any(c["bpw"]["value"] is not None for c in cells_by_name.values())]
+    cols = [(k, h, t, f) for k, h, t, _, f in MATRIX]
     extra_cols = {"x_cross_engine_floor": ("× engine floor", "mean KL / mean KL of the reference's weights in another engine (summary.json)", "x"),
                   "flips": ("flip outcomes", "what branching at top-1 flips led to (report.json flips.outcomes)", "flips")}
     extra_cols.update({k: (h, t, f) for k, h, t, f in CORRECTNESS})
@@ -998,11 +971,11 @@ def _names(reports, paths) -> list[str]:
 
 
 def render_html(
-    reports: list[dict],
+    reports: list[Report],
     tokens: list | None = None,
     *,
     title: str | None = None,
-    summary: dict | None = None,
+    summary: RunSummary | None = None,
     paths: Sequence[str | Path | None] | None = None,
 ) -> str:
     """The self-contained page for ``reports`` (report.json objects) and their tokens.
@@ -1049,7 +1022,7 @@ def render_html(
 
     pts = [{"name": n, "size": _num(cells[n]["file_size"]["value"]), "kl_mean": _num(cells[n]["kl_mean"]["value"])} for n in names]
     pts = [p for p in pts if p["size"] and p["kl_mean"]]
-    data["gates"] = {n: r["gates"] for n, r in zip(names, reports) if isinstance(r.get("gates"), Mapping)}
+    data["gates"] = {n: r["gates"] for n, r in zip(names, reports) if r.get("gates")}
     data["pareto"] = {"points": pts, "front": pareto_front([(p["name"], p["size"], p["kl_mean"]) for p in pts])}
 
     figs, omitted = build_figures(names, reports, data["kl_cdf"], buckets, conf_label, data["pareto"])
@@ -1115,26 +1088,22 @@ def render_html(
         tv,
         f'<footer>logitdiff {_e(__version__)} — report.json is the source of every number; the numbers computed here from tokens.parquet are in the '
         "embedded <code>logitdiff-data</code> JSON.</footer>",
-        f'<script type="application/json" id="logitdiff-data">{_json_for_script(_clean(data))}</script>',
-        f'<script type="application/json" id="logitdiff-figures">{_json_for_script(_clean(fig_json))}</script>',
+        f'<script type="application/json" id="logitdiff-data">{_json_for_script(json_clean(data))}</script>',
+        f'<script type="application/json" id="logitdiff-figures">{_json_for_script(json_clean(fig_json))}</script>',
         f"<script>{JS}</script>",
         "</body></html>\n",
     ])
 
 
-def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: dict | None = None, *, title: str | None = None,
+def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: RunSummary | None = None, *, title: str | None = None,
                inputs: Sequence[str | Path] = ()) -> Path:
     """Read each REPORT dir's report.json and tokens.parquet, write one page atomically."""
     reports, tokens, paths = [], [], []
     for d in report_dirs:
         d = Path(d)
-        f = d / "report.json"
-        if not f.is_file():
+        if not (d / "report.json").is_file():
             raise LogitdiffError(f"{d}: not a REPORT directory (no report.json)")
-        try:
-            reports.append(json.loads(f.read_text()))
-        except json.JSONDecodeError as e:
-            raise LogitdiffError(f"{f}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        reports.append(load_report(d))
         tokens.append(load_tokens(d / "tokens.parquet"))
         paths.append(str(d))
     page = render_html(reports, tokens, title=title, summary=summary, paths=paths)

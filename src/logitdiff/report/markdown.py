@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..contracts import Correctness, Flips, GroupStats, Outcome, Report, Summary
+
 
 def _f(x, digits: int = 4) -> str:
     if x is None:
@@ -24,7 +26,7 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.2f} %"
 
 
-def group_table(rows: list[dict], label: str) -> str:
+def group_table(rows: list[GroupStats], label: str) -> str:
     head = (
         f"| {label} | n | items | mean KL | 95 % CI | p50 | p90 | p95 | p99 | p99.9 | max | JSD mean | top-1 disagr. | 95 % CI |\n"
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
@@ -43,7 +45,7 @@ def group_table(rows: list[dict], label: str) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def render_markdown(report: dict) -> str:
+def render_markdown(report: Report) -> str:
     s = report["summary"]
     m = report["method"]
     b, c = report["baseline"], report["candidate"]
@@ -122,22 +124,19 @@ def render_markdown(report: dict) -> str:
     return "\n".join(out)
 
 
-OUTCOMES = ("recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed")
-
-
 def _one_line(text: str, n: int = 80) -> str:
     t = text.replace("\n", "⏎").replace("|", "\\|")
     return t if len(t) <= n else t[: n - 1] + "…"
 
 
 def _outcome_table(groups: dict, label: str) -> str:
-    lines = [f"| {label} | branches | " + " | ".join(OUTCOMES) + " |", "|---|---:|" + "---:|" * len(OUTCOMES)]
+    lines = [f"| {label} | branches | " + " | ".join(Outcome.ALL) + " |", "|---|---:|" + "---:|" * len(Outcome.ALL)]
     for g, d in groups.items():
-        lines.append(f"| {g} | {d['n']} | " + " | ".join(f"{d[o]} ({_pct(d['rates'][o])})" for o in OUTCOMES) + " |")
+        lines.append(f"| {g} | {d['n']} | " + " | ".join(f"{d[o]} ({_pct(d['rates'][o])})" for o in Outcome.ALL) + " |")
     return "\n".join(lines) + "\n"
 
 
-def flips_markdown(f: dict) -> str:
+def flips_markdown(f: Flips) -> str:
     out = ["\n## What the flips do\n"]
     st = f.get("settings") or {}
     out.append(
@@ -147,8 +146,7 @@ def flips_markdown(f: dict) -> str:
     if f.get("n_ties"):
         out.append(f"- {f['n_ties']} ties at the reference (margin within rounding of 0: {f['ties']['tolerance']}): "
                    "the engines break the tie, the candidate did not flip; not counted as flips or outcomes")
-    # Reports from before per-text similarities carry one threshold.
-    thr = st.get("similarity_thresholds") or st.get("similarity_threshold")
+    thr = st.get("similarity_thresholds")
     out.append(f"- similarity: {f['similarity']}" + ("" if "threshold" in f["similarity"] else f" (threshold {thr})"))
     if "max_shift" in st:
         out.append(f"- recovered = re-joined the reference ({st['resync_tokens']} common tokens at most {st['max_shift']} "
@@ -159,7 +157,7 @@ def flips_markdown(f: dict) -> str:
         out.append(f"- re-join = {st.get('resync_tokens')} common tokens")
     if f["n_branches"]:
         out.append("\n| outcome | branches | rate |\n|---|---:|---:|")
-        for o in OUTCOMES:
+        for o in Outcome.ALL:
             out.append(f"| {o} | {f['outcomes'][o]} | {_pct(f['rates'][o])} |")
         out.append("\n### By tag\n")
         out.append(_outcome_table(f["by_tag"], "tag"))
@@ -192,7 +190,7 @@ def flips_markdown(f: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def correctness_markdown(c: dict) -> str:
+def correctness_markdown(c: Correctness) -> str:
     ci = lambda x: f"[{_pct(x[0])}, {_pct(x[1])}]" if x and x[0] is not None else "n/a"  # noqa: E731
     out = ["\n## Correctness of free-running answers\n"]
     out.append(
@@ -218,7 +216,7 @@ def correctness_markdown(c: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _interval_lines(s: dict, m: dict) -> list[str]:
+def _interval_lines(s: Summary, m) -> list[str]:
     """One line per approximated divergence: estimate, proven interval and method."""
     out = []
     for name, label in (("kl", "mean KL"), ("kl_rev", "mean reverse KL"), ("jsd", "mean JSD")):

@@ -1,0 +1,488 @@
+"""The report.json and summary.json contract, declared once.
+
+* **Domain words**: flip outcomes, comparison kinds — one constant each, imported by every
+  module that writes or reads them.
+* **Shapes**: :class:`Report` (report.json) and :class:`RunSummary` (summary.json) with
+  their nested sections as ``TypedDict``s. Writers build them, readers take them; the JSON
+  Schemas shipped beside this module (``schemas/report.schema.json``,
+  ``schemas/summary.schema.json``) say the same for other languages, and
+  tests/test_report_schema.py keeps the two declarations equal.
+* **Reading and writing**: :func:`load_report` / :func:`load_summary` parse and check a
+  file (one-line :class:`LogitdiffError` naming file and field); :func:`report_json` /
+  :func:`summary_json` give the exact bytes the writers store, validated against the schema
+  when ``LOGITDIFF_VALIDATE_OUTPUTS`` is set (tests/conftest.py sets it, so every report
+  any test writes is checked); :func:`json_clean` is the one numpy/NaN-to-JSON cleaner.
+
+Versioning (README "Report schema"): ``schema`` names the document kind and its major
+version (``logitdiff.report/1``); ``schema_version`` is ``MAJOR.MINOR``. Adding a field
+bumps MINOR; removing or renaming one, or changing its meaning or type, bumps MAJOR.
+Readers accept every MINOR of their MAJOR (unknown fields are allowed and ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, TypedDict
+
+import numpy as np
+
+from .errors import LogitdiffError
+from .outputs import REPORT_SCHEMA, RUN_SUMMARY_SCHEMA
+
+SCHEMA_VERSION = "1.0"  # MAJOR.MINOR of report.json and summary.json; MAJOR matches REPORT_SCHEMA's "/1"
+VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
+SCHEMA_DIR = Path(__file__).with_name("schemas")
+
+
+# --------------------------------------------------------------------------------------------
+# domain words
+
+
+class Outcome:
+    """What a branch taken at a top-1 flip did (flips.classify), mildest first."""
+
+    RECOVERED = "recovered"
+    BENIGN = "benign"
+    MEANING_CHANGED = "meaning_changed"
+    TOOL_CALL_MALFORMED = "tool_call_malformed"
+    TOOL_CALL_CHANGED = "tool_call_changed"
+    ALL = (RECOVERED, BENIGN, MEANING_CHANGED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED)
+    # the outcomes a reader should worry about ("consequential" flips)
+    BAD = (MEANING_CHANGED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED)
+    TEXT = {
+        RECOVERED: "the branch re-joined the reference's continuation and stayed joined",
+        BENIGN: "the branch differs but means the same",
+        MEANING_CHANGED: "the branch means something else",
+        TOOL_CALL_MALFORMED: "the branch's tool call no longer parses/validates",
+        TOOL_CALL_CHANGED: "the branch's tool call is valid but different",
+    }
+
+
+class MethodKind:
+    """``method.kind`` of a report: what was compared (the bound method names are bounds.METHOD_*)."""
+
+    FULL_VOCAB = "full_vocab"  # full logits on both sides: exact
+    COMPACT = "compact"  # compact reference store vs full candidate: bounded
+    TOP_K = "top_k"  # top-K on at least one side: seed estimate + bounds
+    ALL = (FULL_VOCAB, COMPACT, TOP_K)
+
+
+# --------------------------------------------------------------------------------------------
+# shapes (``total=False`` classes hold the optional keys; JSON null is ``None``)
+
+
+class Stats(TypedDict):
+    """summarize.describe + the item-bootstrap CI of the mean."""
+
+    n: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p95: float | None
+    p99: float | None
+    p99_9: float | None
+    max: float | None
+    ci95: list[float | None]
+
+
+class Top1Disagreement(TypedDict):
+    rate: float | None
+    mismatches: int
+    ci95: list[float | None]
+
+
+class _GroupBase(TypedDict):
+    n: int
+    n_items: int
+
+
+class GroupStats(_GroupBase, total=False):
+    """A summarize.summarize_group result: one row of ranges/tags/segments/items."""
+
+    group: str  # ranges, tags, segments
+    id: str  # items
+    tags: list[str]  # items
+    kl_nats: Stats
+    kl_rev_nats: Stats
+    jsd_nats: Stats
+    top1_disagreement: Top1Disagreement
+    nll_ref_mean: float
+    nll_cand_mean: float
+    ppl_ref: float
+    ppl_cand: float
+    ppl_ratio: float
+
+
+class NoiseFloor(TypedDict):
+    """The reference against a rerun of itself (report.noise_floor_section builds it)."""
+
+    spec: str | None  # the reference's source spec
+    rerun: str  # what the rerun was (same batch layout, other batch mates, which RUN)
+    kl_nats_mean: float
+    kl_nats_max: float
+    top1_disagreement: float
+    top1_flips: int
+    positions: int
+
+
+class Side(TypedDict):
+    """``baseline`` / ``candidate``: which RUN (or live source) and how it was stored."""
+
+    path: str
+    served_model: str | None
+    spec: str | None
+    identity: dict[str, Any] | None  # free-form: what the source records about itself
+    status: str | None
+    tokenizer_hash: str | None
+    store: str | None
+    dtype: str | None
+    n_items: int | None
+    n_positions: int | None
+    role: str
+
+
+class Bootstrap(TypedDict):
+    resample: str
+    n: int
+    seed: int
+    level: float
+
+
+class _MethodBase(TypedDict):
+    description: str
+    kind: str  # MethodKind
+    bounds: str  # bounds.METHOD_*
+    epsilon: float
+    top_logprobs: int
+    vocab_size: int
+    topk_overlap_k: int | None
+    log: str
+    precision: str
+    reference_dtype: str | None
+    candidate_dtype: str | None
+    bootstrap: Bootstrap
+    ranges: list[int]
+    notes: list[str]
+
+
+class Method(_MethodBase, total=False):
+    positions: dict[str, Any]  # --positions sampling (mode, fraction, seed, rule)
+
+
+class _SummaryBase(TypedDict):
+    # the seed report's summary fields
+    baseline_top_mass_mean: float | None
+    candidate_top_mass_mean: float | None
+    kl_bits_max: float | None
+    kl_bits_mean: float | None
+    kl_nats_max: float | None
+    kl_nats_mean: float | None
+    kl_nats_p50: float | None
+    kl_nats_p95: float | None
+    max_kl_baseline_top_token: str | None
+    max_kl_candidate_top_token: str | None
+    max_kl_source_id: str | None
+    max_kl_position: int | None
+    paired_prompts: int
+    shared_baseline_mass_mean: float | None
+    top1_match_rate: float | None
+    top1_matches: int
+    top1_mismatches: int
+    # ours
+    positions: int
+    top1_disagreement: Top1Disagreement | None
+    metrics: dict[str, Stats]  # kl_nats, kl_rev_nats, jsd_nats
+
+
+class Summary(_SummaryBase, total=False):
+    ppl_ref: float
+    ppl_cand: float
+    ppl_ratio: float
+    nll_ref_mean: float
+    nll_cand_mean: float
+    noise_floor: NoiseFloor
+    kl_mean_x_noise_floor: float | None
+    # bounded methods (compact.INTERVAL_COLUMNS): NAME_lower_nats_mean, NAME_upper_nats_mean
+    # and NAME_interval_width_mean for NAME in kl, kl_rev, jsd (keys built from the names)
+
+
+class OutcomeGroup(TypedDict, total=False):
+    """Outcome counts of one group of branches (by_tag / by_range / by_margin): a count per
+    Outcome.ALL name, ``n`` and ``rates``."""
+
+    n: int
+    rates: dict[str, float | None]
+
+
+class FlipTies(TypedDict):
+    tolerance: str
+    n_branched: int
+    outcomes: dict[str, int]
+    list: list[dict[str, Any]]
+
+
+class _FlipsBase(TypedDict):
+    n_flips: int
+    flip_rate: float | None
+    n_ties: int
+    n_branches: int
+    selection: str
+    similarity: str
+    settings: dict[str, Any]
+    outcomes: dict[str, int]  # Outcome.ALL -> count
+    rates: dict[str, float | None]  # Outcome.ALL -> share of branches
+    recovered_ending_dissimilar: int
+    by_tag: dict[str, OutcomeGroup]
+    by_range: dict[str, OutcomeGroup]
+    by_margin: dict[str, OutcomeGroup]
+    top: list[dict[str, Any]]  # flips.SHOWN_FIELDS
+    ties: FlipTies
+
+
+class Flips(_FlipsBase, total=False):
+    both: dict[str, Any]  # branches from both tokens (flips --both)
+
+
+class _CorrectnessBase(TypedDict):
+    n_labelled: int
+    accuracy_ref: float | None
+    accuracy_ref_ci: list[float | None]
+    accuracy_cand: float | None
+    accuracy_cand_ci: list[float | None]
+    accuracy_diff: float | None
+    accuracy_diff_ci: list[float | None]
+    both_right: int
+    both_wrong: int
+    right_to_wrong: int
+    wrong_to_right: int
+    correctness_flips: int
+    mcnemar_p: float | None
+    flips_starting_at_top1_flip: int
+    flips_with_unscored_start: int
+    method: str
+    items_right_to_wrong: list[str]
+    items_wrong_to_right: list[str]
+    by_tag: dict[str, dict[str, Any]]
+
+
+class Correctness(_CorrectnessBase, total=False):
+    tool_call_valid_ref: float
+    tool_call_valid_cand: float
+    n_tool_items: int
+
+
+class GateResult(TypedDict):
+    gate: str
+    metric: str
+    op: str
+    threshold: float
+    value: float | None
+    crossed: bool
+    missing: bool
+
+
+class Gates(TypedDict):
+    gates: list[GateResult]
+    crossed: list[str]
+    passed: bool
+
+
+class Tool(TypedDict):
+    name: str
+    version: str
+
+
+class _ReportBase(TypedDict):
+    schema: str  # REPORT_SCHEMA
+    schema_version: str  # SCHEMA_VERSION
+    tool: Tool
+    created: str
+    machine: dict[str, Any]
+    baseline: Side
+    candidate: Side
+    method: Method
+    rows: list[dict[str, Any]]  # the seed's row fields + every per-position metric
+    summary: Summary
+    ranges: list[GroupStats]
+    tags: list[GroupStats]
+    segments: list[GroupStats]
+    items: list[GroupStats]
+
+
+class Report(_ReportBase, total=False):
+    rows_omitted: bool
+    flips: Flips
+    correctness: Correctness
+    gates: Gates
+
+
+class CrossEngineFloor(TypedDict):
+    candidate: str
+    kl_nats_mean: float
+
+
+class _CandidateRowBase(TypedDict):
+    candidate: str
+    name: str
+    report: str
+    kl_mean: float | None
+    kl_mean_ci95: list[float | None]
+    kl_p99: float | None
+    kl_max: float | None
+    kl_rev_mean: float | None
+    jsd_mean: float | None
+    top1_disagreement: float | None
+    top1_disagreement_ci95: list[float | None]
+    ppl_ratio: float | None
+    x_noise_floor: float | None
+    within_2x_noise_floor: bool
+    x_cross_engine_floor: float | None
+
+
+class CandidateRow(_CandidateRowBase, total=False):
+    flip_branches: int
+    flip_ties: int
+    flip_outcomes: dict[str, int]
+    flips_consequential: int
+    accuracy_ref: float | None
+    accuracy_cand: float | None
+    right_to_wrong: int
+    wrong_to_right: int
+    mcnemar_p: float | None
+    tool_call_valid_cand: float | None
+    gates_crossed: list[str]
+
+
+class _RunSummaryBase(TypedDict):
+    schema: str  # RUN_SUMMARY_SCHEMA
+    schema_version: str  # SCHEMA_VERSION
+    reference: str
+    workload: str
+    workload_sha256: str
+    items: int
+    positions: int
+    noise_floor: NoiseFloor | None
+    cross_engine_floor: CrossEngineFloor | None
+    candidates: list[CandidateRow]
+    seconds: float
+
+
+class RunSummary(_RunSummaryBase, total=False):
+    gates: list[str]
+    gates_crossed: dict[str, list[str]]
+
+
+# --------------------------------------------------------------------------------------------
+# JSON
+
+
+def json_clean(obj, *, default: Callable[[Any], Any] | None = None):
+    """JSON-safe copy: numpy scalars/arrays -> Python, NaN/inf -> None (JSON null), tuples ->
+    lists, recursively. Other objects stay as they are, or become ``default(obj)`` (e.g.
+    ``str`` for paths) when given."""
+    if isinstance(obj, dict):
+        return {k: json_clean(v, default=default) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_clean(v, default=default) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return json_clean(obj.tolist(), default=default)
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        x = float(obj)
+        return x if math.isfinite(x) else None
+    if default is not None and not isinstance(obj, (str, int, type(None))):
+        return default(obj)
+    return obj
+
+
+@lru_cache(maxsize=None)
+def schema(name: str) -> dict:
+    """The shipped JSON Schema ``report`` or ``summary``."""
+    return json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
+
+
+def validation_on() -> bool:
+    return os.environ.get(VALIDATE_ENV, "") not in ("", "0")
+
+
+def validate(obj, name: str, where: str = "") -> None:
+    """A one-line LogitdiffError naming the first field that breaks schema ``name``."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema(name))
+    err = next(iter(sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))), None)
+    if err is not None:
+        field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise LogitdiffError(f"{where or name}: field {field!r} breaks the {name} schema: {err.message[:300]}")
+
+
+def _text(obj, name: str, where: str, **dump) -> str:
+    clean = json_clean(obj)
+    if validation_on():
+        validate(json.loads(json.dumps(clean, allow_nan=False, **dump)), name, where)
+    return json.dumps(clean, indent=1, allow_nan=False, **dump) + "\n"
+
+
+def report_json(report: Report, where: str = "report.json") -> str:
+    """The text of report.json (strict JSON: NaN/inf are null)."""
+    return _text(report, "report", where)
+
+
+def summary_json(summary: RunSummary, where: str = "summary.json") -> str:
+    """The text of summary.json."""
+    return _text(summary, "summary", where, default=str)
+
+
+def _accepts(doc: dict, kind: str, path: Path) -> None:
+    if not isinstance(doc, dict) or doc.get("schema") != kind:
+        got = doc.get("schema") if isinstance(doc, dict) else None
+        raise LogitdiffError(f"{path}: field 'schema' is {got!r}, this logitdiff reads {kind!r}")
+    ver = doc.get("schema_version")
+    if ver is None:
+        return  # written before schema_version existed: same MAJOR (the schema field says so), minor 0
+    major = str(ver).split(".", 1)[0]
+    if major != SCHEMA_VERSION.split(".", 1)[0]:
+        raise LogitdiffError(f"{path}: field 'schema_version' is {ver!r}, this logitdiff reads {SCHEMA_VERSION.split('.')[0]}.x")
+
+
+def _load(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LogitdiffError(f"{path}: not found (is {path.parent} a logitdiff {what}?)") from None
+    except json.JSONDecodeError as e:
+        raise LogitdiffError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise LogitdiffError(f"{path}: not valid JSON (not UTF-8 text)") from None
+
+
+def load_report(path: str | Path) -> Report:
+    """report.json (a REPORT directory or the file itself), checked: its kind and major
+    version, and with validation on (``LOGITDIFF_VALIDATE_OUTPUTS``, tests) every field."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "report.json"
+    doc = _load(path, "REPORT directory")
+    _accepts(doc, REPORT_SCHEMA, path)
+    if validation_on():
+        validate(doc, "report", str(path))
+    return doc  # type: ignore[return-value]
+
+
+def load_summary(path: str | Path) -> RunSummary:
+    """summary.json of a `logitdiff run` output (the directory or the file)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "summary.json"
+    doc = _load(path, "`logitdiff run` output directory")
+    _accepts(doc, RUN_SUMMARY_SCHEMA, path)
+    if validation_on():
+        validate(doc, "summary", str(path))
+    return doc  # type: ignore[return-value]
