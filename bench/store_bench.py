@@ -80,14 +80,14 @@ def llamacpp_bytes(V: int) -> int:
 def full_bf16_speed(zr):
     """Peer run: write the same rows as a full bf16 chunk (RunWriter's writer) and read them
     back as float32 — (s/position write, s/position read)."""
-    from logitdiff.store import _bf16_to_f32, atomic_save_npy_rows
+    from logitdiff.store import bf16_to_f32, atomic_save_npy_rows
 
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"store_bench_full_{os.getpid()}.npy"
     t0 = time.perf_counter()
     atomic_save_npy_rows(tmp, [zr], "bfloat16")
     t_write = (time.perf_counter() - t0) / zr.shape[0]
     t0 = time.perf_counter()
-    back = _bf16_to_f32(np.asarray(np.load(tmp, mmap_mode="r")))
+    back = bf16_to_f32(np.asarray(np.load(tmp, mmap_mode="r")))
     t_read = (time.perf_counter() - t0) / zr.shape[0]
     assert back.shape == zr.shape
     tmp.unlink()

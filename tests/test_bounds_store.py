@@ -204,12 +204,12 @@ def test_merge_keeps_compact_rows(runs):
 
 
 def test_encode_reads_bf16_bits_like_float32():
-    from logitdiff.store import _bf16_to_f32, _f32_to_bf16
+    from logitdiff.store import bf16_to_f32, f32_to_bf16
 
     rng = np.random.default_rng(9)
-    bits = _f32_to_bf16(rng.normal(0, 3, (4, 200)).astype(np.float32))
+    bits = f32_to_bf16(rng.normal(0, 3, (4, 200)).astype(np.float32))
     spec = C.parse_spec("compact:exact=8,band=32")
-    a, b = C.encode(bits, None, spec), C.encode(_bf16_to_f32(bits), None, spec)
+    a, b = C.encode(bits, None, spec), C.encode(bf16_to_f32(bits), None, spec)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
 

@@ -258,10 +258,10 @@ def test_executable_check_runs_both_calls(tmp_path):
     """A tools module: both calls really run (sandboxed) and their results are compared."""
     from pathlib import Path
 
-    from logitdiff.consequences import _exec_checker
+    from logitdiff.consequences import exec_checker
 
     impl = Path(__file__).parent / "data" / "tools_impl.py"
-    check = _exec_checker({"tools_module": str(impl)}, timeout=5.0)
+    check = exec_checker({"tools_module": str(impl)}, timeout=5.0)
     item = {"id": "t", "tools": TOOLS, "expected": {"tool_call": CALL}}
     other = {"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius"}}
     ref_ids = [ord(c) for c in hermes(CALL)]
@@ -280,14 +280,14 @@ def test_executable_check_runs_both_calls(tmp_path):
 def test_broken_tools_module_is_refused_before_work(tmp_path):
     from pathlib import Path
 
-    from logitdiff.consequences import _checked_items
+    from logitdiff.consequences import check_items
     from logitdiff.store import RunItem
 
     broken = Path(__file__).parent / "data" / "toolexec_broken.py"
     it = RunItem(id="x", prompt_ids=[1], teacher_ids=[2], positions=[0], extra={"item": {"id": "x", "tools_module": str(broken)}})
     with pytest.raises(LogitdiffError, match="failed to import"):
-        _checked_items([it])
+        check_items([it])
     bad_schema = RunItem(id="y", prompt_ids=[1], teacher_ids=[2], positions=[0],
                          extra={"item": {"id": "y", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}})
     with pytest.raises(LogitdiffError, match="item 'y'.*not valid JSON Schema"):
-        _checked_items([bad_schema])
+        check_items([bad_schema])

@@ -14,7 +14,7 @@ from logitdiff.store import (
     RunItem,
     RunReader,
     RunWriter,
-    _f32_to_bf16,
+    f32_to_bf16,
     bf16_to_f32,
     parse_chunk_size,
     reblock,
@@ -37,9 +37,9 @@ def _write(path, dtype, rng, chunk=1 << 20, step=97):
         for a in range(0, n, step):
             blk = z[a : a + step]
             # bf16 runs take float32 rows or bf16 bits alike
-            w.add_rows(_f32_to_bf16(blk) if dtype == "bfloat16" and (a // step) % 2 else blk)
+            w.add_rows(f32_to_bf16(blk) if dtype == "bfloat16" and (a // step) % 2 else blk)
         w.end_item()
-        want[f"i{i}"] = bf16_to_f32(_f32_to_bf16(z)) if dtype == "bfloat16" else z
+        want[f"i{i}"] = bf16_to_f32(f32_to_bf16(z)) if dtype == "bfloat16" else z
     w.finish()
     return want
 
@@ -83,7 +83,7 @@ def test_item_rows_must_match_positions(tmp_path):
     bad[0, 7] = np.nan
     with pytest.raises(LogitdiffError, match="NaN/inf logits at output position 3"):
         w.add_rows(bad)
-    bits = _f32_to_bf16(np.full((1, V), np.inf, np.float32))
+    bits = f32_to_bf16(np.full((1, V), np.inf, np.float32))
     w2 = RunWriter(tmp_path / "b", source={"spec": "t"}, vocab_size=V, tokenizer_hash="h", dtype="bfloat16")
     w2.begin_item(_item(0, 1))
     with pytest.raises(LogitdiffError, match="NaN/inf"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from logitdiff.errors import LogitdiffError
-from logitdiff.store import RunItem, RunReader, RunWriter, _bf16_to_f32, _f32_to_bf16
+from logitdiff.store import RunItem, RunReader, RunWriter, bf16_to_f32, f32_to_bf16
 
 
 def _items(n_items=5, V=50, seed=0):
@@ -43,7 +43,7 @@ def test_full_round_trip(tmp_path, dtype):
         assert g.teacher_ids == it.teacher_ids and g.positions == it.positions and g.tags == it.tags
         back = np.asarray(r.logits(g), dtype=np.float64)
         if dtype == "bfloat16":
-            np.testing.assert_array_equal(back, _bf16_to_f32(_f32_to_bf16(lg)))
+            np.testing.assert_array_equal(back, bf16_to_f32(f32_to_bf16(lg)))
         elif dtype == "float16":
             np.testing.assert_array_equal(back, lg.astype(np.float16))
         else:
@@ -53,7 +53,7 @@ def test_full_round_trip(tmp_path, dtype):
 def test_bf16_rounding_matches_torch():
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(1).normal(0, 100, 10000).astype(np.float32)
-    ours = _bf16_to_f32(_f32_to_bf16(x))
+    ours = bf16_to_f32(f32_to_bf16(x))
     theirs = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(ours, theirs)
 

@@ -67,7 +67,7 @@ def _strip_end(ids: Sequence[int], eos: set[int]) -> list[int]:
 _MODULES_IMPORTED: set[str] = set()
 
 
-def _checked_items(items: Sequence[RunItem], exec_timeout: float = 10.0) -> None:
+def check_items(items: Sequence[RunItem], exec_timeout: float = 10.0) -> None:
     """Tools must be valid JSON Schema, labels must name a known check and tools modules
     must import (sandboxed, within the timeout): fail before any work."""
     modules = set()
@@ -91,7 +91,7 @@ def _checked_items(items: Sequence[RunItem], exec_timeout: float = 10.0) -> None
             _MODULES_IMPORTED.add(m)
 
 
-def _exec_checker(item: dict, timeout: float) -> Callable | None:
+def exec_checker(item: dict, timeout: float) -> Callable | None:
     mod = item.get("tools_module")
     if not mod:
         return None
@@ -136,7 +136,7 @@ def run_flips(
 ) -> tuple[dict, list[dict]]:
     """Branch at the selected flips; return the report section and one row per branch."""
     items = {it.id: it for it in ref.items()}
-    _checked_items(list(items.values()), settings.exec_timeout)
+    check_items(list(items.values()), settings.exec_timeout)
     if settings.both and reference_source is None:
         raise LogitdiffError("--both needs the reference as a source (pass --reference SPEC)")
     tags_of = {i: it.tags for i, it in items.items()}
@@ -199,7 +199,7 @@ def run_flips(
             item=item, ref_ids=ref_out, branch_ids=branch, position=t, ref_text=ref_text,
             branch_text=br_text, similarity=score, threshold=sim.threshold,
             end_similarity=ends if sim.kind == "edit" else None,
-            exec_check=_exec_checker(item, settings.exec_timeout), **rejoin_args,
+            exec_check=exec_checker(item, settings.exec_timeout), **rejoin_args,
         )
         # Where the flip token ends, the branch re-joined and left again, in characters of
         # both continuations (from the flip on): the page highlights them.
@@ -289,7 +289,7 @@ def run_correctness(
     scored position whose top-1 differed under teacher forcing.
     """
     items = [it for it in ref.items() if _item_json(it).get("expected") is not None]
-    _checked_items(items, settings.exec_timeout)
+    check_items(items, settings.exec_timeout)
     if on_total:
         on_total(len(items))
     eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])

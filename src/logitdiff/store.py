@@ -102,7 +102,7 @@ def atomic_save_npy_rows(path: Path, blocks: list[np.ndarray], dtype) -> None:
         np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False, "shape": (n, cols)})
         for b in blocks:
             if dtype == "bfloat16":
-                b = b if b.dtype == np.uint16 else _f32_to_bf16(b)
+                b = b if b.dtype == np.uint16 else f32_to_bf16(b)
             f.write(memoryview(np.ascontiguousarray(b, dtype=out_dtype)))
         f.flush()
         os.fsync(f.fileno())
@@ -228,10 +228,7 @@ def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
     return (u16.astype(np.uint32) << 16).view(np.float32)
 
 
-_bf16_to_f32 = bf16_to_f32
-
-
-def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even float32 -> bfloat16 bits (what torch does)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounding = ((u >> 16) & 1) + 0x7FFF
@@ -747,7 +744,7 @@ class RunReader:
         pieces = list(self._pieces(item))
         rows = pieces[0] if len(pieces) == 1 else (np.concatenate(pieces) if pieces else np.zeros((0, self.vocab_size), _DTYPES[self.dtype or "float32"]))
         if self.dtype == "bfloat16":
-            return _bf16_to_f32(np.asarray(rows))
+            return bf16_to_f32(np.asarray(rows))
         return rows
 
     def topk(self, item: RunItem) -> dict[str, np.ndarray]:
@@ -769,7 +766,7 @@ class RunReader:
         blocks = reblock((p for it in items for p in self._pieces(it)), rows)
         for b in blocks:
             if not self.k and self.dtype == "bfloat16" and not raw:
-                b = _bf16_to_f32(np.asarray(b))
+                b = bf16_to_f32(np.asarray(b))
             yield b
 
     def compact_rows(self, item: RunItem) -> dict[str, np.ndarray]:

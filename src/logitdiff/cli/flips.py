@@ -137,7 +137,7 @@ def run(args) -> int:
 def print_flips(report: dict) -> None:
     from rich.table import Table
 
-    from ..flips import OUTCOMES
+    from ..contracts import Outcome
 
     f = report["flips"]
     ties = f" and {f['n_ties']} ties" if f.get("n_ties") else ""
@@ -145,7 +145,7 @@ def print_flips(report: dict) -> None:
     t.add_column("outcome")
     t.add_column("branches", justify="right")
     t.add_column("rate", justify="right")
-    for o in OUTCOMES:
+    for o in Outcome.ALL:
         r = f["rates"][o]
         t.add_row(o, str(f["outcomes"][o]), "n/a" if r is None else f"{100 * r:.1f}%")
     con = table_console()
