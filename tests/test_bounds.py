@@ -9,7 +9,6 @@ more than that for V <= 2^20 and still far below any width we report.
 
 from __future__ import annotations
 
-import struct
 
 import numpy as np
 import pytest

@@ -11,7 +11,7 @@ import pytest
 from logitdiff.builtin.tasks import TOOLS_BY_NAME
 from logitdiff.errors import LogitdiffError
 from logitdiff.flips import (
-    Alignment, Flip, align, classify, end_ratio, find_flips, is_tie, margin_bucket, numbers_agree, parse_select,
+    Alignment, align, classify, end_ratio, find_flips, is_tie, margin_bucket, numbers_agree, parse_select,
     select_flips, summarize_branches, tie_tolerance,
 )
 

@@ -19,7 +19,7 @@ import numpy as np
 from .capture import DEFAULT_MAX_TOKENS
 from .contracts import Correctness, MethodKind
 from .errors import LogitdiffError
-from .flips import MAX_DETOUR, MAX_SHIFT, MIN_RUN, OUTCOMES, Flip, classify, end_ratio, find_flips, select_flips, summarize_branches
+from .flips import MAX_DETOUR, MAX_SHIFT, MIN_RUN, classify, end_ratio, find_flips, select_flips, summarize_branches
 from .grading import SimilarityPolicy, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
 from .sources import Source
 from .store import RunItem, RunReader, first_difference
@@ -424,7 +424,7 @@ def analyse(
     source: Source,
     ref: RunReader,
     columns: dict,
-    similarity: Similarity,
+    similarity: SimilarityPolicy,
     settings: Settings,
     *,
     reference_source: Source | None = None,
