@@ -417,7 +417,8 @@ def validate(obj, name: str, where: str = "") -> None:
     import jsonschema
 
     validator = jsonschema.Draft202012Validator(schema(name))
-    err = next(iter(sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))), None)
+    # the first error in document order (paths compared as text: a path mixes keys and indices)
+    err = min(validator.iter_errors(obj), key=lambda e: [str(p) for p in e.absolute_path], default=None)
     if err is not None:
         field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
         raise LogitdiffError(f"{where or name}: field {field!r} breaks the {name} schema: {err.message[:300]}")

@@ -587,9 +587,9 @@ def _header(names, paths, reports, summary) -> str:
     nf = s0.get("noise_floor")
     if len(floors) > 1:
         noise = "differs per report (see × noise floor)"
-    elif nf:
+    elif nf:  # .get: reports written before schema_version 1.0 carry other noise_floor shapes
         noise = (f"mean KL {fmt(nf.get('kl_nats_mean'))} nats, top-1 disagreement {fmt(nf.get('top1_disagreement'), 'pct')} "
-                 f"(<code>{_e(nf['spec'])}</code> against its own {_e(nf['rerun'])}, "
+                 f"(<code>{_e(nf.get('spec'))}</code> against its own {_e(nf.get('rerun') or 'rerun')}, "
                  f"{_e(nf.get('positions'))} positions)")
         if nf.get("kl_nats_mean") == 0:
             noise += " — the rerun is bit-identical, so × noise floor is undefined"
