@@ -13,10 +13,6 @@ FAIL_ON_HELP = (
 )
 
 
-def ranges_text(ranges) -> str:
-    return ",".join(str(r) for r in ranges)
-
-
 def parse_ranges_arg(text: str):
     from ..summarize import parse_ranges
 
@@ -79,9 +75,9 @@ def gate_exit(reports: list[dict]) -> int:
 
 
 def add_ranges(p) -> None:
-    from ..summarize import DEFAULT_RANGES
+    from ..summarize import DEFAULT_RANGES, format_ranges
 
-    p.add_argument("--ranges", default=ranges_text(DEFAULT_RANGES), help="output-position range edges (default: %(default)s)")
+    p.add_argument("--ranges", default=format_ranges(DEFAULT_RANGES), help="output-position range edges (default: %(default)s)")
 
 
 def add_bootstrap(p) -> None:

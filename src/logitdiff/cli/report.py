@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import LogitdiffError
+from ..contracts import load_summary
 from .console import console
 
 NAME = "report"
@@ -37,13 +37,6 @@ examples:
 """
 
 
-def _load_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise LogitdiffError(f"{path}: cannot read JSON ({e})") from None
-
-
 def expand_report_dirs(args: list[str]) -> tuple[list[Path], dict | None]:
     """REPORT dirs from the command line; a `run` OUT dir expands to its reports.
 
@@ -55,7 +48,7 @@ def expand_report_dirs(args: list[str]) -> tuple[list[Path], dict | None]:
         if (p / "report.json").is_file():
             dirs.append(p)
         elif (p / "reports").is_dir():
-            s = _load_json(p / "summary.json") if (p / "summary.json").is_file() else None
+            s = load_summary(p / "summary.json") if (p / "summary.json").is_file() else None
             found = {d.name: d for d in sorted((p / "reports").iterdir()) if (d / "report.json").is_file()}
             if not found:
                 raise LogitdiffError(f"{p}/reports: no REPORT directories (no */report.json)")
@@ -80,7 +73,7 @@ def find_summary(dirs: list[Path]) -> dict | None:
     f = parent.parent / "summary.json"
     if parent.name != "reports" or not f.is_file():
         return None
-    s = _load_json(f)
+    s = load_summary(f)
     names = {c.get("name") for c in s.get("candidates") or []}
     return s if all(d.name in names for d in dirs) else None
 
@@ -95,7 +88,7 @@ def run(args) -> int:
     inputs = [*dirs, *([args.summary] if args.summary else [])]
     check_output(args.out, Kind.HTML, inputs=inputs)
     if args.summary:
-        summary = _load_json(Path(args.summary))
+        summary = load_summary(Path(args.summary))
     out = write_html(dirs, args.out, summary=summary, title=args.title, inputs=inputs)
     size = out.stat().st_size
     console().print(f"wrote {out} ({len(dirs)} candidate{'s' if len(dirs) != 1 else ''}, {size / 1e6:.1f} MB)")

@@ -121,7 +121,7 @@ def print_run_summary(summary: dict) -> None:
     con.print(t)
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
         t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
-        for col in ("candidate", "branches", "recovered", "benign", "meaning changed", "tool call malformed", "tool call changed",
+        for col in ("candidate", "branches", *(o.replace("_", " ") for o in Outcome.ALL),
                     "accuracy ref → cand", "right→wrong", "wrong→right", "McNemar p"):
             t2.add_column(col, justify="right" if col != "candidate" else "left")
         for r in summary["candidates"]:

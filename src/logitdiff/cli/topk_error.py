@@ -77,7 +77,9 @@ def _bounds_table(res: dict):
                 "estimate err of mean"):
         t.add_column(col, justify="right")
     exact = {"kl": res["exact"]["mean"], "kl_rev": res["exact"]["kl_rev_mean"], "jsd": res["exact"]["jsd_mean"]}
-    lines = [(f"topk:{r['k']}", r["bounds"], {"kl": r["rel_err_of_mean"]}) for r in res["rows"]]
+    from ..store import format_store
+
+    lines = [(format_store(r["k"]), r["bounds"], {"kl": r["rel_err_of_mean"]}) for r in res["rows"]]
     lines += [(c["store"], c["bounds"], {}) for c in res.get("compact", [])]
     for store, b, seed_err in lines:
         for d, x in b.items():
