@@ -42,6 +42,7 @@ top_k_out=64), interleaved: the end-to-end overhead over the kernel.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -89,7 +90,20 @@ def make_inputs(path: str, regime: str, n: int, vocab: int, seed: int = 0) -> di
     return files
 
 
+_HELD: dict = {}
+
+
 def load(files: dict, dtype: str):
+    """The two sides as the kernel reads them, memory-mapped once per file and kept for the
+    whole invocation: after the warm-up the pages are mapped, as llama.cpp's driver has them
+    (it maps its files once and times its second call), so neither side pays page faults."""
+    key = (files["ref"], dtype)
+    if key not in _HELD:
+        _HELD[key] = _load(files, dtype)
+    return _HELD[key]
+
+
+def _load(files: dict, dtype: str):
     import warnings
 
     import torch
@@ -207,13 +221,13 @@ def run_ours(files, dtype, threads, y, backend="auto"):
 
 
 def write_runs(files: dict, tmp: str, n: int, vocab: int, tokens: np.ndarray) -> dict:
-    """The arrays of ``files`` as RUN directories (float32 and bfloat16 stores)."""
+    """The first ``n`` rows of ``files`` as RUN directories (float32 and bfloat16 stores)."""
     from logitdiff.store import RunItem, RunWriter
 
     runs = {}
     for dtype in ("float32", "bfloat16"):
         for side in ("ref", "cand"):
-            path = os.path.join(tmp, f"run_{side}_{dtype}")
+            path = os.path.join(tmp, f"run{n}_{side}_{dtype}")
             w = RunWriter(path, source={"spec": f"bench:{side}"}, vocab_size=vocab, tokenizer_hash="sha256:bench", dtype=dtype, chunk_rows=64)
             z = np.load(files[side], mmap_mode="r")
             for i0 in range(0, n, 32):
@@ -225,8 +239,10 @@ def write_runs(files: dict, tmp: str, n: int, vocab: int, tokens: np.ndarray) ->
     return runs
 
 
-def run_e2e(files, runs, dtype, threads, y, tmp) -> tuple[float, float]:
-    """(seconds of logitdiff compare, seconds of the bare kernel call) on the same rows."""
+def run_e2e(files, runs, dtype, threads, y, tmp) -> tuple[float, float, float]:
+    """(seconds of ``logitdiff compare``, of the library's ``compare_runs`` alone (reading
+    the chunks, the kernel, the per-position columns), of the bare kernel call) on the same
+    ``len(y)`` rows."""
     import contextlib
     import io
 
@@ -234,20 +250,40 @@ def run_e2e(files, runs, dtype, threads, y, tmp) -> tuple[float, float]:
 
     from logitdiff import metrics
     from logitdiff.cli import main as cli_main
+    from logitdiff.compare import compare_runs
+    from logitdiff.store import RunReader
 
+    n = len(y)
     zp, zq = load(files, dtype)
     t = time.perf_counter()
-    metrics.full_vocab(zp, zq, y, k=10, top_k_out=64, threads=threads)
+    metrics.full_vocab(zp[:n], zq[:n], y, k=10, top_k_out=64, threads=threads)
     t_kernel = time.perf_counter() - t
-    out = os.path.join(tmp, f"report_{dtype}")
-    torch.set_num_threads(threads)  # compare's kernel calls take torch's thread count
     t = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
+    compare_runs(RunReader(runs[("ref", dtype)]), RunReader(runs[("cand", dtype)]), threads=threads)
+    t_lib = time.perf_counter() - t
+    out = os.path.join(tmp, f"report_{dtype}")
+    # the CLI passes no thread count (yet): its kernel calls take the default, which is
+    # the CPUs this process may run on; pin it to ``threads`` like the other runs
+    torch.set_num_threads(threads)
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()), _affinity(threads):
         rc = cli_main(["compare", runs[("ref", dtype)], runs[("cand", dtype)], "--out", out])
     t_e2e = time.perf_counter() - t
     if rc not in (0, None):
         raise SystemExit(f"logitdiff compare exited {rc}")
-    return t_e2e, t_kernel
+    return t_e2e, t_lib, t_kernel
+
+
+@contextlib.contextmanager
+def _affinity(threads: int):
+    """This process limited to ``threads`` CPUs for the block (the CLI's default thread
+    count), restored afterwards."""
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(old)[:threads])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
 
 
 def run_exe(args) -> dict:
@@ -266,6 +302,7 @@ def main() -> None:
     ap.add_argument("--llama-version", default=None, help="llama-cpp-python sdist (default: the installed version)")
     ap.add_argument("--json", default=None, help="also write the raw timings here")
     ap.add_argument("--e2e", action="store_true", help="also time logitdiff compare end to end (broad regime)")
+    ap.add_argument("--e2e-sizes", default=None, help="positions of the end-to-end runs (default: N/4,N): two sizes give the per-position overhead apart from the fixed cost of the report files")
     ap.add_argument("--torch-path", action="store_true", help="also time full_vocab's torch CPU path (the previous kernel)")
     args = ap.parse_args()
 
@@ -288,6 +325,7 @@ def main() -> None:
         # untimed warm-up of every path (page cache, lazy imports, the driver binary)
         for regime, files in data.items():
             run_ours(files, "float32", args.threads, ys[regime])
+            run_ours(files, "bfloat16", args.threads, ys[regime])
         for rep in range(args.repeats):
             for regime, files in data.items():
                 d = res[regime]
@@ -319,12 +357,15 @@ def main() -> None:
             d.pop("llama_kld")
         e2e = {}
         if args.e2e and "broad" in data:
-            runs = write_runs(data["broad"], tmp, args.n, args.vocab, ys["broad"])
-            for dtype in ("float32", "bfloat16"):
-                run_e2e(data["broad"], runs, dtype, args.threads, ys["broad"], tmp)  # warm-up
-            for rep in range(args.repeats):
+            sizes = [int(x) for x in (args.e2e_sizes or f"{max(1, args.n // 4)},{args.n}").split(",")]
+            runs = {m: write_runs(data["broad"], tmp, m, args.vocab, ys["broad"]) for m in sizes}
+            for m in sizes:
                 for dtype in ("float32", "bfloat16"):
-                    e2e.setdefault(dtype, []).append(run_e2e(data["broad"], runs, dtype, args.threads, ys["broad"], tmp))
+                    run_e2e(data["broad"], runs[m], dtype, args.threads, ys["broad"][:m], tmp)  # warm-up
+            for rep in range(args.repeats):
+                for m in sizes:
+                    for dtype in ("float32", "bfloat16"):
+                        e2e.setdefault(f"{dtype}/{m}", []).append(run_e2e(data["broad"], runs[m], dtype, args.threads, ys["broad"][:m], tmp))
             res["e2e"] = e2e
     load1 = os.getloadavg()
 
@@ -350,11 +391,23 @@ def main() -> None:
                 t = statistics.median(d["torch_f32"])
                 print(f"| {regime} | {t:,.0f} | {statistics.median(d['ours_f32']) / t:.2f}x |")
     if "e2e" in res:
-        print("\n| broad, end to end | compare s | kernel s (same rows) | compare / kernel |\n| --- | ---: | ---: | ---: |")
-        for dtype, runs_ in res["e2e"].items():
-            e2e_s = statistics.median(r[0] for r in runs_)
-            k_s = statistics.median(r[1] for r in runs_)
-            print(f"| {dtype} | {e2e_s:.2f} | {k_s:.2f} | {e2e_s / k_s:.2f}x |")
+        print("\n| broad, end to end | positions | `logitdiff compare` s | `compare_runs` s | kernel s (same rows) | compare / kernel "
+              "| compare_runs / kernel |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        med = {}
+        for key, runs_ in res["e2e"].items():
+            dtype, m = key.split("/")
+            med[key] = [statistics.median(r[j] for r in runs_) for j in range(3)]
+            e2e_s, lib_s, k_s = med[key]
+            print(f"| {dtype} | {m} | {e2e_s:.2f} | {lib_s:.2f} | {k_s:.2f} | {e2e_s / k_s:.2f}x | {lib_s / k_s:.2f}x |")
+        sizes = sorted({int(k.split("/")[1]) for k in med})
+        if len(sizes) >= 2:
+            lo, hi = sizes[0], sizes[-1]
+            print(f"\n| broad, per position ({lo} -> {hi}) | extra compare s / extra kernel s | extra compare_runs s / extra kernel s "
+                  "| fixed cost of compare s |\n| --- | ---: | ---: | ---: |")
+            for dtype in ("float32", "bfloat16"):
+                a, b = med[f"{dtype}/{lo}"], med[f"{dtype}/{hi}"]
+                slope = (b[0] - a[0]) / (b[2] - a[2])
+                print(f"| {dtype} | {slope:.2f}x | {(b[1] - a[1]) / (b[2] - a[2]):.2f}x | {b[0] - slope * b[2]:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "load": [load0, load1], "results": res}, f, indent=1)
