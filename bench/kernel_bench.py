@@ -215,9 +215,15 @@ def run_ours(files, dtype, threads, y, backend="auto"):
     from logitdiff import metrics
 
     zp, zq = load(files, dtype)
+    c = time.process_time()
     t = time.perf_counter()
     r = metrics.full_vocab(zp, zq, y, k=10, threads=threads, backend=backend)
-    return time.perf_counter() - t, r
+    t = time.perf_counter() - t
+    _CPU.append(time.process_time() - c)  # CPU seconds of the process, all threads
+    return t, r
+
+
+_CPU: list = []  # CPU seconds of each run_ours call (read right after the call)
 
 
 def write_runs(files: dict, tmp: str, n: int, vocab: int, tokens: np.ndarray) -> dict:
@@ -330,10 +336,13 @@ def main() -> None:
             for regime, files in data.items():
                 d = res[regime]
                 d["ours_f32"].append(args.n / run_ours(files, "float32", args.threads, ys[regime])[0])
+                d.setdefault("cpu_ours_f32", []).append(_CPU[-1] / args.n)
                 lj = run_exe([exe, "kld", files["ref"], files["cand"], str(args.n), str(args.vocab), str(args.threads)])
                 d["llama"].append(args.n / lj["seconds"])
+                d.setdefault("cpu_llama", []).append(lj["cpu_seconds"] / args.n)
                 d["llama_kld"] = lj["kld"]
                 d["ours_bf16"].append(args.n / run_ours(files, "bfloat16", args.threads, ys[regime])[0])
+                d.setdefault("cpu_ours_bf16", []).append(_CPU[-1] / args.n)
                 if args.torch_path:
                     d["torch_f32"].append(args.n / run_ours(files, "float32", args.threads, ys[regime], "torch")[0])
                 mj = run_exe([exe, "stream", files["ref"], files["cand"], str(args.threads)])
@@ -384,6 +393,12 @@ def main() -> None:
         print(f"| {regime} | {med['ours_f32']:,.0f} | {med['ours_bf16']:,.0f} | {med['llama']:,.0f} | {med['ours_f32'] / med['llama']:.2f}x "
               f"| {med['ours_bf16'] / med['llama']:.2f}x | {med['memory_gbs']:.1f} | {lim32:,.0f} | {med['ours_f32'] / lim32:.2f} "
               f"| {med['ours_bf16'] / lim16:.2f} | {d['contract_float32']:.2g}, {d['contract_bfloat16']:.2g} | {d['llama_kl_relerr']:.1e} |")
+    print("\n| regime | ours f32 CPU ms/pos | ours bf16 CPU ms/pos | llama.cpp CPU ms/pos | llama.cpp / ours f32 (CPU) "
+          "| llama.cpp / ours bf16 (CPU) |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for regime, d in res.items():
+        if regime != "e2e":
+            cf, cb, cl = (statistics.median(d[k]) * 1e3 for k in ("cpu_ours_f32", "cpu_ours_bf16", "cpu_llama"))
+            print(f"| {regime} | {cf:.2f} | {cb:.2f} | {cl:.2f} | {cl / cf:.2f}x | {cl / cb:.2f}x |")
     if args.torch_path:
         print("\n| regime | torch path f32 pos/s | ours f32 / torch path |\n| --- | ---: | ---: |")
         for regime, d in res.items():
