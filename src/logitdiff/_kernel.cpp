@@ -24,7 +24,8 @@
 // Peaked rows (a head far above a long tail): pass 2 takes tiles that hold a tiny share of
 // both sides' mass ("tail tiles", chosen from pass 1's per-tile estimates) with a cheaper
 // exp (degree 6, 1.25e-9 relative) and, where |a_p - a_q - ln r0| <= 0.75 on the whole
-// tile, ln g from ln cosh (a short series, no division) instead of log. The extra error of
+// tile, ln g from ln cosh (a short series, no division) instead of log, in one loop whose
+// G and H come from the linear sums (`pass2_tail_fused`). The extra error of
 // every output field is bounded from the exact sums afterwards (`tail_bound`); the row
 // keeps the result only when all bounds are <= 1/8 of the contract's atol, and is redone
 // with exact tiles otherwise. Pass 1 sums tiles whose estimate is negligible next to s
