@@ -145,7 +145,8 @@ def child(args) -> None:
     if args.child == "ours":
         from logitdiff import metrics
 
-        fn = lambda a, b, t: metrics.full_vocab(a, b, t, k=10)  # noqa: E731
+        # the thread count is full_vocab's parameter (its default is the process's CPUs, not torch's)
+        fn = lambda a, b, t: metrics.full_vocab(a, b, t, k=10, threads=args.threads or None)  # noqa: E731
     else:
         fn = lambda a, b, t: naive_full_vocab(a, b, t, k=10)  # noqa: E731
     fn(zp[:8], zq[:8], y[:8])
