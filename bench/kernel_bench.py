@@ -32,11 +32,17 @@ llama.cpp's KL against the same reference (max relative error).
 Prints a markdown table: median positions/s over the repeats, ratios ours/llama.cpp and
 ours/memory limit, load average before and after.
 
-``--e2e`` also writes the broad arrays as two RUN directories (float32 and bfloat16
-stores, items of 32 positions) and times ``logitdiff compare REF CAND --out DIR`` (in
-process: reading chunks, the kernel, tokens.parquet, summaries, bootstrap, report files)
-against ``full_vocab`` on the same rows with the arguments compare passes (k=10,
-top_k_out=64), interleaved: the end-to-end overhead over the kernel.
+``--e2e`` also writes the broad arrays as RUN directories (float32 and bfloat16 stores,
+items of 32 positions) of two sizes (``--e2e-sizes``, default N/4 and N) and times, on the
+same rows, interleaved: ``logitdiff compare REF CAND --out DIR`` (in process: reading
+chunks, the kernel, tokens.parquet, summaries, bootstrap, report files), the library's
+``compare_runs`` alone (reading chunks, the kernel, the per-position columns) and
+``full_vocab`` with the arguments compare passes (k=10, top_k_out=64). The two sizes give
+the per-position overhead over the kernel apart from the fixed cost of the report files.
+
+Besides wall-clock positions/s, both sides' CPU seconds per position are printed (ours: this
+process's CPU time, all threads; llama.cpp: the driver's process CPU time around its timed
+call): on a shared machine they depend much less on the other load than wall time.
 """
 
 from __future__ import annotations
