@@ -145,7 +145,8 @@ def child(args) -> None:
     if args.child == "ours":
         from logitdiff import metrics
 
-        fn = lambda a, b, t: metrics.full_vocab(a, b, t, k=10)  # noqa: E731
+        # the thread count is full_vocab's parameter (its default is the process's CPUs, not torch's)
+        fn = lambda a, b, t: metrics.full_vocab(a, b, t, k=10, threads=args.threads or None)  # noqa: E731
     else:
         fn = lambda a, b, t: naive_full_vocab(a, b, t, k=10)  # noqa: E731
     fn(zp[:8], zq[:8], y[:8])
@@ -218,7 +219,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=V_DEFAULT)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each implementation (interleaved)")
     ap.add_argument("--dtype", default="float32,bfloat16", help="comma list of float32,bfloat16")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads for ours (0: torch default)")
+    ap.add_argument("--threads", type=int, default=0, help="threads for ours and torch (0: the defaults; ours: the CPUs this process may run on)")
     ap.add_argument("--rss-n", default="1024,4096", help="N values of the peak-RSS-vs-N check ('' to skip)")
     ap.add_argument("--rss-dtype", default="bfloat16")
     ap.add_argument("--no-peer", action="store_true")

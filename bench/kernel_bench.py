@@ -32,16 +32,23 @@ llama.cpp's KL against the same reference (max relative error).
 Prints a markdown table: median positions/s over the repeats, ratios ours/llama.cpp and
 ours/memory limit, load average before and after.
 
-``--e2e`` also writes the broad arrays as two RUN directories (float32 and bfloat16
-stores, items of 32 positions) and times ``logitdiff compare REF CAND --out DIR`` (in
-process: reading chunks, the kernel, tokens.parquet, summaries, bootstrap, report files)
-against ``full_vocab`` on the same rows with the arguments compare passes (k=10,
-top_k_out=64), interleaved: the end-to-end overhead over the kernel.
+``--e2e`` also writes the broad arrays as RUN directories (float32 and bfloat16 stores,
+items of 32 positions) of two sizes (``--e2e-sizes``, default N/4 and N) and times, on the
+same rows, interleaved: ``logitdiff compare REF CAND --out DIR`` (in process: reading
+chunks, the kernel, tokens.parquet, summaries, bootstrap, report files), the library's
+``compare_runs`` alone (reading chunks, the kernel, the per-position columns) and
+``full_vocab`` with the arguments compare passes (k=10, top_k_out=64). The two sizes give
+the per-position overhead over the kernel apart from the fixed cost of the report files.
+
+Besides wall-clock positions/s, both sides' CPU seconds per position are printed (ours: this
+process's CPU time, all threads; llama.cpp: the driver's process CPU time around its timed
+call): on a shared machine they depend much less on the other load than wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -89,7 +96,20 @@ def make_inputs(path: str, regime: str, n: int, vocab: int, seed: int = 0) -> di
     return files
 
 
+_HELD: dict = {}
+
+
 def load(files: dict, dtype: str):
+    """The two sides as the kernel reads them, memory-mapped once per file and kept for the
+    whole invocation: after the warm-up the pages are mapped, as llama.cpp's driver has them
+    (it maps its files once and times its second call), so neither side pays page faults."""
+    key = (files["ref"], dtype)
+    if key not in _HELD:
+        _HELD[key] = _load(files, dtype)
+    return _HELD[key]
+
+
+def _load(files: dict, dtype: str):
     import warnings
 
     import torch
@@ -201,19 +221,25 @@ def run_ours(files, dtype, threads, y, backend="auto"):
     from logitdiff import metrics
 
     zp, zq = load(files, dtype)
+    c = time.process_time()
     t = time.perf_counter()
     r = metrics.full_vocab(zp, zq, y, k=10, threads=threads, backend=backend)
-    return time.perf_counter() - t, r
+    t = time.perf_counter() - t
+    _CPU.append(time.process_time() - c)  # CPU seconds of the process, all threads
+    return t, r
+
+
+_CPU: list = []  # CPU seconds of each run_ours call (read right after the call)
 
 
 def write_runs(files: dict, tmp: str, n: int, vocab: int, tokens: np.ndarray) -> dict:
-    """The arrays of ``files`` as RUN directories (float32 and bfloat16 stores)."""
+    """The first ``n`` rows of ``files`` as RUN directories (float32 and bfloat16 stores)."""
     from logitdiff.store import RunItem, RunWriter
 
     runs = {}
     for dtype in ("float32", "bfloat16"):
         for side in ("ref", "cand"):
-            path = os.path.join(tmp, f"run_{side}_{dtype}")
+            path = os.path.join(tmp, f"run{n}_{side}_{dtype}")
             w = RunWriter(path, source={"spec": f"bench:{side}"}, vocab_size=vocab, tokenizer_hash="sha256:bench", dtype=dtype, chunk_rows=64)
             z = np.load(files[side], mmap_mode="r")
             for i0 in range(0, n, 32):
@@ -225,8 +251,10 @@ def write_runs(files: dict, tmp: str, n: int, vocab: int, tokens: np.ndarray) ->
     return runs
 
 
-def run_e2e(files, runs, dtype, threads, y, tmp) -> tuple[float, float]:
-    """(seconds of logitdiff compare, seconds of the bare kernel call) on the same rows."""
+def run_e2e(files, runs, dtype, threads, y, tmp) -> tuple[float, float, float]:
+    """(seconds of ``logitdiff compare``, of the library's ``compare_runs`` alone (reading
+    the chunks, the kernel, the per-position columns), of the bare kernel call) on the same
+    ``len(y)`` rows."""
     import contextlib
     import io
 
@@ -234,20 +262,40 @@ def run_e2e(files, runs, dtype, threads, y, tmp) -> tuple[float, float]:
 
     from logitdiff import metrics
     from logitdiff.cli import main as cli_main
+    from logitdiff.compare import compare_runs
+    from logitdiff.store import RunReader
 
+    n = len(y)
     zp, zq = load(files, dtype)
     t = time.perf_counter()
-    metrics.full_vocab(zp, zq, y, k=10, top_k_out=64, threads=threads)
+    metrics.full_vocab(zp[:n], zq[:n], y, k=10, top_k_out=64, threads=threads)
     t_kernel = time.perf_counter() - t
-    out = os.path.join(tmp, f"report_{dtype}")
-    torch.set_num_threads(threads)  # compare's kernel calls take torch's thread count
     t = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
+    compare_runs(RunReader(runs[("ref", dtype)]), RunReader(runs[("cand", dtype)]), threads=threads)
+    t_lib = time.perf_counter() - t
+    out = os.path.join(tmp, f"report_{dtype}")
+    # the CLI passes no thread count (yet): its kernel calls take the default, which is
+    # the CPUs this process may run on; pin it to ``threads`` like the other runs
+    torch.set_num_threads(threads)
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()), _affinity(threads):
         rc = cli_main(["compare", runs[("ref", dtype)], runs[("cand", dtype)], "--out", out])
     t_e2e = time.perf_counter() - t
     if rc not in (0, None):
         raise SystemExit(f"logitdiff compare exited {rc}")
-    return t_e2e, t_kernel
+    return t_e2e, t_lib, t_kernel
+
+
+@contextlib.contextmanager
+def _affinity(threads: int):
+    """This process limited to ``threads`` CPUs for the block (the CLI's default thread
+    count), restored afterwards."""
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(old)[:threads])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
 
 
 def run_exe(args) -> dict:
@@ -266,6 +314,7 @@ def main() -> None:
     ap.add_argument("--llama-version", default=None, help="llama-cpp-python sdist (default: the installed version)")
     ap.add_argument("--json", default=None, help="also write the raw timings here")
     ap.add_argument("--e2e", action="store_true", help="also time logitdiff compare end to end (broad regime)")
+    ap.add_argument("--e2e-sizes", default=None, help="positions of the end-to-end runs (default: N/4,N): two sizes give the per-position overhead apart from the fixed cost of the report files")
     ap.add_argument("--torch-path", action="store_true", help="also time full_vocab's torch CPU path (the previous kernel)")
     args = ap.parse_args()
 
@@ -288,14 +337,18 @@ def main() -> None:
         # untimed warm-up of every path (page cache, lazy imports, the driver binary)
         for regime, files in data.items():
             run_ours(files, "float32", args.threads, ys[regime])
+            run_ours(files, "bfloat16", args.threads, ys[regime])
         for rep in range(args.repeats):
             for regime, files in data.items():
                 d = res[regime]
                 d["ours_f32"].append(args.n / run_ours(files, "float32", args.threads, ys[regime])[0])
+                d.setdefault("cpu_ours_f32", []).append(_CPU[-1] / args.n)
                 lj = run_exe([exe, "kld", files["ref"], files["cand"], str(args.n), str(args.vocab), str(args.threads)])
                 d["llama"].append(args.n / lj["seconds"])
+                d.setdefault("cpu_llama", []).append(lj["cpu_seconds"] / args.n)
                 d["llama_kld"] = lj["kld"]
                 d["ours_bf16"].append(args.n / run_ours(files, "bfloat16", args.threads, ys[regime])[0])
+                d.setdefault("cpu_ours_bf16", []).append(_CPU[-1] / args.n)
                 if args.torch_path:
                     d["torch_f32"].append(args.n / run_ours(files, "float32", args.threads, ys[regime], "torch")[0])
                 mj = run_exe([exe, "stream", files["ref"], files["cand"], str(args.threads)])
@@ -319,12 +372,15 @@ def main() -> None:
             d.pop("llama_kld")
         e2e = {}
         if args.e2e and "broad" in data:
-            runs = write_runs(data["broad"], tmp, args.n, args.vocab, ys["broad"])
-            for dtype in ("float32", "bfloat16"):
-                run_e2e(data["broad"], runs, dtype, args.threads, ys["broad"], tmp)  # warm-up
-            for rep in range(args.repeats):
+            sizes = [int(x) for x in (args.e2e_sizes or f"{max(1, args.n // 4)},{args.n}").split(",")]
+            runs = {m: write_runs(data["broad"], tmp, m, args.vocab, ys["broad"]) for m in sizes}
+            for m in sizes:
                 for dtype in ("float32", "bfloat16"):
-                    e2e.setdefault(dtype, []).append(run_e2e(data["broad"], runs, dtype, args.threads, ys["broad"], tmp))
+                    run_e2e(data["broad"], runs[m], dtype, args.threads, ys["broad"][:m], tmp)  # warm-up
+            for rep in range(args.repeats):
+                for m in sizes:
+                    for dtype in ("float32", "bfloat16"):
+                        e2e.setdefault(f"{dtype}/{m}", []).append(run_e2e(data["broad"], runs[m], dtype, args.threads, ys["broad"][:m], tmp))
             res["e2e"] = e2e
     load1 = os.getloadavg()
 
@@ -343,6 +399,12 @@ def main() -> None:
         print(f"| {regime} | {med['ours_f32']:,.0f} | {med['ours_bf16']:,.0f} | {med['llama']:,.0f} | {med['ours_f32'] / med['llama']:.2f}x "
               f"| {med['ours_bf16'] / med['llama']:.2f}x | {med['memory_gbs']:.1f} | {lim32:,.0f} | {med['ours_f32'] / lim32:.2f} "
               f"| {med['ours_bf16'] / lim16:.2f} | {d['contract_float32']:.2g}, {d['contract_bfloat16']:.2g} | {d['llama_kl_relerr']:.1e} |")
+    print("\n| regime | ours f32 CPU ms/pos | ours bf16 CPU ms/pos | llama.cpp CPU ms/pos | llama.cpp / ours f32 (CPU) "
+          "| llama.cpp / ours bf16 (CPU) |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for regime, d in res.items():
+        if regime != "e2e":
+            cf, cb, cl = (statistics.median(d[k]) * 1e3 for k in ("cpu_ours_f32", "cpu_ours_bf16", "cpu_llama"))
+            print(f"| {regime} | {cf:.2f} | {cb:.2f} | {cl:.2f} | {cl / cf:.2f}x | {cl / cb:.2f}x |")
     if args.torch_path:
         print("\n| regime | torch path f32 pos/s | ours f32 / torch path |\n| --- | ---: | ---: |")
         for regime, d in res.items():
@@ -350,11 +412,23 @@ def main() -> None:
                 t = statistics.median(d["torch_f32"])
                 print(f"| {regime} | {t:,.0f} | {statistics.median(d['ours_f32']) / t:.2f}x |")
     if "e2e" in res:
-        print("\n| broad, end to end | compare s | kernel s (same rows) | compare / kernel |\n| --- | ---: | ---: | ---: |")
-        for dtype, runs_ in res["e2e"].items():
-            e2e_s = statistics.median(r[0] for r in runs_)
-            k_s = statistics.median(r[1] for r in runs_)
-            print(f"| {dtype} | {e2e_s:.2f} | {k_s:.2f} | {e2e_s / k_s:.2f}x |")
+        print("\n| broad, end to end | positions | `logitdiff compare` s | `compare_runs` s | kernel s (same rows) | compare / kernel "
+              "| compare_runs / kernel |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        med = {}
+        for key, runs_ in res["e2e"].items():
+            dtype, m = key.split("/")
+            med[key] = [statistics.median(r[j] for r in runs_) for j in range(3)]
+            e2e_s, lib_s, k_s = med[key]
+            print(f"| {dtype} | {m} | {e2e_s:.2f} | {lib_s:.2f} | {k_s:.2f} | {e2e_s / k_s:.2f}x | {lib_s / k_s:.2f}x |")
+        sizes = sorted({int(k.split("/")[1]) for k in med})
+        if len(sizes) >= 2:
+            lo, hi = sizes[0], sizes[-1]
+            print(f"\n| broad, per position ({lo} -> {hi}) | extra compare s / extra kernel s | extra compare_runs s / extra kernel s "
+                  "| fixed cost of compare s |\n| --- | ---: | ---: | ---: |")
+            for dtype in ("float32", "bfloat16"):
+                a, b = med[f"{dtype}/{lo}"], med[f"{dtype}/{hi}"]
+                slope = (b[0] - a[0]) / (b[2] - a[2])
+                print(f"| {dtype} | {slope:.2f}x | {(b[1] - a[1]) / (b[2] - a[2]):.2f}x | {b[0] - slope * b[2]:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "load": [load0, load1], "results": res}, f, indent=1)

@@ -278,3 +278,34 @@ def test_report_names_the_machine(pair):
     assert rep["machine"]["cpu_count"] == os.cpu_count() and rep["machine"]["python"]
     assert "compared on:" in (tmp / "m" / "report.md").read_text()
     assert "<th>machine</th>" in (tmp / "m" / "report.html").read_text() or ">machine<" in (tmp / "m" / "report.html").read_text()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compare_blocks_across_unaligned_chunks(tmp_path, dtype):
+    """Two RUNs of the same rows in different chunk layouts (16 and 7 rows per chunk, items
+    running across chunks) are paired as views cut at both layouts' boundaries and the block
+    size (`store.aligned_blocks`); bf16 rows reach the kernel as stored bits. The per-row
+    results equal one `full_vocab` call on all rows (per-row results do not depend on the
+    blocking, and bf16 -> float32 is exact, so equality is exact)."""
+    from logitdiff import metrics as M
+
+    rng = np.random.default_rng(5)
+    lens = {"a": 9, "b": 1, "c": 20, "d": 5}
+    ref = {k: rng.normal(0, 3, (n, V)).astype(np.float32) for k, n in lens.items()}
+    cand = {k: (v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for k, v in ref.items()}
+    teacher = {k: rng.integers(0, V, n) for k, n in lens.items()}
+    paths = []
+    for name, rows, logits in (("ref", 16, ref), ("cand", 7, cand)):
+        w = RunWriter(tmp_path / name, source={"spec": f"test:{name}"}, vocab_size=V, tokenizer_hash="sha256:t", dtype=dtype, chunk_rows=rows)
+        for iid, lg in logits.items():
+            w.add(RunItem(id=iid, prompt_ids=[1], teacher_ids=list(teacher[iid]), positions=list(range(len(lg)))), logits=lg)
+        w.finish()
+        paths.append(tmp_path / name)
+    rr, rc = RunReader(paths[0]), RunReader(paths[1])
+    comp = compare_runs(rr, rc, max_batch_rows=6, threads=2)
+    zr = np.concatenate([rr.logits(it) for it in rr.items()])
+    zc = np.concatenate([rc.logits(it) for it in rc.items()])
+    assert zr.dtype == np.float32  # bf16 runs: the stored values, converted exactly
+    want = M.full_vocab(zr, zc, np.concatenate([teacher[k] for k in lens]), k=10, top_k_out=64, threads=1)
+    for f in ("kl_nats", "kl_rev_nats", "jsd_nats", "entropy_ref", "nll_cand", "top1_ref", "topk_overlap"):
+        np.testing.assert_array_equal(comp.columns[f], want[f], err_msg=f)

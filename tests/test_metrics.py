@@ -699,3 +699,36 @@ def test_prop_topk_with_k_equal_v_is_full_kl(pair):
     sp, sq = row_stats(zp, k=v), row_stats(zq, k=v)
     got = topk(sp["topk_ids"], sp["topk_logprobs"], sq["topk_ids"], sq["topk_logprobs"], v)
     np.testing.assert_allclose(got["kl_nats"], full_vocab(zp, zq, k=1)["kl_nats"], atol=1e-9)
+
+
+def test_thread_count_is_a_parameter_and_torch_setting_is_left_alone():
+    """`threads` sets the worker count (default `default_threads()`, the CPUs this process
+    may run on, not torch's setting); neither path leaves torch's global thread count changed,
+    and per-row results do not depend on the thread count (each row is one worker's)."""
+    import os
+
+    import torch
+
+    assert metrics.default_threads() == len(os.sched_getaffinity(0))
+    rng = np.random.default_rng(11)
+    zp = rng.normal(0, 3, (7, 500)).astype(np.float32)
+    zq = (zp + rng.normal(0, 0.2, zp.shape)).astype(np.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for backend in ("torch", "auto"):
+            one = metrics.full_vocab(zp, zq, k=5, threads=1, backend=backend)
+            two = metrics.full_vocab(zp, zq, k=5, threads=2, backend=backend)
+            dflt = metrics.full_vocab(zp, zq, k=5, backend=backend)
+            assert torch.get_num_threads() == 3, backend
+            for f in ("kl_nats", "jsd_nats", "entropy_ref", "top1_cand"):
+                np.testing.assert_array_equal(one[f], two[f])
+                np.testing.assert_array_equal(one[f], dflt[f])
+        a = metrics.row_stats(zp, k=4, threads=1)
+        b = metrics.row_stats(zp, k=4, threads=2)
+        assert torch.get_num_threads() == 3
+        np.testing.assert_array_equal(a["logsumexp"], b["logsumexp"])
+        with pytest.raises(ValueError, match="threads"):
+            metrics.row_stats(zp, k=4, threads=0)
+    finally:
+        torch.set_num_threads(before)

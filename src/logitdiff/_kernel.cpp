@@ -24,7 +24,8 @@
 // Peaked rows (a head far above a long tail): pass 2 takes tiles that hold a tiny share of
 // both sides' mass ("tail tiles", chosen from pass 1's per-tile estimates) with a cheaper
 // exp (degree 6, 1.25e-9 relative) and, where |a_p - a_q - ln r0| <= 0.75 on the whole
-// tile, ln g from ln cosh (a short series, no division) instead of log. The extra error of
+// tile, ln g from ln cosh (a short series, no division) instead of log, in one loop whose
+// G and H come from the linear sums (`pass2_tail_fused`). The extra error of
 // every output field is bounded from the exact sums afterwards (`tail_bound`); the row
 // keeps the result only when all bounds are <= 1/8 of the contract's atol, and is redone
 // with exact tiles otherwise. Pass 1 sums tiles whose estimate is negligible next to s
@@ -527,6 +528,72 @@ __attribute__((target("avx2,fma,f16c"))) inline void pass2_tile(const void* zp, 
     }
 }
 
+// Tail tiles, one fused loop (no exp buffer, no log, no second read of the tile). With
+// x = delta/2 and delta = a_p - a_q - ln r0, ln g = c + (a_p + a_q)/2 + L, c = ln2 + ln(r0)/2,
+// L = ln cosh(delta/2) (exact identity: e_p + r0 e_q = 2 sqrt(r0 e_p e_q) cosh(delta/2)). So
+//   G0 = sum g ln g = c (E_p + r0 E_q) + (2 A_p - D_p + r0 (2 A_q + D_q))/2 + SL_p + r0 SL_q,
+//   H  = sum e_q ln g = c E_q + (2 A_q + D_q)/2 + SL_q,
+// (sum g a_p = A_p + r0 (A_q + D_q), sum g a_q = A_p - D_p + r0 A_q) from the linear sums
+// the tile needs anyway plus SL = sum e L, two FMAs per side and a short polynomial in
+// delta^2 instead of log. The computed G0 is sum g~ ln g with g~ = e~_p + r0 e~_q (linear
+// in the computed exps with coefficient ln g, up to L's truncation eta and rounding of
+// order ulp sum g |ln g|), so `tail_bound`'s dG0 = eps (Gabs + Gsum) + eta Gsum and dH hold
+// as before. Gsum = E_p + r0 E_q; Gabs = sum g |ln g| <= -G0 + 2 max(0, ln(1 + r0)) Gsum
+// (|ln g| = -ln g + 2 max(ln g, 0) and g <= 1 + r0 as e <= 1), plus eta Gsum for L's error.
+// Returns false (nothing added) when some |delta| > TAIL_DELTA_MAX: the caller then takes
+// the tile with `pass2_tile<dtype, true>` (log_pd).
+template <int dtype>
+__attribute__((target("avx2,fma,f16c"))) inline bool pass2_tail_fused(const void* zp, const void* zq, int64_t t0,
+                                                                      int64_t t1, double mp, double mq, double r0,
+                                                                      __m256d* T, TailSums& ts) {
+    const __m256d mpv = _mm256_set1_pd(mp), mqv = _mm256_set1_pd(mq), lr0 = _mm256_set1_pd(std::log(r0)),
+                  sign = _mm256_set1_pd(-0.0);
+    // ln cosh(delta/2) = sum_k c_k (delta^2/4)^k with c = 1/2, -1/12, 1/45, -17/2520, 31/14175
+    // (see ln_cosh_pd: truncation <= 5.7e-9 for |delta| <= 0.75), the 4^-k folded in.
+    const __m256d k1 = _mm256_set1_pd(1.0 / 8), k2 = _mm256_set1_pd(-1.0 / 192), k3 = _mm256_set1_pd(1.0 / 2880),
+                  k4 = _mm256_set1_pd(-17.0 / 645120), k5 = _mm256_set1_pd(31.0 / 14515200);
+    __m256d sp = _mm256_setzero_pd(), ap_ = sp, sq = sp, aq_ = sp, dp = sp, dq = sp, dmax = sp, slp = sp, slq = sp;
+    for (int64_t i = t0; i < t1; i += 4) {
+        __m256d ap = _mm256_sub_pd(load4d<dtype>(zp, i), mpv);
+        __m256d aq = _mm256_sub_pd(load4d<dtype>(zq, i), mqv);
+        __m256d ep = exp_pd<true>(ap), eq = exp_pd<true>(aq);
+        __m256d d = _mm256_sub_pd(ap, aq);
+        sp = _mm256_add_pd(sp, ep);
+        ap_ = _mm256_fmadd_pd(ep, ap, ap_);
+        sq = _mm256_add_pd(sq, eq);
+        aq_ = _mm256_fmadd_pd(eq, aq, aq_);
+        dp = _mm256_fmadd_pd(ep, d, dp);
+        dq = _mm256_fmadd_pd(eq, d, dq);
+        __m256d dl = _mm256_sub_pd(d, lr0);
+        dmax = _mm256_max_pd(dmax, _mm256_andnot_pd(sign, dl));
+        __m256d y = _mm256_mul_pd(dl, dl);
+        __m256d p = _mm256_fmadd_pd(k5, y, k4);
+        p = _mm256_fmadd_pd(p, y, k3);
+        p = _mm256_fmadd_pd(p, y, k2);
+        p = _mm256_fmadd_pd(p, y, k1);
+        __m256d l = _mm256_mul_pd(p, y);
+        slp = _mm256_fmadd_pd(ep, l, slp);
+        slq = _mm256_fmadd_pd(eq, l, slq);
+    }
+    double dm = hmax_pd(dmax);
+    if (!(dm <= TAIL_DELTA_MAX)) return false;  // also NaN
+    double e_p = hsum(sp), e_q = hsum(sq), a_p = hsum(ap_), a_q = hsum(aq_), d_p = hsum(dp), d_q = hsum(dq);
+    double sl_p = hsum(slp), sl_q = hsum(slq);
+    double c = 0.69314718055994531 + 0.5 * std::log(r0), gsum = e_p + r0 * e_q;
+    double g0 = c * gsum + 0.5 * (2 * a_p - d_p + r0 * (2 * a_q + d_q)) + sl_p + r0 * sl_q;
+    double h = c * e_q + 0.5 * (2 * a_q + d_q) + sl_q;
+    T[0] = _mm256_add_pd(T[0], sp); T[1] = _mm256_add_pd(T[1], ap_); T[2] = _mm256_add_pd(T[2], sq);
+    T[3] = _mm256_add_pd(T[3], aq_); T[4] = _mm256_add_pd(T[4], dp); T[5] = _mm256_add_pd(T[5], dq);
+    T[6] = _mm256_add_pd(T[6], _mm256_set_pd(0, 0, 0, g0)); T[7] = _mm256_add_pd(T[7], _mm256_set_pd(0, 0, 0, h));
+    T[8] = _mm256_add_pd(T[8], _mm256_sub_pd(sp, sq));  // S_d of a tail tile: E_p - E_q (its rounding ~ ulp E, E << s)
+    ts.ep += e_p; ts.eq += e_q; ts.acp += a_p; ts.acq += a_q;
+    ts.gabs += std::max(0.0, -g0 + (2 * std::max(0.0, std::log1p(r0)) + ETA_TAIL_LOG) * gsum);
+    ts.gsum += gsum;
+    ts.dmax = std::max(ts.dmax, dm);
+    ts.tiles += 1;
+    return true;
+}
+
 template <int dtype>
 __attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const void* zq, int64_t v, double mp,
                                                           double mq, double r0, const uint8_t* tail_tiles, Sums& out,
@@ -538,8 +605,10 @@ __attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const v
     int64_t vv = v / 4 * 4;
     for (int64_t t0 = 0; t0 < vv; t0 += TILE2) {
         int64_t t1 = std::min(vv, t0 + TILE2);
-        if (tail_tiles && tail_tiles[t0 / TILE2])
-            pass2_tile<dtype, true>(zp, zq, t0, t1, mp, mq, r0, bp, bq, T, ts);
+        if (tail_tiles && tail_tiles[t0 / TILE2]) {
+            if (!pass2_tail_fused<dtype>(zp, zq, t0, t1, mp, mq, r0, T, ts))
+                pass2_tile<dtype, true>(zp, zq, t0, t1, mp, mq, r0, bp, bq, T, ts);
+        }
         else
             pass2_tile<dtype, false>(zp, zq, t0, t1, mp, mq, r0, bp, bq, T, ts);
     }

@@ -17,7 +17,7 @@ from . import metrics as M
 from .bounds import METHOD_COMPACT, METHOD_EXACT, METHOD_LLAMACPP, METHOD_TOPK
 from .contracts import MethodKind
 from .errors import LogitdiffError
-from .store import RunItem, RunReader, first_difference, rows_per_block
+from .store import RunItem, RunReader, aligned_blocks, bf16_to_f32, first_difference, rows_per_block
 
 # K of the seed's top-K fields when both runs hold full rows (and the vocabulary is larger).
 DEFAULT_TOP_LOGPROBS = 64
@@ -161,15 +161,38 @@ def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = F
     return pairs_r, pairs_c, notes
 
 
-def _topk_blocks(run, items, rows: int, k: int):
+def _topk_blocks(run, items, rows: int, k: int, threads: int | None = None):
     """(ids [r, k], logprobs [r, k]) blocks of one side: stored top-K sliced to k, or the
     exact top-k of full rows, reduced a block at a time."""
     for b in run.row_blocks(items, rows):
         if isinstance(b, dict):
             yield b["ids"][:, :k], b["logprobs"][:, :k]
         else:
-            st = M.row_stats(b, k=k)
+            st = M.row_stats(b, k=k, threads=threads)
             yield st["topk_ids"], st["topk_logprobs"]
+
+
+def _float32_rows(z: np.ndarray) -> np.ndarray:
+    """A raw row block (bf16 bits as uint16, or a float array) as float32 values."""
+    return bf16_to_f32(z) if z.dtype == np.uint16 else np.asarray(z, np.float32)
+
+
+def _raw_row_pairs(ref, items_r, cand, items_c, rows: int):
+    """(reference rows, candidate rows) blocks of at most ``rows`` rows in the stored dtypes:
+    views of both RUNs' chunks (`store.aligned_blocks`, no concatenation), or a live
+    candidate's blocks re-cut next to the reference's."""
+    if isinstance(ref, RunReader) and isinstance(cand, RunReader):
+        return aligned_blocks(ref.row_pieces(items_r), cand.row_pieces(items_c), rows)
+    return zip(ref.row_blocks(items_r, rows, raw=True), cand.row_blocks(items_c, rows, raw=True))
+
+
+def _kernel_pair(zr: np.ndarray, zc: np.ndarray):
+    """Two raw row blocks as `metrics.full_vocab` reads them in place: bf16 bits as bfloat16
+    views (no float32 copy) when both sides hold the same dtype; float32 copies of the
+    block when the dtypes differ (the compiled kernel reads one dtype for both sides)."""
+    if zr.dtype == zc.dtype:
+        return (M.bfloat16_view(z) if z.dtype == np.uint16 else z for z in (zr, zc))
+    return _float32_rows(zr), _float32_rows(zc)
 
 
 def _owner(items: list[RunItem], row: int) -> tuple[RunItem, int]:
@@ -193,10 +216,12 @@ def compare_runs(
     progress: Callable[[int], None] | None = None,
     max_batch_rows: int | None = None,
     chunk_bytes: int | None = None,
+    threads: int | None = None,
 ) -> Comparison:
     """Stream both runs through the metrics in blocks of rows that cross item boundaries
     (``max_batch_rows``, default: a chunk of float32 rows): memory is a few blocks plus the
-    per-position columns, whatever the output lengths and the vocabulary."""
+    per-position columns, whatever the output lengths and the vocabulary. ``threads``: the
+    metrics' worker threads (`metrics.full_vocab`'s ``threads``; default there)."""
     items_r, items_c, notes = check_comparable(ref, cand, allow_partial=allow_partial)
     vocab = ref.vocab() or cand.vocab()
     V = ref.vocab_size
@@ -230,10 +255,12 @@ def compare_runs(
                 progress(b - a)
             a = b
     elif kind == "full_vocab":
-        for zr, zc in zip(ref.row_blocks(items_r, max_batch_rows), cand.row_blocks(items_c, max_batch_rows)):
+        # stored dtype as is (bf16 bits stay uint16): the kernel reads them in place
+        for zr, zc in _raw_row_pairs(ref, items_r, cand, items_c, max_batch_rows):
             b = a + len(zr)
             try:
-                m = M.full_vocab(zr, zc, next_all[a:b], k=min(overlap_k, V), top_k_out=k_eff, device=device)
+                m = M.full_vocab(*_kernel_pair(zr, zc), next_all[a:b], k=min(overlap_k, V), top_k_out=k_eff, device=device,
+                                 threads=threads)
             except M.NonFiniteLogits as e:
                 owner, row = _owner(items_r, a + e.row)
                 run = ref if e.side == "reference" else cand
@@ -245,7 +272,7 @@ def compare_runs(
             for key, v in m.items():
                 push(key, v)
             if bounded_import:  # llama.cpp base rows: intervals from the uint16 step and floor
-                _push_llamacpp_intervals(push, zr, zc)
+                _push_llamacpp_intervals(push, _float32_rows(zr), _float32_rows(zc))
             # the seed's top-K fields from the same pass (no second log-softmax per side)
             t = M.topk(ir, lr, ic, lc, V, eps=eps)
             for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
@@ -257,7 +284,7 @@ def compare_runs(
             if progress:
                 progress(len(ir))
     else:
-        for (ir, lr), (ic, lc) in zip(_topk_blocks(ref, items_r, max_batch_rows, k_eff), _topk_blocks(cand, items_c, max_batch_rows, k_eff)):
+        for (ir, lr), (ic, lc) in zip(_topk_blocks(ref, items_r, max_batch_rows, k_eff, threads), _topk_blocks(cand, items_c, max_batch_rows, k_eff, threads)):
             b = a + len(ir)
             next_tok = next_all[a:b]
             try:

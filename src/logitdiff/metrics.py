@@ -31,6 +31,7 @@ The top-K approximation (`topk`) is the seed report's method, see its docstring.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 from typing import Mapping
@@ -137,8 +138,8 @@ def _rows_per_chunk(vocab: int, budget_bytes: int) -> int:
     return max(1, int(budget_bytes // (vocab * 8 * 6)))
 
 
-# Float64 work on CPU runs one row at a time per worker thread (torch.get_num_threads() of
-# them, each with one intra-op thread), in column tiles of at most this many values: the
+# Float64 work on CPU runs one row at a time per worker thread (`default_threads()` or the
+# caller's ``threads`` of them, each with one intra-op thread), in column tiles of at most this many values: the
 # tile temporaries (~1 MB) stay in a core's L2 cache and the ops are few enough per row
 # that their fixed cost is small. (Intra-op fork/join per op instead stalls badly on a
 # loaded machine: measured 5-10x slower than this with 2 threads and a busy neighbour.)
@@ -374,13 +375,22 @@ def _use_native(backend: str, dev, zp, zq) -> bool:
     return True
 
 
-def _row_pool(n_rows: int, dev, n_threads: int | None = None):
-    """Worker threads for the per-row CPU path (torch releases the GIL inside ops)."""
-    import torch
+def default_threads() -> int:
+    """The metrics' default worker-thread count: the CPUs this process may run on
+    (``os.sched_getaffinity``; ``os.cpu_count()`` where that does not exist). It does not
+    read torch's thread setting, so whatever a source or library set there does not change
+    it; pass ``threads`` to `full_vocab`/`row_stats` to choose."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
 
+
+def _row_pool(n_rows: int, dev, n_threads: int):
+    """Worker threads for the per-row CPU path (torch releases the GIL inside ops)."""
     if dev.type != "cpu":
         return None
-    nw = min(n_threads or torch.get_num_threads(), n_rows)
+    nw = min(n_threads, n_rows)
     if nw <= 1:
         return None
     from concurrent.futures import ThreadPoolExecutor
@@ -400,7 +410,8 @@ def _map_rows(pool, local, fn, rows: int, make_work):
             # Each worker is one stream of small ops: no intra-op fork/join (torch's exp/log
             # fork at 2048 values; with the rows already spread over the cores that only
             # adds barrier waits, ruinous on a loaded machine). This sets the calling
-            # thread's OpenMP/MKL thread count; the caller restores the global value.
+            # thread's OpenMP/MKL thread count and torch's global one, which the caller
+            # restores when the call ends (torch path only; the compiled kernel sets nothing).
             torch.set_num_threads(1)
             w = local.w = make_work()
         return fn(i, w)
@@ -439,7 +450,8 @@ def full_vocab(
     ties; ``topk_logprobs_ref``/``topk_logprobs_cand`` float64, normalised over the full
     vocabulary), as `row_stats` would give them, without a second pass over the logits.
 
-    ``threads``: CPU worker threads (default ``torch.get_num_threads()``); ``backend``:
+    ``threads``: CPU worker threads (default `default_threads()`, the CPUs this process may
+    run on; torch's own thread setting is not read, and is left as it was); ``backend``:
     one of `BACKENDS`. The compiled kernel reads float32/bfloat16/float16 rows in place
     (no float32 or float64 copy of a chunk) with a few KB of scratch per thread.
 
@@ -502,7 +514,7 @@ def full_vocab(
     dev = torch.device(device) if device is not None else zp_all.device
     native = _use_native(backend, dev, zp_all, zq_all)
     per_row = dev.type == "cpu" and _CPU_PER_ROW and not native
-    n_threads = threads or torch.get_num_threads()
+    n_threads = threads or default_threads()
     torch_threads = torch.get_num_threads()  # restored after the torch per-row path
     pool = _row_pool(n, dev, n_threads) if per_row else None
     local = threading.local()
@@ -607,14 +619,15 @@ def full_vocab(
     return out
 
 
-def row_stats(logits, *, k: int = 0, device=None, chunk_bytes: int = 256 << 20):
+def row_stats(logits, *, k: int = 0, device=None, chunk_bytes: int = 256 << 20, threads: int | None = None):
     """Per-row exact quantities of one side, for storing top-K instead of full logits.
 
     Returns ``logsumexp`` (of the raw logits), ``entropy`` (nats) and, when ``k > 0``,
     ``topk_ids`` [N, k] (descending probability, lowest id first on ties), ``topk_logprobs``
     [N, k] (float64, normalised over the full vocabulary) and ``tail_mass`` = 1 - sum of
     the top-K probabilities (>= 0). Raises ``NonFiniteLogits`` (side ``logits``) naming the
-    first row with NaN/inf. Memory as in `full_vocab`, independent of N.
+    first row with NaN/inf. Memory as in `full_vocab`, independent of N. ``threads``: CPU
+    worker threads (default `default_threads()`; torch's setting is restored afterwards).
     """
     import torch
 
@@ -630,8 +643,10 @@ def row_stats(logits, *, k: int = 0, device=None, chunk_bytes: int = 256 << 20):
     lps = np.empty((n, k), np.float64)
     dev = torch.device(device) if device is not None else z_all.device
     per_row = dev.type == "cpu" and _CPU_PER_ROW
-    threads = torch.get_num_threads()
-    pool = _row_pool(n, dev) if per_row and n else None
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1")
+    torch_threads = torch.get_num_threads()  # restored after the per-row path
+    pool = _row_pool(n, dev, threads or default_threads()) if per_row and n else None
     local = threading.local()
     nw = pool._max_workers if pool is not None else 1
     if per_row:
@@ -671,7 +686,7 @@ def row_stats(logits, *, k: int = 0, device=None, chunk_bytes: int = 256 << 20):
         if pool is not None:
             pool.shutdown()
         if per_row:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(torch_threads)
     res = {"logsumexp": lse, "entropy": ent}
     if k:
         res["topk_ids"] = ids

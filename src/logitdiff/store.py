@@ -600,6 +600,29 @@ def reblock(pieces: Iterable, rows: int) -> Iterator:
         yield cat(buf)
 
 
+def aligned_blocks(pieces_a: Iterable, pieces_b: Iterable, rows: int) -> Iterator[tuple]:
+    """Pairs of row blocks of two streams of the same rows (arrays cut anywhere): each pair
+    covers the same rows, cut where a piece of either stream ends and after at most ``rows``
+    rows. Views of the pieces, never a copy (`reblock` concatenates across pieces instead).
+    Stops at the end of the shorter stream."""
+    it_a, it_b = iter(pieces_a), iter(pieces_b)
+    pa = pb = None
+    oa = ob = 0
+    while True:
+        while pa is None or oa == len(pa):
+            pa, oa = next(it_a, None), 0
+            if pa is None:
+                return
+        while pb is None or ob == len(pb):
+            pb, ob = next(it_b, None), 0
+            if pb is None:
+                return
+        take = min(rows, len(pa) - oa, len(pb) - ob)
+        yield pa[oa : oa + take], pb[ob : ob + take]
+        oa += take
+        ob += take
+
+
 class RunReader:
     """Streaming reader: chunks are memory-mapped on demand, never the whole run."""
 
@@ -712,25 +735,48 @@ class RunReader:
     def _chunk_rows(self) -> list[int]:
         return [int(c["rows"]) for c in self.manifest["chunks"]]
 
-    def _pieces(self, item: RunItem, raw: bool = False) -> Iterator:
-        """The item's rows as views of its chunk(s), in order (an item may run on into the
-        following chunks). Full runs: native arrays (bf16 bits stay uint16 when ``raw``)."""
+    def _spans(self, item: RunItem) -> Iterator[tuple[int, int, int]]:
+        """(chunk index, first row, end row) of the item's rows, in order (an item may run
+        on into the following chunks)."""
         n_left = len(item.positions)
         index, row = item.chunk, item.row
         sizes = self._chunk_rows()
         while n_left > 0:
             if index >= len(sizes):
                 raise LogitdiffError(f"{self.path}: item {item.id!r} runs past the last chunk (truncated run)")
-            data = self._chunk(index)
             take = min(n_left, sizes[index] - row)
             if take <= 0:
                 raise LogitdiffError(f"{self.path}: item {item.id!r}: row {row} outside chunk {index} (corrupt run)")
-            if self.k or self.compact:
-                yield {k: v[row : row + take] for k, v in data.items()}
-            else:
-                yield data[row : row + take]
+            yield index, row, row + take
             n_left -= take
             index, row = index + 1, 0
+
+    def _pieces(self, item: RunItem, raw: bool = False) -> Iterator:
+        """The item's rows as views of its chunk(s), in order (an item may run on into the
+        following chunks). Full runs: native arrays (bf16 bits stay uint16 when ``raw``)."""
+        for index, a, b in self._spans(item):
+            data = self._chunk(index)
+            if self.k or self.compact:
+                yield {k: v[a:b] for k, v in data.items()}
+            else:
+                yield data[a:b]
+
+    def row_pieces(self, items: Iterable[RunItem]) -> Iterator[np.ndarray]:
+        """The full-logit rows of ``items`` in order, in the stored dtype (bf16 bits as
+        uint16), as views of the memory-mapped chunks: rows of consecutive items that lie
+        next to each other in a chunk come as one view, so nothing is copied and a piece is
+        at most a chunk. Pair two runs' pieces with `aligned_blocks`."""
+        cur = None
+        for it in items:
+            for index, a, b in self._spans(it):
+                if cur is not None and cur[0] == index and cur[2] == a:
+                    cur = (index, cur[1], b)
+                    continue
+                if cur is not None:
+                    yield self._chunk(cur[0])[cur[1] : cur[2]]
+                cur = (index, a, b)
+        if cur is not None:
+            yield self._chunk(cur[0])[cur[1] : cur[2]]
 
     def logits(self, item: RunItem) -> np.ndarray:
         """Full logits ``[len(positions), V]`` of one item (float32 for bf16 runs).
