@@ -103,7 +103,7 @@ def capture_run(
     return Path(out)
 
 
-def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None = None) -> dict:
+def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None = None, threads: int | None = None) -> dict:
     """The ``noise_floor`` section (report.noise_floor_section) of a rerun of the reference
     (two open RUNs): the floor a report prints beside the candidate's."""
     from .capture import layout_text
@@ -111,7 +111,7 @@ def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None
     from .pipeline import identical_distributions
     from .report import noise_floor_section
 
-    nf = compare_runs(ref, rerun_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes)
+    nf = compare_runs(ref, rerun_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
     # Any rerun of the reference works; one with other batch mates (capture --batch N) is
     # the floor of a deterministic backend, whose plain rerun is bit-identical.
     rerun = (f"rerun {rerun_run.path} ({layout_text(rerun_run.manifest.get('settings') or {})}; "
@@ -136,13 +136,15 @@ def diff_runs(
     device: str | None = None,
     chunk_size: str | int | None = None,
     gates: str | None = None,
+    threads: int | None = None,
     bar: Bar | None = None,
 ) -> dict:
     """Compare a candidate (a RUN directory, or a source spec scored live against the
     reference, nothing stored) with a reference RUN. Returns the report (the report.json
     object); with ``out``, also writes the REPORT directory (report.json, tokens.parquet,
     report.md, report.html). ``gates`` (``--fail-on`` syntax) are evaluated into the
-    report's ``gates`` section."""
+    report's ``gates`` section. ``threads``: CPU threads of the metrics (default: the CPUs
+    this process may run on, ``metrics.default_threads()``)."""
     from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
     from .outputs import Kind, check_output
     from .report import build_report, write_report_dir
@@ -160,6 +162,8 @@ def diff_runs(
 
         gate_list = parse_gates(gates)
     chunk_bytes = parse_chunk_size(chunk_size)
+    if threads is not None and threads < 1:
+        raise LogitdiffError(f"--threads {threads}: must be at least 1")
     if top_logprobs is not None and top_logprobs < 1:
         raise LogitdiffError(f"--top-logprobs {top_logprobs}: must be at least 1")
     live = not Path(candidate).exists() and ":" in str(candidate)
@@ -184,10 +188,10 @@ def diff_runs(
         noise = None
         if noise_floor:
             nf_run = RunReader(noise_floor, allow_partial=allow_partial)
-            noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes)
+            noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
         advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
         comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
-                            device=device, chunk_bytes=chunk_bytes)
+                            device=device, chunk_bytes=chunk_bytes, threads=threads)
     finally:
         if live_source is not None:
             live_source.close()

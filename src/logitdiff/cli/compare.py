@@ -41,6 +41,8 @@ def register(sub) -> None:
     c.add_argument("--allow-partial", action="store_true", help="accept runs marked partial (stated in the report)")
     c.add_argument("--no-rows", action="store_true", help="omit per-position rows from report.json (tokens.parquet keeps them)")
     c.add_argument("--device", default=None, help="torch device for the metrics: cpu, cuda or cuda:N (default: cpu)")
+    c.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the metrics (default: the CPUs this process may run on)")
     add_fail_on(c)
     add_chunk_size(c)
     c.set_defaults(func=run)
@@ -54,12 +56,13 @@ def run(args) -> int:
     parse_fail_on(args.fail_on)
     check_bootstrap(args.bootstrap)
     check_at_least("--top-logprobs", args.top_logprobs, 1)
+    check_at_least("--threads", args.threads, 1)
     check_device(args.device)
     with Bars() as bars:
         report = diff_runs(
             args.reference, args.candidate, args.out, noise_floor=args.noise_floor, ranges=ranges, bootstrap=args.bootstrap,
             seed=args.seed, top_logprobs=args.top_logprobs, allow_partial=args.allow_partial, include_rows=not args.no_rows,
-            device=args.device, chunk_size=args.chunk_size, gates=args.fail_on, bar=bars.bar,
+            device=args.device, chunk_size=args.chunk_size, gates=args.fail_on, threads=args.threads, bar=bars.bar,
         )
     print_summary(report)
     console().print(f"wrote {args.out}/report.json, tokens.parquet, report.md, report.html")
