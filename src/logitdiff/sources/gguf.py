@@ -49,7 +49,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import LogitdiffError
-from . import Block, Generation, Source, Spec, file_sha256, json_safe, parse_spec, tokenizer_hash_of
+from .base import Block, FullLogitSource, Generation, Spec, file_sha256, json_safe, parse_spec, tokenizer_hash_of
 
 _load_lock = threading.Lock()
 _KNOWN_OPTIONS = {"n_ctx", "threads", "seed", "n_batch"}
@@ -64,13 +64,23 @@ def extra_bufts_supported() -> bool:
 
 
 def load_llama(path: str | Path, **kwargs):
-    """``llama_cpp.Llama(path, **kwargs)`` with extra buffer types (weight repacking) off."""
+    """``llama_cpp.Llama(path, **kwargs)`` with extra buffer types (weight repacking) off.
+
+    Process state is the same after the call as before it: ``Llama`` has no parameter for
+    ``use_extra_bufts``, so the binding's ``llama_model_default_params`` is swapped for the
+    duration of the constructor only (under a lock, restored in ``finally``), and the level
+    ``Llama(verbose=...)`` sets on the process-wide ``llama-cpp-python`` logger is put back.
+    Silencing llama.cpp's log is the entry point's choice (:func:`quiet_llama_log`)."""
+    import logging
+
     import llama_cpp
     import llama_cpp.llama_cpp as C
 
     has_field = extra_bufts_supported()
+    logger = logging.getLogger("llama-cpp-python")
     with _load_lock:
         orig = C.llama_model_default_params
+        level = logger.level
 
         def no_repack_params():
             p = orig()
@@ -83,10 +93,20 @@ def load_llama(path: str | Path, **kwargs):
             llm = llama_cpp.Llama(model_path=str(path), **kwargs)
         finally:
             C.llama_model_default_params = orig
+            logger.setLevel(level)
     if has_field and bool(llm.model_params.use_extra_bufts):  # pragma: no cover - defensive
         llm.close()
         raise LogitdiffError(f"{path}: could not disable llama.cpp weight repacking (use_extra_bufts)")
     return llm
+
+
+def quiet_llama_log() -> None:
+    """Let llama.cpp's log through llama-cpp-python only at error level (what
+    ``Llama(verbose=False)`` does): a process-wide setting, for a program's entry point to
+    make once, explicitly. Opening a ``gguf:`` source does not make it."""
+    import logging
+
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
 
 def _has_output_batch_api(llm) -> bool:
@@ -146,7 +166,7 @@ def _jinja_env():
 # --------------------------------------------------------------------------------------
 
 
-class GGUFSource(Source):
+class GGUFSource(FullLogitSource):
     def __init__(
         self,
         path: str | Path,
@@ -174,7 +194,9 @@ class GGUFSource(Source):
             raise LogitdiffError(f"{p}: not a GGUF file (bad magic {magic!r})")
         if n_ctx is not None and n_ctx < 1:
             raise LogitdiffError(f"{self.spec}: n_ctx must be positive")
-        self.threads = int(threads) if threads else max(1, os.cpu_count() or 1)
+        # llama.cpp threads are per context (n_threads), nothing process-wide; ``threads`` (the
+        # torch count an entry point applies) stays None for this source
+        self.n_threads = int(threads) if threads else max(1, os.cpu_count() or 1)
         self._read_metadata()
         if n_ctx is None:
             # Default: the model's training context, capped at 4096 (KV memory).
@@ -192,8 +214,8 @@ class GGUFSource(Source):
                     n_ctx=int(n_ctx),
                     n_batch=n_batch,
                     n_ubatch=n_batch,
-                    n_threads=self.threads,
-                    n_threads_batch=self.threads,
+                    n_threads=self.n_threads,
+                    n_threads_batch=self.n_threads,
                     logits_all=logits_all,
                     seed=int(seed),
                     n_gpu_layers=0,
@@ -293,7 +315,7 @@ class GGUFSource(Source):
         self.tokenizer_hash = tokenizer_hash_of(self._tokens[:n])
 
     # ---- tokenization -----------------------------------------------------------------
-    def _tokenize(self, text: str, where: str) -> list[int]:
+    def _tokenize(self, text: str) -> list[int]:
         ids = self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         return [int(i) for i in ids]
 
@@ -324,7 +346,7 @@ class GGUFSource(Source):
             raise LogitdiffError(f"item {item.id!r}: chat template of {self.path} failed ({e})") from None
 
     def render(self, item: Any) -> list[int]:
-        return self._tokenize(self.render_text(item), f"item {getattr(item, 'id', '?')!r}")
+        return self._tokenize(self.render_text(item))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_ids(ids, "detokenize")
@@ -495,7 +517,7 @@ class GGUFSource(Source):
             "arch": self.arch,
             "name": self.model_name,
             "n_ctx": self.n_ctx,
-            "threads": self.threads,
+            "threads": self.n_threads,
             "seed": self.seed,
             "vocab_size": self.vocab_size,
             "tokenizer_hash": self.tokenizer_hash,
@@ -509,3 +531,8 @@ class GGUFSource(Source):
             with contextlib.suppress(Exception):
                 llm.close()
             self.llm = None
+
+
+def open_gguf(spec: Spec) -> GGUFSource:
+    """The registry's factory for ``gguf:`` specs."""
+    return GGUFSource.from_spec(spec)
