@@ -26,7 +26,7 @@ from logitdiff.errors import LogitdiffError
 from logitdiff.served import merge_runs, parse_shard, shard_items, topk_error
 from logitdiff.served_cli import add_commands
 from logitdiff.sources import open_source
-from logitdiff.sources.openai import topk_row
+from logitdiff.sources.served import topk_row
 from logitdiff.store import RunReader
 from logitdiff.workload import read_workload
 
@@ -179,9 +179,12 @@ def _cli_error(capsys, argv) -> str:
 def test_llama_server_faults(env, llama, tmp_path, capsys):
     srv = llama("F32")
     ref = env["ref"]
-    # post-sampling probabilities (forced on the real server) are refused
-    with open_source(f"openai:{srv.url},top_k={K}") as src:
-        src._extra_score_body = {"post_sampling_probs": True}
+    # post-sampling probabilities (forced on the real server's scoring requests by a proxy)
+    # are refused
+    from servers import CountingProxy
+
+    with CountingProxy(srv.url) as px, open_source(f"openai:{px.url},top_k={K}") as src:
+        px.inject["/completion"] = {"post_sampling_probs": True}
         it = ref.items()[0]
         with pytest.raises(LogitdiffError, match="post-sampling"):
             src.score_many([(it.prompt_ids, it.teacher_ids)])
@@ -402,9 +405,12 @@ def test_sglang_schema_bad_logprobs_refused(env, sglang, tmp_path, capsys, mode,
     assert not (tmp_path / "cli").exists()
     # ... or turning bad in the middle of a capture: one line, and no run that reads as complete
     with open_source(spec) as src:
-        src._extra_score_body = {"replay_mode": mode}
-        with pytest.raises(LogitdiffError, match=needle) as ei:
-            capture_candidate(src, ref, tmp_path / mode)
+        sglang.post("/replay_mode", {"mode": mode})
+        try:
+            with pytest.raises(LogitdiffError, match=needle) as ei:
+                capture_candidate(src, ref, tmp_path / mode)
+        finally:
+            sglang.post("/replay_mode", {"mode": "normal"})
         assert "\n" not in str(ei.value)
     with pytest.raises(LogitdiffError):
         RunReader(tmp_path / mode)
