@@ -18,6 +18,13 @@ may differ from a repacked run by float summation order only).  On llama-cpp-pyt
 builds whose ``llama_model_params`` has no ``use_extra_bufts`` field there is nothing to
 switch off and a warning is recorded in ``identity()["extra_bufts"]``.
 
+Process state: opening, using and closing a source leave the process as they found it.
+``threads`` goes to the context (``n_threads``), never to a global; the binding function
+swapped during a load is put back before :func:`load_llama` returns; the level that
+``Llama(verbose=False)`` sets on the ``llama-cpp-python`` logger is restored after the load
+and after ``close`` (each runs with errors-only logging). A program that wants llama.cpp
+quiet everywhere says so once at its entry point (:func:`quiet_llama_log`).
+
 Token conventions (chosen to match the HF source on the same tokenizer):
 
 * raw ``prompt`` items: ``tokenize(add_bos=False, special=True)`` - HF's
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import threading
@@ -70,17 +78,15 @@ def load_llama(path: str | Path, **kwargs):
     ``use_extra_bufts``, so the binding's ``llama_model_default_params`` is swapped for the
     duration of the constructor only (under a lock, restored in ``finally``), and the level
     ``Llama(verbose=...)`` sets on the process-wide ``llama-cpp-python`` logger is put back.
-    Silencing llama.cpp's log is the entry point's choice (:func:`quiet_llama_log`)."""
-    import logging
-
+    llama.cpp's log is quiet (errors only) during the load and the source's ``close``
+    (:func:`_llama_log_errors_only`); quieting it for everything is the entry point's choice
+    (:func:`quiet_llama_log`)."""
     import llama_cpp
     import llama_cpp.llama_cpp as C
 
     has_field = extra_bufts_supported()
-    logger = logging.getLogger("llama-cpp-python")
-    with _load_lock:
+    with _load_lock, _llama_log_errors_only():
         orig = C.llama_model_default_params
-        level = logger.level
 
         def no_repack_params():
             p = orig()
@@ -93,19 +99,29 @@ def load_llama(path: str | Path, **kwargs):
             llm = llama_cpp.Llama(model_path=str(path), **kwargs)
         finally:
             C.llama_model_default_params = orig
-            logger.setLevel(level)
     if has_field and bool(llm.model_params.use_extra_bufts):  # pragma: no cover - defensive
         llm.close()
         raise LogitdiffError(f"{path}: could not disable llama.cpp weight repacking (use_extra_bufts)")
     return llm
 
 
+@contextlib.contextmanager
+def _llama_log_errors_only():
+    """llama.cpp's log through llama-cpp-python at error level for the duration of one call,
+    then the logger's level as it was (``Llama(verbose=False)`` would leave it changed)."""
+    logger = logging.getLogger("llama-cpp-python")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def quiet_llama_log() -> None:
     """Let llama.cpp's log through llama-cpp-python only at error level (what
     ``Llama(verbose=False)`` does): a process-wide setting, for a program's entry point to
     make once, explicitly. Opening a ``gguf:`` source does not make it."""
-    import logging
-
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
 
@@ -528,9 +544,16 @@ class GGUFSource(FullLogitSource):
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _load_lock, _llama_log_errors_only():
                 llm.close()
             self.llm = None
+
+    def __del__(self):
+        # a source dropped unclosed frees its context quietly too (llama.cpp logs on free)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 def open_gguf(spec: Spec) -> GGUFSource:
