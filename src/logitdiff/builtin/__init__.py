@@ -16,7 +16,6 @@ exporter version, so they are rebuilt exactly when any of those change.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ..errors import LogitdiffError
@@ -30,7 +29,10 @@ GGUF_TYPES = ("F32", "BF16") + LADDER
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LOGITDIFF_CACHE") or Path.home() / ".cache" / "logitdiff")
+    """Where the ladder is built: :func:`logitdiff.quantize.default_cache_dir` (one definition)."""
+    from ..quantize import default_cache_dir
+
+    return default_cache_dir()
 
 
 def gguf_path(name: str, progress=None) -> Path:
