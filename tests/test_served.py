@@ -25,7 +25,7 @@ from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
 from logitdiff.served import merge_runs, parse_shard, shard_items, topk_error
 from logitdiff.served_cli import add_commands
-from logitdiff.sources import open_source
+from logitdiff.sources import TopKRows, open_source
 from logitdiff.sources.served import topk_row
 from logitdiff.store import RunReader
 from logitdiff.workload import read_workload
@@ -109,9 +109,9 @@ def test_llama_server_topk_equals_in_process(env, llama, quant):
                 n = exact_rows = 0
                 for (it, p), s in zip(pairs, served):
                     full, ids_n = native[it.id]
-                    assert s["ids"].shape == ids_n.shape == (len(it.teacher_ids), K)
+                    assert isinstance(s, TopKRows) and s.ids.shape == ids_n.shape == (len(it.teacher_ids), K)
                     for r in range(len(it.teacher_ids)):
-                        row = {"ids": s["ids"][r], "logprobs": s["logprobs"][r]}
+                        row = {"ids": s.ids[r], "logprobs": s.logprobs[r]}
                         exact_rows += _check_topk_against_full(row, full[r], ids_n[r], f"{quant} cache_prompt={cache} item {it.id} position {r}",
                                                                atol=atol, tie=tie)
                     n += len(it.teacher_ids)
