@@ -58,7 +58,7 @@ def layout_text(settings: dict) -> str:
 def _layout(source: Source, batch: int) -> dict:
     """Manifest settings that say which items were scored together."""
     d = {"batch": batch, "batch_layout": BATCH_LAYOUT}
-    if isinstance(getattr(source, "batch", None), int):  # the backend's own sequences per forward pass
+    if source.batch is not None:  # the backend's own sequences per forward pass
         d["source_batch"] = source.batch
     return d
 
@@ -186,18 +186,6 @@ def _source_meta(source: Source) -> dict:
     return {"spec": source.spec, "identity": source.identity()}
 
 
-def _vocab(source: Source) -> list[str]:
-    # Printable token strings, computed once per open source (a capture per candidate).
-    cached = getattr(source, "_logitdiff_vocab", None)
-    if cached is None or len(cached) != source.vocab_size:
-        cached = [source.token_text(i) for i in range(source.vocab_size)]
-        try:
-            source._logitdiff_vocab = cached
-        except AttributeError:  # pragma: no cover - a source with __slots__
-            pass
-    return cached
-
-
 def _store_for(source: Source, store: str) -> str:
     """The store a capture uses: a served (top-K) source cannot give full logits, so
     ``full`` means its top-K; ``topk:K`` is checked against the vocabulary."""
@@ -220,7 +208,7 @@ def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk
         settings={**settings, "distributions": "teacher-forced prefill over prompt + teacher",
                   "source_dtype": "served top-K logprobs" if source.row_kind is RowKind.TOPK else _rows_dtype(source)},
         resume=resume,
-        vocab=None if resume else _vocab(source),
+        vocab=None if resume else source.token_texts(),
         chunk_bytes=chunk_bytes,
     )
 

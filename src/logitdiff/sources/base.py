@@ -163,6 +163,8 @@ class Source:
     tokenizer_hash: str | None
     eos_token_ids: tuple[int, ...] = ()
     threads: int | None = None
+    batch: int | None = None  # sequences per forward pass (or request), where the backend batches
+    _token_texts: list[str] | None = None
 
     # --- tokenization -------------------------------------------------------------
     def render(self, item: Any) -> list[int]:
@@ -175,6 +177,12 @@ class Source:
     def token_text(self, token_id: int) -> str:
         """Printable text of one token (for reports)."""
         return self.detokenize([token_id])
+
+    def token_texts(self) -> list[str]:
+        """Printable texts of all ``vocab_size`` token ids, computed once per open source."""
+        if self._token_texts is None or len(self._token_texts) != self.vocab_size:
+            self._token_texts = [self.token_text(i) for i in range(self.vocab_size)]
+        return self._token_texts
 
     # --- model --------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:

@@ -117,7 +117,6 @@ class ServedSource(TopKSource):
         self.server_info: dict = {"kind": self.kind}
         self.model = model
         self.tok = None
-        self._token_texts: list[str] | None = None
         server_vocab = self._check_models()
         self._probe_server(tokenizer)
         self._load_tokenizer(tokenizer)
@@ -255,12 +254,16 @@ class ServedSource(TopKSource):
             return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return self._server_detokenize(ids)
 
-    def token_text(self, token_id: int) -> str:
-        token_id = int(token_id)
+    def token_texts(self) -> list[str]:
         if self._token_texts is None:
             self._token_texts = self._vocab_texts()
-        if 0 <= token_id < len(self._token_texts):
-            return self._token_texts[token_id]
+        return self._token_texts
+
+    def token_text(self, token_id: int) -> str:
+        token_id = int(token_id)
+        texts = self.token_texts()
+        if 0 <= token_id < len(texts):
+            return texts[token_id]
         return f"<{token_id}>"
 
     def _vocab_texts(self) -> list[str]:
