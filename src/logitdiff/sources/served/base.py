@@ -89,7 +89,6 @@ class ServedSource(TopKSource):
     """
 
     kind: ServerKind
-    logits_dtype = "float32"
     #: a model list that a server may refuse (SGLang): then no model check
     models_optional = False
     #: a token whose text is one complete ASCII character, where the protocol needs one
