@@ -168,9 +168,11 @@ def replay_server(model_dir: str | Path, log_dir: Path, *, port: int | None = No
 
 
 class CountingProxy:
-    """A real HTTP proxy on 127.0.0.1 in front of one server: forwards every request as is
-    and counts them per path (``counts``), keeping the JSON bodies of ``keep`` paths
-    (``bodies``). For tests that assert how many requests a client sends."""
+    """A real HTTP proxy on 127.0.0.1 in front of one server: forwards every request and
+    counts them per path (``counts``), keeping the JSON bodies of ``keep`` paths
+    (``bodies``). For tests that assert how many requests a client sends, and for faults a
+    client never asks for: fields in ``inject[path]`` are merged into the JSON body of every
+    later request to that path (e.g. forcing a server option on scoring requests)."""
 
     def __init__(self, upstream: str, *, keep: tuple[str, ...] = ()):
         import collections
@@ -179,6 +181,7 @@ class CountingProxy:
         self.upstream, self.keep = upstream.rstrip("/"), keep
         self.counts: collections.Counter = collections.Counter()
         self.bodies: dict[str, list] = collections.defaultdict(list)
+        self.inject: dict[str, dict] = {}
         self._lock = threading.Lock()
 
     def __enter__(self) -> "CountingProxy":
@@ -204,6 +207,9 @@ class CountingProxy:
                     proxy.counts[path] += 1
                     if path in proxy.keep and body:
                         proxy.bodies[path].append(json.loads(body))
+                    extra = proxy.inject.get(path)
+                if extra and body:
+                    body = json.dumps({**json.loads(body), **extra}).encode()
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=600)
                 try:
                     conn.request(self.command, self.path, body=body, headers={"Content-Type": "application/json"} if body else {})
@@ -315,7 +321,7 @@ def _replay_main(argv: list[str]) -> None:
                     s = len(ids) - 1
                 lp = logprobs(ids)
                 # entry 0 is None; entry j predicts input token s + j (hidden state s + j - 1)
-                mode = req.get("replay_mode", a.mode)  # tests switch faults per request
+                mode = a.mode
                 itl = [None] + [top_entries(lp[j], k, mode) for j in range(s, len(ids) - 1)]
                 meta["input_top_logprobs"] = itl
                 meta["input_token_logprobs"] = [[None, ids[s], None]] + [[float(lp[j - 1, ids[j]]), ids[j], None] for j in range(s + 1, len(ids))]

@@ -23,9 +23,8 @@ from logitdiff.cli import main
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
 from logitdiff.served import merge_runs, parse_shard, shard_items, topk_error
-from logitdiff.cli import main as cli_main
-from logitdiff.sources import open_source
-from logitdiff.sources.openai import topk_row
+from logitdiff.sources import TopKRows, open_source
+from logitdiff.sources.served import topk_row
 from logitdiff.store import RunReader
 from logitdiff.workload import read_workload
 
@@ -108,9 +107,9 @@ def test_llama_server_topk_equals_in_process(env, llama, quant):
                 n = exact_rows = 0
                 for (it, p), s in zip(pairs, served):
                     full, ids_n = native[it.id]
-                    assert s["ids"].shape == ids_n.shape == (len(it.teacher_ids), K)
+                    assert isinstance(s, TopKRows) and s.ids.shape == ids_n.shape == (len(it.teacher_ids), K)
                     for r in range(len(it.teacher_ids)):
-                        row = {"ids": s["ids"][r], "logprobs": s["logprobs"][r]}
+                        row = {"ids": s.ids[r], "logprobs": s.logprobs[r]}
                         exact_rows += _check_topk_against_full(row, full[r], ids_n[r], f"{quant} cache_prompt={cache} item {it.id} position {r}",
                                                                atol=atol, tie=tie)
                     n += len(it.teacher_ids)
@@ -178,9 +177,12 @@ def _cli_error(capsys, argv) -> str:
 def test_llama_server_faults(env, llama, tmp_path, capsys):
     srv = llama("F32")
     ref = env["ref"]
-    # post-sampling probabilities (forced on the real server) are refused
-    with open_source(f"openai:{srv.url},top_k={K}") as src:
-        src._extra_score_body = {"post_sampling_probs": True}
+    # post-sampling probabilities (forced on the real server's scoring requests by a proxy)
+    # are refused
+    from servers import CountingProxy
+
+    with CountingProxy(srv.url) as px, open_source(f"openai:{px.url},top_k={K}") as src:
+        px.inject["/completion"] = {"post_sampling_probs": True}
         it = ref.items()[0]
         with pytest.raises(LogitdiffError, match="post-sampling"):
             src.score_many([(it.prompt_ids, it.teacher_ids)])
@@ -401,9 +403,12 @@ def test_sglang_schema_bad_logprobs_refused(env, sglang, tmp_path, capsys, mode,
     assert not (tmp_path / "cli").exists()
     # ... or turning bad in the middle of a capture: one line, and no run that reads as complete
     with open_source(spec) as src:
-        src._extra_score_body = {"replay_mode": mode}
-        with pytest.raises(LogitdiffError, match=needle) as ei:
-            capture_candidate(src, ref, tmp_path / mode)
+        sglang.post("/replay_mode", {"mode": mode})
+        try:
+            with pytest.raises(LogitdiffError, match=needle) as ei:
+                capture_candidate(src, ref, tmp_path / mode)
+        finally:
+            sglang.post("/replay_mode", {"mode": "normal"})
         assert "\n" not in str(ei.value)
     with pytest.raises(LogitdiffError):
         RunReader(tmp_path / mode)
@@ -422,7 +427,7 @@ def test_topk_row_validation():
 
 # ------------------------------------------------------------------------ shards, merge, top-K error
 def _run_cli(argv) -> int:
-    return cli_main(argv)
+    return main(argv)
 
 
 def test_shard_and_merge(env, tmp_path, capsys):

@@ -28,7 +28,7 @@ import numpy as np
 from . import metrics as M
 from .errors import LogitdiffError
 from .outputs import Kind, writing
-from .sources import Source
+from .sources import RowKind, Source, TopKRows
 from .store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
 from .workload import Item
 
@@ -58,7 +58,7 @@ def layout_text(settings: dict) -> str:
 def _layout(source: Source, batch: int) -> dict:
     """Manifest settings that say which items were scored together."""
     d = {"batch": batch, "batch_layout": BATCH_LAYOUT}
-    if isinstance(getattr(source, "batch", None), int):  # the backend's own sequences per forward pass
+    if source.batch is not None:  # the backend's own sequences per forward pass
         d["source_batch"] = source.batch
     return d
 
@@ -121,19 +121,13 @@ def _sampling(mode: str) -> dict:
     return {"positions_sampling": {"fraction": frac, "seed": seed, "rule": SAMPLE_RULE}}
 
 
-def _rows_for_store(writer: RunWriter, rows, next_tokens=None) -> dict:
-    """One block of a source's rows in the form the writer stores: top-K reduced here, a
-    block at a time, so ``--store topk:K`` never holds more than a block of full rows;
-    ``next_tokens`` (the teacher tokens of the block's rows) for the compact store."""
-    if isinstance(rows, dict):  # a top-K source (served model): ids + logprobs per row
-        if writer.compact:
-            raise LogitdiffError("a top-K source cannot fill a compact store (it needs full logits)")
-        if not writer.k:
-            raise LogitdiffError("a top-K source can only be stored with --store topk:K")
-        k = writer.k
-        if rows["ids"].shape[1] < k:
-            raise LogitdiffError(f"the source returned {rows['ids'].shape[1]} logprobs per position, fewer than K={k}")
-        return {"topk": {"ids": rows["ids"][:, :k], "logprobs": rows["logprobs"][:, :k]}}
+def _rows_for_store(writer: RunWriter, kind: RowKind, rows, next_tokens=None) -> dict:
+    """One block of a source's rows (of the source's ``kind``) in the form the writer
+    stores: top-K reduced here, a block at a time, so ``--store topk:K`` never holds more
+    than a block of full rows; ``next_tokens`` (the teacher tokens of the block's rows) for
+    the compact store."""
+    if kind is RowKind.TOPK:
+        return {"topk": _topk_for_store(writer, rows)}
     if writer.compact:
         from . import compact
 
@@ -145,6 +139,18 @@ def _rows_for_store(writer: RunWriter, rows, next_tokens=None) -> dict:
         return {"topk": {"ids": st["topk_ids"], "logprobs": st["topk_logprobs"], "logsumexp": st["logsumexp"],
                          "tail_mass": st["tail_mass"], "entropy": st["entropy"]}}
     return {"logits": rows}
+
+
+def _topk_for_store(writer: RunWriter, rows: TopKRows) -> dict:
+    """A top-K source's rows (served model) for a ``topk:K`` store."""
+    if writer.compact:
+        raise LogitdiffError("a top-K source cannot fill a compact store (it needs full logits)")
+    if not writer.k:
+        raise LogitdiffError("a top-K source can only be stored with --store topk:K")
+    k = writer.k
+    if rows.k < k:
+        raise LogitdiffError(f"the source returned {rows.k} logprobs per position, fewer than K={k}")
+    return {"ids": rows.ids[:, :k], "logprobs": rows.logprobs[:, :k]}
 
 
 def _write_scored(source: Source, writer: RunWriter, run_items: list[RunItem], pairs: list, chunk_bytes: int | None,
@@ -171,26 +177,13 @@ def _write_scored(source: Source, writer: RunWriter, run_items: list[RunItem], p
         it = run_items[b.pair]
         if it.id in skip:
             continue
-        n = (b.rows["ids"] if isinstance(b.rows, dict) else b.rows).shape[0]
-        next_tokens = it.next_tokens[b.t0 : b.t0 + n] if writer.compact else None
-        writer.add_rows(**_rows_for_store(writer, b.rows, next_tokens))
+        next_tokens = it.next_tokens[b.t0 : b.t0 + len(b.rows)] if writer.compact else None
+        writer.add_rows(**_rows_for_store(writer, source.row_kind, b.rows, next_tokens))
     advance_to(len(run_items))
 
 
 def _source_meta(source: Source) -> dict:
     return {"spec": source.spec, "identity": source.identity()}
-
-
-def _vocab(source: Source) -> list[str]:
-    # Printable token strings, computed once per open source (a capture per candidate).
-    cached = getattr(source, "_logitdiff_vocab", None)
-    if cached is None or len(cached) != source.vocab_size:
-        cached = [source.token_text(i) for i in range(source.vocab_size)]
-        try:
-            source._logitdiff_vocab = cached
-        except AttributeError:  # pragma: no cover - a source with __slots__
-            pass
-    return cached
 
 
 def _store_for(source: Source, store: str) -> str:
@@ -199,7 +192,7 @@ def _store_for(source: Source, store: str) -> str:
     from .store import parse_store
 
     parse_store(store, source.vocab_size)
-    if getattr(source, "distribution", "full") == "topk" and store == "full":
+    if source.row_kind is RowKind.TOPK and store == "full":
         return f"topk:{source.top_k}"
     return store
 
@@ -211,14 +204,19 @@ def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk
         vocab_size=source.vocab_size,
         tokenizer_hash=source.tokenizer_hash,
         store=store,
-        dtype=getattr(source, "logits_dtype", "float32"),
+        dtype=_rows_dtype(source),
         settings={**settings, "distributions": "teacher-forced prefill over prompt + teacher",
-                  "source_dtype": "served top-K logprobs" if getattr(source, "distribution", "full") == "topk"
-                  else getattr(source, "logits_dtype", "float32")},
+                  "source_dtype": "served top-K logprobs" if source.row_kind is RowKind.TOPK else _rows_dtype(source)},
         resume=resume,
-        vocab=None if resume else _vocab(source),
+        vocab=None if resume else source.token_texts(),
         chunk_bytes=chunk_bytes,
     )
+
+
+def _rows_dtype(source: Source) -> str:
+    """The dtype a RUN records for the source's rows: a full-logit source's ``logits_dtype``;
+    float32 for a top-K source (its logprobs are stored as float32)."""
+    return source.logits_dtype if source.row_kind is RowKind.FULL else "float32"
 
 
 def _close_quietly(writer: RunWriter) -> None:
@@ -432,7 +430,7 @@ class LiveRun:
                  chunk_bytes: int | None = None):
         self.source = source
         # Served sources return top-K ids + logprobs per position instead of full logits.
-        self.k = int(source.top_k) if getattr(source, "distribution", "full") == "topk" else 0
+        self.k = int(source.top_k) if source.row_kind is RowKind.TOPK else 0
         self.teacher = teacher
         self.batch = batch
         self.offset = offset
@@ -442,7 +440,7 @@ class LiveRun:
         self.path = source.spec
         self.vocab_size = source.vocab_size
         self.tokenizer_hash = source.tokenizer_hash
-        self.dtype = getattr(source, "logits_dtype", "float32")
+        self.dtype = _rows_dtype(source)
         self.manifest = {
             "source": _source_meta(source),
             "status": "complete",
@@ -461,7 +459,8 @@ class LiveRun:
 
     def _blocks(self, items: list[RunItem]):
         """Rows of ``items`` (a subsequence of the teacher's items, in order), scored in the
-        layout's blocks with all their batch mates; rows of other items are dropped."""
+        layout's blocks with all their batch mates; rows of other items are dropped. Top-K
+        rows come as a RUN's top-K store reads them back (``{"ids", "logprobs"}``)."""
         wanted = {it.id for it in items}
         for block in self._layout_blocks:
             group = self._pairs[block.start : block.stop]
@@ -470,12 +469,12 @@ class LiveRun:
             pairs = [(p, it.teacher_ids) for it, p in group]
             for b in self.source.score_blocks(pairs, [it.positions for it, _ in group], chunk_bytes=self.chunk_bytes):
                 if group[b.pair][0].id in wanted:
-                    yield b.rows
+                    yield b.rows.as_dict() if self.k else b.rows
 
     def row_blocks(self, items, rows: int, *, raw: bool = False):
         """The candidate's rows at the items' positions, as ``RunReader.row_blocks``."""
         for b in reblock(self._blocks(list(items)), rows):
-            if not isinstance(b, dict) and b.dtype == np.uint16 and not raw:
+            if not self.k and b.dtype == np.uint16 and not raw:
                 b = bf16_to_f32(b)
             yield b
 

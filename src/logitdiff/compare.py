@@ -163,9 +163,10 @@ def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = F
 
 def _topk_blocks(run, items, rows: int, k: int, threads: int | None = None):
     """(ids [r, k], logprobs [r, k]) blocks of one side: stored top-K sliced to k, or the
-    exact top-k of full rows, reduced a block at a time."""
+    exact top-k of full rows, reduced a block at a time. The run's declared ``k`` (its
+    store, or a live source's top-K) says which its blocks are."""
     for b in run.row_blocks(items, rows):
-        if isinstance(b, dict):
+        if run.k:
             yield b["ids"][:, :k], b["logprobs"][:, :k]
         else:
             st = M.row_stats(b, k=k, threads=threads)

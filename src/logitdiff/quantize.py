@@ -81,9 +81,22 @@ ProgressFn = Callable[[str, int, int, str], None]
 _quant_lock = threading.Lock()
 
 
+def current_llama_log(llama_cpp) -> tuple | None:
+    """The (callback, user_data) llama.cpp logs to now, or None where the binding has no
+    ``llama_log_get``."""
+    get = getattr(llama_cpp, "llama_log_get", None)
+    if get is None:  # pragma: no cover - older bindings
+        return None
+    cb, user_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+    get(ctypes.byref(cb), ctypes.byref(user_data))
+    return cb, user_data
+
+
 @contextlib.contextmanager
 def _captured_llama_log(llama_cpp, sink: list[str]):
-    """Route llama.cpp's log to ``sink`` for the duration, then restore llama-cpp-python's."""
+    """Route llama.cpp's log to ``sink`` for the duration of one call, then put back exactly
+    the callback that was installed before (llama.cpp's log callback is process-wide: nothing
+    of ours stays installed after return)."""
 
     @llama_cpp.llama_log_callback
     def _cb(level, text, user_data):  # pragma: no cover - called from C
@@ -92,18 +105,17 @@ def _captured_llama_log(llama_cpp, sink: list[str]):
         except Exception:  # noqa: BLE001
             pass
 
+    before = current_llama_log(llama_cpp)
     llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
     try:
         yield
     finally:
-        try:
+        if before is not None:
+            llama_cpp.llama_log_set(*before)
+        else:  # pragma: no cover - no llama_log_get: llama-cpp-python's own callback
             from llama_cpp._logger import llama_log_callback as _default
-        except ImportError:  # pragma: no cover
-            _default = None
-        if _default is not None:
+
             llama_cpp.llama_log_set(_default, ctypes.c_void_p(0))
-        else:  # pragma: no cover
-            llama_cpp.llama_log_set(ctypes.cast(None, llama_cpp.llama_log_callback), ctypes.c_void_p(0))
 
 
 def ftype_name(ftype: int | None) -> str | None:

@@ -16,7 +16,6 @@ exporter version, so they are rebuilt exactly when any of those change.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ..errors import LogitdiffError
@@ -30,7 +29,10 @@ GGUF_TYPES = ("F32", "BF16") + LADDER
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LOGITDIFF_CACHE") or Path.home() / ".cache" / "logitdiff")
+    """Where the ladder is built: :func:`logitdiff.quantize.default_cache_dir` (one definition)."""
+    from ..quantize import default_cache_dir
+
+    return default_cache_dir()
 
 
 def gguf_path(name: str, progress=None) -> Path:
@@ -45,8 +47,9 @@ def gguf_path(name: str, progress=None) -> Path:
 
 
 def open_builtin(spec):
-    """Open a ``builtin:`` spec (already parsed)."""
-    from ..sources import parse_spec
+    """Open a ``builtin:`` spec (already parsed): the registry's factory for ``builtin:``
+    (named there as a string, so neither package imports the other at import time)."""
+    from ..sources.base import parse_spec
 
     target = spec.target
     if target != "tiny" and not target.startswith("tiny-"):
@@ -57,7 +60,9 @@ def open_builtin(spec):
         raise LogitdiffError(f"{TINY_DIR}: the bundled model is missing from this installation")
     # The bundled model is far too small to gain from intra-op threads, and on a busy
     # machine spinning worker threads make it 10-50x slower (measured: 48 greedy tokens
-    # 0.4 s with 1 thread, 8-25 s with 2 on a loaded 2-core box). One thread unless asked.
+    # 0.4 s with 1 thread, 8-25 s with 2 on a loaded 2-core box). One thread unless asked:
+    # llama.cpp takes it per context; for transformers it is recorded in ``source.threads``
+    # and applied by the program's entry point (opening a source sets nothing process-wide).
     options = {"threads": "1", **spec.options}
     opts = ",".join(f"{k}={v}" for k, v in options.items())
     if target == "tiny":

@@ -18,6 +18,13 @@ may differ from a repacked run by float summation order only).  On llama-cpp-pyt
 builds whose ``llama_model_params`` has no ``use_extra_bufts`` field there is nothing to
 switch off and a warning is recorded in ``identity()["extra_bufts"]``.
 
+Process state: opening, using and closing a source leave the process as they found it.
+``threads`` goes to the context (``n_threads``), never to a global; the binding function
+swapped during a load is put back before :func:`load_llama` returns; the level that
+``Llama(verbose=False)`` sets on the ``llama-cpp-python`` logger is restored after the load
+and after ``close`` (each runs with errors-only logging). A program that wants llama.cpp
+quiet everywhere says so once at its entry point (:func:`quiet_llama_log`).
+
 Token conventions (chosen to match the HF source on the same tokenizer):
 
 * raw ``prompt`` items: ``tokenize(add_bos=False, special=True)`` - HF's
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import threading
@@ -49,7 +57,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import LogitdiffError
-from . import Block, Generation, Source, Spec, file_sha256, json_safe, parse_spec, tokenizer_hash_of
+from .base import Block, FullLogitSource, Generation, Spec, file_sha256, json_safe, parse_spec, tokenizer_hash_of
 
 _load_lock = threading.Lock()
 _KNOWN_OPTIONS = {"n_ctx", "threads", "seed", "n_batch"}
@@ -64,12 +72,20 @@ def extra_bufts_supported() -> bool:
 
 
 def load_llama(path: str | Path, **kwargs):
-    """``llama_cpp.Llama(path, **kwargs)`` with extra buffer types (weight repacking) off."""
+    """``llama_cpp.Llama(path, **kwargs)`` with extra buffer types (weight repacking) off.
+
+    Process state is the same after the call as before it: ``Llama`` has no parameter for
+    ``use_extra_bufts``, so the binding's ``llama_model_default_params`` is swapped for the
+    duration of the constructor only (under a lock, restored in ``finally``), and the level
+    ``Llama(verbose=...)`` sets on the process-wide ``llama-cpp-python`` logger is put back.
+    llama.cpp's log is quiet (errors only) during the load and the source's ``close``
+    (:func:`_llama_log_errors_only`); quieting it for everything is the entry point's choice
+    (:func:`quiet_llama_log`)."""
     import llama_cpp
     import llama_cpp.llama_cpp as C
 
     has_field = extra_bufts_supported()
-    with _load_lock:
+    with _load_lock, _llama_log_errors_only():
         orig = C.llama_model_default_params
 
         def no_repack_params():
@@ -87,6 +103,26 @@ def load_llama(path: str | Path, **kwargs):
         llm.close()
         raise LogitdiffError(f"{path}: could not disable llama.cpp weight repacking (use_extra_bufts)")
     return llm
+
+
+@contextlib.contextmanager
+def _llama_log_errors_only():
+    """llama.cpp's log through llama-cpp-python at error level for the duration of one call,
+    then the logger's level as it was (``Llama(verbose=False)`` would leave it changed)."""
+    logger = logging.getLogger("llama-cpp-python")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def quiet_llama_log() -> None:
+    """Let llama.cpp's log through llama-cpp-python only at error level (what
+    ``Llama(verbose=False)`` does): a process-wide setting, for a program's entry point to
+    make once, explicitly. Opening a ``gguf:`` source does not make it."""
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
 
 def _has_output_batch_api(llm) -> bool:
@@ -146,7 +182,7 @@ def _jinja_env():
 # --------------------------------------------------------------------------------------
 
 
-class GGUFSource(Source):
+class GGUFSource(FullLogitSource):
     def __init__(
         self,
         path: str | Path,
@@ -174,7 +210,9 @@ class GGUFSource(Source):
             raise LogitdiffError(f"{p}: not a GGUF file (bad magic {magic!r})")
         if n_ctx is not None and n_ctx < 1:
             raise LogitdiffError(f"{self.spec}: n_ctx must be positive")
-        self.threads = int(threads) if threads else max(1, os.cpu_count() or 1)
+        # llama.cpp threads are per context (n_threads), nothing process-wide; ``threads`` (the
+        # torch count an entry point applies) stays None for this source
+        self.n_threads = int(threads) if threads else max(1, os.cpu_count() or 1)
         self._read_metadata()
         if n_ctx is None:
             # Default: the model's training context, capped at 4096 (KV memory).
@@ -192,8 +230,8 @@ class GGUFSource(Source):
                     n_ctx=int(n_ctx),
                     n_batch=n_batch,
                     n_ubatch=n_batch,
-                    n_threads=self.threads,
-                    n_threads_batch=self.threads,
+                    n_threads=self.n_threads,
+                    n_threads_batch=self.n_threads,
                     logits_all=logits_all,
                     seed=int(seed),
                     n_gpu_layers=0,
@@ -293,7 +331,7 @@ class GGUFSource(Source):
         self.tokenizer_hash = tokenizer_hash_of(self._tokens[:n])
 
     # ---- tokenization -----------------------------------------------------------------
-    def _tokenize(self, text: str, where: str) -> list[int]:
+    def _tokenize(self, text: str) -> list[int]:
         ids = self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         return [int(i) for i in ids]
 
@@ -324,7 +362,7 @@ class GGUFSource(Source):
             raise LogitdiffError(f"item {item.id!r}: chat template of {self.path} failed ({e})") from None
 
     def render(self, item: Any) -> list[int]:
-        return self._tokenize(self.render_text(item), f"item {getattr(item, 'id', '?')!r}")
+        return self._tokenize(self.render_text(item))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_ids(ids, "detokenize")
@@ -495,7 +533,7 @@ class GGUFSource(Source):
             "arch": self.arch,
             "name": self.model_name,
             "n_ctx": self.n_ctx,
-            "threads": self.threads,
+            "threads": self.n_threads,
             "seed": self.seed,
             "vocab_size": self.vocab_size,
             "tokenizer_hash": self.tokenizer_hash,
@@ -506,6 +544,18 @@ class GGUFSource(Source):
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _load_lock, _llama_log_errors_only():
                 llm.close()
             self.llm = None
+
+    def __del__(self):
+        # a source dropped unclosed frees its context quietly too (llama.cpp logs on free)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def open_gguf(spec: Spec) -> GGUFSource:
+    """The registry's factory for ``gguf:`` specs."""
+    return GGUFSource.from_spec(spec)

@@ -6,7 +6,9 @@ Spec: ``hf:PATH[,dtype=bfloat16|float16|float32][,device=cpu|cuda][,threads=N][,
               the reference is the model as its authors shipped it.
 * ``device``  ``cpu`` (default) or ``cuda``; asking for cuda without one is an error, never a
               silent fallback (the numbers would differ).
-* ``threads`` calls ``torch.set_num_threads(N)`` (process-wide; torch has no per-model knob).
+* ``threads`` the torch intra-op threads wanted (``source.threads``). torch has no per-model
+              knob and opening a source changes nothing process-wide, so the program's entry
+              point applies it (:func:`logitdiff.sources.requested_threads`).
 * ``batch``   sequences per forward pass, in generation (left padding) and in teacher-forced
               scoring (right padding) alike (default 8).
 * ``prefill`` tokens per forward pass when scoring a sequence longer than that (default 2048):
@@ -49,7 +51,7 @@ import numpy as np
 
 from ..errors import LogitdiffError
 from ..store import bf16_to_f32 as _bits_to_f32
-from . import Block, Generation, Source, Spec, file_sha256, tokenizer_hash_of
+from .base import Block, FullLogitSource, Generation, Spec, file_sha256, tokenizer_hash_of
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _TOKENIZER_FILES = (
@@ -88,7 +90,7 @@ def _config_dtype(cfg: Any) -> str | None:
     return None
 
 
-class HFSource(Source):
+class HFSource(FullLogitSource):
     """A local transformers checkpoint. Rows have ``len(tokenizer)`` columns (padded output
     rows of the lm_head, ids ``>= len(tokenizer)``, are dropped before any softmax)."""
 
@@ -119,8 +121,7 @@ class HFSource(Source):
             raise LogitdiffError(f"{self.spec}: unknown device {device!r} (expected cpu or cuda)")
         if device == "cuda" and not torch.cuda.is_available():
             raise LogitdiffError(f"{self.spec}: device=cuda asked for but torch sees no CUDA device")
-        if threads:
-            torch.set_num_threads(threads)
+        self.threads = int(threads) if threads else None  # applied by the entry point, not here
         self.batch = batch
         self.prefill = prefill
         self.device = torch.device(device)
@@ -485,3 +486,8 @@ class HFSource(Source):
                 )
             self._identity = d
         return dict(self._identity)
+
+
+def open_hf(spec: Spec) -> HFSource:
+    """The registry's factory for ``hf:`` specs."""
+    return HFSource.from_spec(spec)

@@ -1,0 +1,53 @@
+"""Source kinds -> factories: the one place a spec's ``KIND:`` is looked up.
+
+A factory takes the parsed :class:`~logitdiff.sources.base.Spec` and returns an open
+source. The built-in kinds are named here as ``"module:function"`` strings and imported
+only when a spec of that kind is opened, so this module imports no backend (and
+:mod:`logitdiff.builtin`, which imports the backends, does not import it back).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Union
+
+from ..errors import LogitdiffError
+from .base import Source, Spec, parse_spec
+
+Factory = Callable[[Spec], Source]
+
+_FACTORIES: dict[str, Union[str, Factory]] = {
+    "hf": "logitdiff.sources.hf:open_hf",
+    "gguf": "logitdiff.sources.gguf:open_gguf",
+    "openai": "logitdiff.sources.served:open_served",
+    "builtin": "logitdiff.builtin:open_builtin",
+}
+
+
+def register(kind: str, factory: Union[str, Factory]) -> None:
+    """Make ``KIND:...`` specs open with ``factory`` (a callable taking a :class:`Spec`, or a
+    ``"module:function"`` string imported on first use). Re-registering a kind replaces it."""
+    if not kind or ":" in kind or "," in kind:
+        raise ValueError(f"source kind {kind!r}: must be a non-empty name without ':' or ','")
+    _FACTORIES[kind] = factory
+
+
+def kinds() -> list[str]:
+    """The registered source kinds."""
+    return sorted(_FACTORIES)
+
+
+def _factory(kind: str, text: str) -> Factory:
+    f = _FACTORIES.get(kind)
+    if f is None:
+        raise LogitdiffError(f"source spec {text!r}: unknown kind {kind!r} (expected one of {', '.join(kinds())})")
+    if isinstance(f, str):
+        module, _, name = f.partition(":")
+        f = getattr(importlib.import_module(module), name)
+    return f
+
+
+def open_source(text: str) -> Source:
+    """Build a source from its spec string ``KIND:TARGET[,key=value...]``."""
+    spec = parse_spec(text)
+    return _factory(spec.kind, text)(spec)
