@@ -19,6 +19,7 @@ process-wide state. ``bar`` arguments are progress callbacks: ``bar(total, label
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
 from typing import Callable, Sequence
@@ -59,7 +60,7 @@ def capture_run(
     from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
     from .outputs import Kind, check_output
     from .served import parse_shard, shard_items, with_endpoints
-    from .sources import open_source
+    from .sources import applied_threads, open_source
     from .store import RunReader, parse_chunk_size, parse_store
 
     bar = bar or _no_bar
@@ -82,7 +83,7 @@ def capture_run(
         check_output(out, Kind.RUN, inputs=[teacher], overwrite=overwrite, resume=resume)
         teacher_run = RunReader(teacher)
         teacher_run.items()  # a damaged teacher is a one-line error before the source loads
-        with open_source(full_spec) as src:
+        with open_source(full_spec) as src, applied_threads([src]):
             advance = bar(len(shard_items(teacher_run.items(), shard_ix, block=batch)), f"scoring {spec}")
             capture_candidate(src, teacher_run, out, store=store, resume=resume, overwrite=overwrite, progress=advance,
                               shard=shard_ix, settings=extra, batch=batch, chunk_bytes=chunk_bytes)
@@ -95,7 +96,7 @@ def capture_run(
         items = shard_items(read_workload(wl), shard_ix, block=batch)
         # The workload's bytes, not its path, decide whether a --resume continues the same capture.
         wl_hash = hashlib.sha256(Path(wl).read_bytes()).hexdigest()
-        with open_source(full_spec) as src:
+        with open_source(full_spec) as src, applied_threads([src]):
             advance = bar(len(items), f"capturing {spec}")
             capture_reference(src, items, out, max_tokens=max_tokens, store=store, positions=positions, resume=resume,
                               overwrite=overwrite, settings={"workload": wl, "workload_sha256": wl_hash, **extra},
@@ -176,12 +177,14 @@ def diff_runs(
     elif top_logprobs > ref.vocab_size:
         raise LogitdiffError(f"--top-logprobs {top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {reference}")
     live_source = None
+    threads_scope = contextlib.ExitStack()
     try:
         if live:
             from .capture import LiveRun
-            from .sources import open_source
+            from .sources import applied_threads, open_source
 
             live_source = open_source(str(candidate))
+            threads_scope.enter_context(applied_threads([live_source]))
             cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
         else:
             cand = RunReader(candidate, allow_partial=allow_partial)
@@ -193,6 +196,7 @@ def diff_runs(
         comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
                             device=device, chunk_bytes=chunk_bytes, threads=threads)
     finally:
+        threads_scope.close()
         if live_source is not None:
             live_source.close()
     report, columns = build_report(comp, ranges=ranges, n_boot=bootstrap, seed=seed, include_rows=include_rows,

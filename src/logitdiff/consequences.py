@@ -475,7 +475,7 @@ def analyse_report_dir(
     from .grading import load_similarity
     from .report import read_columns, read_report, update_report_dir
     from .report.markdown import render_markdown
-    from .sources import open_source
+    from .sources import applied_threads, open_source
 
     report = read_report(report_dir)
     if report["method"].get("kind") not in (MethodKind.FULL_VOCAB, MethodKind.TOP_K):
@@ -497,7 +497,8 @@ def analyse_report_dir(
     try:
         if source.tokenizer_hash and ref.tokenizer_hash and source.tokenizer_hash != ref.tokenizer_hash:
             raise LogitdiffError(f"{spec}: tokenizer differs from the reference run {ref.path} (field 'tokenizer_hash')")
-        sections, files = analyse(source, ref, cols, sim, settings, reference_source=ref_src, correctness=correctness, bar=bar)
+        with applied_threads([source] + ([ref_src] if ref_src is not None else [])):
+            sections, files = analyse(source, ref, cols, sim, settings, reference_source=ref_src, correctness=correctness, bar=bar)
     finally:
         source.close()
         if ref_src is not None:

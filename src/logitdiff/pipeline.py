@@ -26,7 +26,7 @@ from .errors import LogitdiffError
 from .outputs import RUN_SUMMARY_SCHEMA, Kind, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from .report import build_report, noise_floor_section, write_report_dir
 from .report.markdown import render_markdown
-from .sources import open_source
+from .sources import applied_threads, open_source
 from .store import ResumeMismatch, RunReader, atomic_write_bytes
 from .summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 from .workload import read_workload
@@ -98,8 +98,7 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunRead
                 return RunReader(path)
             resume = True
     hooks.stage(f"reference: {cfg.reference} generating greedily on {len(items)} items")
-    src = open_source(cfg.reference)
-    try:
+    with open_source(cfg.reference) as src, applied_threads([src]):
         advance = hooks.bar(len(items), "reference")
         settings = {"workload_sha256": wl_hash, "workload": str(_workload_path(cfg))}
         try:
@@ -111,8 +110,6 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunRead
             hooks.stage(f"reference: not resuming ({str(e).split('cannot resume, ', 1)[-1]}); capturing afresh")
             capture_reference(src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, overwrite=True,
                               settings=settings, progress=hooks.bar(len(items), "reference"), inputs=[_workload_path(cfg)])
-    finally:
-        src.close()
     return RunReader(path)
 
 
@@ -141,14 +138,11 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     n_pos = sum(len(it.positions) for it in ref.items())
 
     def score(spec: str, label: str, after=None, offset: int = 0):
-        src = open_source(spec)
-        try:
+        with open_source(spec) as src, applied_threads([src]):
             live = LiveRun(src, ref, offset=offset)
             advance = hooks.bar(n_pos, label)
             comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance)
             return comp, (after(src, comp) if after else None)
-        finally:
-            src.close()
 
     similarity = None
     if cfg.flips or cfg.correctness:

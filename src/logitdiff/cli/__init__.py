@@ -4,7 +4,9 @@ One module per command (``capture``, ``compare``, ``run``, ``flips``, ``report``
 ``topk-error``, ``import``), each with ``NAME``, ``HELP``, ``register(subparsers)`` and
 ``run(args) -> exit status``; they share one console/progress helper (``console.py``) and
 the option checks whose defaults are the library's (``options.py``). :func:`main` is the
-only place that sets process-wide state (environment, signal handler), explicitly.
+only place that sets process-wide state (environment, llama.cpp's log level, the SIGTERM
+handler), explicitly; torch's thread count is set per job by the sources it opens
+(``sources.applied_threads``) and the metrics take theirs as a parameter.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # llama.cpp's own log only at error level (what the progress bars and tables replace);
+    # a process-wide setting, so made here and nowhere else.
+    from ..sources.gguf import quiet_llama_log
+
+    quiet_llama_log()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

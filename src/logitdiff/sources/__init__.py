@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from .base import (
     Block,
+    applied_threads,
     FullLogitSource,
     Generation,
     RowKind,
@@ -48,5 +49,5 @@ from .registry import kinds, open_source, register
 
 __all__ = [
     "Block", "FullLogitSource", "Generation", "RowKind", "Source", "Spec", "TopKRows", "TopKSource", "file_sha256",
-    "json_safe", "kinds", "open_source", "parse_spec", "register", "requested_threads", "tokenizer_hash_of",
+    "json_safe", "kinds", "open_source", "parse_spec", "register", "applied_threads", "requested_threads", "tokenizer_hash_of",
 ]

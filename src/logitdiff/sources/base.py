@@ -18,6 +18,7 @@ This module is a leaf: it imports nothing else of ``logitdiff.sources``, so a ba
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import json
@@ -288,3 +289,26 @@ def requested_threads(sources: Sequence[Source]) -> int | None:
     (opening a source never sets it)."""
     asked = [s.threads for s in sources if getattr(s, "threads", None)]
     return min(asked) if asked else None
+
+
+@contextlib.contextmanager
+def applied_threads(sources: Sequence[Source]):
+    """For the duration of a job, torch's intra-op thread count as the sources asked
+    (:func:`requested_threads`; nothing when none asked), then the count as it was.
+
+    torch has one process-wide count and no per-model knob, so this is the one place it is
+    set, explicitly, by the job that owns the process for that while (``capture``,
+    ``compare`` with a live candidate, ``run``, ``flips``); opening a source never sets it,
+    and the metrics take their own thread count as a parameter."""
+    n = requested_threads(sources)
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
