@@ -37,6 +37,26 @@ from typing import Iterator, Sequence
 
 from .errors import LogitdiffError
 
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """One file, whole or not at all: written to a temporary sibling, flushed to disk, then
+    renamed over ``path`` (the one temp-file-and-rename writer of the package)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_json(path: str | Path, obj, *, indent: int | None = 1) -> None:
+    """``obj`` as JSON (non-JSON values as ``str``), through :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=indent, default=str) + "\n").encode())
+
 RUN_SCHEMA = "logitdiff.run/1"
 REPORT_SCHEMA = "logitdiff.report/1"
 RUN_SUMMARY_SCHEMA = "logitdiff.run-summary/1"

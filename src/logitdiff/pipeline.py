@@ -23,11 +23,11 @@ from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from .consequences import DEFAULT_MAX_BRANCHES, Settings, analyse
 from .contracts import SCHEMA_VERSION, CandidateRow, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from .errors import LogitdiffError
-from .outputs import RUN_SUMMARY_SCHEMA, Kind, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
+from .outputs import RUN_SUMMARY_SCHEMA, Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from .report import build_report, noise_floor_section, write_report_dir
 from .report.markdown import render_markdown
 from .sources import applied_threads, open_source
-from .store import ResumeMismatch, RunReader, atomic_write_bytes
+from .store import ResumeMismatch, RunReader
 from .summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 from .workload import read_workload
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .errors import LogitdiffError
+from .outputs import atomic_write_json
 from .gguf_export import EXPORTER_VERSION, TOKENIZER_FILES, export_gguf, weight_files
 
 #: ladder name -> llama.cpp LLAMA_FTYPE value (llama.h ``enum llama_ftype``)
@@ -305,9 +306,7 @@ def source_key(hf_dir: str | Path, cache_dir: str | Path | None = None) -> str:
             h.update(f"{f.name}={_file_digest(f, memo)}\n".encode())
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_name(f".hashes.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_path)
+        atomic_write_json(memo_path, memo, indent=None)
     except OSError:
         pass
     return h.hexdigest()[:20]
@@ -365,11 +364,9 @@ def build_ladder(
             progress(step, i, total, "built")
     manifest = out / "ladder.json"
     if not manifest.is_file():
-        tmp = manifest.with_name(f".ladder.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({
+        atomic_write_json(manifest, {
             "source": str(hf_dir.resolve()),
             "exporter_version": EXPORTER_VERSION,
             "llama_cpp": _llama_cpp_version(),
-        }, indent=1))
-        os.replace(tmp, manifest)
+        })
     return paths

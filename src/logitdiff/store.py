@@ -33,7 +33,7 @@ import numpy as np
 from ._version import __version__
 from . import compact as compact_store
 from .errors import LogitdiffError
-from .outputs import RUN_SCHEMA, Kind, check_output
+from .outputs import RUN_SCHEMA, Kind, atomic_write_bytes, atomic_write_json, check_output
 
 # A RUN keeps a copy of every tools module its items name, here (so a RUN is portable).
 TOOLS_DIR = "tools"
@@ -82,15 +82,6 @@ def rows_per_block(vocab_size: int, chunk_bytes: int | None = None, bytes_per_va
     return max(1, int((chunk_bytes or DEFAULT_CHUNK_BYTES) // max(1, int(vocab_size) * bytes_per_value)))
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def atomic_save_npy_rows(path: Path, blocks: list[np.ndarray], dtype) -> None:
     """One ``.npy`` of the row blocks stacked, written block by block (no concatenated
     copy in memory), then renamed into place. ``dtype`` ``"bfloat16"`` stores bf16 bits."""
@@ -107,10 +98,6 @@ def atomic_save_npy_rows(path: Path, blocks: list[np.ndarray], dtype) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
 
 
 @dataclass
