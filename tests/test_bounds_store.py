@@ -188,7 +188,7 @@ def test_bundled_model_rows_are_covered(tiny_rows, spec):
 
 
 def test_merge_keeps_compact_rows(runs):
-    from logitdiff.served import merge_runs
+    from logitdiff.shards import merge_runs
 
     tmp, ref, cand, teacher = runs
     store = "compact:exact=8,band=40"

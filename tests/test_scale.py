@@ -24,7 +24,7 @@ from _models import WIDE_VOCAB, make_wide_llama  # noqa: E402
 from logitdiff import metrics as M  # noqa: E402
 from logitdiff.capture import LiveRun, capture_candidate, capture_reference, select_positions  # noqa: E402
 from logitdiff.compare import compare_runs  # noqa: E402
-from logitdiff.served import topk_error  # noqa: E402
+from logitdiff.topk_error import topk_error  # noqa: E402
 from logitdiff.sources.hf import HFSource  # noqa: E402
 from logitdiff.store import RunReader, bf16_to_f32, rows_per_block  # noqa: E402
 from logitdiff.workload import Item  # noqa: E402

@@ -22,7 +22,8 @@ from logitdiff.capture import capture_candidate, capture_reference, verified_pro
 from logitdiff.cli import main
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
-from logitdiff.served import merge_runs, parse_shard, shard_items, topk_error
+from logitdiff.shards import merge_runs, parse_shard, shard_items
+from logitdiff.topk_error import topk_error
 from logitdiff.sources import TopKRows, open_source
 from logitdiff.sources.served import topk_row
 from logitdiff.store import RunReader
@@ -506,7 +507,7 @@ def test_openai_spec_errors(capsys, tmp_path):
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
-    from logitdiff.served import with_endpoints
+    from logitdiff.shards import with_endpoints
 
     assert with_endpoints("openai:http://a:1,top_k=8", ["http://b:2", "http://c:3"]) == "openai:http://a:1,top_k=8,endpoints=http://b:2|http://c:3"
     with pytest.raises(LogitdiffError, match="openai"):

@@ -59,7 +59,7 @@ def capture_run(
     Returns ``out``."""
     from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
     from .outputs import Kind, check_output
-    from .served import parse_shard, shard_items, with_endpoints
+    from .shards import parse_shard, shard_items, with_endpoints
     from .sources import applied_threads, open_source
     from .store import RunReader, parse_chunk_size, parse_store
 

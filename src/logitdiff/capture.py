@@ -330,7 +330,7 @@ def _stored_items(out, items: Sequence, done: set[str], batch: int) -> dict[str,
 def verified_prompts(source: Source, teacher: RunReader, shard=None, block: int = 1) -> list[tuple[RunItem, list[int]]]:
     """Check vocab, tokenizer and every item's tokenization against the teacher run
     (only the items of ``shard`` when given, in blocks of ``block`` items)."""
-    from .served import shard_items
+    from .shards import shard_items
 
     if source.vocab_size != teacher.vocab_size:
         raise LogitdiffError(

@@ -28,7 +28,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..served import merge_runs
+    from ..shards import merge_runs
     from ..store import RunReader, parse_chunk_size
 
     out = merge_runs(args.runs, args.out, overwrite=args.overwrite, chunk_bytes=parse_chunk_size(args.chunk_size))

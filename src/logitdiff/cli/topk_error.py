@@ -40,7 +40,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from ..outputs import TOPK_ERROR_SCHEMA, Kind, check_output, writing
-    from ..served import parse_ks, topk_error
+    from ..topk_error import parse_ks, topk_error
     from ..store import RunReader, parse_chunk_size
 
     ks = parse_ks(args.k)

@@ -1,0 +1,167 @@
+"""Scale-out: sharded captures and merging the shards back into one RUN.
+
+* :func:`parse_shard` / :func:`shard_items` — ``--shard i/n`` keeps the blocks ``k`` of
+  ``block`` consecutive items (workload order) with ``k mod n == i``, so n processes (one
+  per replica or machine) capture disjoint parts of one workload. ``capture`` uses its
+  scoring batch as the block (recorded as setting ``shard_block``), so every item is scored
+  with the same batch mates as in an unsharded capture.
+* :func:`merge_runs` — joins complete shard RUNs into one RUN after checking that they are
+  the same capture (vocabulary, tokenizer, store, settings) of disjoint items; the merged run
+  is written to a temporary directory and renamed, so a failed merge leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import LogitdiffError
+from .outputs import Kind, check_output, writing
+from .store import RunReader, RunWriter, rows_per_block
+
+# settings that may differ between shards of one capture
+_SHARD_KEYS = {"shard", "endpoint", "endpoints"}
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """``"i/n"`` -> (i, n) with 0 <= i < n; None passes through."""
+    if text is None:
+        return None
+    try:
+        a, b = str(text).split("/")
+        i, n = int(a), int(b)
+    except ValueError:
+        raise LogitdiffError(f"--shard {text!r}: expected I/N with integers, e.g. 0/4") from None
+    if n < 1 or not 0 <= i < n:
+        raise LogitdiffError(f"--shard {text!r}: need N >= 1 and 0 <= I < N")
+    return i, n
+
+
+def shard_items(items: Sequence, shard: str | tuple[int, int] | None, block: int = 1) -> list:
+    """Items at positions ``k`` in ``items`` with ``(k // block) mod n == i``."""
+    if shard is None:
+        return list(items)
+    i, n = parse_shard(shard) if isinstance(shard, str) else shard
+    return [it for k, it in enumerate(items) if (k // block) % n == i]
+
+
+def with_endpoints(spec: str, urls: Sequence[str]) -> str:
+    """Add replica URLs (``capture --endpoint URL``, repeatable) to an ``openai:`` spec."""
+    urls = [u for u in urls if u]
+    if not urls:
+        return spec
+    if not spec.startswith("openai:"):
+        raise LogitdiffError(f"--endpoint applies to openai: sources only, not {spec!r}")
+    from .sources import parse_spec
+
+    sp = parse_spec(spec)
+    have = [u for u in sp.options.get("endpoints", "").split("|") if u]
+    opts = {**sp.options, "endpoints": "|".join(have + [u for u in urls if u not in have and u != sp.target])}
+    return f"openai:{sp.target}" + "".join(f",{k}={v}" for k, v in opts.items() if v)
+
+
+def _comparable_settings(run: RunReader) -> dict:
+    return {k: v for k, v in (run.manifest.get("settings") or {}).items() if k not in _SHARD_KEYS}
+
+
+def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool = False, chunk_bytes: int | None = None) -> Path:
+    """Merge complete shard runs into ``out``. Refuses partial runs, different vocabularies,
+    tokenizers, stores or settings, duplicate items and incomplete shard sets."""
+    if len(paths) < 1:
+        raise LogitdiffError("merge: give at least one RUN")
+    out = Path(out)
+    check_output(out, Kind.RUN, inputs=paths, overwrite=overwrite)
+    runs = [RunReader(p) for p in paths]  # refuses partial runs
+    first = runs[0]
+    for r in runs[1:]:
+        for field, a, b in (("vocab_size", first.vocab_size, r.vocab_size), ("tokenizer_hash", first.tokenizer_hash, r.tokenizer_hash),
+                            ("store", first.store, r.store), ("dtype", first.dtype, r.dtype)):
+            if a != b:
+                raise LogitdiffError(f"{r.path}: field {field!r} is {b!r}, but {a!r} in {first.path}: not shards of one capture")
+        sa, sb = _comparable_settings(first), _comparable_settings(r)
+        if sa != sb:
+            key = next(k for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k))
+            raise LogitdiffError(
+                f"{r.path}: setting {key!r} is {sb.get(key)!r}, but {sa.get(key)!r} in {first.path}: not shards of one capture"
+            )
+    # shard bookkeeping, when the runs carry it
+    shards = [(r.manifest.get("settings") or {}).get("shard") for r in runs]
+    order = list(range(len(runs)))
+    if all(s is not None for s in shards):
+        parsed = [parse_shard(s) for s in shards]
+        ns = {n for _, n in parsed}
+        if len(ns) != 1:
+            raise LogitdiffError(f"merge: shards of different splits ({', '.join(sorted(set(map(str, shards))))})")
+        n = ns.pop()
+        got = sorted(i for i, _ in parsed)
+        if got != list(range(n)):
+            missing = sorted(set(range(n)) - set(got))
+            dup = sorted({i for i in got if got.count(i) > 1})
+            raise LogitdiffError(
+                f"merge: shard set incomplete for N={n}"
+                + (f" (missing {', '.join(f'{i}/{n}' for i in missing)})" if missing else "")
+                + (f" (duplicate {', '.join(f'{i}/{n}' for i in dup)})" if dup else "")
+            )
+        order = sorted(range(len(runs)), key=lambda k: parsed[k][0])
+    elif any(s is not None for s in shards):
+        raise LogitdiffError("merge: some runs carry a shard setting and some do not")
+    seen: dict[str, Path] = {}
+    for r in runs:
+        for it in r.items():
+            if it.id in seen:
+                raise LogitdiffError(f"merge: item {it.id!r} is in both {seen[it.id]} and {r.path}")
+            seen[it.id] = r.path
+    # restore the workload order of i mod n shards: round-robin over shards in shard order,
+    # one block of `shard_block` items at a time (1 for runs that do not record it)
+    queue = [(runs[k], list(runs[k].items())) for k in order]
+    sequence = []
+    if all(s is not None for s in shards):
+        b = int((first.manifest.get("settings") or {}).get("shard_block") or 1)
+        j = 0
+        while any(j < len(items) for _, items in queue):
+            for r, items in queue:
+                sequence += [(r, it) for it in items[j : j + b]]
+            j += b
+    else:
+        sequence = [(r, it) for r, items in queue for it in items]
+
+    with writing(out, Kind.RUN, inputs=paths, overwrite=overwrite) as tmp:
+        settings = {k: v for k, v in (first.manifest.get("settings") or {}).items() if k not in _SHARD_KEYS and k not in ("store", "dtype")}
+        settings["merged_from"] = [str(r.path) for r in runs]
+        src = dict(first.manifest.get("source") or {})
+        specs = sorted({(r.manifest.get("source") or {}).get("spec", "") for r in runs})
+        if len(specs) > 1:
+            src["merged_specs"] = specs
+        w = RunWriter(tmp, source=src, vocab_size=first.vocab_size, tokenizer_hash=first.tokenizer_hash, store=first.store,
+                      dtype=first.dtype or "float32", settings=settings, vocab=first.vocab(), chunk_bytes=chunk_bytes)
+        from .store import RunItem
+
+        try:
+            for r, it in sequence:
+                ni = RunItem(id=it.id, prompt_ids=it.prompt_ids, teacher_ids=it.teacher_ids, positions=it.positions, tags=it.tags,
+                             prompt=it.prompt, extra=it.extra)
+                # rows are copied a block at a time in their stored form (bf16 bits stay bits)
+                w.begin_item(ni)
+                for block in r.row_blocks([it], rows_per_block(first.vocab_size, chunk_bytes), raw=True):
+                    if r.k:
+                        w.add_rows(topk={k: np.asarray(v) for k, v in block.items()})
+                    elif r.compact:
+                        w.add_rows(compact=block)
+                    else:
+                        w.add_rows(logits=block)
+                w.end_item()
+            w.finish({"merged": {"runs": [str(r.path) for r in runs], "shards": [s for s in shards if s is not None]}})
+        except BaseException:
+            try:
+                w.close()
+            except Exception:
+                pass
+            raise
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# top-K approximation error
+# --------------------------------------------------------------------------------------
