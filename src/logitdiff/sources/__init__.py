@@ -40,7 +40,6 @@ from .base import (
     TopKRows,
     TopKSource,
     file_sha256,
-    json_safe,
     parse_spec,
     requested_threads,
     tokenizer_hash_of,
@@ -49,5 +48,5 @@ from .registry import kinds, open_source, register
 
 __all__ = [
     "Block", "FullLogitSource", "Generation", "RowKind", "Source", "Spec", "TopKRows", "TopKSource", "file_sha256",
-    "json_safe", "kinds", "open_source", "parse_spec", "register", "applied_threads", "requested_threads", "tokenizer_hash_of",
+    "kinds", "open_source", "parse_spec", "register", "applied_threads", "requested_threads", "tokenizer_hash_of",
 ]

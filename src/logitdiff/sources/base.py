@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -144,10 +143,6 @@ def file_sha256(path, chunk: int = 1 << 22) -> str:
                 break
             h.update(b)
     return "sha256:" + h.hexdigest()
-
-
-def json_safe(d: dict) -> dict:
-    return json.loads(json.dumps(d, default=str))
 
 
 class Source:

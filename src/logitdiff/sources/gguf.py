@@ -57,7 +57,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import LogitdiffError
-from .base import Block, FullLogitSource, Generation, Spec, file_sha256, json_safe, parse_spec, tokenizer_hash_of
+from ..contracts import json_clean
+from .base import Block, FullLogitSource, Generation, Spec, file_sha256, parse_spec, tokenizer_hash_of
 
 _load_lock = threading.Lock()
 _KNOWN_OPTIONS = {"n_ctx", "threads", "seed", "n_batch"}
@@ -520,7 +521,7 @@ class GGUFSource(FullLogitSource):
 
         if self._sha256 is None:
             self._sha256 = file_sha256(self.path)
-        return json_safe({
+        return json_clean(default=str, obj={
             "kind": "gguf",
             "spec": self.spec,
             "backend": "llama.cpp",

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import LogitdiffError
-from ..base import Generation, Spec, TopKRows, TopKSource, json_safe, tokenizer_hash_of
+from ...contracts import json_clean
+from ..base import Generation, Spec, TopKRows, TopKSource, tokenizer_hash_of
 from .client import HttpClient, ServerError, ServerKind, one_line
 
 SUM_TOL = 1e-4
@@ -382,7 +383,7 @@ class ServedSource(TopKSource):
 
     # ---- identity -------------------------------------------------------------------------
     def identity(self) -> dict:
-        return json_safe({
+        return json_clean(default=str, obj={
             "kind": "openai",
             "spec": self.spec,
             "server": self.kind.value,
