@@ -23,12 +23,14 @@ from ._version import __version__
 _EXPORTS = {
     # the jobs
     "capture_run": "api", "diff_runs": "api", "run": "api", "load_report": "api",
-    # sources
-    "open_source": "sources", "parse_spec": "sources", "Source": "sources",
+    # sources: two declared kinds, opened from a spec through the registry
+    "open_source": "sources", "parse_spec": "sources", "Source": "sources", "FullLogitSource": "sources",
+    "TopKSource": "sources", "RowKind": "sources", "TopKRows": "sources",
     # data
     "read_workload": "workload", "Item": "workload",
     "RunReader": "store", "full_vocab": "metrics",
     # contracts and checks
+    "Report": "contracts", "RunSummary": "contracts", "Outcome": "contracts", "load_summary": "contracts",
     "LogitdiffError": "errors", "assert_drift_within": "testing",
 }
 _SUBMODULES = ("testing",)

@@ -214,11 +214,12 @@ def diff_runs(
     return report
 
 
-def load_report(report_dir: str | Path) -> dict:
-    """A REPORT directory's report.json, checked (schema, fields)."""
-    from .report import read_report
+def load_report(report_dir: str | Path):
+    """A REPORT directory's report.json (or the file itself), checked (kind, major version;
+    against the schema when validation is on) and typed (:class:`logitdiff.contracts.Report`)."""
+    from .contracts import load_report as _load
 
-    return read_report(report_dir)
+    return _load(report_dir)
 
 
 def run(**config) -> dict:
