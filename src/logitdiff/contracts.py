@@ -384,6 +384,17 @@ def json_clean(obj, *, default: Callable[[Any], Any] | None = None):
     """JSON-safe copy: numpy scalars/arrays -> Python, NaN/inf -> None (JSON null), tuples ->
     lists, recursively. Other objects stay as they are, or become ``default(obj)`` (e.g.
     ``str`` for paths) when given."""
+    # Exact-type fast paths first: a report holds a few hundred thousand plain values, and
+    # the isinstance chain below costs more than the JSON encoding of them.
+    t = type(obj)
+    if t is float:
+        return obj if math.isfinite(obj) else None
+    if t is str or t is int or t is bool or obj is None:
+        return obj
+    if t is dict:
+        return {k: json_clean(v, default=default) for k, v in obj.items()}
+    if t is list:
+        return [json_clean(v, default=default) for v in obj]
     if isinstance(obj, dict):
         return {k: json_clean(v, default=default) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -231,9 +231,10 @@ def _segment_labels(comp: Comparison) -> np.ndarray | None:
 def _rows(comp: Comparison, c: dict) -> list[dict]:
     keys = [k for k in c if k not in ("item_id",)]
     rows = []
-    cols = {k: np.asarray(c[k]) for k in keys}
+    # Each column to Python values once (tolist), not one numpy scalar at a time.
+    cols = {k: json_clean(np.asarray(c[k]).tolist()) for k in keys}
     for i in range(comp.n):
-        r = {k: json_clean(cols[k][i]) for k in keys}
+        r = {k: cols[k][i] for k in keys}
         r["baseline_top_token"] = comp.token_text(int(cols["top1_ref"][i]))
         r["candidate_top_token"] = comp.token_text(int(cols["top1_cand"][i]))
         r["token"] = comp.token_text(int(cols["token_id"][i]))
