@@ -911,10 +911,10 @@ class OpenAISource(Source):
                 raise LogitdiffError(f"{where}: llama-server answer has no top_logprobs (server too old: needs token ids and logprobs)")
             return topk_row([(d["id"], d.get("logprob")) for d in e0["top_logprobs"]], K, where, ordered=True)
 
-        async def positions(root, slot, p, t, js, started):
-            """One request, one task per position j in js (prompt = p + t[:j]), all on ``slot``;
-            streamed, so ``started`` is set as soon as the server has queued all its tasks."""
-            body = {"prompt": [p + t[:j] for j in js], "n_predict": 1, "n_probs": K, "temperature": 0.0,
+        async def tasks(root, slot, prompts, labels, where, started):
+            """One request, one task per prompt (its row labelled ``labels[n]``), all on ``slot``
+            (-1: any); streamed, so ``started`` is set as soon as the server has queued all its tasks."""
+            body = {"prompt": prompts, "n_predict": 1, "n_probs": K, "temperature": 0.0,
                     "post_sampling_probs": False, "cache_prompt": self.cache_prompt, "return_tokens": False,
                     "stream": True, "id_slot": slot, "response_fields": list(LLAMACPP_FIELDS), **self._extra_score_body}
             if self._force_tok is not None:
@@ -923,7 +923,6 @@ class OpenAISource(Source):
                 # read, so a logit bias (a sampler: the raw n_probs are computed from the
                 # model's logits before any sampler) makes it a plain ASCII one.
                 body["logit_bias"] = [[self._force_tok, 1e6]]
-            where = f"{self.spec}: output positions {js[0]}..{js[-1]}"
             try:
                 events = await c.request("POST", "/completion", body, root=root, failover=True, started=started)
             except ServerError as e:
@@ -948,9 +947,46 @@ class OpenAISource(Source):
                     self.server_stats["tasks"] += 1
                     self.server_stats["prompt_tokens_evaluated"] += int(tm.get("prompt_n") or 0)
                     self.server_stats["prompt_tokens_cached"] += int(tm.get("cache_n") or 0)
-            if sorted(probs) != list(range(len(js))):
-                raise LogitdiffError(f"{where}: llama-server answered {len(probs)} of {len(js)} positions with completion_probabilities")
-            return [row(probs[n], f"{self.spec}: output position {j}") for n, j in enumerate(js)]
+            if sorted(probs) != list(range(len(prompts))):
+                raise LogitdiffError(f"{where}: llama-server answered {len(probs)} of {len(prompts)} positions with completion_probabilities")
+            return [row(probs[n], label) for n, label in enumerate(labels)]
+
+        async def positions(root, slot, p, t, js, started):
+            """Positions js of one item (prompt = p + t[:j]) in one request on ``slot``."""
+            return await tasks(root, slot, [p + t[:j] for j in js], [f"{self.spec}: output position {j}" for j in js],
+                               f"{self.spec}: output positions {js[0]}..{js[-1]}", started)
+
+        async def rounds(root, todo):
+            """Items ``todo`` on one replica whose idle slots are cleared (default flags): up to
+            one item per slot in flight, and round r sends the next position of every item in
+            flight as ONE request of unpinned tasks. The server launches a request's tasks in
+            the same loop iteration, so they decode as one batch (one pass over the output
+            head for all of them), and each task takes its item's prefix back - from the slot
+            that still holds it (the first task of the round), else from the host-RAM prompt
+            cache, where launching that first task saved the other idle slots: one new token
+            per position. One request per item and position (the earlier scheduling) let the
+            items' requests reach the server at different times, so a round took several
+            decode passes, each reading the whole output head."""
+            rows: dict[int, list] = {}
+            flight: list[list[int]] = []  # [item, next position]
+            queue = list(todo)
+            while queue or flight:
+                while queue and len(flight) < self._n_slots:
+                    n = queue.pop(0)
+                    if pairs[n][1]:
+                        rows[n] = []
+                        flight.append([n, 0])
+                if not flight:
+                    break
+                prompts = [pairs[n][0] + pairs[n][1][:j] for n, j in flight]
+                labels = [f"{self.spec}: item {n} output position {j}" for n, j in flight]
+                got = await tasks(root, -1, prompts, labels, f"{self.spec}: output positions of {len(flight)} items", asyncio.Event())
+                for (n, j), r in zip(flight, got):
+                    rows[n].append(r)
+                for f in flight:
+                    f[1] += 1
+                flight = [f for f in flight if f[1] < len(pairs[f[0]][1])]
+            return {n: self._stack(r) for n, r in rows.items()}
 
         # Each item holds one server slot (id_slot) of one replica for all its positions, so
         # its growing prefix stays in that slot's KV cache: one new token per position.
@@ -965,6 +1001,13 @@ class OpenAISource(Source):
         # pinned to a cleared slot is not restored from that cache: there (found at open by
         # _idle_slots_kept) each position is one unpinned request, in order, which llama-server
         # restores from the host-RAM cache, so it also evaluates one new token.
+        if not self._pin_slots:
+            # items go round-robin to the replicas, each replica's items in rounds
+            done: dict[int, dict] = {}
+            parts = [list(range(i, len(pairs), len(self.roots))) for i in range(len(self.roots))]
+            for d in await asyncio.gather(*(rounds(self.roots[i], part) for i, part in enumerate(parts) if part)):
+                done.update(d)
+            return [done[n] if n in done else self._empty() for n in range(len(pairs))]
         slots: dict[str, asyncio.Queue] = {}
         for r in self.roots:
             q: asyncio.Queue = asyncio.Queue()
@@ -979,17 +1022,6 @@ class OpenAISource(Source):
             per = max(1, min(LLAMACPP_TASKS_PER_REQUEST, LLAMACPP_TOKENS_PER_REQUEST // (len(p) + len(t))))
             root = c.next_root()
             slot = await slots[root].get()
-            if not self._pin_slots:
-                # idle slots are cleared (default flags): one position per request, in order,
-                # on any slot, which restores the item's prefix from the host-RAM prompt cache
-                # (the slot taken above only keeps as many items in flight as there are slots)
-                try:
-                    rows = []
-                    for j in range(len(t)):
-                        rows += await positions(root, -1, p, t, [j], asyncio.Event())
-                finally:
-                    slots[root].put_nowait(slot)
-                return self._stack(rows)
             groups = [list(range(j, min(j + per, len(t)))) for j in range(0, len(t), per)]
             requests: list[asyncio.Future] = []
             try:
