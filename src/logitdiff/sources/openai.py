@@ -60,8 +60,10 @@ sequence. Per server:
   (``id_slot``; each task extends the cached prefix by one token), with the item's next
   request already queued on that slot while one runs; items run concurrently, one per slot
   of each replica. Where the server clears idle slots (llama-server's default flags: -np
-  auto, --cache-idle-slots; probed when the source opens), each position is one unpinned
-  request instead, in order per item, restored from the server's host-RAM prompt cache.
+  auto, --cache-idle-slots; probed when the source opens), items go in rounds instead: one
+  request of unpinned tasks (``id_slot: -1``) holding the next position of every item in
+  flight (at most one item per slot), so the server decodes them as one batch and restores
+  each item's prefix from its slot or the host-RAM prompt cache.
   ``timings`` (``prompt_n``, ``cache_n``) of every answer are summed in ``server_stats``.
 * **SGLang** (``/generate``): ``input_ids`` = ``prompt + teacher``, ``return_logprob: true``,
   ``logprob_start_len: P - 1``, ``top_logprobs_num: K``, ``max_new_tokens: 1``; entry j of
@@ -999,8 +1001,8 @@ class OpenAISource(Source):
         # --cache-ram 8192) starting any task saves every idle slot to the host-RAM cache and
         # clears it - slots that finish in the same batch clear each other - and a request
         # pinned to a cleared slot is not restored from that cache: there (found at open by
-        # _idle_slots_kept) each position is one unpinned request, in order, which llama-server
-        # restores from the host-RAM cache, so it also evaluates one new token.
+        # _idle_slots_kept) the items go in rounds of unpinned tasks (``rounds``), which
+        # llama-server restores from the slot or the host-RAM cache: one new token each.
         if not self._pin_slots:
             # items go round-robin to the replicas, each replica's items in rounds
             done: dict[int, dict] = {}
