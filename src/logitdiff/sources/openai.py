@@ -968,26 +968,52 @@ class OpenAISource(Source):
             cache, where launching that first task saved the other idle slots: one new token
             per position. One request per item and position (the earlier scheduling) let the
             items' requests reach the server at different times, so a round took several
-            decode passes, each reading the whole output head."""
+            decode passes, each reading the whole output head.
+            A round that fills every slot has the next round sent as soon as its tasks are
+            queued: the server defers those tasks (no free slot) and starts them as the slots
+            are released, without waiting for our round trip; a round with a free slot is
+            awaited first (the next one's tasks would start beside it, a token short)."""
             rows: dict[int, list] = {}
             flight: list[list[int]] = []  # [item, next position]
             queue = list(todo)
-            while queue or flight:
-                while queue and len(flight) < self._n_slots:
-                    n = queue.pop(0)
-                    if pairs[n][1]:
-                        rows[n] = []
-                        flight.append([n, 0])
-                if not flight:
-                    break
-                prompts = [pairs[n][0] + pairs[n][1][:j] for n, j in flight]
-                labels = [f"{self.spec}: item {n} output position {j}" for n, j in flight]
-                got = await tasks(root, -1, prompts, labels, f"{self.spec}: output positions of {len(flight)} items", asyncio.Event())
-                for (n, j), r in zip(flight, got):
+            sent: list[tuple[asyncio.Future, list]] = []  # at most two rounds: one runs, one waits
+
+            async def collect():
+                fut, batch = sent.pop(0)
+                for (n, _), r in zip(batch, await fut):
                     rows[n].append(r)
-                for f in flight:
-                    f[1] += 1
-                flight = [f for f in flight if f[1] < len(pairs[f[0]][1])]
+
+            try:
+                while queue or flight:
+                    while queue and len(flight) < self._n_slots:
+                        n = queue.pop(0)
+                        if pairs[n][1]:
+                            rows[n] = []
+                            flight.append([n, 0])
+                    if not flight:
+                        break
+                    if len(sent) >= 2:
+                        await collect()
+                    batch = [(n, j) for n, j in flight]
+                    prompts = [pairs[n][0] + pairs[n][1][:j] for n, j in batch]
+                    labels = [f"{self.spec}: item {n} output position {j}" for n, j in batch]
+                    started = asyncio.Event()
+                    sent.append((asyncio.ensure_future(
+                        tasks(root, -1, prompts, labels, f"{self.spec}: output positions of {len(batch)} items", started)), batch))
+                    for f in flight:
+                        f[1] += 1
+                    flight = [f for f in flight if f[1] < len(pairs[f[0]][1])]
+                    if len(batch) == self._n_slots:
+                        await started.wait()
+                    else:
+                        while sent:
+                            await collect()
+                while sent:
+                    await collect()
+            except BaseException:
+                for fut, _ in sent:
+                    fut.cancel()
+                raise
             return {n: self._stack(r) for n, r in rows.items()}
 
         # Each item holds one server slot (id_slot) of one replica for all its positions, so
