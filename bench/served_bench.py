@@ -394,6 +394,49 @@ def bench_scale_vllm(d: Path, pair_sets, logs: Path, K: int) -> dict:
     return res
 
 
+def bench_scale_flags(gguf: Path, d: Path, args, logs: Path) -> dict:
+    """Default against tuned flags in one invocation: both llama-servers up at once, rounds
+    alternating default / tuned (the first server of a round alternates too), each round on
+    fresh sequences, so a change of machine load hits both alike. Reported per server: the
+    capture seconds of every round, the median positions/s, tokens evaluated per position."""
+    import statistics as st
+    from contextlib import ExitStack
+
+    from servers import llama_server
+
+    from logitdiff.sources import open_source
+
+    K, R = args.k, args.repeats
+    res: dict = {"K": K, "rounds": R}
+    with ExitStack() as stack:
+        srcs = {}
+        for flags in ("default", "tuned"):
+            srv = stack.enter_context(llama_server(gguf, logs, threads=args.threads, default_flags=flags == "default"))
+            srcs[flags] = stack.enter_context(open_source(f"openai:{srv.url},top_k={K}"))
+            srcs[flags].score_many(_pairs(d, 1, args.prompt_len, args.teacher_len, seed=900 + len(srcs)))  # warm-up
+        times: dict = {f: [] for f in srcs}
+        evals: dict = {f: [] for f in srcs}
+        for r in range(R):
+            order = ("default", "tuned") if r % 2 == 0 else ("tuned", "default")
+            for flags in order:
+                pairs = _pairs(d, args.sequences, args.prompt_len, args.teacher_len, seed=1000 + 10 * r + (flags == "tuned"))
+                src = srcs[flags]
+                e0 = src.server_stats["prompt_tokens_evaluated"]
+                t0 = time.perf_counter()
+                src.score_many(pairs)
+                times[flags].append(round(time.perf_counter() - t0, 3))
+                evals[flags].append(src.server_stats["prompt_tokens_evaluated"] - e0)
+        positions = args.sequences * args.teacher_len
+        for flags in srcs:
+            res[flags] = {"scheduling": srcs[flags].server_info.get("scheduling"), "slots": srcs[flags]._n_slots,
+                          "capture_s_all": times[flags], "positions": positions,
+                          "capture_positions_per_s": round(positions / st.median(times[flags]), 1),
+                          "tokens_evaluated_per_position": round(st.median(evals[flags]) / positions, 3)}
+        res["default_vs_tuned_time"] = round(st.median(times["default"]) / st.median(times["tuned"]), 3)
+        res["default_vs_tuned_time_per_round"] = [round(a / b, 3) for a, b in zip(times["default"], times["tuned"])]
+    return res
+
+
 def cmd_scale(args) -> None:
     from _models import make_wide_llama
 
@@ -413,6 +456,8 @@ def cmd_scale(args) -> None:
     for s in args.servers.split(","):
         if s in ("llamacpp-default", "llamacpp-tuned"):
             results.append(bench_scale_llamacpp(gguf, pair_sets, peer_sets, unpinned_sets, out / "logs", args.k, args.threads, s.split("-")[1]))
+        elif s == "llamacpp-flags":
+            results.append(bench_scale_flags(gguf, d, args, out / "logs"))
         elif s == "vllm":
             results.append(bench_scale_vllm(d, pair_sets, out / "logs", args.k))
         print(json.dumps(results[-1]), flush=True)
@@ -458,7 +503,8 @@ def main() -> None:
     e.add_argument("out")
     e.add_argument("--servers", default="llamacpp-default,llamacpp-tuned,vllm",
                    help="comma list of llamacpp-default (llama-server's own defaults), llamacpp-tuned "
-                        "(-np 4 -fa off --cache-ram 0 ...), vllm")
+                        "(-np 4 -fa off --cache-ram 0 ...), llamacpp-flags (both at once, rounds alternating "
+                        "default / tuned), vllm")
     e.add_argument("--vocab", type=int, default=248_320)
     e.add_argument("--hidden", type=int, default=128)
     e.add_argument("--layers", type=int, default=2)

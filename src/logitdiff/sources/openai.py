@@ -478,7 +478,7 @@ class OpenAISource(Source):
             self._n_slots = max(1, int(props.get("total_slots") or 1))
             self.server_info["total_slots"] = self._n_slots
             self._pin_slots = self._idle_slots_kept()
-            self.server_info["scheduling"] = "pinned slots" if self._pin_slots else "one position per request (host-RAM prompt cache)"
+            self.server_info["scheduling"] = "pinned slots" if self._pin_slots else "rounds of unpinned tasks, one position per item (host-RAM prompt cache)"
         elif kind == "vllm":
             try:
                 self.server_info["version"] = c.run(c.request("GET", "/version", root=root)).get("version")
