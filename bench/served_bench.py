@@ -23,8 +23,9 @@ the capture path) against the same server's own prompt-processing rate in the sa
 tokenizer widened with filler tokens: tests/_models.py ``make_wide_llama``): the time and
 request count of fetching all token texts; teacher-forced top-64 capture positions/s on
 llama-server with its default flags and with the tuned ones, each next to a peer that sends
-one request per position (logitdiff's scheduling before issue 16) and to the server's own
-prefill rate; prompt tokens the server evaluated per position (its timings); the same for vLLM.
+one request per position (logitdiff's scheduling before issue 16; on the default flags also
+its unpinned variant, the default-flags scheduling of issue 16's first change) and to the
+server's own prefill rate; prompt tokens the server evaluated per position (its timings); the same for vLLM.
 
 Servers are started by ``tests/servers.py`` (build them first: scripts/build_llama_server.sh,
 scripts/setup_vllm.sh).
@@ -224,9 +225,11 @@ def cmd_throughput(args) -> None:
 
 
 # ------------------------------------------------------------------ scale: V = 248,320 (issue 16)
-def _per_position_requests(url: str, pairs, K: int, n_slots: int) -> dict:
+def _per_position_requests(url: str, pairs, K: int, n_slots: int, *, pin: bool = True) -> dict:
     """The peer: logitdiff's scheduling before issue 16 - one /completion request per output
-    position, each item pinned to one slot for all its positions, items one per slot."""
+    position, each item pinned to one slot for all its positions, items one per slot.
+    ``pin=False``: the default-flags scheduling of issue 16's first change - the same, but
+    every request unpinned (``id_slot: -1``), restored from the host-RAM prompt cache."""
     import asyncio
 
     import httpx
@@ -244,7 +247,7 @@ def _per_position_requests(url: str, pairs, K: int, n_slots: int) -> dict:
                 try:
                     for j in range(len(t)):
                         body = {"prompt": p + t[:j], "n_predict": 1, "n_probs": K, "temperature": 0.0, "post_sampling_probs": False,
-                                "cache_prompt": True, "stream": False, "id_slot": slot}
+                                "cache_prompt": True, "stream": False, "id_slot": slot if pin else -1}
                         r = (await h.post(url + "/completion", json=body)).json()
                         stats["requests"] += 1
                         stats["prompt_tokens_evaluated"] += int(r["timings"]["prompt_n"])
@@ -283,7 +286,7 @@ def _llama_prefill_rate(url: str, pairs) -> float:
     return 1000 * pn / pms
 
 
-def bench_scale_llamacpp(gguf: Path, pair_sets, peer_sets, logs: Path, K: int, threads: int, flags: str) -> dict:
+def bench_scale_llamacpp(gguf: Path, pair_sets, peer_sets, unpinned_sets, logs: Path, K: int, threads: int, flags: str) -> dict:
     import statistics as st
 
     from servers import CountingProxy, llama_server
@@ -305,7 +308,7 @@ def bench_scale_llamacpp(gguf: Path, pair_sets, peer_sets, logs: Path, K: int, t
             res["token_texts_requests"] = sum(px.counts.values()) - n_before
             res["vocab_size"] = len(texts)
             src.score_many(pair_sets[0][:1])  # warm-up
-            caps, evals, reqs, peers = [], [], [], []
+            caps, evals, reqs, peers, unpinned = [], [], [], [], []
             # alternating rounds, each on fresh sequences (no answer from an earlier round's cache)
             for pairs, peer_pairs in zip(pair_sets[1:], peer_sets):
                 s0, r0 = src.server_stats["prompt_tokens_evaluated"], px.counts["/completion"]
@@ -315,6 +318,8 @@ def bench_scale_llamacpp(gguf: Path, pair_sets, peer_sets, logs: Path, K: int, t
                 evals.append(src.server_stats["prompt_tokens_evaluated"] - s0)
                 reqs.append(px.counts["/completion"] - r0)
                 peers.append(_per_position_requests(srv.url, peer_pairs, K, res["slots"]))
+                if flags == "default":  # on fresh sequences of its own
+                    unpinned.append(_per_position_requests(srv.url, unpinned_sets[len(unpinned)], K, res["slots"], pin=False))
         positions = sum(len(t) for _, t in pair_sets[1])
         pp = _llama_prefill_rate(srv.url, pair_sets[1])
         res["server_vmhwm_mb"] = _vmhwm_mb(srv.proc.pid)
@@ -328,6 +333,10 @@ def bench_scale_llamacpp(gguf: Path, pair_sets, peer_sets, logs: Path, K: int, t
         "peer_positions_per_s": round(positions / peer, 1), "peer_requests": peers[0]["requests"],
         "peer_tokens_evaluated_per_position": round(st.median(p["prompt_tokens_evaluated"] for p in peers) / positions, 3),
         "capture_vs_peer_speed": round(peer / cap, 2),
+        **({"unpinned_s_all": [round(p["s"], 3) for p in unpinned],
+            "unpinned_positions_per_s": round(positions / st.median(p["s"] for p in unpinned), 1),
+            "unpinned_tokens_evaluated_per_position": round(st.median(p["prompt_tokens_evaluated"] for p in unpinned) / positions, 3)}
+           if unpinned else {}),
         "server_prefill_tokens_per_s": round(pp, 1),
         "capture_positions_vs_prefill_tokens": round((positions / cap) / pp, 4),
     })
@@ -385,6 +394,49 @@ def bench_scale_vllm(d: Path, pair_sets, logs: Path, K: int) -> dict:
     return res
 
 
+def bench_scale_flags(gguf: Path, d: Path, args, logs: Path) -> dict:
+    """Default against tuned flags in one invocation: both llama-servers up at once, rounds
+    alternating default / tuned (the first server of a round alternates too), each round on
+    fresh sequences, so a change of machine load hits both alike. Reported per server: the
+    capture seconds of every round, the median positions/s, tokens evaluated per position."""
+    import statistics as st
+    from contextlib import ExitStack
+
+    from servers import llama_server
+
+    from logitdiff.sources import open_source
+
+    K, R = args.k, args.repeats
+    res: dict = {"K": K, "rounds": R}
+    with ExitStack() as stack:
+        srcs = {}
+        for flags in ("default", "tuned"):
+            srv = stack.enter_context(llama_server(gguf, logs, threads=args.threads, default_flags=flags == "default"))
+            srcs[flags] = stack.enter_context(open_source(f"openai:{srv.url},top_k={K}"))
+            srcs[flags].score_many(_pairs(d, 1, args.prompt_len, args.teacher_len, seed=900 + len(srcs)))  # warm-up
+        times: dict = {f: [] for f in srcs}
+        evals: dict = {f: [] for f in srcs}
+        for r in range(R):
+            order = ("default", "tuned") if r % 2 == 0 else ("tuned", "default")
+            for flags in order:
+                pairs = _pairs(d, args.sequences, args.prompt_len, args.teacher_len, seed=1000 + 10 * r + (flags == "tuned"))
+                src = srcs[flags]
+                e0 = src.server_stats["prompt_tokens_evaluated"]
+                t0 = time.perf_counter()
+                src.score_many(pairs)
+                times[flags].append(round(time.perf_counter() - t0, 3))
+                evals[flags].append(src.server_stats["prompt_tokens_evaluated"] - e0)
+        positions = args.sequences * args.teacher_len
+        for flags in srcs:
+            res[flags] = {"scheduling": srcs[flags].server_info.get("scheduling"), "slots": srcs[flags]._n_slots,
+                          "capture_s_all": times[flags], "positions": positions,
+                          "capture_positions_per_s": round(positions / st.median(times[flags]), 1),
+                          "tokens_evaluated_per_position": round(st.median(evals[flags]) / positions, 3)}
+        res["default_vs_tuned_time"] = round(st.median(times["default"]) / st.median(times["tuned"]), 3)
+        res["default_vs_tuned_time_per_round"] = [round(a / b, 3) for a, b in zip(times["default"], times["tuned"])]
+    return res
+
+
 def cmd_scale(args) -> None:
     from _models import make_wide_llama
 
@@ -399,10 +451,13 @@ def cmd_scale(args) -> None:
     print(f"model ready in {time.perf_counter() - t0:.0f} s: {d}, {gguf}", flush=True)
     pair_sets = [_pairs(d, args.sequences, args.prompt_len, args.teacher_len, seed=s) for s in range(args.repeats + 1)]
     peer_sets = [_pairs(d, args.sequences, args.prompt_len, args.teacher_len, seed=100 + s) for s in range(args.repeats)]
+    unpinned_sets = [_pairs(d, args.sequences, args.prompt_len, args.teacher_len, seed=200 + s) for s in range(args.repeats)]
     results = []
     for s in args.servers.split(","):
         if s in ("llamacpp-default", "llamacpp-tuned"):
-            results.append(bench_scale_llamacpp(gguf, pair_sets, peer_sets, out / "logs", args.k, args.threads, s.split("-")[1]))
+            results.append(bench_scale_llamacpp(gguf, pair_sets, peer_sets, unpinned_sets, out / "logs", args.k, args.threads, s.split("-")[1]))
+        elif s == "llamacpp-flags":
+            results.append(bench_scale_flags(gguf, d, args, out / "logs"))
         elif s == "vllm":
             results.append(bench_scale_vllm(d, pair_sets, out / "logs", args.k))
         print(json.dumps(results[-1]), flush=True)
@@ -448,7 +503,8 @@ def main() -> None:
     e.add_argument("out")
     e.add_argument("--servers", default="llamacpp-default,llamacpp-tuned,vllm",
                    help="comma list of llamacpp-default (llama-server's own defaults), llamacpp-tuned "
-                        "(-np 4 -fa off --cache-ram 0 ...), vllm")
+                        "(-np 4 -fa off --cache-ram 0 ...), llamacpp-flags (both at once, rounds alternating "
+                        "default / tuned), vllm")
     e.add_argument("--vocab", type=int, default=248_320)
     e.add_argument("--hidden", type=int, default=128)
     e.add_argument("--layers", type=int, default=2)

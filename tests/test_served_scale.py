@@ -6,7 +6,8 @@ few /detokenize requests (never one per id), send an item's positions in groups,
 llama-server's default flags as on the tuned ones - evaluate one new token per position
 after the item's prompt (read from the server's own timings). Tuned flags: positions in
 groups per request, pinned to the item's slot; default flags (idle slots cleared whenever a
-task starts): one unpinned request per position, restored from the host-RAM prompt cache.
+task starts): rounds, each one request of unpinned tasks - the next position of every item in
+flight, at most one item per slot - restored from the slot or the host-RAM prompt cache.
 
 A server that cannot start FAILS the test with its log tail (never a skip).
 """
@@ -92,8 +93,10 @@ def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
     assert vocab[V - 1] == f"<fill{V - 1}>" and vocab[2] == "<|im_end|>"
 
     # tuned flags: an item's positions in groups of 32 per request, pinned to its slot;
-    # default flags (idle slots cleared, found by the open's probe): one unpinned request per
-    # position (+ the preflight; besides: the probe's 3 requests, one generation per item)
+    # default flags (idle slots cleared, found by the open's probe): rounds of unpinned tasks,
+    # one position of each item in flight per request; with no more items than slots all are
+    # in flight from the start, so there are as many rounds as the longest output has
+    # positions (+ the preflight; besides: the probe's 3 requests, one generation per item)
     items = run.items()
     assert pinned == (flags == "tuned")
     scoring = [b for b in bodies if isinstance(b.get("prompt"), list) and b["prompt"] and isinstance(b["prompt"][0], list)]
@@ -101,8 +104,14 @@ def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
         want = sum(math.ceil(len(it.teacher_ids) / LLAMACPP_TASKS_PER_REQUEST) for it in items if it.teacher_ids)
         assert all(len(b["prompt"]) <= LLAMACPP_TASKS_PER_REQUEST and b["id_slot"] in range(slots) for b in scoring)
     else:
-        want = sum(len(it.teacher_ids) for it in items)
-        assert all(len(b["prompt"]) == 1 and b["id_slot"] == -1 for b in scoring)
+        assert slots >= len(items)
+        want = max(len(it.teacher_ids) for it in items)
+        rounds = scoring[1:]  # after the preflight
+        assert all(len(b["prompt"]) <= slots and b["id_slot"] == -1 for b in rounds)
+        # round r: prefix + r teacher tokens of every item still running, in item order
+        for r, b in enumerate(rounds):
+            running = [it for it in items if len(it.teacher_ids) > r]
+            assert b["prompt"] == [list(it.prompt_ids) + list(it.teacher_ids[:r]) for it in running], r
     assert len(scoring) == want + 1, (len(scoring), want)  # + the preflight
     assert counts["/completion"] == len(scoring) + len(items) + 3
 
