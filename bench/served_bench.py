@@ -8,7 +8,7 @@ the reference on a generated workload, and its Q4_K_M GGUF (llama.cpp, in proces
 full-logit candidate; then run
 ``logitdiff topk-error OUT/ref OUT/q4km --k 8,20,64,256 --json OUT/topk_error.json``.
 
-``throughput``: teacher-forced top-K capture rate through each server (OpenAISource.score_many,
+``throughput``: teacher-forced top-K capture rate through each server (ServedSource.score_many,
 the capture path) against the same server's own prompt-processing rate in the same run:
 
 * vLLM: capture = ``prompt_logprobs: 64`` over ``prompt + teacher``; own rate = the same

@@ -1,7 +1,7 @@
 """How much of a vLLM capture is logitdiff's client (diagnostic for served_bench).
 
 Starts vLLM (``--skip-tokenizer-init``) on a random Llama (V = 2048, hidden 256, 2 layers),
-then times, median of 5: ``OpenAISource.score_many`` of 16 sequences (128 prompt + 32
+then times, median of 5: ``ServedSource.score_many`` of 16 sequences (128 prompt + 32
 teacher tokens, K = 64, 4 per request); the same four requests sent with bare httpx and not
 parsed; and ``json.loads`` of those answers alone.
 

@@ -22,7 +22,7 @@ from _models import make_wide_llama
 from servers import CountingProxy, ServerFailed, llama_server
 from logitdiff.capture import capture_reference
 from logitdiff.sources import open_source
-from logitdiff.sources.openai import DETOKENIZE_CHUNK, LLAMACPP_TASKS_PER_REQUEST
+from logitdiff.sources.served import DETOKENIZE_CHUNK, LLAMACPP_TASKS_PER_REQUEST
 from logitdiff.store import RunReader
 from logitdiff.workload import read_workload
 
@@ -142,7 +142,7 @@ def test_token_text_containing_the_separator(tmp_path):
     import httpx
 
     from logitdiff.quantize import build_ladder
-    from logitdiff.sources.openai import SEPARATORS
+    from logitdiff.sources.served import SEPARATORS
 
     evil = (f"x{SEPARATORS[0]}y", SEPARATORS[0])
     d = make_wide_llama(tmp_path / "m", vocab_size=4_608, hidden=64, layers=1, extra=evil)
