@@ -475,26 +475,25 @@ def _load(path: Path, what: str) -> dict:
         raise LogitdiffError(f"{path}: not valid JSON (not UTF-8 text)") from None
 
 
+def _load_checked(path: str | Path, file: str, what: str, kind: str, schema: str) -> dict:
+    """``file`` in directory ``path`` (or ``path`` itself): parsed, its kind and major version
+    checked, and with validation on every field against the ``schema`` JSON Schema."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / file
+    doc = _load(path, what)
+    _accepts(doc, kind, path)
+    if validation_on():
+        validate(doc, schema, str(path))
+    return doc
+
+
 def load_report(path: str | Path) -> Report:
     """report.json (a REPORT directory or the file itself), checked: its kind and major
     version, and with validation on (``LOGITDIFF_VALIDATE_OUTPUTS``, tests) every field."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "report.json"
-    doc = _load(path, "REPORT directory")
-    _accepts(doc, REPORT_SCHEMA, path)
-    if validation_on():
-        validate(doc, "report", str(path))
-    return doc  # type: ignore[return-value]
+    return _load_checked(path, "report.json", "REPORT directory", REPORT_SCHEMA, "report")  # type: ignore[return-value]
 
 
 def load_summary(path: str | Path) -> RunSummary:
     """summary.json of a `logitdiff run` output (the directory or the file)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "summary.json"
-    doc = _load(path, "`logitdiff run` output directory")
-    _accepts(doc, RUN_SUMMARY_SCHEMA, path)
-    if validation_on():
-        validate(doc, "summary", str(path))
-    return doc  # type: ignore[return-value]
+    return _load_checked(path, "summary.json", "`logitdiff run` output directory", RUN_SUMMARY_SCHEMA, "summary")  # type: ignore[return-value]
