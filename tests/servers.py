@@ -33,6 +33,17 @@ class ServerFailed(RuntimeError):
     pass
 
 
+def start_or_fail(factory, *args, **kwargs):
+    """``factory(...).start()``, or fail the calling test with the server's own one-line
+    reason (a server that cannot start is a failure, never a skip)."""
+    import pytest
+
+    try:
+        return factory(*args, **kwargs).start()
+    except ServerFailed as e:
+        pytest.fail(str(e), pytrace=False)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from _models import make_random_llama
-from servers import ServerFailed, free_port, llama_server, replay_server, vllm_server
+from servers import free_port, llama_server, replay_server, start_or_fail, vllm_server
 from logitdiff import metrics as M
 from logitdiff.capture import capture_candidate, capture_reference, verified_prompts
 from logitdiff.cli import main
@@ -30,13 +30,6 @@ from logitdiff.store import RunReader
 from logitdiff.workload import read_workload
 
 K = 32
-
-
-def _start(factory, *a, **kw):
-    try:
-        return factory(*a, **kw).start()
-    except ServerFailed as e:
-        pytest.fail(str(e), pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +55,7 @@ def llama(env):
 
     def get(q):
         if q not in servers:
-            servers[q] = _start(llama_server, env["ladder"][q], env["logs"])
+            servers[q] = start_or_fail(llama_server, env["ladder"][q], env["logs"])
         return servers[q]
 
     yield get
@@ -148,8 +141,8 @@ def test_llama_server_kl_end_to_end(env, llama, tmp_path, capsys):
 def test_llama_server_replicas_round_robin(env, tmp_path):
     """Two replicas behind one spec (endpoints=): both serve, results equal one server's."""
     ref = env["ref"]
-    a = _start(llama_server, env["ladder"]["F32"], env["logs"], extra=["--metrics"])
-    b = _start(llama_server, env["ladder"]["F32"], env["logs"], extra=["--metrics"])
+    a = start_or_fail(llama_server, env["ladder"]["F32"], env["logs"], extra=["--metrics"])
+    b = start_or_fail(llama_server, env["ladder"]["F32"], env["logs"], extra=["--metrics"])
     try:
         with open_source(f"openai:{a.url},endpoints={b.url}/v1,top_k={K}") as src:
             assert len(src.roots) == 2
@@ -195,7 +188,7 @@ def test_llama_server_faults(env, llama, tmp_path, capsys):
     # a server whose chat template differs: caught item by item before any scoring
     tmpl = tmp_path / "other.jinja"
     tmpl.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}:{{ m['content'] }}<|im_end|>{% endfor %}<|im_start|>assistant\n")
-    other = _start(llama_server, env["ladder"]["F32"], env["logs"], extra=["--chat-template-file", str(tmpl)])
+    other = start_or_fail(llama_server, env["ladder"]["F32"], env["logs"], extra=["--chat-template-file", str(tmpl)])
     try:
         err = _cli_error(capsys, ["capture", f"openai:{other.url}", "--teacher", str(ref.path), "--out", str(tmp_path / "y")])
         assert "tokenization differs at prompt position" in err and "chat0" in err
@@ -207,7 +200,7 @@ def test_llama_server_faults(env, llama, tmp_path, capsys):
     from logitdiff.quantize import build_ladder
 
     og = build_ladder(od, tmp_path / "ocache", [])["F32"]
-    other = _start(llama_server, og, env["logs"])
+    other = start_or_fail(llama_server, og, env["logs"])
     try:
         err = _cli_error(capsys, ["capture", f"openai:{other.url}", "--teacher", str(ref.path), "--out", str(tmp_path / "z")])
         assert "vocab size" in err
@@ -220,7 +213,7 @@ def test_llama_server_killed_mid_capture_resumes(env, tmp_path):
     restart completes it with no position lost or duplicated."""
     ref = env["ref"]
     gguf = env["ladder"]["F32"]
-    srv = _start(llama_server, gguf, env["logs"])
+    srv = start_or_fail(llama_server, gguf, env["logs"])
     port = srv.port
     spec = f"openai:{srv.url},top_k={K},retries=2"
     out = tmp_path / "killed"
@@ -264,7 +257,7 @@ def test_llama_server_killed_mid_capture_resumes(env, tmp_path):
     assert partial.is_partial and 2 <= n_done < len(ref.items())
     with pytest.raises(LogitdiffError, match="partial"):
         RunReader(out)
-    srv2 = _start(llama_server, gguf, env["logs"], port=port)
+    srv2 = start_or_fail(llama_server, gguf, env["logs"], port=port)
     try:
         # the same batch layout as the killed capture (a resume refuses another one)
         assert main(["capture", spec, "--teacher", str(ref.path), "--out", str(out), "--resume", "--batch", "1"]) == 0
@@ -289,7 +282,7 @@ def test_llama_server_killed_mid_capture_resumes(env, tmp_path):
 # ------------------------------------------------------------------------ vLLM
 @pytest.fixture(scope="module")
 def vllm(env):
-    s = _start(vllm_server, env["dir"], env["logs"], max_logprobs=64)
+    s = start_or_fail(vllm_server, env["dir"], env["logs"], max_logprobs=64)
     yield s
     s.stop()
 
@@ -329,7 +322,7 @@ def test_vllm_skip_tokenizer_init(env, vllm, tmp_path):
     """A vLLM started with --skip-tokenizer-init (no per-entry detokenization, the fast capture
     set-up) gives the same top-K as the ordinary one; prompts are rendered locally."""
     ref = env["ref"]
-    fast = _start(vllm_server, env["dir"], env["logs"], max_logprobs=64, extra=["--skip-tokenizer-init"])
+    fast = start_or_fail(vllm_server, env["dir"], env["logs"], max_logprobs=64, extra=["--skip-tokenizer-init"])
     try:
         with pytest.raises(LogitdiffError, match="skip-tokenizer-init.*tokenizer=PATH"):
             open_source(f"openai:{fast.url},top_k=64")
@@ -374,7 +367,7 @@ def test_token_texts_without_per_id_requests(env, llama, vllm):
 # ------------------------------------------------------------------------ SGLang (replay)
 @pytest.fixture(scope="module")
 def sglang(env):
-    s = _start(replay_server, env["dir"], env["logs"])
+    s = start_or_fail(replay_server, env["dir"], env["logs"])
     yield s
     s.stop()
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from _models import make_wide_llama
-from servers import CountingProxy, ServerFailed, llama_server
+from servers import CountingProxy, llama_server, start_or_fail
 from logitdiff.capture import capture_reference
 from logitdiff.sources import open_source
 from logitdiff.sources.served import DETOKENIZE_CHUNK, LLAMACPP_TASKS_PER_REQUEST
@@ -29,13 +29,6 @@ from logitdiff.workload import read_workload
 V = 248_320
 K = 64
 T = 40  # output tokens per item: two requests of 32 + 8 positions
-
-
-def _start(factory, *a, **kw):
-    try:
-        return factory(*a, **kw).start()
-    except ServerFailed as e:
-        pytest.fail(str(e), pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +55,7 @@ def _local_texts(tok) -> list[str]:
 
 @pytest.mark.parametrize("flags", ["default", "tuned"])
 def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
-    srv = _start(llama_server, wide["gguf"], wide["logs"], default_flags=flags == "default")
+    srv = start_or_fail(llama_server, wide["gguf"], wide["logs"], default_flags=flags == "default")
     try:
         with CountingProxy(srv.url, keep=("/completion", "/detokenize")) as px:
             with open_source(f"openai:{px.url},top_k={K}") as src:
@@ -147,7 +140,7 @@ def test_token_text_containing_the_separator(tmp_path):
     evil = (f"x{SEPARATORS[0]}y", SEPARATORS[0])
     d = make_wide_llama(tmp_path / "m", vocab_size=4_608, hidden=64, layers=1, extra=evil)
     gguf = build_ladder(d, tmp_path / "cache", [])["F32"]
-    srv = _start(llama_server, gguf, tmp_path / "logs")
+    srv = start_or_fail(llama_server, gguf, tmp_path / "logs")
     try:
         with CountingProxy(srv.url) as px, open_source(f"openai:{px.url},top_k=8") as src:
             texts = [src.token_text(i) for i in range(src.vocab_size)]

@@ -784,12 +784,10 @@ class RunReader:
         if not self.k:
             raise LogitdiffError(f"{self.path}: run stores full logits, not top-K")
         pieces = list(self._pieces(item))
-        if len(pieces) == 1:
-            return pieces[0]
         if not pieces:
             data = self._chunk(item.chunk) if item.chunk < len(self.manifest["chunks"]) else {}
             return {k: v[:0] for k, v in data.items()} or {"ids": np.zeros((0, self.k), np.int64), "logprobs": np.zeros((0, self.k))}
-        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+        return _joined(pieces)
 
     def row_blocks(self, items: Iterable[RunItem], rows: int, *, raw: bool = False) -> Iterator:
         """The rows of ``items`` in order, cut into blocks of exactly ``rows`` rows across
@@ -806,8 +804,11 @@ class RunReader:
         """The compact store's arrays of an item's rows (see compact.py)."""
         if not self.compact:
             raise LogitdiffError(f"{self.path}: run stores {self.store}, not a compact reference")
-        pieces = list(self._pieces(item))
-        if len(pieces) == 1:
-            return pieces[0]
-        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+        return _joined(list(self._pieces(item)))
 
+
+def _joined(pieces: list[dict]) -> dict[str, np.ndarray]:
+    """One item's rows of a top-K or compact store from its pieces (one per chunk it spans)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
