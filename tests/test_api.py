@@ -246,3 +246,18 @@ def test_drift_within_rejects_bad_clauses(real_report):
         assert_drift_within(rep_dir, "kl_avg<0.1")
     with pytest.raises(LogitdiffError, match="not found"):
         assert_drift_within(rep_dir.parent / "nowhere", "kl_mean<0.1")
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"bootstrap": 10**9}, "--bootstrap 1000000000: must be between 0"),
+    ({"threads": 0}, "--threads 0: must be at least 1"),
+    ({"top_logprobs": 0}, "--top-logprobs 0: must be at least 1"),
+    ({"device": "tpu"}, "--device 'tpu'"),
+    ({"gates": "kl_avg<1"}, "unknown metric 'kl_avg'"),
+])
+def test_diff_runs_checks_arguments_before_writing(real_report, bad, match):
+    tmp = real_report[0].parent
+    out = tmp / "never"
+    with pytest.raises(LogitdiffError, match=re.escape(match)):
+        logitdiff.diff_runs(tmp / "ref", tmp / "cand", out=out, **bad)
+    assert not out.exists()

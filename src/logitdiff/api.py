@@ -30,6 +30,34 @@ Bar = Callable[[int | None, str], Callable[..., None]]
 
 __all__ = ["capture_run", "diff_runs", "load_report", "noise_floor_of", "run"]
 
+MAX_BOOTSTRAP = 100_000
+
+
+def check_bootstrap(n: int) -> None:
+    """0 (no confidence intervals) .. MAX_BOOTSTRAP (the resample index array is n x items)."""
+    if not 0 <= n <= MAX_BOOTSTRAP:
+        raise LogitdiffError(f"--bootstrap {n}: must be between 0 (no confidence intervals) and {MAX_BOOTSTRAP}")
+
+
+def check_device(device: str | None) -> None:
+    """``--device``: cpu, cuda or cuda:N, and CUDA only where torch can reach a GPU."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise LogitdiffError(f"--device {device!r}: not a device (expected cpu, cuda or cuda:N)") from None
+    if d.type not in ("cpu", "cuda"):
+        raise LogitdiffError(f"--device {device!r}: unsupported (expected cpu, cuda or cuda:N)")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no usable GPU"
+            raise LogitdiffError(f"--device {device!r}: CUDA is not available (torch {torch.__version__}, {build}); use --device cpu")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise LogitdiffError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+
 
 def _no_bar(total, label):
     return lambda n=1: None
@@ -157,6 +185,8 @@ def diff_runs(
     bar = bar or _no_bar
     ranges = tuple(DEFAULT_RANGES if ranges is None else ranges)
     bootstrap = DEFAULT_BOOTSTRAP if bootstrap is None else bootstrap
+    check_bootstrap(bootstrap)
+    check_device(device)
     gate_list = None
     if gates:
         from .gates import parse_gates
@@ -230,6 +260,7 @@ def run(**config) -> dict:
 
     bar = config.pop("bar", None)
     cfg = RunConfig(**config)
+    check_bootstrap(cfg.bootstrap)
     check_specs(cfg)
 
     class _Hooks:

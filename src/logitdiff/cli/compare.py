@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from ..api import check_bootstrap, check_device
 from .console import Bars, console, table_console
 from .options import (
-    add_bootstrap, add_chunk_size, add_fail_on, add_ranges, check_at_least, check_bootstrap, check_device, gate_exit,
+    add_bootstrap, add_chunk_size, add_fail_on, add_ranges, check_at_least, gate_exit,
     parse_fail_on, parse_ranges_arg,
 )
 

@@ -3,9 +3,9 @@ library's own (one place for each), so a command's ``--help`` and the Python API
 
 from __future__ import annotations
 
+from ..api import MAX_BOOTSTRAP
 from ..errors import LogitdiffError
 
-MAX_BOOTSTRAP = 100_000
 GATES_EXIT = 3
 FAIL_ON_HELP = (
     "quality gates, e.g. 'kl_mean>0.05,top1_disagreement>0.02,tool_call_malformed>0': exit status 3 when "
@@ -25,32 +25,6 @@ def parse_ranges_arg(text: str):
 def check_at_least(flag: str, value: int | None, low: int) -> None:
     if value is not None and value < low:
         raise LogitdiffError(f"{flag} {value}: must be at least {low}")
-
-
-def check_bootstrap(n: int) -> None:
-    """0 (no confidence intervals) .. MAX_BOOTSTRAP (the resample index array is n x items)."""
-    if not 0 <= n <= MAX_BOOTSTRAP:
-        raise LogitdiffError(f"--bootstrap {n}: must be between 0 (no confidence intervals) and {MAX_BOOTSTRAP}")
-
-
-def check_device(device: str | None) -> None:
-    """``--device``: cpu, cuda or cuda:N, and CUDA only where torch can reach a GPU."""
-    if device is None:
-        return
-    import torch
-
-    try:
-        d = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise LogitdiffError(f"--device {device!r}: not a device (expected cpu, cuda or cuda:N)") from None
-    if d.type not in ("cpu", "cuda"):
-        raise LogitdiffError(f"--device {device!r}: unsupported (expected cpu, cuda or cuda:N)")
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no usable GPU"
-            raise LogitdiffError(f"--device {device!r}: CUDA is not available (torch {torch.__version__}, {build}); use --device cpu")
-        if d.index is not None and d.index >= torch.cuda.device_count():
-            raise LogitdiffError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
 def parse_fail_on(text: str | None):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 
+from ..api import check_bootstrap
 from .console import Bars, console, table_console
 from .options import (
-    GATES_EXIT, add_bootstrap, add_fail_on, add_max_branches, add_ranges, check_bootstrap, check_max_branches, parse_fail_on,
+    GATES_EXIT, add_bootstrap, add_fail_on, add_max_branches, add_ranges, check_max_branches, parse_fail_on,
     parse_ranges_arg,
 )
 
