@@ -61,3 +61,13 @@ def test_a_changed_tools_module_copy_is_refused(moved_runs, tmp_path):
     shutil.rmtree(copy / TOOLS_DIR)
     with pytest.raises(LogitdiffError, match=r"field 'tools_module' .*not in the RUN"):
         RunReader(copy).items()
+
+
+def test_a_tools_module_without_its_recorded_hash_is_refused(moved_runs, tmp_path):
+    there, _ = moved_runs
+    copy = tmp_path / "ref"
+    shutil.copytree(there / "ref", copy)
+    [items] = (copy / "chunks").glob("*.items.jsonl")
+    items.write_text(items.read_text().replace('"tools_module_sha256"', '"sha256_elsewhere"'))
+    with pytest.raises(LogitdiffError, match=r"field 'tools_module' .*no 'tools_module_sha256' recorded"):
+        RunReader(copy).items()

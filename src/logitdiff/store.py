@@ -284,6 +284,7 @@ class RunWriter:
         # files are durable, so a kill still leaves whole chunks behind.
         self._pool = None
         self._pending: list = []
+        self._kept_tools: dict[str, dict] = {}  # tools module path -> its copy in the RUN
         mpath = self.path / "manifest.json"
         fresh = {
             "schema": RUN_SCHEMA,
@@ -362,6 +363,8 @@ class RunWriter:
         """A copy of an item's tools module inside the RUN (``tools/<sha256[:16]>-<name>``),
         so that a RUN moved to another machine still executes its tool calls; the item names
         it by that RUN-relative path and its hash (checked on read)."""
+        if path in self._kept_tools:  # items of one workload mostly share one module
+            return self._kept_tools[path]
         src = Path(path)
         try:
             data = src.read_bytes()
@@ -374,7 +377,8 @@ class RunWriter:
         if not dest.is_file():
             dest.parent.mkdir(exist_ok=True)
             atomic_write_bytes(dest, data)
-        return {"tools_module": rel, "tools_module_sha256": digest}
+        self._kept_tools[path] = {"tools_module": rel, "tools_module_sha256": digest}
+        return self._kept_tools[path]
 
     def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None) -> None:
         """The next rows of the current item (its positions in order)."""
@@ -657,6 +661,7 @@ class RunReader:
         if self._items is None:
             items: list[RunItem] = []
             seen: set[str] = set()
+            checked: dict[str, str] = {}  # tools module copies already hashed
             for c in self.manifest["chunks"]:
                 p = self.path / "chunks" / c["items"]
                 if not p.exists():
@@ -664,7 +669,7 @@ class RunReader:
                 for lineno, line in enumerate(p.read_bytes().split(b"\n"), 1):
                     if line.strip():
                         it = _parse_item_line(p, lineno, line, c["index"])
-                        self._resolve_tools_module(p, lineno, it)
+                        self._resolve_tools_module(p, lineno, it, checked)
                         if it.id in seen:
                             raise LogitdiffError(f"{p}: duplicate item id {it.id!r}")
                         seen.add(it.id)
@@ -672,7 +677,7 @@ class RunReader:
             self._items = items
         return self._items
 
-    def _resolve_tools_module(self, items_file: Path, lineno: int, it: RunItem) -> None:
+    def _resolve_tools_module(self, items_file: Path, lineno: int, it: RunItem, checked: dict[str, str]) -> None:
         """A RUN-relative ``tools_module`` (the copy ``RunWriter`` keeps) -> its path here,
         after checking that the copy is there and has the recorded hash."""
         wl_item = it.extra.get("item") if isinstance(it.extra, dict) else None
@@ -684,7 +689,11 @@ class RunReader:
         if not local.is_file() or ".." in Path(rel).parts:
             raise LogitdiffError(f"{where}: not in the RUN (copied without its {TOOLS_DIR}/ directory?)")
         want = wl_item.get("tools_module_sha256")
-        if want and hashlib.sha256(local.read_bytes()).hexdigest() != want:
+        if not isinstance(want, str):
+            raise LogitdiffError(f"{where}: no 'tools_module_sha256' recorded beside it; the run is damaged")
+        if rel not in checked:
+            checked[rel] = hashlib.sha256(local.read_bytes()).hexdigest()
+        if checked[rel] != want:
             raise LogitdiffError(f"{where}: its sha256 differs from the one recorded (the file was changed)")
         wl_item["tools_module"] = str(local)
 
