@@ -286,6 +286,17 @@ def _llama_prefill_rate(url: str, pairs) -> float:
     return 1000 * pn / pms
 
 
+
+def _time_token_texts(src, px, res: dict) -> None:
+    """The text of every token id (what a capture asks for its report), timed, with the
+    requests it took counted at the proxy."""
+    n_before = sum(px.counts.values())
+    t0 = time.perf_counter()
+    texts = [src.token_text(i) for i in range(src.vocab_size)]
+    res["token_texts_s"] = round(time.perf_counter() - t0, 2)
+    res["token_texts_requests"] = sum(px.counts.values()) - n_before
+    res["vocab_size"] = len(texts)
+
 def bench_scale_llamacpp(gguf: Path, pair_sets, peer_sets, unpinned_sets, logs: Path, K: int, threads: int, flags: str) -> dict:
     import statistics as st
 
@@ -301,12 +312,7 @@ def bench_scale_llamacpp(gguf: Path, pair_sets, peer_sets, unpinned_sets, logs: 
         with open_source(f"openai:{px.url},top_k={K}") as src:
             res["open_s"] = round(time.perf_counter() - t0, 2)
             res["slots"] = src._n_slots
-            n_before = sum(px.counts.values())
-            t0 = time.perf_counter()
-            texts = [src.token_text(i) for i in range(src.vocab_size)]
-            res["token_texts_s"] = round(time.perf_counter() - t0, 2)
-            res["token_texts_requests"] = sum(px.counts.values()) - n_before
-            res["vocab_size"] = len(texts)
+            _time_token_texts(src, px, res)
             src.score_many(pair_sets[0][:1])  # warm-up
             caps, evals, reqs, peers, unpinned = [], [], [], [], []
             # alternating rounds, each on fresh sequences (no answer from an earlier round's cache)
@@ -355,12 +361,7 @@ def bench_scale_vllm(d: Path, pair_sets, logs: Path, K: int) -> dict:
             CountingProxy(srv.url) as px:
         res["startup_s"] = round(srv.started_in, 1)
         with open_source(f"openai:{px.url},top_k={K},concurrency=8,batch=4") as src:
-            n_before = sum(px.counts.values())
-            t0 = time.perf_counter()
-            texts = [src.token_text(i) for i in range(src.vocab_size)]
-            res["token_texts_s"] = round(time.perf_counter() - t0, 2)
-            res["token_texts_requests"] = sum(px.counts.values()) - n_before
-            res["vocab_size"] = len(texts)
+            _time_token_texts(src, px, res)
             src.score_many(pair_sets[0][:4])  # warm-up
             c = src._client
 

@@ -261,3 +261,17 @@ def test_diff_runs_checks_arguments_before_writing(real_report, bad, match):
     with pytest.raises(LogitdiffError, match=re.escape(match)):
         logitdiff.diff_runs(tmp / "ref", tmp / "cand", out=out, **bad)
     assert not out.exists()
+
+
+def test_run_is_the_run_command(real_report, tmp_path):
+    tmp = real_report[0].parent
+    summary = logitdiff.run(reference="builtin:tiny", candidates=["builtin:tiny,dtype=float32"], workload=str(tmp / "w.jsonl"),
+                            out=str(tmp_path / "out"), max_tokens=12, noise_floor=False, flips=False, correctness=False,
+                            bootstrap=0)
+    [row] = summary["candidates"]
+    # the same reference output and the same candidate as the fixture's capture + compare
+    assert row["kl_mean"] == real_report[1]["summary"]["kl_nats_mean"]
+    assert logitdiff.load_summary(tmp_path / "out")["candidates"][0]["kl_mean"] == row["kl_mean"]
+    with pytest.raises(LogitdiffError, match="--bootstrap -1"):
+        logitdiff.run(out=str(tmp_path / "never"), bootstrap=-1)
+    assert not (tmp_path / "never").exists()

@@ -256,21 +256,15 @@ def run(**config) -> dict:
     """The whole job of ``logitdiff run`` (keyword arguments: the fields of
     :class:`logitdiff.pipeline.RunConfig`; none: the bundled default into ./logitdiff-out).
     Returns summary.json's object."""
-    from .pipeline import RunConfig, check_specs, run_pipeline
+    from .pipeline import Hooks, RunConfig, check_specs, run_pipeline
 
-    bar = config.pop("bar", None)
+    bar = config.pop("bar", None) or _no_bar
     cfg = RunConfig(**config)
     check_bootstrap(cfg.bootstrap)
     check_specs(cfg)
 
-    class _Hooks:
-        def stage(self, text):
-            pass
-
+    class _Bars(Hooks):
         def bar(self, total, text):
-            return (bar or _no_bar)(total, text)
+            return bar(total, text)
 
-        def done(self):
-            pass
-
-    return run_pipeline(cfg, _Hooks())
+    return run_pipeline(cfg, _Bars())
