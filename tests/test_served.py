@@ -51,12 +51,13 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama(env):
+    """llama-server on a ladder rung; ``parallel`` slots (1: every task runs alone)."""
     servers = {}
 
-    def get(q):
-        if q not in servers:
-            servers[q] = start_or_fail(llama_server, env["ladder"][q], env["logs"])
-        return servers[q]
+    def get(q, parallel=4):
+        if (q, parallel) not in servers:
+            servers[q, parallel] = start_or_fail(llama_server, env["ladder"][q], env["logs"], parallel=parallel)
+        return servers[q, parallel]
 
     yield get
     for s in servers.values():
@@ -74,26 +75,35 @@ def _check_topk_against_full(served, full, ids_native, where, *, atol, tie):
     return not bad.any()
 
 
-@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
-def test_llama_server_topk_equals_in_process(env, llama, quant):
-    """llama-server top-K = in-process llama.cpp (gguf:) top-K at every position.
-
-    cache_prompt=false: every position is one batched prefill, as in process;
-    cache_prompt=true (the fast default): one incremental step per position. Q8_0 agrees to
-    1e-5 either way. F32 agrees to ~1e-3 only: llama-server batches concurrent requests of
-    several slots together, and llama.cpp's F32 matmul rounds differently for each batch
-    shape, which this random model's logits amplify (single requests agree to ~1e-6).
-    Top-K ids are equal except where in-process logprobs tie within that tolerance."""
-    srv = llama(quant)
-    ref = env["ref"]
-    with open_source(f"gguf:{env['ladder'][quant]}") as gg:
+def _native_rows(gguf, ref):
+    """In-process llama.cpp rows of every reference item: (full log-softmax, top-K ids)."""
+    with open_source(f"gguf:{gguf}") as gg:
         native = {}
         for it in ref.items():
             z = gg.score(it.prompt_ids, it.teacher_ids).astype(np.float64)
             native[it.id] = (z - np.logaddexp.reduce(z, axis=1, keepdims=True), M.row_stats(z, k=K)["topk_ids"])
-        tol = {"F32": (2e-3, 2e-3), "Q8_0": (1e-5, 1e-5)}[quant]
-        for cache, atol in (("false", tol[0]), ("true", tol[1])):
-            tie = atol
+        return native
+
+
+@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
+def test_llama_server_topk_equals_in_process(env, llama, quant):
+    """llama-server top-K = in-process llama.cpp (gguf:) top-K at every position, on a
+    one-slot server (-np 1), where every task is evaluated alone, as in process.
+
+    cache_prompt=false: every position is one prefill of its own prefix, the batched
+    kernels the in-process run uses: agreement to float32 rounding (1.6e-6 seen; 1e-5).
+    cache_prompt=true (the fast default): one incremental one-token step per position. Q8_0
+    agrees to 1e-6 that way too (its dot products are integer within each block); F32's
+    one-token matmul sums in another order than the batched one, which this random model's
+    logits amplify to ~1e-3 (0.94e-3 seen; 2e-3). Top-K ids are equal except where
+    in-process logprobs tie within that tolerance. With several slots the server batches
+    concurrent tasks together (next test)."""
+    srv = llama(quant, parallel=1)
+    ref = env["ref"]
+    native = _native_rows(env["ladder"][quant], ref)
+    with open_source(f"gguf:{env['ladder'][quant]}") as gg:
+        for cache in ("false", "true"):
+            atol = 2e-3 if (quant, cache) == ("F32", "true") else 1e-5
             with open_source(f"openai:{srv.url},top_k={K},cache_prompt={cache}") as src:
                 assert src.kind == "llamacpp" and src.vocab_size == ref.vocab_size == gg.vocab_size
                 pairs = verified_prompts(src, ref)  # the server's rendering (tokenize, apply-template) = the reference's
@@ -105,13 +115,48 @@ def test_llama_server_topk_equals_in_process(env, llama, quant):
                     for r in range(len(it.teacher_ids)):
                         row = {"ids": s.ids[r], "logprobs": s.logprobs[r]}
                         exact_rows += _check_topk_against_full(row, full[r], ids_n[r], f"{quant} cache_prompt={cache} item {it.id} position {r}",
-                                                               atol=atol, tie=tie)
+                                                               atol=atol, tie=atol)
                     n += len(it.teacher_ids)
                 assert n == sum(len(it.teacher_ids) for it in ref.items())
                 assert exact_rows >= 0.9 * n, (exact_rows, n)  # near-ties are the exception
                 if cache == "true":
                     for it, p in pairs[:2]:  # greedy generation through the server = in process
                         assert src.generate(p, 6).token_ids == gg.generate(p, 6).token_ids
+
+
+@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
+def test_llama_server_concurrent_rows_belong_to_their_positions(env, llama, quant):
+    """On a four-slot server with concurrent requests (the source's default scheduling) every
+    served row is the in-process row of its own item and position, not of another.
+
+    The server batches tasks of several slots into one evaluation. Here that changes the
+    rows by no more than the one-slot test allows, but one CI run (another CPU) saw a Q8_0
+    row 0.023 nats off with cache_prompt=false: batch-shape rounding flipping an int8
+    activation step, or the server's batching itself; not reproduced here. Either way it is
+    the server's arithmetic, not alignment, which is what this scheduling must get right.
+    So the check is relative: the served row is nearer (max |delta logprob| over its K ids)
+    to its own position's in-process row than to any other row of the item, by a factor of
+    2 (other positions' rows are >= 1.15 nats away on this model)."""
+    srv = llama(quant)
+    ref = env["ref"]
+    native = _native_rows(env["ladder"][quant], ref)
+    worst = 0.0
+    margin = 9.0
+    for cache in ("false", "true"):
+        with open_source(f"openai:{srv.url},top_k={K},cache_prompt={cache}") as src:
+            pairs = verified_prompts(src, ref)
+            served = src.score_many([(p, it.teacher_ids) for it, p in pairs])
+            for (it, p), s in zip(pairs, served):
+                full = native[it.id][0]
+                assert s.ids.shape == (len(it.teacher_ids), K)
+                for r in range(len(it.teacher_ids)):
+                    dist = np.abs(full[:, s.ids[r]] - s.logprobs[r]).max(axis=1)  # to every row of the item
+                    others = np.delete(dist, r)
+                    where = f"{quant} cache_prompt={cache} item {it.id} position {r}"
+                    assert others.size == 0 or dist[r] * 2 < others.min(), (where, dist[r], others.min())
+                    worst = max(worst, float(dist[r]))
+                    margin = min(margin, float(others.min()) if others.size else 9.0)
+    print(f"{quant}: concurrent rows within {worst:.3g} nats of in-process; other positions' rows at least {margin:.3g} away")
 
 
 def test_llama_server_kl_end_to_end(env, llama, tmp_path, capsys):
