@@ -118,6 +118,53 @@ def test_topk_compare_carries_intervals(runs):
     assert "proven interval" in (out / "report.html").read_text()
 
 
+def test_topk_compare_with_a_stated_logprob_floor(runs, capsys):
+    """--logprob-floor: a true floor gives forward and reverse KL a finite upper bound that
+    still covers the exact value; a statement a listed logprob disproves, one no
+    distribution over V tokens can meet, or one for a comparison that needs none is a
+    one-line error with nothing written."""
+    tmp, ref, cand, teacher = runs
+    make_run(tmp / "rk", ref, teacher, store="topk:16")
+    make_run(tmp / "ck", cand, teacher, store="topk:16")
+    lp, lq, ex, tol = exact_cols(ref, cand)
+    floor = float(min(lp.min(), lq.min()))  # the tightest true floor of both models
+    comp = compare_runs(RunReader(tmp / "rk"), RunReader(tmp / "ck"), logprob_floor=floor)
+    col = comp.columns
+    for name in ("kl", "kl_rev", "jsd"):
+        lo, hi = col[f"{name}_lower_nats"], col[f"{name}_upper_nats"]
+        assert np.isfinite(hi).all(), name
+        assert (lo <= ex[name] + tol).all() and (ex[name] <= hi + tol).all(), name
+    assert comp.method["logprob_floor_nats"] == floor and f"{floor:g}" in comp.method["description"]
+    # a looser (lower) true floor: still covered, wider
+    loose = compare_runs(RunReader(tmp / "rk"), RunReader(tmp / "ck"), logprob_floor=floor - 5).columns
+    assert (loose["kl_upper_nats"] >= col["kl_upper_nats"]).all() and (loose["kl_upper_nats"] > col["kl_upper_nats"]).any()
+    out = tmp / "rep"
+    assert main(["compare", str(tmp / "rk"), str(tmp / "ck"), "--out", str(out), "--bootstrap", "10",
+                 "--logprob-floor", repr(floor)]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["method"]["logprob_floor_nats"] == floor and rep["schema_version"] == "1.1"
+    assert rep["summary"]["kl_lower_nats_mean"] <= rep["summary"]["kl_nats_mean"] <= rep["summary"]["kl_upper_nats_mean"]
+    # statements that cannot hold
+    listed = min(float(np.sort(lp, 1)[:, -16:].min()), float(np.sort(lq, 1)[:, -16:].min()))
+    assert listed + 0.01 < -np.log(V)  # the fixture's lists reach below -ln V
+    full_ref, full_cand = make_run(tmp / "fr", ref, teacher), make_run(tmp / "fc", cand, teacher)
+    bad = [
+        (["--logprob-floor", "0.5"], "finite negative"),
+        (["--logprob-floor", "nan"], "finite negative"),
+        (["--logprob-floor", "-1"], "above -ln V"),
+        (["--logprob-floor", repr(listed + 0.01)], "is below --logprob-floor"),
+    ]
+    bad.append((["--logprob-floor", repr(floor)], "applies to top-K comparisons"))
+    for extra, msg in bad:
+        o = tmp / "bad"
+        pair = (full_ref, full_cand) if msg.startswith("applies") else (tmp / "rk", tmp / "ck")
+        capsys.readouterr()
+        assert main(["compare", *map(str, pair), "--out", str(o), "--bootstrap", "10", *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+        assert not o.exists(), extra
+
+
 def test_reports_show_interval_and_method(runs):
     tmp, ref, cand, teacher = runs
     make_run(tmp / "ref", ref, teacher, store="compact:exact=8,band=40")

@@ -167,14 +167,17 @@ def diff_runs(
     gates: str | None = None,
     threads: int | None = None,
     bar: Bar | None = None,
+    logprob_floor: float | None = None,
 ) -> dict:
     """Compare a candidate (a RUN directory, or a source spec scored live against the
     reference, nothing stored) with a reference RUN. Returns the report (the report.json
     object); with ``out``, also writes the REPORT directory (report.json, tokens.parquet,
     report.md, report.html). ``gates`` (``--fail-on`` syntax) are evaluated into the
     report's ``gates`` section. ``threads``: CPU threads of the metrics (default: the CPUs
-    this process may run on, ``metrics.default_threads()``)."""
-    from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
+    this process may run on, ``metrics.default_threads()``). ``logprob_floor``: a stated
+    lower bound (nats) on every log-probability of both models, for a finite KL upper bound
+    of top-K comparisons (compare.check_floor)."""
+    from .compare import DEFAULT_TOP_LOGPROBS, check_floor_value, compare_runs
     from .outputs import Kind, check_output
     from .report import build_report, write_report_dir
     from .report.html import render_html
@@ -187,6 +190,7 @@ def diff_runs(
     bootstrap = DEFAULT_BOOTSTRAP if bootstrap is None else bootstrap
     check_bootstrap(bootstrap)
     check_device(device)
+    check_floor_value(logprob_floor)
     gate_list = None
     if gates:
         from .gates import parse_gates
@@ -224,7 +228,7 @@ def diff_runs(
             noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
         advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
         comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
-                            device=device, chunk_bytes=chunk_bytes, threads=threads)
+                            device=device, chunk_bytes=chunk_bytes, threads=threads, logprob_floor=logprob_floor)
     finally:
         threads_scope.close()
         if live_source is not None:

@@ -8,6 +8,7 @@ columns plus the descriptions the report needs. No file is written here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,6 +40,13 @@ TOPK_BOUNDS = (
     "(docs/bounds.md): the lower bound by data processing over the shared tokens; the upper "
     "bound of forward and reverse KL is inf: nothing bounds a probability outside the top-K lists "
     "from below (no logit floor is known)."
+)
+TOPK_BOUNDS_FLOOR = (
+    " Each divergence also carries a proven interval [*_lower_nats, *_upper_nats] "
+    "(docs/bounds.md): the lower bound by data processing over the shared tokens; the upper "
+    "bound of forward and reverse KL from the stated log-probability floor (--logprob-floor "
+    "{floor:g} nats on every entry of both distributions, method.logprob_floor_nats): it holds "
+    "only as far as that statement does."
 )
 LLAMACPP_BOUNDS = (
     " The reference is an imported llama.cpp --kl-divergence-base file: its log-probabilities are "
@@ -218,15 +226,19 @@ def compare_runs(
     max_batch_rows: int | None = None,
     chunk_bytes: int | None = None,
     threads: int | None = None,
+    logprob_floor: float | None = None,
 ) -> Comparison:
     """Stream both runs through the metrics in blocks of rows that cross item boundaries
     (``max_batch_rows``, default: a chunk of float32 rows): memory is a few blocks plus the
     per-position columns, whatever the output lengths and the vocabulary. ``threads``: the
-    metrics' worker threads (`metrics.full_vocab`'s ``threads``; default there)."""
+    metrics' worker threads (`metrics.full_vocab`'s ``threads``; default there).
+    ``logprob_floor``: a stated lower bound (nats) on every log-probability of both
+    distributions, which gives top-K comparisons a finite KL upper bound (check_floor)."""
     items_r, items_c, notes = check_comparable(ref, cand, allow_partial=allow_partial)
     vocab = ref.vocab() or cand.vocab()
     V = ref.vocab_size
     kind = select_kind(ref, cand)
+    check_floor(logprob_floor, kind, V, ref, cand)
     # an imported llama.cpp base file is a full run whose values are quantised: bound it
     bounded_import = kind == "full_vocab" and (ref.manifest.get("settings") or {}).get("imported_from") == "llamacpp-kld"
     # K of the top-K fields: what the top-K side(s) stored; for two full runs, top_logprobs.
@@ -292,6 +304,8 @@ def compare_runs(
                 t = M.topk(ir, lr, ic, lc, V, eps=eps)
             except ValueError as e:
                 raise LogitdiffError(f"{ref.path} vs {cand.path}: {e}") from None
+            if logprob_floor is not None:
+                _check_above_floor(logprob_floor, ((ref, items_r, ir, lr), (cand, items_c, ic, lc)), a)
             for key, v in t.items():
                 if key != "kl_bits":
                     push(key, v)
@@ -299,7 +313,7 @@ def compare_runs(
             from . import bounds as Bd
             from .compact import INTERVAL_COLUMNS
 
-            ivs = Bd.topk_vs_topk(ir, lr, ic, lc, V)
+            ivs = Bd.topk_vs_topk(ir, lr, ic, lc, V, floor_logp_ref=logprob_floor, floor_logp_cand=logprob_floor)
             for name, (lo, hi) in INTERVAL_COLUMNS.items():
                 iv = ivs[name[: -len("_nats")]]
                 push(lo, iv.lower)
@@ -324,7 +338,8 @@ def compare_runs(
     columns = {k: np.concatenate(v) for k, v in cols.items()}
     method = {
         "description": (FULL_DESCRIPTION if kind == "full_vocab" else COMPACT_DESCRIPTION if kind == "compact"
-                        else topk_description(ref, cand) + TOPK_BOUNDS),
+                        else topk_description(ref, cand)
+                        + (TOPK_BOUNDS if logprob_floor is None else TOPK_BOUNDS_FLOOR.format(floor=logprob_floor))),
         "kind": kind,
         "bounds": METHOD_LLAMACPP if bounded_import else METHOD_OF_KIND[kind],
         "epsilon": eps,
@@ -338,6 +353,8 @@ def compare_runs(
     }
     if bounded_import:
         method["description"] += LLAMACPP_BOUNDS
+    if logprob_floor is not None:
+        method["logprob_floor_nats"] = float(logprob_floor)
     sampling = positions_sampling(ref)
     if sampling:
         method["positions"] = sampling
@@ -350,6 +367,40 @@ def compare_runs(
         )
     comp = Comparison(kind=kind, columns=columns, items=items_r, ref=ref, cand=cand, method=method, vocab=vocab, notes=notes)
     return comp
+
+
+def check_floor(floor: float | None, kind: str, V: int, ref, cand) -> None:
+    """A stated log-probability floor must be a statement that can be true, about a
+    comparison that uses it: finite, at most -ln V (V entries of probability >= e^floor
+    sum to at most 1), and only for top-K comparisons (full and compact ones have their
+    intervals without it)."""
+    if floor is None:
+        return
+    check_floor_value(floor)
+    if floor > -math.log(V):
+        raise LogitdiffError(f"--logprob-floor {floor}: above -ln V = {-math.log(V):.4f} for V = {V:,}; "
+                             "no distribution over V tokens has every log-probability above it")
+    if kind != MethodKind.TOP_K:
+        raise LogitdiffError(f"--logprob-floor applies to top-K comparisons; {ref.path} and {cand.path} are compared "
+                             f"by method {kind!r}, whose intervals need no floor")
+
+
+def check_floor_value(floor: float | None) -> None:
+    """The part of check_floor that needs no runs (for checks before any work)."""
+    if floor is not None and (not math.isfinite(floor) or floor >= 0):
+        raise LogitdiffError(f"--logprob-floor {floor}: must be a finite negative number of nats")
+
+
+def _check_above_floor(floor: float, sides, row0: int) -> None:
+    """Every listed log-probability of both sides is at or above the stated floor (one
+    below it proves the statement false, and with it the upper bounds)."""
+    for run, items, ids, logp in sides:
+        below = (np.asarray(ids) >= 0) & (np.asarray(logp) < floor)
+        if below.any():
+            r, j = (int(x[0]) for x in np.nonzero(below))
+            owner, row = _owner(items, row0 + r)
+            raise LogitdiffError(f"{run.path}: item {owner.id!r} position {owner.positions[row]}: log-probability "
+                                 f"{float(logp[r, j]):.4f} of token {int(ids[r, j])} is below --logprob-floor {floor}")
 
 
 def select_kind(ref, cand) -> str:

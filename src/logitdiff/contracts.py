@@ -33,7 +33,7 @@ import numpy as np
 from .errors import LogitdiffError
 from .outputs import REPORT_SCHEMA, RUN_SUMMARY_SCHEMA
 
-SCHEMA_VERSION = "1.0"  # MAJOR.MINOR of report.json and summary.json; MAJOR matches REPORT_SCHEMA's "/1"
+SCHEMA_VERSION = "1.1"  # MAJOR.MINOR of report.json and summary.json; MAJOR matches REPORT_SCHEMA's "/1"
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
 SCHEMA_DIR = Path(__file__).with_name("schemas")
 
@@ -171,6 +171,7 @@ class _MethodBase(TypedDict):
 
 class Method(_MethodBase, total=False):
     positions: dict[str, Any]  # --positions sampling (mode, fraction, seed, rule)
+    logprob_floor_nats: float  # 1.1: the stated --logprob-floor of a top-K comparison
 
 
 class _SummaryBase(TypedDict):

@@ -60,6 +60,7 @@ class RunConfig:
     similarity: str = "auto"
     html: bool = True
     gates: list | None = None  # logitdiff.gates.Gate; crossed gates are listed in summary.json
+    logprob_floor: float | None = None  # stated floor for top-K (served) candidates: compare.check_floor
 
 
 class Hooks:
@@ -141,7 +142,7 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         with open_source(spec) as src, applied_threads([src]):
             live = LiveRun(src, ref, offset=offset)
             advance = hooks.bar(n_pos, label)
-            comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance)
+            comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance, logprob_floor=cfg.logprob_floor)
             return comp, (after(src, comp) if after else None)
 
     similarity = None
@@ -350,3 +351,6 @@ def render_summary_md(summary: RunSummary) -> str:
 def check_specs(cfg: RunConfig) -> None:
     if not cfg.candidates:
         raise LogitdiffError("logitdiff run: no candidates (pass --candidate SPEC)")
+    from .compare import check_floor_value
+
+    check_floor_value(cfg.logprob_floor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..api import check_bootstrap, check_device
 from .console import Bars, console, table_console
 from .options import (
-    add_bootstrap, add_chunk_size, add_fail_on, add_ranges, check_at_least, gate_exit,
+    add_bootstrap, add_chunk_size, add_fail_on, add_logprob_floor, add_ranges, check_at_least, gate_exit,
     parse_fail_on, parse_ranges_arg,
 )
 
@@ -44,6 +44,7 @@ def register(sub) -> None:
     c.add_argument("--device", default=None, help="torch device for the metrics: cpu, cuda or cuda:N (default: cpu)")
     c.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for the metrics (default: the CPUs this process may run on)")
+    add_logprob_floor(c)
     add_fail_on(c)
     add_chunk_size(c)
     c.set_defaults(func=run)
@@ -51,6 +52,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..api import diff_runs
+    from ..compare import check_floor_value
 
     # Every argument and input is checked before anything is computed or written.
     ranges = parse_ranges_arg(args.ranges)
@@ -59,11 +61,13 @@ def run(args) -> int:
     check_at_least("--top-logprobs", args.top_logprobs, 1)
     check_at_least("--threads", args.threads, 1)
     check_device(args.device)
+    check_floor_value(args.logprob_floor)
     with Bars() as bars:
         report = diff_runs(
             args.reference, args.candidate, args.out, noise_floor=args.noise_floor, ranges=ranges, bootstrap=args.bootstrap,
             seed=args.seed, top_logprobs=args.top_logprobs, allow_partial=args.allow_partial, include_rows=not args.no_rows,
             device=args.device, chunk_size=args.chunk_size, gates=args.fail_on, threads=args.threads, bar=bars.bar,
+            logprob_floor=args.logprob_floor,
         )
     print_summary(report)
     console().print(f"wrote {args.out}/report.json, tokens.parquet, report.md, report.html")

@@ -61,6 +61,14 @@ def add_bootstrap(p) -> None:
                    help=f"bootstrap resamples of items for 95%% CIs, 0 (no CIs) to {MAX_BOOTSTRAP} (default: %(default)s)")
 
 
+def add_logprob_floor(p) -> None:
+    p.add_argument("--logprob-floor", type=float, default=None, metavar="NATS",
+                   help="top-K comparisons only: a stated lower bound on every log-probability of both models "
+                        "(e.g. -2c - ln V for a model whose final logits are soft-capped at c, as Gemma 2's at 30). "
+                        "It gives forward and reverse KL a finite proven upper bound; a listed log-probability below it "
+                        "is an error. Recorded as method.logprob_floor_nats (default: none; the upper bound is inf)")
+
+
 def add_chunk_size(p) -> None:
     from ..store import CHUNK_SIZE_HELP
 

@@ -8,7 +8,7 @@ import time
 from ..api import check_bootstrap
 from .console import Bars, console, table_console
 from .options import (
-    GATES_EXIT, add_bootstrap, add_fail_on, add_max_branches, add_ranges, check_max_branches, parse_fail_on,
+    GATES_EXIT, add_bootstrap, add_fail_on, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_fail_on,
     parse_ranges_arg,
 )
 
@@ -47,6 +47,7 @@ def register(sub) -> None:
     run_p.add_argument("--select", default="first", help="flips to branch from: first | all | top-kl:N | low-margin:N | sample:N (default: %(default)s)")
     add_max_branches(run_p)
     run_p.add_argument("--similarity", default="auto", choices=("auto", "minilm", "edit"), help="text similarity for flips (default: %(default)s)")
+    add_logprob_floor(run_p)
     add_fail_on(run_p, " (checked for every candidate)")
     run_p.set_defaults(func=run)
 
@@ -83,6 +84,7 @@ def run(args) -> int:
         max_tokens=args.max_tokens, positions=args.positions, noise_floor=not args.no_noise_floor, bootstrap=args.bootstrap,
         ranges=ranges, fresh=args.fresh, flips=not args.no_flips, correctness=not (args.no_correctness or args.no_flips),
         flip_select=args.select, max_branches=args.max_branches, similarity=args.similarity,
+        logprob_floor=args.logprob_floor,
     )
     parse_select(args.select)
     check_max_branches(args.max_branches)
