@@ -52,6 +52,39 @@ def test_topk_error_covers_adversarial_rows(tmp_path):
     assert all(np.isfinite(row["bounds"]["jsd"]["upper_mean"]) for row in res["rows"])
 
 
+def test_topk_error_with_a_stated_floor(tmp_path, capsys):
+    """The tightest true floor (the runs' lowest log-probability, which topk-error reports)
+    makes every top-K forward and reverse KL upper bound finite, and they still cover the
+    adversarial rows; a floor above it is refused, naming the run, item and position."""
+    V = 300
+    rows = adversarial_rows(V=V)
+    ref = {name: lp[None].astype(np.float64) for name, lp, _ in rows}
+    cand = {name: lq[None].astype(np.float64) for name, _, lq in rows}
+    teacher = {name: [int(np.argmax(lp))] for name, lp, _ in rows}
+    r = RunReader(write_full(tmp_path / "r", ref, teacher, V))
+    c = RunReader(write_full(tmp_path / "c", cand, teacher, V))
+    from scipy.special import log_softmax
+
+    # of the float32 rows topk-error compares (as a compact store keeps them)
+    low = lambda x: float(log_softmax(x.astype(np.float32).astype(np.float64)).min())
+    true_min = min(min(low(lp), low(lq)) for _, lp, lq in rows)
+    res = topk_error(r, c, [1, 4, 32])
+    assert res["exact"]["logprob_min"] == pytest.approx(true_min, abs=1e-9) and res["logprob_floor"] is None
+    floor = res["exact"]["logprob_min"] - 1e-9
+    res = topk_error(r, c, [1, 4, 32], logprob_floor=floor)
+    assert_all_covered(res)
+    for row in res["rows"]:
+        assert np.isfinite(row["bounds"]["kl"]["upper_mean"]) and np.isfinite(row["bounds"]["kl_rev"]["upper_mean"]), row["k"]
+    assert res["logprob_floor"] == floor
+    worst = min(rows, key=lambda x: min(low(x[1]), low(x[2])))[0]
+    capsys.readouterr()
+    assert main(["topk-error", str(r.path), str(c.path), "--k", "4", "--logprob-floor", repr(true_min + 1e-3)]) == 2
+    err = capsys.readouterr().err
+    assert f"item {worst!r}" in err and "below --logprob-floor" in err, err
+    assert main(["topk-error", str(r.path), str(c.path), "--k", "4", "--logprob-floor", repr(floor)]) == 0
+    assert "tightest true floor" in capsys.readouterr().out
+
+
 @pytest.fixture(scope="module")
 def ladder(tmp_path_factory):
     """Reference builtin:tiny (transformers BF16) on four bundled items, 16 tokens each, and

@@ -36,8 +36,19 @@ def _covered(lower, upper, exact) -> np.ndarray:
     return (lower <= exact + tol) & (exact <= upper + tol)
 
 
+def _min_logprob(z: np.ndarray) -> np.ndarray:
+    """Each row's smallest log-probability, min z - logsumexp z, in float64 per row block."""
+    out = np.empty(len(z))
+    step = max(1, (32 << 20) // (max(z.shape[1], 1) * 8))
+    for a in range(0, len(z), step):
+        x = z[a:a + step].astype(np.float64)
+        mx = x.max(1)
+        out[a:a + step] = x.min(1) - mx - np.log(np.exp(x - mx[:, None]).sum(1))
+    return out
+
+
 def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float = 1e-12, max_batch_rows: int | None = None,
-               compact_specs: Sequence[str] = (), chunk_bytes: int | None = None) -> dict:
+               compact_specs: Sequence[str] = (), chunk_bytes: int | None = None, logprob_floor: float | None = None) -> dict:
     """Exact KL(P_ref || P_cand) vs the seed's top-K approximation at each K.
 
     Both runs must hold full logits. Rows stream through in blocks that cross item
@@ -48,19 +59,28 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
     "bounds": {...}}], "compact": [...]}``. Every row also checks the proven intervals of
     docs/bounds.md against the exact values: per K the top-K/top-K intervals (forward KL,
     reverse KL, JSD), per compact store spec (``compact_specs``) the compact-reference
-    intervals; ``coverage`` must be 1.0.
+    intervals; ``coverage`` must be 1.0. ``logprob_floor``: a stated floor (nats) on every
+    log-probability of both runs, checked here against their full rows, which gives the
+    top-K/top-K forward and reverse KL finite upper bounds (compare --logprob-floor);
+    ``exact["logprob_min"]`` is the lowest log-probability of either run, the tightest true
+    floor.
     """
     from . import bounds as Bd
     from . import compact as C
     from .compact import _log_softmax
 
     specs = [C.parse_spec(x) for x in compact_specs]
-    from .compare import check_comparable
+    from .compare import _owner, check_comparable, check_floor_value
 
     if ref.k or cand.k:
         raise LogitdiffError(f"topk-error needs two full-logit runs ({ref.path if ref.k else cand.path} stores top-{ref.k or cand.k})")
     items_r, items_c, _ = check_comparable(ref, cand)
     V = ref.vocab_size
+    check_floor_value(logprob_floor)
+    if logprob_floor is not None and logprob_floor > -np.log(V):
+        raise LogitdiffError(f"--logprob-floor {logprob_floor}: above -ln V = {-np.log(V):.4f} for V = {V:,}; "
+                             "no distribution over V tokens has every log-probability above it")
+    logprob_min = np.inf
     ks = [k for k in ks]
     over = [k for k in ks if k > V]
     if over:
@@ -82,6 +102,14 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
         # intervals are then of the same numbers (a float64 run's rows would differ from
         # their stored float32 copy by ~1e-9 nats, outside the coverage tolerance)
         zr, zc = np.asarray(zr, np.float32), np.asarray(zc, np.float32)
+        for run, items, z in ((ref, items_r, zr), (cand, items_c, zc)):
+            lmin = _min_logprob(z)
+            logprob_min = min(logprob_min, float(lmin.min()) if lmin.size else np.inf)
+            if logprob_floor is not None and (lmin < logprob_floor).any():
+                r = int(np.argmax(lmin < logprob_floor))
+                owner, row = _owner(items, a0 + r)
+                raise LogitdiffError(f"{run.path}: item {owner.id!r} position {owner.positions[row]}: log-probability "
+                                     f"{float(lmin[r]):.4f} is below --logprob-floor {logprob_floor}")
         # exact metrics and each side's top-kmax from one pass; every prefix is the top-k
         m = M.full_vocab(zr, zc, k=min(10, V), top_k_out=kmax)
         exact.append(m["kl_nats"])
@@ -92,7 +120,8 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
         for k in ks:
             t = M.topk(ir[:, :k], lr[:, :k], ic[:, :k], lc[:, :k], V, eps=eps)
             approx[k].append(t["kl_nats"])
-            ivs = Bd.topk_vs_topk(ir[:, :k], lr[:, :k], ic[:, :k], lc[:, :k], V)
+            ivs = Bd.topk_vs_topk(ir[:, :k], lr[:, :k], ic[:, :k], lc[:, :k], V, floor_logp_ref=logprob_floor,
+                                  floor_logp_cand=logprob_floor)
             for d in Bd.DIVERGENCES:
                 bnd[k][d][0].append(ivs[d].lower)
                 bnd[k][d][1].append(ivs[d].upper)
@@ -170,7 +199,8 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
         "epsilon": eps,
         "method": "seed top-K approximation (metrics.topk) vs exact full-vocabulary KL (metrics.full_vocab), nats",
         "exact": {**stats(ex), "top1_agreement": float(t1.mean()), "kl_rev_mean": float(exact_of["kl_rev"].mean()),
-                  "jsd_mean": float(exact_of["jsd"].mean())},
+                  "jsd_mean": float(exact_of["jsd"].mean()), "logprob_min": logprob_min},
+        "logprob_floor": logprob_floor,
         "rows": out_rows,
         "compact": compact_rows,
         "bounds_method": "proven intervals of docs/bounds.md checked against the exact values; coverage must be 1.0",

@@ -32,6 +32,10 @@ def register(sub) -> None:
     t.add_argument("--compact", action="append", metavar="SPEC",
                    help="also check a compact reference store, e.g. compact:exact=512,band=3584 (repeatable)")
     t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (a new file, or one topk-error wrote)")
+    t.add_argument("--logprob-floor", type=float, default=None, metavar="NATS",
+                   help="check the top-K intervals with this stated floor on every log-probability (as compare "
+                        "--logprob-floor), which gives forward and reverse KL finite upper bounds; the runs' full rows must "
+                        "satisfy it. The lowest log-probability of either run (the tightest true floor) is printed either way")
     add_chunk_size(t)
     t.set_defaults(func=run)
 
@@ -43,11 +47,14 @@ def run(args) -> int:
     from ..topk_error import parse_ks, topk_error
     from ..store import RunReader, parse_chunk_size
 
+    from ..compare import check_floor_value
+
     ks = parse_ks(args.k)
+    check_floor_value(args.logprob_floor)
     if args.json:
         check_output(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b])
     res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks, compact_specs=args.compact or (),
-                     chunk_bytes=parse_chunk_size(args.chunk_size))
+                     chunk_bytes=parse_chunk_size(args.chunk_size), logprob_floor=args.logprob_floor)
     ex = res["exact"]
     t = Table(title=f"top-K approximation vs exact KL — {res['n']} positions, {res['items']} items, V={res['vocab_size']} (nats)")
     for col in ("K", "exact mean", "approx mean", "exact p95", "approx p95", "exact max", "approx max", "mean |err|", "rel err of mean",
@@ -61,6 +68,9 @@ def run(args) -> int:
     con = table_console(width=200)
     con.print(t)
     con.print(_bounds_table(res))
+    floor = res["logprob_floor"]
+    con.print(f"lowest log-probability of either run: {ex['logprob_min']:.4g} nats (the tightest true floor); top-K upper bounds "
+              + (f"with the stated floor {floor:g}" if floor is not None else "of KL: inf without a stated floor (--logprob-floor)"))
     if args.json:
         with writing(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b]) as tmp:
             tmp.write_text(json.dumps({"schema": TOPK_ERROR_SCHEMA, **res}, indent=1) + "\n")
