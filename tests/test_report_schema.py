@@ -139,6 +139,24 @@ def test_written_report_validates_and_round_trips(written):
     assert doc["summary"]["noise_floor"] == nf
 
 
+def test_report_text_layout(written):
+    """report.json: one compact row per line (encoded in C), everything else indented one
+    space per level; the same JSON as json.dumps. Without rows: json.dumps(indent=1)."""
+    out, _ = written
+    text = (out / "report.json").read_text()
+    doc = json.loads(text)
+    assert doc["rows"]
+    row_lines = [ln for ln in text.splitlines() if ln.startswith('  {"')]
+    assert len(row_lines) == len(doc["rows"])
+    assert [json.loads(ln.rstrip(",")) for ln in row_lines] == doc["rows"]
+    rest = {k: v for k, v in doc.items() if k != "rows"}
+    assert C._layout(rest) == json.dumps(rest, indent=1, allow_nan=False)
+    # strings holding newlines, quotes and non-ASCII stay inside their JSON strings
+    odd = {**rest, "method": {**rest["method"], "notes": ["two\nlines", 'a "quote"', "caf\u00e9"]}, "rows": doc["rows"][:2]}
+    assert json.loads(C.report_json(odd)) == odd
+    assert C._layout({**odd, "rows": []}) == json.dumps({**odd, "rows": []}, indent=1, allow_nan=False)
+
+
 def test_noise_floor_has_one_shape_and_its_numbers(runs):
     _, ref, rerun, _ = runs
     comp = compare_runs(ref, rerun)

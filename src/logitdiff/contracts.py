@@ -436,11 +436,30 @@ def validate(obj, name: str, where: str = "") -> None:
         raise LogitdiffError(f"{where or name}: field {field!r} breaks the {name} schema: {err.message[:300]}")
 
 
+def _layout(doc, **dump) -> str:
+    """The text of a report or summary: indented one space per level, except the per-position
+    ``rows``, one compact JSON object per line. Rows are most of a report's bytes, and the
+    json module encodes indented output in pure Python but compact output in C: ~3x faster
+    for them (bench/RESULTS.md, "compare end to end"), and a file that greps by row."""
+    rows = doc.get("rows") if type(doc) is dict else None
+    if not (type(rows) is list and rows):
+        return json.dumps(doc, indent=1, allow_nan=False, **dump)
+    encode_row = json.JSONEncoder(allow_nan=False, separators=(", ", ": "), **dump).encode
+    parts = []
+    for key, value in doc.items():
+        if key == "rows":
+            text = "[\n  " + ",\n  ".join(map(encode_row, rows)) + "\n ]"
+        else:  # JSON strings hold no raw newline: every newline is layout, indented one more
+            text = json.dumps(value, indent=1, allow_nan=False, **dump).replace("\n", "\n ")
+        parts.append(f" {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(parts) + "\n}"
+
+
 def _text(obj, name: str, where: str, **dump) -> str:
     clean = json_clean(obj)
     if validation_on():
         validate(json.loads(json.dumps(clean, allow_nan=False, **dump)), name, where)
-    return json.dumps(clean, indent=1, allow_nan=False, **dump) + "\n"
+    return _layout(clean, **dump) + "\n"
 
 
 def report_json(report: Report, where: str = "report.json") -> str:

@@ -198,9 +198,9 @@ def build_report(
         "segments": seg_rows,
         "items": item_rows,
     }
-    if include_rows:
-        report["rows"] = _rows(comp, c)
-    else:
+    # _rows builds JSON values already: they join the report after its clean
+    rows = _rows(comp, c) if include_rows else None
+    if not include_rows:
         report["rows_omitted"] = True
     c["tags"] = np.array([list(t) for t in tag_of_row], dtype=object)
     c["baseline_top_token"] = np.array([comp.token_text(int(t)) for t in c["top1_ref"]], dtype=object)
@@ -211,7 +211,10 @@ def build_report(
             c[f"top5_{side}_tokens"] = np.array(
                 [[comp.token_text(int(t)) for t in row] for row in np.asarray(c[f"top5_{side}_ids"])], dtype=object
             )
-    return json_clean(report), c
+    report = json_clean(report)
+    if rows is not None:
+        report["rows"] = rows
+    return report, c
 
 
 def _segment_labels(comp: Comparison) -> np.ndarray | None:
@@ -229,22 +232,19 @@ def _segment_labels(comp: Comparison) -> np.ndarray | None:
 
 
 def _rows(comp: Comparison, c: dict) -> list[dict]:
-    keys = [k for k in c if k not in ("item_id",)]
-    rows = []
-    # Each column to Python values once (tolist), not one numpy scalar at a time.
-    cols = {k: json_clean(np.asarray(c[k]).tolist()) for k in keys}
-    for i in range(comp.n):
-        r = {k: cols[k][i] for k in keys}
-        r["baseline_top_token"] = comp.token_text(int(cols["top1_ref"][i]))
-        r["candidate_top_token"] = comp.token_text(int(cols["top1_cand"][i]))
-        r["token"] = comp.token_text(int(cols["token_id"][i]))
-        r["item_id"] = str(c["item_id"][i])
-        r["source_id"] = str(c["item_id"][i])
-        # Seed fields first, then ours alphabetically.
-        ordered = {k: r[k] for k in SEED_ROW_FIELDS if k in r}
-        ordered.update({k: r[k] for k in sorted(r) if k not in ordered})
-        rows.append(ordered)
-    return rows
+    """One dict per position: the seed's row fields first, then ours alphabetically."""
+    # Each column to Python values once (tolist), not one numpy scalar at a time; the
+    # rows are then zipped from the column lists with one key order for all of them.
+    cols = {k: json_clean(np.asarray(c[k]).tolist()) for k in c if k != "item_id"}
+    ids = [str(x) for x in c["item_id"]]
+    cols["baseline_top_token"] = [comp.token_text(int(t)) for t in cols["top1_ref"]]
+    cols["candidate_top_token"] = [comp.token_text(int(t)) for t in cols["top1_cand"]]
+    cols["token"] = [comp.token_text(int(t)) for t in cols["token_id"]]
+    cols["item_id"] = ids
+    cols["source_id"] = ids
+    order = [k for k in SEED_ROW_FIELDS if k in cols]
+    order += sorted(k for k in cols if k not in order)
+    return [dict(zip(order, vals)) for vals in zip(*(cols[k] for k in order))]
 
 
 def write_parquet(path: Path, columns: dict[str, np.ndarray]) -> None:
