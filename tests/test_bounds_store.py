@@ -144,6 +144,9 @@ def test_topk_compare_with_a_stated_logprob_floor(runs, capsys):
     rep = json.loads((out / "report.json").read_text())
     assert rep["method"]["logprob_floor_nats"] == floor and rep["schema_version"] == "1.1"
     assert rep["summary"]["kl_lower_nats_mean"] <= rep["summary"]["kl_nats_mean"] <= rep["summary"]["kl_upper_nats_mean"]
+    html = (out / "report.html").read_text()
+    assert "stated log-probability floor" in html and "· floor " in html  # header, and the cell with the interval
+    assert f"{floor:g}" in (out / "report.md").read_text()
     # statements that cannot hold
     listed = min(float(np.sort(lp, 1)[:, -16:].min()), float(np.sort(lq, 1)[:, -16:].min()))
     assert listed + 0.01 < -np.log(V)  # the fixture's lists reach below -ln V

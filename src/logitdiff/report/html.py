@@ -575,8 +575,10 @@ def _header(names, paths, reports, summary) -> str:
     m = r0.get("method") or {}
     s0 = r0.get("summary") or {}
     if m.get("kind") == MethodKind.TOP_K:
+        floor = m.get("logprob_floor_nats")
+        stated = "" if floor is None else f", upper ends from the stated log-probability floor {_e(fmt(floor))} nats"
         method = (f"top-K approximation, K = {_e(m.get('top_logprobs'))} of V = {_e(m.get('vocab_size'))} (the seed report's method), "
-                  f"with proven intervals ({_e(m.get('bounds'))}; docs/bounds.md)")
+                  f"with proven intervals ({_e(m.get('bounds'))}{stated}; docs/bounds.md)")
     elif m.get("kind") == MethodKind.COMPACT:
         method = (f"compact reference vs full candidate (V = {_e(m.get('vocab_size'))}): each divergence with a "
                   f"proven interval ({_e(m.get('bounds'))}; docs/bounds.md)")
@@ -757,8 +759,10 @@ def _interval_sub(rep: dict, key: str) -> str:
         return ""
     lo, hi = _num(s.get(f"{name}_lower_nats_mean")), _num(s.get(f"{name}_upper_nats_mean"))
     method = _get(rep, "method.bounds")
+    floor = _get(rep, "method.logprob_floor_nats")
+    stated = "" if floor is None else f" · floor {_e(fmt(floor))}"
     return (f'<small class="interval" title="proven interval of the mean: contains the exact full-vocabulary value">'
-            f"proven interval [{fmt(lo)}, {'inf' if hi is None else fmt(hi)}] · {_e(method)}</small>")
+            f"proven interval [{fmt(lo)}, {'inf' if hi is None else fmt(hi)}] · {_e(method)}{stated}</small>")
 
 
 def _p(p) -> str:
