@@ -42,14 +42,19 @@ U = 2.0**-53
 EPS_EXP = 4 * U
 # full_vocab implementations under test: auto = compiled kernel for float32/16 and
 # bfloat16 (torch for float64), torch = the torch CPU path, native-scalar = the kernel
-# without SIMD.
-BACKENDS = ("auto", "torch", "native-scalar")
+# without SIMD; cuda = the torch path on a GPU (device="cuda"), where torch sees one: the
+# same code as "torch" (CUDA's float64 exp and log are within 1 ulp, inside EPS_EXP; its
+# reductions' order is unknown, which sum_gamma's "torch" bound already assumes).
+CUDA = torch.cuda.is_available()
+BACKENDS = ("auto", "torch", "native-scalar") + (("cuda",) if CUDA else ())
 
 
 def run_full_vocab(zp, zq, y=None, *, backend="auto", **kw):
     """full_vocab on ``backend`` (the compiled backends do not read float64: skipped)."""
     if backend.startswith("native") and not isinstance(zp, torch.Tensor) and np.asarray(zp).dtype == np.float64:
         pytest.skip("the compiled kernel reads float32/bfloat16/float16")
+    if backend == "cuda":
+        return full_vocab(zp, zq, y, backend="torch", device="cuda", **kw)
     return full_vocab(zp, zq, y, backend=backend, **kw)
 
 
@@ -59,7 +64,7 @@ def sum_gamma(backend: str, v: int) -> float:
     256 terms per SIMD lane per tile, ceil(V/1024) tiles, a 4-lane horizontal sum (portable
     path: blocks of 256, ceil(V/256) of them). Torch:
     a matrix-vector product of unknown order over tiles of <= 32000 values, then the tiles."""
-    if backend == "torch":
+    if backend in ("torch", "cuda"):
         return (min(v, 32000) + math.ceil(v / 32000) + 2) * U
     if backend == "native-scalar":  # blocks of 256 added in sequence
         return (256 + math.ceil(v / 256) + 2) * U
@@ -215,11 +220,12 @@ def test_full_vocab_matches_scipy(vocab, sigma, dtype, backend):
 def test_full_vocab_real_vocabulary(dtype, backend):
     rng = np.random.default_rng(7)
     zp, zq, y = make_pair(rng, 4, 248_320, 2.0, dtype)
-    got = full_vocab(zp, zq, y, k=20, backend=backend)
+    got = run_full_vocab(zp, zq, y, k=20, backend=backend)
     assert_matches(got, ref_full_vocab(zp, zq, y, 20))
 
 
-@pytest.mark.parametrize("dtype,backend", [("float64", "torch"), ("float32", "torch"), ("float32", "auto"), ("float32", "native-scalar")])
+@pytest.mark.parametrize("dtype,backend", [("float64", "torch"), ("float32", "torch"), ("float32", "auto"), ("float32", "native-scalar")]
+                         + ([("float64", "cuda"), ("float32", "cuda")] if CUDA else []))
 def test_full_vocab_near_identical_small_kl_is_accurate(dtype, backend):
     """KL of quantisation size (~5e-7 nats) is summed from logit differences and from
     S_d = sum (e_p - e_q), not taken as a difference of entropies (~10 nats) or of
@@ -230,7 +236,7 @@ def test_full_vocab_near_identical_small_kl_is_accurate(dtype, backend):
     zp = rng.standard_normal((6, 50_000)) * 3
     zq = zp + rng.standard_normal((6, 50_000)) * 1e-3
     zp, zq = zp.astype(dtype), zq.astype(dtype)
-    got = full_vocab(zp, zq, k=5, backend=backend)
+    got = run_full_vocab(zp, zq, k=5, backend=backend)
     want = ref_full_vocab(zp, zq, np.zeros(6, int), 5)
 
     def lsm(z):
@@ -489,7 +495,8 @@ def test_row_stats_matches_scipy(vocab, k, dtype):
     assert (got["tail_mass"] >= 0).all()
 
 
-@pytest.mark.parametrize("backend,per_row", [("auto", True), ("torch", True), ("torch", False), ("native-scalar", True)])
+@pytest.mark.parametrize("backend,per_row", [("auto", True), ("torch", True), ("torch", False), ("native-scalar", True)]
+                         + ([("cuda", False)] if CUDA else []))
 @pytest.mark.parametrize("vocab,k_out", [(40, 40), (4096, 64), (40000, 64), (40000, 3)])
 def test_full_vocab_top_k_out_matches_scipy_and_row_stats(monkeypatch, backend, per_row, vocab, k_out):
     """The top-K returned by full_vocab's own pass is the scipy top-K (lowest id on ties),
@@ -498,8 +505,8 @@ def test_full_vocab_top_k_out_matches_scipy_and_row_stats(monkeypatch, backend, 
     rng = np.random.default_rng(vocab + k_out)
     zp, zq, y = make_pair(rng, 7, vocab, 3.0, "float32")
     zp[0, :3] = zp[0].max() + 1.0  # a three-way tie at the top
-    got = full_vocab(zp, zq, y, k=5, top_k_out=k_out, backend=backend)
-    plain = full_vocab(zp, zq, y, k=5, backend=backend)
+    got = run_full_vocab(zp, zq, y, k=5, top_k_out=k_out, backend=backend)
+    plain = run_full_vocab(zp, zq, y, k=5, backend=backend)
     for key, v in plain.items():
         np.testing.assert_array_equal(got[key], v, err_msg=key)
     for side, z in (("ref", zp), ("cand", zq)):
