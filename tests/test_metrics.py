@@ -413,6 +413,15 @@ def test_batched_path_of_other_devices(monkeypatch):
     assert ei.value.row == 1
 
 
+def test_default_chunk_bytes_by_device():
+    """64 MiB on the CPU; on a GPU a quarter of its free memory within [64 MiB, 4 GiB]
+    (small chunks starve a GPU: bench/gpu_metrics_bench.py)."""
+    assert metrics.default_chunk_bytes("cpu") == 64 << 20
+    if CUDA:
+        free = torch.cuda.mem_get_info()[0]
+        assert metrics.default_chunk_bytes("cuda") == max(64 << 20, min(4 << 30, free // 4))
+
+
 def test_full_vocab_memory_mapped_input(tmp_path):
     rng = np.random.default_rng(6)
     zp, zq, y = make_pair(rng, 5, 3000, 1.0, "float32")

@@ -133,6 +133,26 @@ def _raise_nonfinite(sides, row0: int) -> None:
                     raise NonFiniteLogits(name, row0 + r, float(row[nf][0]))
 
 
+# Default chunk budget of the batched path on a CUDA device: a quarter of the device's free
+# memory, at most 4 GiB. The batched path's cost is per chunk (kernel launches, one
+# top-K), so chunks of a few rows starve a GPU: on an H200 at V = 248,320, 64 MiB chunks
+# (5 rows) gave 1,944 positions/s and 4 GiB chunks 29,708 (bench/RESULTS.md,
+# gpu_metrics_bench). The CPU paths keep their 64 MiB.
+DEVICE_CHUNK_MAX = 4 << 30
+
+
+def default_chunk_bytes(device) -> int:
+    """``chunk_bytes`` when the caller gives none: 64 MiB on the CPU; on a CUDA device a
+    quarter of its free memory, at most 4 GiB (and at least 64 MiB)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return max(64 << 20, min(DEVICE_CHUNK_MAX, free // 4))
+    return 64 << 20
+
+
 def _rows_per_chunk(vocab: int, budget_bytes: int) -> int:
     # About six float64 [rows, V] temporaries are alive at once in the batched (GPU) path.
     return max(1, int(budget_bytes // (vocab * 8 * 6)))
@@ -429,7 +449,7 @@ def full_vocab(
     k: int = 10,
     top_k_out: int = 0,
     device=None,
-    chunk_bytes: int = 64 << 20,
+    chunk_bytes: int | None = None,
     check_finite: bool = True,
     threads: int | None = None,
     backend: str = "auto",
@@ -458,7 +478,8 @@ def full_vocab(
     Memory: on the torch CPU path each worker thread holds two
     float64 rows of V plus ~1.5 MB of tiles, whatever N; ``chunk_bytes`` bounds the rows
     handed out at once. On other devices a chunk of rows is processed batched, about six
-    float64 ``[rows, V]`` temporaries within ``chunk_bytes``. Per-row results do not depend
+    float64 ``[rows, V]`` temporaries within ``chunk_bytes``. Default: `default_chunk_bytes`
+    (64 MiB on the CPU; on a GPU a quarter of its free memory, at most 4 GiB). Per-row results do not depend
     on the chunking.
 
     Raises ``NonFiniteLogits`` naming the first row with NaN/inf.
@@ -516,6 +537,8 @@ def full_vocab(
     per_row = dev.type == "cpu" and _CPU_PER_ROW and not native
     n_threads = threads or default_threads()
     torch_threads = torch.get_num_threads()  # restored after the torch per-row path
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(dev)
     pool = _row_pool(n, dev, n_threads) if per_row else None
     local = threading.local()
     nw = pool._max_workers if pool is not None else 1
