@@ -376,19 +376,22 @@ def check_floor(floor: float | None, kind: str, V: int, ref, cand) -> None:
     intervals without it)."""
     if floor is None:
         return
-    check_floor_value(floor)
-    if floor > -math.log(V):
-        raise LogitdiffError(f"--logprob-floor {floor}: above -ln V = {-math.log(V):.4f} for V = {V:,}; "
-                             "no distribution over V tokens has every log-probability above it")
+    check_floor_value(floor, V)
     if kind != MethodKind.TOP_K:
         raise LogitdiffError(f"--logprob-floor applies to top-K comparisons; {ref.path} and {cand.path} are compared "
                              f"by method {kind!r}, whose intervals need no floor")
 
 
-def check_floor_value(floor: float | None) -> None:
-    """The part of check_floor that needs no runs (for checks before any work)."""
-    if floor is not None and (not math.isfinite(floor) or floor >= 0):
+def check_floor_value(floor: float | None, V: int | None = None) -> None:
+    """The part of check_floor that needs no runs (for checks before any work); with the
+    vocabulary size ``V``, also at most -ln V."""
+    if floor is None:
+        return
+    if not math.isfinite(floor) or floor >= 0:
         raise LogitdiffError(f"--logprob-floor {floor}: must be a finite negative number of nats")
+    if V is not None and floor > -math.log(V):
+        raise LogitdiffError(f"--logprob-floor {floor}: above -ln V = {-math.log(V):.4f} for V = {V:,}; "
+                             "no distribution over V tokens has every log-probability above it")
 
 
 def _check_above_floor(floor: float, sides, row0: int) -> None:

@@ -76,10 +76,7 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
         raise LogitdiffError(f"topk-error needs two full-logit runs ({ref.path if ref.k else cand.path} stores top-{ref.k or cand.k})")
     items_r, items_c, _ = check_comparable(ref, cand)
     V = ref.vocab_size
-    check_floor_value(logprob_floor)
-    if logprob_floor is not None and logprob_floor > -np.log(V):
-        raise LogitdiffError(f"--logprob-floor {logprob_floor}: above -ln V = {-np.log(V):.4f} for V = {V:,}; "
-                             "no distribution over V tokens has every log-probability above it")
+    check_floor_value(logprob_floor, V)
     logprob_min = np.inf
     ks = [k for k in ks]
     over = [k for k in ks if k > V]
