@@ -147,6 +147,11 @@ def test_topk_compare_with_a_stated_logprob_floor(runs, capsys):
     html = (out / "report.html").read_text()
     assert "stated log-probability floor" in html and "· floor " in html  # header, and the cell with the interval
     assert f"{floor:g}" in (out / "report.md").read_text()
+    # one page of a floored and an unfloored report of the same pair: the header says they differ
+    assert main(["compare", str(tmp / "rk"), str(tmp / "ck"), "--out", str(tmp / "rep0"), "--bootstrap", "10"]) == 0
+    page = tmp / "both.html"
+    assert main(["report", str(out), str(tmp / "rep0"), "--out", str(page)]) == 0
+    assert "floors differ per report" in page.read_text()
     # statements that cannot hold
     listed = min(float(np.sort(lp, 1)[:, -16:].min()), float(np.sort(lq, 1)[:, -16:].min()))
     assert listed + 0.01 < -np.log(V)  # the fixture's lists reach below -ln V

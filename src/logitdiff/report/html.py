@@ -575,8 +575,10 @@ def _header(names, paths, reports, summary) -> str:
     m = r0.get("method") or {}
     s0 = r0.get("summary") or {}
     if m.get("kind") == MethodKind.TOP_K:
-        floor = m.get("logprob_floor_nats")
-        stated = "" if floor is None else f", upper ends from the stated log-probability floor {_e(fmt(floor))} nats"
+        floors = {_get(r, "method.logprob_floor_nats") for r in reports}
+        floor = next(iter(floors))
+        stated = ("" if floors == {None} else ", stated log-probability floors differ per report (each interval names its own)"
+                  if len(floors) > 1 else f", upper ends from the stated log-probability floor {_e(fmt(floor))} nats")
         method = (f"top-K approximation, K = {_e(m.get('top_logprobs'))} of V = {_e(m.get('vocab_size'))} (the seed report's method), "
                   f"with proven intervals ({_e(m.get('bounds'))}{stated}; docs/bounds.md)")
     elif m.get("kind") == MethodKind.COMPACT:
