@@ -171,6 +171,15 @@ def test_topk_compare_with_a_stated_logprob_floor(runs, capsys):
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, err
         assert not o.exists(), extra
+    # `run` refuses it before capturing anything when reference and candidates all give full logits
+    capsys.readouterr()
+    argv = ["run", "--candidate", "builtin:tiny-Q8_0", "--logprob-floor", "-40", "--out", str(tmp / "run-out")]
+    assert main(argv) == 2 and not (tmp / "run-out").exists()
+    assert "gives full logits" in capsys.readouterr().err
+    from logitdiff.sources.base import RowKind
+    from logitdiff.sources.registry import declared_row_kind
+
+    assert declared_row_kind("openai:http://127.0.0.1:1") == RowKind.TOPK and declared_row_kind("hf:/m") == RowKind.FULL
 
 
 def test_reports_show_interval_and_method(runs):

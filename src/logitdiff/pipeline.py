@@ -354,3 +354,14 @@ def check_specs(cfg: RunConfig) -> None:
     from .compare import check_floor_value
 
     check_floor_value(cfg.logprob_floor)
+    if cfg.logprob_floor is not None:
+        # refused before the reference capture, not after it (compare.check_floor): a floor
+        # bounds top-K comparisons, and two full-logit sides make an exact one
+        from .sources.base import RowKind
+        from .sources.registry import declared_row_kind
+
+        if declared_row_kind(cfg.reference) == RowKind.FULL:
+            full = [c for c in cfg.candidates if declared_row_kind(c) == RowKind.FULL]
+            if full:
+                raise LogitdiffError(f"--logprob-floor applies to top-K comparisons (served candidates, openai:...); "
+                                     f"{full[0]} gives full logits, compared exactly with the reference {cfg.reference}")

@@ -12,7 +12,7 @@ import importlib
 from typing import Callable, Union
 
 from ..errors import LogitdiffError
-from .base import Source, Spec, parse_spec
+from .base import RowKind, Source, Spec, parse_spec
 
 Factory = Callable[[Spec], Source]
 
@@ -24,12 +24,23 @@ _FACTORIES: dict[str, Union[str, Factory]] = {
 }
 
 
+# What each built-in kind's rows are, known before a source opens (a kind registered later
+# declares none: None).
+_ROW_KINDS: dict[str, RowKind] = {"hf": RowKind.FULL, "gguf": RowKind.FULL, "builtin": RowKind.FULL, "openai": RowKind.TOPK}
+
+
+def declared_row_kind(text: str) -> RowKind | None:
+    """The row kind of spec ``text`` without opening it: that of a built-in kind, else None."""
+    return _ROW_KINDS.get(parse_spec(text).kind)
+
+
 def register(kind: str, factory: Union[str, Factory]) -> None:
     """Make ``KIND:...`` specs open with ``factory`` (a callable taking a :class:`Spec`, or a
     ``"module:function"`` string imported on first use). Re-registering a kind replaces it."""
     if not kind or ":" in kind or "," in kind:
         raise ValueError(f"source kind {kind!r}: must be a non-empty name without ':' or ','")
     _FACTORIES[kind] = factory
+    _ROW_KINDS.pop(kind, None)
 
 
 def kinds() -> list[str]:
