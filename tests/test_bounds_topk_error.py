@@ -35,15 +35,19 @@ def assert_all_covered(res):
             assert b["lower_mean"] <= b["estimate_mean"] <= b["upper_mean"]
 
 
-def test_topk_error_covers_adversarial_rows(tmp_path):
-    V = 300
+def adversarial_runs(tmp_path, V=300):
+    """The adversarial rows of test_bounds as two full runs, one item per row: (rows, ref
+    run, candidate run). Log-probabilities are valid logits (log_softmax of them is
+    themselves)."""
     rows = adversarial_rows(V=V)
     ref = {name: lp[None].astype(np.float64) for name, lp, _ in rows}
     cand = {name: lq[None].astype(np.float64) for name, _, lq in rows}
-    # log-probabilities are valid logits (log_softmax of them is themselves)
     teacher = {name: [int(np.argmax(lp))] for name, lp, _ in rows}
-    r = RunReader(write_full(tmp_path / "r", ref, teacher, V))
-    c = RunReader(write_full(tmp_path / "c", cand, teacher, V))
+    return rows, RunReader(write_full(tmp_path / "r", ref, teacher, V)), RunReader(write_full(tmp_path / "c", cand, teacher, V))
+
+
+def test_topk_error_covers_adversarial_rows(tmp_path):
+    rows, r, c = adversarial_runs(tmp_path)
     res = topk_error(r, c, [1, 4, 32], compact_specs=COMPACT)
     assert res["n"] == len(rows)
     assert_all_covered(res)
@@ -56,13 +60,7 @@ def test_topk_error_with_a_stated_floor(tmp_path, capsys):
     """The tightest true floor (the runs' lowest log-probability, which topk-error reports)
     makes every top-K forward and reverse KL upper bound finite, and they still cover the
     adversarial rows; a floor above it is refused, naming the run, item and position."""
-    V = 300
-    rows = adversarial_rows(V=V)
-    ref = {name: lp[None].astype(np.float64) for name, lp, _ in rows}
-    cand = {name: lq[None].astype(np.float64) for name, _, lq in rows}
-    teacher = {name: [int(np.argmax(lp))] for name, lp, _ in rows}
-    r = RunReader(write_full(tmp_path / "r", ref, teacher, V))
-    c = RunReader(write_full(tmp_path / "c", cand, teacher, V))
+    rows, r, c = adversarial_runs(tmp_path)
     from scipy.special import log_softmax
 
     # of the float32 rows topk-error compares (as a compact store keeps them)
@@ -78,9 +76,11 @@ def test_topk_error_with_a_stated_floor(tmp_path, capsys):
     assert res["logprob_floor"] == floor
     worst = min(rows, key=lambda x: min(low(x[1]), low(x[2])))[0]
     capsys.readouterr()
-    assert main(["topk-error", str(r.path), str(c.path), "--k", "4", "--logprob-floor", repr(true_min + 1e-3)]) == 2
+    js = tmp_path / "floor.json"
+    assert main(["topk-error", str(r.path), str(c.path), "--k", "4", "--logprob-floor", repr(true_min + 1e-3), "--json", str(js)]) == 2
     err = capsys.readouterr().err
-    assert f"item {worst!r}" in err and "below --logprob-floor" in err, err
+    assert f"item {worst!r}" in err and "below --logprob-floor" in err and len(err.strip().splitlines()) == 1, err
+    assert not js.exists()  # nothing written
     assert main(["topk-error", str(r.path), str(c.path), "--k", "4", "--logprob-floor", repr(floor)]) == 0
     assert "tightest true floor" in capsys.readouterr().out
 
