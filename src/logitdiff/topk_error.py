@@ -36,15 +36,13 @@ def _covered(lower, upper, exact) -> np.ndarray:
     return (lower <= exact + tol) & (exact <= upper + tol)
 
 
-def _min_logprob(z: np.ndarray) -> np.ndarray:
-    """Each row's smallest log-probability, min z - logsumexp z, in float64 per row block."""
-    out = np.empty(len(z))
-    step = max(1, (32 << 20) // (max(z.shape[1], 1) * 8))
-    for a in range(0, len(z), step):
-        x = z[a:a + step].astype(np.float64)
-        mx = x.max(1)
-        out[a:a + step] = x.min(1) - mx - np.log(np.exp(x - mx[:, None]).sum(1))
-    return out
+def _min_logprob(z: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray) -> np.ndarray:
+    """Each row's smallest log-probability from the metrics' own pass: ln p_min = (z_min -
+    z_top) + ln p_top (the top entry's normalised log-probability), so the only extra work
+    is one float32 min over the rows, not another logsumexp."""
+    rows = np.arange(len(z))
+    z_top = z[rows, top_ids[:, 0]].astype(np.float64)
+    return (z.min(1).astype(np.float64) - z_top) + top_logprobs[:, 0]
 
 
 def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float = 1e-12, max_batch_rows: int | None = None,
@@ -99,16 +97,16 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
         # intervals are then of the same numbers (a float64 run's rows would differ from
         # their stored float32 copy by ~1e-9 nats, outside the coverage tolerance)
         zr, zc = np.asarray(zr, np.float32), np.asarray(zc, np.float32)
-        for run, items, z in ((ref, items_r, zr), (cand, items_c, zc)):
-            lmin = _min_logprob(z)
+        # exact metrics and each side's top-kmax from one pass; every prefix is the top-k
+        m = M.full_vocab(zr, zc, k=min(10, V), top_k_out=kmax)
+        for run, items, z, side in ((ref, items_r, zr, "ref"), (cand, items_c, zc, "cand")):
+            lmin = _min_logprob(z, m[f"topk_ids_{side}"], m[f"topk_logprobs_{side}"])
             logprob_min = min(logprob_min, float(lmin.min()) if lmin.size else np.inf)
             if logprob_floor is not None and (lmin < logprob_floor).any():
                 r = int(np.argmax(lmin < logprob_floor))
                 owner, row = _owner(items, a0 + r)
                 raise LogitdiffError(f"{run.path}: item {owner.id!r} position {owner.positions[row]}: log-probability "
                                      f"{float(lmin[r]):.4f} is below --logprob-floor {logprob_floor}")
-        # exact metrics and each side's top-kmax from one pass; every prefix is the top-k
-        m = M.full_vocab(zr, zc, k=min(10, V), top_k_out=kmax)
         exact.append(m["kl_nats"])
         exact_rev.append(m["kl_rev_nats"])
         exact_jsd.append(m["jsd_nats"])
