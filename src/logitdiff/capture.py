@@ -172,13 +172,14 @@ def _write_scored(source: Source, writer: RunWriter, run_items: list[RunItem], p
             if cur < len(run_items) and run_items[cur].id not in skip:
                 writer.begin_item(run_items[cur])
 
-    for b in source.score_blocks(pairs, positions, chunk_bytes=chunk_bytes):
+    kw = {"with_hidden": True} if writer.hidden else {}
+    for b in source.score_blocks(pairs, positions, chunk_bytes=chunk_bytes, **kw):
         advance_to(b.pair)
         it = run_items[b.pair]
         if it.id in skip:
             continue
         next_tokens = it.next_tokens[b.t0 : b.t0 + len(b.rows)] if writer.compact else None
-        writer.add_rows(**_rows_for_store(writer, source.row_kind, b.rows, next_tokens))
+        writer.add_rows(**_rows_for_store(writer, source.row_kind, b.rows, next_tokens), **({"hidden": b.hidden} if writer.hidden else {}))
     advance_to(len(run_items))
 
 
@@ -198,6 +199,12 @@ def _store_for(source: Source, store: str) -> str:
 
 
 def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk_bytes: int | None = None) -> RunWriter:
+    head = None
+    if store == "hidden":
+        head = source.output_head()
+        if head is None:
+            raise LogitdiffError(f"{source.spec}: --store hidden needs a transformers model whose bf16 logits are its output "
+                                 "head's output (no bias, scaling or soft-capping); use --store full or compact")
     return RunWriter(
         out,
         source=_source_meta(source),
@@ -210,6 +217,7 @@ def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk
         resume=resume,
         vocab=None if resume else source.token_texts(),
         chunk_bytes=chunk_bytes,
+        head=head,
     )
 
 

@@ -19,6 +19,7 @@ measures them.
 from __future__ import annotations
 
 import io
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,7 +195,7 @@ def load_chunk(path) -> dict[str, np.ndarray]:
     try:
         with np.load(path) as z:
             data = {k: z[k] for k in z.files}
-    except (ValueError, OSError, EOFError) as e:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
         raise LogitdiffError(f"{path}: unreadable compact chunk ({e})") from None
     missing = [k for k in ("exact_gaps", "exact_logits", "band_gaps", "band_codes", *ROW_FIELDS) if k not in data]
     if missing:

@@ -77,7 +77,8 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
     first = runs[0]
     for r in runs[1:]:
         for field, a, b in (("vocab_size", first.vocab_size, r.vocab_size), ("tokenizer_hash", first.tokenizer_hash, r.tokenizer_hash),
-                            ("store", first.store, r.store), ("dtype", first.dtype, r.dtype)):
+                            ("store", first.store, r.store), ("dtype", first.dtype, r.dtype),
+                            ("head", first.manifest.get("head"), r.manifest.get("head"))):
             if a != b:
                 raise LogitdiffError(f"{r.path}: field {field!r} is {b!r}, but {a!r} in {first.path}: not shards of one capture")
         sa, sb = _comparable_settings(first), _comparable_settings(r)
@@ -135,7 +136,8 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
         if len(specs) > 1:
             src["merged_specs"] = specs
         w = RunWriter(tmp, source=src, vocab_size=first.vocab_size, tokenizer_hash=first.tokenizer_hash, store=first.store,
-                      dtype=first.dtype or "float32", settings=settings, vocab=first.vocab(), chunk_bytes=chunk_bytes)
+                      dtype=first.dtype or "float32", settings=settings, vocab=first.vocab(), chunk_bytes=chunk_bytes,
+                      head=first.head() if first.hidden else None)
         from .store import RunItem
 
         try:
@@ -144,6 +146,11 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
                              prompt=it.prompt, extra=it.extra)
                 # rows are copied a block at a time in their stored form (bf16 bits stay bits)
                 w.begin_item(ni)
+                if r.hidden:  # re-encoded from the decoded logits and their hidden states
+                    for logits, hidden in r.hidden_pieces(it):
+                        w.add_rows(logits=logits, hidden=hidden)
+                    w.end_item()
+                    continue
                 for block in r.row_blocks([it], rows_per_block(first.vocab_size, chunk_bytes), raw=True):
                     if r.k:
                         w.add_rows(topk={k: np.asarray(v) for k, v in block.items()})

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -32,6 +33,7 @@ import numpy as np
 
 from ._version import __version__
 from . import compact as compact_store
+from . import hidden as hidden_store
 from .errors import LogitdiffError
 from .outputs import RUN_SCHEMA, Kind, atomic_write_bytes, atomic_write_json, check_output
 
@@ -166,9 +168,11 @@ def parse_store(text: str, vocab_size: int | None = None) -> int:
     if compact_store.is_compact(text):  # the compact reference store: not a top-K store
         compact_store.parse_spec(text)
         return 0
+    if hidden_store.is_hidden(text):  # full bf16 logits, kept as hidden states + head
+        return 0
     kind, _, k = str(text).partition(":")
     if kind != "topk" or not k.isdigit() or int(k) < 1:
-        raise LogitdiffError(f"--store {text!r}: expected full, topk:K with K a positive integer, "
+        raise LogitdiffError(f"--store {text!r}: expected full, hidden, topk:K with K a positive integer, "
                              "or compact[:exact=E,band=B,bits=8|16]")
     if vocab_size is not None and int(k) > vocab_size:
         raise LogitdiffError(f"--store {text!r}: K={int(k)} exceeds the vocabulary size {vocab_size}")
@@ -228,7 +232,8 @@ def _short(x, limit: int = 80) -> str:
 
 
 class RunWriter:
-    """Writes a RUN chunk by chunk. ``store`` is ``"full"`` or ``"topk:K"``.
+    """Writes a RUN chunk by chunk. ``store`` is ``"full"``, ``"topk:K"``, a compact spec
+    (compact.py) or ``"hidden"`` (hidden.py: pass the output head as ``head``).
 
     Rows stream in: ``begin_item(item)``, then ``add_rows(logits)`` (full: ``[r, V]``,
     float or, for ``dtype="bfloat16"``, bf16 bits as uint16) or ``add_rows(topk=dict)``
@@ -256,6 +261,7 @@ class RunWriter:
         resume: bool = False,
         overwrite: bool = False,
         vocab: list[str] | None = None,
+        head: np.ndarray | None = None,
     ):
         self.path = Path(path)
         self.store = store
@@ -264,12 +270,24 @@ class RunWriter:
         self.compact = compact_store.parse_spec(store) if compact_store.is_compact(store) else None
         if dtype not in _DTYPES:
             raise LogitdiffError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+        # hidden-state store (hidden.py): bf16 logits kept as hidden states + the head
+        self.hidden = hidden_store.is_hidden(store)
+        if self.hidden:
+            if dtype != "bfloat16":
+                raise LogitdiffError(f"--store hidden: the source's logits are {dtype}; the hidden-state store keeps bf16 "
+                                     "logits (a transformers model in bfloat16 whose logits are its output head's output)")
+            if head is None or np.asarray(head).ndim != 2 or np.asarray(head).shape[0] != int(vocab_size):
+                raise LogitdiffError(f"--store hidden: the source has no output head of {vocab_size} rows to store "
+                                     "(transformers sources only)")
+            self.head = np.asarray(head, np.uint16)
+            self._head_norms = hidden_store.head_norms(self.head)
         self.dtype = dtype
         self.vocab_size = int(vocab_size)
         # bytes of one stored row: top-K ids (int64) + logprobs (float64) + 3 float64 stats
         self.row_bytes = self.k * 16 + 24 if self.k else self.vocab_size * np.dtype(_DTYPES[dtype]).itemsize
         if self.compact:  # exact ids + logits, band ids + codes (compact.encode), before compression
             self.row_bytes = 12 * self.compact.exact + 10 * self.compact.band
+        # a hidden-state chunk is sized by the bf16 rows it stands for: a reader holds them
         self.chunk_bytes = int(chunk_bytes or DEFAULT_CHUNK_BYTES)
         self.chunk_rows = int(chunk_rows) if chunk_rows else max(1, self.chunk_bytes // max(1, self.row_bytes))
         self._buf_items: list[RunItem] = []
@@ -300,6 +318,9 @@ class RunWriter:
             "n_items": 0,
             "n_positions": 0,
         }
+        if self.hidden:
+            fresh["head"] = {"file": hidden_store.HEAD_FILE, "shape": list(self.head.shape),
+                             "sha256": hidden_store.head_sha256(self.head)}
         if mpath.exists() and resume:
             try:
                 self.manifest = json.loads(mpath.read_text())
@@ -308,6 +329,8 @@ class RunWriter:
             if self.manifest.get("schema") != RUN_SCHEMA:
                 raise LogitdiffError(f"{mpath}: schema {self.manifest.get('schema')!r}, expected {RUN_SCHEMA}")
             diff = resume_difference(self.manifest, fresh)
+            if diff is None and self.hidden and self.manifest.get("head") != fresh["head"]:
+                diff = ("head", self.manifest.get("head"), fresh["head"])
             if diff is not None:
                 name, have, want = diff
                 raise ResumeMismatch(
@@ -331,6 +354,8 @@ class RunWriter:
             self.manifest = fresh
             if vocab is not None:
                 atomic_write_json(self.path / "vocab.json", vocab)
+            if self.hidden:
+                atomic_save_npy_rows(self.path / hidden_store.HEAD_FILE, [self.head], "bfloat16")
             self._write_manifest()
         self._next_chunk = len(self.manifest["chunks"])
 
@@ -343,10 +368,10 @@ class RunWriter:
                 ids.update(json.loads(line)["id"] for line in f if line.strip())
         return ids
 
-    def add(self, item: RunItem, logits=None, topk: dict | None = None, compact: dict | None = None) -> None:
+    def add(self, item: RunItem, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None) -> None:
         """A whole item: ``begin_item`` + ``add_rows`` + ``end_item``."""
         self.begin_item(item)
-        self.add_rows(logits, topk=topk, compact=compact)
+        self.add_rows(logits, topk=topk, compact=compact, hidden=hidden)
         self.end_item()
 
     def begin_item(self, item: RunItem) -> None:
@@ -380,8 +405,10 @@ class RunWriter:
         self._kept_tools[path] = {"tools_module": rel, "tools_module_sha256": digest}
         return self._kept_tools[path]
 
-    def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None) -> None:
-        """The next rows of the current item (its positions in order)."""
+    def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None) -> None:
+        """The next rows of the current item (its positions in order). A hidden-state run
+        takes the bf16 logits (bits) and the hidden states they came from (bits), and keeps
+        the latter with the entries where they do not reproduce the former (hidden.py)."""
         item = self._cur
         if item is None:
             raise ValueError("add_rows outside begin_item/end_item")
@@ -416,6 +443,8 @@ class RunWriter:
                 raise LogitdiffError(
                     f"item {item.id!r}: NaN/inf logits at output position {item.positions[self._cur_rows + bad]}"
                 )
+            if self.hidden:
+                rows = self._hidden_rows(item, rows, hidden)
         if n == 0:
             return
         self._buf_rows.append(rows)
@@ -423,6 +452,23 @@ class RunWriter:
         self._cur_rows += n
         if self._nrows >= self.chunk_rows:
             self.flush(wait=False)
+
+    def _hidden_rows(self, item: RunItem, rows: np.ndarray, hidden) -> dict:
+        if hidden is None or rows.dtype != np.uint16:
+            raise LogitdiffError(f"item {item.id!r}: hidden-state run: pass bf16 logits (bits) and hidden= states")
+        h = np.asarray(hidden)
+        if h.dtype != np.uint16 or h.shape != (rows.shape[0], self.head.shape[1]):
+            raise LogitdiffError(f"item {item.id!r}: hidden states {h.dtype} {h.shape}, expected uint16 "
+                                 f"({rows.shape[0]}, {self.head.shape[1]})")
+        enc = hidden_store.encode(rows, h, self.head, self._head_norms)
+        per_row = np.bincount(enc["exc_row"], minlength=rows.shape[0])
+        worst = int(per_row.argmax()) if per_row.size else 0
+        if per_row.size and per_row[worst] > max(64, self.vocab_size // 64):
+            raise LogitdiffError(
+                f"item {item.id!r}: output position {item.positions[self._cur_rows + worst]}: {per_row[worst]} of "
+                f"{self.vocab_size} logits are not the output head applied to the hidden state (bias, scaling or "
+                "another head?): use --store full")
+        return enc
 
     def end_item(self) -> None:
         item = self._cur
@@ -481,7 +527,11 @@ class RunWriter:
         stem = f"{idx:06d}"
         cdir = self.path / "chunks"
         entry = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items)}
-        if self.compact:
+        if self.hidden:
+            entry["data"] = f"{stem}.{hidden_store.CHUNK_SUFFIX}"
+            block = hidden_store.stack(rows, self.head.shape[1])
+            atomic_write_bytes(cdir / entry["data"], hidden_store.save_chunk(block))
+        elif self.compact:
             entry["data"] = f"{stem}.{compact_store.CHUNK_SUFFIX}"
             if not rows:  # a chunk that only closes items whose rows ended in earlier chunks
                 rows = [compact_store.encode(np.zeros((0, self.vocab_size), np.float32), np.zeros(0, np.int64), self.compact)]
@@ -644,6 +694,14 @@ class RunReader:
             raise LogitdiffError(f"{mpath}: field {str(e).strip(chr(39))!r} missing or malformed (not a RUN this logitdiff reads)") from None
         self.store = st
         self.compact = compact_store.parse_spec(st) if compact_store.is_compact(st) else None
+        # a hidden-state run reads as a full bf16 run: its chunks decode to the logits
+        self.hidden = hidden_store.is_hidden(st)
+        self._head = None
+        if self.hidden:
+            hd = self.manifest.get("head")
+            if not (isinstance(hd, dict) and isinstance(hd.get("shape"), list) and len(hd["shape"]) == 2
+                    and hd["shape"][0] == self.vocab_size and isinstance(hd.get("sha256"), str)):
+                raise LogitdiffError(f"{mpath}: field 'head' missing or malformed (a hidden-state run records its output head)")
         self.tokenizer_hash = self.manifest.get("tokenizer_hash")
         self.dtype = self.manifest["settings"].get("dtype")
         self._items: list[RunItem] | None = None
@@ -709,7 +767,12 @@ class RunReader:
         if not p.exists():
             raise LogitdiffError(f"{p}: chunk file missing (truncated run)")
         try:
-            if self.compact:
+            if self.hidden:
+                raw = hidden_store.load_chunk(p, self.manifest["head"]["shape"][1], self.vocab_size)
+                n = raw["hidden"].shape[0]
+                if n == c["rows"]:
+                    data = hidden_store.decode(raw, self.head())
+            elif self.compact:
                 data = compact_store.load_chunk(p)
                 n = data["max_logit"].shape[0]
             elif self.k:
@@ -721,12 +784,30 @@ class RunReader:
                 n = data.shape[0]
                 if data.ndim != 2 or data.shape[1] != self.vocab_size:
                     raise LogitdiffError(f"{p}: logits shape {data.shape}, expected (*, {self.vocab_size})")
-        except (ValueError, OSError, EOFError) as e:
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
             raise LogitdiffError(f"{p}: unreadable chunk ({e})") from None
         if n != c["rows"]:
             raise LogitdiffError(f"{p}: holds {n} rows, manifest says {c['rows']} (truncated run)")
         self._cache = (index, data)
         return data
+
+    def head(self) -> np.ndarray:
+        """A hidden-state run's output head [V, H] (bf16 bits, memory-mapped), checked
+        against the manifest once."""
+        if self._head is None:
+            hd = self.manifest["head"]
+            self._head = hidden_store.load_head(self.path / hidden_store.HEAD_FILE, self.vocab_size, hd["sha256"])
+            if list(self._head.shape) != hd["shape"]:
+                raise LogitdiffError(f"{self.path / hidden_store.HEAD_FILE}: shape {self._head.shape}, manifest says {hd['shape']}")
+        return self._head
+
+    def hidden_pieces(self, item: RunItem) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """A hidden-state run: (bf16 logit bits, hidden-state bits) of an item's rows, a
+        chunk's span at a time (what `merge` re-encodes)."""
+        for index, a, b in self._spans(item):
+            p = self.path / "chunks" / self.manifest["chunks"][index]["data"]
+            raw = hidden_store.load_chunk(p, self.manifest["head"]["shape"][1], self.vocab_size)
+            yield np.asarray(self._chunk(index)[a:b]), raw["hidden"][a:b]
 
     def _chunk_rows(self) -> list[int]:
         return [int(c["rows"]) for c in self.manifest["chunks"]]

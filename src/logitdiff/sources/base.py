@@ -93,6 +93,9 @@ class Block:
     pair: int
     t0: int
     rows: np.ndarray | TopKRows
+    # the output head's input of each row (bf16 bits [n, H]), only when the caller asked for
+    # it (``score_blocks(..., with_hidden=True)``, sources with an ``output_head``)
+    hidden: np.ndarray | None = None
 
 
 @dataclass
@@ -200,6 +203,12 @@ class Source:
         pair. ``positions[k]`` (sorted output positions, None = all) selects the rows of
         pair k: only those are produced."""
         raise NotImplementedError
+
+    def output_head(self) -> np.ndarray | None:
+        """The output head ``[vocab_size, H]`` as bf16 bits when the source's logits are
+        exactly ``bf16(head @ hidden)`` and its ``score_blocks`` takes ``with_hidden=True``
+        (what ``--store hidden`` needs); None otherwise."""
+        return None
 
     def identity(self) -> dict:
         raise NotImplementedError

@@ -254,6 +254,21 @@ class HFSource(FullLogitSource):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def output_head(self) -> np.ndarray | None:
+        """The head's weight rows of the vocabulary (bf16 bits) when the logits are the
+        head's bf16 output unchanged: no post-processing, no bias."""
+        import torch
+
+        w = self.lm_head.weight
+        if self.logits_dtype != "bfloat16" or w.dtype != torch.bfloat16 or getattr(self.lm_head, "bias", None) is not None:
+            return None
+        return w[: self.vocab_size].detach().contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+
+    def _bits(self, h) -> np.ndarray:
+        import torch
+
+        return h.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+
     def _to_numpy(self, logits) -> np.ndarray:
         """A head block on the host in the stored dtype: bf16 as its bits (uint16, exact),
         else float32."""
@@ -362,8 +377,9 @@ class HFSource(FullLogitSource):
             out.append(_bits_to_f32(rows) if rows.dtype == np.uint16 else rows)
         return out
 
-    def score_blocks(self, batch, positions=None, *, chunk_bytes=None) -> Iterator[Block]:
-        """Teacher-forced rows, a bounded block at a time (see ``Source.score_blocks``).
+    def score_blocks(self, batch, positions=None, *, chunk_bytes=None, with_hidden: bool = False) -> Iterator[Block]:
+        """Teacher-forced rows, a bounded block at a time (see ``Source.score_blocks``);
+        ``with_hidden``: each block also carries the hidden states its rows came from.
 
         Each sequence is ``prompt + teacher[:-1]`` (the last teacher token predicts nothing
         we need). Pairs whose sequences fit one window of ``prefill`` tokens go ``batch`` at a
@@ -402,11 +418,12 @@ class HFSource(FullLogitSource):
                 if not sel[k].size:
                     continue
                 if k not in hidden:
-                    yield from self._score_long(k, seqs[k], sel[k], block)
+                    yield from self._score_long(k, seqs[k], sel[k], block, with_hidden)
                     continue
                 h = hidden.pop(k)
                 for a in range(0, len(h), block):
-                    yield Block(k, a, self._to_numpy(self._head(h[a : a + block])))
+                    hb = h[a : a + block]
+                    yield Block(k, a, self._to_numpy(self._head(hb)), self._bits(hb) if with_hidden else None)
 
     def _forward_group(self, group, seqs, sel) -> dict:
         """One right-padded forward pass: padding sits after the real tokens, so with the
@@ -423,7 +440,7 @@ class HFSource(FullLogitSource):
         out = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False).last_hidden_state
         return {k: out[b, torch.as_tensor(sel[k], device=self.device)] for b, k in enumerate(group)}
 
-    def _score_long(self, k, seq, sel, block):
+    def _score_long(self, k, seq, sel, block, with_hidden=False):
         """One sequence, ``prefill`` tokens per forward pass over a KV cache."""
         import torch
 
@@ -436,7 +453,8 @@ class HFSource(FullLogitSource):
             stop = int(np.searchsorted(sel, b))
             here = torch.as_tensor(sel[done:stop] - a, device=self.device)
             for c in range(0, len(here), block):
-                yield Block(k, done + c, self._to_numpy(self._head(o.last_hidden_state[0, here[c : c + block]])))
+                hb = o.last_hidden_state[0, here[c : c + block]]
+                yield Block(k, done + c, self._to_numpy(self._head(hb)), self._bits(hb) if with_hidden else None)
             done = stop
 
     # --- identity -----------------------------------------------------------------

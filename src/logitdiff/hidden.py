@@ -1,0 +1,201 @@
+"""The hidden-state reference store (``--store hidden``): a bf16 reference's logits, bit for
+bit, from a few hundred bytes per position (docs/bounds.md, section 6).
+
+A bf16 transformers model computes its logits as ``z = bf16(W h)``: the output head ``W``
+[V, H] (bf16) applied to the final hidden state ``h`` [H] (bf16), accumulated in float32 and
+rounded to bf16. Given ``W`` once per run and ``h`` per position, ``z`` is recomputed as
+
+    R(s),  s = sum_j W_vj h_j in float64,  R = round to nearest bf16, ties to even,
+
+except at the few entries where the model's float32 accumulation rounded to the other side
+of a bf16 rounding boundary; those are stored as they are (``exceptions``: row, id, bits).
+
+*Why the reconstruction is exact on every machine.* Products of two bf16 values are exact
+in float64, and any float64 summation order is within gamma_H * sum_j |W_vj h_j| of the
+exact sum (gamma_H = H u / (1 - H u), u = 2^-53; Higham, Accuracy and Stability, 3.1), which
+Cauchy-Schwarz bounds by gamma_H ||W_v|| ||h||. ``encode`` (at capture, with the model's
+logits at hand) stores as an exception every entry v where R(s_v - m_v) or R(s_v + m_v)
+differs from the model's value, with m_v twice that bound. Since R is monotone, every other
+entry has R(s'_v) = z_v for any s'_v a reader computes (any BLAS, any order, CPU or GPU).
+So ``decode`` reproduces the captured bf16 logits exactly, and a comparison against them is
+the full-vocabulary computation itself: nothing to bound.
+
+On builtin:tiny (V = 4,096, H = 256) 0.26 entries per position are exceptions; on a
+random Llama at V = 248,320 (H = 128) 16 (bench/RESULTS.md).
+
+``encode``/``decode`` are pure (arrays in, arrays out; ``head`` may be a memory map);
+``save_chunk``/``load_chunk``/``save_head``/``load_head`` are the only I/O, used by store.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+
+import numpy as np
+
+from .errors import LogitdiffError
+
+STORE = "hidden"
+CHUNK_SUFFIX = "hidden.npz"
+HEAD_FILE = "head.npy"
+# Rows recomputed per matmul and float64 head rows converted per slice: bounds the float64
+# temporaries (rows x slice x 8 bytes and slice x H x 8 bytes) whatever V and H are.
+ROW_GROUP = 64
+SLICE_BYTES = 16 << 20
+_EXC_FIELDS = ("exc_row", "exc_id", "exc_bits")
+
+
+def is_hidden(store: str | None) -> bool:
+    return store == STORE
+
+
+def _bf16_to_f64(u16: np.ndarray) -> np.ndarray:
+    return (np.asarray(u16, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def round_bf16(s: np.ndarray) -> np.ndarray:
+    """float64 -> bf16 bits (uint16), round to nearest, ties to even, in one rounding (a
+    float32 step in between could round twice). For finite |s| >= 2^-126 (bf16 normals);
+    ``encode`` stores anything else as an exception."""
+    b = np.ascontiguousarray(s, np.float64).view(np.uint64)
+    lsb = (b >> np.uint64(45)) & np.uint64(1)  # last kept bit of the 8-bit significand
+    r = (b + np.uint64((1 << 44) - 1) + lsb) & ~np.uint64((1 << 45) - 1)
+    return (r.view(np.float64).astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+def _sums(hidden_f64: np.ndarray, head: np.ndarray, v0: int, v1: int) -> np.ndarray:
+    """s[n, v1 - v0] = hidden @ head[v0:v1].T in float64."""
+    return hidden_f64 @ _bf16_to_f64(head[v0:v1]).T
+
+
+def _slices(V: int, H: int):
+    step = max(256, SLICE_BYTES // (8 * max(1, H)))
+    for v0 in range(0, V, step):
+        yield v0, min(V, v0 + step)
+
+
+def head_norms(head: np.ndarray) -> np.ndarray:
+    """||W_v||_2 per head row (float64), a slice at a time."""
+    V, H = head.shape
+    out = np.empty(V, np.float64)
+    for v0, v1 in _slices(V, H):
+        out[v0:v1] = np.sqrt(np.square(_bf16_to_f64(head[v0:v1])).sum(1))
+    return out
+
+
+def encode(logits_bits: np.ndarray, hidden_bits: np.ndarray, head: np.ndarray, norms: np.ndarray) -> dict[str, np.ndarray]:
+    """One block: the model's bf16 logits [n, V] (bits), its hidden states [n, H] (bits),
+    the head [V, H] (bits) and `head_norms` -> the arrays a chunk stores."""
+    z = np.asarray(logits_bits, np.uint16)
+    h = np.asarray(hidden_bits, np.uint16)
+    n, V = z.shape
+    H = h.shape[1] if h.ndim == 2 else -1
+    if h.shape != (n, head.shape[1]) or head.shape[0] != V:
+        raise LogitdiffError(f"hidden store: hidden states {h.shape} and head {head.shape} do not fit logits {z.shape}")
+    gamma = 2.0 * 1.01 * H * 2.0**-53  # twice gamma_H, with room for the norms' own rounding
+    rows, ids, bits = [], [], []
+    for a in range(0, n, ROW_GROUP):
+        hf = _bf16_to_f64(h[a : a + ROW_GROUP])
+        hn = np.sqrt(np.square(hf).sum(1))[:, None]
+        for v0, v1 in _slices(V, H):
+            s = _sums(hf, head, v0, v1)
+            m = gamma * hn * norms[None, v0:v1]
+            zz = z[a : a + ROW_GROUP, v0:v1]
+            with np.errstate(over="ignore", invalid="ignore"):
+                bad = (round_bf16(s - m) != zz) | (round_bf16(s + m) != zz) | ~(np.abs(s) - m >= 2.0**-126)
+            r, c = np.nonzero(bad)
+            rows.append((r + a).astype(np.int32))
+            ids.append((c + v0).astype(np.int32))
+            bits.append(zz[r, c])
+    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))
+    return {"hidden": h.copy(), "exc_row": cat(rows, np.int32), "exc_id": cat(ids, np.int32), "exc_bits": cat(bits, np.uint16)}
+
+
+def decode(block: dict[str, np.ndarray], head: np.ndarray) -> np.ndarray:
+    """Arrays of `encode` (a whole block, or one with its exceptions' rows renumbered) ->
+    the model's bf16 logits [n, V] as bits, exactly."""
+    h = np.asarray(block["hidden"], np.uint16)
+    n, V = h.shape[0], head.shape[0]
+    out = np.empty((n, V), np.uint16)
+    for a in range(0, n, ROW_GROUP):
+        hf = _bf16_to_f64(h[a : a + ROW_GROUP])
+        for v0, v1 in _slices(V, head.shape[1]):
+            with np.errstate(over="ignore", invalid="ignore"):
+                out[a : a + ROW_GROUP, v0:v1] = round_bf16(_sums(hf, head, v0, v1))
+    out[block["exc_row"], block["exc_id"]] = block["exc_bits"]
+    return out
+
+
+def rows_of(block: dict[str, np.ndarray], a: int, b: int) -> dict[str, np.ndarray]:
+    """Rows a..b of a block, exceptions renumbered."""
+    keep = (block["exc_row"] >= a) & (block["exc_row"] < b)
+    return {"hidden": block["hidden"][a:b], "exc_row": block["exc_row"][keep] - a, "exc_id": block["exc_id"][keep],
+            "exc_bits": block["exc_bits"][keep]}
+
+
+def stack(blocks: list[dict[str, np.ndarray]], hidden_size: int) -> dict[str, np.ndarray]:
+    """Blocks -> one block (exception rows offset)."""
+    if not blocks:
+        return {"hidden": np.zeros((0, hidden_size), np.uint16), "exc_row": np.zeros(0, np.int32),
+                "exc_id": np.zeros(0, np.int32), "exc_bits": np.zeros(0, np.uint16)}
+    offs = np.cumsum([0] + [b["hidden"].shape[0] for b in blocks[:-1]])
+    return {"hidden": np.concatenate([b["hidden"] for b in blocks]),
+            "exc_row": np.concatenate([b["exc_row"] + o for b, o in zip(blocks, offs)]).astype(np.int32),
+            "exc_id": np.concatenate([b["exc_id"] for b in blocks]).astype(np.int32),
+            "exc_bits": np.concatenate([b["exc_bits"] for b in blocks]).astype(np.uint16)}
+
+
+# --------------------------------------------------------------------------------------
+# files (the only I/O)
+# --------------------------------------------------------------------------------------
+
+
+def head_sha256(head: np.ndarray) -> str:
+    hsh = hashlib.sha256()
+    for v0, v1 in _slices(*head.shape):
+        hsh.update(np.ascontiguousarray(head[v0:v1], np.uint16).tobytes())
+    return hsh.hexdigest()
+
+
+def save_chunk(block: dict[str, np.ndarray]) -> bytes:
+    bio = io.BytesIO()
+    np.savez_compressed(bio, **block)
+    return bio.getvalue()
+
+
+def load_chunk(path, hidden_size: int, vocab_size: int) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path) as z:
+            data = {k: z[k] for k in z.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise LogitdiffError(f"{path}: unreadable hidden-state chunk ({e})") from None
+    for k in ("hidden", *_EXC_FIELDS):
+        if k not in data:
+            raise LogitdiffError(f"{path}: hidden-state chunk lacks field {k!r}")
+    h = data["hidden"]
+    if h.dtype != np.uint16 or h.ndim != 2 or h.shape[1] != hidden_size:
+        raise LogitdiffError(f"{path}: field 'hidden' is {h.dtype} {h.shape}, expected uint16 (*, {hidden_size})")
+    e = [data[k] for k in _EXC_FIELDS]
+    if len({x.shape for x in e}) != 1 or e[0].ndim != 1:
+        raise LogitdiffError(f"{path}: exception fields of different lengths")
+    if e[0].size and (e[0].min() < 0 or e[0].max() >= h.shape[0] or e[1].min() < 0 or e[1].max() >= vocab_size):
+        raise LogitdiffError(f"{path}: field 'exc_row'/'exc_id' outside the chunk's {h.shape[0]} rows x {vocab_size} ids")
+    return data
+
+
+def load_head(path, vocab_size: int, sha256: str | None) -> np.ndarray:
+    """The run's output head [V, H] (bf16 bits), memory-mapped, checked against the
+    manifest's shape and sha256."""
+    try:
+        head = np.load(path, mmap_mode="r")
+    except FileNotFoundError:
+        raise LogitdiffError(f"{path}: missing (a hidden-state run needs its output head)") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise LogitdiffError(f"{path}: unreadable output head ({e})") from None
+    if head.dtype != np.uint16 or head.ndim != 2 or head.shape[0] != vocab_size:
+        raise LogitdiffError(f"{path}: output head is {head.dtype} {head.shape}, expected uint16 ({vocab_size}, H)")
+    if sha256 is not None and head_sha256(head) != sha256:
+        raise LogitdiffError(f"{path}: sha256 differs from the manifest's 'head.sha256' (the file was changed)")
+    return head

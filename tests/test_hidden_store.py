@@ -1,0 +1,249 @@
+"""The hidden-state store (``--store hidden``): a bf16 reference's logits kept as its final
+hidden states plus the output head, decoded bit for bit. Real models: the bundled trained
+model (transformers BF16) and a random bf16 Llama at V = 248,320."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _models import WIDE_VOCAB, make_random_llama, make_wide_llama
+from logitdiff import hidden as Hs
+from logitdiff.builtin import WORKLOAD
+from logitdiff.capture import capture_candidate, capture_reference
+from logitdiff.cli import main
+from logitdiff.compare import compare_runs
+from logitdiff.errors import LogitdiffError
+from logitdiff.sources import open_source
+from logitdiff.store import RunItem, RunReader, RunWriter, aligned_blocks, bf16_to_f32
+from logitdiff.workload import read_workload
+
+
+def tree_bytes(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} if path.exists() else {}
+
+
+# --------------------------------------------------------------------------------------
+# the rounding, against exact rational arithmetic
+# --------------------------------------------------------------------------------------
+
+
+def _bf16_nearest_even(x: float) -> int:
+    """Independent reference: the bf16 bits nearest to x (ties to even), by exact
+    rational comparison of the two bf16 neighbours."""
+    f = np.float32(x)  # float32 only to enumerate neighbours; the choice is exact below
+    u = int(np.array(f, np.float32).view(np.uint32)) >> 16
+    cands = {(u + d) & 0xFFFF for d in (-1, 0, 1, 2)}
+    xv = Fraction(x)
+
+    def val(b):
+        return Fraction(float(np.array(b << 16, np.uint32).view(np.float32)))
+
+    best = min(cands, key=lambda b: (abs(val(b) - xv), b & 1))
+    return best
+
+
+def test_round_bf16_is_nearest_even_in_one_rounding():
+    rng = np.random.default_rng(1)
+    xs = list(rng.normal(0, 20, 3000)) + list(rng.normal(0, 1e-3, 500))
+    # exact midpoints between bf16 neighbours (ties), and just beside them: a float32 step
+    # in between would round some of these twice
+    for b in rng.integers(0x3000, 0x4300, 300):
+        lo = float(np.array(int(b) << 16, np.uint32).view(np.float32))
+        hi = float(np.array((int(b) + 1) << 16, np.uint32).view(np.float32))
+        mid = (lo + hi) / 2
+        xs += [mid, -mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf), mid + (hi - lo) * 2**-30]
+    xs = np.asarray(xs, np.float64)
+    got = Hs.round_bf16(xs)
+    want = np.array([_bf16_nearest_even(float(x)) for x in xs], np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+# --------------------------------------------------------------------------------------
+# the bundled trained model: bit-identical rows, identical reports
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hid")
+    items = read_workload(WORKLOAD)[:10]
+    src = open_source("builtin:tiny")
+    full = RunReader(capture_reference(src, items, root / "full"))
+    hid = RunReader(capture_reference(src, items, root / "hid", store="hidden", chunk_bytes=1 << 20))
+    cand = RunReader(capture_candidate(open_source("builtin:tiny,dtype=float32"), full, root / "cand"))
+    return root, full, hid, cand
+
+
+def test_hidden_run_decodes_to_the_full_runs_bits(tiny):
+    root, full, hid, _ = tiny
+    assert hid.store == "hidden" and hid.dtype == "bfloat16" and not hid.k and not hid.compact
+    assert len(hid.manifest["chunks"]) > 1  # 1 MiB chunks: items run across chunk files
+    assert [it.id for it in hid.items()] == [it.id for it in full.items()]
+    n = 0
+    for a, b in aligned_blocks(full.row_pieces(full.items()), hid.row_pieces(hid.items()), 1 << 30):
+        assert a.dtype == b.dtype == np.uint16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        n += len(a)
+    assert n == full.manifest["n_positions"] > 100
+    for it in hid.items()[:3]:
+        np.testing.assert_array_equal(hid.logits(it), full.logits(it))
+    # what it costs: hidden states (2 bytes per unit) plus a few exceptions per position,
+    # and the head once
+    chunk_bytes = sum(p.stat().st_size for p in (root / "hid" / "chunks").glob("*.hidden.npz"))
+    assert chunk_bytes / n < 2 * 256 + 64
+    assert (root / "hid" / "head.npy").stat().st_size == 4096 * 256 * 2 + 128
+
+
+def test_compare_against_a_hidden_reference_is_the_full_computation(tiny):
+    _, full, hid, cand = tiny
+    a, b = compare_runs(full, cand), compare_runs(hid, cand)
+    assert a.method == b.method
+    for k, v in a.columns.items():
+        if isinstance(v, np.ndarray) and v.dtype.kind in "fiub":
+            np.testing.assert_array_equal(v, b.columns[k], err_msg=k)
+    assert a.columns["kl_nats"].mean() > 0
+
+
+def test_decode_does_not_depend_on_the_summation_order(tiny):
+    """The claim that makes the store exact: every non-exception entry rounds the same for
+    any float64 summation order. Sum in reverse, and in eight partial sums."""
+    root, full, hid, _ = tiny
+    head = hid.head()
+    c0 = hid.manifest["chunks"][0]
+    raw = Hs.load_chunk(root / "hid" / "chunks" / c0["data"], head.shape[1], hid.vocab_size)
+    h = Hs._bf16_to_f64(raw["hidden"])
+    W = Hs._bf16_to_f64(np.asarray(head))
+    want = next(iter(full.row_pieces(full.items())))[: len(h)]
+    for s in (h[:, ::-1] @ W[:, ::-1].T, sum(h[:, j::8] @ W[:, j::8].T for j in range(8))):
+        got = Hs.round_bf16(s)
+        got[raw["exc_row"], raw["exc_id"]] = raw["exc_bits"]
+        np.testing.assert_array_equal(got, want)
+
+
+def test_merge_of_hidden_shards(tiny, tmp_path):
+    _, full, _, _ = tiny
+    bf = open_source("builtin:tiny")
+    a = capture_candidate(bf, full, tmp_path / "s0", store="hidden", shard="0/2", batch=2)
+    b = capture_candidate(bf, full, tmp_path / "s1", store="hidden", shard="1/2", batch=2)
+    assert main(["merge", str(a), str(b), "--out", str(tmp_path / "m"), "--chunk-size", "1MiB"]) == 0
+    m = RunReader(tmp_path / "m")
+    assert m.store == "hidden" and m.manifest["head"] == RunReader(a).manifest["head"]
+    assert sorted(it.id for it in m.items()) == sorted(it.id for it in full.items())
+    by_id = {it.id: it for it in m.items()}
+    for shard in (RunReader(a), RunReader(b)):
+        for it in shard.items():
+            np.testing.assert_array_equal(m.logits(by_id[it.id]), shard.logits(it))
+
+
+# --------------------------------------------------------------------------------------
+# V = 248,320
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hidwide")
+    d = make_wide_llama(root / "m", dtype="bfloat16")
+    wl = root / "wl.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"w{i}", "prompt": f"Count {i} items:", "max_tokens": 12}) + "\n" for i in range(3)))
+    return root, d, wl
+
+
+def test_wide_vocabulary_round_trip(wide):
+    root, d, wl = wide
+    src = open_source(f"hf:{d}")
+    items = read_workload(wl)
+    full = RunReader(capture_reference(src, items, root / "full"))
+    hid = RunReader(capture_reference(src, items, root / "hid", store="hidden", chunk_bytes=8 << 20))
+    assert hid.vocab_size == WIDE_VOCAB
+    n = 0
+    for a, b in aligned_blocks(full.row_pieces(full.items()), hid.row_pieces(hid.items()), 1 << 30):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        n += len(a)
+    assert n == 36
+    chunk_bytes = sum(p.stat().st_size for p in (root / "hid" / "chunks").glob("*.hidden.npz"))
+    # 256 bytes of hidden state per position and ~16 exceptions of ~10 bytes: against
+    # 496,640 bytes of bf16 logits
+    assert chunk_bytes / n < 2_000
+    # a reader's memory is a chunk: 8 MiB of bf16 rows is 16 rows at this vocabulary (a
+    # chunk closes once it holds them, so it may end with part of one more source block)
+    assert max(c["rows"] for c in hid.manifest["chunks"]) < 2 * (8 << 20) // (2 * WIDE_VOCAB)
+
+
+# --------------------------------------------------------------------------------------
+# refusals: one line, non-zero exit, nothing written
+# --------------------------------------------------------------------------------------
+
+
+def test_sources_that_cannot_fill_it_are_refused_before_writing(tmp_path, capsys):
+    out = tmp_path / "out"
+    for spec in ("builtin:tiny,dtype=float32", "builtin:tiny-F32"):
+        assert main(["capture", spec, "--out", str(out), "--store", "hidden"]) != 0
+        err = [x for x in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in x]
+        assert len(err) == 1 and "--store hidden" in err[0], err
+        assert not out.exists() or not any(out.iterdir())
+
+
+def test_logits_that_are_not_the_head_output_are_refused(tmp_path):
+    """A model with a bias or a scaled head: the hidden states do not reproduce the logits."""
+    d = make_random_llama(tmp_path / "m", vocab_size=512, layers=1, dtype="bfloat16")
+    src = open_source(f"hf:{d}")
+    head = src.output_head()
+    w = RunWriter(tmp_path / "run", source={"spec": "x"}, vocab_size=512, tokenizer_hash=None, store="hidden",
+                  dtype="bfloat16", head=head)
+    rng = np.random.default_rng(0)
+    h = Hs.round_bf16(rng.normal(0, 1, (4, head.shape[1])))
+    s = Hs._bf16_to_f64(h) @ Hs._bf16_to_f64(head).T
+    w.begin_item(RunItem(id="x", prompt_ids=[1], teacher_ids=[1, 2, 3, 4], positions=[0, 1, 2, 3]))
+    w.add_rows(logits=Hs.round_bf16(s), hidden=h)  # the head's output: accepted
+    w.end_item()
+    w.begin_item(RunItem(id="y", prompt_ids=[1], teacher_ids=[1, 2, 3, 4], positions=[0, 1, 2, 3]))
+    with pytest.raises(LogitdiffError, match=r"item 'y': output position 0: \d+ of 512 logits are not the output head"):
+        w.add_rows(logits=Hs.round_bf16(s + 0.5), hidden=h)  # a bias
+    w.close()
+
+
+def test_damaged_hidden_runs_are_named(tiny, tmp_path):
+    import shutil
+
+    root = tiny[0]
+    run = tmp_path / "r"
+    shutil.copytree(root / "hid", run)
+    head = run / "head.npy"
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 1
+    head.write_bytes(bytes(data))
+    r = RunReader(run)
+    with pytest.raises(LogitdiffError, match=r"head\.npy: sha256 differs"):
+        next(iter(r.row_pieces(r.items())))
+    head.unlink()
+    with pytest.raises(LogitdiffError, match=r"head\.npy: missing"):
+        next(iter(RunReader(run).row_pieces(RunReader(run).items())))
+    shutil.copy(root / "hid" / "head.npy", head)
+    c = run / "chunks" / RunReader(run).manifest["chunks"][0]["data"]
+    c.write_bytes(c.read_bytes()[:100])
+    with pytest.raises(LogitdiffError, match=r"hidden\.npz: unreadable hidden-state chunk"):
+        next(iter(RunReader(run).row_pieces(RunReader(run).items())))
+
+
+def test_resume_refuses_another_head(tiny, tmp_path):
+    root, full, _, _ = tiny
+    src = open_source("builtin:tiny")
+    out = tmp_path / "r"
+    capture_candidate(src, full, out, store="hidden")
+    before = tree_bytes(out)
+    m = json.loads((out / "manifest.json").read_text())
+    m["status"] = "partial"
+    m["head"]["sha256"] = "0" * 64
+    (out / "manifest.json").write_text(json.dumps(m))
+    before = tree_bytes(out)
+    with pytest.raises(LogitdiffError, match=r"field 'head'"):
+        capture_candidate(src, full, out, store="hidden", resume=True)
+    assert tree_bytes(out) == before
+    assert bf16_to_f32 is not None
