@@ -20,8 +20,8 @@ entry has R(s'_v) = z_v for any s'_v a reader computes (any BLAS, any order, CPU
 So ``decode`` reproduces the captured bf16 logits exactly, and a comparison against them is
 the full-vocabulary computation itself: nothing to bound.
 
-On builtin:tiny (V = 4,096, H = 256) 0.26 entries per position are exceptions; on a
-random Llama at V = 248,320 (H = 128) 16 (bench/RESULTS.md).
+Exceptions per position (bench/RESULTS.md): 0.28 on builtin:tiny (V = 4,096, H = 256),
+19 on it widened to V = 248,320, 28 on a random bf16 Llama at V = 248,320, H = 4,096.
 
 ``encode``/``decode`` are pure (arrays in, arrays out; ``head`` may be a memory map);
 ``save_chunk``/``load_chunk``/``save_head``/``load_head`` are the only I/O, used by store.py.
@@ -40,9 +40,11 @@ from .errors import LogitdiffError
 STORE = "hidden"
 CHUNK_SUFFIX = "hidden.npz"
 HEAD_FILE = "head.npy"
-# Rows recomputed per matmul and float64 head rows converted per slice: bounds the float64
-# temporaries (rows x slice x 8 bytes and slice x H x 8 bytes) whatever V and H are.
-ROW_GROUP = 64
+# Rows recomputed per pass over the head, and head rows converted to float64 per slice:
+# bound the float64 temporaries (ROW_GROUP x slice and slice x H, 8 bytes each) whatever V
+# and H are. Converting the head costs about as much as the product at H = 4096, so a pass
+# serves as many rows as it can (a reader's block is a chunk: 135 rows at V = 248,320).
+ROW_GROUP = 1024
 SLICE_BYTES = 16 << 20
 _EXC_FIELDS = ("exc_row", "exc_id", "exc_bits")
 
@@ -66,12 +68,16 @@ def round_bf16(s: np.ndarray) -> np.ndarray:
 
 
 def _sums(hidden_f64: np.ndarray, head: np.ndarray, v0: int, v1: int) -> np.ndarray:
-    """s[n, v1 - v0] = hidden @ head[v0:v1].T in float64."""
-    return hidden_f64 @ _bf16_to_f64(head[v0:v1]).T
+    """s[n, v1 - v0] = hidden @ head[v0:v1].T in float64 (torch: its bf16 -> float64
+    conversion is ~3x numpy's, and the order of the sums does not matter, see above)."""
+    import torch
+
+    w = torch.from_numpy(np.array(head[v0:v1], np.uint16).view(np.int16)).view(torch.bfloat16)  # a copy: memmaps are read-only
+    return (torch.from_numpy(hidden_f64) @ w.to(torch.float64).T).numpy()
 
 
 def _slices(V: int, H: int):
-    step = max(256, SLICE_BYTES // (8 * max(1, H)))
+    step = max(256, SLICE_BYTES // (8 * max(H, ROW_GROUP)))
     for v0 in range(0, V, step):
         yield v0, min(V, v0 + step)
 
