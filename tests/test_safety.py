@@ -149,6 +149,11 @@ COMMANDS = [
     Command("capture-candidate", False,
             lambda w, o: ["capture", "builtin:tiny", "--teacher", str(w["ref"]), "--out", o], "ref", "cand",
             lambda w, o: ["capture", "builtin:tiny", "--teacher", str(w["ref"]), "--out", o, "--overwrite", "--store", "topk:abc"]),
+    Command("capture-hidden", False,
+            lambda w, o: ["capture", "builtin:tiny", "--teacher", str(w["ref"]), "--out", o, "--store", "hidden"], "ref", "cand",
+            # refused: float32 logits cannot fill a hidden-state store
+            lambda w, o: ["capture", "builtin:tiny,dtype=float32", "--teacher", str(w["ref"]), "--out", o, "--overwrite",
+                          "--store", "hidden"]),
     Command("compare", False,
             lambda w, o: ["compare", str(w["ref"]), str(w["cand"]), "--out", o, "--bootstrap", "10"], "cand", "rep",
             # fails after reading both runs: another vocabulary
@@ -275,7 +280,7 @@ def test_failing_replace_leaves_the_old_output(cmd, w, tmp_path, capsys):
 @pytest.mark.parametrize("cmd", COMMANDS, ids=IDS)
 def test_concurrent_writer_is_refused_and_a_dead_one_does_not_block(cmd, w, tmp_path, capsys):
     out = copy_of(w, cmd.existing, tmp_path / ("out.file" if cmd.is_file else "out"))
-    argv = cmd.argv(w, str(out)) + (["--overwrite"] if cmd.name in ("capture-reference", "capture-candidate", "merge",
+    argv = cmd.argv(w, str(out)) + (["--overwrite"] if cmd.name in ("capture-reference", "capture-candidate", "capture-hidden", "merge",
                                                                     "import-llamacpp-kld", "import-npz") else [])
     before = digest(out)
     holder = hold_lock(out)
