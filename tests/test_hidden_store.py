@@ -247,3 +247,28 @@ def test_resume_refuses_another_head(tiny, tmp_path):
         capture_candidate(src, full, out, store="hidden", resume=True)
     assert tree_bytes(out) == before
     assert bf16_to_f32 is not None
+
+
+def test_a_killed_hidden_capture_resumes_to_the_same_rows(tiny, tmp_path):
+    """A kill leaves the manifest listing whole chunks (items whose rows run on past them
+    are not listed); --resume scores the rest and the run reads back as the full one."""
+    import shutil
+
+    root, full, hid, _ = tiny
+    run = tmp_path / "r"
+    shutil.copytree(root / "hid", run)
+    m = json.loads((run / "manifest.json").read_text())
+    keep = m["chunks"][:2]
+    assert len(m["chunks"]) > 2
+    listed = [json.loads(x) for c in keep for x in (run / "chunks" / c["items"]).read_text().splitlines() if x.strip()]
+    for c in m["chunks"][2:]:
+        for f in (c["items"], c["data"]):
+            (run / "chunks" / f).unlink()
+    m.update(status="partial", chunks=keep, n_items=len(listed), n_positions=sum(len(x["positions"]) for x in listed))
+    (run / "manifest.json").write_text(json.dumps(m))
+    items = read_workload(WORKLOAD)[:10]
+    capture_reference(open_source("builtin:tiny"), items, run, store="hidden", resume=True, chunk_bytes=1 << 20)
+    done = RunReader(run)
+    assert [it.id for it in done.items()] == [it.id for it in full.items()]
+    for a, b in zip(done.items(), full.items()):
+        np.testing.assert_array_equal(done.logits(a), full.logits(b))
