@@ -272,3 +272,23 @@ def test_a_killed_hidden_capture_resumes_to_the_same_rows(tiny, tmp_path):
     assert [it.id for it in done.items()] == [it.id for it in full.items()]
     for a, b in zip(done.items(), full.items()):
         np.testing.assert_array_equal(done.logits(a), full.logits(b))
+
+
+def test_run_with_a_hidden_reference_writes_the_same_reports(tmp_path):
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps(r) + "\n" for r in read_workload_rows(3)))
+    args = ["run", "--reference", "builtin:tiny", "--candidate", "builtin:tiny,dtype=float32", "--workload", str(wl),
+            "--no-noise-floor", "--no-flips", "--bootstrap", "10"]
+    assert main(args + ["--out", str(tmp_path / "a")]) == 0
+    assert main(args + ["--out", str(tmp_path / "b"), "--reference-store", "hidden"]) == 0
+    ref = RunReader(tmp_path / "b" / "runs" / "reference")
+    assert ref.store == "hidden" and (tmp_path / "b" / "runs" / "reference" / "head.npy").exists()
+    ra, rb = (json.loads(next((tmp_path / x / "reports").glob("*/report.json")).read_text()) for x in ("a", "b"))
+    assert ra["summary"] == rb["summary"] and ra["summary"]["kl_nats_mean"] > 0
+    # a rerun with the other store does not reuse the reference: it captures afresh
+    assert main(args + ["--out", str(tmp_path / "b")]) == 0
+    assert RunReader(tmp_path / "b" / "runs" / "reference").store == "full"
+
+
+def read_workload_rows(n):
+    return [json.loads(x) for x in WORKLOAD.read_text().splitlines()[:n]]

@@ -61,6 +61,7 @@ class RunConfig:
     html: bool = True
     gates: list | None = None  # logitdiff.gates.Gate; crossed gates are listed in summary.json
     logprob_floor: float | None = None  # stated floor for top-K (served) candidates: compare.check_floor
+    reference_store: str = "full"  # or "hidden" (hidden.py): the reference's logits from its hidden states
 
 
 class Hooks:
@@ -87,12 +88,14 @@ def _workload_path(cfg: RunConfig) -> Path:
 def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunReader:
     """Capture the reference, or reuse/resume a matching capture in OUT/runs/reference."""
     path = Path(cfg.out) / "runs" / "reference"
-    want = {"workload_sha256": wl_hash, "spec": cfg.reference, "max_tokens": cfg.max_tokens, "positions": cfg.positions}
+    want = {"workload_sha256": wl_hash, "spec": cfg.reference, "max_tokens": cfg.max_tokens, "positions": cfg.positions,
+            "store": cfg.reference_store}
     resume = False
     if is_kind(path, Kind.RUN) and not cfg.fresh:
         m = json.loads((path / "manifest.json").read_text())
         have = {"workload_sha256": m["settings"].get("workload_sha256"), "spec": m["source"]["spec"],
-                "max_tokens": m["settings"].get("max_tokens"), "positions": m["settings"].get("positions")}
+                "max_tokens": m["settings"].get("max_tokens"), "positions": m["settings"].get("positions"),
+                "store": m["settings"].get("store")}
         if have == want:
             if m.get("status") == "complete":
                 hooks.stage(f"reference: reusing {path}")
@@ -104,13 +107,15 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunRead
         settings = {"workload_sha256": wl_hash, "workload": str(_workload_path(cfg))}
         try:
             capture_reference(src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, resume=resume,
-                              overwrite=not resume, settings=settings, progress=advance, inputs=[_workload_path(cfg)])
+                              overwrite=not resume, settings=settings, progress=advance, inputs=[_workload_path(cfg)],
+                              store=cfg.reference_store)
         except ResumeMismatch as e:
             # The partial capture was made with another model or settings: start again
             # rather than mix the two (the old one is replaced only when the new is whole).
             hooks.stage(f"reference: not resuming ({str(e).split('cannot resume, ', 1)[-1]}); capturing afresh")
             capture_reference(src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, overwrite=True,
-                              settings=settings, progress=hooks.bar(len(items), "reference"), inputs=[_workload_path(cfg)])
+                              settings=settings, progress=hooks.bar(len(items), "reference"), inputs=[_workload_path(cfg)],
+                              store=cfg.reference_store)
     return RunReader(path)
 
 

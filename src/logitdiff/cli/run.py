@@ -38,6 +38,10 @@ def register(sub) -> None:
                        help="output directory: new, empty or an earlier run's (its reference capture is reused) (default: %(default)s)")
     run_p.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's, else 64)")
     run_p.add_argument("--positions", default="all", help="all | first | sample:FRAC with 0 < FRAC <= 1 (default: %(default)s)")
+    run_p.add_argument("--reference-store", choices=("full", "hidden"), default="full",
+                       help="how OUT/runs/reference keeps the reference's logits: full (bf16 rows, 2V bytes per position) or "
+                            "hidden (a bf16 transformers reference's final hidden states and its output head once, decoded bit "
+                            "for bit: ~2H bytes per position; docs/bounds.md section 6) (default: %(default)s)")
     run_p.add_argument("--no-noise-floor", action="store_true", help="skip the reference reruns")
     add_bootstrap(run_p)
     add_ranges(run_p)
@@ -84,7 +88,7 @@ def run(args) -> int:
         max_tokens=args.max_tokens, positions=args.positions, noise_floor=not args.no_noise_floor, bootstrap=args.bootstrap,
         ranges=ranges, fresh=args.fresh, flips=not args.no_flips, correctness=not (args.no_correctness or args.no_flips),
         flip_select=args.select, max_branches=args.max_branches, similarity=args.similarity,
-        logprob_floor=args.logprob_floor,
+        logprob_floor=args.logprob_floor, reference_store=args.reference_store,
     )
     parse_select(args.select)
     check_max_branches(args.max_branches)
