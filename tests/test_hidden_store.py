@@ -292,3 +292,44 @@ def test_run_with_a_hidden_reference_writes_the_same_reports(tmp_path):
 
 def read_workload_rows(n):
     return [json.loads(x) for x in WORKLOAD.read_text().splitlines()[:n]]
+
+
+def _f16_nearest_even(x: float) -> int:
+    """Independent reference for float16: nearest of the neighbouring float16 values by
+    exact rational comparison, ties to the even bit pattern."""
+    u = int(np.array(x, np.float64).astype(np.float16).view(np.uint16))
+    cands = {(u + d) & 0xFFFF for d in (-1, 0, 1)}
+    xv = Fraction(x)
+
+    def val(b):
+        return Fraction(float(np.array(b, np.uint16).view(np.float16)))
+
+    return min(cands, key=lambda b: (abs(val(b) - xv), b & 1))
+
+
+def test_round_float16_is_nearest_even_in_one_rounding():
+    rng = np.random.default_rng(2)
+    xs = list(rng.normal(0, 20, 2000))
+    for b in rng.integers(0x0800, 0x7000, 300):  # normal float16 patterns
+        lo = float(np.array(int(b), np.uint16).view(np.float16))
+        hi = float(np.array(int(b) + 1, np.uint16).view(np.float16))
+        mid = (lo + hi) / 2
+        xs += [mid, -mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf)]
+    xs = np.asarray(xs, np.float64)
+    np.testing.assert_array_equal(Hs.round_bits(xs, "float16"), [_f16_nearest_even(float(x)) for x in xs])
+
+
+def test_float16_model_round_trip(tmp_path):
+    d = make_random_llama(tmp_path / "m", vocab_size=512, layers=1, dtype="float16")
+    src = open_source(f"hf:{d}")
+    assert src.logits_dtype == "float16"
+    items = read_workload(WORKLOAD)[:4]
+    full = RunReader(capture_reference(src, items, tmp_path / "full"))
+    hid = RunReader(capture_reference(src, items, tmp_path / "hid", store="hidden"))
+    assert hid.dtype == "float16" and full.dtype == "float16"
+    n = 0
+    for a, b in aligned_blocks(full.row_pieces(full.items()), hid.row_pieces(hid.items()), 1 << 30):
+        assert a.dtype == b.dtype == np.float16
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+        n += len(a)
+    assert n == full.manifest["n_positions"] > 0

@@ -1,5 +1,5 @@
-"""The hidden-state reference store (``--store hidden``): a bf16 reference's logits, bit for
-bit, from a few hundred bytes per position (docs/bounds.md, section 6).
+"""The hidden-state reference store (``--store hidden``): a bf16 (or float16) reference's
+logits, bit for bit, from a few hundred bytes per position (docs/bounds.md, section 6).
 
 A bf16 transformers model computes its logits as ``z = bf16(W h)``: the output head ``W``
 [V, H] (bf16) applied to the final hidden state ``h`` [H] (bf16), accumulated in float32 and
@@ -9,6 +9,8 @@ rounded to bf16. Given ``W`` once per run and ``h`` per position, ``z`` is recom
 
 except at the few entries where the model's float32 accumulation rounded to the other side
 of a bf16 rounding boundary; those are stored as they are (``exceptions``: row, id, bits).
+A float16 model is the same with float16 in place of bf16 (products of two float16 values,
+11-bit significands, are exact in float64 too).
 
 *Why the reconstruction is exact on every machine.* Products of two bf16 values are exact
 in float64, and any float64 summation order is within gamma_H * sum_j |W_vj h_j| of the
@@ -53,26 +55,46 @@ def is_hidden(store: str | None) -> bool:
     return store == STORE
 
 
-def _bf16_to_f64(u16: np.ndarray) -> np.ndarray:
-    return (np.asarray(u16, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+# The 16-bit formats a store can hold: explicit significand bits, smallest normal, largest
+# finite value. Only normal, finite values are reconstructed; ``encode`` stores the rest.
+FORMATS = {"bfloat16": (7, 2.0**-126, 3.3895313892515355e38), "float16": (10, 2.0**-14, 65504.0)}
+
+
+def _bits_to_f64(u16: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
+    u16 = np.asarray(u16, np.uint16)
+    if dtype == "float16":
+        return u16.view(np.float16).astype(np.float64)
+    return (u16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+_bf16_to_f64 = _bits_to_f64
+
+
+def round_bits(s: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
+    """float64 -> ``dtype`` bits (uint16), round to nearest, ties to even, in one rounding
+    (a float32 step in between could round twice): the float64 significand is rounded to
+    the format's width, after which the value is exact in it. For normal, finite results;
+    ``encode`` stores anything else as an exception."""
+    drop = 52 - FORMATS[dtype][0]
+    b = np.ascontiguousarray(s, np.float64).view(np.uint64)
+    lsb = (b >> np.uint64(drop)) & np.uint64(1)  # last kept bit of the significand
+    r = ((b + np.uint64((1 << (drop - 1)) - 1) + lsb) & ~np.uint64((1 << drop) - 1)).view(np.float64)
+    if dtype == "float16":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return r.astype(np.float16).view(np.uint16)
+    return (r.astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
 
 
 def round_bf16(s: np.ndarray) -> np.ndarray:
-    """float64 -> bf16 bits (uint16), round to nearest, ties to even, in one rounding (a
-    float32 step in between could round twice). For finite |s| >= 2^-126 (bf16 normals);
-    ``encode`` stores anything else as an exception."""
-    b = np.ascontiguousarray(s, np.float64).view(np.uint64)
-    lsb = (b >> np.uint64(45)) & np.uint64(1)  # last kept bit of the 8-bit significand
-    r = (b + np.uint64((1 << 44) - 1) + lsb) & ~np.uint64((1 << 45) - 1)
-    return (r.view(np.float64).astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return round_bits(s, "bfloat16")
 
 
-def _sums(hidden_f64: np.ndarray, head: np.ndarray, v0: int, v1: int) -> np.ndarray:
+def _sums(hidden_f64: np.ndarray, head: np.ndarray, v0: int, v1: int, dtype: str = "bfloat16") -> np.ndarray:
     """s[n, v1 - v0] = hidden @ head[v0:v1].T in float64 (torch: its bf16 -> float64
     conversion is ~3x numpy's, and the order of the sums does not matter, see above)."""
     import torch
 
-    w = torch.from_numpy(np.array(head[v0:v1], np.uint16).view(np.int16)).view(torch.bfloat16)  # a copy: memmaps are read-only
+    w = torch.from_numpy(np.array(head[v0:v1], np.uint16).view(np.int16)).view(getattr(torch, dtype))  # a copy: memmaps are read-only
     return (torch.from_numpy(hidden_f64) @ w.to(torch.float64).T).numpy()
 
 
@@ -82,18 +104,19 @@ def _slices(V: int, H: int):
         yield v0, min(V, v0 + step)
 
 
-def head_norms(head: np.ndarray) -> np.ndarray:
+def head_norms(head: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
     """||W_v||_2 per head row (float64), a slice at a time."""
     V, H = head.shape
     out = np.empty(V, np.float64)
     for v0, v1 in _slices(V, H):
-        out[v0:v1] = np.sqrt(np.square(_bf16_to_f64(head[v0:v1])).sum(1))
+        out[v0:v1] = np.sqrt(np.square(_bits_to_f64(head[v0:v1], dtype)).sum(1))
     return out
 
 
-def encode(logits_bits: np.ndarray, hidden_bits: np.ndarray, head: np.ndarray, norms: np.ndarray) -> dict[str, np.ndarray]:
-    """One block: the model's bf16 logits [n, V] (bits), its hidden states [n, H] (bits),
-    the head [V, H] (bits) and `head_norms` -> the arrays a chunk stores."""
+def encode(logits_bits: np.ndarray, hidden_bits: np.ndarray, head: np.ndarray, norms: np.ndarray,
+           dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+    """One block: the model's logits [n, V], its hidden states [n, H] and the head [V, H],
+    all as ``dtype`` bits (uint16), and `head_norms` -> the arrays a chunk stores."""
     z = np.asarray(logits_bits, np.uint16)
     h = np.asarray(hidden_bits, np.uint16)
     n, V = z.shape
@@ -101,16 +124,18 @@ def encode(logits_bits: np.ndarray, hidden_bits: np.ndarray, head: np.ndarray, n
     if h.shape != (n, head.shape[1]) or head.shape[0] != V:
         raise LogitdiffError(f"hidden store: hidden states {h.shape} and head {head.shape} do not fit logits {z.shape}")
     gamma = 2.0 * 1.01 * H * 2.0**-53  # twice gamma_H, with room for the norms' own rounding
+    _, tiny, big = FORMATS[dtype]
     rows, ids, bits = [], [], []
     for a in range(0, n, ROW_GROUP):
-        hf = _bf16_to_f64(h[a : a + ROW_GROUP])
+        hf = _bits_to_f64(h[a : a + ROW_GROUP], dtype)
         hn = np.sqrt(np.square(hf).sum(1))[:, None]
         for v0, v1 in _slices(V, H):
-            s = _sums(hf, head, v0, v1)
+            s = _sums(hf, head, v0, v1, dtype)
             m = gamma * hn * norms[None, v0:v1]
             zz = z[a : a + ROW_GROUP, v0:v1]
             with np.errstate(over="ignore", invalid="ignore"):
-                bad = (round_bf16(s - m) != zz) | (round_bf16(s + m) != zz) | ~(np.abs(s) - m >= 2.0**-126)
+                bad = ((round_bits(s - m, dtype) != zz) | (round_bits(s + m, dtype) != zz)
+                       | ~(np.abs(s) - m >= tiny) | ~(np.abs(s) + m < big))
             r, c = np.nonzero(bad)
             rows.append((r + a).astype(np.int32))
             ids.append((c + v0).astype(np.int32))
@@ -119,17 +144,17 @@ def encode(logits_bits: np.ndarray, hidden_bits: np.ndarray, head: np.ndarray, n
     return {"hidden": h.copy(), "exc_row": cat(rows, np.int32), "exc_id": cat(ids, np.int32), "exc_bits": cat(bits, np.uint16)}
 
 
-def decode(block: dict[str, np.ndarray], head: np.ndarray) -> np.ndarray:
+def decode(block: dict[str, np.ndarray], head: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
     """Arrays of `encode` (a whole block, or one with its exceptions' rows renumbered) ->
-    the model's bf16 logits [n, V] as bits, exactly."""
+    the model's logits [n, V] as ``dtype`` bits, exactly."""
     h = np.asarray(block["hidden"], np.uint16)
     n, V = h.shape[0], head.shape[0]
     out = np.empty((n, V), np.uint16)
     for a in range(0, n, ROW_GROUP):
-        hf = _bf16_to_f64(h[a : a + ROW_GROUP])
+        hf = _bits_to_f64(h[a : a + ROW_GROUP], dtype)
         for v0, v1 in _slices(V, head.shape[1]):
             with np.errstate(over="ignore", invalid="ignore"):
-                out[a : a + ROW_GROUP, v0:v1] = round_bf16(_sums(hf, head, v0, v1))
+                out[a : a + ROW_GROUP, v0:v1] = round_bits(_sums(hf, head, v0, v1, dtype), dtype)
     out[block["exc_row"], block["exc_id"]] = block["exc_bits"]
     return out
 

@@ -273,14 +273,14 @@ class RunWriter:
         # hidden-state store (hidden.py): bf16 logits kept as hidden states + the head
         self.hidden = hidden_store.is_hidden(store)
         if self.hidden:
-            if dtype != "bfloat16":
-                raise LogitdiffError(f"--store hidden: the source's logits are {dtype}; the hidden-state store keeps bf16 "
-                                     "logits (a transformers model in bfloat16 whose logits are its output head's output)")
+            if dtype not in hidden_store.FORMATS:
+                raise LogitdiffError(f"--store hidden: the source's logits are {dtype}; the hidden-state store keeps bf16 or "
+                                     "float16 logits (a transformers model in bfloat16/float16 whose logits are its head's output)")
             if head is None or np.asarray(head).ndim != 2 or np.asarray(head).shape[0] != int(vocab_size):
                 raise LogitdiffError(f"--store hidden: the source has no output head of {vocab_size} rows to store "
                                      "(transformers sources only)")
             self.head = np.asarray(head, np.uint16)
-            self._head_norms = hidden_store.head_norms(self.head)
+            self._head_norms = hidden_store.head_norms(self.head, dtype)
         self.dtype = dtype
         self.vocab_size = int(vocab_size)
         # bytes of one stored row: top-K ids (int64) + logprobs (float64) + 3 float64 stats
@@ -454,13 +454,15 @@ class RunWriter:
             self.flush(wait=False)
 
     def _hidden_rows(self, item: RunItem, rows: np.ndarray, hidden) -> dict:
+        if self.dtype == "float16" and rows.dtype == np.float16:
+            rows = rows.view(np.uint16)
         if hidden is None or rows.dtype != np.uint16:
-            raise LogitdiffError(f"item {item.id!r}: hidden-state run: pass bf16 logits (bits) and hidden= states")
+            raise LogitdiffError(f"item {item.id!r}: hidden-state run: pass {self.dtype} logits (bits) and hidden= states")
         h = np.asarray(hidden)
         if h.dtype != np.uint16 or h.shape != (rows.shape[0], self.head.shape[1]):
             raise LogitdiffError(f"item {item.id!r}: hidden states {h.dtype} {h.shape}, expected uint16 "
                                  f"({rows.shape[0]}, {self.head.shape[1]})")
-        enc = hidden_store.encode(rows, h, self.head, self._head_norms)
+        enc = hidden_store.encode(rows, h, self.head, self._head_norms, self.dtype)
         per_row = np.bincount(enc["exc_row"], minlength=rows.shape[0])
         worst = int(per_row.argmax()) if per_row.size else 0
         if per_row.size and per_row[worst] > max(64, self.vocab_size // 64):
@@ -771,7 +773,9 @@ class RunReader:
                 raw = hidden_store.load_chunk(p, self.manifest["head"]["shape"][1], self.vocab_size)
                 n = raw["hidden"].shape[0]
                 if n == c["rows"]:
-                    data = hidden_store.decode(raw, self.head())
+                    data = hidden_store.decode(raw, self.head(), self.dtype)
+                    if self.dtype == "float16":  # what a full float16 chunk holds
+                        data = data.view(np.float16)
             elif self.compact:
                 data = compact_store.load_chunk(p)
                 n = data["max_logit"].shape[0]

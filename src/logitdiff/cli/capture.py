@@ -37,7 +37,7 @@ def register(sub) -> None:
                      "continue it), or a RUN with --resume / --overwrite; never anything else")
     cap.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's max_tokens, else 64)")
     cap.add_argument("--store", default="full",
-                     help="full (native-dtype logits), hidden (a bf16 transformers model's logits kept bit for bit as its final "
+                     help="full (native-dtype logits), hidden (a bf16/fp16 transformers model's logits kept bit for bit as its final "
                           "hidden states plus the output head once: ~2 bytes per hidden unit per position; compares exactly), "
                           "topk:K with 1 <= K <= V, or compact[:exact=E,band=B,bits=8|16] (a reference "
                           "kept as exact top entries, a quantised band and exact tail mass: candidates compare against it with "

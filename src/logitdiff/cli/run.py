@@ -40,7 +40,7 @@ def register(sub) -> None:
     run_p.add_argument("--positions", default="all", help="all | first | sample:FRAC with 0 < FRAC <= 1 (default: %(default)s)")
     run_p.add_argument("--reference-store", choices=("full", "hidden"), default="full",
                        help="how OUT/runs/reference keeps the reference's logits: full (bf16 rows, 2V bytes per position) or "
-                            "hidden (a bf16 transformers reference's final hidden states and its output head once, decoded bit "
+                            "hidden (a bf16/fp16 transformers reference's final hidden states and its output head once, decoded bit "
                             "for bit: ~2H bytes per position; docs/bounds.md section 6) (default: %(default)s)")
     run_p.add_argument("--no-noise-floor", action="store_true", help="skip the reference reruns")
     add_bootstrap(run_p)

@@ -255,19 +255,20 @@ class HFSource(FullLogitSource):
         return logits
 
     def output_head(self) -> np.ndarray | None:
-        """The head's weight rows of the vocabulary (bf16 bits) when the logits are the
-        head's bf16 output unchanged: no post-processing, no bias."""
+        """The head's weight rows of the vocabulary (bf16 or float16 bits) when the logits
+        are the head's 16-bit output unchanged: no post-processing, no bias."""
         import torch
 
         w = self.lm_head.weight
-        if self.logits_dtype != "bfloat16" or w.dtype != torch.bfloat16 or getattr(self.lm_head, "bias", None) is not None:
+        if (self.logits_dtype not in ("bfloat16", "float16") or w.dtype != getattr(torch, self.logits_dtype)
+                or getattr(self.lm_head, "bias", None) is not None):
             return None
         return w[: self.vocab_size].detach().contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
     def _bits(self, h) -> np.ndarray:
         import torch
 
-        return h.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+        return h.detach().to(self.lm_head.weight.dtype).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
     def _to_numpy(self, logits) -> np.ndarray:
         """A head block on the host in the stored dtype: bf16 as its bits (uint16, exact),
