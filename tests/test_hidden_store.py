@@ -59,7 +59,7 @@ def test_round_bf16_is_nearest_even_in_one_rounding():
         mid = (lo + hi) / 2
         xs += [mid, -mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf), mid + (hi - lo) * 2**-30]
     xs = np.asarray(xs, np.float64)
-    got = Hs.round_bf16(xs)
+    got = Hs.round_bits(xs)
     want = np.array([_bf16_nearest_even(float(x)) for x in xs], np.uint16)
     np.testing.assert_array_equal(got, want)
 
@@ -117,11 +117,11 @@ def test_decode_does_not_depend_on_the_summation_order(tiny):
     head = hid.head()
     c0 = hid.manifest["chunks"][0]
     raw = Hs.load_chunk(root / "hid" / "chunks" / c0["data"], head.shape[1], hid.vocab_size)
-    h = Hs._bf16_to_f64(raw["hidden"])
-    W = Hs._bf16_to_f64(np.asarray(head))
+    h = Hs._bits_to_f64(raw["hidden"])
+    W = Hs._bits_to_f64(np.asarray(head))
     want = next(iter(full.row_pieces(full.items())))[: len(h)]
     for s in (h[:, ::-1] @ W[:, ::-1].T, sum(h[:, j::8] @ W[:, j::8].T for j in range(8))):
-        got = Hs.round_bf16(s)
+        got = Hs.round_bits(s)
         got[raw["exc_row"], raw["exc_id"]] = raw["exc_bits"]
         np.testing.assert_array_equal(got, want)
 
@@ -198,14 +198,18 @@ def test_logits_that_are_not_the_head_output_are_refused(tmp_path):
     w = RunWriter(tmp_path / "run", source={"spec": "x"}, vocab_size=512, tokenizer_hash=None, store="hidden",
                   dtype="bfloat16", head=head)
     rng = np.random.default_rng(0)
-    h = Hs.round_bf16(rng.normal(0, 1, (4, head.shape[1])))
-    s = Hs._bf16_to_f64(h) @ Hs._bf16_to_f64(head).T
+    h = Hs.round_bits(rng.normal(0, 1, (4, head.shape[1])))
+    s = Hs._bits_to_f64(h) @ Hs._bits_to_f64(head).T
     w.begin_item(RunItem(id="x", prompt_ids=[1], teacher_ids=[1, 2, 3, 4], positions=[0, 1, 2, 3]))
-    w.add_rows(logits=Hs.round_bf16(s), hidden=h)  # the head's output: accepted
+    w.add_rows(logits=Hs.round_bits(s), hidden=h)  # the head's output: accepted
     w.end_item()
     w.begin_item(RunItem(id="y", prompt_ids=[1], teacher_ids=[1, 2, 3, 4], positions=[0, 1, 2, 3]))
     with pytest.raises(LogitdiffError, match=r"item 'y': output position 0: \d+ of 512 logits are not the output head"):
-        w.add_rows(logits=Hs.round_bf16(s + 0.5), hidden=h)  # a bias
+        w.add_rows(logits=Hs.round_bits(s + 0.5), hidden=h)  # a bias
+    # stored rows from another run (merge): an exception outside the block is refused
+    bad = {"hidden": h, "exc_row": np.array([9], np.int32), "exc_id": np.array([0], np.int32), "exc_bits": np.zeros(1, np.uint16)}
+    with pytest.raises(LogitdiffError, match=r"item 'y': hidden-state rows uint16 \(4, \d+\) \(or their exceptions\) do not fit"):
+        w.add_rows(hidden_block=bad)
     w.close()
 
 

@@ -121,11 +121,11 @@ def _sampling(mode: str) -> dict:
     return {"positions_sampling": {"fraction": frac, "seed": seed, "rule": SAMPLE_RULE}}
 
 
-def _rows_for_store(writer: RunWriter, kind: RowKind, rows, next_tokens=None) -> dict:
+def _rows_for_store(writer: RunWriter, kind: RowKind, rows, next_tokens=None, hidden=None) -> dict:
     """One block of a source's rows (of the source's ``kind``) in the form the writer
     stores: top-K reduced here, a block at a time, so ``--store topk:K`` never holds more
     than a block of full rows; ``next_tokens`` (the teacher tokens of the block's rows) for
-    the compact store."""
+    the compact store, ``hidden`` (the block's hidden states) for the hidden-state store."""
     if kind is RowKind.TOPK:
         return {"topk": _topk_for_store(writer, rows)}
     if writer.compact:
@@ -138,6 +138,8 @@ def _rows_for_store(writer: RunWriter, kind: RowKind, rows, next_tokens=None) ->
         st = M.row_stats(z, k=writer.k)
         return {"topk": {"ids": st["topk_ids"], "logprobs": st["topk_logprobs"], "logsumexp": st["logsumexp"],
                          "tail_mass": st["tail_mass"], "entropy": st["entropy"]}}
+    if writer.hidden:  # the writer keeps the hidden states and checks them against the rows
+        return {"logits": rows, "hidden": hidden}
     return {"logits": rows}
 
 
@@ -179,7 +181,7 @@ def _write_scored(source: Source, writer: RunWriter, run_items: list[RunItem], p
         if it.id in skip:
             continue
         next_tokens = it.next_tokens[b.t0 : b.t0 + len(b.rows)] if writer.compact else None
-        writer.add_rows(**_rows_for_store(writer, source.row_kind, b.rows, next_tokens), **({"hidden": b.hidden} if writer.hidden else {}))
+        writer.add_rows(**_rows_for_store(writer, source.row_kind, b.rows, next_tokens, b.hidden))
     advance_to(len(run_items))
 
 

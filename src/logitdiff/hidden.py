@@ -67,9 +67,6 @@ def _bits_to_f64(u16: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
     return (u16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-_bf16_to_f64 = _bits_to_f64
-
-
 def round_bits(s: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
     """float64 -> ``dtype`` bits (uint16), round to nearest, ties to even, in one rounding
     (a float32 step in between could round twice): the float64 significand is rounded to
@@ -83,10 +80,6 @@ def round_bits(s: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):
             return r.astype(np.float16).view(np.uint16)
     return (r.astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
-
-
-def round_bf16(s: np.ndarray) -> np.ndarray:
-    return round_bits(s, "bfloat16")
 
 
 def _sums(hidden_f64: np.ndarray, head: np.ndarray, v0: int, v1: int, dtype: str = "bfloat16") -> np.ndarray:

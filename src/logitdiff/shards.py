@@ -146,9 +146,9 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
                              prompt=it.prompt, extra=it.extra)
                 # rows are copied a block at a time in their stored form (bf16 bits stay bits)
                 w.begin_item(ni)
-                if r.hidden:  # re-encoded from the decoded logits and their hidden states
-                    for logits, hidden in r.hidden_pieces(it):
-                        w.add_rows(logits=logits, hidden=hidden)
+                if r.hidden:  # copied as stored: every shard has the same head (checked above)
+                    for block in r.hidden_blocks(it):
+                        w.add_rows(hidden_block=block)
                     w.end_item()
                     continue
                 for block in r.row_blocks([it], rows_per_block(first.vocab_size, chunk_bytes), raw=True):

@@ -405,10 +405,12 @@ class RunWriter:
         self._kept_tools[path] = {"tools_module": rel, "tools_module_sha256": digest}
         return self._kept_tools[path]
 
-    def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None) -> None:
+    def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None,
+                 hidden_block: dict | None = None) -> None:
         """The next rows of the current item (its positions in order). A hidden-state run
-        takes the bf16 logits (bits) and the hidden states they came from (bits), and keeps
-        the latter with the entries where they do not reproduce the former (hidden.py)."""
+        takes the 16-bit logits and the hidden states they came from (bits), and keeps the
+        latter with the entries where they do not reproduce the former (hidden.py); or, from
+        another run with the same head, rows already in that form (``hidden_block``)."""
         item = self._cur
         if item is None:
             raise ValueError("add_rows outside begin_item/end_item")
@@ -430,6 +432,9 @@ class RunWriter:
                     raise LogitdiffError(
                         f"item {item.id!r}: top-K {key} shape {rows[key].shape}, expected (<= {n_left}, {self.k})"
                     )
+        elif self.hidden and hidden_block is not None:
+            rows = self._checked_hidden_block(item, hidden_block, n_left)
+            n = rows["hidden"].shape[0]
         else:
             rows = np.asarray(logits)
             n = rows.shape[0] if rows.ndim == 2 else -1
@@ -452,6 +457,18 @@ class RunWriter:
         self._cur_rows += n
         if self._nrows >= self.chunk_rows:
             self.flush(wait=False)
+
+    def _checked_hidden_block(self, item: RunItem, block: dict, n_left: int) -> dict:
+        h = np.asarray(block.get("hidden"))
+        e = [np.asarray(block.get(k)) for k in ("exc_row", "exc_id", "exc_bits")]
+        ok = (h.dtype == np.uint16 and h.ndim == 2 and h.shape[1] == self.head.shape[1] and h.shape[0] <= n_left
+              and len({x.shape for x in e}) == 1 and e[0].ndim == 1
+              and (e[0].size == 0 or (0 <= e[0].min() and e[0].max() < h.shape[0] and 0 <= e[1].min()
+                                      and e[1].max() < self.vocab_size)))
+        if not ok:
+            raise LogitdiffError(f"item {item.id!r}: hidden-state rows {h.dtype} {h.shape} (or their exceptions) do not fit "
+                                 f"(<= {n_left}, {self.head.shape[1]}) at V = {self.vocab_size}")
+        return {"hidden": h, "exc_row": e[0].astype(np.int32), "exc_id": e[1].astype(np.int32), "exc_bits": e[2].astype(np.uint16)}
 
     def _hidden_rows(self, item: RunItem, rows: np.ndarray, hidden) -> dict:
         if self.dtype == "float16" and rows.dtype == np.float16:
@@ -699,6 +716,7 @@ class RunReader:
         # a hidden-state run reads as a full bf16 run: its chunks decode to the logits
         self.hidden = hidden_store.is_hidden(st)
         self._head = None
+        self._raw_cache: tuple[int, dict] | None = None
         if self.hidden:
             hd = self.manifest.get("head")
             if not (isinstance(hd, dict) and isinstance(hd.get("shape"), list) and len(hd["shape"]) == 2
@@ -764,6 +782,7 @@ class RunReader:
     def _chunk(self, index: int):
         if self._cache is not None and self._cache[0] == index:
             return self._cache[1]
+        self._cache = None  # let the previous chunk go before the next one is built (decoded)
         c = self.manifest["chunks"][index]
         p = self.path / "chunks" / c["data"]
         if not p.exists():
@@ -805,13 +824,14 @@ class RunReader:
                 raise LogitdiffError(f"{self.path / hidden_store.HEAD_FILE}: shape {self._head.shape}, manifest says {hd['shape']}")
         return self._head
 
-    def hidden_pieces(self, item: RunItem) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """A hidden-state run: (bf16 logit bits, hidden-state bits) of an item's rows, a
-        chunk's span at a time (what `merge` re-encodes)."""
+    def hidden_blocks(self, item: RunItem) -> Iterator[dict[str, np.ndarray]]:
+        """A hidden-state run: an item's rows as stored (hidden states + exceptions, not
+        decoded), a chunk's span at a time: what `merge` copies into a run with the same head."""
         for index, a, b in self._spans(item):
-            p = self.path / "chunks" / self.manifest["chunks"][index]["data"]
-            raw = hidden_store.load_chunk(p, self.manifest["head"]["shape"][1], self.vocab_size)
-            yield np.asarray(self._chunk(index)[a:b]), raw["hidden"][a:b]
+            if self._raw_cache is None or self._raw_cache[0] != index:
+                p = self.path / "chunks" / self.manifest["chunks"][index]["data"]
+                self._raw_cache = (index, hidden_store.load_chunk(p, self.manifest["head"]["shape"][1], self.vocab_size))
+            yield hidden_store.rows_of(self._raw_cache[1], a, b)
 
     def _chunk_rows(self) -> list[int]:
         return [int(c["rows"]) for c in self.manifest["chunks"]]
