@@ -205,8 +205,9 @@ def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk
     if store == "hidden":
         head = source.output_head()
         if head is None:
-            raise LogitdiffError(f"{source.spec}: --store hidden needs a transformers model whose bf16 or float16 logits are "
-                                 "its output head's output (no bias, scaling or soft-capping); use --store full or compact")
+            raise LogitdiffError(f"{source.spec}: a hidden-state store (capture --store hidden, run --reference-store hidden) "
+                                 "needs a transformers model whose bf16 or float16 logits are its output head's output (no bias, "
+                                 "scaling or soft-capping); use --store full or compact")
     return RunWriter(
         out,
         source=_source_meta(source),
