@@ -212,10 +212,11 @@ def test_drift_within_passes_when_every_clause_holds(real_report):
     rep_dir, report = real_report
     kl = report["summary"]["kl_nats_mean"]
     assert kl > 0
-    assert_drift_within(rep_dir, f"kl_mean<{kl * 1.01}, kl_max<=10, top1_disagreement<=1")
-    assert_drift_within(rep_dir / "report.json", f"kl_mean<{kl * 1.01}")
-    assert_drift_within(report, f"kl_mean>={kl}")
-    assert drift_failures(rep_dir, f"kl_mean<{kl * 1.01}") == []
+    assert_drift_within(rep_dir, require=f"kl_mean<{kl * 1.01}, kl_max<=10, top1_disagreement<=1")
+    assert_drift_within(rep_dir / "report.json", require=f"kl_mean<{kl * 1.01}")
+    assert_drift_within(report, require=f"kl_mean>={kl}")
+    assert_drift_within(report, fail_on=f"kl_mean<{kl}")  # the same check as a failure condition
+    assert drift_failures(rep_dir, require=f"kl_mean<{kl * 1.01}") == []
 
 
 def test_drift_within_fails_with_metric_value_and_worst_items(real_report):
@@ -223,7 +224,7 @@ def test_drift_within_fails_with_metric_value_and_worst_items(real_report):
     kl = report["summary"]["kl_nats_mean"]
     worst = max(report["items"], key=lambda it: it["kl_nats"]["mean"])
     with pytest.raises(DriftCheckFailed) as e:
-        assert_drift_within(rep_dir, f"kl_mean<{kl / 2}, top1_disagreement<=1")
+        assert_drift_within(rep_dir, require=f"kl_mean<{kl / 2}, top1_disagreement<=1")
     msg = str(e.value)
     assert f"kl_mean<{kl / 2}" in msg and "top1_disagreement" not in msg.split("\n", 1)[1]
     assert f"kl_mean = {kl:.6g}" in msg
@@ -236,16 +237,19 @@ def test_drift_within_fails_with_metric_value_and_worst_items(real_report):
 def test_drift_within_fails_closed_on_a_missing_metric(real_report):
     rep_dir, _ = real_report
     # no `logitdiff flips` ran on this report: a flips clause cannot be shown to hold
-    with pytest.raises(DriftCheckFailed, match="meaning_changed = missing from the report"):
-        assert_drift_within(rep_dir, "meaning_changed<=0")
+    with pytest.raises(DriftCheckFailed, match="meaning_changed<=0: not evaluated, meaning_changed is missing from the report: "
+                       "the report has no flips section"):
+        assert_drift_within(rep_dir, require="meaning_changed<=0")
+    with pytest.raises(DriftCheckFailed, match="not evaluated"):
+        assert_drift_within(rep_dir, fail_on="meaning_changed>0")
 
 
 def test_drift_within_rejects_bad_clauses(real_report):
     rep_dir, _ = real_report
     with pytest.raises(LogitdiffError, match="unknown metric 'kl_avg'"):
-        assert_drift_within(rep_dir, "kl_avg<0.1")
+        assert_drift_within(rep_dir, require="kl_avg<0.1")
     with pytest.raises(LogitdiffError, match="not found"):
-        assert_drift_within(rep_dir.parent / "nowhere", "kl_mean<0.1")
+        assert_drift_within(rep_dir.parent / "nowhere", require="kl_mean<0.1")
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -211,7 +211,11 @@ def test_default_run_html_numbers_match_parquet(default_run):
         m = data["matrix"][name]
         assert m["kl_mean"]["value"] == pytest.approx(df.kl_nats.mean(), rel=1e-12)
         assert m["top1"]["value"] == pytest.approx(1 - df.top1_match.mean(), rel=1e-12)
-        assert m["flips"]["value"] == rep["flips"]["outcomes"]
+        assert {o: m[f"flips_{o}"]["value"] for o in rep["flips"]["outcomes"]} == rep["flips"]["outcomes"]
+        # each candidate's own page, as README's Files section says: the same numbers
+        own = (default_run / "reports" / name / "report.html").read_text()
+        own_data = json.loads(re.search(r'<script type="application/json" id="logitdiff-data">(.*?)</script>', own, re.S).group(1))
+        assert own_data["candidates"] == [name] and own_data["matrix"][name] == m
         worst = df.groupby("item_id").kl_nats.mean().sort_values(ascending=False)
         assert [w["id"] for w in data["worst_items"][name]][:3] == list(worst.index[:3])
         rc = data["ref_confidence"]["by_candidate"][name]

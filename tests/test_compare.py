@@ -235,8 +235,11 @@ def test_fail_on_gates_set_exit_status_and_report(pair, capsys):
     assert "gates crossed: kl_mean>0.01" in (rep_dir / "report.md").read_text()
     assert "gate crossed" in capsys.readouterr().err
     assert main(["compare", str(r), str(c), "--out", str(rep_dir), "--bootstrap", "10", "--fail-on", "kl_mean>1e9"]) == 0
-    # a gate on a metric this report lacks (no flips were run) fails closed
-    assert main(["compare", str(r), str(c), "--out", str(rep_dir), "--bootstrap", "10", "--fail-on", "meaning_changed>0"]) == 3
+    # a gate on a metric this report lacks (no flips were run) is not evaluated: its own status, never "crossed"
+    capsys.readouterr()
+    assert main(["compare", str(r), str(c), "--out", str(rep_dir), "--bootstrap", "10", "--fail-on", "meaning_changed>0"]) == 4
+    err = capsys.readouterr().err
+    assert "gate not evaluated" in err and "no flips section" in err and "gate crossed" not in err
     assert main(["compare", str(r), str(c), "--out", str(rep_dir), "--fail-on", "kl_avg>1"]) == 2
     assert "kl_avg" in capsys.readouterr().err
 

@@ -1,12 +1,19 @@
-"""Quality gates: parsing, reading metrics out of report.json, fail-closed evaluation."""
+"""Quality gates: parsing, reading metrics out of report.json, evaluation (crossed, not
+evaluated), the two kinds (--fail-on / --require) and README's examples in the CLI and in
+assert_drift_within."""
 
 import copy
 import json
+import re
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from logitdiff.errors import LogitdiffError
-from logitdiff.gates import METRICS, Gate, evaluate, metric_value, parse_gates
+from logitdiff.gates import (
+    CROSSED_EXIT, METRICS, NOT_EVALUATED_EXIT, OPS, Gate, GateKind, evaluate, exit_status, metric_value, parse_gate_options, parse_gates,
+)
 
 # The gate-relevant sections of a real report.json (`logitdiff run`, builtin:tiny vs its
 # Q2_K GGUF, 68 items, flips and correctness on), trimmed to what gates read.
@@ -86,7 +93,18 @@ def test_parse_gates_whitespace_and_operators():
         Gate("accuracy_drop", "<=", -0.5, "accuracy_drop<=-0.5"),
         Gate("kl_max", "<", 1.0, "kl_max<1"),
     ]
-    assert parse_gates("") == [] and parse_gates(" , ") == []
+    # require clauses: the same grammar, their own kind, said in the text
+    [r] = parse_gates("kl_mean <= 0.05", GateKind.REQUIRE)
+    assert r == Gate("kl_mean", "<=", 0.05, "require kl_mean<=0.05", GateKind.REQUIRE) and r.clause == "kl_mean<=0.05"
+
+
+@pytest.mark.parametrize("text", ["", " ", ",", " , ,", None])
+@pytest.mark.parametrize("kind", GateKind.ALL)
+def test_an_empty_gate_string_is_an_error(text, kind):
+    with pytest.raises(LogitdiffError) as e:
+        parse_gates(text, kind)
+    msg = str(e.value)
+    assert "\n" not in msg and "no clause" in msg and GateKind.FLAG[kind] in msg
 
 
 @pytest.mark.parametrize("text, clause, why", [
@@ -120,24 +138,35 @@ def test_evaluate_real_report():
     assert res["crossed"] == ["top1_disagreement>0.02", "meaning_changed_rate>0.5", "accuracy_drop>=0.05", "tool_call_valid_cand<0.9"]
     first = res["gates"][0]
     assert first == {"gate": "kl_mean>0.05", "metric": "kl_mean", "op": ">", "threshold": 0.05, "value": pytest.approx(0.028858870190727477),
-                     "crossed": False, "missing": False}
+                     "crossed": False, "missing": False, "kind": "fail_on"}
     assert [g["gate"] for g in res["gates"]] == [g.text for g in gates]
     assert not any(g["missing"] for g in res["gates"])
     json.dumps(res, allow_nan=False)  # goes into report.json as is
     assert evaluate(REAL, parse_gates("kl_mean>0.05,tool_call_malformed>0"))["passed"] is True
-    assert evaluate(REAL, []) == {"gates": [], "crossed": [], "passed": True}
+    assert evaluate(REAL, []) == {"gates": [], "crossed": [], "not_evaluated": [], "passed": True}
 
 
-def test_missing_metrics_fail_closed():
+def test_missing_metrics_are_not_evaluated_never_crossed():
     bare = {"summary": copy.deepcopy(REAL["summary"])}  # no flips, no correctness section
     gates = parse_gates("kl_mean>1, meaning_changed>100, accuracy_drop>0.5, x_noise_floor>1000, flips>1000")
     res = evaluate(bare, gates)
     by = {g["gate"]: g for g in res["gates"]}
     assert by["kl_mean>1"]["crossed"] is False and by["kl_mean>1"]["missing"] is False
     for text in ("meaning_changed>100", "accuracy_drop>0.5", "x_noise_floor>1000", "flips>1000"):
-        assert by[text] == {**by[text], "value": None, "missing": True, "crossed": True}, text
-    assert res["crossed"] == ["meaning_changed>100", "accuracy_drop>0.5", "x_noise_floor>1000", "flips>1000"]
-    assert res["passed"] is False
+        assert by[text]["value"] is None and by[text]["missing"] is True and by[text]["crossed"] is False, text
+    assert "no flips section" in by["meaning_changed>100"]["reason"] and "no flips section" in by["flips>1000"]["reason"]
+    assert "no correctness section" in by["accuracy_drop>0.5"]["reason"]
+    assert "exactly 0" in by["x_noise_floor>1000"]["reason"]
+    assert res["crossed"] == [] and res["not_evaluated"] == ["meaning_changed>100", "accuracy_drop>0.5", "x_noise_floor>1000", "flips>1000"]
+    assert res["passed"] is False  # nothing was shown to hold
+    assert exit_status([res]) == NOT_EVALUATED_EXIT
+    # A require clause on a missing metric is not evaluated either (neither kind inverts it).
+    res = evaluate(bare, parse_gates("meaning_changed<=0", GateKind.REQUIRE))
+    assert res["crossed"] == [] and res["not_evaluated"] == ["require meaning_changed<=0"]
+    # Crossed beats not evaluated in the exit status; both are listed.
+    res = evaluate(bare, parse_gates("kl_mean>0, meaning_changed>0"))
+    assert res["crossed"] == ["kl_mean>0"] and res["not_evaluated"] == ["meaning_changed>0"]
+    assert exit_status([res]) == CROSSED_EXIT and exit_status([None, {}]) == 0
     # Half of accuracy_drop is not enough; nulls, NaN, strings and booleans are missing too.
     half = {"correctness": {"accuracy_ref": 0.5, "accuracy_cand": None}}
     assert metric_value(half, "accuracy_drop") is None
@@ -145,6 +174,29 @@ def test_missing_metrics_fail_closed():
         assert metric_value({"summary": {"ppl_ratio": junk}}, "ppl_ratio") is None, junk
     with pytest.raises(LogitdiffError):
         metric_value(REAL, "nope")
+
+
+def test_a_report_written_before_1_2_reads_missing_as_not_evaluated():
+    from logitdiff.gates import crossed_of, not_evaluated_of
+
+    old = {"gates": [{"gate": "kl_mean>1", "metric": "kl_mean", "op": ">", "threshold": 1.0, "value": 0.1, "crossed": False, "missing": False},
+                     {"gate": "flips>0", "metric": "flips", "op": ">", "threshold": 0.0, "value": None, "crossed": True, "missing": True}],
+           "crossed": ["flips>0"], "passed": False}
+    assert crossed_of(old) == [] and not_evaluated_of(old) == ["flips>0"] and exit_status([old]) == NOT_EVALUATED_EXIT
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("value", [0.0, 0.0499999, 0.05, 0.0500001, 7.0, -1.0])
+def test_require_is_the_complement_of_fail_on(op, value):
+    """The same clause under the two names: crossed under one exactly when not under the other."""
+    rep = {"summary": {"metrics": {"kl_nats": {"mean": value}}}}
+    f = evaluate(rep, parse_gates(f"kl_mean{op}0.05", GateKind.FAIL_ON))
+    r = evaluate(rep, parse_gates(f"kl_mean{op}0.05", GateKind.REQUIRE))
+    assert f["gates"][0]["crossed"] is OPS[op](value, 0.05)
+    assert r["gates"][0]["crossed"] is (not OPS[op](value, 0.05))
+    assert f["gates"][0]["kind"] == "fail_on" and r["gates"][0]["kind"] == "require"
+    both = evaluate(rep, parse_gate_options(f"kl_mean{op}0.05", f"kl_mean{op}0.05"))
+    assert len(both["crossed"]) == 1 and exit_status([both]) == CROSSED_EXIT
 
 
 def test_rates_without_any_flip_are_zero_not_missing():
@@ -155,7 +207,9 @@ def test_rates_without_any_flip_are_zero_not_missing():
     assert evaluate(none, parse_gates("meaning_changed_rate>0"))["passed"] is True
     unbranched = {"flips": {"n_flips": 5, "n_branches": 0, "outcomes": {"meaning_changed": 0}, "rates": {"meaning_changed": None}}}
     assert metric_value(unbranched, "meaning_changed_rate") is None
-    assert evaluate(unbranched, parse_gates("meaning_changed_rate>0"))["crossed"] == ["meaning_changed_rate>0"]
+    res = evaluate(unbranched, parse_gates("meaning_changed_rate>0"))
+    assert res["crossed"] == [] and res["not_evaluated"] == ["meaning_changed_rate>0"]
+    assert res["gates"][0]["reason"] == "no flip was branched, so no share of branches exists"
 
 
 @pytest.mark.parametrize("op, value, crossed", [
@@ -176,3 +230,113 @@ def test_accuracy_drop_compares_as_written():
     assert evaluate(rep, parse_gates("accuracy_drop>=0.05"))["passed"] is False
     assert evaluate(rep, parse_gates("accuracy_drop>0.05"))["passed"] is True
     assert metric_value({"correctness": {"accuracy_ref": 0.4, "accuracy_cand": 0.6}}, "accuracy_drop") == pytest.approx(-0.2)
+
+
+# ----------------------------------------------------------------------------- README's gates, pasted
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_gate_rows():
+    """README's gate table: (flag, clauses, what README says it does on a compare report)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("**Gates for CI.**", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(--fail-on|--require) '([^']*)'` \| (.*) \|$", section, re.M)
+    python = re.findall(r'assert_drift_within\("reports/q4", (fail_on|require)="([^"]*)"\)', section)
+    return rows, python, section
+
+
+@pytest.fixture(scope="module")
+def compare_pair(tmp_path_factory):
+    """A reference RUN and two candidate RUNs: one far inside the README's thresholds (tiny
+    logit noise: no top-1 flip), one far outside (large noise)."""
+    from logitdiff.store import RunItem, RunReader, RunWriter
+
+    tmp = tmp_path_factory.mktemp("gates")
+    rng = np.random.default_rng(5)
+    V = 64
+    ref = {f"i{k}": rng.normal(0, 3, (n, V)).astype(np.float32) for k, n in enumerate((12, 20, 9))}
+    teacher = {k: lg.argmax(1) for k, lg in ref.items()}
+
+    def write(name, logits):
+        w = RunWriter(tmp / name, source={"spec": f"test:{name}", "identity": {"backend": "test"}}, vocab_size=V,
+                      tokenizer_hash="sha256:test", chunk_rows=16, vocab=[f"t{i}" for i in range(V)])
+        for iid, lg in logits.items():
+            w.add(RunItem(id=iid, prompt_ids=[1, 2], teacher_ids=list(teacher[iid]), positions=list(range(len(lg))), tags=[]), logits=lg)
+        w.finish()
+        return tmp / name
+
+    r = write("ref", ref)
+    close = write("close", {k: v + rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in ref.items()})
+    far = write("far", {k: v + rng.normal(0, 2.0, v.shape).astype(np.float32) for k, v in ref.items()})
+    RunReader(r)
+    return tmp, r, {"close": close, "far": far}
+
+
+
+def test_readme_gate_examples_behave_as_readme_says_in_cli_and_python(compare_pair, capsys):
+    from logitdiff.cli import main
+    from logitdiff.testing import DriftCheckFailed, assert_drift_within
+
+    tmp, ref, cands = compare_pair
+    rows, python, section = _readme_gate_rows()
+    assert len(rows) == 4 and len(python) == 1, (rows, python)
+    # What README says of each row, held to its words here:
+    assert "status 3 when the mean KL is above 0.05 nats or more than 2 % of top-1 tokens differ, else 0" in rows[0][2]
+    assert "the same status" in rows[1][2] and "else 4, not 0" in rows[2][2] and "not evaluated" in rows[2][2]
+    assert rows[3][1] == "" and "refused, status 2" in rows[3][2]
+    assert python[0] == ("fail_on", rows[0][1])  # the Python line pastes the first row's clauses under the same name
+    seen = set()
+    for which, cand in cands.items():
+        out = tmp / f"rep-{which}"
+        statuses = []
+        for flag, clauses, _ in rows:
+            code = main(["compare", str(ref), str(cand), "--out", str(out), "--bootstrap", "0", flag, clauses])
+            err = capsys.readouterr().err
+            statuses.append(code)
+            if code == 2:
+                assert "no clause" in err and "Traceback" not in err
+        rep = json.loads((out / "report.json").read_text())
+        kl, t1 = rep["summary"]["metrics"]["kl_nats"]["mean"], rep["summary"]["top1_disagreement"]["rate"]
+        crossed = kl > 0.05 or t1 > 0.02
+        seen.add(crossed)
+        want0 = CROSSED_EXIT if crossed else 0
+        assert statuses == [want0, want0, CROSSED_EXIT if crossed else NOT_EVALUATED_EXIT, 2], (which, kl, t1, statuses)
+        # The last report written is the refused one's predecessor: the third row's gates.
+        assert "tool_call_malformed>0" in rep["gates"]["not_evaluated"] and "tool_call_malformed>0" not in rep["gates"]["crossed"]
+        # Python: the same clauses under the same names; raises exactly when the CLI does not give 0.
+        for flag, clauses, _ in rows[:3]:
+            kw = {"--fail-on": "fail_on", "--require": "require"}[flag]
+            code = main(["compare", str(ref), str(cand), "--out", str(out), "--bootstrap", "0", flag, clauses])
+            capsys.readouterr()
+            if code == 0:
+                assert_drift_within(out, **{kw: clauses})
+            else:
+                with pytest.raises(DriftCheckFailed) as e:
+                    assert_drift_within(out, **{kw: clauses})
+                # crossed clauses exactly when the CLI says crossed; otherwise only not-evaluated ones
+                assert any(not f["not_evaluated"] for f in e.value.failures) is (code == CROSSED_EXIT)
+                assert ("not evaluated" in str(e.value)) is ("tool_call_malformed" in clauses)
+        kw, clauses = python[0]
+        if crossed:
+            with pytest.raises(DriftCheckFailed):
+                assert_drift_within(out, **{kw: clauses})
+        else:
+            assert_drift_within(out, **{kw: clauses})
+        with pytest.raises(LogitdiffError, match="no clause"):
+            assert_drift_within(out, fail_on="")
+        with pytest.raises(TypeError, match="fail_on=.*require="):
+            assert_drift_within(out, "")  # a clause string without its name is refused, also an empty one
+        with pytest.raises(TypeError, match="fail_on=.*require="):
+            assert_drift_within(out, clauses)
+    assert seen == {True, False}  # one candidate on each side of the thresholds
+
+
+def test_cli_help_documents_the_exit_statuses():
+    from logitdiff.cli import build_parser
+
+    p = build_parser()
+    for cmd in ("compare", "flips", "run"):
+        text = " ".join(p._subparsers._group_actions[0].choices[cmd].format_help().split())
+        assert "--fail-on" in text and "--require" in text, cmd
+        assert f"Exit status: 0 every clause evaluated and none crossed; {CROSSED_EXIT} a clause crossed; {NOT_EVALUATED_EXIT} no clause crossed but one not evaluated" in text, cmd
+        assert "NOT EVALUATED" in text and "An empty clause list is an error" in text and "assert_drift_within" in text, cmd

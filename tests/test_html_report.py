@@ -144,9 +144,17 @@ def test_every_candidate_and_warning_present(ladder):
     assert matrix.count("within 2× noise floor") == 1
     for name in NOISE:
         assert f"<summary>{name}: " in text  # a token view per candidate
-    # Flips and correctness of q4 are in the matrix; the others show n/a.
-    assert "recovered 3 · benign 2 · meaning_changed 1" in matrix
-    assert "McNemar p" in matrix
+    # Flips and correctness of q4 are in the consequences table, a column each; the others show n/a.
+    conseq = re.search(r'<table id="consequences".*?</table>', text, re.S).group(0)
+    q4 = re.search(r'<tr class="[^"]*" data-name="q4">(.*?)</tr>', conseq, re.S).group(1)
+    keys = re.findall(r'<th data-sort="\w+" data-key="(\w+)"', conseq)
+    shown = dict(zip(keys, re.findall(r'<td data-v="([^"]*)"', q4)))
+    assert {k: shown[k] for k in ("flips_recovered", "flips_benign", "flips_meaning_changed", "flips_n_branches", "flips_n_flips")} == \
+        {"flips_recovered": "3.0", "flips_benign": "2.0", "flips_meaning_changed": "1.0", "flips_n_branches": "6.0", "flips_n_flips": "9.0"}
+    assert shown["right_to_wrong"] == "2.0" and shown["mcnemar_p"] == "1.0"
+    q8 = re.search(r'<tr class="[^"]*" data-name="q8">(.*?)</tr>', conseq, re.S).group(1)
+    assert set(re.findall(r'<td data-v="([^"]*)"', q8)[1:]) == {""}  # n/a throughout
+    assert "McNemar p" in conseq and "McNemar p" not in matrix and "meaning changed" in conseq
     figs = _embedded(text, "logitdiff-figures")
     ids = [f["id"] for f in figs]
     assert ids == ["plot-kl-cdf", "plot-ranges-kl", "plot-ranges-top1", "plot-ref-confidence", "plot-flips-by-tag", "plot-pareto"]
@@ -419,10 +427,10 @@ def test_token_view_hover_without_token_strings_or_top5(ladder):
     assert "exllamav3" in ladder["html"]
 
 
-def test_flips_cell_and_tool_calls_column(ladder):
-    matrix = re.search(r'<table id="matrix".*?</table>', ladder["html"], re.S).group(0)
-    assert "<small>6 branched of 9 top-1 flips</small>" in matrix
-    assert 'data-key="tool_call_valid_cand"' in matrix
+def test_flips_and_tool_calls_columns(ladder):
+    conseq = re.search(r'<table id="consequences".*?</table>', ladder["html"], re.S).group(0)
+    for key in ("flips_n_flips", "flips_n_branches", "flips_tool_call_malformed", "flips_n_ties", "tool_call_valid_cand", "accuracy_cand"):
+        assert f'data-key="{key}"' in conseq, key
 
 
 # ----------------------------------------------------------------------------- gates
@@ -440,20 +448,166 @@ def test_gates_crossed_shown_in_red_per_candidate(ladder):
     lines = dict(re.match(r"<code>([^<]+)</code>: (.*)", ln, re.S).groups() for ln in dd.split("<br>")[:3])
     assert set(lines) == {"q8", "q4", "q2"}
     for name, line in lines.items():
-        crossed = by[name]["gates"]["crossed"]
-        assert crossed, "q8/q2 have no flips or correctness section: those gates fail closed"
-        assert f'<span class="crossed">✗ crossed {len(crossed)} of 3:</span>' in line
+        crossed, missing = by[name]["gates"]["crossed"], by[name]["gates"]["not_evaluated"]
+        if crossed:
+            assert f'<span class="crossed">✗ crossed {len(crossed)} of 3:</span>' in line
+        else:
+            assert "crossed" not in line, name
         for g in crossed:
             assert f"{htmlmod.escape(g)} (" in line
-    assert "meaning_changed&gt;0 (missing)" in lines["q8"]
+        # q8/q2 have no flips or correctness section: those gates are not evaluated, never crossed
+        assert missing == ([] if name == "q4" else ["meaning_changed>0", "accuracy_drop>=0.25"]), name
+        if missing:
+            assert f'<span class="unevaluated">? not evaluated {len(missing)} of 3:</span>' in line
+            assert "meaning_changed&gt;0 (the report has no flips section" in line and "meaning_changed&gt;0 (" not in line.split("unevaluated")[0]
     assert "accuracy_drop&gt;=0.25 (0.25)" in lines["q4"]
     assert ".crossed{color:#c62828" in page
     data = _embedded(page, "logitdiff-data")
     assert data["gates"]["q4"] == by["q4"]["gates"]
     matrix = re.search(r'<table id="matrix".*?</table>', page, re.S).group(0)
-    assert matrix.count('class="badge bad"') == 3
+    assert matrix.count('class="badge bad"') == sum(bool(r["gates"]["crossed"]) for r in reports) >= 2
+    assert matrix.count("gates not evaluated</span>") == 2  # q8 and q2: a badge of its own, not the red one
     # A passing candidate says so; a page without gates has no gates row.
     reports[0]["gates"] = evaluate(reports[0], parse_gates("kl_max>100"))
     page = render_html(reports[:1], [None], paths=ladder["dirs"][:1])
     assert '<span class="passed">✓ passed all 1 gates</span>' in page and 'class="badge bad"' not in page
     assert "<dt>gates</dt>" not in ladder["html"]
+
+
+# ----------------------------------------------------------------------------- answers first, fits the window
+LADDER_NAMES = ["tiny-BF16", "tiny-Q8_0", "tiny-Q6_K", "tiny-Q4_K_M", "tiny-IQ4_XS", "tiny-Q3_K_M", "tiny-Q2_K"]
+
+
+def _full_page(ladder):
+    """The widest page a default run makes: eight candidates named as `run` names them, every
+    one with flips, correctness, gates (crossed and not evaluated), both floors and the
+    fields schema 1.2 adds; plus its summary.json's cross-engine floor."""
+    from logitdiff.gates import evaluate, parse_gate_options
+
+    base = [ladder["reports"][d.name] for d in ladder["dirs"]]
+    reports, paths, rows = [], [], []
+    for i, name in enumerate(LADDER_NAMES + ["tiny-Q2_K-long-name-x"]):
+        r = json.loads(json.dumps(base[i % 3]))
+        r["candidate"]["spec"] = f"builtin:{name}"
+        r["flips"] = _flips_section()
+        r["flips"]["left_out"] = {"n": 1, "list": []}
+        r["correctness"] = json.loads(json.dumps(ladder["reports"]["q4"]["correctness"])) | {
+            "tool_call_valid_ref": 1.0, "tool_call_valid_cand": 0.9166, "n_tool_items": 12, "n_truncated_cand": 2}
+        r["gates"] = evaluate(r, parse_gate_options("kl_mean>0.0001,tool_call_malformed>0", "x_noise_floor<=1000000"))
+        reports.append(r)
+        paths.append(f"/tmp/out/reports/{name}")
+        rows.append({"candidate": r["candidate"]["spec"], "x_cross_engine_floor": 1.0 + 137.3 * i})
+    summary = {"cross_engine_floor": {"candidate": "builtin:tiny-BF16", "kl_nats_mean": 5.6e-5}, "candidates": rows,
+               "workload": "src/logitdiff/builtin/workload.jsonl"}
+    return render_html(reports, [None] * len(reports), paths=paths, summary=summary), reports
+
+
+def test_verdict_line_per_candidate_first(ladder):
+    from logitdiff.report.verdict import verdict
+
+    page, reports = _full_page(ladder)
+    body = page.split("<body>", 1)[1]
+    # the verdicts come before the tables and before the metadata
+    assert body.index('id="verdicts"') < body.index('id="matrix"') < body.index('id="setup"') < body.index("<dt>reference</dt>")
+    items = re.findall(r'<li data-name="([^"]+)"><code>[^<]+</code> (.*?)</li>', page, re.S)
+    assert [n for n, _ in items] == LADDER_NAMES + ["tiny-Q2_K-long-name-x"]
+    by = dict(items)
+    plain = {n: htmlmod.unescape(re.sub(r"<[^>]+>", "", t)) for n, t in by.items()}
+    assert plain["tiny-BF16"].startswith("is the cross-engine floor")
+    assert plain["tiny-Q8_0"].startswith("drifts 138× cross-engine floor")  # 1 + 137.3, from summary.json
+    assert "within 2× of changing the engine" not in plain["tiny-Q8_0"]
+    for n, text in plain.items():
+        assert "1 of 6 branched flips changed the meaning or a tool call (1 meaning, 0 tool call)" in text, n
+        assert "accuracy 75.0 % → 50.0 % on 4 labelled items: 2 right→wrong, 1 wrong→right, McNemar p = 1, not significant at 0.05" in text
+        assert "1 flips behind changed answers or tool calls not branched" in text and "2 free-running outputs hit the token budget" in text
+        assert "gates crossed: kl_mean>0.0001" in text and "not evaluated" not in text.split("gates crossed")[0]
+    # the same words as report.verdict, from the same numbers
+    assert [t for _, t in verdict(reports[3], x_cross_engine_floor=1.0 + 137.3 * 3)] == plain["tiny-Q4_K_M"].split(" · ")
+
+
+def test_significance_is_said(ladder):
+    from logitdiff.report.verdict import answers_part
+
+    c = dict(ladder["reports"]["q4"]["correctness"], right_to_wrong=9, wrong_to_right=0, mcnemar_p=0.0039, accuracy_cand=0.3)
+    sev, text = answers_part({"correctness": c})
+    assert sev == "bad" and "McNemar p = 0.0039, significant at 0.05" in text
+    sev, text = answers_part({"correctness": dict(c, right_to_wrong=0, wrong_to_right=0, accuracy_cand=0.75)})
+    assert sev == "ok" and text.endswith("no answer changed")
+
+
+def test_one_name_per_column_everywhere(ladder, capsys):
+    """The floor columns (and the rest of the run table) carry one name on every surface."""
+    from logitdiff.cli.run import print_run_summary
+    from logitdiff.contracts import Column, schema
+    from logitdiff.pipeline import render_summary_md
+    from pathlib import Path
+
+    page, _ = _full_page(ladder)
+    row = {"candidate": "builtin:tiny-Q2_K", "name": "tiny-Q2_K", "report": "r", "kl_mean": 0.02, "kl_mean_ci95": [0.01, 0.03],
+           "kl_p99": 0.1, "kl_max": 1.0, "kl_rev_mean": 0.02, "jsd_mean": 0.005, "top1_disagreement": 0.1,
+           "top1_disagreement_ci95": [0.09, 0.11], "ppl_ratio": 1.01, "x_noise_floor": 1.6e5, "within_2x_noise_floor": False,
+           "x_cross_engine_floor": 471.0}
+    summary = {"reference": "builtin:tiny", "items": 68, "positions": 1806, "workload": "w", "seconds": 1.0, "candidates": [row],
+               "noise_floor": {"kl_nats_mean": 1.6e-7, "top1_disagreement": 0.0, "rerun": "r"}, "cross_engine_floor": None}
+    print_run_summary(summary)
+    terminal = " ".join(capsys.readouterr().out.split())
+    md = render_summary_md(summary)
+    desc = schema("summary")["$defs"]["candidate_row"]["properties"]
+    for key in ("x_noise_floor", "x_cross_engine_floor"):
+        name = Column.NAME[key]
+        assert name in md and name in page and desc[key]["description"].startswith(name + ":"), key
+        # the terminal may wrap a header inside its cell; its words are all there, in order
+        assert all(w in terminal for w in name.split()), key
+    for key in ("kl_mean", "kl_p99", "jsd_mean", "top1_disagreement", "ppl_ratio"):
+        assert Column.NAME[key] in md and Column.NAME[key] in page, key
+    # the other names this column once had are gone from every surface and from the sources
+    src = Path(__file__).resolve().parents[1] / "src" / "logitdiff"
+    for old in ("× BF16 floor", "× engine floor", "BF16 floor"):
+        assert old not in page and old not in md and old not in terminal
+        for f in src.rglob("*.py"):
+            assert old not in f.read_text(encoding="utf-8"), (f, old)
+
+
+def _layout(page_path, width):
+    r = _chromium(page_path.resolve().as_uri() + "#selftest", "--dump-dom", f"--window-size={width},1200")
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r'<pre id="selftest-result">(.*?)</pre>', r.stdout, re.S)
+    assert m, "the #selftest hook did not run"
+    return json.loads(htmlmod.unescape(m.group(1)))
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (scripts/install_chromium.sh installs it)")
+@pytest.mark.parametrize("width", [1400, 1920])
+def test_candidate_tables_fit_the_window_in_chromium(ladder, width):
+    page, _ = _full_page(ladder)
+    path = ladder["tmp"] / f"full-{width}.html"
+    path.write_text(page, encoding="utf-8")
+    res = _layout(path, width)
+    lay = res["layout"]
+    assert res["errors"] == []
+    assert lay["width"] == width, lay
+    assert set(lay["tables"]) == {"matrix", "consequences"}
+    for tid, t in lay["tables"].items():
+        # no horizontal scrolling: the table is no wider than its box, and the box inside the window
+        assert t["scroll"] <= t["client"] and t["right"] <= width, (width, tid, t)
+    assert lay["doc"] <= width, lay
+    assert lay["verdicts"]["n"] == len(LADDER_NAMES) + 1 and lay["verdicts"]["top"] < 200, lay["verdicts"]
+
+
+def test_run_writes_each_candidates_own_page(ladder):
+    """reports/<name>/report.html, as README's Files section says: that candidate's page,
+    with the run's cross-engine floor, written beside its report.json."""
+    from logitdiff.report import write_candidate_page
+
+    d = ladder["dirs"][1]
+    summary = {"cross_engine_floor": {"candidate": "test:q8", "kl_nats_mean": 0.01},
+               "candidates": [{"candidate": "test:q4", "x_cross_engine_floor": 12.5}]}
+    before = {p.name: p.read_bytes() for p in d.iterdir() if p.name != "report.html"}
+    out = write_candidate_page(d, summary)
+    assert out == d / "report.html"
+    text = out.read_text(encoding="utf-8")
+    data = _embedded(text, "logitdiff-data")
+    assert data["candidates"] == ["q4"] and data["matrix"]["q4"]["x_cross_engine_floor"]["value"] == 12.5
+    assert "drifts 12.5× cross-engine floor" in htmlmod.unescape(text)
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.name != "report.html"} == before  # nothing else touched
+    assert not [p for p in d.iterdir() if p.name.startswith(".")]

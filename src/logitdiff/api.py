@@ -164,7 +164,7 @@ def diff_runs(
     include_rows: bool = True,
     device: str | None = None,
     chunk_size: str | int | None = None,
-    gates: str | None = None,
+    gates: str | list | None = None,
     threads: int | None = None,
     bar: Bar | None = None,
     logprob_floor: float | None = None,
@@ -172,7 +172,8 @@ def diff_runs(
     """Compare a candidate (a RUN directory, or a source spec scored live against the
     reference, nothing stored) with a reference RUN. Returns the report (the report.json
     object); with ``out``, also writes the REPORT directory (report.json, tokens.parquet,
-    report.md, report.html). ``gates`` (``--fail-on`` syntax) are evaluated into the
+    report.md, report.html). ``gates`` (failure conditions in ``--fail-on`` syntax, or a list of
+    ``logitdiff.gates.Gate``, e.g. from ``gates.parse_gate_options(fail_on, require)``) are evaluated into the
     report's ``gates`` section. ``threads``: CPU threads of the metrics (default: the CPUs
     this process may run on, ``metrics.default_threads()``). ``logprob_floor``: a stated
     lower bound (nats) on every log-probability of both models, for a finite KL upper bound
@@ -192,10 +193,12 @@ def diff_runs(
     check_device(device)
     check_floor_value(logprob_floor)
     gate_list = None
-    if gates:
+    if isinstance(gates, str):
         from .gates import parse_gates
 
-        gate_list = parse_gates(gates)
+        gate_list = parse_gates(gates)  # an empty string is an error, not "no gates"
+    elif gates:
+        gate_list = list(gates)
     chunk_bytes = parse_chunk_size(chunk_size)
     if threads is not None and threads < 1:
         raise LogitdiffError(f"--threads {threads}: must be at least 1")

@@ -33,7 +33,7 @@ import numpy as np
 from .errors import LogitdiffError
 from .outputs import REPORT_SCHEMA, RUN_SUMMARY_SCHEMA
 
-SCHEMA_VERSION = "1.1"  # MAJOR.MINOR of report.json and summary.json; MAJOR matches REPORT_SCHEMA's "/1"
+SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of report.json and summary.json; MAJOR matches REPORT_SCHEMA's "/1"
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
 SCHEMA_DIR = Path(__file__).with_name("schemas")
 
@@ -59,6 +59,26 @@ class Outcome:
         MEANING_CHANGED: "the branch means something else",
         TOOL_CALL_MALFORMED: "the branch's tool call no longer parses/validates",
         TOOL_CALL_CHANGED: "the branch's tool call is valid but different",
+    }
+
+
+class Column:
+    """One name per summary column, on every surface: terminal tables, summary.md, report.md,
+    report.html and the schemas' descriptions (key: the summary.json candidate-row field)."""
+
+    NAME = {
+        "kl_mean": "mean KL",
+        "kl_p99": "p99 KL",
+        "jsd_mean": "mean JSD",
+        "top1_disagreement": "top-1 disagreement",
+        "ppl_ratio": "PPL ratio",
+        "x_noise_floor": "× noise floor",
+        "x_cross_engine_floor": "× cross-engine floor",
+    }
+    MEANING = {
+        "x_noise_floor": "mean KL / mean KL of the reference against a rerun of itself (other batch mates on CPU)",
+        "x_cross_engine_floor": "mean KL / mean KL of the reference's own weights in another engine "
+                                "(the BF16 GGUF through llama.cpp in the default run)",
     }
 
 
@@ -276,20 +296,29 @@ class Correctness(_CorrectnessBase, total=False):
     n_tool_items: int
 
 
-class GateResult(TypedDict):
+class _GateResultBase(TypedDict):
     gate: str
     metric: str
     op: str
     threshold: float
     value: float | None
     crossed: bool
-    missing: bool
+    missing: bool  # the metric is not in the report: the gate is not evaluated (never crossed, since 1.2)
 
 
-class Gates(TypedDict):
+class GateResult(_GateResultBase, total=False):
+    kind: str  # gates.GateKind: fail_on (a failure condition) or require (must hold); 1.2
+    reason: str  # why a missing metric is missing; 1.2
+
+
+class _GatesBase(TypedDict):
     gates: list[GateResult]
     crossed: list[str]
-    passed: bool
+    passed: bool  # every gate evaluated and none crossed (since 1.2)
+
+
+class Gates(_GatesBase, total=False):
+    not_evaluated: list[str]  # gates whose metric the report lacks; 1.2
 
 
 class Tool(TypedDict):
@@ -356,6 +385,7 @@ class CandidateRow(_CandidateRowBase, total=False):
     mcnemar_p: float | None
     tool_call_valid_cand: float | None
     gates_crossed: list[str]
+    gates_not_evaluated: list[str]
 
 
 class _RunSummaryBase(TypedDict):
@@ -375,6 +405,7 @@ class _RunSummaryBase(TypedDict):
 class RunSummary(_RunSummaryBase, total=False):
     gates: list[str]
     gates_crossed: dict[str, list[str]]
+    gates_not_evaluated: dict[str, list[str]]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,24 +1,36 @@
-"""Quality gates: thresholds on report.json figures that a candidate must not cross.
+"""Quality gates: thresholds on report.json figures, with one grammar and two explicit kinds.
 
-A gate names a failure condition: ``kl_mean>0.05`` is *crossed* when the candidate's mean
-KL is above 0.05. A list of gates is written as comma-separated clauses,
+A clause is ``METRIC OP NUMBER`` with OP one of ``>``, ``>=``, ``<``, ``<=`` (whitespace
+anywhere between the parts is ignored); a list of clauses is comma-separated,
 
     kl_mean>0.05, top1_disagreement>0.02, tool_call_malformed>0, accuracy_drop>=0.05
 
-each ``METRIC OP NUMBER`` with OP one of ``>``, ``>=``, ``<``, ``<=`` (whitespace anywhere
-between the parts is ignored, blank clauses are skipped). :data:`METRICS` lists the metric
-names and where in report.json each is read.
+The grammar has one meaning; what a clause *is* is said by the name it is given under,
+never by the clause itself, so a clause pasted from one place to another keeps its meaning:
 
-**Fail closed.** A gate whose metric the report does not have (no ``flips`` section for
+* ``fail_on`` (CLI ``--fail-on``): the clause is a **failure condition**. ``kl_mean>0.05``
+  is *crossed* when the mean KL is above 0.05.
+* ``require`` (CLI ``--require``): the clause **must hold**. ``kl_mean<=0.05`` is *crossed*
+  when the mean KL is above 0.05.
+
+Both kinds are accepted under the same two names by the CLI (``--fail-on``/``--require``)
+and by :func:`logitdiff.testing.assert_drift_within` (``fail_on=``/``require=``).
+
+**Not evaluated.** A clause on a metric the report does not have (no ``flips`` section for
 ``meaning_changed``, no ``correctness`` section for ``accuracy_drop``, a ``null`` such as
-``x_noise_floor`` when the noise floor is exactly zero) cannot be shown to hold, so it is
-reported with ``missing: true`` and counts as crossed. Gate only on what the run measures.
+``x_noise_floor`` when the noise floor is exactly zero) is neither crossed nor passed: it is
+*not evaluated*, reported as such with the reason, and the CLI exits with its own status
+(:data:`NOT_EVALUATED_EXIT`) so a CI job sees that the gate did not check anything. A
+gate list *passes* only when every clause was evaluated and none was crossed.
 Two definitions close gaps that are not missing data: an outcome rate (``*_rate``, a share
 of the branched flips) is 0 when the run saw no top-1 flip at all, and ``accuracy_drop``
 is rounded to 12 decimals so that k/n accuracies compare as written.
 
+An empty gate string (``--fail-on ''``, ``fail_on=""``, only commas) is an error: it would
+check nothing while looking like a check.
+
 :func:`evaluate`'s result is what a report.json ``gates`` section holds; report.html shows
-each candidate's crossed gates in red in its header.
+each candidate's crossed and not-evaluated gates in its header.
 
 Pure functions, no I/O: the CLI reads report.json, calls :func:`evaluate` and decides.
 """
@@ -47,7 +59,8 @@ _SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
     "jsd_mean": ("mean Jensen-Shannon divergence, nats", ("summary.metrics.jsd_nats.mean",)),
     "top1_disagreement": ("share (0-1) of positions whose top-1 token differs", ("summary.top1_disagreement.rate",)),
     "ppl_ratio": ("candidate perplexity / reference perplexity on the teacher tokens", ("summary.ppl_ratio",)),
-    "x_noise_floor": ("mean KL / mean KL of the reference against its own rerun (null, so missing, when that floor is 0)",
+    "x_noise_floor": ("the column × noise floor: mean KL / mean KL of the reference against a rerun of itself "
+                      "(null, so not evaluated, when that floor is 0)",
                       ("summary.kl_mean_x_noise_floor",)),
     "flips": ("number of top-1 flips (positions where the top-1 tokens differ) counted by `logitdiff flips`, "
               "ties at the reference (flips.n_ties) excluded", ("flips.n_flips",)),
@@ -72,15 +85,36 @@ METRICS: dict[str, str] = {
 }
 
 
+# Exit statuses of a command run with gates (0: every clause evaluated, none crossed; 2: an error).
+CROSSED_EXIT = 3  # at least one clause crossed
+NOT_EVALUATED_EXIT = 4  # none crossed, but at least one clause's metric is not in the report
+
+
+class GateKind:
+    """What a clause is: a failure condition (``--fail-on``) or a requirement (``--require``)."""
+
+    FAIL_ON = "fail_on"
+    REQUIRE = "require"
+    ALL = (FAIL_ON, REQUIRE)
+    FLAG = {FAIL_ON: "--fail-on", REQUIRE: "--require"}
+
+
 @dataclass
 class Gate:
     metric: str
     op: str
     threshold: float
-    text: str
+    text: str  # the clause as shown in reports: "kl_mean>0.05", or "require kl_mean<=0.05"
+    kind: str = GateKind.FAIL_ON
+
+    @property
+    def clause(self) -> str:
+        """The clause as written, without the kind."""
+        return self.text[len("require "):] if self.kind == GateKind.REQUIRE else self.text
 
     def crossed_by(self, value: float) -> bool:
-        return OPS[self.op](value, self.threshold)
+        holds = OPS[self.op](value, self.threshold)
+        return holds if self.kind == GateKind.FAIL_ON else not holds
 
 
 _CLAUSE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*([<>=!]+)\s*(.*?)\s*$")
@@ -90,9 +124,17 @@ def _known() -> str:
     return "known metrics: " + ", ".join(METRICS)
 
 
-def parse_gates(text: str) -> list[Gate]:
-    """``"kl_mean>0.05, top1_disagreement>0.02"`` -> gates; a one-line LogitdiffError naming the
-    bad clause otherwise (unknown metric, bad operator, bad number)."""
+def parse_gates(text: str, kind: str = GateKind.FAIL_ON) -> list[Gate]:
+    """``"kl_mean>0.05, top1_disagreement>0.02"`` -> gates of ``kind`` (fail_on: failure
+    conditions; require: clauses that must hold); a one-line LogitdiffError naming the bad
+    clause otherwise (unknown metric, bad operator, bad number), and for a string with no
+    clause at all."""
+    if kind not in GateKind.ALL:
+        raise ValueError(f"gate kind {kind!r}: one of {GateKind.ALL}")
+    flag = GateKind.FLAG[kind]
+    if text is None or not str(text).replace(",", "").strip():
+        raise LogitdiffError(f"{flag} {str(text or '')!r}: no clause; give METRIC OP NUMBER clauses, e.g. "
+                             f"{'kl_mean>0.05' if kind == GateKind.FAIL_ON else 'kl_mean<=0.05'}, or leave {flag} out")
     gates = []
     for raw in str(text).split(","):
         clause = raw.strip()
@@ -112,7 +154,20 @@ def parse_gates(text: str) -> list[Gate]:
             threshold = math.nan
         if not math.isfinite(threshold):
             raise LogitdiffError(f"gate {clause!r}: threshold {num!r} is not a finite number; {_known()}")
-        gates.append(Gate(metric=metric, op=op, threshold=threshold, text=f"{metric}{op}{num}"))
+        written = f"{metric}{op}{num}"
+        gates.append(Gate(metric=metric, op=op, threshold=threshold,
+                          text=written if kind == GateKind.FAIL_ON else f"require {written}", kind=kind))
+    return gates
+
+
+def parse_gate_options(fail_on: str | None = None, require: str | None = None) -> list[Gate]:
+    """Both kinds of clauses, failure conditions first; None (the option not given) adds none,
+    an empty string is an error (see :func:`parse_gates`)."""
+    gates: list[Gate] = []
+    if fail_on is not None:
+        gates += parse_gates(fail_on, GateKind.FAIL_ON)
+    if require is not None:
+        gates += parse_gates(require, GateKind.REQUIRE)
     return gates
 
 
@@ -151,15 +206,71 @@ def metric_value(report: Report, metric: str) -> float | None:
     return None
 
 
-def evaluate(report: Report, gates: list[Gate]) -> Gates:
-    """Every gate against ``report``: ``{"gates": [...], "crossed": [gate texts], "passed": bool}``.
+_SECTION_HINT = {
+    "flips": "the report has no flips section (run `logitdiff flips REPORT`, or `run` without --no-flips)",
+    "correctness": "the report has no correctness section (labelled items graded by `logitdiff flips` or `run`)",
+}
 
-    A gate whose metric is missing from the report counts as crossed (fail closed)."""
+
+def missing_reason(report: Report, metric: str) -> str:
+    """Why ``metric`` has no value in ``report``, in words (for a clause that is not evaluated)."""
+    paths = _SOURCES[metric][1]
+    section = paths[0].split(".")[0]
+    if section in _SECTION_HINT and not isinstance(report.get(section), Mapping):
+        return _SECTION_HINT[section]
+    if metric == "x_noise_floor":
+        nf = get_path(report, "summary.noise_floor")
+        if not isinstance(nf, Mapping):
+            return "the report has no noise floor (compare --noise-floor RUN, or run without --no-noise-floor)"
+        return "the noise floor is exactly 0 (a bit-identical rerun), so no ratio to it exists"
+    if metric.endswith("_rate"):
+        return "no flip was branched, so no share of branches exists"
+    return f"report.json has no number at {' / '.join(paths)}"
+
+
+def evaluate(report: Report, gates: list[Gate]) -> Gates:
+    """Every gate against ``report``: ``{"gates": [...], "crossed": [gate texts],
+    "not_evaluated": [gate texts], "passed": bool}``.
+
+    A gate whose metric is missing from the report is not evaluated (neither crossed nor
+    passed); ``passed`` is true only when every gate was evaluated and none was crossed."""
     out: list[GateResult] = []
     for g in gates:
         v = metric_value(report, g.metric)
         missing = v is None
-        out.append({"gate": g.text, "metric": g.metric, "op": g.op, "threshold": g.threshold, "value": v,
-                    "crossed": bool(missing or g.crossed_by(v)), "missing": missing})
+        r: GateResult = {"gate": g.text, "metric": g.metric, "op": g.op, "threshold": g.threshold, "value": v,
+                         "crossed": bool(not missing and g.crossed_by(v)), "missing": missing, "kind": g.kind}
+        if missing:
+            r["reason"] = missing_reason(report, g.metric)
+        out.append(r)
     crossed = [r["gate"] for r in out if r["crossed"]]
-    return {"gates": out, "crossed": crossed, "passed": not crossed}
+    not_evaluated = [r["gate"] for r in out if r["missing"]]
+    return {"gates": out, "crossed": crossed, "not_evaluated": not_evaluated, "passed": not crossed and not not_evaluated}
+
+
+def not_evaluated_of(section: Mapping | None) -> list[str]:
+    """The not-evaluated gate texts of a report.json ``gates`` section, also of one written
+    before schema 1.2 (where a missing metric was listed as crossed)."""
+    if not section:
+        return []
+    if "not_evaluated" in section:
+        return list(section["not_evaluated"])
+    return [g["gate"] for g in section.get("gates") or [] if g.get("missing")]
+
+
+def crossed_of(section: Mapping | None) -> list[str]:
+    """The crossed gate texts of a ``gates`` section (before 1.2, without the missing ones)."""
+    if not section:
+        return []
+    missing = set() if "not_evaluated" in section else {g["gate"] for g in section.get("gates") or [] if g.get("missing")}
+    return [g for g in section.get("crossed") or [] if g not in missing]
+
+
+def exit_status(sections: list[Mapping | None]) -> int:
+    """The exit status of a command that evaluated these ``gates`` sections: CROSSED_EXIT when
+    any gate is crossed, else NOT_EVALUATED_EXIT when any is not evaluated, else 0."""
+    if any(crossed_of(s) for s in sections):
+        return CROSSED_EXIT
+    if any(not_evaluated_of(s) for s in sections):
+        return NOT_EVALUATED_EXIT
+    return 0

@@ -21,7 +21,7 @@ import numpy as np
 from .capture import SCORE_BATCH, LiveRun, capture_reference
 from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from .consequences import DEFAULT_MAX_BRANCHES, Settings, analyse
-from .contracts import SCHEMA_VERSION, CandidateRow, NoiseFloor, Outcome, Report, RunSummary, summary_json
+from .contracts import SCHEMA_VERSION, CandidateRow, Column, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from .errors import LogitdiffError
 from .outputs import RUN_SUMMARY_SCHEMA, Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from .report import build_report, noise_floor_section, write_report_dir
@@ -218,13 +218,17 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     if cfg.gates:
         summary["gates"] = [g.text for g in cfg.gates]
         summary["gates_crossed"] = {r["name"]: r["gates_crossed"] for r in rows if r.get("gates_crossed")}
+        summary["gates_not_evaluated"] = {r["name"]: r["gates_not_evaluated"] for r in rows if r.get("gates_not_evaluated")}
     atomic_write_bytes(out / "summary.json", summary_json(summary, str(out / "summary.json")).encode())
     atomic_write_bytes(out / "summary.md", render_summary_md(summary).encode())
     if cfg.html:
+        from .report import write_candidate_page
         from .report.html import write_html
 
-        hooks.stage("report.html: every candidate on one page")
+        hooks.stage("report.html: every candidate on one page, and each candidate's own in reports/<name>/")
         write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
+        for r in rows:
+            write_candidate_page(r["report"], summary)
     hooks.done()
     return summary
 
@@ -276,7 +280,8 @@ def _summary_row(spec: str, report: Report, rdir: Path, noise: NoiseFloor | None
         "x_noise_floor": (kl["mean"] / floor) if floor else None,
         "within_2x_noise_floor": bool(floor) and kl["mean"] <= 2 * floor,
         **_consequence_cols(report),
-        **({"gates_crossed": report["gates"]["crossed"]} if report.get("gates") else {}),
+        **({"gates_crossed": report["gates"]["crossed"], "gates_not_evaluated": report["gates"].get("not_evaluated", [])}
+           if report.get("gates") else {}),
     }
 
 
@@ -317,7 +322,9 @@ def render_summary_md(summary: RunSummary) -> str:
         lines.append(f"- cross-engine floor (same weights, other engine): `{xf['candidate']}`, mean KL {_f(xf['kl_nats_mean'])} nats")
     lines += [
         "",
-        "| candidate | mean KL (nats) | 95 % CI | p99 KL | mean JSD | top-1 disagreement | 95 % CI | PPL ratio | × noise floor | × cross-engine floor |",
+        f"| candidate | {Column.NAME['kl_mean']} (nats) | 95 % CI | {Column.NAME['kl_p99']} | {Column.NAME['jsd_mean']} | "
+        f"{Column.NAME['top1_disagreement']} | 95 % CI | {Column.NAME['ppl_ratio']} | {Column.NAME['x_noise_floor']} | "
+        f"{Column.NAME['x_cross_engine_floor']} |",
         "|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in summary["candidates"]:
@@ -347,8 +354,10 @@ def render_summary_md(summary: RunSummary) -> str:
             )
     if summary.get("gates"):
         crossed = summary.get("gates_crossed") or {}
-        lines.append(f"\nGates `{', '.join(summary['gates'])}`: " + (
-            "; ".join(f"`{n}` crossed {', '.join(g)}" for n, g in crossed.items()) if crossed else "every candidate passed") + ".")
+        missing = summary.get("gates_not_evaluated") or {}
+        said = [f"`{n}` crossed {', '.join(g)}" for n, g in crossed.items()]
+        said += [f"`{n}`: not evaluated (metric not in its report) {', '.join(g)}" for n, g in missing.items()]
+        lines.append(f"\nGates `{', '.join(summary['gates'])}`: " + ("; ".join(said) if said else "every candidate passed") + ".")
     lines.append(f"\nOne report per candidate under `reports/`. Wall time {summary['seconds']} s.\n")
     return "\n".join(lines)
 

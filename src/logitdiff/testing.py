@@ -7,13 +7,17 @@ vLLM's ``check_logprobs_close`` turns two logprob lists into one::
 
     def test_q4_is_close_enough(tmp_path):
         ...  # capture + compare, or logitdiff.run(...)
-        assert_drift_within(tmp_path / "reports" / "q4", "kl_mean<0.01, top1_disagreement<0.02")
+        assert_drift_within(tmp_path / "reports" / "q4", require="kl_mean<0.01, top1_disagreement<0.02")
+        assert_drift_within(tmp_path / "reports" / "q4", fail_on="kl_p99>0.5")
 
-Each clause is ``METRIC OP NUMBER`` that must HOLD (the reverse of ``--fail-on``, whose
-clauses name what must not happen); the metric names are those of ``--fail-on``
-(:data:`logitdiff.gates.METRICS`). A metric the report lacks fails the check (fail closed,
-as the gates do). The failure message names every clause that failed, the value, and the
-worst items for that metric, so a red test says where to look.
+The clauses are the gates' (:mod:`logitdiff.gates`): one grammar, one meaning per name,
+the same as the CLI's. ``fail_on=`` takes failure conditions, as ``--fail-on`` does (the
+check fails when one holds); ``require=`` takes clauses that must hold, as ``--require``
+does (the check fails when one does not). A bare clause string without either name is
+refused, since it would not say which it is. A clause whose metric the report does not have
+is *not evaluated*, and the check fails saying so (an unevaluated check is no pass; the
+CLI gives it its own exit status). The failure message names every clause that failed, the
+value, and the worst items for that metric, so a red test says where to look.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .gates import OPS, metric_value, parse_gates
+from .gates import GateKind, evaluate, parse_gate_options
 
 __all__ = ["DriftCheckFailed", "assert_drift_within", "drift_failures"]
 
@@ -69,31 +73,49 @@ def _worst_items(report: Mapping, metric: str, n: int = WORST_SHOWN) -> list[tup
     return sorted(scored, key=lambda t: -t[1])[:n]
 
 
-def drift_failures(report_or_dir: Any, requirements: str) -> list[dict]:
-    """The clauses of ``requirements`` that ``report_or_dir`` (a REPORT directory, its
-    report.json, or the loaded report) does not meet: ``[{"clause", "metric", "value",
-    "worst_items"}]``, empty when all hold. Bad clauses raise ``LogitdiffError``."""
+def drift_failures(report_or_dir: Any, *, fail_on: str | None = None, require: str | None = None) -> list[dict]:
+    """The clauses that ``report_or_dir`` (a REPORT directory, its report.json, or the
+    loaded report) fails: ``[{"clause", "kind", "metric", "value", "not_evaluated", "reason",
+    "worst_items"}]``, empty when every clause was evaluated and none crossed. Bad or empty
+    clause strings raise ``LogitdiffError``."""
+    gates = _gates(fail_on, require)
     report, _ = _load(report_or_dir)
+    res = evaluate(dict(report), gates)
     failures = []
-    for req in parse_gates(requirements):
-        value = metric_value(dict(report), req.metric)
-        if value is None or not OPS[req.op](value, req.threshold):
-            failures.append({"clause": req.text, "metric": req.metric, "value": value,
-                             "worst_items": _worst_items(report, req.metric)})
+    for g, r in zip(gates, res["gates"]):
+        if r["crossed"] or r["missing"]:
+            failures.append({"clause": g.clause, "kind": g.kind, "metric": g.metric, "value": r["value"], "not_evaluated": r["missing"],
+                             "reason": r.get("reason"), "worst_items": _worst_items(report, g.metric)})
     return failures
 
 
-def assert_drift_within(report_or_dir: Any, requirements: str) -> None:
-    """Fail (``DriftCheckFailed``, an ``AssertionError``) unless every clause of
-    ``requirements``, e.g. ``"kl_mean<0.01,top1_disagreement<0.02"``, holds for the report."""
-    failures = drift_failures(report_or_dir, requirements)
+def _gates(fail_on, require):
+    if fail_on is None and require is None:
+        raise TypeError("give fail_on='...' (failure conditions, as --fail-on) or require='...' (clauses that must hold, "
+                        "as --require)")
+    return parse_gate_options(fail_on, require)
+
+
+def assert_drift_within(report_or_dir: Any, clauses: Any = None, /, *, fail_on: str | None = None, require: str | None = None) -> None:
+    """Fail (``DriftCheckFailed``, an ``AssertionError``) when a ``fail_on`` clause holds
+    (e.g. ``fail_on="kl_mean>0.05"``, as ``--fail-on``), a ``require`` clause does not hold
+    (e.g. ``require="kl_mean<=0.05"``, as ``--require``), or a clause's metric is not in the
+    report (not evaluated). A clause string passed without a name is refused (TypeError)."""
+    if clauses is not None:
+        raise TypeError(f"assert_drift_within(report, {clauses!r}): say what the clauses are: fail_on={clauses!r} "
+                        f"(failure conditions, as --fail-on) or require={clauses!r} (clauses that must hold, as --require)")
+    failures = drift_failures(report_or_dir, fail_on=fail_on, require=require)
     if not failures:
         return
     report, where = _load(report_or_dir)
     cand = (report.get("candidate") or {}).get("spec") or (report.get("candidate") or {}).get("path") or "candidate"
-    lines = [f"drift of {cand} ({where}) is not within {requirements!r}:"]
+    asked = "; ".join(f"{k}={v!r}" for k, v in (("fail_on", fail_on), ("require", require)) if v is not None)
+    lines = [f"drift of {cand} ({where}) fails {asked}:"]
     for f in failures:
-        value = "missing from the report" if f["value"] is None else f"{f['value']:.6g}"
         worst = ", ".join(f"{i} ({v:.4g})" for i, v in f["worst_items"])
-        lines.append(f"  {f['clause']}: {f['metric']} = {value}" + (f"; worst items: {worst}" if worst else ""))
+        if f["not_evaluated"]:
+            lines.append(f"  {f['kind']} {f['clause']}: not evaluated, {f['metric']} is missing from the report: {f['reason']}")
+            continue
+        what = "holds" if f["kind"] == GateKind.FAIL_ON else "does not hold"
+        lines.append(f"  {f['kind']} {f['clause']} {what}: {f['metric']} = {f['value']:.6g}" + (f"; worst items: {worst}" if worst else ""))
     raise DriftCheckFailed("\n".join(lines), failures)

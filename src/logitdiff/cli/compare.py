@@ -56,7 +56,7 @@ def run(args) -> int:
 
     # Every argument and input is checked before anything is computed or written.
     ranges = parse_ranges_arg(args.ranges)
-    parse_fail_on(args.fail_on)
+    gates = parse_fail_on(args)
     check_bootstrap(args.bootstrap)
     check_at_least("--top-logprobs", args.top_logprobs, 1)
     check_at_least("--threads", args.threads, 1)
@@ -66,7 +66,7 @@ def run(args) -> int:
         report = diff_runs(
             args.reference, args.candidate, args.out, noise_floor=args.noise_floor, ranges=ranges, bootstrap=args.bootstrap,
             seed=args.seed, top_logprobs=args.top_logprobs, allow_partial=args.allow_partial, include_rows=not args.no_rows,
-            device=args.device, chunk_size=args.chunk_size, gates=args.fail_on, threads=args.threads, bar=bars.bar,
+            device=args.device, chunk_size=args.chunk_size, gates=gates, threads=args.threads, bar=bars.bar,
             logprob_floor=args.logprob_floor,
         )
     print_summary(report)

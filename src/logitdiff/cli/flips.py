@@ -103,7 +103,7 @@ def run(args) -> int:
         exec_timeout=args.exec_timeout,
     )
     parse_select(args.select)
-    gates = parse_fail_on(args.fail_on)
+    gates = parse_fail_on(args)
     if args.resync < 1:
         raise LogitdiffError("--resync must be >= 1")
     if args.max_shift < 0 or args.max_detour < 0:

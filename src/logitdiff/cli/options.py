@@ -6,11 +6,20 @@ from __future__ import annotations
 from ..api import MAX_BOOTSTRAP
 from ..errors import LogitdiffError
 
-GATES_EXIT = 3
-FAIL_ON_HELP = (
-    "quality gates, e.g. 'kl_mean>0.05,top1_disagreement>0.02,tool_call_malformed>0': exit status 3 when "
-    "any is crossed (a metric the report lacks counts as crossed); the report says which"
-)
+from ..gates import CROSSED_EXIT as GATES_EXIT, NOT_EVALUATED_EXIT
+
+GATES_HELP = f"""\
+Gates: --fail-on and --require take comma-separated METRIC OP NUMBER clauses (OP: > >= < <=).
+A --fail-on clause is a failure condition (--fail-on 'kl_mean>0.05' is crossed when the mean
+KL is above 0.05); a --require clause must hold (--require 'kl_mean<=0.05' is crossed when it
+does not). The same grammar, names and meaning as assert_drift_within(REPORT, fail_on=...,
+require=...) in logitdiff.testing. A clause on a metric the report does not have (e.g.
+tool_call_malformed on a compare report, which has no flips section) is NOT EVALUATED: never
+counted as crossed, printed with the reason. An empty clause list is an error.
+Exit status: 0 every clause evaluated and none crossed; {GATES_EXIT} a clause crossed; {NOT_EVALUATED_EXIT} no
+clause crossed but one not evaluated; 2 an error."""
+FAIL_ON_HELP = "failure conditions, e.g. 'kl_mean>0.05,top1_disagreement>0.02': exit status 3 when any holds"
+REQUIRE_HELP = "clauses that must hold, e.g. 'kl_mean<=0.05,top1_disagreement<=0.02': exit status 3 when any does not"
 
 
 def parse_ranges_arg(text: str):
@@ -27,25 +36,42 @@ def check_at_least(flag: str, value: int | None, low: int) -> None:
         raise LogitdiffError(f"{flag} {value}: must be at least {low}")
 
 
-def parse_fail_on(text: str | None):
-    if not text:
-        return None
-    from ..gates import parse_gates
+def parse_fail_on(args):
+    """The gates of ``--fail-on`` and ``--require`` (None when neither is given); an empty
+    clause list or a bad clause is a one-line error."""
+    from ..gates import parse_gate_options
 
-    return parse_gates(text)
+    fail_on, require = getattr(args, "fail_on", None), getattr(args, "require", None)
+    if fail_on is None and require is None:
+        return None
+    return parse_gate_options(fail_on, require)
 
 
 def gate_exit(reports: list[dict]) -> int:
-    """GATES_EXIT when any report crossed a gate (each crossing printed), else 0."""
+    """The gates' exit status (gates.exit_status) over ``reports``, each crossed or
+    not-evaluated gate printed with its candidate."""
+    from ..gates import exit_status
     from .console import console
 
-    crossed = [(r["candidate"].get("spec") or r["candidate"].get("path"), g) for r in reports for g in (r.get("gates") or {}).get("crossed", [])]
-    if not crossed:
-        return 0
-    con = console()
-    for who, g in crossed:
-        con.print(f"[bold red]gate crossed[/]: {who}: {g}")
-    return GATES_EXIT
+    sections = [(r["candidate"].get("spec") or r["candidate"].get("path"), r.get("gates")) for r in reports]
+    print_gates(console(), [(who, g) for who, g in sections if g])
+    return exit_status([g for _, g in sections])
+
+
+def print_gates(con, per_candidate: list) -> None:
+    """``gate crossed`` (red) and ``gate not evaluated`` (yellow, with the reason) lines for
+    (candidate, report.json gates section) pairs."""
+    from ..gates import crossed_of, not_evaluated_of
+
+    for who, g in per_candidate:
+        results = {x["gate"]: x for x in g.get("gates") or []}
+        for text in crossed_of(g):
+            x = results.get(text) or {}
+            value = "" if x.get("value") is None else f" (value {x['value']:.6g})"
+            con.print(f"[bold red]gate crossed[/]: {who}: {text}{value}")
+        for text in not_evaluated_of(g):
+            why = (results.get(text) or {}).get("reason") or "the report does not have this metric"
+            con.print(f"[bold yellow]gate not evaluated[/]: {who}: {text}: {why}")
 
 
 def add_ranges(p) -> None:
@@ -76,7 +102,10 @@ def add_chunk_size(p) -> None:
 
 
 def add_fail_on(p, extra: str = "") -> None:
-    p.add_argument("--fail-on", metavar="GATES", help=FAIL_ON_HELP + extra)
+    """--fail-on and --require (gates.GateKind), documented together in the command's epilog."""
+    p.add_argument("--fail-on", metavar="CLAUSES", help=FAIL_ON_HELP + extra + "; see Gates below")
+    p.add_argument("--require", metavar="CLAUSES", help=REQUIRE_HELP + extra + "; see Gates below")
+    p.epilog = ((p.epilog + "\n\n") if p.epilog else "") + GATES_HELP
 
 
 def add_max_branches(p) -> None:

@@ -8,7 +8,7 @@ import time
 from ..api import check_bootstrap
 from .console import Bars, console, table_console
 from .options import (
-    GATES_EXIT, add_bootstrap, add_fail_on, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_fail_on,
+    add_bootstrap, add_fail_on, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_fail_on,
     parse_ranges_arg,
 )
 
@@ -92,18 +92,31 @@ def run(args) -> int:
     )
     parse_select(args.select)
     check_max_branches(args.max_branches)
-    cfg.gates = parse_fail_on(args.fail_on)
+    cfg.gates = parse_fail_on(args)
     check_specs(cfg)
     with Bars() as bars:
         summary = run_pipeline(cfg, RichHooks(bars))
     print_run_summary(summary)
     con = console()
     con.print(f"wrote {args.out}/report.html, summary.md, summary.json and one report per candidate in {args.out}/reports/")
-    if summary.get("gates_crossed"):
-        for who, gs in summary["gates_crossed"].items():
-            con.print(f"[bold red]gate crossed[/]: {who}: {', '.join(gs)}")
-        return GATES_EXIT
-    return 0
+    if not cfg.gates:
+        return 0
+    return _gates_exit(summary, con)
+
+
+def _gates_exit(summary: dict, con) -> int:
+    """Each candidate's crossed and not-evaluated gates (summary.json) and the exit status
+    they give (gates.exit_status); the values and reasons are in each report."""
+    from ..gates import CROSSED_EXIT, NOT_EVALUATED_EXIT
+
+    crossed = summary.get("gates_crossed") or {}
+    missing = summary.get("gates_not_evaluated") or {}
+    for who, gs in crossed.items():
+        con.print(f"[bold red]gate crossed[/]: {who}: {', '.join(gs)}")
+    for who, gs in missing.items():
+        con.print(f"[bold yellow]gate not evaluated[/]: {who}: {', '.join(gs)}: its report does not have "
+                  f"{'this metric' if len(gs) == 1 else 'these metrics'} (reasons in reports/{who}/report.md)")
+    return CROSSED_EXIT if crossed else NOT_EVALUATED_EXIT if missing else 0
 
 
 def print_run_summary(summary: dict) -> None:
@@ -116,7 +129,10 @@ def print_run_summary(summary: dict) -> None:
     if nf:
         title += f"; noise floor mean KL {nf['kl_nats_mean']:.3g}"
     t = Table(title=title)
-    for col in ("candidate", "mean KL", "95% CI", "p99 KL", "mean JSD", "top-1 disagr.", "PPL ratio", "× noise floor", "× BF16 floor"):
+    from ..contracts import Column
+
+    for col in ("candidate", Column.NAME["kl_mean"], "95% CI", Column.NAME["kl_p99"], Column.NAME["jsd_mean"], Column.NAME["top1_disagreement"],
+                Column.NAME["ppl_ratio"], Column.NAME["x_noise_floor"], Column.NAME["x_cross_engine_floor"]):
         t.add_column(col, justify="right" if col != "candidate" else "left")
     g = lambda x: "n/a" if x is None else f"{x:.3g}"
     for r in summary["candidates"]:

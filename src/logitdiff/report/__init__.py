@@ -316,6 +316,24 @@ def update_report_dir(out: str | Path, report: Report, files: dict[str, bytes], 
                 tmp.unlink()
 
 
+def write_candidate_page(report_dir: str | Path, summary=None) -> Path:
+    """REPORT/report.html: the page of this one candidate (``summary``: the run's summary.json,
+    for the cross-engine floor), from its report.json and tokens.parquet. The page is written
+    to a temporary name and renamed into place; nothing else in the REPORT changes."""
+    from .html import load_tokens, render_html
+
+    report_dir = Path(report_dir)
+    page = render_html([load_report(report_dir)], [load_tokens(report_dir / "tokens.parquet")], summary=summary,
+                       paths=[str(report_dir)])
+    tmp = report_dir / f".report.html.tmp{os.getpid()}"
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, report_dir / "report.html")
+    finally:
+        tmp.unlink(missing_ok=True)
+    return report_dir / "report.html"
+
+
 def read_columns(report_dir: str | Path, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
     """Columns of a REPORT's tokens.parquet as numpy arrays."""
     import pyarrow.parquet as pq

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .._version import __version__
-from ..contracts import GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report
+from ..contracts import Column, GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report
 from ..errors import LogitdiffError
 from ..gates import get_path as _get
 from ..outputs import HTML_DATA_SCHEMA, HTML_GENERATOR_META, Kind, writing
@@ -61,16 +61,16 @@ VERSION_KEYS = (
 # The candidate matrix: (key, header, tooltip, report.json paths tried in order, format).
 MATRIX = (
     ("file_size", "file size", "candidate weight file size (GGUF sources record it)", ("candidate.identity.size",), "bytes"),
-    ("kl_mean", "KL mean", "mean KL(P_ref‖P_cand), nats, 95 % CI from an item bootstrap", ("summary.metrics.kl_nats.mean",), "g"),
-    ("kl_p95", "KL p95", "95th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p95",), "g"),
-    ("kl_p99", "KL p99", "99th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p99",), "g"),
-    ("kl_rev_mean", "rev KL mean", "mean KL(P_cand‖P_ref), nats, 95 % CI", ("summary.metrics.kl_rev_nats.mean",), "g"),
-    ("kl_rev_p95", "rev p95", "95th percentile of reverse KL, nats", ("summary.metrics.kl_rev_nats.p95",), "g"),
-    ("kl_rev_p99", "rev p99", "99th percentile of reverse KL, nats", ("summary.metrics.kl_rev_nats.p99",), "g"),
-    ("jsd_mean", "JSD mean", "mean Jensen-Shannon divergence, nats, 95 % CI", ("summary.metrics.jsd_nats.mean",), "g"),
-    ("top1", "top-1 disagr.", "share of positions whose top-1 token differs, 95 % CI", ("summary.top1_disagreement.rate",), "pct"),
-    ("x_noise_floor", "× noise floor", "mean KL / mean KL of the reference against its own rerun", ("summary.kl_mean_x_noise_floor",), "x"),
-    ("ppl_ratio", "PPL ratio", "perplexity of the candidate / of the reference on the teacher tokens", ("summary.ppl_ratio",), "ratio"),
+    ("kl_mean", Column.NAME["kl_mean"], "mean KL(P_ref‖P_cand), nats, 95 % CI from an item bootstrap", ("summary.metrics.kl_nats.mean",), "g"),
+    ("kl_p95", "p95 KL", "95th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p95",), "g"),
+    ("kl_p99", Column.NAME["kl_p99"], "99th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p99",), "g"),
+    ("kl_rev_mean", "mean reverse KL", "mean KL(P_cand‖P_ref), nats, 95 % CI", ("summary.metrics.kl_rev_nats.mean",), "g"),
+    ("kl_rev_p95", "p95 reverse KL", "95th percentile of reverse KL, nats", ("summary.metrics.kl_rev_nats.p95",), "g"),
+    ("kl_rev_p99", "p99 reverse KL", "99th percentile of reverse KL, nats", ("summary.metrics.kl_rev_nats.p99",), "g"),
+    ("jsd_mean", Column.NAME["jsd_mean"], "mean Jensen-Shannon divergence, nats, 95 % CI", ("summary.metrics.jsd_nats.mean",), "g"),
+    ("top1", Column.NAME["top1_disagreement"], "share of positions whose top-1 token differs, 95 % CI", ("summary.top1_disagreement.rate",), "pct"),
+    ("x_noise_floor", Column.NAME["x_noise_floor"], Column.MEANING["x_noise_floor"], ("summary.kl_mean_x_noise_floor",), "x"),
+    ("ppl_ratio", Column.NAME["ppl_ratio"], "perplexity of the candidate / of the reference on the teacher tokens", ("summary.ppl_ratio",), "ratio"),
 )
 CI_OF = {
     "kl_mean": "summary.metrics.kl_nats.ci95",
@@ -79,12 +79,31 @@ CI_OF = {
     "top1": "summary.top1_disagreement.ci95",
 }
 CORRECTNESS = (
-    ("accuracy_ref", "acc. ref", "accuracy of the reference's free-running answers", "pct"),
-    ("accuracy_cand", "acc. cand", "accuracy of the candidate's free-running answers", "pct"),
+    ("accuracy_ref", "accuracy ref", "accuracy of the reference's free-running answers on the labelled items", "pct"),
+    ("accuracy_cand", "accuracy cand", "accuracy of the candidate's free-running answers on the labelled items", "pct"),
     ("right_to_wrong", "right→wrong", "items the reference got right and the candidate wrong", "g"),
     ("wrong_to_right", "wrong→right", "items the reference got wrong and the candidate right", "g"),
-    ("mcnemar_p", "McNemar p", "exact McNemar test of the correctness flips", "g"),
-    ("tool_call_valid_cand", "tool calls valid", "share of tool items whose candidate tool call parses and validates", "pct"),
+    ("mcnemar_p", "McNemar p", "exact McNemar test of the correctness flips (below 0.05: the accuracy change is significant)", "g"),
+    ("tool_call_valid_cand", "valid tool calls", "share of tool items whose candidate tool call parses and validates", "pct"),
+)
+# The consequences table (what the drift does), flips part: (key, header, tooltip, report.json path, format).
+FLIP_COLUMNS = (
+    ("flips_n_flips", "top-1 flips", "positions where the two top-1 tokens differ (ties at the reference excluded)", "flips.n_flips", "g"),
+    ("flips_n_branches", "branched", "flips the candidate continued from (flips.selection says which, and the cap)", "flips.n_branches", "g"),
+    *((f"flips_{o}", o.replace("_", " "), Outcome.TEXT[o], f"flips.outcomes.{o}", "g") for o in Outcome.ALL),
+    ("flips_n_ties", "ties (not flips)", "positions where the reference's own top two are tied: the engines broke the tie; not branched",
+     "flips.n_ties", "g"),
+)
+# Fields other parts of logitdiff add to report.json from schema 1.2 on, shown when a report
+# has them: (key, header, tooltip, report.json paths tried in order, format).
+OPTIONAL_COLUMNS = (
+    ("flips_left_out", "left out", "flips behind changed answers or tool calls that the selection did not branch (see the flips section)",
+     ("flips.left_out.n", "flips.n_left_out"), "g"),
+    ("flips_ref_inconsistent", "ref not own top-1", "positions where the reference's written token is not its own scored top-1 "
+     "(generation and scoring in other batch shapes): reference self-consistency", ("flips.reference_self_consistency.n_positions",
+     "flips.reference_self_consistency.n", "flips.n_ref_not_top1"), "g"),
+    ("truncated_cand", "truncated", "the candidate's free-running outputs cut at the token budget: graded as truncated, not wrong",
+     ("correctness.n_truncated_cand", "correctness.truncated_cand", "correctness.n_truncated"), "g"),
 )
 
 CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px;text-align:left} table.flips td{vertical-align:top} 
@@ -100,11 +119,18 @@ code,.mono{font:12.5px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 table{border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:13px}
 th,td{padding:3px 6px;border-bottom:1px solid var(--line);text-align:right;vertical-align:top;white-space:nowrap}
 th{background:var(--alt);position:sticky;top:0;font-weight:600}
+table.matrix th{white-space:normal;max-width:7.5em;vertical-align:bottom}
+table.matrix .cand{position:sticky;left:0;z-index:1;background:var(--bg);max-width:13em;white-space:normal}
+table.matrix th.cand{z-index:2;background:var(--alt)}table.matrix tr.warn td.cand{background:var(--warn)}
+table.matrix .badge{display:block;width:max-content;max-width:100%;white-space:normal;margin:2px 0 0}
+ul.verdicts{list-style:none;padding:0;margin:0}ul.verdicts li{margin:0 0 6px;padding:4px 8px;border-left:3px solid var(--line)}
+ul.verdicts code{font-weight:600;margin-right:4px}.v-bad{color:#b71c1c;font-weight:600}.v-warn{color:#8a5a00}.v-ok{color:#2e7d32}
+.unevaluated{color:#8a5a00;font-weight:600}
 th:first-child,td:first-child{text-align:left}
 table.sortable th[data-sort]{cursor:pointer;user-select:none}
 table.sortable th[data-sort]:hover{background:#e8ecf3}
 th[data-dir=asc]::after{content:" ▲"}th[data-dir=desc]::after{content:" ▼"}
-td small{display:block;color:var(--mut);font-size:11px}
+td small{display:block;color:var(--mut);font-size:11px}td small.interval{white-space:normal;min-width:9em}
 tr.warn td{background:var(--warn)}
 .badge{display:inline-block;font-size:11px;padding:0 5px;border-radius:3px;background:var(--warn);border:1px solid var(--warnb);margin-left:6px}
 .badge.bad{background:#fde4e2;border-color:#c62828;color:#b71c1c}
@@ -166,6 +192,16 @@ JS = r"""
       var mono = function(a, s){ for (var k = 1; k < a.length; k++) if (a[k] !== null && a[k-1] !== null && s * (a[k] - a[k-1]) < 0) return false; return true; };
       res.sort = {asc: up, desc: down, ok: mono(up, 1) && mono(down, -1) && up.length > 0};
     }
+    // Layout at this window size: does each candidate table fit without scrolling?
+    res.layout = {width: window.innerWidth, doc: document.documentElement.scrollWidth, tables: {}};
+    ['matrix', 'consequences'].forEach(function(id){
+      var t = document.getElementById(id);
+      if (!t) return;
+      var w = t.parentNode, b = t.getBoundingClientRect();
+      res.layout.tables[id] = {left: b.left, right: b.right, width: b.width, scroll: w.scrollWidth, client: w.clientWidth};
+    });
+    var v = document.querySelector('ul.verdicts');
+    res.layout.verdicts = v ? {top: v.getBoundingClientRect().top, n: v.children.length} : null;
     var out = document.createElement('pre'); out.id = 'selftest-result'; out.textContent = JSON.stringify(res);
     document.body.appendChild(out);
   }
@@ -641,13 +677,36 @@ def _header(names, paths, reports, summary) -> str:
 
 
 def _crossed_gates(report: Report) -> list[GateResult]:
-    """The crossed gates of a report's ``gates`` section (gates.evaluate's shape)."""
+    """The crossed gates of a report's ``gates`` section (gates.evaluate's shape; a missing
+    metric is never crossed, also in reports written before schema 1.2)."""
     g = report.get("gates")
-    return [x for x in g["gates"] if x["crossed"]] if g else []
+    return [x for x in g["gates"] if x["crossed"] and not x.get("missing")] if g else []
+
+
+def _not_evaluated_gates(report: Report) -> list[GateResult]:
+    """The gates whose metric the report lacks: not evaluated."""
+    g = report.get("gates")
+    return [x for x in g["gates"] if x.get("missing")] if g else []
+
+
+def _verdicts_html(names, reports, cells, summary) -> str:
+    """One line per candidate, first on the page: drift against a floor, what the flips did,
+    whether the answers changed significantly (report.verdict words report.json's numbers)."""
+    from .verdict import verdict
+
+    xf = str(((summary or {}).get("cross_engine_floor") or {}).get("candidate"))
+    items = []
+    for name, rep in zip(names, reports):
+        parts = verdict(rep, x_cross_engine_floor=(cells[name].get("x_cross_engine_floor") or {}).get("value"),
+                        is_cross_engine_floor=summary is not None and str(_get(rep, "candidate.spec")) == xf)
+        text = " · ".join(f'<span class="v-{sev}">{_e(t)}</span>' for sev, t in parts)
+        items.append(f'<li data-name="{_e(name)}"><code>{_e(name)}</code> {text}</li>')
+    return f'<ul class="verdicts">{"".join(items)}</ul>'
 
 
 def _gates_html(names, reports) -> str:
-    """Per candidate: the gates it crossed, in red, with the value that crossed (or 'missing')."""
+    """Per candidate: the gates it crossed, in red, with the value that crossed; those not
+    evaluated (metric not in the report), with the reason; or that all passed."""
     lines = []
     for name, rep in zip(names, reports):
         g = rep.get("gates")
@@ -655,26 +714,32 @@ def _gates_html(names, reports) -> str:
             lines.append(f"<code>{_e(name)}</code>: no gates evaluated")
             continue
         total = len(g["gates"])
-        crossed = _crossed_gates(rep)
-        if not crossed:
+        crossed, missing = _crossed_gates(rep), _not_evaluated_gates(rep)
+        if not crossed and not missing:
             lines.append(f'<code>{_e(name)}</code>: <span class="passed">✓ passed {"all " + str(total) + " gates" if total else "(no gates)"}</span>')
             continue
-        each = ", ".join(
-            f'<span class="crossed" title="{_e(x.get("metric", ""))} = '
-            f'{"missing from report.json (fails closed)" if x.get("missing") else _e(repr(x.get("value")))}">'
-            f'{_e(x["gate"])} ({"missing" if x.get("missing") else fmt(x.get("value"))})</span>'
-            for x in crossed)
-        lines.append(f'<code>{_e(name)}</code>: <span class="crossed">✗ crossed {len(crossed)}'
-                     f'{" of " + str(total) if total else ""}:</span> {each}')
-    return "<br>".join(lines) + ('<br><small class="note">A gate names a failure condition; one whose metric the report lacks '
-                                 "counts as crossed (fail closed).</small>")
+        said = []
+        if crossed:
+            each = ", ".join(f'<span class="crossed" title="{_e(x.get("metric", ""))} = {_e(repr(x.get("value")))}">'
+                             f'{_e(x["gate"])} ({fmt(x.get("value"))})</span>' for x in crossed)
+            said.append(f'<span class="crossed">✗ crossed {len(crossed)}{" of " + str(total) if total else ""}:</span> {each}')
+        if missing:
+            each = ", ".join(f'<span class="unevaluated" title="{_e(x.get("reason") or "")}">{_e(x["gate"])} '
+                             f'({_e(x.get("reason") or "metric not in the report")})</span>' for x in missing)
+            said.append(f'<span class="unevaluated">? not evaluated {len(missing)}{" of " + str(total) if total else ""}:</span> {each}')
+        lines.append(f"<code>{_e(name)}</code>: " + "; ".join(said))
+    return "<br>".join(lines) + ('<br><small class="note">A --fail-on clause is a failure condition, a --require clause must hold; '
+                                 "a clause whose metric the report lacks is not evaluated (neither crossed nor passed).</small>")
 
 
 def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
-    """Per candidate, every matrix cell as {value, from} (from: where in report.json)."""
+    """Per candidate, every cell of both tables as {value, from} (from: where in report.json,
+    or summary.json); and the keys of the consequences table's columns, in order."""
     out = {}
     xrows = {str(c.get("candidate")): c for c in (summary or {}).get("candidates") or []}
+    has_flips = any(_get(r, "flips.outcomes") is not None for r in reports)
     has_corr = any(r.get("correctness") for r in reports)
+    optional = [(k, paths) for k, _, _, paths, _ in OPTIONAL_COLUMNS if any(_first(r, paths)[1] for r in reports)]
     for name, rep in zip(names, reports):
         cells = {}
         for key, _, _, paths, _ in MATRIX:
@@ -685,58 +750,59 @@ def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
         sc = xrows.get(str(_get(rep, "candidate.spec")))
         if summary is not None:
             cells["x_cross_engine_floor"] = {"value": (sc or {}).get("x_cross_engine_floor"), "from": "summary.json:candidates[].x_cross_engine_floor"}
-        if _get(rep, "flips.outcomes") is not None:
-            cells["flips"] = {"value": _get(rep, "flips.outcomes"), "from": "flips.outcomes"}
-            cells["flips_n_branches"] = {"value": _get(rep, "flips.n_branches"), "from": "flips.n_branches"}
-            cells["flips_n_flips"] = {"value": _get(rep, "flips.n_flips"), "from": "flips.n_flips"}
+        if has_flips:
+            for key, _, _, path, _ in FLIP_COLUMNS:
+                cells[key] = {"value": _get(rep, path), "from": path}
         if has_corr:
             for key, *_ in CORRECTNESS:
                 cells[key] = {"value": _get(rep, f"correctness.{key}"), "from": f"correctness.{key}"}
+        for key, paths in optional:
+            v, p = _first(rep, paths)
+            cells[key] = {"value": v, "from": p or paths[0]}
         out[name] = cells
-    extra = (["x_cross_engine_floor"] if summary is not None else []) + (["flips"] if any("flips" in c for c in out.values()) else [])
-    return out, extra + ([k for k, *_ in CORRECTNESS] if has_corr else [])
+    conseq = ([k for k, *_ in FLIP_COLUMNS] if has_flips else []) + ([k for k, *_ in CORRECTNESS] if has_corr else [])
+    # the optional flips columns after the flips ones, the truncated column after correctness
+    for key, _ in optional:
+        at = len(conseq) if key == "truncated_cand" or not has_flips else len(FLIP_COLUMNS)
+        conseq.insert(at, key)
+    return out, conseq
 
 
-def _matrix_html(names, paths, reports, cells_by_name, extra, summary) -> str:
-    cols = [(k, h, t, f) for k, h, t, _, f in MATRIX]
-    extra_cols = {"x_cross_engine_floor": ("× engine floor", "mean KL / mean KL of the reference's weights in another engine (summary.json)", "x"),
-                  "flips": ("flip outcomes", "what branching at top-1 flips led to (report.json flips.outcomes)", "flips")}
-    extra_cols.update({k: (h, t, f) for k, h, t, f in CORRECTNESS})
-    for k in extra:
-        h, t, f = extra_cols[k]
-        # The cross-engine floor sits beside the noise floor; flips and correctness go last.
-        at = [c[0] for c in cols].index("x_noise_floor") + 1 if k == "x_cross_engine_floor" else len(cols)
-        cols.insert(at, (k, h, t, f))
-    head = '<th data-sort="num" data-key="order" title="candidate (click: original order)">candidate</th>' + "".join(
-        f'<th data-sort="{"text" if f == "flips" else "num"}" data-key="{k}" title="{_e(t)}">{_e(h)}</th>' for k, h, t, f in cols)
+def _candidate_cell(i, name, path, rep, xf) -> tuple[str, bool]:
+    """The frozen first cell: the candidate's name, and under it the badges (floors, gates)."""
+    kl = _num(_get(rep, "summary.metrics.kl_nats.mean"))
+    floor = _num(_get(rep, "summary.noise_floor.kl_nats_mean"))
+    warn = []
+    if kl is not None and floor is not None and kl <= 2 * floor:
+        warn.append(("within 2× noise floor", "mean KL is at most twice the reference-vs-rerun KL: indistinguishable from noise"))
+    xfl = _num(xf.get("kl_nats_mean"))
+    if kl is not None and xfl and kl <= 2 * xfl and str(_get(rep, "candidate.spec")) != str(xf.get("candidate")):
+        warn.append(("within 2× cross-engine floor", "mean KL is at most twice that of the same weights in another engine"))
+    badges = "".join(f'<span class="badge" title="{_e(t)}">⚠ {_e(w)}</span>' for w, t in warn)
+    crossed = _crossed_gates(rep)
+    if crossed:
+        badges += (f'<span class="badge bad" title="{_e("crossed: " + ", ".join(g["gate"] for g in crossed))}">'
+                   f'✗ {len(crossed)} gate{"s" if len(crossed) != 1 else ""}</span>')
+    missing = _not_evaluated_gates(rep)
+    if missing:
+        badges += (f'<span class="badge" title="{_e("not evaluated (metric not in the report): " + ", ".join(g["gate"] for g in missing))}">'
+                   f'? {len(missing)} gate{"s" if len(missing) != 1 else ""} not evaluated</span>')
+    return f'<td data-v="{i}" class="cand" title="{_e(path)}"><code>{_e(name)}</code>{badges}</td>', bool(warn)
+
+
+def _table_html(table_id, cols, names, paths, reports, cells_by_name, summary) -> str:
+    """One sortable table of ``cols`` [(key, header, tooltip, format)], a row per candidate,
+    the candidate column frozen (sticky) so it stays in view if the table must scroll."""
+    head = ('<th data-sort="num" data-key="order" class="cand" title="candidate (click: original order)">candidate</th>'
+            + "".join(f'<th data-sort="num" data-key="{k}" title="{_e(t)}">{_e(h)}</th>' for k, h, t, f in cols))
     xf = (summary or {}).get("cross_engine_floor") or {}
     body = []
     for i, (name, path, rep) in enumerate(zip(names, paths, reports)):
         cells = cells_by_name[name]
-        kl = _num(cells["kl_mean"]["value"])
-        floor = _num(_get(rep, "summary.noise_floor.kl_nats_mean"))
-        warn = []
-        if kl is not None and floor is not None and kl <= 2 * floor:
-            warn.append(("within 2× noise floor", "mean KL is at most twice the reference-vs-rerun KL: indistinguishable from noise"))
-        xfl = _num(xf.get("kl_nats_mean"))
-        if kl is not None and xfl and kl <= 2 * xfl and str(_get(rep, "candidate.spec")) != str(xf.get("candidate")):
-            warn.append(("within 2× cross-engine floor", "mean KL is at most twice that of the same weights in another engine"))
-        badges = "".join(f'<span class="badge" title="{_e(t)}">⚠ {_e(w)}</span>' for w, t in warn)
-        crossed = _crossed_gates(rep)
-        if crossed:
-            badges += (f'<span class="badge bad" title="{_e("crossed: " + ", ".join(g["gate"] for g in crossed))}">'
-                       f'✗ {len(crossed)} gate{"s" if len(crossed) != 1 else ""}</span>')
-        tds = [f'<td data-v="{i}" title="{_e(path)}"><code>{_e(name)}</code>{badges}</td>']
+        first, warn = _candidate_cell(i, name, path, rep, xf)
+        tds = [first]
         for k, h, t, f in cols:
             v = cells.get(k, {}).get("value")
-            if f == "flips":
-                counts = _outcome_counts(v)
-                # Outcomes that happened; zero counts would only crowd the cell.
-                text = (" · ".join(f"{_e(o)} {_e(c)}" for o, c in counts.items() if c) or "none") if v else "n/a"
-                nb, nf = cells.get("flips_n_branches", {}).get("value"), cells.get("flips_n_flips", {}).get("value")
-                sub = f"<small>{fmt(nb)} branched of {fmt(nf)} top-1 flips</small>" if v and nb is not None else ""
-                tds.append(f'<td data-v="{_e(text)}">{text}{sub}</td>')
-                continue
             nv = _num(v)
             ci = cells.get(k + "_ci95", {}).get("value")
             sub = ""
@@ -745,8 +811,29 @@ def _matrix_html(names, paths, reports, cells_by_name, extra, summary) -> str:
             sub += _interval_sub(rep, k)
             tds.append(f'<td data-v="{"" if nv is None else repr(nv)}">{fmt(v, f)}{sub}</td>')
         body.append(f'<tr class="{"warn" if warn else ""}" data-name="{_e(name)}">' + "".join(tds) + "</tr>")
-    return (f'<div class="scroll"><table id="matrix" class="sortable"><thead><tr>{head}</tr></thead>'
+    return (f'<div class="scroll"><table id="{table_id}" class="sortable matrix"><thead><tr>{head}</tr></thead>'
             f'<tbody>{"".join(body)}</tbody></table></div>')
+
+
+def _matrix_html(names, paths, reports, cells_by_name, conseq, summary) -> str:
+    """Two tables that fit a 1,400 px window: how far each candidate drifts (#matrix), and
+    what the drift does (#consequences: flips, answers, tool calls), when any report has it."""
+    cols = [(k, h, t, f) for k, h, t, _, f in MATRIX]
+    if summary is not None:
+        # the cross-engine floor sits beside the noise floor
+        at = [c[0] for c in cols].index("x_noise_floor") + 1
+        cols.insert(at, ("x_cross_engine_floor", Column.NAME["x_cross_engine_floor"], Column.MEANING["x_cross_engine_floor"] + " (summary.json)", "x"))
+    drift = _table_html("matrix", cols, names, paths, reports, cells_by_name, summary)
+    if not conseq:
+        return drift
+    known = {k: (h, t, f) for k, h, t, _, f in FLIP_COLUMNS}
+    known.update({k: (h, t, f) for k, h, t, f in CORRECTNESS})
+    known.update({k: (h, t, f) for k, h, t, _, f in OPTIONAL_COLUMNS})
+    ccols = [(k, *known[k]) for k in conseq]
+    return (drift + '<h3 id="consequences-title">What the drift does</h3><p class="note">Branches from top-1 flips (each continued '
+            "greedily by the candidate and classified) and the labelled items answered free-running by both models; counts, "
+            "so sorting works as in the table above.</p>"
+            + _table_html("consequences", ccols, names, paths, reports, cells_by_name, summary))
 
 
 # matrix cell -> the interval columns of report.json (bounded methods, docs/bounds.md)
@@ -1004,7 +1091,7 @@ def render_html(
     check_comparable(reports, cols, labels)
     names = _names(reports, paths)
 
-    cells, extra = matrix_data(names, reports, summary)
+    cells, conseq = matrix_data(names, reports, summary)
     data: dict = {"schema": HTML_DATA_SCHEMA, "generator": f"logitdiff {__version__}", "candidates": names,
                   "reports": labels, "matrix": cells, "kl_cdf": {}, "ref_confidence": {}, "worst_items": {}}
     buckets, conf_label = {}, None
@@ -1069,11 +1156,14 @@ def render_html(
         '<p class="lead">Drift of each candidate\'s next-token distributions from the reference, teacher-forced on the same tokens. '
         "The reference is a numerical-fidelity reference, not an oracle: these figures are <em>drift from the reference</em>, "
         "not correctness.</p>",
-        _header(names, paths, reports, summary),
-        "<h2>Candidates</h2>",
+        '<h2 id="verdicts">Verdict</h2>',
+        _verdicts_html(names, reports, cells, summary),
+        '<h2 id="candidates">Candidates</h2>',
         '<p class="note">Click a header to sort. Means carry a 95 % CI from a bootstrap over items. '
         "Rows marked ⚠ are within 2× of a floor: their drift is not distinguishable from the floor's.</p>",
-        _matrix_html(names, [p or "" for p in paths], reports, cells, extra, summary),
+        _matrix_html(names, [p or "" for p in paths], reports, cells, conseq, summary),
+        '<h2 id="setup">What was compared</h2>',
+        _header(names, paths, reports, summary),
         "<h3>Can the candidates be ordered?</h3>",
         _pairs_html(pairs, len(item_ids)),
         '<h2 id="plots">Plots</h2>',

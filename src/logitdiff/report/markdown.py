@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..contracts import Correctness, Flips, GroupStats, Outcome, Report, Summary
+from ..contracts import Column, Correctness, Flips, GroupStats, Outcome, Report, Summary
+from .verdict import verdict_text
 
 
 def _f(x, digits: int = 4) -> str:
@@ -55,6 +56,7 @@ def render_markdown(report: Report) -> str:
         f"# logitdiff report: drift of `{c.get('spec') or c['path']}` from `{b.get('spec') or b['path']}`\n",
         "BF16 (or whatever the reference is) is a numerical-fidelity reference, not an oracle: the "
         "figures below are *drift from the reference*, not correctness.\n",
+        f"**Verdict:** {verdict_text(report)}.\n",
         f"- method: **{m['kind']}** — {m['description']}",
         f"- vocabulary: {m['vocab_size']:,}; top-K fields at K = {m['top_logprobs']}; ε = {m['epsilon']}",
         f"- positions: {s['positions']:,} over {s['paired_prompts']} items; 95 % CIs from {m['bootstrap']['n']} "
@@ -66,15 +68,7 @@ def render_markdown(report: Report) -> str:
         out.append(f"- compared on: {mc.get('cpu')}, {mc.get('cpu_count')} cores, {mc.get('memory_gib')} GiB, {mc.get('platform')}, Python {mc.get('python')}")
     for note in m.get("notes") or []:
         out.append(f"- note: {note}")
-    g = report.get("gates")
-    if g:
-        if g["crossed"]:
-            out.append(f"- **gates crossed: {', '.join(g['crossed'])}** (exit status 3)")
-        else:
-            out.append(f"- gates: all {len(g['gates'])} passed ({', '.join(x['gate'] for x in g['gates'])})")
-        for x in g["gates"]:
-            if x.get("missing"):
-                out.append(f"  - `{x['gate']}`: the report has no `{x['metric']}`; a missing metric counts as crossed")
+    out += gates_markdown(report.get("gates"))
     out.append("\n## Summary\n")
     out.append("| metric | mean | 95 % CI | p50 | p95 | p99 | max |\n|---|---:|---|---:|---:|---:|---:|")
     for key, label in (("kl_nats", "KL(ref‖cand) nats"), ("kl_rev_nats", "KL(cand‖ref) nats"), ("jsd_nats", "JSD nats")):
@@ -93,7 +87,7 @@ def render_markdown(report: Report) -> str:
         nf = s["noise_floor"]
         out.append(
             f"- noise floor (reference vs its {nf.get('rerun') or 'rerun'}): mean KL {_f(nf.get('kl_nats_mean'))}; this candidate is "
-            f"{_f(s.get('kl_mean_x_noise_floor'), 2)} × the floor"
+            f"{_f(s.get('kl_mean_x_noise_floor'), 2)} (column {Column.NAME['x_noise_floor']})"
         )
         x = s.get("kl_mean_x_noise_floor")
         if x is not None and x <= 2:
@@ -122,6 +116,26 @@ def render_markdown(report: Report) -> str:
         out.append(correctness_markdown(report["correctness"]))
     out.append(f"\n_logitdiff {report['tool']['version']}, {report['created']}_\n")
     return "\n".join(out)
+
+
+def gates_markdown(g) -> list[str]:
+    """The gates section's lines: crossed (exit status 3), not evaluated (4, with the reason), or passed."""
+    from ..gates import CROSSED_EXIT, NOT_EVALUATED_EXIT, crossed_of, not_evaluated_of
+
+    if not g:
+        return []
+    out = []
+    crossed, missing = crossed_of(g), not_evaluated_of(g)
+    if crossed:
+        out.append(f"- **gates crossed: {', '.join(crossed)}** (exit status {CROSSED_EXIT})")
+    if missing:
+        out.append(f"- **gates not evaluated: {', '.join(missing)}**" + ("" if crossed else f" (exit status {NOT_EVALUATED_EXIT})"))
+        for x in g["gates"]:
+            if x["gate"] in missing:
+                out.append(f"  - `{x['gate']}`: {x.get('reason') or 'the report has no ' + repr(x['metric'])}; not counted as crossed")
+    if not crossed and not missing:
+        out.append(f"- gates: all {len(g['gates'])} passed ({', '.join(x['gate'] for x in g['gates'])})")
+    return out
 
 
 def _one_line(text: str, n: int = 80) -> str:

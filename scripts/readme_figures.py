@@ -1,0 +1,356 @@
+#!/usr/bin/env python
+"""README's figures of the bundled default, regenerated from a run rather than remembered.
+
+    .venv/bin/python scripts/readme_figures.py                 # fresh `logitdiff run`, rewrite README
+    .venv/bin/python scripts/readme_figures.py --from OUT      # an existing run's OUT directory
+    .venv/bin/python scripts/readme_figures.py --print         # print the block, leave README alone
+    .venv/bin/python scripts/readme_figures.py --check --from OUT   # exit 1 when README differs
+
+Without ``--from`` it runs ``logitdiff run --out DIR`` (DIR: ``--out``, else a new temporary
+directory, removed afterwards) with this Python, timing it, and states the machine: CPU
+model, cores, memory, the load average before and after, the llama.cpp and torch versions
+the reports record. It then writes README's two run tables and every figure quoted in the
+paragraphs below them (noise floor, × floor, ties, recovered count, McNemar p) between the
+markers ``<!-- readme_figures:begin -->`` and ``<!-- readme_figures:end -->``, replacing what
+was there (atomically: a temporary file renamed over README.md). Every number comes from the
+run's summary.json, report.json files and flips.parquet; fields that a run does not have
+are left out with the sentence that would quote them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- readme_figures:begin -->", "<!-- readme_figures:end -->"
+SIGNIFICANCE = 0.05
+
+
+# ----------------------------------------------------------------------------- the machine
+def machine() -> dict:
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    try:
+        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    except (ValueError, OSError, AttributeError):
+        mem = None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    return {"cpu": cpu or "unknown CPU", "cores": cores, "memory_gib": mem}
+
+
+def load() -> str:
+    try:
+        return "/".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def run_logitdiff(out: Path) -> dict:
+    """``logitdiff run --out OUT`` with this interpreter; wall time and load around it."""
+    before = load()
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "logitdiff", "run", "--out", str(out)]
+    print("running:", " ".join(cmd), file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, cwd=str(out.parent), stdout=subprocess.DEVNULL)
+    wall = time.monotonic() - t0
+    if r.returncode != 0:
+        sys.exit(f"readme_figures: `logitdiff run` exited with status {r.returncode}")
+    return {"wall_s": wall, "load_before": before, "load_after": load()}
+
+
+# ----------------------------------------------------------------------------- formatting
+def e2(x) -> str:
+    return "n/a" if x is None else f"{x:.2e}"
+
+
+def g3(x) -> str:
+    if x is None:
+        return "n/a"
+    if x >= 1e4:
+        m, ex = f"{x:.1e}".split("e")
+        return f"{m}e{int(ex)}"
+    return f"{x:.3g}"
+
+
+def pct(x, d=2) -> str:
+    return "n/a" if x is None else f"{100 * x:.{d}f} %"
+
+
+def pval(p) -> str:
+    return "n/a" if p is None else f"{p:.2g}"
+
+
+def _get(d, path):
+    for part in path.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _first(d, paths):
+    for p in paths:
+        v = _get(d, p)
+        if v is not None:
+            return v
+    return None
+
+
+# Fields other parts of logitdiff add from schema 1.2 on (read by name, shown when present).
+LEFT_OUT = ("flips.left_out.n", "flips.n_left_out")
+REF_INCONSISTENT = ("flips.reference_self_consistency.n_positions", "flips.reference_self_consistency.n", "flips.n_ref_not_top1")
+TRUNCATED = ("correctness.n_truncated_cand", "correctness.truncated_cand", "correctness.n_truncated")
+
+
+def _count(v):
+    if isinstance(v, list):
+        return len(v)
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+# ----------------------------------------------------------------------------- the block
+def figures(out: Path) -> dict:
+    """Everything the block quotes, read from a run's OUT directory."""
+    s = json.loads((out / "summary.json").read_text())
+    reports = {}
+    for c in s["candidates"]:
+        rdir = Path(c["report"])
+        if not rdir.is_absolute() and not rdir.exists():
+            rdir = out / "reports" / c["name"]
+        if not (rdir / "report.json").exists():
+            rdir = out / "reports" / c["name"]
+        reports[c["name"]] = (rdir, json.loads((rdir / "report.json").read_text()))
+    return {"summary": s, "reports": reports}
+
+
+def _flips_frames(reports):
+    """flips.parquet of each report, when present (pandas is a dependency of logitdiff)."""
+    import pandas as pd
+
+    frames = {}
+    for name, (rdir, _) in reports.items():
+        p = rdir / "flips.parquet"
+        if p.exists():
+            frames[name] = pd.read_parquet(p)
+    return frames
+
+
+def render(fig: dict, timing: dict | None, mach: dict) -> str:
+    from logitdiff.contracts import Column, Outcome
+
+    s, reports = fig["summary"], fig["reports"]
+    cands = s["candidates"]
+    r0 = next(iter(reports.values()))[1]
+    ident = _get(r0, "candidate.identity") or {}
+    ref_ident = _get(r0, "baseline.identity") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (("llama-cpp-python", ident.get("llama_cpp_python")), ("torch", ref_ident.get("torch")),
+                                                  ("transformers", ref_ident.get("transformers"))) if v)
+    where = f"{mach['cpu']}, {mach['cores']} cores" + (f", {mach['memory_gib']} GiB" if mach.get("memory_gib") else "")
+    lines = []
+    if timing:
+        lines.append(
+            f"Measured by `scripts/readme_figures.py` on {where} ({versions}): `logitdiff run --out DIR` into a fresh "
+            f"directory (GGUF ladder cached) took {timing['wall_s']:.0f} s wall (`summary.json` seconds: {s.get('seconds')}); "
+            f"load average (1/5/15 min) {timing['load_before']} before and {timing['load_after']} after, so "
+            + ("other work shared the machine." if _busy(timing, mach) else "the machine was otherwise quiet.")
+        )
+    else:
+        lines.append(f"Figures by `scripts/readme_figures.py` from an existing run on {where} ({versions}); "
+                     f"`summary.json` seconds: {s.get('seconds')} (not re-timed).")
+    lines += ["", f"| candidate | {Column.NAME['kl_mean']} (nats) | 95 % CI | {Column.NAME['kl_p99']} | "
+              f"{Column.NAME['top1_disagreement']} | {Column.NAME['x_cross_engine_floor']} |", "|---|---:|---|---:|---:|---:|"]
+    for c in cands:
+        ci = c.get("kl_mean_ci95") or [None, None]
+        lines.append(f"| `{c['candidate']}` | {e2(c['kl_mean'])} | [{e2(ci[0])}, {e2(ci[1])}] | {e2(c.get('kl_p99'))} | "
+                     f"{pct(c.get('top1_disagreement'))} | {g3(c.get('x_cross_engine_floor'))} |")
+
+    has_flips = any("flip_outcomes" in c for c in cands)
+    has_corr = any(c.get("accuracy_cand") is not None for c in cands)
+    frames = _flips_frames(reports) if has_flips else {}
+    if has_flips or has_corr:
+        sel = sorted({str(_get(r, "flips.selection")) for _, r in reports.values() if _get(r, "flips.selection")})
+        mb = sorted({_get(r, "flips.settings.max_branches") for _, r in reports.values() if _get(r, "flips.settings.max_branches") is not None})
+        n_lab = sorted({_get(r, "correctness.n_labelled") for _, r in reports.values() if _get(r, "correctness.n_labelled") is not None})
+        said = []
+        if mb:
+            said.append(f"{mb[-1]} branches at most per candidate")
+        said.append("how each candidate's flips were selected is `flips.selection` in its report.json"
+                    + (f", e.g. \"{sel[-1]}\"" if sel else ""))
+        if n_lab:
+            said.append(f"correctness on the {n_lab[-1]} labelled items")
+        said.append("ties are positions where the reference's own top two are tied, which the engines break differently: "
+                    "counted apart, not branched")
+        lines += ["", f"and what the drift does ({'; '.join(said)}):", ""]
+        opt = [(h, paths) for h, paths in (("left out", LEFT_OUT), ("reference not its own top-1", REF_INCONSISTENT),
+                                           ("truncated outputs", TRUNCATED))
+               if any(_count(_first(r, paths)) is not None for _, r in reports.values())]
+        head = ("| candidate | branches | recovered | benign | meaning changed | tool call malformed / changed | ties (not flips) | "
+                + "".join(f"{h} | " for h, _ in opt) + "accuracy (ref → cand) | right→wrong | McNemar p | valid tool calls |")
+        lines += [head, "|---|" + "---:|" * (6 + len(opt)) + "---|---:|---:|---:|"]
+        for c in cands:
+            o = c.get("flip_outcomes") or {}
+            rep = reports[c["name"]][1]
+            acc = "n/a" if c.get("accuracy_cand") is None else f"{pct(c['accuracy_ref'], 1)} → {pct(c['accuracy_cand'], 1)}"
+            lines.append(
+                f"| `{c['candidate']}` | {c.get('flip_branches', 'n/a')} | {o.get(Outcome.RECOVERED, 'n/a')} | {o.get(Outcome.BENIGN, 'n/a')} | "
+                f"{o.get(Outcome.MEANING_CHANGED, 'n/a')} | {o.get(Outcome.TOOL_CALL_MALFORMED, 'n/a')} / {o.get(Outcome.TOOL_CALL_CHANGED, 'n/a')} | "
+                f"{c.get('flip_ties', 'n/a')} | " + "".join(f"{_count(_first(rep, p)) if _count(_first(rep, p)) is not None else 'n/a'} | " for _, p in opt)
+                + f"{acc} | {c.get('right_to_wrong', 'n/a')} | {pval(c.get('mcnemar_p'))} | "
+                + ("n/a" if c.get("tool_call_valid_cand") is None else f"{100 * c['tool_call_valid_cand']:.0f} %") + " |"
+            )
+        lines += ["", *_flip_sentences(cands, reports, frames)]
+    lines += ["", _floor_paragraph(s, cands, mach, has_corr)]
+    return "\n".join(lines)
+
+
+def _busy(timing, mach) -> bool:
+    try:
+        return max(float(x) for x in (timing["load_before"].split("/")[0], timing["load_after"].split("/")[0])) > 0.5 * (mach["cores"] or 1)
+    except ValueError:
+        return True
+
+
+def _flip_sentences(cands, reports, frames) -> list[str]:
+    from logitdiff.contracts import Outcome
+
+    out = []
+    n_rec = sum((c.get("flip_outcomes") or {}).get(Outcome.RECOVERED, 0) for c in cands)
+    dissimilar = sum(int(_get(r, "flips.recovered_ending_dissimilar") or 0) for _, r in reports.values())
+    text = []
+    if n_rec:
+        text.append(f"{n_rec - dissimilar} of the {n_rec} recovered branches of this run end like the reference (last thirds, "
+                    "difflib ratio ≥ 0.5)")
+    margins = []
+    zero_ties, n_ties_listed = 0, 0
+    for name, df in frames.items():
+        if "margin_ref" in df and len(df):
+            branched = df[~df["tie"]] if "tie" in df else df
+            margins += [float(m) for m in branched["margin_ref"] if m is not None and math.isfinite(m)]
+    for _, r in reports.values():
+        for t in _get(r, "flips.ties.list") or []:
+            if "margin_ref" in t:
+                n_ties_listed += 1
+                zero_ties += t["margin_ref"] == 0
+    if margins:
+        text.append(f"the smallest reference margin at a branched flip is {min(margins):.2g}")
+    n_ties = sum(int(c.get("flip_ties") or 0) for c in cands)
+    if n_ties:
+        tie = f"{n_ties} ties were counted apart"
+        if n_ties_listed:
+            tie += f"; {zero_ties} of the {n_ties_listed} listed in the reports have a reference margin of exactly 0"
+        text.append(tie)
+    if text:
+        out.append(text[0][0].upper() + "; ".join(text)[1:] + ".")
+    return out
+
+
+def _floor_paragraph(s, cands, mach, has_corr) -> str:
+    nf = s.get("noise_floor") or {}
+    xf = s.get("cross_engine_floor") or {}
+    by = {c["name"]: c for c in cands}
+    parts = [f"({s['items']}-item workload, {s['positions']:,} teacher-forced positions."]
+    if nf:
+        rerun = nf.get("rerun") or "a rerun"
+        how = ("The plain reference rerun is bit-identical, so `run` takes the noise floor from a rerun with other batch mates"
+               if "bit-identical" in rerun else f"The noise floor is the reference against its {rerun}")
+        parts.append(f"{how}: mean KL {e2(nf.get('kl_nats_mean'))} nats and {nf.get('top1_flips', 0)} top-1 flips on {mach['cpu']} "
+                     f"({mach['cores']} cores).")
+        floor_c = by.get(next((c["name"] for c in cands if c["candidate"] == xf.get("candidate")), ""), None)
+        worst = max(cands, key=lambda c: c.get("kl_mean") or 0)
+        if floor_c and floor_c.get("x_noise_floor"):
+            parts.append(f"That puts the cross-engine floor `{floor_c['candidate']}` at {g3(floor_c['x_noise_floor'])}× and "
+                         f"`{worst['candidate']}` at {g3(worst.get('x_noise_floor'))}× the noise floor (`summary.md`'s "
+                         "× noise floor column)" + (": the reference's own rounding noise is far below any engine or quant here, "
+                                                     "and the cross-engine floor is the one to read against."
+                                                     if floor_c["x_noise_floor"] >= 10 else
+                                                     ": the engine change is within an order of magnitude of the reference's own noise."))
+    else:
+        parts.append("No noise floor was measured (`--no-noise-floor`).")
+    if has_corr:
+        sig = [c for c in cands if c.get("mcnemar_p") is not None and c["mcnemar_p"] < SIGNIFICANCE]
+        most = max(cands, key=lambda c: c.get("right_to_wrong") or 0)
+        if not sig:
+            parts.append(f"None of these accuracy changes is significant at {SIGNIFICANCE:g} (largest: `{most['candidate']}`, "
+                         f"{most.get('right_to_wrong', 0)} right→wrong, {most.get('wrong_to_right', 0)} wrong→right, McNemar "
+                         f"p = {pval(most.get('mcnemar_p'))}), so the flips table shows damage that accuracy alone does not yet resolve.")
+        else:
+            parts.append("Significant accuracy changes (McNemar p < 0.05): "
+                         + ", ".join(f"`{c['candidate']}` p = {pval(c['mcnemar_p'])}" for c in sig) + ".")
+    parts.append("Yours is in `logitdiff-out/summary.md` and `logitdiff-out/report.html`.)")
+    return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------- README
+def rewrite(readme: Path, block: str, check: bool) -> int:
+    text = readme.read_text(encoding="utf-8")
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        sys.exit(f"readme_figures: {readme}: expected one {BEGIN} and one {END} after it")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}\n{block}\n{END}{tail}"
+    if check:
+        if new != text:
+            print(f"{readme}: the figures differ from this run's", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        tmp = readme.with_name(f".{readme.name}.tmp{os.getpid()}")
+        tmp.write_text(new, encoding="utf-8")
+        os.replace(tmp, readme)
+    print(f"{readme}: figures {'rewritten' if new != text else 'unchanged'}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--from", dest="src", metavar="OUT", help="an existing `logitdiff run` OUT directory (no run)")
+    ap.add_argument("--out", metavar="DIR", help="where the fresh run goes (must not exist; default: a temporary directory, removed)")
+    ap.add_argument("--readme", default=str(ROOT / "README.md"), help="README to rewrite between the markers (default: %(default)s)")
+    ap.add_argument("--print", action="store_true", help="print the block instead of rewriting README")
+    ap.add_argument("--check", action="store_true", help="exit 1 when README's block differs from this run's")
+    args = ap.parse_args(argv)
+    mach = machine()
+    timing = None
+    tmp = None
+    if args.src:
+        out = Path(args.src)
+        if not (out / "summary.json").is_file():
+            sys.exit(f"readme_figures: {out}: no summary.json (not a `logitdiff run` OUT directory)")
+    else:
+        if args.out:
+            out = Path(args.out).resolve()
+            if out.exists():
+                sys.exit(f"readme_figures: --out {out} exists; the figures are those of a fresh run")
+        else:
+            tmp = Path(tempfile.mkdtemp(prefix="readme-figures-"))
+            out = tmp / "out"
+        timing = run_logitdiff(out)
+    try:
+        block = render(figures(out), timing, mach)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.print:
+        print(block)
+        return 0
+    return rewrite(Path(args.readme), block, args.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

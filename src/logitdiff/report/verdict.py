@@ -1,0 +1,169 @@
+"""One line per candidate that answers first: how far it drifts, read against a floor; what
+its top-1 flips did; whether its answers changed, and whether that change is significant.
+
+Every figure is report.json's (or summary.json's, for the cross-engine floor); this module
+only words them. Pure functions, no I/O; report.html, report.md and the terminal use it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from ..contracts import Column, Outcome
+
+# McNemar p below this is called significant (and said so, with the p-value beside it).
+SIGNIFICANCE = 0.05
+
+
+def _num(x) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def _get(d: Any, path: str):
+    for part in path.split("."):
+        if not isinstance(d, Mapping) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def drift_part(report: Mapping, *, x_cross_engine_floor: float | None = None, is_cross_engine_floor: bool = False) -> tuple[str, str]:
+    """(severity, text): the mean KL against the cross-engine floor when one was measured,
+    else the noise floor, else no floor (said so). severity: ok | warn | info."""
+    kl = _num(_get(report, "summary.metrics.kl_nats.mean"))
+    if kl is None:
+        kl = _num(_get(report, "summary.kl_nats_mean"))
+    xn = _num(_get(report, "summary.kl_mean_x_noise_floor"))
+    xc = _num(x_cross_engine_floor)
+    kl_text = "mean KL n/a" if kl is None else f"mean KL {_g(kl)} nats"
+    noise = f", {_g(xn)}{Column.NAME['x_noise_floor']}" if xn is not None else ""
+    if is_cross_engine_floor:
+        return "info", f"is the cross-engine floor (the reference's weights in another engine): {kl_text}{noise}"
+    if xc is not None:
+        text = f"drifts {_g(xc)}{Column.NAME['x_cross_engine_floor']}{noise} ({kl_text})"
+        if xc <= 2:
+            return "ok", text + ": within 2× of changing the engine alone"
+        return "warn", text
+    if xn is not None:
+        text = f"drifts {_g(xn)}{Column.NAME['x_noise_floor']} ({kl_text})"
+        return ("ok", text + ": within 2× of the reference's own rerun") if xn <= 2 else ("warn", text)
+    return "info", f"{kl_text}; no floor measured, so no scale to read it against"
+
+
+def flips_part(report: Mapping) -> tuple[str, str] | None:
+    """(severity, text) of what the branched top-1 flips did; None without a flips section."""
+    f = report.get("flips")
+    if not isinstance(f, Mapping):
+        return None
+    n_b, n_f = f.get("n_branches") or 0, f.get("n_flips") or 0
+    if not n_b:
+        return "ok" if not n_f else "info", f"no flip branched ({n_f} top-1 flips)"
+    o = f.get("outcomes") or {}
+    bad = sum(int(o.get(k) or 0) for k in Outcome.BAD)
+    tool = int(o.get(Outcome.TOOL_CALL_MALFORMED) or 0) + int(o.get(Outcome.TOOL_CALL_CHANGED) or 0)
+    text = (f"{bad} of {n_b} branched flips changed the meaning or a tool call "
+            f"({int(o.get(Outcome.MEANING_CHANGED) or 0)} meaning, {tool} tool call)")
+    left = _left_out(f)
+    if left:
+        text += f"; {left} flips behind changed answers or tool calls not branched (listed on the page)"
+    return ("warn" if bad else "ok"), text
+
+
+def _left_out(f: Mapping) -> int:
+    """Flips the selection left out although their item's answer or tool call changed (a
+    field the flip selection writes from schema 1.2 on; 0 when absent)."""
+    v = f.get("left_out")
+    if isinstance(v, Mapping):
+        v = v.get("n") if "n" in v else len(v.get("list") or [])
+    elif isinstance(v, list):
+        v = len(v)
+    return int(v) if _num(v) else 0
+
+
+def answers_part(report: Mapping) -> tuple[str, str] | None:
+    """(severity, text) of the labelled answers: accuracy both ways, correctness flips and
+    the McNemar test, said significant or not at SIGNIFICANCE; None without correctness."""
+    c = report.get("correctness")
+    if not isinstance(c, Mapping):
+        return None
+    ar, ac = _num(c.get("accuracy_ref")), _num(c.get("accuracy_cand"))
+    if ar is None or ac is None:
+        return None
+    r2w, w2r = int(c.get("right_to_wrong") or 0), int(c.get("wrong_to_right") or 0)
+    p = _num(c.get("mcnemar_p"))
+    text = f"accuracy {_pct(ar)} → {_pct(ac)} on {c.get('n_labelled')} labelled items"
+    if not (r2w or w2r):
+        return "ok", text + ": no answer changed"
+    sig = p is not None and p < SIGNIFICANCE
+    text += (f": {r2w} right→wrong, {w2r} wrong→right, McNemar p = {'n/a' if p is None else f'{p:.2g}'}, "
+             + (f"significant at {SIGNIFICANCE:g}" if sig else f"not significant at {SIGNIFICANCE:g} (too few labelled items to tell)"))
+    return ("bad" if sig and r2w > w2r else "warn" if r2w else "ok"), text
+
+
+def extra_parts(report: Mapping) -> list[tuple[str, str]]:
+    """Tool-call validity and truncated outputs, when the report has them."""
+    out = []
+    c = report.get("correctness") or {}
+    tv, tr = _num(c.get("tool_call_valid_cand")), _num(c.get("tool_call_valid_ref"))
+    if tv is not None and c.get("n_tool_items"):
+        out.append(("warn" if tr is not None and tv < tr else "ok", f"valid tool calls {_pct(tv)}" + (f" (reference {_pct(tr)})" if tr is not None else "")))
+    trunc = _truncated(report)
+    if trunc:
+        out.append(("warn", f"{trunc} free-running outputs hit the token budget (truncated, not graded as wrong)"))
+    return out
+
+
+def _truncated(report: Mapping) -> int:
+    """Outputs cut at the token budget (written by grading from schema 1.2 on; 0 when absent)."""
+    c = report.get("correctness") or {}
+    for key in ("n_truncated_cand", "n_truncated", "truncated_cand", "truncated"):
+        v = c.get(key)
+        if isinstance(v, list):
+            v = len(v)
+        if _num(v):
+            return int(v)
+    return 0
+
+
+def gates_part(report: Mapping) -> tuple[str, str] | None:
+    from ..gates import crossed_of, not_evaluated_of
+
+    g = report.get("gates")
+    if not g:
+        return None
+    crossed, missing = crossed_of(g), not_evaluated_of(g)
+    if crossed:
+        return "bad", "gates crossed: " + ", ".join(crossed) + (f"; not evaluated: {', '.join(missing)}" if missing else "")
+    if missing:
+        return "warn", "gates not evaluated (metric not in the report): " + ", ".join(missing)
+    return "ok", f"all {len(g.get('gates') or [])} gates passed"
+
+
+def verdict(report: Mapping, *, x_cross_engine_floor: float | None = None, is_cross_engine_floor: bool = False) -> list[tuple[str, str]]:
+    """The verdict's parts, most important first: [(severity, text)], severity one of
+    ok | info | warn | bad."""
+    parts = [drift_part(report, x_cross_engine_floor=x_cross_engine_floor, is_cross_engine_floor=is_cross_engine_floor)]
+    for p in (flips_part(report), answers_part(report)):
+        if p:
+            parts.append(p)
+    parts += extra_parts(report)
+    g = gates_part(report)
+    if g:
+        parts.append(g)
+    return parts
+
+
+def verdict_text(report: Mapping, **kw) -> str:
+    """The verdict as one line of plain text."""
+    return "; ".join(t for _, t in verdict(report, **kw))
