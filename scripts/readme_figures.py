@@ -7,7 +7,8 @@
     .venv/bin/python scripts/readme_figures.py --check --from OUT   # exit 1 when README differs
 
 Without ``--from`` it runs ``logitdiff run --out DIR`` (DIR: ``--out``, else a new temporary
-directory, removed afterwards) with this Python, timing it, and states the machine: CPU
+directory, removed afterwards; with --out, the timing is kept in DIR/readme_figures.timing.json
+for a later --from DIR) with this Python, timing it, and states the machine: CPU
 model, cores, memory, the load average before and after, the llama.cpp and torch versions
 the reports record. It then writes README's two run tables and every figure quoted in the
 paragraphs below them (noise floor, × floor, ties, recovered count, McNemar p) between the
@@ -65,7 +66,7 @@ def run_logitdiff(out: Path) -> dict:
     """``logitdiff run --out OUT`` with this interpreter; wall time and load around it."""
     before = load()
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "logitdiff", "run", "--out", str(out)]
+    cmd = [sys.executable, "-m", "logitdiff.cli", "run", "--out", str(out)]
     print("running:", " ".join(cmd), file=sys.stderr, flush=True)
     r = subprocess.run(cmd, cwd=str(out.parent), stdout=subprocess.DEVNULL)
     wall = time.monotonic() - t0
@@ -80,12 +81,10 @@ def e2(x) -> str:
 
 
 def g3(x) -> str:
+    """3 significant digits, no exponent below 1e9 (456, 14,600)."""
     if x is None:
         return "n/a"
-    if x >= 1e4:
-        m, ex = f"{x:.1e}".split("e")
-        return f"{m}e{int(ex)}"
-    return f"{x:.3g}"
+    return f"{float(f'{x:.3g}'):,.0f}" if 1e3 <= abs(x) < 1e9 else f"{x:.3g}"
 
 
 def pct(x, d=2) -> str:
@@ -234,8 +233,9 @@ def _flip_sentences(cands, reports, frames) -> list[str]:
     dissimilar = sum(int(_get(r, "flips.recovered_ending_dissimilar") or 0) for _, r in reports.values())
     text = []
     if n_rec:
-        text.append(f"{n_rec - dissimilar} of the {n_rec} recovered branches of this run end like the reference (last thirds, "
-                    "difflib ratio ≥ 0.5)")
+        alike = (f"every recovered branch of this run ({n_rec}) ends" if not dissimilar
+                 else f"{n_rec - dissimilar} of the {n_rec} recovered branches of this run end")
+        text.append(alike + " like the reference (last thirds, difflib ratio ≥ 0.5)")
     margins = []
     zero_ties, n_ties_listed = 0, 0
     for name, df in frames.items():
@@ -248,12 +248,15 @@ def _flip_sentences(cands, reports, frames) -> list[str]:
                 n_ties_listed += 1
                 zero_ties += t["margin_ref"] == 0
     if margins:
-        text.append(f"the smallest reference margin at a branched flip is {min(margins):.2g}")
+        text.append(f"the smallest reference margin at a branched flip is {min(margins):.1e}")
     n_ties = sum(int(c.get("flip_ties") or 0) for c in cands)
     if n_ties:
-        tie = f"{n_ties} ties were counted apart"
-        if n_ties_listed:
-            tie += f"; {zero_ties} of the {n_ties_listed} listed in the reports have a reference margin of exactly 0"
+        if n_ties_listed == n_ties and zero_ties == n_ties:
+            tie = f"all {n_ties} ties (counted apart, not branched) have a reference margin of exactly 0"
+        elif n_ties_listed:
+            tie = f"{n_ties} ties were counted apart; {zero_ties} of the {n_ties_listed} the reports list have a reference margin of exactly 0"
+        else:
+            tie = f"{n_ties} ties were counted apart"
         text.append(tie)
     if text:
         out.append(text[0][0].upper() + "; ".join(text)[1:] + ".")
@@ -269,8 +272,9 @@ def _floor_paragraph(s, cands, mach, has_corr) -> str:
         rerun = nf.get("rerun") or "a rerun"
         how = ("The plain reference rerun is bit-identical, so `run` takes the noise floor from a rerun with other batch mates"
                if "bit-identical" in rerun else f"The noise floor is the reference against its {rerun}")
-        parts.append(f"{how}: mean KL {e2(nf.get('kl_nats_mean'))} nats and {nf.get('top1_flips', 0)} top-1 flips on {mach['cpu']} "
-                     f"({mach['cores']} cores).")
+        flips = nf.get("top1_flips") or 0
+        parts.append(f"{how}: mean KL {e2(nf.get('kl_nats_mean'))} nats and {flips or 'no'} top-1 flip{'' if flips == 1 else 's'} "
+                     f"on {mach['cpu']} ({mach['cores']} cores).")
         floor_c = by.get(next((c["name"] for c in cands if c["candidate"] == xf.get("candidate")), ""), None)
         worst = max(cands, key=lambda c: c.get("kl_mean") or 0)
         if floor_c and floor_c.get("x_noise_floor"):
@@ -297,6 +301,16 @@ def _floor_paragraph(s, cands, mach, has_corr) -> str:
 
 
 # ----------------------------------------------------------------------------- README
+def wrap(block: str, width: int = 92) -> str:
+    """README's prose wrapped like the rest of README; table rows and blank lines as they are."""
+    import textwrap
+
+    out = []
+    for line in block.split("\n"):
+        out.append(line if not line or line.startswith("|") else textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False))
+    return "\n".join(out)
+
+
 def rewrite(readme: Path, block: str, check: bool) -> int:
     text = readme.read_text(encoding="utf-8")
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
@@ -332,6 +346,10 @@ def main(argv=None) -> int:
         out = Path(args.src)
         if not (out / "summary.json").is_file():
             sys.exit(f"readme_figures: {out}: no summary.json (not a `logitdiff run` OUT directory)")
+        saved = out / "readme_figures.timing.json"
+        if saved.is_file():
+            timing = json.loads(saved.read_text())
+            mach = timing.pop("machine", mach)
     else:
         if args.out:
             out = Path(args.out).resolve()
@@ -341,8 +359,10 @@ def main(argv=None) -> int:
             tmp = Path(tempfile.mkdtemp(prefix="readme-figures-"))
             out = tmp / "out"
         timing = run_logitdiff(out)
+        # kept beside the run, so a later --from OUT quotes the same timing and load
+        (out / "readme_figures.timing.json").write_text(json.dumps({**timing, "machine": mach}) + "\n")
     try:
-        block = render(figures(out), timing, mach)
+        block = wrap(render(figures(out), timing, mach))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

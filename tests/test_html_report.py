@@ -475,6 +475,15 @@ def test_gates_crossed_shown_in_red_per_candidate(ladder):
 
 
 # ----------------------------------------------------------------------------- answers first, fits the window
+# The flips fields schema 1.2 adds (flips.py / consequences.py write them; the page reads them by name).
+SCHEMA_1_2_FLIPS = {
+    "left_out": {"n": 3, "n_items": 2, "list": [{"item_id": "code-1", "position": 7, "kl_nats": 0.25, "margin_ref": 0.1}]},
+    "changed_items": [{"item_id": "math-1", "change": "right→wrong", "branched": True, "position": 4, "outcome": "meaning_changed", "why_not": None},
+                      {"item_id": "tool-1", "change": "wrong→right", "branched": False, "position": None, "outcome": None,
+                       "why_not": "no top-1 flip before the answer"}],
+    "reference_self_consistency": {"n_positions": 71, "n_written_not_top1": 2, "rate": 2 / 71, "n_candidate_wrote_it": 1, "list": []},
+    "outputs_cut": {"n_items": 4, "reference_cut": 1, "n_branches": 6, "branches_cut": 2},
+}
 LADDER_NAMES = ["tiny-BF16", "tiny-Q8_0", "tiny-Q6_K", "tiny-Q4_K_M", "tiny-IQ4_XS", "tiny-Q3_K_M", "tiny-Q2_K"]
 
 
@@ -490,9 +499,13 @@ def _full_page(ladder):
         r = json.loads(json.dumps(base[i % 3]))
         r["candidate"]["spec"] = f"builtin:{name}"
         r["flips"] = _flips_section()
-        r["flips"]["left_out"] = {"n": 1, "list": []}
+        r["flips"] |= SCHEMA_1_2_FLIPS
+        if i % 2:  # proven intervals under the means, as a bounded method writes them (the widest cells)
+            r["method"]["bounds"] = "compact-bounded"
+            for m in ("kl", "kl_rev", "jsd"):
+                r["summary"][f"{m}_lower_nats_mean"], r["summary"][f"{m}_upper_nats_mean"] = 1.23456e-05, None
         r["correctness"] = json.loads(json.dumps(ladder["reports"]["q4"]["correctness"])) | {
-            "tool_call_valid_ref": 1.0, "tool_call_valid_cand": 0.9166, "n_tool_items": 12, "n_truncated_cand": 2}
+            "tool_call_valid_ref": 1.0, "tool_call_valid_cand": 0.9166, "n_tool_items": 12, "cut_cand": 2, "truncated_cand": 1}
         r["gates"] = evaluate(r, parse_gate_options("kl_mean>0.0001,tool_call_malformed>0", "x_noise_floor<=1000000"))
         reports.append(r)
         paths.append(f"/tmp/out/reports/{name}")
@@ -513,13 +526,13 @@ def test_verdict_line_per_candidate_first(ladder):
     assert [n for n, _ in items] == LADDER_NAMES + ["tiny-Q2_K-long-name-x"]
     by = dict(items)
     plain = {n: htmlmod.unescape(re.sub(r"<[^>]+>", "", t)) for n, t in by.items()}
-    assert plain["tiny-BF16"].startswith("is the cross-engine floor")
-    assert plain["tiny-Q8_0"].startswith("drifts 138× cross-engine floor")  # 1 + 137.3, from summary.json
-    assert "within 2× of changing the engine" not in plain["tiny-Q8_0"]
+    assert plain["tiny-BF16"].startswith("the cross-engine floor (reference weights, other engine): mean KL")
+    assert plain["tiny-Q8_0"].startswith("drifts 138× cross-engine floor (mean KL ")  # 1 + 137.3, from summary.json
+    assert "within 2× of the engine change" not in plain["tiny-Q8_0"]
     for n, text in plain.items():
-        assert "1 of 6 branched flips changed the meaning or a tool call (1 meaning, 0 tool call)" in text, n
-        assert "accuracy 75.0 % → 50.0 % on 4 labelled items: 2 right→wrong, 1 wrong→right, McNemar p = 1, not significant at 0.05" in text
-        assert "1 flips behind changed answers or tool calls not branched" in text and "2 free-running outputs hit the token budget" in text
+        assert "1 of 6 branches changed the meaning; 1 of 2 changed answers have no branched flip (listed on the page)" in text, n
+        assert "accuracy 75.0 % → 50.0 % (4 labelled): 2 right→wrong, 1 wrong→right, McNemar p = 1 (not significant)" in text
+        assert "valid tool calls 91.7 % (reference 100.0 %)" in text and "2 outputs cut at the token budget" in text
         assert "gates crossed: kl_mean>0.0001" in text and "not evaluated" not in text.split("gates crossed")[0]
     # the same words as report.verdict, from the same numbers
     assert [t for _, t in verdict(reports[3], x_cross_engine_floor=1.0 + 137.3 * 3)] == plain["tiny-Q4_K_M"].split(" · ")
@@ -530,7 +543,7 @@ def test_significance_is_said(ladder):
 
     c = dict(ladder["reports"]["q4"]["correctness"], right_to_wrong=9, wrong_to_right=0, mcnemar_p=0.0039, accuracy_cand=0.3)
     sev, text = answers_part({"correctness": c})
-    assert sev == "bad" and "McNemar p = 0.0039, significant at 0.05" in text
+    assert sev == "bad" and "McNemar p = 0.0039 (significant)" in text
     sev, text = answers_part({"correctness": dict(c, right_to_wrong=0, wrong_to_right=0, accuracy_cand=0.75)})
     assert sev == "ok" and text.endswith("no answer changed")
 
@@ -609,5 +622,73 @@ def test_run_writes_each_candidates_own_page(ladder):
     data = _embedded(text, "logitdiff-data")
     assert data["candidates"] == ["q4"] and data["matrix"]["q4"]["x_cross_engine_floor"]["value"] == 12.5
     assert "drifts 12.5× cross-engine floor" in htmlmod.unescape(text)
+    assert not (ladder["tmp"] / "out" / "reports" / "q4" / "report.html").samefile(ladder["page"])
     assert {p.name: p.read_bytes() for p in d.iterdir() if p.name != "report.html"} == before  # nothing else touched
     assert not [p for p in d.iterdir() if p.name.startswith(".")]
+
+
+def test_page_says_what_the_branches_leave_out(ladder):
+    page, _ = _full_page(ladder)
+    flips = htmlmod.unescape(re.sub(r"<[^>]+>", "", page.split('id="flips"', 1)[1].split('id="tokens"', 1)[0]))
+    assert ("Answers or tool calls that changed: 2, 1 without a branched flip: math-1 right→wrong (branched at 4 → meaning_changed); "
+            "tool-1 wrong→right (not branched: no top-1 flip before the answer)") in flips
+    assert "Left out by the --max-branches cap: 3 selected flips in 2 items, not branched: code-1@7 (KL 0.25)" in flips
+    assert "at 2 of 71 positions (2.82 %) the token the reference wrote is not its own scored top-1" in flips
+    assert "at 1 of them the candidate picked the written token: not a flip, not branched" in flips
+    assert "Cut at the token budget: 1 of 4 reference outputs and 2 of 6 branches." in flips
+    conseq = re.search(r'<table id="consequences".*?</table>', page, re.S).group(0)
+    keys = re.findall(r'<th data-sort="\w+" data-key="(\w+)"', conseq)
+    assert keys[-3:] == ["mcnemar_p", "tool_call_valid_cand", "cut_cand"] and "flips_left_out" in keys and "flips_ref_not_top1" in keys
+    row = re.search(r'<tr class="[^"]*" data-name="tiny-Q2_K">(.*?)</tr>', conseq, re.S).group(1)
+    shown = dict(zip(keys, re.findall(r'<td data-v="([^"]*)"', row)))
+    assert (shown["flips_left_out"], shown["flips_ref_not_top1"], shown["cut_cand"]) == ("3.0", "2.0", "2.0")
+
+
+# ----------------------------------------------------------------------------- scripts/readme_figures.py
+def test_readme_figures_script_writes_between_the_markers(ladder, tmp_path):
+    """The script reads a run's OUT (summary.json, report.json, flips.parquet where present),
+    writes the tables and figures between README's markers and nothing else."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from logitdiff.contracts import RUN_SUMMARY_SCHEMA, SCHEMA_VERSION, summary_json
+    from logitdiff.pipeline import _summary_row
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    shutil.copytree(ladder["dirs"][0].parent, out / "reports")
+    noise = ladder["reports"]["q8"]["summary"]["noise_floor"]
+    rows = []
+    for d in ladder["dirs"]:
+        rep = json.loads((out / "reports" / d.name / "report.json").read_text())
+        rows.append(_summary_row(rep["candidate"]["spec"], rep, out / "reports" / d.name, noise))
+    for r in rows:
+        r["x_cross_engine_floor"] = r["kl_mean"] / rows[0]["kl_mean"]
+    summary = {"schema": RUN_SUMMARY_SCHEMA, "schema_version": SCHEMA_VERSION, "reference": "test:ref", "workload": "w.jsonl",
+               "workload_sha256": "0" * 64, "items": 4, "positions": 71, "noise_floor": noise,
+               "cross_engine_floor": {"candidate": "test:q8", "kl_nats_mean": rows[0]["kl_mean"]}, "candidates": rows, "seconds": 12.5}
+    (out / "summary.json").write_text(summary_json(summary, str(out / "summary.json")))
+    readme = tmp_path / "README.md"
+    readme.write_text("# head\n\ntext before\n<!-- readme_figures:begin -->\nold figures\n<!-- readme_figures:end -->\ntext after\n")
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    script = [sys.executable, str(root / "scripts" / "readme_figures.py"), "--from", str(out), "--readme", str(readme)]
+    r = subprocess.run(script, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = readme.read_text()
+    assert text.startswith("# head\n\ntext before\n<!-- readme_figures:begin -->\n") and text.endswith("<!-- readme_figures:end -->\ntext after\n")
+    assert "old figures" not in text
+    for row in rows:
+        assert f"| `{row['candidate']}` | {row['kl_mean']:.2e} |" in text
+    assert f"mean KL {noise['kl_nats_mean']:.2e} nats" in text and "4-item workload, 71 teacher-forced positions" in text
+    # q4 has flips and correctness: the second table and McNemar p come from its report
+    assert "| `test:q4` | 6 | 3 | 2 | 1 | 0 / 0 |" in text and "McNemar p = 1" in text
+    # a second run changes nothing; --check agrees; a README without the markers is refused
+    assert subprocess.run(script, capture_output=True, text=True, env=env, timeout=300).returncode == 0 and readme.read_text() == text
+    assert subprocess.run(script + ["--check"], capture_output=True, text=True, env=env, timeout=300).returncode == 0
+    readme.write_text("no markers\n")
+    r = subprocess.run(script, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "readme_figures:begin" in r.stderr and readme.read_text() == "no markers\n"
+    # README itself has one block to rewrite
+    real = (root / "README.md").read_text(encoding="utf-8")
+    assert real.count("<!-- readme_figures:begin -->") == 1 == real.count("<!-- readme_figures:end -->")

@@ -79,12 +79,12 @@ CI_OF = {
     "top1": "summary.top1_disagreement.ci95",
 }
 CORRECTNESS = (
-    ("accuracy_ref", "accuracy ref", "accuracy of the reference's free-running answers on the labelled items", "pct"),
-    ("accuracy_cand", "accuracy cand", "accuracy of the candidate's free-running answers on the labelled items", "pct"),
+    ("accuracy_ref", "accuracy ref", "accuracy of the reference's free-running answers on the labelled items", "pct1"),
+    ("accuracy_cand", "accuracy cand", "accuracy of the candidate's free-running answers on the labelled items", "pct1"),
     ("right_to_wrong", "right→wrong", "items the reference got right and the candidate wrong", "g"),
     ("wrong_to_right", "wrong→right", "items the reference got wrong and the candidate right", "g"),
     ("mcnemar_p", "McNemar p", "exact McNemar test of the correctness flips (below 0.05: the accuracy change is significant)", "g"),
-    ("tool_call_valid_cand", "valid tool calls", "share of tool items whose candidate tool call parses and validates", "pct"),
+    ("tool_call_valid_cand", "valid tool calls", "share of tool items whose candidate tool call parses and validates", "pct1"),
 )
 # The consequences table (what the drift does), flips part: (key, header, tooltip, report.json path, format).
 FLIP_COLUMNS = (
@@ -97,13 +97,12 @@ FLIP_COLUMNS = (
 # Fields other parts of logitdiff add to report.json from schema 1.2 on, shown when a report
 # has them: (key, header, tooltip, report.json paths tried in order, format).
 OPTIONAL_COLUMNS = (
-    ("flips_left_out", "left out", "flips behind changed answers or tool calls that the selection did not branch (see the flips section)",
-     ("flips.left_out.n", "flips.n_left_out"), "g"),
-    ("flips_ref_inconsistent", "ref not own top-1", "positions where the reference's written token is not its own scored top-1 "
-     "(generation and scoring in other batch shapes): reference self-consistency", ("flips.reference_self_consistency.n_positions",
-     "flips.reference_self_consistency.n", "flips.n_ref_not_top1"), "g"),
-    ("truncated_cand", "truncated", "the candidate's free-running outputs cut at the token budget: graded as truncated, not wrong",
-     ("correctness.n_truncated_cand", "correctness.truncated_cand", "correctness.n_truncated"), "g"),
+    ("flips_left_out", "over the cap", "selected flips the --max-branches cap left out (flips.left_out; the flips section lists them)",
+     ("flips.left_out.n",), "g"),
+    ("flips_ref_not_top1", "ref not own top-1", "positions where the token the reference wrote is not its own scored top-1 "
+     "(generation and scoring in other batch shapes): the reference's self-consistency", ("flips.reference_self_consistency.n_written_not_top1",), "g"),
+    ("cut_cand", "cut at budget", "the candidate's free-running outputs that hit the token budget: graded truncated, not wrong",
+     ("correctness.cut_cand",), "g"),
 )
 
 CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px;text-align:left} table.flips td{vertical-align:top} 
@@ -119,10 +118,10 @@ code,.mono{font:12.5px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 table{border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:13px}
 th,td{padding:3px 6px;border-bottom:1px solid var(--line);text-align:right;vertical-align:top;white-space:nowrap}
 th{background:var(--alt);position:sticky;top:0;font-weight:600}
-table.matrix th{white-space:normal;max-width:7.5em;vertical-align:bottom}
+table.matrix th{white-space:normal;max-width:7.5em;vertical-align:bottom}table.matrix th,table.matrix td{padding:3px 5px}
 table.matrix .cand{position:sticky;left:0;z-index:1;background:var(--bg);max-width:13em;white-space:normal}
 table.matrix th.cand{z-index:2;background:var(--alt)}table.matrix tr.warn td.cand{background:var(--warn)}
-table.matrix .badge{display:block;width:max-content;max-width:100%;white-space:normal;margin:2px 0 0}
+table.matrix .cand code{white-space:nowrap}table.matrix .badge{display:block;width:max-content;max-width:100%;white-space:normal;margin:2px 0 0}
 ul.verdicts{list-style:none;padding:0;margin:0}ul.verdicts li{margin:0 0 6px;padding:4px 8px;border-left:3px solid var(--line)}
 ul.verdicts code{font-weight:600;margin-right:4px}.v-bad{color:#b71c1c;font-weight:600}.v-warn{color:#8a5a00}.v-ok{color:#2e7d32}
 .unevaluated{color:#8a5a00;font-weight:600}
@@ -238,8 +237,11 @@ def fmt(x, kind: str = "g") -> str:
         return "n/a" if x is None or isinstance(x, (bool, int, float)) else html.escape(str(x))
     if kind == "pct":
         return f"{100 * v:.2f} %"
+    if kind == "pct1":
+        return f"{100 * v:.1f} %"
     if kind == "x":
-        return f"{v:.3g}×"
+        # 3 significant digits, without an exponent up to 1e9 (14,600×, not 1.46e+04×)
+        return f"{float(f'{v:.3g}'):,.0f}×" if 1e3 <= abs(v) < 1e9 else f"{v:.3g}×"
     if kind == "ratio":
         return f"{v:.5f}"
     if kind == "bytes":
@@ -763,12 +765,12 @@ def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
     conseq = ([k for k, *_ in FLIP_COLUMNS] if has_flips else []) + ([k for k, *_ in CORRECTNESS] if has_corr else [])
     # the optional flips columns after the flips ones, the truncated column after correctness
     for key, _ in optional:
-        at = len(conseq) if key == "truncated_cand" or not has_flips else len(FLIP_COLUMNS)
+        at = len(conseq) if key == "cut_cand" or not has_flips else len(FLIP_COLUMNS)
         conseq.insert(at, key)
     return out, conseq
 
 
-def _candidate_cell(i, name, path, rep, xf) -> tuple[str, bool]:
+def _candidate_cell(i, name, path, rep, xf, *, badges: bool = True) -> tuple[str, bool]:
     """The frozen first cell: the candidate's name, and under it the badges (floors, gates)."""
     kl = _num(_get(rep, "summary.metrics.kl_nats.mean"))
     floor = _num(_get(rep, "summary.noise_floor.kl_nats_mean"))
@@ -778,19 +780,19 @@ def _candidate_cell(i, name, path, rep, xf) -> tuple[str, bool]:
     xfl = _num(xf.get("kl_nats_mean"))
     if kl is not None and xfl and kl <= 2 * xfl and str(_get(rep, "candidate.spec")) != str(xf.get("candidate")):
         warn.append(("within 2× cross-engine floor", "mean KL is at most twice that of the same weights in another engine"))
-    badges = "".join(f'<span class="badge" title="{_e(t)}">⚠ {_e(w)}</span>' for w, t in warn)
+    marks = "".join(f'<span class="badge" title="{_e(t)}">⚠ {_e(w)}</span>' for w, t in warn)
     crossed = _crossed_gates(rep)
     if crossed:
-        badges += (f'<span class="badge bad" title="{_e("crossed: " + ", ".join(g["gate"] for g in crossed))}">'
+        marks += (f'<span class="badge bad" title="{_e("crossed: " + ", ".join(g["gate"] for g in crossed))}">'
                    f'✗ {len(crossed)} gate{"s" if len(crossed) != 1 else ""}</span>')
     missing = _not_evaluated_gates(rep)
     if missing:
-        badges += (f'<span class="badge" title="{_e("not evaluated (metric not in the report): " + ", ".join(g["gate"] for g in missing))}">'
+        marks += (f'<span class="badge" title="{_e("not evaluated (metric not in the report): " + ", ".join(g["gate"] for g in missing))}">'
                    f'? {len(missing)} gate{"s" if len(missing) != 1 else ""} not evaluated</span>')
-    return f'<td data-v="{i}" class="cand" title="{_e(path)}"><code>{_e(name)}</code>{badges}</td>', bool(warn)
+    return f'<td data-v="{i}" class="cand" title="{_e(path)}"><code>{_e(name)}</code>{marks if badges else ""}</td>', bool(warn)
 
 
-def _table_html(table_id, cols, names, paths, reports, cells_by_name, summary) -> str:
+def _table_html(table_id, cols, names, paths, reports, cells_by_name, summary, *, badges: bool = True) -> str:
     """One sortable table of ``cols`` [(key, header, tooltip, format)], a row per candidate,
     the candidate column frozen (sticky) so it stays in view if the table must scroll."""
     head = ('<th data-sort="num" data-key="order" class="cand" title="candidate (click: original order)">candidate</th>'
@@ -799,7 +801,7 @@ def _table_html(table_id, cols, names, paths, reports, cells_by_name, summary) -
     body = []
     for i, (name, path, rep) in enumerate(zip(names, paths, reports)):
         cells = cells_by_name[name]
-        first, warn = _candidate_cell(i, name, path, rep, xf)
+        first, warn = _candidate_cell(i, name, path, rep, xf, badges=badges)
         tds = [first]
         for k, h, t, f in cols:
             v = cells.get(k, {}).get("value")
@@ -833,7 +835,7 @@ def _matrix_html(names, paths, reports, cells_by_name, conseq, summary) -> str:
     return (drift + '<h3 id="consequences-title">What the drift does</h3><p class="note">Branches from top-1 flips (each continued '
             "greedily by the candidate and classified) and the labelled items answered free-running by both models; counts, "
             "so sorting works as in the table above.</p>"
-            + _table_html("consequences", ccols, names, paths, reports, cells_by_name, summary))
+            + _table_html("consequences", ccols, names, paths, reports, cells_by_name, summary, badges=False))
 
 
 # matrix cell -> the interval columns of report.json (bounded methods, docs/bounds.md)
@@ -1023,7 +1025,8 @@ def _flips_view(name, rep, *, open_: bool) -> str:
     both continuations side by side with the flip token, the re-join and the departure marked."""
     f = rep.get("flips") or {}
     top = f.get("top") or []
-    if not top:
+    notes = _flips_notes(f)
+    if not top and not notes:
         return ""
     rows = []
     for r in top:
@@ -1046,9 +1049,46 @@ def _flips_view(name, rep, *, open_: bool) -> str:
                            for t in (ties.get("list") or [])[:12])
         tie_note = (f'<p class="note">{_e(f.get("n_ties"))} ties at the reference ({_e(ties.get("tolerance", ""))}): the engines '
                     f"broke a tie, the candidate did not flip; not branched by default and not counted above or in gates. {_e(listed)}</p>")
+    table = f'<div class="scroll"><table class="flips">{head}{"".join(rows)}</table></div>' if rows else ""
     return (f'<details{" open" if open_ else ""}><summary>{_e(name)}: {len(top)} of '
-            f'{_e(f.get("n_branches"))} branches ({_e(f.get("selection", ""))})</summary>{tie_note}'
-            f'<div class="scroll"><table class="flips">{head}{"".join(rows)}</table></div></details>')
+            f'{_e(f.get("n_branches"))} branches ({_e(f.get("selection", ""))})</summary>{notes}{tie_note}{table}</details>')
+
+
+def _flips_notes(f: dict) -> str:
+    """What the branches do not show, from the flips section (schema 1.2 fields, read by
+    name and skipped when absent): the items whose answer or tool call changed and the flip
+    branched behind each (or why none was), the flips the cap left out, the reference's
+    self-consistency, and outputs cut at the token budget."""
+    out = []
+    changed = [c for c in f.get("changed_items") or [] if isinstance(c, dict)]
+    if changed:
+        each = []
+        for c in changed:
+            where = (f"branched at {c.get('position')} → {c.get('outcome')}" if c.get("branched")
+                     else f"not branched: {c.get('why_not') or 'no flip selected'}")
+            each.append(f"<code>{_e(c.get('item_id'))}</code> {_e(c.get('change'))} ({_e(where)})")
+        n_un = sum(not c.get("branched") for c in changed)
+        out.append(f'<p class="note changed-items"><b>Answers or tool calls that changed: {len(changed)}</b>'
+                   f'{f", {n_un} without a branched flip" if n_un else ", each with its flip branched"}: ' + "; ".join(each) + "</p>")
+    lo = f.get("left_out")
+    if isinstance(lo, dict) and lo.get("n"):
+        listed = ", ".join(f"{_e(x.get('item_id'))}@{_e(x.get('position'))} (KL {fmt(x.get('kl_nats'))})" for x in (lo.get("list") or [])[:20])
+        more = f" (first {min(20, len(lo.get('list') or []))} listed)" if lo["n"] > 20 else ""
+        out.append(f'<p class="note left-out"><b>Left out by the --max-branches cap: {_e(lo["n"])} selected flips</b> in '
+                   f'{_e(lo.get("n_items", "?"))} items, not branched{more}: {listed}</p>')
+    rs = f.get("reference_self_consistency")
+    if isinstance(rs, dict) and rs.get("n_written_not_top1"):
+        rate = _num(rs.get("rate"))
+        out.append(f'<p class="note ref-consistency">Reference self-consistency: at {_e(rs["n_written_not_top1"])} of '
+                   f'{_e(rs.get("n_positions"))} positions{f" ({100 * rate:.2f} %)" if rate is not None else ""} the token the '
+                   "reference wrote is not its own scored top-1 (generation and scoring ran in other batch shapes)"
+                   + (f"; at {_e(rs['n_candidate_wrote_it'])} of them the candidate picked the written token: not a flip, not branched"
+                      if rs.get("n_candidate_wrote_it") is not None else "") + ".</p>")
+    oc = f.get("outputs_cut")
+    if isinstance(oc, dict) and (oc.get("reference_cut") or oc.get("branches_cut")):
+        out.append(f'<p class="note outputs-cut">Cut at the token budget: {_e(oc.get("reference_cut"))} of {_e(oc.get("n_items"))} '
+                   f'reference outputs and {_e(oc.get("branches_cut"))} of {_e(oc.get("n_branches"))} branches.</p>')
+    return "".join(out)
 
 
 # ----------------------------------------------------------------------------- page
@@ -1175,7 +1215,7 @@ def render_html(
          "<span class=\"cont\"><span class=\"joined\">joined</span></span> from the re-join to where the branch "
          "<span class=\"cont\"><span class=\"cut\"></span><span class=\"left\">left again</span></span> "
          "(report.json <code>flips.top</code>; every branch is in flips.parquet).</p>"
-         + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports))) if any((r.get("flips") or {}).get("top") for r in reports) else "",
+         + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports))) if any((r.get("flips") or {}).get("top") or _flips_notes(r.get("flips") or {}) for r in reports) else "",
         '<h2 id="tokens">Worst items, token by token</h2>',
         f'<p class="note">Teacher text; each token shaded by its KL (<span class="legend"></span> {SHADE_LO:g} → {SHADE_HI:g} nats, log scale); '
         "<span style=\"outline:2px solid #1f4fd1\">outlined</span> tokens are top-1 flips. Hover a token for both models' top-5 "

@@ -23,7 +23,8 @@ def _num(x) -> float | None:
 
 
 def _g(x: float) -> str:
-    return f"{x:.3g}"
+    """3 significant digits; ratios from 1,000 to 1e9 without an exponent (14,600, not 1.46e+04)."""
+    return f"{float(f'{x:.3g}'):,.0f}" if 1e3 <= abs(x) < 1e9 else f"{x:.3g}"
 
 
 def _pct(x: float) -> str:
@@ -49,16 +50,14 @@ def drift_part(report: Mapping, *, x_cross_engine_floor: float | None = None, is
     kl_text = "mean KL n/a" if kl is None else f"mean KL {_g(kl)} nats"
     noise = f", {_g(xn)}{Column.NAME['x_noise_floor']}" if xn is not None else ""
     if is_cross_engine_floor:
-        return "info", f"is the cross-engine floor (the reference's weights in another engine): {kl_text}{noise}"
+        return "info", f"the cross-engine floor (reference weights, other engine): {kl_text}{noise}"
     if xc is not None:
-        text = f"drifts {_g(xc)}{Column.NAME['x_cross_engine_floor']}{noise} ({kl_text})"
-        if xc <= 2:
-            return "ok", text + ": within 2× of changing the engine alone"
-        return "warn", text
+        text = f"drifts {_g(xc)}{Column.NAME['x_cross_engine_floor']} ({kl_text}{noise})"
+        return ("ok", text + ": within 2× of the engine change alone") if xc <= 2 else ("warn", text)
     if xn is not None:
         text = f"drifts {_g(xn)}{Column.NAME['x_noise_floor']} ({kl_text})"
         return ("ok", text + ": within 2× of the reference's own rerun") if xn <= 2 else ("warn", text)
-    return "info", f"{kl_text}; no floor measured, so no scale to read it against"
+    return "info", f"{kl_text}; no floor measured to read it against"
 
 
 def flips_part(report: Mapping) -> tuple[str, str] | None:
@@ -72,23 +71,12 @@ def flips_part(report: Mapping) -> tuple[str, str] | None:
     o = f.get("outcomes") or {}
     bad = sum(int(o.get(k) or 0) for k in Outcome.BAD)
     tool = int(o.get(Outcome.TOOL_CALL_MALFORMED) or 0) + int(o.get(Outcome.TOOL_CALL_CHANGED) or 0)
-    text = (f"{bad} of {n_b} branched flips changed the meaning or a tool call "
-            f"({int(o.get(Outcome.MEANING_CHANGED) or 0)} meaning, {tool} tool call)")
-    left = _left_out(f)
-    if left:
-        text += f"; {left} flips behind changed answers or tool calls not branched (listed on the page)"
+    text = f"{bad} of {n_b} branches changed the meaning" + (f" or a tool call ({tool})" if tool else "")
+    changed = [c for c in f.get("changed_items") or [] if isinstance(c, Mapping)]
+    unbranched = sum(not c.get("branched") for c in changed)
+    if unbranched:
+        text += f"; {unbranched} of {len(changed)} changed answers have no branched flip (listed on the page)"
     return ("warn" if bad else "ok"), text
-
-
-def _left_out(f: Mapping) -> int:
-    """Flips the selection left out although their item's answer or tool call changed (a
-    field the flip selection writes from schema 1.2 on; 0 when absent)."""
-    v = f.get("left_out")
-    if isinstance(v, Mapping):
-        v = v.get("n") if "n" in v else len(v.get("list") or [])
-    elif isinstance(v, list):
-        v = len(v)
-    return int(v) if _num(v) else 0
 
 
 def answers_part(report: Mapping) -> tuple[str, str] | None:
@@ -102,38 +90,33 @@ def answers_part(report: Mapping) -> tuple[str, str] | None:
         return None
     r2w, w2r = int(c.get("right_to_wrong") or 0), int(c.get("wrong_to_right") or 0)
     p = _num(c.get("mcnemar_p"))
-    text = f"accuracy {_pct(ar)} → {_pct(ac)} on {c.get('n_labelled')} labelled items"
+    text = f"accuracy {_pct(ar)} → {_pct(ac)} ({c.get('n_labelled')} labelled)"
     if not (r2w or w2r):
         return "ok", text + ": no answer changed"
     sig = p is not None and p < SIGNIFICANCE
-    text += (f": {r2w} right→wrong, {w2r} wrong→right, McNemar p = {'n/a' if p is None else f'{p:.2g}'}, "
-             + (f"significant at {SIGNIFICANCE:g}" if sig else f"not significant at {SIGNIFICANCE:g} (too few labelled items to tell)"))
+    text += (f": {r2w} right→wrong, {w2r} wrong→right, McNemar p = {'n/a' if p is None else f'{p:.2g}'} "
+             + ("(significant)" if sig else "(not significant)"))
     return ("bad" if sig and r2w > w2r else "warn" if r2w else "ok"), text
 
 
 def extra_parts(report: Mapping) -> list[tuple[str, str]]:
-    """Tool-call validity and truncated outputs, when the report has them."""
+    """Tool-call validity when the candidate's is below the reference's, and truncated outputs."""
     out = []
     c = report.get("correctness") or {}
     tv, tr = _num(c.get("tool_call_valid_cand")), _num(c.get("tool_call_valid_ref"))
-    if tv is not None and c.get("n_tool_items"):
-        out.append(("warn" if tr is not None and tv < tr else "ok", f"valid tool calls {_pct(tv)}" + (f" (reference {_pct(tr)})" if tr is not None else "")))
+    if tv is not None and c.get("n_tool_items") and tr is not None and tv < tr:
+        out.append(("warn", f"valid tool calls {_pct(tv)} (reference {_pct(tr)})"))
     trunc = _truncated(report)
     if trunc:
-        out.append(("warn", f"{trunc} free-running outputs hit the token budget (truncated, not graded as wrong)"))
+        out.append(("warn", f"{trunc} outputs cut at the token budget"))
     return out
 
 
 def _truncated(report: Mapping) -> int:
-    """Outputs cut at the token budget (written by grading from schema 1.2 on; 0 when absent)."""
-    c = report.get("correctness") or {}
-    for key in ("n_truncated_cand", "n_truncated", "truncated_cand", "truncated"):
-        v = c.get(key)
-        if isinstance(v, list):
-            v = len(v)
-        if _num(v):
-            return int(v)
-    return 0
+    """The candidate's free-running outputs cut at the token budget (correctness.cut_cand,
+    schema 1.2; 0 when absent)."""
+    v = (report.get("correctness") or {}).get("cut_cand")
+    return int(v) if _num(v) else 0
 
 
 def gates_part(report: Mapping) -> tuple[str, str] | None:
@@ -146,7 +129,7 @@ def gates_part(report: Mapping) -> tuple[str, str] | None:
     if crossed:
         return "bad", "gates crossed: " + ", ".join(crossed) + (f"; not evaluated: {', '.join(missing)}" if missing else "")
     if missing:
-        return "warn", "gates not evaluated (metric not in the report): " + ", ".join(missing)
+        return "warn", "gates not evaluated: " + ", ".join(missing)
     return "ok", f"all {len(g.get('gates') or [])} gates passed"
 
 
