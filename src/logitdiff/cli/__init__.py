@@ -36,7 +36,9 @@ Outputs: --out is replaced only when it holds the same kind of logitdiff output 
 where a command has --overwrite, only with it), never when it is another directory or
 file or one of the command's inputs; a new output is built beside the old one and swapped
 in when complete, and a second writer to the same output is refused (naming its pid).
-Errors are one line on stderr, exit status 2.
+Errors are one line on stderr, exit status 2. Gates (--fail-on, --require on run, compare
+and flips): exit status 3 when a clause is crossed, 4 when none is but a clause's metric is
+not in the report (not evaluated).
 
 Every divergence is in nats (natural log) with a bits twin; drift is measured against the
 reference, which is a numerical-fidelity reference, not an oracle of correctness.

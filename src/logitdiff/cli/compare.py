@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..api import check_bootstrap, check_device
 from .console import Bars, console, table_console
 from .options import (
-    add_bootstrap, add_chunk_size, add_fail_on, add_logprob_floor, add_ranges, check_at_least, gate_exit,
-    parse_fail_on, parse_ranges_arg,
+    add_bootstrap, add_chunk_size, add_gate_options, add_logprob_floor, add_ranges, check_at_least, gate_exit,
+    parse_gate_args, parse_ranges_arg,
 )
 
 NAME = "compare"
@@ -45,7 +45,7 @@ def register(sub) -> None:
     c.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for the metrics (default: the CPUs this process may run on)")
     add_logprob_floor(c)
-    add_fail_on(c)
+    add_gate_options(c)
     add_chunk_size(c)
     c.set_defaults(func=run)
 
@@ -56,7 +56,7 @@ def run(args) -> int:
 
     # Every argument and input is checked before anything is computed or written.
     ranges = parse_ranges_arg(args.ranges)
-    gates = parse_fail_on(args)
+    gates = parse_gate_args(args)
     check_bootstrap(args.bootstrap)
     check_at_least("--top-logprobs", args.top_logprobs, 1)
     check_at_least("--threads", args.threads, 1)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..errors import LogitdiffError
 from .console import Bars, console, table_console
-from .options import add_fail_on, add_max_branches, check_max_branches, gate_exit, parse_fail_on
+from .options import add_gate_options, add_max_branches, check_max_branches, gate_exit, parse_gate_args
 
 NAME = "flips"
 HELP = "branch at top-1 flips and classify what they do; grade labelled answers"
@@ -81,7 +81,7 @@ def register(sub) -> None:
     f.add_argument("--no-correctness", action="store_true", help="skip grading free-running answers")
     f.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per executed tool call (items with tools_module)")
     f.add_argument("--seed", type=int, default=0, help="seed of sample:N and the bootstrap (default: %(default)s)")
-    add_fail_on(f)
+    add_gate_options(f)
     f.set_defaults(func=run)
 
 
@@ -103,7 +103,7 @@ def run(args) -> int:
         exec_timeout=args.exec_timeout,
     )
     parse_select(args.select)
-    gates = parse_fail_on(args)
+    gates = parse_gate_args(args)
     if args.resync < 1:
         raise LogitdiffError("--resync must be >= 1")
     if args.max_shift < 0 or args.max_detour < 0:

@@ -36,7 +36,7 @@ def check_at_least(flag: str, value: int | None, low: int) -> None:
         raise LogitdiffError(f"{flag} {value}: must be at least {low}")
 
 
-def parse_fail_on(args):
+def parse_gate_args(args):
     """The gates of ``--fail-on`` and ``--require`` (None when neither is given); an empty
     clause list or a bad clause is a one-line error."""
     from ..gates import parse_gate_options
@@ -101,7 +101,7 @@ def add_chunk_size(p) -> None:
     p.add_argument("--chunk-size", default=None, metavar="BYTES", help=CHUNK_SIZE_HELP)
 
 
-def add_fail_on(p, extra: str = "") -> None:
+def add_gate_options(p, extra: str = "") -> None:
     """--fail-on and --require (gates.GateKind), documented together in the command's epilog."""
     p.add_argument("--fail-on", metavar="CLAUSES", help=FAIL_ON_HELP + extra + "; see Gates below")
     p.add_argument("--require", metavar="CLAUSES", help=REQUIRE_HELP + extra + "; see Gates below")

@@ -8,7 +8,7 @@ import time
 from ..api import check_bootstrap
 from .console import Bars, console, table_console
 from .options import (
-    add_bootstrap, add_fail_on, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_fail_on,
+    add_bootstrap, add_gate_options, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_gate_args,
     parse_ranges_arg,
 )
 
@@ -52,7 +52,7 @@ def register(sub) -> None:
     add_max_branches(run_p)
     run_p.add_argument("--similarity", default="auto", choices=("auto", "minilm", "edit"), help="text similarity for flips (default: %(default)s)")
     add_logprob_floor(run_p)
-    add_fail_on(run_p, " (checked for every candidate)")
+    add_gate_options(run_p, " (checked for every candidate)")
     run_p.set_defaults(func=run)
 
 
@@ -92,7 +92,7 @@ def run(args) -> int:
     )
     parse_select(args.select)
     check_max_branches(args.max_branches)
-    cfg.gates = parse_fail_on(args)
+    cfg.gates = parse_gate_args(args)
     check_specs(cfg)
     with Bars() as bars:
         summary = run_pipeline(cfg, RichHooks(bars))
