@@ -199,8 +199,10 @@ def render(fig: dict, timing: dict | None, mach: dict) -> str:
         opt = [(h, paths) for h, paths in (("left out", LEFT_OUT), ("reference not its own top-1", REF_INCONSISTENT),
                                            ("truncated outputs", TRUNCATED))
                if any(_count(_first(r, paths)) is not None for _, r in reports.values())]
-        head = ("| candidate | branches | recovered | benign | meaning changed | tool call malformed / changed | ties (not flips) | "
-                + "".join(f"{h} | " for h, _ in opt) + "accuracy (ref → cand) | right→wrong | McNemar p | valid tool calls |")
+        N = Column.NAME
+        head = (f"| candidate | {N['flip_branches']} | recovered | benign | meaning changed | tool call malformed / changed | "
+                f"{N['flip_ties']} | " + "".join(f"{h} | " for h, _ in opt)
+                + f"{N['accuracy']} | {N['right_to_wrong']} | {N['mcnemar_p']} | {N['tool_call_valid_cand']} |")
         lines += [head, "|---|" + "---:|" * (6 + len(opt)) + "---|---:|---:|---:|"]
         for c in cands:
             o = c.get("flip_outcomes") or {}

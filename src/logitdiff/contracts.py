@@ -74,6 +74,13 @@ class Column:
         "ppl_ratio": "PPL ratio",
         "x_noise_floor": "× noise floor",
         "x_cross_engine_floor": "× cross-engine floor",
+        "flip_branches": "branches",
+        "flip_ties": "ties (not flips)",
+        "accuracy": "accuracy (ref → cand)",
+        "right_to_wrong": "right→wrong",
+        "wrong_to_right": "wrong→right",
+        "mcnemar_p": "McNemar p",
+        "tool_call_valid_cand": "valid tool calls",
     }
     MEANING = {
         "x_noise_floor": "mean KL / mean KL of the reference against a rerun of itself (other batch mates on CPU)",

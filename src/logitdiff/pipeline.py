@@ -339,8 +339,9 @@ def render_summary_md(summary: RunSummary) -> str:
             "",
             "What the drift does (free-running answers and branches from top-1 flips; see each report):",
             "",
-            "| candidate | branches | " + " | ".join(o.replace("_", " ") for o in Outcome.ALL) + " | "
-            "ties (not flips) | accuracy (ref → cand) | right→wrong | wrong→right | McNemar p | valid tool calls |",
+            f"| candidate | {Column.NAME['flip_branches']} | " + " | ".join(o.replace("_", " ") for o in Outcome.ALL) + " | "
+            + " | ".join(Column.NAME[k] for k in ("flip_ties", "accuracy", "right_to_wrong", "wrong_to_right", "mcnemar_p",
+                                                   "tool_call_valid_cand")) + " |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
         ]
         for r in summary["candidates"]:

@@ -144,13 +144,14 @@ def print_run_summary(summary: dict) -> None:
     con.print(t)
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
         t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
-        for col in ("candidate", "branches", *(o.replace("_", " ") for o in Outcome.ALL),
-                    "accuracy ref → cand", "right→wrong", "wrong→right", "McNemar p"):
+        for col in ("candidate", Column.NAME["flip_branches"], *(o.replace("_", " ") for o in Outcome.ALL),
+                    *(Column.NAME[k] for k in ("flip_ties", "accuracy", "right_to_wrong", "wrong_to_right", "mcnemar_p", "tool_call_valid_cand"))):
             t2.add_column(col, justify="right" if col != "candidate" else "left")
         for r in summary["candidates"]:
             o = r.get("flip_outcomes") or {}
             acc = "n/a" if r.get("accuracy_cand") is None else f"{100 * r['accuracy_ref']:.1f}% → {100 * r['accuracy_cand']:.1f}%"
+            valid = "n/a" if r.get("tool_call_valid_cand") is None else f"{100 * r['tool_call_valid_cand']:.0f}%"
             t2.add_row(r.get("name") or r["candidate"], str(r.get("flip_branches", "n/a")),
-                       *[str(o.get(k, "n/a")) for k in Outcome.ALL],
-                       acc, str(r.get("right_to_wrong", "n/a")), str(r.get("wrong_to_right", "n/a")), g(r.get("mcnemar_p")))
+                       *[str(o.get(k, "n/a")) for k in Outcome.ALL], str(r.get("flip_ties", "n/a")),
+                       acc, str(r.get("right_to_wrong", "n/a")), str(r.get("wrong_to_right", "n/a")), g(r.get("mcnemar_p")), valid)
         con.print(t2)

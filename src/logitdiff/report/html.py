@@ -81,17 +81,17 @@ CI_OF = {
 CORRECTNESS = (
     ("accuracy_ref", "accuracy ref", "accuracy of the reference's free-running answers on the labelled items", "pct1"),
     ("accuracy_cand", "accuracy cand", "accuracy of the candidate's free-running answers on the labelled items", "pct1"),
-    ("right_to_wrong", "right→wrong", "items the reference got right and the candidate wrong", "g"),
-    ("wrong_to_right", "wrong→right", "items the reference got wrong and the candidate right", "g"),
-    ("mcnemar_p", "McNemar p", "exact McNemar test of the correctness flips (below 0.05: the accuracy change is significant)", "g"),
-    ("tool_call_valid_cand", "valid tool calls", "share of tool items whose candidate tool call parses and validates", "pct1"),
+    ("right_to_wrong", Column.NAME["right_to_wrong"], "items the reference got right and the candidate wrong", "g"),
+    ("wrong_to_right", Column.NAME["wrong_to_right"], "items the reference got wrong and the candidate right", "g"),
+    ("mcnemar_p", Column.NAME["mcnemar_p"], "exact McNemar test of the correctness flips (below 0.05: the accuracy change is significant)", "g"),
+    ("tool_call_valid_cand", Column.NAME["tool_call_valid_cand"], "share of tool items whose candidate tool call parses and validates", "pct1"),
 )
 # The consequences table (what the drift does), flips part: (key, header, tooltip, report.json path, format).
 FLIP_COLUMNS = (
     ("flips_n_flips", "top-1 flips", "positions where the two top-1 tokens differ (ties at the reference excluded)", "flips.n_flips", "g"),
-    ("flips_n_branches", "branched", "flips the candidate continued from (flips.selection says which, and the cap)", "flips.n_branches", "g"),
+    ("flips_n_branches", Column.NAME["flip_branches"], "flips the candidate continued from (flips.selection says which, and the cap)", "flips.n_branches", "g"),
     *((f"flips_{o}", o.replace("_", " "), Outcome.TEXT[o], f"flips.outcomes.{o}", "g") for o in Outcome.ALL),
-    ("flips_n_ties", "ties (not flips)", "positions where the reference's own top two are tied: the engines broke the tie; not branched",
+    ("flips_n_ties", Column.NAME["flip_ties"], "positions where the reference's own top two are tied: the engines broke the tie; not branched",
      "flips.n_ties", "g"),
 )
 # Fields other parts of logitdiff add to report.json from schema 1.2 on, shown when a report
