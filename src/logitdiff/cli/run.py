@@ -155,3 +155,25 @@ def print_run_summary(summary: dict) -> None:
                        *[str(o.get(k, "n/a")) for k in Outcome.ALL], str(r.get("flip_ties", "n/a")),
                        acc, str(r.get("right_to_wrong", "n/a")), str(r.get("wrong_to_right", "n/a")), g(r.get("mcnemar_p")), valid)
         con.print(t2)
+    print_verdicts(summary, con)
+
+
+def _row_as_report(r: dict) -> dict:
+    """The report.json fields a verdict reads, from a summary.json candidate row."""
+    rep: dict = {"summary": {"metrics": {"kl_nats": {"mean": r.get("kl_mean")}}, "kl_mean_x_noise_floor": r.get("x_noise_floor")}}
+    if "flip_outcomes" in r:
+        rep["flips"] = {"n_branches": r.get("flip_branches"), "outcomes": r["flip_outcomes"]}
+    if r.get("accuracy_cand") is not None:
+        rep["correctness"] = {k: r.get(k) for k in ("accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p")}
+    return rep
+
+
+def print_verdicts(summary: dict, con) -> None:
+    """One verdict line per candidate (report.verdict), as at the top of report.html."""
+    from ..report.verdict import verdict_text
+
+    xf = (summary.get("cross_engine_floor") or {}).get("candidate")
+    for r in summary["candidates"]:
+        text = verdict_text(_row_as_report(r), x_cross_engine_floor=r.get("x_cross_engine_floor"),
+                            is_cross_engine_floor=r["candidate"] == xf)
+        con.print(f"[bold]{r.get('name') or r['candidate']}[/]: {text}", highlight=False)

@@ -90,7 +90,7 @@ def answers_part(report: Mapping) -> tuple[str, str] | None:
         return None
     r2w, w2r = int(c.get("right_to_wrong") or 0), int(c.get("wrong_to_right") or 0)
     p = _num(c.get("mcnemar_p"))
-    text = f"accuracy {_pct(ar)} → {_pct(ac)} ({c.get('n_labelled')} labelled)"
+    text = f"accuracy {_pct(ar)} → {_pct(ac)}" + (f" ({c['n_labelled']} labelled)" if c.get("n_labelled") is not None else "")
     if not (r2w or w2r):
         return "ok", text + ": no answer changed"
     sig = p is not None and p < SIGNIFICANCE
