@@ -62,6 +62,15 @@ class Outcome:
     }
 
 
+class MethodKind:
+    """``method.kind`` of a report: what was compared (the bound method names are bounds.METHOD_*)."""
+
+    FULL_VOCAB = "full_vocab"  # full logits on both sides: exact
+    COMPACT = "compact"  # compact reference store vs full candidate: bounded
+    TOP_K = "top_k"  # top-K on at least one side: seed estimate + bounds
+    ALL = (FULL_VOCAB, COMPACT, TOP_K)
+
+
 class Column:
     """One name per summary column, on every surface: terminal tables, summary.md, report.md,
     report.html and the schemas' descriptions (key: the summary.json candidate-row field)."""
@@ -87,15 +96,6 @@ class Column:
         "x_cross_engine_floor": "mean KL / mean KL of the reference's own weights in another engine "
                                 "(the BF16 GGUF through llama.cpp in the default run)",
     }
-
-
-class MethodKind:
-    """``method.kind`` of a report: what was compared (the bound method names are bounds.METHOD_*)."""
-
-    FULL_VOCAB = "full_vocab"  # full logits on both sides: exact
-    COMPACT = "compact"  # compact reference store vs full candidate: bounded
-    TOP_K = "top_k"  # top-K on at least one side: seed estimate + bounds
-    ALL = (FULL_VOCAB, COMPACT, TOP_K)
 
 
 # --------------------------------------------------------------------------------------------
