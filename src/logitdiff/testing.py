@@ -80,6 +80,10 @@ def drift_failures(report_or_dir: Any, *, fail_on: str | None = None, require: s
     clause strings raise ``LogitdiffError``."""
     gates = _gates(fail_on, require)
     report, _ = _load(report_or_dir)
+    return _failures(report, gates)
+
+
+def _failures(report: Mapping, gates) -> list[dict]:
     res = evaluate(dict(report), gates)
     failures = []
     for g, r in zip(gates, res["gates"]):
@@ -104,10 +108,11 @@ def assert_drift_within(report_or_dir: Any, clauses: Any = None, /, *, fail_on: 
     if clauses is not None:
         raise TypeError(f"assert_drift_within(report, {clauses!r}): say what the clauses are: fail_on={clauses!r} "
                         f"(failure conditions, as --fail-on) or require={clauses!r} (clauses that must hold, as --require)")
-    failures = drift_failures(report_or_dir, fail_on=fail_on, require=require)
+    gates = _gates(fail_on, require)  # bad clauses fail before the report is read
+    report, where = _load(report_or_dir)
+    failures = _failures(report, gates)
     if not failures:
         return
-    report, where = _load(report_or_dir)
     cand = (report.get("candidate") or {}).get("spec") or (report.get("candidate") or {}).get("path") or "candidate"
     asked = "; ".join(f"{k}={v!r}" for k, v in (("fail_on", fail_on), ("require", require)) if v is not None)
     lines = [f"drift of {cand} ({where}) fails {asked}:"]
