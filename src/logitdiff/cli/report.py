@@ -14,11 +14,15 @@ HELP = "one self-contained HTML page comparing REPORT directories"
 DESCRIPTION = """\
 Write one self-contained HTML page (plotly inlined, no network access needed or allowed)
 that compares the candidates of one or more REPORT directories, as written by
-`logitdiff compare` or `logitdiff run`: a header (reference, workload, method, noise floor,
-versions), a sortable candidate matrix (KL mean/p95/p99 forward and reverse, JSD,
-top-1 disagreement with 95 % CIs, x noise floor, PPL ratio, file size, flips and
-correctness where recorded), whether neighbouring candidates can be told apart on this
-many items, plots (KL CDF, KL and top-1 disagreement by output range, drift by the
+`logitdiff compare` or `logitdiff run`: first one verdict line per candidate (drift × the
+cross-engine floor, else × the noise floor; branched flips that changed the meaning or a
+tool call; accuracy, correctness flips and whether McNemar calls the change significant),
+then two sortable tables that fit a 1,400 px window: drift (mean/p95/p99 KL forward and
+reverse, JSD, top-1 disagreement with 95 % CIs, × noise floor, × cross-engine floor, PPL
+ratio, file size) and what the drift does (flips, branches and outcomes, ties, accuracy,
+correctness flips, valid tool calls, where recorded); what was compared (reference,
+workload, method, noise floor, versions), whether neighbouring candidates can be told
+apart on this many items, plots (KL CDF, KL and top-1 disagreement by output range, drift by the
 reference's confidence, flip outcomes by tag, KL vs file size) and the worst items token
 by token.
 
