@@ -22,9 +22,9 @@ reverse, JSD, top-1 disagreement with 95 % CIs, × noise floor, × cross-engine 
 ratio, file size) and what the drift does (flips, branches and outcomes, ties, accuracy,
 correctness flips, valid tool calls, where recorded); what was compared (reference,
 workload, method, noise floor, versions), whether neighbouring candidates can be told
-apart on this many items, plots (KL CDF, KL and top-1 disagreement by output range, drift by the
-reference's confidence, flip outcomes by tag, KL vs file size) and the worst items token
-by token.
+apart on this many items, plots (KL CDF, KL and top-1 disagreement by output range, drift
+by the reference's confidence, flip outcomes by tag, KL vs file size) and the worst items
+token by token.
 
 A REPORT_DIR may also be the OUT directory of `logitdiff run`: it stands for all its
 reports/*, in the run's order, and its summary.json is used for the cross-engine floor.
