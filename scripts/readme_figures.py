@@ -111,12 +111,6 @@ def _first(d, paths):
     return None
 
 
-# Fields other parts of logitdiff add from schema 1.2 on (read by name, shown when present).
-LEFT_OUT = ("flips.left_out.n", "flips.n_left_out")
-REF_INCONSISTENT = ("flips.reference_self_consistency.n_positions", "flips.reference_self_consistency.n", "flips.n_ref_not_top1")
-TRUNCATED = ("correctness.n_truncated_cand", "correctness.truncated_cand", "correctness.n_truncated")
-
-
 def _count(v):
     if isinstance(v, list):
         return len(v)
@@ -196,8 +190,10 @@ def render(fig: dict, timing: dict | None, mach: dict) -> str:
         said.append("ties are positions where the reference's own top two are tied, which the engines break differently: "
                     "counted apart, not branched")
         lines += ["", f"and what the drift does ({'; '.join(said)}):", ""]
-        opt = [(h, paths) for h, paths in (("left out", LEFT_OUT), ("reference not its own top-1", REF_INCONSISTENT),
-                                           ("truncated outputs", TRUNCATED))
+        # the columns schema 1.2 adds, under the page's names and paths (report.html.OPTIONAL_COLUMNS)
+        from logitdiff.report.html import OPTIONAL_COLUMNS
+
+        opt = [(h, paths) for _, h, _, paths, _ in OPTIONAL_COLUMNS
                if any(_count(_first(r, paths)) is not None for _, r in reports.values())]
         N = Column.NAME
         head = (f"| candidate | {N['flip_branches']} | recovered | benign | meaning changed | tool call malformed / changed | "
