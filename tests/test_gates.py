@@ -338,3 +338,33 @@ def test_cli_help_documents_the_exit_statuses():
         assert "--fail-on" in text and "--require" in text, cmd
         assert f"Exit status: 0 every clause evaluated and none crossed; {CROSSED_EXIT} a clause crossed; {NOT_EVALUATED_EXIT} no clause crossed but one not evaluated" in text, cmd
         assert "NOT EVALUATED" in text and "An empty clause list is an error" in text and "assert_drift_within" in text, cmd
+
+
+def test_run_gates_not_evaluated_exit_4_and_each_candidates_page(tmp_path, capsys):
+    """`logitdiff run` end to end on a tiny workload: a clause on flips (not run) is not
+    evaluated: exit 4, summary.json and summary.md say so, and each candidate's own
+    reports/<name>/report.html is written."""
+    from logitdiff.cli import main
+
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"i{k}", "prompt": p, "max_tokens": 4}) + "\n"
+                          for k, p in enumerate(["def add(a, b):", "The capital of France is"])))
+    out = tmp_path / "out"
+    argv = ["run", "--reference", "builtin:tiny", "--candidate", "builtin:tiny,dtype=float32", "--workload", str(wl),
+            "--no-noise-floor", "--no-flips", "--bootstrap", "0", "--out", str(out)]
+    assert main(argv + ["--fail-on", "kl_mean>1e9,meaning_changed>0", "--require", "top1_disagreement<=1"]) == NOT_EVALUATED_EXIT
+    err = " ".join(capsys.readouterr().err.split())
+    assert "gate not evaluated" in err and "meaning_changed>0" in err and "gate crossed" not in err
+    s = json.loads((out / "summary.json").read_text())
+    [name] = [c["name"] for c in s["candidates"]]
+    assert s["gates"] == ["kl_mean>1e9", "meaning_changed>0", "require top1_disagreement<=1"]
+    assert s["gates_not_evaluated"] == {name: ["meaning_changed>0"]} and s["gates_crossed"] == {}
+    assert "not evaluated (metric not in its report) meaning_changed>0" in (out / "summary.md").read_text()
+    rep = json.loads((out / "reports" / name / "report.json").read_text())
+    assert rep["gates"]["not_evaluated"] == ["meaning_changed>0"] and rep["gates"]["passed"] is False
+    assert "no flips section" in (out / "reports" / name / "report.md").read_text()
+    own = (out / "reports" / name / "report.html").read_text(encoding="utf-8")
+    assert '<ul class="verdicts">' in own and "meaning_changed&gt;0" in own
+    # crossed wins over not evaluated; all evaluated and none crossed is 0
+    assert main(argv + ["--fail-on", "kl_mean>=0,meaning_changed>0"]) == CROSSED_EXIT
+    assert main(argv + ["--require", "kl_mean<1e9"]) == 0
