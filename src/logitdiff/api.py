@@ -28,7 +28,7 @@ from .errors import LogitdiffError
 
 Bar = Callable[[int | None, str], Callable[..., None]]
 
-__all__ = ["capture_run", "diff_runs", "load_report", "noise_floor_of", "run"]
+__all__ = ["capture_run", "diff_runs", "layers", "load_report", "noise_floor_of", "run"]
 
 MAX_BOOTSTRAP = 100_000
 
@@ -249,6 +249,59 @@ def diff_runs(
         write_report_dir(out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()},
                          inputs=inputs)
     return report
+
+
+def layers(
+    reference: str,
+    candidates: str | Sequence[str],
+    teacher: str | Path,
+    out: str | Path | None = None,
+    *,
+    floor: str = "rerun",
+    chunk_size: str | int | None = None,
+    bar: Bar | None = None,
+) -> dict:
+    """Where the drift starts (``logitdiff layers``): the residual stream after each decoder
+    layer of the reference and of each candidate (source specs: ``hf:``, ``gguf:``,
+    ``builtin:``) at every teacher-forced position of the ``teacher`` RUN's tokens, compared
+    per layer (:mod:`logitdiff.layers`). ``floor``: ``"rerun"`` (the reference, each window in
+    two forward passes), ``"none"``, or a source spec compared like a candidate (e.g. the
+    BF16 GGUF: the cross-engine floor). Returns layers.json's object; with ``out``, also
+    writes the REPORT directory (layers.json, layers.md, layers.html)."""
+    from .contracts import layers_json
+    from .layers import FLOOR_NONE, FLOOR_RERUN, check_layer_specs, layer_attribution, render_html, render_markdown
+    from .outputs import Kind, check_output, writing
+    from .sources import applied_threads, open_source
+    from .store import RunReader, parse_chunk_size
+
+    bar = bar or _no_bar
+    cands = [candidates] if isinstance(candidates, str) else list(candidates)
+    if not cands:
+        raise LogitdiffError("layers: name at least one candidate source spec")
+    floor_spec = None if floor in (FLOOR_RERUN, FLOOR_NONE) else floor
+    if floor_spec is not None and ":" not in floor_spec:
+        raise LogitdiffError(f"--floor {floor!r}: expected rerun, none or a source spec (e.g. builtin:tiny-BF16)")
+    check_layer_specs([reference, *cands] + ([floor_spec] if floor_spec else []))
+    chunk_bytes = parse_chunk_size(chunk_size)
+    if out is not None:
+        check_output(out, Kind.LAYERS, inputs=[teacher])
+    teacher_run = RunReader(teacher)
+    teacher_run.items()  # a damaged teacher is a one-line error before any source loads
+    with contextlib.ExitStack() as stack:
+        ref_src = stack.enter_context(open_source(reference))
+        cand_srcs = [stack.enter_context(open_source(c)) for c in cands]
+        floor_src = stack.enter_context(open_source(floor_spec)) if floor_spec else None
+        stack.enter_context(applied_threads([ref_src, *cand_srcs] + ([floor_src] if floor_src else [])))
+        advance = bar(len(teacher_run.items()), "layers")
+        doc = layer_attribution(ref_src, cand_srcs, teacher_run, floor_src=floor_src, floor=floor_spec and "spec" or floor,
+                                chunk_bytes=chunk_bytes, progress=advance)
+    if out is not None:
+        text = layers_json(doc)
+        with writing(out, Kind.LAYERS, inputs=[teacher]) as tmp:
+            (tmp / "layers.json").write_text(text)
+            (tmp / "layers.md").write_text(render_markdown(doc))
+            (tmp / "layers.html").write_text(render_html(doc))
+    return doc
 
 
 def load_report(report_dir: str | Path):

@@ -415,6 +415,80 @@ class RunSummary(_RunSummaryBase, total=False):
     gates_not_evaluated: dict[str, list[str]]
 
 
+# layers.json (``logitdiff layers``): its own document kind, ``logitdiff.layers/1``, versioned
+# like report.json (schema_version 1.x); schemas/layers.schema.json says the same.
+
+
+class LayersGeometry(TypedDict):
+    family: str  # architecture family (layers.FAMILIES)
+    n_layer: int
+    hidden_size: int
+    points: list[str]  # the compared points, in order: "embedding"?, "layer 0" .. "layer L-1"
+    window_tokens: int  # tokens per forward pass
+    chunk_bytes: int
+
+
+class LayersPerPoint(TypedDict):
+    """One list per figure, one entry per point (JSON null: undefined or infinite)."""
+
+    rel_l2_median: list[float | None]
+    rel_l2_p95: list[float | None]
+    rel_l2_mean: list[float | None]
+    cosine_median: list[float | None]
+    cosine_p5: list[float | None]
+    sqnr_db_median: list[float | None]
+    growth: list[float | None]  # median rel_l2 / previous point's; first: null
+    spearman_kl_median: list[float | None]  # median over items of the per-item rank correlation
+
+
+class LayersItem(TypedDict):
+    id: str
+    n: int
+    kl_mean_nats: float | None
+    spearman_rel_l2_kl: list[float | None]  # per point, across the item's positions
+
+
+class LayersComparison(TypedDict):
+    """A candidate (or the floor) against the reference."""
+
+    spec: str
+    engine: str  # hf | gguf
+    identical: bool  # every hidden state and every KL exactly equal to the reference's
+    per_point: LayersPerPoint
+    first_beyond_floor: int | None  # index into geometry.points; null: none (or no floor)
+    top_growth: list[int]  # indices of the points adding the most error, largest growth first
+    kl_mean_nats: float | None
+    top1_disagreement: float | None
+    items: list[LayersItem]
+
+
+class LayersRef(TypedDict):
+    spec: str
+    engine: str
+
+
+class LayersMethod(TypedDict):
+    point: str
+    metrics: str
+    floor: str
+    beyond_floor: str
+    kl: str
+    layout: str
+
+
+class LayersDoc(TypedDict):
+    schema: str
+    schema_version: str
+    reference: LayersRef
+    teacher: str
+    n_items: int
+    n_positions: int
+    geometry: LayersGeometry
+    method: LayersMethod
+    floor: LayersComparison | None
+    candidates: list[LayersComparison]
+
+
 # --------------------------------------------------------------------------------------------
 # JSON
 
@@ -508,6 +582,18 @@ def report_json(report: Report, where: str = "report.json") -> str:
 def summary_json(summary: RunSummary, where: str = "summary.json") -> str:
     """The text of summary.json."""
     return _text(summary, "summary", where, default=str)
+
+
+def layers_json(doc: LayersDoc, where: str = "layers.json") -> str:
+    """The text of layers.json (strict JSON: NaN/inf are null), validated like report.json."""
+    return _text(doc, "layers", where)
+
+
+def load_layers(path: str | Path) -> LayersDoc:
+    """layers.json of a `logitdiff layers` REPORT (the directory or the file), checked."""
+    from .outputs import LAYERS_SCHEMA
+
+    return _load_checked(path, "layers.json", "layers REPORT directory", LAYERS_SCHEMA, "layers")  # type: ignore[return-value]
 
 
 def _accepts(doc: dict, kind: str, path: Path) -> None:

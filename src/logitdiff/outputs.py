@@ -61,6 +61,7 @@ RUN_SCHEMA = "logitdiff.run/1"
 REPORT_SCHEMA = "logitdiff.report/1"
 RUN_SUMMARY_SCHEMA = "logitdiff.run-summary/1"
 TOPK_ERROR_SCHEMA = "logitdiff.topk-error/1"
+LAYERS_SCHEMA = "logitdiff.layers/1"
 # report.html carries this in its <head>; pages written before it carried the data schema.
 HTML_GENERATOR_META = '<meta name="generator" content="logitdiff">'
 HTML_DATA_SCHEMA = "logitdiff.html-data/1"
@@ -74,10 +75,11 @@ class Kind(enum.Enum):
     RUN_OUT = "`logitdiff run` output directory"
     HTML = "logitdiff HTML page"
     TOPK_JSON = "topk-error JSON file"
+    LAYERS = "layers REPORT directory"
 
     @property
     def is_dir(self) -> bool:
-        return self in (Kind.RUN, Kind.REPORT, Kind.RUN_OUT)
+        return self in (Kind.RUN, Kind.REPORT, Kind.RUN_OUT, Kind.LAYERS)
 
 
 _SCHEMA_FIRST = re.compile(rb'\A\s*\{\s*"schema"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -139,6 +141,8 @@ def is_kind(path: Path, kind: Kind) -> bool:
         )
     if kind is Kind.TOPK_JSON:
         return path.is_file() and _json_schema(path) == TOPK_ERROR_SCHEMA
+    if kind is Kind.LAYERS:
+        return path.is_dir() and _json_schema(path / "layers.json") == LAYERS_SCHEMA
     raise AssertionError(kind)
 
 

@@ -1,7 +1,7 @@
 """The ``logitdiff`` command line: a thin layer over the library.
 
 One module per command (``capture``, ``compare``, ``run``, ``flips``, ``report``, ``merge``,
-``topk-error``, ``import``), each with ``NAME``, ``HELP``, ``register(subparsers)`` and
+``topk-error``, ``import``, ``layers``), each with ``NAME``, ``HELP``, ``register(subparsers)`` and
 ``run(args) -> exit status``; they share one console/progress helper (``console.py``) and
 the option checks whose defaults are the library's (``options.py``). :func:`main` is the
 only place that sets process-wide state (environment, llama.cpp's log level, the SIGTERM
@@ -17,10 +17,10 @@ import sys
 
 from .._version import __version__
 from ..errors import LogitdiffError
-from . import capture, compare, flips, import_, merge, report, run, topk_error
+from . import capture, compare, flips, import_, layers, merge, report, run, topk_error
 
 # In the order `logitdiff --help` lists them.
-COMMANDS = (run, capture, compare, flips, report, import_, merge, topk_error)
+COMMANDS = (run, capture, compare, flips, report, import_, merge, topk_error, layers)
 
 EPILOG = """\
 Typical use:

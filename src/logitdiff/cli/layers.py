@@ -1,0 +1,54 @@
+"""``logitdiff layers``: where the drift starts, layer by layer."""
+
+from __future__ import annotations
+
+from .console import Bars, table_console
+from .options import add_chunk_size
+
+NAME = "layers"
+HELP = "per-layer attribution: where in the network a candidate's hidden states leave the reference's"
+
+
+def register(sub) -> None:
+    from ..layers import FLOOR_RERUN
+
+    p = sub.add_parser(
+        NAME,
+        help=HELP,
+        description=(
+            "For every teacher-forced position of the teacher RUN's tokens, the residual stream after each decoder "
+            "layer (and after the token embedding) of the reference and of each candidate, compared per layer: "
+            "relative L2 error, cosine, SQNR (dB) and growth (a layer's median error over the previous layer's), "
+            "with the first layer where a candidate leaves the floor band, the layers that add the most error, and "
+            "per item the rank correlation between a layer's error and the position's final KL. Sources: hf:, "
+            "gguf: (llama.cpp's graph evaluation callback on l_out-i) and builtin:; served sources hand out no hidden "
+            "states. Writes REPORT/layers.json, layers.md and layers.html (self-contained plots)."
+        ),
+        epilog=(
+            "example: logitdiff layers builtin:tiny builtin:tiny-Q4_K_M builtin:tiny-Q2_K --teacher runs/ref "
+            "--floor builtin:tiny-BF16 --out reports/layers"
+        ),
+    )
+    p.add_argument("reference", metavar="REF", help="reference source spec (hf:PATH, gguf:PATH, builtin:tiny...)")
+    p.add_argument("candidates", metavar="CAND", nargs="+", help="candidate source spec(s), one line per candidate in the plots")
+    p.add_argument("--teacher", required=True, metavar="RUN", help="reference RUN whose tokens (and positions) are teacher-forced")
+    p.add_argument("--out", metavar="REPORT", help="write layers.json, layers.md and layers.html to this directory")
+    p.add_argument("--floor", default=FLOOR_RERUN, metavar="rerun|none|SPEC",
+                   help="what arithmetic noise alone does per layer: 'rerun' (default: the reference again, every window "
+                        "prefilled in two forward passes instead of one: other float rounding), 'none', or a source spec "
+                        "compared like a candidate, e.g. builtin:tiny-BF16 (the same weights in llama.cpp: the cross-engine floor)")
+    add_chunk_size(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..api import layers
+    from ..layers import render_markdown
+
+    with Bars() as bars:
+        doc = layers(args.reference, args.candidates, args.teacher, args.out, floor=args.floor, chunk_size=args.chunk_size, bar=bars.bar)
+    con = table_console()
+    con.print(render_markdown(doc).split("\n## ", 1)[0].rstrip())
+    if args.out:
+        con.print(f"wrote {args.out}/layers.json, layers.md, layers.html")
+    return 0
