@@ -154,7 +154,7 @@ def _independent(models, teacher):
     against A, the KL of their final logits, and each item's row range."""
     wa, cfg = _weights(models["a"])
     wb, _ = _weights(models["b"])
-    rel, cos, sqnr, kl, ranges = [], [], [], [], []
+    rel, cos, sqnr, add, kl, ranges = [], [], [], [], [], []
     for it in teacher.items():
         seq = list(it.prompt_ids) + list(it.teacher_ids)[:-1]
         sel = len(it.prompt_ids) - 1 + np.asarray(it.positions)
@@ -167,10 +167,13 @@ def _independent(models, teacher):
             rel.append((np.sqrt(dd / rr)).T)
             cos.append(np.where(dd == 0, 1.0, (r * c).sum(-1) / np.sqrt(rr * cc)).T)
             sqnr.append((10 * np.log10(rr / dd)).T)
+            e = c - r
+            de = np.concatenate([e[:1], e[1:] - e[:-1]])
+            add.append(np.sqrt((de * de).sum(-1) / rr).T)
         start = sum(len(k) for k in kl)
         kl.append(_kl64(za[sel], zb[sel]))
         ranges.append((start, start + len(sel)))
-    return np.concatenate(rel), np.concatenate(cos), np.concatenate(sqnr), np.concatenate(kl), ranges
+    return np.concatenate(rel), np.concatenate(cos), np.concatenate(sqnr), np.concatenate(add), np.concatenate(kl), ranges
 
 
 # ---------------------------------------------------------------------------- pure numerics
@@ -199,10 +202,21 @@ def test_layer_errors_against_float64_formulas():
 def test_growth_first_beyond_and_top_layers():
     g = L.growth([0.0, 0.0, 0.5, 1.0, 1.5])
     assert g[0] is None and math.isnan(g[1]) and g[2] == math.inf and g[3] == 2.0 and g[4] == 1.5
-    assert L.top_growth(g, 2) == [2, 3]
+    assert L.top_added([0.0, math.nan, 0.3, 0.1, 0.2], 2) == [2, 4]
     assert L.first_beyond([1e-7, 2e-7, 1e-3], [1e-6, 1e-6, 1e-6]) == 2
     assert L.first_beyond([1e-7, 2e-7], [1e-6, 1e-6]) is None
     assert L.first_beyond([1.0], None) is None
+
+
+def test_added_error_is_the_change_of_the_error_vector():
+    rng = np.random.default_rng(1)
+    r0, r1 = rng.normal(size=(2, 5, 16))
+    e0 = 1e-2 * rng.normal(size=r0.shape)
+    c0, c1 = r0 + e0, r1 + e0  # a layer that passes its input error through unchanged adds nothing
+    assert np.allclose(L.added_error(r1, c1, r0, c0), 0, atol=1e-15)
+    assert np.allclose(L.added_error(r0, c0), np.linalg.norm(e0, axis=1) / np.linalg.norm(r0, axis=1), rtol=1e-13)
+    c1 = r1 + 3 * e0  # it tripled the error: adds 2 e0
+    assert np.allclose(L.added_error(r1, c1, r0, c0), 2 * np.linalg.norm(e0, axis=1) / np.linalg.norm(r1, axis=1), rtol=1e-12)
 
 
 def test_spearman_against_scipy_with_ties():
@@ -288,7 +302,7 @@ def test_gguf_points_are_l_out_and_the_last_reproduces_the_logits(models, teache
 def test_figures_against_independent_numpy(models, teacher, tmp_path):
     from logitdiff.sources import applied_threads, open_source
 
-    rel, cos, sqnr, kl, ranges = _independent(models, teacher)
+    rel, cos, sqnr, add, kl, ranges = _independent(models, teacher)
     points = 1 + N_LAYER
     with open_source(f"hf:{models['a']},dtype=float32,threads=1") as ra, open_source(f"hf:{models['b']},dtype=float32,threads=1") as rb, \
             applied_threads([ra]):
@@ -299,7 +313,8 @@ def test_figures_against_independent_numpy(models, teacher, tmp_path):
     c = doc["candidates"][0]
     p = c["per_point"]
     for j in range(points):
-        for key, arr, q in (("rel_l2_median", rel, 50), ("rel_l2_p95", rel, 95), ("cosine_median", cos, 50), ("cosine_p5", cos, 5)):
+        for key, arr, q in (("rel_l2_median", rel, 50), ("rel_l2_p95", rel, 95), ("cosine_median", cos, 50), ("cosine_p5", cos, 5),
+                            ("added_rel_l2_median", add, 50)):
             want = np.percentile(arr[:, j], q)
             assert p[key][j] == pytest.approx(want, rel=2e-3, abs=1e-9), (key, j)
         if np.all(sqnr[:, j] == math.inf):  # identical everywhere (numpy's percentile gives inf - inf = nan)
@@ -311,7 +326,7 @@ def test_figures_against_independent_numpy(models, teacher, tmp_path):
     assert all(p["rel_l2_median"][j] == 0 and p["rel_l2_p95"][j] == 0 for j in range(changed))
     assert p["rel_l2_median"][changed] > 1e-3
     assert c["first_beyond_floor"] == changed
-    assert c["top_growth"][0] == changed and p["growth"][changed] == math.inf
+    assert c["top_added"][0] == changed and p["growth"][changed] == math.inf
     assert p["growth"][changed + 1] == pytest.approx(np.median(rel[:, changed + 1]) / np.median(rel[:, changed]), rel=2e-3)
     assert c["kl_mean_nats"] == pytest.approx(kl.mean(), rel=2e-3)
     # per item, the rank correlation of each point's error with the final KL

@@ -438,6 +438,7 @@ class LayersPerPoint(TypedDict):
     cosine_p5: list[float | None]
     sqnr_db_median: list[float | None]
     growth: list[float | None]  # median rel_l2 / previous point's; first: null
+    added_rel_l2_median: list[float | None]  # median of |e - e_prev| / |r|, e = c - r: the error a layer adds
     spearman_kl_median: list[float | None]  # median over items of the per-item rank correlation
 
 
@@ -456,7 +457,7 @@ class LayersComparison(TypedDict):
     identical: bool  # every hidden state and every KL exactly equal to the reference's
     per_point: LayersPerPoint
     first_beyond_floor: int | None  # index into geometry.points; null: none (or no floor)
-    top_growth: list[int]  # indices of the points adding the most error, largest growth first
+    top_added: list[int]  # indices of the points adding the most error (added_rel_l2_median), largest first
     kl_mean_nats: float | None
     top1_disagreement: float | None
     items: list[LayersItem]

@@ -77,6 +77,20 @@ def layer_errors(ref, cand) -> dict[str, np.ndarray]:
     return {"rel_l2": rel, "cosine": cos, "sqnr_db": sqnr}
 
 
+def added_error(ref, cand, prev_ref=None, prev_cand=None) -> np.ndarray:
+    """Per row: the error a point adds to the stream, ‖e − e_prev‖ / ‖r‖ with e = c − r at
+    this point and e_prev at the point before (0 for the first point): what the layer's own
+    update changed in the error, whether from its weights or from its input's error passing
+    through it. Relative errors alone can fall across a layer that adds error (the stream's
+    norm grows), so this, not ``growth``, names the layers that add the most."""
+    r = np.asarray(ref, dtype=np.float64)
+    e = np.asarray(cand, dtype=np.float64) - r
+    if prev_ref is not None:
+        e -= np.asarray(prev_cand, dtype=np.float64) - np.asarray(prev_ref, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.sqrt(np.einsum("ij,ij->i", e, e) / np.einsum("ij,ij->i", r, r))
+
+
 def growth(medians: Sequence[float]) -> list[float | None]:
     """Each point's median error over the previous point's (None for the first; inf where
     the previous is 0 and this one is not: error that appears from nothing; nan for 0/0)."""
@@ -101,10 +115,10 @@ def first_beyond(medians: Sequence[float], band: Sequence[float] | None) -> int 
     return None
 
 
-def top_growth(g: Sequence[float | None], n: int = TOP_LAYERS) -> list[int]:
-    """Indices of the ``n`` points with the largest growth (inf first, then by value; points
-    without a growth left out): the layers that add the most error."""
-    keyed = [(j, x) for j, x in enumerate(g) if x is not None and not math.isnan(x) and x > 1.0]
+def top_added(added: Sequence[float], n: int = TOP_LAYERS) -> list[int]:
+    """Indices of the ``n`` points whose median added error is largest (zeros and undefined
+    values left out): the layers that add the most error."""
+    keyed = [(j, x) for j, x in enumerate(added) if x is not None and math.isfinite(x) and x > 0]
     keyed.sort(key=lambda jx: (-jx[1], jx[0]))
     return [j for j, _ in keyed[:n]]
 
@@ -149,11 +163,12 @@ def _q(x: np.ndarray, q: float) -> float:
     return a if a == b or pos == lo else a + (b - a) * (pos - lo)
 
 
-def summarize_points(rel: np.ndarray, cos: np.ndarray, sqnr: np.ndarray) -> dict[str, list[float]]:
+def summarize_points(rel: np.ndarray, cos: np.ndarray, sqnr: np.ndarray, added: np.ndarray) -> dict[str, list[float]]:
     """Per point (column) of ``[positions, points]`` figures: median and p95 of rel_l2, mean
-    rel_l2, median and p5 of cosine, median SQNR (dB)."""
+    rel_l2, median and p5 of cosine, median SQNR (dB), median added error."""
     cols = range(rel.shape[1])
     return {
+        "added_rel_l2_median": [_q(added[:, j], 50) for j in cols],
         "rel_l2_median": [_q(rel[:, j], 50) for j in cols],
         "rel_l2_p95": [_q(rel[:, j], 95) for j in cols],
         "rel_l2_mean": [float(np.nanmean(rel[:, j])) if np.isfinite(rel[:, j]).any() else math.nan for j in cols],
@@ -485,6 +500,7 @@ class _Side:
     rel: np.ndarray
     cos: np.ndarray
     sqnr: np.ndarray
+    added: np.ndarray
     kl: np.ndarray
     top1: np.ndarray
 
@@ -524,7 +540,7 @@ def layer_attribution(
             check_same_geometry(ref, eng)
             shape = (n_pos, len(names))
             return _Side(spec, eng, np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan),
-                         np.full(n_pos, np.nan), np.zeros(n_pos, bool))
+                         np.full(shape, np.nan), np.full(n_pos, np.nan), np.zeros(n_pos, bool))
 
         floor_side = None
         if floor == FLOOR_RERUN:
@@ -559,6 +575,7 @@ def layer_attribution(
                     for j in range(len(names)):
                         e = layer_errors(h_ref[j], h[j])
                         s.rel[rows, j], s.cos[rows, j], s.sqnr[rows, j] = e["rel_l2"], e["cosine"], e["sqnr_db"]
+                        s.added[rows, j] = added_error(h_ref[j], h[j], *((h_ref[j - 1], h[j - 1]) if j else ()))
                     if len(sel):
                         m = M.full_vocab(z_ref, z, nxt[done:hi], k=1)
                         s.kl[rows] = m["kl_nats"]
@@ -586,7 +603,9 @@ def layer_attribution(
                      "embedding before any scaling. transformers: model.layers[i] outputs (forward hooks); llama.cpp: "
                      "l_out-i (graph evaluation callback)",
             "metrics": "rel_l2 = |c - r| / |r|; cosine = r.c / (|r| |c|); sqnr_db = 10 log10(|r|^2 / |c - r|^2); float64 "
-                       "from the engines' float32 (bf16) states; growth = median rel_l2 of a point / that of the point before",
+                       "from the engines' float32 (bf16) states; growth = median rel_l2 of a point / that of the point before; "
+                       "added_rel_l2 = |e - e_prev| / |r| with e = c - r (the error a layer's own update adds; the layers that "
+                       "add the most error are ranked by its median)",
             "floor": _floor_text(floor, floor_side),
             "beyond_floor": "a point leaves the floor band where a candidate's median rel_l2 exceeds the floor's p95",
             "kl": "forward KL(P_ref || P_cand) of each position's final logits, from the same forward passes "
@@ -608,7 +627,7 @@ def _floor_text(floor: str, floor_side) -> str:
 
 
 def _comparison(s: _Side, item_rows, band) -> dict:
-    per = summarize_points(s.rel, s.cos, s.sqnr)
+    per = summarize_points(s.rel, s.cos, s.sqnr, s.added)
     g = growth(per["rel_l2_median"])
     per["growth"] = g
     names_n = s.rel.shape[1]
@@ -630,7 +649,7 @@ def _comparison(s: _Side, item_rows, band) -> dict:
         "identical": identical,
         "per_point": per,
         "first_beyond_floor": first,
-        "top_growth": top_growth(g),
+        "top_added": top_added(per["added_rel_l2_median"]),
         "kl_mean_nats": float(np.nanmean(s.kl)) if len(s.kl) else math.nan,
         "top1_disagreement": float(1.0 - np.mean(s.top1)) if len(s.top1) else math.nan,
         "items": items,
@@ -653,28 +672,28 @@ def render_markdown(doc: dict) -> str:
              f"{doc['n_positions']} teacher-forced positions of {doc['n_items']} items of `{doc['teacher']}`; "
              f"{doc['geometry']['family']} family, {doc['geometry']['n_layer']} layers, H = {doc['geometry']['hidden_size']}.", "",
              f"Floor: {doc['method']['floor']}." + (" The floor run was bit-identical to the reference (band 0)." if floor and floor["identical"] else ""),
-             "", "| candidate | mean KL (nats) | first layer beyond the floor | layers adding the most error (growth) |",
+             "", "| candidate | mean KL (nats) | first layer beyond the floor | layers adding the most error (median added rel L2) |",
              "|---|---:|---|---|"]
     for c in doc["candidates"]:
         first = c["first_beyond_floor"]
-        g = c["per_point"]["growth"]
-        tops = ", ".join(f"{names[j]} (×{_g(g[j])})" for j in c["top_growth"]) or "none"
+        ad = c["per_point"]["added_rel_l2_median"]
+        tops = ", ".join(f"{names[j]} (+{_g(ad[j])})" for j in c["top_added"]) or "none"
         lines.append(f"| `{c['spec']}` | {_g(c['kl_mean_nats'])} | {names[first] if first is not None else ('no floor' if floor is None else 'none')} | {tops} |")
     for c in ([floor] if floor else []) + doc["candidates"]:
         p = c["per_point"]
         lines += ["", f"## `{c['spec']}`" + (" (floor)" if c is floor else ""), "",
-                  "| point | rel L2 median | rel L2 p95 | cosine median | SQNR median (dB) | growth | ρ(rel L2, KL) median over items |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| point | rel L2 median | rel L2 p95 | added rel L2 median | cosine median | SQNR median (dB) | growth | ρ(rel L2, KL) median over items |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for j, n in enumerate(names):
             mark = " ◀ leaves floor" if c is not floor and c["first_beyond_floor"] == j else ""
-            lines.append(f"| {n}{mark} | {_g(p['rel_l2_median'][j])} | {_g(p['rel_l2_p95'][j])} | {_g(p['cosine_median'][j], '.6f')} | "
+            lines.append(f"| {n}{mark} | {_g(p['rel_l2_median'][j])} | {_g(p['rel_l2_p95'][j])} | {_g(p['added_rel_l2_median'][j])} | {_g(p['cosine_median'][j], '.6f')} | "
                          f"{_g(p['sqnr_db_median'][j], '.1f')} | {_g(p['growth'][j])} | {_g(p['spearman_kl_median'][j], '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
 def render_html(doc: dict) -> str:
     """layers.html: one self-contained page (plotly inlined): error per layer (median solid,
-    p95 dotted, one colour per candidate, the floor band shaded), growth per layer, and the
+    p95 dotted, one colour per candidate, the floor band shaded), the error each layer adds, and the
     median over items of the per-item correlation between a layer's error and the final KL."""
     import json
     import html as H
@@ -713,14 +732,13 @@ def render_html(doc: dict) -> str:
     cor = go.Figure()
     for k, c in enumerate(doc["candidates"]):
         col = palette[k % len(palette)]
-        gro.add_trace(go.Bar(x=x, y=[None if (v is None or not math.isfinite(v)) else v for v in c["per_point"]["growth"]], name=c["spec"], marker_color=col))
+        gro.add_trace(go.Bar(x=x, y=pos(c["per_point"]["added_rel_l2_median"]), name=c["spec"], marker_color=col))
         cor.add_trace(go.Scatter(x=x, y=c["per_point"]["spearman_kl_median"], mode="lines+markers", name=c["spec"], line={"color": col}))
-    gro.add_hline(y=1.0, line={"color": "gray", "dash": "dash"})
-    gro.update_yaxes(type="log", title="growth (median error / previous point's)")
+    gro.update_yaxes(type="log", title="median added rel L2 (|e - e_prev| / |r|)")
     cor.update_yaxes(title="Spearman ρ(rel L2, final KL), median over items", range=[-1, 1])
     figs = []
     for fid, title, f in (("err", "Error per layer (median solid, p95 dotted; floor shaded)", err),
-                          ("growth", "Growth per layer: which layers add error (bars above 1)", gro),
+                          ("added", "Error each layer adds: median |e - e_prev| / |r| (the layers that add the most error)", gro),
                           ("corr", "Does a layer's error predict the final KL? (per item, median over items)", cor)):
         f.update_layout(title={"text": title, "x": 0.01}, template="plotly_white", height=460,
                         xaxis={"tickmode": "array", "tickvals": x, "ticktext": names, "title": "point (residual stream after)"},
@@ -730,7 +748,7 @@ def render_html(doc: dict) -> str:
     rows = []
     for c in doc["candidates"]:
         first = c["first_beyond_floor"]
-        tops = ", ".join(f"{names[j]} (×{_g(c['per_point']['growth'][j])})" for j in c["top_growth"]) or "none"
+        tops = ", ".join(f"{names[j]} (+{_g(c['per_point']['added_rel_l2_median'][j])})" for j in c["top_added"]) or "none"
         rows.append(f"<tr><td><code>{H.escape(c['spec'])}</code></td><td>{_g(c['kl_mean_nats'])}</td>"
                     f"<td>{H.escape(names[first]) if first is not None else ('no floor' if floor is None else 'none')}</td><td>{H.escape(tops)}</td></tr>")
     script = "".join(f"Plotly.newPlot({json.dumps(f['id'])}, {json.dumps(f['data'])}, {json.dumps(f['layout'])}, {{responsive: true}});"
@@ -747,7 +765,7 @@ def render_html(doc: dict) -> str:
         f"<p class=\"note\">{doc['n_positions']} teacher-forced positions of {doc['n_items']} items of <code>{H.escape(doc['teacher'])}</code>; "
         f"{H.escape(doc['geometry']['family'])} family, {doc['geometry']['n_layer']} layers, H = {doc['geometry']['hidden_size']}. "
         f"Floor: {H.escape(doc['method']['floor'])}. {H.escape(doc['method']['beyond_floor'])}.</p>",
-        "<table><tr><th>candidate</th><th>mean KL (nats)</th><th>first layer beyond the floor</th><th>layers adding the most error (growth)</th></tr>",
+        "<table><tr><th>candidate</th><th>mean KL (nats)</th><th>first layer beyond the floor</th><th>layers adding the most error (median added rel L2)</th></tr>",
         "".join(rows), "</table>",
         "".join(f'<div id="{f["id"]}" style="height:460px"></div>' for f in figs),
         f"<script>{script}</script></body></html>\n",
