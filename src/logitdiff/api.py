@@ -269,7 +269,8 @@ def layers(
     BF16 GGUF: the cross-engine floor). Returns layers.json's object; with ``out``, also
     writes the REPORT directory (layers.json, layers.md, layers.html)."""
     from .contracts import layers_json
-    from .layers import FLOOR_NONE, FLOOR_RERUN, check_layer_specs, layer_attribution, render_html, render_markdown
+    from .layers import FLOOR_NONE, FLOOR_RERUN, FLOOR_SPEC, check_layer_specs, layer_attribution
+    from .report.layers import render_html, render_markdown
     from .outputs import Kind, check_output, writing
     from .sources import applied_threads, open_source
     from .store import RunReader, parse_chunk_size
@@ -293,7 +294,7 @@ def layers(
         floor_src = stack.enter_context(open_source(floor_spec)) if floor_spec else None
         stack.enter_context(applied_threads([ref_src, *cand_srcs] + ([floor_src] if floor_src else [])))
         advance = bar(len(teacher_run.items()), "layers")
-        doc = layer_attribution(ref_src, cand_srcs, teacher_run, floor_src=floor_src, floor=floor_spec and "spec" or floor,
+        doc = layer_attribution(ref_src, cand_srcs, teacher_run, floor_src=floor_src, floor=FLOOR_SPEC if floor_spec else floor,
                                 chunk_bytes=chunk_bytes, progress=advance)
     if out is not None:
         text = layers_json(doc)

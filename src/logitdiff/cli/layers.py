@@ -43,7 +43,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..api import layers
-    from ..layers import render_markdown
+    from ..report.layers import render_markdown
 
     with Bars() as bars:
         doc = layers(args.reference, args.candidates, args.teacher, args.out, floor=args.floor, chunk_size=args.chunk_size, bar=bars.bar)
