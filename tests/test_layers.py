@@ -365,6 +365,13 @@ def test_layer_count_mismatch_is_one_line(models, teacher, tmp_path):
     assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
 
 
+def test_sequence_beyond_the_context_is_one_line(models, teacher, gguf_f32, tmp_path):
+    with pytest.raises(LogitdiffError, match=r"exceeds n_ctx=16 \(raise it") as e:
+        api.layers(f"hf:{models['a']},dtype=float32,threads=1", [f"gguf:{gguf_f32},threads=1,n_ctx=16"], teacher.path, tmp_path / "x",
+                   floor="none")
+    assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
+
+
 def test_served_source_is_refused_before_anything_opens(teacher, tmp_path):
     with pytest.raises(LogitdiffError, match="served source hands out top-K") as e:
         api.layers("hf:/nonexistent", ["openai:http://127.0.0.1:9/v1"], teacher.path, tmp_path / "x")
