@@ -35,17 +35,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _hwm_mib(pid: int) -> float | None:
+    """The process's peak resident set so far (VmHWM), MiB; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
 def timed(cmd: list[str], env: dict) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of one subprocess."""
+    """(wall seconds, peak RSS in MiB) of one subprocess. The peak is the child's own VmHWM,
+    polled every 50 ms (``ru_maxrss`` of a child counts the parent's memory at the fork: a
+    parent that loaded a model would inflate it); a peak in the last 50 ms can be missed."""
     t = time.perf_counter()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, ru = os.wait4(p.pid, 0)
+    peak = 0.0
+    err = []
+    import threading
+
+    reader = threading.Thread(target=lambda: err.append(p.stderr.read().decode()))
+    reader.start()
+    while p.poll() is None:
+        peak = max(peak, _hwm_mib(p.pid) or 0.0)
+        time.sleep(0.05)
     wall = time.perf_counter() - t
-    err = p.stderr.read().decode()
-    p.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{err}")
-    return wall, ru.ru_maxrss / 1024.0
+    reader.join()
+    if p.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{''.join(err)}")
+    return wall, peak
 
 
 def compare(name: str, ref_run: Path, cand: str, ref: str, work: Path, repeats: int, env: dict, positions: int) -> dict:
@@ -76,6 +97,31 @@ def compare(name: str, ref_run: Path, cand: str, ref: str, work: Path, repeats: 
     return row
 
 
+def make_deep_llama(out: Path, intermediate: int) -> Path:
+    """A random bf16 Llama, H = 4,096, 32 layers, 32 heads (8 KV heads), the bundled tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _models import BUILTIN_TOKENIZER, widen_tokenizer
+
+    tok = widen_tokenizer(BUILTIN_TOKENIZER, out, 4096)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=4096, intermediate_size=intermediate, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0, dtype="bfloat16")
+    with torch.device("cpu"):
+        m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    m.save_pretrained(str(out))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("work", type=Path)
@@ -85,7 +131,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--items", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--skip", choices=("ladder", "wide"), action="append", default=[])
+    ap.add_argument("--skip", choices=("ladder", "wide", "deep"), action="append", default=[])
+    ap.add_argument("--deep-intermediate", type=int, default=256,
+                    help="MLP width of the deep setting (H = 4,096, 32 layers, the bundled 4,096-token tokenizer)")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -119,6 +167,18 @@ def main() -> None:
             api.capture_run(f"hf:{d},threads=2", ref_run, workload=wl)
         n = RunReader(ref_run).manifest["n_positions"]
         rows.append(compare(f"wide-h{H}", ref_run, f"hf:{d},dtype=float32,threads=2", f"hf:{d},threads=2", work, args.repeats, env, n))
+    if "deep" not in args.skip:
+        # H = 4,096 and 32 layers (an 8B model's residual stream) with a narrow MLP so that it fits a
+        # small machine: what `layers` holds per window depends on points x H, not on the MLP
+        d = make_deep_llama(work / "deep-h4096-l32", args.deep_intermediate)
+        wl = work / "deep.jsonl"
+        wl.write_text("".join(json.dumps({"id": f"d{i}", "prompt": f"Item {i}: list the numbers", "max_tokens": 32}) + "\n"
+                              for i in range(2)))
+        ref_run = work / "ref-deep"
+        if not (ref_run / "manifest.json").exists():
+            api.capture_run(f"hf:{d},threads=2", ref_run, workload=wl)
+        n = RunReader(ref_run).manifest["n_positions"]
+        rows.append(compare("deep-h4096-l32", ref_run, f"hf:{d},threads=2", f"hf:{d},threads=2", work, 1, env, n))
     print(json.dumps({"summary": [{k: v for k, v in r.items() if k != "runs"} for r in rows]}, indent=1))
 
 
