@@ -19,8 +19,11 @@ def register(sub) -> None:
             "For every teacher-forced position of the teacher RUN's tokens, the residual stream after each decoder "
             "layer (and after the token embedding) of the reference and of each candidate, compared per layer: "
             "relative L2 error, cosine, SQNR (dB) and growth (a layer's median error over the previous layer's), "
-            "with the first layer where a candidate leaves the floor band, the layers that add the most error, and "
-            "per item the rank correlation between a layer's error and the position's final KL. Sources: hf:, "
+            "with the first layer where a candidate leaves the floor band (its median error above the floor's p95), the "
+            "layers that add the most error (median |e - e_prev| / |r|, e = cand - ref), and per item the rank "
+            "correlation between a layer's error and the position's final KL. Sequences are prefilled a window of "
+            "tokens at a time over a KV cache, the window sized so that both sides' hidden states of every layer and "
+            "their logits fit --chunk-size. Sources: hf:, "
             "gguf: (llama.cpp's graph evaluation callback on l_out-i) and builtin:; served sources hand out no hidden "
             "states. Writes REPORT/layers.json, layers.md and layers.html (self-contained plots)."
         ),
