@@ -462,6 +462,12 @@ def _run(module_path: Path, mode: str, payload: Any, timeout: float) -> ExecResu
     return ExecResult(False, None, res.get("error") or "failed", False, seconds, held)
 
 
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < 1e6):
+        raise LogitdiffError(f"tool call timeout {timeout!r}: must be a number of seconds above 0 (and finite)")
+    return float(timeout)
+
+
 def _module(module_path: str | Path) -> Path:
     p = Path(module_path).resolve()
     if not p.is_file():
@@ -473,7 +479,7 @@ def load_check(module_path: str | Path, timeout: float = 10.0) -> dict | None:
     """Import the tools module once, sandboxed as a call would be; return the containment
     that held (see :class:`ExecResult`); raise LogitdiffError ``"<path>: tools module failed
     to import: <one line>"`` or ``"<path>: tools module did not import within Ns"``."""
-    r = _run(_module(module_path), "import", None, timeout)
+    r = _run(_module(module_path), "import", None, _check_timeout(timeout))
     if r.timed_out:
         raise LogitdiffError(f"{module_path}: tools module did not import within {timeout:g}s")
     if not r.ok:
@@ -486,6 +492,7 @@ def execute_calls(module_path: str | Path, calls: list[ToolCall], *, timeout: fl
     """Run each call in its own fresh sandboxed subprocess (see the module docstring); one
     ExecResult per call, in order.  Never blocks longer than about ``timeout + 1`` s a call."""
     path = _module(module_path)
+    timeout = _check_timeout(timeout)
     return [_run(path, "call", c.to_json(), timeout) for c in calls]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..errors import LogitdiffError
@@ -83,6 +84,44 @@ def find_summary(dirs: list[Path]) -> dict | None:
 
 
 def run(args) -> int:
+    try:
+        return _run(args)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as e:
+        raise _damaged_input(args, e) from None
+
+
+def _damaged_input(args, e: BaseException) -> LogitdiffError:
+    """A report.json or summary.json that parses but cannot be rendered (doctored, or from
+    another tool): only now is every input checked against its JSON Schema, to name the
+    first field at fault (the happy path pays nothing for it)."""
+    from ..contracts import validate
+
+    docs = []
+    for a in args.report_dirs:
+        for name, schema in (("report.json", "report"), ("summary.json", "summary")):
+            p = Path(a) / name
+            docs.append((p, schema))
+    if args.summary:
+        docs.append((Path(args.summary), "summary"))
+    for p, schema in docs:
+        if not p.is_file():
+            continue
+        try:
+            doc = json.loads(p.read_text())
+        except (ValueError, RecursionError, OSError):
+            return LogitdiffError(f"{p}: not JSON this logitdiff reads (damaged?)")
+        try:
+            validate(doc, schema, str(p))
+        except RecursionError:
+            return LogitdiffError(f"{p}: nested too deeply (damaged?)")
+        except LogitdiffError as err:
+            return err
+    msg = " ".join(str(e).split())[:160]
+    return LogitdiffError(f"{', '.join(args.report_dirs)[:200]}: report data this logitdiff cannot render "
+                          f"({type(e).__name__}: {msg}); was report.json or tokens.parquet edited?")
+
+
+def _run(args) -> int:
     from ..outputs import Kind, check_output
     from ..report.html import write_html
 
