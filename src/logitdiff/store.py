@@ -197,7 +197,8 @@ def format_store(k: int) -> str:
 
 
 # settings that name a file whose bytes another setting hashes: --resume compares the hash
-BY_HASH = {"workload": "workload_sha256", "teacher": "teacher_manifest_sha256"}
+# (a workload is its bytes; a teacher RUN stays named by its path, see capture_candidate)
+BY_HASH = {"workload": "workload_sha256"}
 
 
 def resume_difference(old: dict, new: dict) -> tuple[str, object, object] | None:
