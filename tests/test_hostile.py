@@ -23,6 +23,7 @@ import pytest
 
 from logitdiff import api
 from logitdiff.cli import main
+from logitdiff.contracts import VALIDATE_ENV
 from logitdiff.errors import LogitdiffError
 from logitdiff.outputs import Kind, writing
 from logitdiff.store import RunItem, RunReader, RunWriter, f32_to_bf16
@@ -363,7 +364,8 @@ def report_dir(runs):
 
 
 @pytest.mark.parametrize("case", list(REPORT_DOCTORED))
-def test_doctored_report_json_handed_to_report(case, report_dir, tmp_path, capsys):
+def test_doctored_report_json_handed_to_report(case, report_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(VALIDATE_ENV)  # as users run it: no schema check on the happy path
     rep = shutil.copytree(report_dir, tmp_path / "rep")
     _doctor_json(rep / "report.json", REPORT_DOCTORED[case])
     fails(capsys, ["report", rep, "--out", tmp_path / "page.html"], "report")
@@ -371,7 +373,8 @@ def test_doctored_report_json_handed_to_report(case, report_dir, tmp_path, capsy
 
 
 @pytest.mark.parametrize("case", ["candidates a string", "candidates of numbers", "not an object", "nested"])
-def test_doctored_summary_json_handed_to_report(case, report_dir, tmp_path, capsys):
+def test_doctored_summary_json_handed_to_report(case, report_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(VALIDATE_ENV)
     out = tmp_path / "out"
     shutil.copytree(report_dir, out / "reports" / "cand")
     s = out / "summary.json"
@@ -733,7 +736,8 @@ def test_full_file_system_gives_one_line_and_leaves_nothing(runs, report_dir, fa
              ["topk-error", str(runs["ref"]), str(runs["bf16"]), "--k", "2", "--json", f"{mnt}/t.json"]]
     cmd = ["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", _ENOSPC, str(mnt),
            json.dumps(FREE_LEVELS), json.dumps(argvs)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, *[p for p in sys.path if p]])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ.get("HOSTILE_SRC", SRC), *[p for p in sys.path if p]])}
+    env.pop(VALIDATE_ENV, None)  # as users run it
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if p.returncode != 0 and not p.stdout.strip() and ("unshare" in p.stderr or "mount" in p.stderr):
         pytest.skip(f"no tmpfs in a user namespace here: {p.stderr.strip()[-200:]}")
