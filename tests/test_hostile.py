@@ -753,3 +753,33 @@ def test_full_file_system_gives_one_line_and_leaves_nothing(runs, report_dir, fa
         assert "no space left on device" in lines[0].lower() and str(mnt) in lines[0], (r["argv"], lines[0])
         assert r["left"] == [], (r["free"], r["argv"], lines[0], r["left"])
     assert failed.get(0) == failed.get(6 << 10) == len(argvs), failed  # the test can fail: the disk was full
+
+
+# ------------------------------------------------------------------------------ imports
+@pytest.mark.parametrize("bad,dtype", [(-1, np.int64), (16, np.int32), (2**40, np.int64), (2**63 + 5, np.uint64)])
+def test_imported_token_ids_outside_the_vocabulary(bad, dtype, tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    tok = (np.arange(6) % 16).astype(dtype)
+    tok[4] = bad
+    npz = tmp_path / "in.npz"
+    np.savez(npz, logits=rng.standard_normal((6, 16)).astype(np.float32), token_ids=tok,
+             item_ids=np.array(["a"] * 3 + ["b"] * 3), positions=np.array([0, 1, 2, 0, 1, 2]))
+    fails(capsys, ["import", "npz", npz, "--out", tmp_path / "imp"], f"{npz}: field 'token_ids'", "row position 4",
+          f"id {bad} outside [0, 16)", "item 'b'")
+    assert not (tmp_path / "imp").exists()
+
+
+@pytest.mark.parametrize("bad", [-1, 16, 2**31 - 1])
+def test_imported_kld_token_block_outside_the_vocabulary(bad, tmp_path, capsys):
+    from logitdiff.importers import write_llamacpp_kld
+
+    rng = np.random.default_rng(0)
+    kld = tmp_path / "base.kld"
+    write_llamacpp_kld(kld, rng.standard_normal((2, 8, 16)).astype(np.float32), rng.integers(0, 16, (2, 8)))
+    raw = bytearray(kld.read_bytes())
+    off = 20 + 4 * (8 + 3)  # chunk 1, position 3 of the int32 token block after the 20-byte header
+    raw[off:off + 4] = int(bad).to_bytes(4, "little", signed=True)
+    kld.write_bytes(bytes(raw))
+    fails(capsys, ["import", "llamacpp-kld", kld, "--out", tmp_path / "imp"], f"{kld}: token block chunk 1",
+          f"position 3: id {bad} outside [0, 16)")
+    assert not (tmp_path / "imp").exists()
