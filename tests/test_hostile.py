@@ -228,6 +228,25 @@ def test_items_line_nested_beyond_the_recursion_limit(runs, tmp_path, capsys):
     fails(capsys, ["compare", runs["ref"], cand, "--out", tmp_path / "rep", "--bootstrap", "0"], f"{p}:1", "nested too deeply")
 
 
+CHUNK_DAMAGE = {
+    "truncated npz": lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]),
+    "text instead of npz": lambda p: p.write_text("not a chunk"),
+    "npz without logprobs": lambda p: np.savez(open(p, "wb"), ids=np.zeros((15, 4), np.int64)),
+    "rows of another shape": lambda p: np.savez(open(p, "wb"), ids=np.zeros((15, 3), np.int64), logprobs=np.zeros((15, 3)) - 1),
+    "a pickled object array": lambda p: np.savez(open(p, "wb"), ids=np.array([None] * 15, dtype=object), logprobs=np.zeros((15, 4))),
+    "missing": lambda p: p.unlink(),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNK_DAMAGE))
+def test_damaged_topk_chunks_are_one_line_errors(case, runs, tmp_path, capsys):
+    cand = shutil.copytree(runs["topk"], tmp_path / "cand")
+    p = cand / "chunks" / "000000.topk.npz"
+    CHUNK_DAMAGE[case](p)
+    fails(capsys, ["compare", runs["ref"], cand, "--out", tmp_path / "rep", "--bootstrap", "0"], str(p))
+    assert sorted(os.listdir(tmp_path)) == ["cand"]
+
+
 MANIFEST_DOCTORED = {
     "not an object": lambda m: [m],
     "chunks not a list": lambda m: {**m, "chunks": "000000"},
@@ -314,6 +333,7 @@ def test_hostile_workload_lines(case, tmp_path, capsys):
     (["compare", "{ref}", "{ref}", "--out", "{tmp}/r", "--chunk-size", "1e30"], "at most 1TiB"),
     (["merge", "{ref}", "--out", "{tmp}/r", "--chunk-size", "1e400"], "--chunk-size '1e400'"),
     (["compare", "{ref}", "{ref}", "--out", "{tmp}/r", "--seed", "-1"], "--seed -1"),
+    (["flips", "{ref}", "--seed", "-1"], "--seed -1"),
     (["compare", "{ref}", "{ref}", "--out", "{tmp}/r", "--logprob-floor", "nan"], "--logprob-floor"),
     (["capture", "openai:http://127.0.0.1:9,timeout=nan", "--teacher", "{ref}", "--out", "{tmp}/r"], "timeout='nan'"),
     (["capture", "openai:http://127.0.0.1:9,timeout=inf", "--teacher", "{ref}", "--out", "{tmp}/r"], "timeout='inf'"),
