@@ -700,11 +700,15 @@ def _unlink_any(p: Path) -> None:
 def _check_item_ids(it: RunItem, vocab_size: int, where: str) -> None:
     """Ids of a stored item in [0, V) (teacher -1: unknown, in imported RUNs), positions
     integers indexing the teacher sequence."""
-    validate.token_ids(it.prompt_ids, vocab_size, where, what="prompt")
-    teacher = validate.token_ids(it.teacher_ids, vocab_size, where, what="teacher", allow=-1)
-    for j, q in enumerate(it.positions):
-        if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q < len(teacher):
-            raise LogitdiffError(f"{where}: field 'positions' [{j}] = {str(q)[:40]} is not a teacher position in [0, {len(teacher)})")
+    validate.check_ids(it.prompt_ids, vocab_size, where, what="prompt")
+    validate.check_ids(it.teacher_ids, vocab_size, where, what="teacher", allow=-1)
+    n = len(it.teacher_ids)
+    pos = it.positions
+    if pos and set(map(type, pos)) <= {int} and min(pos) >= 0 and max(pos) < n:
+        return
+    for j, q in enumerate(pos):
+        if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q < n:
+            raise LogitdiffError(f"{where}: field 'positions' [{j}] = {str(q)[:40]} is not a teacher position in [0, {n})")
 
 
 def _nonfinite_row(rows: np.ndarray, dtype: str) -> int | None:

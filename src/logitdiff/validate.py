@@ -76,6 +76,19 @@ def logprob(x: Any, where: str) -> float | None:
     return v
 
 
+def check_ids(ids: list, vocab_size: int, where: str, *, what: str = "token", allow: int | None = None) -> None:
+    """:func:`token_ids` without building the array: a list of plain ints (what JSON gives)
+    is judged by its min and max in C (items of a big RUN hold millions of ids)."""
+    if isinstance(ids, list) and set(map(type, ids)) <= {int}:  # C speed; bools are not ints here
+        if not ids:
+            return
+        lo, hi = min(ids), max(ids)
+        # lo == allow == -1: the smallest is -1, so every negative one is -1
+        if hi < vocab_size and (lo >= 0 or lo == allow == -1):
+            return
+    token_ids(ids, vocab_size, where, what=what, allow=allow)
+
+
 def token_ids(ids: Any, vocab_size: int, where: str, *, what: str = "token", allow: int | None = None) -> np.ndarray:
     """A sequence of ids (list from JSON, or an integer array) as int64, each in [0, V)
     (``allow``: one more value accepted, e.g. -1 for "unknown" in an imported RUN).
@@ -85,13 +98,20 @@ def token_ids(ids: Any, vocab_size: int, where: str, *, what: str = "token", all
             raise LogitdiffError(f"{where}: {what} ids have dtype {ids.dtype}, expected integers")
         arr = ids.reshape(-1)
     else:
-        seq = list(ids)
-        for j, x in enumerate(seq):
-            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-                raise LogitdiffError(f"{where}: {what} position {j}: id {_show(x)} is not an integer")
-            if not (-(1 << 63) <= int(x) < (1 << 63)):
-                raise LogitdiffError(f"{where}: {what} position {j}: id {_show(x)} outside [0, {vocab_size})")
-        arr = np.asarray(seq, dtype=np.int64) if seq else np.zeros(0, np.int64)
+        seq = ids if isinstance(ids, list) else list(ids)
+        arr = None
+        if all(type(x) is int for x in seq):  # the common case (JSON lists): one C-speed pass
+            try:
+                arr = np.asarray(seq, dtype=np.int64) if seq else np.zeros(0, np.int64)
+            except OverflowError:
+                arr = None
+        if arr is None:  # find and name the offender
+            for j, x in enumerate(seq):
+                if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                    raise LogitdiffError(f"{where}: {what} position {j}: id {_show(x)} is not an integer")
+                if not (-(1 << 63) <= int(x) < (1 << 63)):
+                    raise LogitdiffError(f"{where}: {what} position {j}: id {_show(x)} outside [0, {vocab_size})")
+            arr = np.asarray(seq, dtype=np.int64) if seq else np.zeros(0, np.int64)
     bad = (arr < 0) | (arr >= vocab_size)
     if allow is not None:
         bad &= arr != allow
