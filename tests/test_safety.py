@@ -292,13 +292,40 @@ def test_concurrent_writer_is_refused_and_a_dead_one_does_not_block(cmd, w, tmp_
     finally:
         holder.kill()
         holder.wait()
-    # The killed holder left its lock file (and we plant a temporary as a SIGKILLed writer
-    # would): neither blocks the next writer, and both are gone after it.
-    stale = out.parent / f".{out.name}.tmp-999999"
-    stale.mkdir()
+    # The killed holder left its lock file (and we plant temporaries as a SIGKILLed writer
+    # would, named with its pid): neither blocks the next writer, and both are gone after it.
+    # A user's files of similar names beside it are never touched.
+    stale = [out.parent / f".{out.name}.tmp-{holder.pid}-0123abcd", out.parent / f".{out.name}.old-{holder.pid}-fedc9876"]
+    stale[0].mkdir()
+    (stale[0] / "part").write_text("x")
+    stale[1].write_text("x")
+    users = plant_user_files(out)
     assert main(argv) == 0
     capsys.readouterr()
-    assert sorted(os.listdir(out.parent)) == [out.name]
+    assert not any(os.path.lexists(p) for p in stale)
+    assert {p.name: digest(p) for p in users} == {p.name: h for p, h in users.items()}
+    assert sorted(os.listdir(out.parent)) == sorted([out.name] + [p.name for p in users])
+
+
+def plant_user_files(out: Path) -> dict[Path, str]:
+    """A user's files beside --out whose names resemble the writer's temporaries: the
+    examples of issue 27 and the class around them (no pid, a live pid, a malformed token,
+    another name's temporaries); path -> digest."""
+    n = out.name
+    live = os.getppid()  # alive for the whole test
+    dirs = [f".{n}.old-backup", f".{n}.tmp-{live}-0123abcd", f".{n}.tmp-", f".{n}.old"]
+    files = [f".{n}.tmp-notes", f".{n}.tmp-999999", f".{n}.tmp-999999-xyz", f".{n}.tmp-999999-0123abcd.bak",
+             f".{n}.old-999999-0123ABCD", f".{n}x.tmp-999999-0123abcd", f"{n}.tmp-999999-0123abcd", f".{n}.tmp-0-0123abcd",
+             f".{n}.tmp999999"]
+    made = {}
+    for d in dirs:
+        (out.parent / d).mkdir()
+        (out.parent / d / "keep.txt").write_text("user data")
+    for f in files:
+        (out.parent / f).write_text("user data")
+    for name in dirs + files:
+        made[out.parent / name] = digest(out.parent / name)
+    return made
 
 
 def test_flips_takes_the_report_lock(w, tmp_path, capsys):

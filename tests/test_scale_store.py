@@ -25,7 +25,7 @@ SIZES = [5, 1500, 0, 3000, 7]
 
 
 def _item(i, n):
-    return RunItem(id=f"i{i}", prompt_ids=[1], teacher_ids=list(range(n)), positions=list(range(n)))
+    return RunItem(id=f"i{i}", prompt_ids=[1], teacher_ids=[k % V for k in range(n)], positions=list(range(n)))
 
 
 def _write(path, dtype, rng, chunk=1 << 20, step=97):
@@ -117,7 +117,8 @@ def test_topk_rows_span_chunks(tmp_path):
     rng = np.random.default_rng(2)
     w = RunWriter(tmp_path / "t", source={"spec": "t"}, vocab_size=V, tokenizer_hash="h", store="topk:4", chunk_bytes=1 << 20)
     n = 100_000  # 88 bytes a row: ~11,900 rows per chunk
-    ids, lp = rng.integers(0, V, (n, 4)), rng.normal(size=(n, 4))
+    # valid rows (validate.topk_rows): distinct ids in [0, V), log-probabilities <= 0
+    ids, lp = (rng.integers(0, V, (n, 1)) + np.arange(4)) % V, -np.abs(rng.normal(size=(n, 4)))
     w.begin_item(_item(0, n))
     for a in range(0, n, 7000):
         w.add_rows(topk={"ids": ids[a : a + 7000], "logprobs": lp[a : a + 7000]})

@@ -216,7 +216,8 @@ AROUND_HOOK = {
     "dir_fd_open": "filesystem", "dir_fd_rename": "filesystem",
     "ctypes_system": "processes", "ctypes_fork": "processes", "fork_exec": "processes", "popen_unaudited": "processes",
 }
-KERNEL = {"filesystem": "Landlock", "processes": "seccomp", "network": "network namespace", "signals": "Landlock"}
+KERNEL = {"filesystem": "Landlock", "processes": "seccomp", "network": "seccomp", "signals": "Landlock",
+          "metadata": "seccomp"}
 
 
 def _held(r: ExecResult, part: str) -> bool:
@@ -350,3 +351,122 @@ def test_degraded_platform_says_audit_hook_only_and_then_escapes_do_escape(outsi
         assert got["ctypes_tcp_connect"]["ok"], got["ctypes_tcp_connect"]["error"]
     finally:
         tcp.close()
+
+
+# --- round two: Unix sockets, metadata changes, result floods -------------------------------
+def _unix_listener(outside):
+    path = str(outside / "s.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(8)
+    srv.setblocking(False)
+    return srv, path
+
+
+def test_unix_listener_reachable_without_sandbox_so_the_socket_test_can_fail(outside):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("esc", ESCAPES)
+    esc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(esc)
+    srv, path = _unix_listener(outside)
+    try:
+        assert esc.ctypes_unix_connect(path) == "sent"
+        conn, _ = srv.accept()
+        conn.settimeout(5)
+        assert conn.recv(100) == b"escaped"
+        conn.close()
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("name", ["unix_connect", "ctypes_unix_connect"])
+def test_pathname_unix_socket_outside_receives_nothing(name, outside):
+    srv, path = _unix_listener(outside)
+    try:
+        r = _escape(name, path=path)
+        assert _held(r, "network"), r.containment
+        assert not r.ok and r.error.startswith("PermissionError: "), r.error
+        with pytest.raises(BlockingIOError):
+            srv.accept()
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("family", [socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, 16, 17])  # NETLINK, PACKET
+@pytest.mark.parametrize("kind", [socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_RAW])
+def test_no_socket_of_any_family_or_kind(family, kind):
+    r = _escape("ctypes_socket", family=int(family), kind=int(kind))
+    assert _held(r, "network"), r.containment
+    assert not r.ok and "Operation not permitted" in r.error, (family, kind, r.value)
+
+
+def test_no_socketpair():
+    r = _escape("ctypes_socketpair")
+    assert not r.ok and "Operation not permitted" in r.error, r.value
+
+
+def _meta(path):
+    st = os.lstat(path)
+    try:
+        xattrs = sorted(os.listxattr(path))
+    except OSError:
+        xattrs = None
+    return (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_atime_ns, xattrs)
+
+
+METADATA = ("chmod", "utime", "setxattr", "chown")
+
+
+def test_metadata_changes_work_without_sandbox_so_the_test_can_fail(outside):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("esc", ESCAPES)
+    esc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(esc)
+    changed = set()
+    for what in METADATA:
+        target = outside / f"control-{what}"
+        target.write_text("x")
+        before = _meta(target)
+        try:
+            esc.ctypes_meta(str(target), what)
+        except OSError:  # setxattr on a file system without user xattrs; chown when not root
+            continue
+        if _meta(target) != before:
+            changed.add(what)
+    assert {"chmod", "utime"} <= changed, changed
+
+
+@pytest.mark.parametrize("route", ["os_meta", "fd_meta", "ctypes_meta"])
+@pytest.mark.parametrize("what", METADATA)
+def test_metadata_of_a_file_outside_stays_unchanged(route, what, outside):
+    target = outside / "victim"
+    target.write_text("keep me")
+    os.chmod(target, 0o644)
+    before = _meta(target)
+    r = _escape(route, target=str(target), what=what)
+    assert _held(r, "metadata"), r.containment
+    assert not r.ok, (route, what, r.value)
+    assert _meta(target) == before, (route, what, r.error)
+    assert target.read_text() == "keep me"
+
+
+def _vm(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(field)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc to measure peak memory")
+def test_a_flooded_result_pipe_kills_the_tool_and_bounds_memory():
+    rss = _vm("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current RSS
+        f.write("5")
+    t0 = time.monotonic()
+    r = _escape("flood", mib=200)
+    growth = _vm("VmHWM") - rss
+    assert not r.ok and not r.timed_out
+    assert r.error == "tool process killed: its result exceeded 16 MiB", r.error
+    assert growth < 64 << 20, growth >> 20
+    assert time.monotonic() - t0 < 5

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -59,10 +60,90 @@ def check_device(device: str | None) -> None:
             raise LogitdiffError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
+def _type_ok(v, t) -> bool:
+    """Whether ``v`` fits the annotation ``t`` (the simple types the API takes; anything
+    this does not know is not judged here)."""
+    import collections.abc
+    import os
+    import types
+    import typing
+
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if t is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(v, a) for a in args)
+    if t is type(None):
+        return v is None
+    if t is bool:
+        return isinstance(v, bool)
+    if t is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if t is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if t is str:
+        return isinstance(v, str)
+    if t is Path:
+        return isinstance(v, os.PathLike)
+    if origin in (collections.abc.Sequence, list, tuple):
+        if not isinstance(v, (list, tuple)):
+            return False
+        inner = [a for a in args if a is not Ellipsis]
+        return all(_type_ok(x, inner[0]) for x in v) if len(inner) == 1 else True
+    if origin is collections.abc.Callable or t is collections.abc.Callable:
+        return callable(v)
+    if t is dict or origin is dict:
+        return isinstance(v, dict)
+    return True
+
+
+def _type_name(t) -> str:
+    import typing
+
+    if t is type(None):
+        return "None"
+    if typing.get_origin(t) is not None:
+        return str(t).replace("typing.", "").replace("collections.abc.", "").replace("pathlib.", "")
+    return getattr(t, "__name__", str(t))
+
+
+def check_arguments(fn_name: str, hints: dict, values: dict) -> None:
+    """A one-line LogitdiffError naming the first argument whose type does not fit its
+    annotation (the API's callers get the CLI's kind of error, not a TypeError deep inside)."""
+    for name, v in values.items():
+        t = hints.get(name)
+        if t is not None and not _type_ok(v, t):
+            shown = repr(v)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise LogitdiffError(f"{fn_name}: argument {name!r} is {type(v).__name__} {shown}; expected {_type_name(t)}")
+
+
+def _checked(fn):
+    """Check the call's arguments against ``fn``'s annotations first (see check_arguments)."""
+    import functools
+    import inspect
+    import typing
+
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise LogitdiffError(f"{fn.__name__}: {e}") from None
+        hints = typing.get_type_hints(fn, globalns={**globals(), "Bar": Bar})
+        check_arguments(fn.__name__, hints, bound.arguments)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _no_bar(total, label):
     return lambda n=1: None
 
 
+@_checked
 def capture_run(
     spec: str,
     out: str | Path,
@@ -132,6 +213,7 @@ def capture_run(
     return Path(out)
 
 
+@_checked
 def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None = None, threads: int | None = None) -> dict:
     """The ``noise_floor`` section (report.noise_floor_section) of a rerun of the reference
     (two open RUNs): the floor a report prints beside the candidate's."""
@@ -150,6 +232,7 @@ def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None
     return noise_floor_section(nf, spec=(rerun_run.manifest.get("source") or {}).get("spec"), rerun=rerun)
 
 
+@_checked
 def diff_runs(
     reference: str | Path,
     candidate: str | Path,
@@ -187,6 +270,10 @@ def diff_runs(
     from .summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 
     bar = bar or _no_bar
+    if not 0 <= seed < 2**63:
+        raise LogitdiffError(f"--seed {seed}: must be a non-negative integer")
+    if logprob_floor is not None and not math.isfinite(logprob_floor):
+        raise LogitdiffError(f"--logprob-floor {logprob_floor}: must be a finite number of nats")
     ranges = tuple(DEFAULT_RANGES if ranges is None else ranges)
     bootstrap = DEFAULT_BOOTSTRAP if bootstrap is None else bootstrap
     check_bootstrap(bootstrap)
@@ -251,6 +338,7 @@ def diff_runs(
     return report
 
 
+@_checked
 def layers(
     reference: str,
     candidates: str | Sequence[str],
@@ -305,6 +393,7 @@ def layers(
     return doc
 
 
+@_checked
 def load_report(report_dir: str | Path):
     """A REPORT directory's report.json (or the file itself), checked (kind, major version;
     against the schema when validation is on) and typed (:class:`logitdiff.contracts.Report`)."""
@@ -319,7 +408,25 @@ def run(**config) -> dict:
     Returns summary.json's object."""
     from .pipeline import Hooks, RunConfig, check_specs, run_pipeline
 
+    import dataclasses
+    import typing
+
     bar = config.pop("bar", None) or _no_bar
+    if not callable(bar):
+        raise LogitdiffError(f"run: argument 'bar' is {type(bar).__name__}; expected a callable")
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise LogitdiffError(f"run: unknown argument {unknown[0]!r} (takes {', '.join(sorted(fields))})")
+    import os
+
+    import logitdiff.pipeline as _pl
+
+    for key in ("workload", "out"):  # paths as Path objects too
+        if isinstance(config.get(key), os.PathLike):
+            config[key] = os.fspath(config[key])
+
+    check_arguments("run", typing.get_type_hints(RunConfig, globalns=vars(_pl)), config)
     cfg = RunConfig(**config)
     check_bootstrap(cfg.bootstrap)
     check_specs(cfg)

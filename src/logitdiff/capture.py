@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import metrics as M
+from . import validate
 from .errors import LogitdiffError
 from .outputs import Kind, writing
 from .sources import RowKind, Source, TopKRows
@@ -306,6 +307,8 @@ def _reference_rows(writer: RunWriter, source: Source, items, rendered, *, max_t
                 continue
             if not gen.token_ids:
                 raise LogitdiffError(f"item {it.id!r}: the reference generated no token")
+            validate.check_ids(list(gen.token_ids), source.vocab_size, f"{source.spec}: item {it.id!r}", what="generated")
+            validate.check_ids(list(prompt_ids), source.vocab_size, f"{source.spec}: item {it.id!r}", what="prompt")
             run_items.append(RunItem(
                 id=it.id, prompt_ids=list(prompt_ids), teacher_ids=list(gen.token_ids),
                 positions=select_positions(len(gen.token_ids), positions, it.id),
@@ -354,6 +357,7 @@ def verified_prompts(source: Source, teacher: RunReader, shard=None, block: int 
         )
     out = []
     for it in shard_items(teacher.items(), shard, block=block):
+        validate.check_ids(list(it.teacher_ids), source.vocab_size, f"reference run {teacher.path}: item {it.id!r}", what="teacher")
         wl = it.extra.get("item")
         if wl is not None:
             ids = source.render(Item.from_json(wl))

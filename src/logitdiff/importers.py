@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import validate
 from .errors import LogitdiffError
 from .outputs import Kind, writing
 from .store import RunItem, RunWriter
@@ -78,8 +79,8 @@ def import_llamacpp_kld(
     n_scored = n_ctx - 1 - first
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     tokens = np.frombuffer(mm, dtype="<i4", count=n_ctx * n_chunk, offset=20).reshape(n_chunk, n_ctx)
-    if tokens.min() < 0 or tokens.max() >= n_vocab:
-        raise LogitdiffError(f"{path}: token ids outside [0, {n_vocab}) in the token block")
+    for c in range(n_chunk):  # the one check of ids (validate.py), naming chunk and position
+        validate.token_ids(tokens[c], n_vocab, f"{path}: token block chunk {c}")
     data_off = 20 + 4 * n_ctx * n_chunk
     rows = np.frombuffer(mm, dtype="<u2", count=nv * n_scored * n_chunk, offset=data_off).reshape(n_chunk, n_scored, nv)
     # Every row's scale and minimum first (8 bytes a row): a corrupt row is a one-line
@@ -253,9 +254,11 @@ def import_npz(path: str | Path, out: str | Path, *, overwrite: bool = False, vo
     V = logits.shape[1]
     if vocab_size is not None and V != vocab_size:
         raise LogitdiffError(f"{path}: logits have V={V}, expected {vocab_size}")
-    r = _first_outside(tok_raw, 0, V)
-    if r is not None:
-        raise LogitdiffError(f"{path}: field 'token_ids' has id {tok_raw[r]} (row {r}, item {ids[r]!r}) outside [0, {V})")
+    try:
+        validate.token_ids(tok_raw, V, f"{path}: field 'token_ids'", what="row")
+    except LogitdiffError as e:
+        r = _first_outside(tok_raw, 0, V)
+        raise LogitdiffError(f"{e} (item {ids[r]!r})") from None
     r = _first_outside(pos_raw, 0, MAX_POSITION)
     if r is not None:
         raise LogitdiffError(

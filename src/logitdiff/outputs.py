@@ -13,7 +13,7 @@ Every command that writes goes through :func:`writing`:
    whole write. A second writer fails at once naming the holder's pid; the kernel drops
    the lock when its holder dies, so a killed process never blocks the next one.
 3. **build beside, swap on success**: the new output is written to a temporary sibling
-   ``.NAME.tmp-PID`` and renamed over the old one only when complete. On an error,
+   ``.NAME.tmp-PID-TOKEN`` and renamed over the old one only when complete. On an error,
    Ctrl-C or SIGTERM the temporary is removed and the old output is as it was.
 
 A capture into a new directory is the one exception to 3: it writes in place so that
@@ -25,11 +25,11 @@ from __future__ import annotations
 import enum
 import errno
 import fcntl
-import glob
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,8 +49,17 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise write_error(path, e) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_error(path: str | Path, e: OSError) -> LogitdiffError:
+    """One line for a failed write: the path and why (a full disk says so)."""
+    if e.errno == errno.ENOSPC:
+        return LogitdiffError(f"{path}: no space left on device")
+    return LogitdiffError(f"{path}: cannot write ({e.strerror or type(e).__name__})")
 
 
 def atomic_write_json(path: str | Path, obj, *, indent: int | None = 1) -> None:
@@ -173,6 +182,16 @@ def check_output(
     out = Path(out)
     if not str(out) or out.name in ("", ".", ".."):
         raise LogitdiffError(f"--out {str(out)!r}: name a file or directory to write, not {str(out) or 'an empty path'!r}")
+    name_max = 255
+    try:
+        name_max = os.pathconf(next((p for p in out.absolute().parents if p.is_dir()), "/"), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        pass
+    size = len(os.fsencode(out.name))
+    if size + TEMP_NAME_EXTRA > name_max:
+        raise LogitdiffError(f"--out {_short_name(out)}: its name is {size} bytes; at most "
+                             f"{name_max - TEMP_NAME_EXTRA} (the file system allows {name_max} and the temporary "
+                             f"written beside it adds {TEMP_NAME_EXTRA})")
     if out.is_symlink():
         raise LogitdiffError(f"{out}: is a symbolic link; refusing to replace it (name the real path)")
     real = _real(out)
@@ -199,6 +218,8 @@ def check_output(
             raise LogitdiffError(f"{out}: exists and is not a directory; refusing to replace it with a {kind.value}")
         if _holds_no_files(out):
             return  # nothing to lose: empty, or only empty directories (an interrupted start)
+        if kind is Kind.RUN and _unstarted_run(out):
+            return  # a capture killed before its manifest existed: only its own files
     elif out.is_dir():
         raise LogitdiffError(f"{out}: is a directory; --out names the file to write (a {kind.value})")
     if not is_kind(out, kind):
@@ -210,6 +231,36 @@ def check_output(
     if overwrite is False:
         hint = "--resume to continue it or --overwrite to replace it" if kind is Kind.RUN else "--overwrite to replace it"
         raise LogitdiffError(f"{out}: already holds a {kind.value} (use {hint})")
+
+
+def _short_name(out: Path) -> str:
+    s = str(out)
+    return s if len(s) <= 80 else s[:40] + "..." + s[-30:]
+
+
+# what a RunWriter writes before its manifest (older versions wrote these first), and the
+# temporaries of atomic_write_bytes (".NAME.tmpPID")
+_PRE_MANIFEST = {"vocab.json", "head.npy"}
+_ATOMIC_TMP = re.compile(r"\A\.[^/]+\.tmp[0-9]+\Z")
+
+
+def _unstarted_run(path: Path) -> bool:
+    """A directory holding only what a capture writes before its manifest: ``chunks/``
+    (empty, or only temporaries), ``vocab.json``, ``head.npy`` and write temporaries."""
+    try:
+        names = os.listdir(path)
+        if "chunks" not in names or "manifest.json" in names:
+            return False
+        for name in names:
+            p = path / name
+            if name == "chunks":
+                if not p.is_dir() or p.is_symlink() or not all(_ATOMIC_TMP.match(n) for n in os.listdir(p)):
+                    return False
+            elif not ((name in _PRE_MANIFEST or _ATOMIC_TMP.match(name)) and p.is_file() and not p.is_symlink()):
+                return False
+    except OSError:
+        return False
+    return True
 
 
 def lock_path(out: Path) -> Path:
@@ -258,7 +309,23 @@ def locked(out: str | Path) -> Iterator[None]:
 
 
 def _temp_sibling(out: Path, what: str) -> Path:
-    return out.parent / f".{out.name}.{what}-{os.getpid()}"
+    """``.NAME.WHAT-PID-TOKEN``: the writer's pid (so a later writer can tell whether it is
+    gone) and 8 random hex digits (so the name is ours, not a user's ``.NAME.tmp-notes``)."""
+    return out.parent / f".{out.name}.{what}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+# what _temp_sibling makes adds to NAME at most: ".", ".old-", a pid (<= 10 digits), "-", 8
+TEMP_NAME_EXTRA = 1 + 5 + 10 + 1 + 8
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone, or beyond any pid
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
 
 
 def _remove(path: Path) -> None:
@@ -272,11 +339,19 @@ def _remove(path: Path) -> None:
 
 
 def _sweep_stale(out: Path) -> None:
-    """Temporaries of an earlier writer killed with SIGKILL: only the lock holder makes
-    them, and we hold the lock now, so every one left is garbage."""
-    for what in ("tmp", "old"):
-        for stale in out.parent.glob(glob.escape(f".{out.name}.{what}-") + "*"):
-            _remove(stale)
+    """Temporaries of an earlier writer killed with SIGKILL: exactly the names
+    :func:`_temp_sibling` makes (``.NAME.tmp-PID-TOKEN`` / ``.NAME.old-PID-TOKEN``) whose
+    process is gone. Anything else beside ``out`` (a user's ``.NAME.old-backup/`` or
+    ``.NAME.tmp-notes``) is never touched."""
+    ours = re.compile(re.escape(f".{out.name}.") + r"(?:tmp|old)-([1-9][0-9]{0,9})-[0-9a-f]{8}\Z")
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return
+    for name in names:
+        m = ours.match(name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            _remove(out.parent / name)
 
 
 def _make_parents(out: Path) -> list[Path]:
@@ -356,6 +431,9 @@ def writing(
             except BaseException:
                 _remove(tmp)
                 raise
+    except OSError as e:  # a write below that no layer named (a full disk): one line, naming out
+        _remove_empty(created)
+        raise write_error(out, e) from None
     except BaseException:
         _remove_empty(created)
         raise

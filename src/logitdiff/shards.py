@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from .errors import LogitdiffError
 from .outputs import Kind, check_output, writing
-from .store import RunReader, RunWriter, rows_per_block
+from .store import RESUME_FREE_IDENTITY, RunReader, RunWriter, rows_per_block
 
 # settings that may differ between shards of one capture
 _SHARD_KEYS = {"shard", "endpoint", "endpoints"}
@@ -66,6 +67,29 @@ def _comparable_settings(run: RunReader) -> dict:
     return {k: v for k, v in (run.manifest.get("settings") or {}).items() if k not in _SHARD_KEYS}
 
 
+# identity keys that say where a shard's model was, not what it was: shards run on other
+# machines, replicas and paths (the weights' hashes, versions, dtype... must agree)
+_PLACE_IDENTITY = {"spec", "model_path", "path", "endpoints", "root", "tokenizer"}
+
+
+def _comparable_identity(run: RunReader) -> dict:
+    """A shard's source identity as ``--resume`` compares it (RESUME_FREE_IDENTITY aside),
+    less where the model was; plus the source kind."""
+    src = run.manifest.get("source") or {}
+    ident = src.get("identity") if isinstance(src, dict) else None
+    ident = ident if isinstance(ident, dict) else {}
+    keep = {k: v for k, v in ident.items() if k not in RESUME_FREE_IDENTITY and k not in _PLACE_IDENTITY}
+    if "device" in keep:  # cuda:0 and cuda:1 compute alike; cpu and cuda do not
+        keep["device"] = str(keep["device"]).split(":")[0]
+    keep["source.kind"] = src.get("kind") if isinstance(src, dict) else None
+    return json.loads(json.dumps(keep, default=str))
+
+
+def _short(x, limit: int = 60) -> str:
+    s = repr(x)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
 def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool = False, chunk_bytes: int | None = None) -> Path:
     """Merge complete shard runs into ``out``. Refuses partial runs, different vocabularies,
     tokenizers, stores or settings, duplicate items and incomplete shard sets."""
@@ -81,6 +105,13 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
                             ("head", first.manifest.get("head"), r.manifest.get("head"))):
             if a != b:
                 raise LogitdiffError(f"{r.path}: field {field!r} is {b!r}, but {a!r} in {first.path}: not shards of one capture")
+        ia, ib = _comparable_identity(first), _comparable_identity(r)
+        if ia != ib:
+            key = next(k for k in sorted(set(ia) | set(ib)) if ia.get(k) != ib.get(k))
+            raise LogitdiffError(
+                f"{r.path}: source identity field {key!r} is {_short(ib.get(key))}, but {_short(ia.get(key))} in "
+                f"{first.path}: not shards of one model (merge joins shards of one capture only)"
+            )
         sa, sb = _comparable_settings(first), _comparable_settings(r)
         if sa != sb:
             key = next(k for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k))

@@ -34,8 +34,9 @@ import numpy as np
 from ._version import __version__
 from . import compact as compact_store
 from . import hidden as hidden_store
+from . import validate
 from .errors import LogitdiffError
-from .outputs import RUN_SCHEMA, Kind, atomic_write_bytes, atomic_write_json, check_output
+from .outputs import RUN_SCHEMA, Kind, atomic_write_bytes, atomic_write_json, check_output, write_error
 
 # A RUN keeps a copy of every tools module its items name, here (so a RUN is portable).
 TOOLS_DIR = "tools"
@@ -51,6 +52,7 @@ _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, 
 # metrics take per batch. Memory of every streaming path is a small multiple of it,
 # whatever the output length or the vocabulary (at V = 248,320 float32: 67 rows).
 DEFAULT_CHUNK_BYTES = 64 << 20
+MAX_CHUNK_BYTES = 1 << 40
 
 
 def parse_chunk_size(text: str | int | None) -> int:
@@ -66,10 +68,14 @@ def parse_chunk_size(text: str | int | None) -> int:
         unit = t[len(num):]
         try:
             n = int(float(num) * units[unit])
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, OverflowError):  # OverflowError: 1e400 is inf
             raise LogitdiffError(f"--chunk-size {text!r}: expected bytes with an optional unit, e.g. 64MiB or 1GiB") from None
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise LogitdiffError(f"--chunk-size {text!r}: expected bytes with an optional unit, e.g. 64MiB or 1GiB")
     if n < (1 << 20):
         raise LogitdiffError(f"--chunk-size {text!r}: must be at least 1MiB")
+    if n > MAX_CHUNK_BYTES:
+        raise LogitdiffError(f"--chunk-size {text!r}: at most 1TiB (memory is a small multiple of it)")
     return n
 
 
@@ -91,15 +97,20 @@ def atomic_save_npy_rows(path: Path, blocks: list[np.ndarray], dtype) -> None:
     cols = blocks[0].shape[1] if blocks else 0
     out_dtype = np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(_DTYPES[dtype])
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False, "shape": (n, cols)})
-        for b in blocks:
-            if dtype == "bfloat16":
-                b = b if b.dtype == np.uint16 else f32_to_bf16(b)
-            f.write(memoryview(np.ascontiguousarray(b, dtype=out_dtype)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False, "shape": (n, cols)})
+            for b in blocks:
+                if dtype == "bfloat16":
+                    b = b if b.dtype == np.uint16 else f32_to_bf16(b)
+                f.write(memoryview(np.ascontiguousarray(b, dtype=out_dtype)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise write_error(path, e) from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass
@@ -185,6 +196,11 @@ def format_store(k: int) -> str:
     return f"topk:{int(k)}" if k else "full"
 
 
+# settings that name a file whose bytes another setting hashes: --resume compares the hash
+# (a workload is its bytes; a teacher RUN stays named by its path, see capture_candidate)
+BY_HASH = {"workload": "workload_sha256"}
+
+
 def resume_difference(old: dict, new: dict) -> tuple[str, object, object] | None:
     """First field in which a RUN's manifest differs from what a resumed capture would
     write: vocabulary, tokenizer, source spec, model identity, then every setting
@@ -200,6 +216,11 @@ def resume_difference(old: dict, new: dict) -> tuple[str, object, object] | None
         os_, ns = old.get("settings") or {}, new.get("settings") or {}
         # store first: a top-K run also differs in dtype, but the store is what was asked
         for k in sorted(set(os_) | set(ns), key=lambda k: (k != "store", k)):
+            h = BY_HASH.get(k)
+            if h and os_.get(h) is not None:
+                if os_.get(h) == ns.get(h):
+                    continue  # the same bytes under another path: the same capture
+                yield f"settings.{h}", os_.get(h), ns.get(h)  # other bytes: say so, not the path
             yield f"settings.{k}", os_.get(k), ns.get(k)
 
     for name, a, b in pairs():
@@ -322,10 +343,11 @@ class RunWriter:
             fresh["head"] = {"file": hidden_store.HEAD_FILE, "shape": list(self.head.shape),
                              "sha256": hidden_store.head_sha256(self.head)}
         if mpath.exists() and resume:
+            self.manifest = read_manifest(mpath)
             try:
-                self.manifest = json.loads(mpath.read_text())
-            except (OSError, ValueError) as e:
-                raise LogitdiffError(f"{mpath}: cannot resume, unreadable manifest ({e})") from None
+                check_chunk_entries(self.manifest.get("chunks"), mpath)
+            except (KeyError, TypeError, ValueError, LogitdiffError) as e:
+                raise LogitdiffError(f"{mpath}: cannot resume, field {str(e).strip(chr(39))!r} malformed") from None
             if self.manifest.get("schema") != RUN_SCHEMA:
                 raise LogitdiffError(f"{mpath}: schema {self.manifest.get('schema')!r}, expected {RUN_SCHEMA}")
             diff = resume_difference(self.manifest, fresh)
@@ -346,17 +368,23 @@ class RunWriter:
             if mpath.exists() and not overwrite:
                 raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
             # Library callers too: never clear or fill a directory that is not a RUN.
-            check_output(self.path, Kind.RUN, overwrite=overwrite)
+            check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
             (self.path / "chunks").mkdir(parents=True, exist_ok=True)
-            if overwrite:
+            if overwrite or resume:  # resume without a manifest: a capture killed before it
                 for f in (self.path / "chunks").iterdir():
-                    f.unlink()
+                    _unlink_any(f)
+                for f in self.path.iterdir():  # write temporaries (.NAME.tmpPID) a kill left
+                    if f.is_file() and f.name.startswith(".") and f.name.rpartition(".tmp")[2].isdigit():
+                        f.unlink()
             self.manifest = fresh
-            if vocab is not None:
-                atomic_write_json(self.path / "vocab.json", vocab)
-            if self.hidden:
-                atomic_save_npy_rows(self.path / hidden_store.HEAD_FILE, [self.head], "bfloat16")
+            # the manifest first: from here on a killed capture is a RUN that --resume continues
             self._write_manifest()
+        # a new run writes these; a resumed one only when a kill came before them
+        fresh_start = self.manifest is fresh
+        if vocab is not None and (fresh_start or not (self.path / "vocab.json").exists()):
+            atomic_write_json(self.path / "vocab.json", vocab)
+        if self.hidden and (fresh_start or not (self.path / hidden_store.HEAD_FILE).exists()):
+            atomic_save_npy_rows(self.path / hidden_store.HEAD_FILE, [self.head], "bfloat16")
         self._next_chunk = len(self.manifest["chunks"])
 
     # -------------------------------------------------------------------------------
@@ -364,8 +392,12 @@ class RunWriter:
         """Ids of the items already on disk (for resuming)."""
         ids: set[str] = set()
         for c in self.manifest["chunks"]:
-            with open(self.path / "chunks" / c["items"]) as f:
-                ids.update(json.loads(line)["id"] for line in f if line.strip())
+            p = self.path / "chunks" / c["items"]
+            try:
+                lines = p.read_bytes().split(b"\n")
+            except OSError as e:
+                raise LogitdiffError(f"{p}: cannot resume, unreadable chunk items ({e.strerror})") from None
+            ids.update(_parse_item_line(p, n, line, c["index"]).id for n, line in enumerate(lines, 1) if line.strip())
         return ids
 
     def add(self, item: RunItem, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None) -> None:
@@ -432,6 +464,9 @@ class RunWriter:
                     raise LogitdiffError(
                         f"item {item.id!r}: top-K {key} shape {rows[key].shape}, expected (<= {n_left}, {self.k})"
                     )
+            done = self._cur_rows
+            validate.topk_rows(rows["ids"], rows["logprobs"], self.vocab_size, self.k, f"item {item.id!r}",
+                               label=lambda r: f"output position {item.positions[done + r]}")
         elif self.hidden and hidden_block is not None:
             rows = self._checked_hidden_block(item, hidden_block, n_left)
             n = rows["hidden"].shape[0]
@@ -602,12 +637,80 @@ def _parse_item_line(path: Path, lineno: int, line: bytes, chunk: int) -> RunIte
         raise LogitdiffError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); the run is damaged") from None
     except json.JSONDecodeError as e:
         raise LogitdiffError(f"{path}:{lineno}: not valid JSON ({e.msg}; truncated line?); the run is damaged") from None
+    except RecursionError:
+        raise LogitdiffError(f"{path}:{lineno}: JSON nested too deeply; the run is damaged") from None
     if not isinstance(d, dict):
         raise LogitdiffError(f"{path}:{lineno}: expected a JSON object; the run is damaged")
     for key, types in (("id", str), ("prompt_ids", list), ("teacher_ids", list), ("positions", list), ("row", int)):
         if not isinstance(d.get(key), types) or isinstance(d.get(key), bool):
             raise LogitdiffError(f"{path}:{lineno}: field {key!r} missing or not a {types.__name__}; the run is damaged")
+    for key, types in (("extra", dict), ("tags", list), ("chunk", int)):
+        if d.get(key) is not None and (not isinstance(d[key], types) or isinstance(d[key], bool)):
+            raise LogitdiffError(f"{path}:{lineno}: field {key!r} not a {types.__name__}; the run is damaged")
+    if not all(isinstance(t, str) for t in d.get("tags") or []):
+        raise LogitdiffError(f"{path}:{lineno}: field 'tags' not a list of strings; the run is damaged")
+    if d["row"] < 0 or d.get("chunk", chunk) < 0:
+        raise LogitdiffError(f"{path}:{lineno}: field 'row' or 'chunk' negative; the run is damaged")
     return RunItem.from_json(d, chunk)
+def read_manifest(mpath: Path) -> dict:
+    """A RUN's manifest.json as a dict, or a one-line error (unreadable, not UTF-8, not
+    JSON, nested beyond the recursion limit, not an object)."""
+    try:
+        m = json.loads(mpath.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise LogitdiffError(f"{mpath}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise LogitdiffError(f"{mpath}: not valid UTF-8 (byte {e.start}); the run is damaged") from None
+    except json.JSONDecodeError as e:
+        raise LogitdiffError(f"{mpath}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise LogitdiffError(f"{mpath}: JSON nested too deeply; the run is damaged") from None
+    if not isinstance(m, dict):
+        raise LogitdiffError(f"{mpath}: expected a JSON object; the run is damaged")
+    return m
+
+
+def check_chunk_entries(chunks, mpath: Path) -> None:
+    """The manifest's ``chunks``: objects numbered 0, 1, ... naming plain files in chunks/
+    (no path outside the RUN) with a row count; raises ValueError('chunks[i].field')."""
+    if not isinstance(chunks, list):
+        raise ValueError("chunks")
+    for i, c in enumerate(chunks):
+        if not isinstance(c, dict):
+            raise ValueError(f"chunks[{i}]")
+        if c.get("index") != i or isinstance(c.get("index"), bool):
+            raise ValueError(f"chunks[{i}].index")
+        for key in ("items", "data"):
+            name = c.get(key)
+            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+                raise ValueError(f"chunks[{i}].{key}")
+        if not isinstance(c.get("rows"), int) or isinstance(c.get("rows"), bool) or c["rows"] < 0:
+            raise ValueError(f"chunks[{i}].rows")
+
+
+def _unlink_any(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        import shutil
+
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _check_item_ids(it: RunItem, vocab_size: int, where: str) -> None:
+    """Ids of a stored item in [0, V) (teacher -1: unknown, in imported RUNs), positions
+    integers indexing the teacher sequence."""
+    validate.check_ids(it.prompt_ids, vocab_size, where, what="prompt")
+    validate.check_ids(it.teacher_ids, vocab_size, where, what="teacher", allow=-1)
+    n = len(it.teacher_ids)
+    pos = it.positions
+    if pos and set(map(type, pos)) <= {int} and min(pos) >= 0 and max(pos) < n:
+        return
+    for j, q in enumerate(pos):
+        if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q < n:
+            raise LogitdiffError(f"{where}: field 'positions' [{j}] = {str(q)[:40]} is not a teacher position in [0, {n})")
+
+
 def _nonfinite_row(rows: np.ndarray, dtype: str) -> int | None:
     """First row holding NaN/inf, or None. bf16 bits (uint16): exponent all ones."""
     if not rows.size:
@@ -693,10 +796,7 @@ class RunReader:
             raise LogitdiffError(f"{self.path}: not a RUN directory")
         if not mpath.exists():
             raise LogitdiffError(f"{mpath}: missing (not a logitdiff RUN)")
-        try:
-            self.manifest = json.loads(mpath.read_text())
-        except json.JSONDecodeError as e:
-            raise LogitdiffError(f"{mpath}: not valid JSON ({e.msg})") from None
+        self.manifest = read_manifest(mpath)
         if self.manifest.get("schema") != RUN_SCHEMA:
             raise LogitdiffError(f"{mpath}: field 'schema' is {self.manifest.get('schema')!r}, expected {RUN_SCHEMA!r}")
         if self.manifest.get("status") != "complete" and not allow_partial:
@@ -707,9 +807,12 @@ class RunReader:
             st = self.manifest["settings"]["store"]
             self.k = parse_store(st)
             self.vocab_size = int(self.manifest["vocab_size"])
-            if not isinstance(self.manifest["chunks"], list):
-                raise TypeError("chunks")
-        except (KeyError, TypeError, ValueError, LogitdiffError) as e:
+            if not isinstance(self.manifest["vocab_size"], int) or isinstance(self.manifest["vocab_size"], bool) or self.vocab_size < 1:
+                raise ValueError("vocab_size")
+            if self.manifest["settings"].get("dtype") not in (None, *_DTYPES):
+                raise ValueError("settings.dtype")
+            check_chunk_entries(self.manifest["chunks"], mpath)
+        except (KeyError, TypeError, ValueError, AttributeError, LogitdiffError) as e:
             raise LogitdiffError(f"{mpath}: field {str(e).strip(chr(39))!r} missing or malformed (not a RUN this logitdiff reads)") from None
         self.store = st
         self.compact = compact_store.parse_spec(st) if compact_store.is_compact(st) else None
@@ -747,6 +850,7 @@ class RunReader:
                 for lineno, line in enumerate(p.read_bytes().split(b"\n"), 1):
                     if line.strip():
                         it = _parse_item_line(p, lineno, line, c["index"])
+                        _check_item_ids(it, self.vocab_size, f"{p}:{lineno} (item {it.id!r})")
                         self._resolve_tools_module(p, lineno, it, checked)
                         if it.id in seen:
                             raise LogitdiffError(f"{p}: duplicate item id {it.id!r}")
@@ -760,11 +864,17 @@ class RunReader:
         after checking that the copy is there and has the recorded hash."""
         wl_item = it.extra.get("item") if isinstance(it.extra, dict) else None
         rel = wl_item.get("tools_module") if isinstance(wl_item, dict) else None
-        if not rel or Path(rel).is_absolute():
-            return  # none, or a RUN written before RUNs kept their tools modules
-        where = f"{items_file}:{lineno} (item {it.id!r}): field 'tools_module' {rel!r}"
+        if rel is None:
+            return
+        where = f"{items_file}:{lineno} (item {it.id!r}): field 'tools_module' {str(rel)[:120]!r}"
+        if not isinstance(rel, str) or not rel:
+            raise LogitdiffError(f"{where}: not a path; the run is damaged")
+        if Path(rel).is_absolute():
+            # only a copy inside the RUN, checked against its hash, is ever executed
+            raise LogitdiffError(f"{where}: an absolute path; a RUN's tools modules are its own copies under "
+                                 f"{TOOLS_DIR}/ with their sha256 (recapture with this logitdiff)")
         local = self.path / rel
-        if not local.is_file() or ".." in Path(rel).parts:
+        if not local.is_file() or ".." in Path(rel).parts or self.path.resolve() not in local.resolve().parents:
             raise LogitdiffError(f"{where}: not in the RUN (copied without its {TOOLS_DIR}/ directory?)")
         want = wl_item.get("tools_module_sha256")
         if not isinstance(want, str):
@@ -799,20 +909,34 @@ class RunReader:
                 data = compact_store.load_chunk(p)
                 n = data["max_logit"].shape[0]
             elif self.k:
-                with np.load(p) as z:
+                with np.load(p, allow_pickle=False) as z:
                     data = {k: z[k] for k in z.files}
+                if "ids" not in data or "logprobs" not in data:
+                    raise LogitdiffError(f"{p}: top-K chunk without 'ids' and 'logprobs' arrays; the run is damaged")
+                validate.topk_rows(data["ids"], data["logprobs"], self.vocab_size, self.k, str(p),
+                                   label=lambda r, i=index: self._row_label(i, r))
                 n = data["ids"].shape[0]
             else:
-                data = np.load(p, mmap_mode="r")
-                n = data.shape[0]
+                data = np.load(p, mmap_mode="r", allow_pickle=False)
+                n = data.shape[0] if data.ndim else 0
                 if data.ndim != 2 or data.shape[1] != self.vocab_size:
                     raise LogitdiffError(f"{p}: logits shape {data.shape}, expected (*, {self.vocab_size})")
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+                validate.rows_dtype(data, _DTYPES.get(self.dtype or "float32", np.float32), str(p), name=self.dtype or "float32")
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as e:
             raise LogitdiffError(f"{p}: unreadable chunk ({e})") from None
         if n != c["rows"]:
             raise LogitdiffError(f"{p}: holds {n} rows, manifest says {c['rows']} (truncated run)")
         self._cache = (index, data)
         return data
+
+    def _row_label(self, index: int, r: int) -> str:
+        """``item 'ID' output position P`` of row ``r`` of chunk ``index`` (for errors)."""
+        for it in self.items():
+            for i, a, b in self._spans(it):
+                if i == index and a <= r < b:
+                    done = sum(bb - aa for ii, aa, bb in self._spans(it) if ii < index)
+                    return f"item {it.id!r} output position {it.positions[done + r - a]}"
+        return f"row {r}"
 
     def head(self) -> np.ndarray:
         """A hidden-state run's output head [V, H] (bf16 bits, memory-mapped), checked

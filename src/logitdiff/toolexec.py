@@ -21,12 +21,19 @@ allows it (every result says which parts were in force: :attr:`ExecResult.contai
     anything it starts may create, write, truncate, rename, link or remove files only beneath
     the sandbox directory (and write ``/dev/null``); the rest of the filesystem is a read-only
     view. Reading is allowed everywhere.
-  - *network*: a network namespace of its own (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``, or
-    ``CLONE_NEWNET`` alone as root): no interface is up, so nothing outside the process is
-    reachable over TCP, UDP or abstract Unix sockets. Without namespaces, Landlock ABI >= 4
-    still refuses TCP connect and bind.
-  - *processes*: a seccomp filter refuses fork, vfork, execve, execveat and clone without
+  - *network*: a seccomp filter refuses ``socket()`` and ``socketpair()`` of every address
+    family (Unix sockets included: a pathname Unix socket is reachable from any network
+    namespace) and io_uring, so the process can make no socket at all; and a network
+    namespace of its own (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``, or ``CLONE_NEWNET``
+    alone as root) where the kernel allows: no interface is up. Without seccomp, Landlock
+    ABI >= 4 still refuses TCP connect and bind.
+  - *processes*: the seccomp filter refuses fork, vfork, execve, execveat and clone without
     ``CLONE_THREAD`` (threads work), so no program can be started, whatever the route.
+  - *metadata*: the seccomp filter refuses chmod, chown, utime and xattr changes in every
+    form (``fchmod``, ``fchmodat(2)``, ``fchownat``, ``lchown``, ``utimes``, ``utimensat``,
+    ``futimesat``, ``[lf]setxattr``, ``[lf]removexattr``, ``setxattrat``, ``removexattrat``)
+    and the inode-flag ioctls (``chattr``), everywhere (the sandbox included): Landlock does
+    not govern them.
   - *signals*: Landlock ABI >= 6 scoping: no signal to a process outside the sandbox.
 
   Each degrades on its own: where the kernel, a container's seccomp profile or a policy
@@ -49,12 +56,14 @@ allows it (every result says which parts were in force: :attr:`ExecResult.contai
   It gives the readable errors; it is not a boundary: ``ctypes``, C extensions,
   ``_posixsubprocess.fork_exec`` and paths relative to a ``dir_fd`` (judged against the cwd)
   go around it. Where only the hook holds a part, that part is not contained.
+* **a result cap**: at most :data:`RESULT_LIMIT` bytes are read from the result pipe, block by
+  block; a tool that sends more is killed and the call fails with one line.
 * **a timeout**: the process group (the runner starts a new session) is killed with SIGKILL at
   ``timeout`` seconds; the call then returns within about one more second.
 
 Not contained, anywhere: reading files (a tool can read what the user can), writing to the
 descriptors the process is given (its stderr file beside the sandbox, capped by the file
-size limit, and the result pipe: a tool can forge its own result), and CPU and memory use
+size limit, and the result pipe, capped by the result cap: a tool can forge its own result), and CPU and memory use
 within the limits above.  For hostile code use a container or VM as well.
 """
 
@@ -62,6 +71,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -78,6 +88,7 @@ if TYPE_CHECKING:  # toolcalls pulls in jsonschema; the CLI imports SANDBOX_HELP
 
 MEMORY_LIMIT = 1 << 30  # bytes of address space for the tool process
 FILE_SIZE_LIMIT = 16 << 20  # largest file the tool process may write (its stderr included)
+RESULT_LIMIT = 16 << 20  # most bytes read from a tool's result pipe; more: the tool is killed
 _KILL_GRACE = 1.0  # seconds to reap the process group after SIGKILL
 
 # What `--help` says (flips; run). Keep in step with the module docstring and README.
@@ -85,8 +96,10 @@ SANDBOX_HELP = """\
 Executed tool calls (items with a tools_module) run one per fresh subprocess, in an empty
 temporary directory, with a timeout, memory/CPU/file-size limits and a Python audit hook.
 On Linux the kernel also confines the process where it allows: Landlock (writes only inside
-that directory; the rest of the filesystem is read-only), a network namespace (no network),
-seccomp (no new processes) and Landlock scoping (no signals to other processes). Any part
+that directory), seccomp (no socket of any address family, Unix included; no new
+processes; no chmod/chown/utime/xattr changes anywhere), a network namespace (no interface
+up) and Landlock scoping (no signals to other processes). A tool's result is read up to
+16 MiB; more kills it. Any part
 the kernel refuses (old kernel, container profile, no user namespaces) falls back to the
 audit hook alone, which ctypes, C extensions and dir_fd paths go around: that part is NOT
 contained. Every execution records which parts held ("containment" in flips.parquet's
@@ -98,6 +111,7 @@ _RUNNER = r'''
 import json, math, os, resource, sys
 
 mode, module_path, sandbox, timeout, mem, fsize = sys.argv[1:7]
+PARTS = ("filesystem", "network", "processes", "signals", "metadata")
 result_fd = os.dup(1)        # the result channel; everything the tool prints goes to stderr
 os.dup2(2, 1)
 sys.stdout = sys.stderr
@@ -113,10 +127,10 @@ import importlib.util, inspect
 def contain(sandbox):
     """Kernel-level containment, as much as this platform allows, before any tool code runs.
 
-    Returns what is in force: {"filesystem", "network", "processes", "signals"} -> one short
+    Returns what is in force: {"filesystem", "network", "processes", "signals", "metadata"} -> one short
     line each. Each step degrades on its own (a kernel without Landlock still gets the
     namespace); "audit hook only" means that only the Python-level guard below holds."""
-    got = {k: "audit hook only" for k in ("filesystem", "network", "processes", "signals")}
+    got = {k: "audit hook only" for k in PARTS}
     if not sys.platform.startswith("linux"):
         return got
     import ctypes, platform, struct
@@ -136,7 +150,8 @@ def contain(sandbox):
         got["network"] = f"audit hook only (no network namespace: {why()})"
     # Landlock and seccomp without privileges need no_new_privs (inherited, never undone)
     if libc.prctl(L(38), L(1), L(0), L(0), L(0)) != 0:  # PR_SET_NO_NEW_PRIVS
-        got["filesystem"] = got["processes"] = got["signals"] = f"audit hook only (no_new_privs refused: {why()})"
+        for k in ("filesystem", "processes", "signals", "metadata"):
+            got[k] = f"audit hook only (no_new_privs refused: {why()})"
         return got
     # filesystem: Landlock (Linux >= 5.13). Only write-like rights are handled, so reading
     # stays allowed everywhere; they are granted beneath the sandbox and on /dev/null only.
@@ -170,34 +185,55 @@ def contain(sandbox):
             got["filesystem"] = got["signals"] = f"audit hook only (Landlock refused: {why()})"
         if rs >= 0:
             os.close(rs)
-    # processes: a seccomp filter refuses fork, vfork, execve and clone without CLONE_THREAD
-    # (threads still work; clone3 says ENOSYS so the C library falls back to clone).
+    # one seccomp filter (refused calls answer EPERM):
+    # processes: fork, vfork, execve and clone without CLONE_THREAD (threads still work;
+    #   clone3 says ENOSYS so the C library falls back to clone);
+    # network: socket() and socketpair() of every address family (Unix sockets included:
+    #   a pathname Unix socket is reachable from any network namespace) and io_uring (which
+    #   can make sockets and open files without those calls);
+    # metadata: chmod, chown, utime and xattr changes (Landlock does not govern them), every
+    #   form, and the inode-flag ioctls (chattr): refused everywhere, inside the sandbox too.
     arch = platform.machine()
-    nrs = {"x86_64": (0xC000003E, 56, (57, 58, 59, 322)), "aarch64": (0xC00000B7, 220, (221, 281))}.get(arch)
-    if nrs is None:
-        got["processes"] = f"audit hook only (no seccomp filter for {arch})"
+    tables = {  # audit arch, clone, ioctl, fork/exec, sockets, metadata
+        "x86_64": (0xC000003E, 56, 16, (57, 58, 59, 322), (41, 53, 425, 426, 427),
+                   (90, 91, 92, 93, 94, 132, 188, 189, 190, 197, 198, 199, 235, 260, 261, 268, 280, 452, 463, 466)),
+        "aarch64": (0xC00000B7, 220, 29, (221, 281), (198, 199, 425, 426, 427),
+                    (5, 6, 7, 14, 15, 16, 52, 53, 54, 55, 88, 452, 463, 466)),
+    }
+    if arch not in tables:
+        got["processes"] = got["metadata"] = f"audit hook only (no seccomp filter for {arch})"
         return got
-    audit_arch, nr_clone, nr_deny = nrs
+    audit_arch, nr_clone, nr_ioctl, nr_proc, nr_sock, nr_meta = tables[arch]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, deny, nosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38  # ERRNO(EPERM), ERRNO(ENOSYS)
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, audit_arch), (ret, 0, 0, deny), (ld, 0, 0, 0),
             (jge, 0, 1, 0x40000000), (ret, 0, 0, deny)]  # other ABIs (i386 on x86_64, x32): refused
-    for nr in nr_deny:
+    for nr in nr_proc + nr_sock + nr_meta:
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, deny)]
-    prog += [(jeq, 0, 1, 435), (ret, 0, 0, nosys),  # clone3: its flags are out of reach
-             (jeq, 0, 3, nr_clone), (ld, 0, 0, 16), (jset, 1, 0, 0x10000), (ret, 0, 0, deny),  # CLONE_THREAD
+    prog += [(jeq, 0, 1, 435), (ret, 0, 0, nosys)]  # clone3: its flags are out of reach
+    # FS_IOC_SETFLAGS, FS_IOC32_SETFLAGS, FS_IOC_FSSETXATTR (low 32 bits of the request)
+    cmds = (0x40086602, 0x40046602, 0x401C5820)
+    prog += [(jeq, 0, 2 + 2 * len(cmds), nr_ioctl), (ld, 0, 0, 24)]
+    for c in cmds:
+        prog += [(jeq, 0, 1, c), (ret, 0, 0, deny)]
+    prog += [(ret, 0, 0, allow)]
+    prog += [(jeq, 0, 3, nr_clone), (ld, 0, 0, 16), (jset, 1, 0, 0x10000), (ret, 0, 0, deny),  # CLONE_THREAD
              (ret, 0, 0, allow)]
     filt = ctypes.create_string_buffer(b"".join(struct.pack("<HBBI", *i) for i in prog))
     fprog = struct.pack("<HxxxxxxQ", len(prog), ctypes.addressof(filt))
     if libc.prctl(L(22), L(2), ctypes.c_char_p(fprog), L(0), L(0)) == 0:  # PR_SET_SECCOMP, FILTER
         got["processes"] = "seccomp: fork and exec refused"
+        got["metadata"] = "seccomp: chmod, chown, utime, xattr and inode-flag changes refused everywhere"
+        ns = got["network"].startswith("network namespace")
+        got["network"] = ("seccomp: no socket of any address family (Unix included), no io_uring"
+                          + ("; network namespace (no interface up)" if ns else ""))
     else:
-        got["processes"] = f"audit hook only (seccomp refused: {why()})"
+        got["processes"] = got["metadata"] = f"audit hook only (seccomp refused: {why()})"
     return got
 
 SANDBOX = os.path.realpath(sandbox)
 BLOCKED = {
-    "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
+    "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
     "socket.gethostbyaddr", "socket.getnameinfo", "socket.sendto", "socket.sendmsg",
     "socket.sethostname", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
     "os.spawn", "os.fork", "os.forkpty", "os.kill", "os.killpg", "os.startfile",
@@ -278,7 +314,7 @@ def run():
 try:
     CONTAINMENT = contain(SANDBOX)
 except Exception as e:  # e.g. a Python built without ctypes: say so, run with the hook alone
-    CONTAINMENT = {k: f"audit hook only ({type(e).__name__}: {e})" for k in ("filesystem", "network", "processes", "signals")}
+    CONTAINMENT = {k: f"audit hook only ({type(e).__name__}: {e})" for k in PARTS}
 sys.addaudithook(guard)
 data = json.dumps({**run(), "containment": CONTAINMENT}).encode()
 view = memoryview(data)
@@ -324,6 +360,51 @@ def _env(sandbox: str) -> dict[str, str]:
     return env
 
 
+def _exchange(proc: subprocess.Popen, data: bytes, timeout: float) -> tuple[bytes, bool, bool]:
+    """Send ``data`` to the tool's stdin and read its result pipe until EOF, at most
+    :data:`RESULT_LIMIT` bytes and ``timeout`` seconds: (result bytes, timed out, flooded).
+    Reads incrementally, so a flooding tool costs this process at most the cap."""
+    deadline = time.monotonic() + timeout
+    sel = selectors.DefaultSelector()
+    out_fd, in_fd = proc.stdout.fileno(), proc.stdin.fileno()
+    os.set_blocking(out_fd, False)
+    os.set_blocking(in_fd, False)
+    sel.register(out_fd, selectors.EVENT_READ)
+    sel.register(in_fd, selectors.EVENT_WRITE)
+    view, chunks, n = memoryview(data), [], 0
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b"", True, False
+            for key, _ in sel.select(left):
+                if key.fd == in_fd:
+                    try:
+                        view = view[os.write(in_fd, view[:1 << 16]):]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:  # died before reading: its exit status says why
+                        view = view[:0]
+                    if not view:
+                        sel.unregister(in_fd)
+                        proc.stdin.close()
+                    continue
+                try:
+                    block = os.read(out_fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not block:
+                    sel.unregister(out_fd)
+                    continue
+                n += len(block)
+                if n > RESULT_LIMIT:
+                    return b"", False, True
+                chunks.append(block)
+    finally:
+        sel.close()
+    return b"".join(chunks), False, False
+
+
 def _run(module_path: Path, mode: str, payload: Any, timeout: float) -> ExecResult:
     """Run the runner once in a fresh sandbox; the runner's answer as an ExecResult."""
     t0 = time.monotonic()
@@ -339,30 +420,37 @@ def _run(module_path: Path, mode: str, payload: Any, timeout: float) -> ExecResu
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=sandbox,
                 env=_env(sandbox), start_new_session=True,
             )
-            timed_out = False
-            try:
-                out, _ = proc.communicate(json.dumps(payload).encode(), timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            t_end = time.monotonic() + timeout
+            out, timed_out, flooded = _exchange(proc, json.dumps(payload).encode(), timeout)
+            if not (timed_out or flooded):  # the result pipe is closed; the process must end too
+                try:
+                    proc.wait(timeout=max(0.0, t_end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+            if timed_out or flooded:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)  # the group: anything it started dies too
                 except ProcessLookupError:
                     pass
-                try:
-                    out, _ = proc.communicate(timeout=_KILL_GRACE)
-                except subprocess.TimeoutExpired:  # unkillable (D state): give up on it
-                    out = b""
+            try:
+                proc.wait(timeout=_KILL_GRACE)
+            except subprocess.TimeoutExpired:  # unkillable (D state): give up on it
+                pass
+            for f in (proc.stdin, proc.stdout):
+                f.close()
             seconds = time.monotonic() - t0
             err.seek(max(0, err.seek(0, os.SEEK_END) - 4000))
             tail = err.read().decode("utf-8", "replace").strip().splitlines()
     if timed_out:
         return ExecResult(False, None, f"timed out after {timeout:g}s", True, seconds)
+    if flooded:
+        return ExecResult(False, None, f"tool process killed: its result exceeded {RESULT_LIMIT >> 20} MiB", False, seconds)
     try:
         res = json.loads(out.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         res = None
     if not isinstance(res, dict) or "ok" not in res:
-        rc = proc.returncode
+        rc = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         how = f"exit status {rc}" if rc >= 0 else f"killed by signal {-rc}"
         if rc < 0 and -rc in signal.valid_signals():
             how = f"killed by {signal.Signals(-rc).name}"
@@ -372,6 +460,12 @@ def _run(module_path: Path, mode: str, payload: Any, timeout: float) -> ExecResu
     if res["ok"]:
         return ExecResult(True, res.get("value"), None, False, seconds, held)
     return ExecResult(False, None, res.get("error") or "failed", False, seconds, held)
+
+
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < 1e6):
+        raise LogitdiffError(f"tool call timeout {timeout!r}: must be a number of seconds above 0 (and finite)")
+    return float(timeout)
 
 
 def _module(module_path: str | Path) -> Path:
@@ -385,7 +479,7 @@ def load_check(module_path: str | Path, timeout: float = 10.0) -> dict | None:
     """Import the tools module once, sandboxed as a call would be; return the containment
     that held (see :class:`ExecResult`); raise LogitdiffError ``"<path>: tools module failed
     to import: <one line>"`` or ``"<path>: tools module did not import within Ns"``."""
-    r = _run(_module(module_path), "import", None, timeout)
+    r = _run(_module(module_path), "import", None, _check_timeout(timeout))
     if r.timed_out:
         raise LogitdiffError(f"{module_path}: tools module did not import within {timeout:g}s")
     if not r.ok:
@@ -398,6 +492,7 @@ def execute_calls(module_path: str | Path, calls: list[ToolCall], *, timeout: fl
     """Run each call in its own fresh sandboxed subprocess (see the module docstring); one
     ExecResult per call, in order.  Never blocks longer than about ``timeout + 1`` s a call."""
     path = _module(module_path)
+    timeout = _check_timeout(timeout)
     return [_run(path, "call", c.to_json(), timeout) for c in calls]
 
 

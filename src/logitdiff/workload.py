@@ -73,6 +73,12 @@ class Item:
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs
             ):
                 raise LogitdiffError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
+            for k, m in enumerate(msgs):
+                c = m.get("content")
+                if c is not None and not isinstance(c, str) and not (
+                        isinstance(c, list) and all(isinstance(p, dict) for p in c)):
+                    raise LogitdiffError(f"{where}: messages[{k}].content is {type(c).__name__}; "
+                                         "expected a string (or a list of content parts)")
         tools = d.get("tools")
         if tools is not None:
             if not isinstance(tools, list):
@@ -109,6 +115,25 @@ class Item:
         )
 
 
+def parse_line(line: str, where: str) -> Any:
+    """One JSON line of text: a one-line error for bad JSON, nesting beyond Python's
+    recursion limit, and lone surrogate escapes (``"\\ud800"``: not Unicode text, nothing
+    downstream can encode it)."""
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise LogitdiffError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise LogitdiffError(f"{where}: JSON nested too deeply") from None
+    try:
+        json.dumps(d, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise LogitdiffError(f"{where}: holds a lone surrogate escape (\\u{ord(e.object[e.start]):04x}), not Unicode text") from None
+    except RecursionError:
+        raise LogitdiffError(f"{where}: JSON nested too deeply") from None
+    return d
+
+
 _TOOLS_CHECKED: set[str] = set()
 
 
@@ -140,10 +165,7 @@ def read_workload(path: str | Path) -> list[Item]:
                 raise LogitdiffError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LogitdiffError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            d = parse_line(line, f"{path}:{lineno}")
             item = Item.from_json(d, where=f"{path}:{lineno}")
             if item.tools_module is not None:
                 tm = (path.parent / item.tools_module).resolve()

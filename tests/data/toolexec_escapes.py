@@ -173,3 +173,112 @@ def ctypes_kill(pid):
     if _libc.kill(int(pid), 9) != 0:
         _fail("kill")
     return "killed"
+
+
+# --- Unix sockets, metadata, floods (round two) ------------------------------------------
+class _SockaddrUn(ctypes.Structure):
+    _fields_ = [("family", ctypes.c_ushort), ("path", ctypes.c_char * 108)]
+
+
+def unix_connect(path):
+    """A pathname Unix socket is reachable from any network namespace."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.sendall(b"escaped")
+    s.close()
+    return "sent"
+
+
+def ctypes_unix_connect(path):
+    fd = _libc.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0)
+    if fd < 0:
+        _fail("socket")
+    addr = _SockaddrUn(socket.AF_UNIX, os.fsencode(path))
+    try:
+        if _libc.connect(fd, ctypes.byref(addr), ctypes.sizeof(addr)) != 0:
+            _fail("connect")
+        _libc.write(fd, b"escaped", 7)
+    finally:
+        _libc.close(fd)
+    return "sent"
+
+
+def ctypes_socket(family, kind):
+    fd = _libc.socket(int(family), int(kind), 0)
+    if fd < 0:
+        _fail("socket")
+    _libc.close(fd)
+    return "made"
+
+
+def ctypes_socketpair():
+    fds = (ctypes.c_int * 2)()
+    if _libc.socketpair(socket.AF_UNIX, socket.SOCK_STREAM, 0, fds) != 0:
+        _fail("socketpair")
+    return "made"
+
+
+def os_meta(target, what):
+    if what == "chmod":
+        os.chmod(target, 0)
+    elif what == "utime":
+        os.utime(target, (1, 1))
+    elif what == "setxattr":
+        os.setxattr(target, "user.escaped", b"1")
+    elif what == "chown":
+        os.chown(target, 1, 1)
+    return "changed"
+
+
+def fd_meta(target, what):
+    """The same changes through a read-only descriptor: no path for the audit hook to judge."""
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        if what == "chmod":
+            os.fchmod(fd, 0)
+        elif what == "utime":
+            os.utime(fd, (1, 1))
+        elif what == "setxattr":
+            os.setxattr(fd, "user.escaped", b"1")
+        elif what == "chown":
+            os.fchown(fd, 1, 1)
+    finally:
+        os.close(fd)
+    return "changed"
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+def ctypes_meta(target, what):
+    t = os.fsencode(target)
+    if what == "chmod":
+        rc = _libc.chmod(t, 0)
+    elif what == "utime":
+        ts = (_Timespec * 2)((1, 0), (1, 0))
+        rc = _libc.utimensat(-100, t, ts, 0)
+    elif what == "setxattr":
+        rc = _libc.setxattr(t, b"user.escaped", b"1", 1, 0)
+    elif what == "chown":
+        rc = _libc.chown(t, 1, 1)
+    if rc != 0:
+        _fail(what)
+    return "changed"
+
+
+def flood(mib):
+    """Write ``mib`` MiB of junk straight into the result descriptor (fd 3 or above)."""
+    block = b"x" * (1 << 20)
+    for fd in range(3, 16):
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        try:
+            for _ in range(int(mib)):
+                os.write(fd, block)
+        except OSError:
+            continue
+        return "flooded"
+    return "no descriptor"

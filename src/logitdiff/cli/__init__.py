@@ -67,6 +67,29 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+def _last_resort(e: BaseException, args) -> str:
+    """One line for an error no layer named: the path (the error's, else --out) and why."""
+    import errno
+
+    if isinstance(e, RecursionError):
+        return "input nested too deeply (recursion limit)"
+    if isinstance(e, MemoryError):
+        return "out of memory (lower --chunk-size, or free memory)"
+    path = getattr(e, "filename", None) or getattr(args, "out", None) or getattr(args, "json", None) or "?"
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e):
+        why = "no space left on device"
+    else:
+        why = e.strerror if getattr(e, "strerror", None) else " ".join(str(e).split())[:200] or type(e).__name__
+    return f"{path}: {why}"
+
+
+def _check_common(args) -> None:
+    """Options several commands share, checked once: a bootstrap/sample seed is >= 0."""
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise LogitdiffError(f"--seed {seed}: must be a non-negative integer")
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -92,9 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
+        _check_common(args)
         return int(args.func(args) or 0)
     except LogitdiffError as e:
         print(f"logitdiff: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, RecursionError, MemoryError) as e:
+        # the last resort: a write or read that no layer below turned into its own line
+        print(f"logitdiff: error: {_last_resort(e, args)}", file=sys.stderr)
         return 2
     except Terminated:
         print("logitdiff: terminated (SIGTERM); the output was left as it was", file=sys.stderr)

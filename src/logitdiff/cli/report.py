@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..errors import LogitdiffError
@@ -83,16 +84,77 @@ def find_summary(dirs: list[Path]) -> dict | None:
 
 
 def run(args) -> int:
+    try:
+        return _run(args)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as e:
+        raise _damaged_input(args, e) from None
+
+
+def _damaged_input(args, e: BaseException) -> LogitdiffError:
+    """A report.json or summary.json that parses but cannot be rendered (doctored, or from
+    another tool): only now is every input checked against its JSON Schema, to name the
+    first field at fault (the happy path pays nothing for it)."""
+    from ..contracts import validate
+
+    docs = []
+    for a in args.report_dirs:
+        for name, schema in (("report.json", "report"), ("summary.json", "summary")):
+            p = Path(a) / name
+            docs.append((p, schema))
+    if args.summary:
+        docs.append((Path(args.summary), "summary"))
+    for p, schema in docs:
+        if not p.is_file():
+            continue
+        try:
+            doc = json.loads(p.read_text())
+        except (ValueError, RecursionError, OSError):
+            return LogitdiffError(f"{p}: not JSON this logitdiff reads (damaged?)")
+        try:
+            validate(doc, schema, str(p))
+        except RecursionError:
+            return LogitdiffError(f"{p}: nested too deeply (damaged?)")
+        except LogitdiffError as err:
+            return err
+    msg = " ".join(str(e).split())[:160]
+    return LogitdiffError(f"{', '.join(args.report_dirs)[:200]}: report data this logitdiff cannot render "
+                          f"({type(e).__name__}: {msg}); was report.json or tokens.parquet edited?")
+
+
+CHECKED_ROWS = 1000  # rows of a report.json checked against the schema before rendering
+
+
+def _check_input(path: Path, schema: str) -> None:
+    """A report.json against its JSON Schema: every field but the per-position rows, of
+    which the first CHECKED_ROWS (a row that breaks rendering later is named then, by
+    _damaged_input); a one-line error naming the first field at fault."""
+    from ..contracts import validate
+
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise LogitdiffError(f"{path}: not JSON this logitdiff reads ({type(e).__name__})") from None
+    if isinstance(doc, dict) and isinstance(doc.get("rows"), list):
+        doc = {**doc, "rows": doc["rows"][:CHECKED_ROWS]}
+    validate(doc, schema, str(path))
+
+
+def _run(args) -> int:
+    from ..contracts import validate
     from ..outputs import Kind, check_output
     from ..report.html import write_html
 
     dirs, summary = expand_report_dirs(args.report_dirs)
+    for d in dirs:  # a doctored report.json is an error, not a page of wrong numbers
+        _check_input(d / "report.json", "report")
     # The REPORT directories actually read (a `run` OUT stands for its reports/*, so its
     # report.html may be rewritten) and --summary are inputs --out must stay clear of.
     inputs = [*dirs, *([args.summary] if args.summary else [])]
     check_output(args.out, Kind.HTML, inputs=inputs)
     if args.summary:
         summary = load_summary(Path(args.summary))
+    if summary is not None:
+        validate(summary, "summary", str(args.summary or "summary.json"))
     out = write_html(dirs, args.out, summary=summary, title=args.title, inputs=inputs)
     size = out.stat().st_size
     console().print(f"wrote {out} ({len(dirs)} candidate{'s' if len(dirs) != 1 else ''}, {size / 1e6:.1f} MB)")

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from ...errors import LogitdiffError
 from ..base import Spec
-from .base import DETOKENIZE_CHUNK, SEPARATORS, ServedSource, bool_option, topk_row
+from .base import DETOKENIZE_CHUNK, MALFORMED, SEPARATORS, ServedSource, bool_option, malformed, topk_row
 from .client import HttpClient, ServerError, ServerKind, endpoint_root
 from .llamacpp import LLAMACPP_TASKS_PER_REQUEST, LlamaServerSource
 from .sglang import SGLangSource
@@ -75,9 +75,9 @@ def open_served(spec: Spec) -> ServedSource:
             return default
         try:
             v = conv(spec.options[key])
-        except ValueError:
+        except (ValueError, OverflowError):
             v = -1
-        if v <= 0:
+        if not 0 < v < 1e12:  # NaN, inf and absurd values too
             raise LogitdiffError(f"source spec {text!r}: option {key}={spec.options[key]!r} must be a positive number")
         return v
 
@@ -94,6 +94,9 @@ def open_served(spec: Spec) -> ServedSource:
     try:
         server = ServerKind(kind) if kind != "auto" else client.server_kind(roots[0])
         return SERVER_CLASSES[server](client, **kw)
+    except MALFORMED as e:
+        client.close()
+        raise malformed(text, "connecting", e) from None
     except BaseException:
         client.close()
         raise

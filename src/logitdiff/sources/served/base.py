@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ... import validate
 from ...errors import LogitdiffError
 from ...contracts import json_clean
 from ..base import Generation, Spec, TopKRows, TopKSource, tokenizer_hash_of
@@ -42,22 +43,24 @@ def bool_option(spec: Spec, key: str, default: bool) -> bool:
     raise LogitdiffError(f"source spec {spec.text!r}: option {key}={v!r} must be true or false")
 
 
-def topk_row(pairs: list[tuple[int, float]], k: int, where: str, *, ordered: bool, forced: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def topk_row(pairs: list[tuple[Any, Any]], k: int, where: str, *, ordered: bool, forced: int | None = None,
+             vocab_size: int | None = None, keys: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Validate and normalise one position: ``pairs`` = (token id, logprob) as the server sent them.
 
     ``ordered``: the server promises a descending list (checked). ``forced``: the token the
-    protocol promises to include (vLLM). Returns the K best (descending, lowest id on ties).
+    protocol promises to include (vLLM). Ids and logprobs are judged by :mod:`...validate`
+    (ids in [0, ``vocab_size``), ``keys``: ids sent as JSON object keys). Returns the K best
+    (descending, lowest id on ties).
     """
     clean = []
+    if not isinstance(pairs, list):
+        raise LogitdiffError(f"{where}: the server's top-K list is {type(pairs).__name__}, not a list")
     for tid, lp in pairs:
+        tid = validate.token_id(tid, vocab_size, where, keys=keys)
+        lp = validate.logprob(lp, f"{where}, token {tid}")
         if lp is None:
             continue
-        lp = float(lp)
-        if math.isnan(lp):
-            raise LogitdiffError(f"{where}: the server returned a NaN logprob for token {tid}")
-        if lp > 1e-6:
-            raise LogitdiffError(f"{where}: the server returned logprob {lp:.6g} > 0 for token {tid}: not log-probabilities")
-        clean.append((int(tid), lp))
+        clean.append((tid, lp))
     if ordered:
         lps = [lp for _, lp in clean]
         if any(b > a for a, b in zip(lps, lps[1:])):
@@ -78,6 +81,17 @@ def topk_row(pairs: list[tuple[int, float]], k: int, where: str, *, ordered: boo
     if total > 1.0 + SUM_TOL:
         raise LogitdiffError(f"{where}: the top-{k} probabilities sum to {total:.6f} > 1: not raw normalised logprobs")
     return np.array([t for t, _ in top], np.int64), np.array([lp for _, lp in top], np.float64)
+
+
+#: what parsing an answer of the wrong shape raises (a missing key, a string where a list
+#: belongs, a number beyond float range): turned into one line by :func:`malformed`
+MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError)
+
+
+def malformed(spec: str, what: str, e: BaseException) -> LogitdiffError:
+    """One line for a server answer that does not have the protocol's shape."""
+    detail = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {one_line(e, 160)}"
+    return LogitdiffError(f"{spec}: {what}: the server's answer is malformed ({detail})")
 
 
 class ServedSource(TopKSource):
@@ -231,7 +245,9 @@ class ServedSource(TopKSource):
             ids = self._render_ids(item)
         except ServerError as e:
             raise LogitdiffError(f"{where}: the server could not tokenize it ({e})") from None
-        ids = [int(i) for i in ids]
+        except MALFORMED as e:
+            raise malformed(self.spec, f"tokenizing {where}", e) from None
+        ids = validate.token_ids(ids, self.vocab_size, f"{self.spec}: {where}", what="prompt").tolist()
         if not ids:
             raise LogitdiffError(f"{where}: prompt renders to zero tokens on {self.spec}")
         return ids
@@ -252,11 +268,20 @@ class ServedSource(TopKSource):
         ids = [int(i) for i in ids]
         if self.tok is not None:
             return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return self._server_detokenize(ids)
+        try:
+            text = self._server_detokenize(ids)
+        except MALFORMED as e:
+            raise malformed(self.spec, "detokenizing", e) from None
+        if not isinstance(text, str):
+            raise LogitdiffError(f"{self.spec}: detokenizing: the server's text is {type(text).__name__}, not a string")
+        return text
 
     def token_texts(self) -> list[str]:
         if self._token_texts is None:
-            self._token_texts = self._vocab_texts()
+            try:
+                self._token_texts = self._vocab_texts()
+            except MALFORMED as e:
+                raise malformed(self.spec, "reading token texts", e) from None
         return self._token_texts
 
     def token_text(self, token_id: int) -> str:
@@ -365,7 +390,11 @@ class ServedSource(TopKSource):
             ids, stopped = self._generate(prompt, int(max_tokens))
         except ServerError as e:
             raise LogitdiffError(f"{self.spec}: generation failed ({e})") from None
-        ids = [int(i) for i in ids][:max_tokens]
+        except MALFORMED as e:
+            raise malformed(self.spec, "generation", e) from None
+        if not isinstance(ids, list):
+            raise LogitdiffError(f"{self.spec}: generation: the server's token ids are {type(ids).__name__}, not a list")
+        ids = validate.token_ids(ids, self.vocab_size, f"{self.spec}: generation", what="generated").tolist()[:max_tokens]
         return Generation(ids, stopped)
 
     async def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[TopKRows]:
@@ -379,7 +408,10 @@ class ServedSource(TopKSource):
             if not p:
                 raise LogitdiffError(f"{self.spec}: scoring pair {n} has an empty prompt")
             pairs.append((p, t))
-        return self._client.run(self._score(pairs))
+        try:
+            return self._client.run(self._score(pairs))
+        except MALFORMED as e:
+            raise malformed(self.spec, "scoring", e) from None
 
     # ---- identity -------------------------------------------------------------------------
     def identity(self) -> dict:

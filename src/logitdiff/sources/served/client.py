@@ -137,11 +137,11 @@ class HttpClient:
                 if r.status_code < 400:
                     try:
                         return r.json()
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         raise LogitdiffError(f"{url}: answer is not JSON ({one_line(r.text, 120)!r})") from None
                 try:
                     payload = r.json()
-                except ValueError:
+                except (ValueError, RecursionError):
                     payload = r.text
                 if r.status_code >= 500 and r.status_code != 501:
                     last = f"{url}: HTTP {r.status_code} {one_line(err_text(payload), 160)}"
@@ -162,7 +162,7 @@ def _sse_events(text: str, url: str) -> list:
             if data and data != "[DONE]":
                 try:
                     events.append(json.loads(data))
-                except ValueError:
+                except (ValueError, RecursionError):
                     raise LogitdiffError(f"{url}: an event of the answer is not JSON ({one_line(data, 120)!r})") from None
     return events
 
@@ -193,7 +193,7 @@ async def _probe(http, url: str) -> tuple[int, Any]:
         return PROBE_UNREACHABLE, None
     try:
         return r.status_code, r.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         return r.status_code, r.text
 
 

@@ -150,7 +150,8 @@ class LlamaServerSource(ServedSource):
                 raise LogitdiffError(f"{where}: llama-server returned post-sampling probabilities (top_probs); raw logprobs are required")
             if "top_logprobs" not in e0:
                 raise LogitdiffError(f"{where}: llama-server answer has no top_logprobs (server too old: needs token ids and logprobs)")
-            return topk_row([(d["id"], d.get("logprob")) for d in e0["top_logprobs"]], K, where, ordered=True)
+            return topk_row([(d["id"], d.get("logprob")) for d in e0["top_logprobs"]], K, where, ordered=True,
+                            vocab_size=self.vocab_size)
 
         async def tasks(root, slot, prompts, labels, where, started):
             """One request, one task per prompt (its row labelled ``labels[n]``), all on ``slot``

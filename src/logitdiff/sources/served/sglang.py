@@ -91,7 +91,7 @@ class SGLangSource(ServedSource):
                 where = f"{self.spec}: output position {j}"
                 if not entry:
                     raise LogitdiffError(f"{where}: SGLang returned an empty input_top_logprobs entry")
-                rows.append(topk_row([(e[1], e[0]) for e in entry], K, where, ordered=True))
+                rows.append(topk_row([(e[1], e[0]) for e in entry], K, where, ordered=True, vocab_size=self.vocab_size))
             return TopKRows.stack(rows)
 
         return list(await asyncio.gather(*(one(n) for n in range(len(pairs)))))

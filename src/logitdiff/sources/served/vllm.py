@@ -165,8 +165,8 @@ class VLLMSource(ServedSource):
                     where = f"{self.spec}: output position {j}"
                     if not isinstance(entry, dict):
                         raise LogitdiffError(f"{where}: vLLM prompt_logprobs entry is {type(entry).__name__}, expected an object")
-                    pairs_j = [(int(tid), (v or {}).get("logprob") if isinstance(v, dict) else v) for tid, v in entry.items()]
-                    rows.append(topk_row(pairs_j, K, where, ordered=False, forced=t[j]))
+                    pairs_j = [(tid, (v or {}).get("logprob") if isinstance(v, dict) else v) for tid, v in entry.items()]
+                    rows.append(topk_row(pairs_j, K, where, ordered=False, forced=t[j], vocab_size=self.vocab_size, keys=True))
                 results[n] = TopKRows.stack(rows)
 
         groups = [todo[i : i + self.batch] for i in range(0, len(todo), self.batch)]
