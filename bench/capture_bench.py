@@ -84,19 +84,51 @@ import torch, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).to(sys.argv[2])
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-print(time.perf_counter() - t0)
+print(time.perf_counter() - t0, flush=True)
+import os
+os._exit(0)  # import + load only: the interpreter's teardown is not counted (conservative)
 """
 
 
-def _wall(cmd: list[str]) -> float:
+def _wall(cmd: list[str]) -> tuple[float, float]:
+    """Run a command; (wall seconds, CPU seconds of the child: user + system, all threads)."""
+    import resource
     import subprocess
     import sys
 
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
+    w = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
-    return time.perf_counter() - t
+    return w, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
+def _timed(fn) -> tuple[float, float]:
+    """(wall, CPU seconds of this process, all threads) of ``fn()``."""
+    c, t = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def _disk_rate(where: Path, mb: int = 256) -> float:
+    """MB/s of writing ``mb`` MB to ``where`` in 64 MiB files, each flushed with fsync (as a
+    RUN's chunks are)."""
+    import os
+
+    buf = os.urandom(1 << 20) * 64
+    t = time.perf_counter()
+    for k in range(max(1, mb // 64)):
+        with open(where / f".disk{k}", "wb") as f:
+            f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+    rate = max(1, mb // 64) * 64 / (time.perf_counter() - t)
+    for k in range(max(1, mb // 64)):
+        (where / f".disk{k}").unlink()
+    return rate
 
 
 def _bare_forward_copy(model, pairs, batch: int, block: int, device, copy: bool = True) -> int:
@@ -179,52 +211,61 @@ def wide(args) -> None:
     n_pos = sum(len(t) for _, t in pairs)
     src = open_source(f"hf:{model}{dev},batch={args.batch}")
     block = rows_per_block(src.vocab_size)
-    t = {k: [] for k in ("capture", "capture_hidden", "read_hidden", "bare", "forward", "fixed", "load", "whole")}
+    outdir = Path(args.out_dir) if args.out_dir else work
+    outdir.mkdir(parents=True, exist_ok=True)
+    keys = ("capture", "capture_hidden", "read_hidden", "bare", "forward", "fixed", "load", "whole")
+    t = {k: [] for k in keys}
+    cpu = {k: [] for k in keys}
+
+    def fresh(name: str) -> Path:
+        shutil.rmtree(outdir / name, ignore_errors=True)  # outside the timed part
+        return outdir / name
+
     for r in range(args.repeats + 1):  # the first round warms caches (files, the ~/.cache/logitdiff facts)
         row = {}
-        t0 = time.perf_counter()
-        capture_candidate(src, ref, work / "cap", batch=args.batch, overwrite=True)
-        row["capture"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        assert _bare_forward_copy(src.model, pairs, args.batch, block, src.device) == n_pos
-        row["bare"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _bare_forward_copy(src.model, pairs, args.batch, block, src.device, copy=False)
-        row["forward"] = time.perf_counter() - t0
+        out = fresh("cap")
+        row["capture"] = _timed(lambda: capture_candidate(src, ref, out, batch=args.batch))
+        row["bare"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device))
+        row["forward"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device, copy=False))
         if args.hidden_store:
-            t0 = time.perf_counter()
-            capture_candidate(src, ref, work / "caph", batch=args.batch, overwrite=True, store="hidden")
-            row["capture_hidden"] = time.perf_counter() - t0
-            row["read_hidden"] = _read_rate(work / "caph")
+            out = fresh("caph")
+            row["capture_hidden"] = _timed(lambda: capture_candidate(src, ref, out, batch=args.batch, store="hidden"))
+            row["read_hidden"] = _timed(lambda: _read_rate(out))
         if args.fixed:
-            row["fixed"] = _wall(cli + ["capture", f"hf:{model}{dev}", "--teacher", str(refs[1]), "--out", str(work / "cap1"),
-                                        "--overwrite"])
+            row["fixed"] = _wall(cli + ["capture", f"hf:{model}{dev}", "--teacher", str(refs[1]), "--out", str(fresh("cap1"))])
             row["load"] = _wall([sys.executable, "-c", BARE_LOAD, str(model), args.device])
             row["whole"] = _wall(cli + ["capture", f"hf:{model}{dev},batch={args.batch}", "--teacher", str(refs[args.tokens]),
-                                        "--out", str(work / "capw"), "--overwrite"])
+                                        "--out", str(fresh("capw"))])
         if r:
-            for k, v in row.items():
-                t[k].append(v)
-        print(json.dumps({"round": r, **{k: round(v, 3) for k, v in row.items()}, "load1": os.getloadavg()[0]}), flush=True)
+            for k, (w, c) in row.items():
+                t[k].append(w)
+                cpu[k].append(c)
+        print(json.dumps({"round": r, **{k: [round(w, 3), round(c, 3)] for k, (w, c) in row.items()},
+                          "load1": os.getloadavg()[0]}), flush=True)
+    disk = _disk_rate(outdir)
     med = statistics.median
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(f"\nV = {args.vocab:,}, hidden {args.hidden}, {len(pairs)} items x {args.tokens} tokens = {n_pos} positions, "
-          f"{where}, median of {args.repeats} interleaved rounds")
-    print("| what | wall | positions/s | vs forward + copy |\n|---|---:|---:|---:|")
+          f"{where}, median of {args.repeats} interleaved rounds; RUNs written to {outdir} "
+          f"({disk:,.0f} MB/s written in 64 MiB fsynced files, measured after the rounds; a full row is "
+          f"{2 * args.vocab / 1e3:,.0f} KB: {disk * 1e6 / (2 * args.vocab):,.0f} positions/s at most)")
+    print("| what | wall | positions/s | wall vs forward + copy | CPU s | CPU vs forward + copy |\n|---|---:|---:|---:|---:|---:|")
     rate = lambda k: n_pos / med(t[k])  # noqa: E731
     rows = [("capture_candidate, --store full (in process)", "capture"), ("bare forward + bf16 rows copied to host", "bare"),
             ("model's own forward (base + head, rows stay on the device)", "forward"),
             ("capture_candidate, --store hidden (in process)", "capture_hidden"), ("read the hidden-state run (decode)", "read_hidden")]
     for name, k in rows:
         if t[k]:
-            print(f"| {name} | {med(t[k]):.2f} s | {rate(k):,.0f} | {med(a / b for a, b in zip(t[k], t['bare'])):.3f}x |")
+            print(f"| {name} | {med(t[k]):.2f} s | {rate(k):,.0f} | {med(a / b for a, b in zip(t[k], t['bare'])):.3f}x "
+                  f"| {med(cpu[k]):.2f} | {med(a / b for a, b in zip(cpu[k], cpu['bare'])):.3f}x |")
     print(f"\ncapture / model's own forward, positions/s: {rate('capture') / rate('forward'):.1%}")
     if args.fixed:
-        print("| fixed cost (process start to exit) | wall |\n|---|---:|")
-        print(f"| `logitdiff capture` of a 1-token teacher | {med(t['fixed']):.2f} s |")
-        print(f"| python: import torch + transformers, load model + tokenizer | {med(t['load']):.2f} s |")
-        print(f"| fixed cost over import + load | {med(f - l for f, l in zip(t['fixed'], t['load'])):+.2f} s |")
-        print(f"| `logitdiff capture` of the whole teacher | {med(t['whole']):.2f} s |")
+        print("\n| fixed cost (process start to exit) | wall | CPU s |\n|---|---:|---:|")
+        print(f"| `logitdiff capture` of a 1-token teacher | {med(t['fixed']):.2f} s | {med(cpu['fixed']):.2f} |")
+        print(f"| python: import torch + transformers, load model + tokenizer | {med(t['load']):.2f} s | {med(cpu['load']):.2f} |")
+        print(f"| fixed cost over import + load | {med(f - l for f, l in zip(t['fixed'], t['load'])):+.2f} s "
+              f"| {med(f - l for f, l in zip(cpu['fixed'], cpu['load'])):+.2f} |")
+        print(f"| `logitdiff capture` of the whole teacher | {med(t['whole']):.2f} s | {med(cpu['whole']):.2f} |")
 
 
 def main() -> None:
@@ -240,6 +281,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="--wide: cpu or cuda")
     ap.add_argument("--hidden-store", action="store_true", help="--wide: also capture --store hidden and read it back")
     ap.add_argument("--no-fixed", dest="fixed", action="store_false", help="--wide: skip the fixed-cost processes")
+    ap.add_argument("--out-dir", help="--wide: where the captured RUNs go (default WORK; /dev/shm: apart from the disk)")
     args = ap.parse_args()
     if args.wide:
         args.items = args.items or 2
