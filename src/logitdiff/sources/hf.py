@@ -338,7 +338,7 @@ class HFSource(FullLogitSource):
                 continue
             if held is not None:
                 yield _arrived(*held)
-            held = (blk, ev)
+            held = (*blk, ev)
         if held is not None:
             yield _arrived(*held)
 
