@@ -28,6 +28,14 @@ WORK once), ``--items`` (2) items x ``--tokens`` (512) teacher tokens:
   teacher against ``import torch, transformers`` + loading model and tokenizer (goal:
   <= that + 1 s), and the whole ``logitdiff capture`` of the full teacher, from process
   start to exit (the CLI's exit included).
+
+Every step is reported in wall and in CPU seconds (user + system, all threads: on a shared
+machine they spread far less than wall time), with the fsynced write rate of the output
+directory measured in the same invocation (a full bf16 row is 2 V bytes: a slow disk, not
+the capture, can be the limit; ``--out-dir /dev/shm/X`` shows the capture apart from it).
+``--device cuda`` runs the per-position part on a GPU, ``--hidden-store`` also captures
+``--store hidden`` and reads it back, ``--no-fixed`` skips the processes
+(bench/gpu_check.sh uses all three).
 """
 
 from __future__ import annotations
