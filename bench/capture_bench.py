@@ -15,6 +15,27 @@ positions only, so (a) can be faster than (b).
     python bench/capture_bench.py [--model DIR] [--repeats 3] [--items N]
 
 Without ``--model`` the bundled tiny model is used.
+
+``--wide WORK`` (issue 24) measures instead, at V = 248,320 (a random bf16 Llama, hidden
+``--hidden`` (128), 2 layers, the bundled tokenizer widened with filler tokens; built in
+WORK once), ``--items`` (2) items x ``--tokens`` (512) teacher tokens:
+
+* per position, in one process, interleaved: ``capture_candidate`` into a fresh RUN against
+  the bare forward + copy of the same model and positions (``model.model`` over
+  prompt + teacher, ``lm_head`` on the output positions, the bf16 rows copied to host
+  arrays), goal <= 1.1x;
+* the fixed cost, in fresh processes, interleaved: ``logitdiff capture`` of a 1-token
+  teacher against ``import torch, transformers`` + loading model and tokenizer (goal:
+  <= that + 1 s), and the whole ``logitdiff capture`` of the full teacher, from process
+  start to exit (the CLI's exit included).
+
+Every step is reported in wall and in CPU seconds (user + system, all threads: on a shared
+machine they spread far less than wall time), with the fsynced write rate of the output
+directory measured in the same invocation (a full bf16 row is 2 V bytes: a slow disk, not
+the capture, can be the limit; ``--out-dir /dev/shm/X`` shows the capture apart from it).
+``--device cuda`` runs the per-position part on a GPU, ``--hidden-store`` also captures
+``--store hidden`` and reads it back, ``--no-fixed`` skips the processes
+(bench/gpu_check.sh uses all three).
 """
 
 from __future__ import annotations
@@ -64,13 +85,215 @@ def _scores_gguf(src, pairs, batch):
         src.score(p, t)
 
 
+BARE_LOAD = """
+import sys, time
+t0 = time.perf_counter()
+import torch, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).to(sys.argv[2])
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+print(time.perf_counter() - t0, flush=True)
+import os
+os._exit(0)  # import + load only: the interpreter's teardown is not counted (conservative)
+"""
+
+
+def _wall(cmd: list[str]) -> tuple[float, float]:
+    """Run a command; (wall seconds, CPU seconds of the child: user + system, all threads)."""
+    import resource
+    import subprocess
+    import sys
+
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    w = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+    return w, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
+def _timed(fn) -> tuple[float, float]:
+    """(wall, CPU seconds of this process, all threads) of ``fn()``."""
+    c, t = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def _disk_rate(where: Path, mb: int = 256) -> float:
+    """MB/s of writing ``mb`` MB to ``where`` in 64 MiB files, each flushed with fsync (as a
+    RUN's chunks are)."""
+    import os
+
+    buf = os.urandom(1 << 20) * 64
+    t = time.perf_counter()
+    for k in range(max(1, mb // 64)):
+        with open(where / f".disk{k}", "wb") as f:
+            f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+    rate = max(1, mb // 64) * 64 / (time.perf_counter() - t)
+    for k in range(max(1, mb // 64)):
+        (where / f".disk{k}").unlink()
+    return rate
+
+
+def _bare_forward_copy(model, pairs, batch: int, block: int, device, copy: bool = True) -> int:
+    """The least a capture must do: one right-padded forward of ``prompt + teacher[:-1]``,
+    the head on the output positions, every bf16 row copied to a host array (``copy``;
+    without it the rows stay on the device: the model's own forward)."""
+    import numpy as np
+    import torch
+
+    n = 0
+    with torch.inference_mode():
+        for a in range(0, len(pairs), batch):
+            group = pairs[a : a + batch]
+            seqs = [list(p) + list(t[:-1]) for p, t in group]
+            width = max(len(s) for s in seqs)
+            ids = torch.zeros((len(seqs), width), dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for j, s in enumerate(seqs):
+                ids[j, : len(s)] = torch.tensor(s)
+                mask[j, : len(s)] = 1
+            h = model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+            for j, (p, t) in enumerate(group):
+                hs = h[j, len(p) - 1 : len(p) - 1 + len(t)]
+                for b in range(0, len(hs), block):
+                    rows = model.lm_head(hs[b : b + block])
+                    if copy:
+                        out = np.empty(tuple(rows.shape), np.uint16)
+                        out[...] = rows.view(torch.int16).cpu().numpy().view(np.uint16)
+                    n += rows.shape[0]
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return n
+
+
+def _read_rate(run) -> float:
+    """Seconds to read every row of a RUN (a hidden-state run decodes them) in chunk-sized blocks."""
+    from logitdiff.store import RunReader, rows_per_block
+
+    r = RunReader(run)
+    t = time.perf_counter()
+    for _ in r.row_blocks(r.items(), rows_per_block(r.vocab_size, None, 2), raw=True):
+        pass
+    return time.perf_counter() - t
+
+
+def wide(args) -> None:
+    import json
+    import os
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _models import WIDE_VOCAB, make_wide_llama
+
+    work = Path(args.wide)
+    work.mkdir(parents=True, exist_ok=True)
+    heads = max(4, args.hidden // 128)
+    model = make_wide_llama(work / f"model-h{args.hidden}-v{args.vocab}", vocab_size=args.vocab, hidden=args.hidden, heads=heads,
+                            kv_heads=max(2, heads // 4), dtype="bfloat16", never_eos=True)
+    wl = work / "w.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"i{k}", "prompt": f"Item {k}: def fibonacci(n):\n    "}) + "\n"
+                          for k in range(args.items)))
+    cli = [sys.executable, "-m", "logitdiff.cli"]
+    dev = f",device={args.device}" if args.device != "cpu" else ""
+    refs = {}
+    for n in (args.tokens, 1):  # teachers: greedy token ids (top-1 stored: only the ids matter here)
+        ref = work / f"ref-h{args.hidden}-v{args.vocab}-{args.items}x{n}"
+        if not (ref / "manifest.json").exists():
+            _wall(cli + ["capture", f"hf:{model}{dev},batch={args.batch}", "--workload", str(wl), "--max-tokens", str(n),
+                         "--store", "topk:1", "--out", str(ref), "--overwrite"])
+        refs[n] = ref
+
+    from logitdiff.capture import capture_candidate
+    from logitdiff.sources import open_source
+    from logitdiff.store import RunReader, rows_per_block
+
+    ref = RunReader(refs[args.tokens])
+    pairs = [(it.prompt_ids, it.teacher_ids) for it in ref.items()]
+    n_pos = sum(len(t) for _, t in pairs)
+    src = open_source(f"hf:{model}{dev},batch={args.batch}")
+    block = rows_per_block(src.vocab_size)
+    outdir = Path(args.out_dir) if args.out_dir else work
+    outdir.mkdir(parents=True, exist_ok=True)
+    keys = ("capture", "capture_hidden", "read_hidden", "bare", "forward", "fixed", "load", "whole")
+    t = {k: [] for k in keys}
+    cpu = {k: [] for k in keys}
+
+    def fresh(name: str) -> Path:
+        shutil.rmtree(outdir / name, ignore_errors=True)  # outside the timed part
+        return outdir / name
+
+    for r in range(args.repeats + 1):  # the first round warms caches (files, the ~/.cache/logitdiff facts)
+        row = {}
+        out = fresh("cap")
+        row["capture"] = _timed(lambda: capture_candidate(src, ref, out, batch=args.batch))
+        row["bare"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device))
+        row["forward"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device, copy=False))
+        if args.hidden_store:
+            out = fresh("caph")
+            row["capture_hidden"] = _timed(lambda: capture_candidate(src, ref, out, batch=args.batch, store="hidden"))
+            row["read_hidden"] = _timed(lambda: _read_rate(out))
+        if args.fixed:
+            row["fixed"] = _wall(cli + ["capture", f"hf:{model}{dev}", "--teacher", str(refs[1]), "--out", str(fresh("cap1"))])
+            row["load"] = _wall([sys.executable, "-c", BARE_LOAD, str(model), args.device])
+            row["whole"] = _wall(cli + ["capture", f"hf:{model}{dev},batch={args.batch}", "--teacher", str(refs[args.tokens]),
+                                        "--out", str(fresh("capw"))])
+        if r:
+            for k, (w, c) in row.items():
+                t[k].append(w)
+                cpu[k].append(c)
+        print(json.dumps({"round": r, **{k: [round(w, 3), round(c, 3)] for k, (w, c) in row.items()},
+                          "load1": os.getloadavg()[0]}), flush=True)
+    disk = _disk_rate(outdir)
+    med = statistics.median
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    print(f"\nV = {args.vocab:,}, hidden {args.hidden}, {len(pairs)} items x {args.tokens} tokens = {n_pos} positions, "
+          f"{where}, median of {args.repeats} interleaved rounds; RUNs written to {outdir} "
+          f"({disk:,.0f} MB/s written in 64 MiB fsynced files, measured after the rounds; a full row is "
+          f"{2 * args.vocab / 1e3:,.0f} KB: {disk * 1e6 / (2 * args.vocab):,.0f} positions/s at most)")
+    print("| what | wall | positions/s | wall vs forward + copy | CPU s | CPU vs forward + copy |\n|---|---:|---:|---:|---:|---:|")
+    rate = lambda k: n_pos / med(t[k])  # noqa: E731
+    rows = [("capture_candidate, --store full (in process)", "capture"), ("bare forward + bf16 rows copied to host", "bare"),
+            ("model's own forward (base + head, rows stay on the device)", "forward"),
+            ("capture_candidate, --store hidden (in process)", "capture_hidden"), ("read the hidden-state run (decode)", "read_hidden")]
+    for name, k in rows:
+        if t[k]:
+            print(f"| {name} | {med(t[k]):.2f} s | {rate(k):,.0f} | {med(a / b for a, b in zip(t[k], t['bare'])):.3f}x "
+                  f"| {med(cpu[k]):.2f} | {med(a / b for a, b in zip(cpu[k], cpu['bare'])):.3f}x |")
+    print(f"\ncapture / model's own forward, positions/s: {rate('capture') / rate('forward'):.1%}")
+    if args.fixed:
+        print("\n| fixed cost (process start to exit) | wall | CPU s |\n|---|---:|---:|")
+        print(f"| `logitdiff capture` of a 1-token teacher | {med(t['fixed']):.2f} s | {med(cpu['fixed']):.2f} |")
+        print(f"| python: import torch + transformers, load model + tokenizer | {med(t['load']):.2f} s | {med(cpu['load']):.2f} |")
+        print(f"| fixed cost over import + load | {med(f - l for f, l in zip(t['fixed'], t['load'])):+.2f} s "
+              f"| {med(f - l for f, l in zip(cpu['fixed'], cpu['load'])):+.2f} |")
+        print(f"| `logitdiff capture` of the whole teacher | {med(t['whole']):.2f} s | {med(cpu['whole']):.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF model dir (default: the bundled tiny model)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--items", type=int, default=0, help="use the first N workload items (0 = all)")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--wide", metavar="WORK", help="the V = 248,320 measurement of issue 24 (see above), in WORK")
+    ap.add_argument("--tokens", type=int, default=512, help="--wide: teacher tokens per item")
+    ap.add_argument("--hidden", type=int, default=128, help="--wide: hidden size of the random model")
+    ap.add_argument("--vocab", type=int, default=248_320, help="--wide: vocabulary size")
+    ap.add_argument("--device", default="cpu", help="--wide: cpu or cuda")
+    ap.add_argument("--hidden-store", action="store_true", help="--wide: also capture --store hidden and read it back")
+    ap.add_argument("--no-fixed", dest="fixed", action="store_false", help="--wide: skip the fixed-cost processes")
+    ap.add_argument("--out-dir", help="--wide: where the captured RUNs go (default WORK; /dev/shm: apart from the disk)")
     args = ap.parse_args()
+    if args.wide:
+        args.items = args.items or 2
+        return wide(args)
 
     from logitdiff.builtin import TINY_DIR, WORKLOAD
     from logitdiff.capture import capture_candidate, capture_reference

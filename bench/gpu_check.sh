@@ -6,17 +6,34 @@
 # give the same numbers; score one item's candidate rows on the CPU too and print how far
 # the GPU rows are from them. Prints positions/s of every step.
 #
-#   bench/gpu_check.sh            # needs torch with CUDA and a visible device
-#   bench/gpu_check.sh --cpu      # CPU fallback: every step on the CPU (tests the script)
 #
-# Environment: TOKENS (output length, default 2048), ITEMS (default 4), WORK (default a
-# temp dir), PYTHON (default: python). Exit status 0 only when every check passed.
+# Then (issue 24) capture's positions/s against the model's own forward on the same device,
+# for a hidden-128 and a hidden-2,048 model at the same V (bench/capture_bench.py --wide:
+# capture_candidate --store full and --store hidden, the bare forward + bf16 copy to the host,
+# the forward alone, and the read rate of the hidden-state run), RATE_TOKENS x RATE_ITEMS
+# positions, RATE_REPEATS interleaved rounds.
+#
+#   bench/gpu_check.sh                 # needs torch with CUDA and a visible device
+#   DEVICE=cpu bench/gpu_check.sh      # (or --cpu) every step on the CPU, at small sizes
+#                                      # unless set: tests the script end to end (~2 min)
+#
+# Environment: TOKENS (output length, default 2048; cpu 64), ITEMS (default 4; cpu 2), VOCAB
+# (default 248320; cpu 8192), HIDDENS (default "128 2048"; cpu "64 256"), RATE_TOKENS
+# (default 2048; cpu 64), RATE_ITEMS (default 4; cpu 2), RATE_REPEATS (default 3; cpu 1),
+# WORK (default a temp dir), PYTHON (default: python). Exit status 0 only when every check passed.
 set -euo pipefail
 
-DEVICE=cuda
+DEVICE=${DEVICE:-cuda}
 if [ "${1:-}" = "--cpu" ]; then DEVICE=cpu; fi
-TOKENS=${TOKENS:-2048}
-ITEMS=${ITEMS:-4}
+if [ "$DEVICE" = cpu ]; then small=1; else small=0; fi
+pick() { if [ "$small" = 1 ]; then echo "$2"; else echo "$1"; fi; }
+TOKENS=${TOKENS:-$(pick 2048 64)}
+ITEMS=${ITEMS:-$(pick 4 2)}
+VOCAB=${VOCAB:-$(pick 248320 8192)}
+HIDDENS=${HIDDENS:-$(pick "128 2048" "64 256")}
+RATE_TOKENS=${RATE_TOKENS:-$(pick 2048 64)}
+RATE_ITEMS=${RATE_ITEMS:-$(pick 4 2)}
+RATE_REPEATS=${RATE_REPEATS:-$(pick 3 1)}
 PYTHON=${PYTHON:-python}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${WORK:-$(mktemp -d /tmp/logitdiff-gpu-check.XXXXXX)}
@@ -28,11 +45,11 @@ if [ "$DEVICE" = cuda ]; then
   "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no CUDA device (use --cpu to test the script)')"
   "$PYTHON" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
 fi
-echo "work dir: $WORK  device: $DEVICE  tokens: $TOKENS  items: $ITEMS"
+echo "work dir: $WORK  device: $DEVICE  tokens: $TOKENS  items: $ITEMS  vocab: $VOCAB"
 
 M="$WORK/model"
 if [ ! -f "$M/config.json" ]; then
-  "$PYTHON" -c "from _models import make_wide_llama; make_wide_llama('$M')"
+  "$PYTHON" -c "from _models import make_wide_llama; make_wide_llama('$M', vocab_size=$VOCAB)"
 fi
 "$PYTHON" - "$WORK/w.jsonl" "$ITEMS" <<'EOF'
 import json, sys
@@ -92,4 +109,10 @@ print(f"candidate item0, {len(za)} rows: {'GPU' if 'cuda' in str(a.manifest['sou
       f"mean KL {m['kl_nats'].mean():.3g} nats, max {m['kl_nats'].max():.3g}, top-1 agreement {m['top1_match'].mean():.4f}")
 sys.exit(0 if ok else 1)
 EOF
+
+for H in $HIDDENS; do
+  echo "--- capture vs forward, hidden $H, V = $VOCAB, $DEVICE"
+  "$PYTHON" "$ROOT/bench/capture_bench.py" --wide "$WORK/rate" --device "$DEVICE" --hidden "$H" --vocab "$VOCAB" \
+    --items "$RATE_ITEMS" --tokens "$RATE_TOKENS" --batch "$RATE_ITEMS" --repeats "$RATE_REPEATS" --hidden-store --no-fixed
+done
 echo "gpu_check: all checks passed ($DEVICE)"

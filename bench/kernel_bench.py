@@ -40,6 +40,10 @@ chunks, the kernel, tokens.parquet, summaries, bootstrap, report files), the lib
 ``full_vocab`` with the arguments compare passes (k=10, top_k_out=64). The two sizes give
 the per-position overhead over the kernel apart from the fixed cost of the report files.
 
+``--load-procs N`` runs N busy processes (a float loop each) during the timed repeats: the
+loaded regime, on top of whatever else shares the machine. The ratio of every repeat is
+printed too (the target is met only when each is >= 1).
+
 Besides wall-clock positions/s, both sides' CPU seconds per position are printed (ours: this
 process's CPU time, all threads; llama.cpp: the driver's process CPU time around its timed
 call): on a shared machine they depend much less on the other load than wall time.
@@ -316,6 +320,8 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true", help="also time logitdiff compare end to end (broad regime)")
     ap.add_argument("--e2e-sizes", default=None, help="positions of the end-to-end runs (default: N/4,N): two sizes give the per-position overhead apart from the fixed cost of the report files")
     ap.add_argument("--torch-path", action="store_true", help="also time full_vocab's torch CPU path (the previous kernel)")
+    ap.add_argument("--load-procs", type=int, default=0, metavar="N",
+                    help="run N busy processes (one core each, a float loop) during the timed repeats: the 'loaded' regime")
     args = ap.parse_args()
 
     from logitdiff import kernel
@@ -338,6 +344,8 @@ def main() -> None:
         for regime, files in data.items():
             run_ours(files, "float32", args.threads, ys[regime])
             run_ours(files, "bfloat16", args.threads, ys[regime])
+        busy = [subprocess.Popen([sys.executable, "-c", "x = 1.0\nwhile True: x = x * 1.0000001 + 1e-9"])
+                for _ in range(args.load_procs)]
         for rep in range(args.repeats):
             for regime, files in data.items():
                 d = res[regime]
@@ -354,6 +362,9 @@ def main() -> None:
                 mj = run_exe([exe, "stream", files["ref"], files["cand"], str(args.threads)])
                 d["memory_gbs"].append(mj["bytes"] / mj["seconds"] / 1e9)
             print(f"repeat {rep + 1}/{args.repeats} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+        for p in busy:
+            p.kill()
+            p.wait()
         # accuracy on the first rows
         for regime, files in data.items():
             d = res[regime]
@@ -386,6 +397,7 @@ def main() -> None:
 
     vocab = args.vocab
     print(f"\nV = {vocab:,}, N = {args.n} positions per regime, {args.threads} threads, {args.repeats} interleaved repeats (median); "
+          f"{args.load_procs} busy processes during the repeats; "
           f"kernel SIMD: {kernel.has_simd()}; llama-cpp-python {version}; load average {load0[0]:.2f} before, {load1[0]:.2f} after\n")
     print("| regime | ours f32 pos/s | ours bf16 pos/s | llama.cpp KLD pos/s | ours f32 / llama.cpp | ours bf16 / llama.cpp "
           "| memory GB/s | limit f32 pos/s | ours f32 / limit | ours bf16 / limit (bf16 bytes) | ours vs scipy (contract <= 1) f32, bf16 | llama.cpp KL max rel err |")
@@ -399,6 +411,12 @@ def main() -> None:
         print(f"| {regime} | {med['ours_f32']:,.0f} | {med['ours_bf16']:,.0f} | {med['llama']:,.0f} | {med['ours_f32'] / med['llama']:.2f}x "
               f"| {med['ours_bf16'] / med['llama']:.2f}x | {med['memory_gbs']:.1f} | {lim32:,.0f} | {med['ours_f32'] / lim32:.2f} "
               f"| {med['ours_bf16'] / lim16:.2f} | {d['contract_float32']:.2g}, {d['contract_bfloat16']:.2g} | {d['llama_kl_relerr']:.1e} |")
+    print("\nPer repeat, ours / llama.cpp (wall; each repeat runs both sides back to back):")
+    for regime, d in res.items():
+        if regime != "e2e":
+            for key in ("ours_f32", "ours_bf16"):
+                r = [a / b for a, b in zip(d[key], d["llama"])]
+                print(f"- {regime} {key}: " + ", ".join(f"{x:.2f}x" for x in r) + f" (min {min(r):.2f}x)")
     print("\n| regime | ours f32 CPU ms/pos | ours bf16 CPU ms/pos | llama.cpp CPU ms/pos | llama.cpp / ours f32 (CPU) "
           "| llama.cpp / ours bf16 (CPU) |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for regime, d in res.items():

@@ -13,7 +13,7 @@ from logitdiff.capture import LiveRun, capture_candidate, capture_reference, sel
 from logitdiff.cli import main
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
-from logitdiff.sources import open_source
+from logitdiff.sources import Block, open_source
 from logitdiff.store import RunReader
 from logitdiff.workload import read_workload
 
@@ -205,3 +205,42 @@ def test_too_long_prompt_fails_before_anything_is_written(model, tmp_path, capsy
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "item 'huge'" in errors[0] and "max_position_embeddings" in errors[0], errors
     assert not out.exists()
+
+
+def test_device_blocks_are_handed_out_in_order_once_arrived():
+    """The CUDA pipeline of HFSource (one block in flight): block i is handed out after
+    block i+1 was launched, once its own copy has arrived (its event waited on), in pair and
+    position order; bf16 rows and 16-bit hidden bits come out as uint16 bits. (Driven with
+    host tensors and stand-in events, so it runs without a GPU; the launch itself is
+    exercised by bench/gpu_check.sh on a GPU.)"""
+    from logitdiff.sources.hf import HFSource
+
+    launched, waited = [], []
+
+    class Event:
+        def __init__(self, i):
+            self.i = i
+
+        def synchronize(self):
+            waited.append(self.i)
+
+    rows = [torch.full((2, 5), float(i), dtype=torch.bfloat16) for i in range(4)]
+    hid = [torch.full((2, 3), float(-i), dtype=torch.float16).view(torch.int16) for i in range(4)]
+
+    def launches():
+        for i in range(4):
+            launched.append(i)
+            yield (7, 2 * i, rows[i], hid[i]), Event(i)
+
+    seen = []
+    for b in HFSource._landed(launches()):
+        seen.append(b.t0 // 2)
+        assert waited[-1] == b.t0 // 2  # its copy waited on before it is used
+        assert launched[-1] == min(3, b.t0 // 2 + 1)  # the next block already launched
+        assert b.pair == 7 and b.rows.dtype == np.uint16 and b.hidden.dtype == np.uint16
+        np.testing.assert_array_equal(b.rows, rows[b.t0 // 2].view(torch.int16).numpy().view(np.uint16))
+        np.testing.assert_array_equal(b.hidden.view(np.float16), np.float16(-(b.t0 // 2)))
+    assert seen == [0, 1, 2, 3] and waited == [0, 1, 2, 3]
+    # the CPU path: finished blocks (no event) pass straight through
+    cpu = [b.t0 for b in HFSource._landed(iter([(Block(0, 0, np.zeros((1, 2))), None), (Block(0, 1, np.zeros((1, 2))), None)]))]
+    assert cpu == [0, 1]

@@ -255,3 +255,49 @@ def test_kernel_tail_bound_failure_redoes_row():
     assert flags[1] & kernel.FLAG_TAIL_REDONE and not flags[1] & kernel.FLAG_TAIL, flags
     y = np.array([5, 7])
     assert_matches(full_vocab(zp, zq, y, k=10, backend="native"), ref_full_vocab(zp, zq, y, 10))
+
+
+# Bits of the largest finite values and of every class of non-finite value, per dtype of the
+# non-finite scan (bf16 as uint16 bits): a scan that looks at the wrong bits misses a class
+# or flags the finite extremes.
+_SCAN_BITS = {
+    np.uint16: {"finite": [0x7F7F, 0xFF7F, 0x0001, 0x8000, 0x0080], "bad": [0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0xFFFF]},
+    np.float16: {"finite": [0x7BFF, 0xFBFF, 0x0001, 0x8000], "bad": [0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7C01, 0xFFFF]},
+    np.float32: {"finite": [0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80000000],
+                 "bad": [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0xFFFFFFFF]},
+}
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.float16, np.float32])
+def test_nonfinite_scan_finds_every_class_at_every_place(dtype):
+    """The compiled scan that checks every captured row: each kind of NaN and infinity, of
+    either sign, at the first, a middle and the last column (SIMD body and scalar tail),
+    in any row; the finite extremes (largest magnitude, subnormals, -0) never flagged;
+    strided rows (a column slice of a wider array) read in place."""
+    bits = _SCAN_BITS[dtype]
+    ubits = np.uint16 if dtype in (np.uint16, np.float16) else np.uint32
+    v = 1003
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 0x3F00, (6, v)).astype(ubits)  # finite, positive, small
+    base[:, : len(bits["finite"])] = bits["finite"]
+    base[3, v - len(bits["finite"]) :] = bits["finite"]
+    assert kernel.first_nonfinite(base.view(dtype)) is None
+    for b in bits["bad"]:
+        for row, col in ((0, 0), (2, 517), (5, v - 1), (4, v - 3)):
+            z = base.copy()
+            z[row, col] = b
+            z[min(5, row + 1), 7] = b  # a later bad row does not hide the first
+            assert kernel.first_nonfinite(z.view(dtype)) == row, (hex(b), row, col)
+    wide = np.zeros((4, 2 * v), ubits)
+    wide[2, v + 5] = bits["bad"][0]  # outside the slice: not seen
+    wide[3, 10] = bits["bad"][1]
+    assert kernel.first_nonfinite(wide[:, :v].view(dtype)) == 3
+    assert kernel.first_nonfinite(wide[:, : v].view(dtype)[:0]) is None
+
+
+def test_nonfinite_scan_declines_layouts_it_cannot_read():
+    """-1 means "not checked here" (the writer checks with numpy): float64, a column stride,
+    a 1-D array."""
+    assert kernel.first_nonfinite(np.zeros((2, 8))) == -1
+    assert kernel.first_nonfinite(np.zeros((2, 8), np.float32)[:, ::2]) == -1
+    assert kernel.first_nonfinite(np.zeros(8, np.float32)) == -1

@@ -40,6 +40,10 @@ def _lib():
     f.argtypes = [p, p, i64, i64, i64, i64, i32, i32, i32, i32, p, p, p, p, p]
     f.restype = i32
     lib.logitdiff_has_avx2.restype = i32
+    g = getattr(lib, "logitdiff_first_nonfinite", None)  # absent from a library built before it
+    if g is not None:
+        g.argtypes = [p, i64, i64, i64, i32]
+        g.restype = i64
     return lib
 
 
@@ -98,3 +102,21 @@ def pair_rows(zp, zq, kk: int, threads: int, isa: str = "auto") -> dict[str, np.
     if rc:
         raise ValueError(f"kernel rejected its arguments (n={n}, V={vocab}, kk={kk}, threads={threads})")
     return out
+
+
+# numpy dtypes the non-finite scan reads (bf16 as its uint16 bits).
+_SCAN_CODES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.float16): 2}
+
+
+def first_nonfinite(rows: np.ndarray) -> int | None:
+    """First row of a ``[R, V]`` array (float32, float16, or bf16 bits as uint16) holding a
+    NaN or an infinity, or None: one vectorised read of the rows, no temporaries. -1 means
+    "not checked here" (the library or its scan is not built, or the layout is not one it
+    reads): the caller checks another way."""
+    lib = _lib()
+    code = _SCAN_CODES.get(rows.dtype)
+    if (lib is None or code is None or rows.ndim != 2 or getattr(lib, "logitdiff_first_nonfinite", None) is None
+            or (rows.shape[1] > 1 and rows.strides[1] != rows.itemsize) or rows.strides[0] % rows.itemsize):
+        return -1
+    got = lib.logitdiff_first_nonfinite(rows.ctypes.data, rows.shape[0], rows.shape[1], rows.strides[0] // rows.itemsize, code)
+    return None if got < 0 else int(got)

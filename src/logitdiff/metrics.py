@@ -542,7 +542,13 @@ def full_vocab(
     pool = _row_pool(n, dev, n_threads) if per_row else None
     local = threading.local()
     nw = pool._max_workers if pool is not None else 1
-    if native:
+    if native and dev.type == "cpu" and zp_all.device.type == "cpu" and zq_all.device.type == "cpu":
+        # The kernel reads the rows in place (views, memory maps): a call holds only its
+        # outputs (~16 kk + 100 bytes a row), so a chunk's worth of those, not of rows. Fewer,
+        # larger calls: one join of the kernel's threads per call, which on a shared machine
+        # waits for the slowest thread's last row.
+        step = max(n_threads, int(chunk_bytes // (16 * max(k, 2, top_k_out) + 128)))
+    elif native:
         step = max(n_threads, int(chunk_bytes // max(1, vocab * (zp_all.element_size() + zq_all.element_size()))))
     elif per_row:
         tile = min(vocab, _CPU_TILE)

@@ -382,7 +382,8 @@ class RunWriter:
         # a new run writes these; a resumed one only when a kill came before them
         fresh_start = self.manifest is fresh
         if vocab is not None and (fresh_start or not (self.path / "vocab.json").exists()):
-            atomic_write_json(self.path / "vocab.json", vocab)
+            # one line (json's C encoder: ~10x the indented Python one at V = 248,320)
+            atomic_write_json(self.path / "vocab.json", vocab, indent=None)
         if self.hidden and (fresh_start or not (self.path / hidden_store.HEAD_FILE).exists()):
             atomic_save_npy_rows(self.path / hidden_store.HEAD_FILE, [self.head], "bfloat16")
         self._next_chunk = len(self.manifest["chunks"])
@@ -715,9 +716,14 @@ def _nonfinite_row(rows: np.ndarray, dtype: str) -> int | None:
     """First row holding NaN/inf, or None. bf16 bits (uint16): exponent all ones."""
     if not rows.size:
         return None
+    if rows.dtype == np.uint16 and dtype != "bfloat16":
+        raise ValueError("uint16 rows are bf16 bits: only for dtype='bfloat16'")
+    from .kernel import first_nonfinite
+
+    got = first_nonfinite(rows)  # the compiled scan: one read, no temporaries (-1: not built)
+    if got != -1:
+        return got
     if rows.dtype == np.uint16:
-        if dtype != "bfloat16":
-            raise ValueError("uint16 rows are bf16 bits: only for dtype='bfloat16'")
         bad = (rows & 0x7F80) == 0x7F80
         return int(np.nonzero(bad.any(1))[0][0]) if bad.any() else None
     # max and min propagate NaN and expose +-inf without a full boolean temporary; only a

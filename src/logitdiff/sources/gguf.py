@@ -58,7 +58,7 @@ import numpy as np
 
 from ..errors import LogitdiffError
 from ..contracts import json_clean
-from .base import Block, FullLogitSource, Generation, Spec, file_sha256, parse_spec, tokenizer_hash_of
+from .base import Block, FullLogitSource, Generation, Spec, parse_spec, tokenizer_hash_of
 
 _load_lock = threading.Lock()
 _KNOWN_OPTIONS = {"n_ctx", "threads", "seed", "n_batch"}
@@ -370,6 +370,19 @@ class GGUFSource(FullLogitSource):
         b = self.llm.detokenize([int(i) for i in ids], special=True)
         return b.decode("utf-8", errors="replace")
 
+    def token_texts(self) -> list[str]:
+        """``token_text`` of every id, kept per version of the GGUF file (filecache.py): V
+        detokenize calls cost ~1 s at V = 248,320."""
+        if self._token_texts is None or len(self._token_texts) != self.vocab_size:
+            import llama_cpp
+
+            from .filecache import cached_json
+
+            self._token_texts = cached_json("gguf.token_texts", [self.path], {
+                "llama_cpp_python": getattr(llama_cpp, "__version__", "unknown"), "vocab_size": self.vocab_size},
+                lambda: [self.token_text(i) for i in range(self.vocab_size)])
+        return self._token_texts
+
     def token_text(self, token_id: int) -> str:
         self._check_ids([token_id], "token_text")
         b = self.llm.detokenize([int(token_id)], special=True)
@@ -520,7 +533,9 @@ class GGUFSource(FullLogitSource):
         from ..quantize import ftype_name
 
         if self._sha256 is None:
-            self._sha256 = file_sha256(self.path)
+            from .filecache import file_sha256_cached
+
+            self._sha256 = file_sha256_cached(self.path)
         return json_clean(default=str, obj={
             "kind": "gguf",
             "spec": self.spec,

@@ -51,7 +51,8 @@ import numpy as np
 
 from ..errors import LogitdiffError
 from ..store import bf16_to_f32 as _bits_to_f32
-from .base import Block, FullLogitSource, Generation, Spec, file_sha256, tokenizer_hash_of
+from .base import Block, FullLogitSource, Generation, Spec, tokenizer_hash_of
+from .filecache import file_sha256_cached
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _TOKENIZER_FILES = (
@@ -150,7 +151,7 @@ class HFSource(FullLogitSource):
         self.out_rows = int(self.lm_head.weight.shape[0])
         self.vocab_size = min(n_tok, self.out_rows)
         self.padded = self.out_rows - self.vocab_size
-        self.tokenizer_hash = tokenizer_hash_of(self.tok.convert_ids_to_tokens(list(range(n_tok))))
+        self.tokenizer_hash = self._cached("tokenizer_hash", lambda: tokenizer_hash_of(self.tok.convert_ids_to_tokens(list(range(n_tok)))))
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
 
@@ -220,6 +221,36 @@ class HFSource(FullLogitSource):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def _cached(self, name: str, compute):
+        """A fact of the tokenizer, computed once per version of its files (filecache.py)."""
+        import tokenizers
+        import transformers
+
+        from .filecache import cached_json
+
+        return cached_json(f"hf.{name}", [self.path / n for n in _TOKENIZER_FILES],
+                           {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+                            "n_tok": len(self.tok), "vocab_size": self.vocab_size}, compute)
+
+    def token_texts(self) -> list[str]:
+        """``token_text`` of every id: one parallel decode in the Rust tokenizer (not V
+        Python calls), kept per version of the tokenizer's files (filecache.py)."""
+        if self._token_texts is None or len(self._token_texts) != self.vocab_size:
+            self._token_texts = self._cached("token_texts", self._all_token_texts)
+        return self._token_texts
+
+    def _all_token_texts(self) -> list[str]:
+        n = self.vocab_size
+        fast = getattr(self.tok, "backend_tokenizer", None)
+        if fast is None:
+            return [self.token_text(i) for i in range(n)]
+        texts = fast.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        bad = [i for i, t in enumerate(texts) if "\ufffd" in t]  # as token_text: the raw token string
+        for i, raw in zip(bad, self.tok.convert_ids_to_tokens(bad)):
+            if raw is not None:
+                texts[i] = raw
+        return texts
+
     def token_text(self, token_id: int) -> str:
         """Decoded text; a byte-level fragment of a multi-byte character (which decodes to
         U+FFFD) falls back to the raw token string so reports can tell tokens apart."""
@@ -265,21 +296,51 @@ class HFSource(FullLogitSource):
             return None
         return w[: self.vocab_size].detach().contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
-    def _bits(self, h) -> np.ndarray:
+    def _stored(self, logits):
+        """The head's rows in the stored dtype (``logits_dtype``), converted where they are
+        (on the device: a block leaves it once, at 2 bytes per entry for a 16-bit model)."""
         import torch
 
-        return h.detach().to(self.lm_head.weight.dtype).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+        return logits.to({"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.logits_dtype, torch.float32)).contiguous()
 
-    def _to_numpy(self, logits) -> np.ndarray:
-        """A head block on the host in the stored dtype: bf16 as its bits (uint16, exact),
-        else float32."""
+    def _launch(self, k: int, t0: int, hb, with_hidden: bool):
+        """Block ``t0..`` of pair ``k`` from its hidden states ``hb``: on the CPU a finished
+        :class:`Block`; on CUDA the head's rows (and hidden states) on their way to pinned host
+        memory without waiting, with the event that says they arrived (:meth:`_landed`)."""
         import torch
 
-        if self.logits_dtype == "bfloat16":
-            return logits.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
-        if self.logits_dtype == "float16":
-            return logits.to(torch.float16).cpu().numpy()
-        return logits.float().cpu().numpy()
+        rows = self._stored(self._head(hb))
+        # hidden states as the head's 16-bit bits (what a hidden-state store keeps)
+        hid = hb.detach().to(self.lm_head.weight.dtype).contiguous().view(torch.int16) if with_hidden else None
+        if self.device.type != "cuda":
+            return Block(k, t0, _host_array(rows), _host_array(hid) if hid is not None else None), None
+        out = []
+        for t in (rows, hid):
+            if t is None:
+                out.append(None)
+                continue
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        ev = torch.cuda.Event()
+        ev.record()
+        return (k, t0, *out), ev
+
+    @staticmethod
+    def _landed(launches) -> Iterator[Block]:
+        """Blocks of :meth:`_launch` in order, one in flight: on CUDA block i is handed out
+        once its copy has arrived, after block i+1's head and copy were queued, so the device
+        computes and copies while the caller (checks, writer) works on the host."""
+        held = None
+        for blk, ev in launches:
+            if ev is None:
+                yield blk
+                continue
+            if held is not None:
+                yield _arrived(*held)
+            held = (*blk, ev)
+        if held is not None:
+            yield _arrived(*held)
 
     def _check_len(self, n: int, what: str) -> None:
         if self.max_positions and n > self.max_positions:
@@ -422,9 +483,7 @@ class HFSource(FullLogitSource):
                     yield from self._score_long(k, seqs[k], sel[k], block, with_hidden)
                     continue
                 h = hidden.pop(k)
-                for a in range(0, len(h), block):
-                    hb = h[a : a + block]
-                    yield Block(k, a, self._to_numpy(self._head(hb)), self._bits(hb) if with_hidden else None)
+                yield from self._landed(self._launch(k, a, h[a : a + block], with_hidden) for a in range(0, len(h), block))
 
     def _forward_group(self, group, seqs, sel) -> dict:
         """One right-padded forward pass: padding sits after the real tokens, so with the
@@ -453,9 +512,8 @@ class HFSource(FullLogitSource):
             kw = self._cache_kw(o)
             stop = int(np.searchsorted(sel, b))
             here = torch.as_tensor(sel[done:stop] - a, device=self.device)
-            for c in range(0, len(here), block):
-                hb = o.last_hidden_state[0, here[c : c + block]]
-                yield Block(k, done + c, self._to_numpy(self._head(hb)), self._bits(hb) if with_hidden else None)
+            yield from self._landed(self._launch(k, done + c, o.last_hidden_state[0, here[c : c + block]], with_hidden)
+                                    for c in range(0, len(here), block))
             done = stop
 
     # --- identity -----------------------------------------------------------------
@@ -484,12 +542,12 @@ class HFSource(FullLogitSource):
                 "vocab_size": self.vocab_size,
                 "tokenizer_hash": self.tokenizer_hash,
                 "eos_token_ids": list(self.eos_token_ids),
-                "weight_files": {f.name: file_sha256(f) for f in weights},
+                "weight_files": {f.name: file_sha256_cached(f) for f in weights},
                 "tokenizer_files": {
-                    n: file_sha256(self.path / n) for n in _TOKENIZER_FILES if (self.path / n).is_file()
+                    n: file_sha256_cached(self.path / n) for n in _TOKENIZER_FILES if (self.path / n).is_file()
                 },
                 "config_files": {
-                    n: file_sha256(self.path / n)
+                    n: file_sha256_cached(self.path / n)
                     for n in ("config.json", "generation_config.json")
                     if (self.path / n).is_file()
                 },
@@ -505,6 +563,21 @@ class HFSource(FullLogitSource):
                 )
             self._identity = d
         return dict(self._identity)
+
+
+def _host_array(t) -> np.ndarray:
+    """A host tensor as numpy, sharing its memory: bf16 (and int16-viewed 16-bit bits) as
+    uint16 bits."""
+    import torch
+
+    if t.dtype == torch.int16:  # 16-bit bits
+        return t.numpy().view(np.uint16)
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _arrived(k: int, t0: int, rows, hid, ev) -> Block:
+    ev.synchronize()
+    return Block(k, t0, _host_array(rows), _host_array(hid) if hid is not None else None)
 
 
 def open_hf(spec: Spec) -> HFSource:

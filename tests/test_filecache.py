@@ -1,0 +1,98 @@
+"""Facts kept per file version in $LOGITDIFF_CACHE (sources/filecache.py): a source opened
+the second time computes nothing it computed the first time, and never serves a stale fact
+for a changed file; the cached token texts are exactly the per-id ``token_text``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from logitdiff.sources import file_sha256
+from logitdiff.sources import filecache as fc
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOGITDIFF_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_file_hash_is_cached_and_follows_every_change(cache, tmp_path):
+    """A rewrite of a file -- longer, or the same length with other bytes and its old mtime
+    put back -- gives the new hash; an unchanged file is not read again."""
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"a" * 1000)
+    assert fc.file_sha256_cached(f) == file_sha256(f)
+    entries = list((cache / "sha256").iterdir())
+    assert len(entries) == 1
+    entries[0].write_bytes(b"sha256:" + b"0" * 64)  # what a cached read returns: not recomputed
+    assert fc.file_sha256_cached(f) == "sha256:" + "0" * 64
+    st = f.stat()
+    f.write_bytes(b"b" * 1000)  # same size
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime: ctime (and the inode's) still move
+    assert fc.file_sha256_cached(f) == file_sha256(f)
+    f.write_bytes(b"b" * 1001)
+    assert fc.file_sha256_cached(f) == file_sha256(f)
+    g = tmp_path / "g.bin"
+    shutil.copy2(f, g)  # same bytes and mtime, another path
+    assert fc.file_sha256_cached(g) == file_sha256(f)
+
+
+def test_cached_json_keys_on_contents_versions_and_name(cache, tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return ["x\udc80", len(calls)]  # a lone surrogate survives the round trip
+
+    f = tmp_path / "tokenizer.json"
+    f.write_text("{}")
+    assert fc.cached_json("n", [f], {"v": 1}, compute) == ["x\udc80", 1]
+    assert fc.cached_json("n", [f], {"v": 1}, compute) == ["x\udc80", 1]
+    assert fc.cached_json("n", [f], {"v": 2}, compute) == ["x\udc80", 2]
+    assert fc.cached_json("m", [f], {"v": 1}, compute) == ["x\udc80", 3]
+    f.write_text('{"a": 1}')
+    assert fc.cached_json("n", [f], {"v": 1}, compute) == ["x\udc80", 4]
+    for p in (cache / "derived").iterdir():  # a damaged entry is recomputed, not served
+        p.write_bytes(b"{not json")
+    assert fc.cached_json("n", [f], {"v": 1}, compute) == ["x\udc80", 5]
+
+
+def test_cache_off_and_unwritable(tmp_path, monkeypatch):
+    f = tmp_path / "a"
+    f.write_bytes(b"1")
+    monkeypatch.setenv("LOGITDIFF_CACHE", "off")
+    assert fc.file_sha256_cached(f) == file_sha256(f)
+    assert fc.cached_json("n", [f], {}, lambda: 7) == 7
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LOGITDIFF_CACHE", str(blocker / "sub"))  # below a regular file: cannot be created
+    assert fc.file_sha256_cached(f) == file_sha256(f)
+    assert fc.cached_json("n", [f], {}, lambda: 8) == 8
+
+
+def test_hf_token_texts_equal_token_text_and_are_cached(cache, tmp_path):
+    """The batched decode of all ids equals ``token_text`` id by id (byte-level fragments
+    fall back to the raw token), and a second open reads them from the cache; a changed
+    tokenizer file gives new texts."""
+    from logitdiff.builtin import TINY_DIR
+    from logitdiff.sources import open_source
+
+    model = tmp_path / "m"
+    shutil.copytree(TINY_DIR, model)
+    src = open_source(f"hf:{model}")
+    texts = src.token_texts()
+    assert texts == [src.token_text(i) for i in range(src.vocab_size)]
+    assert any("\ufffd" not in t and t != src.detokenize([i]) for i, t in enumerate(texts))  # fallbacks happen
+    assert len(list((cache / "derived").iterdir())) == 2  # tokenizer hash + texts
+    again = open_source(f"hf:{model}")
+    again.tok.backend_tokenizer.decode_batch = None  # a cached read needs no decode
+    assert again.token_texts() == texts and again.tokenizer_hash == src.tokenizer_hash
+    assert again.identity()["weight_files"] == src.identity()["weight_files"]
+    cfg = (model / "tokenizer_config.json").read_text()
+    (model / "tokenizer_config.json").write_text(cfg + "\n")
+    third = open_source(f"hf:{model}")
+    assert third.token_texts() == texts  # same texts, computed again (another key)
+    assert len(list((cache / "derived").iterdir())) == 4
