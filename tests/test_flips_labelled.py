@@ -25,6 +25,7 @@ from logitdiff.builtin import TINY_DIR
 from logitdiff.builtin.tasks import TOOLS_BY_NAME
 from logitdiff.flips import OUTCOMES, classify, end_ratio
 from logitdiff.grading import DEFAULT_THRESHOLDS, SimilarityPolicy, load_similarity
+from logitdiff.salient import is_code
 
 LABELS = Path(__file__).parent / "data" / "flip_labels.jsonl"
 MIN_AGREEMENT = 0.90
@@ -95,7 +96,8 @@ def classify_all(cases: list[dict], policy: SimilarityPolicy, scores=None) -> li
         b = _built(json.dumps(c, sort_keys=True))
         o, sig = classify(item=b["item"], ref_ids=b["ref_ids"], branch_ids=b["branch_ids"], position=b["position"],
                           ref_text=b["ref_text"], branch_text=b["branch_text"], similarity=score, threshold=thresholds[kind],
-                          end_ids=[b["eos"]], end_similarity=end_ratio(b["ref_cont"], b["branch_cont"]) if kind == "edit" else None)
+                          end_ids=[b["eos"]], end_similarity=end_ratio(b["ref_cont"], b["branch_cont"]) if kind == "edit" else None,
+                          code=is_code(c["item"].get("tags") or [], b["ref_cont"]))
         sig["similarity_kind"] = kind
         out.append((o, sig))
     return out

@@ -13,7 +13,9 @@ An item's ``expected`` names exactly one check:
                                    AST rules of :func:`logitdiff.toolcalls.compare_calls`.
 
 ``Grade.correct`` is the verdict and ``Grade.detail`` the one-line reason, so a report
-can say why an answer was marked wrong.
+can say why an answer was marked wrong. An output that hit its token budget (``truncated``:
+no end token, budget used up) and is not right is graded ``Verdict.TRUNCATED``, not wrong: it
+was cut before it could finish (an answer or call it did finish still counts).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .contracts import CallVerdict, Verdict
 from .errors import LogitdiffError
 from .summarize import resample_items
 from .toolcalls import ToolCall, compare_calls, parse_tool_calls, validate_call
@@ -39,6 +42,11 @@ class Grade:
     correct: bool
     detail: str
     extracted: Any = None  # what was compared: the normalised answer, the number, the calls
+    verdict: str = ""  # Verdict.ALL: right, wrong, or truncated (cut by the budget and not right)
+
+    def __post_init__(self):
+        if not self.verdict:
+            self.verdict = Verdict.RIGHT if self.correct else Verdict.WRONG
 
 
 def check_expected(expected: dict, where: str) -> str:
@@ -93,8 +101,25 @@ def last_number(text: str) -> float | None:
     return found[-1] if found else None
 
 
-def grade(expected: dict, output: str, tools: list[dict] | None = None, where: str = "item") -> Grade:
-    """Grade one output against its label (see module docstring)."""
+def grade(expected: dict, output: str, tools: list[dict] | None = None, where: str = "item", truncated: bool = False) -> Grade:
+    """Grade one output against its label (see module docstring). ``truncated``: the output
+    hit its token budget; a verdict that is not right is then ``truncated``, not wrong."""
+    g = _grade(expected, output, tools, where)
+    if truncated and not g.correct:
+        return Grade(g.check, False, f"cut by the token budget ({g.detail})", g.extracted, Verdict.TRUNCATED)
+    return g
+
+
+def call_verdict(output: str, tools: list[dict], truncated: bool = False) -> str:
+    """``CallVerdict`` of an output's tool call(s): valid, malformed, or truncated (not valid
+    and the output hit its token budget: the call may simply not have been finished)."""
+    p = parse_tool_calls(output)
+    if p.ok and not [e for c in p.calls for e in validate_call(c, tools)]:
+        return CallVerdict.VALID
+    return CallVerdict.TRUNCATED if truncated else CallVerdict.MALFORMED
+
+
+def _grade(expected: dict, output: str, tools: list[dict] | None = None, where: str = "item") -> Grade:
     kind = check_expected(expected, where)
     if kind == "answer":
         got, want = normalise_answer(output), normalise_answer(str(expected["answer"]))

@@ -158,3 +158,34 @@ def print_flips(report: dict) -> None:
             f"{c['wrong_to_right']} wrong→right (McNemar p = {c['mcnemar_p']:.3g}); "
             f"{c['flips_starting_at_top1_flip']} of {c['correctness_flips']} start at a top-1 flip"
         )
+    for line in consequence_notes(report):
+        con.print(line)
+
+
+def consequence_notes(report: dict) -> list[str]:
+    """Warnings and notes a reader of the terminal needs: outputs cut by the budget, flips
+    left out by the cap, changed answers without a branch, the reference's self-consistency."""
+    out = []
+    f = report.get("flips") or {}
+    c = report.get("correctness") or {}
+    cut = f.get("outputs_cut") or {}
+    if cut.get("n_items") and cut["reference_cut"] * 2 > cut["n_items"]:
+        out.append(f"[yellow]warning:[/] {cut['reference_cut']} of {cut['n_items']} reference outputs hit the token budget: "
+                   "most outputs were cut, so answers and tool calls are incomplete (graded 'truncated', not wrong); "
+                   "capture with a larger max_tokens")
+    if c.get("n_labelled") and c.get("cut_cand", 0) * 2 > c["n_labelled"]:
+        out.append(f"[yellow]warning:[/] {c['cut_cand']} of {c['n_labelled']} candidate answers hit the token budget "
+                   f"({c.get('budget_tokens') or 'per item'} tokens): {c['truncated_cand']} graded 'truncated', not wrong")
+    lo = f.get("left_out") or {}
+    if lo.get("n"):
+        out.append(f"{lo['n']} selected flips in {lo['n_items']} items left out by --max-branches (listed in report.json flips.left_out)")
+    missed = [x for x in f.get("changed_items") or [] if not x["branched"]]
+    if missed:
+        out.append(f"{len(missed)} items whose answer or tool call changed have no branch: "
+                   + "; ".join(f"{x['item_id']} ({x['why_not']})" for x in missed[:5]))
+    sc = f.get("reference_self_consistency") or {}
+    if sc.get("n_written_not_top1"):
+        out.append(f"reference self-consistency: at {sc['n_written_not_top1']} of {sc['n_positions']} positions the reference "
+                   f"wrote a token that is not its own scored top-1 ({sc['n_candidate_wrote_it']} of them not flips: the "
+                   "candidate picked the written token)")
+    return out
