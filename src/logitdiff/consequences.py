@@ -220,6 +220,7 @@ def run_flips(
     tags = [list(f.tags) for f, *_ in pending]
     sims = similarity.score(tags, ref_tails, br_tails)
     alt_sims = similarity.score(tags, ref_tails, alt_tails) if settings.both else None
+    words = similarity.word_similarity
     rejoin_args = dict(min_run=settings.resync, max_shift=settings.max_shift, max_detour=settings.max_detour, end_ids=sorted(eos))
     for k, (f, it, ref_out, branch, alt) in enumerate(pending):
         item = _item_json(it)
@@ -231,7 +232,7 @@ def run_flips(
             item=item, ref_ids=ref_out, branch_ids=branch, position=t, ref_text=ref_text,
             branch_text=br_text, similarity=score, threshold=sim.threshold,
             end_similarity=ends if sim.kind == "edit" else None,
-            exec_check=exec_checker(item, settings.exec_timeout), code=is_code(f.tags, ref_tails[k]), **rejoin_args,
+            exec_check=exec_checker(item, settings.exec_timeout), code=is_code(f.tags, ref_tails[k]), word_similarity=words, **rejoin_args,
         )
         # Where the flip token ends, the branch re-joined and left again, in characters of
         # both continuations (from the flip on): the page highlights them.
@@ -283,7 +284,7 @@ def run_flips(
                 item=item, ref_ids=ref_out, branch_ids=alt, position=t, ref_text=ref_text,
                 branch_text=text(alt), similarity=a_score, threshold=a_sim.threshold,
                 end_similarity=end_ratio(ref_tails[k], alt_tails[k]) if a_sim.kind == "edit" else None,
-                code=is_code(f.tags, ref_tails[k]), **rejoin_args,
+                code=is_code(f.tags, ref_tails[k]), word_similarity=words, **rejoin_args,
             )
             row["outcome_ref_from_cand_token"] = o2
             row["ref_from_cand_continuation"] = alt_tails[k]

@@ -396,12 +396,12 @@ def numbers_agree(ref_text: str, branch_text: str, ref_cut: bool = False, branch
     budget (the other may go on there; a cut text may end inside its last number, which is
     left out) and lines skipped right after the flip (a pure shift, :mod:`logitdiff.salient`)."""
     return not salient.compare(ref_text, branch_text, code=False, ref_cut=ref_cut, branch_cut=branch_cut,
-                               kinds=("number",))["changed"]
+                               kinds=("number",), start=_divergence(ref_text, branch_text))["changed"]
 
 
-def _after_common_prefix(a: str, b: str) -> tuple[str, str]:
-    """Both texts from the start of the word where they first differ (their shared prefix
-    would only add equal parts, and would hide where a shift starts)."""
+def _divergence(a: str, b: str) -> int:
+    """Character offset of the start of the word where two texts first differ (their shared
+    prefix would only add equal parts, and would hide where a shift starts)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -409,7 +409,7 @@ def _after_common_prefix(a: str, b: str) -> tuple[str, str]:
         n += 1
     while n > 0 and (a[n - 1].isalnum() or a[n - 1] in "_."):
         n -= 1
-    return a[n:], b[n:]
+    return n
 
 
 def end_ratio(ref_continuation: str, branch_continuation: str) -> float:
@@ -461,6 +461,7 @@ def classify(
     end_similarity: float | None = None,
     exec_check: Callable[[list, list], dict] | None = None,
     code: bool = False,
+    word_similarity: Callable | None = None,
 ) -> tuple[str, dict]:
     """Outcome of one branch and the signals that decided it.
 
@@ -472,7 +473,9 @@ def classify(
     branch must also end alike (>= ``END_RATIO_DISSIMILAR``) to mean the same.
     ``exec_check(ref_calls, branch_calls)`` runs both calls (optional). ``code``: the
     texts are code (salient checks on identifiers, literals and signatures, else on the
-    numbers, negations, names and content words of prose; :mod:`logitdiff.salient`).
+    numbers, negations, names and content words of prose; :mod:`logitdiff.salient`);
+    ``word_similarity`` (``SimilarityPolicy.word_similarity``) tells a synonym from new
+    content among the content words of prose.
     """
     t = position
     sig: dict[str, Any] = {"similarity": float(similarity), "similarity_threshold": threshold}
@@ -528,9 +531,9 @@ def classify(
             # meaning whatever the rest of the text does; beyond that, re-joining or
             # similarity decide.
             ends = set(end_ids)
-            rc, bc = _after_common_prefix(ref_text, branch_text)
-            sal = salient.compare(rc, bc, code=code, ref_cut=not (ref_ids and ref_ids[-1] in ends),
-                                  branch_cut=not (branch_ids and branch_ids[-1] in ends))
+            sal = salient.compare(ref_text, branch_text, code=code, ref_cut=not (ref_ids and ref_ids[-1] in ends),
+                                  branch_cut=not (branch_ids and branch_ids[-1] in ends),
+                                  start=_divergence(ref_text, branch_text), word_similarity=word_similarity)
             sig["salient_changes"] = sal["changed"]
             sig["shifted"] = sal["shifted"]
             sig["content_share"] = sal["content_share"]

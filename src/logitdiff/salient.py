@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import re
 from difflib import SequenceMatcher
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+import numpy as np
 
 _NUMBER = re.compile(r"(?<![A-Za-z_\d.])[-+]?(?:\d+(?:[.,]\d+)*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -44,10 +46,14 @@ whose what when where why how all any some each every both either more most less
 so such than too very can could may might must shall should will would do does did done has have had having
 not no never only just even still yet again ever about above after before between through during while until
 up down out off own same other another s t d ll re ve m y etc e g i.e e.g via per use used using uses
+rather quite fairly pretty somewhat really
 """.split())
 # A prose branch whose content words on one side only make up more than this share of
 # both sides' content words says something else (a paraphrase swaps a word or two).
-CONTENT_CHANGED_SHARE = 0.5
+CONTENT_CHANGED_SHARE = 0.6
+# MiniLM cosine of two single words at or above which one stands for the other (a synonym
+# or an inflection: "method"/"way", "canonical"/"standard"); unrelated words lie lower.
+WORD_MATCH = 0.5
 
 
 class Tok(NamedTuple):
@@ -79,7 +85,7 @@ def code_tokens(text: str) -> list[Tok]:
     bare = _mask(bare, _COMMENT)
     for m in strings:
         if not _COMMENT.search(text[max(0, text.rfind("\n", 0, m.start())) : m.start()]):
-            out.append(Tok("string", m.group(0), m.start(), m.end()))
+            out.append(Tok("string", repr(m.group(0)[1:-1]), m.start(), m.end()))  # the content, not the quote style
     for m in _NUMBER.finditer(bare):
         out.append(Tok("number", _num(m.group(0)), m.start(), m.end()))
     for m in _IDENT.finditer(bare):
@@ -107,7 +113,8 @@ def prose_tokens(text: str) -> list[Tok]:
             out.append(Tok("neg", "not", m.start(), m.end()))
             continue
         before = text[: m.start()].rstrip()
-        sentence_start = not before or before[-1] in ".!?:\n\"'(*-#>"
+        # a quote or bracket does not start a sentence: "None", (Python) are names
+        sentence_start = not before or before[-1] in ".!?:\n*-#>"
         if w[0].isupper() and not sentence_start and low not in STOP:
             out.append(Tok("name", w, m.start(), m.end()))
         elif low not in STOP and len(low) >= 3:
@@ -125,17 +132,25 @@ def _drop_cut_end(toks: list[Tok], text: str, cut: bool) -> list[Tok]:
 
 
 def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_cut: bool = False,
-            kinds: tuple[str, ...] | None = None) -> dict:
+            kinds: tuple[str, ...] | None = None, start: int = 0,
+            word_similarity: Callable[[list[str], list[str]], np.ndarray] | None = None) -> dict:
     """Salient differences between the reference's and the branch's continuation.
 
     Returns ``{"changed": [...], "shifted": bool, "content_share": float | None}``:
     ``changed`` holds one line per change (``number 3.0 -> 5.0``, ``added ident foo``,
     ``negation added``...), ``shifted`` says a pure shift was tolerated, and
-    ``content_share`` (prose) the share of content words on one side only.
+    ``content_share`` (prose) the share of content words on one side only that no word
+    on the other side stands for. ``start``: the character offset where the texts first
+    differ (their shared prefix); ``word_similarity(words_a, words_b)``: a cosine matrix
+    of words (MiniLM): a word on one side only that is this similar (>= ``WORD_MATCH``) to
+    a word on the other side only is a synonym, not new content. Without it every such
+    word counts (stricter).
     """
     tok = code_tokens if code else prose_tokens
-    a = _drop_cut_end(tok(ref), ref, ref_cut)
-    b = _drop_cut_end(tok(branch), branch, branch_cut)
+    # whole texts are tokenized (a comment or docstring opened before the flip is still one),
+    # then only what lies from ``start`` (where the two first differ) on is compared
+    a = [t for t in _drop_cut_end(tok(ref), ref, ref_cut) if t.end > start]
+    b = [t for t in _drop_cut_end(tok(branch), branch, branch_cut) if t.end > start]
     if kinds is not None:
         a = [t for t in a if t.kind in kinds]
         b = [t for t in b if t.kind in kinds]
@@ -150,34 +165,50 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
     for k, (op, i1, i2, j1, j2) in enumerate(ops):
         if op == "equal":
             continue
-        # the cut tail: past the end of a side the budget cut, the other side goes on
-        if (ref_cut and i1 == len(sa) and op == "insert") or (branch_cut and j1 == len(sb) and op == "delete"):
-            continue
         # a pure shift: right after the flip the branch skips whole lines of the reference
         if op == "delete" and i1 == 0 and k == 0 and len(ops) > 1 and "\n" in ref[ta[i1].start : ta[i2 - 1].end + 1 if i2 < len(ta) else len(ref)]:
             if _rest_equal(ops[1:], sa, sb, ref_cut, branch_cut):
                 shifted = True
                 continue
-        changed.append(_describe(op, sa[i1:i2], sb[j1:j2]))
+        # the cut tail: past the end of a side the budget cut, the other side goes on
+        lim_a, lim_b = _limits(ops[:k], ta, tb, ref, branch, start)
+        gone = [sa[i] for i in range(i1, i2) if not (branch_cut and ta[i].start >= lim_a)]
+        new = [sb[j] for j in range(j1, j2) if not (ref_cut and tb[j].start >= lim_b)]
+        if gone or new:
+            changed.append(_describe("insert" if not gone else "delete" if not new else "replace", gone, new))
     share = None
     if not code:
-        wa = _window([t for t in a if t.kind == "word"], b, branch_cut)
-        wb = _window([t for t in b if t.kind == "word"], a, ref_cut)
+        wa = [t for t in a if t.kind == "word"]
+        wb = [t for t in b if t.kind == "word"]
         A, B = {t.text for t in wa}, {t.text for t in wb}
         if A or B:
-            share = len(A ^ B) / len(A | B)
+            only_a = sorted({_surface(t, ref) for t in wa if t.text not in B})
+            only_b = sorted({_surface(t, branch) for t in wb if t.text not in A})
+            ua, ub = _unmatched(only_a, only_b, word_similarity)
+            share = (len(ua) + len(ub)) / len(A | B)
             if share > CONTENT_CHANGED_SHARE and min(len(A), len(B)) >= 3:
-                changed.append(f"content words on one side only: {100 * share:.0f} % ({', '.join(sorted(A - B)[:3])} / {', '.join(sorted(B - A)[:3])})")
+                changed.append(f"content words on one side only: {100 * share:.0f} % ({', '.join(ua[:3])} / {', '.join(ub[:3])})")
     return {"changed": changed, "shifted": shifted, "content_share": share}
 
 
-def _window(toks: list[Tok], other: list[Tok], other_cut: bool) -> list[Tok]:
-    """When the other side was cut by the budget, only this side's tokens up to as many as
-    the other has (what lies past the other's end cannot be compared)."""
-    if not other_cut:
-        return toks
-    n = sum(t.kind == "word" for t in other)
-    return toks[:n]
+def _limits(before, ta: list[Tok], tb: list[Tok], ref: str, branch: str, start: int) -> tuple[float, float]:
+    """Character offsets past which each side has nothing the other (cut) side could hold:
+    from the last common token, as much text as the other side has left."""
+    last = next(((i2, j2) for op, i1, i2, j1, j2 in reversed(before) if op == "equal"), None)
+    a_end, b_end = (ta[last[0] - 1].end, tb[last[1] - 1].end) if last else (start, start)
+    return a_end + (len(branch) - b_end), b_end + (len(ref) - a_end)
+
+
+def _surface(t: Tok, text: str) -> str:
+    return text[t.start : t.end].lower()
+
+
+def _unmatched(a: list[str], b: list[str], word_similarity) -> tuple[list[str], list[str]]:
+    """Words of each list that no word of the other stands for (cosine >= WORD_MATCH)."""
+    if not a or not b or word_similarity is None:
+        return a, b
+    m = np.asarray(word_similarity(a, b), dtype=np.float64)
+    return [w for w, row in zip(a, m) if row.max() < WORD_MATCH], [w for w, col in zip(b, m.T) if col.max() < WORD_MATCH]
 
 
 def _rest_equal(ops, sa, sb, ref_cut: bool, branch_cut: bool) -> bool:
