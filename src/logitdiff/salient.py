@@ -34,7 +34,6 @@ import numpy as np
 _NUMBER = re.compile(r"(?<![A-Za-z_\d.])[-+]?(?:\d+(?:[.,]\d+)*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # short string literals (one line); triple-quoted strings are docstrings: prose, left out
-_TRIPLE = re.compile(r'("""|\'\'\')(?:.|\n)*?(?:\1|$)')
 _STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
 _COMMENT = re.compile(r"#[^\n]*")
 _WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*[A-Za-z]|[A-Za-z]")
@@ -46,7 +45,8 @@ whose what when where why how all any some each every both either more most less
 so such than too very can could may might must shall should will would do does did done has have had having
 not no never only just even still yet again ever about above after before between through during while until
 up down out off own same other another s t d ll re ve m y etc e g i.e e.g via per use used using uses
-rather quite fairly pretty somewhat really
+rather quite fairly pretty somewhat really upon within without across among along against toward towards beside
+behind beyond near around
 """.split())
 # A prose branch whose content words on one side only make up more than this share of
 # both sides' content words says something else (a paraphrase swaps a word or two).
@@ -76,9 +76,34 @@ def _num(s: str) -> str:
         return s
 
 
+def _mask_docstrings(text: str) -> str:
+    """Blank out triple-quoted strings (docstrings: prose, not code). A fragment cut out of a
+    longer text may hold an odd number of triple quotes (a run of empty ``\"\"\"`` lines
+    with one line skipped), so quotes are paired in order, and a "string" whose lines look
+    like code is taken as a stray quote (only the quote is blanked) and the pairing goes on
+    from its closing quote; a quote left unclosed at the end is blanked alone."""
+    marks = [m.start() for m in re.finditer(r'"""|\'\'\'', text)]
+    out = list(text)
+    k = 0
+    while k < len(marks):
+        a = marks[k]
+        if k + 1 < len(marks):
+            b = marks[k + 1]
+            inner = text[a + 3 : b]
+            if not any(_CODE_LINE.search(x) for x in inner.splitlines() if x.strip()):
+                for i in range(a, b + 3):
+                    if out[i] != "\n":
+                        out[i] = " "
+                k += 2
+                continue
+        out[a : a + 3] = "   "
+        k += 1
+    return "".join(out)
+
+
 def code_tokens(text: str) -> list[Tok]:
     """Numbers, identifiers, short string literals and ``def`` lines of code, in order."""
-    text = _mask(text, _TRIPLE)
+    text = _mask_docstrings(text)
     out: list[Tok] = []
     strings = list(_STRING.finditer(text))
     bare = _mask(text, _STRING)
@@ -124,11 +149,12 @@ def prose_tokens(text: str) -> list[Tok]:
     return sorted(out, key=lambda t: (t.start, t.kind))
 
 
-def _drop_cut_end(toks: list[Tok], text: str, cut: bool) -> list[Tok]:
-    """A text cut by the budget may end inside its last token: leave that token out."""
+def _drop_cut_end(toks: list[Tok], text: str, cut: bool) -> tuple[list[Tok], int]:
+    """A text cut by the budget may end inside its last token: leave that token out. Also
+    returns where the compared text ends (the start of a token left out)."""
     if cut and toks and toks[-1].end >= len(text.rstrip()):
-        return toks[:-1]
-    return toks
+        return toks[:-1], toks[-1].start
+    return toks, len(text)
 
 
 def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_cut: bool = False,
@@ -149,8 +175,10 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
     tok = code_tokens if code else prose_tokens
     # whole texts are tokenized (a comment or docstring opened before the flip is still one),
     # then only what lies from ``start`` (where the two first differ) on is compared
-    a = [t for t in _drop_cut_end(tok(ref), ref, ref_cut) if t.end > start]
-    b = [t for t in _drop_cut_end(tok(branch), branch, branch_cut) if t.end > start]
+    a, a_len = _drop_cut_end(tok(ref), ref, ref_cut)
+    b, b_len = _drop_cut_end(tok(branch), branch, branch_cut)
+    a = [t for t in a if t.end > start]
+    b = [t for t in b if t.end > start]
     if kinds is not None:
         a = [t for t in a if t.kind in kinds]
         b = [t for t in b if t.kind in kinds]
@@ -171,7 +199,7 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
                 shifted = True
                 continue
         # the cut tail: past the end of a side the budget cut, the other side goes on
-        lim_a, lim_b = _limits(ops[:k], ta, tb, ref, branch, start)
+        lim_a, lim_b = _limits(ops[:k], ta, tb, a_len, b_len, start)
         gone = [sa[i] for i in range(i1, i2) if not (branch_cut and ta[i].start >= lim_a)]
         new = [sb[j] for j in range(j1, j2) if not (ref_cut and tb[j].start >= lim_b)]
         if gone or new:
@@ -191,12 +219,12 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
     return {"changed": changed, "shifted": shifted, "content_share": share}
 
 
-def _limits(before, ta: list[Tok], tb: list[Tok], ref: str, branch: str, start: int) -> tuple[float, float]:
+def _limits(before, ta: list[Tok], tb: list[Tok], a_len: int, b_len: int, start: int) -> tuple[float, float]:
     """Character offsets past which each side has nothing the other (cut) side could hold:
     from the last common token, as much text as the other side has left."""
     last = next(((i2, j2) for op, i1, i2, j1, j2 in reversed(before) if op == "equal"), None)
     a_end, b_end = (ta[last[0] - 1].end, tb[last[1] - 1].end) if last else (start, start)
-    return a_end + (len(branch) - b_end), b_end + (len(ref) - a_end)
+    return a_end + (b_len - b_end), b_end + (a_len - a_end)
 
 
 def _surface(t: Tok, text: str) -> str:
