@@ -1,7 +1,9 @@
 """What a flip does: branch at top-1 flips, continue with the candidate, classify.
 
 A *flip* is a teacher-forced output position t where the candidate's winner differs from
-the reference's (``top1_match`` false). Because the teacher sequence is the reference's own
+the reference's (``top1_match`` false) and from the token the reference wrote there (the
+teacher token; where the candidate picked that token although it is not the reference's
+scored top-1, a branch would replay the reference: :func:`reference_self_consistency`). Because the teacher sequence is the reference's own
 greedy output, the reference's continuation from ``teacher[:t]`` is ``teacher[t:]``: the
 control. The *branch* is the candidate continuing greedily from
 ``prompt + teacher[:t] + candidate_top1``. Both outputs have the same total budget (the
@@ -22,13 +24,14 @@ definitions are in docs/flips.md):
                          arguments (AST comparison, `toolcalls.compare_calls`);
 ``recovered``            the branch re-joins the reference at an aligned point and stays
                          joined (:func:`align`), and its answer / tool call is the same
-                         (items without a label or tool call: the same numbers and a
-                         similarity >= the threshold);
-``benign``               it does not stay joined (never re-joins, or leaves again), but the
-                         answer / tool call is the same (no label: same numbers, similarity
-                         >= the threshold);
-``meaning_changed``      everything else: a different answer or number, or a similarity
-                         below the threshold.
+                         (items without a label or tool call: nothing salient changed,
+                         :mod:`logitdiff.salient`, and a similarity >= the threshold);
+``benign``               it does not stay joined (never re-joins, or leaves again, or is a
+                         pure shift), but the answer / tool call is the same (no label:
+                         nothing salient changed, similarity >= the threshold);
+``meaning_changed``      everything else: a different answer, a salient change (number,
+                         name, literal, signature, negation, claim), or a similarity below
+                         the threshold.
 
 Similarity is measured on the text from the flip onward (the shared prefix would inflate
 it) by the similarity that fits the text (`grading.SimilarityPolicy`: edit similarity on

@@ -12,18 +12,22 @@ NAME = "flips"
 HELP = "branch at top-1 flips and classify what they do; grade labelled answers"
 
 FLIPS_DESCRIPTION = """\
-Branch at the top-1 flips of a REPORT: from prompt + teacher[:t] + the candidate's winner,
-the candidate continues greedily; the reference's own continuation (the teacher) is the
-control. Each branch is classified, with the signals that decided it, as
+Branch at the top-1 flips of a REPORT (positions where the candidate's winner differs from
+the reference's and from the token the reference wrote): from prompt + teacher[:t] + the
+candidate's winner, the candidate continues greedily; the reference's own continuation (the
+teacher) is the control. Flips behind answers or tool calls that changed come first, then
+one per item, then the highest KL; what --max-branches leaves out is listed. Each branch is
+classified, with the signals that decided it, as
 
   recovered            re-joins the reference (--resync common tokens, at most --max-shift
                        tokens out of line) and stays joined to the end of the shorter output
                        (later detours re-join within --max-detour tokens, >= 80 % of the
                        tokens after the flip joined), with the same answer / tool call (no
-                       label: the same numbers and similarity >= threshold)
-  benign               does not stay joined (never re-joins, or leaves again), but the same
-                       answer / call (no label: same numbers, similarity >= threshold)
-  meaning_changed      another answer or number, or (no label) similarity below the threshold
+                       label: nothing salient changed and similarity >= threshold)
+  benign               does not stay joined (never re-joins, leaves again, or skips whole
+                       lines then writes the reference's text), but the same answer / call
+  meaning_changed      another answer, or (no label) a changed number, name, literal,
+                       signature, negation or claim, or similarity below the threshold
   tool_call_malformed  the reference's call was schema-valid; the branch's does not parse
                        or violates the tool's JSON schema
   tool_call_changed    valid, but another function or other arguments (AST check, BFCL-style)
@@ -36,7 +40,8 @@ Ties are not flips: where the reference's margin p(top1) - p(top2) is within the
 spacing at p(top1) (0 included), the engines only broke a tie. Ties are counted and listed
 apart, not branched (unless --branch-ties), and never counted in outcomes or gates.
 
-Labelled items are also graded free-running (both models, greedy): accuracy of each,
+Labelled items are also graded free-running (both models, greedy; an output that hit its
+token budget and is not right is graded 'truncated', not wrong): accuracy of each,
 correctness flips right->wrong / wrong->right with an exact McNemar test, and whether
 each correctness flip starts at a teacher-forced top-1 flip.
 
