@@ -230,3 +230,36 @@ def test_correctness_counts_truncated_apart_from_wrong():
     # McNemar compares right with not right: right->truncated is discordant too
     assert sec["mcnemar_p"] == pytest.approx(binomtest(1, 3, 0.5).pvalue)
     assert set(changed_items(rows)) == {"a", "b", "d"} and changed_items(rows)["a"] == ("answer right -> wrong", 3)
+
+
+def test_a_run_with_a_small_budget_says_truncated_not_wrong(tmp_path, capsys):
+    """The issue's case: a run captured with max_tokens too small for the answers. Outputs
+    that hit the budget are graded 'truncated' (tool calls too), never wrong/malformed, and
+    the CLI warns that most outputs were cut. Real bundled model, real llama.cpp quant."""
+    import json
+
+    from logitdiff.builtin import WORKLOAD
+    from logitdiff.cli import main
+
+    keep = ("tool-00", "tool-01", "math-00", "lookup-00", "prose-00")
+    items = [line for line in WORKLOAD.read_text().splitlines() if json.loads(line)["id"] in keep]
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("\n".join(items) + "\n")
+    out = tmp_path / "out"
+    assert main(["run", "--workload", str(wl), "--out", str(out), "--max-tokens", "3", "--candidate", "builtin:tiny-Q8_0",
+                 "--no-noise-floor", "--bootstrap", "0", "--similarity", "edit"]) == 0
+    printed = capsys.readouterr().out
+    assert "hit the token budget" in printed and "warning" in printed
+    rep = json.loads((out / "reports" / "tiny-Q8_0" / "report.json").read_text())
+    c, f = rep["correctness"], rep["flips"]
+    assert c["budget_tokens"] == 3 and c["cut_ref"] == c["n_labelled"] and c["cut_cand"] == c["n_labelled"]
+    # nothing cut is called wrong: every output that is not right is truncated
+    assert c["truncated_ref"] == c["n_labelled"] - round(c["accuracy_ref"] * c["n_labelled"])
+    assert c["right_to_wrong"] == 0 and c["tool_call_truncated_ref"] == c["n_tool_items"] > 0
+    assert f["outputs_cut"]["reference_cut"] == f["outputs_cut"]["n_items"] == len(keep)
+    import pandas as pd
+
+    cr = pd.read_parquet(out / "reports" / "tiny-Q8_0" / "correctness.parquet")
+    assert set(cr.ref_verdict) <= {"right", "truncated"} and "wrong" not in set(cr.cand_verdict)
+    assert set(cr.dropna(subset=["ref_tool_call"]).ref_tool_call) == {"truncated"}
+    assert "graded truncated" in (out / "reports" / "tiny-Q8_0" / "report.md").read_text()
