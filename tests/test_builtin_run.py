@@ -122,7 +122,7 @@ def test_default_run_flips_and_correctness(default_run):
         sc = f["reference_self_consistency"]
         assert f["n_flips"] + f["n_ties"] + sc["n_candidate_wrote_it"] == rep["summary"]["top1_mismatches"]
         assert sc["n_written_not_top1"] >= sc["n_candidate_wrote_it"] >= 0
-        assert all(fl.cand_token_id != tok_written(d, r.item_id, r.position) for r in fl.itertuples())
+        assert all(r.cand_token_id != tok_written(d, r.item_id, r.position) for r in fl.itertuples())
         # every item whose answer changed has its flip branched, or is listed with the reason
         changed = set(rep["correctness"]["items_right_to_wrong"] + rep["correctness"]["items_wrong_to_right"]
                       + rep["correctness"]["items_right_to_truncated"])
