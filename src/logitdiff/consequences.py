@@ -31,7 +31,7 @@ from .summarize import DEFAULT_RANGES
 
 # Branches per candidate at most (the highest-KL flips are kept): `run` and `flips` alike.
 DEFAULT_MAX_BRANCHES = 24
-from .toolcalls import ToolCall, parse_tool_calls, validate_call
+from .toolcalls import ToolCall
 from .workload import check_tools_once
 
 

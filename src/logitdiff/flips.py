@@ -49,7 +49,7 @@ import numpy as np
 from . import salient
 from .contracts import Flips, Outcome
 from .errors import LogitdiffError
-from .grading import grade, last_number, normalise_answer, numbers_in
+from .grading import grade, last_number, normalise_answer
 from .summarize import range_label
 from .toolcalls import ParsedCalls, compare_calls, parse_tool_calls, validate_call
 
