@@ -96,6 +96,12 @@ def test_cross_engine_f32_agreement(default_run, tmp_path):
 BAD = ("meaning_changed", "tool_call_malformed", "tool_call_changed")
 
 
+def tok_written(d, item_id, position):
+    """The token the reference wrote at (item, position), from tokens.parquet."""
+    tok = pd.read_parquet(d / "tokens.parquet", columns=["item_id", "position", "token_id"])
+    return int(tok[(tok.item_id == item_id) & (tok.position == position)].token_id.iloc[0])
+
+
 def test_default_run_flips_and_correctness(default_run):
     """Issue checks: Q2_K's flips do more damage than Q8_0's; the reference rerun has no flips;
     flips.parquet and correctness.parquet agree with report.json."""
@@ -110,8 +116,20 @@ def test_default_run_flips_and_correctness(default_run):
         f = rep["flips"]
         fl = pd.read_parquet(d / "flips.parquet")
         assert len(fl) == f["n_branches"] > 0
-        # ties at the reference are flips of top-1 but not of the candidate: counted apart, not branched
-        assert f["n_flips"] + f["n_ties"] == rep["summary"]["top1_mismatches"]
+        # ties at the reference are flips of top-1 but not of the candidate: counted apart, not
+        # branched; so are the positions where the candidate picked the token the reference
+        # wrote although it is not the reference's own scored top-1 (issue 21)
+        sc = f["reference_self_consistency"]
+        assert f["n_flips"] + f["n_ties"] + sc["n_candidate_wrote_it"] == rep["summary"]["top1_mismatches"]
+        assert sc["n_written_not_top1"] >= sc["n_candidate_wrote_it"] >= 0
+        assert all(r.cand_token_id != tok_written(d, r.item_id, r.position) for r in fl.itertuples())
+        # every item whose answer changed has its flip branched, or is listed with the reason
+        changed = set(rep["correctness"]["items_right_to_wrong"] + rep["correctness"]["items_wrong_to_right"]
+                      + rep["correctness"]["items_right_to_truncated"])
+        listed = {x["item_id"]: x for x in f["changed_items"]}
+        assert changed <= set(listed)
+        assert all(x["item_id"] in set(fl.item_id) for x in listed.values() if x["branched"])
+        assert all(x["why_not"] for x in listed.values() if not x["branched"])
         assert not fl["tie"].any() and (fl["margin_ref"] > 0).all()
         assert fl["outcome"].value_counts().to_dict() == {k: v for k, v in f["outcomes"].items() if v}
         # every branch starts at a real flip of tokens.parquet, with the same KL
@@ -125,7 +143,8 @@ def test_default_run_flips_and_correctness(default_run):
         assert len(cr) == c["n_labelled"] == sum(1 for it in read_workload(WORKLOAD) if it.expected)
         assert cr["ref_correct"].mean() == pytest.approx(c["accuracy_ref"])
         assert cr["cand_correct"].mean() == pytest.approx(c["accuracy_cand"])
-        assert int((cr.ref_correct & ~cr.cand_correct).sum()) == c["right_to_wrong"]
+        assert int((cr.ref_correct & ~cr.cand_correct).sum()) == c["right_to_wrong"] + c["right_to_truncated"]
+        assert int((cr.cand_verdict == "truncated").sum()) == c["truncated_cand"] <= c["cut_cand"]
         assert int((~cr.ref_correct & cr.cand_correct).sum()) == c["wrong_to_right"]
         assert 0.0 <= c["mcnemar_p"] <= 1.0
         md = (d / "report.md").read_text()
@@ -173,13 +192,18 @@ def test_flips_command_on_a_report(default_run, tmp_path, capsys):
     assert rep["gates"]["crossed"] == ["flips>0"]
     fl = pd.read_parquet(d / "flips.parquet")
     assert set(fl.outcome_ref_from_cand_token) <= {"recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed"}
-    top = pd.read_parquet(d / "tokens.parquet").query("not top1_match").nlargest(4, "kl_nats")
+    top = pd.read_parquet(d / "tokens.parquet").query("not top1_match and top1_cand != token_id").nlargest(4, "kl_nats")
     assert sorted(fl.kl_nats) == sorted(top.kl_nats)
     assert "report.html" in {p.name for p in d.iterdir()}
     # a rerun replaces every section and file an earlier one wrote
     assert main(["flips", str(d), "--select", "top-kl:2", "--similarity", "edit"]) == 0
     rep = json.loads((d / "report.json").read_text())
-    assert "gates" not in rep and rep["flips"]["n_branches"] == 2 and (d / "correctness.parquet").exists()
+    # with correctness, the flips behind the changed answers join the two by KL
+    changed = rep["correctness"]["items_right_to_wrong"] + rep["correctness"]["items_wrong_to_right"]
+    assert "gates" not in rep and (d / "correctness.parquet").exists()
+    assert 2 <= rep["flips"]["n_branches"] <= 2 + len(changed)
+    assert all(x["branched"] or x["why_not"] for x in rep["flips"]["changed_items"])
+    assert {x["item_id"] for x in rep["flips"]["changed_items"]} >= set(changed)
     assert main(["flips", str(d), "--select", "top-kl:2", "--similarity", "edit", "--no-correctness"]) == 0
     rep = json.loads((d / "report.json").read_text())
     assert "correctness" not in rep and not (d / "correctness.parquet").exists()

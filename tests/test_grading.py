@@ -180,3 +180,94 @@ def test_tools_module_path_is_resolved_next_to_the_workload(tmp_path):
     wl.write_text(json.dumps({"id": "t", "prompt": "x", "tools_module": "impl.py"}) + "\n")
     (it,) = read_workload(wl)
     assert it.tools_module == str((tmp_path / "impl.py").resolve()) and it.to_json()["tools_module"] == it.tools_module
+
+
+@pytest.mark.parametrize(
+    "expected, cut_output, right_output",
+    [
+        ({"answer": "42"}, "The answer is", "42"),
+        ({"regex": r"\bPARIS\b"}, "The capital is PA", "The capital is PARIS"),
+        ({"numeric": 12.5}, "so the total is 1", "so the total is 12.5"),
+        ({"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}},
+         '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',
+         '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'),
+    ],
+)
+def test_an_output_cut_by_the_budget_is_truncated_not_wrong(expected, cut_output, right_output):
+    """Every check: an output that hit the token budget and is not right is graded
+    'truncated'; the same text when the model stopped is 'wrong'; a cut output that is right
+    (the answer came before the cut) is still right."""
+    from logitdiff.contracts import CallVerdict, Verdict
+    from logitdiff.grading import call_verdict
+
+    g = grade(expected, cut_output, WEATHER, truncated=True)
+    assert not g.correct and g.verdict == Verdict.TRUNCATED and "token budget" in g.detail
+    w = grade(expected, cut_output, WEATHER, truncated=False)
+    assert not w.correct and w.verdict == Verdict.WRONG
+    r = grade(expected, right_output, WEATHER, truncated=True)
+    assert r.correct and r.verdict == Verdict.RIGHT
+    if "tool_call" in expected:
+        assert call_verdict(cut_output, WEATHER, truncated=True) == CallVerdict.TRUNCATED
+        assert call_verdict(cut_output, WEATHER, truncated=False) == CallVerdict.MALFORMED
+        assert call_verdict(right_output, WEATHER, truncated=True) == CallVerdict.VALID
+
+
+def test_correctness_counts_truncated_apart_from_wrong():
+    from logitdiff.consequences import Settings, changed_items, correctness_section
+
+    def row(iid, rv, cv, ref_cut=False, cand_cut=False):
+        return {"item_id": iid, "tags": ["t"], "ref_correct": rv == "right", "cand_correct": cv == "right", "ref_verdict": rv,
+                "cand_verdict": cv, "ref_cut": ref_cut, "cand_cut": cand_cut, "budget_tokens": 16,
+                "divergence_at_top1_flip": True, "first_divergence": 3}
+
+    rows = [row("a", "right", "wrong"), row("b", "right", "truncated", cand_cut=True), row("c", "truncated", "truncated", True, True),
+            row("d", "wrong", "right"), row("e", "right", "right", cand_cut=True)]
+    sec = correctness_section(rows, Settings(n_boot=50))
+    assert sec["right_to_wrong"] == 1 and sec["items_right_to_wrong"] == ["a"]
+    assert sec["right_to_truncated"] == 1 and sec["items_right_to_truncated"] == ["b"]
+    assert sec["cut_ref"] == 1 and sec["cut_cand"] == 3 and sec["truncated_ref"] == 1 and sec["truncated_cand"] == 2
+    assert sec["budget_tokens"] == 16 and sec["by_tag"]["t"]["right_to_wrong"] == 1
+    # McNemar compares right with not right: right->truncated is discordant too
+    assert sec["mcnemar_p"] == pytest.approx(binomtest(1, 3, 0.5).pvalue)
+    assert set(changed_items(rows)) == {"a", "b", "d"} and changed_items(rows)["a"] == ("answer right -> wrong", 3)
+
+
+def test_a_run_with_a_small_budget_says_truncated_not_wrong(tmp_path, capsys):
+    """The issue's case: a run captured with max_tokens too small for the answers. Outputs
+    that hit the budget are graded 'truncated' (tool calls too), never wrong/malformed, and
+    the CLI warns that most outputs were cut. Real bundled model, real llama.cpp quant."""
+    import json
+
+    from logitdiff.builtin import WORKLOAD
+    from logitdiff.cli import main
+
+    keep = ("tool-00", "tool-01", "math-00", "lookup-00", "prose-00")
+    items = [line for line in WORKLOAD.read_text().splitlines() if json.loads(line)["id"] in keep]
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("\n".join(items) + "\n")
+    out = tmp_path / "out"
+    assert main(["run", "--workload", str(wl), "--out", str(out), "--max-tokens", "3", "--candidate", "builtin:tiny-Q8_0",
+                 "--no-noise-floor", "--bootstrap", "0", "--similarity", "edit"]) == 0
+    cap = capsys.readouterr()
+    printed = " ".join((cap.out + cap.err).split())  # the console wraps lines
+    import pandas as pd
+
+    d = out / "reports" / "tiny-Q8_0"
+    rep = json.loads((d / "report.json").read_text())
+    c, f = rep["correctness"], rep["flips"]
+    n_cut = f["outputs_cut"]["reference_cut"]
+    assert f["outputs_cut"]["n_items"] == len(keep) and n_cut * 2 > len(keep)  # most were cut (the answers of a word finish)
+    assert f"warning: {n_cut} of {len(keep)} reference outputs hit the token budget" in printed, printed
+    assert c["budget_tokens"] == 3
+    cr = pd.read_parquet(d / "correctness.parquet")
+    for side in ("ref", "cand"):
+        cut, ok, verdict = cr[f"{side}_cut"], cr[f"{side}_correct"], cr[f"{side}_verdict"]
+        # cut and not right: truncated; never "wrong" for a cut output; right stays right
+        assert (verdict[cut & ~ok] == "truncated").all() and (verdict[~cut & ~ok] == "wrong").all() and (verdict[ok] == "right").all()
+        assert int((cut & ~ok).sum()) == c[f"truncated_{side}"] and int(cut.sum()) == c[f"cut_{side}"]
+        # every tool call was cut inside 3 tokens: truncated, not malformed
+        calls = cr.dropna(subset=[f"{side}_tool_call"])[f"{side}_tool_call"]
+        assert len(calls) == 2 and set(calls) == {"truncated"}
+    assert c["tool_call_truncated_ref"] == c["tool_call_truncated_cand"] == c["n_tool_items"] == 2
+    assert c["right_to_wrong"] == int((cr.ref_correct & ~cr.cand_correct & ~cr.cand_cut).sum())
+    assert "graded truncated" in (d / "report.md").read_text()

@@ -19,15 +19,19 @@ import numpy as np
 from .capture import DEFAULT_MAX_TOKENS
 from .contracts import Correctness, MethodKind
 from .errors import LogitdiffError
-from .flips import MAX_DETOUR, MAX_SHIFT, MIN_RUN, classify, end_ratio, find_flips, select_flips, summarize_branches
-from .grading import SimilarityPolicy, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
+from .contracts import CallVerdict, Verdict
+from .flips import (
+    MAX_DETOUR, MAX_SHIFT, MIN_RUN, classify, end_ratio, find_flips, reference_self_consistency, select_flips, summarize_branches,
+)
+from .grading import SimilarityPolicy, call_verdict, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
+from .salient import is_code
 from .sources import Source
 from .store import RunItem, RunReader, first_difference
 from .summarize import DEFAULT_RANGES
 
 # Branches per candidate at most (the highest-KL flips are kept): `run` and `flips` alike.
 DEFAULT_MAX_BRANCHES = 24
-from .toolcalls import ToolCall, parse_tool_calls, validate_call
+from .toolcalls import ToolCall
 from .workload import check_tools_once
 
 
@@ -55,6 +59,26 @@ def _budget(reader: RunReader, it: RunItem) -> int:
     """The generation budget the reference had for this item."""
     mt = (reader.manifest.get("settings") or {}).get("max_tokens")
     return int(mt or _item_json(it).get("max_tokens") or DEFAULT_MAX_TOKENS)
+
+
+def hit_budget(ids: Sequence[int], budget: int, eos: set[int]) -> bool:
+    """The output used its whole token budget without an end token: cut, not finished."""
+    return len(ids) >= budget and not (ids and ids[-1] in eos)
+
+
+def changed_items(rows: Sequence[dict]) -> dict[str, tuple[str, int | None]]:
+    """Items whose graded answer or tool-call verdict differs between the free-running
+    outputs (correctness rows): item -> (what changed, where the outputs first differ)."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for r in rows:
+        change = None
+        if r.get("ref_verdict") != r.get("cand_verdict"):
+            change = f"answer {r.get('ref_verdict')} -> {r.get('cand_verdict')}"
+        elif r.get("ref_tool_call") != r.get("cand_tool_call"):
+            change = f"tool call {r.get('ref_tool_call')} -> {r.get('cand_tool_call')}"
+        if change:
+            out[r["item_id"]] = (change, r.get("first_divergence"))
+    return out
 
 
 def _strip_end(ids: Sequence[int], eos: set[int]) -> list[int]:
@@ -133,15 +157,23 @@ def run_flips(
     reference_source: Source | None = None,
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
+    changed: dict[str, tuple[str, int | None]] | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Branch at the selected flips; return the report section and one row per branch."""
+    """Branch at the selected flips; return the report section and one row per branch.
+
+    ``changed`` (:func:`changed_items`, from the correctness rows) names the items whose
+    answer or tool call changed: the flip behind each is always selected and ranked first
+    under the cap, and the section lists each with the branch taken or why none was."""
     items = {it.id: it for it in ref.items()}
     check_items(list(items.values()), settings.exec_timeout)
     if settings.both and reference_source is None:
         raise LogitdiffError("--both needs the reference as a source (pass --reference SPEC)")
     tags_of = {i: it.tags for i, it in items.items()}
-    all_flips = find_flips(columns, tags_of)
-    chosen, note = select_flips(all_flips, settings.select, settings.max_branches, settings.seed, settings.branch_ties)
+    teacher_of = {i: it.teacher_ids for i, it in items.items()}
+    all_flips = find_flips(columns, tags_of, teacher_of)
+    changed = changed or {}
+    chosen, note, left_out = select_flips(all_flips, settings.select, settings.max_branches, settings.seed, settings.branch_ties,
+                                          priority={i: pos for i, (_, pos) in changed.items()})
     if on_total:
         on_total(len(chosen))
     eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
@@ -188,6 +220,7 @@ def run_flips(
     tags = [list(f.tags) for f, *_ in pending]
     sims = similarity.score(tags, ref_tails, br_tails)
     alt_sims = similarity.score(tags, ref_tails, alt_tails) if settings.both else None
+    words = similarity.word_similarity
     rejoin_args = dict(min_run=settings.resync, max_shift=settings.max_shift, max_detour=settings.max_detour, end_ids=sorted(eos))
     for k, (f, it, ref_out, branch, alt) in enumerate(pending):
         item = _item_json(it)
@@ -199,7 +232,7 @@ def run_flips(
             item=item, ref_ids=ref_out, branch_ids=branch, position=t, ref_text=ref_text,
             branch_text=br_text, similarity=score, threshold=sim.threshold,
             end_similarity=ends if sim.kind == "edit" else None,
-            exec_check=exec_checker(item, settings.exec_timeout), **rejoin_args,
+            exec_check=exec_checker(item, settings.exec_timeout), code=is_code(f.tags, ref_tails[k]), word_similarity=words, **rejoin_args,
         )
         # Where the flip token ends, the branch re-joined and left again, in characters of
         # both continuations (from the flip on): the page highlights them.
@@ -240,6 +273,9 @@ def run_flips(
             "branch_continuation": br_tails[k],
             "marks": json.dumps(marks),
             "branch_tokens": len(branch) - t,
+            # both outputs have the item's budget: one that used it all without an end token was cut
+            "ref_cut": hit_budget(ref_out, _budget(ref, it), eos),
+            "branch_cut": hit_budget(branch, _budget(ref, it), eos),
             "signals": json.dumps(sig, sort_keys=True, default=str),
         }
         if alt is not None:
@@ -247,7 +283,8 @@ def run_flips(
             o2, s2 = classify(
                 item=item, ref_ids=ref_out, branch_ids=alt, position=t, ref_text=ref_text,
                 branch_text=text(alt), similarity=a_score, threshold=a_sim.threshold,
-                end_similarity=end_ratio(ref_tails[k], alt_tails[k]) if a_sim.kind == "edit" else None, **rejoin_args,
+                end_similarity=end_ratio(ref_tails[k], alt_tails[k]) if a_sim.kind == "edit" else None,
+                code=is_code(f.tags, ref_tails[k]), word_similarity=words, **rejoin_args,
             )
             row["outcome_ref_from_cand_token"] = o2
             row["ref_from_cand_continuation"] = alt_tails[k]
@@ -265,6 +302,42 @@ def run_flips(
                   "resync_tokens": settings.resync, "max_shift": settings.max_shift, "max_detour": settings.max_detour,
                   "similarity_thresholds": similarity.thresholds, "both": settings.both, "branch_ties": settings.branch_ties},
     )
+    section["reference_self_consistency"] = reference_self_consistency(columns, teacher_of, source.token_text)
+    section["left_out"] = {
+        "n": len(left_out), "n_items": len({f.item_id for f in left_out}),
+        "list": [{"item_id": f.item_id, "position": f.position, "kl_nats": f.kl_nats, "margin_ref": f.margin_ref}
+                 for f in left_out[:100]],
+    }
+    by_item = {}
+    for r in rows:
+        by_item.setdefault(r["item_id"], []).append(r)
+    flips_of = {}
+    for f in all_flips:
+        flips_of.setdefault(f.item_id, []).append(f)
+    listed = []
+    for iid, (change, pos) in sorted(changed.items()):
+        got = by_item.get(iid)
+        if got:
+            b = next((r for r in got if r["position"] == pos), got[0])
+            listed.append({"item_id": iid, "change": change, "branched": True, "position": b["position"], "outcome": b["outcome"],
+                           "why_not": None})
+            continue
+        own = flips_of.get(iid, [])
+        if not own:
+            why = ("no flip to branch: at every scored position the candidate's teacher-forced top-1 is the written token "
+                   "(the free-running outputs part elsewhere, or where the reference's written token is not its own top-1)")
+        elif all(f.tie for f in own) and not settings.branch_ties:
+            why = "its only flips are ties at the reference (not branched; --branch-ties branches them)"
+        else:
+            why = "left out by --max-branches"
+        listed.append({"item_id": iid, "change": change, "branched": False, "position": pos, "outcome": None, "why_not": why})
+    section["changed_items"] = listed
+    section["outputs_cut"] = {
+        "n_items": len(items),
+        "reference_cut": sum(hit_budget(it.teacher_ids, _budget(ref, it), eos) for it in items.values()),
+        "n_branches": len(rows),
+        "branches_cut": sum(bool(r["branch_cut"]) for r in rows),
+    }
     return section, rows
 
 
@@ -299,13 +372,15 @@ def run_correctness(
     for it in items:
         d = _item_json(it)
         tools = d.get("tools") or []
-        gen = source.generate(list(it.prompt_ids), _budget(ref, it))
+        budget = _budget(ref, it)
+        gen = source.generate(list(it.prompt_ids), budget)
         cand_ids = list(gen.token_ids)
         ref_ids = list(it.teacher_ids)
         ref_text = source.detokenize(_strip_end(ref_ids, eos))
         cand_text = source.detokenize(_strip_end(cand_ids, eos))
-        gr = grade(d["expected"], ref_text, tools, where=f"item {it.id!r}")
-        gc = grade(d["expected"], cand_text, tools, where=f"item {it.id!r}")
+        ref_cut, cand_cut = hit_budget(ref_ids, budget, eos), hit_budget(cand_ids, budget, eos)
+        gr = grade(d["expected"], ref_text, tools, where=f"item {it.id!r}", truncated=ref_cut)
+        gc = grade(d["expected"], cand_text, tools, where=f"item {it.id!r}", truncated=cand_cut)
         div = first_difference(ref_ids, cand_ids)
         diverged = div < max(len(ref_ids), len(cand_ids))
         at_flip = None
@@ -317,6 +392,11 @@ def run_correctness(
             "check": gr.check,
             "ref_correct": gr.correct,
             "cand_correct": gc.correct,
+            "ref_verdict": gr.verdict,
+            "cand_verdict": gc.verdict,
+            "ref_cut": ref_cut,
+            "cand_cut": cand_cut,
+            "budget_tokens": budget,
             "ref_detail": gr.detail,
             "cand_detail": gc.detail,
             "ref_output": ref_text,
@@ -325,9 +405,10 @@ def run_correctness(
             "divergence_at_top1_flip": at_flip,
         }
         if tools:
-            for side, txt in (("ref", ref_text), ("cand", cand_text)):
-                p = parse_tool_calls(txt)
-                row[f"{side}_tool_call_valid"] = bool(p.ok and not [e for c in p.calls for e in validate_call(c, tools)])
+            for side, txt, cut in (("ref", ref_text, ref_cut), ("cand", cand_text, cand_cut)):
+                v = call_verdict(txt, tools, truncated=cut)
+                row[f"{side}_tool_call"] = v
+                row[f"{side}_tool_call_valid"] = v == CallVerdict.VALID
         rows.append(row)
         if progress:
             progress(1)
@@ -338,9 +419,13 @@ def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
     n = len(rows)
     r_ok = np.array([r["ref_correct"] for r in rows], dtype=bool)
     c_ok = np.array([r["cand_correct"] for r in rows], dtype=bool)
-    r2w = [r for r in rows if r["ref_correct"] and not r["cand_correct"]]
+    # A candidate output cut by the budget is not right, but not wrong either: right->truncated
+    # is counted apart (and in McNemar's discordant pairs, which compare right with not right).
+    cut = lambda r, side: r.get(f"{side}_verdict") == Verdict.TRUNCATED  # noqa: E731
+    r2w = [r for r in rows if r["ref_correct"] and not r["cand_correct"] and not cut(r, "cand")]
+    r2t = [r for r in rows if r["ref_correct"] and not r["cand_correct"] and cut(r, "cand")]
     w2r = [r for r in rows if not r["ref_correct"] and r["cand_correct"]]
-    flips = r2w + w2r
+    flips = r2w + r2t + w2r
     sec: Correctness = {
         "n_labelled": n,
         "accuracy_ref": float(r_ok.mean()) if n else None,
@@ -354,19 +439,29 @@ def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
         "right_to_wrong": len(r2w),
         "wrong_to_right": len(w2r),
         "correctness_flips": len(flips),
-        "mcnemar_p": mcnemar_exact(len(r2w), len(w2r)),
+        "mcnemar_p": mcnemar_exact(len(r2w) + len(r2t), len(w2r)),
         "flips_starting_at_top1_flip": sum(1 for r in flips if r["divergence_at_top1_flip"]),
         "flips_with_unscored_start": sum(1 for r in flips if r["divergence_at_top1_flip"] is None),
-        "method": "free-running greedy outputs graded against each item's label; McNemar exact "
-        "(binomial) test on the discordant items; Wilson 95 % CIs; paired bootstrap (items) for the difference",
+        "method": "free-running greedy outputs graded against each item's label (an output cut by the token budget "
+        "and not right is graded truncated, not wrong); McNemar exact (binomial) test on the discordant items (right vs "
+        "not right); Wilson 95 % CIs; paired bootstrap (items) for the difference",
         "items_right_to_wrong": [r["item_id"] for r in r2w],
         "items_wrong_to_right": [r["item_id"] for r in w2r],
+        "budget_tokens": (lambda b: b.pop() if len(b) == 1 else None)({r["budget_tokens"] for r in rows if "budget_tokens" in r}),
+        "cut_ref": sum(bool(r.get("ref_cut")) for r in rows),
+        "cut_cand": sum(bool(r.get("cand_cut")) for r in rows),
+        "truncated_ref": sum(cut(r, "ref") for r in rows),
+        "truncated_cand": sum(cut(r, "cand") for r in rows),
+        "right_to_truncated": len(r2t),
+        "items_right_to_truncated": [r["item_id"] for r in r2t],
     }
     tool_rows = [r for r in rows if "ref_tool_call_valid" in r]
     if tool_rows:
         sec["tool_call_valid_ref"] = float(np.mean([r["ref_tool_call_valid"] for r in tool_rows]))
         sec["tool_call_valid_cand"] = float(np.mean([r["cand_tool_call_valid"] for r in tool_rows]))
         sec["n_tool_items"] = len(tool_rows)
+        sec["tool_call_truncated_ref"] = sum(r.get("ref_tool_call") == CallVerdict.TRUNCATED for r in tool_rows)
+        sec["tool_call_truncated_cand"] = sum(r.get("cand_tool_call") == CallVerdict.TRUNCATED for r in tool_rows)
     by_tag: dict[str, dict] = {}
     for r in rows:
         for t in r["tags"] or ["(untagged)"]:
@@ -374,7 +469,7 @@ def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
             d["n"] += 1
             d["ref_correct"] += int(r["ref_correct"])
             d["cand_correct"] += int(r["cand_correct"])
-            d["right_to_wrong"] += int(r["ref_correct"] and not r["cand_correct"])
+            d["right_to_wrong"] += int(r["ref_correct"] and not r["cand_correct"] and not cut(r, "cand"))
             d["wrong_to_right"] += int(r["cand_correct"] and not r["ref_correct"])
     for d in by_tag.values():
         d["accuracy_ref"] = d["ref_correct"] / d["n"]
@@ -445,17 +540,21 @@ def analyse(
     def adv(label):
         return lambda n=1: state.get(label) and state[label](n)
 
+    # Correctness first: the items whose answer or tool call changed decide which flips are
+    # branched first (select_flips' priority), so none of them is dropped by the cap.
+    changed: dict = {}
+    if correctness:
+        sec, crow = run_correctness(source, ref, columns, settings=settings, progress=adv("correctness"),
+                                    on_total=total("correctness"))
+        if crow:
+            sections["correctness"] = sec
+            files["correctness.parquet"] = parquet_bytes(crow)
+            changed = changed_items(crow)
     if flips:
         sec, rows = run_flips(source, ref, columns, similarity, settings, reference_source=reference_source,
-                              progress=adv("branches"), on_total=total("branches"))
-        sections["flips"] = sec
+                              progress=adv("branches"), on_total=total("branches"), changed=changed)
+        sections = {"flips": sec, **sections}
         files["flips.parquet"] = parquet_bytes(rows)
-    if correctness:
-        sec, rows = run_correctness(source, ref, columns, settings=settings, progress=adv("correctness"),
-                                    on_total=total("correctness"))
-        if rows:
-            sections["correctness"] = sec
-            files["correctness.parquet"] = parquet_bytes(rows)
     return sections, files
 
 

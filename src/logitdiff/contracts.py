@@ -62,6 +62,26 @@ class Outcome:
     }
 
 
+class Verdict:
+    """How one free-running output was graded against its label (grading.grade)."""
+
+    RIGHT = "right"
+    WRONG = "wrong"
+    # the output hit the token budget (no end token) and is not right: it was cut before it
+    # could finish, which says nothing about whether the model would have been wrong
+    TRUNCATED = "truncated"
+    ALL = (RIGHT, WRONG, TRUNCATED)
+
+
+class CallVerdict:
+    """How one output's tool call was checked (parse + the tool's JSON Schema)."""
+
+    VALID = "valid"
+    MALFORMED = "malformed"
+    TRUNCATED = "truncated"  # not valid, and the output hit the token budget
+    ALL = (VALID, MALFORMED, TRUNCATED)
+
+
 class MethodKind:
     """``method.kind`` of a report: what was compared (the bound method names are bounds.METHOD_*)."""
 
@@ -273,6 +293,14 @@ class _FlipsBase(TypedDict):
 
 class Flips(_FlipsBase, total=False):
     both: dict[str, Any]  # branches from both tokens (flips --both)
+    # schema 1.2: where the token the reference wrote is not its own scored top-1
+    reference_self_consistency: dict[str, Any]
+    # schema 1.2: selected flips the --max-branches cap left out (n, list)
+    left_out: dict[str, Any]
+    # schema 1.2: items whose answer or tool call changed (correctness), and whether the flip behind each was branched
+    changed_items: list[dict[str, Any]]
+    # schema 1.2: branches and reference outputs that hit the token budget
+    outputs_cut: dict[str, Any]
 
 
 class _CorrectnessBase(TypedDict):
@@ -301,6 +329,16 @@ class Correctness(_CorrectnessBase, total=False):
     tool_call_valid_ref: float
     tool_call_valid_cand: float
     n_tool_items: int
+    # schema 1.2: outputs that hit the token budget; graded Verdict.TRUNCATED when not right
+    budget_tokens: int | None
+    cut_ref: int
+    cut_cand: int
+    truncated_ref: int
+    truncated_cand: int
+    right_to_truncated: int
+    items_right_to_truncated: list[str]
+    tool_call_truncated_ref: int
+    tool_call_truncated_cand: int
 
 
 class _GateResultBase(TypedDict):

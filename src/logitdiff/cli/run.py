@@ -98,6 +98,7 @@ def run(args) -> int:
         summary = run_pipeline(cfg, RichHooks(bars))
     print_run_summary(summary)
     con = console()
+    _warn_cut(summary, con)
     con.print(f"wrote {args.out}/report.html, summary.md, summary.json and one report per candidate in {args.out}/reports/")
     if not cfg.gates:
         return 0
@@ -117,6 +118,25 @@ def _gates_exit(summary: dict, con) -> int:
         con.print(f"[bold yellow]gate not evaluated[/]: {who}: {', '.join(gs)}: its report does not have "
                   f"{'this metric' if len(gs) == 1 else 'these metrics'} (reasons in reports/{who}/report.md)")
     return CROSSED_EXIT if crossed else NOT_EVALUATED_EXIT if missing else 0
+
+
+def _warn_cut(summary: dict, con) -> None:
+    """Warn when most outputs hit the token budget (from the candidates' report.json)."""
+    import json
+    from pathlib import Path
+
+    from .flips import consequence_notes
+
+    seen = set()
+    for r in summary["candidates"]:
+        try:
+            report = json.loads((Path(r["report"]) / "report.json").read_text())
+        except (OSError, ValueError):
+            continue
+        for line in consequence_notes(report):
+            if line.startswith("[yellow]warning") and line not in seen:
+                seen.add(line)
+                con.print(f"{r['name']}: {line}" if "candidate answers" in line else line)
 
 
 def print_run_summary(summary: dict) -> None:

@@ -160,6 +160,24 @@ def flips_markdown(f: Flips) -> str:
     if f.get("n_ties"):
         out.append(f"- {f['n_ties']} ties at the reference (margin within rounding of 0: {f['ties']['tolerance']}): "
                    "the engines break the tie, the candidate did not flip; not counted as flips or outcomes")
+    sc = f.get("reference_self_consistency")
+    if sc and sc.get("n_written_not_top1"):
+        out.append(f"- reference self-consistency: at {sc['n_written_not_top1']} of {sc['n_positions']} positions the token the "
+                   f"reference wrote is not its own scored top-1 (generation and scoring in other batch shapes); at "
+                   f"{sc['n_candidate_wrote_it']} of them the candidate picked the written token: not flips, not branched")
+    lo = f.get("left_out")
+    if lo and lo.get("n"):
+        out.append(f"- left out by --max-branches: {lo['n']} selected flips in {lo['n_items']} items, not branched: "
+                   + ", ".join(f"{x['item_id']}@{x['position']}" for x in lo["list"][:20]) + (" ..." if lo["n"] > 20 else ""))
+    ch = f.get("changed_items")
+    if ch:
+        out.append(f"- items whose answer or tool call changed: {len(ch)}; "
+                   + "; ".join(f"{x['item_id']} ({x['change']}): " + (f"branched at {x['position']}, {x['outcome']}" if x["branched"]
+                                                                    else f"not branched, {x['why_not']}") for x in ch[:20]))
+    cut = f.get("outputs_cut")
+    if cut and (cut.get("reference_cut") or cut.get("branches_cut")):
+        out.append(f"- cut by the token budget: {cut['reference_cut']} of {cut['n_items']} reference outputs, "
+                   f"{cut['branches_cut']} of {cut['n_branches']} branches")
     thr = st.get("similarity_thresholds")
     out.append(f"- similarity: {f['similarity']}" + ("" if "threshold" in f["similarity"] else f" (threshold {thr})"))
     if "max_shift" in st:
@@ -222,6 +240,10 @@ def correctness_markdown(c: Correctness) -> str:
             f"- schema-valid tool calls on {c['n_tool_items']} tool items: reference {_pct(c['tool_call_valid_ref'])}, "
             f"candidate {_pct(c['tool_call_valid_cand'])}"
         )
+    if c.get("cut_ref") or c.get("cut_cand"):
+        out.append(f"- cut by the token budget ({c.get('budget_tokens') or 'per item'} tokens): {c['cut_ref']} reference and "
+                   f"{c['cut_cand']} candidate outputs; graded truncated (cut, and not right; not counted as wrong): "
+                   f"{c['truncated_ref']} reference, {c['truncated_cand']} candidate; {c['right_to_truncated']} right→truncated")
     if c.get("items_right_to_wrong"):
         out.append(f"- right→wrong items: {', '.join(c['items_right_to_wrong'][:20])}")
     out.append("\n| tag | n | reference | candidate | right→wrong | wrong→right |\n|---|---:|---:|---:|---:|---:|")

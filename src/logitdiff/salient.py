@@ -1,0 +1,273 @@
+"""What a branch says that the reference does not: numbers, names, literals, claims.
+
+Similarity scores (edit similarity, MiniLM) average over a whole text: one changed name,
+number or negation in otherwise equal text barely moves them. These checks look at the
+*salient* parts of both continuations, on both full sides, and say which changed:
+
+* numbers, everywhere;
+* on code: identifiers (names, keywords), string literals and the text of ``def`` lines
+  (a signature), outside comments and docstrings;
+* on prose: negations (``not``, ``no``, ``never``, ``n't``...), names (capitalised words
+  not at a sentence start, words with digits such as ``3.5``/``v2``) and content words
+  (not stop words; a share of them on one side only).
+
+Both sides are compared as sequences (:class:`difflib.SequenceMatcher`), with two
+tolerances that keep budget and shift effects out:
+
+* *the cut tail*: a text cut by the token budget may end inside a token (its last one is
+  dropped) and stops where the other may go on, so what the other side has after the cut
+  side's end is not a change;
+* *a pure shift*: the branch skips whole lines of the reference right after the flip and
+  then writes the reference's text (an omission at the start, across a line break): the
+  skipped lines are not a change of what is written. Anything else missing, added or
+  replaced is.
+"""
+
+from __future__ import annotations
+
+import re
+from difflib import SequenceMatcher
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+_NUMBER = re.compile(r"(?<![A-Za-z_\d.])[-+]?(?:\d+(?:[.,]\d+)*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# short string literals (one line); triple-quoted strings are docstrings: prose, left out
+_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
+_COMMENT = re.compile(r"#[^\n]*")
+_WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*[A-Za-z]|[A-Za-z]")
+NEGATIONS = frozenset("not no never none nothing nobody neither nor cannot without".split())
+STOP = frozenset("""
+a an the and or but if then else of to in on at by for with from into onto over under as is are was were be been being
+this that these those it its it's they them their there here he she his her we our you your i me my mine which who whom
+whose what when where why how all any some each every both either more most less least much many few one ones also
+so such than too very can could may might must shall should will would do does did done has have had having
+not no never only just even still yet again ever about above after before between through during while until
+up down out off own same other another s t d ll re ve m y etc e g i.e e.g via per use used using uses
+rather quite fairly pretty somewhat really upon within without across among along against toward towards beside
+behind beyond near around
+""".split())
+# A prose branch whose content words on one side only make up more than this share of
+# both sides' content words says something else (a paraphrase swaps a word or two).
+CONTENT_CHANGED_SHARE = 0.6
+# MiniLM cosine of two single words at or above which one stands for the other (a synonym
+# or an inflection: "method"/"way", "canonical"/"standard"); unrelated words lie lower.
+WORD_MATCH = 0.5
+
+
+class Tok(NamedTuple):
+    kind: str  # number | ident | string | sig | neg | name | word
+    text: str
+    start: int  # character offset in its text
+    end: int
+
+
+def _mask(text: str, pattern: re.Pattern) -> str:
+    """The text with each match blanked out (offsets unchanged)."""
+    return pattern.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+
+
+def _num(s: str) -> str:
+    s = s.replace(",", "")
+    try:
+        return repr(float(s))
+    except ValueError:
+        return s
+
+
+def _mask_docstrings(text: str) -> str:
+    """Blank out triple-quoted strings (docstrings: prose, not code). A fragment cut out of a
+    longer text may hold an odd number of triple quotes (a run of empty ``\"\"\"`` lines
+    with one line skipped), so quotes are paired in order, and a "string" whose lines look
+    like code is taken as a stray quote (only the quote is blanked) and the pairing goes on
+    from its closing quote; a quote left unclosed at the end is blanked alone."""
+    marks = [m.start() for m in re.finditer(r'"""|\'\'\'', text)]
+    out = list(text)
+    k = 0
+    while k < len(marks):
+        a = marks[k]
+        if k + 1 < len(marks):
+            b = marks[k + 1]
+            inner = text[a + 3 : b]
+            if not any(_CODE_LINE.search(x) for x in inner.splitlines() if x.strip()):
+                for i in range(a, b + 3):
+                    if out[i] != "\n":
+                        out[i] = " "
+                k += 2
+                continue
+        out[a : a + 3] = "   "
+        k += 1
+    return "".join(out)
+
+
+def code_tokens(text: str) -> list[Tok]:
+    """Numbers, identifiers, short string literals and ``def`` lines of code, in order."""
+    text = _mask_docstrings(text)
+    out: list[Tok] = []
+    strings = list(_STRING.finditer(text))
+    bare = _mask(text, _STRING)
+    bare = _mask(bare, _COMMENT)
+    for m in strings:
+        if not _COMMENT.search(text[max(0, text.rfind("\n", 0, m.start())) : m.start()]):
+            out.append(Tok("string", repr(m.group(0)[1:-1]), m.start(), m.end()))  # the content, not the quote style
+    for m in _NUMBER.finditer(bare):
+        out.append(Tok("number", _num(m.group(0)), m.start(), m.end()))
+    for m in _IDENT.finditer(bare):
+        out.append(Tok("ident", m.group(0), m.start(), m.end()))
+    for m in re.finditer(r"^[ \t]*(?:async\s+)?def\s+[^\n]*\)[^\n]*:", bare, re.M):
+        out.append(Tok("sig", " ".join(m.group(0).split()), m.start(), m.end()))
+    return sorted(out, key=lambda t: (t.start, t.kind))
+
+
+def _stem(w: str) -> str:
+    w = w.lower().replace("’", "'")
+    for suf in ("'s", "ies", "es", "s", "ing", "ed", "ly"):
+        if w.endswith(suf) and len(w) - len(suf) >= 3:
+            return w[: -len(suf)]
+    return w
+
+
+def prose_tokens(text: str) -> list[Tok]:
+    """Numbers, negations, names and content words of prose, in order."""
+    out: list[Tok] = [Tok("number", _num(m.group(0)), m.start(), m.end()) for m in _NUMBER.finditer(text)]
+    for m in _WORD.finditer(text):
+        w = m.group(0)
+        low = w.lower().replace("’", "'")
+        if low in NEGATIONS or low.endswith("n't"):
+            out.append(Tok("neg", "not", m.start(), m.end()))
+            continue
+        before = text[: m.start()].rstrip()
+        # a quote or bracket does not start a sentence: "None", (Python) are names
+        sentence_start = not before or before[-1] in ".!?:\n*-#>"
+        if w[0].isupper() and not sentence_start and low not in STOP:
+            out.append(Tok("name", w, m.start(), m.end()))
+        elif low not in STOP and len(low) >= 3:
+            out.append(Tok("word", _stem(low), m.start(), m.end()))
+    for m in re.finditer(r"\b[A-Za-z]+\d[\w.]*|\b\w+_\w+", text):  # v2, py3, snake_case names in prose
+        out.append(Tok("name", m.group(0), m.start(), m.end()))
+    return sorted(out, key=lambda t: (t.start, t.kind))
+
+
+def _drop_cut_end(toks: list[Tok], text: str, cut: bool) -> tuple[list[Tok], int]:
+    """A text cut by the budget may end inside its last token: leave that token out. Also
+    returns where the compared text ends (the start of a token left out)."""
+    if cut and toks and toks[-1].end >= len(text.rstrip()):
+        return toks[:-1], toks[-1].start
+    return toks, len(text)
+
+
+def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_cut: bool = False,
+            kinds: tuple[str, ...] | None = None, start: int = 0,
+            word_similarity: Callable[[list[str], list[str]], np.ndarray] | None = None) -> dict:
+    """Salient differences between the reference's and the branch's continuation.
+
+    Returns ``{"changed": [...], "shifted": bool, "content_share": float | None}``:
+    ``changed`` holds one line per change (``number 3.0 -> 5.0``, ``added ident foo``,
+    ``negation added``...), ``shifted`` says a pure shift was tolerated, and
+    ``content_share`` (prose) the share of content words on one side only that no word
+    on the other side stands for. ``start``: the character offset where the texts first
+    differ (their shared prefix); ``word_similarity(words_a, words_b)``: a cosine matrix
+    of words (MiniLM): a word on one side only that is this similar (>= ``WORD_MATCH``) to
+    a word on the other side only is a synonym, not new content. Without it every such
+    word counts (stricter).
+    """
+    tok = code_tokens if code else prose_tokens
+    # whole texts are tokenized (a comment or docstring opened before the flip is still one),
+    # then only what lies from ``start`` (where the two first differ) on is compared
+    a, a_len = _drop_cut_end(tok(ref), ref, ref_cut)
+    b, b_len = _drop_cut_end(tok(branch), branch, branch_cut)
+    a = [t for t in a if t.end > start]
+    b = [t for t in b if t.end > start]
+    if kinds is not None:
+        a = [t for t in a if t.kind in kinds]
+        b = [t for t in b if t.kind in kinds]
+    strict = ("number", "ident", "string", "sig", "neg", "name")
+    sa = [(t.kind, t.text) for t in a if t.kind in strict]
+    sb = [(t.kind, t.text) for t in b if t.kind in strict]
+    ta = [t for t in a if t.kind in strict]
+    tb = [t for t in b if t.kind in strict]
+    changed: list[str] = []
+    shifted = False
+    ops = SequenceMatcher(None, sa, sb, autojunk=False).get_opcodes()
+    for k, (op, i1, i2, j1, j2) in enumerate(ops):
+        if op == "equal":
+            continue
+        # a pure shift: right after the flip the branch skips whole lines of the reference
+        if op == "delete" and i1 == 0 and k == 0 and len(ops) > 1 and "\n" in ref[ta[i1].start : ta[i2 - 1].end + 1 if i2 < len(ta) else len(ref)]:
+            if _rest_equal(ops[1:], sa, sb, ref_cut, branch_cut):
+                shifted = True
+                continue
+        # the cut tail: past the end of a side the budget cut, the other side goes on
+        lim_a, lim_b = _limits(ops[:k], ta, tb, a_len, b_len, start)
+        gone = [sa[i] for i in range(i1, i2) if not (branch_cut and ta[i].start >= lim_a)]
+        new = [sb[j] for j in range(j1, j2) if not (ref_cut and tb[j].start >= lim_b)]
+        if gone or new:
+            changed.append(_describe("insert" if not gone else "delete" if not new else "replace", gone, new))
+    share = None
+    if not code:
+        wa = [t for t in a if t.kind == "word"]
+        wb = [t for t in b if t.kind == "word"]
+        A, B = {t.text for t in wa}, {t.text for t in wb}
+        if A or B:
+            only_a = sorted({_surface(t, ref) for t in wa if t.text not in B})
+            only_b = sorted({_surface(t, branch) for t in wb if t.text not in A})
+            ua, ub = _unmatched(only_a, only_b, word_similarity)
+            share = (len(ua) + len(ub)) / len(A | B)
+            if share > CONTENT_CHANGED_SHARE and min(len(A), len(B)) >= 3:
+                changed.append(f"content words on one side only: {100 * share:.0f} % ({', '.join(ua[:3])} / {', '.join(ub[:3])})")
+    return {"changed": changed, "shifted": shifted, "content_share": share}
+
+
+def _limits(before, ta: list[Tok], tb: list[Tok], a_len: int, b_len: int, start: int) -> tuple[float, float]:
+    """Character offsets past which each side has nothing the other (cut) side could hold:
+    from the last common token, as much text as the other side has left."""
+    last = next(((i2, j2) for op, i1, i2, j1, j2 in reversed(before) if op == "equal"), None)
+    a_end, b_end = (ta[last[0] - 1].end, tb[last[1] - 1].end) if last else (start, start)
+    return a_end + (b_len - b_end), b_end + (a_len - a_end)
+
+
+def _surface(t: Tok, text: str) -> str:
+    return text[t.start : t.end].lower()
+
+
+def _unmatched(a: list[str], b: list[str], word_similarity) -> tuple[list[str], list[str]]:
+    """Words of each list that no word of the other stands for (cosine >= WORD_MATCH)."""
+    if not a or not b or word_similarity is None:
+        return a, b
+    m = np.asarray(word_similarity(a, b), dtype=np.float64)
+    return [w for w, row in zip(a, m) if row.max() < WORD_MATCH], [w for w, col in zip(b, m.T) if col.max() < WORD_MATCH]
+
+
+def _rest_equal(ops, sa, sb, ref_cut: bool, branch_cut: bool) -> bool:
+    """After a leading omission: equal to the end, but for a cut tail."""
+    for op, i1, i2, j1, j2 in ops:
+        if op == "equal":
+            continue
+        if (ref_cut and i1 == len(sa) and op == "insert") or (branch_cut and j1 == len(sb) and op == "delete"):
+            continue
+        return False
+    return True
+
+
+def _describe(op: str, a: list[tuple[str, str]], b: list[tuple[str, str]]) -> str:
+    def show(x):
+        return ", ".join(f"{k} {v}" for k, v in x[:3]) + (" ..." if len(x) > 3 else "")
+
+    if op == "insert":
+        return f"added {show(b)}"
+    if op == "delete":
+        return f"missing {show(a)}"
+    return f"{show(a)} -> {show(b)}"
+
+
+CODE_TAGS = ("code", "tool")
+_CODE_LINE = re.compile(r"^\s*(def |class |return\b|import |from \S+ import|if .*:$|for .*:$|elif |else:|try:|except|raise |@\w)|[=({\[]\s*$|\)\s*:?$")
+
+
+def is_code(tags, text: str) -> bool:
+    """Items tagged code or tool, or text whose non-blank lines mostly look like Python."""
+    if any(t in CODE_TAGS for t in tags or ()):
+        return True
+    lines = [x for x in text.splitlines() if x.strip()]
+    return len(lines) >= 3 and sum(bool(_CODE_LINE.search(x)) for x in lines) * 2 >= len(lines)
