@@ -74,8 +74,11 @@ def test_other_batch_mates_change_bf16_logits(clean):
     assert not np.any(same.columns["kl_nats"])  # a plain rerun: bit-identical on CPU
     kl = np.asarray(moved.columns["kl_nats"])
     assert np.any(kl > 0)
-    # bf16 rounding noise, not a different model: one bf16 ulp near |logit| ~ 10 is 2^-4
-    assert kl.mean() < 1e-6
+    # bf16 rounding noise, not a different model: how large it is depends on the CPU's
+    # float32 kernels (1.6e-7 nats on one AMD EPYC, 1.8e-6 to 2.6e-6 on another), so the
+    # bound is the claim README makes of it: well below the cross-engine floor (the BF16
+    # GGUF against this reference: 5.6e-5 nats on the bundled workload), here 1/5 of it.
+    assert kl.mean() < 1.1e-5
 
 
 def test_killed_capture_resumes_bit_exact(wl, clean, tmp_path):
