@@ -22,7 +22,7 @@ from ._version import __version__
 # public name -> module that defines it
 _EXPORTS = {
     # the jobs
-    "capture_run": "api", "diff_runs": "api", "run": "api", "load_report": "api",
+    "capture_run": "api", "diff_runs": "api", "run": "api", "load_report": "api", "speculate": "api",
     # sources: two declared kinds, opened from a spec through the registry
     "open_source": "sources", "parse_spec": "sources", "Source": "sources", "FullLogitSource": "sources",
     "TopKSource": "sources", "RowKind": "sources", "TopKRows": "sources",

@@ -29,7 +29,7 @@ from .errors import LogitdiffError
 
 Bar = Callable[[int | None, str], Callable[..., None]]
 
-__all__ = ["capture_run", "diff_runs", "layers", "load_report", "noise_floor_of", "run"]
+__all__ = ["capture_run", "diff_runs", "layers", "load_report", "noise_floor_of", "run", "speculate"]
 
 MAX_BOOTSTRAP = 100_000
 
@@ -436,3 +436,87 @@ def run(**config) -> dict:
             return bar(total, text)
 
     return run_pipeline(cfg, _Bars())
+
+
+def _server_spec(text: str, role: str) -> tuple[str, bool | None]:
+    """``URL`` or ``openai:URL[,speculative=1|0]``: the llama-server URL and the declared
+    speculation (None: not declared, taken from the server's /slots)."""
+    parts = str(text).split(",")
+    url, declared = parts[0], None
+    for opt in parts[1:]:
+        k, _, v = opt.partition("=")
+        if k.strip() != "speculative" or v.strip().lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise LogitdiffError(f"{role} {text!r}: unknown option {opt!r} (generation mode takes speculative=1|0)")
+        declared = v.strip().lower() in ("1", "true", "yes", "on")
+    return url, declared
+
+
+def speculate(
+    reference: str,
+    candidate: str,
+    out: str | Path | None = None,
+    *,
+    workload: str | Path | None = None,
+    n_predict: int = 256,
+    top_k: int = 20,
+    limit: int | None = None,
+    floor_items: int = 8,
+    shape_width: int = 4,
+    speculative: bool | None = None,
+    timeout: float = 600.0,
+    bar: Bar | None = None,
+) -> dict:
+    """``logitdiff speculate``: two llama-servers (speculation off: ``reference``; on:
+    ``candidate``, ``URL`` or ``openai:URL[,speculative=1]``) generate greedily from the same
+    prompt token ids; floors, first divergences, survival, same-context comparison and a
+    verdict (:mod:`logitdiff.speculation`). Writes ``out`` (report.json, report.md,
+    report.html, generations.jsonl) when given; returns report.json's object."""
+    import json
+    import time as _time
+
+    from ._version import __version__
+    from .builtin import WORKLOAD
+    from .generation import LlamaServer
+    from .outputs import Kind, check_output, writing
+    from .report.speculation import render_html, render_markdown, speculation_json
+    from .speculation import compare_generation, prepare_prompts
+    from .workload import read_workload
+
+    bar = bar or _no_bar
+    ref_url, ref_decl = _server_spec(reference, "reference")
+    cand_url, cand_decl = _server_spec(candidate, "candidate")
+    if ref_decl:
+        raise LogitdiffError(f"reference {reference!r}: declared speculative; the reference of generation mode runs without speculation")
+    declared = speculative if speculative is not None else cand_decl
+    for flag, v, low in (("--max-tokens", n_predict, 1), ("--top-k", top_k, 1), ("--floor-items", floor_items, 0),
+                         ("--shape-width", shape_width, 1), ("--limit", limit, 1)):
+        if v is not None and v < low:
+            raise LogitdiffError(f"{flag} {v}: must be at least {low}")
+    wl = str(workload) if workload else str(WORKLOAD)
+    if out is not None:
+        check_output(out, Kind.SPECULATION, inputs=[wl])
+    items = read_workload(wl)[: limit or None]
+    ref = LlamaServer(ref_url, role="reference", top_k=top_k, timeout=timeout)
+    try:
+        cand = LlamaServer(cand_url, role="candidate", top_k=top_k, timeout=timeout)
+        try:
+            prompts = prepare_prompts(ref, cand, items)
+            report, records = compare_generation(ref, cand, prompts, n_predict=n_predict, speculative=declared,
+                                                 floor_items=floor_items, shape_width=shape_width, bar=bar)
+        finally:
+            cand.close()
+    finally:
+        ref.close()
+    report = {"tool": {"name": "logitdiff", "version": __version__},
+              "created": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()), **report}
+    report["method"]["workload"] = wl
+    text = speculation_json(report)
+    if out is not None:
+        with writing(out, Kind.SPECULATION, inputs=[wl]) as tmp:
+            (tmp / "report.json").write_text(text)
+            (tmp / "report.md").write_text(render_markdown(report))
+            (tmp / "report.html").write_text(render_html(report))
+            with open(tmp / "generations.jsonl", "w") as f:
+                for rec in records:
+                    f.write(json.dumps(rec) + "\n")
+    return json.loads(text)

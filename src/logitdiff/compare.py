@@ -113,6 +113,24 @@ class Comparison:
         return f"<{token_id}>"
 
 
+SPECULATION_NOT_EXERCISED = (
+    "speculation not exercised: {who} is declared speculative (speculative=1), but a teacher-forced comparison scores the "
+    "whole sequence as a prefill and never runs a verify batch, so these figures say nothing about speculative decoding "
+    "(they are not 'KL 0' for speculation); compare in generation mode: logitdiff speculate"
+)
+
+
+def speculation_notes(ref: RunReader, cand: RunReader) -> list[str]:
+    """The label of a teacher-forced comparison whose side was captured from a source declared
+    speculative (``openai:URL,speculative=1``): speculation was not exercised."""
+    out = []
+    for who, run in (("the candidate", cand), ("the reference", ref)):
+        ident = ((run.manifest.get("source") or {}).get("identity")) or {}
+        if ident.get("speculative"):
+            out.append(SPECULATION_NOT_EXERCISED.format(who=who))
+    return out
+
+
 def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = False) -> tuple[list[RunItem], list[RunItem], list[str]]:
     """Pair items of both runs; raise a one-line error at the first mismatch."""
     notes: list[str] = []
@@ -235,6 +253,7 @@ def compare_runs(
     ``logprob_floor``: a stated lower bound (nats) on every log-probability of both
     distributions, which gives top-K comparisons a finite KL upper bound (check_floor)."""
     items_r, items_c, notes = check_comparable(ref, cand, allow_partial=allow_partial)
+    notes += speculation_notes(ref, cand)
     vocab = ref.vocab() or cand.vocab()
     V = ref.vocab_size
     kind = select_kind(ref, cand)

@@ -36,6 +36,7 @@ from .outputs import REPORT_SCHEMA, RUN_SUMMARY_SCHEMA
 SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of report.json and summary.json; MAJOR matches REPORT_SCHEMA's "/1"
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
 SCHEMA_DIR = Path(__file__).with_name("schemas")
+SPECULATION_SCHEMA_VERSION = "1.0"  # MAJOR.MINOR of a `logitdiff speculate` report.json (logitdiff.speculation/1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,6 +394,33 @@ class Report(_ReportBase, total=False):
     flips: Flips
     correctness: Correctness
     gates: Gates
+
+
+class SpeculationVerdict(TypedDict):
+    """``verdict`` of a generation-mode report: ``label`` is one of speculation.VERDICTS."""
+
+    label: str
+    defects: list[str]
+    reasons: list[str]
+
+
+class SpeculationReport(TypedDict):
+    """report.json of ``logitdiff speculate`` (schema ``logitdiff.speculation/1``,
+    schemas/speculation.schema.json): speculation on vs off in generation mode."""
+
+    schema: str  # outputs.SPECULATION_SCHEMA
+    schema_version: str  # SPECULATION_SCHEMA_VERSION
+    tool: Tool
+    created: str
+    reference: dict[str, Any]  # server identity (/props, /slots) + counters
+    candidate: dict[str, Any]  # the same + declared_speculative
+    method: dict[str, Any]  # mode "generation", the request body, n_predict, K, floors' settings, notes
+    floors: dict[str, Any]  # F0 (reference, candidate reruns), F1 (shape floor)
+    summary: dict[str, Any]
+    survival: dict[str, list[float]]  # candidate, F0_reference, F0_candidate, F1: share identical at position t
+    items: list[dict[str, Any]]  # per item: first divergence, margins, class, counters
+    verdict: SpeculationVerdict
+    timing: dict[str, Any]
 
 
 class CrossEngineFloor(TypedDict):

@@ -71,6 +71,7 @@ REPORT_SCHEMA = "logitdiff.report/1"
 RUN_SUMMARY_SCHEMA = "logitdiff.run-summary/1"
 TOPK_ERROR_SCHEMA = "logitdiff.topk-error/1"
 LAYERS_SCHEMA = "logitdiff.layers/1"
+SPECULATION_SCHEMA = "logitdiff.speculation/1"
 # report.html carries this in its <head>; pages written before it carried the data schema.
 HTML_GENERATOR_META = '<meta name="generator" content="logitdiff">'
 HTML_DATA_SCHEMA = "logitdiff.html-data/1"
@@ -85,10 +86,11 @@ class Kind(enum.Enum):
     HTML = "logitdiff HTML page"
     TOPK_JSON = "topk-error JSON file"
     LAYERS = "layers REPORT directory"
+    SPECULATION = "`logitdiff speculate` output directory"
 
     @property
     def is_dir(self) -> bool:
-        return self in (Kind.RUN, Kind.REPORT, Kind.RUN_OUT, Kind.LAYERS)
+        return self in (Kind.RUN, Kind.REPORT, Kind.RUN_OUT, Kind.LAYERS, Kind.SPECULATION)
 
 
 _SCHEMA_FIRST = re.compile(rb'\A\s*\{\s*"schema"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -148,6 +150,8 @@ def is_kind(path: Path, kind: Kind) -> bool:
         return head.lstrip().lower().startswith(b"<!doctype html") and (
             HTML_GENERATOR_META.encode() in head or _file_contains(path, HTML_DATA_SCHEMA.encode())
         )
+    if kind is Kind.SPECULATION:
+        return path.is_dir() and _json_schema(path / "report.json") == SPECULATION_SCHEMA
     if kind is Kind.TOPK_JSON:
         return path.is_file() and _json_schema(path) == TOPK_ERROR_SCHEMA
     if kind is Kind.LAYERS:

@@ -1,6 +1,6 @@
 """The ``logitdiff`` command line: a thin layer over the library.
 
-One module per command (``capture``, ``compare``, ``run``, ``flips``, ``report``, ``merge``,
+One module per command (``capture``, ``compare``, ``run``, ``flips``, ``speculate``, ``report``, ``merge``,
 ``topk-error``, ``import``, ``layers``), each with ``NAME``, ``HELP``, ``register(subparsers)`` and
 ``run(args) -> exit status``; they share one console/progress helper (``console.py``) and
 the option checks whose defaults are the library's (``options.py``). :func:`main` is the
@@ -17,10 +17,10 @@ import sys
 
 from .._version import __version__
 from ..errors import LogitdiffError
-from . import capture, compare, flips, import_, layers, merge, report, run, topk_error
+from . import capture, compare, flips, import_, layers, merge, report, run, speculate, topk_error
 
 # In the order `logitdiff --help` lists them.
-COMMANDS = (run, capture, compare, flips, report, import_, merge, topk_error, layers)
+COMMANDS = (run, capture, compare, flips, speculate, report, import_, merge, topk_error, layers)
 
 EPILOG = """\
 Typical use:
@@ -29,6 +29,7 @@ Typical use:
   logitdiff capture gguf:./q4.gguf --teacher runs/ref --out runs/q4
   logitdiff compare runs/ref runs/q4 --out reports/q4
   logitdiff flips reports/q4                      # what the top-1 flips do; correctness flips
+  logitdiff speculate http://h:8080 http://h:8081,speculative=1 --out spec/   # speculation on vs off, generating
   logitdiff report reports/q8 reports/q4 --out q.html
   logitdiff import llamacpp-kld base.kld --out runs/base
 

@@ -4,7 +4,7 @@ Spec::
 
     openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K]
           [,concurrency=N][,timeout=S][,retries=N][,batch=N][,endpoints=URL2|URL3]
-          [,vocab_size=N][,tokenizer=PATH][,cache_prompt=true|false]
+          [,vocab_size=N][,tokenizer=PATH][,cache_prompt=true|false][,speculative=1]
 
 * ``kind``        which server speaks at URL (default ``auto``: probed, see
                   :func:`.client.detect_kind`).
@@ -21,6 +21,9 @@ Spec::
                   Without it the V token texts (for reports) come from the server's
                   ``/detokenize`` in ``ceil(V / 65,536)`` requests, never one per id.
 * ``cache_prompt`` llama-server only (default true), see :mod:`.llamacpp`.
+* ``speculative`` the server decodes speculatively (default false): recorded in the identity,
+                  so a teacher-forced comparison of it says "speculation not exercised"
+                  (generation mode, ``logitdiff speculate``, measures speculation).
 
 Layout: :mod:`.client` (HTTP: pool, retries, replicas, server detection), :mod:`.base`
 (what every server kind shares, and the validation of one position's top-K), then one
@@ -50,7 +53,7 @@ SERVER_CLASSES: dict[ServerKind, type[ServedSource]] = {
     ServerKind.SGLANG: SGLangSource,
 }
 KNOWN_OPTIONS = {"model", "kind", "top_k", "concurrency", "timeout", "retries", "batch", "endpoints", "vocab_size", "tokenizer",
-                 "cache_prompt"}
+                 "cache_prompt", "speculative"}
 
 __all__ = [
     "DETOKENIZE_CHUNK", "LLAMACPP_TASKS_PER_REQUEST", "SEPARATORS", "SERVER_CLASSES", "LlamaServerSource", "SGLangSource",
@@ -90,10 +93,16 @@ def open_served(spec: Spec) -> ServedSource:
     kind = spec.options.get("kind", "auto")
     if kind != "auto" and kind not in {k.value for k in ServerKind}:
         raise LogitdiffError(f"source spec {text!r}: kind={kind!r} (expected auto, llamacpp, vllm or sglang)")
+    speculative = bool_option(spec, "speculative", False)
     client = HttpClient(roots, concurrency=concurrency, timeout=float(timeout), retries=retries, spec=text)
     try:
         server = ServerKind(kind) if kind != "auto" else client.server_kind(roots[0])
-        return SERVER_CLASSES[server](client, **kw)
+        src = SERVER_CLASSES[server](client, **kw)
+        if speculative:
+            # recorded in the identity: a teacher-forced comparison of it is labelled
+            # "speculation not exercised" (compare.speculation_notes); `logitdiff speculate` measures it
+            src.server_info["speculative"] = True
+        return src
     except MALFORMED as e:
         client.close()
         raise malformed(text, "connecting", e) from None

@@ -1,0 +1,109 @@
+"""The generation-mode (speculation) report: report.json (schema ``logitdiff.speculation/1``),
+report.md and a self-contained report.html (plotly inlined, as the other pages)."""
+
+from __future__ import annotations
+
+import html
+import json
+
+from ..contracts import SPECULATION_SCHEMA_VERSION, json_clean, validate, validation_on
+from ..outputs import HTML_GENERATOR_META, SPECULATION_SCHEMA
+
+
+def speculation_json(report: dict, where: str = "report.json") -> str:
+    doc = json_clean({"schema": SPECULATION_SCHEMA, "schema_version": SPECULATION_SCHEMA_VERSION, **report})
+    if validation_on():
+        validate(doc, "speculation", where)
+    return json.dumps(doc, indent=1, allow_nan=False) + "\n"
+
+
+def _f(x, fmt=".3g") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def render_markdown(rep: dict) -> str:
+    s, v, f0, f1 = rep["summary"], rep["verdict"], rep["floors"]["F0"], rep["floors"]["F1"]
+    cc = rep["candidate"]["counters"]
+    out = [
+        "# Speculation on vs off: generation mode", "",
+        f"**Verdict: {v['label']}**", "",
+        *[f"- {r}" for r in v["reasons"]],
+        *([""] + ["Defects:"] + [f"- {d}" for d in v["defects"]] if v["defects"] else []), "",
+        f"Reference: `{rep['reference']['url']}` ({rep['reference'].get('model_path')}); "
+        f"candidate: `{rep['candidate']['url']}` ({rep['candidate'].get('model_path')}), declared speculative: "
+        f"{rep['candidate']['declared_speculative']}.", "",
+        f"Greedy generation from the same prompt token ids, {rep['method']['n_predict']} tokens each (EOS ignored), one request at "
+        f"a time, prompt cache off, top-{rep['method']['top_logprobs']} logprobs. Every figure is read against the floors.", "",
+        "## Floors", "",
+        "| floor | what | result |", "| --- | --- | --- |",
+        f"| F0 reference | rerun of itself, {f0['reference']['items']} items | identical outputs {f0['reference']['identical_outputs']}, "
+        f"max abs dlogprob {_f(f0['reference']['max_abs_dlogprob'])}, bit-identical {f0['reference']['bit_identical']} |",
+        f"| F0 candidate | rerun of itself | identical outputs {f0['candidate']['identical_outputs']}, max abs dlogprob "
+        f"{_f(f0['candidate']['max_abs_dlogprob'])}, bit-identical {f0['candidate']['bit_identical']} |",
+        f"| F1 shape | reference tokens teacher-forced in width-{f1['shape_width']} prefill batches vs its decode logprobs, "
+        f"{f1['positions']} positions | max abs dlogprob {_f(f1['max_abs_dlogprob'])}, KL upper max {_f(f1['kl_upper_nats']['max'])}, "
+        f"top-1 flips {f1['top1_flips']}; near-tie threshold {_f(f1['near_tie_nats'])} nats |", "",
+        "## Generation", "",
+        f"- identical outputs: {100 * s['identical_output_rate']:.1f}% of {s['items']} items; mean shared-prefix fraction "
+        f"{s['mean_shared_prefix_fraction']:.3f}",
+        f"- divergences: {s['near_tie_divergences']} near-tie, {s['material_divergences']} material",
+        f"- drafting: {cc['draft_n_accepted']} of {cc['draft_n']} draft tokens accepted "
+        f"(acceptance {_f(cc['acceptance_rate'])}); candidate probabilities not reported at {cc['positions_not_reported']} of "
+        f"{cc['positions']} positions",
+        f"- same context, aligned prefix ({s['prefix']['positions_compared']} positions where the candidate reported): KL upper "
+        f"max {_f(s['prefix']['kl_upper_nats']['max'])} nats, top-1 disagreements {s['prefix']['top1_disagreements']}, "
+        f"max abs dlogprob {_f(s['prefix']['abs_dlogprob']['max'])}",
+        f"- cross-scoring after divergences ({s['cross']['items']} items): reference tokens on the candidate server KL upper max "
+        f"{_f(s['cross']['reference_on_candidate_kl_upper_nats']['max'])}; the reference agrees with the candidate's next "
+        f"token in its context at {_f(s['cross']['candidate_on_reference_top1_agreement'])}", "",
+        "## First divergences", "",
+        "| item | first divergence | shared prefix | ref token | cand token | ref margin (nats) | cand margin (nats) | class |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rep["items"]:
+        if r["identical"]:
+            continue
+        out.append(f"| {r['id']} | {r['first_divergence']} | {r['shared_prefix_fraction']:.3f} | {r['reference_token']} | "
+                   f"{r['candidate_token']} | {_f(r['reference_margin_nats'])}{'' if r['reference_margin_exact'] else ' (>=)'} | "
+                   f"{_f(r['candidate_margin_nats'])} | {r['class']} |")
+    t = rep["timing"]
+    out += ["", f"Wall {t['wall_s']:.1f} s: generations {t['generations_s']:.1f} s, floors {t['floors_s']:.1f} s, "
+            f"comparison {t['compare_s']:.1f} s; the servers' own generation time {t['server_generation_s']:.1f} s.", ""]
+    return "\n".join(out)
+
+
+def render_html(rep: dict) -> str:
+    import plotly.offline
+
+    n = rep["method"]["n_predict"]
+    xs = list(range(n))
+    sv = rep["survival"]
+    traces = [{"x": xs, "y": sv[k], "name": name, "mode": "lines", "line": {"dash": dash}}
+              for k, name, dash in (("candidate", "candidate vs reference", "solid"), ("F0_reference", "F0 reference rerun", "dot"),
+                                    ("F0_candidate", "F0 candidate rerun", "dot"), ("F1", "F1 shape floor (teacher-forced)", "dash"))]
+    fig = {"data": traces, "layout": {"title": {"text": "Survival: share of items still identical at position t"},
+                                      "xaxis": {"title": {"text": "output position t"}}, "yaxis": {"title": {"text": "share"}, "range": [0, 1.05]},
+                                      "template": "plotly_white", "height": 420}}
+    md = render_markdown(rep)
+    v = rep["verdict"]
+    rows = "".join(
+        f"<tr><td>{html.escape(str(r['id']))}</td><td>{r['first_divergence']}</td><td>{r['shared_prefix_fraction']:.3f}</td>"
+        f"<td>{_f(r['reference_margin_nats'])}</td><td>{_f(r['candidate_margin_nats'])}</td><td>{r['class']}</td></tr>"
+        for r in rep["items"] if not r["identical"])
+    data = json.dumps(json_clean({"schema": SPECULATION_SCHEMA, "verdict": v, "summary": rep["summary"]})).replace("</", "<\\/")
+    return "\n".join([
+        "<!doctype html>", "<html><head><meta charset='utf-8'>", HTML_GENERATOR_META,
+        "<title>logitdiff: speculation on vs off</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}td,th{padding:2px 8px;border-bottom:1px solid #ddd}"
+        "pre{white-space:pre-wrap;background:#f6f6f6;padding:8px}</style>",
+        f"<script>{plotly.offline.get_plotlyjs()}</script></head><body>",
+        f"<h1>Speculation on vs off: {html.escape(v['label'])}</h1>",
+        "<ul>" + "".join(f"<li>{html.escape(r)}</li>" for r in v["reasons"]) + "</ul>",
+        ("<h3>Defects</h3><ul>" + "".join(f"<li>{html.escape(d)}</li>" for d in v["defects"]) + "</ul>") if v["defects"] else "",
+        "<div id='survival'></div>",
+        "<h2>First divergences</h2><table><tr><th>item</th><th>first divergence</th><th>shared prefix</th><th>ref margin</th>"
+        f"<th>cand margin</th><th>class</th></tr>{rows}</table>",
+        f"<h2>Report</h2><pre>{html.escape(md)}</pre>",
+        f"<script type='application/json' id='logitdiff-data'>{data}</script>",
+        f"<script>Plotly.newPlot('survival', {json.dumps(fig['data'])}, {json.dumps(fig['layout'])});</script>",
+        "</body></html>", ""])

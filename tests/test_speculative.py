@@ -1,0 +1,218 @@
+"""Speculation on vs off in generation mode (logitdiff speculate), on real llama-servers
+started here on 127.0.0.1: the bundled model's F32 GGUF as target, its Q2_K or itself as
+draft (--spec-type draft-simple), and --spec-type ngram-simple (no draft model).
+
+A server that cannot start FAILS the test with its log tail (run scripts/build_llama_server.sh).
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from servers import llama_server, start_or_fail
+from logitdiff import speculation as S
+from logitdiff.api import speculate
+from logitdiff.errors import LogitdiffError
+from logitdiff.generation import LlamaServer, parse_generation
+
+N = 48  # tokens per item: short, but long enough for several verify batches
+ITEMS = 3
+
+
+# ------------------------------------------------------------------ numerics (no server)
+def test_survival_and_first_divergence():
+    a = np.array([5, 6, 7, 8])
+    assert S.first_divergence(a, a.copy()) is None
+    assert S.first_divergence(a, np.array([5, 6, 0, 8])) == 2
+    assert S.first_divergence(a, np.array([0, 6, 7, 8])) == 0
+    s = S.survival([None, 2, 0], 4)
+    # t=0: items 1,2 identical (item 3 diverged at 0); t=2: only item 1
+    np.testing.assert_allclose(s, [2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    assert np.all(np.diff(s) <= 0)
+
+
+def test_margin_is_exact_or_a_lower_bound():
+    ids = np.array([3, 9, 1, -1])
+    lps = np.log(np.array([0.5, 0.3, 0.1, 1.0]))
+    m, exact = S.margin(ids, lps, 3, 9)
+    assert exact and m == pytest.approx(np.log(0.5 / 0.3), abs=1e-15)
+    m, exact = S.margin(ids, lps, 3, 42)  # other side's token not listed: >= ln(0.5/0.1)
+    assert not exact and m == pytest.approx(np.log(0.5 / 0.1), abs=1e-15)
+    m, exact = S.margin(ids, lps, 42, 3)
+    assert not exact and np.isnan(m)
+
+
+def test_probability_not_reported_is_never_p1():
+    """A speculative token (logprob 0.0, empty top list) and a token with no entry at all
+    are 'not reported'; a real p = 1 with a full top list is reported."""
+    K = 2
+    ans = {"tokens": [7, 8, 9, 10], "timings": {"draft_n": 3, "draft_n_accepted": 2},
+           "completion_probabilities": [
+               {"id": 7, "logprob": -0.1, "top_logprobs": [{"id": 7, "logprob": -0.1}, {"id": 1, "logprob": -2.4}]},
+               {"id": 8, "logprob": 0.0, "top_logprobs": []},
+               # token 9 has no entry (its text ends in an incomplete UTF-8 sequence)
+               {"id": 10, "logprob": 0.0, "top_logprobs": [{"id": 10, "logprob": 0.0}, {"id": 2, "logprob": -40.0}]}]}
+    tr = parse_generation(ans, 4, K, "test")
+    assert tr.reported.tolist() == [True, False, False, True]
+    assert tr.no_entry.tolist() == [False, False, True, False]
+    assert np.isnan(tr.logprob[1]) and np.isnan(tr.logprob[2]) and tr.logprob[3] == 0.0
+    assert tr.draft_n == 3 and tr.draft_n_accepted == 2
+    with pytest.raises(LogitdiffError, match="not n_predict"):
+        parse_generation(ans, 5, K, "test")
+
+
+# ------------------------------------------------------------------ real servers
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from logitdiff.builtin import gguf_path
+
+    root = tmp_path_factory.mktemp("spec")
+    wl = root / "wl.jsonl"
+    from logitdiff.builtin import WORKLOAD
+
+    lines = WORKLOAD.read_text().splitlines()
+    wl.write_text("\n".join(lines[:ITEMS]) + "\n")
+    return {"f32": gguf_path("F32"), "q2k": gguf_path("Q2_K"), "root": root, "logs": root / "logs", "wl": wl}
+
+
+@pytest.fixture(scope="module")
+def servers(env):
+    started = {}
+
+    def get(name):
+        if name not in started:
+            f32, q2k = env["f32"], env["q2k"]
+            extra = {
+                "ref": [],
+                "self": ["--spec-type", "draft-simple", "-md", f32, "--spec-draft-n-max", "3"],
+                "q2k": ["--spec-type", "draft-simple", "-md", q2k, "--spec-draft-n-max", "3"],
+                "ngram": ["--spec-type", "ngram-simple"],
+                "md_only": ["-md", q2k],
+            }[name]
+            started[name] = start_or_fail(llama_server, f32, env["logs"], parallel=1, extra=[str(x) for x in extra])
+        return started[name]
+
+    yield get
+    for s in started.values():
+        s.stop()
+
+
+def _invariants(rep):
+    """What holds for every report, whatever the servers did."""
+    items, s = rep["items"], rep["summary"]
+    n = rep["method"]["n_predict"]
+    assert s["identical_output_rate"] == pytest.approx(np.mean([r["identical"] for r in items]))
+    sv = np.array(rep["survival"]["candidate"])
+    assert len(sv) == n and np.all(np.diff(sv) <= 0) and np.all((0 <= sv) & (sv <= 1))
+    for r in items:
+        d = r["first_divergence"]
+        assert r["identical"] == (d is None)
+        assert r["shared_prefix_fraction"] == pytest.approx((n if d is None else d) / n)
+        if d is not None:
+            assert r["class"] in (S.NEAR_TIE, S.MATERIAL)
+            assert r["reference_token"] != r["candidate_token"]
+    cc = rep["candidate"]["counters"]
+    assert cc["draft_n"] == sum(r["draft_n"] for r in items) and cc["draft_n_accepted"] == sum(r["draft_n_accepted"] for r in items)
+    assert cc["positions"] == n * len(items)
+    # F0 on a one-slot llama-server: bit-identical reruns of the reference
+    assert rep["floors"]["F0"]["reference"]["bit_identical"]
+    assert rep["verdict"]["label"] in S.VERDICTS
+
+
+def test_self_draft_runs_verify_batches_and_reports_no_probabilities(env, servers, tmp_path):
+    """The same GGUF as its own draft: drafting runs, nearly every draft token is accepted,
+    and every token of a speculative step comes back without probabilities (marked so)."""
+    ref, cand = servers("ref"), servers("self")
+    out = tmp_path / "self"
+    rep = speculate(ref.url, cand.url + ",speculative=1", out, workload=env["wl"], n_predict=N, floor_items=2, top_k=8)
+    _invariants(rep)
+    cc = rep["candidate"]["counters"]
+    assert cc["draft_n"] > 0 and cc["acceptance_rate"] >= 0.9, cc
+    assert cc["not_reported_logprob_zero_no_top"] > 0  # llama-server's "TODO: set result.probs"
+    assert rep["reference"]["counters"]["positions_not_reported"] == 0
+    assert rep["candidate"]["declared_speculative"] is True
+    # records: where the candidate did not report, logprob is null, never 0.0 (p = 1)
+    recs = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    cand_recs = [r for r in recs if r["side"] == "candidate"]
+    assert any(lp is None for r in cand_recs for lp in r["logprob"])
+    assert all(lp is None or lp < 0.0 or len(top) == 8 for r in cand_recs for lp, top in zip(r["logprob"], r["top"]))
+    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html", "generations.jsonl"}
+    assert rep["verdict"]["label"] in (S.LOSSLESS, S.SHAPE_ONLY, S.DEFECT)
+    assert rep["verdict"]["label"] in (out / "report.md").read_text() and rep["verdict"]["label"] in (out / "report.html").read_text()
+
+
+def test_q2k_draft_rejects_some_drafts(env, servers):
+    """A Q2_K drafter for the F32 target: drafting runs and some drafts are rejected (the
+    target's own token wins), so acceptance is below 1; the output is the target's."""
+    rep = speculate(servers("ref").url, servers("q2k").url, None, workload=env["wl"], n_predict=N, floor_items=1, top_k=8)
+    _invariants(rep)
+    cc = rep["candidate"]["counters"]
+    assert rep["candidate"]["declared_speculative"] is True  # from /slots
+    assert cc["draft_n"] > 0 and cc["draft_n_accepted"] < cc["draft_n"], cc
+
+
+def test_ngram_simple(env, servers):
+    """--spec-type ngram-simple: drafts from the text's own n-grams, no draft model."""
+    try:
+        rep = speculate(servers("ref").url, servers("ngram").url, None, workload=env["wl"], n_predict=N, floor_items=1, top_k=8)
+    except LogitdiffError as e:
+        # the only admissible refusal: the outputs had no repeated n-gram to draft from
+        assert "speculation never ran" in str(e)
+        return
+    _invariants(rep)
+    assert rep["candidate"]["counters"]["draft_n"] > 0
+
+
+def test_declared_speculative_without_drafting_is_refused(env, servers, tmp_path):
+    """A candidate declared speculative whose answers show no drafting: one line, no output.
+    Both a plain server declared speculative=1 and `-md` without --spec-type (which this
+    llama-server does not speculate with) are refused."""
+    ref = servers("ref")
+    out = tmp_path / "none"
+    for cand in (ref.url + ",speculative=1", servers("md_only").url + ",speculative=1"):
+        with pytest.raises(LogitdiffError, match="speculation never ran"):
+            speculate(ref.url, cand, out, workload=env["wl"], n_predict=8, floor_items=0)
+        assert not out.exists()
+    # not declared: a report labelled "speculation not exercised", never a figure read as 0
+    rep = speculate(ref.url, servers("md_only").url, None, workload=env["wl"], n_predict=8, floor_items=1, top_k=4)
+    assert rep["verdict"]["label"] == S.NOT_EXERCISED
+
+
+def test_text_prompt_that_tokenizes_differently_is_refused(env, servers, tmp_path):
+    from _models import make_random_llama
+    from logitdiff.quantize import build_ladder
+
+    d = make_random_llama(tmp_path / "m", layers=1, dtype="float32")
+    other = start_or_fail(llama_server, build_ladder(d, tmp_path / "cache", [])["F32"], env["logs"], parallel=1)
+    try:
+        with pytest.raises(LogitdiffError, match=r"item code-00: the two servers tokenize the prompt differently"):
+            speculate(servers("ref").url, other.url, tmp_path / "out", workload=env["wl"], n_predict=8)
+        assert not (tmp_path / "out").exists()
+    finally:
+        other.stop()
+
+
+def test_server_killed_mid_generation(env, servers, tmp_path):
+    """The candidate dies while the CLI generates: one line on stderr, exit 2, nothing written."""
+    ref = servers("ref")
+    victim = start_or_fail(llama_server, env["f32"], env["logs"], parallel=1,
+                           extra=["--spec-type", "draft-simple", "-md", str(env["f32"])])
+    out = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, "-m", "logitdiff", "speculate", ref.url, victim.url, "--out", str(out), "--workload",
+                          str(env["wl"]), "--max-tokens", "1024", "--floor-items", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        time.sleep(2.0)
+        assert p.poll() is None, p.communicate()
+        victim.kill()
+        _, err = p.communicate(timeout=120)
+    finally:
+        victim.stop()
+    assert p.returncode == 2, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("logitdiff: error: candidate server") and "Traceback" not in err, err
+    assert not out.exists() and not list(tmp_path.glob(".killed*"))
