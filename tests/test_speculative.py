@@ -216,3 +216,19 @@ def test_server_killed_mid_generation(env, servers, tmp_path):
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("logitdiff: error: candidate server") and "Traceback" not in err, err
     assert not out.exists() and not list(tmp_path.glob(".killed*"))
+
+
+def test_teacher_forced_comparison_of_a_speculative_source_is_labelled(env, servers, tmp_path):
+    """The ordinary (teacher-forced) path on a source declared speculative=1: its report says
+    'speculation not exercised' (a prefill never runs a verify batch), in report.json and report.md."""
+    from logitdiff.api import capture_run, diff_runs
+
+    ref_run = capture_run(f"gguf:{env['f32']}", tmp_path / "ref", workload=env["wl"], max_tokens=6)
+    cand_run = capture_run(f"openai:{servers('self').url},top_k=8,speculative=1", tmp_path / "cand", teacher=ref_run)
+    rep = diff_runs(ref_run, cand_run, out=tmp_path / "rep")
+    assert rep["candidate"]["identity"]["speculative"] is True
+    assert any(n.startswith("speculation not exercised: the candidate") for n in rep["method"]["notes"])
+    assert "speculation not exercised" in (tmp_path / "rep" / "report.md").read_text()
+    # the same server without the declaration: no label
+    plain = capture_run(f"openai:{servers('self').url},top_k=8", tmp_path / "plain", teacher=ref_run)
+    assert not any("speculation not exercised" in n for n in diff_runs(ref_run, plain)["method"]["notes"])

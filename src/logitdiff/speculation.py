@@ -212,7 +212,7 @@ def _f1(ref_traces: Sequence[Trace], scored, vocab: int, n: int, width: int) -> 
         d = shared_abs_delta(tr.top_ids[rep], tr.top_lps[rep], sc.top_ids[rep], sc.top_lps[rep])
         deltas.append(d)
         sc_ = same_context(tr.top_ids[rep], tr.top_lps[rep], sc.top_ids[rep], sc.top_lps[rep], vocab, tr.ids[rep])
-        kls.append(sc_["kl_upper_nats"])
+        kls.append(sc_["kl_nats"])
         top1 = sc.top_ids[:, 0]
         flip = np.flatnonzero(top1 != tr.ids)
         flips_first.append(int(flip[0]) if flip.size else None)
@@ -226,7 +226,7 @@ def _f1(ref_traces: Sequence[Trace], scored, vocab: int, n: int, width: int) -> 
     uniq, cnt = np.unique(w_all, return_counts=True)
     return {"items": len(scored), "positions": int(d_all.size), "shape_width": width,
             "widths_seen": {str(int(u)): int(c) for u, c in zip(uniq, cnt)},
-            "max_abs_dlogprob": dmax, "abs_dlogprob": _stat(d_all), "kl_upper_nats": _stat(kl_all),
+            "max_abs_dlogprob": dmax, "abs_dlogprob": _stat(d_all), "kl_nats": _stat(kl_all),
             "top1_flips": sum(1 for _ in gaps), "flip_margins_nats": [float(g) for g in gaps],
             "near_tie_nats": 2.0 * dmax, "survival": survival(flips_first, n).tolist()}
 
@@ -243,7 +243,7 @@ def _item_analysis(p: Prompt, r: Trace, c: Trace, ref: LlamaServer, cand: LlamaS
            "shared_prefix_fraction": m / n if n else 1.0, "draft_n": c.draft_n, "draft_n_accepted": c.draft_n_accepted,
            "candidate_reported": int(c.reported.sum()), "candidate_not_reported": int((~c.reported).sum()),
            "reference_not_reported": int((~r.reported).sum()),
-           "prefix_positions_compared": int(both.size), "prefix_kl_upper_max": float(pre["kl_upper_nats"].max()) if both.size else None,
+           "prefix_positions_compared": int(both.size), "prefix_kl_max": float(pre["kl_nats"].max()) if both.size else None,
            "prefix_top1_disagreements": int((~pre["top1_match"]).sum()), "prefix_max_abs_dlogprob":
                float(np.nanmax(np.abs(pre["dlogprob"]))) if both.size and np.isfinite(pre["dlogprob"]).any() else None}
     cross = {"prefix": pre}
@@ -272,10 +272,10 @@ def _item_analysis(p: Prompt, r: Trace, c: Trace, ref: LlamaServer, cand: LlamaS
             "reference_margin_nats": rm, "reference_margin_exact": rm_exact,
             "candidate_margin_nats": cm, "candidate_margin_exact": cm_exact, "candidate_margin_source": src,
             "class": NEAR_TIE if tie else MATERIAL,
-            "cross_reference_on_candidate_kl_upper_max": float(x1["kl_upper_nats"].max()) if rr.size else None,
+            "cross_reference_on_candidate_kl_max": float(x1["kl_nats"].max()) if rr.size else None,
             "cross_reference_on_candidate_top1_agreement": float((r_on_c.top_ids[:, 0] == r.ids[d:]).mean()),
             "cross_candidate_on_reference_top1_agreement": float(agree.mean()),
-            "cross_candidate_on_reference_kl_upper_max": float(x2["kl_upper_nats"].max()) if cr.size else None,
+            "cross_candidate_on_reference_kl_max": float(x2["kl_nats"].max()) if cr.size else None,
         })
         cross.update({"ref_on_cand": x1, "cand_on_ref": x2, "cand_on_ref_agree": agree})
     return row, cross
@@ -343,21 +343,23 @@ def compare_generation(
     near = f1["near_tie_nats"]
     # per item
     t2 = time.perf_counter()
-    rows, pre_kl, pre_top1, pre_dl, x1_kl, x2_agree = [], [], [], [], [], []
+    rows, pre_kl, pre_klo, pre_top1, pre_dl, x1_kl, x2_agree = [], [], [], [], [], [], []
     adv = bar(len(prompts), "comparing (cross-scoring after each divergence)")
     for p, r, c in zip(prompts, ref_tr, cand_tr):
         row, x = _item_analysis(p, r, c, ref, cand, V, near)
         rows.append(row)
-        pre_kl.append(x["prefix"]["kl_upper_nats"])
+        pre_kl.append(x["prefix"]["kl_nats"])
+        pre_klo.append(x["prefix"]["kl_lower_nats"])
         pre_top1.append(x["prefix"]["top1_match"])
         pre_dl.append(x["prefix"]["dlogprob"])
         if "ref_on_cand" in x:
-            x1_kl.append(x["ref_on_cand"]["kl_upper_nats"])
+            x1_kl.append(x["ref_on_cand"]["kl_nats"])
             x2_agree.append(x["cand_on_ref_agree"])
         adv()
     t_cmp = time.perf_counter() - t2
     fd = [row["first_divergence"] for row in rows]
     kl_all = np.concatenate(pre_kl) if pre_kl else np.zeros(0)
+    klo_all = np.concatenate(pre_klo) if pre_klo else np.zeros(0)
     t1_all = np.concatenate(pre_top1) if pre_top1 else np.zeros(0, bool)
     dl_all = np.concatenate(pre_dl) if pre_dl else np.zeros(0)
     div = [row for row in rows if not row["identical"]]
@@ -367,10 +369,10 @@ def compare_generation(
         "divergent_items": len(div), "near_tie_divergences": sum(row["class"] == NEAR_TIE for row in div),
         "material_divergences": sum(row["class"] == MATERIAL for row in div),
         "mean_shared_prefix_fraction": float(np.mean([row["shared_prefix_fraction"] for row in rows])),
-        "prefix": {"positions_compared": int(kl_all.size), "kl_upper_nats": _stat(kl_all),
+        "prefix": {"positions_compared": int(kl_all.size), "kl_nats": _stat(kl_all), "kl_lower_nats": _stat(klo_all),
                    "top1_disagreements": int((~t1_all).sum()), "abs_dlogprob": _stat(np.abs(dl_all))},
         "cross": {"items": len(x1_kl),
-                  "reference_on_candidate_kl_upper_nats": _stat(np.concatenate(x1_kl) if x1_kl else []),
+                  "reference_on_candidate_kl_nats": _stat(np.concatenate(x1_kl) if x1_kl else []),
                   "candidate_on_reference_top1_agreement": float(np.concatenate(x2_agree).mean()) if x2_agree else None},
     }
     verdict = decide(summary, f0, f1, rc, cc, rows, declared)
@@ -387,7 +389,8 @@ def compare_generation(
             "notes": [
                 "tokens with logprob exactly 0.0 and a short or empty top list are 'probability not reported' "
                 "(llama-server sends prob 1.0 and no top list for every token of a speculative step); never read as p = 1",
-                "KL figures are top-K bounded: kl_upper_nats is the proven upper bound of the exact full-vocabulary KL",
+                "KL figures (kl_nats) are the seed's top-K estimate of KL(P_ref || P_cand); kl_lower_nats its proven lower bound "
+                "(bounds.topk_vs_topk; the upper bound of a top-K/top-K KL is infinite without a stated logprob floor)",
                 "candidate margins at a divergence come from its generation when it reported them, else from "
                 "teacher forcing on the candidate server (a non-speculative prefill)",
             ],
@@ -424,20 +427,22 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     if summary["material_divergences"]:
         defects.append(f"{summary['material_divergences']} material divergence(s): a side's margin exceeds the shape floor's "
                        f"{f1['near_tie_nats']:.3g} nats")
-    f1_kl = f1["kl_upper_nats"]["max"] or 0.0
-    pre_kl = summary["prefix"]["kl_upper_nats"]["max"] or 0.0
+    f1_kl = f1["kl_nats"]["max"] or 0.0
+    pre_kl = summary["prefix"]["kl_nats"]["max"] or 0.0
     if pre_kl > f1_kl:
-        defects.append(f"prefix KL upper bound {pre_kl:.3g} nats exceeds the shape floor F1's {f1_kl:.3g} at identical contexts")
+        defects.append(f"prefix KL {pre_kl:.3g} nats exceeds the shape floor F1's {f1_kl:.3g} at identical contexts")
     f0_zero = f0["reference"]["bit_identical"] and f0["candidate"]["bit_identical"]
     reasons.append(f"F0 (run-to-run): reference {'bit-identical' if f0['reference']['bit_identical'] else 'NOT identical'}, "
                    f"candidate {'bit-identical' if f0['candidate']['bit_identical'] else 'NOT identical'} on {f0['reference']['items']} items")
     reasons.append(f"F1 (shape floor, width {f1['shape_width']}): max |Δlogprob| {f1['max_abs_dlogprob']:.3g} nats, "
-                   f"KL upper max {f1_kl:.3g}, {f1['top1_flips']} top-1 flips over {f1['positions']} positions")
+                   f"KL max {f1_kl:.3g}, {f1['top1_flips']} top-1 flips over {f1['positions']} positions")
     reasons.append(f"identical outputs {summary['identical_output_rate'] * 100:.1f}% of {summary['items']} items; "
                    f"{summary['near_tie_divergences']} near-tie and {summary['material_divergences']} material divergences")
     if cc["draft_n"]:
         reasons.append(f"drafting ran: {cc['draft_n_accepted']} of {cc['draft_n']} draft tokens accepted "
                        f"({100 * cc['acceptance_rate']:.1f}%) in {cc['requests_that_drafted']} of {cc['requests']} requests")
+    if not f1["positions"]:
+        reasons.append("no floors were measured (floor items 0): every divergence counts as material, every prefix KL above 0 as a defect")
     if cc["draft_n"] == 0:
         label = NOT_EXERCISED
         reasons.insert(0, "the candidate never drafted (timings.draft_n = 0 on every request): nothing about speculation was measured")
