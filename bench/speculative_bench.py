@@ -53,13 +53,13 @@ def main() -> None:
             f.write(json.dumps(r) + "\n")
     target = gguf_path("F32")
     logs = out / "logs"
-    ref = llama_server(target, logs, parallel=1).start()
+    ref = llama_server(target, logs, parallel=1, threads=1).start()
     results = []
     try:
         for d in a.drafts.split(","):
             extra = ["--spec-type", "ngram-simple"] if d == "ngram" else \
                 ["--spec-type", "draft-simple", "-md", str(gguf_path(d)), "--spec-draft-n-max", "3"]
-            cand = llama_server(target, logs, parallel=1, extra=extra).start()
+            cand = llama_server(target, logs, parallel=1, threads=1, extra=extra).start()
             try:
                 t0 = time.perf_counter()
                 rep = speculate(ref.url, cand.url, out / d, workload=wl, n_predict=a.tokens, floor_items=a.floor_items, top_k=a.top_k)
@@ -93,8 +93,31 @@ def main() -> None:
             print(json.dumps(res), flush=True)
     finally:
         ref.stop()
+    print(table(results))
     (out / "bench.json").write_text(json.dumps({"items": a.items, "tokens": a.tokens, "floor_items": a.floor_items,
                                                 "load": os.getloadavg(), "results": results}, indent=1) + "\n")
+
+
+def table(results: list[dict]) -> str:
+    """The markdown table of bench/RESULTS.md."""
+    g = lambda x, f=".3g": "n/a" if x is None else format(x, f)
+    lines = ["| draft | verdict | identical outputs | near-tie / material | survival t=32/64/128/last | F1 survival (last) | "
+             "F0 ref / cand bit-identical | F1 max abs dlogprob | F1 KL max | prefix positions | prefix KL max | acceptance | "
+             "not reported | server gen s (ref / cand) | wall s | wall / the two generations | wall / server gen |",
+             "| --- " * 17 + "|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['draft']} | refused: {r['error']} |" + " |" * 15)
+            continue
+        sv = "/".join(g(v, ".2f") for v in r["survival"].values())
+        lines.append(
+            f"| {r['draft']} | {r['verdict']} | {100 * r['identical_output_rate']:.1f}% | {r['near_tie']} / {r['material']} | {sv} | "
+            f"{g(r['F1_survival_last'], '.2f')} | {r['F0_reference_bit_identical']} / {r['F0_candidate_bit_identical']} | "
+            f"{g(r['F1_max_abs_dlogprob'])} | {g(r['F1_kl_max'])} | {r['prefix_positions']} | {g(r['prefix_kl_max'])} | "
+            f"{g(r['acceptance_rate'])} | {r['candidate_not_reported']}/{r['positions']} | {r['server_gen_s_reference']:.1f} / "
+            f"{r['server_gen_s_candidate']:.1f} | {r['wall_s']:.1f} | {g(r['wall_over_generations'], '.2f')} | "
+            f"{g(r['wall_over_server_generation'], '.2f')} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from logitdiff.api import speculate
 from logitdiff.errors import LogitdiffError
 from logitdiff.generation import LlamaServer, parse_generation
 
-N = 48  # tokens per item: short, but long enough for several verify batches
+N = 32  # tokens per item: short, but long enough for several verify batches
 ITEMS = 3
 
 
@@ -93,7 +93,7 @@ def servers(env):
                 "ngram": ["--spec-type", "ngram-simple"],
                 "md_only": ["-md", q2k],
             }[name]
-            started[name] = start_or_fail(llama_server, f32, env["logs"], parallel=1, extra=[str(x) for x in extra])
+            started[name] = start_or_fail(llama_server, f32, env["logs"], parallel=1, threads=1, extra=[str(x) for x in extra])
         return started[name]
 
     yield get
@@ -187,7 +187,7 @@ def test_text_prompt_that_tokenizes_differently_is_refused(env, servers, tmp_pat
     from logitdiff.quantize import build_ladder
 
     d = make_random_llama(tmp_path / "m", layers=1, dtype="float32")
-    other = start_or_fail(llama_server, build_ladder(d, tmp_path / "cache", [])["F32"], env["logs"], parallel=1)
+    other = start_or_fail(llama_server, build_ladder(d, tmp_path / "cache", [])["F32"], env["logs"], parallel=1, threads=1)
     try:
         with pytest.raises(LogitdiffError, match=r"item code-00: the two servers tokenize the prompt differently"):
             speculate(servers("ref").url, other.url, tmp_path / "out", workload=env["wl"], n_predict=8)
@@ -199,10 +199,10 @@ def test_text_prompt_that_tokenizes_differently_is_refused(env, servers, tmp_pat
 def test_server_killed_mid_generation(env, servers, tmp_path):
     """The candidate dies while the CLI generates: one line on stderr, exit 2, nothing written."""
     ref = servers("ref")
-    victim = start_or_fail(llama_server, env["f32"], env["logs"], parallel=1,
+    victim = start_or_fail(llama_server, env["f32"], env["logs"], parallel=1, threads=1,
                            extra=["--spec-type", "draft-simple", "-md", str(env["f32"])])
     out = tmp_path / "killed"
-    p = subprocess.Popen([sys.executable, "-m", "logitdiff", "speculate", ref.url, victim.url, "--out", str(out), "--workload",
+    p = subprocess.Popen([sys.executable, "-m", "logitdiff.cli", "speculate", ref.url, victim.url, "--out", str(out), "--workload",
                           str(env["wl"]), "--max-tokens", "1024", "--floor-items", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
