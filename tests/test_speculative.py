@@ -203,11 +203,16 @@ def test_server_killed_mid_generation(env, servers, tmp_path):
                            extra=["--spec-type", "draft-simple", "-md", str(env["f32"])])
     out = tmp_path / "killed"
     p = subprocess.Popen([sys.executable, "-m", "logitdiff.cli", "speculate", ref.url, victim.url, "--out", str(out), "--workload",
-                          str(env["wl"]), "--max-tokens", "1024", "--floor-items", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          str(env["wl"]), "--max-tokens", "1536", "--floor-items", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
-        time.sleep(2.0)
-        assert p.poll() is None, p.communicate()
+        # kill it while it generates: as soon as its slot is processing a request
+        import httpx
+
+        t0 = time.monotonic()
+        while not any(s.get("is_processing") for s in httpx.get(victim.url + "/slots", timeout=10).json()):
+            assert p.poll() is None and time.monotonic() - t0 < 120, p.communicate()
+            time.sleep(0.02)
         victim.kill()
         _, err = p.communicate(timeout=120)
     finally:

@@ -182,6 +182,13 @@ class LlamaServer:
         self.url, self.role, self.k = u, role, int(top_k)
         self.where = f"{role} server {u}"
         self._http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0))
+        try:
+            self._handshake()
+        except BaseException:
+            self._http.close()
+            raise
+
+    def _handshake(self) -> None:
         self.props = self._get("/props")
         if not isinstance(self.props, dict) or not ("default_generation_settings" in self.props or "build_info" in self.props):
             raise LogitdiffError(f"{self.where}: not a llama-server (no /props with default_generation_settings)")
