@@ -155,16 +155,23 @@ def test_q2k_draft_rejects_some_drafts(env, servers):
     assert cc["draft_n"] > 0 and cc["draft_n_accepted"] < cc["draft_n"], cc
 
 
-def test_ngram_simple(env, servers):
-    """--spec-type ngram-simple: drafts from the text's own n-grams, no draft model."""
-    try:
-        rep = speculate(servers("ref").url, servers("ngram").url, None, workload=env["wl"], n_predict=N, floor_items=1, top_k=8)
-    except LogitdiffError as e:
-        # the only admissible refusal: the outputs had no repeated n-gram to draft from
-        assert "speculation never ran" in str(e)
-        return
+def test_ngram_simple(env, servers, tmp_path):
+    """--spec-type ngram-simple: drafts from the text's own n-grams, no draft model. Steps
+    without a match are plain decode steps whose probabilities are reported: those are
+    compared in the same context. Two items whose greedy text repeats within 160 tokens
+    (the first three items never draft within 128: that run is refused, see below)."""
+    from logitdiff.builtin import WORKLOAD
+
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("\n".join(WORKLOAD.read_text().splitlines()[3:5]) + "\n")
+    rep = speculate(servers("ref").url, servers("ngram").url, None, workload=wl, n_predict=160, floor_items=1, top_k=8)
     _invariants(rep)
-    assert rep["candidate"]["counters"]["draft_n"] > 0
+    cc = rep["candidate"]["counters"]
+    assert cc["draft_n"] > 0 and 0 < cc["draft_n_accepted"] < cc["draft_n"], cc
+    assert 0 < cc["not_reported_logprob_zero_no_top"] < cc["positions"]
+    assert rep["summary"]["prefix"]["positions_compared"] > len(rep["items"])  # more than the prefill's first tokens
+    with pytest.raises(LogitdiffError, match="speculation never ran"):
+        speculate(servers("ref").url, servers("ngram").url, None, workload=env["wl"], n_predict=N, floor_items=0)
 
 
 def test_declared_speculative_without_drafting_is_refused(env, servers, tmp_path):

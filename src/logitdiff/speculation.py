@@ -321,7 +321,8 @@ def compare_generation(
     if declared and cc["draft_n"] == 0:
         raise LogitdiffError(
             f"candidate server {cand.url}: declared speculative, but speculation never ran (timings.draft_n = 0 on all "
-            f"{len(cand_tr)} requests; llama-server drafts only with --spec-type, e.g. --spec-type draft-simple -md DRAFT.gguf)"
+            f"{len(cand_tr)} requests: no draft was ever proposed; llama-server drafts only with --spec-type, e.g. --spec-type "
+            "draft-simple -md DRAFT.gguf, and an n-gram type only where the text repeats itself)"
         )
     if V is None:
         V = int(max(int(t.top_ids.max()) for t in ref_tr + cand_tr) + 1)
