@@ -92,8 +92,10 @@ def servers(env):
                 "q2k": ["--spec-type", "draft-simple", "-md", q2k, "--spec-draft-n-max", "3"],
                 "ngram": ["--spec-type", "ngram-simple"],
                 "md_only": ["-md", q2k],
+                "q2k_target": ["--spec-type", "draft-simple", "-md", q2k],
             }[name]
-            started[name] = start_or_fail(llama_server, f32, env["logs"], parallel=1, threads=1, extra=[str(x) for x in extra])
+            target = q2k if name == "q2k_target" else f32
+            started[name] = start_or_fail(llama_server, target, env["logs"], parallel=1, threads=1, extra=[str(x) for x in extra])
         return started[name]
 
     yield get
@@ -172,6 +174,25 @@ def test_ngram_simple(env, servers, tmp_path):
     assert rep["summary"]["prefix"]["positions_compared"] > len(rep["items"])  # more than the prefill's first tokens
     with pytest.raises(LogitdiffError, match="speculation never ran"):
         speculate(servers("ref").url, servers("ngram").url, None, workload=env["wl"], n_predict=N, floor_items=0)
+
+
+def test_a_different_target_diverges_materially(env, servers):
+    """A candidate whose target is not the reference's model (Q2_K, drafting for itself):
+    its greedy output leaves the reference's at some token with margins far beyond the shape
+    floor: material divergences, verdict "defect", and every divergence carries both
+    margins and the cross-scoring of each side's tokens through the other server."""
+    rep = speculate(servers("ref").url, servers("q2k_target").url, None, workload=env["wl"], n_predict=N, floor_items=1, top_k=8)
+    _invariants(rep)
+    div = [r for r in rep["items"] if not r["identical"]]
+    assert div and rep["summary"]["material_divergences"] >= 1
+    assert rep["verdict"]["label"] == S.DEFECT and any("material divergence" in d for d in rep["verdict"]["defects"])
+    near = rep["method"]["near_tie_nats"]
+    for r in div:
+        assert r["reference_margin_nats"] >= 0 and r["cross_candidate_on_reference_top1_agreement"] is not None
+        assert 0 <= r["cross_reference_on_candidate_top1_agreement"] <= 1
+        if r["class"] == S.MATERIAL:
+            assert r["reference_margin_nats"] > near or abs(r["candidate_margin_nats"]) > near
+    assert rep["summary"]["cross"]["items"] == len(div)
 
 
 def test_declared_speculative_without_drafting_is_refused(env, servers, tmp_path):

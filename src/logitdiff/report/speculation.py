@@ -66,6 +66,8 @@ def render_markdown(rep: dict) -> str:
         out.append(f"| {r['id']} | {r['first_divergence']} | {r['shared_prefix_fraction']:.3f} | {r['reference_token']} | "
                    f"{r['candidate_token']} | {_f(r['reference_margin_nats'])}{'' if r['reference_margin_exact'] else ' (>=)'} | "
                    f"{_f(r['candidate_margin_nats'])} | {r['class']} |")
+    if all(r["identical"] for r in rep["items"]):
+        out.append("| (none: every output identical) | | | | | | | |")
     t = rep["timing"]
     out += ["", f"Wall {t['wall_s']:.1f} s: generations {t['generations_s']:.1f} s, floors {t['floors_s']:.1f} s, "
             f"comparison {t['compare_s']:.1f} s; the servers' own generation time {t['server_generation_s']:.1f} s.", ""]
