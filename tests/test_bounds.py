@@ -348,3 +348,44 @@ def test_llamacpp_boxes_edge_cases():
     # scale 0 (all logits equal): every code is 0, the box is (0, e^min + slack]
     lo, hi = B.llamacpp_boxes(np.zeros((1, 4), np.uint16), np.zeros(1, np.float32), np.full(1, np.log(0.25), np.float32))
     assert np.isneginf(lo).all() and np.allclose(hi, np.log(0.25) + B.LLAMACPP_SLACK)
+
+
+def test_topk_at_k_equal_v_is_exact_in_bounded_memory():
+    """K = V (full rows given as top-K lists, a legitimate request for full served rows):
+    the lower bound, the seed's estimate and JSD's interval are the exact full-row values,
+    and the work is per row block with a sorted-id search, never an [N, K, K] comparison:
+    the peak memory above the inputs is a small multiple of one [block, K] array, far under
+    one [N, K, K] bool array (N K^2 bytes)."""
+    import tracemalloc
+
+    V, N = 4096, 300  # 1.2 M entries: two row blocks
+    rng = np.random.default_rng(7)
+    z = rng.normal(size=(N, V)) * 2
+    lp, lq = log_softmax(z, 1), log_softmax(z + rng.normal(size=z.shape) * 0.3, 1)
+    # each side's list in its own order (descending logprob), as servers send them
+    ir, vr = topk_of(lp, V)
+    ic, vc = topk_of(lq, V)
+    ex, t = exact(lp, lq), tol(lp, lq)
+    tracemalloc.start()
+    res = B.topk_vs_topk(ir, vr, ic, vc, V, floor_logp_cand=float(lq.min()), floor_logp_ref=float(lp.min()))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    nkk = N * V * V  # bytes of one [N, K, K] bool comparison (5 GB here)
+    block = B.TOPK_BLOCK_ENTRIES * 8  # one [block rows, K] float64 array (8 MiB)
+    assert peak < 24 * block < nkk / 20, (peak, block, nkk)
+    for d in B.DIVERGENCES:
+        assert_covers(res[d], ex[d], t, f"K=V {d}")
+        # every id listed on both sides: nothing unknown, the interval is the exact value
+        np.testing.assert_allclose(res[d].lower, ex[d], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(res[d].upper, ex[d], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(res[B.KL].estimate, ex[B.KL], rtol=1e-9, atol=1e-12)
+    # the same rows cut into K < V lists: block results equal a one-block run (row order kept)
+    from logitdiff import metrics as M
+
+    seed = M.topk(ir, vr, ic, vc, V)
+    np.testing.assert_allclose(seed["kl_nats"], ex[B.KL], rtol=1e-9, atol=1e-12)
+    assert (seed["shared_tokens"] == V).all() and (seed["top1_ref"] == lp.argmax(1)).all()
+    one = B.topk_vs_topk(ir[:, :100], vr[:, :100], ic[:, :100], vc[:, :100], V)
+    rows = [B.topk_vs_topk(ir[i:i + 1, :100], vr[i:i + 1, :100], ic[i:i + 1, :100], vc[i:i + 1, :100], V) for i in range(0, N, 17)]
+    for d in B.DIVERGENCES:
+        np.testing.assert_array_equal(one[d].lower[::17], np.concatenate([r[d].lower for r in rows]))

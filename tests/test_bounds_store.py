@@ -306,3 +306,19 @@ def test_imported_llamacpp_base_is_compared_with_intervals(tmp_path):
                      ("kl_rev", rel_entr(q, p).sum(1))):
         assert (col[f"{name}_lower_nats"] <= ex + tol).all() and (ex <= col[f"{name}_upper_nats"] + tol).all(), name
     assert np.isinf(col["kl_rev_upper_nats"]).all()
+
+
+def test_topk_compare_at_k_equal_v_gives_the_exact_values(runs):
+    """Two top-K RUNs with K = V (full served rows as lists): compare's top-K path gives the
+    exact full-vocabulary KL, reverse KL and JSD, with zero-width intervals under a true floor."""
+    tmp, ref, cand, teacher = runs
+    r = RunReader(make_run(tmp / "rk", ref, teacher, store=f"topk:{V}"))
+    c = RunReader(make_run(tmp / "ck", cand, teacher, store=f"topk:{V}"))
+    lp, lq, ex, tol = exact_cols(ref, cand)
+    comp = compare_runs(r, c, logprob_floor=float(min(lp.min(), lq.min())), chunk_bytes=1 << 16)  # several row blocks
+    assert comp.kind == "top_k" and comp.method["top_logprobs"] == V
+    col = comp.columns
+    for name in ("kl", "kl_rev", "jsd"):
+        np.testing.assert_allclose(col[f"{name}_lower_nats"], ex[name], rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(col[f"{name}_upper_nats"], ex[name], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(col["kl_nats"], ex["kl"], rtol=1e-6, atol=1e-9)

@@ -395,6 +395,18 @@ def _two_point(div: str, p_a, q_a, p_b, q_b) -> np.ndarray:
     return out
 
 
+#: entries ([rows x K]) per block of top-K work: every temporary of topk_vs_topk and of the
+#: seed's estimate is one [rows, K] array of at most this many values (8 MiB of float64), so
+#: memory is bounded by this block at any K, up to K = V
+TOPK_BLOCK_ENTRIES = 1 << 20
+
+
+def topk_row_blocks(n_rows: int, k: int, entries: int = TOPK_BLOCK_ENTRIES):
+    """Row slices of at most ``entries`` top-K entries each (at least one row)."""
+    step = max(1, entries // max(1, k))
+    return [slice(a, min(a + step, n_rows)) for a in range(0, n_rows, step)] or [slice(0, 0)]
+
+
 def topk_vs_topk(ref_ids, ref_logp, cand_ids, cand_logp, vocab_size: int, *, floor_logp_ref: float | None = None,
                  floor_logp_cand: float | None = None, divergences=DIVERGENCES) -> dict[str, Interval]:
     """Intervals from top-K lists on both sides (served models), per row.
@@ -405,21 +417,38 @@ def topk_vs_topk(ref_ids, ref_logp, cand_ids, cand_logp, vocab_size: int, *, flo
     ``psi(p, q) <= (p + q) ln2 / 2`` on every unshared entry; forward KL only with a stated
     floor on the candidate's log-probabilities (reverse KL: on the reference's), else inf.
     ``estimate`` is the seed's approximation (`metrics.topk`), clipped into the interval.
-    """
-    from .metrics import topk as seed_topk
 
+    Any K up to V in bounded memory: rows go in blocks of ``TOPK_BLOCK_ENTRIES`` entries,
+    and the shared ids are found by a binary search over each row's sorted ids
+    (`metrics._lookup`), never an [N, K, K] comparison.
+    """
     ir = np.asarray(ref_ids, np.int64)
     ic = np.asarray(cand_ids, np.int64)
     lp = np.asarray(ref_logp, np.float64)
     lq = np.asarray(cand_logp, np.float64)
+    parts = [_topk_vs_topk_block(ir[s], lp[s], ic[s], lq[s], vocab_size, floor_logp_ref, floor_logp_cand, divergences)
+             for s in topk_row_blocks(ir.shape[0], max(ir.shape[1], ic.shape[1]))]
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for div in divergences:
+        ivs = [p[div] for p in parts]
+        out[div] = Interval(np.concatenate([iv.lower for iv in ivs]), np.concatenate([iv.upper for iv in ivs]),
+                            np.concatenate([iv.estimate for iv in ivs]), next((iv.reason for iv in ivs if iv.reason), ""))
+    return out
+
+
+def _topk_vs_topk_block(ir, lp, ic, lq, vocab_size, floor_logp_ref, floor_logp_cand, divergences) -> dict[str, Interval]:
+    """`topk_vs_topk` on one block of rows."""
+    from .metrics import _lookup, topk as seed_topk
+
     vp, vq = ir >= 0, ic >= 0
     p = np.where(vp, np.exp(lp), 0.0)
     q = np.where(vq, np.exp(lq), 0.0)
-    eq = (ir[:, :, None] == ic[:, None, :]) & vp[:, :, None] & vq[:, None, :]
-    shared_p = eq.any(2)  # ref entries also in the candidate's list
-    q_at = np.where(shared_p, (eq * q[:, None, :]).sum(2), 0.0)
+    # ref entries also in the candidate's list (and q there); candidate entries in the ref's
+    shared_p, q_at = _lookup(ir, vp, ic, vq, q)
+    shared_q, _ = _lookup(ic, vq, ir, vp, p)
     lq_at = np.where(shared_p, np.log(np.where(shared_p, q_at, 1.0)), 0.0)
-    shared_q = eq.any(1)
     # Mass outside the shared set. 1 - sum of K terms is off by at most ~K ulps, so the
     # candidate's rest is moved that far towards the reference's: rounding alone never
     # makes a rest 0 (an infinite "bound") nor two equal rests differ.
@@ -429,11 +458,11 @@ def topk_vs_topk(ref_ids, ref_logp, cand_ids, cand_logp, vocab_size: int, *, flo
     q_rest = q_rest + np.clip(p_rest - q_rest, -slack, slack)
     a_mask = vp & ~shared_p
     p_a = np.minimum(np.where(a_mask, p, 0.0).sum(1), p_rest)
-    q_min = np.where(vq, q, np.inf).min(1)  # every unlisted candidate entry is <= this
+    q_min = np.where(vq, q, np.inf).min(1) if ic.shape[1] else np.full(len(p_rest), np.inf)  # every unlisted candidate entry is <= this
     q_min = np.where(np.isfinite(q_min), q_min, 0.0)
     full_q = vq.sum(1) >= ic.shape[1]  # a short list (server gave fewer) has no such cap
     q_a_cap = np.where(full_q, np.minimum(a_mask.sum(1) * q_min, q_rest), q_rest)
-    p_min = np.where(vp, p, np.inf).min(1)
+    p_min = np.where(vp, p, np.inf).min(1) if ir.shape[1] else np.full(len(p_rest), np.inf)
     p_min = np.where(np.isfinite(p_min), p_min, 0.0)
     seed = seed_topk(ir, lp, ic, lq, vocab_size)
     out = {}

@@ -267,7 +267,10 @@ def compare_runs(
         k_eff = min(top_logprobs, ref.compact.exact, V)
         overlap_k = min(overlap_k, ref.compact.exact)
     if max_batch_rows is None:
-        max_batch_rows = rows_per_block(V, chunk_bytes)
+        # two top-K stores: a block of K ids + logprobs per row (any K up to V in bounded
+        # memory); full rows on either side: a block of V float32 values per row
+        topk_only = kind == "top_k" and ref.k and cand.k
+        max_batch_rows = rows_per_block(k_eff, chunk_bytes, 16) if topk_only else rows_per_block(V, chunk_bytes)
     cols: dict[str, list] = {}
 
     def push(name, arr):

@@ -758,6 +758,18 @@ def topk(
             f"top-K inputs must be [N, K] with matching shapes; got ids {ref_ids.shape}/{cand_ids.shape},"
             f" logprobs {lp.shape}/{lq.shape}"
         )
+    # rows in blocks of bounds.TOPK_BLOCK_ENTRIES entries: memory bounded at any K (up to V)
+    from .bounds import topk_row_blocks
+
+    parts = [_topk_block(ref_ids[s], lp[s], cand_ids[s], lq[s], vocab_size, eps)
+             for s in topk_row_blocks(ref_ids.shape[0], max(ref_ids.shape[1], cand_ids.shape[1]))]
+    if len(parts) == 1:
+        return parts[0]
+    return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+
+def _topk_block(ref_ids, lp, cand_ids, lq, vocab_size: int, eps: float) -> dict[str, np.ndarray]:
+    """`topk` on one block of rows."""
     if not (np.isfinite(lp[ref_ids >= 0]).all() and np.isfinite(lq[cand_ids >= 0]).all()):
         raise ValueError("top-K logprobs contain NaN/inf")
     n, k = ref_ids.shape
