@@ -75,6 +75,30 @@ def topk_description(ref, cand) -> str:
     return TOPK_DESCRIPTION.format(ref=run_dtype(ref), cand=run_dtype(cand))
 
 
+def served_batching(run) -> str | None:
+    """How a served (``openai:``) side was batched on its server (``batching=`` of the spec:
+    ``rounds`` or ``serial``); None for a side that is not served. A served RUN from before
+    the option existed was captured in rounds."""
+    ident = (run.manifest.get("source") or {}).get("identity") or {}
+    if ident.get("kind") != "openai":
+        return None
+    return ident.get("batching") or "rounds"
+
+
+def batching_notes(ref, cand) -> tuple[dict | None, list[str]]:
+    """``method.served_batching`` (each side's mode, when one is served) and the note that
+    warns when the two sides were captured in different modes."""
+    a, b = served_batching(ref), served_batching(cand)
+    if a is None and b is None:
+        return None, []
+    notes = []
+    if a and b and a != b:
+        notes.append(f"the two sides were captured in different served batching modes (reference {a}, candidate {b}): "
+                     "in rounds a row's arithmetic depends on its batch mates, in serial it does not, so part of the "
+                     "difference is the batching, not the model; capture both with the same batching=")
+    return {"reference": a, "candidate": b}, notes
+
+
 def positions_sampling(run) -> dict | None:
     """``--positions`` of a sampled capture: mode, fraction, seed and rule; None for all."""
     settings = run.manifest.get("settings") or {}
@@ -102,6 +126,7 @@ class Comparison:
     method: dict
     vocab: list[str] | None = None
     notes: list[str] = field(default_factory=list)
+    served_floor: dict | None = None  # servedfloor.served_floor, set by whoever measured it (run)
 
     @property
     def n(self) -> int:
@@ -377,6 +402,10 @@ def compare_runs(
         method["description"] += LLAMACPP_BOUNDS
     if logprob_floor is not None:
         method["logprob_floor_nats"] = float(logprob_floor)
+    batching, bnotes = batching_notes(ref, cand)
+    if batching:
+        method["served_batching"] = batching
+        notes.extend(bnotes)
     sampling = positions_sampling(ref)
     if sampling:
         method["positions"] = sampling

@@ -177,6 +177,27 @@ class NoiseFloor(TypedDict):
     positions: int
 
 
+class ServedFloorSide(TypedDict):
+    """One served side captured twice with other batch mates (servedfloor.floor_side)."""
+
+    spec: str | None  # the served source's spec
+    batching: str | None  # the source's batching= mode (rounds, serial)
+    measured_by: str  # how the second capture differed (batch boundaries, round order)
+    kl_nats_mean: float
+    kl_nats_max: float
+    top1_disagreement: float
+    positions: int
+
+
+class ServedFloor(TypedDict):
+    """schema 1.2: how much a server's own arithmetic moves its rows (servedfloor.served_floor)."""
+
+    kl_nats_mean: float | None  # the floor a served figure is read against (rule says which)
+    rule: str
+    reference: ServedFloorSide | None
+    candidate: ServedFloorSide | None
+
+
 class Side(TypedDict):
     """``baseline`` / ``candidate``: which RUN (or live source) and how it was stored."""
 
@@ -220,6 +241,7 @@ class _MethodBase(TypedDict):
 class Method(_MethodBase, total=False):
     positions: dict[str, Any]  # --positions sampling (mode, fraction, seed, rule)
     logprob_floor_nats: float  # 1.1: the stated --logprob-floor of a top-K comparison
+    served_batching: dict[str, str | None]  # 1.2: batching= of each served side (reference, candidate)
 
 
 class _SummaryBase(TypedDict):
@@ -255,6 +277,9 @@ class Summary(_SummaryBase, total=False):
     nll_cand_mean: float
     noise_floor: NoiseFloor
     kl_mean_x_noise_floor: float | None
+    served_floor: ServedFloor  # 1.2: served sides captured again with other batch mates
+    kl_mean_x_served_floor: float | None  # 1.2
+    within_2x_served_floor: bool  # 1.2
     # bounded methods (compact.INTERVAL_COLUMNS): NAME_lower_nats_mean, NAME_upper_nats_mean
     # and NAME_interval_width_mean for NAME in kl, kl_rev, jsd (keys built from the names)
 
@@ -459,6 +484,8 @@ class CandidateRow(_CandidateRowBase, total=False):
     tool_call_valid_cand: float | None
     gates_crossed: list[str]
     gates_not_evaluated: list[str]
+    x_served_floor: float | None  # 1.2
+    within_2x_served_floor: bool  # 1.2
 
 
 class _RunSummaryBase(TypedDict):

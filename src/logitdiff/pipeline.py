@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from .capture import SCORE_BATCH, LiveRun, capture_reference
+from .capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference
 from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from .consequences import DEFAULT_MAX_BRANCHES, Settings, analyse
 from .contracts import SCHEMA_VERSION, CandidateRow, Column, NoiseFloor, Outcome, Report, RunSummary, summary_json
@@ -26,6 +26,7 @@ from .errors import LogitdiffError
 from .outputs import RUN_SUMMARY_SCHEMA, Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from .report import build_report, noise_floor_section, write_report_dir
 from .report.markdown import render_markdown
+from .servedfloor import floor_side, is_served, served_floor
 from .sources import applied_threads, open_source
 from .store import ResumeMismatch, RunReader
 from .summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
@@ -150,6 +151,25 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
             comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance, logprob_floor=cfg.logprob_floor)
             return comp, (after(src, comp) if after else None)
 
+    def served_candidate(spec: str, name: str):
+        """A served candidate: captured into OUT/runs/<name> (top-K), compared from there,
+        then scored again live with other batch mates against that capture: its floor."""
+        run_dir = out / "runs" / f"candidate-{name}"
+        with open_source(spec) as src, applied_threads([src]):
+            hooks.stage(f"candidate: {spec} -> {run_dir}")
+            capture_candidate(src, ref, run_dir, overwrite=True, progress=hooks.bar(len(ref.items()), name))
+            cand = RunReader(run_dir)
+            comp = compare_runs(ref, cand, top_logprobs=cfg.top_logprobs, progress=hooks.bar(n_pos, f"{name}: compare"),
+                                logprob_floor=cfg.logprob_floor)
+            cand_floor = None
+            if cfg.noise_floor:
+                hooks.stage(f"served floor: {spec} scored again with batch boundaries moved by {shift} items")
+                again = compare_runs(cand, LiveRun(src, ref, offset=shift), top_logprobs=cfg.top_logprobs,
+                                     progress=hooks.bar(n_pos, f"{name}: served floor"))
+                cand_floor = floor_side(again, spec=spec, batching=getattr(src, "batching", None), shift=shift)
+            comp.served_floor = served_floor(ref_floor, cand_floor)
+            return comp, consequences(src, comp)
+
     similarity = None
     if cfg.flips or cfg.correctness:
         from .grading import load_similarity
@@ -165,7 +185,16 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
 
     _prebuild_builtin_ladder(cfg, hooks)
     noise: NoiseFloor | None = None
-    if cfg.noise_floor:
+    ref_floor = None  # the served reference's floor (servedfloor.py)
+    shift = SCORE_BATCH // 2
+    if cfg.noise_floor and is_served(cfg.reference):
+        # A served reference: its rerun has other batch mates by construction (the server's
+        # rounds), the floor a served comparison is read against.
+        hooks.stage(f"served floor: {cfg.reference} scored again with batch boundaries moved by {shift} items")
+        nf, batching = score(cfg.reference, "served floor", offset=shift, after=lambda src, comp: getattr(src, "batching", None))
+        ref_floor = floor_side(nf, spec=cfg.reference, batching=batching, shift=shift)
+        noise = noise_floor_section(nf, spec=cfg.reference, rerun="served: " + ref_floor["measured_by"])
+    elif cfg.noise_floor:
         hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
         nf, _ = score(cfg.reference, "noise floor")
         noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun, same batch layout (blocks of {SCORE_BATCH} items)")
@@ -185,7 +214,11 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     rows: list[CandidateRow] = []
     for spec, name in zip(cfg.candidates, names):
         hooks.stage(f"candidate: {spec}")
-        comp, (sections, files) = score(spec, name, consequences)
+        if is_served(spec):
+            comp, (sections, files) = served_candidate(spec, name)
+        else:
+            comp, (sections, files) = score(spec, name, consequences)
+            comp.served_floor = served_floor(ref_floor, None)
         report, columns = build_report(comp, ranges=cfg.ranges, n_boot=cfg.bootstrap, seed=cfg.seed, noise_floor=noise)
         report["baseline"]["spec"] = cfg.reference
         report.update(sections)
@@ -196,6 +229,9 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         rdir = out / "reports" / name
         write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files, inputs=[wl_path])
         rows.append(_summary_row(spec, report, rdir, noise))
+        if "served_floor" in report["summary"]:
+            rows[-1]["x_served_floor"] = report["summary"]["kl_mean_x_served_floor"]
+            rows[-1]["within_2x_served_floor"] = report["summary"]["within_2x_served_floor"]
     # The cross-engine floor: the reference's own weights in another engine (BF16 GGUF in
     # the default run). A bit-identical rerun gives a noise floor of 0, so this is the
     # floor that says which drift is the quantization's and which the engine's.
@@ -334,6 +370,13 @@ def render_summary_md(summary: RunSummary) -> str:
             f"{100 * r['top1_disagreement']:.2f} % | [{100 * tci[0]:.2f} %, {100 * tci[1]:.2f} %] | {_f(r['ppl_ratio'], '.5f')} | "
             f"{_f(r['x_noise_floor'], '.3g')} | {_f(r.get('x_cross_engine_floor'), '.3g')} |"
         )
+    served = [r for r in summary["candidates"] if "x_served_floor" in r]
+    if served:
+        lines += ["", "Served floor (each served side scored again with other batch mates; see each report):", ""]
+        for r in served:
+            lines.append(f"- `{r['candidate']}`: {_f(r['x_served_floor'], '.3g')} × served floor"
+                         + (" — **within 2×: not distinguishable from the servers' batch arithmetic**"
+                            if r["within_2x_served_floor"] else ""))
     if any("flip_branches" in r or "accuracy_cand" in r for r in summary["candidates"]):
         lines += [
             "",

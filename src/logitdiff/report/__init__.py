@@ -157,6 +157,10 @@ def build_report(
         summary["noise_floor"] = noise_floor
         floor = noise_floor.get("kl_nats_mean")
         summary["kl_mean_x_noise_floor"] = (kl.mean() / floor) if (n and floor) else None
+    if comp.served_floor:  # served sides captured again with other batch mates (servedfloor.py)
+        from ..servedfloor import summary_fields
+
+        summary.update(summary_fields(float(kl.mean()) if n else None, comp.served_floor))
 
     pos = np.asarray(c["position"])
     range_rows = by_groups(c, item_index, range_masks(pos, ranges), **kw)

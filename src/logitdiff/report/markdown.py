@@ -93,6 +93,14 @@ def render_markdown(report: Report) -> str:
         if x is not None and x <= 2:
             out.append("- **warning: within 2× of the noise floor** — this drift is not distinguishable from the "
                        "reference's own run-to-run variation")
+    if s.get("served_floor"):
+        from ..servedfloor import markdown_lines
+
+        out += markdown_lines(s)
+    sb = m.get("served_batching")
+    if sb:
+        out.append("- served batching: " + ", ".join(f"{k} `{v}`" for k, v in sb.items() if v)
+                   + " (rounds: several items share the server's batches; serial: one task per batch)")
     out.append(
         f"- largest KL: {_f(s['kl_nats_max'])} nats at item `{s['max_kl_source_id']}` position {s.get('max_kl_position')} "
         f"(reference top token {s['max_kl_baseline_top_token']!r}, candidate {s['max_kl_candidate_top_token']!r})"

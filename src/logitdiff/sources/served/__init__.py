@@ -5,6 +5,7 @@ Spec::
     openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K]
           [,concurrency=N][,timeout=S][,retries=N][,batch=N][,endpoints=URL2|URL3]
           [,vocab_size=N][,tokenizer=PATH][,cache_prompt=true|false][,speculative=1]
+          [,batching=rounds|serial]
 
 * ``kind``        which server speaks at URL (default ``auto``: probed, see
                   :func:`.client.detect_kind`).
@@ -24,6 +25,11 @@ Spec::
 * ``speculative`` the server decodes speculatively (default false): recorded in the identity,
                   so a teacher-forced comparison of it says "speculation not exercised"
                   (generation mode, ``logitdiff speculate``, measures speculation).
+* ``batching``    ``rounds`` (default): several items in flight, a server batch mixes their
+                  tasks (fast; a row depends on its batch mates, so two captures differ by
+                  the served floor); ``serial``: one item at a time, one task per server
+                  batch (deterministic scoring, slower). Recorded in the RUN's source
+                  identity; ``compare`` notes two sides captured in different modes.
 
 Layout: :mod:`.client` (HTTP: pool, retries, replicas, server detection), :mod:`.base`
 (what every server kind shares, and the validation of one position's top-K), then one
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 from ...errors import LogitdiffError
 from ..base import Spec
-from .base import DETOKENIZE_CHUNK, MALFORMED, SEPARATORS, ServedSource, bool_option, malformed, topk_row
+from .base import BATCHING, DETOKENIZE_CHUNK, MALFORMED, ROUNDS, SEPARATORS, SERIAL, ServedSource, bool_option, malformed, topk_row
 from .client import HttpClient, ServerError, ServerKind, endpoint_root
 from .llamacpp import LLAMACPP_TASKS_PER_REQUEST, LlamaServerSource
 from .sglang import SGLangSource
@@ -53,10 +59,10 @@ SERVER_CLASSES: dict[ServerKind, type[ServedSource]] = {
     ServerKind.SGLANG: SGLangSource,
 }
 KNOWN_OPTIONS = {"model", "kind", "top_k", "concurrency", "timeout", "retries", "batch", "endpoints", "vocab_size", "tokenizer",
-                 "cache_prompt", "speculative"}
+                 "cache_prompt", "speculative", "batching"}
 
 __all__ = [
-    "DETOKENIZE_CHUNK", "LLAMACPP_TASKS_PER_REQUEST", "SEPARATORS", "SERVER_CLASSES", "LlamaServerSource", "SGLangSource",
+    "BATCHING", "DETOKENIZE_CHUNK", "ROUNDS", "SERIAL", "LLAMACPP_TASKS_PER_REQUEST", "SEPARATORS", "SERVER_CLASSES", "LlamaServerSource", "SGLangSource",
     "ServedSource", "ServerError", "ServerKind", "VLLMSource", "open_served", "topk_row",
 ]
 
@@ -89,6 +95,10 @@ def open_served(spec: Spec) -> ServedSource:
     concurrency, timeout, retries = num("concurrency", 8), num("timeout", 300.0, float), num("retries", 4)
     kw.update(batch=num("batch", 4), vocab_size=num("vocab_size", None), tokenizer=spec.options.get("tokenizer") or None,
               cache_prompt=bool_option(spec, "cache_prompt", True), spec=text)
+    batching = spec.options.get("batching", ROUNDS)
+    if batching not in BATCHING:
+        raise LogitdiffError(f"source spec {text!r}: batching={batching!r} (expected {' or '.join(BATCHING)})")
+    kw["batching"] = batching
     roots = [endpoint_root(u) for u in urls]
     kind = spec.options.get("kind", "auto")
     if kind != "auto" and kind not in {k.value for k in ServerKind}:

@@ -21,6 +21,15 @@ from ..base import Generation, Spec, TopKRows, TopKSource, tokenizer_hash_of
 from .client import HttpClient, ServerError, ServerKind, one_line
 
 SUM_TOL = 1e-4
+#: ``batching=`` of an ``openai:`` spec: how scoring tasks share the server's batches
+SERIAL, ROUNDS = "serial", "rounds"
+BATCHING = {
+    ROUNDS: "concurrent: several items in flight, so a server batch mixes tasks of several items (llama-server: "
+            "rounds of unpinned tasks, or one pinned slot per item; vLLM/SGLang: concurrent requests); fast, but a "
+            "row's arithmetic depends on its batch mates, so two captures differ by the served floor",
+    SERIAL: "serial: one item at a time and one task per server batch (one request in flight); slower, and rows "
+            "do not depend on other items' requests",
+}
 #: token ids per /detokenize request when token texts come from the server (a few MB of JSON)
 DETOKENIZE_CHUNK = 65_536
 #: candidate separators between token texts in one /detokenize request (see ServedSource._separator)
@@ -120,6 +129,7 @@ class ServedSource(TopKSource):
         vocab_size: int | None = None,
         tokenizer: str | None = None,
         cache_prompt: bool = True,
+        batching: str = ROUNDS,
         spec: str,
     ):
         self._client = client
@@ -128,6 +138,7 @@ class ServedSource(TopKSource):
         self.top_k = int(top_k)
         self.batch = max(1, int(batch))
         self.cache_prompt = cache_prompt
+        self.batching = batching
         self.server_info: dict = {"kind": self.kind}
         self.model = model
         self.tok = None
@@ -409,6 +420,10 @@ class ServedSource(TopKSource):
                 raise LogitdiffError(f"{self.spec}: scoring pair {n} has an empty prompt")
             pairs.append((p, t))
         try:
+            if self.batching == SERIAL:
+                # one pair at a time, each scored alone (the protocol keeps its tasks in order on
+                # one slot / one sequence per request): no other item's task shares a server batch
+                return [self._client.run(self._score([pair]))[0] for pair in pairs]
             return self._client.run(self._score(pairs))
         except MALFORMED as e:
             raise malformed(self.spec, "scoring", e) from None
@@ -422,6 +437,8 @@ class ServedSource(TopKSource):
             "endpoints": self.roots,
             "model": self.model,
             "top_k": self.top_k,
+            "batching": self.batching,
+            "batching_text": BATCHING[self.batching],
             "vocab_size": self.vocab_size,
             "tokenizer_hash": self.tokenizer_hash,
             "tokenizer": getattr(self.tok, "name_or_path", None),

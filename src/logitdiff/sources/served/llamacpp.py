@@ -28,7 +28,7 @@ import asyncio
 
 from ...errors import LogitdiffError
 from ..base import TopKRows
-from .base import ServedSource, topk_row
+from .base import SERIAL, ServedSource, topk_row
 from .client import ServerError, ServerKind, err_text, one_line
 
 #: positions (tasks) per /completion request, a cap on the prompt tokens one request
@@ -153,11 +153,14 @@ class LlamaServerSource(ServedSource):
             return topk_row([(d["id"], d.get("logprob")) for d in e0["top_logprobs"]], K, where, ordered=True,
                             vocab_size=self.vocab_size)
 
-        async def tasks(root, slot, prompts, labels, where, started):
+        serial = self.batching == SERIAL
+
+        async def tasks(root, slot, prompts, labels, where, started, fresh=False):
             """One request, one task per prompt (its row labelled ``labels[n]``), all on ``slot``
-            (-1: any); streamed, so ``started`` is set as soon as the server has queued all its tasks."""
+            (-1: any); streamed, so ``started`` is set as soon as the server has queued all its tasks.
+            ``fresh``: evaluate the prompt from scratch (no prefix from the cache)."""
             body = {"prompt": prompts, "n_predict": 1, "n_probs": K, "temperature": 0.0,
-                    "post_sampling_probs": False, "cache_prompt": self.cache_prompt, "return_tokens": False,
+                    "post_sampling_probs": False, "cache_prompt": self.cache_prompt and not fresh, "return_tokens": False,
                     "stream": True, "id_slot": slot, "response_fields": list(LLAMACPP_FIELDS)}
             if self._force_tok is not None:
                 # llama-server drops the probabilities of a sampled token whose text is an
@@ -193,10 +196,10 @@ class LlamaServerSource(ServedSource):
                 raise LogitdiffError(f"{where}: llama-server answered {len(probs)} of {len(prompts)} positions with completion_probabilities")
             return [row(probs[n], label) for n, label in enumerate(labels)]
 
-        async def positions(root, slot, p, t, js, started):
+        async def positions(root, slot, p, t, js, started, fresh=False):
             """Positions js of one item (prompt = p + t[:j]) in one request on ``slot``."""
             return await tasks(root, slot, [p + t[:j] for j in js], [f"{self.spec}: output position {j}" for j in js],
-                               f"{self.spec}: output positions {js[0]}..{js[-1]}", started)
+                               f"{self.spec}: output positions {js[0]}..{js[-1]}", started, fresh)
 
         async def rounds(root, todo):
             """Items ``todo`` on one replica whose idle slots are cleared (default flags): up to
@@ -238,8 +241,12 @@ class LlamaServerSource(ServedSource):
                     prompts = [pairs[n][0] + pairs[n][1][:j] for n, j in batch]
                     labels = [f"{self.spec}: item {n} output position {j}" for n, j in batch]
                     started = asyncio.Event()
+                    # serial (one item in flight): its first position evaluates the whole prompt,
+                    # not a prefix cached from the item before it, so its rows depend on it alone
+                    fresh = serial and batch[0][1] == 0
                     sent.append((asyncio.ensure_future(
-                        tasks(root, -1, prompts, labels, f"{self.spec}: output positions of {len(batch)} items", started)), batch))
+                        tasks(root, -1, prompts, labels, f"{self.spec}: output positions of {len(batch)} items", started,
+                              fresh)), batch))
                     for f in flight:
                         f[1] += 1
                     flight = [f for f in flight if f[1] < len(pairs[f[0]][1])]
@@ -291,13 +298,17 @@ class LlamaServerSource(ServedSource):
             root = c.next_root()
             slot = await slots[root].get()
             groups = [list(range(j, min(j + per, len(t)))) for j in range(0, len(t), per)]
+            if serial and len(groups[0]) > 1:
+                # the first position alone, evaluating the whole prompt (no prefix cached from
+                # the item before on this slot): the item's rows depend on it alone
+                groups = [[0], groups[0][1:]] + groups[1:]
             requests: list[asyncio.Future] = []
             try:
                 for g, js in enumerate(groups):
                     if g >= 2:
                         await requests[g - 2]  # two requests of an item at a time: one runs, one waits
                     started = asyncio.Event()
-                    requests.append(asyncio.ensure_future(positions(root, slot, p, t, js, started)))
+                    requests.append(asyncio.ensure_future(positions(root, slot, p, t, js, started, serial and g == 0)))
                     await started.wait()
                 rows = [x for g in await asyncio.gather(*requests) for x in g]
             except BaseException:

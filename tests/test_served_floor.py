@@ -1,0 +1,174 @@
+"""The served noise floor and controlled batching on real llama-servers started here
+(127.0.0.1, llama-server's default flags: -np auto = several slots on a unified KV cache,
+--cache-idle-slots), serving the GGUF ladder of a random Llama.
+
+* ``batching=serial`` scores one task per server batch: two captures of a quantized model
+  with other item groupings are bit-identical;
+* ``batching=rounds`` (the default) mixes items in the server's batches: the two captures
+  differ, and ``logitdiff run`` measures that floor for both served sides and reads the
+  candidate against it (report.json, report.md, summary.json);
+* ``compare`` notes two sides captured in different modes.
+
+A server that cannot start FAILS the test with its log tail (scripts/build_llama_server.sh).
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from _models import make_random_llama
+from servers import llama_server, start_or_fail
+from logitdiff.capture import capture_candidate
+from logitdiff.compare import compare_runs
+from logitdiff.pipeline import RunConfig, run_pipeline
+from logitdiff.sources import open_source
+from logitdiff.store import RunReader
+from logitdiff.workload import read_workload
+
+K = 16
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("servedfloor")
+    d = make_random_llama(root / "m", layers=2, dtype="float32")
+    from logitdiff.quantize import build_ladder
+
+    ladder = build_ladder(d, root / "cache", ["Q4_K_M"])
+    wl = root / "wl.jsonl"
+    rows = [{"id": f"p{i}", "prompt": f"item {i}: the {'quick brown fox' if i % 2 else 'lazy dog'} number {i * 7}",
+             "max_tokens": 6 + (i % 5)} for i in range(12)]
+    wl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logs = root / "logs"
+    ref_srv = start_or_fail(llama_server, ladder["F32"], logs, default_flags=True)
+    cand_srv = start_or_fail(llama_server, ladder["Q4_K_M"], logs, default_flags=True)
+    yield {"root": root, "wl": wl, "ref": ref_srv, "cand": cand_srv}
+    ref_srv.stop()
+    cand_srv.stop()
+
+
+def _rows(run: RunReader):
+    ids, lps = [], []
+    for it in run.items():
+        t = run.topk(it)
+        ids.append(np.asarray(t["ids"]))
+        lps.append(np.asarray(t["logprobs"]))
+    return np.concatenate(ids), np.concatenate(lps)
+
+
+def test_serial_batching_is_bit_identical_across_item_groupings(served, tmp_path):
+    """Serial scoring of the Q4_K_M server: other batch layouts (other neighbours, other
+    items cached before each one) give the same rows bit for bit; rounds do not have to."""
+    spec = f"openai:{served['cand'].url},top_k={K},batching=serial"
+    with open_source(f"openai:{served['ref'].url},top_k={K}") as src:
+        from logitdiff.capture import capture_reference
+
+        ref = RunReader(capture_reference(src, read_workload(served["wl"]), tmp_path / "ref"))
+    with open_source(spec) as src:
+        assert src.identity()["batching"] == "serial"
+        a = RunReader(capture_candidate(src, ref, tmp_path / "a", batch=8))
+        b = RunReader(capture_candidate(src, ref, tmp_path / "b", batch=3))
+    assert a.manifest["source"]["identity"]["batching"] == "serial"
+    ia, la = _rows(a)
+    ib, lb = _rows(b)
+    assert (ia == ib).all() and (la == lb).all()
+    assert compare_runs(a, b).columns["kl_nats"].max() == 0.0
+    # a rounds capture of the same server, compared with the serial one: the report says
+    # which mode each side was captured in, and warns that they differ
+    with open_source(f"openai:{served['cand'].url},top_k={K}") as src:
+        assert src.identity()["batching"] == "rounds"
+        r = RunReader(capture_candidate(src, ref, tmp_path / "r"))
+    comp = compare_runs(a, r)
+    assert comp.method["served_batching"] == {"reference": "serial", "candidate": "rounds"}
+    assert any("different served batching modes" in n for n in comp.notes)
+    assert not any("batching" in n for n in compare_runs(ref, r).notes)
+
+
+def test_run_measures_the_served_floor_on_real_servers(served, tmp_path):
+    """`logitdiff run` with a served reference and a served candidate (default rounds
+    batching): each side is scored a second time with other batch mates; the report gives
+    the candidate as a multiple of that floor, and the numbers are the ones measured."""
+    out = tmp_path / "out"
+    ref_spec = f"openai:{served['ref'].url},top_k={K}"
+    cand_spec = f"openai:{served['cand'].url},top_k={K}"
+    summary = run_pipeline(RunConfig(reference=ref_spec, candidates=[cand_spec], workload=str(served["wl"]), out=str(out),
+                                     flips=False, correctness=False, html=False, bootstrap=20))
+    row = summary["candidates"][0]
+    rep = json.loads((out / "reports" / row["name"] / "report.json").read_text())
+    s = rep["summary"]
+    fl = s["served_floor"]
+    assert fl["reference"]["spec"] == ref_spec and fl["candidate"]["spec"] == cand_spec
+    assert fl["reference"]["batching"] == fl["candidate"]["batching"] == "rounds"
+    assert "batch boundaries moved" in fl["reference"]["measured_by"]
+    n = s["positions"]
+    assert fl["reference"]["positions"] == fl["candidate"]["positions"] == n
+    # the floor is the larger side's; the reference's is the run's noise floor
+    assert fl["kl_nats_mean"] == max(fl["reference"]["kl_nats_mean"], fl["candidate"]["kl_nats_mean"])
+    assert fl["reference"]["kl_nats_mean"] == pytest.approx(summary["noise_floor"]["kl_nats_mean"], rel=1e-12)
+    # the quantized server's rows move with their batch mates (issue 22: the reason for the floor)
+    assert fl["candidate"]["kl_nats_mean"] > 0
+    assert s["kl_mean_x_served_floor"] == pytest.approx(s["kl_nats_mean"] / fl["kl_nats_mean"], rel=1e-12)
+    assert s["within_2x_served_floor"] == (s["kl_mean_x_served_floor"] <= 2)
+    assert row["x_served_floor"] == s["kl_mean_x_served_floor"]
+    assert rep["method"]["served_batching"] == {"reference": "rounds", "candidate": "rounds"}
+    md = (out / "reports" / row["name"] / "report.md").read_text()
+    assert "× served floor" in md and "served batching: reference `rounds`, candidate `rounds`" in md
+    assert "× served floor" in (out / "summary.md").read_text()
+    # the candidate's capture is kept as a RUN, and the comparison was made from it
+    cand = RunReader(out / "runs" / f"candidate-{row['name']}")
+    assert cand.manifest["status"] == "complete" and cand.manifest["source"]["identity"]["batching"] == "rounds"
+
+
+def _topk_run(path, logits, teacher, identity):
+    from scipy.special import log_softmax
+
+    from logitdiff.store import RunItem, RunWriter
+
+    V = logits.shape[1]
+    w = RunWriter(path, source={"spec": identity.get("spec", "x"), "identity": identity}, vocab_size=V, tokenizer_hash="sha256:t",
+                  store=f"topk:{K}", chunk_rows=16, vocab=[f"t{i}" for i in range(V)])
+    it = RunItem(id="a", prompt_ids=[1, 2], teacher_ids=list(teacher), positions=list(range(len(teacher))))
+    lp = log_softmax(logits.astype(np.float64), axis=1)
+    ids = np.argsort(-lp, axis=1, kind="stable")[:, :K]
+    w.add(it, topk={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
+    w.finish()
+    return RunReader(path)
+
+
+def test_served_floor_fields_batching_notes_and_report(tmp_path):
+    """The report side of the floor without servers: batching of each served side in
+    method.served_batching (a served RUN from before the option reads as rounds), the note
+    for two different modes, and summary fields that validate against the schema and read
+    as the multiple of the floor in report.md; a floor of 0 (bit-identical captures) gives
+    no multiple."""
+    from logitdiff.report import build_report
+    from logitdiff.report.markdown import render_markdown
+    from logitdiff.servedfloor import floor_side, served_floor
+
+    rng = np.random.default_rng(3)
+    z = rng.normal(0, 3, (20, 64)).astype(np.float32)
+    t = rng.integers(0, 64, 20)
+    a = _topk_run(tmp_path / "a", z, t, {"kind": "openai", "spec": "openai:A", "batching": "serial"})
+    b = _topk_run(tmp_path / "b", z + rng.normal(0, 0.1, z.shape).astype(np.float32), t, {"kind": "openai", "spec": "openai:B"})
+    h = _topk_run(tmp_path / "h", z, t, {"kind": "hf", "spec": "hf:x"})
+    comp = compare_runs(a, b)
+    assert comp.method["served_batching"] == {"reference": "serial", "candidate": "rounds"}
+    assert any("different served batching modes (reference serial, candidate rounds)" in n for n in comp.notes)
+    assert compare_runs(h, b).method["served_batching"] == {"reference": None, "candidate": "rounds"}
+    assert "served_batching" not in compare_runs(h, h).method
+    self_floor = floor_side(compare_runs(b, b), spec="openai:B", batching="rounds", shift=4)
+    assert self_floor["kl_nats_mean"] == 0.0 and self_floor["positions"] == 20
+    noisy = floor_side(comp, spec="openai:B", batching="rounds", shift=4)
+    for fl, want_x in ((served_floor(None, noisy), True), (served_floor(self_floor, None), False)):
+        comp.served_floor = fl
+        report, _ = build_report(comp, n_boot=5)  # validated against the schema (conftest)
+        s = report["summary"]
+        assert s["served_floor"]["kl_nats_mean"] == fl["kl_nats_mean"]
+        md = render_markdown(report)
+        if want_x:
+            assert s["kl_mean_x_served_floor"] == pytest.approx(1.0) and s["within_2x_served_floor"]
+            assert "1 × served floor" in md and "within 2× of the served floor" in md
+        else:
+            assert s["kl_mean_x_served_floor"] is None and not s["within_2x_served_floor"]
+            assert "n/a × served floor" in md and "the floor is 0" in md
