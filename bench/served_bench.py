@@ -2,6 +2,7 @@
 
     python bench/served_bench.py topk-runs OUT      # runs for `logitdiff topk-error`
     python bench/served_bench.py throughput OUT [--servers llamacpp,vllm]
+    python bench/served_bench.py peer OUT            # vs quantdiff, batching modes (issue 22)
 
 ``topk-runs``: a random Llama (V=2048, hidden 256, 4 layers, F32) through transformers as
 the reference on a generated workload, and its Q4_K_M GGUF (llama.cpp, in process) as a
@@ -465,6 +466,107 @@ def cmd_scale(args) -> None:
     (out / "served_scale.json").write_text(json.dumps({"model": str(d), "args": vars(args), "results": results}, indent=1, default=str))
 
 
+def _timed(cmd: list[str], env: dict | None = None) -> float:
+    import os
+    import subprocess
+
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])}...: exit {r.returncode}\n{r.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def _served_floor(ref_run: Path, a: Path, b: Path) -> dict:
+    """Two captures of the same server (other batch layouts): mean KL and median |d logprob|."""
+    import numpy as np
+
+    from logitdiff.compare import compare_runs
+    from logitdiff.store import RunReader
+
+    ra, rb = RunReader(a), RunReader(b)
+    kl = compare_runs(ra, rb).columns["kl_nats"]
+    d = []
+    for ia, ib in zip(ra.items(), rb.items()):
+        ta, tb = ra.topk(ia), rb.topk(ib)
+        for r in range(len(ta["ids"])):
+            common, ja, jb = np.intersect1d(ta["ids"][r], tb["ids"][r], return_indices=True)
+            d.append(np.abs(np.asarray(ta["logprobs"][r])[ja] - np.asarray(tb["logprobs"][r])[jb]))
+    d = np.concatenate(d)
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "logprob_absdiff_median": float(np.median(d)),
+            "logprob_absdiff_max": float(d.max()), "identical": bool((d == 0).all())}
+
+
+def cmd_peer(args) -> None:
+    """logitdiff served capture + compare against quantdiff's run, the same two llama-servers
+    (default flags) on the bundled ladder (F32 reference, Q4_K_M candidate) and the same
+    items, interleaved; plus each batching mode's rate and served floor."""
+    import statistics
+
+    from servers import llama_server
+    from logitdiff.builtin import TINY_DIR, cache_dir
+    from logitdiff.quantize import build_ladder
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ladder = build_ladder(TINY_DIR, cache_dir(), ["Q4_K_M"])
+    wl = out / "workload.jsonl"
+    topics = ["Write a haiku about the sea.", "What is 12 + 30?", "Name three colours.", "Explain recursion briefly.",
+              "Translate 'good morning' into French.", "List two prime numbers.", "Describe a cat.", "Why is the sky blue?"]
+    wl.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"{topics[i % len(topics)]} ({i})", "max_tokens": args.tokens}) + "\n"
+                          for i in range(args.items)))
+    py = sys.executable
+    env = {"PYTHONPATH": str(REPO / "src")}
+    ld = [py, "-m", "logitdiff"]
+    qd = [args.quantdiff, "run"]
+    res: dict = {"items": args.items, "tokens": args.tokens, "k": args.k, "repeats": args.repeats, "walls": {}}
+    ref_s = llama_server(ladder["F32"], out / "logs", default_flags=True, threads=args.threads).start()
+    cand_s = llama_server(ladder["Q4_K_M"], out / "logs", default_flags=True, threads=args.threads).start()
+    try:
+        walls: dict[str, list] = {"logitdiff": [], "logitdiff-serial": [], "quantdiff": []}
+        for rep in range(args.repeats):
+            for name in (["quantdiff", "logitdiff", "logitdiff-serial"] if rep % 2 else ["logitdiff", "logitdiff-serial", "quantdiff"]):
+                d = out / f"{name}-{rep}"
+                if name == "quantdiff":
+                    w = _timed(qd + ["--ref", f"llamacpp:{ref_s.url}", "--cand", f"llamacpp:{cand_s.url}", "--prompts", str(wl),
+                                     "--score-tokens", str(args.tokens), "--top-k", str(min(args.k, 20)), "--offline",
+                                     "--no-preflight", "--no-png", "--no-cache", "-q", "--out", str(d)])
+                else:
+                    b = ",batching=serial" if name.endswith("serial") else ""
+                    w = _timed(ld + ["capture", f"openai:{ref_s.url},top_k={args.k}{b}", "--workload", str(wl), "--max-tokens",
+                                     str(args.tokens), "--out", str(d / "ref")], env)
+                    w += _timed(ld + ["capture", f"openai:{cand_s.url},top_k={args.k}{b}", "--teacher", str(d / "ref"),
+                                      "--out", str(d / "cand")], env)
+                    w += _timed(ld + ["compare", str(d / "ref"), str(d / "cand"), "--out", str(d / "rep")], env)
+                walls[name].append(w)
+                print(f"{name} run {rep}: {w:.1f} s", flush=True)
+        res["walls"] = walls
+        med = {k: statistics.median(v) for k, v in walls.items()}
+        res["median_s"] = med
+        res["ratio_vs_quantdiff"] = {k: med[k] / med["quantdiff"] for k in med}
+        # each mode's candidate rate and floor: two captures with other batch layouts
+        from logitdiff.store import RunReader
+
+        ref_run = out / "logitdiff-0" / "ref"
+        n_pos = RunReader(ref_run).manifest["n_positions"]
+        modes = {}
+        for mode in ("rounds", "serial"):
+            caps = []
+            for batch in (8, 3):
+                d = out / f"floor-{mode}-b{batch}"
+                w = _timed(ld + ["capture", f"openai:{cand_s.url},top_k={args.k},batching={mode}", "--teacher", str(ref_run),
+                                 "--batch", str(batch), "--out", str(d), "--overwrite"], env)
+                caps.append((d, w))
+            modes[mode] = {"positions_per_s": n_pos / statistics.median(w for _, w in caps),
+                           "floor": _served_floor(ref_run, caps[0][0], caps[1][0])}
+        res["modes"] = modes
+    finally:
+        ref_s.stop()
+        cand_s.stop()
+    (out / "peer.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
 def cmd_table(args) -> None:
     """Markdown table of a `logitdiff topk-error --json` file."""
     r = json.loads(Path(args.json).read_text())
@@ -516,6 +618,15 @@ def main() -> None:
     e.add_argument("--k", type=int, default=64)
     e.add_argument("--threads", type=int, default=2)
     e.set_defaults(func=cmd_scale)
+    f = sub.add_parser("peer", help="served capture + compare vs quantdiff on the same llama-servers; batching modes")
+    f.add_argument("out")
+    f.add_argument("--quantdiff", default="/tmp/qdvenv/bin/quantdiff", help="quantdiff executable (its own venv)")
+    f.add_argument("--items", type=int, default=20)
+    f.add_argument("--tokens", type=int, default=32)
+    f.add_argument("--k", type=int, default=20, help="top-K of both tools (quantdiff allows at most 20)")
+    f.add_argument("--repeats", type=int, default=3)
+    f.add_argument("--threads", type=int, default=2)
+    f.set_defaults(func=cmd_peer)
     c = sub.add_parser("table")
     c.add_argument("json")
     c.set_defaults(func=cmd_table)
