@@ -517,7 +517,7 @@ def cmd_peer(args) -> None:
                           for i in range(args.items)))
     py = sys.executable
     env = {"PYTHONPATH": str(REPO / "src")}
-    ld = [py, "-m", "logitdiff"]
+    ld = [py, "-m", "logitdiff.cli"]
     qd = [args.quantdiff, "run"]
     res: dict = {"items": args.items, "tokens": args.tokens, "k": args.k, "repeats": args.repeats, "walls": {}}
     ref_s = llama_server(ladder["F32"], out / "logs", default_flags=True, threads=args.threads).start()
