@@ -3,6 +3,7 @@
     python bench/served_bench.py topk-runs OUT      # runs for `logitdiff topk-error`
     python bench/served_bench.py throughput OUT [--servers llamacpp,vllm]
     python bench/served_bench.py peer OUT            # vs quantdiff, batching modes (issue 22)
+    python bench/served_bench.py floors OUT          # the three floors of a served comparison (issue 22)
 
 ``topk-runs``: a random Llama (V=2048, hidden 256, 4 layers, F32) through transformers as
 the reference on a generated workload, and its Q4_K_M GGUF (llama.cpp, in process) as a
@@ -567,6 +568,60 @@ def cmd_peer(args) -> None:
     print(json.dumps(res, indent=1))
 
 
+def cmd_floors(args) -> None:
+    """The three floors of a served comparison on the bundled ladder (llama-servers on their
+    default flags, F32 reference, Q4_K_M candidate, the bundled workload): (1) each server
+    against itself with other batch mates, per batching mode; (2) in-process llama.cpp
+    against llama-server on the same GGUF; (3) the candidate against the reference."""
+    from servers import llama_server
+    from logitdiff.builtin import TINY_DIR, WORKLOAD, cache_dir
+    from logitdiff.capture import capture_candidate, capture_reference
+    from logitdiff.compare import compare_runs
+    from logitdiff.quantize import build_ladder
+    from logitdiff.sources import open_source
+    from logitdiff.store import RunReader
+    from logitdiff.workload import read_workload
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ladder = build_ladder(TINY_DIR, cache_dir(), ["Q4_K_M"])
+    items = read_workload(WORKLOAD)[: args.items]
+    K = args.k
+    srv = {q: llama_server(ladder[q], out / "logs", default_flags=True, threads=args.threads).start() for q in ("F32", "Q4_K_M")}
+    res: dict = {"items": len(items), "max_tokens": args.tokens, "k": K}
+
+    def kl(a, b) -> dict:
+        c = compare_runs(RunReader(a), RunReader(b)).columns
+        return {"kl_mean": float(c["kl_nats"].mean()), "kl_max": float(c["kl_nats"].max()),
+                "top1_disagreement": float(1 - c["top1_match"].mean()), **_served_floor(None, a, b)}
+
+    try:
+        with open_source(f"openai:{srv['F32'].url},top_k={K},batching=serial") as src:
+            ref = RunReader(capture_reference(src, items, out / "ref", max_tokens=args.tokens, overwrite=True))
+        caps = {}
+        for q in ("F32", "Q4_K_M"):
+            for mode in ("rounds", "serial"):
+                for batch in (8, 3):
+                    d = out / f"{q}-{mode}-b{batch}"
+                    with open_source(f"openai:{srv[q].url},top_k={K},batching={mode}") as src:
+                        t0 = time.perf_counter()
+                        capture_candidate(src, ref, d, batch=batch, overwrite=True)
+                        caps[q, mode, batch] = (d, time.perf_counter() - t0)
+            with open_source(f"gguf:{ladder[q]}") as src:
+                capture_candidate(src, ref, out / f"{q}-inprocess", store=f"topk:{K}", overwrite=True)
+        n = ref.manifest["n_positions"]
+        res["server_vs_itself"] = {f"{q} {mode}": {**kl(caps[q, mode, 8][0], caps[q, mode, 3][0]),
+                                                  "positions_per_s": n / min(caps[q, mode, 8][1], caps[q, mode, 3][1])}
+                                   for q in ("F32", "Q4_K_M") for mode in ("rounds", "serial")}
+        res["inprocess_vs_server"] = {f"{q} serial": kl(out / f"{q}-inprocess", caps[q, "serial", 8][0]) for q in ("F32", "Q4_K_M")}
+        res["candidate"] = {mode: kl(caps["F32", mode, 8][0], caps["Q4_K_M", mode, 8][0]) for mode in ("rounds", "serial")}
+    finally:
+        for s_ in srv.values():
+            s_.stop()
+    (out / "floors.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
 def cmd_table(args) -> None:
     """Markdown table of a `logitdiff topk-error --json` file."""
     r = json.loads(Path(args.json).read_text())
@@ -627,6 +682,13 @@ def main() -> None:
     f.add_argument("--repeats", type=int, default=3)
     f.add_argument("--threads", type=int, default=2)
     f.set_defaults(func=cmd_peer)
+    g = sub.add_parser("floors", help="the three floors of a served comparison on the bundled ladder")
+    g.add_argument("out")
+    g.add_argument("--items", type=int, default=20)
+    g.add_argument("--tokens", type=int, default=32)
+    g.add_argument("--k", type=int, default=20)
+    g.add_argument("--threads", type=int, default=2)
+    g.set_defaults(func=cmd_floors)
     c = sub.add_parser("table")
     c.add_argument("json")
     c.set_defaults(func=cmd_table)

@@ -172,3 +172,15 @@ def test_served_floor_fields_batching_notes_and_report(tmp_path):
         else:
             assert s["kl_mean_x_served_floor"] is None and not s["within_2x_served_floor"]
             assert "n/a × served floor" in md and "the floor is 0" in md
+
+
+def test_batching_option_is_checked_before_connecting(tmp_path, capsys):
+    from logitdiff.cli import main
+
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text('{"id": "a", "prompt": "x"}\n')
+    capsys.readouterr()
+    assert main(["capture", "openai:http://127.0.0.1:9,batching=fast", "--workload", str(wl), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "batching='fast' (expected rounds or serial)" in err, err
+    assert not (tmp_path / "r").exists()
