@@ -268,7 +268,7 @@ def capture_reference(
     store = _store_for(source, store)
     # Render every item first: a prompt the source refuses (too long, bad template) is a
     # one-line error before any RUN file exists, not a half-written run.
-    rendered = {it.id: source.render(it) for it in items}
+    rendered = dict(zip((it.id for it in items), source.render_many(items)))
     settings = {"role": "reference", "max_tokens": max_tokens, "positions": positions, **_sampling(positions),
                 "decoding": "greedy (temperature 0)", **(settings or {}), **_layout(source, batch)}
     with writing(out, Kind.RUN, inputs=inputs, overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
@@ -356,11 +356,15 @@ def verified_prompts(source: Source, teacher: RunReader, shard=None, block: int 
             f"{source.tokenizer_hash[:19]}... vs {teacher.tokenizer_hash[:19]}...)"
         )
     out = []
-    for it in shard_items(teacher.items(), shard, block=block):
+    mine = shard_items(teacher.items(), shard, block=block)
+    for it in mine:
         validate.check_ids(list(it.teacher_ids), source.vocab_size, f"reference run {teacher.path}: item {it.id!r}", what="teacher")
+    wl_items = [Item.from_json(it.extra["item"]) for it in mine if it.extra.get("item") is not None]
+    rendered = iter(source.render_many(wl_items))  # in order (a served source overlaps the requests)
+    for it in mine:
         wl = it.extra.get("item")
         if wl is not None:
-            ids = source.render(Item.from_json(wl))
+            ids = next(rendered)
             if list(ids) != list(it.prompt_ids):
                 j = first_difference(ids, it.prompt_ids)
                 a = it.prompt_ids[j] if j < len(it.prompt_ids) else "end"

@@ -170,6 +170,10 @@ class Source:
         """Prompt token ids for a workload item (chat template + tools applied)."""
         raise NotImplementedError
 
+    def render_many(self, items: Sequence[Any]) -> list[list[int]]:
+        """`render` of several items, in order (served sources overlap the requests)."""
+        return [self.render(it) for it in items]
+
     def detokenize(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 

@@ -408,17 +408,26 @@ class ServedSource(TopKSource):
         ids = validate.token_ids(ids, self.vocab_size, f"{self.spec}: generation", what="generated").tolist()[:max_tokens]
         return Generation(ids, stopped)
 
+    def _threaded(self, fn, jobs: list) -> list:
+        """``fn`` over ``jobs`` from up to ``concurrency`` threads, in order (each blocks on
+        the client's event loop, whose semaphore bounds the requests in flight)."""
+        if len(jobs) < 2:
+            return [fn(j) for j in jobs]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(len(jobs), self._client.concurrency)) as pool:
+            return list(pool.map(fn, jobs))
+
+    def render_many(self, items: Sequence[Any]) -> list[list[int]]:
+        return self._threaded(self.render, list(items))
+
     def generate_many(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> list[Generation]:
         """Greedy continuations, concurrently in rounds mode (the server batches them; at most
         ``concurrency`` requests in flight, the client's bound), one at a time in serial mode."""
         jobs = list(zip(prompts, max_tokens))
-        if self.batching == SERIAL or len(jobs) < 2:
+        if self.batching == SERIAL:
             return [self.generate(p, n) for p, n in jobs]
-        from concurrent.futures import ThreadPoolExecutor
-
-        # each thread blocks on the client's event loop (HttpClient.run is thread-safe)
-        with ThreadPoolExecutor(max_workers=min(len(jobs), self._client.concurrency)) as pool:
-            return list(pool.map(lambda job: self.generate(*job), jobs))
+        return self._threaded(lambda job: self.generate(*job), jobs)
 
     async def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[TopKRows]:
         raise NotImplementedError
