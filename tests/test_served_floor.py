@@ -184,3 +184,25 @@ def test_batching_option_is_checked_before_connecting(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "batching='fast' (expected rounds or serial)" in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_compare_noise_floor_of_a_served_reference_is_its_served_floor(tmp_path):
+    """`compare --noise-floor RUN` with a served reference captured twice: the rerun is the
+    served floor of the report (summary.served_floor.reference), read as its multiple."""
+    from logitdiff.api import diff_runs
+
+    rng = np.random.default_rng(5)
+    z = rng.normal(0, 3, (20, 64)).astype(np.float32)
+    t = rng.integers(0, 64, 20)
+    ident = {"kind": "openai", "spec": "openai:A", "batching": "rounds"}
+    _topk_run(tmp_path / "ref", z, t, ident)
+    _topk_run(tmp_path / "again", z + rng.normal(0, 0.05, z.shape).astype(np.float32), t, ident)
+    _topk_run(tmp_path / "cand", z + rng.normal(0, 0.3, z.shape).astype(np.float32), t, {**ident, "spec": "openai:B"})
+    rep = diff_runs(tmp_path / "ref", tmp_path / "cand", tmp_path / "rep", noise_floor=tmp_path / "again", bootstrap=5)
+    s = rep["summary"]
+    fl = s["served_floor"]
+    assert fl["candidate"] is None and fl["reference"]["batching"] == "rounds"
+    assert fl["kl_nats_mean"] == s["noise_floor"]["kl_nats_mean"] > 0
+    assert "compare --noise-floor" in fl["reference"]["measured_by"]
+    assert s["kl_mean_x_served_floor"] == pytest.approx(s["kl_nats_mean"] / fl["kl_nats_mean"]) and s["kl_mean_x_served_floor"] > 2
+    assert not s["within_2x_served_floor"] and "× served floor" in (tmp_path / "rep" / "report.md").read_text()

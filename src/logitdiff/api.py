@@ -261,7 +261,7 @@ def diff_runs(
     this process may run on, ``metrics.default_threads()``). ``logprob_floor``: a stated
     lower bound (nats) on every log-probability of both models, for a finite KL upper bound
     of top-K comparisons (compare.check_floor)."""
-    from .compare import DEFAULT_TOP_LOGPROBS, check_floor_value, compare_runs
+    from .compare import DEFAULT_TOP_LOGPROBS, check_floor_value, compare_runs, served_batching
     from .outputs import Kind, check_output
     from .report import build_report, write_report_dir
     from .report.html import render_html
@@ -319,6 +319,13 @@ def diff_runs(
         advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
         comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
                             device=device, chunk_bytes=chunk_bytes, threads=threads, logprob_floor=logprob_floor)
+        if noise and served_batching(ref) and served_batching(nf_run):
+            # a served reference captured twice: its rerun is the served floor (servedfloor.py)
+            from .servedfloor import served_floor
+
+            comp.served_floor = served_floor({
+                "spec": noise["spec"], "batching": served_batching(nf_run), "measured_by": f"compare --noise-floor: {noise['rerun']}",
+                **{k: noise[k] for k in ("kl_nats_mean", "kl_nats_max", "top1_disagreement", "positions")}}, None)
     finally:
         threads_scope.close()
         if live_source is not None:
