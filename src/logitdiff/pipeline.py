@@ -297,7 +297,7 @@ def _prebuild_builtin_ladder(cfg: RunConfig, hooks: Hooks) -> None:
 def _summary_row(spec: str, report: Report, rdir: Path, noise: NoiseFloor | None) -> CandidateRow:
     s = report["summary"]
     m = s["metrics"]
-    kl, js = m["kl_nats"], m["jsd_nats"]
+    kl, js = m["kl_nats"], m.get("jsd_nats") or {}  # a top-K (served) comparison has no JSD estimate
     t1 = s["top1_disagreement"]
     floor = (noise or {}).get("kl_nats_mean")
     return {
@@ -308,8 +308,8 @@ def _summary_row(spec: str, report: Report, rdir: Path, noise: NoiseFloor | None
         "kl_mean_ci95": kl["ci95"],
         "kl_p99": kl["p99"],
         "kl_max": kl["max"],
-        "kl_rev_mean": m["kl_rev_nats"]["mean"],
-        "jsd_mean": js["mean"],
+        "kl_rev_mean": (m.get("kl_rev_nats") or {}).get("mean"),
+        "jsd_mean": js.get("mean"),
         "top1_disagreement": t1["rate"],
         "top1_disagreement_ci95": t1["ci95"],
         "ppl_ratio": s.get("ppl_ratio"),
