@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from . import metrics as M
+from . import tokenizer_identity
 from .bounds import METHOD_COMPACT, METHOD_EXACT, METHOD_LLAMACPP, METHOD_TOPK
 from .contracts import MethodKind
 from .errors import LogitdiffError
@@ -131,6 +132,11 @@ def speculation_notes(ref: RunReader, cand: RunReader) -> list[str]:
     return out
 
 
+def _tokens(run) -> list | None:
+    get = getattr(run, "tokens", None)  # RUN readers and live candidates; other readers have no token list
+    return get() if get is not None else None
+
+
 def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = False) -> tuple[list[RunItem], list[RunItem], list[str]]:
     """Pair items of both runs; raise a one-line error at the first mismatch."""
     notes: list[str] = []
@@ -138,11 +144,11 @@ def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = F
         raise LogitdiffError(
             f"vocab sizes differ: {ref.path} has V={ref.vocab_size}, {cand.path} has V={cand.vocab_size}"
         )
-    if ref.tokenizer_hash and cand.tokenizer_hash and ref.tokenizer_hash != cand.tokenizer_hash:
-        raise LogitdiffError(
-            f"tokenizers differ: {ref.path} field 'tokenizer_hash' {ref.tokenizer_hash[:19]}... vs "
-            f"{cand.path} {cand.tokenizer_hash[:19]}..."
-        )
+    # token strings compared under converter spellings; the per-item id checks below decide
+    spelled = tokenizer_identity.check(str(ref.path), ref.tokenizer_hash, _tokens(ref), str(cand.path),
+                                       cand.tokenizer_hash, _tokens(cand))
+    if spelled:
+        notes.append(spelled)
     if not (ref.tokenizer_hash and cand.tokenizer_hash):
         notes.append("tokenizer hash unknown on one side; identity rests on equal teacher token ids")
     cand_by_id = {it.id: it for it in cand.items()}

@@ -151,7 +151,8 @@ class HFSource(FullLogitSource):
         self.out_rows = int(self.lm_head.weight.shape[0])
         self.vocab_size = min(n_tok, self.out_rows)
         self.padded = self.out_rows - self.vocab_size
-        self.tokenizer_hash = self._cached("tokenizer_hash", lambda: tokenizer_hash_of(self.tok.convert_ids_to_tokens(list(range(n_tok)))))
+        self.tokenizer_tokens = self.tok.convert_ids_to_tokens(list(range(n_tok)))
+        self.tokenizer_hash = self._cached("tokenizer_hash", lambda: tokenizer_hash_of(self.tokenizer_tokens))
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
 
