@@ -801,8 +801,9 @@ def aligned_blocks(pieces_a: Iterable, pieces_b: Iterable, rows: int) -> Iterato
 class RunReader:
     """Streaming reader: chunks are memory-mapped on demand, never the whole run."""
 
-    def __init__(self, path: str | Path, *, allow_partial: bool = False):
+    def __init__(self, path: str | Path, *, allow_partial: bool = False, device=None):
         self.path = Path(path)
+        self.device = device  # where a hidden-state run's chunks are decoded (torch device; None: cpu)
         mpath = self.path / "manifest.json"
         if not self.path.is_dir():
             raise LogitdiffError(f"{self.path}: not a RUN directory")
@@ -927,7 +928,7 @@ class RunReader:
                 raw = hidden_store.load_chunk(p, self.manifest["head"]["shape"][1], self.vocab_size)
                 n = raw["hidden"].shape[0]
                 if n == c["rows"]:
-                    data = hidden_store.decode(raw, self.head(), self.dtype)
+                    data = hidden_store.decode(raw, self.head(), self.dtype, device=self.device)
                     if self.dtype == "float16":  # what a full float16 chunk holds
                         data = data.view(np.float16)
             elif self.compact:
