@@ -65,7 +65,7 @@ def main() -> int:
 
     import torch
 
-    from logitdiff.api import compare as api_compare
+    from logitdiff.api import diff_runs as api_compare
     from logitdiff.capture import capture_candidate, capture_reference
     from logitdiff.compare import compare_runs
     from logitdiff.quantize import quantize

@@ -105,8 +105,28 @@ def _phi(term: str, lx: np.ndarray, lw: np.ndarray) -> np.ndarray:
         x, w = np.exp(lx), np.exp(lw)
         if term == NEGLOG:
             return np.where(x > 0, w * (lw - lx), np.where(w > 0, np.inf, 0.0))
-        lm = np.logaddexp(lx, lw) - LN2
-        return 0.5 * (np.where(x > 0, x * (lx - lm), 0.0) + np.where(w > 0, w * (lw - lm), 0.0))
+        # 0.5 (x ln(x/m) + w ln(w/m)), m = (x + w)/2, with d = ln x - ln w: ln x - ln m =
+        # ln2 - sp(-d) and ln w - ln m = ln2 - sp(d), sp(t) = ln(1 + e^t) = max(t, 0) +
+        # ln(1 + e^-|t|): one exp and one log1p serve both halves (numpy's logaddexp took
+        # ~90 % of a compact comparison at V = 262,144)
+        d = np.subtract(lx, lw)
+        t = np.abs(d)
+        np.negative(t, out=t)
+        np.exp(t, out=t)
+        np.log1p(t, out=t)
+        a = np.maximum(-d, 0.0)
+        a += t
+        np.subtract(LN2, a, out=a)
+        a *= x
+        np.maximum(d, 0.0, out=d)
+        d += t
+        np.subtract(LN2, d, out=d)
+        d *= w
+        a[~(x > 0)] = 0.0  # x = 0 (and NaN from 0 * inf) contributes 0
+        d[~(w > 0)] = 0.0
+        a += d
+        a *= 0.5
+        return a
 
 
 def _dphi(term: str, ltau: np.ndarray) -> np.ndarray:
