@@ -5,12 +5,12 @@ model hub). The tests skip, naming that step, when it is absent.
 
 * the reference is the GGUF loaded through transformers (``hf:FILE.gguf``: dequantized,
   bf16), its identity naming the quant it came from and the file's sha256;
-* a ladder requantized from the shipped file by llama.cpp (Q8_0, Q4_0: 32-wide blocks; the
-  model's 576-wide rows do not fit K-quants' 256) and the shipped Q4_1 itself;
+* the shipped Q4_1 run by llama.cpp, and Q4_0 requantized from it by llama.cpp (32-wide
+  blocks: the model's 576-wide rows do not fit K-quants' 256);
 * the reference stored full, hidden and compact: hidden reads back bit for bit and gives
   the full store's columns; compact's intervals contain the exact values on a real tail.
 
-Kept small for CI's 2 cores: 3 items x 16 tokens.
+Kept small for CI's 2 cores: 2 items x 16 tokens, one requantized rung.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from logitdiff.workload import read_workload
 SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_V = 49_152
 THREADS = 2
-PROMPTS = ["Write one sentence about the sea.", "What is 12 + 30? Answer briefly.", "Name three colours."]
+PROMPTS = ["Write one sentence about the sea.", "What is 12 + 30? Answer briefly."]
 
 
 def smol_path() -> Path | None:
@@ -85,12 +85,12 @@ def reference(root, items):
 
 @pytest.fixture(scope="module")
 def ladder(root, reference):
-    """Candidate runs: the shipped Q4_1 and two rungs requantized from it by llama.cpp."""
+    """Candidate runs: the shipped Q4_1 and a rung requantized from it by llama.cpp."""
     from logitdiff.quantize import quantize
     from logitdiff.sources.gguf import GGUFSource
 
     files = {"Q4_1": SMOL}
-    for q in ("Q8_0", "Q4_0"):
+    for q in ("Q4_0",):
         files[q] = quantize(SMOL, root / f"smol-{q}.gguf", q, nthread=THREADS, allow_requantize=True)
     out = {}
     for q, f in files.items():
@@ -175,5 +175,5 @@ def test_ladder_against_each_store(reference, ladder):
         np.testing.assert_allclose(full.columns["nll_ref"], comp.columns["nll_ref"], rtol=1e-6, atol=1e-6)
         means[q] = (exact.mean(), lo.mean(), hi.mean())
         print(f"\n{q}: exact mean KL {exact.mean():.5f}, compact [{lo.mean():.5f}, {hi.mean():.5f}]")
-    # a real ladder orders: 4-bit requantized from Q4_1 drifts more than 8-bit
-    assert means["Q4_0"][0] > means["Q8_0"][0] > 0
+    # requantizing drifts further than the shipped weights run by another engine
+    assert means["Q4_0"][0] > means["Q4_1"][0] > 0
