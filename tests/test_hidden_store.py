@@ -62,6 +62,14 @@ def test_round_bf16_is_nearest_even_in_one_rounding():
     got = Hs.round_bits(xs)
     want = np.array([_bf16_nearest_even(float(x)) for x in xs], np.uint16)
     np.testing.assert_array_equal(got, want)
+    # the torch rounding a GPU decode uses: the same bits (run here on the CPU)
+    import torch
+
+    for dt in ("bfloat16", "float16"):
+        ys = xs[np.abs(xs) < (6e4 if dt == "float16" else 1e38)]
+        ys = ys[np.abs(ys) > (1e-4 if dt == "float16" else 1e-37)]
+        tb = Hs._round_bits_torch(torch.from_numpy(ys.copy()), dt).numpy().view(np.uint16)
+        np.testing.assert_array_equal(tb, Hs.round_bits(ys, dt))
 
 
 # --------------------------------------------------------------------------------------

@@ -177,3 +177,24 @@ def test_ladder_against_each_store(reference, ladder):
         print(f"\n{q}: exact mean KL {exact.mean():.5f}, compact [{lo.mean():.5f}, {hi.mean():.5f}]")
     # requantizing drifts further than the shipped weights run by another engine
     assert means["Q4_0"][0] > means["Q4_1"][0] > 0
+
+
+def test_compact_interval_presented_lower_bound_first(reference, ladder):
+    """On this real tail the compact store's upper end is far off for the close rung
+    (width > the estimate: flagged, read from below) and informative for the far one."""
+    from logitdiff.api import diff_runs
+    from logitdiff.report.markdown import render_markdown
+
+    _, runs = reference
+    flags = {}
+    for q in ("Q4_1", "Q4_0"):
+        rep = diff_runs(str(runs["compact"].path), str(ladder[q].path), bootstrap=10, include_rows=False)
+        s = rep["summary"]
+        width, est = s["kl_interval_width_mean"], s["metrics"]["kl_nats"]["mean"]
+        assert s["kl_upper_uninformative"] == (width > est)
+        assert s["kl_lower_nats_mean"] <= est <= s["kl_upper_nats_mean"]
+        md = render_markdown(rep)
+        line = next(x for x in md.splitlines() if x.startswith("- mean KL: at least"))
+        assert ("uninformative" in line) == s["kl_upper_uninformative"]
+        flags[q] = s["kl_upper_uninformative"]
+    assert flags == {"Q4_1": True, "Q4_0": False}
