@@ -445,10 +445,10 @@ def select_kind(ref, cand) -> str:
 
 
 # float64 bytes per sub-batch of a compact comparison: small enough that its ~15 [n, V]
-# temporaries come from the heap's free lists rather than a fresh mmap each (page faults
-# were most of a real run's time in the kernel), large enough that numpy's per-call
-# overhead is amortised
-COMPACT_SUB_BYTES = 8 << 20
+# temporaries come from the heap's free lists rather than a fresh mmap each (SmolLM2,
+# V = 49,152: 1.5 s of system time per compare at 8 MiB, 0.04 s at 2 MiB, same user
+# time; bench/RESULTS.md); at least one row
+COMPACT_SUB_BYTES = 2 << 20
 
 
 def _compact_rows(push, cand, items_c, row0, blk, zc, next_tok, k_eff, overlap_k, eps, threads=None) -> None:
