@@ -246,7 +246,9 @@ class HFSource(FullLogitSource):
 
         from .filecache import cached_json
 
-        return cached_json(f"hf.{name}", [self.path / n for n in _TOKENIZER_FILES],
+        # a GGUF holds its tokenizer: the file is the key (the directory may hold several)
+        files = [self.path / self.gguf_file] if self.gguf_file else [self.path / n for n in _TOKENIZER_FILES]
+        return cached_json(f"hf.{name}", files,
                            {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
                             "n_tok": len(self.tok), "vocab_size": self.vocab_size}, compute)
 
