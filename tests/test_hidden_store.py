@@ -62,6 +62,14 @@ def test_round_bf16_is_nearest_even_in_one_rounding():
     got = Hs.round_bits(xs)
     want = np.array([_bf16_nearest_even(float(x)) for x in xs], np.uint16)
     np.testing.assert_array_equal(got, want)
+    # the torch rounding a GPU decode uses: the same bits (run here on the CPU)
+    import torch
+
+    for dt in ("bfloat16", "float16"):
+        ys = xs[np.abs(xs) < (6e4 if dt == "float16" else 1e38)]
+        ys = ys[np.abs(ys) > (1e-4 if dt == "float16" else 1e-37)]
+        tb = Hs._round_bits_torch(torch.from_numpy(ys.copy()), dt).numpy().view(np.uint16)
+        np.testing.assert_array_equal(tb, Hs.round_bits(ys, dt))
 
 
 # --------------------------------------------------------------------------------------
@@ -279,19 +287,31 @@ def test_a_killed_hidden_capture_resumes_to_the_same_rows(tiny, tmp_path):
 
 
 def test_run_with_a_hidden_reference_writes_the_same_reports(tmp_path):
+    """A bf16 transformers reference is kept as hidden states by default (auto), and the
+    reports equal those against a full reference; a GGUF reference is kept full."""
     wl = tmp_path / "wl.jsonl"
     wl.write_text("".join(json.dumps(r) + "\n" for r in read_workload_rows(3)))
     args = ["run", "--reference", "builtin:tiny", "--candidate", "builtin:tiny,dtype=float32", "--workload", str(wl),
             "--no-noise-floor", "--no-flips", "--bootstrap", "10"]
-    assert main(args + ["--out", str(tmp_path / "a")]) == 0
-    assert main(args + ["--out", str(tmp_path / "b"), "--reference-store", "hidden"]) == 0
+    assert main(args + ["--out", str(tmp_path / "a"), "--reference-store", "full"]) == 0
+    assert main(args + ["--out", str(tmp_path / "b")]) == 0
+    assert RunReader(tmp_path / "a" / "runs" / "reference").store == "full"
     ref = RunReader(tmp_path / "b" / "runs" / "reference")
     assert ref.store == "hidden" and (tmp_path / "b" / "runs" / "reference" / "head.npy").exists()
     ra, rb = (json.loads(next((tmp_path / x / "reports").glob("*/report.json")).read_text()) for x in ("a", "b"))
     assert ra["summary"] == rb["summary"] and ra["summary"]["kl_nats_mean"] > 0
-    # a rerun with the other store does not reuse the reference: it captures afresh
+    # the default reuses the hidden reference; an explicit other store captures afresh
     assert main(args + ["--out", str(tmp_path / "b")]) == 0
+    assert RunReader(tmp_path / "b" / "runs" / "reference").manifest["created"] == ref.manifest["created"]
+    assert main(args + ["--out", str(tmp_path / "b"), "--reference-store", "full"]) == 0
     assert RunReader(tmp_path / "b" / "runs" / "reference").store == "full"
+
+
+def test_auto_reference_store_follows_the_source():
+    from logitdiff.capture import reference_store_for
+
+    assert reference_store_for(open_source("builtin:tiny")) == "hidden"
+    assert reference_store_for(open_source("builtin:tiny,dtype=float32")) == "full"
 
 
 def read_workload_rows(n):

@@ -295,7 +295,7 @@ def diff_runs(
     inputs = [reference, noise_floor] + ([] if live else [candidate])
     if out is not None:
         check_output(out, Kind.REPORT, inputs=inputs)
-    ref = RunReader(reference, allow_partial=allow_partial)
+    ref = RunReader(reference, allow_partial=allow_partial, device=device)  # a hidden reference decodes there
     if top_logprobs is None:
         top_logprobs = min(DEFAULT_TOP_LOGPROBS, ref.vocab_size)
     elif top_logprobs > ref.vocab_size:

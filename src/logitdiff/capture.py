@@ -27,6 +27,7 @@ import numpy as np
 
 from . import metrics as M
 from . import validate
+from . import tokenizer_identity
 from .errors import LogitdiffError
 from .outputs import Kind, writing
 from .sources import RowKind, Source, TopKRows
@@ -190,11 +191,22 @@ def _source_meta(source: Source) -> dict:
     return {"spec": source.spec, "identity": source.identity()}
 
 
+def reference_store_for(source: Source) -> str:
+    """What ``auto`` picks: ``hidden`` when the source's logits are its 16-bit output head's
+    output (a bf16/f16 transformers model: exact, ~2H bytes a position), else ``full``."""
+    if source.row_kind is RowKind.FULL and source.output_head() is not None:
+        return "hidden"
+    return "full"
+
+
 def _store_for(source: Source, store: str) -> str:
-    """The store a capture uses: a served (top-K) source cannot give full logits, so
-    ``full`` means its top-K; ``topk:K`` is checked against the vocabulary."""
+    """The store a capture uses: ``auto`` as :func:`reference_store_for` picks; a served
+    (top-K) source cannot give full logits, so ``full`` means its top-K; ``topk:K`` is
+    checked against the vocabulary."""
     from .store import parse_store
 
+    if store == "auto":
+        store = reference_store_for(source)
     parse_store(store, source.vocab_size)
     if source.row_kind is RowKind.TOPK and store == "full":
         return f"topk:{source.top_k}"
@@ -222,6 +234,7 @@ def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk
         vocab=None if resume else source.token_texts(),
         chunk_bytes=chunk_bytes,
         head=head,
+        tokens=None if resume else source.tokenizer_tokens,
     )
 
 
@@ -350,11 +363,9 @@ def verified_prompts(source: Source, teacher: RunReader, shard=None, block: int 
         raise LogitdiffError(
             f"{source.spec}: vocab size {source.vocab_size} differs from the reference run {teacher.path} ({teacher.vocab_size})"
         )
-    if teacher.tokenizer_hash and source.tokenizer_hash and teacher.tokenizer_hash != source.tokenizer_hash:
-        raise LogitdiffError(
-            f"{source.spec}: tokenizer differs from the reference run {teacher.path} (field 'tokenizer_hash' "
-            f"{source.tokenizer_hash[:19]}... vs {teacher.tokenizer_hash[:19]}...)"
-        )
+    # token strings compared under converter spellings; the item-by-item id check below decides
+    tokenizer_identity.check(source.spec, source.tokenizer_hash, source.tokenizer_tokens,
+                             f"the reference run {teacher.path}", teacher.tokenizer_hash, teacher.tokens())
     out = []
     mine = shard_items(teacher.items(), shard, block=block)
     for it in mine:
@@ -475,6 +486,9 @@ class LiveRun:
 
     def vocab(self):
         return None
+
+    def tokens(self):
+        return self.source.tokenizer_tokens
 
     def _blocks(self, items: list[RunItem]):
         """Rows of ``items`` (a subsequence of the teacher's items, in order), scored in the

@@ -87,6 +87,25 @@ def _top_ids(z: np.ndarray, k: int) -> np.ndarray:
     return sel[np.lexsort((sel, -z[sel]))]
 
 
+def top_ids_rows(z: np.ndarray, k: int) -> np.ndarray:
+    """`_top_ids` of every row of ``z`` [n, V] at once (one partition of the block); the
+    rare row whose k-th value ties entries beyond the partition takes the row rule."""
+    n, V = z.shape
+    if n == 0:
+        return np.zeros((0, min(k, V)), np.int64)
+    if k >= V:
+        return np.stack([_top_ids(z[r], k) for r in range(n)])
+    part = np.argpartition(-z, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(z, part, 1)
+    order = np.lexsort((part, -vals), axis=1)
+    out = np.take_along_axis(part, order, 1).astype(np.int64)
+    t = vals.min(1)
+    tied = (z >= t[:, None]).sum(1) > k  # entries equal to the k-th left out: lowest ids first
+    for r in np.nonzero(tied)[0]:
+        out[r] = _top_ids(z[r], k)
+    return out
+
+
 def encode(logits, next_tokens, spec: CompactSpec) -> dict[str, np.ndarray]:
     """Rows [N, V] of logits (any float dtype) -> the arrays of one block of a compact store."""
     logits = np.asarray(logits)
@@ -249,7 +268,7 @@ def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_
         cols[name], cols[lo], cols[hi] = iv.estimate, iv.lower, iv.upper
     kk = max(top_k, overlap_k, 2)
     ir, lr = reference_top(block, kk)
-    ic = np.stack([_top_ids(lq[r], kk) for r in range(n)]) if n else np.zeros((0, kk), np.int64)
+    ic = top_ids_rows(lq, kk)
     lc = np.take_along_axis(lq, ic, 1)
     cols["top1_ref"], cols["top1_cand"] = ir[:, 0], ic[:, 0]
     cols["top1_match"] = ir[:, 0] == ic[:, 0]
@@ -260,7 +279,10 @@ def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_
     cols["delta_p"] = np.exp(lqy) - np.exp(lpy)
     cols["nll_ref"], cols["nll_cand"] = -lpy, -lqy
     cols["entropy_ref"] = block["entropy"]
-    cols["entropy_cand"] = np.maximum(-(np.exp(lq) * lq).sum(1), 0.0)
+    q = np.exp(lq)
+    q *= lq
+    cols["entropy_cand"] = np.maximum(-q.sum(1), 0.0)
+    del q
     kp, kq = ir[:, :overlap_k], ic[:, :overlap_k]
     cols["topk_overlap"] = (kp[:, :, None] == kq[:, None, :]).any(-1).sum(-1) / overlap_k
     t = M.topk(ir[:, :top_k], lr[:, :top_k], ic[:, :top_k], lc[:, :top_k], V, eps=eps)

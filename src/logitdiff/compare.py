@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from . import metrics as M
+from . import tokenizer_identity
 from .bounds import METHOD_COMPACT, METHOD_EXACT, METHOD_LLAMACPP, METHOD_TOPK
 from .contracts import MethodKind
 from .errors import LogitdiffError
@@ -156,6 +157,11 @@ def speculation_notes(ref: RunReader, cand: RunReader) -> list[str]:
     return out
 
 
+def _tokens(run) -> list | None:
+    get = getattr(run, "tokens", None)  # RUN readers and live candidates; other readers have no token list
+    return get() if get is not None else None
+
+
 def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = False) -> tuple[list[RunItem], list[RunItem], list[str]]:
     """Pair items of both runs; raise a one-line error at the first mismatch."""
     notes: list[str] = []
@@ -163,11 +169,11 @@ def check_comparable(ref: RunReader, cand: RunReader, *, allow_partial: bool = F
         raise LogitdiffError(
             f"vocab sizes differ: {ref.path} has V={ref.vocab_size}, {cand.path} has V={cand.vocab_size}"
         )
-    if ref.tokenizer_hash and cand.tokenizer_hash and ref.tokenizer_hash != cand.tokenizer_hash:
-        raise LogitdiffError(
-            f"tokenizers differ: {ref.path} field 'tokenizer_hash' {ref.tokenizer_hash[:19]}... vs "
-            f"{cand.path} {cand.tokenizer_hash[:19]}..."
-        )
+    # token strings compared under converter spellings; the per-item id checks below decide
+    spelled = tokenizer_identity.check(str(ref.path), ref.tokenizer_hash, _tokens(ref), str(cand.path),
+                                       cand.tokenizer_hash, _tokens(cand))
+    if spelled:
+        notes.append(spelled)
     if not (ref.tokenizer_hash and cand.tokenizer_hash):
         notes.append("tokenizer hash unknown on one side; identity rests on equal teacher token ids")
     cand_by_id = {it.id: it for it in cand.items()}
@@ -310,7 +316,7 @@ def compare_runs(
         # a compact reference against a full candidate, both streamed in the same row blocks
         for blk, zc in zip(ref.row_blocks(items_r, max_batch_rows), cand.row_blocks(items_c, max_batch_rows)):
             b = a + len(zc)
-            _compact_rows(push, cand, items_c, a, blk, zc, next_all[a:b], k_eff, min(overlap_k, V), eps)
+            _compact_rows(push, cand, items_c, a, blk, zc, next_all[a:b], k_eff, min(overlap_k, V), eps, threads)
             if progress:
                 progress(b - a)
             a = b
@@ -470,23 +476,41 @@ def select_kind(ref, cand) -> str:
     return "top_k" if (ref.k or cand.k) else "full_vocab"
 
 
-def _compact_rows(push, cand, items_c, row0, blk, zc, next_tok, k_eff, overlap_k, eps) -> None:
+# float64 bytes per sub-batch of a compact comparison: small enough that its ~15 [n, V]
+# temporaries come from the heap's free lists rather than a fresh mmap each (SmolLM2,
+# V = 49,152: 1.5 s of system time per compare at 8 MiB, 0.04 s at 2 MiB, same user
+# time; bench/RESULTS.md); at least one row
+COMPACT_SUB_BYTES = 2 << 20
+
+
+def _compact_rows(push, cand, items_c, row0, blk, zc, next_tok, k_eff, overlap_k, eps, threads=None) -> None:
     """One block of a compact reference against the candidate's rows, in sub-batches of
-    ~32 MiB of float64 rows (``row0``: the block's first global row, for errors)."""
+    ``COMPACT_SUB_BYTES`` of float64 rows, ``threads`` of them at a time (numpy releases
+    the GIL in its array work; default: the metrics' `default_threads`, as the full-vocabulary
+    kernel uses). ``row0``: the block's first global row, for errors."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from . import compact as C
 
     zc = np.asarray(zc)
     if zc.size and not (np.isfinite(zc.max()) and np.isfinite(zc.min())):
         owner, row = _owner(items_c, row0 + int(np.nonzero(~np.isfinite(zc).all(1))[0][0]))
         raise LogitdiffError(f"{cand.path}: item {owner.id!r} has NaN/inf logits at output position {owner.positions[row]}")
-    step = max(1, (32 << 20) // (zc.shape[1] * 8))
-    for a in range(0, zc.shape[0], step):
+    step = max(1, COMPACT_SUB_BYTES // (zc.shape[1] * 8))
+
+    def one(a):
         sl = slice(a, a + step)
-        cols = C.compare_rows(C.rows_of(blk, sl), zc[sl], next_tok[sl], top_k=k_eff, overlap_k=overlap_k, eps=eps)
-        ir, lr, ic, lc = cols.pop("_tops")
-        for key, v in cols.items():
-            push(key, v)
-        _push_tops(push, ir, lr, ic, lc)
+        return C.compare_rows(C.rows_of(blk, sl), zc[sl], next_tok[sl], top_k=k_eff, overlap_k=overlap_k, eps=eps)
+
+    starts = range(0, zc.shape[0], step)
+    workers = max(1, min(len(starts), threads or M.default_threads()))
+    with ThreadPoolExecutor(workers) as pool:
+        for cols in pool.map(one, starts):  # in order
+            ir, lr, ic, lc = cols.pop("_tops")
+            for key, v in cols.items():
+                push(key, v)
+            _push_tops(push, ir, lr, ic, lc)
+
 
 
 def _push_llamacpp_intervals(push, zr, zc) -> None:

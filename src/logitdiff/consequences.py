@@ -594,8 +594,10 @@ def analyse_report_dir(
     source = open_source(spec)
     ref_src = open_source(reference or report["baseline"].get("spec")) if settings.both else None
     try:
-        if source.tokenizer_hash and ref.tokenizer_hash and source.tokenizer_hash != ref.tokenizer_hash:
-            raise LogitdiffError(f"{spec}: tokenizer differs from the reference run {ref.path} (field 'tokenizer_hash')")
+        from .tokenizer_identity import check as check_tokenizers
+
+        check_tokenizers(spec, source.tokenizer_hash, source.tokenizer_tokens, f"the reference run {ref.path}",
+                         ref.tokenizer_hash, ref.tokens())
         with applied_threads([source] + ([ref_src] if ref_src is not None else [])):
             sections, files = analyse(source, ref, cols, sim, settings, reference_source=ref_src, correctness=correctness, bar=bar)
     finally:

@@ -281,7 +281,9 @@ class Summary(_SummaryBase, total=False):
     kl_mean_x_served_floor: float | None  # 1.2
     within_2x_served_floor: bool  # 1.2
     # bounded methods (compact.INTERVAL_COLUMNS): NAME_lower_nats_mean, NAME_upper_nats_mean
-    # and NAME_interval_width_mean for NAME in kl, kl_rev, jsd (keys built from the names)
+    # and NAME_interval_width_mean for NAME in kl, kl_rev, jsd (keys built from the names);
+    # schema 1.2: NAME_upper_uninformative (bool), true when the interval's mean width exceeds
+    # the estimate (infinite width included): the interval is read from its lower end
 
 
 class OutcomeGroup(TypedDict, total=False):

@@ -62,7 +62,10 @@ class RunConfig:
     html: bool = True
     gates: list | None = None  # logitdiff.gates.Gate; crossed gates are listed in summary.json
     logprob_floor: float | None = None  # stated floor for top-K (served) candidates: compare.check_floor
-    reference_store: str = "full"  # or "hidden" (hidden.py): the reference's logits from its hidden states
+    # "auto": hidden (hidden.py: the logits bit for bit from the hidden states, ~2H bytes a
+    # position) for a bf16/f16 transformers reference whose logits are its head's output,
+    # full otherwise; or "full"/"hidden" explicitly (capture.reference_store_for)
+    reference_store: str = "auto"
 
 
 class Hooks:
@@ -97,6 +100,8 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunRead
         have = {"workload_sha256": m["settings"].get("workload_sha256"), "spec": m["source"]["spec"],
                 "max_tokens": m["settings"].get("max_tokens"), "positions": m["settings"].get("positions"),
                 "store": m["settings"].get("store")}
+        if cfg.reference_store == "auto" and have["store"] in ("full", "hidden"):
+            have["store"] = "auto"  # what auto picks depends only on the spec, compared above
         if have == want:
             if m.get("status") == "complete":
                 hooks.stage(f"reference: reusing {path}")

@@ -144,8 +144,11 @@ def _resolve_ftype(ftype: str | int) -> tuple[str, int]:
 # ------------------------------------------------------------------------------------
 
 
-def quantize(src: str | Path, dst: str | Path, qtype: str, *, nthread: int = 0, check: bool = True) -> Path:
-    """Quantize GGUF ``src`` to ``dst`` with llama.cpp's quantizer (atomic write)."""
+def quantize(src: str | Path, dst: str | Path, qtype: str, *, nthread: int = 0, check: bool = True,
+             allow_requantize: bool = False) -> Path:
+    """Quantize GGUF ``src`` to ``dst`` with llama.cpp's quantizer (atomic write).
+    ``allow_requantize``: ``src`` may itself be quantized (a GGUF-only model's ladder is
+    made from the quant it ships; llama-quantize --allow-requantize)."""
     name, ftype = _resolve_ftype(qtype)
     if name not in QUANT_TYPES:
         raise LogitdiffError(f"quant type {name!r} is not a llama.cpp quantization offered here ({', '.join(QUANT_TYPES)})")
@@ -162,6 +165,7 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, *, nthread: int = 0, 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}", ftype)
     params.nthread = int(nthread)
+    params.allow_requantize = bool(allow_requantize)
     # llama.cpp logs a line per tensor (and fallback warnings) while quantizing: capture
     # them instead of printing, and quote the last lines if quantization fails.
     lines: list[str] = []

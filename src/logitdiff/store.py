@@ -6,6 +6,7 @@ Layout::
       manifest.json          schema, tool version, source, tokenizer hash, vocab size,
                              settings, status (partial|complete), list of finished chunks
       vocab.json             optional: printable text of every token id (for reports)
+      tokens.json            optional: the token strings tokenizer_hash is of (tokenizer_identity.py)
       chunks/000000.items.jsonl   the items of chunk 0: id, tags, prompt, prompt_ids,
                                   teacher_ids, positions (scored output positions), row
       chunks/000000.logits.npy    full logits [rows, V] in native dtype (bf16 as uint16)
@@ -53,6 +54,7 @@ _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, 
 # whatever the output length or the vocabulary (at V = 248,320 float32: 67 rows).
 DEFAULT_CHUNK_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 1 << 40
+TOKENS_FILE = "tokens.json"
 
 
 def parse_chunk_size(text: str | int | None) -> int:
@@ -283,6 +285,7 @@ class RunWriter:
         overwrite: bool = False,
         vocab: list[str] | None = None,
         head: np.ndarray | None = None,
+        tokens: list[str | None] | None = None,
     ):
         self.path = Path(path)
         self.store = store
@@ -384,6 +387,9 @@ class RunWriter:
         if vocab is not None and (fresh_start or not (self.path / "vocab.json").exists()):
             # one line (json's C encoder: ~10x the indented Python one at V = 248,320)
             atomic_write_json(self.path / "vocab.json", vocab, indent=None)
+        if tokens is not None and (fresh_start or not (self.path / TOKENS_FILE).exists()):
+            # the strings tokenizer_hash is of (tokenizer_identity.py)
+            atomic_write_json(self.path / TOKENS_FILE, list(tokens), indent=None)
         if self.hidden and (fresh_start or not (self.path / hidden_store.HEAD_FILE).exists()):
             atomic_save_npy_rows(self.path / hidden_store.HEAD_FILE, [self.head], "bfloat16")
         self._next_chunk = len(self.manifest["chunks"])
@@ -795,8 +801,9 @@ def aligned_blocks(pieces_a: Iterable, pieces_b: Iterable, rows: int) -> Iterato
 class RunReader:
     """Streaming reader: chunks are memory-mapped on demand, never the whole run."""
 
-    def __init__(self, path: str | Path, *, allow_partial: bool = False):
+    def __init__(self, path: str | Path, *, allow_partial: bool = False, device=None):
         self.path = Path(path)
+        self.device = device  # where a hidden-state run's chunks are decoded (torch device; None: cpu)
         mpath = self.path / "manifest.json"
         if not self.path.is_dir():
             raise LogitdiffError(f"{self.path}: not a RUN directory")
@@ -895,6 +902,19 @@ class RunReader:
         p = self.path / "vocab.json"
         return json.loads(p.read_text()) if p.exists() else None
 
+    def tokens(self) -> list[str | None] | None:
+        """The token strings ``tokenizer_hash`` is of (None for a run without them)."""
+        p = self.path / TOKENS_FILE
+        if not p.exists():
+            return None
+        try:
+            t = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise LogitdiffError(f"{p}: unreadable ({e})") from None
+        if not isinstance(t, list) or not all(x is None or isinstance(x, str) for x in t):
+            raise LogitdiffError(f"{p}: expected a list of token strings")
+        return t
+
     def _chunk(self, index: int):
         if self._cache is not None and self._cache[0] == index:
             return self._cache[1]
@@ -908,7 +928,7 @@ class RunReader:
                 raw = hidden_store.load_chunk(p, self.manifest["head"]["shape"][1], self.vocab_size)
                 n = raw["hidden"].shape[0]
                 if n == c["rows"]:
-                    data = hidden_store.decode(raw, self.head(), self.dtype)
+                    data = hidden_store.decode(raw, self.head(), self.dtype, device=self.device)
                     if self.dtype == "float16":  # what a full float16 chunk holds
                         data = data.view(np.float16)
             elif self.compact:

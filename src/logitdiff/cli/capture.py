@@ -18,7 +18,8 @@ DESCRIPTION = (
     "with --resume."
 )
 EPILOG = (
-    "SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda][,batch=N][,prefill=N] | gguf:PATH[,n_ctx=N][,threads=N] | "
+    "SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda][,batch=N][,prefill=N] (PATH a model directory, or a GGUF "
+    "file loaded dequantized through transformers: hf:FILE.gguf or hf:DIR,gguf_file=NAME.gguf) | gguf:PATH[,n_ctx=N][,threads=N] | "
     "openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K][,tokenizer=PATH] | "
     "builtin:tiny | builtin:tiny-Q4_K_M ...  "
     "vLLM: start it with --max-logprobs K and, for speed, --skip-tokenizer-init (then pass tokenizer=PATH); "

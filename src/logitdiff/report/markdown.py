@@ -261,7 +261,9 @@ def correctness_markdown(c: Correctness) -> str:
 
 
 def _interval_lines(s: Summary, m) -> list[str]:
-    """One line per approximated divergence: estimate, proven interval and method."""
+    """One line per approximated divergence: the proven lower bound first (the end a real
+    model's tail leaves informative), the estimate, then the upper bound, flagged when the
+    interval is wider than the estimate (``NAME_upper_uninformative``)."""
     out = []
     for name, label in (("kl", "mean KL"), ("kl_rev", "mean reverse KL"), ("jsd", "mean JSD")):
         lo, hi = s.get(f"{name}_lower_nats_mean"), s.get(f"{name}_upper_nats_mean")
@@ -270,6 +272,11 @@ def _interval_lines(s: Summary, m) -> list[str]:
         est = ((s.get("metrics") or {}).get(f"{name}_nats") or {}).get("mean")
         up = "inf (no finite upper bound, see method)" if hi is None else f"{hi:.4g}"
         low = "n/a" if lo is None else f"{lo:.4g}"
-        figure = "no estimate from this method" if est is None else f"{est:.4g} nats"
-        out.append(f"- {label}: {figure}, proven interval [{low}, {up}] — method **{m.get('bounds')}** (docs/bounds.md)")
+        figure = "no estimate from this method" if est is None else f"estimate {est:.4g} nats"
+        line = f"- {label}: at least {low} nats (proven lower bound), {figure}, upper bound {up}"
+        if s.get(f"{name}_upper_uninformative"):
+            width = s.get(f"{name}_interval_width_mean")
+            pct = f"{100 * width / est:,.0f} % of" if (width is not None and est) else "wider than"
+            line += f" — uninformative: the interval's width is {pct} the estimate (read this figure from below)"
+        out.append(line + f" — method **{m.get('bounds')}** (docs/bounds.md)")
     return out

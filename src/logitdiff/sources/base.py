@@ -160,6 +160,8 @@ class Source:
     spec: str
     vocab_size: int  # size of the distribution rows the source describes
     tokenizer_hash: str | None
+    # the token strings the hash is of (tokenizer_identity.py compares them under converter spellings)
+    tokenizer_tokens: list[str | None] | None = None
     eos_token_ids: tuple[int, ...] = ()
     threads: int | None = None
     batch: int | None = None  # sequences per forward pass (or request), where the backend batches

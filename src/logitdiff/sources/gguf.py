@@ -329,7 +329,8 @@ class GGUFSource(FullLogitSource):
             if not (m and int(m.group(1)) == n - 1):
                 break
             n -= 1
-        self.tokenizer_hash = tokenizer_hash_of(self._tokens[:n])
+        self.tokenizer_tokens = list(self._tokens[:n])
+        self.tokenizer_hash = tokenizer_hash_of(self.tokenizer_tokens)
 
     # ---- tokenization -----------------------------------------------------------------
     def _tokenize(self, text: str) -> list[int]:

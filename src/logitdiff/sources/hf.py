@@ -2,6 +2,12 @@
 
 Spec: ``hf:PATH[,dtype=bfloat16|float16|float32][,device=cpu|cuda][,threads=N][,batch=N][,prefill=N]``
 
+``PATH`` is a model directory, or a GGUF file (``hf:model.gguf``, or ``hf:DIR,gguf_file=NAME.gguf``):
+transformers loads its weights dequantized and its tokenizer from the file's metadata, so a
+model distributed only as GGUF gets a transformers reference in one spec. A GGUF's dtype
+defaults to bfloat16; ``identity()`` records the file's sha256 and the quantization it was
+dequantized from (``gguf_file_type`` and the tensor types it holds).
+
 * ``dtype``   defaults to the dtype in ``config.json`` (``dtype``/``torch_dtype``), else bfloat16:
               the reference is the model as its authors shipped it.
 * ``device``  ``cpu`` (default) or ``cuda``; asking for cuda without one is an error, never a
@@ -105,6 +111,7 @@ class HFSource(FullLogitSource):
         batch: int = 8,
         prefill: int = 2048,
         spec: str | None = None,
+        gguf_file: str | None = None,
     ):
         import torch
         import transformers
@@ -112,10 +119,18 @@ class HFSource(FullLogitSource):
 
         self.path = Path(path).expanduser()
         self.spec = spec or f"hf:{path}"
-        if not self.path.exists():
-            raise LogitdiffError(f"{self.path}: model path not found")
-        if not self.path.is_dir() or not (self.path / "config.json").is_file():
+        if gguf_file is None and self.path.suffix.lower() == ".gguf":
+            self.path, gguf_file = self.path.parent, self.path.name
+        self.gguf_file = gguf_file
+        where = self.path / gguf_file if gguf_file else self.path
+        if not where.exists():
+            raise LogitdiffError(f"{where}: model path not found")
+        if gguf_file:
+            if not where.is_file():
+                raise LogitdiffError(f"{where}: not a GGUF file")
+        elif not self.path.is_dir() or not (self.path / "config.json").is_file():
             raise LogitdiffError(f"{self.path}: not a transformers model directory (no config.json)")
+        load = {"gguf_file": gguf_file} if gguf_file else {}
         if dtype is not None and dtype not in _DTYPES:
             raise LogitdiffError(f"{self.spec}: unknown dtype {dtype!r} (expected one of {', '.join(_DTYPES)})")
         if device not in ("cpu", "cuda"):
@@ -128,19 +143,20 @@ class HFSource(FullLogitSource):
         self.device = torch.device(device)
 
         try:
-            cfg = AutoConfig.from_pretrained(str(self.path))
-            self.dtype_name = dtype or _config_dtype(cfg) or "bfloat16"
+            cfg = AutoConfig.from_pretrained(str(self.path), **load)
+            # a GGUF's weights are dequantized: bf16 unless asked (its config's dtype says nothing)
+            self.dtype_name = dtype or (None if gguf_file else _config_dtype(cfg)) or "bfloat16"
             self.torch_dtype = getattr(torch, self.dtype_name)
             # transformers >= 4.56 renamed ``torch_dtype`` to ``dtype`` (5.x warns on the old name).
             major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
             dkw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), **{dkw: self.torch_dtype})
-            self.tok = AutoTokenizer.from_pretrained(str(self.path))
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), **{dkw: self.torch_dtype}, **load)
+            self.tok = AutoTokenizer.from_pretrained(str(self.path), **load)
         except LogitdiffError:
             raise
         except Exception as e:  # transformers raises many types; the user needs one line
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise LogitdiffError(f"{self.path}: cannot load model/tokenizer ({type(e).__name__}: {msg})") from None
+            raise LogitdiffError(f"{where}: cannot load model/tokenizer ({type(e).__name__}: {msg})") from None
         self.model.to(self.device).eval()
         self.config = self.model.config
         # the decoder stack without the lm_head: ``model.model`` for Llama-likes
@@ -151,7 +167,8 @@ class HFSource(FullLogitSource):
         self.out_rows = int(self.lm_head.weight.shape[0])
         self.vocab_size = min(n_tok, self.out_rows)
         self.padded = self.out_rows - self.vocab_size
-        self.tokenizer_hash = self._cached("tokenizer_hash", lambda: tokenizer_hash_of(self.tok.convert_ids_to_tokens(list(range(n_tok)))))
+        self.tokenizer_tokens = self.tok.convert_ids_to_tokens(list(range(n_tok)))
+        self.tokenizer_hash = self._cached("tokenizer_hash", lambda: tokenizer_hash_of(self.tokenizer_tokens))
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
 
@@ -174,11 +191,11 @@ class HFSource(FullLogitSource):
 
     @classmethod
     def from_spec(cls, spec: Spec) -> "HFSource":
-        unknown = set(spec.options) - {"dtype", "device", "threads", "batch", "prefill"}
+        unknown = set(spec.options) - {"dtype", "device", "threads", "batch", "prefill", "gguf_file"}
         if unknown:
             raise LogitdiffError(
                 f"source spec {spec.text!r}: unknown option(s) {', '.join(sorted(unknown))} "
-                "(hf: takes dtype, device, threads, batch, prefill)"
+                "(hf: takes dtype, device, threads, batch, prefill, gguf_file)"
             )
         if not spec.target:
             raise LogitdiffError(f"source spec {spec.text!r}: hf: needs a model directory path")
@@ -190,6 +207,7 @@ class HFSource(FullLogitSource):
             batch=_int_option(spec, "batch", 8),
             prefill=_int_option(spec, "prefill", 2048),
             spec=spec.text,
+            gguf_file=spec.options.get("gguf_file") or None,
         )
 
     # --- tokenization -------------------------------------------------------------
@@ -228,7 +246,9 @@ class HFSource(FullLogitSource):
 
         from .filecache import cached_json
 
-        return cached_json(f"hf.{name}", [self.path / n for n in _TOKENIZER_FILES],
+        # a GGUF holds its tokenizer: the file is the key (the directory may hold several)
+        files = [self.path / self.gguf_file] if self.gguf_file else [self.path / n for n in _TOKENIZER_FILES]
+        return cached_json(f"hf.{name}", files,
                            {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
                             "n_tok": len(self.tok), "vocab_size": self.vocab_size}, compute)
 
@@ -524,7 +544,10 @@ class HFSource(FullLogitSource):
             import torch
             import transformers
 
-            weights = sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("*.bin"))
+            if self.gguf_file:
+                weights = [self.path / self.gguf_file]
+            else:
+                weights = sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("*.bin"))
             d: dict[str, Any] = {
                 "backend": "transformers",
                 "spec": self.spec,
@@ -552,6 +575,9 @@ class HFSource(FullLogitSource):
                     if (self.path / n).is_file()
                 },
             }
+            if self.gguf_file:
+                d.update(_gguf_origin(self.path / self.gguf_file))
+                d["tokenizer_files"] = {}  # the tokenizer is the GGUF's metadata (weight_files)
             if self.padded > 0:
                 d["padded_logits"] = (
                     f"dropped {self.padded} padded output rows (ids >= len(tokenizer)) before log_softmax"
@@ -578,6 +604,30 @@ def _host_array(t) -> np.ndarray:
 def _arrived(k: int, t0: int, rows, hid, ev) -> Block:
     ev.synchronize()
     return Block(k, t0, _host_array(rows), _host_array(hid) if hid is not None else None)
+
+
+def _gguf_origin(path: Path) -> dict:
+    """What a GGUF loaded through transformers was dequantized from: its declared file type
+    and the count of tensors per quantization type."""
+    import gguf
+
+    try:
+        r = gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # noqa: BLE001 - the model loaded; say what could not be read
+        return {"gguf_file_type": f"unreadable ({type(e).__name__})"}
+    kinds: dict[str, int] = {}
+    for t in r.tensors:
+        name = gguf.GGMLQuantizationType(int(t.tensor_type)).name
+        kinds[name] = kinds.get(name, 0) + 1
+    ft = r.fields.get("general.file_type")
+    ftype = None
+    if ft is not None:
+        code = int(ft.parts[ft.data[0]][0])
+        try:
+            ftype = gguf.LlamaFileType(code).name
+        except ValueError:
+            ftype = str(code)
+    return {"dequantized_from": "gguf", "gguf_file_type": ftype, "gguf_tensor_types": dict(sorted(kinds.items()))}
 
 
 def open_hf(spec: Spec) -> HFSource:

@@ -214,7 +214,8 @@ class ServedSource(TopKSource):
             except Exception as e:  # noqa: BLE001
                 raise LogitdiffError(f"{self.spec}: tokenizer={tokenizer}: cannot load ({type(e).__name__}: {one_line(e, 120)})") from None
             n_tok = len(self.tok)
-            self.tokenizer_hash = tokenizer_hash_of(self.tok.convert_ids_to_tokens(list(range(n_tok))))
+            self.tokenizer_tokens = self.tok.convert_ids_to_tokens(list(range(n_tok)))
+            self.tokenizer_hash = tokenizer_hash_of(self.tokenizer_tokens)
             self._tok_vocab = n_tok
         else:
             self.tokenizer_hash = None

@@ -1,0 +1,216 @@
+"""Tokenizer identity by what matters (issue 28 item 1).
+
+llama.cpp's converter writes a tokenizer's user-defined tokens with literal spaces where the
+transformers tokenizer spells them with U+2581 ("pre-normalize user-defined spaces"), so the
+vocabulary hashes differ while tokenization can be identical. The classes checked:
+
+* converter spellings only (U+2581/space, byte tokens' case, placeholders): accepted with a
+  note, and the per-item token-id check decides — it passes where the ids agree and refuses
+  (naming the item and position) where they do not;
+* any other difference in the token strings: refused, naming the first differing id and
+  both spellings;
+* a run without a token list (older versions): different hashes refused as before.
+
+The end-to-end cases use real engines: a transformers model whose tokenizer has a
+user-defined "▁▁▁▁" token, and its GGUF written the way llama.cpp's converter writes it
+(literal spaces), run by llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from logitdiff import gguf_export
+from logitdiff.capture import capture_candidate, capture_reference
+from logitdiff.compare import compare_runs
+from logitdiff.errors import LogitdiffError
+from logitdiff.sources.base import tokenizer_hash_of
+from logitdiff.store import RunReader
+from logitdiff.tokenizer_identity import canonical, check
+from logitdiff.workload import read_workload
+
+USER_TOKEN = "\u2581\u2581\u2581\u2581"  # a run of four SentencePiece spaces, as Gemma's vocabularies hold
+
+
+# ---------------------------------------------------------------------------------------
+# the rule on token lists
+# ---------------------------------------------------------------------------------------
+
+BASE = ["<unk>", "<0x0A>", "\u2581the", "hello", "<start_of_turn>", USER_TOKEN, "[PAD6]"]
+
+
+def _h(tokens):
+    return tokenizer_hash_of([t if t is not None else "" for t in tokens])
+
+
+@pytest.mark.parametrize("spelled", [
+    [t.replace("\u2581", " ") if t == USER_TOKEN else t for t in BASE],  # converter: user-defined spaces
+    [t.replace("\u2581", " ") for t in BASE],                              # every U+2581
+    ["<unk>", "<0x0a>", "\u2581the", "hello", "<start_of_turn>", USER_TOKEN, "[PAD6]"],  # byte token's case
+    BASE[:-1],                                                                # no trailing placeholder
+    BASE[:-1] + [None],                                                       # an empty id at the end
+])
+def test_converter_spellings_are_accepted_with_a_note(spelled):
+    note = check("a", _h(BASE), BASE, "b", _h(spelled), spelled)
+    assert note is not None and "identity rests on equal token ids per item" in note
+
+
+def test_equal_hashes_need_no_token_lists():
+    assert check("a", _h(BASE), None, "b", _h(BASE), None) is None
+    assert check("a", None, None, "b", _h(BASE), BASE) is None  # unknown on one side: the caller notes it
+
+
+@pytest.mark.parametrize("j, other", [
+    (3, "hullo"),            # a different token
+    (4, "<end_of_turn>"),    # a different control token
+    (1, "<0x0B>"),           # a different byte
+    (5, "\u2581\u2581\u2581"),  # a shorter run of spaces
+    (2, "the"),              # the space mark dropped is a different token, not a spelling
+])
+def test_a_real_difference_is_refused_naming_the_first_token(j, other):
+    b = list(BASE)
+    b[j] = other
+    with pytest.raises(LogitdiffError, match=rf"tokenizers differ at token id {j}: .* in a vs {other!r} in b"):
+        check("a", _h(BASE), BASE, "b", _h(b), b)
+
+
+def test_a_longer_vocabulary_is_refused():
+    b = BASE[:-1] + ["extra"]
+    with pytest.raises(LogitdiffError, match=r"token id 6: '\[PAD6\]' in a vs 'extra' in b"):
+        check("a", _h(BASE), BASE, "b", _h(b), b)
+
+
+def test_without_a_token_list_different_hashes_are_refused():
+    spelled = [t.replace("\u2581", " ") for t in BASE]
+    with pytest.raises(LogitdiffError, match="no token list on one side"):
+        check("a", _h(BASE), BASE, "b", _h(spelled), None)
+
+
+def test_canonical_forms():
+    assert canonical("\u2581a\u2581") == " a "
+    assert canonical("<0xfe>") == canonical("<0xFE>") == "<0xFE>"
+    assert canonical(None) == canonical("") == canonical("[PAD12]") == ""
+    assert canonical("<0xFEF>") == "<0xFEF>"  # not a byte token
+
+
+# ---------------------------------------------------------------------------------------
+# real engines: transformers vs llama.cpp on a converter-spelled GGUF
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(HF dir, converter-spelled GGUF, GGUF whose user token really differs)."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from _models import _save_random, make_tokenizer
+
+    root = tmp_path_factory.mktemp("tokid")
+    d = root / "hf"
+    tok = make_tokenizer(d, vocab_size=384)
+    tok.add_tokens([AddedToken(USER_TOKEN, normalized=False, special=False)])
+    tok.save_pretrained(str(d))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                      pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    _save_random(LlamaForCausalLM(cfg), d, seed=0, dtype="float32")
+    real = gguf_export.read_tokenizer
+
+    def converted(rename):
+        def read(hf_dir, vocab_size=None):
+            tk = real(hf_dir, vocab_size)
+            for i, (t, ty) in enumerate(zip(tk["tokens"], tk["types"])):
+                if ty == gguf_export._TT_USER_DEFINED:  # llama.cpp: "pre-normalize user-defined spaces"
+                    tk["tokens"][i] = rename(t)
+            return tk
+        return read
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(gguf_export, "read_tokenizer", converted(lambda t: t.replace("\u2581", " ")))
+        spelled = gguf_export.export_gguf(d, root / "spelled-F32.gguf", "F32")
+        mp.setattr(gguf_export, "read_tokenizer", converted(lambda t: "abcd"))
+        other = gguf_export.export_gguf(d, root / "other-F32.gguf", "F32")
+    finally:
+        mp.undo()
+    return d, spelled, other, len(tok) - 1
+
+
+def _items(tmp_path, prompts):
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"i{k}", "prompt": p, "max_tokens": 6}) + "\n" for k, p in enumerate(prompts)))
+    return read_workload(wl)
+
+
+def _reference(pair, tmp_path, prompts):
+    from logitdiff.sources.hf import HFSource
+
+    d = pair[0]
+    src = HFSource(d, dtype="float32", threads=1)
+    out = capture_reference(src, _items(tmp_path, prompts), tmp_path / "ref")
+    return RunReader(out)
+
+
+def test_the_pair_really_is_spelled_differently(pair):
+    from logitdiff.sources.gguf import GGUFSource
+    from logitdiff.sources.hf import HFSource
+
+    d, spelled, _, uid = pair
+    hf, gg = HFSource(d, dtype="float32"), GGUFSource(spelled, n_ctx=256, threads=1)
+    try:
+        assert hf.tokenizer_tokens[uid] == USER_TOKEN and gg.tokenizer_tokens[uid] == "    "
+        assert hf.tokenizer_hash != gg.tokenizer_hash and hf.vocab_size == gg.vocab_size
+    finally:
+        gg.close()
+
+
+def test_accepted_when_the_ids_agree(pair, tmp_path):
+    from logitdiff.sources.gguf import GGUFSource
+
+    ref = _reference(pair, tmp_path, ["Hello world. The quick brown fox", "What is 12 + 30?"])
+    assert ref.tokens()[pair[3]] == USER_TOKEN  # the run keeps its token strings
+    gg = GGUFSource(pair[1], n_ctx=256, threads=1)
+    try:
+        capture_candidate(gg, ref, tmp_path / "cand")
+    finally:
+        gg.close()
+    cand = RunReader(tmp_path / "cand")
+    assert cand.tokenizer_hash != ref.tokenizer_hash
+    comp = compare_runs(ref, cand)
+    assert any("spelled differently in 1 token(s)" in n for n in comp.notes)
+    # the same float32 weights in both engines: the distributions agree
+    assert np.asarray(comp.columns["kl_nats"]).max() < 1e-4
+
+
+def test_refused_when_the_ids_do_not_agree(pair, tmp_path):
+    """Four spaces: llama.cpp matches the converter-spelled user token, transformers does
+    not (its token is spelled with U+2581): the ids differ and the item is named."""
+    from logitdiff.sources.gguf import GGUFSource
+
+    ref = _reference(pair, tmp_path, ["Hello world", "def f(x):\n    return x"])
+    gg = GGUFSource(pair[1], n_ctx=256, threads=1)
+    try:
+        with pytest.raises(LogitdiffError, match=r"item 'i1': tokenization differs at prompt position \d+"):
+            capture_candidate(gg, ref, tmp_path / "cand")
+    finally:
+        gg.close()
+    assert not (tmp_path / "cand").exists()
+
+
+def test_a_real_vocabulary_difference_is_refused(pair, tmp_path):
+    from logitdiff.sources.gguf import GGUFSource
+
+    ref = _reference(pair, tmp_path, ["Hello world"])
+    gg = GGUFSource(pair[2], n_ctx=256, threads=1)
+    try:
+        with pytest.raises(LogitdiffError, match=rf"tokenizers differ at token id {pair[3]}: 'abcd' in .* vs {USER_TOKEN!r}"):
+            capture_candidate(gg, ref, tmp_path / "cand")
+    finally:
+        gg.close()
