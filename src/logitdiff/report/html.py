@@ -649,6 +649,21 @@ def _header(names, paths, reports, summary) -> str:
         ("method", method + (f"; 95 % CIs from {_e(boot.get('n'))} bootstrap resamples of items" if boot else "")),
         ("noise floor", noise),
     ]
+    sfs = {json.dumps(_get(r, "summary.served_floor"), sort_keys=True) for r in reports} - {"null"}
+    if sfs:  # served sides captured again with other batch mates (servedfloor.py)
+        sf = s0.get("served_floor") if len(sfs) == 1 else None
+        if sf:
+            sides = "; ".join(f"{k} <code>{_e(v.get('spec'))}</code> ({_e(v.get('batching'))}, {_e(v.get('measured_by'))}): "
+                              f"mean KL {fmt(v.get('kl_nats_mean'))} nats over {_e(v.get('positions'))} positions"
+                              for k in ("reference", "candidate") if isinstance(v := sf.get(k), dict))
+            rows.append(("served floor", f"mean KL {fmt(sf.get('kl_nats_mean'))} nats ({_e(sf.get('rule'))}); {sides}"))
+        else:
+            rows.append(("served floor", "differs per report (see each report's served floor)"))
+    batch = {json.dumps(_get(r, "method.served_batching"), sort_keys=True) for r in reports} - {"null"}
+    if batch:
+        sb = _get(reports[0], "method.served_batching") if len(batch) == 1 else None
+        rows.append(("served batching", "differs per report" if sb is None else
+                     ", ".join(f"{_e(k)}: {_e(v)}" for k, v in sb.items() if v)))
     xf = (summary or {}).get("cross_engine_floor")
     if xf:
         rows.append(("cross-engine floor", f"<code>{_e(xf.get('candidate'))}</code>: the reference's weights in another engine, "
@@ -777,6 +792,10 @@ def _candidate_cell(i, name, path, rep, xf, *, badges: bool = True) -> tuple[str
     warn = []
     if kl is not None and floor is not None and kl <= 2 * floor:
         warn.append(("within 2× noise floor", "mean KL is at most twice the reference-vs-rerun KL: indistinguishable from noise"))
+    if _get(rep, "summary.within_2x_served_floor"):
+        warn.append(("within 2× served floor", "mean KL is at most twice what the servers' own batching moves rows by"))
+    if _get(rep, "summary.kl_upper_uninformative"):
+        warn.append(("KL upper bound uninformative", "the proven interval is wider than the estimate: read the mean KL from below"))
     xfl = _num(xf.get("kl_nats_mean"))
     if kl is not None and xfl and kl <= 2 * xfl and str(_get(rep, "candidate.spec")) != str(xf.get("candidate")):
         warn.append(("within 2× cross-engine floor", "mean KL is at most twice that of the same weights in another engine"))

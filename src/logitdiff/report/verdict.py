@@ -49,6 +49,10 @@ def drift_part(report: Mapping, *, x_cross_engine_floor: float | None = None, is
     xc = _num(x_cross_engine_floor)
     kl_text = "mean KL n/a" if kl is None else f"mean KL {_g(kl)} nats"
     noise = f", {_g(xn)}{Column.NAME['x_noise_floor']}" if xn is not None else ""
+    xs = _num(_get(report, "summary.kl_mean_x_served_floor"))
+    if xs is not None:  # a served comparison: the servers' own batching is the floor to read it against
+        text = f"drifts {_g(xs)}× served floor ({kl_text})"
+        return ("ok", text + ": within 2× of the servers' own batch arithmetic") if xs <= 2 else ("warn", text)
     if is_cross_engine_floor:
         return "info", f"the cross-engine floor (reference weights, other engine): {kl_text}{noise}"
     if xc is not None:
