@@ -1,7 +1,7 @@
 """Nothing lost, nothing mixed: every command that writes, against what it must not destroy.
 
 Class tests run every writing command (capture reference and candidate, compare, import
-llamacpp-kld and npz, merge, report, topk-error --json, run) against a foreign directory,
+llamacpp-kld and npz, merge, report, topk-error --json, run, layers, speculate) against a foreign directory,
 a regular file, its own input, paths it cannot write, a concurrent writer (a real second
 process holding the lock), a lock left by a killed process, and a failing replace; each
 hashes the pre-existing bytes (the whole tree) before and after, and checks that no
@@ -28,6 +28,9 @@ import pytest
 from logitdiff.cli import main
 from logitdiff.importers import write_llamacpp_kld
 from logitdiff.store import RunReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from servers import llama_server, start_or_fail  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -120,8 +123,41 @@ def w(tmp_path_factory):
     assert main(["import", "npz", str(npz), "--out", str(npz_run)]) == 0
     run_out = root / "runout"
     assert main(RUN_ARGS(wl) + ["--out", str(run_out)]) == 0
-    return dict(root=root, wl=wl, ref=ref, cand=cand, rep=rep, page=page, topk_json=topk_json, kld=kld, bad_kld=bad_kld,
-                npz=npz, nan_npz=nan_npz, npz_run=npz_run, run_out=run_out)
+    lay = root / "lay"
+    assert main(LAYERS_ARGS(ref) + ["--out", str(lay)]) == 0
+    started = []
+
+    def spec_url() -> str:
+        """One real llama-server (the bundled model, F32, no speculation), started on first
+        use: speculate's reference and candidate at once (the cheapest real pair)."""
+        if not started:
+            from logitdiff.builtin import gguf_path
+
+            started.append(start_or_fail(llama_server, gguf_path("F32"), root / "logs", parallel=1, threads=1))
+        return started[0].url
+
+    def spec_out() -> Path:
+        out = root / "specout"
+        if not out.exists():
+            assert main(SPEC_ARGS(spec_url(), wl) + ["--out", str(out)]) == 0
+        return out
+
+    yield dict(root=root, wl=wl, ref=ref, cand=cand, rep=rep, page=page, topk_json=topk_json, kld=kld, bad_kld=bad_kld,
+               npz=npz, nan_npz=nan_npz, npz_run=npz_run, run_out=run_out, lay=lay, spec_url=spec_url, spec_out=spec_out)
+    for s in started:
+        s.stop()
+
+
+def LAYERS_ARGS(teacher):
+    return ["layers", "builtin:tiny", "builtin:tiny,dtype=float32", "--teacher", str(teacher), "--floor", "none"]
+
+
+def SPEC_ARGS(url, wl):
+    return ["speculate", url, url, "--workload", str(wl), "--max-tokens", "4", "--floor-items", "0", "--top-k", "2"]
+
+
+# a port nothing listens on: speculate fails at its first request, after its --out checks
+DEAD_URL = "http://127.0.0.1:9"
 
 
 def RUN_ARGS(wl):
@@ -178,12 +214,22 @@ COMMANDS = [
             # fails after reusing the reference: a candidate that cannot be opened
             lambda w, o: [a if a != "builtin:tiny,dtype=float32" else "gguf:/nonexistent/x.gguf" for a in RUN_ARGS(w["wl"])]
             + ["--out", o]),
+    Command("layers", False,
+            lambda w, o: LAYERS_ARGS(w["ref"]) + ["--out", o], "ref", "lay",
+            # fails after reading the teacher: a candidate that cannot be opened
+            lambda w, o: [a if a != "builtin:tiny,dtype=float32" else "gguf:/nonexistent/x.gguf" for a in LAYERS_ARGS(w["ref"])]
+            + ["--out", o]),
+    # --out is checked before any server is contacted: the refusals need no server (DEAD_URL);
+    # the successful writes (a concurrent writer's second half) use one real llama-server
+    Command("speculate", False,
+            lambda w, o: SPEC_ARGS(DEAD_URL, w["wl"]) + ["--out", o], "wl", "spec_out",
+            lambda w, o: SPEC_ARGS(DEAD_URL, w["wl"]) + ["--out", o]),
 ]
 IDS = [c.name for c in COMMANDS]
 
 
 def copy_of(w: dict, key: str, dest: Path) -> Path:
-    src = w[key]
+    src = w[key]() if callable(w[key]) else w[key]
     (shutil.copytree if src.is_dir() else shutil.copy2)(src, dest)
     return dest
 
@@ -282,6 +328,8 @@ def test_concurrent_writer_is_refused_and_a_dead_one_does_not_block(cmd, w, tmp_
     out = copy_of(w, cmd.existing, tmp_path / ("out.file" if cmd.is_file else "out"))
     argv = cmd.argv(w, str(out)) + (["--overwrite"] if cmd.name in ("capture-reference", "capture-candidate", "capture-hidden", "merge",
                                                                     "import-llamacpp-kld", "import-npz") else [])
+    if cmd.name == "speculate":  # the second half writes: a real server this time
+        argv = [w["spec_url"]() if a == DEAD_URL else a for a in argv]
     before = digest(out)
     holder = hold_lock(out)
     try:

@@ -366,7 +366,7 @@ def layers(
     from .contracts import layers_json
     from .layers import FLOOR_NONE, FLOOR_RERUN, FLOOR_SPEC, check_layer_specs, layer_attribution
     from .report.layers import render_html, render_markdown
-    from .outputs import Kind, check_output, writing
+    from .outputs import Kind, check_lockable, check_output, writing
     from .sources import applied_threads, open_source
     from .store import RunReader, parse_chunk_size
 
@@ -381,6 +381,7 @@ def layers(
     chunk_bytes = parse_chunk_size(chunk_size)
     if out is not None:
         check_output(out, Kind.LAYERS, inputs=[teacher])
+        check_lockable(out)
     teacher_run = RunReader(teacher)
     teacher_run.items()  # a damaged teacher is a one-line error before any source loads
     with contextlib.ExitStack() as stack:
@@ -484,7 +485,7 @@ def speculate(
     from ._version import __version__
     from .builtin import WORKLOAD
     from .generation import LlamaServer
-    from .outputs import Kind, check_output, writing
+    from .outputs import Kind, check_lockable, check_output, writing
     from .report.speculation import render_html, render_markdown, speculation_json
     from .speculation import compare_generation, prepare_prompts
     from .workload import read_workload
@@ -502,6 +503,7 @@ def speculate(
     wl = str(workload) if workload else str(WORKLOAD)
     if out is not None:
         check_output(out, Kind.SPECULATION, inputs=[wl])
+        check_lockable(out)
     items = read_workload(wl)[: limit or None]
     ref = LlamaServer(ref_url, role="reference", top_k=top_k, timeout=timeout)
     try:

@@ -312,6 +312,17 @@ def locked(out: str | Path) -> Iterator[None]:
         os.close(fd)
 
 
+def check_lockable(out: str | Path) -> None:
+    """Take and release ``out``'s lock at once, after :func:`check_output`: a command whose
+    work comes first (generation against servers, a layer sweep) learns that it cannot write
+    there, or that another process is writing it, before that work, not after. Nothing stays
+    behind; parents that do not exist yet are left to :func:`writing` (it creates them)."""
+    out = Path(out)
+    if out.parent.is_dir():
+        with locked(out):
+            pass
+
+
 def _temp_sibling(out: Path, what: str) -> Path:
     """``.NAME.WHAT-PID-TOKEN``: the writer's pid (so a later writer can tell whether it is
     gone) and 8 random hex digits (so the name is ours, not a user's ``.NAME.tmp-notes``)."""
