@@ -803,3 +803,143 @@ def test_imported_kld_token_block_outside_the_vocabulary(bad, tmp_path, capsys):
     fails(capsys, ["import", "llamacpp-kld", kld, "--out", tmp_path / "imp"], f"{kld}: token block chunk 1",
           f"position 3: id {bad} outside [0, 16)")
     assert not (tmp_path / "imp").exists()
+
+
+# =============================================================================================
+# Round three: the commands and options merged after round two (layers, speculate, the served
+# noise floor, gates --require). Every class: one line, exit 2, nothing written.
+# =============================================================================================
+def _damaged(runs, tmp_path) -> Path:
+    """A copy of the reference RUN with its first items line cut short."""
+    bad = shutil.copytree(runs["ref"], tmp_path / "damaged")
+    m = json.loads((bad / "manifest.json").read_text())
+    items = bad / "chunks" / m["chunks"][0]["items"]
+    items.write_bytes(items.read_bytes()[:-20])
+    return bad
+
+
+LAYERS = ["layers", "builtin:tiny", "builtin:tiny,dtype=float32", "--floor", "none"]
+
+
+@pytest.mark.parametrize("extra, teacher, what", [
+    (["--floor", "garbage"], "ref", "--floor 'garbage'"),
+    (["--floor", ""], "ref", "--floor ''"),
+    (["--floor", "openai:http://127.0.0.1:9"], "ref", "not hidden states"),
+    (["--chunk-size", "0"], "ref", "--chunk-size '0'"),
+    (["--chunk-size", "nan"], "ref", "--chunk-size 'nan'"),
+    (["--chunk-size", "1e400"], "ref", "--chunk-size '1e400'"),
+    (["--chunk-size", "-5"], "ref", "--chunk-size '-5'"),
+    ([], "wl", "not a RUN directory"),  # a workload file given as the teacher
+    ([], "missing", "not a RUN directory"),
+    ([], "damaged", "the run is damaged"),  # checked before any model loads
+    ([], "notrun", "missing (not a logitdiff RUN)"),  # a directory that is not a RUN (e.g. a REPORT)
+], ids=["floor-garbage", "floor-empty", "floor-served", "chunk-0", "chunk-nan", "chunk-1e400", "chunk-negative", "teacher-file",
+        "teacher-missing", "teacher-damaged", "teacher-not-a-run"])
+def test_layers_bad_arguments(extra, teacher, what, runs, tmp_path, capsys):
+    given = {"ref": runs["ref"], "missing": tmp_path / "nope", "damaged": None, "notrun": tmp_path / "rep", "wl": tmp_path / "wl.jsonl"}
+    (tmp_path / "rep").mkdir()
+    (tmp_path / "rep" / "report.json").write_text("{}")
+    (tmp_path / "wl.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    t = _damaged(runs, tmp_path) if teacher == "damaged" else given[teacher]
+    before = tree(tmp_path)
+    fails(capsys, LAYERS + ["--teacher", t, "--out", tmp_path / "out", *extra], what)
+    assert tree(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+DEAD = "http://127.0.0.1:9"
+
+
+@pytest.mark.parametrize("ref, cand, extra, what", [
+    (DEAD, DEAD + ",speculative=maybe", [], "unknown option 'speculative=maybe'"),
+    (DEAD, "openai:" + DEAD + ",batching=bogus", [], "unknown option 'batching=bogus'"),
+    (DEAD + ",speculative=1", DEAD, [], "declared speculative"),
+    ("notaurl", DEAD, [], "expected a llama-server URL"),
+    (DEAD, DEAD, ["--timeout", "nan"], "--timeout nan"),  # was a ValueError traceback from httpx
+    (DEAD, DEAD, ["--timeout", "-1"], "--timeout -1"),  # was a traceback
+    (DEAD, DEAD, ["--timeout", "inf"], "--timeout inf"),  # was an OverflowError traceback
+    (DEAD, DEAD, ["--timeout", "0"], "--timeout 0"),  # was "connection lost ... did the server die?"
+    (DEAD, DEAD, ["--top-k", "0"], "--top-k 0"),
+    (DEAD, DEAD, ["--max-tokens", "0"], "--max-tokens 0"),
+], ids=["speculative-maybe", "batching-bogus", "reference-speculative", "not-a-url", "timeout-nan", "timeout-negative",
+        "timeout-inf", "timeout-0"] + ["top-k-0", "max-tokens-0"])
+def test_speculate_bad_arguments_before_any_server(ref, cand, extra, what, tmp_path, capsys):
+    fails(capsys, ["speculate", ref, cand, "--out", tmp_path / "out", *extra], what)
+    assert os.listdir(tmp_path) == []
+
+
+def test_speculate_top_k_beyond_the_vocabulary(tmp_path, capsys):
+    """A real llama-server (the bundled model, V = 4096): --top-k 100000 was accepted and the
+    report claimed 100,000 log-probabilities a position; now refused at the handshake."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from servers import llama_server, start_or_fail
+
+    from logitdiff.builtin import gguf_path
+
+    srv = start_or_fail(llama_server, gguf_path("F32"), tmp_path / "logs", parallel=1, threads=1)
+    try:
+        out = tmp_path / "out"
+        fails(capsys, ["speculate", srv.url, srv.url, "--out", out, "--top-k", "100000", "--max-tokens", "2", "--floor-items", "0"],
+              "--top-k 100000", "vocabulary size 4096")
+        assert not out.exists()
+    finally:
+        srv.stop()
+
+
+def _ident(**over) -> dict:
+    return {"backend": "synthetic", "weight_files": {"m.safetensors": "sha256:aa"}, "dtype": "float32", "batch": 8, "threads": 2,
+            **over}
+
+
+@pytest.mark.parametrize("floor, what", [
+    ("self", "is the reference RUN itself"),
+    ("weights", "'weight_files'"),
+    ("dtype", "'dtype'"),
+    ("backend", "'backend'"),
+    ("served-model", "'model'"),
+], ids=["the-reference-itself", "other-weights", "other-dtype", "other-engine", "other-served-model"])
+def test_noise_floor_of_another_model_is_refused(floor, what, tmp_path, capsys):
+    """--noise-floor must be the reference's model captured again: the reference RUN itself
+    (a floor of 0 by construction) or a RUN of other weights, dtype, engine or served model
+    (a drift read as the floor: every "x noise floor" wrong) was accepted with exit 0."""
+    served = floor == "served-model"
+    base = _ident(**({"model": "a", "server": "llamacpp"} if served else {}))
+    ref = make_run(tmp_path / "ref", identity=base)
+    cand = make_run(tmp_path / "cand", identity=_ident(dtype="bfloat16"), seed=1)
+    nf = ref if floor == "self" else make_run(tmp_path / "nf", seed=2, identity={
+        "weights": {**base, "weight_files": {"m.safetensors": "sha256:bb"}}, "dtype": {**base, "dtype": "bfloat16"},
+        "backend": {**base, "backend": "other"}, "served-model": {**base, "model": "b"}}[floor])
+    before = tree(tmp_path)
+    fails(capsys, ["compare", ref, cand, "--noise-floor", nf, "--out", tmp_path / "rep", "--bootstrap", "0"], "--noise-floor", what)
+    assert tree(tmp_path) == before and not (tmp_path / "rep").exists()
+
+
+def test_noise_floor_rerun_with_other_layout_is_accepted(tmp_path, capsys):
+    """The positive control: a rerun of the same model with another batch and thread count
+    (what a rerun varies), and a served rerun with other batching, are floors."""
+    for served in (False, True):
+        extra = {"model": "a", "server": "llamacpp", "batching": "rounds"} if served else {}
+        ref = make_run(tmp_path / f"ref{served}", identity=_ident(**extra))
+        nf = make_run(tmp_path / f"nf{served}", seed=2, identity=_ident(batch=1, threads=1, **{**extra, **({"batching": "serial"} if served else {})}))
+        out = tmp_path / f"rep{served}"
+        assert main(["compare", str(ref), str(make_run(tmp_path / f"c{served}", seed=1)), "--noise-floor", str(nf), "--out", str(out),
+                     "--bootstrap", "0"]) == 0
+        capsys.readouterr()
+        floor = json.loads((out / "report.json").read_text())["summary"]["noise_floor"]
+        assert floor["kl_nats_mean"] > 0 and floor["positions"] == 15
+
+
+@pytest.mark.parametrize("flag, value, what", [
+    ("--require", "", "--require '': no clause"),
+    ("--require", " , ", "no clause"),
+    ("--fail-on", "kl_mean>", "threshold '' is not a finite number"),
+    ("--fail-on", "nosuch>1", "unknown metric 'nosuch'"),
+    ("--require", "kl_mean==0", "bad operator '=='"),
+    ("--require", "kl_mean<inf", "threshold 'inf'"),
+    ("--fail-on", "kl_mean>nan", "threshold 'nan'"),
+], ids=["require-empty", "require-commas", "fail-on-no-number", "fail-on-unknown-metric", "require-eq", "require-inf", "fail-on-nan"])
+@pytest.mark.parametrize("command", ["compare", "run"])
+def test_gate_option_errors(command, flag, value, what, runs, tmp_path, capsys):
+    argv = (["compare", runs["ref"], runs["ref"]] if command == "compare"
+            else ["run", "--workload", runs["root"] / "missing.jsonl"]) + ["--out", tmp_path / "out", f"{flag}={value}"]
+    fails(capsys, argv, what)
+    assert os.listdir(tmp_path) == []

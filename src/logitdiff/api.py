@@ -213,6 +213,35 @@ def capture_run(
     return Path(out)
 
 
+# identity keys that say which model computed the rows (weights, dtype, quantization, engine,
+# served model); a rerun of the reference must agree on each key both sides record. Batch
+# layout, threads, batching mode, endpoints and paths may differ: that is what a rerun varies.
+_MODEL_IDENTITY = ("kind", "backend", "server", "model", "weight_files", "sha256", "quant", "file_type", "dtype", "logits_dtype",
+                   "architecture", "arch", "vocab_size", "tokenizer_hash")
+
+
+def check_noise_floor_run(ref, rerun_run) -> None:
+    """Refuse a noise-floor RUN that is not a second capture of the reference's model (the
+    reference RUN itself, or another model, engine or dtype): its "floor" would be a drift,
+    and every "x noise floor" read against it wrong."""
+    if Path(ref.path).resolve() == Path(rerun_run.path).resolve():
+        raise LogitdiffError(f"--noise-floor {rerun_run.path}: is the reference RUN itself; the noise floor is a second capture "
+                             "of the reference (capture it again, e.g. with another --batch)")
+
+    def ident(run) -> dict:
+        src = run.manifest.get("source") if isinstance(run.manifest.get("source"), dict) else {}
+        i = src.get("identity") if isinstance(src.get("identity"), dict) else {}
+        kind = src.get("kind", i.get("kind"))
+        return {**({"kind": kind} if kind is not None else {}), **{k: i[k] for k in _MODEL_IDENTITY if k in i and k != "kind"}}
+
+    a, b = ident(ref), ident(rerun_run)
+    for k in _MODEL_IDENTITY:
+        if k in a and k in b and a[k] != b[k]:
+            va, vb = (repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..." for v in (a[k], b[k]))
+            raise LogitdiffError(f"--noise-floor {rerun_run.path}: source identity field {k!r} is {vb}, but {va} in the reference "
+                                 f"{ref.path}: not a rerun of the reference's model (a noise floor is the reference captured again)")
+
+
 @_checked
 def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None = None, threads: int | None = None) -> dict:
     """The ``noise_floor`` section (report.noise_floor_section) of a rerun of the reference
@@ -222,6 +251,7 @@ def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None
     from .pipeline import identical_distributions
     from .report import noise_floor_section
 
+    check_noise_floor_run(ref, rerun_run)
     nf = compare_runs(ref, rerun_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
     # Any rerun of the reference works; one with other batch mates (capture --batch N) is
     # the floor of a deterministic backend, whose plain rerun is bit-identical.
@@ -500,6 +530,8 @@ def speculate(
                          ("--shape-width", shape_width, 1), ("--limit", limit, 1)):
         if v is not None and v < low:
             raise LogitdiffError(f"{flag} {v}: must be at least {low}")
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise LogitdiffError(f"--timeout {timeout}: must be a positive, finite number of seconds")
     wl = str(workload) if workload else str(WORKLOAD)
     if out is not None:
         check_output(out, Kind.SPECULATION, inputs=[wl])

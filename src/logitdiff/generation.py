@@ -196,6 +196,10 @@ class LlamaServer:
         if params.get("post_sampling_probs"):
             raise LogitdiffError(f"{self.where}: configured for post-sampling probabilities; raw logprobs are required")
         self.n_ctx = int((self.props.get("default_generation_settings") or {}).get("n_ctx") or 0)
+        n_vocab = self._n_vocab()
+        if n_vocab and self.k > n_vocab:
+            # the server would hand out the whole vocabulary and the report claim K log-probabilities
+            raise LogitdiffError(f"--top-k {self.k}: exceeds the vocabulary size {n_vocab} of the {self.where}")
         try:
             slots = self._get("/slots")
         except LogitdiffError:
@@ -207,6 +211,16 @@ class LlamaServer:
         if self.slots_visible:
             self.spec_types = ((slots[0].get("params") or {}).get("speculative.types"))
         self._ascii = None
+
+    def _n_vocab(self) -> int | None:
+        """The model's vocabulary size from /v1/models (llama-server's meta.n_vocab); None
+        when the server does not say."""
+        try:
+            models = self._get("/v1/models")
+            n = ((models.get("data") or [{}])[0].get("meta") or {}).get("n_vocab")
+        except (LogitdiffError, AttributeError, IndexError, TypeError):
+            return None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
     def close(self) -> None:
         self._http.close()
