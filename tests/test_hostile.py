@@ -896,18 +896,20 @@ def _ident(**over) -> dict:
     ("dtype", "'dtype'"),
     ("backend", "'backend'"),
     ("served-model", "'model'"),
-], ids=["the-reference-itself", "other-weights", "other-dtype", "other-engine", "other-served-model"])
+    ("not-served", "'kind'"),
+], ids=["the-reference-itself", "other-weights", "other-dtype", "other-engine", "other-served-model", "served-vs-in-process"])
 def test_noise_floor_of_another_model_is_refused(floor, what, tmp_path, capsys):
     """--noise-floor must be the reference's model captured again: the reference RUN itself
     (a floor of 0 by construction) or a RUN of other weights, dtype, engine or served model
     (a drift read as the floor: every "x noise floor" wrong) was accepted with exit 0."""
-    served = floor == "served-model"
-    base = _ident(**({"model": "a", "server": "llamacpp"} if served else {}))
+    served = floor in ("served-model", "not-served")
+    base = _ident(**({"kind": "openai", "model": "a", "server": "llamacpp"} if served else {}))
     ref = make_run(tmp_path / "ref", identity=base)
     cand = make_run(tmp_path / "cand", identity=_ident(dtype="bfloat16"), seed=1)
     nf = ref if floor == "self" else make_run(tmp_path / "nf", seed=2, identity={
         "weights": {**base, "weight_files": {"m.safetensors": "sha256:bb"}}, "dtype": {**base, "dtype": "bfloat16"},
-        "backend": {**base, "backend": "other"}, "served-model": {**base, "model": "b"}}[floor])
+        "backend": {**base, "backend": "other"}, "served-model": {**base, "model": "b"},
+        "not-served": _ident(backend="transformers")}[floor])
     before = tree(tmp_path)
     fails(capsys, ["compare", ref, cand, "--noise-floor", nf, "--out", tmp_path / "rep", "--bootstrap", "0"], "--noise-floor", what)
     assert tree(tmp_path) == before and not (tmp_path / "rep").exists()

@@ -231,7 +231,8 @@ def check_noise_floor_run(ref, rerun_run) -> None:
     def ident(run) -> dict:
         src = run.manifest.get("source") if isinstance(run.manifest.get("source"), dict) else {}
         i = src.get("identity") if isinstance(src.get("identity"), dict) else {}
-        kind = src.get("kind", i.get("kind"))
+        # the engine: a source kind where recorded (gguf, openai), else the backend (hf: transformers)
+        kind = i.get("kind") or src.get("kind") or i.get("backend")
         return {**({"kind": kind} if kind is not None else {}), **{k: i[k] for k in _MODEL_IDENTITY if k in i and k != "kind"}}
 
     a, b = ident(ref), ident(rerun_run)
