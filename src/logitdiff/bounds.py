@@ -431,16 +431,11 @@ def _two_point(div: str, p_a, q_a, p_b, q_b) -> np.ndarray:
     return out
 
 
-#: entries ([rows x K]) per block of top-K work: every temporary of topk_vs_topk and of the
-#: seed's estimate is one [rows, K] array of at most this many values (8 MiB of float64), so
-#: memory is bounded by this block at any K, up to K = V
-TOPK_BLOCK_ENTRIES = 1 << 20
-
-
-def topk_row_blocks(n_rows: int, k: int, entries: int = TOPK_BLOCK_ENTRIES):
-    """Row slices of at most ``entries`` top-K entries each (at least one row)."""
-    step = max(1, entries // max(1, k))
-    return [slice(a, min(a + step, n_rows)) for a in range(0, n_rows, step)] or [slice(0, 0)]
+# Row blocks of top-K work (metrics.TOPK_BLOCK_ENTRIES entries, declared beside the seed's
+# estimate, which this module builds on): every temporary of topk_vs_topk and of the seed's
+# estimate is one [rows, K] array of at most that many values (8 MiB of float64), so memory
+# is bounded by one block at any K, up to K = V.
+from .metrics import TOPK_BLOCK_ENTRIES, topk_row_blocks  # noqa: E402
 
 
 def topk_vs_topk(ref_ids, ref_logp, cand_ids, cand_logp, vocab_size: int, *, floor_logp_ref: float | None = None,

@@ -758,9 +758,7 @@ def topk(
             f"top-K inputs must be [N, K] with matching shapes; got ids {ref_ids.shape}/{cand_ids.shape},"
             f" logprobs {lp.shape}/{lq.shape}"
         )
-    # rows in blocks of bounds.TOPK_BLOCK_ENTRIES entries: memory bounded at any K (up to V)
-    from .bounds import topk_row_blocks
-
+    # rows in blocks of TOPK_BLOCK_ENTRIES entries: memory bounded at any K (up to V)
     parts = [_topk_block(ref_ids[s], lp[s], cand_ids[s], lq[s], vocab_size, eps)
              for s in topk_row_blocks(ref_ids.shape[0], max(ref_ids.shape[1], cand_ids.shape[1]))]
     if len(parts) == 1:
@@ -807,6 +805,17 @@ def _topk_block(ref_ids, lp, cand_ids, lq, vocab_size: int, eps: float) -> dict[
         "top1_ref": top1_p,
         "top1_cand": top1_q,
     }
+
+
+# Top-K comparisons (the seed estimate here, the intervals in bounds.py) go in row blocks of
+# at most this many entries per side: memory bounded at any K, up to V.
+TOPK_BLOCK_ENTRIES = 1 << 20
+
+
+def topk_row_blocks(n_rows: int, k: int, entries: int = TOPK_BLOCK_ENTRIES):
+    """Row slices of at most ``entries`` top-K entries each (at least one row)."""
+    step = max(1, entries // max(1, k))
+    return [slice(a, min(a + step, n_rows)) for a in range(0, n_rows, step)] or [slice(0, 0)]
 
 
 def _lookup(ref_ids, valid_p, cand_ids, valid_q, q):
