@@ -38,21 +38,16 @@ SIGNIFICANCE = 0.05
 
 # ----------------------------------------------------------------------------- the machine
 def machine() -> dict:
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-    except OSError:
-        pass
-    try:
-        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
-    except (ValueError, OSError, AttributeError):
-        mem = None
+    """The CPU, usable cores and memory (GiB, whole) of this machine, as reports record it."""
+    from logitdiff.report import machine_info
+
+    info = machine_info()
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count()
-    return {"cpu": cpu or "unknown CPU", "cores": cores, "memory_gib": mem}
+        cores = info["cpu_count"]
+    mem = info["memory_gib"]
+    return {"cpu": info["cpu"] or "unknown CPU", "cores": cores, "memory_gib": round(mem) if mem else None}
 
 
 def load() -> str:

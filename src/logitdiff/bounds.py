@@ -435,7 +435,7 @@ def _two_point(div: str, p_a, q_a, p_b, q_b) -> np.ndarray:
 # estimate, which this module builds on): every temporary of topk_vs_topk and of the seed's
 # estimate is one [rows, K] array of at most that many values (8 MiB of float64), so memory
 # is bounded by one block at any K, up to K = V.
-from .metrics import TOPK_BLOCK_ENTRIES, topk_row_blocks  # noqa: E402
+from .metrics import TOPK_BLOCK_ENTRIES, topk_row_blocks  # noqa: E402, F401 (TOPK_BLOCK_ENTRIES re-exported)
 
 
 def topk_vs_topk(ref_ids, ref_logp, cand_ids, cand_logp, vocab_size: int, *, floor_logp_ref: float | None = None,

@@ -33,19 +33,21 @@ import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import BinaryIO, Iterator, Sequence
 
 from .errors import LogitdiffError
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """One file, whole or not at all: written to a temporary sibling, flushed to disk, then
-    renamed over ``path`` (the one temp-file-and-rename writer of the package)."""
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
+    """One file, whole or not at all: the caller writes to the yielded binary file (a
+    temporary sibling), which is flushed to disk and renamed over ``path`` when the block
+    ends without an error (the one temp-file-and-rename writer of the package)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -53,6 +55,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise write_error(path, e) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """``data`` as the whole file ``path`` (see atomic_file)."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def write_error(path: str | Path, e: OSError) -> LogitdiffError:

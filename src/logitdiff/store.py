@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from . import compact as compact_store
 from . import hidden as hidden_store
 from . import validate
 from .errors import LogitdiffError
-from .outputs import RUN_SCHEMA, Kind, atomic_write_bytes, atomic_write_json, check_output, write_error
+from .outputs import RUN_SCHEMA, Kind, atomic_file, atomic_write_bytes, atomic_write_json, check_output
 
 # A RUN keeps a copy of every tools module its items name, here (so a RUN is portable).
 TOOLS_DIR = "tools"
@@ -98,21 +97,12 @@ def atomic_save_npy_rows(path: Path, blocks: list[np.ndarray], dtype) -> None:
     n = sum(b.shape[0] for b in blocks)
     cols = blocks[0].shape[1] if blocks else 0
     out_dtype = np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(_DTYPES[dtype])
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False, "shape": (n, cols)})
-            for b in blocks:
-                if dtype == "bfloat16":
-                    b = b if b.dtype == np.uint16 else f32_to_bf16(b)
-                f.write(memoryview(np.ascontiguousarray(b, dtype=out_dtype)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise write_error(path, e) from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(path) as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False, "shape": (n, cols)})
+        for b in blocks:
+            if dtype == "bfloat16":
+                b = b if b.dtype == np.uint16 else f32_to_bf16(b)
+            f.write(memoryview(np.ascontiguousarray(b, dtype=out_dtype)))
 
 
 @dataclass
