@@ -262,20 +262,22 @@ def write_parquet(path: Path, columns: dict[str, np.ndarray]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from .. import arrow_columns as ac  # pa.array would import pandas (seconds per compare)
+
     first = ["item_id", "tags", "position", "token_id", "token"]
     names = first + sorted(k for k in columns if k not in first)
     arrays = []
     for k in names:
         v = columns[k]
         if k in ("tags", "top5_ref_tokens", "top5_cand_tokens"):
-            arrays.append(pa.array([[str(t) for t in x] for x in v], type=pa.list_(pa.string())))
+            arrays.append(ac.string_lists([[str(t) for t in x] for x in v]))
         elif getattr(v, "ndim", 1) == 2:
-            arrays.append(pa.array(list(v)))
+            arrays.append(ac.from_numpy(v))
         elif v.dtype == object:
-            arrays.append(pa.array([str(x) for x in v], type=pa.string()))
+            arrays.append(ac.strings([str(x) for x in v]))
         else:
-            arrays.append(pa.array(v))
-    pq.write_table(pa.table(arrays, names=names), path)
+            arrays.append(ac.from_numpy(v))
+    pq.write_table(pa.Table.from_arrays(arrays, names=names), path)
 
 
 def write_report_dir(
@@ -354,8 +356,10 @@ def read_columns(report_dir: str | Path, names: Sequence[str] | None = None) -> 
         from ..errors import LogitdiffError
 
         raise LogitdiffError(f"{path}: not found (is {report_dir} a logitdiff REPORT directory?)")
-    t = pq.read_table(path, columns=list(names) if names else None)
-    return {k: t.column(k).to_numpy(zero_copy_only=False) for k in t.column_names}
+    from ..arrow_columns import to_numpy
+
+    t = pq.ParquetFile(path).read(columns=list(names) if names else None)
+    return {k: to_numpy(t.column(k)) for k in t.column_names}
 
 
 def read_report(report_dir: str | Path) -> Report:

@@ -314,9 +314,11 @@ def load_tokens(path: str | Path) -> dict[str, np.ndarray] | None:
     path = Path(path)
     if not path.exists():
         return None
+    from ..arrow_columns import to_numpy
+
     names = set(pq.read_schema(path).names)
-    table = pq.read_table(path, columns=[c for c in TOKEN_COLUMNS if c in names])
-    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+    table = pq.ParquetFile(path).read(columns=[c for c in TOKEN_COLUMNS if c in names])
+    return {name: to_numpy(table.column(name)) for name in table.column_names}
 
 
 # ----------------------------------------------------------------------------- checks
