@@ -106,3 +106,25 @@ print("pandas" in sys.modules)
     assert t.column_names[:5] == ["item_id", "tags", "position", "token_id", "token"]
     assert t.schema.field("top5_ref_ids").type == pa.list_(pa.int64())
     assert t.column("tags").to_pylist() == [["x", "y"]] * 11
+
+
+def test_cli_start_imports_no_engine_or_pandas():
+    """Building the CLI's parser (every command's start) imports no engine module, pandas or plotly:
+    their defaults come from logitdiff.defaults."""
+    code = """
+import sys
+from logitdiff.cli import build_parser
+build_parser()
+heavy = ("logitdiff.capture", "logitdiff.flips", "logitdiff.grading", "logitdiff.consequences", "logitdiff.speculation",
+         "logitdiff.layers", "logitdiff.sources.served", "pandas", "plotly", "torch", "transformers", "jsonschema")
+print([m for m in heavy if m in sys.modules])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    from logitdiff import capture, consequences, defaults, flips, grading, layers, speculation
+
+    assert (capture.SCORE_BATCH, flips.MIN_RUN, consequences.DEFAULT_MAX_BRANCHES, grading.DEFAULT_THRESHOLDS,
+            layers.FLOOR_RERUN, speculation.DEFAULT_TOP_K) == (defaults.SCORE_BATCH, defaults.MIN_RUN,
+                                                              defaults.DEFAULT_MAX_BRANCHES, defaults.DEFAULT_THRESHOLDS,
+                                                              defaults.FLOOR_RERUN, defaults.DEFAULT_TOP_K)

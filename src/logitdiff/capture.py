@@ -34,8 +34,7 @@ from .sources import RowKind, Source, TopKRows
 from .store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
 from .workload import Item
 
-DEFAULT_MAX_TOKENS = 64
-SCORE_BATCH = 8  # items per score_many call: one block of the batch layout
+from .defaults import DEFAULT_MAX_TOKENS, SCORE_BATCH  # noqa: F401 (SCORE_BATCH: items per score_many call)
 BATCH_LAYOUT = "blocks of `batch` consecutive items in workload order"
 
 

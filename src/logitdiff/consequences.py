@@ -18,6 +18,7 @@ import numpy as np
 
 from .capture import DEFAULT_MAX_TOKENS
 from .contracts import Correctness, MethodKind
+from .defaults import DEFAULT_MAX_BRANCHES  # noqa: F401 (re-exported)
 from .errors import LogitdiffError
 from .contracts import CallVerdict, Verdict
 from .flips import (
@@ -29,8 +30,6 @@ from .sources import Source
 from .store import RunItem, RunReader, first_difference
 from .summarize import DEFAULT_RANGES
 
-# Branches per candidate at most (the highest-KL flips are kept): `run` and `flips` alike.
-DEFAULT_MAX_BRANCHES = 24
 from .toolcalls import ToolCall
 from .workload import check_tools_once
 

@@ -64,9 +64,7 @@ MARGIN_BUCKETS = (0.0, 0.05, 0.2, 0.5, 1.0000001)
 # tokens on each side, and at least MIN_JOINED_SHARE of the tokens after the flip (to the
 # end of the shorter output) must be joined. Eight tokens of the bundled tokenizer are a
 # few words or one short line.
-MIN_RUN = 4
-MAX_SHIFT = 8
-MAX_DETOUR = 8
+from .defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN  # noqa: E402 (the values, defined for the CLI's --help)
 MIN_JOINED_SHARE = 0.8
 # Last thirds of two continuations this dissimilar (difflib ratio) end differently: a
 # recovered branch must not (the summary counts any that do, so a wrong class shows on the

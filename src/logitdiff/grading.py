@@ -188,7 +188,7 @@ EDIT = "normalised character edit similarity (1 - Levenshtein / max length)"
 # tests/test_flips_labelled.py` prints the sweep): each lies in the widest range of thresholds
 # whose lowest per-class agreement with the labels is the highest reached (edit 0.43-0.47,
 # MiniLM 0.67-0.76, the other at its default), near its middle. See docs/flips.md.
-DEFAULT_THRESHOLDS = {"minilm": 0.70, "edit": 0.45}
+from .defaults import DEFAULT_THRESHOLDS  # noqa: E402 (the values; why these: above)
 # Items with these tags are code or tool calls: scored by edit similarity whatever --similarity auto finds.
 EDIT_TAGS = ("code", "tool")
 # Sentence embeddings need sentences: MiniLM puts "Yes" and "No" at cosine 0.73. Texts with

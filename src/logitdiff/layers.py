@@ -46,7 +46,7 @@ import numpy as np
 from .errors import LogitdiffError
 from .outputs import LAYERS_SCHEMA
 LAYERS_SCHEMA_VERSION = "1.0"
-FLOOR_RERUN = "rerun"
+from .defaults import FLOOR_RERUN  # noqa: E402
 FLOOR_NONE = "none"
 FLOOR_SPEC = "spec"  # another source, compared like a candidate
 TOP_LAYERS = 3  # "the layers that add the most error": how many are named

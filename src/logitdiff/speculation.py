@@ -51,10 +51,7 @@ NOT_EXERCISED = "speculation not exercised"
 VERDICTS = (LOSSLESS, SHAPE_ONLY, DEFECT, NOT_EXERCISED)
 NEAR_TIE, MATERIAL = "near-tie", "material"
 
-DEFAULT_N_PREDICT = 256
-DEFAULT_TOP_K = 20
-DEFAULT_FLOOR_ITEMS = 8
-DEFAULT_SHAPE_WIDTH = 4  # llama-server's default draft (--spec-draft-n-max 3) + the target's token
+from .defaults import DEFAULT_FLOOR_ITEMS, DEFAULT_N_PREDICT, DEFAULT_SHAPE_WIDTH, DEFAULT_TOP_K  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------------------

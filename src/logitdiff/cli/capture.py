@@ -28,7 +28,7 @@ EPILOG = (
 
 
 def register(sub) -> None:
-    from ..capture import SCORE_BATCH
+    from ..defaults import SCORE_BATCH
 
     cap = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=EPILOG)
     cap.add_argument("spec", metavar="SPEC", help="source spec")

@@ -55,8 +55,8 @@ candidate spec (override with --candidate).
 def register(sub) -> None:
     import argparse
 
-    from ..flips import MAX_DETOUR, MAX_SHIFT, MIN_RUN
-    from ..grading import DEFAULT_THRESHOLDS
+    from ..defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN
+    from ..defaults import DEFAULT_THRESHOLDS
     from ..toolexec import SANDBOX_HELP
 
     f = sub.add_parser(NAME, help=HELP, description=FLIPS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,

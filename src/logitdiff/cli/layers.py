@@ -10,7 +10,7 @@ HELP = "per-layer attribution: where in the network a candidate's hidden states 
 
 
 def register(sub) -> None:
-    from ..layers import FLOOR_RERUN
+    from ..defaults import FLOOR_RERUN
 
     p = sub.add_parser(
         NAME,

@@ -109,7 +109,7 @@ def add_gate_options(p, extra: str = "") -> None:
 
 
 def add_max_branches(p) -> None:
-    from ..consequences import DEFAULT_MAX_BRANCHES
+    from ..defaults import DEFAULT_MAX_BRANCHES
 
     p.add_argument("--max-branches", type=int, default=DEFAULT_MAX_BRANCHES,
                    help="branches per candidate at most; the highest-KL flips are kept (default: %(default)s)")

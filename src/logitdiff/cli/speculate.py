@@ -9,7 +9,7 @@ HELP = "compare a speculative llama-server with the same model without speculati
 
 
 def register(sub) -> None:
-    from ..speculation import DEFAULT_FLOOR_ITEMS, DEFAULT_N_PREDICT, DEFAULT_SHAPE_WIDTH, DEFAULT_TOP_K
+    from ..defaults import DEFAULT_FLOOR_ITEMS, DEFAULT_N_PREDICT, DEFAULT_SHAPE_WIDTH, DEFAULT_TOP_K
 
     t = sub.add_parser(
         NAME,

@@ -1,0 +1,28 @@
+"""Defaults the CLI's ``--help`` shows, defined once here so that building the parser imports
+no engine module (capture, flips, speculation, layers, consequences: ~0.2 s of every
+command's start, more on a loaded machine). The engine modules import them from here."""
+
+# capture: tokens generated per item when the workload does not say; items per score_many call
+# (one block of the batch layout)
+DEFAULT_MAX_TOKENS = 64
+SCORE_BATCH = 8
+
+# flips: a flip's realignment (see flips.py for why these sizes)
+MIN_RUN = 4
+MAX_SHIFT = 8
+MAX_DETOUR = 8
+
+# consequences: branches per candidate at most (the highest-KL flips are kept): `run` and `flips` alike
+DEFAULT_MAX_BRANCHES = 24
+
+# layers: the floor measured by re-running the reference
+FLOOR_RERUN = "rerun"
+
+# grading: similarity thresholds of "same answer" (why these values: grading.py, docs/flips.md)
+DEFAULT_THRESHOLDS = {"minilm": 0.70, "edit": 0.45}
+
+# speculation
+DEFAULT_N_PREDICT = 256
+DEFAULT_TOP_K = 20
+DEFAULT_FLOOR_ITEMS = 8
+DEFAULT_SHAPE_WIDTH = 4  # llama-server's default draft (--spec-draft-n-max 3) + the target's token
