@@ -472,7 +472,8 @@ def _timed(cmd: list[str], env: dict | None = None) -> float:
     import subprocess
 
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    full = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}  # None: unset
+    r = subprocess.run(cmd, capture_output=True, text=True, env=full)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:4])}...: exit {r.returncode}\n{r.stderr[-2000:]}")
     return time.perf_counter() - t0
@@ -517,7 +518,11 @@ def cmd_peer(args) -> None:
     wl.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"{topics[i % len(topics)]} ({i})", "max_tokens": args.tokens}) + "\n"
                           for i in range(args.items)))
     py = sys.executable
-    env = {"PYTHONPATH": str(REPO / "src")}
+    # logitdiff runs from the source tree: its bytecode compiled once into OUT/pycache, as
+    # pip compiles an installed package (quantdiff's, in its venv); without it, a shell with
+    # PYTHONDONTWRITEBYTECODE set recompiles ~60 modules in every one of the three processes
+    env = {"PYTHONPATH": str(REPO / "src"), "PYTHONPYCACHEPREFIX": str(out / "pycache"), "PYTHONDONTWRITEBYTECODE": None}
+    _timed([py, "-m", "compileall", "-q", str(REPO / "src" / "logitdiff")], env)
     ld = [py, "-m", "logitdiff.cli"]
     qd = [args.quantdiff, "run"]
     res: dict = {"items": args.items, "tokens": args.tokens, "k": args.k, "repeats": args.repeats, "walls": {}}
