@@ -44,6 +44,9 @@ class LlamaServerSource(ServedSource):
 
     def __init__(self, client, **kw):
         self._n_slots = 1
+        # rows of the greedy generations of the last generate_many (serial mode): see _rows_in_generation
+        self._gen_rows: dict[tuple, TopKRows] = {}
+        self._collect_rows = False
         self._pin_slots = True
         # tasks answered and prompt tokens evaluated / taken from the cache (the server's
         # ``timings``), summed over this source's scoring requests
@@ -130,12 +133,62 @@ class LlamaServerSource(ServedSource):
         return (await self._client.request("POST", "/detokenize", {"tokens": ids})).get("content", "")
 
     # ---- model ---------------------------------------------------------------------------
+    def _rows_in_generation(self) -> bool:
+        """Serial mode, prefix cache on, one replica: the greedy generation's own top-K rows
+        (``n_probs`` on every generated token, the prompt evaluated from scratch) are the
+        rows teacher-forced scoring of the same tokens would return, bit for bit - the same
+        server evaluates the same tokens in the same order, alone in its batch (measured:
+        tests/test_served_floor.py). So the reference's scoring pass is answered from them:
+        one request per item instead of one task per position. Not in rounds mode (other
+        batch mates) nor with ``cache_prompt=false`` (scoring re-evaluates each prefix)."""
+        return self.batching == SERIAL and self.cache_prompt and len(self.roots) == 1
+
+    def generate_many(self, prompts, max_tokens):
+        self._gen_rows = {}  # only this block's: memory is a block of items
+        self._collect_rows = self._rows_in_generation()
+        try:
+            return super().generate_many(prompts, max_tokens)
+        finally:
+            self._collect_rows = False
+
+    def score_many(self, batch):
+        if not self._gen_rows:
+            return super().score_many(batch)
+        # serial mode scores pair by pair anyway: the others one at a time, as it would
+        keys = [(tuple(int(i) for i in p), tuple(int(i) for i in t)) for p, t in batch]
+        return [self._gen_rows.pop(k) if k in self._gen_rows else super(LlamaServerSource, self).score_many([pair])[0]
+                for k, pair in zip(keys, batch)]
+
     def _generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
         c = self._client
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "return_tokens": True,
                 "cache_prompt": True, "repeat_penalty": 1.0, "dry_multiplier": 0.0, "stream": False}
+        if self._collect_rows:
+            # as the first scoring task of a serial item: the whole prompt evaluated afresh
+            body.update({"n_probs": self.top_k, "post_sampling_probs": False, "cache_prompt": False})
         r = c.run(c.request("POST", "/completion", body))
-        return r.get("tokens") or [], "eos" if r.get("stop_type") == "eos" else "max_tokens"
+        ids = r.get("tokens") or []
+        if self._collect_rows:
+            self._keep_rows(prompt, ids, r.get("completion_probabilities"))
+        return ids, "eos" if r.get("stop_type") == "eos" else "max_tokens"
+
+    def _keep_rows(self, prompt: list[int], ids, probs) -> None:
+        """Keep the generation's rows for score_many when there is one complete, valid row
+        per generated token; anything else (a byte token's probabilities dropped, a short
+        list) leaves the item to teacher-forced scoring, which reports it properly."""
+        if not isinstance(ids, list) or not ids or not isinstance(probs, list) or len(probs) != len(ids):
+            return
+        try:
+            rows = []
+            for j, e in enumerate(probs):
+                top = e.get("top_logprobs") if isinstance(e, dict) else None
+                if not isinstance(top, list) or "top_probs" in e:
+                    return
+                rows.append(topk_row([(d["id"], d.get("logprob")) for d in top], self.top_k,
+                                     f"{self.spec}: generated position {j}", ordered=True, vocab_size=self.vocab_size))
+            self._gen_rows[(tuple(int(i) for i in prompt), tuple(int(i) for i in ids))] = TopKRows.stack(rows)
+        except (LogitdiffError, KeyError, TypeError, ValueError):
+            return
 
     # one task per position; an item's positions in order on one slot
     async def _score(self, pairs):
