@@ -628,16 +628,7 @@ class RunWriter:
 
 def _parse_item_line(path: Path, lineno: int, line: bytes, chunk: int) -> RunItem:
     """One line of a chunk's items.jsonl, or a one-line error naming file, line and field."""
-    try:
-        d = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise LogitdiffError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); the run is damaged") from None
-    except json.JSONDecodeError as e:
-        raise LogitdiffError(f"{path}:{lineno}: not valid JSON ({e.msg}; truncated line?); the run is damaged") from None
-    except RecursionError:
-        raise LogitdiffError(f"{path}:{lineno}: JSON nested too deeply; the run is damaged") from None
-    if not isinstance(d, dict):
-        raise LogitdiffError(f"{path}:{lineno}: expected a JSON object; the run is damaged")
+    d = _json_object(line, f"{path}:{lineno}", json_hint="; truncated line?", json_damaged=True)
     for key, types in (("id", str), ("prompt_ids", list), ("teacher_ids", list), ("positions", list), ("row", int)):
         if not isinstance(d.get(key), types) or isinstance(d.get(key), bool):
             raise LogitdiffError(f"{path}:{lineno}: field {key!r} missing or not a {types.__name__}; the run is damaged")
@@ -653,18 +644,26 @@ def read_manifest(mpath: Path) -> dict:
     """A RUN's manifest.json as a dict, or a one-line error (unreadable, not UTF-8, not
     JSON, nested beyond the recursion limit, not an object)."""
     try:
-        m = json.loads(mpath.read_bytes().decode("utf-8"))
+        raw = mpath.read_bytes()
     except OSError as e:
         raise LogitdiffError(f"{mpath}: cannot read ({e.strerror})") from None
+    return _json_object(raw, str(mpath))
+
+
+def _json_object(raw: bytes, where: str, *, json_hint: str = "", json_damaged: bool = False) -> dict:
+    """``raw`` (UTF-8 JSON) as a dict, or a one-line error naming ``where`` (not UTF-8, not
+    JSON, nested beyond the recursion limit, not an object)."""
+    try:
+        d = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise LogitdiffError(f"{mpath}: not valid UTF-8 (byte {e.start}); the run is damaged") from None
+        raise LogitdiffError(f"{where}: not valid UTF-8 (byte {e.start}); the run is damaged") from None
     except json.JSONDecodeError as e:
-        raise LogitdiffError(f"{mpath}: not valid JSON ({e.msg})") from None
+        raise LogitdiffError(f"{where}: not valid JSON ({e.msg}{json_hint})" + ("; the run is damaged" if json_damaged else "")) from None
     except RecursionError:
-        raise LogitdiffError(f"{mpath}: JSON nested too deeply; the run is damaged") from None
-    if not isinstance(m, dict):
-        raise LogitdiffError(f"{mpath}: expected a JSON object; the run is damaged")
-    return m
+        raise LogitdiffError(f"{where}: JSON nested too deeply; the run is damaged") from None
+    if not isinstance(d, dict):
+        raise LogitdiffError(f"{where}: expected a JSON object; the run is damaged")
+    return d
 
 
 def check_chunk_entries(chunks, mpath: Path) -> None:
