@@ -74,11 +74,13 @@ def test_other_batch_mates_change_bf16_logits(clean):
     assert not np.any(same.columns["kl_nats"])  # a plain rerun: bit-identical on CPU
     kl = np.asarray(moved.columns["kl_nats"])
     assert np.any(kl > 0)
-    # bf16 rounding noise, not a different model: how large it is depends on the CPU's
-    # float32 kernels (1.6e-7 nats on one AMD EPYC, 1.8e-6 to 2.6e-6 on another), so the
-    # bound is the claim README makes of it: well below the cross-engine floor (the BF16
-    # GGUF against this reference: 5.6e-5 nats on the bundled workload), here 1/5 of it.
-    assert kl.mean() < 1.1e-5
+    # bf16 rounding noise, not a different model. Its size depends on the CPU's float32
+    # kernels (1.6e-7 nats on one AMD EPYC, 1.8e-6 to 2.6e-6 on another), so it is read
+    # against what README reads it against, measured here on the same items: the same
+    # weights in another engine (the BF16 GGUF through llama.cpp), the cross-engine floor.
+    with open_source("builtin:tiny-BF16") as gguf:
+        engine = np.asarray(compare_runs(clean, LiveRun(gguf, clean)).columns["kl_nats"])
+    assert kl.mean() < 0.2 * engine.mean(), (kl.mean(), engine.mean())
 
 
 def test_killed_capture_resumes_bit_exact(wl, clean, tmp_path):
