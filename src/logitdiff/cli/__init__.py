@@ -89,6 +89,8 @@ def _check_common(args) -> None:
     seed = getattr(args, "seed", None)
     if seed is not None and not 0 <= seed < 2**63:
         raise LogitdiffError(f"--seed {seed}: must be a non-negative integer")
+
+
 def entry() -> int:
     """The program's entry point (the ``logitdiff`` script, ``python -m logitdiff.cli``):
     :func:`main`, then a prompt exit.
