@@ -389,6 +389,18 @@ def test_flips_takes_the_report_lock(w, tmp_path, capsys):
     assert digest(rep) == before
 
 
+
+@pytest.mark.parametrize("argv", [
+    ["--candidate", "gguf:/nonexistent/x.gguf"],  # fails opening the candidate, after reading the REPORT
+    ["--reference", "gguf:/nonexistent/x.gguf", "--both"],  # fails opening the reference
+])
+def test_flips_that_fails_leaves_its_report_as_it_was(w, tmp_path, capsys, argv):
+    """flips writes into its REPORT (no --out): a failing flips leaves every file of it unchanged."""
+    rep = copy_of(w, "rep", tmp_path / "rep")
+    before = digest(rep)
+    check_error(capsys, ["flips", rep, "--similarity", "edit", *argv], "x.gguf")
+    assert digest(rep) == before
+
 def test_real_concurrent_capture_is_refused(w, tmp_path):
     """Two real logitdiff processes capturing into one RUN: the second fails at once,
     naming the first's pid; the first completes a run holding only its own model."""
