@@ -436,7 +436,8 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     reasons.append(f"F0 (run-to-run): reference {'bit-identical' if f0['reference']['bit_identical'] else 'NOT identical'}, "
                    f"candidate {'bit-identical' if f0['candidate']['bit_identical'] else 'NOT identical'} on {f0['reference']['items']} items")
     reasons.append(f"F1 (shape floor, width {f1['shape_width']}): max |Δlogprob| {f1['max_abs_dlogprob']:.3g} nats, "
-                   f"KL max {f1_kl:.3g}, {f1['top1_flips']} top-1 flips over {f1['positions']} positions")
+                   f"KL max {'not measured' if f1['kl_nats']['max'] is None else format(f1_kl, '.3g')}, "
+                   f"{f1['top1_flips']} top-1 flips over {f1['positions']} positions")
     reasons.append(f"identical outputs {summary['identical_output_rate'] * 100:.1f}% of {summary['items']} items; "
                    f"{summary['near_tie_divergences']} near-tie and {summary['material_divergences']} material divergences")
     if cc["draft_n"]:
