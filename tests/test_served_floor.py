@@ -85,7 +85,7 @@ def test_serial_batching_is_bit_identical_across_item_groupings(served, tmp_path
     assert not any("batching" in n for n in compare_runs(ref, r).notes)
 
 
-def test_run_measures_the_served_floor_on_real_servers(served, tmp_path):
+def test_run_measures_the_served_floor_on_real_servers(served, tmp_path, capfd):
     """`logitdiff run` with a served reference and a served candidate (default rounds
     batching): each side is scored a second time with other batch mates; the report gives
     the candidate as a multiple of that floor, and the numbers are the ones measured."""
@@ -115,6 +115,12 @@ def test_run_measures_the_served_floor_on_real_servers(served, tmp_path):
     md = (out / "reports" / row["name"] / "report.md").read_text()
     assert "× served floor" in md and "served batching: reference `rounds`, candidate `rounds`" in md
     assert "× served floor" in (out / "summary.md").read_text()
+    # and on the terminal of `logitdiff run`, beside the table
+    from logitdiff.cli.run import print_run_summary
+
+    capfd.readouterr()
+    print_run_summary(summary)
+    assert "× served floor" in "".join(capfd.readouterr())
     # the candidate's capture is kept as a RUN, and the comparison was made from it
     cand = RunReader(out / "runs" / f"candidate-{row['name']}")
     assert cand.manifest["status"] == "complete" and cand.manifest["source"]["identity"]["batching"] == "rounds"

@@ -251,7 +251,7 @@ def test_server_killed_mid_generation(env, servers, tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".killed*"))
 
 
-def test_teacher_forced_comparison_of_a_speculative_source_is_labelled(env, servers, tmp_path):
+def test_teacher_forced_comparison_of_a_speculative_source_is_labelled(env, servers, tmp_path, capfd):
     """The ordinary (teacher-forced) path on a source declared speculative=1: its report says
     'speculation not exercised' (a prefill never runs a verify batch), in report.json and report.md."""
     from logitdiff.api import capture_run, diff_runs
@@ -262,6 +262,12 @@ def test_teacher_forced_comparison_of_a_speculative_source_is_labelled(env, serv
     assert rep["candidate"]["identity"]["speculative"] is True
     assert any(n.startswith("speculation not exercised: the candidate") for n in rep["method"]["notes"])
     assert "speculation not exercised" in (tmp_path / "rep" / "report.md").read_text()
+    # and on the terminal of `logitdiff compare`, beside the table
+    from logitdiff.cli.compare import print_summary
+
+    capfd.readouterr()
+    print_summary(rep)
+    assert "speculation not exercised" in "".join(capfd.readouterr())
     # the same server without the declaration: no label
     plain = capture_run(f"openai:{servers('self').url},top_k=8", tmp_path / "plain", teacher=ref_run)
     assert not any("speculation not exercised" in n for n in diff_runs(ref_run, plain)["method"]["notes"])

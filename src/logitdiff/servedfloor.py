@@ -78,9 +78,13 @@ def markdown_lines(summary: dict) -> list[str]:
         else:
             parts.append(f"{name}: not served or not measured")
     x = summary.get("kl_mean_x_served_floor")
+    # x is None for a floor of 0 or for no positions measured: say which, never "bit-identical" for nothing
+    measured = [fl[n] for n in ("reference", "candidate") if fl.get(n)]
+    why = ("the captures are bit-identical: the floor is 0" if fl["kl_nats_mean"] == 0 and all(s["positions"] for s in measured)
+           else "no positions measured")
     out = [f"- served floor (each served side {SHIFT_TEXT.split(' and compared')[0].replace('{shift}', 'half a block of')}): "
            + "; ".join(parts) + f". This candidate is **{'n/a' if x is None else f'{x:.3g}'} × served floor**"
-           + (" (the captures are bit-identical: the floor is 0)" if x is None else "")]
+           + (f" ({why})" if x is None else "")]
     if summary.get("within_2x_served_floor"):
         out.append("- **warning: within 2× of the served floor** — this drift is not distinguishable from the servers' "
                    "own batch arithmetic (capture with batching=serial for deterministic rows)")

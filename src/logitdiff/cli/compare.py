@@ -98,3 +98,7 @@ def print_summary(report: dict) -> None:
             "n/a" if t1.get("rate") is None else f"{100 * t1['rate']:.2f}%",
         )
     table_console().print(t)
+    # a label that changes what the figures mean belongs beside them, not only in report.json
+    for note in report["method"].get("notes") or []:
+        if note.startswith("speculation not exercised"):
+            console().print(f"[yellow]note:[/] {note}")

@@ -163,6 +163,12 @@ def print_run_summary(summary: dict) -> None:
                   g(r["x_noise_floor"]), g(r.get("x_cross_engine_floor")))
     con = table_console()
     con.print(t)
+    # a served candidate's drift is read against the servers' own batch arithmetic (summary.md says the same)
+    for r in summary["candidates"]:
+        if "x_served_floor" in r:
+            con.print(f"{r.get('name') or r['candidate']}: {g(r['x_served_floor'])} × served floor"
+                      + (" — within 2×: not distinguishable from the servers' batch arithmetic" if r.get("within_2x_served_floor") else ""),
+                      highlight=False)
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
         t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
         for col in ("candidate", Column.NAME["flip_branches"], *(o.replace("_", " ") for o in Outcome.ALL),

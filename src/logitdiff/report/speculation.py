@@ -21,6 +21,11 @@ def _f(x, fmt=".3g") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _kl(x) -> str:
+    """A KL with no positions behind it was never measured: say so, never print 0 or n/a."""
+    return "not reported" if x is None else format(x, ".3g")
+
+
 def render_markdown(rep: dict) -> str:
     s, v, f0, f1 = rep["summary"], rep["verdict"], rep["floors"]["F0"], rep["floors"]["F1"]
     cc = rep["candidate"]["counters"]
@@ -41,7 +46,7 @@ def render_markdown(rep: dict) -> str:
         f"| F0 candidate | rerun of itself | identical outputs {f0['candidate']['identical_outputs']}, max abs dlogprob "
         f"{_f(f0['candidate']['max_abs_dlogprob'])}, bit-identical {f0['candidate']['bit_identical']} |",
         f"| F1 shape | reference tokens teacher-forced in width-{f1['shape_width']} prefill batches vs its decode logprobs, "
-        f"{f1['positions']} positions | max abs dlogprob {_f(f1['max_abs_dlogprob'])}, KL max {_f(f1['kl_nats']['max'])}, "
+        f"{f1['positions']} positions | max abs dlogprob {_f(f1['max_abs_dlogprob'])}, KL max {_kl(f1['kl_nats']['max'])}, "
         f"top-1 flips {f1['top1_flips']}; near-tie threshold {_f(f1['near_tie_nats'])} nats |", "",
         "## Generation", "",
         f"- identical outputs: {100 * s['identical_output_rate']:.1f}% of {s['items']} items; mean shared-prefix fraction "
@@ -51,10 +56,10 @@ def render_markdown(rep: dict) -> str:
         f"(acceptance {_f(cc['acceptance_rate'])}); candidate probabilities not reported at {cc['positions_not_reported']} of "
         f"{cc['positions']} positions",
         f"- same context, aligned prefix ({s['prefix']['positions_compared']} positions where the candidate reported): KL (top-K "
-        f"estimate) max {_f(s['prefix']['kl_nats']['max'])} nats, proven lower bound max {_f(s['prefix']['kl_lower_nats']['max'])}, top-1 disagreements {s['prefix']['top1_disagreements']}, "
+        f"estimate) max {_kl(s['prefix']['kl_nats']['max'])} nats, proven lower bound max {_kl(s['prefix']['kl_lower_nats']['max'])}, top-1 disagreements {s['prefix']['top1_disagreements']}, "
         f"max abs dlogprob {_f(s['prefix']['abs_dlogprob']['max'])}",
         f"- cross-scoring after divergences ({s['cross']['items']} items): reference tokens on the candidate server KL max "
-        f"{_f(s['cross']['reference_on_candidate_kl_nats']['max'])}; the reference agrees with the candidate's next "
+        f"{_kl(s['cross']['reference_on_candidate_kl_nats']['max'])}; the reference agrees with the candidate's next "
         f"token in its context at {_f(s['cross']['candidate_on_reference_top1_agreement'])}", "",
         "## First divergences", "",
         "| item | first divergence | shared prefix | ref token | cand token | ref margin (nats) | cand margin (nats) | class |",
