@@ -26,7 +26,7 @@ from .errors import LogitdiffError
 from .outputs import RUN_SUMMARY_SCHEMA, Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from .report import build_report, noise_floor_section, write_report_dir
 from .report.markdown import render_markdown
-from .servedfloor import floor_side, is_served, served_floor
+from .servedfloor import SHIFT_TEXT, floor_side, is_served, served_floor
 from .sources import applied_threads, open_source
 from .store import ResumeMismatch, RunReader
 from .summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
@@ -198,7 +198,7 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         hooks.stage(f"served floor: {cfg.reference} scored again with batch boundaries moved by {shift} items")
         nf, batching = score(cfg.reference, "served floor", offset=shift, after=lambda src, comp: getattr(src, "batching", None))
         ref_floor = floor_side(nf, spec=cfg.reference, batching=batching, shift=shift)
-        noise = noise_floor_section(nf, spec=cfg.reference, rerun="served: " + ref_floor["measured_by"])
+        noise = noise_floor_section(nf, spec=cfg.reference, rerun="served: " + SHIFT_TEXT.format(shift=shift))
     elif cfg.noise_floor:
         hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
         nf, _ = score(cfg.reference, "noise floor")

@@ -31,17 +31,20 @@ def is_served(spec: str | None) -> bool:
     return bool(spec) and str(spec).startswith("openai:")
 
 
-def floor_side(comp, *, spec: str | None, batching: str | None, shift: int) -> ServedFloorSide:
-    """One side's floor from the comparison of its two captures."""
+def floor_side(comp, *, spec: str | None, batching: str | None, shift: int) -> ServedFloorSide | None:
+    """One side's floor from the comparison of its two captures; None when the second capture
+    scored no position (nothing measured: never a floor of 0)."""
     c = comp.columns
     kl = np.asarray(c["kl_nats"], np.float64)
+    if not kl.size:
+        return None
     return {
         "spec": spec,
         "batching": batching,
         "measured_by": SHIFT_TEXT.format(shift=shift),
-        "kl_nats_mean": float(kl.mean()) if kl.size else 0.0,
-        "kl_nats_max": float(kl.max()) if kl.size else 0.0,
-        "top1_disagreement": float(1.0 - np.mean(c["top1_match"])) if kl.size else 0.0,
+        "kl_nats_mean": float(kl.mean()),
+        "kl_nats_max": float(kl.max()),
+        "top1_disagreement": float(1.0 - np.mean(c["top1_match"])),
         "positions": int(kl.size),
     }
 
