@@ -9,7 +9,9 @@ texts of all V tokens (a RUN's ``vocab.json``) and the vocabulary's content hash
 * :func:`file_sha256_cached`: a file's sha256, keyed by (resolved path, size, mtime_ns,
   inode, ctime_ns) -- what ``git`` and ``make`` trust to say a file is unchanged. A file
   rewritten in place with the same size inside one mtime tick would be missed; ctime_ns
-  (which user space cannot set back) makes that a same-nanosecond rewrite.
+  (which user space cannot set back) narrows that to a rewrite within one ctime tick: on
+  Linux >= 6.13 (multigrain timestamps: ext4, xfs, btrfs, tmpfs) a change after a stat
+  always gets a new ctime, on older kernels the tick is one jiffy (1-10 ms).
 * :func:`cached_json`: a JSON value computed from files, keyed by those files' sha256
   (via the cache above), the library versions that computed it and a name.
 
@@ -54,12 +56,13 @@ def _read(path: Path | None) -> bytes | None:
 def _write(path: Path | None, data: bytes) -> None:
     if path is None:
         return
+    from ..errors import LogitdiffError
+    from ..outputs import atomic_write_bytes
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:
+        atomic_write_bytes(path, data)  # removes its temporary on failure (a full disk leaves nothing)
+    except (OSError, LogitdiffError):
         pass  # a read-only cache: compute again next time
 
 
