@@ -23,7 +23,8 @@ def register(sub) -> None:
             "layers that add the most error (median |e - e_prev| / |r|, e = cand - ref), and per item the rank "
             "correlation between a layer's error and the position's final KL. Sequences are prefilled a window of "
             "tokens at a time over a KV cache, the window sized so that both sides' hidden states of every layer and "
-            "their logits fit --chunk-size. Sources: hf:, "
+            "their logits fit --chunk-size (the engines' own logit buffers come on top: peak memory above the "
+            "loaded models is about 1.7-3x --chunk-size with hf:). Sources: hf:, "
             "gguf: (llama.cpp's graph evaluation callback on l_out-i) and builtin:; served sources hand out no hidden "
             "states. Writes REPORT/layers.json, layers.md and layers.html (self-contained plots)."
         ),
