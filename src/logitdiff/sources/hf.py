@@ -168,7 +168,8 @@ class HFSource(FullLogitSource):
         self.vocab_size = min(n_tok, self.out_rows)
         self.padded = self.out_rows - self.vocab_size
         self.tokenizer_tokens = self.tok.convert_ids_to_tokens(list(range(n_tok)))
-        self.tokenizer_hash = self._cached("tokenizer_hash", lambda: tokenizer_hash_of(self.tokenizer_tokens))
+        # not cached: ~25 ms at V = 248,320, and it keys the cached token texts (below)
+        self.tokenizer_hash = tokenizer_hash_of(self.tokenizer_tokens)
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
 
@@ -246,11 +247,14 @@ class HFSource(FullLogitSource):
 
         from .filecache import cached_json
 
-        # a GGUF holds its tokenizer: the file is the key (the directory may hold several)
+        # a GGUF holds its tokenizer: the file is the key (the directory may hold several).
+        # The token strings' hash is in the key too: a tokenizer held in files not named in
+        # _TOKENIZER_FILES (vocab.txt, *.tiktoken...) must not share another model's entry.
         files = [self.path / self.gguf_file] if self.gguf_file else [self.path / n for n in _TOKENIZER_FILES]
         return cached_json(f"hf.{name}", files,
                            {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-                            "n_tok": len(self.tok), "vocab_size": self.vocab_size}, compute)
+                            "n_tok": len(self.tok), "vocab_size": self.vocab_size,
+                            "tokenizer_hash": self.tokenizer_hash}, compute)
 
     def token_texts(self) -> list[str]:
         """``token_text`` of every id: one parallel decode in the Rust tokenizer (not V
