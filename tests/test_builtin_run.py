@@ -253,3 +253,43 @@ def test_default_run_html_numbers_match_parquet(default_run):
         assert html_mod.escape(top["branch_continuation"], quote=True) in plain
         assert html_mod.escape(top["ref_continuation"], quote=True) in plain
         assert 'class="ftok"' in html
+
+
+def test_every_report_metric_is_registered_and_every_registered_one_reported(default_run):
+    """The metric registry against real reports of the bundled default (flips, correctness and
+    noise floor present): every registered metric has a number there, and every metric-bearing
+    field of report.json (per-position series, summary figures, flip outcomes and rates,
+    correctness shares and counts) is registered."""
+    import math
+
+    from logitdiff.contracts import Outcome
+    from logitdiff.gates import get_path, metric_value
+    from logitdiff.metric_registry import GATE_METRICS, METRICS, SERIES
+
+    summary = json.loads((default_run / "summary.json").read_text())
+    registered = {p for m in METRICS.values() for p in m.paths}
+    for rdir in sorted((default_run / "reports").iterdir()):
+        rep = json.loads((rdir / "report.json").read_text())
+        for m in METRICS.values():  # registered -> reported
+            if m.paths[0].startswith("summary.json:candidates[]."):
+                key = m.paths[0].split(".", 1)[1].split(".", 1)[1]
+                row = next(r for r in summary["candidates"] if r["candidate"] == rep["candidate"]["spec"])
+                assert key in row, (m.name, rdir.name)
+                continue
+            v = metric_value(rep, m.name) if m.gate else next(
+                (get_path(rep, p) for p in m.paths if get_path(rep, p) is not None), None)
+            assert isinstance(v, (int, float)) and math.isfinite(v), (m.name, rdir.name, v)
+        # reported -> registered
+        assert set(rep["summary"]["metrics"]) == set(SERIES)
+        for item in rep["items"]:
+            stats = {k for k, v in item.items() if isinstance(v, dict) and "mean" in v and k != "top1_disagreement"}
+            assert stats == set(SERIES), (item["id"], stats)
+        assert set(rep["flips"]["outcomes"]) == set(rep["flips"]["rates"]) == set(Outcome.ALL)
+        shown = ["summary.top1_disagreement.rate", "summary.ppl_ratio", "summary.kl_mean_x_noise_floor", "flips.n_flips",
+                 "flips.n_branches", "flips.n_ties", *(f"flips.outcomes.{o}" for o in rep["flips"]["outcomes"]),
+                 *(f"flips.rates.{o}" for o in rep["flips"]["rates"])]
+        shown += [f"correctness.{k}" for k, v in rep["correctness"].items() if not k.endswith("_ci")
+                  and (k.startswith(("accuracy_", "tool_call_valid_")) or k in ("right_to_wrong", "wrong_to_right", "mcnemar_p"))]
+        shown += [f"summary.metrics.{s}.{stat}" for s in SERIES for stat in ("mean", "p95", "p99", "max") if s == "kl_nats"]
+        assert [p for p in shown if p not in registered] == []
+    assert set(GATE_METRICS) <= set(METRICS)

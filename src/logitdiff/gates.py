@@ -44,40 +44,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .contracts import Gates, GateResult, Outcome, Report
+from .contracts import Gates, GateResult, Report
 from .errors import LogitdiffError
+from .metric_registry import GATE_METRICS
 
 OPS: dict[str, Callable[[float, float], bool]] = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
-# name -> (one-line description, report.json paths tried in order)
-_SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "kl_mean": ("mean forward KL(P_ref||P_cand) per position, nats", ("summary.metrics.kl_nats.mean", "summary.kl_nats_mean")),
-    "kl_p95": ("95th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p95", "summary.kl_nats_p95")),
-    "kl_p99": ("99th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p99",)),
-    "kl_max": ("largest per-position forward KL, nats", ("summary.metrics.kl_nats.max", "summary.kl_nats_max")),
-    "kl_rev_mean": ("mean reverse KL(P_cand||P_ref), nats", ("summary.metrics.kl_rev_nats.mean",)),
-    "jsd_mean": ("mean Jensen-Shannon divergence, nats", ("summary.metrics.jsd_nats.mean",)),
-    "top1_disagreement": ("share (0-1) of positions whose top-1 token differs", ("summary.top1_disagreement.rate",)),
-    "ppl_ratio": ("candidate perplexity / reference perplexity on the teacher tokens", ("summary.ppl_ratio",)),
-    "x_noise_floor": ("the column × noise floor: mean KL / mean KL of the reference against a rerun of itself "
-                      "(null, so not evaluated, when that floor is 0)",
-                      ("summary.kl_mean_x_noise_floor",)),
-    "flips": ("number of top-1 flips (positions where the top-1 tokens differ) counted by `logitdiff flips`, "
-              "ties at the reference (flips.n_ties) excluded", ("flips.n_flips",)),
-}
-for _o in Outcome.ALL:
-    _SOURCES[_o] = (f"branched flips (ties excluded) whose outcome is {_o} ({Outcome.TEXT[_o]}), a count", (f"flips.outcomes.{_o}",))
-for _o in Outcome.ALL:
-    _SOURCES[f"{_o}_rate"] = (f"share (0-1) of branched flips whose outcome is {_o}; 0 when there were no flips at all",
-                              (f"flips.rates.{_o}",))
-_SOURCES.update({
-    "accuracy_ref": ("share (0-1) of labelled items the reference answers correctly", ("correctness.accuracy_ref",)),
-    "accuracy_cand": ("share (0-1) of labelled items the candidate answers correctly", ("correctness.accuracy_cand",)),
-    "accuracy_drop": ("accuracy_ref - accuracy_cand (positive: the candidate is worse)", ("correctness.accuracy_ref", "correctness.accuracy_cand")),
-    "right_to_wrong": ("labelled items the reference gets right and the candidate wrong", ("correctness.right_to_wrong",)),
-    "wrong_to_right": ("labelled items the reference gets wrong and the candidate right", ("correctness.wrong_to_right",)),
-    "tool_call_valid_cand": ("share (0-1) of tool items where the candidate's tool call is valid", ("correctness.tool_call_valid_cand",)),
-})
+# name -> (one-line description, report.json paths tried in order), from the metric registry
+_SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {name: (m.describe(), m.paths) for name, m in GATE_METRICS.items()}
 
 METRICS: dict[str, str] = {
     name: f"{desc} [report.json {' - '.join(paths) if name == 'accuracy_drop' else ' | '.join(paths)}]"

@@ -28,15 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from .gates import GateKind, evaluate, parse_gate_options
+from .metric_registry import GATE_METRICS
 
 __all__ = ["DriftCheckFailed", "assert_drift_within", "drift_failures"]
 
 # Per-item figure that ranks the worst items for a metric: (field of report.items[*], key).
-_ITEM_FIELD = {
-    "kl_mean": ("kl_nats", "mean"), "kl_p95": ("kl_nats", "p95"), "kl_p99": ("kl_nats", "p99"), "kl_max": ("kl_nats", "max"),
-    "kl_rev_mean": ("kl_rev_nats", "mean"), "jsd_mean": ("jsd_nats", "mean"),
-    "top1_disagreement": ("top1_disagreement", "rate"), "ppl_ratio": ("ppl_ratio", None),
-}
+_ITEM_FIELD = {name: m.item for name, m in GATE_METRICS.items() if m.item is not None}
 WORST_SHOWN = 3
 
 
@@ -122,5 +119,7 @@ def assert_drift_within(report_or_dir: Any, clauses: Any = None, /, *, fail_on: 
             lines.append(f"  {f['kind']} {f['clause']}: not evaluated, {f['metric']} is missing from the report: {f['reason']}")
             continue
         what = "holds" if f["kind"] == GateKind.FAIL_ON else "does not hold"
-        lines.append(f"  {f['kind']} {f['clause']} {what}: {f['metric']} = {f['value']:.6g}" + (f"; worst items: {worst}" if worst else ""))
+        m = GATE_METRICS[f["metric"]]
+        lines.append(f"  {f['kind']} {f['clause']} {what}: {f['metric']} = {f['value']:.6g} ({m.unit}, {m.direction}: {m.meaning})"
+                     + (f"; worst items: {worst}" if worst else ""))
     raise DriftCheckFailed("\n".join(lines), failures)

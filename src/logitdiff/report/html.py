@@ -33,9 +33,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .._version import __version__
-from ..contracts import Column, GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report
+from ..contracts import GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report
 from ..errors import LogitdiffError
 from ..gates import get_path as _get
+from ..metric_registry import METRICS
 from ..outputs import HTML_DATA_SCHEMA, HTML_GENERATOR_META, Kind, writing
 from ..stats import adjacent_pairs, per_item_values
 
@@ -58,19 +59,18 @@ VERSION_KEYS = (
     "dtype", "threads", "attn_implementation", "architecture", "arch",
 )
 
+# The tables' columns, generated from the metric registry (logitdiff.metric_registry): header,
+# tooltip (meaning; unit, direction; aggregate), report.json paths and format declared there once.
+def _col(name: str, paths: bool = True) -> tuple:
+    m = METRICS[name]
+    return (m.key, m.header, m.describe(), m.paths if paths else m.paths[0], m.fmt)
+
+
 # The candidate matrix: (key, header, tooltip, report.json paths tried in order, format).
 MATRIX = (
     ("file_size", "file size", "candidate weight file size (GGUF sources record it)", ("candidate.identity.size",), "bytes"),
-    ("kl_mean", Column.NAME["kl_mean"], "mean KL(P_ref‖P_cand), nats, 95 % CI from an item bootstrap", ("summary.metrics.kl_nats.mean",), "g"),
-    ("kl_p95", "p95 KL", "95th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p95",), "g"),
-    ("kl_p99", Column.NAME["kl_p99"], "99th percentile of per-position forward KL, nats", ("summary.metrics.kl_nats.p99",), "g"),
-    ("kl_rev_mean", "mean reverse KL", "mean KL(P_cand‖P_ref), nats, 95 % CI", ("summary.metrics.kl_rev_nats.mean",), "g"),
-    ("kl_rev_p95", "p95 reverse KL", "95th percentile of reverse KL, nats", ("summary.metrics.kl_rev_nats.p95",), "g"),
-    ("kl_rev_p99", "p99 reverse KL", "99th percentile of reverse KL, nats", ("summary.metrics.kl_rev_nats.p99",), "g"),
-    ("jsd_mean", Column.NAME["jsd_mean"], "mean Jensen-Shannon divergence, nats, 95 % CI", ("summary.metrics.jsd_nats.mean",), "g"),
-    ("top1", Column.NAME["top1_disagreement"], "share of positions whose top-1 token differs, 95 % CI", ("summary.top1_disagreement.rate",), "pct"),
-    ("x_noise_floor", Column.NAME["x_noise_floor"], Column.MEANING["x_noise_floor"], ("summary.kl_mean_x_noise_floor",), "x"),
-    ("ppl_ratio", Column.NAME["ppl_ratio"], "perplexity of the candidate / of the reference on the teacher tokens", ("summary.ppl_ratio",), "ratio"),
+    *(_col(n) for n in ("kl_mean", "kl_p95", "kl_p99", "kl_rev_mean", "kl_rev_p95", "kl_rev_p99", "jsd_mean",
+                        "top1_disagreement", "x_noise_floor", "ppl_ratio")),
 )
 CI_OF = {
     "kl_mean": "summary.metrics.kl_nats.ci95",
@@ -78,32 +78,15 @@ CI_OF = {
     "jsd_mean": "summary.metrics.jsd_nats.ci95",
     "top1": "summary.top1_disagreement.ci95",
 }
-CORRECTNESS = (
-    ("accuracy_ref", "accuracy ref", "accuracy of the reference's free-running answers on the labelled items", "pct1"),
-    ("accuracy_cand", "accuracy cand", "accuracy of the candidate's free-running answers on the labelled items", "pct1"),
-    ("right_to_wrong", Column.NAME["right_to_wrong"], "items the reference got right and the candidate wrong", "g"),
-    ("wrong_to_right", Column.NAME["wrong_to_right"], "items the reference got wrong and the candidate right", "g"),
-    ("mcnemar_p", Column.NAME["mcnemar_p"], "exact McNemar test of the correctness flips (below 0.05: the accuracy change is significant)", "g"),
-    ("tool_call_valid_cand", Column.NAME["tool_call_valid_cand"], "share of tool items whose candidate tool call parses and validates", "pct1"),
-)
+# The labelled-items part of the consequences table: (key = correctness.KEY, header, tooltip, format).
+CORRECTNESS = tuple((k, h, t, f) for k, h, t, _, f in (_col(n) for n in (
+    "accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p", "tool_call_valid_cand")))
 # The consequences table (what the drift does), flips part: (key, header, tooltip, report.json path, format).
-FLIP_COLUMNS = (
-    ("flips_n_flips", "top-1 flips", "positions where the two top-1 tokens differ (ties at the reference excluded)", "flips.n_flips", "g"),
-    ("flips_n_branches", Column.NAME["flip_branches"], "flips the candidate continued from (flips.selection says which, and the cap)", "flips.n_branches", "g"),
-    *((f"flips_{o}", o.replace("_", " "), Outcome.TEXT[o], f"flips.outcomes.{o}", "g") for o in Outcome.ALL),
-    ("flips_n_ties", Column.NAME["flip_ties"], "positions where the reference's own top two are tied: the engines broke the tie; not branched",
-     "flips.n_ties", "g"),
-)
+FLIP_COLUMNS = tuple(_col(n, paths=False) for n in ("flips", "flip_branches", *Outcome.ALL, "flip_ties"))
 # Fields other parts of logitdiff add to report.json from schema 1.2 on, shown when a report
 # has them: (key, header, tooltip, report.json paths tried in order, format).
-OPTIONAL_COLUMNS = (
-    ("flips_left_out", "over the cap", "selected flips the --max-branches cap left out (flips.left_out; the flips section lists them)",
-     ("flips.left_out.n",), "g"),
-    ("flips_ref_not_top1", "ref not own top-1", "positions where the token the reference wrote is not its own scored top-1 "
-     "(generation and scoring in other batch shapes): the reference's self-consistency", ("flips.reference_self_consistency.n_written_not_top1",), "g"),
-    ("cut_cand", "cut at budget", "the candidate's free-running outputs that hit the token budget: graded truncated, not wrong",
-     ("correctness.cut_cand",), "g"),
-)
+OPTIONAL_COLUMNS = tuple(_col(n) for n in ("flips_left_out", "flips_ref_not_top1", "cut_cand"))
+X_CROSS_ENGINE_FLOOR = _col("x_cross_engine_floor")
 
 CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px;text-align:left} table.flips td{vertical-align:top} 
 .cont .ftok{outline:2px solid #1f4fd1;outline-offset:-1px;background:#e3ebff}.cont .joined{background:#dff3e1}
@@ -845,7 +828,8 @@ def _matrix_html(names, paths, reports, cells_by_name, conseq, summary) -> str:
     if summary is not None:
         # the cross-engine floor sits beside the noise floor
         at = [c[0] for c in cols].index("x_noise_floor") + 1
-        cols.insert(at, ("x_cross_engine_floor", Column.NAME["x_cross_engine_floor"], Column.MEANING["x_cross_engine_floor"] + " (summary.json)", "x"))
+        k, h, t, _, f = X_CROSS_ENGINE_FLOOR
+        cols.insert(at, (k, h, t + " (summary.json)", f))
     drift = _table_html("matrix", cols, names, paths, reports, cells_by_name, summary)
     if not conseq:
         return drift

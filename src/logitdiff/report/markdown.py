@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..contracts import Column, Correctness, Flips, GroupStats, Outcome, Report, Summary
+from ..metric_registry import SERIES
 from .verdict import verdict_text
 
 
@@ -71,7 +72,8 @@ def render_markdown(report: Report) -> str:
     out += gates_markdown(report.get("gates"))
     out.append("\n## Summary\n")
     out.append("| metric | mean | 95 % CI | p50 | p95 | p99 | max |\n|---|---:|---|---:|---:|---:|---:|")
-    for key, label in (("kl_nats", "KL(ref‖cand) nats"), ("kl_rev_nats", "KL(cand‖ref) nats"), ("jsd_nats", "JSD nats")):
+    for key, series in SERIES.items():
+        label = series.label
         d = mets.get(key)
         if d:
             out.append(
