@@ -26,7 +26,7 @@ from logitdiff import metrics
 from logitdiff.metrics import FULL_VOCAB_FIELDS, NonFiniteLogits, full_vocab, row_stats, topk
 
 LN2 = math.log(2.0)
-# The accuracy contract of full_vocab (a requirement, DESIGN.md). Why both paths meet it
+# The accuracy contract of full_vocab (a requirement, docs/formulas.md). Why both paths meet it
 # with room: every field is a few float64 sums of V terms plus O(1) operations on them.
 # Worst case, a sum of V positive terms has relative error <= gamma = (levels of blocked
 # summation) * u, u = 2^-53, and each exp is good to EPS_EXP; divergences are formed
@@ -554,7 +554,7 @@ def test_row_stats_non_finite_names_row(bad):
 
 
 def ref_topk(ref_ids, ref_lp, cand_ids, cand_lp, vocab, eps=1e-12):
-    """DESIGN.md's top-K approximation, written out plainly one row at a time."""
+    """docs/formulas.md's top-K approximation, written out plainly one row at a time."""
     out = {f: [] for f in ("kl_nats", "baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass")}
     for ri, rl, ci, cl in zip(ref_ids, ref_lp, cand_ids, cand_lp):
         P = {int(i): math.exp(l) for i, l in zip(ri, rl) if i >= 0}

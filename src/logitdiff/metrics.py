@@ -1,4 +1,4 @@
-"""The metrics of DESIGN.md, vectorised and chunked. Pure: arrays in, arrays out, no I/O.
+"""The metrics of docs/formulas.md, vectorised and chunked. Pure: arrays in, arrays out, no I/O.
 
 Full-vocabulary metrics (`full_vocab`) run, on CPU, in the compiled kernel (``_kernel.cpp``
 through `kernel`: one float32 pass for maxima and top-K, one float64 pass for the sums,
