@@ -16,7 +16,7 @@ positions only, so (a) can be faster than (b).
 
 Without ``--model`` the bundled tiny model is used.
 
-``--wide WORK`` (issue 24) measures instead, at V = 248,320 (a random bf16 Llama, hidden
+``--wide WORK`` measures instead, at V = 248,320 (a random bf16 Llama, hidden
 ``--hidden`` (128), 2 layers, the bundled tokenizer widened with filler tokens; built in
 WORK once), ``--items`` (2) items x ``--tokens`` (512) teacher tokens:
 
@@ -282,7 +282,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--items", type=int, default=0, help="use the first N workload items (0 = all)")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--wide", metavar="WORK", help="the V = 248,320 measurement of issue 24 (see above), in WORK")
+    ap.add_argument("--wide", metavar="WORK", help="the V = 248,320 measurement (see above), in WORK")
     ap.add_argument("--tokens", type=int, default=512, help="--wide: teacher tokens per item")
     ap.add_argument("--hidden", type=int, default=128, help="--wide: hidden size of the random model")
     ap.add_argument("--vocab", type=int, default=248_320, help="--wide: vocabulary size")

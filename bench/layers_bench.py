@@ -12,7 +12,7 @@ Two settings, each a subprocess per measurement (wall time and peak RSS of that 
 ``layers`` runs the reference and the candidate (two forward passes per window) and the
 per-layer metrics; the capture runs the candidate alone, so the same invocation also times
 the teacher-forced capture of the reference's spec (``capture REF --teacher REF_RUN``): the
-two captures together are what ``layers`` cannot go below. The goal of issue #26 is <= 2x
+two captures together are what ``layers`` cannot go below. The goal is <= 2x
 the candidate capture's time. Positions/s = teacher-forced positions / wall seconds of the whole command
 (model loading included, as a user sees it).
 

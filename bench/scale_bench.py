@@ -1,4 +1,4 @@
-"""Issue 16's scale benchmark: V = 248,320 and long outputs, peak memory and wall time of
+"""The scale benchmark: V = 248,320 and long outputs, peak memory and wall time of
 every streaming command.
 
 A random Llama (hidden 128, 2 layers) on the bundled tokenizer widened to exactly 248,320

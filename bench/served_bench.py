@@ -1,9 +1,9 @@
-"""Served-model benchmarks (issue 4).
+"""Served-model benchmarks.
 
     python bench/served_bench.py topk-runs OUT      # runs for `logitdiff topk-error`
     python bench/served_bench.py throughput OUT [--servers llamacpp,vllm]
-    python bench/served_bench.py peer OUT            # vs quantdiff, batching modes (issue 22)
-    python bench/served_bench.py floors OUT          # the three floors of a served comparison (issue 22)
+    python bench/served_bench.py peer OUT            # vs quantdiff, batching modes
+    python bench/served_bench.py floors OUT          # the three floors of a served comparison
 
 ``topk-runs``: a random Llama (V=2048, hidden 256, 4 layers, F32) through transformers as
 the reference on a generated workload, and its Q4_K_M GGUF (llama.cpp, in process) as a
@@ -25,8 +25,8 @@ the capture path) against the same server's own prompt-processing rate in the sa
 tokenizer widened with filler tokens: tests/_models.py ``make_wide_llama``): the time and
 request count of fetching all token texts; teacher-forced top-64 capture positions/s on
 llama-server with its default flags and with the tuned ones, each next to a peer that sends
-one request per position (logitdiff's scheduling before issue 16; on the default flags also
-its unpinned variant, the default-flags scheduling of issue 16's first change) and to the
+one request per position (logitdiff's earlier scheduling; on the default flags also
+its unpinned variant, the default-flags scheduling of the first change) and to the
 server's own prefill rate; prompt tokens the server evaluated per position (its timings); the same for vLLM.
 
 Servers are started by ``tests/servers.py`` (build them first: scripts/build_llama_server.sh,
@@ -226,11 +226,11 @@ def cmd_throughput(args) -> None:
     (out / "served_bench.json").write_text(json.dumps({"model": str(d), "args": vars(args), "results": results}, indent=1, default=str))
 
 
-# ------------------------------------------------------------------ scale: V = 248,320 (issue 16)
+# ------------------------------------------------------------------ scale: V = 248,320
 def _per_position_requests(url: str, pairs, K: int, n_slots: int, *, pin: bool = True) -> dict:
-    """The peer: logitdiff's scheduling before issue 16 - one /completion request per output
+    """The peer: logitdiff's earlier scheduling - one /completion request per output
     position, each item pinned to one slot for all its positions, items one per slot.
-    ``pin=False``: the default-flags scheduling of issue 16's first change - the same, but
+    ``pin=False``: the default-flags scheduling of the first change - the same, but
     every request unpinned (``id_slot: -1``), restored from the host-RAM prompt cache."""
     import asyncio
 

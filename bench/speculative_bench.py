@@ -1,4 +1,4 @@
-"""Speculation on vs off on llama-server, in generation mode (issue 23).
+"""Speculation on vs off on llama-server, in generation mode.
 
     python bench/speculative_bench.py OUT [--items 32] [--tokens 256] [--drafts F32,Q8_0,Q2_K,ngram] [--floor-items 8]
 

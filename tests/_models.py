@@ -142,7 +142,7 @@ def widen_tokenizer(src_dir: str | Path, out_dir: str | Path, vocab_size: int, *
     return tok
 
 
-WIDE_VOCAB = 248_320  # Qwen3.5's vocabulary size: the design point of issue 16
+WIDE_VOCAB = 248_320  # Qwen3.5's vocabulary size: the design point
 
 
 def make_wide_llama(out_dir: str | Path, *, vocab_size: int = WIDE_VOCAB, hidden: int = 128, layers: int = 2, heads: int = 4,

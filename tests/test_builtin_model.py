@@ -201,7 +201,7 @@ def graded(model, tok):
 
 
 def test_bf16_meets_issue_targets(graded):
-    """Issue #3: a schema-valid tool call on >= 90 % of the bundled tool prompts and a correct
+    """A schema-valid tool call on >= 90 % of the bundled tool prompts and a correct
     answer on >= 50 % of the labelled prompts, greedy at BF16."""
     valid, n_tool, correct, n_lab, replies = graded
     detail = "\n".join(f"{k}: {v!r}" for k, v in replies.items())

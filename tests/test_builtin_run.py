@@ -118,7 +118,7 @@ def test_default_run_flips_and_correctness(default_run):
         assert len(fl) == f["n_branches"] > 0
         # ties at the reference are flips of top-1 but not of the candidate: counted apart, not
         # branched; so are the positions where the candidate picked the token the reference
-        # wrote although it is not the reference's own scored top-1 (issue 21)
+        # wrote although it is not the reference's own scored top-1
         sc = f["reference_self_consistency"]
         assert f["n_flips"] + f["n_ties"] + sc["n_candidate_wrote_it"] == rep["summary"]["top1_mismatches"]
         assert sc["n_written_not_top1"] >= sc["n_candidate_wrote_it"] >= 0
@@ -153,7 +153,7 @@ def test_default_run_flips_and_correctness(default_run):
 
 
 def test_default_run_recovered_means_recovered(default_run):
-    """Issue 15: at most 5 % of the recovered branches end dissimilar to the reference (last
+    """At most 5 % of the recovered branches end dissimilar to the reference (last
     third, difflib ratio < 0.5, computed here independently of the classifier), no branch at an
     exact tie is a flip outcome, and every recovered branch re-joined and stayed."""
     from difflib import SequenceMatcher

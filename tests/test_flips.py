@@ -299,7 +299,7 @@ def test_broken_tools_module_is_refused_before_work(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# issue 21: the written token, the reference's self-consistency, changed answers first
+# the written token, the reference's self-consistency, changed answers first
 
 
 def test_a_flip_is_where_the_candidate_leaves_the_written_token():

@@ -1,4 +1,4 @@
-"""Hostile inputs, round two (issue 27): every class gives one line, a non-zero exit and
+"""Hostile inputs, round two: every class gives one line, a non-zero exit and
 nothing half-written, or the right result.
 
 Real parts: RUNs written by the real RunWriter (small synthetic models, so each test takes

@@ -174,7 +174,7 @@ def test_kernel_rejects_what_it_cannot_read():
     assert U == 2.0**-53
 
 
-# Tail tiles (issue 14, peaked rows). The kernel's SIMD path takes a cheaper exp (degree 6,
+# Tail tiles (peaked rows). The kernel's SIMD path takes a cheaper exp (degree 6,
 # relative error eps = 1.25e-9) and ln g = ln2 + (a_p + a_q + ln r0)/2 + ln cosh(delta/2)
 # (absolute error eta = 7e-9, for tiles with |delta| <= 0.75) on tiles that hold a tiny
 # share W of the mass. First order, every field moves by at most eps or eta times

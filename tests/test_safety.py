@@ -357,7 +357,7 @@ def test_concurrent_writer_is_refused_and_a_dead_one_does_not_block(cmd, w, tmp_
 
 def plant_user_files(out: Path) -> dict[Path, str]:
     """A user's files beside --out whose names resemble the writer's temporaries: the
-    examples of issue 27 and the class around them (no pid, a live pid, a malformed token,
+    hostile examples and the class around them (no pid, a live pid, a malformed token,
     another name's temporaries); path -> digest."""
     n = out.name
     live = os.getppid()  # alive for the whole test

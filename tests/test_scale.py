@@ -1,4 +1,4 @@
-"""Issue 16 at V = 248,320: streamed capture, compare and topk-error give the numbers the
+"""At V = 248,320: streamed capture, compare and topk-error give the numbers the
 unstreamed computation gives, a bf16 reference stores 2 bytes per entry, and
 ``--store topk:K`` / ``--positions sample:`` never hand out full rows beyond a block.
 

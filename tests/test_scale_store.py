@@ -1,4 +1,4 @@
-"""Streaming store pieces of issue 16 without a model: items whose rows run across chunk
+"""Streaming store pieces at scale, without a model: items whose rows run across chunk
 files, chunks flushed by bytes, bf16 bits through the writer, row blocks across item
 boundaries, resume after a kill in the middle of an item, and the top-K lookup without an
 [N, K, K] array."""

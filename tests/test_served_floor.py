@@ -106,7 +106,7 @@ def test_run_measures_the_served_floor_on_real_servers(served, tmp_path, capfd):
     # the floor is the larger side's; the reference's is the run's noise floor
     assert fl["kl_nats_mean"] == max(fl["reference"]["kl_nats_mean"], fl["candidate"]["kl_nats_mean"])
     assert fl["reference"]["kl_nats_mean"] == pytest.approx(summary["noise_floor"]["kl_nats_mean"], rel=1e-12)
-    # the quantized server's rows move with their batch mates (issue 22: the reason for the floor)
+    # the quantized server's rows move with their batch mates (the reason for the floor)
     assert fl["candidate"]["kl_nats_mean"] > 0
     assert s["kl_mean_x_served_floor"] == pytest.approx(s["kl_nats_mean"] / fl["kl_nats_mean"], rel=1e-12)
     assert s["within_2x_served_floor"] == (s["kl_mean_x_served_floor"] <= 2)

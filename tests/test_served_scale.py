@@ -1,4 +1,4 @@
-"""Served capture at a real vocabulary (issue 16 item 6), on real servers started here.
+"""Served capture at a real vocabulary, on real servers started here.
 
 At V = 248,320 (a random Llama on the bundled tokenizer widened with filler tokens) a served
 reference capture through a counting proxy on 127.0.0.1 must fetch the V token texts in a

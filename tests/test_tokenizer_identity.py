@@ -1,4 +1,4 @@
-"""Tokenizer identity by what matters (issue 28 item 1).
+"""Tokenizer identity by what matters.
 
 llama.cpp's converter writes a tokenizer's user-defined tokens with literal spaces where the
 transformers tokenizer spells them with U+2581 ("pre-normalize user-defined spaces"), so the
