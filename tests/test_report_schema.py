@@ -199,6 +199,20 @@ def test_update_report_dir_validates_too(written, tmp_path, monkeypatch):
     assert "gates" not in C.load_report(out)  # the old report is untouched
 
 
+def test_update_report_dir_is_all_or_nothing(written, tmp_path):
+    """A file that cannot be written (here: a directory stands where it goes) fails the whole
+    update with one line naming it: no file replaced, no temporary left behind."""
+    out, _ = written
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    (out / "blocked").mkdir()
+    doc = C.load_report(out)
+    doc["gates"] = {"gates": [], "crossed": [], "not_evaluated": [], "passed": True}
+    with pytest.raises(LogitdiffError, match="blocked"):
+        update_report_dir(out, doc, {"flips.parquet": b"new", "blocked": b"x"})
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
 # ----------------------------------------------------------------------------- readers
 
 

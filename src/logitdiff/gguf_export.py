@@ -33,7 +33,6 @@ Conventions that matter for exact agreement with transformers:
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Callable, Iterator
@@ -41,6 +40,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .errors import LogitdiffError
+from .outputs import atomic_path
 
 #: Bump when the bytes this exporter writes change (part of the ladder cache key).
 EXPORTER_VERSION = "1"
@@ -342,96 +342,94 @@ def export_gguf(
     file_type = gguf.LlamaFileType.ALL_F32 if outtype == "F32" else gguf.LlamaFileType.MOSTLY_BF16
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    try:
-        # ---- general / hparams -------------------------------------------------------
-        w.add_type(gguf.GGUFType.MODEL)
-        w.add_name(name or hf_dir.resolve().name)
-        w.add_file_type(int(file_type))
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_vocab_size(len(tk["tokens"]))
-        w.add_context_length(int(hp["n_ctx"]))
-        w.add_embedding_length(hp["n_embd"])
-        w.add_block_count(hp["n_layer"])
-        w.add_feed_forward_length(hp["n_ff"])
-        w.add_head_count(hp["n_head"])
-        w.add_head_count_kv(hp["n_head_kv"])
-        w.add_layer_norm_rms_eps(hp["eps"])
-        w.add_rope_freq_base(hp["theta"])
-        w.add_rope_dimension_count(hp["head_dim"])
-        if hp["head_dim"] != hp["n_embd"] // hp["n_head"]:
-            w.add_key_length(hp["head_dim"])
-            w.add_value_length(hp["head_dim"])
-        if hp["rope_type"] == "linear" and hp["rope_factor"]:
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(float(hp["rope_factor"]))
-
-        # ---- tokenizer ---------------------------------------------------------------
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(tk["tokens"])
-        w.add_token_types(tk["types"])
-        if tk["merges"]:
-            w.add_token_merges(tk["merges"])
-        sp = tk["special"]
-        if "bos" in sp:
-            w.add_bos_token_id(sp["bos"])
-        if "eos" in sp:
-            w.add_eos_token_id(sp["eos"])
-        if "pad" in sp:
-            w.add_pad_token_id(sp["pad"])
-        if "unk" in sp:
-            w.add_unk_token_id(sp["unk"])
-        w.add_add_bos_token(tk["add_bos"])
-        w.add_add_eos_token(False)
-        if tk["chat_template"]:
-            w.add_chat_template(tk["chat_template"])
-
-        # ---- tensors -----------------------------------------------------------------
-        seen: set[str] = set()
-        for wf in weight_files(hf_dir):
-            for hf_name, dt, arr in _iter_safetensors(wf):
-                mapped = _gguf_name(hf_name, hp["n_layer"])
-                if mapped is None:
-                    continue
-                gname, _bid = mapped
-                if gname == "output.weight" and hp["tied"]:
-                    continue
-                if gname.endswith(".attn_q.weight") or gname.endswith(".attn_q.bias"):
-                    arr = _permute(arr, hp["n_head"], hp["n_head"])
-                elif gname.endswith(".attn_k.weight") or gname.endswith(".attn_k.bias"):
-                    arr = _permute(arr, hp["n_head"], hp["n_head_kv"])
-                if arr.ndim <= 1 or gname.endswith("_norm.weight") or outtype == "F32":
-                    w.add_tensor(gname, np.ascontiguousarray(_to_f32(dt, arr)), raw_dtype=qt.F32)
-                elif dt == "BF16":  # bit-exact copy
-                    w.add_tensor(gname, np.ascontiguousarray(arr), raw_dtype=qt.BF16)
-                else:
-                    w.add_tensor(gname, gguf.quants.quantize(_to_f32(dt, arr), qt.BF16), raw_dtype=qt.BF16)
-                seen.add(gname)
-                if progress:
-                    progress(gname)
-        missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in seen]
-        if not hp["tied"] and "output.weight" not in seen:
-            missing.append("output.weight")
-        for b in range(hp["n_layer"]):
-            for s in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                      "attn_norm", "ffn_norm"):
-                if f"blk.{b}.{s}.weight" not in seen:
-                    missing.append(f"blk.{b}.{s}.weight")
-        if missing:
-            raise LogitdiffError(f"{hf_dir}: weights are missing tensors for {missing[0]} ({len(missing)} missing)")
-
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out_path)
-    except BaseException:
+    with atomic_path(out_path) as tmp:  # out_path appears whole, or not at all
+        w = gguf.GGUFWriter(str(tmp), "llama")
         try:
+            # ---- general / hparams -------------------------------------------------------
+            w.add_type(gguf.GGUFType.MODEL)
+            w.add_name(name or hf_dir.resolve().name)
+            w.add_file_type(int(file_type))
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            w.add_vocab_size(len(tk["tokens"]))
+            w.add_context_length(int(hp["n_ctx"]))
+            w.add_embedding_length(hp["n_embd"])
+            w.add_block_count(hp["n_layer"])
+            w.add_feed_forward_length(hp["n_ff"])
+            w.add_head_count(hp["n_head"])
+            w.add_head_count_kv(hp["n_head_kv"])
+            w.add_layer_norm_rms_eps(hp["eps"])
+            w.add_rope_freq_base(hp["theta"])
+            w.add_rope_dimension_count(hp["head_dim"])
+            if hp["head_dim"] != hp["n_embd"] // hp["n_head"]:
+                w.add_key_length(hp["head_dim"])
+                w.add_value_length(hp["head_dim"])
+            if hp["rope_type"] == "linear" and hp["rope_factor"]:
+                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+                w.add_rope_scaling_factor(float(hp["rope_factor"]))
+
+            # ---- tokenizer ---------------------------------------------------------------
+            w.add_tokenizer_model("gpt2")
+            w.add_tokenizer_pre("gpt-2")
+            w.add_token_list(tk["tokens"])
+            w.add_token_types(tk["types"])
+            if tk["merges"]:
+                w.add_token_merges(tk["merges"])
+            sp = tk["special"]
+            if "bos" in sp:
+                w.add_bos_token_id(sp["bos"])
+            if "eos" in sp:
+                w.add_eos_token_id(sp["eos"])
+            if "pad" in sp:
+                w.add_pad_token_id(sp["pad"])
+            if "unk" in sp:
+                w.add_unk_token_id(sp["unk"])
+            w.add_add_bos_token(tk["add_bos"])
+            w.add_add_eos_token(False)
+            if tk["chat_template"]:
+                w.add_chat_template(tk["chat_template"])
+
+            # ---- tensors -----------------------------------------------------------------
+            seen: set[str] = set()
+            for wf in weight_files(hf_dir):
+                for hf_name, dt, arr in _iter_safetensors(wf):
+                    mapped = _gguf_name(hf_name, hp["n_layer"])
+                    if mapped is None:
+                        continue
+                    gname, _bid = mapped
+                    if gname == "output.weight" and hp["tied"]:
+                        continue
+                    if gname.endswith(".attn_q.weight") or gname.endswith(".attn_q.bias"):
+                        arr = _permute(arr, hp["n_head"], hp["n_head"])
+                    elif gname.endswith(".attn_k.weight") or gname.endswith(".attn_k.bias"):
+                        arr = _permute(arr, hp["n_head"], hp["n_head_kv"])
+                    if arr.ndim <= 1 or gname.endswith("_norm.weight") or outtype == "F32":
+                        w.add_tensor(gname, np.ascontiguousarray(_to_f32(dt, arr)), raw_dtype=qt.F32)
+                    elif dt == "BF16":  # bit-exact copy
+                        w.add_tensor(gname, np.ascontiguousarray(arr), raw_dtype=qt.BF16)
+                    else:
+                        w.add_tensor(gname, gguf.quants.quantize(_to_f32(dt, arr), qt.BF16), raw_dtype=qt.BF16)
+                    seen.add(gname)
+                    if progress:
+                        progress(gname)
+            missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in seen]
+            if not hp["tied"] and "output.weight" not in seen:
+                missing.append("output.weight")
+            for b in range(hp["n_layer"]):
+                for s in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                          "attn_norm", "ffn_norm"):
+                    if f"blk.{b}.{s}.weight" not in seen:
+                        missing.append(f"blk.{b}.{s}.weight")
+            if missing:
+                raise LogitdiffError(f"{hf_dir}: weights are missing tensors for {missing[0]} ({len(missing)} missing)")
+
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
             w.close()
-        except Exception:
-            pass
-        tmp.unlink(missing_ok=True)
-        raise
+        except BaseException:
+            try:
+                w.close()  # before the temporary is removed
+            except Exception:
+                pass
+            raise
     return out_path

@@ -39,22 +39,37 @@ from .errors import LogitdiffError
 
 
 @contextmanager
-def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
-    """One file, whole or not at all: the caller writes to the yielded binary file (a
-    temporary sibling), which is flushed to disk and renamed over ``path`` when the block
-    ends without an error (the one temp-file-and-rename writer of the package)."""
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """One file, whole or not at all, written by name (by llama.cpp's quantizer, gguf's
+    writer, or the caller): the yielded path is a temporary sibling, renamed over ``path``
+    when the block ends without an error and removed otherwise (the one temp-file-and-rename
+    writer of the package; :func:`atomic_file` and every other writer go through it). One
+    writer per path at a time (the name is per process)."""
     path = Path(path)
+    # ".NAME.tmpPID": the name _ATOMIC_TMP and a RUN's resume sweep know as a write temporary
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        yield tmp
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            raise write_error(path, e) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
+    """One file, whole or not at all: the caller writes to the yielded binary file (a
+    temporary sibling, see :func:`atomic_path`), flushed to disk before it is renamed."""
+    path = Path(path)
+    try:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
         raise write_error(path, e) from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

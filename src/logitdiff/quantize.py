@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .errors import LogitdiffError
-from .outputs import atomic_write_json
+from .outputs import atomic_path, atomic_write_json
 from .gguf_export import EXPORTER_VERSION, TOKENIZER_FILES, export_gguf, weight_files
 
 #: ladder name -> llama.cpp LLAMA_FTYPE value (llama.h ``enum llama_ftype``)
@@ -161,28 +161,23 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, *, nthread: int = 0, 
         raise LogitdiffError("quantizing needs llama-cpp-python (pip install 'logitdiff[gguf]')") from None
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}", ftype)
     params.nthread = int(nthread)
     params.allow_requantize = bool(allow_requantize)
-    # llama.cpp logs a line per tensor (and fallback warnings) while quantizing: capture
-    # them instead of printing, and quote the last lines if quantization fails.
-    lines: list[str] = []
-    with _quant_lock, _captured_llama_log(llama_cpp, lines):
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
-    if rc != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        text = "".join(lines)
-        errs = [ln.strip() for ln in text.splitlines() if "error" in ln.lower() or "failed" in ln.lower()]
-        why = f": {errs[-1]}" if errs else ""
-        raise LogitdiffError(f"{src}: llama.cpp quantization to {name} failed (status {rc}){why}")
-    try:
+    with atomic_path(dst) as tmp:  # dst appears whole and checked, or not at all
+        # llama.cpp logs a line per tensor (and fallback warnings) while quantizing: capture
+        # them instead of printing, and quote the last lines if quantization fails.
+        lines: list[str] = []
+        with _quant_lock, _captured_llama_log(llama_cpp, lines):
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0 or not tmp.is_file():
+            text = "".join(lines)
+            errs = [ln.strip() for ln in text.splitlines() if "error" in ln.lower() or "failed" in ln.lower()]
+            why = f": {errs[-1]}" if errs else ""
+            raise LogitdiffError(f"{src}: llama.cpp quantization to {name} failed (status {rc}){why}")
         if check:
             check_tensor_types(tmp, name, display=dst)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
     return dst
 
 

@@ -4,8 +4,8 @@ failure never leaves half a report behind."""
 
 from __future__ import annotations
 
-import os
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Sequence
 
@@ -15,7 +15,7 @@ from .._version import __version__
 from ..compare import Comparison
 from ..contracts import SCHEMA_VERSION, NoiseFloor, Report, Side, Summary, json_clean, load_report, report_json
 from ..metrics import LN2
-from ..outputs import REPORT_SCHEMA  # declared once, beside the output guard
+from ..outputs import REPORT_SCHEMA, atomic_path, atomic_write_bytes, write_error  # REPORT_SCHEMA: declared once, beside the output guard
 from ..segments import item_segments, segment_masks, vocab_scheme
 from ..summarize import DEFAULT_RANGES, by_groups, range_masks, summarize_group
 
@@ -308,25 +308,21 @@ def write_report_dir(
 def update_report_dir(out: str | Path, report: Report, files: dict[str, bytes], remove: Sequence[str] = ()) -> None:
     """Replace report.json, add/replace ``files`` and delete ``remove`` in an existing REPORT directory.
 
-    Every file is written to a temporary name first and only then renamed into place, so
-    a failure while producing the new contents leaves the old report untouched.
+    Every file is written to a temporary name first and only then renamed into place
+    (:func:`logitdiff.outputs.atomic_path`), so a failure while producing the new contents
+    leaves the old report untouched.
     """
     out = Path(out)
     payload = {"report.json": report_json(report, str(out / "report.json")).encode(), **files}
-    tmps = []
-    try:
+    with ExitStack() as renames:  # renamed when every file is written, none on a failure
         for name, data in payload.items():
-            tmp = out / f".{name}.tmp{os.getpid()}"
-            tmp.write_bytes(data)
-            tmps.append((tmp, out / name))
-        for tmp, final in tmps:
-            os.replace(tmp, final)
-        for name in remove:
-            (out / name).unlink(missing_ok=True)
-    finally:
-        for tmp, _ in tmps:
-            if tmp.exists():
-                tmp.unlink()
+            tmp = renames.enter_context(atomic_path(out / name))
+            try:
+                tmp.write_bytes(data)
+            except OSError as e:
+                raise write_error(out / name, e) from None
+    for name in remove:
+        (out / name).unlink(missing_ok=True)
 
 
 def write_candidate_page(report_dir: str | Path, summary=None) -> Path:
@@ -338,12 +334,7 @@ def write_candidate_page(report_dir: str | Path, summary=None) -> Path:
     report_dir = Path(report_dir)
     page = render_html([load_report(report_dir)], [load_tokens(report_dir / "tokens.parquet")], summary=summary,
                        paths=[str(report_dir)])
-    tmp = report_dir / f".report.html.tmp{os.getpid()}"
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, report_dir / "report.html")
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_bytes(report_dir / "report.html", page.encode("utf-8"))
     return report_dir / "report.html"
 
 
