@@ -29,7 +29,7 @@ import numpy as np
 
 from .contracts import CallVerdict, Verdict
 from .errors import LogitdiffError
-from .summarize import resample_items
+from .summarize import item_bootstrap_ci
 from .toolcalls import ToolCall, compare_calls, parse_tool_calls, validate_call
 
 CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls")
@@ -346,5 +346,5 @@ def paired_diff_ci(ref_ok: np.ndarray, cand_ok: np.ndarray, n_boot: int = 2000, 
     if n == 0:
         return [None, None]
     d = cand_ok.astype(np.float64) - ref_ok.astype(np.float64)
-    means = resample_items(d, np.ones(n), n_boot=n_boot, seed=seed)
-    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+    lo, hi, _ = item_bootstrap_ci(d, np.ones(n), n_boot=n_boot, seed=seed, alpha=0.05)
+    return [lo, hi]

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .summarize import resample_items
+from .summarize import item_bootstrap_ci
 
 Z95 = 1.959963984540054  # two-sided 95 % normal quantile
 
@@ -50,9 +50,7 @@ def paired_bootstrap(values_a, values_b, n_boot: int = 2000, seed: int = 0, leve
     if n == 1 or n_boot <= 0:
         # One item: no spread to resample; the interval is the point and says nothing.
         return {"diff": diff, "ci": [diff, diff], "p_two_sided": 1.0, "separable": False, "n_items": n, "sd": sd}
-    boot = resample_items(d, np.ones(n), n_boot=n_boot, seed=seed)
-    a = (1.0 - level) / 2.0
-    lo, hi = (float(x) for x in np.quantile(boot, [a, 1.0 - a]))
+    lo, hi, boot = item_bootstrap_ci(d, np.ones(n), n_boot=n_boot, seed=seed, alpha=1.0 - level)
     k = min(int((boot <= 0).sum()), int((boot >= 0).sum()))
     p = min(1.0, (2 * k + 1) / (n_boot + 1))
     return {"diff": diff, "ci": [lo, hi], "p_two_sided": p, "separable": bool(lo > 0 or hi < 0), "n_items": n, "sd": sd}

@@ -48,6 +48,16 @@ def resample_items(item_sums: np.ndarray, item_counts: np.ndarray, *, n_boot: in
     return sums[draws].sum(1) / counts[draws].sum(1)
 
 
+def item_bootstrap_ci(item_sums: np.ndarray, item_counts: np.ndarray, *, n_boot: int, seed: int,
+                      alpha: float = 0.05) -> tuple[float, float, np.ndarray]:
+    """The one item-bootstrap interval: :func:`resample_items`, then the percentile interval
+    that leaves ``alpha / 2`` of the resampled means on each side. Returns ``(lo, hi, means)``
+    (the means for a caller's own p-value)."""
+    means = resample_items(item_sums, item_counts, n_boot=n_boot, seed=seed)
+    lo, hi = np.quantile(means, [alpha / 2.0, 1.0 - alpha / 2.0])
+    return float(lo), float(hi), means
+
+
 def bootstrap_mean_ci(
     values: np.ndarray,
     item_index: np.ndarray,
@@ -69,10 +79,8 @@ def bootstrap_mean_ci(
     if n_items == 1 or n_boot <= 0:
         m = float(sums.sum() / counts.sum())
         return m, m
-    means = resample_items(sums, counts, n_boot=n_boot, seed=seed)
-    a = (1.0 - level) / 2.0
-    lo, hi = np.quantile(means, [a, 1.0 - a])
-    return float(lo), float(hi)
+    lo, hi, _ = item_bootstrap_ci(sums, counts, n_boot=n_boot, seed=seed, alpha=1.0 - level)
+    return lo, hi
 
 
 def summarize_group(
