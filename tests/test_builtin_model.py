@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from logitdiff.builtin.tasks import parse_tool_call as _parse_tool_call
+from _tasks import parse_tool_call as _parse_tool_call
 
 BUILTIN = Path(__file__).resolve().parents[1] / "src" / "logitdiff" / "builtin"
 MODEL_DIR = BUILTIN / "tiny"
@@ -236,7 +236,9 @@ def test_bf16_text_continuation_is_not_garbage(model, tok):
 def test_training_refuses_rows_too_short_for_its_examples(tok):
     """A --seq-len shorter than an example means row packing skips that example forever
     (phases 4-7 never saw a prompt offering two or three tools); train_tiny refuses it."""
-    from logitdiff.builtin import train_tiny as TT
+    from _tasks import training_module
+
+    TT = training_module("train_tiny")
 
     mix = {"code": 0.0, "prose": 0.0, "tool": 1.0, "small": 0.0}
     text = ["def f(x):\n    return x + 1\n" * 200]

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from logitdiff.builtin.tasks import TOOLS_BY_NAME
+from _tasks import TOOLS_BY_NAME
 from logitdiff.errors import LogitdiffError
 from logitdiff.flips import (
     Alignment, align, classify, end_ratio, find_flips, is_tie, margin_bucket, numbers_agree, parse_select,

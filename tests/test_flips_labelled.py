@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from logitdiff.builtin import TINY_DIR
-from logitdiff.builtin.tasks import TOOLS_BY_NAME
+from _tasks import TOOLS_BY_NAME
 from logitdiff.flips import OUTCOMES, classify, end_ratio
 from logitdiff.grading import DEFAULT_THRESHOLDS, SimilarityPolicy, load_similarity
 from logitdiff.salient import is_code

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import binomtest
 
-from logitdiff.builtin.tasks import TOOLS_BY_NAME
+from _tasks import TOOLS_BY_NAME
 from logitdiff.errors import LogitdiffError
 from logitdiff.grading import (
     check_expected,

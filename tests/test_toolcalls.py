@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from logitdiff.builtin.tasks import TOOLS, tool_call_text
+from _tasks import TOOLS, tool_call_text
 from logitdiff.errors import LogitdiffError
 from logitdiff.toolcalls import (
     ToolCall,

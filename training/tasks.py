@@ -1,7 +1,7 @@
 """Seeded synthetic tasks for the bundled ``builtin:tiny`` model, and its evaluation workload.
 
-Pure Python (no torch): the training script (``train_tiny.py``) draws its chat/tool data from
-here, and :func:`build_workload` writes the bundled workload with a held-out seed.
+Build-time code, outside the installed package. Pure Python (no torch): the training script
+(``training/train_tiny.py``) draws its chat/tool data from here, and :func:`build_workload` writes the bundled workload with a held-out seed.
 
 Task families
 -------------
@@ -441,8 +441,8 @@ def write_workload(path: str | Path, seed: int = WORKLOAD_SEED) -> list[dict]:
     return items
 
 
-if __name__ == "__main__":  # python -m logitdiff.builtin.tasks [OUT]
+if __name__ == "__main__":  # python training/tasks.py [OUT]
     import sys
 
-    out = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).with_name("workload.jsonl"))
+    out = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1] / "src" / "logitdiff" / "builtin" / "workload.jsonl")
     print(len(write_workload(out)), "items ->", out)

@@ -1,9 +1,12 @@
 """Train the bundled ``builtin:tiny`` model (a small Llama) from data available offline.
 
-    python -m logitdiff.builtin.train_tiny --out src/logitdiff/builtin/tiny --minutes 40 --seed 0
+    python training/train_tiny.py --out src/logitdiff/builtin/tiny --minutes 40 --seed 0
+
+Build-time code, not part of the installed package (the runtime only loads the weights it
+wrote into src/logitdiff/builtin/tiny).
 
 Data: CPython stdlib sources (code), pydoc help topics + stdlib docstrings (prose), and the
-seeded synthetic chat / tool-calling tasks of :mod:`logitdiff.builtin.tasks`.  Everything is
+seeded synthetic chat / tool-calling tasks of ``training/tasks.py``.  Everything is
 seeded; with ``--minutes`` the number of steps is fixed from the measured speed before the
 cosine phase starts (warmup is step-based), and TRAINING.md records the equivalent
 ``--steps N`` command, which repeats the run step for step.
@@ -19,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import tasks as T
+import tasks as T  # training/tasks.py: this script's directory is on sys.path when it runs
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "src" / "logitdiff" / "builtin"  # what it writes
 EXCLUDE_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip", "tkinter"}
 
 
@@ -538,9 +541,9 @@ def main(argv=None) -> int:
     sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     total_mb = sum(sizes.values()) / 1e6
 
-    cmd_used = "python -m logitdiff.builtin.train_tiny " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd_used = "python training/train_tiny.py " + " ".join(sys.argv[1:] if argv is None else argv)
     repro = (
-        f"python -m logitdiff.builtin.train_tiny --out {args.out} --seed {args.seed} --steps {steps_done}"
+        f"python training/train_tiny.py --out {args.out} --seed {args.seed} --steps {steps_done}"
         + "".join(
             f" --{k.replace('_', '-')} {v}"
             for k, v in vars(args).items()
@@ -550,9 +553,9 @@ def main(argv=None) -> int:
     )
     md = f"""# builtin:tiny - training record
 
-Written by `logitdiff.builtin.train_tiny` at the end of the run.
+Written by `training/train_tiny.py` at the end of the run.
 
-* Command run: `{cmd_used}` (from `src/`, or with the package installed)
+* Command run: `{cmd_used}` (from the repository root)
 * Step-exact reproduction: `{repro}`
 * Torch {torch.__version__}, {args.threads} CPU threads, seed {args.seed}, fp32 training, saved in bfloat16.
 * Wall time: {train_s / 60:.1f} min training ({steps_done} steps x {args.batch} x {args.seq_len} tokens), {(time.time() - t_start) / 60:.1f} min in all.

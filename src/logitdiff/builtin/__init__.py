@@ -1,4 +1,4 @@
-"""The bundled default: a tiny Llama trained by ``train_tiny.py``, its workload, and its
+"""The bundled default: a tiny Llama trained by ``training/train_tiny.py``, its workload, and its
 GGUF quant ladder built on demand.
 
 Specs:
