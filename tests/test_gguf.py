@@ -338,7 +338,7 @@ def test_bad_spec_options(ladder):
     p = ladder["paths"]["F32"]
     with pytest.raises(LogitdiffError, match="unknown option 'bogus'"):
         open_source(f"gguf:{p},bogus=1")
-    with pytest.raises(LogitdiffError, match="n_ctx must be an integer"):
+    with pytest.raises(LogitdiffError, match="option n_ctx='big' must be a positive integer"):
         open_source(f"gguf:{p},n_ctx=big")
 
 

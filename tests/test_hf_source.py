@@ -206,9 +206,9 @@ def test_bad_inputs(dirs, tmp_path):
         open_source(f"hf:{tmp_path / 'nope'}")
     with pytest.raises(LogitdiffError, match="no config.json"):
         open_source(f"hf:{tmp_path}")
-    with pytest.raises(LogitdiffError, match="unknown dtype 'fp8'"):
+    with pytest.raises(LogitdiffError, match=r"dtype='fp8' \(expected bfloat16, float16 or float32\)"):
         open_source(f"hf:{dirs['f32']},dtype=fp8")
-    with pytest.raises(LogitdiffError, match="unknown device 'tpu'"):
+    with pytest.raises(LogitdiffError, match=r"device='tpu' \(expected cpu or cuda\)"):
         open_source(f"hf:{dirs['f32']},device=tpu")
     with pytest.raises(LogitdiffError, match="batch"):
         open_source(f"hf:{dirs['f32']},batch=0")

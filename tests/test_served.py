@@ -548,7 +548,7 @@ def test_openai_spec_errors(capsys, tmp_path):
     from logitdiff.shards import with_endpoints
 
     assert with_endpoints("openai:http://a:1,top_k=8", ["http://b:2", "http://c:3"]) == "openai:http://a:1,top_k=8,endpoints=http://b:2|http://c:3"
-    with pytest.raises(LogitdiffError, match="openai"):
+    with pytest.raises(LogitdiffError, match="applies to served: sources only"):
         with_endpoints("hf:x", ["http://b:2"])
 
 

@@ -105,7 +105,66 @@ def test_unknown_kind_lists_the_registered_ones():
         open_source("nope:x")
     msg = str(ei.value)
     assert "\n" not in msg and "unknown kind 'nope'" in msg
-    assert "expected one of builtin, gguf, hf, openai" in msg
+    assert "expected one of builtin, gguf, hf, served" in msg
+
+
+# --------------------------------------------------------------------------- declared options
+
+from logitdiff.sources.base import parse_spec  # noqa: E402
+from logitdiff.sources.options import ALIASES, OPTIONS, OptionType, canonical_kind, is_served, parse_options  # noqa: E402
+
+# one value of every type that must be refused, and the words its one-line error says
+_BAD = {OptionType.POSITIVE_INT: ("0", "-3", "1.5", "many", "1e3", str(10**13)), OptionType.INT: ("x", "1.5"),
+        OptionType.POSITIVE_NUMBER: ("0", "-1", "nan", "inf", "fast"), OptionType.BOOL: ("maybe", "2")}
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIONS))
+def test_every_declared_option_is_checked_by_its_type(kind):
+    """Every option of every kind: its default when absent, a converted value when good, and
+    one line naming the spec and the option for an unknown option or a bad value."""
+    defaults = parse_options(parse_spec(f"{kind}:T"))
+    assert defaults == {o.name: o.default for o in OPTIONS[kind]}
+    for o in OPTIONS[kind]:
+        good = (o.choices[-1], o.choices[-1]) if o.type == OptionType.CHOICE else {
+            OptionType.POSITIVE_INT: ("7", 7), OptionType.INT: ("-2", -2), OptionType.POSITIVE_NUMBER: ("2.5", 2.5),
+            OptionType.BOOL: ("off", False), OptionType.TEXT: ("a|b", "a|b")}[o.type]
+        assert parse_options(parse_spec(f"{kind}:T,{o.name}={good[0]}"))[o.name] == good[1]
+        bad = _BAD.get(o.type, ("bogus",) if o.type == OptionType.CHOICE else ())
+        for raw in bad:
+            text = f"{kind}:T,{o.name}={raw}"
+            with pytest.raises(LogitdiffError) as ei:
+                parse_options(parse_spec(text))
+            msg = str(ei.value)
+            assert "\n" not in msg and repr(text) in msg and f"{o.name}={raw!r}" in msg, msg
+    with pytest.raises(LogitdiffError, match=f"unknown option 'colour' \\({kind}: takes {OPTIONS[kind][0].name}, "):
+        parse_options(parse_spec(f"{kind}:T,colour=red"))
+
+
+def test_openai_is_another_name_for_served():
+    assert ALIASES == {"openai": "served"} and canonical_kind("openai") == "served"
+    assert is_served("openai:http://h:1") and is_served("served:http://h:1") and not is_served("gguf:x") and not is_served(None)
+    assert parse_options(parse_spec("openai:http://h:1,top_k=8")) == parse_options(parse_spec("served:http://h:1,top_k=8"))
+    from logitdiff.outputs import safe_name
+    from logitdiff.shards import with_endpoints
+    from logitdiff.sources.registry import declared_row_kind
+
+    assert declared_row_kind("openai:http://h:1") is declared_row_kind("served:http://h:1") is RowKind.TOPK
+    assert safe_name("openai:http://h:8000/v1") == safe_name("served:http://h:8000/v1") == "h_8000_v1"
+    assert with_endpoints("served:http://a:1", ["http://b:2"]) == "served:http://a:1,endpoints=http://b:2"
+    with pytest.raises(LogitdiffError, match="unknown option 'colour' \\(openai: takes model, "):
+        open_source("openai:http://127.0.0.1:9,colour=red")
+
+
+def test_capture_help_lists_every_declared_option(capsys):
+    from logitdiff.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["capture", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for kind, opts in OPTIONS.items():
+        assert f"{kind}:" in out.replace(" ", "") or f"{kind}:" in out
+        for o in opts:
+            assert f",{o.name}=" in out.replace(" ", ""), o.name
 
 
 def test_register_a_kind(ladder):

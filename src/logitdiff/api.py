@@ -164,7 +164,7 @@ def capture_run(
     """Capture a RUN: without ``teacher``, the source generates greedily over ``workload``
     (default: the bundled one) and is scored on its own output (a reference); with
     ``teacher`` (a reference RUN), it is scored on the teacher's tokens (a candidate).
-    ``spec`` is a source spec (``hf:PATH``, ``gguf:PATH``, ``openai:URL``, ``builtin:tiny``...).
+    ``spec`` is a source spec (``hf:PATH``, ``gguf:PATH``, ``served:URL``, ``builtin:tiny``...).
     Returns ``out``."""
     from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
     from .outputs import Kind, check_output
@@ -478,7 +478,7 @@ def run(**config) -> dict:
 
 
 def _server_spec(text: str, role: str) -> tuple[str, bool | None]:
-    """``URL`` or ``openai:URL[,speculative=1|0]``: the llama-server URL and the declared
+    """``URL`` or ``served:URL[,speculative=1|0]`` (or ``openai:URL...``): the llama-server URL and the declared
     speculation (None: not declared, taken from the server's /slots)."""
     parts = str(text).split(",")
     url, declared = parts[0], None
@@ -506,7 +506,7 @@ def speculate(
     bar: Bar | None = None,
 ) -> dict:
     """``logitdiff speculate``: two llama-servers (speculation off: ``reference``; on:
-    ``candidate``, ``URL`` or ``openai:URL[,speculative=1]``) generate greedily from the same
+    ``candidate``, ``URL`` or ``served:URL[,speculative=1]``) generate greedily from the same
     prompt token ids; floors, first divergences, survival, same-context comparison and a
     verdict (:mod:`logitdiff.speculation`). Writes ``out`` (report.json, report.md,
     report.html, generations.jsonl) when given; returns report.json's object."""

@@ -173,8 +173,9 @@ class LlamaServer:
         import httpx
 
         u = url.strip().rstrip("/")
-        if u.startswith("openai:"):
-            u = u[len("openai:"):]
+        for prefix in ("served:", "openai:"):  # openai: the old name of served:
+            if u.startswith(prefix):
+                u = u[len(prefix):]
         if u.endswith("/v1"):
             u = u[:-3]
         if not (u.startswith("http://") or u.startswith("https://")):

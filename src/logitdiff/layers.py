@@ -50,7 +50,7 @@ from .defaults import FLOOR_RERUN  # noqa: E402
 FLOOR_NONE = "none"
 FLOOR_SPEC = "spec"  # another source, compared like a candidate
 TOP_LAYERS = 3  # "the layers that add the most error": how many are named
-SERVED_KINDS = ("openai",)
+SERVED_KINDS = ("served", "openai")  # openai: the old name of served:
 
 
 # ------------------------------------------------------------------------------- numerics

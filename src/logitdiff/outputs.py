@@ -495,11 +495,11 @@ def _resumable(out: Path, kind: Kind) -> bool:
 
 def safe_name(spec: str) -> str:
     """A directory name for a candidate: ``builtin:tiny-Q4_K_M`` -> ``tiny-Q4_K_M``,
-    ``gguf:/models/x-Q4_K_M.gguf`` -> ``x-Q4_K_M``, ``openai:http://h:8000/v1,model=m`` -> ``h_8000_v1``."""
+    ``gguf:/models/x-Q4_K_M.gguf`` -> ``x-Q4_K_M``, ``served:http://h:8000/v1,model=m`` (or ``openai:...``) -> ``h_8000_v1``."""
     kind, _, target = spec.split(",")[0].partition(":")
     if kind in ("gguf", "hf"):
         target = Path(target.rstrip("/")).name.removesuffix(".gguf")
-    elif kind == "openai":
+    elif kind in ("served", "openai"):  # openai: the old name of served:
         target = target.split("//", 1)[-1]
     return _clean_name(target)
 

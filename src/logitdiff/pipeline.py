@@ -426,5 +426,5 @@ def check_specs(cfg: RunConfig) -> None:
         if declared_row_kind(cfg.reference) == RowKind.FULL:
             full = [c for c in cfg.candidates if declared_row_kind(c) == RowKind.FULL]
             if full:
-                raise LogitdiffError(f"--logprob-floor applies to top-K comparisons (served candidates, openai:...); "
+                raise LogitdiffError(f"--logprob-floor applies to top-K comparisons (served candidates, served:...); "
                                      f"{full[0]} gives full logits, compared exactly with the reference {cfg.reference}")

@@ -28,7 +28,9 @@ RULE = ("the larger of the sides' floors measured (each: mean KL between two cap
 
 
 def is_served(spec: str | None) -> bool:
-    return bool(spec) and str(spec).startswith("openai:")
+    from .sources.options import is_served as served_spec
+
+    return served_spec(spec)
 
 
 def floor_side(comp, *, spec: str | None, batching: str | None, shift: int) -> ServedFloorSide | None:

@@ -49,18 +49,20 @@ def shard_items(items: Sequence, shard: str | tuple[int, int] | None, block: int
 
 
 def with_endpoints(spec: str, urls: Sequence[str]) -> str:
-    """Add replica URLs (``capture --endpoint URL``, repeatable) to an ``openai:`` spec."""
+    """Add replica URLs (``capture --endpoint URL``, repeatable) to a ``served:`` (or ``openai:``) spec."""
     urls = [u for u in urls if u]
     if not urls:
         return spec
-    if not spec.startswith("openai:"):
-        raise LogitdiffError(f"--endpoint applies to openai: sources only, not {spec!r}")
     from .sources import parse_spec
+    from .sources.options import is_served
+
+    if not is_served(spec):
+        raise LogitdiffError(f"--endpoint applies to served: sources only, not {spec!r}")
 
     sp = parse_spec(spec)
     have = [u for u in sp.options.get("endpoints", "").split("|") if u]
     opts = {**sp.options, "endpoints": "|".join(have + [u for u in urls if u not in have and u != sp.target])}
-    return f"openai:{sp.target}" + "".join(f",{k}={v}" for k, v in opts.items() if v)
+    return f"{sp.kind}:{sp.target}" + "".join(f",{k}={v}" for k, v in opts.items() if v)
 
 
 def _comparable_settings(run: RunReader) -> dict:

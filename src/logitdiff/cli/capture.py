@@ -4,6 +4,7 @@ reference RUN's tokens (candidate) -> RUN."""
 from __future__ import annotations
 
 from .console import Bars, console
+from ..sources.options import spec_help
 from .options import add_chunk_size
 
 NAME = "capture"
@@ -18,11 +19,8 @@ DESCRIPTION = (
     "with --resume."
 )
 EPILOG = (
-    "SPEC: hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda][,batch=N][,prefill=N] (PATH a model directory, or a GGUF "
-    "file loaded dequantized through transformers: hf:FILE.gguf or hf:DIR,gguf_file=NAME.gguf) | gguf:PATH[,n_ctx=N][,threads=N] | "
-    "openai:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K][,tokenizer=PATH] | "
-    "builtin:tiny | builtin:tiny-Q4_K_M ...  "
-    "vLLM: start it with --max-logprobs K and, for speed, --skip-tokenizer-init (then pass tokenizer=PATH); "
+    spec_help()  # from the declared source options (logitdiff.sources.options)
+    + "vLLM: start it with --max-logprobs K and, for speed, --skip-tokenizer-init (then pass tokenizer=PATH); "
     "without that flag vLLM decodes the text of every returned logprob entry, which logitdiff never reads."
 )
 
@@ -59,7 +57,7 @@ def register(sub) -> None:
                           f"(default: {SCORE_BATCH}). A batched backend's numbers depend on the batch mates; --resume and --shard "
                           "keep them. A rerun of the reference with another N is a noise floor for `compare --noise-floor`")
     cap.add_argument("--endpoint", action="append", default=[], metavar="URL",
-                     help="another replica of an openai: server, shared round-robin (repeatable)")
+                     help="another replica of a served: server, shared round-robin (repeatable)")
     add_chunk_size(cap)
     cap.set_defaults(func=run)
 

@@ -2,9 +2,11 @@
 
 A source is named by a spec string ``KIND:TARGET[,key=value...]``:
 
-    hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda][,threads=N]
-    gguf:PATH[,n_ctx=N][,threads=N]
-    openai:URL[,model=NAME][,top_k=K]...   a served model (llama-server, vLLM, SGLang)
+    hf:PATH[,dtype=bfloat16|float32][,device=cpu|cuda][,threads=N]...
+    gguf:PATH[,n_ctx=N][,threads=N]...
+    served:URL[,model=NAME][,top_k=K]...   a served model (llama-server, vLLM, SGLang);
+                            openai:URL... is another name for it
+    (every option of each kind, with type, default and meaning: :mod:`.options`)
     builtin:tiny            the bundled model through transformers (BF16)
     builtin:tiny-F32        ... through transformers in float32
     builtin:tiny-Q4_K_M     a GGUF of the bundled model's quant ladder (llama.cpp)

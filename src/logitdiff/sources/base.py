@@ -110,7 +110,7 @@ def parse_spec(text: str) -> Spec:
     """Split ``kind:target,key=value,...``. Targets may themselves contain ':' (URLs)."""
     if ":" not in text:
         raise LogitdiffError(
-            f"source spec {text!r}: expected KIND:TARGET (hf:PATH, gguf:PATH, openai:URL, builtin:NAME)"
+            f"source spec {text!r}: expected KIND:TARGET (hf:PATH, gguf:PATH, served:URL, builtin:NAME)"
         )
     kind, rest = text.split(":", 1)
     parts = rest.split(",")

@@ -59,9 +59,9 @@ import numpy as np
 from ..errors import LogitdiffError
 from ..contracts import json_clean
 from .base import Block, FullLogitSource, Generation, Spec, parse_spec, tokenizer_hash_of
+from .options import parse_options
 
 _load_lock = threading.Lock()
-_KNOWN_OPTIONS = {"n_ctx", "threads", "seed", "n_batch"}
 _PAD_RE = re.compile(r"^\[PAD(\d+)\]$")
 
 
@@ -263,20 +263,7 @@ class GGUFSource(FullLogitSource):
         if isinstance(spec, str):
             spec = parse_spec(spec)
         text = spec.text or f"{spec.kind}:{spec.target}"
-        unknown = set(spec.options) - _KNOWN_OPTIONS
-        if unknown:
-            raise LogitdiffError(
-                f"source spec {text!r}: unknown option {sorted(unknown)[0]!r} (expected n_ctx, threads, seed, n_batch)"
-            )
-        kw: dict[str, Any] = {}
-        for k in ("n_ctx", "threads", "seed", "n_batch"):
-            if k in spec.options:
-                try:
-                    kw[k] = int(spec.options[k])
-                except ValueError:
-                    raise LogitdiffError(f"source spec {text!r}: option {k} must be an integer") from None
-                if k != "seed" and kw[k] < 1:
-                    raise LogitdiffError(f"source spec {text!r}: option {k} must be positive")
+        kw = parse_options(spec, "gguf")  # the declared options (sources/options.py), checked
         if not spec.target:
             raise LogitdiffError(f"source spec {text!r}: missing GGUF path")
         return cls(spec.target, spec=text, **kw)

@@ -59,6 +59,7 @@ from ..errors import LogitdiffError
 from ..store import bf16_to_f32 as _bits_to_f32
 from .base import Block, FullLogitSource, Generation, Spec, tokenizer_hash_of
 from .filecache import file_sha256_cached
+from .options import parse_options
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _TOKENIZER_FILES = (
@@ -72,19 +73,6 @@ _TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-
-
-def _int_option(spec: Spec, key: str, default: int | None) -> int | None:
-    if key not in spec.options:
-        return default
-    raw = spec.options[key]
-    try:
-        v = int(raw)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise LogitdiffError(f"source spec {spec.text!r}: option {key}={raw!r} must be a positive integer")
-    return v
 
 
 def _config_dtype(cfg: Any) -> str | None:
@@ -192,24 +180,11 @@ class HFSource(FullLogitSource):
 
     @classmethod
     def from_spec(cls, spec: Spec) -> "HFSource":
-        unknown = set(spec.options) - {"dtype", "device", "threads", "batch", "prefill", "gguf_file"}
-        if unknown:
-            raise LogitdiffError(
-                f"source spec {spec.text!r}: unknown option(s) {', '.join(sorted(unknown))} "
-                "(hf: takes dtype, device, threads, batch, prefill, gguf_file)"
-            )
+        o = parse_options(spec, "hf")  # the declared options (sources/options.py), checked
         if not spec.target:
             raise LogitdiffError(f"source spec {spec.text!r}: hf: needs a model directory path")
-        return cls(
-            spec.target,
-            dtype=spec.options.get("dtype"),
-            device=spec.options.get("device", "cpu"),
-            threads=_int_option(spec, "threads", None),
-            batch=_int_option(spec, "batch", 8),
-            prefill=_int_option(spec, "prefill", 2048),
-            spec=spec.text,
-            gguf_file=spec.options.get("gguf_file") or None,
-        )
+        return cls(spec.target, dtype=o["dtype"], device=o["device"], threads=o["threads"], batch=o["batch"],
+                   prefill=o["prefill"], spec=spec.text, gguf_file=o["gguf_file"])
 
     # --- tokenization -------------------------------------------------------------
     def render(self, item: Any) -> list[int]:

@@ -13,25 +13,26 @@ from typing import Callable, Union
 
 from ..errors import LogitdiffError
 from .base import RowKind, Source, Spec, parse_spec
+from .options import canonical_kind
 
 Factory = Callable[[Spec], Source]
 
 _FACTORIES: dict[str, Union[str, Factory]] = {
     "hf": "logitdiff.sources.hf:open_hf",
     "gguf": "logitdiff.sources.gguf:open_gguf",
-    "openai": "logitdiff.sources.served:open_served",
+    "served": "logitdiff.sources.served:open_served",
     "builtin": "logitdiff.builtin:open_builtin",
 }
 
 
 # What each built-in kind's rows are, known before a source opens (a kind registered later
 # declares none: None).
-_ROW_KINDS: dict[str, RowKind] = {"hf": RowKind.FULL, "gguf": RowKind.FULL, "builtin": RowKind.FULL, "openai": RowKind.TOPK}
+_ROW_KINDS: dict[str, RowKind] = {"hf": RowKind.FULL, "gguf": RowKind.FULL, "builtin": RowKind.FULL, "served": RowKind.TOPK}
 
 
 def declared_row_kind(text: str) -> RowKind | None:
     """The row kind of spec ``text`` without opening it: that of a built-in kind, else None."""
-    return _ROW_KINDS.get(parse_spec(text).kind)
+    return _ROW_KINDS.get(canonical_kind(parse_spec(text).kind))
 
 
 def register(kind: str, factory: Union[str, Factory]) -> None:
@@ -44,12 +45,12 @@ def register(kind: str, factory: Union[str, Factory]) -> None:
 
 
 def kinds() -> list[str]:
-    """The registered source kinds."""
+    """The registered source kinds (``openai``, an alias of ``served``, not listed)."""
     return sorted(_FACTORIES)
 
 
 def _factory(kind: str, text: str) -> Factory:
-    f = _FACTORIES.get(kind)
+    f = _FACTORIES.get(kind) or _FACTORIES.get(canonical_kind(kind))
     if f is None:
         raise LogitdiffError(f"source spec {text!r}: unknown kind {kind!r} (expected one of {', '.join(kinds())})")
     if isinstance(f, str):

@@ -17,11 +17,11 @@ import numpy as np
 from ... import validate
 from ...errors import LogitdiffError
 from ...contracts import json_clean
-from ..base import Generation, Spec, TopKRows, TopKSource, tokenizer_hash_of
+from ..base import Generation, TopKRows, TopKSource, tokenizer_hash_of
 from .client import HttpClient, ServerError, ServerKind, one_line
 
 SUM_TOL = 1e-4
-#: ``batching=`` of an ``openai:`` spec: how scoring tasks share the server's batches
+#: ``batching=`` of a ``served:`` spec: how scoring tasks share the server's batches
 SERIAL, ROUNDS = "serial", "rounds"
 BATCHING = {
     ROUNDS: "concurrent: several items in flight, so a server batch mixes tasks of several items (llama-server: "
@@ -39,17 +39,6 @@ SEPARATORS = ("[[~logitdiff|sep~]]", "{@ld#7f3a@}", "<~ld~sep~>")
 def _border_free(s: str) -> bool:
     """No proper prefix of ``s`` is also a suffix: occurrences of ``s`` never overlap."""
     return all(s[:i] != s[-i:] for i in range(1, len(s)))
-
-
-def bool_option(spec: Spec, key: str, default: bool) -> bool:
-    v = spec.options.get(key)
-    if v is None:
-        return default
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise LogitdiffError(f"source spec {spec.text!r}: option {key}={v!r} must be true or false")
 
 
 def topk_row(pairs: list[tuple[Any, Any]], k: int, where: str, *, ordered: bool, forced: int | None = None,
