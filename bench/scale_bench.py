@@ -17,7 +17,7 @@ runs as its own ``logitdiff`` process (under ``prlimit --as``) and reports its p
     cand-gguf     capture gguf:Q8_0 --teacher ref (--store full, or topk:64 with --gguf-topk)
     live          compare ref hf:M,dtype=float16 (scored live, nothing stored)
     compare       compare ref cand-hf
-    topk-error    topk-error ref cand-hf --k 8,64,1024
+    topk-error    topk-error ref cand-hf --top-k 8,64,1024
     flips         flips REPORT (1 branch, edit similarity)
 
 and bytes on disk per position of each store. Results are appended as JSON lines to
@@ -199,7 +199,7 @@ def main() -> int:
     if "compare" in steps:
         step("compare", ["compare", str(ref), str(cand), "--out", str(rep), "--bootstrap", "100", "--no-rows"])
     if "topk-error" in steps:
-        step("topk-error", ["topk-error", str(ref), str(cand), "--k", "8,64,1024", "--json", str(work / f"topk-{tag}.json")])
+        step("topk-error", ["topk-error", str(ref), str(cand), "--top-k", "8,64,1024", "--json", str(work / f"topk-{tag}.json")])
     if "flips" in steps and rep.exists():
         step("flips", ["flips", str(rep), "--max-branches", "1", "--max-tokens", "64", "--similarity", "edit",
                        "--no-correctness"])

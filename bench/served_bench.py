@@ -8,7 +8,7 @@
 ``topk-runs``: a random Llama (V=2048, hidden 256, 4 layers, F32) through transformers as
 the reference on a generated workload, and its Q4_K_M GGUF (llama.cpp, in process) as a
 full-logit candidate; then run
-``logitdiff topk-error OUT/ref OUT/q4km --k 8,20,64,256 --json OUT/topk_error.json``.
+``logitdiff topk-error OUT/ref OUT/q4km --top-k 8,20,64,256 --json OUT/topk_error.json``.
 
 ``throughput``: teacher-forced top-K capture rate through each server (ServedSource.score_many,
 the capture path) against the same server's own prompt-processing rate in the same run:
@@ -88,7 +88,7 @@ def cmd_topk_runs(args) -> None:
         with open_source(f"gguf:{ladder['Q4_K_M']}") as g:
             capture_candidate(g, ref, out / "q4km")
     print(f"runs ready in {time.time() - t:.0f} s: {out}/ref ({ref.manifest['n_positions']} positions, V={ref.vocab_size}), {out}/q4km")
-    print(f"logitdiff topk-error {out}/ref {out}/q4km --k 8,20,64,256 --json {out}/topk_error.json")
+    print(f"logitdiff topk-error {out}/ref {out}/q4km --top-k 8,20,64,256 --json {out}/topk_error.json")
 
 
 def _pairs(d: Path, n: int, prompt_len: int, teacher_len: int, seed: int = 0):

@@ -255,7 +255,7 @@ def test_drift_within_rejects_bad_clauses(real_report):
 @pytest.mark.parametrize("bad, match", [
     ({"bootstrap": 10**9}, "--bootstrap 1000000000: must be between 0"),
     ({"threads": 0}, "--threads 0: must be at least 1"),
-    ({"top_logprobs": 0}, "--top-logprobs 0: must be at least 1"),
+    ({"top_logprobs": 0}, "--top-k 0: must be at least 1"),
     ({"device": "tpu"}, "--device 'tpu'"),
     ({"gates": "kl_avg<1"}, "unknown metric 'kl_avg'"),
 ])

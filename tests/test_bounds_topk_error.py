@@ -105,7 +105,7 @@ def ladder(tmp_path_factory):
 def test_topk_error_covers_the_bundled_ladder(ladder, capsys):
     for q in ("Q8_0", "Q4_K_M", "Q2_K"):
         out = ladder / f"{q}.json"
-        args = ["topk-error", str(ladder / "ref"), str(ladder / q), "--k", "8,64", "--json", str(out)]
+        args = ["topk-error", str(ladder / "ref"), str(ladder / q), "--top-k", "8,64", "--json", str(out)]
         for spec in COMPACT + ("compact:exact=512,band=3584",):
             args += ["--compact", spec]
         assert main(args) == 0

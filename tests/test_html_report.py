@@ -388,7 +388,7 @@ def test_token_view_hover_shows_both_top5(ladder):
     # Each list is the model's own ranking: the reference's first token is its top-1, and so on.
     assert row.top5_ref_tokens[0] == row.baseline_top_token and row.top5_cand_tokens[0] == row.candidate_top_token
     assert list(row.top5_ref_p) == sorted(row.top5_ref_p, reverse=True)
-    assert "ref top-1 " not in title  # the top-5 lines replace the top-1 line
+    assert "reference top-1 " not in title  # the top-5 lines replace the top-1 line
 
 
 def test_token_view_hover_escapes_top5_tokens(ladder):
@@ -419,7 +419,7 @@ def test_token_view_hover_without_token_strings_or_top5(ladder):
     page = render_html(reports, old, paths=ladder["dirs"])
     title = _token_titles(page, name, worst)[int(row.position)]
     assert "top-5" not in title
-    assert f"ref top-1 {_quoted(row.baseline_top_token)} · cand top-1 {_quoted(row.candidate_top_token)}  ← FLIP" in title
+    assert f"reference top-1 {_quoted(row.baseline_top_token)} · candidate top-1 {_quoted(row.candidate_top_token)}  ← FLIP" in title
     # ... and reference confidence falls back to p_ref_token where the teacher is the reference's top-1.
     data = _embedded(page, "logitdiff-data")
     assert data["ref_confidence"]["column"].startswith("p_ref_token where")

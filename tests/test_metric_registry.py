@@ -50,6 +50,6 @@ def test_assert_drift_within_message_says_unit_and_direction():
     assert f"({m.unit}, {m.direction}: {m.meaning})" in str(e.value) and "a (0.3)" in str(e.value)
 
 
-def test_readme_metric_table_is_the_generated_one():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "readme_metrics.py"), "--check"], capture_output=True, text=True)
+def test_readme_metric_and_source_option_tables_are_the_generated_ones():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "readme_tables.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -726,8 +726,9 @@ def test_capture_argument_errors(w, tmp_path, capsys, argv, needles):
 
 
 @pytest.mark.parametrize("argv, needles", [
-    (["--top-logprobs", "0"], ["--top-logprobs 0"]),
-    (["--top-logprobs", "100000000"], ["--top-logprobs 100000000", "vocabulary size"]),
+    (["--top-logprobs", "0"], ["--top-k 0"]),  # the old name of --top-k
+    (["--top-k", "0"], ["--top-k 0"]),
+    (["--top-logprobs", "100000000"], ["--top-k 100000000", "vocabulary size"]),
     (["--bootstrap", "-1"], ["--bootstrap -1"]),
     (["--device", "nonsense"], ["--device 'nonsense'"]),
     (["--device", "cuda"], ["--device 'cuda'"]),

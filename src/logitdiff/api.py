@@ -321,7 +321,7 @@ def diff_runs(
     if threads is not None and threads < 1:
         raise LogitdiffError(f"--threads {threads}: must be at least 1")
     if top_logprobs is not None and top_logprobs < 1:
-        raise LogitdiffError(f"--top-logprobs {top_logprobs}: must be at least 1")
+        raise LogitdiffError(f"--top-k {top_logprobs}: must be at least 1")
     live = not Path(candidate).exists() and ":" in str(candidate)
     inputs = [reference, noise_floor] + ([] if live else [candidate])
     if out is not None:
@@ -330,7 +330,7 @@ def diff_runs(
     if top_logprobs is None:
         top_logprobs = min(DEFAULT_TOP_LOGPROBS, ref.vocab_size)
     elif top_logprobs > ref.vocab_size:
-        raise LogitdiffError(f"--top-logprobs {top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {reference}")
+        raise LogitdiffError(f"--top-k {top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {reference}")
     live_source = None
     threads_scope = contextlib.ExitStack()
     try:

@@ -106,7 +106,7 @@ class Column:
         "x_cross_engine_floor": "× cross-engine floor",
         "flip_branches": "branches",
         "flip_ties": "ties (not flips)",
-        "accuracy": "accuracy (ref → cand)",
+        "accuracy": "accuracy (reference → candidate)",
         "right_to_wrong": "right→wrong",
         "wrong_to_right": "wrong→right",
         "mcnemar_p": "McNemar p",

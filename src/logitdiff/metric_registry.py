@@ -134,13 +134,13 @@ _DECLARED: tuple[Metric, ...] = (
        "not branched", "count", _N, "count over positions", _FLIPS, ("flips.n_ties",), gate=False, html_key="flips_n_ties"),
     _m("flips_left_out", "over the cap", "selected flips the --max-branches cap left out (the flips section lists them)",
        "count", _N, "count of selected flips", _FLIPS, ("flips.left_out.n",), gate=False),
-    _m("flips_ref_not_top1", "ref not own top-1", "positions where the token the reference wrote is not its own scored top-1 "
+    _m("flips_ref_not_top1", "not own top-1", "positions where the token the reference wrote is not its own scored top-1 "
        "(generation and scoring in other batch shapes): the reference's self-consistency", "count", _N, "count over positions",
        ("logitdiff.flips.reference_self_consistency",), ("flips.reference_self_consistency.n_written_not_top1",), gate=False),
     # what the drift does: labelled answers and tool calls
-    _m("accuracy_ref", "accuracy ref", "share of labelled items the reference's free-running answer gets right", "share (0-1)", _B,
+    _m("accuracy_ref", "reference accuracy", "share of labelled items the reference's free-running answer gets right", "share (0-1)", _B,
        "share of labelled items, Wilson 95 % CI", _CORR, ("correctness.accuracy_ref",), fmt="pct1"),
-    _m("accuracy_cand", "accuracy cand", "share of labelled items the candidate's free-running answer gets right", "share (0-1)", _B,
+    _m("accuracy_cand", "candidate accuracy", "share of labelled items the candidate's free-running answer gets right", "share (0-1)", _B,
        "share of labelled items, Wilson 95 % CI", _CORR, ("correctness.accuracy_cand",), fmt="pct1"),
     _m("accuracy_drop", "accuracy drop", "accuracy_ref - accuracy_cand (positive: the candidate is worse)", "share (0-1)", _W,
        "difference of the two shares, rounded to 12 decimals", _CORR, ("correctness.accuracy_ref", "correctness.accuracy_cand"),
@@ -155,7 +155,7 @@ _DECLARED: tuple[Metric, ...] = (
     _m("mcnemar_p", Column.NAME["mcnemar_p"], "exact McNemar test of the correctness flips (below 0.05: the accuracy change is "
        "significant)", "p-value", _N, "two-sided exact binomial test of right→wrong vs wrong→right",
        ("logitdiff.grading.mcnemar_exact", _CORR[1]), ("correctness.mcnemar_p",), gate=False),
-    _m("tool_call_valid_ref", "valid tool calls ref", "share of tool items whose reference tool call parses and validates",
+    _m("tool_call_valid_ref", "valid tool calls (reference)", "share of tool items whose reference tool call parses and validates",
        "share (0-1)", _B, "share of tool items", ("logitdiff.toolcalls.parse_tool_calls", _CORR[1]),
        ("correctness.tool_call_valid_ref",), fmt="pct1", gate=False),
     _m("tool_call_valid_cand", Column.NAME["tool_call_valid_cand"], "share of tool items whose candidate tool call parses and "

@@ -19,9 +19,9 @@ def parse_ks(text: str) -> list[int]:
     try:
         ks = sorted({int(x) for x in str(text).split(",") if x.strip()})
     except ValueError:
-        raise LogitdiffError(f"--k {text!r}: expected comma-separated integers, e.g. 8,20,64,256") from None
+        raise LogitdiffError(f"--top-k {text!r}: expected comma-separated integers, e.g. 8,20,64,256") from None
     if not ks or ks[0] < 1:
-        raise LogitdiffError(f"--k {text!r}: every K must be >= 1")
+        raise LogitdiffError(f"--top-k {text!r}: every K must be >= 1")
     return ks
 
 
@@ -79,7 +79,7 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
     ks = [k for k in ks]
     over = [k for k in ks if k > V]
     if over:
-        raise LogitdiffError(f"--k {over[0]} exceeds the vocabulary size {V}")
+        raise LogitdiffError(f"--top-k {over[0]} exceeds the vocabulary size {V}")
     kmax = max(ks)
     if max_batch_rows is None:
         max_batch_rows = rows_per_block(V, chunk_bytes)

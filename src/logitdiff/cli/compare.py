@@ -34,8 +34,9 @@ def register(sub) -> None:
     add_ranges(c)
     add_bootstrap(c)
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: %(default)s)")
-    c.add_argument("--top-logprobs", type=int, default=None,
-                   help=f"K of the seed's top-K fields, 1..V (default: {DEFAULT_TOP_LOGPROBS}, or V when smaller)")
+    c.add_argument("--top-k", "--top-logprobs", dest="top_logprobs", type=int, default=None, metavar="K",
+                   help=f"K of the seed's top-K fields, 1..V (default: {DEFAULT_TOP_LOGPROBS}, or V when smaller; "
+                   "--top-logprobs is its old name)")
     c.add_argument("--noise-floor", metavar="RUN",
                    help="a rerun of the reference (e.g. `capture REF_SPEC --teacher REF_RUN --batch 3`: other batch mates, "
                         "where a plain rerun on CPU is bit-identical): its drift is printed beside the candidate's")
@@ -58,7 +59,7 @@ def run(args) -> int:
     ranges = parse_ranges_arg(args.ranges)
     gates = parse_gate_args(args)
     check_bootstrap(args.bootstrap)
-    check_at_least("--top-logprobs", args.top_logprobs, 1)
+    check_at_least("--top-k", args.top_logprobs, 1)
     check_at_least("--threads", args.threads, 1)
     check_device(args.device)
     check_floor_value(args.logprob_floor)

@@ -82,7 +82,7 @@ def register(sub) -> None:
                    help="below this, meaning changed; replaces every default "
                    f"({DEFAULT_THRESHOLDS['minilm']:.2f} for MiniLM, {DEFAULT_THRESHOLDS['edit']:.2f} for edit)")
     f.add_argument("--candidate", metavar="SPEC", help="candidate source (default: the report's candidate spec)")
-    f.add_argument("--reference", metavar="SPEC", help="reference source for --both (default: the report's baseline spec)")
+    f.add_argument("--reference", metavar="SPEC", help="reference source for --both (default: the report's reference spec)")
     f.add_argument("--no-correctness", action="store_true", help="skip grading free-running answers")
     f.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per executed tool call (items with tools_module)")
     f.add_argument("--seed", type=int, default=0, help="seed of sample:N and the bootstrap (default: %(default)s)")

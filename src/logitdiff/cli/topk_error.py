@@ -28,7 +28,8 @@ def register(sub) -> None:
     )
     t.add_argument("run_a", metavar="RUN_A", help="reference RUN (full logits)")
     t.add_argument("run_b", metavar="RUN_B", help="candidate RUN (full logits)")
-    t.add_argument("--k", default="8,20,64,256", help="comma-separated K values (default: %(default)s)")
+    t.add_argument("--top-k", "--k", dest="k", default="8,20,64,256", metavar="K,K...",
+                   help="comma-separated K values (default: %(default)s; --k is its old name)")
     t.add_argument("--compact", action="append", metavar="SPEC",
                    help="also check a compact reference store, e.g. compact:exact=512,band=3584 (repeatable)")
     t.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (a new file, or one topk-error wrote)")
@@ -58,7 +59,7 @@ def run(args) -> int:
     ex = res["exact"]
     t = Table(title=f"top-K approximation vs exact KL — {res['n']} positions, {res['items']} items, V={res['vocab_size']} (nats)")
     for col in ("K", "exact mean", "approx mean", "exact p95", "approx p95", "exact max", "approx max", "mean |err|", "rel err of mean",
-                "median rel err", "ref top-K mass", "top-1 agree"):
+                "median rel err", "reference top-K mass", "top-1 agree"):
         t.add_column(col, justify="right")
     g = lambda x: f"{x:.4g}"
     for row in res["rows"]:

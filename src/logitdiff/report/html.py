@@ -956,7 +956,7 @@ def _token_view(name, rep, cols, worst_ids, *, open_: bool) -> str:
                 tip.append(f"reference top-5: {top5[0]}" + ("  ← FLIP" if flip else ""))
                 tip.append(f"candidate top-5: {top5[1]}")
             elif "baseline_top_token" in cols and "candidate_top_token" in cols:
-                tip.append(f"ref top-1 {_show(cols['baseline_top_token'][j])} · cand top-1 {_show(cols['candidate_top_token'][j])}"
+                tip.append(f"reference top-1 {_show(cols['baseline_top_token'][j])} · candidate top-1 {_show(cols['candidate_top_token'][j])}"
                            + ("  ← FLIP" if flip else ""))
             if "margin_ref" in cols:
                 tip.append(f"ref margin p1−p2 {fmt(cols['margin_ref'][j])}")
@@ -1015,9 +1015,9 @@ def _where(r: dict) -> str:
         return ""
     if r.get("rejoin_position") is None:
         return "no re-join"
-    out = f"re-joined at {r['rejoin_position']} (ref {r.get('rejoin_ref_position')})"
+    out = f"re-joined at {r['rejoin_position']} (reference {r.get('rejoin_ref_position')})"
     if r.get("left_position") is not None:
-        out += f", left at {r['left_position']} (ref {r.get('left_ref_position')})"
+        out += f", left at {r['left_position']} (reference {r.get('left_ref_position')})"
     else:
         out += ", stayed"
     if r.get("joined_share") is not None:
@@ -1045,7 +1045,7 @@ def _flips_view(name, rep, *, open_: bool) -> str:
             f"<td class=\"mono cont\">{_evidence(r.get('branch_continuation', ''), m.get('branch'))}</td>"
             f"<td class=say>{_e(_where(r))}<small>{_e(r.get('decided_by', ''))}</small></td></tr>"
         )
-    head = ("<tr><th>item</th><th>pos</th><th>outcome</th><th>KL</th><th>ref margin</th><th>ref → cand token</th>"
+    head = ("<tr><th>item</th><th>pos</th><th>outcome</th><th>KL</th><th>reference margin</th><th>reference → candidate token</th>"
             "<th>reference continues</th><th>candidate continues</th><th>re-join, departure; decided by</th></tr>")
     ties = f.get("ties") or {}
     tie_note = ""

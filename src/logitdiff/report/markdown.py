@@ -215,7 +215,7 @@ def flips_markdown(f: Flips) -> str:
         )
     if f.get("top"):
         out.append("\n### Most consequential flips, and examples of every outcome\n")
-        out.append("| item | pos | outcome | KL | margin | ref → cand token | re-join / left at | reference continues | candidate continues |")
+        out.append("| item | pos | outcome | KL | margin | reference → candidate token | re-join / left at | reference continues | candidate continues |")
         out.append("|---|---:|---|---:|---:|---|---|---|---|")
         for r in f["top"]:
             if "rejoin_position" not in r:

@@ -62,7 +62,7 @@ def render_markdown(rep: dict) -> str:
         f"{_kl(s['cross']['reference_on_candidate_kl_nats']['max'])}; the reference agrees with the candidate's next "
         f"token in its context at {_f(s['cross']['candidate_on_reference_top1_agreement'])}", "",
         "## First divergences", "",
-        "| item | first divergence | shared prefix | ref token | cand token | ref margin (nats) | cand margin (nats) | class |",
+        "| item | first divergence | shared prefix | reference token | candidate token | reference margin (nats) | candidate margin (nats) | class |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rep["items"]:
@@ -108,8 +108,8 @@ def render_html(rep: dict) -> str:
         "<ul>" + "".join(f"<li>{html.escape(r)}</li>" for r in v["reasons"]) + "</ul>",
         ("<h3>Defects</h3><ul>" + "".join(f"<li>{html.escape(d)}</li>" for d in v["defects"]) + "</ul>") if v["defects"] else "",
         "<div id='survival'></div>",
-        "<h2>First divergences</h2><table><tr><th>item</th><th>first divergence</th><th>shared prefix</th><th>ref margin</th>"
-        f"<th>cand margin</th><th>class</th></tr>{rows}</table>",
+        "<h2>First divergences</h2><table><tr><th>item</th><th>first divergence</th><th>shared prefix</th><th>reference margin</th>"
+        f"<th>candidate margin</th><th>class</th></tr>{rows}</table>",
         f"<h2>Report</h2><pre>{html.escape(md)}</pre>",
         f"<script type='application/json' id='logitdiff-data'>{data}</script>",
         f"<script>Plotly.newPlot('survival', {json.dumps(fig['data'])}, {json.dumps(fig['layout'])});</script>",
