@@ -176,8 +176,8 @@ def test_llama_server_kl_end_to_end(env, llama, tmp_path, capsys):
     print(f"served top-{K} KL mean {kl.mean():.3g} max {kl.max():.3g}; in-process {kl_local.mean():.3g} max {kl_local.max():.3g}")
     assert np.median(np.abs(kl - kl_local)) <= 1e-6
     assert abs(kl.mean() - kl_local.mean()) <= 0.25 * kl_local.mean() + 1e-6
-    # the same through the command line
-    assert main(["capture", f"openai:{srv.url},top_k={K}", "--teacher", str(ref.path), "--out", str(tmp_path / "cli")]) == 0
+    # the same through the command line, under the source's name served: (openai:, above, is its alias)
+    assert main(["capture", f"served:{srv.url},top_k={K}", "--teacher", str(ref.path), "--out", str(tmp_path / "cli")]) == 0
     assert main(["compare", str(ref.path), str(tmp_path / "cli"), "--out", str(tmp_path / "rep"), "--bootstrap", "10"]) == 0
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["method"]["kind"] == "top_k" and rep["summary"]["kl_nats_mean"] == pytest.approx(float(kl.mean()), rel=0.25, abs=1e-6)
