@@ -13,7 +13,7 @@ model, cores, memory, the load average before and after, the llama.cpp and torch
 the reports record. It then writes README's two run tables and every figure quoted in the
 paragraphs below them (noise floor, × floor, ties, recovered count, McNemar p) between the
 markers ``<!-- readme_figures:begin -->`` and ``<!-- readme_figures:end -->``, replacing what
-was there (atomically: a temporary file renamed over README.md). Every number comes from the
+was there (atomically: logitdiff.outputs.atomic_write_bytes). Every number comes from the
 run's summary.json, report.json files and flips.parquet; fields that a run does not have
 are left out with the sentence that would quote them.
 """
@@ -317,9 +317,9 @@ def rewrite(readme: Path, block: str, check: bool) -> int:
             return 1
         return 0
     if new != text:
-        tmp = readme.with_name(f".{readme.name}.tmp{os.getpid()}")
-        tmp.write_text(new, encoding="utf-8")
-        os.replace(tmp, readme)
+        from logitdiff.outputs import atomic_write_bytes
+
+        atomic_write_bytes(readme, new.encode("utf-8"))
     print(f"{readme}: figures {'rewritten' if new != text else 'unchanged'}", file=sys.stderr)
     return 0
 
