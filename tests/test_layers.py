@@ -376,7 +376,7 @@ def test_served_source_is_refused_before_anything_opens(teacher, tmp_path):
     with pytest.raises(LogitdiffError, match="served source hands out top-K") as e:
         api.layers("hf:/nonexistent", ["openai:http://127.0.0.1:9/v1"], teacher.path, tmp_path / "x")
     assert "\n" not in str(e.value)
-    r = subprocess.run([sys.executable, "-m", "logitdiff.cli", "layers", "builtin:tiny", "openai:http://127.0.0.1:9/v1",
+    r = subprocess.run([sys.executable, "-m", "logitdiff.cli", "layers", "builtin:tiny", "served:http://127.0.0.1:9/v1",
                         "--teacher", str(teacher.path), "--out", str(tmp_path / "y")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "served source" in r.stderr and not (tmp_path / "y").exists()
 
