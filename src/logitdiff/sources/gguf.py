@@ -1,4 +1,5 @@
-"""``gguf:PATH[,n_ctx=N][,threads=N][,seed=N]`` - a GGUF model run in process by llama.cpp.
+"""``gguf:PATH[,n_ctx=N][,threads=N]...`` - a GGUF model run in process by llama.cpp (options:
+:data:`logitdiff.sources.options.OPTIONS`).
 
 Uses llama-cpp-python's ``Llama`` and reads the file's metadata
 (tokens, special ids, chat template, file type) with ``gguf.GGUFReader``.

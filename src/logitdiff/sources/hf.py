@@ -1,6 +1,7 @@
 """The transformers backend: a local HF model directory as a source of logits.
 
-Spec: ``hf:PATH[,dtype=bfloat16|float16|float32][,device=cpu|cuda][,threads=N][,batch=N][,prefill=N]``
+Spec: ``hf:PATH[,dtype=bfloat16|float16|float32][,device=cpu|cuda][,threads=N]...`` (every option, its type
+and default: :data:`logitdiff.sources.options.OPTIONS`)
 
 ``PATH`` is a model directory, or a GGUF file (``hf:model.gguf``, or ``hf:DIR,gguf_file=NAME.gguf``):
 transformers loads its weights dequantized and its tokenizer from the file's metadata, so a
