@@ -122,7 +122,7 @@ def test_decode_does_not_depend_on_the_summation_order(tiny):
     """The claim that makes the store exact: every non-exception entry rounds the same for
     any float64 summation order. Sum in reverse, and in eight partial sums."""
     root, full, hid, _ = tiny
-    head = hid.head()
+    head = hid.kind.head()
     c0 = hid.manifest["chunks"][0]
     raw = Hs.load_chunk(root / "hid" / "chunks" / c0["data"], head.shape[1], hid.vocab_size)
     h = Hs._bits_to_f64(raw["hidden"])

@@ -25,13 +25,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import metrics as M
 from . import validate
 from . import tokenizer_identity
 from .errors import LogitdiffError
 from .outputs import Kind, writing
-from .sources import RowKind, Source, TopKRows
+from .sources import RowKind, Source
 from .store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
+from .storekinds import store_kind
 from .workload import Item
 
 from .defaults import DEFAULT_MAX_TOKENS, SCORE_BATCH  # noqa: F401 (SCORE_BATCH: items per score_many call)
@@ -122,40 +122,6 @@ def _sampling(mode: str) -> dict:
     return {"positions_sampling": {"fraction": frac, "seed": seed, "rule": SAMPLE_RULE}}
 
 
-def _rows_for_store(writer: RunWriter, kind: RowKind, rows, next_tokens=None, hidden=None) -> dict:
-    """One block of a source's rows (of the source's ``kind``) in the form the writer
-    stores: top-K reduced here, a block at a time, so ``--store topk:K`` never holds more
-    than a block of full rows; ``next_tokens`` (the teacher tokens of the block's rows) for
-    the compact store, ``hidden`` (the block's hidden states) for the hidden-state store."""
-    if kind is RowKind.TOPK:
-        return {"topk": _topk_for_store(writer, rows)}
-    if writer.compact:
-        from . import compact
-
-        z = bf16_to_f32(rows) if rows.dtype == np.uint16 else rows
-        return {"compact": compact.encode(z, next_tokens, writer.compact)}
-    if writer.k:
-        z = bf16_to_f32(rows) if rows.dtype == np.uint16 else rows
-        st = M.row_stats(z, k=writer.k)
-        return {"topk": {"ids": st["topk_ids"], "logprobs": st["topk_logprobs"], "logsumexp": st["logsumexp"],
-                         "tail_mass": st["tail_mass"], "entropy": st["entropy"]}}
-    if writer.hidden:  # the writer keeps the hidden states and checks them against the rows
-        return {"logits": rows, "hidden": hidden}
-    return {"logits": rows}
-
-
-def _topk_for_store(writer: RunWriter, rows: TopKRows) -> dict:
-    """A top-K source's rows (served model) for a ``topk:K`` store."""
-    if writer.compact:
-        raise LogitdiffError("a top-K source cannot fill a compact store (it needs full logits)")
-    if not writer.k:
-        raise LogitdiffError("a top-K source can only be stored with --store topk:K")
-    k = writer.k
-    if rows.k < k:
-        raise LogitdiffError(f"the source returned {rows.k} logprobs per position, fewer than K={k}")
-    return {"ids": rows.ids[:, :k], "logprobs": rows.logprobs[:, :k]}
-
-
 def _write_scored(source: Source, writer: RunWriter, run_items: list[RunItem], pairs: list, chunk_bytes: int | None,
                   progress: Callable[[int], None] | None, skip: set[str] = frozenset()) -> None:
     """Score ``pairs`` (prompt, teacher) at each item's positions and hand every block to
@@ -175,14 +141,16 @@ def _write_scored(source: Source, writer: RunWriter, run_items: list[RunItem], p
             if cur < len(run_items) and run_items[cur].id not in skip:
                 writer.begin_item(run_items[cur])
 
-    kw = {"with_hidden": True} if writer.hidden else {}
+    kw = {"with_hidden": True} if writer.kind.needs_hidden_states else {}
     for b in source.score_blocks(pairs, positions, chunk_bytes=chunk_bytes, **kw):
         advance_to(b.pair)
-        it = run_items[b.pair]
-        if it.id in skip:
+        if run_items[b.pair].id in skip:
             continue
-        next_tokens = it.next_tokens[b.t0 : b.t0 + len(b.rows)] if writer.compact else None
-        writer.add_rows(**_rows_for_store(writer, source.row_kind, b.rows, next_tokens, b.hidden))
+        # the store kind encodes the block (top-K, compact...) as it comes: never more than a block of full rows
+        if source.row_kind is RowKind.TOPK:
+            writer.add_topk(b.rows.ids, b.rows.logprobs)
+        else:
+            writer.add_rows(b.rows, hidden=b.hidden)
     advance_to(len(run_items))
 
 
@@ -214,7 +182,7 @@ def _store_for(source: Source, store: str) -> str:
 
 def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk_bytes: int | None = None) -> RunWriter:
     head = None
-    if store == "hidden":
+    if store_kind(store).needs_hidden_states:
         head = source.output_head()
         if head is None:
             raise LogitdiffError(f"{source.spec}: a hidden-state store (capture --store hidden, run --reference-store hidden) "
@@ -460,6 +428,8 @@ class LiveRun:
         self.source = source
         # Served sources return top-K ids + logprobs per position instead of full logits.
         self.k = int(source.top_k) if source.row_kind is RowKind.TOPK else 0
+        # what a stored capture of the source would be: the comparison method is chosen from it
+        self.kind = store_kind(f"topk:{self.k}" if self.k else "full", source.vocab_size, _rows_dtype(source))
         self.teacher = teacher
         self.batch = batch
         self.offset = offset

@@ -16,11 +16,9 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-
 from .errors import LogitdiffError
 from .outputs import Kind, check_output, writing
-from .store import RESUME_FREE_IDENTITY, RunReader, RunWriter, rows_per_block
+from .store import RESUME_FREE_IDENTITY, RunReader, RunWriter
 
 # settings that may differ between shards of one capture
 _SHARD_KEYS = {"shard", "endpoint", "endpoints"}
@@ -170,27 +168,18 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
             src["merged_specs"] = specs
         w = RunWriter(tmp, source=src, vocab_size=first.vocab_size, tokenizer_hash=first.tokenizer_hash, store=first.store,
                       dtype=first.dtype or "float32", settings=settings, vocab=first.vocab(), chunk_bytes=chunk_bytes,
-                      head=first.head() if first.hidden else None)
+                      **first.kind.writer_args())
         from .store import RunItem
 
         try:
             for r, it in sequence:
                 ni = RunItem(id=it.id, prompt_ids=it.prompt_ids, teacher_ids=it.teacher_ids, positions=it.positions, tags=it.tags,
                              prompt=it.prompt, extra=it.extra)
-                # rows are copied a block at a time in their stored form (bf16 bits stay bits)
+                # rows are copied a chunk's span at a time in their stored form, not decoded (bf16
+                # bits stay bits; hidden states stay hidden states: every shard has the same head)
                 w.begin_item(ni)
-                if r.hidden:  # copied as stored: every shard has the same head (checked above)
-                    for block in r.hidden_blocks(it):
-                        w.add_rows(hidden_block=block)
-                    w.end_item()
-                    continue
-                for block in r.row_blocks([it], rows_per_block(first.vocab_size, chunk_bytes), raw=True):
-                    if r.k:
-                        w.add_rows(topk={k: np.asarray(v) for k, v in block.items()})
-                    elif r.compact:
-                        w.add_rows(compact=block)
-                    else:
-                        w.add_rows(logits=block)
+                for block in r.stored_blocks(it, w.chunk_rows):
+                    w.add_rows(stored=block)
                 w.end_item()
             w.finish({"merged": {"runs": [str(r.path) for r in runs], "shards": [s for s in shards if s is not None]}})
         except BaseException:

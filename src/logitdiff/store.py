@@ -32,11 +32,12 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ._version import __version__
-from . import compact as compact_store
-from . import hidden as hidden_store
 from . import validate
 from .errors import LogitdiffError
-from .outputs import RUN_SCHEMA, Kind, atomic_file, atomic_write_bytes, atomic_write_json, check_output
+from .outputs import RUN_SCHEMA, Kind, atomic_write_bytes, atomic_write_json, check_output
+from .storekinds import BlockPlace, RowsForm, StoreKind, check_full_rows, cut_rows, store_kind
+# the full-row helpers, defined with the store kinds; imported from here by the rest of the package
+from .storekinds.rows import DTYPES as _DTYPES, atomic_save_npy_rows, bf16_to_f32, f32_to_bf16  # noqa: F401
 
 # A RUN keeps a copy of every tools module its items name, here (so a RUN is portable).
 TOOLS_DIR = "tools"
@@ -45,7 +46,6 @@ TOOLS_DIR = "tools"
 # changing the numbers (parallelism, which replicas serve the same model); every other
 # identity key (weight hashes, dtype, quant, versions, device) must match.
 RESUME_FREE_IDENTITY = ("threads", "endpoints", "extra_bufts", "total_slots")
-_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
 
 # The one chunk-size knob (``--chunk-size``): the bytes of distribution rows a writer
 # buffers before it writes a chunk, a source hands out per block, and a reader or the
@@ -89,20 +89,6 @@ CHUNK_SIZE_HELP = (
 def rows_per_block(vocab_size: int, chunk_bytes: int | None = None, bytes_per_value: int = 4) -> int:
     """Rows of ``vocab_size`` values of ``bytes_per_value`` bytes that fit a chunk (>= 1)."""
     return max(1, int((chunk_bytes or DEFAULT_CHUNK_BYTES) // max(1, int(vocab_size) * bytes_per_value)))
-
-
-def atomic_save_npy_rows(path: Path, blocks: list[np.ndarray], dtype) -> None:
-    """One ``.npy`` of the row blocks stacked, written block by block (no concatenated
-    copy in memory), then renamed into place. ``dtype`` ``"bfloat16"`` stores bf16 bits."""
-    n = sum(b.shape[0] for b in blocks)
-    cols = blocks[0].shape[1] if blocks else 0
-    out_dtype = np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(_DTYPES[dtype])
-    with atomic_file(path) as f:
-        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False, "shape": (n, cols)})
-        for b in blocks:
-            if dtype == "bfloat16":
-                b = b if b.dtype == np.uint16 else f32_to_bf16(b)
-            f.write(memoryview(np.ascontiguousarray(b, dtype=out_dtype)))
 
 
 @dataclass
@@ -165,21 +151,9 @@ class ResumeMismatch(LogitdiffError):
 
 
 def parse_store(text: str, vocab_size: int | None = None) -> int:
-    """``full`` -> 0, ``topk:K`` -> K (1 <= K <= vocab_size when known); else a one-line error."""
-    if text == "full":
-        return 0
-    if compact_store.is_compact(text):  # the compact reference store: not a top-K store
-        compact_store.parse_spec(text)
-        return 0
-    if hidden_store.is_hidden(text):  # full bf16 logits, kept as hidden states + head
-        return 0
-    kind, _, k = str(text).partition(":")
-    if kind != "topk" or not k.isdigit() or int(k) < 1:
-        raise LogitdiffError(f"--store {text!r}: expected full, hidden, topk:K with K a positive integer, "
-                             "or compact[:exact=E,band=B,bits=8|16]")
-    if vocab_size is not None and int(k) > vocab_size:
-        raise LogitdiffError(f"--store {text!r}: K={int(k)} exceeds the vocabulary size {vocab_size}")
-    return int(k)
+    """K of a ``topk:K`` store, 0 for every other kind (full, compact, hidden...); a one-line
+    error for a text no registered kind (storekinds.STORE_KINDS) spells, or K > vocab_size."""
+    return store_kind(text, vocab_size).k
 
 
 def format_store(k: int) -> str:
@@ -227,31 +201,22 @@ def first_difference(a, b) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
-    """bf16 bits (uint16) -> float32 (exact)."""
-    return (u16.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bfloat16 bits (what torch does)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounding = ((u >> 16) & 1) + 0x7FFF
-    return ((u + rounding) >> 16).astype(np.uint16)
-
-
 def _short(x, limit: int = 80) -> str:
     text = json.dumps(x, default=str)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class RunWriter:
-    """Writes a RUN chunk by chunk. ``store`` is ``"full"``, ``"topk:K"``, a compact spec
-    (compact.py) or ``"hidden"`` (hidden.py: pass the output head as ``head``).
+    """Writes a RUN chunk by chunk. ``store`` is a ``--store`` text: ``"full"``, ``"topk:K"``,
+    a compact spec (compact.py), ``"hidden"`` (hidden.py: pass the output head as ``head``)
+    or any kind registered in storekinds.STORE_KINDS, which encodes, writes and reads its rows.
 
-    Rows stream in: ``begin_item(item)``, then ``add_rows(logits)`` (full: ``[r, V]``,
-    float or, for ``dtype="bfloat16"``, bf16 bits as uint16) or ``add_rows(topk=dict)``
-    (top-K: ids, logprobs, logsumexp, tail_mass, entropy) as often as the source hands out
-    blocks, then ``end_item()``; ``add(item, ...)`` does all three for a whole item. Rows
+    Rows stream in: ``begin_item(item)``, then ``add_rows(logits)`` (a source's full rows
+    ``[r, V]``, float or, for ``dtype="bfloat16"``, bf16 bits as uint16; the kind encodes
+    them), ``add_topk(ids, logprobs)`` (a top-K source's rows) or ``add_rows(stored=block)``
+    (rows already in the kind's stored form, e.g. ``topk=dict`` of ids, logprobs, logsumexp,
+    tail_mass, entropy) as often as the source hands out blocks, then ``end_item()``;
+    ``add(item, ...)`` does all three for a whole item. Rows
     are buffered and written as a chunk once ``chunk_bytes`` of them are buffered (or
     ``chunk_rows`` rows, when given) — also in the middle of an item, whose rows then run on
     into the next chunk. An item is listed in the items file of the chunk where its rows
@@ -279,29 +244,11 @@ class RunWriter:
     ):
         self.path = Path(path)
         self.store = store
-        self.k = parse_store(store, vocab_size)
-        # compact reference store (compact.py): its own chunk kind, bounded comparisons
-        self.compact = compact_store.parse_spec(store) if compact_store.is_compact(store) else None
-        if dtype not in _DTYPES:
-            raise LogitdiffError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
-        # hidden-state store (hidden.py): bf16 logits kept as hidden states + the head
-        self.hidden = hidden_store.is_hidden(store)
-        if self.hidden:
-            if dtype not in hidden_store.FORMATS:
-                raise LogitdiffError(f"--store hidden: the source's logits are {dtype}; the hidden-state store keeps bf16 or "
-                                     "float16 logits (a transformers model in bfloat16/float16 whose logits are its head's output)")
-            if head is None or np.asarray(head).ndim != 2 or np.asarray(head).shape[0] != int(vocab_size):
-                raise LogitdiffError(f"--store hidden: the source has no output head of {vocab_size} rows to store "
-                                     "(transformers sources only)")
-            self.head = np.asarray(head, np.uint16)
-            self._head_norms = hidden_store.head_norms(self.head, dtype)
+        self.kind: StoreKind = store_kind(store, int(vocab_size), dtype)
+        kind_fields = self.kind.start_writing(head)  # checks that the source fits the kind
         self.dtype = dtype
         self.vocab_size = int(vocab_size)
-        # bytes of one stored row: top-K ids (int64) + logprobs (float64) + 3 float64 stats
-        self.row_bytes = self.k * 16 + 24 if self.k else self.vocab_size * np.dtype(_DTYPES[dtype]).itemsize
-        if self.compact:  # exact ids + logits, band ids + codes (compact.encode), before compression
-            self.row_bytes = 12 * self.compact.exact + 10 * self.compact.band
-        # a hidden-state chunk is sized by the bf16 rows it stands for: a reader holds them
+        self.row_bytes = self.kind.row_bytes
         self.chunk_bytes = int(chunk_bytes or DEFAULT_CHUNK_BYTES)
         self.chunk_rows = int(chunk_rows) if chunk_rows else max(1, self.chunk_bytes // max(1, self.row_bytes))
         self._buf_items: list[RunItem] = []
@@ -327,14 +274,12 @@ class RunWriter:
             "source": source,
             "vocab_size": self.vocab_size,
             "tokenizer_hash": tokenizer_hash,
-            "settings": {**(settings or {}), "store": store, "dtype": dtype if not (self.k or self.compact) else None},
+            "settings": {**(settings or {}), "store": store, "dtype": self.kind.manifest_dtype()},
             "chunks": [],
             "n_items": 0,
             "n_positions": 0,
+            **kind_fields,
         }
-        if self.hidden:
-            fresh["head"] = {"file": hidden_store.HEAD_FILE, "shape": list(self.head.shape),
-                             "sha256": hidden_store.head_sha256(self.head)}
         if mpath.exists() and resume:
             self.manifest = read_manifest(mpath)
             try:
@@ -344,8 +289,9 @@ class RunWriter:
             if self.manifest.get("schema") != RUN_SCHEMA:
                 raise LogitdiffError(f"{mpath}: schema {self.manifest.get('schema')!r}, expected {RUN_SCHEMA}")
             diff = resume_difference(self.manifest, fresh)
-            if diff is None and self.hidden and self.manifest.get("head") != fresh["head"]:
-                diff = ("head", self.manifest.get("head"), fresh["head"])
+            for key in kind_fields:  # what the kind adds (the hidden store's head) must match too
+                if diff is None and self.manifest.get(key) != fresh[key]:
+                    diff = (key, self.manifest.get(key), fresh[key])
             if diff is not None:
                 name, have, want = diff
                 raise ResumeMismatch(
@@ -380,9 +326,24 @@ class RunWriter:
         if tokens is not None and (fresh_start or not (self.path / TOKENS_FILE).exists()):
             # the strings tokenizer_hash is of (tokenizer_identity.py)
             atomic_write_json(self.path / TOKENS_FILE, list(tokens), indent=None)
-        if self.hidden and (fresh_start or not (self.path / hidden_store.HEAD_FILE).exists()):
-            atomic_save_npy_rows(self.path / hidden_store.HEAD_FILE, [self.head], "bfloat16")
+        self.kind.write_files(self.path, fresh_start)
         self._next_chunk = len(self.manifest["chunks"])
+
+    # compatibility views of the kind (callers that predate storekinds)
+    @property
+    def k(self) -> int:
+        """K of a top-K store (0 for every other kind)."""
+        return self.kind.k
+
+    @property
+    def compact(self):
+        """The compact store's spec (compact.CompactSpec), None for other kinds."""
+        return getattr(self.kind, "spec", None)
+
+    @property
+    def hidden(self) -> bool:
+        """Whether the store keeps hidden states (``add_rows`` then needs ``hidden=``)."""
+        return self.kind.needs_hidden_states
 
     # -------------------------------------------------------------------------------
     def done_ids(self) -> set[str]:
@@ -435,91 +396,43 @@ class RunWriter:
         return self._kept_tools[path]
 
     def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None,
-                 hidden_block: dict | None = None) -> None:
-        """The next rows of the current item (its positions in order). A hidden-state run
-        takes the 16-bit logits and the hidden states they came from (bits), and keeps the
-        latter with the entries where they do not reproduce the former (hidden.py); or, from
-        another run with the same head, rows already in that form (``hidden_block``)."""
+                 hidden_block: dict | None = None, *, stored=None) -> None:
+        """The next rows of the current item (its positions in order): a source's full rows
+        ``logits`` (checked, then encoded by the store kind; ``hidden``: their hidden states,
+        for a kind that keeps them), or rows already in the kind's stored form (``stored``;
+        ``topk``, ``compact`` and ``hidden_block`` are the older names of it)."""
         item = self._cur
         if item is None:
             raise ValueError("add_rows outside begin_item/end_item")
-        n_left = len(item.positions) - self._cur_rows
-        if self.compact:
-            if compact is None:
-                raise LogitdiffError(f"item {item.id!r}: compact run: pass compact= rows (compact.encode)")
-            rows = {k: np.asarray(v) for k, v in compact.items()}
-            n = rows["max_logit"].shape[0]
-            if n > n_left:
-                raise LogitdiffError(f"item {item.id!r}: {n} compact rows given, {n_left} left")
-        elif self.k:
-            if topk is None:
-                raise ValueError("top-K run: pass topk=")
-            rows = {k: np.asarray(v) for k, v in topk.items()}
-            n = rows["ids"].shape[0] if rows["ids"].ndim == 2 else -1
-            for key in ("ids", "logprobs"):
-                if rows[key].ndim != 2 or rows[key].shape != (n, self.k) or n > n_left:
-                    raise LogitdiffError(
-                        f"item {item.id!r}: top-K {key} shape {rows[key].shape}, expected (<= {n_left}, {self.k})"
-                    )
-            done = self._cur_rows
-            validate.topk_rows(rows["ids"], rows["logprobs"], self.vocab_size, self.k, f"item {item.id!r}",
-                               label=lambda r: f"output position {item.positions[done + r]}")
-        elif self.hidden and hidden_block is not None:
-            rows = self._checked_hidden_block(item, hidden_block, n_left)
-            n = rows["hidden"].shape[0]
+        place = BlockPlace(item.id, item.positions, item.teacher_ids, self._cur_rows)
+        given = [b for b in (stored, topk, compact, hidden_block) if b is not None]
+        if given:
+            block, n = self.kind.check_block(given[0], place)
         else:
-            rows = np.asarray(logits)
-            n = rows.shape[0] if rows.ndim == 2 else -1
-            if rows.ndim != 2 or rows.shape[1] != self.vocab_size or n > n_left:
-                raise LogitdiffError(
-                    f"item {item.id!r}: logits shape {rows.shape}, expected ({len(item.positions)}, {self.vocab_size})"
-                    + (f" in blocks ({n_left} rows left)" if self._cur_rows else "")
-                )
-            bad = _nonfinite_row(rows, self.dtype)
-            if bad is not None:
-                raise LogitdiffError(
-                    f"item {item.id!r}: NaN/inf logits at output position {item.positions[self._cur_rows + bad]}"
-                )
-            if self.hidden:
-                rows = self._hidden_rows(item, rows, hidden)
+            if logits is None:
+                raise ValueError(f"{self.store} run: pass logits= (full rows) or stored= rows")
+            rows = check_full_rows(logits, place, self.vocab_size, self.dtype)
+            n = int(rows.shape[0])
+            block = self.kind.encode(rows, place, hidden) if n else rows
+        self._buffer(block, n)
+
+    def add_topk(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        """The next rows of the current item from a top-K source (served model): ids and
+        log-probabilities ``[r, K']``, each row descending; the store kind keeps what it can."""
+        item = self._cur
+        if item is None:
+            raise ValueError("add_topk outside begin_item/end_item")
+        place = BlockPlace(item.id, item.positions, item.teacher_ids, self._cur_rows)
+        self.add_rows(stored=self.kind.encode_topk(np.asarray(ids), np.asarray(logprobs), place))
+
+    def _buffer(self, block, n: int) -> None:
         if n == 0:
             return
-        self._buf_rows.append(rows)
+        self._buf_rows.append(block)
         self._nrows += n
         self._cur_rows += n
         if self._nrows >= self.chunk_rows:
             self.flush(wait=False)
-
-    def _checked_hidden_block(self, item: RunItem, block: dict, n_left: int) -> dict:
-        h = np.asarray(block.get("hidden"))
-        e = [np.asarray(block.get(k)) for k in ("exc_row", "exc_id", "exc_bits")]
-        ok = (h.dtype == np.uint16 and h.ndim == 2 and h.shape[1] == self.head.shape[1] and h.shape[0] <= n_left
-              and len({x.shape for x in e}) == 1 and e[0].ndim == 1
-              and (e[0].size == 0 or (0 <= e[0].min() and e[0].max() < h.shape[0] and 0 <= e[1].min()
-                                      and e[1].max() < self.vocab_size)))
-        if not ok:
-            raise LogitdiffError(f"item {item.id!r}: hidden-state rows {h.dtype} {h.shape} (or their exceptions) do not fit "
-                                 f"(<= {n_left}, {self.head.shape[1]}) at V = {self.vocab_size}")
-        return {"hidden": h, "exc_row": e[0].astype(np.int32), "exc_id": e[1].astype(np.int32), "exc_bits": e[2].astype(np.uint16)}
-
-    def _hidden_rows(self, item: RunItem, rows: np.ndarray, hidden) -> dict:
-        if self.dtype == "float16" and rows.dtype == np.float16:
-            rows = rows.view(np.uint16)
-        if hidden is None or rows.dtype != np.uint16:
-            raise LogitdiffError(f"item {item.id!r}: hidden-state run: pass {self.dtype} logits (bits) and hidden= states")
-        h = np.asarray(hidden)
-        if h.dtype != np.uint16 or h.shape != (rows.shape[0], self.head.shape[1]):
-            raise LogitdiffError(f"item {item.id!r}: hidden states {h.dtype} {h.shape}, expected uint16 "
-                                 f"({rows.shape[0]}, {self.head.shape[1]})")
-        enc = hidden_store.encode(rows, h, self.head, self._head_norms, self.dtype)
-        per_row = np.bincount(enc["exc_row"], minlength=rows.shape[0])
-        worst = int(per_row.argmax()) if per_row.size else 0
-        if per_row.size and per_row[worst] > max(64, self.vocab_size // 64):
-            raise LogitdiffError(
-                f"item {item.id!r}: output position {item.positions[self._cur_rows + worst]}: {per_row[worst]} of "
-                f"{self.vocab_size} logits are not the output head applied to the hidden state (bias, scaling or "
-                "another head?): use --store full")
-        return enc
 
     def end_item(self) -> None:
         item = self._cur
@@ -577,31 +490,9 @@ class RunWriter:
     def _write_chunk(self, idx: int, items: list[RunItem], rows: list, nrows: int) -> None:
         stem = f"{idx:06d}"
         cdir = self.path / "chunks"
-        entry = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items)}
-        if self.hidden:
-            entry["data"] = f"{stem}.{hidden_store.CHUNK_SUFFIX}"
-            block = hidden_store.stack(rows, self.head.shape[1])
-            atomic_write_bytes(cdir / entry["data"], hidden_store.save_chunk(block))
-        elif self.compact:
-            entry["data"] = f"{stem}.{compact_store.CHUNK_SUFFIX}"
-            if not rows:  # a chunk that only closes items whose rows ended in earlier chunks
-                rows = [compact_store.encode(np.zeros((0, self.vocab_size), np.float32), np.zeros(0, np.int64), self.compact)]
-            atomic_write_bytes(cdir / entry["data"], compact_store.save_chunk(cdir / entry["data"], rows))
-        elif self.k:
-            if rows:
-                cat = {k: np.concatenate([r[k] for r in rows]) for k in rows[0].keys()}
-            else:
-                cat = {"ids": np.zeros((0, self.k), np.int64), "logprobs": np.zeros((0, self.k), np.float64)}
-            import io
-
-            bio = io.BytesIO()
-            np.savez(bio, **cat)
-            atomic_write_bytes(cdir / f"{stem}.topk.npz", bio.getvalue())
-            entry["data"] = f"{stem}.topk.npz"
-        else:
-            blocks = rows or [np.zeros((0, self.vocab_size), dtype=np.float32)]
-            atomic_save_npy_rows(cdir / f"{stem}.logits.npy", blocks, self.dtype)
-            entry["data"] = f"{stem}.logits.npy"
+        entry = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items),
+                 "data": f"{stem}.{self.kind.chunk_suffix}"}
+        self.kind.save_chunk(cdir / entry["data"], rows)
         text = "".join(json.dumps(it.to_json_in(idx)) + "\n" for it in items)
         atomic_write_bytes(cdir / entry["items"], text.encode())
         self.manifest["chunks"].append(entry)
@@ -707,27 +598,6 @@ def _check_item_ids(it: RunItem, vocab_size: int, where: str) -> None:
             raise LogitdiffError(f"{where}: field 'positions' [{j}] = {str(q)[:40]} is not a teacher position in [0, {n})")
 
 
-def _nonfinite_row(rows: np.ndarray, dtype: str) -> int | None:
-    """First row holding NaN/inf, or None. bf16 bits (uint16): exponent all ones."""
-    if not rows.size:
-        return None
-    if rows.dtype == np.uint16 and dtype != "bfloat16":
-        raise ValueError("uint16 rows are bf16 bits: only for dtype='bfloat16'")
-    from .kernel import first_nonfinite
-
-    got = first_nonfinite(rows)  # the compiled scan: one read, no temporaries (-1: not built)
-    if got != -1:
-        return got
-    if rows.dtype == np.uint16:
-        bad = (rows & 0x7F80) == 0x7F80
-        return int(np.nonzero(bad.any(1))[0][0]) if bad.any() else None
-    # max and min propagate NaN and expose +-inf without a full boolean temporary; only a
-    # bad array pays for locating the row.
-    if np.isfinite(rows.max()) and np.isfinite(rows.min()):
-        return None
-    return int(np.nonzero(~np.isfinite(rows).all(1))[0][0])
-
-
 def reblock(pieces: Iterable, rows: int) -> Iterator:
     """Re-cut a stream of row blocks (arrays, or dicts of arrays with equal row counts) into
     blocks of exactly ``rows`` rows (the last may be shorter); pieces that already are one
@@ -807,30 +677,39 @@ class RunReader:
             )
         try:
             st = self.manifest["settings"]["store"]
-            self.k = parse_store(st)
             self.vocab_size = int(self.manifest["vocab_size"])
             if not isinstance(self.manifest["vocab_size"], int) or isinstance(self.manifest["vocab_size"], bool) or self.vocab_size < 1:
                 raise ValueError("vocab_size")
             if self.manifest["settings"].get("dtype") not in (None, *_DTYPES):
                 raise ValueError("settings.dtype")
             check_chunk_entries(self.manifest["chunks"], mpath)
+            # the kind reads the chunks: a hidden-state run reads as a full run (they decode to the logits)
+            self.kind: StoreKind = store_kind(st, self.vocab_size, self.manifest["settings"].get("dtype"))
         except (KeyError, TypeError, ValueError, AttributeError, LogitdiffError) as e:
             raise LogitdiffError(f"{mpath}: field {str(e).strip(chr(39))!r} missing or malformed (not a RUN this logitdiff reads)") from None
         self.store = st
-        self.compact = compact_store.parse_spec(st) if compact_store.is_compact(st) else None
-        # a hidden-state run reads as a full bf16 run: its chunks decode to the logits
-        self.hidden = hidden_store.is_hidden(st)
-        self._head = None
-        self._raw_cache: tuple[int, dict] | None = None
-        if self.hidden:
-            hd = self.manifest.get("head")
-            if not (isinstance(hd, dict) and isinstance(hd.get("shape"), list) and len(hd["shape"]) == 2
-                    and hd["shape"][0] == self.vocab_size and isinstance(hd.get("sha256"), str)):
-                raise LogitdiffError(f"{mpath}: field 'head' missing or malformed (a hidden-state run records its output head)")
         self.tokenizer_hash = self.manifest.get("tokenizer_hash")
         self.dtype = self.manifest["settings"].get("dtype")
+        self.kind.start_reading(self.path, self.manifest)
         self._items: list[RunItem] | None = None
-        self._cache: tuple[int, object] | None = None
+        self._cache: tuple[int, object] | None = None  # (chunk index, its readable rows)
+        self._stored_cache: tuple[int, object] | None = None  # (chunk index, its stored rows)
+
+    # compatibility views of the kind (callers that predate storekinds)
+    @property
+    def k(self) -> int:
+        """K of a top-K run (0 for every other kind)."""
+        return self.kind.k
+
+    @property
+    def compact(self):
+        """A compact run's spec (compact.CompactSpec), None for other kinds."""
+        return getattr(self.kind, "spec", None)
+
+    @property
+    def hidden(self) -> bool:
+        """Whether the run keeps hidden states (its chunks decode to the logits)."""
+        return self.kind.needs_hidden_states
 
     @property
     def is_partial(self) -> bool:
@@ -904,43 +783,36 @@ class RunReader:
             raise LogitdiffError(f"{p}: expected a list of token strings")
         return t
 
-    def _chunk(self, index: int):
-        if self._cache is not None and self._cache[0] == index:
-            return self._cache[1]
-        self._cache = None  # let the previous chunk go before the next one is built (decoded)
+    def _stored(self, index: int):
+        """Chunk ``index``'s rows as stored (checked against the manifest's row count)."""
+        if self._stored_cache is not None and self._stored_cache[0] == index:
+            return self._stored_cache[1]
+        self._stored_cache = None  # let the previous chunk go before the next one is read
         c = self.manifest["chunks"][index]
         p = self.path / "chunks" / c["data"]
         if not p.exists():
             raise LogitdiffError(f"{p}: chunk file missing (truncated run)")
         try:
-            if self.hidden:
-                raw = hidden_store.load_chunk(p, self.manifest["head"]["shape"][1], self.vocab_size)
-                n = raw["hidden"].shape[0]
-                if n == c["rows"]:
-                    data = hidden_store.decode(raw, self.head(), self.dtype, device=self.device)
-                    if self.dtype == "float16":  # what a full float16 chunk holds
-                        data = data.view(np.float16)
-            elif self.compact:
-                data = compact_store.load_chunk(p)
-                n = data["max_logit"].shape[0]
-            elif self.k:
-                with np.load(p, allow_pickle=False) as z:
-                    data = {k: z[k] for k in z.files}
-                if "ids" not in data or "logprobs" not in data:
-                    raise LogitdiffError(f"{p}: top-K chunk without 'ids' and 'logprobs' arrays; the run is damaged")
-                validate.topk_rows(data["ids"], data["logprobs"], self.vocab_size, self.k, str(p),
-                                   label=lambda r, i=index: self._row_label(i, r))
-                n = data["ids"].shape[0]
-            else:
-                data = np.load(p, mmap_mode="r", allow_pickle=False)
-                n = data.shape[0] if data.ndim else 0
-                if data.ndim != 2 or data.shape[1] != self.vocab_size:
-                    raise LogitdiffError(f"{p}: logits shape {data.shape}, expected (*, {self.vocab_size})")
-                validate.rows_dtype(data, _DTYPES.get(self.dtype or "float32", np.float32), str(p), name=self.dtype or "float32")
+            data = self.kind.load_chunk(p, lambda r: self._row_label(index, r))
+            n = self.kind.rows_in(data)
         except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as e:
             raise LogitdiffError(f"{p}: unreadable chunk ({e})") from None
         if n != c["rows"]:
             raise LogitdiffError(f"{p}: holds {n} rows, manifest says {c['rows']} (truncated run)")
+        self._stored_cache = (index, data)
+        return data
+
+    def _chunk(self, index: int):
+        """Chunk ``index``'s rows as a reader gets them (decoded by the kind)."""
+        if self._cache is not None and self._cache[0] == index:
+            return self._cache[1]
+        self._cache = None  # let the previous chunk go before the next one is built (decoded)
+        stored = self._stored(index)
+        try:
+            data = self.kind.decode(stored, device=self.device)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as e:
+            p = self.path / "chunks" / self.manifest["chunks"][index]["data"]
+            raise LogitdiffError(f"{p}: unreadable chunk ({e})") from None
         self._cache = (index, data)
         return data
 
@@ -953,24 +825,14 @@ class RunReader:
                     return f"item {it.id!r} output position {it.positions[done + r - a]}"
         return f"row {r}"
 
-    def head(self) -> np.ndarray:
-        """A hidden-state run's output head [V, H] (bf16 bits, memory-mapped), checked
-        against the manifest once."""
-        if self._head is None:
-            hd = self.manifest["head"]
-            self._head = hidden_store.load_head(self.path / hidden_store.HEAD_FILE, self.vocab_size, hd["sha256"])
-            if list(self._head.shape) != hd["shape"]:
-                raise LogitdiffError(f"{self.path / hidden_store.HEAD_FILE}: shape {self._head.shape}, manifest says {hd['shape']}")
-        return self._head
-
-    def hidden_blocks(self, item: RunItem) -> Iterator[dict[str, np.ndarray]]:
-        """A hidden-state run: an item's rows as stored (hidden states + exceptions, not
-        decoded), a chunk's span at a time: what `merge` copies into a run with the same head."""
+    def stored_blocks(self, item: RunItem, rows: int | None = None) -> Iterator:
+        """An item's rows as stored (not decoded), a chunk's span (or at most ``rows`` rows)
+        at a time: what ``merge`` copies into a run of the same kind
+        (``RunWriter.add_rows(stored=...)``)."""
         for index, a, b in self._spans(item):
-            if self._raw_cache is None or self._raw_cache[0] != index:
-                p = self.path / "chunks" / self.manifest["chunks"][index]["data"]
-                self._raw_cache = (index, hidden_store.load_chunk(p, self.manifest["head"]["shape"][1], self.vocab_size))
-            yield hidden_store.rows_of(self._raw_cache[1], a, b)
+            step = max(1, rows or (b - a))
+            for lo in range(a, b, step):
+                yield self.kind.cut_stored(self._stored(index), lo, min(b, lo + step))
 
     def _chunk_rows(self) -> list[int]:
         return [int(c["rows"]) for c in self.manifest["chunks"]]
@@ -995,11 +857,7 @@ class RunReader:
         """The item's rows as views of its chunk(s), in order (an item may run on into the
         following chunks). Full runs: native arrays (bf16 bits stay uint16 when ``raw``)."""
         for index, a, b in self._spans(item):
-            data = self._chunk(index)
-            if self.k or self.compact:
-                yield {k: v[a:b] for k, v in data.items()}
-            else:
-                yield data[a:b]
+            yield cut_rows(self._chunk(index), a, b)
 
     def row_pieces(self, items: Iterable[RunItem]) -> Iterator[np.ndarray]:
         """The full-logit rows of ``items`` in order, in the stored dtype (bf16 bits as
@@ -1023,19 +881,15 @@ class RunReader:
 
         Holds the whole item: for small items and tests; streaming code uses
         :meth:`row_blocks`."""
-        if self.k:
-            raise LogitdiffError(f"{self.path}: run stores top-{self.k}, not full logits")
-        if self.compact:
-            raise LogitdiffError(f"{self.path}: run stores a compact reference ({self.store}), not full logits")
+        if self.kind.reads_as is not RowsForm.FULL:
+            raise LogitdiffError(f"{self.path}: run stores {self.kind.describe()}, not full logits")
         pieces = list(self._pieces(item))
         rows = pieces[0] if len(pieces) == 1 else (np.concatenate(pieces) if pieces else np.zeros((0, self.vocab_size), _DTYPES[self.dtype or "float32"]))
-        if self.dtype == "bfloat16":
-            return bf16_to_f32(np.asarray(rows))
-        return rows
+        return self.kind.values(rows)
 
     def topk(self, item: RunItem) -> dict[str, np.ndarray]:
-        if not self.k:
-            raise LogitdiffError(f"{self.path}: run stores full logits, not top-K")
+        if self.kind.reads_as is not RowsForm.TOPK:
+            raise LogitdiffError(f"{self.path}: run stores {self.kind.describe()}, not top-K")
         pieces = list(self._pieces(item))
         if not pieces:
             data = self._chunk(item.chunk) if item.chunk < len(self.manifest["chunks"]) else {}
@@ -1044,18 +898,16 @@ class RunReader:
 
     def row_blocks(self, items: Iterable[RunItem], rows: int, *, raw: bool = False) -> Iterator:
         """The rows of ``items`` in order, cut into blocks of exactly ``rows`` rows across
-        item and chunk boundaries (the last may be shorter). Full runs give float32 (bf16
-        converted one block at a time; ``raw`` keeps the stored dtype, bf16 bits as uint16),
-        top-K runs dicts of arrays. Memory: one block, whatever the run's size."""
-        blocks = reblock((p for it in items for p in self._pieces(it)), rows)
-        for b in blocks:
-            if not self.k and self.dtype == "bfloat16" and not raw:
-                b = bf16_to_f32(np.asarray(b))
-            yield b
+        item and chunk boundaries (the last may be shorter), as the kind hands them out
+        (``kind.reads_as``): full rows as float values (bf16 converted one block at a time;
+        ``raw`` keeps the stored dtype, bf16 bits as uint16), top-K lists and bounded rows as
+        dicts of arrays. Memory: one block, whatever the run's size."""
+        for b in reblock((p for it in items for p in self._pieces(it)), rows):
+            yield self.kind.values(b, raw)
 
     def compact_rows(self, item: RunItem) -> dict[str, np.ndarray]:
         """The compact store's arrays of an item's rows (see compact.py)."""
-        if not self.compact:
+        if self.kind.reads_as is not RowsForm.BOUNDED:
             raise LogitdiffError(f"{self.path}: run stores {self.store}, not a compact reference")
         return _joined(list(self._pieces(item)))
 
