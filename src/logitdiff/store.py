@@ -11,6 +11,8 @@ Layout::
                                   teacher_ids, positions (scored output positions), row
       chunks/000000.logits.npy    full logits [rows, V] in native dtype (bf16 as uint16)
       chunks/000000.topk.npz      or top-K: ids, logprobs, logsumexp, tail_mass, entropy
+                                  (or compact.npz, hidden.npz: one file per chunk in the
+                                  form of the run's store kind, storekinds/)
 
 Every file of a chunk is written to a temporary name and renamed; the manifest (which
 lists finished chunks) is rewritten atomically after each chunk. A killed capture leaves
@@ -339,11 +341,6 @@ class RunWriter:
     def compact(self):
         """The compact store's spec (compact.CompactSpec), None for other kinds."""
         return getattr(self.kind, "spec", None)
-
-    @property
-    def hidden(self) -> bool:
-        """Whether the store keeps hidden states (``add_rows`` then needs ``hidden=``)."""
-        return self.kind.needs_hidden_states
 
     # -------------------------------------------------------------------------------
     def done_ids(self) -> set[str]:
@@ -705,11 +702,6 @@ class RunReader:
     def compact(self):
         """A compact run's spec (compact.CompactSpec), None for other kinds."""
         return getattr(self.kind, "spec", None)
-
-    @property
-    def hidden(self) -> bool:
-        """Whether the run keeps hidden states (its chunks decode to the logits)."""
-        return self.kind.needs_hidden_states
 
     @property
     def is_partial(self) -> bool:

@@ -68,11 +68,15 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
     from .compact import _log_softmax
 
     specs = [C.parse_spec(x) for x in compact_specs]
-    from .compare import _owner, check_comparable, check_floor_value
+    from .compare import check_floor_value, check_same_tokens, pair_items
+    from .comparemethods import form_of, owner
+    from .storekinds import RowsForm
 
-    if ref.k or cand.k:
-        raise LogitdiffError(f"topk-error needs two full-logit runs ({ref.path if ref.k else cand.path} stores top-{ref.k or cand.k})")
-    items_r, items_c, _ = check_comparable(ref, cand)
+    not_full = next((r for r in (ref, cand) if form_of(r) is not RowsForm.FULL), None)
+    if not_full is not None:
+        raise LogitdiffError(f"topk-error needs two full-logit runs ({not_full.path} stores {not_full.kind.describe()})")
+    check_same_tokens(ref, cand)
+    items_r, items_c, _ = pair_items(ref, cand)
     V = ref.vocab_size
     check_floor_value(logprob_floor, V)
     logprob_min = np.inf
@@ -104,8 +108,8 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
             logprob_min = min(logprob_min, float(lmin.min()) if lmin.size else np.inf)
             if logprob_floor is not None and (lmin < logprob_floor).any():
                 r = int(np.argmax(lmin < logprob_floor))
-                owner, row = _owner(items, a0 + r)
-                raise LogitdiffError(f"{run.path}: item {owner.id!r} position {owner.positions[row]}: log-probability "
+                it, row = owner(items, a0 + r)
+                raise LogitdiffError(f"{run.path}: item {it.id!r} position {it.positions[row]}: log-probability "
                                      f"{float(lmin[r]):.4f} is below --logprob-floor {logprob_floor}")
         exact.append(m["kl_nats"])
         exact_rev.append(m["kl_rev_nats"])

@@ -27,6 +27,7 @@ EPILOG = (
 
 def register(sub) -> None:
     from ..defaults import SCORE_BATCH
+    from ..storekinds import store_help
 
     cap = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=EPILOG)
     cap.add_argument("spec", metavar="SPEC", help="source spec")
@@ -36,11 +37,7 @@ def register(sub) -> None:
                      "continue it), or a RUN with --resume / --overwrite; never anything else")
     cap.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's max_tokens, else 64)")
     cap.add_argument("--store", default="full",
-                     help="full (native-dtype logits), hidden (a bf16/fp16 transformers model's logits kept bit for bit as its final "
-                          "hidden states plus the output head once: ~2 bytes per hidden unit per position; compares exactly), "
-                          "topk:K with 1 <= K <= V, or compact[:exact=E,band=B,bits=8|16] (a reference "
-                          "kept as exact top entries, a quantised band and exact tail mass: candidates compare against it with "
-                          "proven KL bounds); docs/bounds.md (default: %(default)s)")
+                     help=f"{store_help()}; docs/bounds.md (default: %(default)s)")
     cap.add_argument("--positions", default="all",
                      help="all | first | sample:FRAC[:SEED] with 0 < FRAC <= 1 — output positions kept (reference capture; "
                           "default: %(default)s); only those are scored, so sampling saves memory and time as well as disk")

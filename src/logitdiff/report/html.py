@@ -321,7 +321,7 @@ def _teacher(cols: dict | None):
     return ids[order], pos[order], np.asarray(cols["token_id"], dtype=np.int64)[order]
 
 
-def check_comparable(reports: Sequence[dict], tokens: Sequence[dict | None], labels: Sequence[str]) -> None:
+def check_reports_on_one_page(reports: Sequence[dict], tokens: Sequence[dict | None], labels: Sequence[str]) -> None:
     """Refuse reports that do not measure the same thing (see the module docstring)."""
     if not reports:
         raise LogitdiffError("logitdiff report: no reports given")
@@ -1133,7 +1133,7 @@ def render_html(
     paths = [None if p is None else str(p) for p in (paths or [None] * len(reports))]
     cols = [token_columns(t) if t is not None else _rows_as_columns(r) for r, t in zip(reports, tokens)]
     labels = [p or str(_get(r, "candidate.spec") or f"report {i + 1}") for i, (r, p) in enumerate(zip(reports, paths))]
-    check_comparable(reports, cols, labels)
+    check_reports_on_one_page(reports, cols, labels)
     names = _names(reports, paths)
 
     cells, conseq = matrix_data(names, reports, summary)

@@ -21,13 +21,18 @@ STORE_KINDS: dict[str, type[StoreKind]] = {
     HiddenStore.name: HiddenStore,
 }
 
-__all__ = ["Block", "BlockPlace", "RowsForm", "STORE_KINDS", "StoreKind", "check_full_rows", "cut_rows", "store_kind", "store_usage"]
+__all__ = ["STORE_KINDS", "Block", "BlockPlace", "RowsForm", "StoreKind", "check_full_rows", "cut_rows", "store_help", "store_kind", "store_usage"]
 
 
 def store_usage() -> str:
     """Every registered spelling of --store, for errors and --help."""
     usages = [cls.usage for cls in STORE_KINDS.values()]
     return ", ".join(usages[:-1]) + f" or {usages[-1]}" if len(usages) > 1 else usages[0]
+
+
+def store_help() -> str:
+    """--store's help: every registered kind with what it keeps."""
+    return "; ".join(f"{cls.usage} ({cls.summary})" if cls.summary else cls.usage for cls in STORE_KINDS.values())
 
 
 def store_kind(text: str, vocab_size: int | None = None, dtype: str | None = None) -> StoreKind:

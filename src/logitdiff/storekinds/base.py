@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -101,6 +102,7 @@ class StoreKind(ABC):
 
     name: ClassVar[str]  # the first word of the --store text (its key in STORE_KINDS)
     usage: ClassVar[str]  # how --store spells it, for errors and --help
+    summary: ClassVar[str] = ""  # what it keeps, in a few words (--help)
     reads_as: ClassVar[RowsForm]  # what RunReader hands out for this kind
     chunk_suffix: ClassVar[str]  # file name of a chunk's rows: NNNNNN.<suffix>
     keeps_dtype: ClassVar[bool] = True  # settings.dtype records the source's logits dtype
@@ -112,7 +114,7 @@ class StoreKind(ABC):
         self.dtype = dtype
 
     @classmethod
-    def parse(cls, text: str, vocab_size: int | None = None, dtype: str | None = None) -> "StoreKind":
+    def parse(cls, text: str, vocab_size: int | None = None, dtype: str | None = None) -> StoreKind:
         """The kind of a ``--store`` text whose first word is ``name``; a one-line error when
         the rest does not fit (default: the text is the name alone)."""
         if text != cls.name:

@@ -18,6 +18,8 @@ from .base import Block, BlockPlace, RowsForm, StoreKind
 class CompactStore(StoreKind):
     name: ClassVar[str] = C.STORE_PREFIX
     usage: ClassVar[str] = "compact[:exact=E,band=B,bits=8|16]"
+    summary: ClassVar[str] = ("a reference kept as exact top entries, a quantised band and exact tail mass: candidates "
+                              "compare against it with proven KL bounds")
     reads_as: ClassVar[RowsForm] = RowsForm.BOUNDED
     chunk_suffix: ClassVar[str] = C.CHUNK_SUFFIX
     keeps_dtype: ClassVar[bool] = False  # log-probabilities and codes, whatever the source's logits were
@@ -28,7 +30,7 @@ class CompactStore(StoreKind):
         self.spec = spec or C.parse_spec(text)
 
     @classmethod
-    def parse(cls, text: str, vocab_size: int | None = None, dtype: str | None = None) -> "CompactStore":
+    def parse(cls, text: str, vocab_size: int | None = None, dtype: str | None = None) -> CompactStore:
         return cls(text, vocab_size, dtype, spec=C.parse_spec(text))
 
     @property

@@ -17,6 +17,7 @@ from .rows import DTYPES, atomic_save_npy_rows, full_values
 class FullStore(StoreKind):
     name: ClassVar[str] = "full"
     usage: ClassVar[str] = "full"
+    summary: ClassVar[str] = "native-dtype logits"
     reads_as: ClassVar[RowsForm] = RowsForm.FULL
     chunk_suffix: ClassVar[str] = "logits.npy"
 

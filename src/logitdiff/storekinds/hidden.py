@@ -20,6 +20,8 @@ from .rows import DTYPES, atomic_save_npy_rows, full_values
 class HiddenStore(StoreKind):
     name: ClassVar[str] = H.STORE
     usage: ClassVar[str] = "hidden"
+    summary: ClassVar[str] = ("a bf16/fp16 transformers model's logits kept bit for bit as its final hidden states plus the "
+                              "output head once: ~2 bytes per hidden unit per position; compares exactly")
     reads_as: ClassVar[RowsForm] = RowsForm.FULL
     chunk_suffix: ClassVar[str] = H.CHUNK_SUFFIX
     needs_hidden_states: ClassVar[bool] = True

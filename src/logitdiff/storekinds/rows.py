@@ -37,7 +37,7 @@ def atomic_save_npy_rows(path: Path, blocks: list[np.ndarray], dtype: str) -> No
         for b in blocks:
             if dtype == "bfloat16":
                 b = b if b.dtype == np.uint16 else f32_to_bf16(b)
-            f.write(memoryview(np.ascontiguousarray(b, dtype=out_dtype)))
+            f.write(np.ascontiguousarray(b, dtype=out_dtype).data)
 
 
 def nonfinite_row(rows: np.ndarray, dtype: str | None) -> int | None:

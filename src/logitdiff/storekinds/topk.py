@@ -20,6 +20,7 @@ from .rows import bf16_to_f32
 class TopKStore(StoreKind):
     name: ClassVar[str] = "topk"
     usage: ClassVar[str] = "topk:K with K a positive integer"
+    summary: ClassVar[str] = "the K most probable tokens per position, 1 <= K <= V"
     reads_as: ClassVar[RowsForm] = RowsForm.TOPK
     chunk_suffix: ClassVar[str] = "topk.npz"
     keeps_dtype: ClassVar[bool] = False  # log-probabilities, whatever the source's logits were
@@ -29,7 +30,7 @@ class TopKStore(StoreKind):
         self._k = int(k)
 
     @classmethod
-    def parse(cls, text: str, vocab_size: int | None = None, dtype: str | None = None) -> "TopKStore":
+    def parse(cls, text: str, vocab_size: int | None = None, dtype: str | None = None) -> TopKStore:
         name, _, k = str(text).partition(":")
         if name != cls.name or not k.isdigit() or int(k) < 1:
             raise LogitdiffError(f"--store {text!r}: expected {cls.usage}")
@@ -79,11 +80,11 @@ class TopKStore(StoreKind):
 
     def save_chunk(self, path: Path, blocks: list[Block]) -> None:
         if blocks:
-            cat = {key: np.concatenate([b[key] for b in blocks]) for key in blocks[0].keys()}
+            cat = {key: np.concatenate([b[key] for b in blocks]) for key in blocks[0]}
         else:
             cat = {"ids": np.zeros((0, self._k), np.int64), "logprobs": np.zeros((0, self._k), np.float64)}
         bio = io.BytesIO()
-        np.savez(bio, **cat)
+        np.savez(bio, allow_pickle=False, **cat)
         atomic_write_bytes(path, bio.getvalue())
 
     def load_chunk(self, path: Path, label: Any) -> Block:
