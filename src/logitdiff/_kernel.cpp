@@ -23,7 +23,7 @@
 //
 // Peaked rows (a head far above a long tail): pass 2 takes tiles that hold a tiny share of
 // both sides' mass ("tail tiles", chosen from pass 1's per-tile estimates) with a cheaper
-// exp (degree 6, 1.25e-9 relative) and, where |a_p - a_q - ln r0| <= 0.75 on the whole
+// exp (degree 8, <= 2.9e-10 relative, taken as 1.25e-9) and, where |a_p - a_q - ln r0| <= 0.75 on the whole
 // tile, ln g from ln cosh (a short series, no division) instead of log, in one loop whose
 // G and H come from the linear sums (`pass2_tail_fused`). The extra error of
 // every output field is bounded from the exact sums afterwards (`tail_bound`); the row
@@ -68,9 +68,10 @@ constexpr double G_MIN = 1e-300;  // g >= G_MIN: g ln g of a flushed pair is ~1e
 
 // Tail tiles (SIMD path; error analysis in the comment above `tail_bound`).
 constexpr double TAIL_BUDGET = 1.25e-13;   // per field, absolute: 1/8 of the contract's atol 1e-12
-constexpr double EPS_TAIL_EXP = 1.25e-9;   // relative error of exp_pd<true> (degree 6)
+constexpr double EPS_TAIL_EXP = 1.25e-9;   // bound on the relative error of exp_tail_pd (2.9e-10)
 constexpr double ETA_TAIL_LOG = 7e-9;      // absolute error of ln g from ln_cosh_pd
-constexpr double TAIL_DELTA_MAX = 0.75;    // |delta| bound of a tile that takes ln_cosh_pd
+constexpr double TAIL_DELTA_MAX = 0.75;
+constexpr uint8_t TAIL = 1, TAIL_NOFLUSH = 2;  // tail tile; tail tile whose a >= FLUSH + 1 on both sides    // |delta| bound of a tile that takes ln_cosh_pd
 
 struct Args {
     const void* zp;
@@ -147,7 +148,7 @@ struct TopK {
 // sum of exp(z - m_ref), m_ref the running maximum when it was summed. Pass 2 uses it only
 // to choose tail tiles (a guess; the choice is checked afterwards by `tail_bound`).
 struct TileEst {
-    float tmax, m_ref;
+    float tmax, m_ref, tmin;  // tmin: lets pass 2 drop the exp's underflow test on the tile
     double sum;
 };
 
@@ -262,11 +263,7 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 exp_ps_rough(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-// float64 exp for a <= 0 (see the header for its error); NaN propagates. `tail`: Taylor
-// degree 6 instead of 11, for tail tiles only: on |r| <= ln2/4 + 2^-50 the remainder is
-// <= r^7/7! / (1 - r/8) = 9.5e-10 absolute on e^r >= e^-0.1733 = 0.84, i.e. 1.13e-9
-// relative, plus <= 4 ulp of rounding: EPS_TAIL_EXP = 1.25e-9.
-template <bool tail = false>
+// float64 exp for a <= 0 (see the header for its error); NaN propagates.
 __attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd(__m256d a) {
     const __m256d lo = _mm256_set1_pd(FLUSH);
     __m256d under = _mm256_cmp_pd(a, lo, _CMP_LT_OQ);
@@ -277,17 +274,12 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd(__m256d a) {
     // ln2/2 = C1 + C2 (fdlibm's ln2_hi/2, ln2_lo/2): n * C1 is exact for |n| <= 2043
     __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0.34657359018456191), x);
     r = _mm256_fnmadd_pd(n, _mm256_set1_pd(9.5410746463529385e-11), r);
-    __m256d p;
-    if (tail) {
-        p = _mm256_set1_pd(1.0 / 720);
-    } else {
-        p = _mm256_set1_pd(1.0 / 39916800);
-        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 3628800));
-        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 362880));
-        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 40320));
-        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 5040));
-        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 720));
-    }
+    __m256d p = _mm256_set1_pd(1.0 / 39916800);
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 3628800));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 362880));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 40320));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 5040));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 720));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 120));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 24));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 6));
@@ -300,6 +292,41 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd(__m256d a) {
     __m256d odd = _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_and_si256(u, _mm256_set1_epi64x(1)), _mm256_set1_epi64x(1)));
     p = _mm256_mul_pd(p, _mm256_blendv_pd(_mm256_set1_pd(1.0), _mm256_set1_pd(1.4142135623730951), odd));
     return _mm256_andnot_pd(under, _mm256_mul_pd(p, scale));
+}
+
+// float64 exp for a <= 0, tail tiles only (EPS_TAIL_EXP): n = round(a / ln2) from the
+// 1.5 * 2^52 + 1023 rounding constant, whose low mantissa bits are then n + 1023, i.e. the
+// biased exponent of 2^n (one shift, no integer arithmetic; n >= -1021 after the FLUSH
+// clamp, so 2^n is normal). r = a - n ln2 (ln2 in fdlibm's two parts; n * hi is exact),
+// |r| <= ln2/2 (+ rounding ~1e-16). Taylor degree 8: the remainder relative to e^r is
+// <= e^|r| |r|^9 / 9! <= 2.82e-10 (mpmath over a fine grid of [-ln2/2, ln2/2]: max
+// 2.72e-10), Horner rounding <= 8 ulp of p <= 1.42: < 2e-15, the product with 2^n exact.
+// So 2.9e-10 relative; EPS_TAIL_EXP (1.25e-9, the bound of the degree-6 half-ln2 version
+// this replaced) is kept: a bound 4x above the error, not a tighter tile choice.
+// Ops per 4 values: 15 (the half-ln2 reduction with its sqrt2 fix-up took 22).
+// `flush` false: the caller knows a >= FLUSH on the whole tile (pass 1's tile minimum), so
+// the underflow test and clamp (3 of 16 operations) are left out.
+template <bool flush = true>
+__attribute__((target("avx2,fma,f16c"))) inline __m256d exp_tail_pd(__m256d a) {
+    const __m256d lo = _mm256_set1_pd(FLUSH);
+    __m256d under = flush ? _mm256_cmp_pd(a, lo, _CMP_LT_OQ) : _mm256_setzero_pd();
+    __m256d x = flush ? _mm256_max_pd(lo, a) : a;  // max(lo, NaN) = NaN
+    const __m256d magic = _mm256_set1_pd(6755399441055744.0 + 1023.0);  // 1.5 * 2^52 + bias
+    __m256d t = _mm256_fmadd_pd(x, _mm256_set1_pd(1.4426950408889634), magic);  // x / ln2
+    __m256d n = _mm256_sub_pd(t, magic);
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0.69314718036912382), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.9082149292705877e-10), r);
+    __m256d p = _mm256_set1_pd(1.0 / 40320);
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 5040));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 720));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 120));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 24));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 6));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.5));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+    __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 52));
+    return flush ? _mm256_andnot_pd(under, _mm256_mul_pd(p, scale)) : _mm256_mul_pd(p, scale);
 }
 
 // float64 log for normal g > 0 (see the header for its error).
@@ -358,6 +385,13 @@ __attribute__((target("avx2,fma,f16c"))) inline double hmax_pd(__m256d v) {
     return _mm_cvtsd_f64(_mm_max_sd(s, _mm_unpackhi_pd(s, s)));
 }
 
+__attribute__((target("avx2,fma,f16c"))) inline float hmin(__m256 v) {
+    __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_min_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
 __attribute__((target("avx2,fma,f16c"))) inline float hmax(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -393,7 +427,8 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
         // One loop for the tile's maximum, the non-finite check and the estimate relative to
         // the running maximum m; the rare tile that raises m (~ln(V/TILE1) of them) is summed
         // again (what the first loop gave it, possibly inf/NaN, is dropped).
-        __m256 vmax = _mm256_set1_ps(ninf), bad = _mm256_setzero_ps();
+        __m256 vmax = _mm256_set1_ps(ninf), vmin = _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+               bad = _mm256_setzero_ps();
         __m256d acc = _mm256_setzero_pd();
         __m256 acc32 = _mm256_setzero_ps();
         const __m256 mv = _mm256_set1_ps(m);
@@ -401,6 +436,7 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
             for (int64_t i = t0; i < t1; i += 8) {
                 __m256 x = load8<dtype>(z, i);
                 vmax = _mm256_max_ps(vmax, x);
+                vmin = _mm256_min_ps(vmin, x);
                 __m256 dx = _mm256_sub_ps(x, x);
                 bad = _mm256_or_ps(bad, _mm256_cmp_ps(dx, dx, _CMP_UNORD_Q));
                 acc32 = _mm256_add_ps(acc32, exp_ps_rough(_mm256_sub_ps(x, mv)));
@@ -409,6 +445,7 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
             for (int64_t i = t0; i < t1; i += 8) {
                 __m256 x = load8<dtype>(z, i);
                 vmax = _mm256_max_ps(vmax, x);
+                vmin = _mm256_min_ps(vmin, x);
                 __m256 dx = _mm256_sub_ps(x, x);  // NaN for NaN and +-inf
                 bad = _mm256_or_ps(bad, _mm256_cmp_ps(dx, dx, _CMP_UNORD_Q));
                 __m256 e = exp_ps(_mm256_sub_ps(x, mv));
@@ -432,7 +469,7 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
         }
         deep = ROUGH_ERR * ts <= 0.25 * DEEP_REL * std::max(s, 1.0);
         s += ts;
-        est[t0 / TILE1] = {tm, m, ts};
+        est[t0 / TILE1] = {tm, m, hmin(vmin), ts};
         if (!top.full() || tm > top.threshold()) {
             for (int64_t i = t0; i < t1; i += 8) {
                 __m256 x = load8<dtype>(z, i);
@@ -461,7 +498,7 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
 // Per tile, two loops: exps and the seven linear sums (the exps kept in an L1-resident
 // buffer), then g, ln g and their two sums. One fused loop needs more live vectors than
 // AVX2 has registers; the split was measured ~30 % faster (CPU time per row).
-// Tiles marked in `tail_tiles` take exp_pd<true> and, when every |delta| of the tile
+// Tiles marked in `tail_tiles` take exp_tail_pd and, when every |delta| of the tile
 // (delta = a_p - a_q - ln r0) is <= TAIL_DELTA_MAX, ln g from ln_cosh_pd instead of log_pd;
 // their totals go to `ts` for `tail_bound`.
 template <int dtype, bool tail>
@@ -475,7 +512,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void pass2_tile(const void* zp, 
     for (int64_t i = t0; i < t1; i += 4) {
         __m256d ap = _mm256_sub_pd(load4d<dtype>(zp, i), mpv);
         __m256d aq = _mm256_sub_pd(load4d<dtype>(zq, i), mqv);
-        __m256d ep = exp_pd<tail>(ap), eq = exp_pd<tail>(aq);
+        __m256d ep = tail ? exp_tail_pd(ap) : exp_pd(ap), eq = tail ? exp_tail_pd(aq) : exp_pd(aq);
         _mm256_store_pd(bp + (i - t0), ep);
         _mm256_store_pd(bq + (i - t0), eq);
         __m256d d = _mm256_sub_pd(ap, aq);
@@ -541,13 +578,12 @@ __attribute__((target("avx2,fma,f16c"))) inline void pass2_tile(const void* zp, 
 // as before. Gsum = E_p + r0 E_q; Gabs = sum g |ln g| <= -G0 + 2 max(0, ln(1 + r0)) Gsum
 // (|ln g| = -ln g + 2 max(ln g, 0) and g <= 1 + r0 as e <= 1), plus eta Gsum for L's error.
 // Returns false (nothing added) when some |delta| > TAIL_DELTA_MAX: the caller then takes
-// the tile with `pass2_tile<dtype, true>` (log_pd).
-template <int dtype>
+// the tile with `pass2_tile<dtype, true>` (log_pd). `flush`: see exp_tail_pd.
+template <int dtype, bool flush>
 __attribute__((target("avx2,fma,f16c"))) inline bool pass2_tail_fused(const void* zp, const void* zq, int64_t t0,
                                                                       int64_t t1, double mp, double mq, double r0,
                                                                       __m256d* T, TailSums& ts) {
-    const __m256d mpv = _mm256_set1_pd(mp), mqv = _mm256_set1_pd(mq), lr0 = _mm256_set1_pd(std::log(r0)),
-                  sign = _mm256_set1_pd(-0.0);
+    const __m256d mpv = _mm256_set1_pd(mp), mqv = _mm256_set1_pd(mq), lr0 = _mm256_set1_pd(std::log(r0));
     // ln cosh(delta/2) = sum_k c_k (delta^2/4)^k with c = 1/2, -1/12, 1/45, -17/2520, 31/14175
     // (see ln_cosh_pd: truncation <= 5.7e-9 for |delta| <= 0.75), the 4^-k folded in.
     const __m256d k1 = _mm256_set1_pd(1.0 / 8), k2 = _mm256_set1_pd(-1.0 / 192), k3 = _mm256_set1_pd(1.0 / 2880),
@@ -556,7 +592,7 @@ __attribute__((target("avx2,fma,f16c"))) inline bool pass2_tail_fused(const void
     for (int64_t i = t0; i < t1; i += 4) {
         __m256d ap = _mm256_sub_pd(load4d<dtype>(zp, i), mpv);
         __m256d aq = _mm256_sub_pd(load4d<dtype>(zq, i), mqv);
-        __m256d ep = exp_pd<true>(ap), eq = exp_pd<true>(aq);
+        __m256d ep = exp_tail_pd<flush>(ap), eq = exp_tail_pd<flush>(aq);
         __m256d d = _mm256_sub_pd(ap, aq);
         sp = _mm256_add_pd(sp, ep);
         ap_ = _mm256_fmadd_pd(ep, ap, ap_);
@@ -565,8 +601,8 @@ __attribute__((target("avx2,fma,f16c"))) inline bool pass2_tail_fused(const void
         dp = _mm256_fmadd_pd(ep, d, dp);
         dq = _mm256_fmadd_pd(eq, d, dq);
         __m256d dl = _mm256_sub_pd(d, lr0);
-        dmax = _mm256_max_pd(dmax, _mm256_andnot_pd(sign, dl));
         __m256d y = _mm256_mul_pd(dl, dl);
+        dmax = _mm256_max_pd(y, dmax);  // of delta^2 (one operation less than of |delta|; NaN rows never get here)
         __m256d p = _mm256_fmadd_pd(k5, y, k4);
         p = _mm256_fmadd_pd(p, y, k3);
         p = _mm256_fmadd_pd(p, y, k2);
@@ -575,7 +611,7 @@ __attribute__((target("avx2,fma,f16c"))) inline bool pass2_tail_fused(const void
         slp = _mm256_fmadd_pd(ep, l, slp);
         slq = _mm256_fmadd_pd(eq, l, slq);
     }
-    double dm = hmax_pd(dmax);
+    double dm = std::sqrt(hmax_pd(dmax)) * (1 + 0x1p-50);  // >= max |delta| despite the rounding of delta^2
     if (!(dm <= TAIL_DELTA_MAX)) return false;  // also NaN
     double e_p = hsum(sp), e_q = hsum(sq), a_p = hsum(ap_), a_q = hsum(aq_), d_p = hsum(dp), d_q = hsum(dq);
     double sl_p = hsum(slp), sl_q = hsum(slq);
@@ -594,10 +630,12 @@ __attribute__((target("avx2,fma,f16c"))) inline bool pass2_tail_fused(const void
     return true;
 }
 
+// Pass 2 of a row; compiled twice (`pass2_avx2`, `pass2_evex`), see below.
 template <int dtype>
-__attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const void* zq, int64_t v, double mp,
-                                                          double mq, double r0, const uint8_t* tail_tiles, Sums& out,
-                                                          TailSums& ts) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void pass2_body(const void* zp, const void* zq, int64_t v,
+                                                                               double mp, double mq, double r0,
+                                                                               const uint8_t* tail_tiles, Sums& out,
+                                                                               TailSums& ts) {
     alignas(32) double bp[TILE2], bq[TILE2];
     __m256d T[9];
     for (auto& x : T) x = _mm256_setzero_pd();
@@ -606,7 +644,9 @@ __attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const v
     for (int64_t t0 = 0; t0 < vv; t0 += TILE2) {
         int64_t t1 = std::min(vv, t0 + TILE2);
         if (tail_tiles && tail_tiles[t0 / TILE2]) {
-            if (!pass2_tail_fused<dtype>(zp, zq, t0, t1, mp, mq, r0, T, ts))
+            bool fused = tail_tiles[t0 / TILE2] == TAIL_NOFLUSH ? pass2_tail_fused<dtype, false>(zp, zq, t0, t1, mp, mq, r0, T, ts)
+                                                                : pass2_tail_fused<dtype, true>(zp, zq, t0, t1, mp, mq, r0, T, ts);
+            if (!fused)
                 pass2_tile<dtype, true>(zp, zq, t0, t1, mp, mq, r0, bp, bq, T, ts);
         }
         else
@@ -619,17 +659,46 @@ __attribute__((target("avx2,fma,f16c"))) void pass2_avx2(const void* zp, const v
     out.g0 = hsum(T[6]) + t.g0; out.h = hsum(T[7]) + t.h; out.sd = hsum(T[8]) + t.sd;
 }
 
+// The same 256-bit code, twice. The fused tail loop keeps ~9 accumulators, the exp and ln
+// cosh constants and its temporaries live: more than AVX2's 16 ymm registers, so the AVX2
+// build keeps accumulators on the stack, and each iteration waits on a store-to-load
+// round trip of its loop-carried sums (perf: the hottest instructions were those spills).
+// Where the CPU has AVX-512VL, the EVEX build has 32 ymm registers and no spills; the
+// arithmetic (the same intrinsics, no reassociation: no -ffast-math) is identical, so the
+// two builds give bit-identical sums (tests/test_kernel.py checks it). Zen 4 runs these
+// 256-bit EVEX instructions at full rate, and Intel parts without the 512-bit frequency
+// penalty; no zmm register is used.
+template <int dtype>
+__attribute__((target("avx2,fma,f16c"), flatten)) void pass2_avx2(const void* zp, const void* zq, int64_t v, double mp,
+                                                                   double mq, double r0, const uint8_t* tail_tiles,
+                                                                   Sums& out, TailSums& ts) {
+    pass2_body<dtype>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+}
+
+template <int dtype>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl"), flatten)) void pass2_evex(const void* zp, const void* zq,
+                                                                                   int64_t v, double mp, double mq,
+                                                                                   double r0, const uint8_t* tail_tiles,
+                                                                                   Sums& out, TailSums& ts) {
+    pass2_body<dtype>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+}
+
 // The dtype as a template parameter keeps the inner loops free of branches.
 __attribute__((target("avx2,fma,f16c"))) Side1 pass1_simd(const void* z, int64_t v, int dtype, TopK& top, TileEst* est) {
     return dtype == F32 ? pass1_avx2<F32>(z, v, top, est) : dtype == BF16 ? pass1_avx2<BF16>(z, v, top, est) : pass1_avx2<F16>(z, v, top, est);
 }
 
-__attribute__((target("avx2,fma,f16c"))) void pass2_simd(const void* zp, const void* zq, int64_t v, int dtype, double mp,
-                                                          double mq, double r0, const uint8_t* tail_tiles, Sums& out,
-                                                          TailSums& ts) {
-    if (dtype == F32) pass2_avx2<F32>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
-    else if (dtype == BF16) pass2_avx2<BF16>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
-    else pass2_avx2<F16>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+void pass2_simd(const void* zp, const void* zq, int64_t v, int dtype, double mp, double mq, double r0,
+                const uint8_t* tail_tiles, Sums& out, TailSums& ts, bool evex) {
+    if (evex) {
+        if (dtype == F32) pass2_evex<F32>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+        else if (dtype == BF16) pass2_evex<BF16>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+        else pass2_evex<F16>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+    } else {
+        if (dtype == F32) pass2_avx2<F32>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+        else if (dtype == BF16) pass2_avx2<BF16>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+        else pass2_avx2<F16>(zp, zq, v, mp, mq, r0, tail_tiles, out, ts);
+    }
 }
 
 #pragma GCC pop_options
@@ -639,6 +708,14 @@ bool have_avx2() {
 #if LD_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+bool have_evex() {  // AVX-512F + VL: the 32-register build of pass 2
+#if LD_X86
+    return have_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
 #else
     return false;
 #endif
@@ -664,7 +741,7 @@ struct Scratch {
 
 // Tail tiles: error analysis.
 //
-// A tail tile takes exp_pd<true> (relative error eps = EPS_TAIL_EXP instead of 4 ulp) and,
+// A tail tile takes exp_tail_pd (relative error eps = EPS_TAIL_EXP instead of 4 ulp) and,
 // when all its |delta| <= TAIL_DELTA_MAX, ln g = ln2 + (a_p + a_q + ln r0)/2 + ln cosh(delta/2)
 // (absolute error eta = ETA_TAIL_LOG) instead of log_pd. With W_p = E_p/s_p, W_q = E_q/s_q
 // the tail tiles' shares of the mass (E = sum of their e), B = -sum e a / s over them,
@@ -702,7 +779,8 @@ double tail_bound(const Sums& s, const TailSums& ts, double r0, double g) {
 }
 
 // Marks the tiles pass 2 may take as tail tiles (see `tail_bound`): full TILE2 tiles whose
-// predicted share of the error budget is small on both sides. Returns how many.
+// predicted share of the error budget is small on both sides (TAIL, or TAIL_NOFLUSH when
+// no value of the tile can underflow). Returns how many.
 int64_t choose_tail_tiles(const Scratch& w, int64_t v, const Side1& p, const Side1& q, uint8_t* out) {
     int64_t nt = v / 8 * 8 / TILE2, count = 0;  // full tiles inside both passes' SIMD ranges
     double cap = TAIL_BUDGET / 4 * (double)TILE2 / (double)v / EPS_TAIL_EXP;
@@ -715,13 +793,17 @@ int64_t choose_tail_tiles(const Scratch& w, int64_t v, const Side1& p, const Sid
             double mass = e.sum * std::exp((double)e.m_ref - (double)s1.m);
             ok = mass * (depth + 3.0) <= cap * s1.s_est;
         }
-        out[t] = ok;
+        // both sides' smallest a >= FLUSH + 1 (a margin for the rounding of z - m): no underflow test
+        bool noflush = ok && (double)w.est_p[t].tmin - (double)p.m >= FLUSH + 1 && (double)w.est_q[t].tmin - (double)q.m >= FLUSH + 1;
+        out[t] = ok ? (noflush ? TAIL_NOFLUSH : TAIL) : 0;
         count += ok;
     }
     return count;
 }
 
-void pair_row(const Args& a, int64_t row, bool avx2, Scratch& w) {
+// simd: 0 portable, 1 AVX2, 2 AVX2 code in the EVEX (32-register) build for pass 2.
+void pair_row(const Args& a, int64_t row, int simd, Scratch& w) {
+    bool avx2 = simd > 0;
     TopK &tp = w.tp, &tq = w.tq;
     size_t es = a.dtype == F32 ? 4 : 2;
     const void* zp = static_cast<const char*>(a.zp) + (size_t)(row * a.stride_p) * es;
@@ -766,7 +848,7 @@ void pair_row(const Args& a, int64_t row, bool avx2, Scratch& w) {
 #if LD_X86
     if (avx2 && choose_tail_tiles(w, a.vocab, p, q, w.tail_tiles.data()) > 0) tail = w.tail_tiles.data();
     auto pass2 = [&](double rr, const uint8_t* tt, Sums& out, TailSums& tso) {
-        if (avx2) pass2_simd(zp, zq, a.vocab, a.dtype, p.m, q.m, rr, tt, out, tso);
+        if (avx2) pass2_simd(zp, zq, a.vocab, a.dtype, p.m, q.m, rr, tt, out, tso, simd == 2);
         else pass2_portable(zp, zq, a.vocab, a.dtype, p.m, q.m, rr, out);
     };
 #else
@@ -837,18 +919,19 @@ __attribute__((target("avx2"), flatten)) int64_t first_nonfinite_avx2(const void
 
 extern "C" {
 
-// Returns 0 on success, 1 for bad arguments. `isa`: ISA_AUTO, ISA_SCALAR or ISA_AVX2 (the
-// latter falls back to scalar where the CPU lacks AVX2/FMA/F16C).
+// Returns 0 on success, 1 for bad arguments. `isa`: ISA_AUTO (the EVEX build of pass 2
+// where the CPU has AVX-512VL), ISA_SCALAR or ISA_AVX2 (the AVX2 build only); the SIMD
+// ones fall back to scalar where the CPU lacks AVX2/FMA/F16C.
 __attribute__((visibility("default"))) int logitdiff_pair_rows(
     const void* zp, const void* zq, int64_t n, int64_t vocab, int64_t stride_p, int64_t stride_q, int dtype, int kk,
     int threads, int isa, double* sums, double* maxes, int64_t* top_ids, double* top_vals, int32_t* flags) {
     if (n < 0 || vocab < 1 || kk < 1 || kk > vocab || dtype < F32 || dtype > F16 || threads < 1) return 1;
     Args a{zp, zq, n, vocab, stride_p, stride_q, dtype, kk, sums, maxes, top_ids, top_vals, flags};
-    bool avx2 = isa != ISA_SCALAR && have_avx2();
+    int simd = isa == ISA_SCALAR || !have_avx2() ? 0 : isa != ISA_AVX2 && have_evex() ? 2 : 1;
     std::atomic<int64_t> next{0};
     auto work = [&]() {
         Scratch w;
-        for (int64_t row; (row = next.fetch_add(1)) < n;) pair_row(a, row, avx2, w);
+        for (int64_t row; (row = next.fetch_add(1)) < n;) pair_row(a, row, simd, w);
     };
     int nt = (int)std::min<int64_t>(threads, std::max<int64_t>(n, 1));
     std::vector<std::thread> pool;
