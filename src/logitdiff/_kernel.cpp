@@ -943,6 +943,8 @@ __attribute__((visibility("default"))) int logitdiff_pair_rows(
 
 __attribute__((visibility("default"))) int logitdiff_has_avx2(void) { return have_avx2() ? 1 : 0; }
 
+__attribute__((visibility("default"))) int logitdiff_has_evex(void) { return have_evex() ? 1 : 0; }
+
 __attribute__((visibility("default"))) int64_t logitdiff_first_nonfinite(const void* z, int64_t n, int64_t vocab,
                                                                          int64_t stride, int dtype) {
     if (n < 0 || vocab < 0 || dtype < F32 || dtype > F16) return -2;

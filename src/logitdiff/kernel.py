@@ -18,8 +18,9 @@ import numpy as np
 
 # Input dtypes the kernel reads directly (torch dtype name -> kernel code).
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
-# Instruction sets: auto (AVX2+FMA+F16C where the CPU has them), or the portable path.
-ISA_CODES = {"auto": 0, "scalar": 1}
+# Instruction sets: auto (AVX2+FMA+F16C where the CPU has them, pass 2 in the EVEX build where
+# it also has AVX-512VL), "avx2" (the AVX2 build only), or the portable path.
+ISA_CODES = {"auto": 0, "scalar": 1, "avx2": 2}
 # Order of the per-row sums returned in ``sums`` (see _kernel.cpp).
 SUM_FIELDS = ("s_p", "a_p", "s_q", "a_q", "d_p", "d_q", "g", "s_d")
 FLAG_BAD = 1  # a row holds NaN/inf (its sums are NaN)
@@ -40,6 +41,9 @@ def _lib():
     f.argtypes = [p, p, i64, i64, i64, i64, i32, i32, i32, i32, p, p, p, p, p]
     f.restype = i32
     lib.logitdiff_has_avx2.restype = i32
+    h = getattr(lib, "logitdiff_has_evex", None)  # absent from a library built before it
+    if h is not None:
+        h.restype = i32
     g = getattr(lib, "logitdiff_first_nonfinite", None)  # absent from a library built before it
     if g is not None:
         g.argtypes = [p, i64, i64, i64, i32]
@@ -56,6 +60,12 @@ def has_simd() -> bool:
     """True when the kernel's AVX2/FMA path runs on this CPU."""
     lib = _lib()
     return bool(lib is not None and lib.logitdiff_has_avx2())
+
+
+def has_evex() -> bool:
+    """True when ``isa="auto"`` takes the EVEX (AVX-512VL, 32-register) build of pass 2."""
+    lib = _lib()
+    return bool(lib is not None and getattr(lib, "logitdiff_has_evex", None) is not None and lib.logitdiff_has_evex())
 
 
 def supports(z) -> bool:
