@@ -23,13 +23,16 @@
 //
 // Peaked rows (a head far above a long tail): pass 2 takes tiles that hold a tiny share of
 // both sides' mass ("tail tiles", chosen from pass 1's per-tile estimates) with a cheaper
-// exp (degree-7 minimax, < 4.1e-11 relative, taken as 1.25e-9) and, where |a_p - a_q - ln r0| <= 0.75 on the whole
-// tile, ln g from ln cosh (a short series, no division) instead of log, in one loop whose
+// exp (degree-7 minimax, < 4.1e-11 relative, taken as 1.25e-9) and, where
+// |a_p - a_q - ln r0| <= 0.75 on the whole tile, ln g from ln cosh (a short series, no division) instead of log, in one loop whose
 // G and H come from the linear sums (`pass2_tail_fused`). The extra error of
 // every output field is bounded from the exact sums afterwards (`tail_bound`); the row
 // keeps the result only when all bounds are <= 1/8 of the contract's atol, and is redone
 // with exact tiles otherwise. Pass 1 sums tiles whose estimate is negligible next to s
-// with a degree-3 float32 exp (only r0 and the tile choice depend on it).
+// with a degree-4 float32 exp (only r0 and the tile choice depend on it).
+//
+// Builds: pass 2 is compiled twice from the same intrinsics, for AVX2 and for AVX-512VL
+// (EVEX encoding: 32 ymm registers, no zmm), chosen at run time; see `pass2_evex`.
 //
 // Accuracy of the float64 primitives (error analysis in tests/test_kernel.py):
 // exp_pd: |a| reduced by n ln2/2 to |r| <= ln2/4, Taylor degree 11 (truncation < 2e-18),
@@ -248,8 +251,10 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 exp_ps(__m256 x) {
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_castps_si256(t), 23)));
 }
 
-// float32 exp for x <= 0, Taylor degree 3 after the ln2 reduction (|r| <= 0.347):
-// |rel err| <= r^4/24 e^r + rounding < 1e-3. Pass 1's estimate of deep tiles only. n from
+// float32 exp for x <= 0, Taylor degree 4 after the ln2 reduction (|r| <= 0.347):
+// |rel err| <= e^|r| r^5/120 (5.9e-5) + n (ln2 - fl(ln2)) (2.4e-7) + rounding < 1e-4
+// (ROUGH_ERR). Pass 1's estimate of deep tiles only (degree 3 had 1e-3: the deep-tile test
+// then sent about half the tail tiles of a peaked row to the float64-accumulated loop). n from
 // the rounding constant 1.5 * 2^23 (its low mantissa bits are then n), 2^n added to p's
 // exponent field (exact: p in [0.7, 1.42], n >= -125); x is clamped at -86 rather than
 // flushed: e^-86 = 4e-38 per value instead of 0 moves an estimate (s >= 1) by < V 4e-38.
@@ -259,7 +264,8 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 exp_ps_rough(__m256 x) {
     __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), magic);
     __m256 n = _mm256_sub_ps(t, magic);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147182f), x);
-    __m256 p = _mm256_set1_ps(1.0f / 6);
+    __m256 p = _mm256_set1_ps(1.0f / 24);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
@@ -418,12 +424,12 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
         }
         return hsum(acc);
     };
-    // A tile whose estimate is tiny next to s may be summed with exp_ps_rough (rel err 1e-3)
-    // in float32: it is kept when 1e-3 ts <= DEEP_REL max(s, 1) (s relative to the running
+    // A tile whose estimate is tiny next to s may be summed with exp_ps_rough (rel err 1e-4)
+    // in float32: it is kept when 1e-4 ts <= DEEP_REL max(s, 1) (s relative to the running
     // maximum is >= 1 at the end), so all such tiles move s by < V/TILE1 * DEEP_REL = 5e-9
     // relative, 1/9 of the 4.5e-8 error of r0 that the pass-3 bound tolerates (that bound,
     // not this one, guards the result). Whether to try it is guessed from the previous tile.
-    constexpr double DEEP_REL = 2e-11, ROUGH_ERR = 1e-3;
+    constexpr double DEEP_REL = 2e-11, ROUGH_ERR = 1e-4;
     bool deep = false;
     for (int64_t t0 = 0; t0 < vv; t0 += TILE1) {
         int64_t t1 = std::min(vv, t0 + TILE1);
