@@ -812,7 +812,7 @@ int64_t choose_tail_tiles(const Scratch& w, int64_t v, const Side1& p, const Sid
 
 // simd: 0 portable, 1 AVX2, 2 AVX2 code in the EVEX (32-register) build for pass 2.
 void pair_row(const Args& a, int64_t row, int simd, Scratch& w) {
-    bool avx2 = simd > 0;
+    [[maybe_unused]] bool avx2 = simd > 0;  // (no SIMD path off x86)
     TopK &tp = w.tp, &tq = w.tq;
     size_t es = a.dtype == F32 ? 4 : 2;
     const void* zp = static_cast<const char*>(a.zp) + (size_t)(row * a.stride_p) * es;
