@@ -225,7 +225,8 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d load4d(const void* base,
         f = _mm_loadu_ps(static_cast<const float*>(base) + i);
     } else {
         __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
-        f = dtype == F16 ? _mm_cvtph_ps(h) : _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+        // bf16: interleaving zeros below each value is its float32 bit pattern (one shuffle)
+        f = dtype == F16 ? _mm_cvtph_ps(h) : _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
     }
     return _mm256_cvtps_pd(f);
 }
