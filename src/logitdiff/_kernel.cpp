@@ -966,6 +966,265 @@ __attribute__((visibility("default"))) int64_t logitdiff_first_nonfinite(const v
 
 }  // extern "C"
 
+// ======================================================================================
+// Hidden-state store decode (hidden.py `decode`, issue 28): a bf16/f16 reference's logits
+// z_v = R(W_v . h) from the output head W [V, H] and the hidden states h [n, H] (16-bit
+// bits), bit for bit. Appended section; nothing above depends on it.
+//
+// Each dot is first taken in float32 (a product of two bf16 or two f16 values is exact in
+// float32's 24-bit significand, and the FMA rounds only the sum): 8 lanes; per lane,
+// chains of at most HD_KB sequential FMAs from zero, added into the lane's total; then a
+// fixed 3-level tree over the lanes. Every term passes through at most
+// k = HD_KB + ceil(H / (8 HD_KB)) + 3 roundings, so |s32 - s| <= gamma_k sum_j |W_vj h_j|
+// + k 2^-150 (underflow) <= gamma_k ||W_v|| ||h|| + k 2^-150 =: e_v (Higham 3.1,
+// Cauchy-Schwarz).
+// Where R is constant on [s32 - e_v, s32 + e_v] (and the interval is inside the format's
+// normal range) that value is R(s), the bf16 value of the exact sum, which is the
+// model's value unless the entry is a stored exception (docs/bounds.md section 6). The
+// other entries (a few per cent: those within e_v of a rounding boundary) take the
+// float64 sum, the reference reconstruction itself. So the output is exactly what the
+// float64 decode gives, at float32 speed.
+// ======================================================================================
+namespace {
+
+// hidden.round_bits for one value: float64 -> 16-bit bits, nearest, ties to even, one
+// rounding (fmt BF16 or F16). For normal, finite results (others are stored exceptions).
+inline uint16_t hd_round(double s, int fmt) {
+    const int drop = fmt == F16 ? 42 : 45;
+    uint64_t b;
+    std::memcpy(&b, &s, 8);
+    uint64_t lsb = (b >> drop) & 1u;
+    uint64_t r = (b + ((uint64_t(1) << (drop - 1)) - 1) + lsb) & ~((uint64_t(1) << drop) - 1);
+    double d;
+    std::memcpy(&d, &r, 8);
+    float f = (float)d;  // exact for a normal result
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (fmt != F16) return (uint16_t)(u >> 16);
+    // float -> half: exact for a normal half; subnormals rounded to nearest even, overflow
+    // to inf, as numpy converts (only stored exceptions reach those)
+    uint32_t sign = (u >> 16) & 0x8000u;
+    int32_t e = (int32_t)((u >> 23) & 0xFF) - 127 + 15;
+    if (e >= 31) return (uint16_t)(sign | 0x7C00u);
+    if (e <= 0) return (uint16_t)(sign | (uint32_t)std::nearbyint(std::fabs(f) * 0x1p24));  // subnormal, as numpy rounds
+    return (uint16_t)(sign | ((uint32_t)e << 10) | ((u >> 13) & 0x3FFu));
+}
+
+inline float hd_to_f32(uint16_t b, int fmt) {
+    if (fmt == F16) return half_to_float(b);
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+constexpr int64_t HD_TV = 64;  // head rows converted to float32 per tile (64 x H floats)
+constexpr int64_t HD_KB = 8;   // FMA steps (of 8 lanes) per chain: bounds the roundings per term
+
+inline double hd_roundings(int64_t Hp) { return (double)(HD_KB + (Hp / 8 + HD_KB - 1) / HD_KB + 3); }
+
+struct HdArgs {
+    const uint16_t* hidden;
+    int64_t n;
+    const uint16_t* head;
+    int64_t V, H, Hp;  // Hp: H rounded up to 8 (zero padding)
+    int fmt;
+    const float* h32;   // [n, Hp]
+    const double* h64;  // [n, H]
+    const double* hn;   // gamma_k ||h|| per row (see hd_finish)
+    uint16_t* out;      // [n, V]
+    int64_t out_stride;
+};
+
+// The exact float64 dot (any order is within the writer's margin) and its rounding.
+inline uint16_t hd_exact(const HdArgs& a, const float* w, int64_t r) {
+    const double* h = a.h64 + r * a.H;
+    double s = 0.0;
+    for (int64_t j = 0; j < a.H; ++j) s += (double)w[j] * h[j];
+    return hd_round(s, a.fmt);
+}
+
+// s32 (the float32 dot of the documented structure) -> the output bits, or the exact path.
+template <typename Exact>
+inline uint16_t hd_finish(const HdArgs& a, double wn, int64_t r, float s32, int64_t& nfb, Exact exact) {
+    const double tiny = a.fmt == F16 ? 0x1p-14 : 0x1p-126;
+    const double big = a.fmt == F16 ? 65504.0 : 3.3895313892515355e38;
+    double s = (double)s32;
+    // gamma_k ||W|| ||h|| (hn holds gamma_k ||h||), the underflow term (k 2^-150 <= 2^-120), and room for the
+    // rounding of s -+ e below (2^-50 |s|)
+    double e = wn * a.hn[r] + 0x1p-120 + 0x1p-50 * std::fabs(s);
+    double lo = std::fabs(s) - e, hi = std::fabs(s) + e;
+    if (lo >= tiny && hi < big) {  // also false for NaN
+        // R on both ends by hd_round's integer rule, kept as (exponent, significand) bits
+        const int drop = a.fmt == F16 ? 42 : 45;
+        uint64_t bl, bh;
+        std::memcpy(&bl, &lo, 8);
+        std::memcpy(&bh, &hi, 8);
+        const uint64_t half = (uint64_t(1) << (drop - 1)) - 1;
+        uint64_t tl = (bl + half + ((bl >> drop) & 1u)) >> drop, th = (bh + half + ((bh >> drop) & 1u)) >> drop;
+        if (tl == th) {  // positive, normal: exponent and significand of the 16-bit value
+            const int sig = a.fmt == F16 ? 10 : 7, bias = a.fmt == F16 ? 15 : 127;
+            uint64_t ex = (tl >> sig) - 1023 + bias, mant = tl & ((uint64_t(1) << sig) - 1);
+            return (uint16_t)((s < 0 ? 0x8000u : 0u) | (ex << sig) | mant);
+        }
+    }
+    ++nfb;
+    return exact();
+}
+
+#if LD_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+__attribute__((target("avx2,fma,f16c"))) inline float hd_hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+// VB head rows x RB hidden rows of float32 dots: 8 lanes of sequential FMAs, then hd_hsum.
+template <int VB, int RB>
+__attribute__((target("avx2,fma,f16c"))) inline void hd_block(const float* w, int64_t ws, const float* h, int64_t hs,
+                                                              int64_t Hp, float* s) {
+    __m256 acc[VB][RB];
+    __m256 tot[VB][RB];
+    for (int i = 0; i < VB; ++i)
+        for (int j = 0; j < RB; ++j) tot[i][j] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < Hp; k0 += 8 * HD_KB) {
+        const int64_t k1 = std::min(Hp, k0 + 8 * HD_KB);
+        for (int i = 0; i < VB; ++i)
+            for (int j = 0; j < RB; ++j) acc[i][j] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 8) {
+            __m256 hv[RB];
+            for (int j = 0; j < RB; ++j) hv[j] = _mm256_loadu_ps(h + j * hs + k);
+            for (int i = 0; i < VB; ++i) {
+                __m256 wv = _mm256_loadu_ps(w + i * ws + k);
+                for (int j = 0; j < RB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, hv[j], acc[i][j]);
+            }
+        }
+        for (int i = 0; i < VB; ++i)
+            for (int j = 0; j < RB; ++j) tot[i][j] = _mm256_add_ps(tot[i][j], acc[i][j]);
+    }
+    for (int i = 0; i < VB; ++i)
+        for (int j = 0; j < RB; ++j) s[i * RB + j] = hd_hsum(tot[i][j]);
+}
+
+// The float64 dot of the fallback, 4 lanes (any order is within the writer's margin).
+__attribute__((target("avx2,fma,f16c"))) inline uint16_t hd_exact_avx2(const HdArgs& a, const float* w, int64_t r) {
+    const double* h = a.h64 + r * a.H;
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 4 <= a.H; j += 4)
+        acc = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(w + j)), _mm256_loadu_pd(h + j), acc);
+    double s = hsum(acc);
+    for (; j < a.H; ++j) s += (double)w[j] * h[j];
+    return hd_round(s, a.fmt);
+}
+
+template <int VB>
+__attribute__((target("avx2,fma,f16c"))) void hd_rows(const HdArgs& a, const float* w, const double* wn, int64_t v0,
+                                                      int64_t& nfb) {
+    float s[VB * 3];
+    int64_t r = 0;
+    for (; r + 3 <= a.n; r += 3) {
+        hd_block<VB, 3>(w, a.Hp, a.h32 + r * a.Hp, a.Hp, a.Hp, s);
+        for (int i = 0; i < VB; ++i)
+            for (int j = 0; j < 3; ++j)
+                a.out[(r + j) * a.out_stride + v0 + i] =
+                    hd_finish(a, wn[i], r + j, s[i * 3 + j], nfb, [&] { return hd_exact_avx2(a, w + i * a.Hp, r + j); });
+    }
+    for (; r < a.n; ++r) {
+        hd_block<VB, 1>(w, a.Hp, a.h32 + r * a.Hp, a.Hp, a.Hp, s);
+        for (int i = 0; i < VB; ++i)
+            a.out[r * a.out_stride + v0 + i] =
+                hd_finish(a, wn[i], r, s[i], nfb, [&] { return hd_exact_avx2(a, w + i * a.Hp, r); });
+    }
+}
+#pragma GCC pop_options
+#endif
+
+// One tile of head rows [v0, v1): convert to float32 (exact) with their float64 norms,
+// then every hidden row against them.
+void hd_tile(const HdArgs& a, int64_t v0, int64_t v1, bool simd, std::vector<float>& w, std::vector<double>& wn,
+             int64_t& nfb) {
+    const int64_t tv = v1 - v0;
+    w.assign((size_t)(tv * a.Hp), 0.0f);
+    wn.assign((size_t)tv, 0.0);
+    for (int64_t i = 0; i < tv; ++i) {
+        const uint16_t* src = a.head + (v0 + i) * a.H;
+        float* dst = w.data() + i * a.Hp;
+        double nn = 0.0;
+        for (int64_t j = 0; j < a.H; ++j) {
+            float x = hd_to_f32(src[j], a.fmt);
+            dst[j] = x;
+            nn += (double)x * x;
+        }
+        wn[i] = std::sqrt(nn);
+    }
+#if LD_X86
+    if (simd) {
+        int64_t i = 0;
+        for (; i + 4 <= tv; i += 4) hd_rows<4>(a, w.data() + i * a.Hp, wn.data() + i, v0 + i, nfb);
+        for (; i < tv; ++i) hd_rows<1>(a, w.data() + i * a.Hp, wn.data() + i, v0 + i, nfb);
+        return;
+    }
+#endif
+    (void)simd;
+    for (int64_t i = 0; i < tv; ++i)
+        for (int64_t r = 0; r < a.n; ++r) a.out[r * a.out_stride + v0 + i] = hd_exact(a, w.data() + i * a.Hp, r);
+}
+
+}  // namespace
+
+extern "C" {
+
+// hidden [n, H] and head [V, H] as 16-bit bits (fmt: BF16 or F16), rows contiguous; out
+// [n, V] (row stride out_stride) receives the reconstructed bits before exceptions.
+// fallbacks (optional): the number of entries that took the float64 path. Returns 0, or
+// 1 for bad arguments.
+__attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_t* hidden, int64_t n,
+                                                                   const uint16_t* head, int64_t V, int64_t H, int fmt,
+                                                                   int threads, int isa, uint16_t* out,
+                                                                   int64_t out_stride, int64_t* fallbacks) {
+    if (n < 0 || V < 1 || H < 1 || (fmt != BF16 && fmt != F16) || threads < 1 || out_stride < V) return 1;
+    const int64_t Hp = (H + 7) / 8 * 8;
+    std::vector<float> h32((size_t)(n * Hp), 0.0f);
+    std::vector<double> h64((size_t)(n * H)), hn((size_t)n);
+    for (int64_t r = 0; r < n; ++r) {
+        double nn = 0.0;
+        for (int64_t j = 0; j < H; ++j) {
+            float x = hd_to_f32(hidden[r * H + j], fmt);
+            h32[r * Hp + j] = x;
+            h64[r * H + j] = x;
+            nn += (double)x * x;
+        }
+        // gamma_k = k u / (1 - k u), u = 2^-24, k = Hp/8 + 3 roundings per term; 1.01 covers
+        // the float64 norms' own rounding
+        const double k = hd_roundings(Hp), u = 0x1p-24;
+        hn[r] = 1.01 * k * u / (1.0 - k * u) * std::sqrt(nn);
+    }
+    HdArgs a{hidden, n, head, V, H, Hp, fmt, h32.data(), h64.data(), hn.data(), out, out_stride};
+    bool simd = isa != ISA_SCALAR && have_avx2();
+    std::atomic<int64_t> next{0}, nfb_all{0};
+    auto work = [&]() {
+        std::vector<float> w;
+        std::vector<double> wn;
+        int64_t nfb = 0;
+        for (int64_t t; (t = next.fetch_add(1)) * HD_TV < V;) hd_tile(a, t * HD_TV, std::min(V, (t + 1) * HD_TV), simd, w, wn, nfb);
+        nfb_all += nfb;
+    };
+    int64_t tiles = (V + HD_TV - 1) / HD_TV;
+    int nt = (int)std::min<int64_t>(threads, tiles);
+    std::vector<std::thread> pool;
+    for (int t = 1; t < nt; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+    if (fallbacks) *fallbacks = nfb_all.load();
+    return 0;
+}
+
+}  // extern "C"
+
 // The functions are reached through ctypes (logitdiff/kernel.py), so the library needs no
 // Python headers (a machine without python3-dev still builds it); where they are present
 // it is also an importable (empty) module.

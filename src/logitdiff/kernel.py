@@ -48,6 +48,10 @@ def _lib():
     if g is not None:
         g.argtypes = [p, i64, i64, i64, i32]
         g.restype = i64
+    h = getattr(lib, "logitdiff_hidden_decode", None)  # hidden.decode's product (absent from older builds)
+    if h is not None:
+        h.argtypes = [p, i64, p, i64, i64, i32, i32, i32, p, i64, p]
+        h.restype = i32
     return lib
 
 
@@ -130,3 +134,25 @@ def first_nonfinite(rows: np.ndarray) -> int | None:
         return -1
     got = lib.logitdiff_first_nonfinite(rows.ctypes.data, rows.shape[0], rows.shape[1], rows.strides[0] // rows.itemsize, code)
     return None if got < 0 else int(got)
+
+
+def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int) -> tuple[np.ndarray, int] | None:
+    """`hidden.decode`'s reconstruction before exceptions, compiled (issue 28): the bits
+    R(W h) [n, V] of hidden states [n, H] and a head [V, H] (16-bit bits, ``dtype``
+    "bfloat16" or "float16"), float32 dots with a proven error bound and the float64 dot
+    where that bound straddles a rounding boundary (_kernel.cpp), and how many entries took
+    the float64 path. None when the library lacks the function."""
+    lib = _lib()
+    fn = getattr(lib, "logitdiff_hidden_decode", None) if lib is not None else None
+    if fn is None:
+        return None
+    h = np.ascontiguousarray(hidden, np.uint16)
+    w = np.ascontiguousarray(head, np.uint16)  # a C-contiguous memory map is read in place
+    n, V = h.shape[0], w.shape[0]
+    out = np.empty((n, V), np.uint16)
+    fb = ctypes.c_int64(0)
+    rc = fn(h.ctypes.data, n, w.ctypes.data, V, w.shape[1], DTYPE_CODES[dtype], max(1, int(threads)), 0,
+            out.ctypes.data, V, ctypes.byref(fb))
+    if rc != 0:
+        raise ValueError(f"hidden_decode: bad arguments (hidden {h.shape}, head {w.shape}, {dtype})")
+    return out, int(fb.value)
