@@ -1225,6 +1225,295 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
 
 }  // extern "C"
 
+// ======================================================================================
+// Compact reference bounds (bounds.compact_vs_full, issue 28): per row, the exact
+// entries' terms, the band group (`group_bounds`) and the rest group (`common_box_bounds`)
+// of forward KL, reverse KL and JSD with the reference unknown. Same mathematics as the
+// numpy code, without its sorts and fixed bisections: the ratio tau solving
+// sum_i clip(tau w_i, lo_i, hi_i) = M is found by an active-set iteration (tau from the
+// entries inside their boxes, safeguarded by a bracket), which ends at the root instead of
+// within 1e-13 of it (the dual value is flat there: the two agree to rounding); the
+// knapsack of the upper bound is a weighted selection instead of a sort, and the rest's
+// fill of the smallest w one selection (nth_element). Results agree with the numpy
+// functions to float64 summation error (tests/test_bounds_store.py checks both).
+// Appended section; nothing above depends on it.
+// ======================================================================================
+namespace {
+
+enum CbTerm : int { CB_XLOGX = 0, CB_NEGLOG = 1, CB_JS = 2 };
+constexpr double CB_LN2 = 0.6931471805599453;
+constexpr double CB_INF = std::numeric_limits<double>::infinity();
+
+// phi(x) = w g(x / w) from ln x, ln w and x, w (bounds._phi; x = 0 allowed).
+inline double cb_phi(int term, double lx, double lw, double x, double w) {
+    if (term == CB_XLOGX) {
+        double o = (lx - lw) * x;
+        return std::isnan(o) ? 0.0 : o;
+    }
+    if (term == CB_NEGLOG) return x > 0 ? w * (lw - lx) : (w > 0 ? CB_INF : 0.0);
+    // 0.5 (x ln(2x/(x+w)) + w ln(2w/(x+w))) with one log: the terms cancel to within a few
+    // ulp of (x + w) |ln(x + w)|, summed that is ~1e-16 of the group's masses
+    double a = x > 0 ? x * (CB_LN2 + lx) : 0.0, b = w > 0 ? w * (CB_LN2 + lw) : 0.0, s = x + w;
+    return s > 0 ? 0.5 * (a + b - s * std::log(s)) : 0.0;
+}
+
+inline double cb_dphi(int term, double lt) {
+    if (term == CB_XLOGX) return lt + 1.0;
+    if (term == CB_NEGLOG) return -std::exp(-lt);
+    double m = std::max(lt, 0.0);  // logaddexp(lt, 0)
+    return 0.5 * (CB_LN2 + lt - (m + std::log1p(std::exp(-std::fabs(lt)))));
+}
+
+// ln tau with sum_i clip(tau w_i, lo_i, hi_i) = mass, in [a, b] (f(a) <= mass <= f(b)).
+// eval(E, Clo, Chi, Wm) returns f at tau = E with the sums of the entries at lo, at hi and
+// the w of those in between; the next ln tau is the one that solves the equation with
+// that split (exact once the split is right), bisection where it leaves the bracket.
+template <typename Eval>
+double cb_root(double a, double b, double mass, Eval eval) {
+    double lt = 0.5 * (a + b);
+    for (int it = 0; it < 200 && b - a >= 1e-13; ++it) {
+        double clo, chi, wm;
+        double f = eval(std::exp(lt), clo, chi, wm);
+        if (f < mass) a = lt; else b = lt;
+        double r = mass - clo - chi;
+        double cand = (wm > 0 && r > 0) ? std::log(r / wm) : std::numeric_limits<double>::quiet_NaN();
+        if (cand == lt) break;  // the split reproduces itself: the root
+        lt = (cand > a && cand < b) ? cand : 0.5 * (a + b);
+    }
+    return lt;
+}
+
+// Sum of s_i y_i maximised over 0 <= y_i <= c_i, sum y_i = rest (steepest first); only
+// entries with c_i > 0 are passed. Weighted quickselect on s.
+double cb_knapsack(std::vector<std::pair<double, double>>& sc, double rest) {
+    double gain = 0.0;
+    size_t lo = 0, hi = sc.size();
+    while (lo < hi && rest > 0) {
+        double p = sc[lo + (hi - lo) / 2].first;
+        // three-way partition: [lo, g) s > p, [g, e) s == p, [e, hi) s < p
+        size_t g = lo, i = lo, e = hi;
+        while (i < e) {
+            if (sc[i].first > p) std::swap(sc[i++], sc[g++]);
+            else if (sc[i].first < p) std::swap(sc[i], sc[--e]);
+            else ++i;
+        }
+        double cg = 0.0, sg = 0.0, ce = 0.0;
+        for (size_t k = lo; k < g; ++k) { cg += sc[k].second; }
+        if (cg >= rest) { hi = g; continue; }
+        for (size_t k = lo; k < g; ++k) sg += sc[k].first * sc[k].second;
+        for (size_t k = g; k < e; ++k) ce += sc[k].second;
+        gain += sg;
+        rest -= cg;
+        if (ce >= rest) { gain += p * rest; return gain; }
+        if (ce > 0) gain += p * ce;
+        rest -= ce;
+        lo = e;
+    }
+    return gain;
+}
+
+struct CbArgs {
+    int64_t n, V, ld;
+    const double *lq, *q;
+    int64_t E;
+    const int64_t* e_ids;
+    const double* e_logp;
+    int64_t B;
+    const int64_t* b_ids;
+    const double *b_lo, *b_hi, *band_mass, *rest_mass, *rest_max, *rest_min;
+    double *lower, *upper;  // [3, n]
+};
+
+struct CbScratch {
+    std::vector<uint8_t> mask;
+    std::vector<double> lw, w, llo, lhi, lo, hi, vals;
+    std::vector<std::pair<double, double>> sc;
+};
+
+void cb_row(const CbArgs& A, int64_t r, CbScratch& S) {
+    const double* lq = A.lq + r * A.ld;
+    const double* q = A.q + r * A.ld;
+    double lower[3] = {0, 0, 0}, upper[3] = {0, 0, 0};
+    // ---- exact entries -------------------------------------------------------------
+    for (int64_t i = 0; i < A.E; ++i) {
+        int64_t id = A.e_ids[r * A.E + i];
+        if (id < 0) continue;
+        double lx = A.e_logp[r * A.E + i], x = std::exp(lx);
+        for (int t = 0; t < 3; ++t) {
+            double v = cb_phi(t, lx, lq[id], x, q[id]);
+            lower[t] += v;
+        }
+    }
+    for (int t = 0; t < 3; ++t) upper[t] = lower[t];
+    // ---- band: one group, a box per entry --------------------------------------------
+    {
+        S.lw.clear(); S.w.clear(); S.llo.clear(); S.lhi.clear(); S.lo.clear(); S.hi.clear();
+        double slo = 0, shi = 0;
+        for (int64_t i = 0; i < A.B; ++i) {
+            int64_t id = A.b_ids[r * A.B + i];
+            if (id < 0 || !std::isfinite(lq[id])) continue;
+            double l0 = A.b_lo[r * A.B + i], l1 = std::max(A.b_hi[r * A.B + i], l0);
+            S.lw.push_back(lq[id]); S.w.push_back(q[id]); S.llo.push_back(l0); S.lhi.push_back(l1);
+            S.lo.push_back(std::exp(l0)); S.hi.push_back(std::exp(l1));
+            slo += S.lo.back(); shi += S.hi.back();
+        }
+        const size_t m = S.lw.size();
+        if (m) {
+            double mass = std::min(std::max(A.band_mass[r], slo), shi);
+            double r_lo = CB_INF, r_hi = -CB_INF;
+            bool some_zero = false;
+            for (size_t i = 0; i < m; ++i) {
+                if (S.llo[i] > -CB_INF) r_lo = std::min(r_lo, S.llo[i] - S.lw[i]); else some_zero = true;
+                r_hi = std::max(r_hi, S.lhi[i] - S.lw[i]);
+            }
+            double a = (some_zero ? std::min(r_lo, r_hi - 800.0) : std::min(r_lo, r_hi)) - 1.0, b = r_hi + 1.0;
+            if (!std::isfinite(a)) a = 0.0;
+            if (!std::isfinite(b)) b = 1.0;
+            double lt = cb_root(a, b, mass, [&](double Et, double& clo, double& chi, double& wm) {
+                double f = 0; clo = chi = wm = 0;
+                for (size_t i = 0; i < m; ++i) {
+                    double x = Et * S.w[i];
+                    if (x <= S.lo[i]) { clo += S.lo[i]; f += S.lo[i]; }
+                    else if (x >= S.hi[i]) { chi += S.hi[i]; f += S.hi[i]; }
+                    else { wm += S.w[i]; f += x; }
+                }
+                return f;
+            });
+            double Et = std::exp(lt), sx = 0;
+            double ph[3] = {0, 0, 0}, base[3] = {0, 0, 0};
+            for (size_t i = 0; i < m; ++i) {
+                double lx = std::min(std::max(lt + S.lw[i], S.llo[i]), S.lhi[i]);
+                double x = std::min(std::max(Et * S.w[i], S.lo[i]), S.hi[i]);
+                sx += x;
+                for (int t = 0; t < 3; ++t) ph[t] += cb_phi(t, lx, S.lw[i], x, S.w[i]);
+            }
+            double rest = std::max(mass - slo, 0.0);
+            for (int t = 0; t < 3; ++t) {
+                lower[t] += ph[t] + cb_dphi(t, lt) * (mass - sx);
+                S.sc.clear();
+                bool neg_inf_slope = false;
+                for (size_t i = 0; i < m; ++i) {
+                    double p0 = cb_phi(t, S.llo[i], S.lw[i], S.lo[i], S.w[i]);
+                    base[t] += p0;
+                    double cap = S.hi[i] - S.lo[i];
+                    if (!(cap > 0)) continue;
+                    if (!std::isfinite(p0)) { neg_inf_slope = true; continue; }
+                    double p1 = cb_phi(t, S.lhi[i], S.lw[i], S.hi[i], S.w[i]);
+                    S.sc.emplace_back((p1 - p0) / cap, cap);
+                }
+                (void)neg_inf_slope;  // such an entry has base = inf (no finite upper bound)
+                double gain = cb_knapsack(S.sc, rest);
+                double u = std::isinf(base[t]) ? CB_INF : base[t] + (std::isfinite(base[t]) ? gain : 0.0);
+                upper[t] += u;
+            }
+        }
+    }
+    // ---- rest: one group sharing one box ---------------------------------------------
+    {
+        S.mask.assign((size_t)A.V, 1);
+        for (int64_t i = 0; i < A.E; ++i) { int64_t id = A.e_ids[r * A.E + i]; if (id >= 0) S.mask[id] = 0; }
+        for (int64_t i = 0; i < A.B; ++i) { int64_t id = A.b_ids[r * A.B + i]; if (id >= 0) S.mask[id] = 0; }
+        S.lw.clear(); S.w.clear();
+        double lw_min = CB_INF, lw_max = -CB_INF;
+        for (int64_t v = 0; v < A.V; ++v) {
+            if (!S.mask[v] || !std::isfinite(lq[v])) continue;
+            S.lw.push_back(lq[v]); S.w.push_back(q[v]);
+            lw_min = std::min(lw_min, lq[v]); lw_max = std::max(lw_max, lq[v]);
+        }
+        const size_t cnt = S.lw.size();
+        if (cnt) {
+            double llo = A.rest_min[r], lhi = std::max(A.rest_max[r], llo);
+            double lo = std::exp(llo), hi = std::exp(lhi);
+            double mass = std::min(std::max(A.rest_mass[r], cnt * lo), cnt * hi);
+            double a = (std::isfinite(llo) ? llo - lw_max : lhi - lw_max - 800.0) - 1.0, b = lhi - lw_min + 1.0;
+            double lt = cb_root(a, b, mass, [&](double Et, double& clo, double& chi, double& wm) {
+                int64_t nlo = 0, nhi = 0;
+                double wmid = 0;
+                const double tlo = lo, thi = hi;
+                for (size_t i = 0; i < cnt; ++i) {
+                    double x = Et * S.w[i];
+                    bool l = x <= tlo, h = x >= thi;
+                    nlo += l; nhi += h;
+                    wmid += (l | h) ? 0.0 : S.w[i];
+                }
+                clo = nlo * lo; chi = nhi * hi; wm = wmid;
+                return clo + chi + Et * wmid;
+            });
+            double Et = std::exp(lt), sx = 0, ph[3] = {0, 0, 0};
+            for (size_t i = 0; i < cnt; ++i) {
+                double lx = std::min(std::max(lt + S.lw[i], llo), lhi);
+                double x = std::min(std::max(Et * S.w[i], lo), hi);
+                sx += x;
+                for (int t = 0; t < 3; ++t) ph[t] += cb_phi(t, lx, S.lw[i], x, S.w[i]);
+            }
+            for (int t = 0; t < 3; ++t) lower[t] += ph[t] + cb_dphi(t, lt) * (mass - sx);
+            // upper: hi on the n_full smallest w, lo on the others, the chord of the next one
+            double cap = hi - lo, rest = std::max(mass - cnt * lo, 0.0);
+            int64_t n_full = cap > 0 ? (int64_t)std::floor(rest / cap) : 0;
+            n_full = std::min<int64_t>(std::max<int64_t>(n_full, 0), (int64_t)cnt);
+            double part = cap > 0 ? rest - n_full * cap : 0.0;
+            S.sc.resize(cnt);
+            for (size_t i = 0; i < cnt; ++i) S.sc[i] = {S.lw[i], S.w[i]};
+            auto by_lw = [](const std::pair<double, double>& x, const std::pair<double, double>& y) { return x.first < y.first; };
+            if (n_full > 0 && n_full < (int64_t)cnt) std::nth_element(S.sc.begin(), S.sc.begin() + n_full, S.sc.end(), by_lw);
+            else if (n_full == 0) std::iter_swap(S.sc.begin(), std::min_element(S.sc.begin(), S.sc.end(), by_lw));
+            double base[3] = {0, 0, 0};
+            for (size_t i = 0; i < cnt; ++i) {
+                bool full = (int64_t)i < n_full;
+                double lv = S.sc[i].first, wv = S.sc[i].second;
+                for (int t = 0; t < 3; ++t) base[t] += cb_phi(t, full ? lhi : llo, lv, full ? hi : lo, wv);
+            }
+            bool has_part = n_full < (int64_t)cnt && part > 0;
+            for (int t = 0; t < 3; ++t) {
+                double gain = 0;
+                if (has_part) {
+                    double lj = S.sc[n_full].first, wj = S.sc[n_full].second;
+                    gain = (cb_phi(t, lhi, lj, hi, wj) - cb_phi(t, llo, lj, lo, wj)) / (cap > 0 ? cap : 1.0) * part;
+                }
+                upper[t] += std::isinf(base[t]) ? CB_INF : base[t] + (std::isfinite(base[t]) ? gain : 0.0);
+            }
+        }
+    }
+    for (int t = 0; t < 3; ++t) {
+        A.lower[t * A.n + r] = lower[t];
+        A.upper[t * A.n + r] = upper[t];
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Intervals of forward KL, reverse KL and JSD (rows of lower/upper [3, n], before the
+// clamps of bounds._interval) of a compact reference against a full candidate: lq, q
+// [n, V] (row stride ld) the candidate's log-probabilities and probabilities; the
+// reference's exact entries (ids < 0: absent) with their log-probabilities, band ids with
+// their boxes, the band and rest masses and the rest's box. Returns 0, or 1 for bad
+// arguments.
+__attribute__((visibility("default"))) int logitdiff_compact_bounds(
+    int64_t n, int64_t V, const double* lq, const double* q, int64_t ld, int64_t E, const int64_t* e_ids,
+    const double* e_logp, int64_t B, const int64_t* b_ids, const double* b_lo, const double* b_hi,
+    const double* band_mass, const double* rest_mass, const double* rest_max, const double* rest_min, int threads,
+    double* lower, double* upper) {
+    if (n < 0 || V < 1 || ld < V || E < 0 || B < 0 || threads < 1) return 1;
+    for (int64_t i = 0; i < n * E; ++i) if (e_ids[i] >= V) return 1;
+    for (int64_t i = 0; i < n * B; ++i) if (b_ids[i] >= V) return 1;
+    CbArgs A{n, V, ld, lq, q, E, e_ids, e_logp, B, b_ids, b_lo, b_hi, band_mass, rest_mass, rest_max, rest_min, lower, upper};
+    std::atomic<int64_t> next{0};
+    auto work = [&]() {
+        CbScratch S;
+        for (int64_t r; (r = next.fetch_add(1)) < n;) cb_row(A, r, S);
+    };
+    int nt = (int)std::min<int64_t>(threads, std::max<int64_t>(n, 1));
+    std::vector<std::thread> pool;
+    for (int t = 1; t < nt; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+    return 0;
+}
+
+}  // extern "C"
+
 // The functions are reached through ctypes (logitdiff/kernel.py), so the library needs no
 // Python headers (a machine without python3-dev still builds it); where they are present
 // it is also an importable (empty) module.

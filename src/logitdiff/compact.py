@@ -262,7 +262,8 @@ def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_
     y = np.asarray(next_tokens, np.int64)
     rows = np.arange(n)
     cols: dict[str, np.ndarray] = {}
-    res = Bd.compact_vs_full(decode(block), lq)
+    q = np.exp(lq)  # shared by the bounds and the candidate's entropy
+    res = Bd.compact_vs_full(decode(block), lq, cand_p=q)
     for name, (lo, hi) in INTERVAL_COLUMNS.items():
         iv = res[_DIV_OF[name]]
         cols[name], cols[lo], cols[hi] = iv.estimate, iv.lower, iv.upper
@@ -279,7 +280,6 @@ def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_
     cols["delta_p"] = np.exp(lqy) - np.exp(lpy)
     cols["nll_ref"], cols["nll_cand"] = -lpy, -lqy
     cols["entropy_ref"] = block["entropy"]
-    q = np.exp(lq)
     q *= lq
     cols["entropy_cand"] = np.maximum(-q.sum(1), 0.0)
     del q

@@ -52,6 +52,10 @@ def _lib():
     if h is not None:
         h.argtypes = [p, i64, p, i64, i64, i32, i32, i32, p, i64, p]
         h.restype = i32
+    c = getattr(lib, "logitdiff_compact_bounds", None)  # bounds.compact_vs_full's groups (absent from older builds)
+    if c is not None:
+        c.argtypes = [i64, i64, p, p, i64, i64, p, p, i64, p, p, p, p, p, p, p, i32, p, p]
+        c.restype = i32
     return lib
 
 
@@ -156,3 +160,31 @@ def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int
     if rc != 0:
         raise ValueError(f"hidden_decode: bad arguments (hidden {h.shape}, head {w.shape}, {dtype})")
     return out, int(fb.value)
+
+
+def compact_bounds(lq: np.ndarray, q: np.ndarray, ref, threads: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`bounds.compact_vs_full`'s sums, compiled (issue 28): (lower, upper) [3, n] of forward
+    KL, reverse KL and JSD (that order) before `bounds._interval`'s clamps, for a compact
+    reference ``ref`` (`bounds.CompactRows`) against candidate log-probabilities ``lq`` and
+    probabilities ``q`` [n, V] (float64). None when the library lacks the function."""
+    lib = _lib()
+    fn = getattr(lib, "logitdiff_compact_bounds", None) if lib is not None else None
+    if fn is None:
+        return None
+    lq = np.ascontiguousarray(lq, np.float64)
+    q = np.ascontiguousarray(q, np.float64)
+    n, V = lq.shape
+    arr = {k: np.ascontiguousarray(getattr(ref, k), dt) for k, dt in (
+        ("exact_ids", np.int64), ("exact_logp", np.float64), ("band_ids", np.int64), ("band_lo", np.float64),
+        ("band_hi", np.float64), ("band_mass", np.float64), ("rest_mass", np.float64), ("rest_max", np.float64),
+        ("rest_min", np.float64))}
+    lower = np.zeros((3, n))
+    upper = np.zeros((3, n))
+    rc = fn(n, V, lq.ctypes.data, q.ctypes.data, V, arr["exact_ids"].shape[1], arr["exact_ids"].ctypes.data,
+            arr["exact_logp"].ctypes.data, arr["band_ids"].shape[1], arr["band_ids"].ctypes.data,
+            arr["band_lo"].ctypes.data, arr["band_hi"].ctypes.data, arr["band_mass"].ctypes.data,
+            arr["rest_mass"].ctypes.data, arr["rest_max"].ctypes.data, arr["rest_min"].ctypes.data,
+            max(1, int(threads)), lower.ctypes.data, upper.ctypes.data)
+    if rc != 0:
+        raise ValueError("compact_bounds: bad arguments (an id outside the vocabulary)")
+    return lower, upper
