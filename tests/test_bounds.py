@@ -69,10 +69,22 @@ def compact_of(lp, n_exact, n_band):
 
 
 def check_compact(lp, lq, n_exact, n_band, what):
+    """Both implementations (the compiled kernel where built, and numpy) cover the exact
+    value, and agree with each other within the same tolerance (issue 28)."""
     ex, t = exact(lp, lq), tol(lp, lq)
-    res = B.compact_vs_full(compact_of(lp, n_exact, n_band), lq)
+    rows = compact_of(lp, n_exact, n_band)
+    res = B.compact_vs_full(rows, lq)
+    ref = B.compact_vs_full(rows, lq, compiled=False)
     for d in B.DIVERGENCES:
         assert_covers(res[d], ex[d], t, f"{what} {d}")
+        assert_covers(ref[d], ex[d], t, f"{what} {d} (numpy)")
+        for f in ("lower", "upper"):
+            a, b = getattr(res[d], f), getattr(ref[d], f)
+            assert (np.isinf(a) == np.isinf(b)).all(), f"{what} {d} {f}: inf differs"
+            fin = np.isfinite(b)
+            # float64 sums of the same terms in another order: within TOL plus 64 eps of the bound
+            assert (np.abs(a[fin] - b[fin]) <= t[fin] + 64 * EPS * np.abs(b[fin])).all(), \
+                f"{what} {d} {f}: compiled {a} vs numpy {b}"
     return res, ex
 
 
@@ -158,9 +170,11 @@ def test_reverse_kl_without_a_floor_is_unbounded_with_a_reason():
     lp = log_softmax(rng.normal(size=(3, 100)), 1)
     rows = compact_of(lp, 10, 0)
     rows.rest_min = np.full(3, -np.inf)
-    res = B.compact_vs_full(rows, log_softmax(rng.normal(size=(3, 100)), 1))
-    assert np.isinf(res[B.KL_REV].upper).all() and "lower bound" in res[B.KL_REV].reason
-    assert np.isfinite(res[B.KL].upper).all() and np.isfinite(res[B.JSD].upper).all()
+    lq = log_softmax(rng.normal(size=(3, 100)), 1)
+    for compiled in (True, False):
+        res = B.compact_vs_full(rows, lq, compiled=compiled)
+        assert np.isinf(res[B.KL_REV].upper).all() and "lower bound" in res[B.KL_REV].reason
+        assert np.isfinite(res[B.KL].upper).all() and np.isfinite(res[B.JSD].upper).all()
 
 
 # ------------------------------------------------------------------------------------

@@ -1257,6 +1257,20 @@ inline double cb_phi(int term, double lx, double lw, double x, double w) {
     return s > 0 ? 0.5 * (a + b - s * std::log(s)) : 0.0;
 }
 
+// Compensated sum (Neumaier): the group sums below run over up to V terms in sequence;
+// compensated, their error is ~2 eps of the sum of magnitudes, within the log2(V) eps bound
+// documented for the numpy code's pairwise sums (docs/bounds.md, Rounding). inf passes through.
+struct CbSum {
+    double s = 0.0, c = 0.0;
+    inline void add(double x) {
+        double t = s + x;
+        if (!std::isfinite(t)) { s = t; return; }
+        c += std::fabs(s) >= std::fabs(x) ? (s - t) + x : (x - t) + s;
+        s = t;
+    }
+    inline double get() const { return std::isfinite(s) ? s + c : s; }
+};
+
 inline double cb_dphi(int term, double lt) {
     if (term == CB_XLOGX) return lt + 1.0;
     if (term == CB_NEGLOG) return -std::exp(-lt);
@@ -1335,16 +1349,14 @@ void cb_row(const CbArgs& A, int64_t r, CbScratch& S) {
     const double* q = A.q + r * A.ld;
     double lower[3] = {0, 0, 0}, upper[3] = {0, 0, 0};
     // ---- exact entries -------------------------------------------------------------
+    CbSum ex[3];
     for (int64_t i = 0; i < A.E; ++i) {
         int64_t id = A.e_ids[r * A.E + i];
         if (id < 0) continue;
         double lx = A.e_logp[r * A.E + i], x = std::exp(lx);
-        for (int t = 0; t < 3; ++t) {
-            double v = cb_phi(t, lx, lq[id], x, q[id]);
-            lower[t] += v;
-        }
+        for (int t = 0; t < 3; ++t) ex[t].add(cb_phi(t, lx, lq[id], x, q[id]));
     }
-    for (int t = 0; t < 3; ++t) upper[t] = lower[t];
+    for (int t = 0; t < 3; ++t) upper[t] = lower[t] = ex[t].get();
     // ---- band: one group, a box per entry --------------------------------------------
     {
         S.lw.clear(); S.w.clear(); S.llo.clear(); S.lhi.clear(); S.lo.clear(); S.hi.clear();
@@ -1379,22 +1391,22 @@ void cb_row(const CbArgs& A, int64_t r, CbScratch& S) {
                 }
                 return f;
             });
-            double Et = std::exp(lt), sx = 0;
-            double ph[3] = {0, 0, 0}, base[3] = {0, 0, 0};
+            double Et = std::exp(lt);
+            CbSum sx, ph[3], base[3];
             for (size_t i = 0; i < m; ++i) {
                 double lx = std::min(std::max(lt + S.lw[i], S.llo[i]), S.lhi[i]);
                 double x = std::min(std::max(Et * S.w[i], S.lo[i]), S.hi[i]);
-                sx += x;
-                for (int t = 0; t < 3; ++t) ph[t] += cb_phi(t, lx, S.lw[i], x, S.w[i]);
+                sx.add(x);
+                for (int t = 0; t < 3; ++t) ph[t].add(cb_phi(t, lx, S.lw[i], x, S.w[i]));
             }
             double rest = std::max(mass - slo, 0.0);
             for (int t = 0; t < 3; ++t) {
-                lower[t] += ph[t] + cb_dphi(t, lt) * (mass - sx);
+                lower[t] += ph[t].get() + cb_dphi(t, lt) * (mass - sx.get());
                 S.sc.clear();
                 bool neg_inf_slope = false;
                 for (size_t i = 0; i < m; ++i) {
                     double p0 = cb_phi(t, S.llo[i], S.lw[i], S.lo[i], S.w[i]);
-                    base[t] += p0;
+                    base[t].add(p0);
                     double cap = S.hi[i] - S.lo[i];
                     if (!(cap > 0)) continue;
                     if (!std::isfinite(p0)) { neg_inf_slope = true; continue; }
@@ -1402,8 +1414,8 @@ void cb_row(const CbArgs& A, int64_t r, CbScratch& S) {
                     S.sc.emplace_back((p1 - p0) / cap, cap);
                 }
                 (void)neg_inf_slope;  // such an entry has base = inf (no finite upper bound)
-                double gain = cb_knapsack(S.sc, rest);
-                double u = std::isinf(base[t]) ? CB_INF : base[t] + (std::isfinite(base[t]) ? gain : 0.0);
+                double gain = cb_knapsack(S.sc, rest), bt = base[t].get();
+                double u = std::isinf(bt) ? CB_INF : bt + (std::isfinite(bt) ? gain : 0.0);
                 upper[t] += u;
             }
         }
@@ -1432,21 +1444,22 @@ void cb_row(const CbArgs& A, int64_t r, CbScratch& S) {
                 const double tlo = lo, thi = hi;
                 for (size_t i = 0; i < cnt; ++i) {
                     double x = Et * S.w[i];
-                    bool l = x <= tlo, h = x >= thi;
+                    bool l = x <= tlo, h = !l && x >= thi;  // lo == hi: an entry is counted once
                     nlo += l; nhi += h;
                     wmid += (l | h) ? 0.0 : S.w[i];
                 }
                 clo = nlo * lo; chi = nhi * hi; wm = wmid;
                 return clo + chi + Et * wmid;
             });
-            double Et = std::exp(lt), sx = 0, ph[3] = {0, 0, 0};
+            double Et = std::exp(lt);
+            CbSum sx, ph[3];
             for (size_t i = 0; i < cnt; ++i) {
                 double lx = std::min(std::max(lt + S.lw[i], llo), lhi);
                 double x = std::min(std::max(Et * S.w[i], lo), hi);
-                sx += x;
-                for (int t = 0; t < 3; ++t) ph[t] += cb_phi(t, lx, S.lw[i], x, S.w[i]);
+                sx.add(x);
+                for (int t = 0; t < 3; ++t) ph[t].add(cb_phi(t, lx, S.lw[i], x, S.w[i]));
             }
-            for (int t = 0; t < 3; ++t) lower[t] += ph[t] + cb_dphi(t, lt) * (mass - sx);
+            for (int t = 0; t < 3; ++t) lower[t] += ph[t].get() + cb_dphi(t, lt) * (mass - sx.get());
             // upper: hi on the n_full smallest w, lo on the others, the chord of the next one
             double cap = hi - lo, rest = std::max(mass - cnt * lo, 0.0);
             int64_t n_full = cap > 0 ? (int64_t)std::floor(rest / cap) : 0;
@@ -1457,12 +1470,13 @@ void cb_row(const CbArgs& A, int64_t r, CbScratch& S) {
             auto by_lw = [](const std::pair<double, double>& x, const std::pair<double, double>& y) { return x.first < y.first; };
             if (n_full > 0 && n_full < (int64_t)cnt) std::nth_element(S.sc.begin(), S.sc.begin() + n_full, S.sc.end(), by_lw);
             else if (n_full == 0) std::iter_swap(S.sc.begin(), std::min_element(S.sc.begin(), S.sc.end(), by_lw));
-            double base[3] = {0, 0, 0};
+            CbSum bsum[3];
             for (size_t i = 0; i < cnt; ++i) {
                 bool full = (int64_t)i < n_full;
                 double lv = S.sc[i].first, wv = S.sc[i].second;
-                for (int t = 0; t < 3; ++t) base[t] += cb_phi(t, full ? lhi : llo, lv, full ? hi : lo, wv);
+                for (int t = 0; t < 3; ++t) bsum[t].add(cb_phi(t, full ? lhi : llo, lv, full ? hi : lo, wv));
             }
+            double base[3] = {bsum[0].get(), bsum[1].get(), bsum[2].get()};
             bool has_part = n_full < (int64_t)cnt && part > 0;
             for (int t = 0; t < 3; ++t) {
                 double gain = 0;
