@@ -357,3 +357,55 @@ def test_float16_model_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
         n += len(a)
     assert n == full.manifest["n_positions"] > 0
+
+
+# --------------------------------------------------------------------------------------
+# the compiled decode (float32 dots with a proven bound, float64 where it straddles a
+# rounding boundary) against the float64 decode, bit for bit (issue 28)
+# --------------------------------------------------------------------------------------
+
+
+def _float64_decode(block, head, dtype):
+    from logitdiff import kernel
+
+    keep = kernel.hidden_decode
+    kernel.hidden_decode = lambda *a: None  # the torch float64 product
+    try:
+        return Hs.decode(block, head, dtype)
+    finally:
+        kernel.hidden_decode = keep
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compiled_decode_is_the_float64_decode(dtype):
+    from logitdiff import kernel
+
+    if kernel.hidden_decode(np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16), dtype, 1) is None:
+        pytest.skip("compiled kernel not built")
+    rng = np.random.default_rng(7)
+    tdt = getattr(torch, dtype)
+
+    def bits(x):
+        return torch.from_numpy(np.asarray(x, np.float32)).to(tdt).view(torch.int16).numpy().view(np.uint16)
+
+    for V, H, n in ((1031, 13, 7), (700, 200, 10), (300, 4100, 4)):  # V, H, n off every block size
+        head = bits(rng.normal(0, 0.05, (V, H)) * np.exp(rng.normal(0, 1, (V, 1))))
+        hid = bits(rng.normal(0, 1, (n, H)))
+        # entries whose exact sum is a rounding midpoint (ties to even) or one ulp of float32
+        # beside one: w = (1, 2^-8 (+- 2^-20), 0, ...) against h = (1, 1, 0, ...)
+        mids = np.zeros((6, H), np.float32)
+        mids[:, 0] = 1.0
+        mids[:, 1] = [2**-8, 2**-8 + 2**-20, 2**-8 - 2**-20, 3 * 2**-8, 2**-11, 2**-11 + 2**-22]
+        head[:6] = bits(mids)
+        hid[0] = bits(np.r_[1.0, 1.0, np.zeros(H - 2)])
+        exc = {"exc_row": np.array([1, n - 1], np.int32), "exc_id": np.array([V - 1, 3], np.int32),
+               "exc_bits": np.array([0x1234, 0x4321], np.uint16)}
+        block = {"hidden": hid, **exc}
+        got, fallbacks = kernel.hidden_decode(hid, head, dtype, 2)
+        got[exc["exc_row"], exc["exc_id"]] = exc["exc_bits"]
+        want = _float64_decode(block, head, dtype)
+        np.testing.assert_array_equal(got, want, err_msg=f"{dtype} V={V} H={H} n={n}")
+        np.testing.assert_array_equal(Hs.decode(block, head, dtype), want)  # the reader's path
+        # the midpoints took the float64 path; with bf16's 8-bit significands most entries
+        # did not (float16's 11 bits leave the float32 bound straddling more boundaries)
+        assert 4 <= fallbacks and (dtype == "float16" or fallbacks < 0.5 * n * V), (fallbacks, n * V)
