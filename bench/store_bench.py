@@ -528,6 +528,13 @@ def cmd_real(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default=None, help="where the hidden reference is decoded and the metrics run")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--peers", action="store_true",
+                    help="also time the previous readers in the same rounds: the hidden store decoded by the float64 "
+                         "torch product (hidden-f64) and the compact bounds in numpy (compact-numpy)")
+    ap.add_argument("--skip-figures", action="store_true", help="timing only (no KL/interval table)")
+    ap.add_argument("--wide", action="store_true",
+                    help="instead of SmolLM2: the random bf16 Llama of tests/_models.py at V = 248,320 (hidden 128) as "
+                         "the reference and the same architecture from another seed (bf16) as the one candidate")
     a = ap.parse_args(argv)
 
     import torch
@@ -541,7 +548,9 @@ def cmd_real(argv=None) -> int:
     from logitdiff.store import RunReader
     from logitdiff.workload import read_workload
 
-    if not a.model.is_file():
+    if a.wide:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    if not a.wide and not a.model.is_file():
         print(f"{a.model}: missing (scripts/setup.sh fetches it)", file=sys.stderr)
         return 2
     if a.threads:
@@ -554,8 +563,13 @@ def cmd_real(argv=None) -> int:
     items = read_workload(wl)
     t0 = time.perf_counter()
     refs = {s: out / f"ref-{s}" for s in ("full", "hidden", "compact")}
+    if a.wide:
+        from _models import make_wide_llama
+
+        model = make_wide_llama(out / "wide-ref", dtype="bfloat16", layers=1, never_eos=True)
+        peer = make_wide_llama(out / "wide-cand", dtype="bfloat16", layers=1, never_eos=True, seed=1)
     if not all((p / "manifest.json").exists() for p in refs.values()):
-        src = open_source(f"hf:{a.model}" + (f",threads={a.threads}" if a.threads else ""))
+        src = open_source(f"hf:{model if a.wide else a.model}" + (f",threads={a.threads}" if a.threads else ""))
         capture_reference(src, items, refs["full"], store="full", overwrite=True)
         teacher = RunReader(refs["full"])
         for s in ("hidden", "compact"):
@@ -563,8 +577,8 @@ def cmd_real(argv=None) -> int:
         src.close()
     t_ref = time.perf_counter() - t0
     teacher = RunReader(refs["full"])
-    rungs = {"Q4_1": a.model}
-    for q in a.quants.split(","):
+    rungs = {"seed1": peer} if a.wide else {"Q4_1": a.model}
+    for q in ([] if a.wide else a.quants.split(",")):
         rungs[q] = out / f"smol-{q}.gguf"
         if not rungs[q].exists():
             quantize(a.model, rungs[q], q, allow_requantize=True)
@@ -572,7 +586,7 @@ def cmd_real(argv=None) -> int:
     for q, f in rungs.items():
         p = out / f"cand-{q}"
         if not (p / "manifest.json").exists():
-            g = GGUFSource(f, n_ctx=2048, threads=a.threads)
+            g = open_source(f"hf:{f}") if a.wide else GGUFSource(f, n_ctx=2048, threads=a.threads)
             capture_candidate(g, teacher, p, overwrite=True)
             g.close()
         cands[q] = p
@@ -583,7 +597,7 @@ def cmd_real(argv=None) -> int:
     sizes = {s: dir_bytes(p) for s, p in refs.items()}
     head = (refs["hidden"] / "head.npy").stat().st_size
     figures = {}
-    for q, p in cands.items():
+    for q, p in ({} if a.skip_figures else cands).items():
         rep = api_compare(str(refs["full"]), str(p), bootstrap=1000)
         comp = compare_runs(RunReader(refs["compact"]), RunReader(p))
         kl = rep["summary"]["metrics"]["kl_nats"]
@@ -592,11 +606,27 @@ def cmd_real(argv=None) -> int:
                       "width_pct": 100 * (hi - lo) / kl["mean"] if kl["mean"] else None,
                       "top1_match_rate": rep["summary"].get("top1_match_rate")}
 
-    timing = {q: {s: [] for s in refs} for q in cands}
-    cpu = {q: {s: [] for s in refs} for q in cands}
+    import functools
+
+    from logitdiff import bounds as Bd
+    from logitdiff import kernel as K
+
+    compiled = (Bd.compact_vs_full, K.hidden_decode)
+
+    def previous(on: bool):
+        """The readers before issue 28's compiled paths (numpy bounds, torch float64 decode)."""
+        Bd.compact_vs_full = functools.partial(compiled[0], compiled=False) if on else compiled[0]
+        K.hidden_decode = (lambda *x, **k: None) if on else compiled[1]
+
+    kinds = dict(refs)
+    if a.peers:
+        kinds.update({"hidden-f64": refs["hidden"], "compact-numpy": refs["compact"]})
+    timing = {q: {s: [] for s in kinds} for q in cands}
+    cpu = {q: {s: [] for s in kinds} for q in cands}
     for _ in range(a.rounds):
         for q, p in cands.items():
-            for s, rp in refs.items():  # interleaved: full, hidden, compact per rung per round
+            for s, rp in kinds.items():  # interleaved: every reference kind per rung per round
+                previous(s in ("hidden-f64", "compact-numpy"))
                 ref = RunReader(rp, device=a.device)
                 cand = RunReader(p)
                 c0, w0 = os.times(), time.perf_counter()
@@ -604,13 +634,16 @@ def cmd_real(argv=None) -> int:
                 w1, c1 = time.perf_counter(), os.times()
                 timing[q][s].append(w1 - w0)
                 cpu[q][s].append((c1.user - c0.user, c1.system - c0.system))
+    previous(False)
     med = {q: {s: statistics.median(v) for s, v in d.items()} for q, d in timing.items()}
+    cpu_med = {q: {s: statistics.median(u + y for u, y in v) for s, v in d.items()} for q, d in cpu.items()}
 
     print(f"\nstores ({n} positions): full {sizes['full']:,} B; hidden {sizes['hidden']:,} B (head {head:,} B, "
           f"per position {(sizes['hidden'] - head) / n:,.0f} B); compact {sizes['compact']:,} B "
           f"({sizes['compact'] / n:,.0f} B a position)")
-    print("\n| rung | exact mean KL [95 % CI] | top-1 match | compact interval | width / exact |")
-    print("|---|---|---:|---|---:|")
+    if figures:
+        print("\n| rung | exact mean KL [95 % CI] | top-1 match | compact interval | width / exact |")
+        print("|---|---|---:|---|---:|")
     for q, f in figures.items():
         ci = f["kl_ci95"]
         print(f"| {q} | {f['kl_mean']:.5f} [{ci[0]:.5f}, {ci[1]:.5f}] | {f['top1_match_rate']:.3f} | "
@@ -621,14 +654,21 @@ def cmd_real(argv=None) -> int:
     for q, m in med.items():
         print(f"| {q} | {m['full']:.2f} | {m['hidden']:.2f} | {m['compact']:.2f} | {m['hidden'] / m['full']:.2f} | "
               f"{m['compact'] / m['full']:.2f} |")
+    if a.peers:
+        print("\nsame rounds, median wall (s) / median CPU user+sys (s), and wall ratio to full:")
+        print("| rung | " + " | ".join(kinds) + " | " + " | ".join(f"{s} / full" for s in kinds if s != "full") + " |")
+        print("|---|" + "---:|" * (2 * len(kinds) - 1))
+        for q, m in med.items():
+            print(f"| {q} | " + " | ".join(f"{m[s]:.2f} / {cpu_med[q][s]:.2f}" for s in kinds) + " | "
+                  + " | ".join(f"{m[s] / m['full']:.2f}" for s in kinds if s != "full") + " |")
     tot = {s: sum(m[s] for m in med.values()) for s in refs}
     print(f"all rungs: full {tot['full']:.2f} s, hidden {tot['hidden']:.2f} s ({tot['hidden'] / tot['full']:.2f}x), "
           f"compact {tot['compact']:.2f} s ({tot['compact'] / tot['full']:.2f}x)")
-    sysf = {s: statistics.median([c[1] for q in cands for c in cpu[q][s]]) for s in refs}
+    sysf = {s: statistics.median([c[1] for q in cands for c in cpu[q][s]]) for s in kinds}
     print("median system CPU per compare: " + ", ".join(f"{s} {v:.2f} s" for s, v in sysf.items()))
     if a.json:
         a.json.write_text(json.dumps({"positions": n, "sizes": sizes, "head_bytes": head, "figures": figures,
-                                      "median_s": med, "cpu": cpu, "threads": a.threads or torch.get_num_threads(),
+                                      "median_s": med, "cpu": cpu, "load_avg": os.getloadavg(), "threads": a.threads or torch.get_num_threads(),
                                       "device": a.device}, indent=1))
     return 0
 
