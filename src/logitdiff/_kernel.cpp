@@ -1121,6 +1121,45 @@ __attribute__((target("avx2,fma,f16c"))) inline uint16_t hd_exact_avx2(const HdA
     return hd_round(s, a.fmt);
 }
 
+// hd_finish for 4 head rows (i) of one hidden row, 4-wide: the same bound, the same
+// integer rounding of both ends; lanes where they differ (or leave the normal range) take
+// the exact path.
+__attribute__((target("avx2,fma,f16c"))) inline void hd_finish4(const HdArgs& a, const double* wn, int64_t r, __m128 s4,
+                                                                const float* w, uint16_t* out, int64_t& nfb) {
+    const bool f16 = a.fmt == F16;
+    const int drop = f16 ? 42 : 45, sig = f16 ? 10 : 7, bias = f16 ? 15 : 127;
+    __m256d s = _mm256_cvtps_pd(s4);
+    __m256d as = _mm256_andnot_pd(_mm256_set1_pd(-0.0), s);
+    __m256d e = _mm256_fmadd_pd(_mm256_loadu_pd(wn), _mm256_set1_pd(a.hn[r]),
+                                _mm256_fmadd_pd(as, _mm256_set1_pd(0x1p-50), _mm256_set1_pd(0x1p-120)));
+    // e as hd_finish computes it (wn * hn + 2^-120 + 2^-50 |s|), rounded up by one more
+    // 2^-50 |s| for the fused order
+    e = _mm256_fmadd_pd(as, _mm256_set1_pd(0x1p-50), e);
+    __m256d lo = _mm256_sub_pd(as, e), hi = _mm256_add_pd(as, e);
+    __m256d ok = _mm256_and_pd(_mm256_cmp_pd(lo, _mm256_set1_pd(f16 ? 0x1p-14 : 0x1p-126), _CMP_GE_OQ),
+                               _mm256_cmp_pd(hi, _mm256_set1_pd(f16 ? 65504.0 : 3.3895313892515355e38), _CMP_LT_OQ));
+    const __m256i one = _mm256_set1_epi64x(1), halfm = _mm256_set1_epi64x((int64_t(1) << (drop - 1)) - 1);
+    __m256i bl = _mm256_castpd_si256(lo), bh = _mm256_castpd_si256(hi);
+    __m256i tl = _mm256_srli_epi64(_mm256_add_epi64(_mm256_add_epi64(bl, halfm), _mm256_and_si256(_mm256_srli_epi64(bl, drop), one)), drop);
+    __m256i th = _mm256_srli_epi64(_mm256_add_epi64(_mm256_add_epi64(bh, halfm), _mm256_and_si256(_mm256_srli_epi64(bh, drop), one)), drop);
+    ok = _mm256_and_pd(ok, _mm256_castsi256_pd(_mm256_cmpeq_epi64(tl, th)));
+    __m256i ex = _mm256_add_epi64(_mm256_srli_epi64(tl, sig), _mm256_set1_epi64x(bias - 1023));
+    __m256i res = _mm256_or_si256(_mm256_slli_epi64(ex, sig), _mm256_and_si256(tl, _mm256_set1_epi64x((1 << sig) - 1)));
+    alignas(32) int64_t rb[4];
+    _mm256_store_si256((__m256i*)rb, res);
+    const int good = _mm256_movemask_pd(ok);
+    alignas(16) float sv[4];
+    _mm_store_ps(sv, s4);
+    for (int i = 0; i < 4; ++i) {
+        if (good >> i & 1) {
+            out[i] = (uint16_t)((sv[i] < 0 ? 0x8000u : 0u) | (uint32_t)rb[i]);
+        } else {
+            ++nfb;
+            out[i] = hd_exact_avx2(a, w + i * a.Hp, r);
+        }
+    }
+}
+
 template <int VB>
 __attribute__((target("avx2,fma,f16c"))) void hd_rows(const HdArgs& a, const float* w, const double* wn, int64_t v0,
                                                       int64_t& nfb) {
@@ -1128,6 +1167,14 @@ __attribute__((target("avx2,fma,f16c"))) void hd_rows(const HdArgs& a, const flo
     int64_t r = 0;
     for (; r + 3 <= a.n; r += 3) {
         hd_block<VB, 3>(w, a.Hp, a.h32 + r * a.Hp, a.Hp, a.Hp, s);
+        if constexpr (VB == 4) {
+            for (int j = 0; j < 3; ++j) {
+                uint16_t o[4];
+                hd_finish4(a, wn, r + j, _mm_setr_ps(s[0 * 3 + j], s[1 * 3 + j], s[2 * 3 + j], s[3 * 3 + j]), w, o, nfb);
+                std::memcpy(a.out + (r + j) * a.out_stride + v0, o, sizeof o);
+            }
+            continue;
+        }
         for (int i = 0; i < VB; ++i)
             for (int j = 0; j < 3; ++j)
                 a.out[(r + j) * a.out_stride + v0 + i] =
