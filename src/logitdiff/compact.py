@@ -248,6 +248,20 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
     return a - np.log(np.exp(a).sum(1, keepdims=True))
 
 
+def _cand_top_ids(cand_logits, lq: np.ndarray, k: int) -> np.ndarray:
+    """The candidate's top-k ids, by value descending, lowest id first on ties: from the
+    compiled kernel's pass over the raw logits where it is built (its rule; ln softmax is
+    increasing and float64 keeps float32/bf16 logits apart, so the ids are `top_ids_rows`
+    of ``lq``'s), else `top_ids_rows` (one partition of the block, a row rule for ties)."""
+    from . import kernel
+    from . import metrics as M
+
+    z = np.asarray(cand_logits)
+    if kernel.available() and z.dtype == np.float32 and z.ndim == 2 and z.shape[0]:
+        return np.asarray(M.row_stats(z, k=k, threads=1)["topk_ids"], np.int64)
+    return top_ids_rows(lq, k)
+
+
 def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_k: int, overlap_k: int,
                  eps: float = 1e-12) -> dict[str, np.ndarray]:
     """Per-position columns for a compact reference (``block``, rows of `encode`) against
@@ -269,7 +283,7 @@ def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_
         cols[name], cols[lo], cols[hi] = iv.estimate, iv.lower, iv.upper
     kk = max(top_k, overlap_k, 2)
     ir, lr = reference_top(block, kk)
-    ic = top_ids_rows(lq, kk)
+    ic = _cand_top_ids(cand_logits, lq, kk)
     lc = np.take_along_axis(lq, ic, 1)
     cols["top1_ref"], cols["top1_cand"] = ir[:, 0], ic[:, 0]
     cols["top1_match"] = ir[:, 0] == ic[:, 0]
