@@ -21,6 +21,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import tasks as T  # training/tasks.py: this script's directory is on sys.path when it runs
 
@@ -207,8 +208,8 @@ class Data:
         if kind in ("code", "prose"):
             src = self.code if kind == "code" else self.prose
             a = self.rng.randrange(len(src) - self.T - 1)
-            ids = src[a : a + self.T + 1]
-            return ids[:-1], ids[1:]
+            window = src[a : a + self.T + 1]
+            return window[:-1], window[1:]
         # chat row: packed examples; "tool" rows hold tool calls (long prompts), "small" rows the
         # short labelled tasks
         kinds = self.tool_kinds if kind == "tool" else self.small_kinds
@@ -216,12 +217,12 @@ class Data:
         labels: list[int] = []
         tries = 0
         while tries < 4:
-            e, l = self.chat_example(self.rng.choice(kinds))
+            e, lab = self.chat_example(self.rng.choice(kinds))
             if len(ids) + len(e) > self.T + 1:
                 tries += 1
                 continue
             ids += e
-            labels += l
+            labels += lab
         n = self.T + 1 - len(ids)
         ids += [0] * n
         labels += [-100] * n
@@ -285,7 +286,7 @@ def check_item(item: dict, reply: str) -> tuple[bool | None, bool | None]:
 
 
 def evaluate(model, tok, items: list[dict], default_max: int = 48) -> dict:
-    res = {"tool_valid": [], "correct": [], "by_kind": {}}
+    res: dict[str, Any] = {"tool_valid": [], "correct": [], "by_kind": {}}
     for it in items:
         if "messages" not in it:
             continue
@@ -375,7 +376,7 @@ def main(argv=None) -> int:
     workload = T.write_workload(args.workload)
     exclude = {it["messages"][-1]["content"] for it in workload if "messages" in it}
     eval_rng = random.Random(T.WORKLOAD_SEED + 1)
-    extra = []
+    extra: list[dict] = []
     while len(extra) < args.n_eval:
         kind = ["math", "tool", "copy", "lookup"][len(extra) % 4]
         ex = T.gen_chat(eval_rng, kind)
@@ -520,7 +521,8 @@ def main(argv=None) -> int:
         if best is not None and best[1] != step:
             model.load_state_dict(best[2])
             log(f"restored best weights from step {best[1]}")
-        best_note = f"best workload eval at step {best[1]} of {step} (evaluated every {args.eval_every} steps; those weights are saved)"
+        if best is not None:
+            best_note = f"best workload eval at step {best[1]} of {step} (evaluated every {args.eval_every} steps; those weights are saved)"
 
     model.eval()
     model = model.to(torch.bfloat16)

@@ -16,8 +16,20 @@ llama.cpp) and changes no process-wide state.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
+
+if TYPE_CHECKING:  # the same names, for type checkers (at run time __getattr__ imports them on first use)
+    from . import testing
+    from .api import capture_run, diff_runs, load_report, run, speculate
+    from .contracts import Outcome, Report, RunSummary, load_summary
+    from .errors import LogitdiffError
+    from .metrics import full_vocab
+    from .sources import FullLogitSource, RowKind, Source, TopKRows, TopKSource, open_source, parse_spec
+    from .store import RunReader
+    from .testing import assert_drift_within
+    from .workload import Item, read_workload
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -38,7 +50,7 @@ _SUBMODULES = ("testing",)
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     elif name in _SUBMODULES:
@@ -49,5 +61,5 @@ def __getattr__(name: str):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

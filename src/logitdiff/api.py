@@ -8,7 +8,7 @@ import would otherwise shadow them).
     logitdiff.capture_run("builtin:tiny", "runs/ref", max_tokens=16)             # reference RUN
     logitdiff.capture_run("builtin:tiny-Q4_K_M", "runs/q4", teacher="runs/ref")   # candidate RUN
     report = logitdiff.diff_runs("runs/ref", "runs/q4", out="reports/q4")        # REPORT
-    report["summary"]["kl_nats_mean"]
+    report["summary"]["kl_nats_mean"]                                          # a contracts.Report
 
 Every function checks its arguments and its output path before it computes anything (the
 same one-line ``LogitdiffError`` as the CLI), writes through the same output guard (a
@@ -23,11 +23,18 @@ import contextlib
 import hashlib
 import math
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar, cast
 
 from .errors import LogitdiffError
 
+if TYPE_CHECKING:  # the types only: importing the modules here would load numpy/torch on `import logitdiff.api`
+    from .capture import LiveRun
+    from .contracts import LayersDoc, NoiseFloor, Report, RunSummary, SpeculationReport
+    from .gates import Gate
+    from .store import RunReader
+
 Bar = Callable[[int | None, str], Callable[..., None]]
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = ["capture_run", "diff_runs", "layers", "load_report", "noise_floor_of", "run", "speculate"]
 
@@ -60,7 +67,7 @@ def check_device(device: str | None) -> None:
             raise LogitdiffError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
-def _type_ok(v, t) -> bool:
+def _type_ok(v: object, t: Any) -> bool:
     """Whether ``v`` fits the annotation ``t`` (the simple types the API takes; anything
     this does not know is not judged here)."""
     import collections.abc
@@ -97,7 +104,7 @@ def _type_ok(v, t) -> bool:
     return True
 
 
-def _type_name(t) -> str:
+def _type_name(t: Any) -> str:
     import typing
 
     if t is type(None):
@@ -107,7 +114,7 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def check_arguments(fn_name: str, hints: dict, values: dict) -> None:
+def check_arguments(fn_name: str, hints: Mapping[str, Any], values: Mapping[str, Any]) -> None:
     """A one-line LogitdiffError naming the first argument whose type does not fit its
     annotation (the API's callers get the CLI's kind of error, not a TypeError deep inside)."""
     for name, v in values.items():
@@ -118,28 +125,46 @@ def check_arguments(fn_name: str, hints: dict, values: dict) -> None:
             raise LogitdiffError(f"{fn_name}: argument {name!r} is {type(v).__name__} {shown}; expected {_type_name(t)}")
 
 
-def _checked(fn):
+class _HintNames(dict):
+    """The names an annotation string is evaluated with: this module's, then builtins; a name
+    imported for the type checker only (``TYPE_CHECKING``: store, contracts...) reads as
+    ``Any`` (not judged at run time), so checking a call imports nothing heavy."""
+
+    def __missing__(self, name: str) -> Any:
+        import builtins
+
+        return getattr(builtins, name, Any)
+
+
+def _parameter_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``fn``'s parameter annotations evaluated (its return annotation is not needed)."""
+    import inspect
+
+    names = _HintNames(globals())
+    return {name: eval(p.annotation, {}, names) if isinstance(p.annotation, str) else p.annotation
+            for name, p in inspect.signature(fn).parameters.items() if p.annotation is not inspect.Parameter.empty}
+
+
+def _checked(fn: _F) -> _F:
     """Check the call's arguments against ``fn``'s annotations first (see check_arguments)."""
     import functools
     import inspect
-    import typing
 
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             bound = sig.bind(*args, **kwargs)
         except TypeError as e:
             raise LogitdiffError(f"{fn.__name__}: {e}") from None
-        hints = typing.get_type_hints(fn, globalns={**globals(), "Bar": Bar})
-        check_arguments(fn.__name__, hints, bound.arguments)
+        check_arguments(fn.__name__, _parameter_hints(fn), bound.arguments)
         return fn(*args, **kwargs)
 
-    return wrapper
+    return cast(_F, wrapper)
 
 
-def _no_bar(total, label):
+def _no_bar(total: int | None, label: str) -> Callable[..., None]:
     return lambda n=1: None
 
 
@@ -220,7 +245,7 @@ _MODEL_IDENTITY = ("kind", "backend", "server", "model", "weight_files", "sha256
                    "architecture", "arch", "vocab_size", "tokenizer_hash")
 
 
-def check_noise_floor_run(ref, rerun_run) -> None:
+def check_noise_floor_run(ref: RunReader, rerun_run: RunReader) -> None:
     """Refuse a noise-floor RUN that is not a second capture of the reference's model (the
     reference RUN itself, or another model, engine or dtype): its "floor" would be a drift,
     and every "x noise floor" read against it wrong."""
@@ -228,9 +253,11 @@ def check_noise_floor_run(ref, rerun_run) -> None:
         raise LogitdiffError(f"--noise-floor {rerun_run.path}: is the reference RUN itself; the noise floor is a second capture "
                              "of the reference (capture it again, e.g. with another --batch)")
 
-    def ident(run) -> dict:
-        src = run.manifest.get("source") if isinstance(run.manifest.get("source"), dict) else {}
-        i = src.get("identity") if isinstance(src.get("identity"), dict) else {}
+    def ident(run: RunReader) -> dict[str, Any]:
+        src = run.manifest.get("source")
+        src = src if isinstance(src, dict) else {}
+        i = src.get("identity")
+        i = i if isinstance(i, dict) else {}
         # the engine: a source kind where recorded (gguf, openai), else the backend (hf: transformers)
         kind = i.get("kind") or src.get("kind") or i.get("backend")
         return {**({"kind": kind} if kind is not None else {}), **{k: i[k] for k in _MODEL_IDENTITY if k in i and k != "kind"}}
@@ -244,7 +271,8 @@ def check_noise_floor_run(ref, rerun_run) -> None:
 
 
 @_checked
-def noise_floor_of(ref, rerun_run, *, top_logprobs: int, chunk_bytes: int | None = None, threads: int | None = None) -> dict:
+def noise_floor_of(ref: RunReader, rerun_run: RunReader, *, top_logprobs: int, chunk_bytes: int | None = None,
+                   threads: int | None = None) -> NoiseFloor:
     """The ``noise_floor`` section (report.noise_floor_section) of a rerun of the reference
     (two open RUNs): the floor a report prints beside the candidate's."""
     from .capture import layout_text
@@ -278,14 +306,16 @@ def diff_runs(
     include_rows: bool = True,
     device: str | None = None,
     chunk_size: str | int | None = None,
-    gates: str | list | None = None,
+    gates: str | Sequence[Gate] | None = None,
     threads: int | None = None,
     bar: Bar | None = None,
     logprob_floor: float | None = None,
-) -> dict:
+) -> Report:
     """Compare a candidate (a RUN directory, or a source spec scored live against the
-    reference, nothing stored) with a reference RUN. Returns the report (the report.json
-    object); with ``out``, also writes the REPORT directory (report.json, tokens.parquet,
+    reference, nothing stored) with a reference RUN. Returns the report: the report.json
+    object, typed as :class:`logitdiff.contracts.Report` (a ``TypedDict``, so the object is a
+    plain ``dict`` at run time: ``json.dumps``-able after ``contracts.json_clean``, and
+    ``contracts.report_json(report)`` gives report.json's exact text); with ``out``, also writes the REPORT directory (report.json, tokens.parquet,
     report.md, report.html). ``gates`` (failure conditions in ``--fail-on`` syntax, or a list of
     ``logitdiff.gates.Gate``, e.g. from ``gates.parse_gate_options(fail_on, require)``) are evaluated into the
     report's ``gates`` section. ``threads``: CPU threads of the metrics (default: the CPUs
@@ -293,6 +323,7 @@ def diff_runs(
     lower bound (nats) on every log-probability of both models, for a finite KL upper bound
     of top-K comparisons (compare.check_floor)."""
     from .compare import DEFAULT_TOP_LOGPROBS, check_floor_value, compare_runs, served_batching
+    from .contracts import ServedFloorSide
     from .outputs import Kind, check_output
     from .report import build_report, write_report_dir
     from .report.html import render_html
@@ -323,7 +354,7 @@ def diff_runs(
     if top_logprobs is not None and top_logprobs < 1:
         raise LogitdiffError(f"--top-k {top_logprobs}: must be at least 1")
     live = not Path(candidate).exists() and ":" in str(candidate)
-    inputs = [reference, noise_floor] + ([] if live else [candidate])
+    inputs: list[str | Path] = [p for p in (reference, noise_floor) if p is not None] + ([] if live else [candidate])
     if out is not None:
         check_output(out, Kind.REPORT, inputs=inputs)
     ref = RunReader(reference, allow_partial=allow_partial, device=device)  # a hidden reference decodes there
@@ -332,6 +363,7 @@ def diff_runs(
     elif top_logprobs > ref.vocab_size:
         raise LogitdiffError(f"--top-k {top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {reference}")
     live_source = None
+    cand: RunReader | LiveRun
     threads_scope = contextlib.ExitStack()
     try:
         if live:
@@ -343,7 +375,7 @@ def diff_runs(
             cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
         else:
             cand = RunReader(candidate, allow_partial=allow_partial)
-        noise = None
+        noise: NoiseFloor | None = None
         if noise_floor:
             nf_run = RunReader(noise_floor, allow_partial=allow_partial)
             noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
@@ -354,9 +386,10 @@ def diff_runs(
             # a served reference captured twice: its rerun is the served floor (servedfloor.py)
             from .servedfloor import served_floor
 
-            comp.served_floor = served_floor({
-                "spec": noise["spec"], "batching": served_batching(nf_run), "measured_by": f"compare --noise-floor: {noise['rerun']}",
-                **{k: noise[k] for k in ("kl_nats_mean", "kl_nats_max", "top1_disagreement", "positions")}}, None)
+            comp.served_floor = served_floor(ServedFloorSide(
+                spec=noise["spec"], batching=served_batching(nf_run), measured_by=f"compare --noise-floor: {noise['rerun']}",
+                kl_nats_mean=noise["kl_nats_mean"], kl_nats_max=noise["kl_nats_max"],
+                top1_disagreement=noise["top1_disagreement"], positions=noise["positions"]), None)
     finally:
         threads_scope.close()
         if live_source is not None:
@@ -386,7 +419,7 @@ def layers(
     floor: str = "rerun",
     chunk_size: str | int | None = None,
     bar: Bar | None = None,
-) -> dict:
+) -> LayersDoc:
     """Where the drift starts (``logitdiff layers``): the residual stream after each decoder
     layer of the reference and of each candidate (source specs: ``hf:``, ``gguf:``,
     ``builtin:``) at every teacher-forced position of the ``teacher`` RUN's tokens, compared
@@ -433,7 +466,7 @@ def layers(
 
 
 @_checked
-def load_report(report_dir: str | Path):
+def load_report(report_dir: str | Path) -> Report:
     """A REPORT directory's report.json (or the file itself), checked (kind, major version;
     against the schema when validation is on) and typed (:class:`logitdiff.contracts.Report`)."""
     from .contracts import load_report as _load
@@ -441,7 +474,7 @@ def load_report(report_dir: str | Path):
     return _load(report_dir)
 
 
-def run(**config) -> dict:
+def run(**config: Any) -> RunSummary:
     """The whole job of ``logitdiff run`` (keyword arguments: the fields of
     :class:`logitdiff.pipeline.RunConfig`; none: the bundled default into ./logitdiff-out).
     Returns summary.json's object."""
@@ -471,7 +504,7 @@ def run(**config) -> dict:
     check_specs(cfg)
 
     class _Bars(Hooks):
-        def bar(self, total, text):
+        def bar(self, total: int, text: str) -> Callable[[int], None]:
             return bar(total, text)
 
     return run_pipeline(cfg, _Bars())
@@ -504,7 +537,7 @@ def speculate(
     speculative: bool | None = None,
     timeout: float = 600.0,
     bar: Bar | None = None,
-) -> dict:
+) -> SpeculationReport:
     """``logitdiff speculate``: two llama-servers (speculation off: ``reference``; on:
     ``candidate``, ``URL`` or ``served:URL[,speculative=1]``) generate greedily from the same
     prompt token ids; floors, first divergences, survival, same-context comparison and a
@@ -561,4 +594,5 @@ def speculate(
             with open(tmp / "generations.jsonl", "w") as f:
                 for rec in records:
                     f.write(json.dumps(rec) + "\n")
-    return json.loads(text)
+    doc: SpeculationReport = json.loads(text)  # the written text, so the returned object equals the file
+    return doc

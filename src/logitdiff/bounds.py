@@ -442,7 +442,7 @@ def full_information(cand_logp, ref_logp) -> CompactRows:
 
 def _two_point(div: str, p_a, q_a, p_b, q_b) -> np.ndarray:
     """The divergence between the two-block distributions (p_a, p_b) and (q_a, q_b)."""
-    out = 0.0
+    out: np.ndarray | float = 0.0
     for p, q in ((p_a, q_a), (p_b, q_b)):
         with np.errstate(divide="ignore", invalid="ignore"):
             lp = np.log(np.maximum(p, 0.0))
@@ -455,7 +455,7 @@ def _two_point(div: str, p_a, q_a, p_b, q_b) -> np.ndarray:
                 lm = np.logaddexp(lp, lq) - LN2
                 t = 0.5 * (np.where(p > 0, p * (lp - lm), 0.0) + np.where(q > 0, q * (lq - lm), 0.0))
         out = out + t
-    return out
+    return np.asarray(out)
 
 
 # Row blocks of top-K work (metrics.TOPK_BLOCK_ENTRIES entries, declared beside the seed's

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import AbstractSet, Callable, Sequence
 
 import numpy as np
 
@@ -123,7 +123,7 @@ def _sampling(mode: str) -> dict:
 
 
 def _write_scored(source: Source, writer: RunWriter, run_items: list[RunItem], pairs: list, chunk_bytes: int | None,
-                  progress: Callable[[int], None] | None, skip: set[str] = frozenset()) -> None:
+                  progress: Callable[[int], None] | None, skip: AbstractSet[str] = frozenset()) -> None:
     """Score ``pairs`` (prompt, teacher) at each item's positions and hand every block to
     the writer as it comes: memory is a block and the writer's chunk, not an output.
     Items in ``skip`` (already on disk) are scored with their batch mates, not written."""

@@ -12,17 +12,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypedDict
 
 import numpy as np
 
 from .capture import DEFAULT_MAX_TOKENS
-from .contracts import Correctness, MethodKind
+from .contracts import Correctness, Flips, MethodKind, Report
 from .defaults import DEFAULT_MAX_BRANCHES  # noqa: F401 (re-exported)
 from .errors import LogitdiffError
 from .contracts import CallVerdict, Verdict
 from .flips import (
-    MAX_DETOUR, MAX_SHIFT, MIN_RUN, classify, end_ratio, find_flips, reference_self_consistency, select_flips, summarize_branches,
+    MAX_DETOUR, MAX_SHIFT, MIN_RUN, Flip, classify, end_ratio, find_flips, reference_self_consistency, select_flips, summarize_branches,
 )
 from .grading import SimilarityPolicy, call_verdict, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
 from .salient import is_code
@@ -32,6 +32,25 @@ from .summarize import DEFAULT_RANGES
 
 from .toolcalls import ToolCall
 from .workload import check_tools_once
+
+if TYPE_CHECKING:
+    from .gates import Gate
+
+
+class _Rejoin(TypedDict):
+    """The re-join settings of flips.classify (its keywords)."""
+
+    min_run: int
+    max_shift: int
+    max_detour: int
+    end_ids: Sequence[int]
+
+
+class _Sections(TypedDict, total=False):
+    """The report sections analyse adds."""
+
+    flips: Flips
+    correctness: Correctness
 
 
 @dataclass
@@ -157,7 +176,7 @@ def run_flips(
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
     changed: dict[str, tuple[str, int | None]] | None = None,
-) -> tuple[dict, list[dict]]:
+) -> tuple[Flips, list[dict[str, Any]]]:
     """Branch at the selected flips; return the report section and one row per branch.
 
     ``changed`` (:func:`changed_items`, from the correctness rows) names the items whose
@@ -168,7 +187,7 @@ def run_flips(
     if settings.both and reference_source is None:
         raise LogitdiffError("--both needs the reference as a source (pass --reference SPEC)")
     tags_of = {i: it.tags for i, it in items.items()}
-    teacher_of = {i: it.teacher_ids for i, it in items.items()}
+    teacher_of: dict[str, Sequence[int]] = {i: it.teacher_ids for i, it in items.items()}
     all_flips = find_flips(columns, tags_of, teacher_of)
     changed = changed or {}
     chosen, note, left_out = select_flips(all_flips, settings.select, settings.max_branches, settings.seed, settings.branch_ties,
@@ -200,7 +219,7 @@ def run_flips(
         branch = teacher[:t] + [f.cand_token_id] + list(cont)
         ref_out = teacher[: t + 1 + max(left, 0)]
         alt = None
-        if settings.both:
+        if settings.both and reference_source is not None:  # (--both without it was refused above)
             alt_cont = [] if f.cand_token_id in eos or left <= 0 else reference_source.generate(prefix, left).token_ids
             alt = teacher[:t] + [f.cand_token_id] + list(alt_cont)
         pending.append((f, it, ref_out, branch, alt))
@@ -220,7 +239,7 @@ def run_flips(
     sims = similarity.score(tags, ref_tails, br_tails)
     alt_sims = similarity.score(tags, ref_tails, alt_tails) if settings.both else None
     words = similarity.word_similarity
-    rejoin_args = dict(min_run=settings.resync, max_shift=settings.max_shift, max_detour=settings.max_detour, end_ids=sorted(eos))
+    rejoin_args = _Rejoin(min_run=settings.resync, max_shift=settings.max_shift, max_detour=settings.max_detour, end_ids=sorted(eos))
     for k, (f, it, ref_out, branch, alt) in enumerate(pending):
         item = _item_json(it)
         t = f.position
@@ -277,7 +296,7 @@ def run_flips(
             "branch_cut": hit_budget(branch, _budget(ref, it), eos),
             "signals": json.dumps(sig, sort_keys=True, default=str),
         }
-        if alt is not None:
+        if alt is not None and alt_sims is not None:
             a_score, a_sim = alt_sims[k]
             o2, s2 = classify(
                 item=item, ref_ids=ref_out, branch_ids=alt, position=t, ref_text=ref_text,
@@ -307,10 +326,10 @@ def run_flips(
         "list": [{"item_id": f.item_id, "position": f.position, "kl_nats": f.kl_nats, "margin_ref": f.margin_ref}
                  for f in left_out[:100]],
     }
-    by_item = {}
+    by_item: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by_item.setdefault(r["item_id"], []).append(r)
-    flips_of = {}
+    flips_of: dict[str, list[Flip]] = {}
     for f in all_flips:
         flips_of.setdefault(f.item_id, []).append(f)
     listed = []
@@ -352,7 +371,7 @@ def run_correctness(
     settings: Settings,
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
-) -> tuple[dict, list[dict]]:
+) -> tuple[Correctness, list[dict[str, Any]]]:
     """Grade free-running greedy outputs of both models on labelled items; count correctness flips.
 
     The reference's free-running output is its teacher sequence; the candidate generates
@@ -367,7 +386,7 @@ def run_correctness(
     eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
     # (item, position) -> top1_match, to locate where a divergence started
     key = {(str(i), int(p)): bool(m) for i, p, m in zip(columns["item_id"], columns["position"], columns["top1_match"])}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for it in items:
         d = _item_json(it)
         tools = d.get("tools") or []
@@ -425,7 +444,8 @@ def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
     r2t = [r for r in rows if r["ref_correct"] and not r["cand_correct"] and cut(r, "cand")]
     w2r = [r for r in rows if not r["ref_correct"] and r["cand_correct"]]
     flips = r2w + r2t + w2r
-    sec: Correctness = {
+    # by_tag is added last, after the optional tool-call fields: report.json's key order
+    sec: Correctness = {  # type: ignore[typeddict-item]
         "n_labelled": n,
         "accuracy_ref": float(r_ok.mean()) if n else None,
         "accuracy_ref_ci": wilson_ci(int(r_ok.sum()), n),
@@ -525,34 +545,38 @@ def analyse(
     correctness: bool = True,
     flips: bool = True,
     bar: Callable[[int, str], Callable[[int], None]] | None = None,
-) -> tuple[dict, dict[str, bytes]]:
+) -> tuple[_Sections, dict[str, bytes]]:
     """Flips (and correctness) for one comparison: report sections and file contents."""
-    sections: dict = {}
+    sections: _Sections = {}
     files: dict[str, bytes] = {}
-    state = {}
+    state: dict[str, Callable[[int], None] | None] = {}
 
-    def total(label):
-        def set_total(n):
+    def total(label: str) -> Callable[[int], None]:
+        def set_total(n: int) -> None:
             state[label] = bar(n, label) if bar else None
         return set_total
 
-    def adv(label):
-        return lambda n=1: state.get(label) and state[label](n)
+    def adv(label: str) -> Callable[[int], None]:
+        def advance(n: int = 1) -> None:
+            step = state.get(label)
+            if step:
+                step(n)
+        return advance
 
     # Correctness first: the items whose answer or tool call changed decide which flips are
     # branched first (select_flips' priority), so none of them is dropped by the cap.
-    changed: dict = {}
+    changed: dict[str, tuple[str, int | None]] = {}
     if correctness:
-        sec, crow = run_correctness(source, ref, columns, settings=settings, progress=adv("correctness"),
-                                    on_total=total("correctness"))
+        csec, crow = run_correctness(source, ref, columns, settings=settings, progress=adv("correctness"),
+                                     on_total=total("correctness"))
         if crow:
-            sections["correctness"] = sec
+            sections["correctness"] = csec
             files["correctness.parquet"] = parquet_bytes(crow)
             changed = changed_items(crow)
     if flips:
         sec, rows = run_flips(source, ref, columns, similarity, settings, reference_source=reference_source,
                               progress=adv("branches"), on_total=total("branches"), changed=changed)
-        sections = {"flips": sec, **sections}
+        sections = {"flips": sec, **sections}  # flips first: report.json's key order
         files["flips.parquet"] = parquet_bytes(rows)
     return sections, files
 
@@ -566,9 +590,9 @@ def analyse_report_dir(
     similarity: str = "auto",
     similarity_threshold: float | None = None,
     correctness: bool = True,
-    bar=None,
-    gates=None,
-) -> dict:
+    bar: Callable[[int, str], Callable[[int], None]] | None = None,
+    gates: Sequence[Gate] | None = None,
+) -> Report:
     """``logitdiff flips REPORT/``: add flips (+ correctness) to an existing report."""
     from .grading import load_similarity
     from .report import read_columns, read_report, update_report_dir
@@ -591,7 +615,10 @@ def analyse_report_dir(
         raise LogitdiffError(f"{report_dir}/report.json: field 'candidate.spec' is empty; pass --candidate SPEC")
     sim = load_similarity(similarity, similarity_threshold)
     source = open_source(spec)
-    ref_src = open_source(reference or report["baseline"].get("spec")) if settings.both else None
+    ref_spec = reference or report["baseline"].get("spec")
+    if settings.both and not ref_spec:
+        raise LogitdiffError(f"{report_dir}/report.json: field 'baseline.spec' is empty; pass --reference SPEC for --both")
+    ref_src = open_source(ref_spec) if settings.both and ref_spec else None
     try:
         from .tokenizer_identity import check as check_tokenizers
 
@@ -605,13 +632,14 @@ def analyse_report_dir(
             ref_src.close()
     # A rerun replaces what an earlier `flips` wrote: no section or file from it survives
     # beside the new ones (e.g. old correctness after --no-correctness, old gates).
-    for key in ("flips", "correctness", "gates"):
-        report.pop(key, None)
+    report.pop("flips", None)
+    report.pop("correctness", None)
+    report.pop("gates", None)
     report.update(sections)
     if gates:
         from .gates import evaluate
 
-        report["gates"] = evaluate(report, gates)
+        report["gates"] = evaluate(report, list(gates))
     files["report.md"] = render_markdown(report).encode()
     from .report.html import render_html
 

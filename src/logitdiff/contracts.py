@@ -589,7 +589,7 @@ class LayersDoc(TypedDict):
 # JSON
 
 
-def json_clean(obj, *, default: Callable[[Any], Any] | None = None):
+def json_clean(obj: Any, *, default: Callable[[Any], Any] | None = None) -> Any:
     """JSON-safe copy: numpy scalars/arrays -> Python, NaN/inf -> None (JSON null), tuples ->
     lists, recursively. Other objects stay as they are, or become ``default(obj)`` (e.g.
     ``str`` for paths) when given."""
@@ -623,7 +623,7 @@ def json_clean(obj, *, default: Callable[[Any], Any] | None = None):
 
 
 @lru_cache(maxsize=None)
-def schema(name: str) -> dict:
+def schema(name: str) -> dict[str, Any]:
     """The shipped JSON Schema ``report`` or ``summary``."""
     return json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
 
@@ -632,7 +632,7 @@ def validation_on() -> bool:
     return os.environ.get(VALIDATE_ENV, "") not in ("", "0")
 
 
-def validate(obj, name: str, where: str = "") -> None:
+def validate(obj: Any, name: str, where: str = "") -> None:
     """A one-line LogitdiffError naming the first field that breaks schema ``name``."""
     import jsonschema
 
@@ -644,7 +644,7 @@ def validate(obj, name: str, where: str = "") -> None:
         raise LogitdiffError(f"{where or name}: field {field!r} breaks the {name} schema: {err.message[:300]}")
 
 
-def _layout(doc, **dump) -> str:
+def _layout(doc: Any, **dump: Any) -> str:
     """The text of a report or summary: indented one space per level, except the per-position
     ``rows``, one compact JSON object per line. Rows are most of a report's bytes, and the
     json module encodes indented output in pure Python but compact output in C: ~3x faster
@@ -663,7 +663,7 @@ def _layout(doc, **dump) -> str:
     return "{\n" + ",\n".join(parts) + "\n}"
 
 
-def _text(obj, name: str, where: str, **dump) -> str:
+def _text(obj: Any, name: str, where: str, **dump: Any) -> str:
     clean = json_clean(obj)
     if validation_on():
         validate(json.loads(json.dumps(clean, allow_nan=False, **dump)), name, where)

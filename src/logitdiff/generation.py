@@ -90,7 +90,7 @@ class Trace:
         }
 
 
-def not_reported(logprob: float, n_top: int, k: int) -> bool:
+def not_reported(logprob: float | None, n_top: int, k: int) -> bool:
     """A token's probability was not reported: logprob exactly 0.0 with a short or empty top
     list (llama-server's speculative tokens), or no logprob at all."""
     return logprob is None or (logprob == 0.0 and n_top < k)
@@ -133,7 +133,7 @@ def parse_generation(answer: dict, n_predict: int, k: int, where: str) -> Trace:
         no_entry[i] = False
         top = e.get("top_logprobs") or []
         lp = e.get("logprob")
-        if not_reported(lp, len(top), k):
+        if lp is None or not_reported(lp, len(top), k):
             continue
         pairs = []
         for d in top[:k]:
@@ -211,7 +211,7 @@ class LlamaServer:
         self.spec_types = None
         if self.slots_visible:
             self.spec_types = ((slots[0].get("params") or {}).get("speculative.types"))
-        self._ascii = None
+        self._ascii: int | None = None
 
     def _n_vocab(self) -> int | None:
         """The model's vocabulary size from /v1/models (llama-server's meta.n_vocab); None
@@ -309,7 +309,7 @@ class LlamaServer:
         return parse_generation(answer, n_predict, self.k, where)
 
     # ---- teacher forcing in a batch shape --------------------------------------------------
-    def score(self, prompt: Sequence[int], tokens: Sequence[int], *, start: int = 0, width: int = 1, item: str = "") -> Scored:
+    def score(self, prompt: Sequence[int], tokens: Sequence[int] | np.ndarray, *, start: int = 0, width: int = 1, item: str = "") -> Scored:
         """The next-token top-K after ``prompt + tokens[:j]`` for ``j = start .. len(tokens) - 1``,
         every row from a prefill batch of ``width`` tokens (see the module doc)."""
         full = [int(i) for i in prompt] + [int(i) for i in tokens]

@@ -68,7 +68,7 @@ _GLOBAL_MAP = {
 # gguf.TokenType values (avoid importing gguf at module import time)
 _TT_NORMAL, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED = 1, 3, 4, 5
 
-_ST_DTYPES = {"BF16": "bf16", "F16": np.float16, "F32": np.float32}
+_ST_DTYPES: dict[str, str | type[np.floating]] = {"BF16": "bf16", "F16": np.float16, "F32": np.float32}
 
 # hf_dir files that define the exported bytes (weights are added separately)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",

@@ -258,7 +258,7 @@ def import_npz(path: str | Path, out: str | Path, *, overwrite: bool = False, vo
         validate.token_ids(tok_raw, V, f"{path}: field 'token_ids'", what="row")
     except LogitdiffError as e:
         r = _first_outside(tok_raw, 0, V)
-        raise LogitdiffError(f"{e} (item {ids[r]!r})") from None
+        raise LogitdiffError(f"{e}" + (f" (item {ids[r]!r})" if r is not None else "")) from None
     r = _first_outside(pos_raw, 0, MAX_POSITION)
     if r is not None:
         raise LogitdiffError(

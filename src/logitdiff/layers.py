@@ -39,12 +39,16 @@ import contextlib
 import ctypes
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from .errors import LogitdiffError
 from .outputs import LAYERS_SCHEMA
+
+if TYPE_CHECKING:
+    from .contracts import LayersComparison, LayersDoc, LayersGeometry, LayersItem, LayersPerPoint
+
 LAYERS_SCHEMA_VERSION = "1.0"
 from .defaults import FLOOR_RERUN  # noqa: E402
 FLOOR_NONE = "none"
@@ -104,13 +108,14 @@ def growth(medians: Sequence[float]) -> list[float | None]:
     return out
 
 
-def first_beyond(medians: Sequence[float], band: Sequence[float] | None) -> int | None:
+def first_beyond(medians: Sequence[float], band: Sequence[float | None] | None) -> int | None:
     """Index of the first point whose median error exceeds the floor band's top (its p95),
-    or None when none does (or no floor was measured)."""
+    or None when none does (or no floor was measured; a point whose band is undefined,
+    None as read back from layers.json, is not judged)."""
     if band is None:
         return None
     for j, (m, b) in enumerate(zip(medians, band)):
-        if np.isfinite(m) and m > b:
+        if b is not None and np.isfinite(m) and m > b:
             return j
     return None
 
@@ -306,6 +311,13 @@ class GGUFLayers:
     are exactly the selected rows here (only those are flagged for logits)."""
 
     engine = "gguf"
+    # the decode in progress, for the callback (set by _decode)
+    _sel: np.ndarray  # the selected (output) rows of the decode
+    _ub0: int  # first token of the current ubatch
+    _ub_n: int  # tokens in the current ubatch
+    _seen: set[int]  # points seen in the current ubatch
+    _out: np.ndarray  # [points, selected rows, hidden] being filled
+    _out_done: int  # output rows of the last point filled so far
 
     def __init__(self, source, *, window: int, split: bool = False):
         import llama_cpp
@@ -386,7 +398,7 @@ class GGUFLayers:
                 self._out_done += rows
             else:
                 self._ub_n = rows
-                lo, hi = np.searchsorted(self._sel, self._ub0), np.searchsorted(self._sel, self._ub0 + rows)
+                lo, hi = int(np.searchsorted(self._sel, self._ub0)), int(np.searchsorted(self._sel, self._ub0 + rows))
                 self._out[j, lo:hi] = buf[self._sel[lo:hi] - self._ub0]
             return True
         except BaseException as e:  # noqa: BLE001 - reported after the decode
@@ -431,7 +443,7 @@ class GGUFLayers:
         logits = np.empty((len(sel), self.src.vocab_size), np.float32)
         cuts = [0, n // 2, n] if self.split and n >= 2 else [0, n]
         for a, b in zip(cuts, cuts[1:]):
-            lo, hi = np.searchsorted(sel, a), np.searchsorted(sel, b)
+            lo, hi = int(np.searchsorted(sel, a)), int(np.searchsorted(sel, b))
             self._decode(tokens[a:b], n_past + a, sel[lo:hi] - a, out, logits, lo)
         return out, logits
 
@@ -523,7 +535,7 @@ def layer_attribution(
     floor: str = FLOOR_RERUN,
     chunk_bytes: int | None = None,
     progress: Callable[[int], None] | None = None,
-) -> dict:
+) -> LayersDoc:
     """The layers.json object for open sources over an open teacher RUN (``RunReader``).
 
     ``floor``: ``FLOOR_RERUN`` (the reference, each window in two forward passes),
@@ -595,7 +607,7 @@ def layer_attribution(
             row0 += len(pos)
             if progress:
                 progress(1)
-        geometry = {"family": ref.family.name, "n_layer": ref.n_layer, "hidden_size": ref.hidden, "points": names,
+        geometry: LayersGeometry = {"family": ref.family.name, "n_layer": ref.n_layer, "hidden_size": ref.hidden, "points": names,
                     "window_tokens": win, "chunk_bytes": chunk_bytes}
     floor_doc = _comparison(floor_side, item_rows, None) if floor_side else None
     band = floor_doc["per_point"]["rel_l2_p95"] if floor_doc else None
@@ -635,12 +647,10 @@ def _floor_text(floor: str, floor_side) -> str:
     return f"{floor_side.spec} compared with the reference like a candidate (e.g. the same weights in another engine)"
 
 
-def _comparison(s: _Side, item_rows, band) -> dict:
-    per = summarize_points(s.rel, s.cos, s.sqnr, s.added)
-    g = growth(per["rel_l2_median"])
-    per["growth"] = g
+def _comparison(s: _Side, item_rows: Sequence[tuple[str, int, int]], band: Sequence[float | None] | None) -> LayersComparison:
+    pts = summarize_points(s.rel, s.cos, s.sqnr, s.added)
     names_n = s.rel.shape[1]
-    items = []
+    items: list[LayersItem] = []
     for item_id, a, b in item_rows:
         kl = s.kl[a:b]
         items.append({
@@ -649,16 +659,23 @@ def _comparison(s: _Side, item_rows, band) -> dict:
             "spearman_rel_l2_kl": [spearman(s.rel[a:b, j], kl) for j in range(names_n)],
         })
     rho = np.array([it["spearman_rel_l2_kl"] for it in items], np.float64).reshape(len(items), names_n)
-    per["spearman_kl_median"] = [_q(rho[:, j], 50) for j in range(names_n)]
+    # the figures are floats (nan/inf where undefined); layers_json writes those as null
+    per: LayersPerPoint = {
+        "rel_l2_median": list(pts["rel_l2_median"]), "rel_l2_p95": list(pts["rel_l2_p95"]),
+        "rel_l2_mean": list(pts["rel_l2_mean"]), "cosine_median": list(pts["cosine_median"]),
+        "cosine_p5": list(pts["cosine_p5"]), "sqnr_db_median": list(pts["sqnr_db_median"]),
+        "growth": growth(pts["rel_l2_median"]), "added_rel_l2_median": list(pts["added_rel_l2_median"]),
+        "spearman_kl_median": [_q(rho[:, j], 50) for j in range(names_n)],
+    }
     identical = bool(np.all(np.nan_to_num(s.rel, nan=0.0) == 0) and np.all(np.nan_to_num(s.kl) == 0))
-    first = first_beyond(per["rel_l2_median"], band)
+    first = first_beyond(pts["rel_l2_median"], band)
     return {
         "spec": s.spec,
         "engine": s.engine.engine,
         "identical": identical,
         "per_point": per,
         "first_beyond_floor": first,
-        "top_added": top_added(per["added_rel_l2_median"]),
+        "top_added": top_added(pts["added_rel_l2_median"]),
         "kl_mean_nats": float(np.nanmean(s.kl)) if len(s.kl) else math.nan,
         "top1_disagreement": float(1.0 - np.mean(s.top1)) if len(s.top1) else math.nan,
         "items": items,

@@ -239,7 +239,7 @@ def check_tensor_types(path: str | Path, expected_ftype: str | int, *, display: 
             )
     if not params:
         raise LogitdiffError(f"{shown}: no attention/FFN weight tensors found")
-    dominant = max(params, key=params.get)
+    dominant = max(params, key=lambda t: params[t])
     if dominant != want:
         raise LogitdiffError(
             f"{shown}: dominant weight type is {dominant} ({params[dominant]} of {sum(params.values())} "

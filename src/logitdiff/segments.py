@@ -216,11 +216,11 @@ def token_pieces(vocab: Sequence[str], ids: Sequence[int], *, scheme: str | None
     if scheme == "bytelevel":
         return [b if (b := _table_bytes(s)) is not None else s.encode("utf-8") for s in strings]
     if scheme == "sentencepiece":
-        out = []
+        pieces: list[bytes] = []
         for s in strings:
             m = _BYTE_TOKEN.fullmatch(s)
-            out.append(bytes([int(m.group(1), 16)]) if m else s.replace("▁", " ").encode("utf-8"))
-        return out
+            pieces.append(bytes([int(m.group(1), 16)]) if m else s.replace("▁", " ").encode("utf-8"))
+        return pieces
     # text: ambiguous strings are decided together with their ambiguous neighbours.
     out: list[bytes] = []
     run: list[tuple[bytes, bytes]] = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, overload
 
 from .errors import LogitdiffError
 from .outputs import Kind, check_output, writing
@@ -22,6 +22,14 @@ from .store import RESUME_FREE_IDENTITY, RunReader, RunWriter
 
 # settings that may differ between shards of one capture
 _SHARD_KEYS = {"shard", "endpoint", "endpoints"}
+
+
+@overload
+def parse_shard(text: str) -> tuple[int, int]: ...
+@overload
+def parse_shard(text: None) -> None: ...
+@overload
+def parse_shard(text: str | None) -> tuple[int, int] | None: ...
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -122,7 +130,7 @@ def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool 
     shards = [(r.manifest.get("settings") or {}).get("shard") for r in runs]
     order = list(range(len(runs)))
     if all(s is not None for s in shards):
-        parsed = [parse_shard(s) for s in shards]
+        parsed = [parse_shard(str(s)) for s in shards]
         ns = {n for _, n in parsed}
         if len(ns) != 1:
             raise LogitdiffError(f"merge: shards of different splits ({', '.join(sorted(set(map(str, shards))))})")

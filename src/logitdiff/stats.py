@@ -13,7 +13,7 @@ rate); the callers get those from tokens.parquet grouped by item_id or from
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -98,7 +98,7 @@ def adjacent_pairs(
     order = sorted(names, key=lambda k: (float(np.nanmean(np.asarray(item_kl[k], dtype=np.float64))), k))
     out = []
     for a, b in zip(order[:-1], order[1:]):
-        row = {"a": a, "b": b, "metric_basis": "per-item means, items resampled jointly"}
+        row: dict[str, Any] = {"a": a, "b": b, "metric_basis": "per-item means, items resampled jointly"}
         kl = paired_bootstrap(item_kl[a], item_kl[b], n_boot=n_boot, seed=seed)
         kl["items_needed"] = items_needed(item_kl[a], item_kl[b])
         kl["mean_a"] = float(np.nanmean(np.asarray(item_kl[a], dtype=np.float64)))

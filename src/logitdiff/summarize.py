@@ -7,11 +7,11 @@ per-position mean: mean* = sum(item sums drawn) / sum(item counts drawn).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, cast
 
 import numpy as np
 
-from .contracts import GroupStats
+from .contracts import GroupStats, Stats
 
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p95", 95.0), ("p99", 99.0), ("p99_9", 99.9))
 DEFAULT_RANGES = (0, 1, 8, 32, 128, 512)
@@ -20,20 +20,17 @@ DEFAULT_BOOTSTRAP = 1000
 DIVERGENCES = ("kl_nats", "kl_rev_nats", "jsd_nats")
 
 
-def describe(values: np.ndarray) -> dict:  # Stats without ci95
-    """n, mean, p50, p90, p95, p99, p99.9 and max of a 1-D array (NaN ignored)."""
+def describe(values: np.ndarray, ci95: Sequence[float | None] = (None, None)) -> Stats:
+    """n, mean, p50, p90, p95, p99, p99.9 and max of a 1-D array (NaN ignored), and the
+    given CI of the mean."""
     v = np.asarray(values, dtype=np.float64)
     v = v[~np.isnan(v)]
-    out: dict = {"n": int(v.size)}
-    if v.size == 0:
-        out.update({"mean": None, **{k: None for k, _ in PERCENTILES}, "max": None})
-        return out
-    out["mean"] = float(v.mean())
-    qs = np.percentile(v, [q for _, q in PERCENTILES])
-    for (name, _), q in zip(PERCENTILES, qs):
-        out[name] = float(q)
-    out["max"] = float(v.max())
-    return out
+    q: dict[str, float | None] = dict.fromkeys([name for name, _ in PERCENTILES])
+    if v.size:
+        q.update(zip([name for name, _ in PERCENTILES], map(float, np.percentile(v, [p for _, p in PERCENTILES]))))
+    return {"n": int(v.size), "mean": float(v.mean()) if v.size else None, "p50": q["p50"], "p90": q["p90"],
+            "p95": q["p95"], "p99": q["p99"], "p99_9": q["p99_9"], "max": float(v.max()) if v.size else None,
+            "ci95": list(ci95)}
 
 
 def resample_items(item_sums: np.ndarray, item_counts: np.ndarray, *, n_boot: int, seed: int) -> np.ndarray:
@@ -96,9 +93,8 @@ def summarize_group(
     for f in fields:
         if f not in metrics:
             continue
-        d = describe(metrics[f])
-        d["ci95"] = list(bootstrap_mean_ci(metrics[f], item_index, n_boot=n_boot, seed=seed))
-        out[f] = d
+        d = describe(metrics[f], bootstrap_mean_ci(metrics[f], item_index, n_boot=n_boot, seed=seed))
+        cast("dict[str, Stats]", out)[f] = d  # f: one of GroupStats' divergence keys (DIVERGENCES)
     if "top1_match" in metrics:
         mism = (~np.asarray(metrics["top1_match"], dtype=bool)).astype(np.float64)
         rate = float(mism.mean()) if mism.size else None
@@ -107,9 +103,10 @@ def summarize_group(
             "mismatches": int(mism.sum()),
             "ci95": list(bootstrap_mean_ci(mism, item_index, n_boot=n_boot, seed=seed)),
         }
-    for f in ("nll_ref", "nll_cand"):
-        if f in metrics and np.isfinite(metrics[f]).any():
-            out[f + "_mean"] = float(np.nanmean(metrics[f]))
+    if "nll_ref" in metrics and np.isfinite(metrics["nll_ref"]).any():
+        out["nll_ref_mean"] = float(np.nanmean(metrics["nll_ref"]))
+    if "nll_cand" in metrics and np.isfinite(metrics["nll_cand"]).any():
+        out["nll_cand_mean"] = float(np.nanmean(metrics["nll_cand"]))
     if "nll_ref_mean" in out and "nll_cand_mean" in out:
         out["ppl_ref"] = float(np.exp(out["nll_ref_mean"]))
         out["ppl_cand"] = float(np.exp(out["nll_cand_mean"]))
@@ -156,7 +153,7 @@ def by_groups(
     **kw,
 ) -> list[GroupStats]:
     """Summaries of the rows selected by each boolean mask, labelled."""
-    out = []
+    out: list[GroupStats] = []
     for label, mask in groups:
         mask = np.asarray(mask, dtype=bool)
         if not mask.any():

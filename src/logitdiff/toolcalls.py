@@ -357,7 +357,7 @@ def check_tools_schema(tools: list[dict], where: str) -> None:
     for k, tool in enumerate(tools):
         fn = _function(tool)
         name = fn.get("name") if fn is not None else None
-        if not isinstance(name, str) or not name:
+        if fn is None or not isinstance(name, str) or not name:
             raise LogitdiffError(f"{where}: tools[{k}] needs a string function.name")
         if name in seen:
             raise LogitdiffError(f"{where}: tools[{k}] ('{name}') repeats the name of tools[{seen[name]}]")
@@ -493,15 +493,17 @@ def _pytype(v: Any) -> str:
 
 
 def _arg_diffs(got: dict, want: dict, schema: dict | None) -> list[str]:
-    props = schema.get("properties") if isinstance(schema, dict) else None
-    if isinstance(props, dict):
-        allowed, required = set(props), set(schema.get("required", []))
+    given = schema.get("properties") if isinstance(schema, dict) else None
+    props: dict[str, Any]
+    if isinstance(schema, dict) and isinstance(given, dict):
+        props, allowed, required = given, set(given), set(schema.get("required", []))
     else:
         props, allowed, required = {}, set(want), set(want)
     out = [f"missing required argument {k!r}" for k in sorted(required - set(got))]
     out += [f"unknown argument {k!r}" for k in sorted(set(got) - allowed)]
     for k in sorted(allowed & (set(got) | set(want))):
-        spec = props.get(k) if isinstance(props.get(k), dict) else {}
+        spec = props.get(k)
+        spec = spec if isinstance(spec, dict) else {}
         if k in got and k in want:
             t = spec.get("type")
             types = set(t) if isinstance(t, list) else {t} if isinstance(t, str) else _schema_types(want[k])

@@ -366,7 +366,9 @@ def _exchange(proc: subprocess.Popen, data: bytes, timeout: float) -> tuple[byte
     Reads incrementally, so a flooding tool costs this process at most the cap."""
     deadline = time.monotonic() + timeout
     sel = selectors.DefaultSelector()
-    out_fd, in_fd = proc.stdout.fileno(), proc.stdin.fileno()
+    stdin, stdout = proc.stdin, proc.stdout
+    assert stdin is not None and stdout is not None, "the tool is started with stdin and stdout pipes"
+    out_fd, in_fd = stdout.fileno(), stdin.fileno()
     os.set_blocking(out_fd, False)
     os.set_blocking(in_fd, False)
     sel.register(out_fd, selectors.EVENT_READ)
@@ -387,7 +389,7 @@ def _exchange(proc: subprocess.Popen, data: bytes, timeout: float) -> tuple[byte
                         view = view[:0]
                     if not view:
                         sel.unregister(in_fd)
-                        proc.stdin.close()
+                        stdin.close()
                     continue
                 try:
                     block = os.read(out_fd, 1 << 16)
@@ -437,7 +439,8 @@ def _run(module_path: Path, mode: str, payload: Any, timeout: float) -> ExecResu
             except subprocess.TimeoutExpired:  # unkillable (D state): give up on it
                 pass
             for f in (proc.stdin, proc.stdout):
-                f.close()
+                if f is not None:
+                    f.close()
             seconds = time.monotonic() - t0
             err.seek(max(0, err.seek(0, os.SEEK_END) - 4000))
             tail = err.read().decode("utf-8", "replace").strip().splitlines()
@@ -483,7 +486,7 @@ def load_check(module_path: str | Path, timeout: float = 10.0) -> dict | None:
     if r.timed_out:
         raise LogitdiffError(f"{module_path}: tools module did not import within {timeout:g}s")
     if not r.ok:
-        reason = r.error.removeprefix("tools module failed to import: ")
+        reason = (r.error or "").removeprefix("tools module failed to import: ")
         raise LogitdiffError(f"{module_path}: tools module failed to import: {reason}")
     return r.containment
 

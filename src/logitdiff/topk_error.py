@@ -165,11 +165,11 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
 
     out_rows = []
     for k in ks:
-        a = np.concatenate(approx[k])
-        err = a - ex
+        approx_k = np.concatenate(approx[k])
+        err = approx_k - ex
         nz = ex > 1e-12
         rel = np.abs(err[nz]) / ex[nz] if nz.any() else np.zeros(0)
-        s = stats(a)
+        s = stats(approx_k)
         out_rows.append({
             "k": k,
             "approx_mean": s["mean"],
@@ -178,7 +178,7 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
             "mean_abs_err": float(np.abs(err).mean()),
             "max_abs_err": float(np.abs(err).max()),
             "mean_signed_err": float(err.mean()),
-            "rel_err_of_mean": float(abs(a.mean() - ex.mean()) / ex.mean()) if ex.mean() > 0 else 0.0,
+            "rel_err_of_mean": float(abs(approx_k.mean() - ex.mean()) / ex.mean()) if ex.mean() > 0 else 0.0,
             "median_rel_err": float(np.median(rel)) if rel.size else 0.0,
             "top1_agreement": float(np.concatenate(approx_top1[k]).mean()),
             "ref_top_mass_mean": float(np.concatenate(top_mass[k]).mean()),

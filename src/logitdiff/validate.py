@@ -93,6 +93,7 @@ def token_ids(ids: Any, vocab_size: int, where: str, *, what: str = "token", all
     """A sequence of ids (list from JSON, or an integer array) as int64, each in [0, V)
     (``allow``: one more value accepted, e.g. -1 for "unknown" in an imported RUN).
     The error names the position in the sequence."""
+    arr: np.ndarray | None
     if isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise LogitdiffError(f"{where}: {what} ids have dtype {ids.dtype}, expected integers")

@@ -77,6 +77,6 @@ def open_builtin(spec):
     from ..sources.gguf import GGUFSource  # target is tiny-TYPE (checked above)
 
     path = gguf_path(target[len("tiny-"):])
-    src = GGUFSource.from_spec(parse_spec(f"gguf:{path}" + ("," + opts if opts else "")))
-    src.spec = spec.text
-    return src
+    gguf_src = GGUFSource.from_spec(parse_spec(f"gguf:{path}" + ("," + opts if opts else "")))
+    gguf_src.spec = spec.text
+    return gguf_src

@@ -80,7 +80,7 @@ def _last_resort(e: BaseException, args) -> str:
     if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e):
         why = "no space left on device"
     else:
-        why = e.strerror if getattr(e, "strerror", None) else " ".join(str(e).split())[:200] or type(e).__name__
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200] or type(e).__name__
     return f"{path}: {why}"
 
 

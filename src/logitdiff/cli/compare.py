@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Mapping
+
 from ..api import check_bootstrap, check_device
 from .console import Bars, console, table_console
+
+if TYPE_CHECKING:
+    from ..contracts import Report
 from .options import (
     add_bootstrap, add_chunk_size, add_gate_options, add_logprob_floor, add_ranges, check_at_least, gate_exit,
     parse_gate_args, parse_ranges_arg,
@@ -75,20 +80,21 @@ def run(args) -> int:
     return gate_exit([report])
 
 
-def print_summary(report: dict) -> None:
+def print_summary(report: Report) -> None:
     from rich.table import Table
 
     s = report["summary"]
     t = Table(title=f"{report['candidate'].get('spec')} vs {report['baseline'].get('spec')}  ({report['method']['kind']})")
     for col in ("positions", "mean KL", "95% CI", "p99 KL", "max KL", "mean JSD", "top-1 disagr."):
         t.add_column(col, justify="right")
-    groups = [{"group": "all", **{"n": s["positions"]}, **s["metrics"], "top1_disagreement": s["top1_disagreement"]}]
+    groups: list[Mapping[str, Any]] = [{"group": "all", "n": s["positions"], **s["metrics"],
+                                        "top1_disagreement": s["top1_disagreement"]}]
     for r in groups + [g for g in report["ranges"] if g.get("n")]:
         kl = r.get("kl_nats") or {}
         js = r.get("jsd_nats") or {}
         t1 = r.get("top1_disagreement") or {}
         ci = kl.get("ci95") or [None, None]
-        fmt = lambda x: "n/a" if x is None else f"{x:.4g}"
+        fmt = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
         t.add_row(
             f"{r['group']}: {r.get('n', 0)}",
             fmt(kl.get("mean")),

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import LogitdiffError
 from .console import Bars, console, table_console
 from .options import add_gate_options, add_max_branches, check_max_branches, gate_exit, parse_gate_args
+
+if TYPE_CHECKING:
+    from ..contracts import Report
 
 NAME = "flips"
 HELP = "branch at top-1 flips and classify what they do; grade labelled answers"
@@ -139,7 +143,7 @@ def run(args) -> int:
     return gate_exit([report])
 
 
-def print_flips(report: dict) -> None:
+def print_flips(report: Report) -> None:
     from rich.table import Table
 
     from ..contracts import Outcome
@@ -157,9 +161,10 @@ def print_flips(report: dict) -> None:
     con.print(t)
     c = report.get("correctness")
     if c:
+        pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
         con.print(
-            f"correctness on {c['n_labelled']} labelled items: reference {100 * c['accuracy_ref']:.1f}%, "
-            f"candidate {100 * c['accuracy_cand']:.1f}%; {c['right_to_wrong']} right→wrong, "
+            f"correctness on {c['n_labelled']} labelled items: reference {pct(c['accuracy_ref'])}, "
+            f"candidate {pct(c['accuracy_cand'])}; {c['right_to_wrong']} right→wrong, "
             f"{c['wrong_to_right']} wrong→right (McNemar p = {c['mcnemar_p']:.3g}); "
             f"{c['flips_starting_at_top1_flip']} of {c['correctness_flips']} start at a top-1 flip"
         )
@@ -167,9 +172,10 @@ def print_flips(report: dict) -> None:
         con.print(line)
 
 
-def consequence_notes(report: dict) -> list[str]:
+def consequence_notes(report: Mapping[str, Any]) -> list[str]:
     """Warnings and notes a reader of the terminal needs: outputs cut by the budget, flips
-    left out by the cap, changed answers without a branch, the reference's self-consistency."""
+    left out by the cap, changed answers without a branch, the reference's self-consistency
+    (read leniently: any report.json, sections missing or from an older version)."""
     out = []
     f = report.get("flips") or {}
     c = report.get("correctness") or {}

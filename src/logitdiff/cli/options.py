@@ -3,10 +3,15 @@ library's own (one place for each), so a command's ``--help`` and the Python API
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 from ..api import MAX_BOOTSTRAP
 from ..errors import LogitdiffError
 
 from ..gates import CROSSED_EXIT as GATES_EXIT, NOT_EVALUATED_EXIT
+
+if TYPE_CHECKING:
+    from ..contracts import Report
 
 GATES_HELP = f"""\
 Gates: --fail-on and --require take comma-separated METRIC OP NUMBER clauses (OP: > >= < <=).
@@ -47,7 +52,7 @@ def parse_gate_args(args):
     return parse_gate_options(fail_on, require)
 
 
-def gate_exit(reports: list[dict]) -> int:
+def gate_exit(reports: Sequence[Report]) -> int:
     """The gates' exit status (gates.exit_status) over ``reports``, each crossed or
     not-evaluated gate printed with its candidate."""
     from ..gates import exit_status

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ..errors import LogitdiffError
-from ..contracts import load_summary
+from ..contracts import RunSummary, load_summary
 from .console import console
 
 NAME = "report"
@@ -42,12 +42,12 @@ examples:
 """
 
 
-def expand_report_dirs(args: list[str]) -> tuple[list[Path], dict | None]:
+def expand_report_dirs(args: list[str]) -> tuple[list[Path], RunSummary | None]:
     """REPORT dirs from the command line; a `run` OUT dir expands to its reports.
 
     Returns the report dirs and the run summary.json that covers all of them, if any."""
     dirs: list[Path] = []
-    summary = None
+    summary: RunSummary | None = None
     for a in args:
         p = Path(a)
         if (p / "report.json").is_file():
@@ -57,7 +57,8 @@ def expand_report_dirs(args: list[str]) -> tuple[list[Path], dict | None]:
             found = {d.name: d for d in sorted((p / "reports").iterdir()) if (d / "report.json").is_file()}
             if not found:
                 raise LogitdiffError(f"{p}/reports: no REPORT directories (no */report.json)")
-            order = [c.get("name") for c in (s or {}).get("candidates") or [] if c.get("name") in found]
+            cands = (s.get("candidates") or []) if s else []
+            order = [n for c in cands if isinstance(n := c.get("name"), str) and n in found]
             dirs.extend(found[n] for n in order + [n for n in found if n not in order])
             summary = summary or s
         elif p.exists():
@@ -69,7 +70,7 @@ def expand_report_dirs(args: list[str]) -> tuple[list[Path], dict | None]:
     return dirs, summary
 
 
-def find_summary(dirs: list[Path]) -> dict | None:
+def find_summary(dirs: list[Path]) -> RunSummary | None:
     """The run summary.json next to the reports, when every report dir is one of its candidates."""
     parents = {d.resolve().parent for d in dirs}
     if len(parents) != 1:

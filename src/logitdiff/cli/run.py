@@ -4,6 +4,7 @@ with no arguments, the bundled default."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..api import check_bootstrap
 from .console import Bars, console, table_console
@@ -11,6 +12,12 @@ from .options import (
     add_bootstrap, add_gate_options, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_gate_args,
     parse_ranges_arg,
 )
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ..contracts import CandidateRow, RunSummary
+    from ..pipeline import Hooks
 
 NAME = "run"
 HELP = "the whole job: reference, noise floor, candidates, reports (no arguments: the bundled default)"
@@ -57,22 +64,23 @@ def register(sub) -> None:
     run_p.set_defaults(func=run)
 
 
-class RichHooks:
-    """The pipeline's progress callbacks (``pipeline.Hooks``) on the shared console."""
+def rich_hooks(bars: Bars) -> Hooks:
+    """The pipeline's progress callbacks (``pipeline.Hooks``) on the shared console (the
+    class is made here: pipeline is imported when a run starts, not with the CLI)."""
+    from ..pipeline import Hooks
 
-    def __init__(self, bars: Bars):
-        self.bars = bars
-        self.t0 = time.time()
-        self.con = console()
+    class RichHooks(Hooks):
+        def __init__(self) -> None:
+            self.t0 = time.time()
+            self.con = console()
 
-    def stage(self, text):
-        self.con.print(f"[bold cyan]▶[/] [dim]{time.time() - self.t0:6.1f}s[/] {text}")
+        def stage(self, text: str) -> None:
+            self.con.print(f"[bold cyan]▶[/] [dim]{time.time() - self.t0:6.1f}s[/] {text}")
 
-    def bar(self, total, text):
-        return self.bars.bar(total, text)
+        def bar(self, total: int, text: str) -> Callable[[int], None]:
+            return bars.bar(total, text)
 
-    def done(self):
-        pass
+    return RichHooks()
 
 
 def run(args) -> int:
@@ -96,7 +104,7 @@ def run(args) -> int:
     cfg.gates = parse_gate_args(args)
     check_specs(cfg)
     with Bars() as bars:
-        summary = run_pipeline(cfg, RichHooks(bars))
+        summary = run_pipeline(cfg, rich_hooks(bars))
     print_run_summary(summary)
     con = console()
     _warn_cut(summary, con)
@@ -106,7 +114,7 @@ def run(args) -> int:
     return _gates_exit(summary, con)
 
 
-def _gates_exit(summary: dict, con) -> int:
+def _gates_exit(summary: RunSummary, con: Console) -> int:
     """Each candidate's crossed and not-evaluated gates (summary.json) and the exit status
     they give (gates.exit_status); the values and reasons are in each report."""
     from ..gates import CROSSED_EXIT, NOT_EVALUATED_EXIT
@@ -121,7 +129,7 @@ def _gates_exit(summary: dict, con) -> int:
     return CROSSED_EXIT if crossed else NOT_EVALUATED_EXIT if missing else 0
 
 
-def _warn_cut(summary: dict, con) -> None:
+def _warn_cut(summary: RunSummary, con: Console) -> None:
     """Warn when most outputs hit the token budget (from the candidates' report.json)."""
     import json
     from pathlib import Path
@@ -140,7 +148,7 @@ def _warn_cut(summary: dict, con) -> None:
                 con.print(f"{r['name']}: {line}" if "candidate answers" in line else line)
 
 
-def print_run_summary(summary: dict) -> None:
+def print_run_summary(summary: RunSummary) -> None:
     from rich.table import Table
 
     from ..contracts import Outcome
@@ -155,11 +163,11 @@ def print_run_summary(summary: dict) -> None:
     for col in ("candidate", Column.NAME["kl_mean"], "95% CI", Column.NAME["kl_p99"], Column.NAME["jsd_mean"], Column.NAME["top1_disagreement"],
                 Column.NAME["ppl_ratio"], Column.NAME["x_noise_floor"], Column.NAME["x_cross_engine_floor"]):
         t.add_column(col, justify="right" if col != "candidate" else "left")
-    g = lambda x: "n/a" if x is None else f"{x:.3g}"
+    g = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
     for r in summary["candidates"]:
         ci = r["kl_mean_ci95"]
         t.add_row(r.get("name") or r["candidate"], g(r["kl_mean"]), f"[{g(ci[0])}, {g(ci[1])}]", g(r["kl_p99"]), g(r["jsd_mean"]),
-                  f"{100 * r['top1_disagreement']:.2f}%", "n/a" if r["ppl_ratio"] is None else f"{r['ppl_ratio']:.4f}",
+                  "n/a" if r["top1_disagreement"] is None else f"{100 * r['top1_disagreement']:.2f}%", "n/a" if r["ppl_ratio"] is None else f"{r['ppl_ratio']:.4f}",
                   g(r["x_noise_floor"]), g(r.get("x_cross_engine_floor")))
     con = table_console()
     con.print(t)
@@ -176,8 +184,9 @@ def print_run_summary(summary: dict) -> None:
             t2.add_column(col, justify="right" if col != "candidate" else "left")
         for r in summary["candidates"]:
             o = r.get("flip_outcomes") or {}
-            acc = "n/a" if r.get("accuracy_cand") is None else f"{100 * r['accuracy_ref']:.1f}% → {100 * r['accuracy_cand']:.1f}%"
-            valid = "n/a" if r.get("tool_call_valid_cand") is None else f"{100 * r['tool_call_valid_cand']:.0f}%"
+            acc_ref, acc_cand = r.get("accuracy_ref"), r.get("accuracy_cand")
+            acc = "n/a" if acc_ref is None or acc_cand is None else f"{100 * acc_ref:.1f}% → {100 * acc_cand:.1f}%"
+            valid = "n/a" if (tv := r.get("tool_call_valid_cand")) is None else f"{100 * tv:.0f}%"
             t2.add_row(r.get("name") or r["candidate"], str(r.get("flip_branches", "n/a")),
                        *[str(o.get(k, "n/a")) for k in Outcome.ALL], str(r.get("flip_ties", "n/a")),
                        acc, str(r.get("right_to_wrong", "n/a")), str(r.get("wrong_to_right", "n/a")), g(r.get("mcnemar_p")), valid)
@@ -185,9 +194,9 @@ def print_run_summary(summary: dict) -> None:
     print_verdicts(summary, con)
 
 
-def _row_as_report(r: dict) -> dict:
+def _row_as_report(r: CandidateRow) -> dict[str, Any]:
     """The report.json fields a verdict reads, from a summary.json candidate row."""
-    rep: dict = {"summary": {"metrics": {"kl_nats": {"mean": r.get("kl_mean")}}, "kl_mean_x_noise_floor": r.get("x_noise_floor")}}
+    rep: dict[str, Any] = {"summary": {"metrics": {"kl_nats": {"mean": r.get("kl_mean")}}, "kl_mean_x_noise_floor": r.get("x_noise_floor")}}
     if "flip_outcomes" in r:
         rep["flips"] = {"n_branches": r.get("flip_branches"), "outcomes": r["flip_outcomes"]}
     if r.get("accuracy_cand") is not None:
@@ -195,11 +204,11 @@ def _row_as_report(r: dict) -> dict:
     return rep
 
 
-def print_verdicts(summary: dict, con) -> None:
+def print_verdicts(summary: RunSummary, con: Console) -> None:
     """One verdict line per candidate (report.verdict), as at the top of report.html."""
     from ..report.verdict import verdict_text
 
-    xf = (summary.get("cross_engine_floor") or {}).get("candidate")
+    xf = cef["candidate"] if (cef := summary.get("cross_engine_floor")) else None
     for r in summary["candidates"]:
         text = verdict_text(_row_as_report(r), x_cross_engine_floor=r.get("x_cross_engine_floor"),
                             is_cross_engine_floor=r["candidate"] == xf)

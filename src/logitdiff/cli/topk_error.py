@@ -61,7 +61,7 @@ def run(args) -> int:
     for col in ("K", "exact mean", "approx mean", "exact p95", "approx p95", "exact max", "approx max", "mean |err|", "rel err of mean",
                 "median rel err", "reference top-K mass", "top-1 agree"):
         t.add_column(col, justify="right")
-    g = lambda x: f"{x:.4g}"
+    g = lambda x: f"{x:.4g}"  # noqa: E731
     for row in res["rows"]:
         t.add_row(str(row["k"]), g(ex["mean"]), g(row["approx_mean"]), g(ex["p95"]), g(row["approx_p95"]), g(ex["max"]),
                   g(row["approx_max"]), g(row["mean_abs_err"]), f"{100 * row['rel_err_of_mean']:.2f}%",
