@@ -214,3 +214,16 @@ def test_a_real_vocabulary_difference_is_refused(pair, tmp_path):
             capture_candidate(gg, ref, tmp_path / "cand")
     finally:
         gg.close()
+
+
+def test_hash_of_a_vocabulary_with_holes():
+    """An id without a token (transformers' convert_ids_to_tokens gives None for a hole in the
+    id space) hashes as its own value, not as an error, and not as any token string."""
+    import hashlib
+
+    plain = ["a", "\u2581b", "<0x0A>"]
+    want = hashlib.sha256(b"".join(t.encode() + b"\x00" for t in plain)).hexdigest()
+    assert tokenizer_hash_of(plain) == "sha256:" + want  # unchanged for a vocabulary without holes
+    holed = tokenizer_hash_of(["a", None, "<0x0A>"])
+    assert holed not in {tokenizer_hash_of(["a", s, "<0x0A>"]) for s in ("", "\xff", "None", "\x00")}
+    assert holed != tokenizer_hash_of(["a", "<0x0A>"])

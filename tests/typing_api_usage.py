@@ -11,7 +11,7 @@ from typing_extensions import assert_type
 
 import logitdiff
 from logitdiff.contracts import LayersDoc, NoiseFloor, Report, RunSummary, SpeculationReport, Stats
-from logitdiff.testing import DriftCheckFailed, assert_drift_within, drift_failures
+from logitdiff.testing import DriftCheckFailed, DriftFailure, assert_drift_within, drift_failures
 
 
 def uses_the_api(tmp: Path) -> None:
@@ -31,9 +31,12 @@ def uses_the_api(tmp: Path) -> None:
 
     assert_type(layers("builtin:tiny", "builtin:tiny-Q4_K_M", tmp / "ref"), LayersDoc)
     assert_drift_within(report, require="kl_mean<0.05")
-    assert_type(drift_failures(tmp / "report", fail_on="kl_mean>0.05"), list[dict])
+    failures = drift_failures(tmp / "report", fail_on="kl_mean>0.05")
+    assert_type(failures, list[DriftFailure])
+    value: float | None = failures[0]["value"]
     try:
         assert_drift_within(tmp / "report", fail_on="kl_p99>0.5")
     except DriftCheckFailed as e:
-        assert_type(e.failures, list[dict])
+        assert_type(e.failures, list[DriftFailure])
+    del value
     del kl

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
-from typing import AbstractSet, Callable, Sequence
+from typing import AbstractSet, Callable, Sequence, cast
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from . import validate
 from . import tokenizer_identity
 from .errors import LogitdiffError
 from .outputs import Kind, writing
-from .sources import RowKind, Source
+from .sources import RowKind, Source, TopKRows, is_full, is_topk
 from .store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
 from .storekinds import store_kind
 from .workload import Item
@@ -175,7 +175,7 @@ def _store_for(source: Source, store: str) -> str:
     if store == "auto":
         store = reference_store_for(source)
     parse_store(store, source.vocab_size)
-    if source.row_kind is RowKind.TOPK and store == "full":
+    if is_topk(source) and store == "full":
         return f"topk:{source.top_k}"
     return store
 
@@ -208,7 +208,7 @@ def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk
 def _rows_dtype(source: Source) -> str:
     """The dtype a RUN records for the source's rows: a full-logit source's ``logits_dtype``;
     float32 for a top-K source (its logprobs are stored as float32)."""
-    return source.logits_dtype if source.row_kind is RowKind.FULL else "float32"
+    return source.logits_dtype if is_full(source) else "float32"
 
 
 def _close_quietly(writer: RunWriter) -> None:
@@ -427,7 +427,7 @@ class LiveRun:
                  chunk_bytes: int | None = None):
         self.source = source
         # Served sources return top-K ids + logprobs per position instead of full logits.
-        self.k = int(source.top_k) if source.row_kind is RowKind.TOPK else 0
+        self.k = int(source.top_k) if is_topk(source) else 0
         # what a stored capture of the source would be: the comparison method is chosen from it
         self.kind = store_kind(f"topk:{self.k}" if self.k else "full", source.vocab_size, _rows_dtype(source))
         self.teacher = teacher
@@ -471,7 +471,8 @@ class LiveRun:
             pairs = [(p, it.teacher_ids) for it, p in group]
             for b in self.source.score_blocks(pairs, [it.positions for it, _ in group], chunk_bytes=self.chunk_bytes):
                 if group[b.pair][0].id in wanted:
-                    yield b.rows.as_dict() if self.k else b.rows
+                    # a top-K source's rows are TopKRows (Block.rows has the type of the row kind)
+                    yield cast(TopKRows, b.rows).as_dict() if self.k else b.rows
 
     def row_blocks(self, items, rows: int, *, raw: bool = False):
         """The candidate's rows at the items' positions, as ``RunReader.row_blocks``."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -19,6 +19,10 @@ from . import tokenizer_identity
 from .comparemethods import ComparisonMethod, run_dtype, select_method
 from .errors import LogitdiffError
 from .store import RunItem, RunReader, first_difference
+
+if TYPE_CHECKING:
+    from .capture import LiveRun
+    from .contracts import ServedFloor
 
 # K of the seed's top-K fields when both runs hold full rows (and the vocabulary is larger).
 DEFAULT_TOP_LOGPROBS = 64
@@ -63,11 +67,11 @@ class Comparison:
     columns: dict[str, np.ndarray]  # one entry per position
     items: list[RunItem]
     ref: RunReader
-    cand: RunReader
+    cand: RunReader | LiveRun
     method: dict
     vocab: list[str] | None = None
     notes: list[str] = field(default_factory=list)
-    served_floor: dict | None = None  # servedfloor.served_floor, set by whoever measured it (run)
+    served_floor: ServedFloor | None = None  # servedfloor.served_floor, set by whoever measured it (run)
 
     @property
     def n(self) -> int:
@@ -169,7 +173,7 @@ def pair_items(ref: RunReader, cand: RunReader, *, allow_partial: bool = False) 
 
 def compare_runs(
     ref: RunReader,
-    cand: RunReader,
+    cand: RunReader | LiveRun,
     *,
     top_logprobs: int = DEFAULT_TOP_LOGPROBS,
     overlap_k: int = 10,

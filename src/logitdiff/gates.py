@@ -213,7 +213,7 @@ def evaluate(report: Report, gates: list[Gate]) -> Gates:
         v = metric_value(report, g.metric)
         missing = v is None
         r: GateResult = {"gate": g.text, "metric": g.metric, "op": g.op, "threshold": g.threshold, "value": v,
-                         "crossed": bool(not missing and g.crossed_by(v)), "missing": missing, "kind": g.kind}
+                         "crossed": bool(v is not None and g.crossed_by(v)), "missing": missing, "kind": g.kind}
         if missing:
             r["reason"] = missing_reason(report, g.metric)
         out.append(r)

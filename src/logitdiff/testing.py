@@ -23,29 +23,45 @@ value, and the worst items for that metric, so a red test says where to look.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
-from .gates import GateKind, evaluate, parse_gate_options
+from .gates import Gate, GateKind, evaluate, parse_gate_options
 from .metric_registry import GATE_METRICS
 
-__all__ = ["DriftCheckFailed", "assert_drift_within", "drift_failures"]
+if TYPE_CHECKING:
+    from .contracts import Report
+
+__all__ = ["DriftCheckFailed", "DriftFailure", "assert_drift_within", "drift_failures"]
 
 # Per-item figure that ranks the worst items for a metric: (field of report.items[*], key).
 _ITEM_FIELD = {name: m.item for name, m in GATE_METRICS.items() if m.item is not None}
 WORST_SHOWN = 3
 
 
-class DriftCheckFailed(AssertionError):
-    """Raised by :func:`assert_drift_within`; ``failures`` holds one dict per failed clause."""
+class DriftFailure(TypedDict):
+    """One clause a report fails (:func:`drift_failures`, ``DriftCheckFailed.failures``)."""
 
-    def __init__(self, message: str, failures: list[dict]):
+    clause: str  # as written, e.g. "kl_mean<0.05"
+    kind: str  # gates.GateKind: fail_on (a failure condition that holds) or require (a clause that does not)
+    metric: str
+    value: float | None  # None: not evaluated
+    not_evaluated: bool  # the metric is missing from the report
+    reason: str | None  # why it is missing
+    worst_items: list[tuple[str, float]]  # (item id, the item's figure for the metric), worst first
+
+
+class DriftCheckFailed(AssertionError):
+    """Raised by :func:`assert_drift_within`; ``failures`` holds one entry per failed clause."""
+
+    def __init__(self, message: str, failures: list[DriftFailure]):
         super().__init__(message)
         self.failures = failures
 
 
-def _load(report_or_dir: Any) -> tuple[Mapping, str]:
+def _load(report_or_dir: Report | str | os.PathLike[str]) -> tuple[Report, str]:
     if isinstance(report_or_dir, Mapping):
         return report_or_dir, "report"
     from .report import read_report
@@ -56,7 +72,7 @@ def _load(report_or_dir: Any) -> tuple[Mapping, str]:
     return read_report(path), str(path)
 
 
-def _worst_items(report: Mapping, metric: str, n: int = WORST_SHOWN) -> list[tuple[str, float]]:
+def _worst_items(report: Report, metric: str, n: int = WORST_SHOWN) -> list[tuple[str, float]]:
     field = _ITEM_FIELD.get(metric)
     if field is None:
         return []
@@ -70,7 +86,8 @@ def _worst_items(report: Mapping, metric: str, n: int = WORST_SHOWN) -> list[tup
     return sorted(scored, key=lambda t: -t[1])[:n]
 
 
-def drift_failures(report_or_dir: Any, *, fail_on: str | None = None, require: str | None = None) -> list[dict]:
+def drift_failures(report_or_dir: Report | str | os.PathLike[str], *, fail_on: str | None = None,
+                   require: str | None = None) -> list[DriftFailure]:
     """The clauses that ``report_or_dir`` (a REPORT directory, its report.json, or the
     loaded report) fails: ``[{"clause", "kind", "metric", "value", "not_evaluated", "reason",
     "worst_items"}]``, empty when every clause was evaluated and none crossed. Bad or empty
@@ -80,9 +97,9 @@ def drift_failures(report_or_dir: Any, *, fail_on: str | None = None, require: s
     return _failures(report, gates)
 
 
-def _failures(report: Mapping, gates) -> list[dict]:
-    res = evaluate(dict(report), gates)
-    failures = []
+def _failures(report: Report, gates: list[Gate]) -> list[DriftFailure]:
+    res = evaluate(report, gates)
+    failures: list[DriftFailure] = []
     for g, r in zip(gates, res["gates"]):
         if r["crossed"] or r["missing"]:
             failures.append({"clause": g.clause, "kind": g.kind, "metric": g.metric, "value": r["value"], "not_evaluated": r["missing"],
@@ -90,14 +107,15 @@ def _failures(report: Mapping, gates) -> list[dict]:
     return failures
 
 
-def _gates(fail_on, require):
+def _gates(fail_on: str | None, require: str | None) -> list[Gate]:
     if fail_on is None and require is None:
         raise TypeError("give fail_on='...' (failure conditions, as --fail-on) or require='...' (clauses that must hold, "
                         "as --require)")
     return parse_gate_options(fail_on, require)
 
 
-def assert_drift_within(report_or_dir: Any, clauses: Any = None, /, *, fail_on: str | None = None, require: str | None = None) -> None:
+def assert_drift_within(report_or_dir: Report | str | os.PathLike[str], clauses: Any = None, /, *, fail_on: str | None = None,
+                        require: str | None = None) -> None:
     """Fail (``DriftCheckFailed``, an ``AssertionError``) when a ``fail_on`` clause holds
     (e.g. ``fail_on="kl_mean>0.05"``, as ``--fail-on``), a ``require`` clause does not hold
     (e.g. ``require="kl_mean<=0.05"``, as ``--require``), or a clause's metric is not in the

@@ -4,6 +4,10 @@ the layers.json object alone."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..contracts import LayersDoc
 
 
 def _g(x, spec=".3g") -> str:
@@ -12,7 +16,7 @@ def _g(x, spec=".3g") -> str:
     return format(x, spec)
 
 
-def render_markdown(doc: dict) -> str:
+def render_markdown(doc: LayersDoc) -> str:
     """layers.md: per candidate, the first layer beyond the floor, the layers that add the
     most error, and the per-layer table."""
     names = doc["geometry"]["points"]
@@ -40,7 +44,7 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_html(doc: dict) -> str:
+def render_html(doc: LayersDoc) -> str:
     """layers.html: one self-contained page (plotly inlined): error per layer (median solid,
     p95 dotted, one colour per candidate, the floor band shaded), the error each layer adds, and the
     median over items of the per-item correlation between a layer's error and the final KL."""

@@ -119,8 +119,8 @@ def extra_parts(report: Mapping) -> list[tuple[str, str]]:
 def _truncated(report: Mapping) -> int:
     """The candidate's free-running outputs cut at the token budget (correctness.cut_cand,
     schema 1.2; 0 when absent)."""
-    v = (report.get("correctness") or {}).get("cut_cand")
-    return int(v) if _num(v) else 0
+    n = _num((report.get("correctness") or {}).get("cut_cand"))
+    return int(n) if n else 0
 
 
 def gates_part(report: Mapping) -> tuple[str, str] | None:

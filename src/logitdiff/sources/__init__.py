@@ -42,6 +42,8 @@ from .base import (
     TopKRows,
     TopKSource,
     file_sha256,
+    is_full,
+    is_topk,
     parse_spec,
     requested_threads,
     tokenizer_hash_of,
@@ -50,5 +52,5 @@ from .registry import kinds, open_source, register
 
 __all__ = [
     "Block", "FullLogitSource", "Generation", "RowKind", "Source", "Spec", "TopKRows", "TopKSource", "file_sha256",
-    "kinds", "open_source", "parse_spec", "register", "applied_threads", "requested_threads", "tokenizer_hash_of",
+    "is_full", "is_topk", "kinds", "open_source", "parse_spec", "register", "applied_threads", "requested_threads", "tokenizer_hash_of",
 ]

@@ -22,7 +22,7 @@ import contextlib
 import enum
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, TypeGuard
 
 import numpy as np
 
@@ -124,15 +124,16 @@ def parse_spec(text: str) -> Spec:
     return Spec(kind=kind.strip(), target=target, options=options, text=text)
 
 
-def tokenizer_hash_of(tokens: Sequence[str]) -> str:
+def tokenizer_hash_of(tokens: Sequence[str | None]) -> str:
     """Content hash of a vocabulary: token strings in id order.
 
     Backends that hold the same vocabulary (a HF ``tokenizer.json`` and the GGUF
-    ``tokenizer.ggml.tokens`` converted from it) give the same hash.
+    ``tokenizer.ggml.tokens`` converted from it) give the same hash. An id without a token
+    (None: a hole in a HF vocabulary) hashes as the byte 0xff, which no UTF-8 text holds.
     """
     h = hashlib.sha256()
     for t in tokens:
-        h.update(t.encode("utf-8", "surrogatepass"))
+        h.update(b"\xff" if t is None else t.encode("utf-8", "surrogatepass"))
         h.update(b"\x00")
     return "sha256:" + h.hexdigest()
 
@@ -293,11 +294,22 @@ class TopKSource(Source):
                 yield Block(k, 0, scored)
 
 
+def is_topk(source: Source) -> TypeGuard[TopKSource]:
+    """Whether ``source`` gives top-K rows: its ``row_kind``, never its class, decides; the
+    TypeGuard tells a type checker what the kind promises (``top_k``, TopKRows rows)."""
+    return source.row_kind is RowKind.TOPK
+
+
+def is_full(source: Source) -> TypeGuard[FullLogitSource]:
+    """Whether ``source`` gives full logit rows (``row_kind``; ``logits_dtype``, array rows)."""
+    return source.row_kind is RowKind.FULL
+
+
 def requested_threads(sources: Sequence[Source]) -> int | None:
     """The CPU thread count the sources' specs asked for (the smallest if several did), or
     None: what a program's entry point passes to ``torch.set_num_threads`` once, explicitly
     (opening a source never sets it)."""
-    asked = [s.threads for s in sources if getattr(s, "threads", None)]
+    asked = [t for s in sources if (t := getattr(s, "threads", None))]
     return min(asked) if asked else None
 
 

@@ -53,7 +53,7 @@ import re
 import threading
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -256,7 +256,7 @@ class GGUFSource(FullLogitSource):
             )
         self.seed = int(seed)
         self._sha256: str | None = None
-        self._template = None
+        self._template: Any = None  # the compiled chat template (jinja2), on first use
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -445,7 +445,7 @@ class GGUFSource(FullLogitSource):
             )
 
     def score(self, prompt_ids: Sequence[int], teacher_ids: Sequence[int]) -> np.ndarray:
-        blocks = [b.rows for b in self.score_blocks([(prompt_ids, teacher_ids)], chunk_bytes=1 << 62)]
+        blocks = [cast(np.ndarray, b.rows) for b in self.score_blocks([(prompt_ids, teacher_ids)], chunk_bytes=1 << 62)]
         return np.concatenate(blocks) if blocks else np.zeros((0, self.vocab_size), dtype=np.float32)
 
     def score_blocks(self, batch, positions=None, *, chunk_bytes=None) -> Iterator[Block]:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -89,6 +89,8 @@ def _config_dtype(cfg: Any) -> str | None:
 class HFSource(FullLogitSource):
     """A local transformers checkpoint. Rows have ``len(tokenizer)`` columns (padded output
     rows of the lm_head, ids ``>= len(tokenizer)``, are dropped before any softmax)."""
+
+    batch: int  # always set (Source.batch: None for sources that do not batch)
 
     def __init__(
         self,
@@ -164,9 +166,9 @@ class HFSource(FullLogitSource):
 
         eos: list[int] = []
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for e in ([gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])) + [self.tok.eos_token_id]:
-            if isinstance(e, int) and e not in eos:
-                eos.append(e)
+        for tid in ([gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])) + [self.tok.eos_token_id]:
+            if isinstance(tid, int) and tid not in eos:
+                eos.append(tid)
         self.eos_token_ids = tuple(eos)
         cfg = self.config
         self._postprocessed = bool(
@@ -314,7 +316,7 @@ class HFSource(FullLogitSource):
         hid = hb.detach().to(self.lm_head.weight.dtype).contiguous().view(torch.int16) if with_hidden else None
         if self.device.type != "cuda":
             return Block(k, t0, _host_array(rows), _host_array(hid) if hid is not None else None), None
-        out = []
+        out: list[Any] = []  # pinned host tensors (None: no hidden states asked for)
         for t in (rows, hid):
             if t is None:
                 out.append(None)
@@ -432,7 +434,7 @@ class HFSource(FullLogitSource):
         whole outputs; for tests and small runs)."""
         parts: list[list[np.ndarray]] = [[] for _ in batch]
         for b in self.score_blocks(batch):
-            parts[b.pair].append(b.rows)
+            parts[b.pair].append(cast(np.ndarray, b.rows))  # a full-logit source's rows are arrays
         out = []
         for k, ps in enumerate(parts):
             rows = np.concatenate(ps) if ps else np.zeros((0, self.vocab_size), np.float32)
