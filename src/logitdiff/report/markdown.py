@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..contracts import Column, Correctness, Flips, GroupStats, Outcome, Report, Summary
+from typing import Any, Mapping, Sequence
+
+from ..contracts import Column, Correctness, Flips, Outcome, Report
 from ..metric_registry import SERIES
 from .verdict import verdict_text
 
@@ -28,7 +30,8 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.2f} %"
 
 
-def group_table(rows: list[GroupStats], label: str) -> str:
+def group_table(rows: Sequence[Mapping[str, Any]], label: str) -> str:
+    """Rows of summarize.summarize_group (GroupStats), read leniently: a missing figure is n/a."""
     head = (
         f"| {label} | n | items | mean KL | 95 % CI | p50 | p90 | p95 | p99 | p99.9 | max | JSD mean | top-1 disagr. | 95 % CI |\n"
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
@@ -51,7 +54,7 @@ def render_markdown(report: Report) -> str:
     s = report["summary"]
     m = report["method"]
     b, c = report["baseline"], report["candidate"]
-    t1 = s.get("top1_disagreement") or {}
+    t1: Mapping[str, Any] = s.get("top1_disagreement") or {}
     mets = s.get("metrics", {})
     out = [
         f"# logitdiff report: drift of `{c.get('spec') or c['path']}` from `{b.get('spec') or b['path']}`\n",
@@ -98,7 +101,7 @@ def render_markdown(report: Report) -> str:
     if s.get("served_floor"):
         from ..servedfloor import markdown_lines
 
-        out += markdown_lines(s)
+        out += markdown_lines(dict(s))
     sb = m.get("served_batching")
     if sb:
         out.append("- served batching: " + ", ".join(f"{k} `{v}`" for k, v in sb.items() if v)
@@ -117,7 +120,7 @@ def render_markdown(report: Report) -> str:
         out.append("Segments come from the teacher text: `think` inside <think>…</think>, `tool_call` inside a tool-call span "
                    "(Hermes, Mistral, Llama-3 JSON), `answer` everything else.\n")
         out.append(group_table(report["segments"], "segment"))
-    worst = sorted(report["items"], key=lambda r: -((r.get("kl_nats") or {}).get("mean") or 0))[:10]
+    worst = sorted(report["items"], key=lambda r: -(kl.get("mean") or 0 if (kl := r.get("kl_nats")) else 0))[:10]
     out.append("\n## Items with the highest mean KL\n")
     out.append(group_table([{**r, "group": r["id"]} for r in worst], "item"))
     if report.get("flips"):
@@ -262,7 +265,7 @@ def correctness_markdown(c: Correctness) -> str:
     return "\n".join(out) + "\n"
 
 
-def _interval_lines(s: Summary, m) -> list[str]:
+def _interval_lines(s: Mapping[str, Any], m: Mapping[str, Any]) -> list[str]:
     """One line per approximated divergence: the proven lower bound first (the end a real
     model's tail leaves informative), the estimate, then the upper bound, flagged when the
     interval is wider than the estimate (``NAME_upper_uninformative``)."""
