@@ -271,7 +271,7 @@ def token_columns(tok) -> dict[str, np.ndarray] | None:
     return {k: np.asarray(v) for k, v in tok.items() if k in TOKEN_COLUMNS}
 
 
-def _rows_as_columns(report: dict) -> dict[str, np.ndarray] | None:
+def _rows_as_columns(report: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
     rows = report.get("rows") or []
     if not rows:
         return None
@@ -305,7 +305,7 @@ def load_tokens(path: str | Path) -> dict[str, np.ndarray] | None:
 
 
 # ----------------------------------------------------------------------------- checks
-def _method_key(report: dict) -> tuple:
+def _method_key(report: Mapping[str, Any]) -> tuple:
     m = report.get("method") or {}
     kind = m.get("kind")
     # For full-vocabulary reports top_logprobs is only the K of the auxiliary top-K fields.
@@ -321,7 +321,7 @@ def _teacher(cols: dict | None):
     return ids[order], pos[order], np.asarray(cols["token_id"], dtype=np.int64)[order]
 
 
-def check_reports_on_one_page(reports: Sequence[dict], tokens: Sequence[dict | None], labels: Sequence[str]) -> None:
+def check_reports_on_one_page(reports: Sequence[Mapping[str, Any]], tokens: Sequence[dict | None], labels: Sequence[str]) -> None:
     """Refuse reports that do not measure the same thing (see the module docstring)."""
     if not reports:
         raise LogitdiffError("logitdiff report: no reports given")
@@ -406,7 +406,7 @@ def bucket_stats(conf: np.ndarray, cols: dict, edges: Sequence[float] = REF_CONF
     """Mean KL and top-1 disagreement per reference-confidence bucket ([a,b), last closed)."""
     kl = np.asarray(cols["kl_nats"], dtype=np.float64)
     mism = ~np.asarray(cols["top1_match"], dtype=bool)
-    out = {"labels": [], "n": [], "kl_mean": [], "top1_disagreement": []}
+    out: dict[str, list] = {"labels": [], "n": [], "kl_mean": [], "top1_disagreement": []}
     for j, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
         last = j == len(edges) - 2
         m = (conf >= a) & ((conf <= b) if last else (conf < b))
@@ -896,7 +896,7 @@ def _pairs_html(pairs, n_items) -> str:
             "<th>Δ item top-1 disagr.</th><th></th></tr></thead><tbody>" + rows + "</tbody></table></div>")
 
 
-def _shade(kl: float) -> float:
+def _shade(kl: float | None) -> float:
     if not kl or not math.isfinite(kl) or kl <= SHADE_LO:
         return 0.0
     a = (math.log10(kl) - math.log10(SHADE_LO)) / (math.log10(SHADE_HI) - math.log10(SHADE_LO))
@@ -950,7 +950,7 @@ def _token_view(name, rep, cols, worst_ids, *, open_: bool) -> str:
             if "p_ref_token" in cols:
                 tip.append(f"teacher {_show(cols['token'][j]) if 'token' in cols else ''}: p_ref {fmt(cols['p_ref_token'][j])}, "
                            f"p_cand {fmt(cols['p_cand_token'][j]) if 'p_cand_token' in cols else 'n/a'}")
-            top5 = [_top5_line(cols, side, j) for side in ("ref", "cand")]
+            top5 = [_top5_line(cols, side, int(j)) for side in ("ref", "cand")]
             if all(top5):
                 # Both models' five most likely tokens with their probabilities, most likely first.
                 tip.append(f"reference top-5: {top5[0]}" + ("  ← FLIP" if flip else ""))
@@ -1059,7 +1059,7 @@ def _flips_view(name, rep, *, open_: bool) -> str:
             f'{_e(f.get("n_branches"))} branches ({_e(f.get("selection", ""))})</summary>{notes}{tie_note}{table}</details>')
 
 
-def _flips_notes(f: dict) -> str:
+def _flips_notes(f: Mapping[str, Any]) -> str:
     """What the branches do not show, from the flips section (schema 1.2 fields, read by
     name and skipped when absent): the items whose answer or tool call changed and the flip
     branched behind each (or why none was), the flips the cap left out, the reference's
@@ -1130,11 +1130,11 @@ def render_html(
     tokens = list(tokens) if tokens is not None else [None] * len(reports)
     if len(tokens) != len(reports):
         raise ValueError("tokens must have one entry per report")
-    paths = [None if p is None else str(p) for p in (paths or [None] * len(reports))]
+    paths_text = [None if p is None else str(p) for p in (paths or [None] * len(reports))]
     cols = [token_columns(t) if t is not None else _rows_as_columns(r) for r, t in zip(reports, tokens)]
-    labels = [p or str(_get(r, "candidate.spec") or f"report {i + 1}") for i, (r, p) in enumerate(zip(reports, paths))]
+    labels = [p or str(_get(r, "candidate.spec") or f"report {i + 1}") for i, (r, p) in enumerate(zip(reports, paths_text))]
     check_reports_on_one_page(reports, cols, labels)
-    names = _names(reports, paths)
+    names = _names(reports, paths_text)
 
     cells, conseq = matrix_data(names, reports, summary)
     data: dict = {"schema": HTML_DATA_SCHEMA, "generator": f"logitdiff {__version__}", "candidates": names,
@@ -1158,7 +1158,8 @@ def render_html(
     pairs = adjacent_pairs(item_ids, ikl, it1, n_boot=2000, seed=0) if len(ikl) >= 2 else []
     data["pairs"] = pairs
 
-    pts = [{"name": n, "size": _num(cells[n]["file_size"]["value"]), "kl_mean": _num(cells[n]["kl_mean"]["value"])} for n in names]
+    pts: list[dict[str, Any]] = [{"name": n, "size": _num(cells[n]["file_size"]["value"]), "kl_mean": _num(cells[n]["kl_mean"]["value"])}
+                                 for n in names]
     pts = [p for p in pts if p["size"] and p["kl_mean"]]
     data["gates"] = {n: r["gates"] for n, r in zip(names, reports) if r.get("gates")}
     data["pareto"] = {"points": pts, "front": pareto_front([(p["name"], p["size"], p["kl_mean"]) for p in pts])}
@@ -1206,9 +1207,9 @@ def render_html(
         '<h2 id="candidates">Candidates</h2>',
         '<p class="note">Click a header to sort. Means carry a 95 % CI from a bootstrap over items. '
         "Rows marked ⚠ are within 2× of a floor: their drift is not distinguishable from the floor's.</p>",
-        _matrix_html(names, [p or "" for p in paths], reports, cells, conseq, summary),
+        _matrix_html(names, [p or "" for p in paths_text], reports, cells, conseq, summary),
         '<h2 id="setup">What was compared</h2>',
-        _header(names, paths, reports, summary),
+        _header(names, paths_text, reports, summary),
         "<h3>Can the candidates be ordered?</h3>",
         _pairs_html(pairs, len(item_ids)),
         '<h2 id="plots">Plots</h2>',
@@ -1220,7 +1221,7 @@ def render_html(
          "<span class=\"cont\"><span class=\"joined\">joined</span></span> from the re-join to where the branch "
          "<span class=\"cont\"><span class=\"cut\"></span><span class=\"left\">left again</span></span> "
          "(report.json <code>flips.top</code>; every branch is in flips.parquet).</p>"
-         + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports))) if any((r.get("flips") or {}).get("top") or _flips_notes(r.get("flips") or {}) for r in reports) else "",
+         + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports))) if any((fl := r.get("flips")) and (fl.get("top") or _flips_notes(fl)) for r in reports) else "",
         '<h2 id="tokens">Worst items, token by token</h2>',
         f'<p class="note">Teacher text; each token shaded by its KL (<span class="legend"></span> {SHADE_LO:g} → {SHADE_HI:g} nats, log scale); '
         "<span style=\"outline:2px solid #1f4fd1\">outlined</span> tokens are top-1 flips. Hover a token for both models' top-5 "
