@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
-from typing import AbstractSet, Callable, Sequence, cast
+from typing import AbstractSet, Any, Callable, Sequence, cast
 
 import numpy as np
 
@@ -148,7 +148,8 @@ def _write_scored(source: Source, writer: RunWriter, run_items: list[RunItem], p
             continue
         # the store kind encodes the block (top-K, compact...) as it comes: never more than a block of full rows
         if source.row_kind is RowKind.TOPK:
-            writer.add_topk(b.rows.ids, b.rows.logprobs)
+            top = cast(TopKRows, b.rows)  # Block.rows has the type of the source's row kind
+            writer.add_topk(top.ids, top.logprobs)
         else:
             writer.add_rows(b.rows, hidden=b.hidden)
     advance_to(len(run_items))
@@ -440,7 +441,7 @@ class LiveRun:
         self.vocab_size = source.vocab_size
         self.tokenizer_hash = source.tokenizer_hash
         self.dtype = _rows_dtype(source)
-        self.manifest = {
+        self.manifest: dict[str, Any] = {  # what a RunReader's manifest.json holds
             "source": _source_meta(source),
             "status": "complete",
             "tokenizer_hash": source.tokenizer_hash,

@@ -90,7 +90,7 @@ SPECULATION_NOT_EXERCISED = (
 )
 
 
-def speculation_notes(ref: RunReader, cand: RunReader) -> list[str]:
+def speculation_notes(ref: RunReader, cand: RunReader | LiveRun) -> list[str]:
     """The label of a teacher-forced comparison whose side was captured from a source declared
     speculative (``openai:URL,speculative=1``): speculation was not exercised."""
     out = []
@@ -106,7 +106,7 @@ def _tokens(run) -> list | None:
     return get() if get is not None else None
 
 
-def check_same_tokens(ref: RunReader, cand: RunReader) -> list[str]:
+def check_same_tokens(ref: RunReader, cand: RunReader | LiveRun) -> list[str]:
     """The two runs speak one vocabulary (size, then the tokenizer's strings under converter
     spellings): a one-line error if not; the notes that qualify the match."""
     notes: list[str] = []
@@ -124,7 +124,7 @@ def check_same_tokens(ref: RunReader, cand: RunReader) -> list[str]:
     return notes
 
 
-def pair_items(ref: RunReader, cand: RunReader, *, allow_partial: bool = False) -> tuple[list[RunItem], list[RunItem], list[str]]:
+def pair_items(ref: RunReader, cand: RunReader | LiveRun, *, allow_partial: bool = False) -> tuple[list[RunItem], list[RunItem], list[str]]:
     """The items of both runs, paired by id in the reference's order: a one-line error at
     the first item that differs (prompt, scored positions, teacher tokens) or is missing
     (``allow_partial``: skipped, with a note)."""

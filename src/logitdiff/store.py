@@ -29,7 +29,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
@@ -37,6 +37,8 @@ from ._version import __version__
 from . import validate
 from .errors import LogitdiffError
 from .outputs import RUN_SCHEMA, Kind, atomic_write_bytes, atomic_write_json, check_output
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 from .storekinds import BlockPlace, RowsForm, StoreKind, check_full_rows, cut_rows, store_kind
 # the full-row helpers, defined with the store kinds; imported from here by the rest of the package
 from .storekinds.rows import DTYPES as _DTYPES, atomic_save_npy_rows, bf16_to_f32, f32_to_bf16  # noqa: F401
@@ -263,7 +265,7 @@ class RunWriter:
         # time). At most one chunk is in flight: a producer faster than the disk waits
         # rather than piling chunks up in memory. The manifest lists a chunk only after its
         # files are durable, so a kill still leaves whole chunks behind.
-        self._pool = None
+        self._pool: ThreadPoolExecutor | None = None
         self._pending: list = []
         self._kept_tools: dict[str, dict] = {}  # tools module path -> its copy in the RUN
         mpath = self.path / "manifest.json"
@@ -487,7 +489,7 @@ class RunWriter:
     def _write_chunk(self, idx: int, items: list[RunItem], rows: list, nrows: int) -> None:
         stem = f"{idx:06d}"
         cdir = self.path / "chunks"
-        entry = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items),
+        entry: dict[str, Any] = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items),
                  "data": f"{stem}.{self.kind.chunk_suffix}"}
         self.kind.save_chunk(cdir / entry["data"], rows)
         text = "".join(json.dumps(it.to_json_in(idx)) + "\n" for it in items)
@@ -517,6 +519,7 @@ class RunWriter:
 def _parse_item_line(path: Path, lineno: int, line: bytes, chunk: int) -> RunItem:
     """One line of a chunk's items.jsonl, or a one-line error naming file, line and field."""
     d = _json_object(line, f"{path}:{lineno}", json_hint="; truncated line?", json_damaged=True)
+    types: type
     for key, types in (("id", str), ("prompt_ids", list), ("teacher_ids", list), ("positions", list), ("row", int)):
         if not isinstance(d.get(key), types) or isinstance(d.get(key), bool):
             raise LogitdiffError(f"{path}:{lineno}: field {key!r} missing or not a {types.__name__}; the run is damaged")
@@ -736,9 +739,9 @@ class RunReader:
         """A RUN-relative ``tools_module`` (the copy ``RunWriter`` keeps) -> its path here,
         after checking that the copy is there and has the recorded hash."""
         wl_item = it.extra.get("item") if isinstance(it.extra, dict) else None
-        rel = wl_item.get("tools_module") if isinstance(wl_item, dict) else None
-        if rel is None:
+        if not isinstance(wl_item, dict) or wl_item.get("tools_module") is None:
             return
+        rel = wl_item["tools_module"]
         where = f"{items_file}:{lineno} (item {it.id!r}): field 'tools_module' {str(rel)[:120]!r}"
         if not isinstance(rel, str) or not rel:
             raise LogitdiffError(f"{where}: not a path; the run is damaged")
