@@ -323,7 +323,7 @@ def item_segments(
     return segment_labels(token_pieces(vocab, teacher_ids, scheme=scheme), think_tags=think_tags)
 
 
-def segment_masks(labels_per_row: Sequence[str]) -> list[tuple[str, np.ndarray]]:
+def segment_masks(labels_per_row: Sequence[str] | np.ndarray) -> list[tuple[str, np.ndarray]]:
     """``(name, boolean mask over the rows)`` for each segment that occurs, in
     :data:`SEGMENTS` order - the shape :func:`logitdiff.summarize.by_groups` takes (like
     ``range_masks``).  Raises ValueError for a label that is not a segment."""

@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 
 from .._version import __version__
 from ..compare import Comparison
-from ..contracts import SCHEMA_VERSION, NoiseFloor, Report, Side, Summary, json_clean, load_report, report_json
+from ..contracts import SCHEMA_VERSION, GroupStats, NoiseFloor, Report, Side, Summary, json_clean, load_report, report_json
 from ..metrics import LN2
 from ..outputs import REPORT_SCHEMA, atomic_path, atomic_write_bytes, write_error  # REPORT_SCHEMA: declared once, beside the output guard
 from ..segments import item_segments, segment_masks, vocab_scheme
@@ -114,7 +114,7 @@ def build_report(
     _, item_index = np.unique(c["item_id"].astype(str), return_inverse=True)
     kw = {"n_boot": n_boot, "seed": seed}
 
-    overall = summarize_group(c, item_index, **kw)
+    overall = summarize_group(c, item_index, n_boot=n_boot, seed=seed)
     kl = np.asarray(c["kl_nats"])
     imax = int(np.argmax(kl)) if n else 0
     match = np.asarray(c["top1_match"], dtype=bool)
@@ -140,26 +140,29 @@ def build_report(
         # Ours.
         "positions": n,
         "top1_disagreement": overall.get("top1_disagreement"),
-        "metrics": {k: v for k, v in overall.items() if isinstance(v, dict) and k != "top1_disagreement"},
+        # the divergence entries of the overall group: Stats
+        "metrics": {k: v for k, v in overall.items() if isinstance(v, dict) and k != "top1_disagreement"},  # type: ignore[misc]
     }
+    # the fields whose keys are built from names (Summary says which); written through a plain view
+    named = cast("dict[str, Any]", summary)
     for key in ("ppl_ref", "ppl_cand", "ppl_ratio", "nll_ref_mean", "nll_cand_mean"):
         if key in overall:
-            summary[key] = overall[key]
+            named[key] = cast("dict[str, Any]", overall)[key]
     # Proven intervals (bounded methods): the mean of the bounds bounds the mean.
     from ..compact import INTERVAL_COLUMNS
 
     for lo, hi in INTERVAL_COLUMNS.values():
         if lo in c and n:
-            summary[f"{lo}_mean"] = json_clean(np.mean(c[lo]))
-            summary[f"{hi}_mean"] = json_clean(np.mean(c[hi]))  # inf (JSON null): no finite upper bound
+            named[f"{lo}_mean"] = json_clean(np.mean(c[lo]))
+            named[f"{hi}_mean"] = json_clean(np.mean(c[hi]))  # inf (JSON null): no finite upper bound
             name = lo[:-len('_lower_nats')]
             width = float(np.mean(np.asarray(c[hi]) - np.asarray(c[lo])))
-            summary[f"{name}_interval_width_mean"] = json_clean(width)
+            named[f"{name}_interval_width_mean"] = json_clean(width)
             # a real model's unstored tail can leave the upper end far off while the lower
             # end is within ~1 % (bench/RESULTS.md): say so when the width exceeds the
             # estimate itself, so the page reads the interval from below
             est = float(np.mean(c[lo.replace("_lower", "")])) if lo.replace("_lower", "") in c else float("nan")
-            summary[f"{name}_upper_uninformative"] = bool(not np.isfinite(width) or width > abs(est))
+            named[f"{name}_upper_uninformative"] = bool(not np.isfinite(width) or width > abs(est))
     if noise_floor:
         summary["noise_floor"] = noise_floor
         floor = noise_floor.get("kl_nats_mean")
@@ -167,7 +170,7 @@ def build_report(
     if comp.served_floor:  # served sides captured again with other batch mates (servedfloor.py)
         from ..servedfloor import summary_fields
 
-        summary.update(summary_fields(float(kl.mean()) if n else None, comp.served_floor))
+        named.update(summary_fields(float(kl.mean()) if n else None, comp.served_floor))
 
     pos = np.asarray(c["position"])
     range_rows = by_groups(c, item_index, range_masks(pos, ranges), **kw)
@@ -182,7 +185,7 @@ def build_report(
         if labels is not None:
             c["segment"] = labels
             seg_rows = by_groups(c, item_index, segment_masks(labels), **kw)
-    item_rows = []
+    item_rows: list[GroupStats] = []
     for it in comp.items:
         mask = c["item_id"] == it.id
         g = summarize_group({k: np.asarray(v)[mask] for k, v in c.items()}, item_index[mask], n_boot=0)
@@ -196,7 +199,7 @@ def build_report(
         "machine": machine_info(),
         "baseline": _side(comp.ref, "reference"),
         "candidate": _side(comp.cand, "candidate"),
-        "method": {
+        "method": {  # type: ignore[typeddict-item]  # comp.method (comparemethods) holds the rest of Method's keys
             **comp.method,
             "bootstrap": {"resample": "items", "n": n_boot, "seed": seed, "level": 0.95},
             "ranges": list(ranges),
@@ -231,8 +234,10 @@ def build_report(
 def _segment_labels(comp: Comparison) -> np.ndarray | None:
     """Segment (think / tool_call / answer) of every compared position, from the teacher text."""
     vocab = comp.vocab
+    if vocab is None:
+        return None
     scheme = vocab_scheme(vocab)
-    out = []
+    out: list[str] = []
     for it in comp.items:
         if any(t >= len(vocab) for t in it.teacher_ids):
             return None
