@@ -161,7 +161,7 @@ _TINY = float(np.finfo(np.float64).tiny)
 def _tiles(vocab: int, tile: int) -> list[tuple[int, int]]:
     """Column ranges of at most ``tile`` values, starting on multiples of ``_BLOCK``."""
     n = -(-vocab // tile)
-    w = -(-(-(-vocab // n)) // _BLOCK) * _BLOCK
+    w = -(-(-(-vocab // n)) // _BLOCK) * _BLOCK  # noqa: B002 (ceiling divisions, not a decrement)
     return [(c, min(vocab, c + w)) for c in range(0, vocab, w)]
 
 
