@@ -3,8 +3,11 @@
     python tests/data/flip_labels_dump.py OUT [--reports NAME ...] > /tmp/cases.jsonl
 
 For every branch in OUT/reports/*/flips.parquet: the candidate, the item (id, tags, prompt,
-answer label, tool names), the output before the flip (decoded teacher ids), the reference's
-continuation and the branch's continuation, and whether each hit the token budget. Nothing
+answer label, tool names), the output before the flip (the teacher ids decoded with the run's
+own tokenizer: the token strings OUT/runs/reference/tokens.json records, byte-level BPE or
+SentencePiece spelling; a run without them is decoded by opening its source spec), the
+reference's continuation and the branch's continuation, and whether each hit the token
+budget. Nothing
 the classifier computed (outcome, decided_by, similarity, re-join, signals) is written: the
 labeller reads these and nothing else (tests/data/flip_labels_real.jsonl records that).
 """
@@ -19,15 +22,63 @@ from pathlib import Path
 SHOWN = ("item_id", "position", "ref_continuation", "branch_continuation", "ref_cut", "branch_cut")
 
 
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells byte b as one printable character; this undoes it."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_decoder(tokens: list[str | None]):
+    """ids -> text from a run's token strings (tokens.json): byte-level BPE (GPT-2 / Llama 3 /
+    SmolLM: 'Ġ' a space, 'Ċ' a newline) when such tokens are common, else SentencePiece
+    ('\u2581' a space, '<0xNN>' a byte). Added tokens (chat markers) come out as written."""
+    strs = [t or "" for t in tokens]
+    byte_level = sum(t.startswith("Ġ") for t in strs) > 0.01 * max(1, len(strs))
+    if byte_level:
+        table = _gpt2_byte_decoder()
+
+        def piece(t: str) -> bytes:
+            return b"".join(bytes([table[c]]) if c in table else c.encode() for c in t)
+    else:
+        import re
+
+        byte_re = re.compile(r"^<0[xX]([0-9a-fA-F]{2})>$")
+
+        def piece(t: str) -> bytes:
+            m = byte_re.match(t)
+            return bytes([int(m.group(1), 16)]) if m else t.replace("\u2581", " ").encode()
+
+    def decode(ids) -> str:
+        return b"".join(piece(strs[int(i)]) for i in ids).decode("utf-8", errors="replace")
+
+    return decode
+
+
+def run_decoder(ref):
+    """The decoder of the run's own tokenizer: its recorded token strings, else its source."""
+    tokens = ref.tokens()
+    if tokens is not None:
+        return token_decoder(tokens)
+    from logitdiff.sources import open_source
+
+    src = open_source(ref.manifest["source"]["spec"])
+    return lambda ids: src.detokenize([int(i) for i in ids])
+
+
 def dump(out: Path, names: list[str] | None = None):
     import pyarrow.parquet as pq
 
-    from logitdiff.builtin import TINY_DIR
     from logitdiff.store import RunReader
-    from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(TINY_DIR / "tokenizer.json"))
     ref = RunReader(out / "runs" / "reference")
+    decode = run_decoder(ref)
     items = {it.id: it for it in ref.items()}
     for rdir in sorted((out / "reports").iterdir()):
         if names and rdir.name not in names or not (rdir / "flips.parquet").exists():
@@ -36,7 +87,7 @@ def dump(out: Path, names: list[str] | None = None):
         for r in table.to_pylist():
             it = items[r["item_id"]]
             item = dict(it.extra.get("item") or {})
-            prefix = tok.decode(list(it.teacher_ids[: r["position"]]), skip_special_tokens=False)
+            prefix = decode(it.teacher_ids[: r["position"]])
             yield {
                 "id": f"{rdir.name}/{r['item_id']}@{r['position']}",
                 "candidate": rdir.name,
