@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import zipfile
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class CompactSpec:
 
 
 def is_compact(store: str | None) -> bool:
-    return bool(store) and (store == STORE_PREFIX or store.startswith(STORE_PREFIX + ":"))
+    return store is not None and (store == STORE_PREFIX or store.startswith(STORE_PREFIX + ":"))
 
 
 def parse_spec(store: str) -> CompactSpec:
@@ -202,7 +203,7 @@ def _pack_ids(ids: np.ndarray, *values: np.ndarray):
 
 def save_chunk(path, blocks: list[dict[str, np.ndarray]]) -> bytes:
     """Bytes of one chunk file holding the row blocks stacked."""
-    cat = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+    cat: dict[str, Any] = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
     e_gaps, (e_vals,) = _pack_ids(cat.pop("exact_ids"), cat.pop("exact_logits"))
     b_gaps, (b_codes,) = _pack_ids(cat.pop("band_ids"), cat.pop("band_codes"))
     bio = io.BytesIO()
@@ -275,7 +276,7 @@ def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_
     n, V = lq.shape
     y = np.asarray(next_tokens, np.int64)
     rows = np.arange(n)
-    cols: dict[str, np.ndarray] = {}
+    cols: dict[str, Any] = {}  # arrays, and "_tops": the (ids, logprobs) pairs of both sides for the caller
     q = np.exp(lq)  # shared by the bounds and the candidate's entropy
     res = Bd.compact_vs_full(decode(block), lq, cand_p=q)
     for name, (lo, hi) in INTERVAL_COLUMNS.items():

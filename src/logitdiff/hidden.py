@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import io
 import zipfile
+from typing import Any
 
 import numpy as np
 
@@ -133,7 +134,7 @@ def encode(logits_bits: np.ndarray, hidden_bits: np.ndarray, head: np.ndarray, n
             rows.append((r + a).astype(np.int32))
             ids.append((c + v0).astype(np.int32))
             bits.append(zz[r, c])
-    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))
+    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))  # noqa: E731
     return {"hidden": h.copy(), "exc_row": cat(rows, np.int32), "exc_id": cat(ids, np.int32), "exc_bits": cat(bits, np.uint16)}
 
 
@@ -222,7 +223,8 @@ def head_sha256(head: np.ndarray) -> str:
 
 def save_chunk(block: dict[str, np.ndarray]) -> bytes:
     bio = io.BytesIO()
-    np.savez_compressed(bio, **block)
+    arrays: dict[str, Any] = block  # (numpy's stub would read a ** of arrays as its allow_pickle flag)
+    np.savez_compressed(bio, **arrays)
     return bio.getvalue()
 
 
@@ -238,10 +240,10 @@ def load_chunk(path, hidden_size: int, vocab_size: int) -> dict[str, np.ndarray]
     h = data["hidden"]
     if h.dtype != np.uint16 or h.ndim != 2 or h.shape[1] != hidden_size:
         raise LogitdiffError(f"{path}: field 'hidden' is {h.dtype} {h.shape}, expected uint16 (*, {hidden_size})")
-    e = [data[k] for k in _EXC_FIELDS]
-    if len({x.shape for x in e}) != 1 or e[0].ndim != 1:
+    exc = [data[k] for k in _EXC_FIELDS]
+    if len({x.shape for x in exc}) != 1 or exc[0].ndim != 1:
         raise LogitdiffError(f"{path}: exception fields of different lengths")
-    if e[0].size and (e[0].min() < 0 or e[0].max() >= h.shape[0] or e[1].min() < 0 or e[1].max() >= vocab_size):
+    if exc[0].size and (exc[0].min() < 0 or exc[0].max() >= h.shape[0] or exc[1].min() < 0 or exc[1].max() >= vocab_size):
         raise LogitdiffError(f"{path}: field 'exc_row'/'exc_id' outside the chunk's {h.shape[0]} rows x {vocab_size} ids")
     return data
 
