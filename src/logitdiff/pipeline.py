@@ -20,7 +20,7 @@ import numpy as np
 
 from .capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference
 from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
-from .consequences import DEFAULT_MAX_BRANCHES, Settings, analyse
+from .defaults import DEFAULT_MAX_BRANCHES
 from .contracts import SCHEMA_VERSION, CandidateRow, Column, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from .errors import LogitdiffError
 from .outputs import RUN_SUMMARY_SCHEMA, Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
@@ -201,11 +201,15 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         from .grading import load_similarity
 
         similarity = load_similarity(cfg.similarity)
-    fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
 
     def consequences(src, comp):
         if not (cfg.flips or cfg.correctness):
             return {}, {}
+        # imported only here: flips and grading (jsonschema, tool calls) are a third of the
+        # import time of a run that does neither
+        from .consequences import Settings, analyse
+
+        fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
         return analyse(src, ref, comp.columns, similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
                        bar=lambda n, label: hooks.bar(n, label))
 

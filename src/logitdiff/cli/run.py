@@ -77,7 +77,6 @@ class RichHooks:
 
 def run(args) -> int:
     from ..capture import check_max_tokens, parse_positions
-    from ..flips import parse_select
     from ..pipeline import RunConfig, check_specs, default_candidates, run_pipeline
 
     ranges = parse_ranges_arg(args.ranges)
@@ -91,7 +90,10 @@ def run(args) -> int:
         flip_select=args.select, max_branches=args.max_branches, similarity=args.similarity,
         logprob_floor=args.logprob_floor, reference_store=args.reference_store,
     )
-    parse_select(args.select)
+    if not args.no_flips:  # flips.py (and what it imports) only for a run that branches
+        from ..flips import parse_select
+
+        parse_select(args.select)
     check_max_branches(args.max_branches)
     cfg.gates = parse_gate_args(args)
     check_specs(cfg)
