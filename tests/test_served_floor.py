@@ -215,11 +215,13 @@ def test_compare_noise_floor_of_a_served_reference_is_its_served_floor(tmp_path)
 
 
 @pytest.mark.parametrize("server", ["ref", "cand", "one-slot"])
-def test_serial_reference_rows_from_its_generation_equal_teacher_forced_rows(served, tmp_path, server):
-    """batching=serial: the reference's rows come from its greedy generation (n_probs on every
-    generated token, no scoring task) and equal, bit for bit, teacher-forced scoring of the same
-    tokens on the same server - llama-server's default flags (rounds scheduling) and one slot
-    (pinned slot); F32 and Q4_K_M. In rounds mode the generation's rows are not used."""
+def test_reference_rows_from_its_generation(served, tmp_path, server):
+    """The reference's rows come from its greedy generation (n_probs on every generated token,
+    no scoring task per position). batching=serial: they equal, bit for bit, teacher-forced
+    scoring of the same tokens on the same server - llama-server's default flags (rounds
+    scheduling) and one slot (pinned slot); F32 and Q4_K_M. batching=rounds (other items'
+    generation steps as batch mates): the same ids and log-probabilities up to the server's
+    batch arithmetic."""
     from logitdiff.capture import capture_reference
     from logitdiff.quantize import build_ladder
 
@@ -231,6 +233,7 @@ def test_serial_reference_rows_from_its_generation_equal_teacher_forced_rows(ser
     try:
         items = read_workload(served["wl"])
         with open_source(f"openai:{srv.url},top_k={K},batching=serial") as src:
+            assert "bit-identical" in src.identity()["reference_rows"]
             capture_reference(src, items, tmp_path / "ref")
             tasks = src.server_stats["tasks"]
         ref = RunReader(tmp_path / "ref")
@@ -243,9 +246,64 @@ def test_serial_reference_rows_from_its_generation_equal_teacher_forced_rows(ser
             assert src.server_stats["tasks"] >= n  # teacher-forced: a task per position
         a, b = _rows(ref), _rows(RunReader(tmp_path / "tf"))
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
-        with open_source(f"openai:{srv.url},top_k={K}") as src:  # rounds: scored as before
+        with open_source(f"openai:{srv.url},top_k={K}") as src:  # rounds: from the generation too
+            assert "batch mates" in src.identity()["reference_rows"]
             capture_reference(src, items, tmp_path / "ref_rounds")
-            assert src.server_stats["tasks"] >= RunReader(tmp_path / "ref_rounds").manifest["n_positions"]
+            rounds = RunReader(tmp_path / "ref_rounds")
+            assert src.server_stats["tasks"] < rounds.manifest["n_positions"]
+            capture_candidate(src, rounds, tmp_path / "tf_rounds")  # teacher-forced, rounds
+        comp = compare_runs(rounds, RunReader(tmp_path / "tf_rounds"))
+        # a misaligned or foreign row costs nats; batch arithmetic ~1e-3 (measured 3e-3 at most on
+        # this Q4_K_M server, 1e-14 or 0 on most positions)
+        assert comp.columns["kl_nats"].mean() < 1e-2 and comp.columns["top1_match"].mean() > 0.9
     finally:
         if server == "one-slot":
             srv.stop()
+
+
+def test_prefetched_block_is_the_block_scored_now(served, tmp_path):
+    """ServedSource.prefetch (what `run` uses to score a served candidate on each reference block
+    while the reference generates the next): the block's rows, taken later by score_many of the
+    same block, are the rows scoring it then gives (serial: bit for bit), scored once; another
+    grouping of the same pairs is scored, not answered from the prefetch; at most
+    PREFETCH_BLOCKS blocks wait; closing with a block never asked for neither hangs nor leaks."""
+    from logitdiff.capture import capture_reference
+    from logitdiff.sources.served.base import PREFETCH_BLOCKS
+
+    with open_source(f"openai:{served['ref'].url},top_k={K}") as src:
+        ref = RunReader(capture_reference(src, read_workload(served["wl"]), tmp_path / "ref"))
+    pairs = [(it.prompt_ids, it.teacher_ids) for it in ref.items()]
+    spec = f"openai:{served['cand'].url},top_k={K},batching=serial"
+    with open_source(spec) as src:
+        want = src.score_many(pairs[:4])
+    with open_source(spec) as src:
+        t0 = src.server_stats["tasks"]
+        assert src.prefetch(pairs[:4])
+        got = src.score_many(pairs[:4])
+        assert src.server_stats["tasks"] - t0 == sum(len(t) for _, t in pairs[:4])  # once
+        for g, w in zip(got, want):
+            assert np.array_equal(g.ids, w.ids) and np.array_equal(g.logprobs, w.logprobs)
+        assert src.prefetch(pairs[:2])
+        next(iter(src._prefetched.values())).result()  # done: serial rows, no batch mate from it
+        again = src.score_many(pairs[1::-1])  # not the prefetched block: scored now
+        assert np.array_equal(again[1].logprobs, want[0].logprobs)
+        assert [src.prefetch(pairs[k:k + 1]) for k in range(2, 2 + PREFETCH_BLOCKS)] == [True] * (PREFETCH_BLOCKS - 1) + [False]
+    assert src._client is None and not src._prefetched  # closed with blocks never asked for
+
+
+def test_run_scores_the_served_candidate_on_reference_blocks_ahead(served, tmp_path):
+    """`logitdiff run`, served reference and candidate, batching=serial: the candidate, scored on
+    each reference block while the reference generates the next (prefetch), has the rows a
+    separate teacher-forced capture on the run's reference gives, bit for bit."""
+    out = tmp_path / "out"
+    cand_spec = f"openai:{served['cand'].url},top_k={K},batching=serial"
+    summary = run_pipeline(RunConfig(reference=f"openai:{served['ref'].url},top_k={K},batching=serial", candidates=[cand_spec],
+                                     workload=str(served["wl"]), out=str(out), noise_floor=False, flips=False,
+                                     correctness=False, html=False, bootstrap=0))
+    name = summary["candidates"][0]["name"]
+    ref = RunReader(out / "runs" / "reference")
+    with open_source(cand_spec) as src:
+        alone = RunReader(capture_candidate(src, ref, tmp_path / "alone"))
+    a, b = _rows(RunReader(out / "runs" / f"candidate-{name}")), _rows(alone)
+    assert a[0].shape[0] == ref.manifest["n_positions"]
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])

@@ -20,7 +20,7 @@ import pytest
 
 from _models import make_wide_llama
 from servers import CountingProxy, llama_server, start_or_fail
-from logitdiff.capture import capture_reference
+from logitdiff.capture import capture_candidate, capture_reference
 from logitdiff.sources import open_source
 from logitdiff.sources.served import DETOKENIZE_CHUNK, LLAMACPP_TASKS_PER_REQUEST
 from logitdiff.store import RunReader
@@ -57,10 +57,14 @@ def _local_texts(tok) -> list[str]:
 def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
     srv = start_or_fail(llama_server, wide["gguf"], wide["logs"], default_flags=flags == "default")
     try:
+        # the reference takes its rows from its generation: the scheduling of teacher-forced
+        # scoring is a candidate's, captured through the proxy on the reference's tokens
+        with open_source(f"openai:{srv.url},top_k={K}") as src:
+            ref = RunReader(capture_reference(src, read_workload(wide["wl"]), tmp_path / "ref", store=f"topk:{K}"))
         with CountingProxy(srv.url, keep=("/completion", "/detokenize")) as px:
             with open_source(f"openai:{px.url},top_k={K}") as src:
                 assert src.vocab_size == V
-                run = RunReader(capture_reference(src, read_workload(wide["wl"]), tmp_path / "ref", store=f"topk:{K}"))
+                run = RunReader(capture_candidate(src, ref, tmp_path / "cand", store=f"topk:{K}"))
                 stats = dict(src.server_stats)
                 slots, pinned = src._n_slots, src._pin_slots
             counts = dict(px.counts)
@@ -72,11 +76,11 @@ def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
         assert "kv_unified = 'true'" in log, "llama-server's defaults changed: no unified KV cache, so this test no longer covers them"
 
     # token texts: all V ids in ceil(V / 65,536) /detokenize requests, never one per id (the
-    # only one-token request is the separator's probe; the rest are the items' own texts)
+    # only one-token request is the separator's probe)
     n_chunks = math.ceil(V / DETOKENIZE_CHUNK)
     sizes = [len(b["tokens"]) for b in detok]
     assert sum(n > DETOKENIZE_CHUNK for n in sizes) == n_chunks and sizes.count(1) <= 1, sizes
-    assert len(sizes) <= n_chunks + 2 + len(run.items()), sizes
+    assert len(sizes) <= n_chunks + 2, sizes
     vocab = run.vocab()
     assert len(vocab) == V
     local = _local_texts(wide["tok"])
@@ -89,7 +93,7 @@ def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
     # default flags (idle slots cleared, found by the open's probe): rounds of unpinned tasks,
     # one position of each item in flight per request; with no more items than slots all are
     # in flight from the start, so there are as many rounds as the longest output has
-    # positions (+ the preflight; besides: the probe's 3 requests, one generation per item)
+    # positions (+ the preflight; besides: the probe's 3 requests)
     items = run.items()
     assert pinned == (flags == "tuned")
     scoring = [b for b in bodies if isinstance(b.get("prompt"), list) and b["prompt"] and isinstance(b["prompt"][0], list)]
@@ -106,7 +110,7 @@ def test_llama_server_wide_vocab_capture(wide, tmp_path, flags):
             running = [it for it in items if len(it.teacher_ids) > r]
             assert b["prompt"] == [list(it.prompt_ids) + list(it.teacher_ids[:r]) for it in running], r
     assert len(scoring) == want + 1, (len(scoring), want)  # + the preflight
-    assert counts["/completion"] == len(scoring) + len(items) + 3
+    assert counts["/completion"] == len(scoring) + 3
 
     # prefix reuse, from the server's timings: after its prompt, each position of an item
     # evaluates one new token (not its whole prefix)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference
 from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
-from .consequences import DEFAULT_MAX_BRANCHES, Settings, analyse
+from .defaults import DEFAULT_MAX_BRANCHES
 from .contracts import SCHEMA_VERSION, CandidateRow, Column, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from .errors import LogitdiffError
 from .outputs import RUN_SUMMARY_SCHEMA, Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
@@ -89,8 +89,12 @@ def _workload_path(cfg: RunConfig) -> Path:
     return WORKLOAD
 
 
-def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunReader:
-    """Capture the reference, or reuse/resume a matching capture in OUT/runs/reference."""
+def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks, prefetch=None) -> RunReader:
+    """Capture the reference, or reuse/resume a matching capture in OUT/runs/reference.
+
+    ``prefetch``: a served candidate source whose scoring of each generated block starts while
+    the reference generates the next one (ServedSource.prefetch; a fresh capture only: a
+    resumed block keeps its stored tokens)."""
     path = Path(cfg.out) / "runs" / "reference"
     want = {"workload_sha256": wl_hash, "spec": cfg.reference, "max_tokens": cfg.max_tokens, "positions": cfg.positions,
             "store": cfg.reference_store}
@@ -109,6 +113,9 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks) -> RunRead
             resume = True
     hooks.stage(f"reference: {cfg.reference} generating greedily on {len(items)} items")
     with open_source(cfg.reference) as src, applied_threads([src]):
+        # another server only: on the same one the candidate's tasks would be the reference's batch mates
+        if prefetch is not None and not resume and hasattr(src, "on_generated") and set(prefetch.roots).isdisjoint(src.roots):
+            src.on_generated = prefetch.prefetch
         advance = hooks.bar(len(items), "reference")
         settings = {"workload_sha256": wl_hash, "workload": str(_workload_path(cfg))}
         try:
@@ -142,11 +149,24 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> RunSummary:
 
 
 def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str]) -> RunSummary:
+    import contextlib
+
+    with contextlib.ExitStack() as opened:  # a source opened ahead is closed whatever happens
+        return _run_opened(cfg, hooks, wl_path, items, names, opened)
+
+
+def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], opened) -> RunSummary:
     t0 = time.time()
     wl_hash = hashlib.sha256(wl_path.read_bytes()).hexdigest()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    ref = _reference_run(cfg, items, wl_hash, hooks)
+    # A served reference and a served (first) candidate: the candidate is opened first and
+    # scores each reference block (another server) while the reference generates the next.
+    early = None
+    first_served = next((c for c in cfg.candidates if is_served(c)), None)
+    if is_served(cfg.reference) and first_served is not None:
+        early = opened.enter_context(open_source(first_served))
+    ref = _reference_run(cfg, items, wl_hash, hooks, prefetch=early)
     n_pos = sum(len(it.positions) for it in ref.items())
 
     def score(spec: str, label: str, after=None, offset: int = 0):
@@ -156,11 +176,12 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
             comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance, logprob_floor=cfg.logprob_floor)
             return comp, (after(src, comp) if after else None)
 
-    def served_candidate(spec: str, name: str):
+    def served_candidate(spec: str, name: str, opened=None):
         """A served candidate: captured into OUT/runs/<name> (top-K), compared from there,
-        then scored again live with other batch mates against that capture: its floor."""
+        then scored again live with other batch mates against that capture: its floor.
+        ``opened``: the source, already open (and prefetched on the reference's blocks)."""
         run_dir = out / "runs" / f"candidate-{name}"
-        with open_source(spec) as src, applied_threads([src]):
+        with (opened or open_source(spec)) as src, applied_threads([src]):
             hooks.stage(f"candidate: {spec} -> {run_dir}")
             capture_candidate(src, ref, run_dir, overwrite=True, progress=hooks.bar(len(ref.items()), name))
             cand = RunReader(run_dir)
@@ -180,11 +201,15 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         from .grading import load_similarity
 
         similarity = load_similarity(cfg.similarity)
-    fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
 
     def consequences(src, comp):
         if not (cfg.flips or cfg.correctness):
             return {}, {}
+        # imported only here: flips and grading (jsonschema, tool calls) are a third of the
+        # import time of a run that does neither
+        from .consequences import Settings, analyse
+
+        fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
         return analyse(src, ref, comp.columns, similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
                        bar=lambda n, label: hooks.bar(n, label))
 
@@ -220,7 +245,9 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     for spec, name in zip(cfg.candidates, names):
         hooks.stage(f"candidate: {spec}")
         if is_served(spec):
-            comp, (sections, files) = served_candidate(spec, name)
+            comp, (sections, files) = served_candidate(spec, name, opened=early if spec == first_served else None)
+            if spec == first_served:
+                early = None
         else:
             comp, (sections, files) = score(spec, name, consequences)
             comp.served_floor = served_floor(ref_floor, None)
@@ -268,8 +295,13 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
 
         hooks.stage("report.html: every candidate on one page, and each candidate's own in reports/<name>/")
         write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
-        for r in rows:
-            write_candidate_page(r["report"], summary)
+        if len(rows) == 1:
+            # one candidate: its own page is the run's page (the same report, tokens, summary
+            # and path rendered), written once and copied, not rendered twice
+            atomic_write_bytes(Path(rows[0]["report"]) / "report.html", (out / "report.html").read_bytes())
+        else:
+            for r in rows:
+                write_candidate_page(r["report"], summary)
     hooks.done()
     return summary
 

@@ -85,7 +85,6 @@ def rich_hooks(bars: Bars) -> Hooks:
 
 def run(args) -> int:
     from ..capture import check_max_tokens, parse_positions
-    from ..flips import parse_select
     from ..pipeline import RunConfig, check_specs, default_candidates, run_pipeline
 
     ranges = parse_ranges_arg(args.ranges)
@@ -99,7 +98,10 @@ def run(args) -> int:
         flip_select=args.select, max_branches=args.max_branches, similarity=args.similarity,
         logprob_floor=args.logprob_floor, reference_store=args.reference_store,
     )
-    parse_select(args.select)
+    if not args.no_flips:  # flips.py (and what it imports) only for a run that branches
+        from ..flips import parse_select
+
+        parse_select(args.select)
     check_max_branches(args.max_branches)
     cfg.gates = parse_gate_args(args)
     check_specs(cfg)

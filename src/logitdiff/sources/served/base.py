@@ -30,6 +30,9 @@ BATCHING = {
     SERIAL: "serial: one item at a time and one task per server batch (one request in flight); slower, and rows "
             "do not depend on other items' requests",
 }
+#: blocks a served source scores ahead (:meth:`ServedSource.prefetch`): their rows wait in
+#: memory until asked for, so memory stays a few blocks of top-K rows whatever the workload
+PREFETCH_BLOCKS = 4
 #: token ids per /detokenize request when token texts come from the server (a few MB of JSON)
 DETOKENIZE_CHUNK = 65_536
 #: candidate separators between token texts in one /detokenize request (see ServedSource._separator)
@@ -107,6 +110,9 @@ class ServedSource(TopKSource):
     #: a token whose text is one complete ASCII character, where the protocol needs one
     #: (llama-server sets it; see LlamaServerSource._ascii_token)
     _force_tok: int | None = None
+    #: called with the (prompt, generated ids) pairs of every generate_many: what a job that
+    #: scores another source on this one's generations hands to that source's prefetch (pipeline.py)
+    on_generated = None
 
     def __init__(
         self,
@@ -131,6 +137,8 @@ class ServedSource(TopKSource):
         self.server_info: dict = {"kind": self.kind}
         self.model = model
         self.tok = None
+        self._prefetched: dict[tuple, Any] = {}  # block key -> Future of its rows (prefetch)
+        self._prefetcher = None
         server_vocab = self._check_models()
         self._probe_server(tokenizer)
         self._load_tokenizer(tokenizer)
@@ -416,14 +424,48 @@ class ServedSource(TopKSource):
         ``concurrency`` requests in flight, the client's bound), one at a time in serial mode."""
         jobs = list(zip(prompts, max_tokens))
         if self.batching == SERIAL:
-            return [self.generate(p, n) for p, n in jobs]
-        return self._threaded(lambda job: self.generate(*job), jobs)
+            gens = [self.generate(p, n) for p, n in jobs]
+        else:
+            gens = self._threaded(lambda job: self.generate(*job), jobs)
+        if self.on_generated is not None:
+            self.on_generated([(list(p), list(g.token_ids)) for p, g in zip(prompts, gens)])
+        return gens
+
+    @staticmethod
+    def _block_key(batch) -> tuple:
+        return tuple((tuple(int(i) for i in p), tuple(int(i) for i in t)) for p, t in batch)
+
+    def prefetch(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bool:
+        """Start scoring one block of (prompt, teacher) pairs in the background (one block at a
+        time, in order); a later :meth:`score_many` of exactly that block, same pairs in the same
+        order (the same batch mates), takes its rows from there. What ``run`` uses to score a
+        served candidate on each reference block while the reference generates the next one
+        (another server). At most :data:`PREFETCH_BLOCKS` blocks wait; False when refused."""
+        if len(self._prefetched) >= PREFETCH_BLOCKS or self._client is None:
+            return False
+        key = self._block_key(batch)
+        if key in self._prefetched:
+            return True
+        if self._prefetcher is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitdiff-prefetch")
+        self._prefetched[key] = self._prefetcher.submit(self._score_now, [list(map(list, pair)) for pair in batch])
+        return True
 
     async def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[TopKRows]:
         raise NotImplementedError
 
     def score_many(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[TopKRows]:
-        """Teacher-forced top-K per position of each (prompt, teacher) pair."""
+        """Teacher-forced top-K per position of each (prompt, teacher) pair (from a
+        :meth:`prefetch` of exactly this block when there is one)."""
+        if self._prefetched:
+            fut = self._prefetched.pop(self._block_key(batch), None)
+            if fut is not None:
+                return fut.result()
+        return self._score_now(batch)
+
+    def _score_now(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[TopKRows]:
         pairs = []
         for n, (p, t) in enumerate(batch):
             p, t = [int(i) for i in p], [int(i) for i in t]
@@ -458,6 +500,11 @@ class ServedSource(TopKSource):
         })
 
     def close(self) -> None:
+        if getattr(self, "_prefetcher", None) is not None:
+            # blocks never asked for (a job that failed): cancelled, or waited for, not left running
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher = None
+            self._prefetched = {}
         c = getattr(self, "_client", None)
         if c is not None:
             c.close()

@@ -68,6 +68,7 @@ class LlamaServerSource(ServedSource):
         self.server_info["total_slots"] = self._n_slots
         self._pin_slots = self._idle_slots_kept()
         self.server_info["scheduling"] = "pinned slots" if self._pin_slots else "rounds of unpinned tasks, one position per item (host-RAM prompt cache)"
+        self._probe_rows_note()
 
     def _idle_slots_kept(self) -> bool:
         """Does an idle slot keep its prompt while another slot starts a task? Three requests:
@@ -134,14 +135,29 @@ class LlamaServerSource(ServedSource):
 
     # ---- model ---------------------------------------------------------------------------
     def _rows_in_generation(self) -> bool:
-        """Serial mode, prefix cache on, one replica: the greedy generation's own top-K rows
-        (``n_probs`` on every generated token, the prompt evaluated from scratch) are the
-        rows teacher-forced scoring of the same tokens would return, bit for bit - the same
-        server evaluates the same tokens in the same order, alone in its batch (measured:
-        tests/test_served_floor.py). So the reference's scoring pass is answered from them:
-        one request per item instead of one task per position. Not in rounds mode (other
-        batch mates) nor with ``cache_prompt=false`` (scoring re-evaluates each prefix)."""
-        return self.batching == SERIAL and self.cache_prompt and len(self.roots) == 1
+        """Prefix cache on (the default): a reference capture takes each item's rows from its
+        greedy generation (``n_probs`` on every generated token) instead of a teacher-forced
+        task per position afterwards: one request per item, as a peer such as quantdiff does.
+        Both are the same incremental decoding (the prompt, then one new token per position);
+        what can differ is the server batch a row was computed in:
+
+        * serial: the prompt is evaluated afresh and the item is alone in its batches, so the
+          rows are the teacher-forced ones bit for bit (tests/test_served_floor.py);
+        * rounds: the other items' generation steps are the batch mates, as other items'
+          scoring tasks would be; rows move by the served floor either way (a ``run`` measures
+          it: the reference scored again, teacher-forced, with other batch mates, against these).
+
+        Not with ``cache_prompt=false`` (scoring re-evaluates each prefix in one batch, not
+        incremental decoding)."""
+        return self.cache_prompt and (self.batching != SERIAL or len(self.roots) == 1)
+
+    def _probe_rows_note(self) -> None:
+        if self._rows_in_generation():
+            self.server_info["reference_rows"] = (
+                "a reference capture takes each item's rows from its greedy generation (n_probs on every generated token: "
+                + ("alone in its server batches, bit-identical to teacher-forced scoring" if self.batching == SERIAL
+                   else "other items' generation steps as batch mates, within the served floor of teacher-forced scoring")
+                + "); an item whose generation lacks a row (a byte token) is scored teacher-forced")
 
     def generate_many(self, prompts, max_tokens):
         self._gen_rows = {}  # only this block's: memory is a block of items
@@ -154,18 +170,23 @@ class LlamaServerSource(ServedSource):
     def score_many(self, batch):
         if not self._gen_rows:
             return super().score_many(batch)
-        # serial mode scores pair by pair anyway: the others one at a time, as it would
-        keys = [(tuple(int(i) for i in p), tuple(int(i) for i in t)) for p, t in batch]
-        return [self._gen_rows.pop(k) if k in self._gen_rows else super(LlamaServerSource, self).score_many([pair])[0]
-                for k, pair in zip(keys, batch)]
+        keys = self._block_key(batch)
+        out = [self._gen_rows.pop(k, None) for k in keys]
+        # the pairs the generation did not answer are scored together, as they would be
+        missing = [n for n, r in enumerate(out) if r is None]
+        if missing:
+            for n, r in zip(missing, super().score_many([batch[n] for n in missing])):
+                out[n] = r
+        return out
 
     def _generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
         c = self._client
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "return_tokens": True,
                 "cache_prompt": True, "repeat_penalty": 1.0, "dry_multiplier": 0.0, "stream": False}
         if self._collect_rows:
-            # as the first scoring task of a serial item: the whole prompt evaluated afresh
-            body.update({"n_probs": self.top_k, "post_sampling_probs": False, "cache_prompt": False})
+            # raw log-probabilities of every generated token; serial: the whole prompt evaluated
+            # afresh, as the item's first scoring task would be
+            body.update({"n_probs": self.top_k, "post_sampling_probs": False, "cache_prompt": self.batching != SERIAL})
         r = c.run(c.request("POST", "/completion", body))
         ids = r.get("tokens") or []
         if self._collect_rows:
