@@ -54,6 +54,10 @@ CONTENT_CHANGED_SHARE = 0.6
 # MiniLM cosine of two single words at or above which one stands for the other (a synonym
 # or an inflection: "method"/"way", "canonical"/"standard"); unrelated words lie lower.
 WORD_MATCH = 0.5
+# Word salad (is_word_salad): at least this many content words, each used twice or more on
+# average. The bundled model's prose is such text; a person's prose repeats few words.
+SALAD_MIN_WORDS = 6
+SALAD_DISTINCT_SHARE = 0.5
 
 
 class Tok(NamedTuple):
@@ -205,18 +209,106 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
         if gone or new:
             changed.append(_describe("insert" if not gone else "delete" if not new else "replace", gone, new))
     share = None
+    salad = False
+    local = True
     if not code:
-        wa = [t for t in a if t.kind == "word"]
-        wb = [t for t in b if t.kind == "word"]
-        A, B = {t.text for t in wa}, {t.text for t in wb}
-        if A or B:
-            only_a = sorted({_surface(t, ref) for t in wa if t.text not in B})
-            only_b = sorted({_surface(t, branch) for t in wb if t.text not in A})
-            ua, ub = _unmatched(only_a, only_b, word_similarity)
-            share = (len(ua) + len(ub)) / len(A | B)
-            if share > CONTENT_CHANGED_SHARE and min(len(A), len(B)) >= 3:
-                changed.append(f"content words on one side only: {100 * share:.0f} % ({', '.join(ua[:3])} / {', '.join(ub[:3])})")
-    return {"changed": changed, "shifted": shifted, "content_share": share}
+        words = content_words(ref, branch, a, b, ref_cut=ref_cut, branch_cut=branch_cut, a_len=a_len, b_len=b_len,
+                              start=start, word_similarity=word_similarity)
+        ua, ub, n_union = words["only_ref"], words["only_branch"], words["n_union"]
+        if n_union:
+            share = (len(ua) + len(ub)) / n_union
+        salad = is_word_salad(ref)
+        if salad:
+            # word salad asserts by which content words it uses: one on one side only is
+            # another claim; the same words in another order say the same (at most benign)
+            local = not words["reordered"]
+            if ua or ub:
+                changed.append(f"content words on one side only ({', '.join(ua[:3]) or '-'} / {', '.join(ub[:3]) or '-'})")
+        elif share is not None and share > CONTENT_CHANGED_SHARE and min(words["n_ref"], words["n_branch"]) >= 3:
+            changed.append(f"content words on one side only: {100 * share:.0f} % ({', '.join(ua[:3])} / {', '.join(ub[:3])})")
+    return {"changed": changed, "shifted": shifted, "content_share": share, "word_salad": salad, "local": local}
+
+
+def is_word_salad(text: str) -> bool:
+    """Text that says the same few content words again and again (``If the exception is
+    raised if the exception is raised``): at least ``SALAD_MIN_WORDS`` content words (and
+    names), each used ``1 / SALAD_DISTINCT_SHARE`` times or more on average. Such text
+    carries its claims by which words it uses, not by its wording."""
+    w = [t.text for t in prose_tokens(text) if t.kind in ("word", "name")]
+    return len(w) >= SALAD_MIN_WORDS and len(set(w)) <= SALAD_DISTINCT_SHARE * len(w)
+
+
+def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut: bool, branch_cut: bool, a_len: int,
+                  b_len: int, start: int, word_similarity=None) -> dict:
+    """Content words of prose on one side only, both full sides from ``start`` compared as
+    sets, with the tolerances of :func:`compare`: past the end of a side the budget cut, the
+    other side's words are not judged (the end is aligned by the last common word); a cut
+    side's last word may be cut inside (it matches any word it begins or that begins it);
+    past the end of a side that *stopped*, the other side's words that repeat what was
+    said before them are not new. A word with MiniLM cosine >= ``WORD_MATCH`` to a word on
+    the other side only is a synonym, not new. ``reordered``: the words as sequences
+    differ beyond such synonyms (a reworded or reordered text, not a local change)."""
+    wa = [t for t in a if t.kind == "word"]
+    wb = [t for t in b if t.kind == "word"]
+    # a cut side's last word (dropped by _drop_cut_end) comes back as a partial word
+    pa = _partial_last(ref, ref_cut, start)
+    pb = _partial_last(branch, branch_cut, start)
+    ops = SequenceMatcher(None, [t.text for t in wa], [t.text for t in wb], autojunk=False).get_opcodes()
+    lim_a, lim_b = _char_limits(ref, branch, start, a_len, b_len)
+    A, B = {t.text for t in wa}, {t.text for t in wb}
+
+    def one_side(own: list[Tok], text: str, other: set[str], other_partial: str | None, lim: float, other_cut: bool,
+                 partial: str | None) -> list[str]:
+        out = []
+        for t in own:
+            if t.text in other or (other_partial and (t.text.startswith(other_partial) or other_partial.startswith(t.text))):
+                continue
+            if t.start >= lim:
+                if other_cut:
+                    continue  # the other side may say it past its budget
+                if t.text in {u.text for u in prose_tokens(text[: t.start]) if u.kind == "word"}:
+                    continue  # the other side stopped; this repeats what was said
+            out.append(_surface(t, text))
+        if partial and not any(w.startswith(partial) or partial.startswith(w) for w in other):
+            out.append(partial)
+        return sorted(set(out))
+
+    only_a = one_side(wa, ref, B, pb, lim_a, branch_cut, pa)
+    only_b = one_side(wb, branch, A, pa, lim_b, ref_cut, pb)
+    ua, ub = _unmatched(only_a, only_b, word_similarity)
+    # as sequences: inside the compared extent, every replaced, added or missing word must
+    # be a synonym of one across (or lie past a cut end) for the change to be local
+    reordered = False
+    for op, i1, i2, j1, j2 in ops:
+        if op == "equal":
+            continue
+        ga = [_surface(t, ref) for t in wa[i1:i2] if not (branch_cut and t.start >= lim_a)]
+        gb = [_surface(t, branch) for t in wb[j1:j2] if not (ref_cut and t.start >= lim_b)]
+        ra, rb = _unmatched(ga, gb, word_similarity)
+        if ra or rb:
+            reordered = True
+            break
+    return {"only_ref": ua, "only_branch": ub, "n_union": len(A | B), "n_ref": len(A), "n_branch": len(B),
+            "reordered": reordered}
+
+
+def _char_limits(ref: str, branch: str, start: int, a_len: int, b_len: int) -> tuple[float, float]:
+    """Like :func:`_limits`, with the ends aligned by characters (the last common stretch of
+    at least 3 characters): a prose text of a few repeated words aligns badly by words."""
+    blocks = [m for m in SequenceMatcher(None, ref[start:a_len], branch[start:b_len], autojunk=False).get_matching_blocks()
+              if m.size >= 3]
+    a_end, b_end = (start + blocks[-1].a + blocks[-1].size, start + blocks[-1].b + blocks[-1].size) if blocks else (start, start)
+    return a_end + (b_len - b_end), b_end + (a_len - a_end)
+
+
+def _partial_last(text: str, cut: bool, start: int) -> str | None:
+    """The last word of a text cut by the budget (it may be cut inside), as a stem prefix."""
+    if not cut:
+        return None
+    toks = [t for t in prose_tokens(text) if t.end > start]
+    if toks and toks[-1].kind == "word" and toks[-1].end >= len(text.rstrip()):
+        return _surface(toks[-1], text).rstrip("'’")
+    return None
 
 
 def _limits(before, ta: list[Tok], tb: list[Tok], a_len: int, b_len: int, start: int) -> tuple[float, float]:
