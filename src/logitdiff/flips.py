@@ -66,6 +66,9 @@ MARGIN_BUCKETS = (0.0, 0.05, 0.2, 0.5, 1.0000001)
 # few words or one short line.
 from .defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN  # noqa: E402 (the values, defined for the CLI's --help)
 MIN_JOINED_SHARE = 0.8
+# ... or at most this many tokens of it not joined (a word of the bundled tokenizer: local
+# whatever the share, which matters only for the last few tokens of the budget).
+LOCAL_TOKENS = 2
 # Last thirds of two continuations this dissimilar (difflib ratio) end differently: a
 # recovered branch must not (the summary counts any that do, so a wrong class shows on the
 # page), and on character-scored text (code) neither may a benign one.
@@ -315,8 +318,11 @@ class Alignment:
         return self.joined / self.remainder if self.remainder else 0.0
 
     def stays_joined(self, min_share: float = MIN_JOINED_SHARE) -> bool:
-        """Re-joined, never left for good, and joined for at least ``min_share`` of the remainder."""
-        return self.rejoin is not None and self.left is None and (self.joined_share or 0.0) >= min_share
+        """Re-joined, never left for good, and joined for at least ``min_share`` of the
+        remainder, or all but ``LOCAL_TOKENS`` of it: near the end of the budget (a tail of
+        six tokens) a word's difference is a large share but still a local one."""
+        return (self.rejoin is not None and self.left is None
+                and ((self.joined_share or 0.0) >= min_share or self.remainder - self.joined <= LOCAL_TOKENS))
 
 
 def _first_rejoin(b, r, min_run: int, max_shift: int) -> tuple[int, int] | None:
@@ -539,11 +545,17 @@ def classify(
             sig["shifted"] = sal["shifted"]
             sig["content_share"] = sal["content_share"]
             sig["word_salad"] = sal.get("word_salad", False)
+            sig["word_salad"] = sal.get("word_salad", False)
             same = not sal["changed"]
             what = "same " + ("numbers, names and literals" if code else "numbers, names, negations and content")
             if sal.get("word_salad") and not sal.get("local", True):
                 # word salad whose words differ in order or place (not by a synonym or a
                 # filler word): the same words, other sentences; not a local change
+                stays = False
+                what += " (word salad: the same content words, reworded)"
+            if sal.get("word_salad") and not sal.get("local", True):
+                # word salad whose words differ in order or place (not by a synonym): the
+                # same words in other sentences, not a local change (docs/flips.md)
                 stays = False
                 what += " (word salad: the same content words, reworded)"
             if sal["shifted"]:
@@ -554,7 +566,9 @@ def classify(
     sig["same_answer"] = bool(same)
     # An answer label or a valid reference call says what the meaning is; only without
     # one does similarity stand in for it.
-    label_free = not expected and not sig.get("ref_call_valid")
+    # Word salad (salient.is_word_salad) is judged by its content words alone: an embedding
+    # or character similarity of a dozen repeated words says nothing its words do not.
+    label_free = not expected and not sig.get("ref_call_valid") and not sig.get("word_salad")
     ends_alike = end_similarity is None or end_similarity >= END_RATIO_DISSIMILAR
     sim_ok = not label_free or (similarity >= threshold and ends_alike)
     sim_text = f"similarity {similarity:.3f} {'>=' if similarity >= threshold else '<'} {threshold:g}" if label_free else ""
