@@ -415,3 +415,85 @@ def test_minilm_word_similarity_tells_synonyms_from_new_content():
     assert told["content_share"] < strict["content_share"] and not told["changed"]
     other = compare(ref, "The tax office audited my accounts.", code=False, start=4, word_similarity=words)
     assert other["changed"] and other["content_share"] > 0.6
+
+
+SALAD = ('\n   If the exception is raised if the exception is false, the exception is raised.\n\n'
+         '   If the exception is raised if the exception is raised.\n\n   If the "with" statement is used for the value')
+
+
+def test_word_salad_is_text_of_a_few_repeated_content_words():
+    from logitdiff.salient import is_word_salad
+
+    assert is_word_salad(SALAD)
+    assert not is_word_salad(" is available in Python and is stored in the module dictionary, which maps names to objects.")
+    assert not is_word_salad("the exception is raised")  # too few words to say
+
+
+def test_word_salad_changes_with_any_content_word_on_one_side_only():
+    """The bundled model's prose asserts by which of its few words it uses: one content word
+    on one side only is another claim, wherever it is and however similar the rest; the same
+    words in another order are the same information (not a local change: never recovered)."""
+    from logitdiff.salient import compare
+
+    def cmp(ref_cont, br_cont, ref_cut=True, branch_cut=True):
+        return compare(SALAD + ref_cont, SALAD + br_cont, code=False, start=len(SALAD), ref_cut=ref_cut, branch_cut=branch_cut)
+
+    # a condition dropped ("false"), a word changed ("raised" -> "called"), a word added ("found")
+    for ref_cont, br_cont in ((" If the exception is false, the exception is raised. If the",
+                               " If the exception is raised, the exception is raised. If the"),
+                              (" If the exception is raised, the value is used. If the",
+                               " If the exception is called, the value is used. If the"),
+                              (" If the exception is raised, the value is used. If the",
+                               " If the exception is found, the exception is raised, the value is used. If the")):
+        for a, b in ((ref_cont, br_cont), (br_cont, ref_cont)):
+            r = cmp(a, b)
+            assert r["word_salad"] and r["changed"], (a, b, r)
+    # one word each, both cut by the budget: a last word may be cut inside, but "false" is no
+    # beginning of "raised"
+    assert cmp(" raised", " false")["changed"]
+    assert not cmp(" exception is rais", " exception is raised")["changed"]
+    # the same words in another order: no change, but not local
+    r = cmp(" the exception is raised, the value is used. If the", " the value is used, the exception is raised. If the")
+    assert not r["changed"] and not r["local"]
+    # a synonym-free local difference (a stop word) is local
+    r = cmp(" the exception is raised for the value. If the", " the exception is raised to the value. If the")
+    assert not r["changed"] and r["local"]
+
+
+def test_word_salad_cut_tail_and_early_stop():
+    from logitdiff.salient import compare
+
+    def cmp(ref_cont, br_cont, ref_cut, branch_cut):
+        return compare(SALAD + ref_cont, SALAD + br_cont, code=False, start=len(SALAD), ref_cut=ref_cut, branch_cut=branch_cut)
+
+    ref = ' of the same value, and the\nvalue of the "with" statement.\n\nThe "with" statement is used for the "with" statement'
+    # both cut: what the branch writes past the end of the reference's text is not judged ...
+    assert not cmp(ref, ref + "\nis imported.", True, True)["changed"]
+    # ... but where the reference stopped (end token), going on with new words is a change,
+    assert cmp(ref, ref + "\nis imported.", False, True)["changed"]
+    # and going on with what was said before is not
+    assert not cmp(ref, ref + " the exception is raised.", False, True)["changed"]
+    # stopping earlier where the reference goes on with new words is a change; with repetition it is not
+    assert cmp(ref + " and the module is imported.", ref, True, False)["changed"]
+    assert not cmp(ref + ", and the exception is raised.", ref, True, False)["changed"]
+
+
+def test_word_salad_through_classify():
+    # one changed word (a claim), then identical: meaning_changed whatever the similarity says
+    ref, br = SALAD + " If the exception is false, the exception is raised.", SALAD + " If the exception is found, the exception is raised."
+    o, sig = outcome(ref, br, {"tags": ["prose"]}, sim=0.99, threshold=0.7)
+    assert o == "meaning_changed" and sig["word_salad"], sig
+    # the same words reordered: benign whatever the similarity says, never recovered
+    ref2 = SALAD + " If the exception is raised, the value is used for the exception; the exception is raised."
+    br2 = SALAD + " If the value is used, the exception is raised for the exception; the exception is raised."
+    o, sig = outcome(ref2, br2, {"tags": ["prose"]}, sim=0.1, threshold=0.7)
+    assert o == "benign", sig
+
+
+def test_a_short_tail_joined_but_for_a_word_stays_joined():
+    # six tokens left in the budget, a two-token detour, then the reference to the end: 4/6
+    # joined is under the share, but only a word differs
+    al = align([1, 2, 3, 4, 5, 6], [7, 8, 3, 4, 5, 6])
+    assert al.joined == 4 and al.joined_share < 0.8 and al.stays_joined()
+    # three tokens unjoined is not local at this length
+    assert not align([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 4, 5, 6, 7]).stays_joined()

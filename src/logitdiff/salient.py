@@ -269,7 +269,8 @@ def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut:
                 if t.text in {u.text for u in prose_tokens(text[: t.start]) if u.kind == "word"}:
                     continue  # the other side stopped; this repeats what was said
             out.append(_surface(t, text))
-        if partial and not any(w.startswith(partial) or partial.startswith(w) for w in other):
+        across = other | ({other_partial} if other_partial else set())
+        if partial and not any(w.startswith(partial) or partial.startswith(w) for w in across):
             out.append(partial)
         return sorted(set(out))
 
