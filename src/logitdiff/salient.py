@@ -241,46 +241,49 @@ def is_word_salad(text: str) -> bool:
 def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut: bool, branch_cut: bool, a_len: int,
                   b_len: int, start: int, word_similarity=None) -> dict:
     """Content words of prose on one side only, both full sides from ``start`` compared as
-    sets, with the tolerances of :func:`compare`: past the end of a side the budget cut, the
-    other side's words are not judged (the end is aligned by the last common word); a cut
-    side's last word may be cut inside (it matches any word it begins or that begins it);
-    past the end of a side that *stopped*, the other side's words that repeat what was
-    said before them are not new. A word with MiniLM cosine >= ``WORD_MATCH`` to a word on
-    the other side only is a synonym, not new. ``reordered``: the words as sequences
-    differ beyond such synonyms (a reworded or reordered text, not a local change)."""
+    sets (``a``/``b``: the tokens :func:`compare` compares), with its tolerances: past the
+    end of a side the budget cut, the other side's words are not judged (the ends aligned by
+    characters, :func:`_char_limits`); a cut side's last word may be cut inside (it matches
+    any word it begins or that begins it); past the end of a side that *stopped*, the other
+    side's words that repeat what was said before them are not new. A word with MiniLM
+    cosine >= ``WORD_MATCH`` to a word on the other side only is a synonym, not new.
+    ``reordered``: the words as sequences differ beyond such synonyms (a reworded or
+    reordered text, not a local change)."""
     wa = [t for t in a if t.kind == "word"]
     wb = [t for t in b if t.kind == "word"]
-    # a cut side's last word (dropped by _drop_cut_end) comes back as a partial word
-    pa = _partial_last(ref, ref_cut, start)
-    pb = _partial_last(branch, branch_cut, start)
-    ops = SequenceMatcher(None, [t.text for t in wa], [t.text for t in wb], autojunk=False).get_opcodes()
+    all_a = [t for t in prose_tokens(ref) if t.kind == "word"]
+    all_b = [t for t in prose_tokens(branch) if t.kind == "word"]
+    # a cut side's last word (left out by _drop_cut_end) comes back as a possibly cut word
+    pa, pb = _partial_last(all_a, ref, ref_cut, start), _partial_last(all_b, branch, branch_cut, start)
     lim_a, lim_b = _char_limits(ref, branch, start, a_len, b_len)
     A, B = {t.text for t in wa}, {t.text for t in wb}
 
-    def one_side(own: list[Tok], text: str, other: set[str], other_partial: str | None, lim: float, other_cut: bool,
-                 partial: str | None) -> list[str]:
+    def begins(x: str, y: str) -> bool:
+        return x.startswith(y) or y.startswith(x)
+
+    def one_side(own, everything, text, other, other_partial, lim, other_cut, partial) -> list[str]:
         out = []
         for t in own:
-            if t.text in other or (other_partial and (t.text.startswith(other_partial) or other_partial.startswith(t.text))):
+            if t.text in other or (other_partial and begins(t.text, other_partial)):
                 continue
             if t.start >= lim:
                 if other_cut:
                     continue  # the other side may say it past its budget
-                if t.text in {u.text for u in prose_tokens(text[: t.start]) if u.kind == "word"}:
+                if any(u.text == t.text for u in everything if u.end <= t.start):
                     continue  # the other side stopped; this repeats what was said
             out.append(_surface(t, text))
         across = other | ({other_partial} if other_partial else set())
-        if partial and not any(w.startswith(partial) or partial.startswith(w) for w in across):
+        if partial and not any(begins(w, partial) for w in across):
             out.append(partial)
         return sorted(set(out))
 
-    only_a = one_side(wa, ref, B, pb, lim_a, branch_cut, pa)
-    only_b = one_side(wb, branch, A, pa, lim_b, ref_cut, pb)
+    only_a = one_side(wa, all_a, ref, B, pb, lim_a, branch_cut, pa)
+    only_b = one_side(wb, all_b, branch, A, pa, lim_b, ref_cut, pb)
     ua, ub = _unmatched(only_a, only_b, word_similarity)
     # as sequences: inside the compared extent, every replaced, added or missing word must
     # be a synonym of one across (or lie past a cut end) for the change to be local
     reordered = False
-    for op, i1, i2, j1, j2 in ops:
+    for op, i1, i2, j1, j2 in SequenceMatcher(None, [t.text for t in wa], [t.text for t in wb], autojunk=False).get_opcodes():
         if op == "equal":
             continue
         ga = [_surface(t, ref) for t in wa[i1:i2] if not (branch_cut and t.start >= lim_a)]
@@ -293,22 +296,26 @@ def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut:
             "reordered": reordered}
 
 
+# The ends of two texts are aligned within their last this many characters (bounded work on
+# long outputs; texts with nothing in common there are aligned from where they part).
+END_WINDOW = 512
+
+
 def _char_limits(ref: str, branch: str, start: int, a_len: int, b_len: int) -> tuple[float, float]:
     """Like :func:`_limits`, with the ends aligned by characters (the last common stretch of
-    at least 3 characters): a prose text of a few repeated words aligns badly by words."""
-    blocks = [m for m in SequenceMatcher(None, ref[start:a_len], branch[start:b_len], autojunk=False).get_matching_blocks()
+    at least 3 characters in the last ``END_WINDOW`` of each): a prose text of a few repeated
+    words aligns badly by words."""
+    a0, b0 = max(start, a_len - END_WINDOW), max(start, b_len - END_WINDOW)
+    blocks = [m for m in SequenceMatcher(None, ref[a0:a_len], branch[b0:b_len], autojunk=False).get_matching_blocks()
               if m.size >= 3]
-    a_end, b_end = (start + blocks[-1].a + blocks[-1].size, start + blocks[-1].b + blocks[-1].size) if blocks else (start, start)
+    a_end, b_end = (a0 + blocks[-1].a + blocks[-1].size, b0 + blocks[-1].b + blocks[-1].size) if blocks else (start, start)
     return a_end + (b_len - b_end), b_end + (a_len - a_end)
 
 
-def _partial_last(text: str, cut: bool, start: int) -> str | None:
-    """The last word of a text cut by the budget (it may be cut inside), as a stem prefix."""
-    if not cut:
-        return None
-    toks = [t for t in prose_tokens(text) if t.end > start]
-    if toks and toks[-1].kind == "word" and toks[-1].end >= len(text.rstrip()):
-        return _surface(toks[-1], text).rstrip("'’")
+def _partial_last(words: list[Tok], text: str, cut: bool, start: int) -> str | None:
+    """The last word of a text cut by the budget (it may be cut inside), as written."""
+    if cut and words and words[-1].end > start and words[-1].end >= len(text.rstrip()):
+        return _surface(words[-1], text).rstrip("'’")
     return None
 
 
