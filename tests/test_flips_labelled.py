@@ -404,9 +404,14 @@ def test_agreement_with_blind_labels_of_real_branches():
 # GGUF), labelled blind by another reader with the same rules after the classifier above was
 # frozen (tests/data/flip_labels_dump.py wrote only the texts). Measured once, reported as it is.
 SMOL_LABELS = Path(__file__).parent / "data" / "flip_labels_smollm.jsonl"
-SMOL_FLOORS: dict[str, tuple[int, int]] = {}  # class -> (agreeing at least, labelled)
-SMOL_KAPPA_FLOOR = 0.0
-SMOL_GOAL_MET: tuple[str, ...] = ()
+# Measured (docs/flips.md): meaning_changed 102/106 (96 %), benign 0/14, kappa -0.05; main's
+# classifier before the word-salad change: 102/106, 1/14, kappa 0.05. Floors: the measured
+# count less one case; benign agrees on none, so its floor is 0 (the target is far off: every
+# benign SmolLM2 branch, a paraphrase or an extra sentence of the same content, reads as a
+# change to the content-word and similarity checks).
+SMOL_FLOORS: dict[str, tuple[int, int]] = {"meaning_changed": (101, 106), "benign": (0, 14)}  # class -> (agreeing at least, labelled)
+SMOL_KAPPA_FLOOR = -0.15
+SMOL_GOAL_MET: tuple[str, ...] = ("meaning_changed",)
 
 
 def _smol_codec():
