@@ -404,13 +404,12 @@ def test_agreement_with_blind_labels_of_real_branches():
 # GGUF), labelled blind by another reader with the same rules after the classifier above was
 # frozen (tests/data/flip_labels_dump.py wrote only the texts). Measured once, reported as it is.
 SMOL_LABELS = Path(__file__).parent / "data" / "flip_labels_smollm.jsonl"
-# Measured (docs/flips.md): meaning_changed 102/106 (96 %), benign 0/14, kappa -0.05; main's
-# classifier before the word-salad change: 102/106, 1/14, kappa 0.05. Floors: the measured
-# count less one case; benign agrees on none, so its floor is 0 (the target is far off: every
-# benign SmolLM2 branch, a paraphrase or an extra sentence of the same content, reads as a
-# change to the content-word and similarity checks).
-SMOL_FLOORS: dict[str, tuple[int, int]] = {"meaning_changed": (101, 106), "benign": (0, 14)}  # class -> (agreeing at least, labelled)
-SMOL_KAPPA_FLOOR = -0.15
+# Measured (docs/flips.md), 180 branches: meaning_changed 141/154 (92 %), benign 1/22,
+# recovered 1/4, kappa 0.01; main's classifier before the word-salad change: 141/154, 2/22,
+# 1/4, kappa 0.05. Floors: the measured count less one case (0 where it is 0 or 1): benign
+# and recovered are far off the target (benign SmolLM2 branches read as changes).
+SMOL_FLOORS: dict[str, tuple[int, int]] = {"meaning_changed": (140, 154), "benign": (0, 22), "recovered": (0, 4)}
+SMOL_KAPPA_FLOOR = -0.1
 SMOL_GOAL_MET: tuple[str, ...] = ("meaning_changed",)
 
 
