@@ -26,8 +26,9 @@ classified, with the signals that decided it, as
   recovered            re-joins the reference (--resync common tokens, at most --max-shift
                        tokens out of line) and stays joined to the end of the shorter output
                        (later detours re-join within --max-detour tokens, >= 80 % of the
-                       tokens after the flip joined), with the same answer / tool call (no
-                       label: nothing salient changed and similarity >= threshold)
+                       tokens after the flip joined, or all but 2 of them near the end of the
+                       budget), with the same answer / tool call (no label: nothing salient
+                       changed and similarity >= threshold)
   benign               does not stay joined (never re-joins, leaves again, or skips whole
                        lines then writes the reference's text), but the same answer / call
   meaning_changed      another answer, or (no label) a changed number, name, literal,
@@ -39,6 +40,9 @@ classified, with the signals that decided it, as
 Similarity (--similarity auto): edit similarity on items tagged code or tool, on
 repetitive text and on texts of a word or two (there a branch must also end alike: last
 thirds, difflib ratio >= 0.5); MiniLM on prose when the optional extra is installed.
+Word salad (prose whose content words repeat, twice or more on average) is judged by its
+content words alone, as sets over both full sides: a content word on one side only is a
+change, the same words in another order are benign.
 
 Ties are not flips: where the reference's margin p(top1) - p(top2) is within the bf16
 spacing at p(top1) (0 included), the engines only broke a tie. Ties are counted and listed
