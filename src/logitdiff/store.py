@@ -210,7 +210,23 @@ def _short(x, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class RunWriter:
+class _KindViews:
+    """Views of a run's store kind for callers that predate storekinds (writer and reader alike)."""
+
+    kind: StoreKind
+
+    @property
+    def k(self) -> int:
+        """K of a top-K run (0 for every other kind)."""
+        return self.kind.k
+
+    @property
+    def compact(self):
+        """A compact run's spec (compact.CompactSpec), None for other kinds."""
+        return getattr(self.kind, "spec", None)
+
+
+class RunWriter(_KindViews):
     """Writes a RUN chunk by chunk. ``store`` is a ``--store`` text: ``"full"``, ``"topk:K"``,
     a compact spec (compact.py), ``"hidden"`` (hidden.py: pass the output head as ``head``)
     or any kind registered in storekinds.STORE_KINDS, which encodes, writes and reads its rows.
@@ -332,17 +348,6 @@ class RunWriter:
             atomic_write_json(self.path / TOKENS_FILE, list(tokens), indent=None)
         self.kind.write_files(self.path, fresh_start)
         self._next_chunk = len(self.manifest["chunks"])
-
-    # compatibility views of the kind (callers that predate storekinds)
-    @property
-    def k(self) -> int:
-        """K of a top-K store (0 for every other kind)."""
-        return self.kind.k
-
-    @property
-    def compact(self):
-        """The compact store's spec (compact.CompactSpec), None for other kinds."""
-        return getattr(self.kind, "spec", None)
 
     # -------------------------------------------------------------------------------
     def done_ids(self) -> set[str]:
@@ -657,7 +662,7 @@ def aligned_blocks(pieces_a: Iterable, pieces_b: Iterable, rows: int) -> Iterato
         ob += take
 
 
-class RunReader:
+class RunReader(_KindViews):
     """Streaming reader: chunks are memory-mapped on demand, never the whole run."""
 
     def __init__(self, path: str | Path, *, allow_partial: bool = False, device=None):
@@ -694,17 +699,6 @@ class RunReader:
         self._items: list[RunItem] | None = None
         self._cache: tuple[int, object] | None = None  # (chunk index, its readable rows)
         self._stored_cache: tuple[int, object] | None = None  # (chunk index, its stored rows)
-
-    # compatibility views of the kind (callers that predate storekinds)
-    @property
-    def k(self) -> int:
-        """K of a top-K run (0 for every other kind)."""
-        return self.kind.k
-
-    @property
-    def compact(self):
-        """A compact run's spec (compact.CompactSpec), None for other kinds."""
-        return getattr(self.kind, "spec", None)
 
     @property
     def is_partial(self) -> bool:
