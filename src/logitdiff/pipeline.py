@@ -14,14 +14,14 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 
 from .capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference
 from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from .defaults import DEFAULT_MAX_BRANCHES
-from .contracts import SCHEMA_VERSION, CandidateRow, Column, NoiseFloor, Outcome, Report, RunSummary, summary_json
+from .contracts import SCHEMA_VERSION, CandidateRow, Column, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from .errors import LogitdiffError
 from .outputs import RUN_SUMMARY_SCHEMA, Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from .report import build_report, noise_floor_section, write_report_dir
@@ -75,7 +75,10 @@ class Hooks:
         pass
 
     def bar(self, total: int, text: str) -> Callable[[int], None]:  # pragma: no cover - trivial
-        return lambda n=1: None
+        def advance(n: int = 1) -> None:
+            pass
+
+        return advance
 
     def done(self) -> None:  # pragma: no cover - trivial
         pass
@@ -209,6 +212,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         # import time of a run that does neither
         from .consequences import Settings, analyse
 
+        assert similarity is not None  # loaded above whenever flips or correctness is on
         fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
         return analyse(src, ref, comp.columns, similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
                        bar=lambda n, label: hooks.bar(n, label))
@@ -264,12 +268,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         if "served_floor" in report["summary"]:
             rows[-1]["x_served_floor"] = report["summary"]["kl_mean_x_served_floor"]
             rows[-1]["within_2x_served_floor"] = report["summary"]["within_2x_served_floor"]
-    # The cross-engine floor: the reference's own weights in another engine (BF16 GGUF in
-    # the default run). A bit-identical rerun gives a noise floor of 0, so this is the
-    # floor that says which drift is the quantization's and which the engine's.
-    xf = next((r for r in rows if r["name"].upper().endswith("BF16") and r["candidate"] != cfg.reference), None)
-    for r in rows:
-        r["x_cross_engine_floor"] = (r["kl_mean"] / xf["kl_mean"]) if (xf and xf["kl_mean"]) else None
+    cross_engine = _cross_engine_floor(rows, cfg.reference)
     summary: RunSummary = {
         "schema": RUN_SUMMARY_SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -279,7 +278,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         "items": len(items),
         "positions": n_pos,
         "noise_floor": noise,
-        "cross_engine_floor": ({"candidate": xf["candidate"], "kl_nats_mean": xf["kl_mean"]} if xf else None),
+        "cross_engine_floor": cross_engine,
         "candidates": rows,
         "seconds": round(time.time() - t0, 1),
     }
@@ -331,31 +330,51 @@ def _prebuild_builtin_ladder(cfg: RunConfig, hooks: Hooks) -> None:
     build_ladder(TINY_DIR, cache_dir(), quants, progress=progress)
 
 
+def _cross_engine_floor(rows: list[CandidateRow], reference: str) -> CrossEngineFloor | None:
+    """The cross-engine floor: the reference's own weights in another engine (BF16 GGUF in
+    the default run). A bit-identical rerun gives a noise floor of 0, so this is the floor
+    that says which drift is the quantization's and which the engine's. Sets each row's
+    x_cross_engine_floor (None without a floor, or for a row without a mean KL)."""
+    xf = next((r for r in rows if r["name"].upper().endswith("BF16") and r["candidate"] != reference), None)
+    xf_mean = xf["kl_mean"] if xf else None  # None: the BF16 run scored no positions, no floor
+    for r in rows:
+        kl_mean = r["kl_mean"]
+        r["x_cross_engine_floor"] = (kl_mean / xf_mean) if (xf_mean and kl_mean is not None) else None
+    return {"candidate": xf["candidate"], "kl_nats_mean": xf_mean} if xf and xf_mean is not None else None
+
+
 def _summary_row(spec: str, report: Report, rdir: Path, noise: NoiseFloor | None) -> CandidateRow:
     s = report["summary"]
     m = s["metrics"]
-    kl, js = m["kl_nats"], m.get("jsd_nats") or {}  # a top-K (served) comparison has no JSD estimate
-    t1 = s["top1_disagreement"]
-    floor = (noise or {}).get("kl_nats_mean")
-    return {
+    kl, js, kl_rev = m["kl_nats"], m.get("jsd_nats"), m.get("kl_rev_nats")  # a top-K (served) comparison has no JSD estimate
+    kl_mean = kl["mean"]  # None: no positions scored
+    t1 = s["top1_disagreement"]  # None: no positions scored
+    floor = noise["kl_nats_mean"] if noise else None
+    # x_cross_engine_floor is missing on purpose: run() sets it once every row is known, and it
+    # stays the last key of a row (summary.json's bytes)
+    row: CandidateRow = {  # type: ignore[typeddict-item]
         "candidate": spec,
         "name": rdir.name,
         "report": str(rdir),
-        "kl_mean": kl["mean"],
+        "kl_mean": kl_mean,
         "kl_mean_ci95": kl["ci95"],
         "kl_p99": kl["p99"],
         "kl_max": kl["max"],
-        "kl_rev_mean": (m.get("kl_rev_nats") or {}).get("mean"),
-        "jsd_mean": js.get("mean"),
-        "top1_disagreement": t1["rate"],
-        "top1_disagreement_ci95": t1["ci95"],
+        "kl_rev_mean": kl_rev["mean"] if kl_rev else None,
+        "jsd_mean": js["mean"] if js else None,
+        "top1_disagreement": t1["rate"] if t1 else None,
+        "top1_disagreement_ci95": t1["ci95"] if t1 else [None, None],
         "ppl_ratio": s.get("ppl_ratio"),
-        "x_noise_floor": (kl["mean"] / floor) if floor else None,
-        "within_2x_noise_floor": bool(floor) and kl["mean"] <= 2 * floor,
-        **_consequence_cols(report),
-        **({"gates_crossed": report["gates"]["crossed"], "gates_not_evaluated": report["gates"].get("not_evaluated", [])}
-           if report.get("gates") else {}),
+        "x_noise_floor": (kl_mean / floor) if (floor and kl_mean is not None) else None,
+        "within_2x_noise_floor": bool(floor) and kl_mean is not None and kl_mean <= 2 * floor,
     }
+    # the optional columns, keys built in _consequence_cols: written through a plain view
+    extra = cast("dict[str, Any]", row)
+    extra.update(_consequence_cols(report))
+    gates = report.get("gates")
+    if gates:
+        extra.update(gates_crossed=gates["crossed"], gates_not_evaluated=gates.get("not_evaluated", []))
+    return row
 
 
 def _consequence_cols(report: Report) -> dict:
@@ -377,6 +396,11 @@ def _consequence_cols(report: Report) -> dict:
 
 def _f(x, spec=".4g"):
     return "n/a" if x is None else format(x, spec)
+
+
+def _pct(x, spec=".2f"):
+    """A share as a percentage; n/a when undefined (no positions scored, no labelled items)."""
+    return "n/a" if x is None else f"{100 * x:{spec}} %"
 
 
 def render_summary_md(summary: RunSummary) -> str:
@@ -404,7 +428,7 @@ def render_summary_md(summary: RunSummary) -> str:
         ci, tci = r["kl_mean_ci95"], r["top1_disagreement_ci95"]
         lines.append(
             f"| `{r['candidate']}` | {_f(r['kl_mean'])} | [{_f(ci[0])}, {_f(ci[1])}] | {_f(r['kl_p99'])} | {_f(r['jsd_mean'])} | "
-            f"{100 * r['top1_disagreement']:.2f} % | [{100 * tci[0]:.2f} %, {100 * tci[1]:.2f} %] | {_f(r['ppl_ratio'], '.5f')} | "
+            f"{_pct(r['top1_disagreement'])} | [{_pct(tci[0])}, {_pct(tci[1])}] | {_f(r['ppl_ratio'], '.5f')} | "
             f"{_f(r['x_noise_floor'], '.3g')} | {_f(r.get('x_cross_engine_floor'), '.3g')} |"
         )
     served = [r for r in summary["candidates"] if "x_served_floor" in r]
@@ -426,12 +450,12 @@ def render_summary_md(summary: RunSummary) -> str:
         ]
         for r in summary["candidates"]:
             o = r.get("flip_outcomes") or {}
-            acc = (f"{100 * r['accuracy_ref']:.1f} % → {100 * r['accuracy_cand']:.1f} %" if r.get("accuracy_cand") is not None else "n/a")
+            acc = (f"{_pct(r.get('accuracy_ref'), '.1f')} → {_pct(r['accuracy_cand'], '.1f')}" if r.get("accuracy_cand") is not None else "n/a")
             lines.append(
                 f"| `{r['candidate']}` | {r.get('flip_branches', 'n/a')} | "
                 + " | ".join(str(o.get(k, "n/a")) for k in Outcome.ALL)
                 + f" | {r.get('flip_ties', 'n/a')} | {acc} | {r.get('right_to_wrong', 'n/a')} | {r.get('wrong_to_right', 'n/a')} | {_f(r.get('mcnemar_p'), '.3g')} | "
-                + ("n/a" if r.get("tool_call_valid_cand") is None else f"{100 * r['tool_call_valid_cand']:.0f} %") + " |"
+                + _pct(r.get("tool_call_valid_cand"), ".0f") + " |"
             )
     if summary.get("gates"):
         crossed = summary.get("gates_crossed") or {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -19,6 +19,11 @@ from ...errors import LogitdiffError
 from ...contracts import json_clean
 from ..base import Generation, TopKRows, TopKSource, tokenizer_hash_of
 from .client import HttpClient, ServerError, ServerKind, one_line
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import PreTrainedTokenizerBase
 
 SUM_TOL = 1e-4
 #: ``batching=`` of a ``served:`` spec: how scoring tasks share the server's batches
@@ -105,6 +110,7 @@ class ServedSource(TopKSource):
     """
 
     kind: ServerKind
+    batch: int  # sequences per request (never None here, unlike Source.batch)
     #: a model list that a server may refuse (SGLang): then no model check
     models_optional = False
     #: a token whose text is one complete ASCII character, where the protocol needs one
@@ -127,7 +133,7 @@ class ServedSource(TopKSource):
         batching: str = ROUNDS,
         spec: str,
     ):
-        self._client = client
+        self._client: HttpClient | None = client  # None once closed
         self.roots = client.roots
         self.spec = spec
         self.top_k = int(top_k)
@@ -136,9 +142,10 @@ class ServedSource(TopKSource):
         self.batching = batching
         self.server_info: dict = {"kind": self.kind}
         self.model = model
-        self.tok = None
+        self.tok: PreTrainedTokenizerBase | None = None  # the local tokenizer (tokenizer=PATH)
+        self._tok_vocab: int | None = None
         self._prefetched: dict[tuple, Any] = {}  # block key -> Future of its rows (prefetch)
-        self._prefetcher = None
+        self._prefetcher: ThreadPoolExecutor | None = None  # started by the first prefetch
         server_vocab = self._check_models()
         self._probe_server(tokenizer)
         self._load_tokenizer(tokenizer)
@@ -152,19 +159,26 @@ class ServedSource(TopKSource):
         self.vocab_size = int(v)
         if self.top_k > self.vocab_size:
             raise LogitdiffError(f"{self.spec}: top_k={self.top_k} exceeds the vocabulary size {self.vocab_size}")
-        eos = []
+        eos: list[int] = []
         if self.tok is not None and self.tok.eos_token_id is not None:
             eos.append(int(self.tok.eos_token_id))
         self.eos_token_ids = tuple(eos)
         if self.tok is not None:
-            self._check_tokenizer_agrees()
+            self._check_tokenizer_agrees(self.tok)
         self._preflight()
+
+    @property
+    def _open_client(self) -> HttpClient:
+        """The HTTP client; a closed source refuses."""
+        if self._client is None:
+            raise LogitdiffError(f"{self.spec}: the source is closed")
+        return self._client
 
     # ---- construction -------------------------------------------------------------------
     def _check_models(self) -> int | None:
         """Every replica must answer and serve the same model; returns the server's n_vocab
         when its model list says it."""
-        c = self._client
+        c = self._open_client
         server_vocab = None
         for r in self.roots:
             try:
@@ -227,12 +241,12 @@ class ServedSource(TopKSource):
             msg = str(e)
             raise LogitdiffError(msg if msg.startswith(self.spec) else f"{self.spec}: {msg}") from None
 
-    def _check_tokenizer_agrees(self) -> None:
+    def _check_tokenizer_agrees(self, tok: PreTrainedTokenizerBase) -> None:
         probe = "The quick brown fox: 12 + 30 = 42.\n"
-        local = [int(i) for i in self.tok(probe, add_special_tokens=False)["input_ids"]]
+        local = [int(i) for i in tok(probe, add_special_tokens=False)["input_ids"]]
         remote = self._tokenize_text(probe)
         if remote is not None and remote != local:
-            raise LogitdiffError(f"{self.spec}: the server tokenizes differently from tokenizer={self.tok.name_or_path} (probe text)")
+            raise LogitdiffError(f"{self.spec}: the server tokenizes differently from tokenizer={tok.name_or_path} (probe text)")
 
     # ---- tokenization -----------------------------------------------------------------
     def _tokenize_text(self, text: str) -> list[int] | None:
@@ -262,13 +276,17 @@ class ServedSource(TopKSource):
         return ids
 
     def _local_render(self, item) -> list[int]:
+        """Prompt ids from the local tokenizer (callers check there is one)."""
+        tok = self.tok
+        if tok is None:
+            raise LogitdiffError(f"item {getattr(item, 'id', '?')!r}: {self.spec} has no local tokenizer (tokenizer=PATH) to render it")
         if item.messages is not None:
-            text = self.tok.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True, tokenize=False)
             if not isinstance(text, str):
                 text = text["text"] if isinstance(text, dict) else "".join(text)
         else:
             text = item.prompt
-        return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
+        return [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
 
     def _server_detokenize(self, ids: list[int]) -> str:
         raise NotImplementedError
@@ -335,7 +353,7 @@ class ServedSource(TopKSource):
         back into the tokens' own texts. The separator text is border-free (no proper prefix
         is also a suffix), so a false split can only come from a token whose own text
         contains it, which adds parts; the count check catches that (:meth:`_server_texts`)."""
-        c = self._client
+        c = self._open_client
         for text in SEPARATORS:
             ids = [int(t["id"]) if isinstance(t, dict) else int(t) for t in self._tokenize_literal(text)]
             if not ids:
@@ -355,14 +373,17 @@ class ServedSource(TopKSource):
         detokenizes ``t0 SEP t1 SEP ... tn`` and splits on SEP. A chunk that does not split
         into exactly its n texts (a token whose text contains SEP) is halved until it does;
         only such a token is then detokenized on its own."""
-        c = self._client
+        c = self._open_client
         found = self._separator()
         V = self.vocab_size
+        if found is None:
+            # no separator survives this server's detokenization: placeholders, never V requests
+            return [f"<{i}>" for i in range(V)]
+        sep_ids, sep = found
 
         async def texts(ids: list[int]) -> list[str]:
             if len(ids) == 1:
                 return [await self._detokenize_ids(ids)]
-            sep_ids, sep = found
             body = [ids[0]]
             for i in ids[1:]:
                 body += sep_ids
@@ -374,9 +395,6 @@ class ServedSource(TopKSource):
             a, b = await asyncio.gather(texts(ids[:half]), texts(ids[half:]))
             return a + b
 
-        if found is None:
-            # no separator survives this server's detokenization: placeholders, never V requests
-            return [f"<{i}>" for i in range(V)]
         chunks = [list(range(s, min(s + DETOKENIZE_CHUNK, V))) for s in range(0, V, DETOKENIZE_CHUNK)]
 
         async def every():
@@ -413,7 +431,7 @@ class ServedSource(TopKSource):
             return [fn(j) for j in jobs]
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=min(len(jobs), self._client.concurrency)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(jobs), self._open_client.concurrency)) as pool:
             return list(pool.map(fn, jobs))
 
     def render_many(self, items: Sequence[Any]) -> list[list[int]]:
@@ -450,7 +468,7 @@ class ServedSource(TopKSource):
             from concurrent.futures import ThreadPoolExecutor
 
             self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitdiff-prefetch")
-        self._prefetched[key] = self._prefetcher.submit(self._score_now, [list(map(list, pair)) for pair in batch])
+        self._prefetched[key] = self._prefetcher.submit(self._score_now, [(list(p), list(t)) for p, t in batch])
         return True
 
     async def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[TopKRows]:
@@ -476,8 +494,8 @@ class ServedSource(TopKSource):
             if self.batching == SERIAL:
                 # one pair at a time, each scored alone (the protocol keeps its tasks in order on
                 # one slot / one sequence per request): no other item's task shares a server batch
-                return [self._client.run(self._score([pair]))[0] for pair in pairs]
-            return self._client.run(self._score(pairs))
+                return [self._open_client.run(self._score([pair]))[0] for pair in pairs]
+            return self._open_client.run(self._score(pairs))
         except MALFORMED as e:
             raise malformed(self.spec, "scoring", e) from None
 
@@ -500,9 +518,10 @@ class ServedSource(TopKSource):
         })
 
     def close(self) -> None:
-        if getattr(self, "_prefetcher", None) is not None:
+        pool = getattr(self, "_prefetcher", None)
+        if pool is not None:
             # blocks never asked for (a job that failed): cancelled, or waited for, not left running
-            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)
             self._prefetcher = None
             self._prefetched = {}
         c = getattr(self, "_client", None)

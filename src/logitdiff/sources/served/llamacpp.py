@@ -54,7 +54,7 @@ class LlamaServerSource(ServedSource):
         super().__init__(client, **kw)
 
     def _probe_server(self, tokenizer: str | None) -> None:
-        c = self._client
+        c = self._open_client
         props = c.run(c.request("GET", "/props", root=self.roots[0]))
         self.server_info["build_info"] = props.get("build_info")
         self.server_info["model_path"] = props.get("model_path")
@@ -78,7 +78,7 @@ class LlamaServerSource(ServedSource):
         a task starts; a request pinned to a cleared slot is not restored from that cache."""
         if self._n_slots < 2 or not self.cache_prompt:
             return True
-        c = self._client
+        c = self._open_client
         base = [self._force_tok if self._force_tok is not None else 0] * 8
 
         def run(prompt, slot):
@@ -95,7 +95,7 @@ class LlamaServerSource(ServedSource):
 
     def _ascii_token(self) -> int | None:
         """A token whose text is one complete ASCII character (see _score)."""
-        c = self._client
+        c = self._open_client
         for text in ("a", "e", "0", " ", "x", "."):
             r = c.run(c.request("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": False}))
             toks = r.get("tokens") or []
@@ -105,18 +105,18 @@ class LlamaServerSource(ServedSource):
         return None
 
     # ---- tokenization -----------------------------------------------------------------
-    def _tokenize_text(self, text: str) -> list[int] | None:
-        c = self._client
+    def _tokenize_text(self, text: str) -> list[int]:  # llama-server always has /tokenize
+        c = self._open_client
         r = c.run(c.request("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": True}))
         return [int(t["id"]) if isinstance(t, dict) else int(t) for t in r["tokens"]]
 
     def _tokenize_literal(self, text: str) -> list:
-        c = self._client
+        c = self._open_client
         r = c.run(c.request("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": False}))
         return r.get("tokens") or []
 
     def _render_ids(self, item) -> list[int]:
-        c = self._client
+        c = self._open_client
         if item.messages is not None:
             body = {"messages": item.messages}
             if item.tools:
@@ -127,11 +127,11 @@ class LlamaServerSource(ServedSource):
         return self._tokenize_text(text)
 
     def _server_detokenize(self, ids: list[int]) -> str:
-        c = self._client
+        c = self._open_client
         return c.run(c.request("POST", "/detokenize", {"tokens": ids}))["content"]
 
     async def _detokenize_ids(self, ids: list[int]) -> str:
-        return (await self._client.request("POST", "/detokenize", {"tokens": ids})).get("content", "")
+        return (await self._open_client.request("POST", "/detokenize", {"tokens": ids})).get("content", "")
 
     # ---- model ---------------------------------------------------------------------------
     def _rows_in_generation(self) -> bool:
@@ -180,7 +180,7 @@ class LlamaServerSource(ServedSource):
         return out
 
     def _generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
-        c = self._client
+        c = self._open_client
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "return_tokens": True,
                 "cache_prompt": True, "repeat_penalty": 1.0, "dry_multiplier": 0.0, "stream": False}
         if self._collect_rows:
@@ -213,7 +213,7 @@ class LlamaServerSource(ServedSource):
 
     # one task per position; an item's positions in order on one slot
     async def _score(self, pairs):
-        c, K = self._client, self.top_k
+        c, K = self._open_client, self.top_k
 
         def row(e, where):
             cp = e.get("completion_probabilities")
@@ -251,18 +251,18 @@ class LlamaServerSource(ServedSource):
             # per task (its "index"): the event with the token's probabilities, and the final
             # one (stop: true) with the timings
             probs: dict[int, dict] = {}
-            for e in events:
-                if e is None:
+            for ev in events:
+                if ev is None:
                     continue  # "data: null": a task started (headers for the first one)
-                if not isinstance(e, dict):
+                if not isinstance(ev, dict):
                     raise LogitdiffError(f"{where}: llama-server sent an event that is not an object")
-                if "error" in e:
-                    raise LogitdiffError(f"{where}: scoring request failed on the server ({one_line(err_text(e), 240)})")
-                i = int(e.get("index", 0))
-                if e.get("completion_probabilities"):
-                    probs[i] = e
-                if e.get("stop"):
-                    tm = e.get("timings") or {}
+                if "error" in ev:
+                    raise LogitdiffError(f"{where}: scoring request failed on the server ({one_line(err_text(ev), 240)})")
+                i = int(ev.get("index", 0))
+                if ev.get("completion_probabilities"):
+                    probs[i] = ev
+                if ev.get("stop"):
+                    tm = ev.get("timings") or {}
                     self.server_stats["tasks"] += 1
                     self.server_stats["prompt_tokens_evaluated"] += int(tm.get("prompt_n") or 0)
                     self.server_stats["prompt_tokens_cached"] += int(tm.get("cache_n") or 0)

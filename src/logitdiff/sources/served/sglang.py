@@ -23,7 +23,7 @@ class SGLangSource(ServedSource):
     models_optional = True
 
     def _probe_server(self, tokenizer: str | None) -> None:
-        c = self._client
+        c = self._open_client
         for path in ("/get_model_info", "/model_info"):
             try:
                 info = c.run(c.request("GET", path, root=self.roots[0], retry=False))
@@ -48,7 +48,7 @@ class SGLangSource(ServedSource):
 
     # ---- model ---------------------------------------------------------------------------
     def _generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
-        c = self._client
+        c = self._open_client
         stopped = "max_tokens"
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0}}
         r = c.run(c.request("POST", "/generate", body))
@@ -63,7 +63,7 @@ class SGLangSource(ServedSource):
 
     # input top logprobs, one sequence per request
     async def _score(self, pairs):
-        c, K = self._client, self.top_k
+        c, K = self._open_client, self.top_k
 
         async def one(n):
             p, t = pairs[n]

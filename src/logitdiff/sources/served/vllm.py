@@ -51,7 +51,7 @@ class VLLMSource(ServedSource):
             )
 
     def _probe_server(self, tokenizer: str | None) -> None:
-        c = self._client
+        c = self._open_client
         try:
             self.server_info["version"] = c.run(c.request("GET", "/version", root=self.roots[0])).get("version")
         except LogitdiffError:
@@ -66,7 +66,7 @@ class VLLMSource(ServedSource):
 
     def _has_tokenizer(self) -> bool:
         """False when vLLM runs with ``--skip-tokenizer-init`` (its /tokenize answers 400)."""
-        c = self._client
+        c = self._open_client
         try:
             c.run(c.request("POST", "/tokenize", {"model": self.model, "prompt": "a", "add_special_tokens": False}, retry=False))
             return True
@@ -94,7 +94,7 @@ class VLLMSource(ServedSource):
         return self._tokenize_literal(text)
 
     def _tokenize_literal(self, text: str) -> list:
-        c = self._client
+        c = self._open_client
         body = {"model": self.model, "prompt": text, "add_special_tokens": False}
         return [int(i) for i in c.run(c.request("POST", "/tokenize", body))["tokens"]]
 
@@ -102,23 +102,23 @@ class VLLMSource(ServedSource):
         if not self.server_tokenizer:
             return self._local_render(item)
         if item.messages is None:
-            return self._tokenize_text(item.prompt)
-        c = self._client
+            return self._tokenize_literal(item.prompt)  # what _tokenize_text does with the server's tokenizer
+        c = self._open_client
         body = {"model": self.model, "messages": item.messages, "add_generation_prompt": True, "add_special_tokens": False}
         if item.tools:
             body["tools"] = item.tools
         return c.run(c.request("POST", "/tokenize", body))["tokens"]
 
     def _server_detokenize(self, ids: list[int]) -> str:
-        c = self._client
+        c = self._open_client
         return c.run(c.request("POST", "/detokenize", {"model": self.model, "tokens": ids}))["prompt"]
 
     async def _detokenize_ids(self, ids: list[int]) -> str:
-        return (await self._client.request("POST", "/detokenize", {"model": self.model, "tokens": ids})).get("prompt", "")
+        return (await self._open_client.request("POST", "/detokenize", {"model": self.model, "tokens": ids})).get("prompt", "")
 
     # ---- model ---------------------------------------------------------------------------
     def _generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
-        c = self._client
+        c = self._open_client
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "return_token_ids": True, "skip_special_tokens": False}
@@ -134,7 +134,7 @@ class VLLMSource(ServedSource):
 
     # prompt logprobs, several sequences per request
     async def _score(self, pairs):
-        c, K = self._client, self.top_k
+        c, K = self._open_client, self.top_k
         results: list[TopKRows | None] = [None] * len(pairs)
         todo = [n for n, (p, t) in enumerate(pairs) if t]
         for n, (p, t) in enumerate(pairs):
