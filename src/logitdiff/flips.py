@@ -201,18 +201,30 @@ def reference_self_consistency(columns: dict, teacher_of: dict[str, Sequence[int
         return {"n_positions": n, "n_written_not_top1": None, "rate": None, "n_candidate_wrote_it": None, "list": []}
     top1_ref = [int(x) for x in columns["top1_ref"]]
     top1_cand = [int(x) for x in columns["top1_cand"]]
-    bad = [i for i in range(n) if written[i] is not None and written[i] != top1_ref[i]]
+    # (position index, written token) where the written token is not the reference's top-1
+    bad = [(i, w) for i, w in zip(range(n), written) if w is not None and w != top1_ref[i]]
     show = token_text or (lambda t: str(t))
     rows = [{"item_id": str(columns["item_id"][i]), "position": int(columns["position"][i]),
-             "written_token": show(written[i]), "top1_ref_token": show(top1_ref[i]), "top1_cand_token": show(top1_cand[i]),
-             "margin_ref": float(columns["margin_ref"][i])} for i in bad[:n_list]]
+             "written_token": show(w), "top1_ref_token": show(top1_ref[i]), "top1_cand_token": show(top1_cand[i]),
+             "margin_ref": float(columns["margin_ref"][i])} for i, w in bad[:n_list]]
     return {
         "n_positions": n,
         "n_written_not_top1": len(bad),
         "rate": len(bad) / n if n else None,
-        "n_candidate_wrote_it": sum(top1_cand[i] == written[i] for i in bad),
+        "n_candidate_wrote_it": sum(top1_cand[i] == w for i, w in bad),
         "list": rows,
     }
+
+
+def _first_per_item(flips: Sequence[Flip], skip: set[str] | None = None) -> list[Flip]:
+    """The first flip of each item, in order, leaving out the items in ``skip``."""
+    seen = set(skip or ())
+    out = []
+    for f in flips:
+        if f.item_id not in seen:
+            seen.add(f.item_id)
+            out.append(f)
+    return out
 
 
 def select_flips(
@@ -238,13 +250,13 @@ def select_flips(
     priority = priority or {}
     chosen = list(flips)
     if mode == "first":
-        seen: set[str] = set()
-        chosen = [f for f in flips if not (f.item_id in seen or seen.add(f.item_id))]
+        chosen = _first_per_item(flips)
     elif mode == "top-kl":
         chosen = sorted(flips, key=lambda f: -f.kl_nats)[:n]
     elif mode == "low-margin":
         chosen = sorted(flips, key=lambda f: f.margin_ref)[:n]
     elif mode == "sample":
+        assert n is not None  # parse_select gives N with top-kl, low-margin and sample
         chosen = random.Random(seed).sample(list(flips), min(n, len(flips)))
     note = f"{len(chosen)} of {len(flips)} flips selected by '{select}'"
     # the flip behind each changed answer / tool call
@@ -269,8 +281,7 @@ def select_flips(
     if max_branches is not None and len(chosen) > max_branches:
         first = sorted((f for f in chosen if key(f) in behind_keys), key=lambda f: -f.kl_nats)
         rest = sorted((f for f in chosen if key(f) not in behind_keys), key=lambda f: -f.kl_nats)
-        seen = {f.item_id for f in first}
-        one_each = [f for f in rest if not (f.item_id in seen or seen.add(f.item_id))]
+        one_each = _first_per_item(rest, skip={f.item_id for f in first})
         once = {key(f) for f in one_each}
         ranked = first + one_each + [f for f in rest if key(f) not in once]
         chosen, left_out = ranked[:max_branches], ranked[max_branches:]
@@ -577,7 +588,7 @@ def classify(
     sig["end_similarity"] = end_similarity
     rejoin = f"re-joined the reference {al.rejoin[0] + 1} tokens after the flip" if al.rejoin is not None else ""
     if stays and same and sim_ok:
-        share = f"{100 * al.joined_share:.0f} %"
+        share = f"{100 * (al.joined_share or 0.0):.0f} %"  # stays: re-joined, so a share (never the 0)
         detours = f", {al.detours} short detour{'s' if al.detours != 1 else ''}" if al.detours else ""
         sig["decided_by"] = f"{rejoin} and stayed ({share} joined{detours}); " + ", ".join(x for x in (what, sim_text) if x)
         return Outcome.RECOVERED, sig
