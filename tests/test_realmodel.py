@@ -66,11 +66,19 @@ def items(root):
 
 
 @pytest.fixture(scope="module")
-def reference(root, items):
-    """The reference from the GGUF through transformers, stored three ways from one source."""
+def smol_hf():
+    """The GGUF through transformers (``hf:FILE.gguf``), opened once for the module."""
     from logitdiff.sources import open_source
 
     src = open_source(f"hf:{SMOL},threads={THREADS}")
+    yield src
+    src.close()
+
+
+@pytest.fixture(scope="module")
+def reference(root, items, smol_hf):
+    """The reference from the GGUF through transformers, stored three ways from one source."""
+    src = smol_hf
     import torch
 
     torch.set_num_threads(THREADS)
@@ -116,6 +124,28 @@ def test_reference_from_a_gguf_through_transformers(reference):
     from logitdiff.capture import reference_store_for
 
     assert reference_store_for(src) == "hidden"
+
+
+def test_hf_gguf_and_gguf_render_identical_prompt_ids(smol_hf):
+    """``hf:FILE.gguf`` tokenizes with llama.cpp's vocabulary of that file, so a reference and a
+    ``gguf:`` candidate of the same file agree on every prompt (raw and chat) of a real workload.
+
+    Before, transformers' own GGUF tokenizer split differently: SmolLM2's ``tokenizer.ggml.pre``
+    is ``smollm`` (each digit isolated), which transformers 5.x has no split for, so it fell back
+    to GPT-2's regex. code-02 diverged at prompt position 112: "\n    0.75" was transformers
+    [472 'ĊĠĠĠ', 216 'Ġ', 32 '0'] against llama.cpp [2367 'ĊĠĠĠĠ', 32 '0'], and `run` failed at
+    the candidate step after the whole reference capture."""
+    from logitdiff.sources.gguf import GGUFSource
+
+    wl = read_workload(Path(__file__).parent / "data" / "flip_labels_smollm_workload.jsonl")
+    assert any(it.messages is not None for it in wl) and any(it.prompt is not None for it in wl)
+    g = GGUFSource(SMOL, n_ctx=512, threads=THREADS)
+    try:
+        for it in wl:
+            assert smol_hf.render(it) == g.render(it), it.id
+    finally:
+        g.close()
+    assert smol_hf.identity()["tokenizer"].startswith(f"llama.cpp vocab of {SMOL_FILE}")
 
 
 def test_a_missing_gguf_is_one_line():

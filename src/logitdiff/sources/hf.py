@@ -4,8 +4,10 @@ Spec: ``hf:PATH[,dtype=bfloat16|float16|float32][,device=cpu|cuda][,threads=N]..
 and default: :data:`logitdiff.sources.options.OPTIONS`)
 
 ``PATH`` is a model directory, or a GGUF file (``hf:model.gguf``, or ``hf:DIR,gguf_file=NAME.gguf``):
-transformers loads its weights dequantized and its tokenizer from the file's metadata, so a
-model distributed only as GGUF gets a transformers reference in one spec. A GGUF's dtype
+transformers loads its weights dequantized, so a model distributed only as GGUF gets a
+transformers reference in one spec. Its prompts are tokenized by llama.cpp's tokenizer of the
+same file (opened vocab only): transformers' conversion of a GGUF tokenizer can split text
+differently (``identity()["tokenizer"]`` says which tokenizer encoded). A GGUF's dtype
 defaults to bfloat16; ``identity()`` records the file's sha256 and the quantization it was
 dequantized from (``gguf_file_type`` and the tensor types it holds).
 
@@ -143,6 +145,13 @@ class HFSource(FullLogitSource):
             dkw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
             self.model = AutoModelForCausalLM.from_pretrained(str(self.path), **{dkw: self.torch_dtype}, **load)
             self.tok = AutoTokenizer.from_pretrained(str(self.path), **load)
+            # A GGUF is the authority on its own tokenizer: transformers' GGUF conversion
+            # rebuilds it and can split text differently (SmolLM2's ``tokenizer.ggml.pre =
+            # smollm`` isolates each digit; transformers 5.x has no split for it and falls back
+            # to GPT-2's regex, so "\n    0.75" became ['ĊĠĠĠ','Ġ','0'] instead of llama.cpp's
+            # ['ĊĠĠĠĠ','0']). Prompts are therefore tokenized by llama.cpp on the same file,
+            # vocab only (no weights: ~0.3 s), exactly as ``gguf:FILE`` tokenizes them.
+            self._vocab = _gguf_vocab(where) if gguf_file else None
         except LogitdiffError:
             raise
         except Exception as e:  # transformers raises many types; the user needs one line
@@ -204,7 +213,10 @@ class HFSource(FullLogitSource):
                 text = text["text"] if isinstance(text, dict) else "".join(text)
         else:
             text = item.prompt
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if self._vocab is not None:  # as GGUFSource._tokenize: no BOS, special tokens matched
+            ids = self._vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        else:
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
         ids = [int(i) for i in ids]
         if not ids:
             raise LogitdiffError(f"item {item.id!r}: prompt renders to zero tokens with {self.path}")
@@ -560,6 +572,10 @@ class HFSource(FullLogitSource):
             if self.gguf_file:
                 d.update(_gguf_origin(self.path / self.gguf_file))
                 d["tokenizer_files"] = {}  # the tokenizer is the GGUF's metadata (weight_files)
+                import llama_cpp
+
+                d["tokenizer"] = (f"llama.cpp vocab of {self.gguf_file} (llama-cpp-python "
+                                  f"{getattr(llama_cpp, '__version__', 'unknown')}); transformers' for decoding only")
             if self.padded > 0:
                 d["padded_logits"] = (
                     f"dropped {self.padded} padded output rows (ids >= len(tokenizer)) before log_softmax"
@@ -571,6 +587,22 @@ class HFSource(FullLogitSource):
                 )
             self._identity = d
         return dict(self._identity)
+
+
+    def close(self) -> None:
+        vocab, self._vocab = getattr(self, "_vocab", None), None
+        if vocab is not None:
+            from .gguf import _llama_log_errors_only, _load_lock
+
+            with _load_lock, _llama_log_errors_only():
+                vocab.close()
+
+
+def _gguf_vocab(path: Path):
+    """llama.cpp's tokenizer of a GGUF file: the model opened ``vocab_only`` (no weights)."""
+    from .gguf import load_llama
+
+    return load_llama(path, vocab_only=True, verbose=False)
 
 
 def _host_array(t) -> np.ndarray:
