@@ -227,3 +227,44 @@ def test_hash_of_a_vocabulary_with_holes():
     holed = tokenizer_hash_of(["a", None, "<0x0A>"])
     assert holed not in {tokenizer_hash_of(["a", s, "<0x0A>"]) for s in ("", "\xff", "None", "\x00")}
     assert holed != tokenizer_hash_of(["a", "<0x0A>"])
+
+
+def test_run_refuses_a_tokenization_mismatch_before_the_reference_capture(pair, tmp_path, capsys):
+    """`run` renders every prompt with the reference and each candidate (tokenizer-only opens)
+    before capturing anything: the item whose ids differ is named in one line, exit 1, and no
+    reference run was started. The same pair on prompts that tokenize alike passes the preflight."""
+    from logitdiff.capture import preflight_tokenization
+    from logitdiff.cli import main
+
+    ref_spec, cand_spec = f"hf:{pair[0]},dtype=float32,threads=1", f"gguf:{pair[1]},n_ctx=256,threads=1"
+    preflight_tokenization(ref_spec, [cand_spec], _items(tmp_path, ["Hello world. The quick brown fox", "What is 12 + 30?"]))
+    wl = tmp_path / "wl.jsonl"
+    _items(tmp_path, ["Hello world", "def f(x):\n    return x"])  # i1: four spaces, ids differ
+    out = tmp_path / "out"
+    rc = main(["run", "--reference", ref_spec, "--candidate", cand_spec, "--workload", str(wl), "--out", str(out),
+               "--no-noise-floor"])
+    err = capsys.readouterr().err
+    assert rc != 0
+    line = [x for x in err.splitlines() if "tokenization differs" in x]
+    assert len(line) == 1 and "item 'i1': tokenization differs at prompt position" in line[0] and cand_spec in line[0]
+    assert "Traceback" not in err
+    assert not (out / "runs" / "reference").exists()
+
+    # and the refusal comes before any capture: no reference stage began, no bar was started
+    from logitdiff.pipeline import Hooks, RunConfig, run_pipeline
+
+    seen: list[str] = []
+
+    class Record(Hooks):
+        def stage(self, text):
+            seen.append(text)
+
+        def bar(self, total, text):
+            seen.append(f"bar {text}")
+            return lambda n=1: None
+
+    cfg = RunConfig(reference=ref_spec, candidates=[cand_spec], workload=str(wl), out=str(tmp_path / "out2"),
+                    noise_floor=False)
+    with pytest.raises(LogitdiffError, match=r"item 'i1': tokenization differs at prompt position \d+"):
+        run_pipeline(cfg, Record())
+    assert seen and seen[-1].startswith("preflight:"), seen

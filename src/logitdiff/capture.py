@@ -343,16 +343,38 @@ def verified_prompts(source: Source, teacher: RunReader, shard=None, block: int 
     for it in mine:
         wl = it.extra.get("item")
         if wl is not None:
-            ids = next(rendered)
-            if list(ids) != list(it.prompt_ids):
-                j = first_difference(ids, it.prompt_ids)
-                a = it.prompt_ids[j] if j < len(it.prompt_ids) else "end"
-                b = ids[j] if j < len(ids) else "end"
-                raise LogitdiffError(
-                    f"item {it.id!r}: tokenization differs at prompt position {j} (reference id {a}, {source.spec} id {b})"
-                )
+            check_same_prompt(it.id, it.prompt_ids, next(rendered), source.spec)
         out.append((it, list(it.prompt_ids)))
     return out
+
+
+def check_same_prompt(item_id: str, reference_ids: Sequence[int], ids: Sequence[int], spec: str) -> None:
+    """Raise, naming the item and the first differing position, unless ``spec`` rendered the
+    item's prompt to the reference's ids."""
+    if list(ids) != list(reference_ids):
+        j = first_difference(ids, reference_ids)
+        a = reference_ids[j] if j < len(reference_ids) else "end"
+        b = ids[j] if j < len(ids) else "end"
+        raise LogitdiffError(f"item {item_id!r}: tokenization differs at prompt position {j} (reference id {a}, {spec} id {b})")
+
+
+def preflight_tokenization(reference: str, candidates: Sequence[str], items: Sequence[Item]) -> None:
+    """Before any capture: every item's prompt rendered by the reference and by each candidate
+    spec gives the same ids (the check :func:`verified_prompts` makes against a captured
+    reference, seconds instead of after it). Sources are opened tokenizer-only where their kind
+    allows (:func:`~logitdiff.sources.registry.open_tokenizer`: no weights), one at a time."""
+    from .sources.registry import open_tokenizer
+
+    if not candidates:
+        return
+    with open_tokenizer(reference) as src:
+        want = [list(ids) for ids in src.render_many(items)]
+    for spec in dict.fromkeys(candidates):
+        if spec == reference:
+            continue
+        with open_tokenizer(spec) as src:
+            for it, ref_ids, ids in zip(items, want, src.render_many(items)):
+                check_same_prompt(it.id, ref_ids, ids, spec)
 
 
 def capture_candidate(

@@ -18,7 +18,7 @@ from typing import Any, Callable, cast
 
 import numpy as np
 
-from .capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference
+from .capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, preflight_tokenization
 from .compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from .defaults import DEFAULT_MAX_BRANCHES
 from .contracts import SCHEMA_VERSION, CandidateRow, Column, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
@@ -163,6 +163,9 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     wl_hash = hashlib.sha256(wl_path.read_bytes()).hexdigest()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    _prebuild_builtin_ladder(cfg, hooks)  # before the preflight, which renders with those GGUFs
+    hooks.stage("preflight: each candidate tokenizes every prompt as the reference does")
+    preflight_tokenization(cfg.reference, cfg.candidates, items)  # seconds, not after the reference capture
     # A served reference and a served (first) candidate: the candidate is opened first and
     # scores each reference block (another server) while the reference generates the next.
     early = None
@@ -217,7 +220,6 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         return analyse(src, ref, comp.columns, similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
                        bar=lambda n, label: hooks.bar(n, label))
 
-    _prebuild_builtin_ladder(cfg, hooks)
     noise: NoiseFloor | None = None
     ref_floor = None  # the served reference's floor (servedfloor.py)
     shift = SCORE_BATCH // 2

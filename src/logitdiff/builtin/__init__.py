@@ -46,9 +46,10 @@ def gguf_path(name: str, progress=None) -> Path:
     return Path(paths[name])
 
 
-def open_builtin(spec):
+def open_builtin(spec, tokenizer_only: bool = False):
     """Open a ``builtin:`` spec (already parsed): the registry's factory for ``builtin:``
-    (named there as a string, so neither package imports the other at import time)."""
+    (named there as a string, so neither package imports the other at import time).
+    ``tokenizer_only``: the tokenizer alone (no weights; a ``tiny-TYPE`` GGUF is still built)."""
     from ..sources.base import parse_spec
 
     target = spec.target
@@ -71,12 +72,18 @@ def open_builtin(spec):
         hf_spec = parse_spec(f"hf:{TINY_DIR}" + ("," + opts if opts else ""))
         if "dtype" not in hf_spec.options:
             hf_spec.options["dtype"] = "bfloat16"
-        src = HFSource.from_spec(hf_spec)
+        src = HFSource.tokenizer_from_spec(hf_spec) if tokenizer_only else HFSource.from_spec(hf_spec)
         src.spec = spec.text
         return src
     from ..sources.gguf import GGUFSource  # target is tiny-TYPE (checked above)
 
     path = gguf_path(target[len("tiny-"):])
-    gguf_src = GGUFSource.from_spec(parse_spec(f"gguf:{path}" + ("," + opts if opts else "")))
+    g_spec = parse_spec(f"gguf:{path}" + ("," + opts if opts else ""))
+    gguf_src = GGUFSource.tokenizer_from_spec(g_spec) if tokenizer_only else GGUFSource.from_spec(g_spec)
     gguf_src.spec = spec.text
     return gguf_src
+
+
+def open_builtin_tokenizer(spec):
+    """The registry's tokenizer-only factory for ``builtin:`` specs."""
+    return open_builtin(spec, tokenizer_only=True)

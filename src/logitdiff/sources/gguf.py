@@ -194,7 +194,10 @@ class GGUFSource(FullLogitSource):
         seed: int = 0,
         n_batch: int = 512,
         spec: str | None = None,
+        tokenizer_only: bool = False,
     ):
+        """``tokenizer_only``: llama.cpp opens the vocabulary alone (no weights, well under a
+        second): the source renders and tokenizes, and nothing else (a preflight's open)."""
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
@@ -221,6 +224,15 @@ class GGUFSource(FullLogitSource):
             n_ctx = min(4096, int(self.n_ctx_train)) if self.n_ctx_train else 4096
 
         n_batch = max(1, min(int(n_batch), int(n_ctx)))
+        self._template: Any = None  # the compiled chat template (jinja2), on first use
+        if tokenizer_only:
+            try:
+                self.llm = load_llama(p, vocab_only=True, verbose=False)
+            except (ValueError, RuntimeError) as e:
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise LogitdiffError(f"{p}: llama.cpp could not load the vocabulary ({msg})") from None
+            self.vocab_size = int(self.llm.n_vocab())
+            return
         try:
             # Without ``logits_all``: with it, ``Llama`` keeps an [n_ctx, V] float32 array
             # (32 GB at n_ctx 32k, V 248,320). Rows are read from llama.cpp's own output
@@ -268,6 +280,17 @@ class GGUFSource(FullLogitSource):
         if not spec.target:
             raise LogitdiffError(f"source spec {text!r}: missing GGUF path")
         return cls(spec.target, spec=text, **kw)
+
+    @classmethod
+    def tokenizer_from_spec(cls, spec: Spec | str) -> "GGUFSource":
+        """The spec's source opened ``tokenizer_only`` (options checked as for a full open)."""
+        if isinstance(spec, str):
+            spec = parse_spec(spec)
+        text = spec.text or f"{spec.kind}:{spec.target}"
+        kw = parse_options(spec, "gguf")
+        if not spec.target:
+            raise LogitdiffError(f"source spec {text!r}: missing GGUF path")
+        return cls(spec.target, spec=text, tokenizer_only=True, **kw)
 
     def _read_metadata(self) -> None:
         import gguf
@@ -564,3 +587,8 @@ class GGUFSource(FullLogitSource):
 def open_gguf(spec: Spec) -> GGUFSource:
     """The registry's factory for ``gguf:`` specs."""
     return GGUFSource.from_spec(spec)
+
+
+def open_gguf_tokenizer(spec: Spec) -> GGUFSource:
+    """The registry's tokenizer-only factory for ``gguf:`` specs (vocabulary only)."""
+    return GGUFSource.tokenizer_from_spec(spec)

@@ -105,7 +105,10 @@ class HFSource(FullLogitSource):
         prefill: int = 2048,
         spec: str | None = None,
         gguf_file: str | None = None,
+        tokenizer_only: bool = False,
     ):
+        """``tokenizer_only``: the config and tokenizer alone, no weights: the source renders
+        and tokenizes, and nothing else (a preflight's open)."""
         import torch
         import transformers
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -143,7 +146,8 @@ class HFSource(FullLogitSource):
             # transformers >= 4.56 renamed ``torch_dtype`` to ``dtype`` (5.x warns on the old name).
             major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
             dkw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), **{dkw: self.torch_dtype}, **load)
+            if not tokenizer_only:
+                self.model = AutoModelForCausalLM.from_pretrained(str(self.path), **{dkw: self.torch_dtype}, **load)
             self.tok = AutoTokenizer.from_pretrained(str(self.path), **load)
             # A GGUF is the authority on its own tokenizer: transformers' GGUF conversion
             # rebuilds it and can split text differently (SmolLM2's ``tokenizer.ggml.pre =
@@ -157,6 +161,10 @@ class HFSource(FullLogitSource):
         except Exception as e:  # transformers raises many types; the user needs one line
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise LogitdiffError(f"{where}: cannot load model/tokenizer ({type(e).__name__}: {msg})") from None
+        if tokenizer_only:
+            self.max_positions = getattr(cfg, "max_position_embeddings", None)
+            self.vocab_size = len(self.tok)
+            return
         self.model.to(self.device).eval()
         self.config = self.model.config
         # the decoder stack without the lm_head: ``model.model`` for Llama-likes
@@ -197,6 +205,15 @@ class HFSource(FullLogitSource):
             raise LogitdiffError(f"source spec {spec.text!r}: hf: needs a model directory path")
         return cls(spec.target, dtype=o["dtype"], device=o["device"], threads=o["threads"], batch=o["batch"],
                    prefill=o["prefill"], spec=spec.text, gguf_file=o["gguf_file"])
+
+    @classmethod
+    def tokenizer_from_spec(cls, spec: Spec) -> "HFSource":
+        """The spec's source opened ``tokenizer_only`` (options checked as for a full open)."""
+        o = parse_options(spec, "hf")
+        if not spec.target:
+            raise LogitdiffError(f"source spec {spec.text!r}: hf: needs a model directory path")
+        return cls(spec.target, dtype=o["dtype"], device="cpu", batch=o["batch"], prefill=o["prefill"],
+                   spec=spec.text, gguf_file=o["gguf_file"], tokenizer_only=True)
 
     # --- tokenization -------------------------------------------------------------
     def render(self, item: Any) -> list[int]:
@@ -647,3 +664,8 @@ def _gguf_origin(path: Path) -> dict:
 def open_hf(spec: Spec) -> HFSource:
     """The registry's factory for ``hf:`` specs."""
     return HFSource.from_spec(spec)
+
+
+def open_hf_tokenizer(spec: Spec) -> HFSource:
+    """The registry's tokenizer-only factory for ``hf:`` specs (config and tokenizer only)."""
+    return HFSource.tokenizer_from_spec(spec)

@@ -25,6 +25,15 @@ _FACTORIES: dict[str, Union[str, Factory]] = {
 }
 
 
+# Tokenizer-only opens (no weights) of the built-in kinds, for checks that only render
+# prompts (capture.preflight_tokenization); a kind without one is opened in full.
+_TOKENIZER_FACTORIES: dict[str, str] = {
+    "hf": "logitdiff.sources.hf:open_hf_tokenizer",
+    "gguf": "logitdiff.sources.gguf:open_gguf_tokenizer",
+    "builtin": "logitdiff.builtin:open_builtin_tokenizer",
+}
+
+
 # What each built-in kind's rows are, known before a source opens (a kind registered later
 # declares none: None).
 _ROW_KINDS: dict[str, RowKind] = {"hf": RowKind.FULL, "gguf": RowKind.FULL, "builtin": RowKind.FULL, "served": RowKind.TOPK}
@@ -42,6 +51,7 @@ def register(kind: str, factory: Union[str, Factory]) -> None:
         raise ValueError(f"source kind {kind!r}: must be a non-empty name without ':' or ','")
     _FACTORIES[kind] = factory
     _ROW_KINDS.pop(kind, None)
+    _TOKENIZER_FACTORIES.pop(kind, None)
 
 
 def kinds() -> list[str]:
@@ -63,3 +73,16 @@ def open_source(text: str) -> Source:
     """Build a source from its spec string ``KIND:TARGET[,key=value...]``."""
     spec = parse_spec(text)
     return _factory(spec.kind, text)(spec)
+
+
+def open_tokenizer(text: str) -> Source:
+    """A source of spec ``text`` that renders prompts (``render``/``render_many``) and may do
+    nothing else: its kind's tokenizer-only open (no weights) where it has one, else the full
+    source (``served:``, kinds registered later)."""
+    spec = parse_spec(text)
+    kind = canonical_kind(spec.kind)
+    f = _TOKENIZER_FACTORIES.get(spec.kind) or _TOKENIZER_FACTORIES.get(kind)
+    if f is None:
+        return open_source(text)
+    module, _, name = f.partition(":")
+    return getattr(importlib.import_module(module), name)(spec)
