@@ -120,6 +120,18 @@ def _llama_log_errors_only():
         logger.setLevel(level)
 
 
+def load_vocab(path: str | Path):
+    """llama.cpp's tokenizer of a GGUF: ``Llama(vocab_only=True)``, no weights (well under a
+    second). Quiet: llama.cpp warns that n_ctx exceeds the training context (which a vocab-only
+    load reads as 0) and llama-cpp-python's log callback prints ggml's WARN as an error, to
+    ``sys.stderr`` whatever ``verbose`` says; so ``sys.stderr`` is swapped for the load alone
+    (a failed load raises, with its message)."""
+    import io
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        return load_llama(path, vocab_only=True, verbose=False)
+
+
 def quiet_llama_log() -> None:
     """Let llama.cpp's log through llama-cpp-python only at error level (what
     ``Llama(verbose=False)`` does): a process-wide setting, for a program's entry point to
@@ -227,7 +239,7 @@ class GGUFSource(FullLogitSource):
         self._template: Any = None  # the compiled chat template (jinja2), on first use
         if tokenizer_only:
             try:
-                self.llm = load_llama(p, vocab_only=True, verbose=False)
+                self.llm = load_vocab(p)
             except (ValueError, RuntimeError) as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise LogitdiffError(f"{p}: llama.cpp could not load the vocabulary ({msg})") from None

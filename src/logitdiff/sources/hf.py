@@ -617,9 +617,9 @@ class HFSource(FullLogitSource):
 
 def _gguf_vocab(path: Path):
     """llama.cpp's tokenizer of a GGUF file: the model opened ``vocab_only`` (no weights)."""
-    from .gguf import load_llama
+    from .gguf import load_vocab
 
-    return load_llama(path, vocab_only=True, verbose=False)
+    return load_vocab(path)
 
 
 def _host_array(t) -> np.ndarray:
