@@ -280,7 +280,6 @@ class GGUFSource(FullLogitSource):
             )
         self.seed = int(seed)
         self._sha256: str | None = None
-        self._template: Any = None  # the compiled chat template (jinja2), on first use
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
