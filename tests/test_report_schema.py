@@ -385,3 +385,34 @@ def test_top_k_report_with_bounds_validates(tmp_path):
     C.validate(doc, "report")
     assert doc["method"]["kind"] == C.MethodKind.TOP_K and doc["rows_omitted"] is True and doc["rows"] == []
     assert any(key.endswith("_lower_nats_mean") for key in doc["summary"])  # the patternProperties fields
+
+
+def test_no_bootstrap_gives_no_interval_not_a_zero_width_one(runs, tmp_path, monkeypatch):
+    """--bootstrap 0 asks for no intervals: every ci95 is null (a [mean, mean] interval would
+    read as a measured, perfectly certain figure), and the report still validates and renders."""
+    from logitdiff.report.html import render_html
+
+    _, ref, _, cand = runs
+    rep, cols = build_report(compare_runs(ref, cand), n_boot=0)
+    cis = []
+
+    def walk(x, path=""):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k.endswith("ci95") or k == "ci":
+                    cis.append((path + "." + k, v))
+                walk(v, path + "." + k)
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]")
+
+    walk(rep)
+    assert cis, "the report has confidence intervals to check"
+    assert all(v is None or list(v) == [None, None] for _, v in cis), [c for c in cis if c[1] and c[1][0] is not None][:3]
+    monkeypatch.setenv(C.VALIDATE_ENV, "1")
+    write_report_dir(tmp_path / "r", rep, cols, markdown=render_markdown(rep))
+    page = render_html([rep], [None])
+    assert page.startswith("<!") and "</html>" in page
+    with_ci, _ = build_report(compare_runs(ref, cand), n_boot=50)
+    lo, hi = with_ci["summary"]["metrics"]["kl_nats"]["ci95"]
+    assert lo is not None and lo < with_ci["summary"]["metrics"]["kl_nats"]["mean"] < hi

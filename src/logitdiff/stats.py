@@ -48,8 +48,9 @@ def paired_bootstrap(values_a, values_b, n_boot: int = 2000, seed: int = 0, leve
     diff = float(d.mean())
     sd = float(d.std(ddof=1)) if n > 1 else 0.0
     if n == 1 or n_boot <= 0:
-        # One item: no spread to resample; the interval is the point and says nothing.
-        return {"diff": diff, "ci": [diff, diff], "p_two_sided": 1.0, "separable": False, "n_items": n, "sd": sd}
+        # One item (no spread to resample) or --bootstrap 0: no interval and no p-value, not a
+        # zero-width interval that reads as a certain figure.
+        return {"diff": diff, "ci": [None, None], "p_two_sided": None, "separable": False, "n_items": n, "sd": sd}
     lo, hi, boot = item_bootstrap_ci(d, np.ones(n), n_boot=n_boot, seed=seed, alpha=1.0 - level)
     k = min(int((boot <= 0).sum()), int((boot >= 0).sum()))
     p = min(1.0, (2 * k + 1) / (n_boot + 1))

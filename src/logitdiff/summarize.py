@@ -74,8 +74,9 @@ def bootstrap_mean_ci(
     sums = np.bincount(inv, weights=v, minlength=n_items)
     counts = np.bincount(inv, minlength=n_items).astype(np.float64)
     if n_items == 1 or n_boot <= 0:
-        m = float(sums.sum() / counts.sum())
-        return m, m
+        # No interval: one item has no spread to resample, and --bootstrap 0 asks for none. A
+        # zero-width [mean, mean] would read as a measured, perfectly certain figure.
+        return None, None
     lo, hi, _ = item_bootstrap_ci(sums, counts, n_boot=n_boot, seed=seed, alpha=1.0 - level)
     return lo, hi
 

@@ -98,7 +98,7 @@ def print_summary(report: Report) -> None:
         t.add_row(
             f"{r['group']}: {r.get('n', 0)}",
             fmt(kl.get("mean")),
-            f"[{fmt(ci[0])}, {fmt(ci[1])}]",
+            "n/a" if ci[0] is None else f"[{fmt(ci[0])}, {fmt(ci[1])}]",  # (rich reads "[n/a, n/a]" as markup)
             fmt(kl.get("p99")),
             fmt(kl.get("max")),
             fmt(js.get("mean")),

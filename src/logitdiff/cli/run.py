@@ -168,7 +168,7 @@ def print_run_summary(summary: RunSummary) -> None:
     g = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
     for r in summary["candidates"]:
         ci = r["kl_mean_ci95"]
-        t.add_row(r.get("name") or r["candidate"], g(r["kl_mean"]), f"[{g(ci[0])}, {g(ci[1])}]", g(r["kl_p99"]), g(r["jsd_mean"]),
+        t.add_row(r.get("name") or r["candidate"], g(r["kl_mean"]), "n/a" if ci[0] is None else f"[{g(ci[0])}, {g(ci[1])}]", g(r["kl_p99"]), g(r["jsd_mean"]),
                   "n/a" if r["top1_disagreement"] is None else f"{100 * r['top1_disagreement']:.2f}%", "n/a" if r["ppl_ratio"] is None else f"{r['ppl_ratio']:.4f}",
                   g(r["x_noise_floor"]), g(r.get("x_cross_engine_floor")))
     con = table_console()
