@@ -17,7 +17,10 @@ Variants (default: all):
   --no-flips``: the same work in one process (like for like: no floor);
 * ``B-run-floor``: the same with the served floor (logitdiff's default for served sides: each
   side scored again with other batch mates; flips stay off: quantdiff has none);
-* ``B-run-serial``: ``B-run`` with batching=serial on both sides (deterministic rows).
+* ``B-run-serial``: ``B-run`` with batching=serial on both sides (deterministic rows);
+* ``B-run-nooverlap``: ``B-run`` with ``overlap=off`` on the candidate: the candidate scored
+  after the reference's generation, not on each block while the reference generates the next
+  (``B-run`` passes ``overlap=on``: both servers are on this host, where auto means off).
 
 Per variant: the wall of its processes, their CPU time (user + system, children's rusage),
 the load average at its start; medians over repeats; the ratio of median walls vs quantdiff.
@@ -29,7 +32,7 @@ from servers import llama_server
 from logitdiff.builtin import TINY_DIR, cache_dir
 from logitdiff.quantize import build_ladder
 
-ALL = ["quantdiff", "A-3step", "B-3step", "B-run", "B-run-floor", "B-run-serial"]
+ALL = ["quantdiff", "A-3step", "B-3step", "B-run", "B-run-floor", "B-run-serial", "B-run-nooverlap"]
 out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
 reps, A, B, wl = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 variants = sys.argv[6:] or ALL
@@ -79,8 +82,9 @@ try:
             else:
                 b = ",batching=serial" if v.endswith("serial") else ""
                 extra = [] if v.endswith("floor") else ["--no-noise-floor"]
+                ov = "" if v.startswith("A") else ",overlap=off" if v.endswith("nooverlap") else ",overlap=on"
                 s = [t([py, "-m", "logitdiff.cli", "run", "--reference", f"openai:{R.url},top_k=20{b}", "--candidate",
-                        f"openai:{C.url},top_k=20{b}", "--workload", wl, "--max-tokens", "32", "--no-flips", *extra, "--out", str(d)],
+                        f"openai:{C.url},top_k=20{b}{ov}", "--workload", wl, "--max-tokens", "32", "--no-flips", *extra, "--out", str(d)],
                        env(A if v.startswith("A") else B))]
             walls[v].append(sum(w for w, _ in s)); cpus[v].append(sum(c for _, c in s)); loads[v].append(load)
             steps[v].append([round(w, 2) for w, _ in s])

@@ -116,8 +116,8 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks, prefetch=N
             resume = True
     hooks.stage(f"reference: {cfg.reference} generating greedily on {len(items)} items")
     with open_source(cfg.reference) as src, applied_threads([src]):
-        # another server only: on the same one the candidate's tasks would be the reference's batch mates
-        if prefetch is not None and not resume and hasattr(src, "on_generated") and set(prefetch.roots).isdisjoint(src.roots):
+        # another server only, and by default another host (ServedSource.scores_ahead_of)
+        if prefetch is not None and not resume and hasattr(src, "on_generated") and prefetch.scores_ahead_of(src):
             src.on_generated = prefetch.prefetch
         advance = hooks.bar(len(items), "reference")
         settings = {"workload_sha256": wl_hash, "workload": str(_workload_path(cfg))}

@@ -119,6 +119,9 @@ OPTIONS: dict[str, tuple[Option, ...]] = {
                "speculation was not exercised)"),
         Option("batching", _T.CHOICE, "rounds", "rounds: several items in flight, a server batch mixes them (fast); serial: "
                "one item at a time (deterministic scoring)", ("rounds", "serial")),
+        Option("overlap", _T.CHOICE, "auto", "run with a served reference, this candidate (the first served one): score it on "
+               "each reference block while the reference generates the next (on), or after (off); auto: on only when the two "
+               "servers are on different hosts (on one host the two compete for the same cores)", ("auto", "on", "off")),
     ),
 }
 # Other spellings of a kind: ``openai:`` is the old name of ``served:`` (the servers mostly

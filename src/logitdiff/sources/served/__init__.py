@@ -70,6 +70,7 @@ def open_served(spec: Spec) -> ServedSource:
             # recorded in the identity: a teacher-forced comparison of it is labelled
             # "speculation not exercised" (compare.speculation_notes); `logitdiff speculate` measures it
             src.server_info["speculative"] = True
+        src.overlap = o["overlap"]  # read by `run` only (pipeline._reference_run), not an identity
         return src
     except MALFORMED as e:
         client.close()

@@ -18,7 +18,7 @@ from ... import validate
 from ...errors import LogitdiffError
 from ...contracts import json_clean
 from ..base import Generation, TopKRows, TopKSource, tokenizer_hash_of
-from .client import HttpClient, ServerError, ServerKind, one_line
+from .client import HttpClient, ServerError, ServerKind, endpoint_host, one_line
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -119,6 +119,9 @@ class ServedSource(TopKSource):
     #: called with the (prompt, generated ids) pairs of every generate_many: what a job that
     #: scores another source on this one's generations hands to that source's prefetch (pipeline.py)
     on_generated = None
+    #: whether `run` scores this candidate ahead, on each reference block while the reference
+    #: generates the next: on, off, auto (on when the two servers are on different hosts)
+    overlap = "auto"
 
     def __init__(
         self,
@@ -452,6 +455,17 @@ class ServedSource(TopKSource):
     @staticmethod
     def _block_key(batch) -> tuple:
         return tuple((tuple(int(i) for i in p), tuple(int(i) for i in t)) for p, t in batch)
+
+    def scores_ahead_of(self, reference) -> bool:
+        """Whether `run` scores this (candidate) source ahead, on each block of ``reference``
+        (a served source, another server) while it generates the next: ``overlap=on``; ``off``
+        never; ``auto`` only when no endpoint of the two shares a host (bench/RESULTS.md: on one
+        2-core host the two servers computing at once lengthened the wall)."""
+        if set(self.roots) & set(reference.roots) or self.overlap == "off":
+            return False  # the same server: the candidate's tasks would be the reference's batch mates
+        if self.overlap == "on":
+            return True
+        return not ({endpoint_host(r) for r in self.roots} & {endpoint_host(r) for r in reference.roots})
 
     def prefetch(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bool:
         """Start scoring one block of (prompt, teacher) pairs in the background (one block at a

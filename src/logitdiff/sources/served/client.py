@@ -10,6 +10,7 @@ import json
 import re
 import threading
 from typing import Any
+from urllib.parse import urlsplit
 
 from ...errors import LogitdiffError
 
@@ -37,6 +38,13 @@ def endpoint_root(url: str) -> str:
     if u.endswith("/v1"):
         u = u[: -len("/v1")]
     return u
+
+
+def endpoint_host(root: str) -> str:
+    """The host of an endpoint root, loopback spellings as one (127.0.0.1, localhost, ::1, 0.0.0.0:
+    the same machine, the same cores)."""
+    h = (urlsplit(root).hostname or "").lower()
+    return "loopback" if h in ("localhost", "::1", "0.0.0.0") or h.startswith("127.") else h
 
 
 class ServerError(LogitdiffError):
