@@ -291,15 +291,25 @@ def test_prefetched_block_is_the_block_scored_now(served, tmp_path):
     assert src._client is None and not src._prefetched  # closed with blocks never asked for
 
 
-def test_run_scores_the_served_candidate_on_reference_blocks_ahead(served, tmp_path):
+@pytest.mark.parametrize("overlap", ["on", "auto"])
+def test_run_scores_the_served_candidate_on_reference_blocks_ahead(served, tmp_path, monkeypatch, overlap):
     """`logitdiff run`, served reference and candidate, batching=serial: the candidate, scored on
-    each reference block while the reference generates the next (prefetch), has the rows a
-    separate teacher-forced capture on the run's reference gives, bit for bit."""
+    each reference block while the reference generates the next (prefetch, overlap=on), has the
+    rows a separate teacher-forced capture on the run's reference gives, bit for bit; with
+    overlap=auto and both servers on this host it is scored after (no prefetch), same rows."""
+    from logitdiff.sources.served.base import ServedSource
+
+    blocks = []
+    real = ServedSource.prefetch
+    monkeypatch.setattr(ServedSource, "prefetch", lambda self, batch: blocks.append(len(batch)) or real(self, batch))
     out = tmp_path / "out"
     cand_spec = f"openai:{served['cand'].url},top_k={K},batching=serial"
-    summary = run_pipeline(RunConfig(reference=f"openai:{served['ref'].url},top_k={K},batching=serial", candidates=[cand_spec],
+    summary = run_pipeline(RunConfig(reference=f"openai:{served['ref'].url},top_k={K},batching=serial",
+                                     candidates=[f"{cand_spec},overlap={overlap}"],
                                      workload=str(served["wl"]), out=str(out), noise_floor=False, flips=False,
                                      correctness=False, html=False, bootstrap=0))
+    n_items = len(read_workload(served["wl"]))
+    assert sum(blocks) == (n_items if overlap == "on" else 0)  # every generated item handed ahead, or none
     name = summary["candidates"][0]["name"]
     ref = RunReader(out / "runs" / "reference")
     with open_source(cand_spec) as src:
@@ -307,3 +317,21 @@ def test_run_scores_the_served_candidate_on_reference_blocks_ahead(served, tmp_p
     a, b = _rows(RunReader(out / "runs" / f"candidate-{name}")), _rows(alone)
     assert a[0].shape[0] == ref.manifest["n_positions"]
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def test_overlap_rule_compares_hosts(served):
+    """Who `run` scores ahead: never on the reference's own server; overlap=on on another server;
+    off never; auto only when the hosts differ (loopback spellings are one host)."""
+    from types import SimpleNamespace
+
+    from logitdiff.sources.served.client import endpoint_host
+
+    assert endpoint_host("http://127.0.0.1:8080") == endpoint_host("http://localhost:9000/v1") == endpoint_host("http://[::1]:1")
+    assert endpoint_host("http://10.0.0.2:8000") != endpoint_host("http://10.0.0.3:8000")
+    port = served["ref"].url.rsplit(":", 1)[1]
+    here, own = SimpleNamespace(roots=[f"http://localhost:{port}"]), SimpleNamespace(roots=[served["cand"].url.rstrip("/")])
+    away = SimpleNamespace(roots=["http://10.9.8.7:8000"])
+    want = {"on": (True, True, False), "off": (False, False, False), "auto": (False, True, False)}
+    for overlap, (w_here, w_away, w_own) in want.items():
+        with open_source(f"openai:{served['cand'].url},top_k={K},overlap={overlap}") as src:
+            assert (src.scores_ahead_of(here), src.scores_ahead_of(away), src.scores_ahead_of(own)) == (w_here, w_away, w_own), overlap

@@ -28,7 +28,9 @@ DESCRIPTION = (
     "candidate on the reference's tokens and write one report per candidate plus a summary table. "
     "With no arguments: the bundled tiny Llama through transformers in BF16 as the reference, and "
     "its llama.cpp GGUF BF16 (cross-engine floor) and quant ladder Q8_0, Q6_K, Q4_K_M, IQ4_XS, "
-    "Q3_K_M, Q2_K as candidates, on the bundled workload — offline, in minutes."
+    "Q3_K_M, Q2_K as candidates, on the bundled workload — offline, in minutes. "
+    "A served candidate on another host than a served reference is scored on each reference block "
+    "while the reference generates the next (its overlap=auto|on|off; auto: only across hosts)."
 )
 
 
