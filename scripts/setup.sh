@@ -14,7 +14,7 @@ python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" python -m pip install --quiet -e '.[all,test]'
 bash scripts/install_chromium.sh || true  # best effort: headless browser for the report.html tests
-# Served-model backends for the tests and `openai:` sources: llama.cpp's llama-server
+# Served-model backends for the tests and `served:` sources: llama.cpp's llama-server
 # built from the same llama.cpp as llama-cpp-python, and vLLM (CPU) in its own venv. Both
 # live in ~/.cache/logitdiff/tools and are reused when present. SKIP_SERVERS=1 skips them.
 if [ "${SKIP_SERVERS:-0}" != "1" ]; then

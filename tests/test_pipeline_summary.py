@@ -14,25 +14,17 @@ import re
 
 import numpy as np
 import pytest
+from test_compare import make_run  # runs written with the store from numpy logits
 
 from logitdiff.compare import compare_runs
 from logitdiff.contracts import RUN_SUMMARY_SCHEMA, SCHEMA_VERSION, summary_json
 from logitdiff.pipeline import _cross_engine_floor, _summary_row, render_summary_md
 from logitdiff.report import build_report
-from logitdiff.store import RunItem, RunReader, RunWriter
+from logitdiff.store import RunReader
 from logitdiff.summarize import describe
 
 V = 32
 LENS = {"a": 12, "b": 7, "c": 9}
-
-
-def _run(path, logits, teacher, spec):
-    w = RunWriter(path, source={"spec": spec, "identity": {"backend": "test"}}, vocab_size=V,
-                  tokenizer_hash="sha256:test", chunk_rows=8, vocab=[f"t{i}" for i in range(V)])
-    for iid, lg in logits.items():
-        w.add(RunItem(id=iid, prompt_ids=[1, 2], teacher_ids=list(teacher[iid]), positions=list(range(len(lg))), tags=[]), logits=lg)
-    w.finish()
-    return RunReader(path)
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +34,11 @@ def reports(tmp_path_factory):
     rng = np.random.default_rng(1)
     ref = {k: rng.normal(0, 3, (n, V)).astype(np.float32) for k, n in LENS.items()}
     teacher = {k: lg.argmax(1) for k, lg in ref.items()}
-    ref_run = _run(tmp / "ref", ref, teacher, "test:ref")
+    ref_run = RunReader(make_run(tmp / "ref", ref, teacher, vocab=V))  # spec test:ref
     out = {}
     for name, s in (("Q8_0", 0.05), ("BF16", 0.01), ("Q2_K", 1.5)):
         cand = {k: (v + rng.normal(0, s, v.shape)).astype(np.float32) for k, v in ref.items()}
-        rep, _ = build_report(compare_runs(ref_run, _run(tmp / name, cand, teacher, f"test:{name}")), n_boot=100)
+        rep, _ = build_report(compare_runs(ref_run, RunReader(make_run(tmp / name, cand, teacher, vocab=V))), n_boot=100)
         out[name] = rep
     return tmp, out
 
