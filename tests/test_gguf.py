@@ -354,3 +354,26 @@ def test_too_long(ladder, sequence):
             src.score(prompt, [src.vocab_size + 5])
         # still usable after the errors
         assert src.score(prompt, teacher[:10]).shape == (10, src.vocab_size)
+
+
+def test_load_vocab_restores_stderr_under_concurrent_and_failed_loads(ladder, tmp_path):
+    """load_vocab swaps the process-wide sys.stderr for the load: loads at once in several
+    threads, and a load that fails, must each leave sys.stderr as it was."""
+    import sys
+    import threading
+
+    from logitdiff.sources.gguf import load_vocab
+
+    real = sys.stderr
+    vocabs = []
+    threads = [threading.Thread(target=lambda: vocabs.append(load_vocab(ladder["paths"]["F32"]))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(vocabs) == 4 and sys.stderr is real
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"not a gguf file")
+    with pytest.raises((ValueError, RuntimeError)):
+        load_vocab(bad)
+    assert sys.stderr is real

@@ -63,6 +63,7 @@ from .base import Block, FullLogitSource, Generation, Spec, parse_spec, tokenize
 from .options import parse_options
 
 _load_lock = threading.Lock()
+_stderr_lock = threading.Lock()  # load_vocab's sys.stderr swap, one at a time
 _PAD_RE = re.compile(r"^\[PAD(\d+)\]$")
 
 
@@ -125,10 +126,12 @@ def load_vocab(path: str | Path):
     second). Quiet: llama.cpp warns that n_ctx exceeds the training context (which a vocab-only
     load reads as 0) and llama-cpp-python's log callback prints ggml's WARN as an error, to
     ``sys.stderr`` whatever ``verbose`` says; so ``sys.stderr`` is swapped for the load alone
-    (a failed load raises, with its message)."""
+    (a failed load raises, with its message). The swap is process state: two loads at once
+    would each restore the other's buffer (leaving ``sys.stderr`` a StringIO), so they take
+    turns (``_stderr_lock``); another thread's writes to ``sys.stderr`` during one are lost."""
     import io
 
-    with contextlib.redirect_stderr(io.StringIO()):
+    with _stderr_lock, contextlib.redirect_stderr(io.StringIO()):
         return load_llama(path, vocab_only=True, verbose=False)
 
 
