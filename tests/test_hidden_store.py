@@ -409,3 +409,13 @@ def test_compiled_decode_is_the_float64_decode(dtype):
         # the midpoints took the float64 path; with bf16's 8-bit significands most entries
         # did not (float16's 11 bits leave the float32 bound straddling more boundaries)
         assert 4 <= fallbacks and (dtype == "float16" or fallbacks < 0.5 * n * V), (fallbacks, n * V)
+
+
+def test_compiled_decode_refuses_a_hidden_size_mismatch():
+    from logitdiff import kernel
+
+    if kernel.hidden_decode(np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16), "bfloat16", 1) is None:
+        pytest.skip("compiled kernel not built")
+    # the kernel would read hidden as [n, 8]: past the end of a [2, 4] array
+    with pytest.raises(ValueError, match="hidden size"):
+        kernel.hidden_decode(np.zeros((2, 4), np.uint16), np.zeros((5, 8), np.uint16), "bfloat16", 1)

@@ -152,6 +152,9 @@ def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int
         return None
     h = np.ascontiguousarray(hidden, np.uint16)
     w = np.ascontiguousarray(head, np.uint16)  # a C-contiguous memory map is read in place
+    if h.ndim != 2 or w.ndim != 2 or h.shape[1] != w.shape[1]:
+        # the kernel reads hidden as [n, head.shape[1]]: a mismatch would read past its end
+        raise ValueError(f"hidden_decode: hidden {h.shape} and head {w.shape} differ in hidden size")
     n, V = h.shape[0], w.shape[0]
     out = np.empty((n, V), np.uint16)
     fb = ctypes.c_int64(0)
