@@ -406,6 +406,10 @@ def test_compiled_decode_is_the_float64_decode(dtype):
         want = _float64_decode(block, head, dtype)
         np.testing.assert_array_equal(got, want, err_msg=f"{dtype} V={V} H={H} n={n}")
         np.testing.assert_array_equal(Hs.decode(block, head, dtype), want)  # the reader's path
+        port, port_fb = kernel.hidden_decode(hid, head, dtype, 2, isa="scalar")  # a CPU without AVX2
+        port[exc["exc_row"], exc["exc_id"]] = exc["exc_bits"]
+        np.testing.assert_array_equal(port, want, err_msg=f"scalar {dtype} V={V} H={H} n={n}")
+        assert port_fb == 0  # no float32 path there
         # the midpoints took the float64 path; with bf16's 8-bit significands most entries
         # did not (float16's 11 bits leave the float32 bound straddling more boundaries)
         assert 4 <= fallbacks and (dtype == "float16" or fallbacks < 0.5 * n * V), (fallbacks, n * V)
