@@ -406,6 +406,20 @@ def test_compiled_decode_is_the_float64_decode(dtype):
         want = _float64_decode(block, head, dtype)
         np.testing.assert_array_equal(got, want, err_msg=f"{dtype} V={V} H={H} n={n}")
         np.testing.assert_array_equal(Hs.decode(block, head, dtype), want)  # the reader's path
+        port, port_fb = kernel.hidden_decode(hid, head, dtype, 2, isa="scalar")  # a CPU without AVX2
+        port[exc["exc_row"], exc["exc_id"]] = exc["exc_bits"]
+        np.testing.assert_array_equal(port, want, err_msg=f"scalar {dtype} V={V} H={H} n={n}")
+        assert port_fb == 0  # no float32 path there
         # the midpoints took the float64 path; with bf16's 8-bit significands most entries
         # did not (float16's 11 bits leave the float32 bound straddling more boundaries)
         assert 4 <= fallbacks and (dtype == "float16" or fallbacks < 0.5 * n * V), (fallbacks, n * V)
+
+
+def test_compiled_decode_refuses_a_hidden_size_mismatch():
+    from logitdiff import kernel
+
+    if kernel.hidden_decode(np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16), "bfloat16", 1) is None:
+        pytest.skip("compiled kernel not built")
+    # the kernel would read hidden as [n, 8]: past the end of a [2, 4] array
+    with pytest.raises(ValueError, match="hidden size"):
+        kernel.hidden_decode(np.zeros((2, 4), np.uint16), np.zeros((5, 8), np.uint16), "bfloat16", 1)

@@ -976,8 +976,9 @@ __attribute__((visibility("default"))) int64_t logitdiff_first_nonfinite(const v
 // chains of at most HD_KB sequential FMAs from zero, added into the lane's total; then a
 // fixed 3-level tree over the lanes. Every term passes through at most
 // k = HD_KB + ceil(H / (8 HD_KB)) + 3 roundings, so |s32 - s| <= gamma_k sum_j |W_vj h_j|
-// + k 2^-150 (underflow) <= gamma_k ||W_v|| ||h|| + k 2^-150 =: e_v (Higham 3.1,
-// Cauchy-Schwarz).
+// + N 2^-150 (underflow: at most 2^-150 per operation with a subnormal result, N ~ H + H/8
+// operations in all, so < 2^-120 for H < 2^29) <= gamma_k ||W_v|| ||h|| + 2^-120 =: e_v
+// (Higham 3.1, Cauchy-Schwarz). Overflow anywhere leaves s32 inf/NaN: the float64 path.
 // Where R is constant on [s32 - e_v, s32 + e_v] (and the interval is inside the format's
 // normal range) that value is R(s), the bf16 value of the exact sum, which is the
 // model's value unless the entry is a stored exception (docs/bounds.md section 6). The
@@ -1050,7 +1051,7 @@ inline uint16_t hd_finish(const HdArgs& a, double wn, int64_t r, float s32, int6
     const double tiny = a.fmt == F16 ? 0x1p-14 : 0x1p-126;
     const double big = a.fmt == F16 ? 65504.0 : 3.3895313892515355e38;
     double s = (double)s32;
-    // gamma_k ||W|| ||h|| (hn holds gamma_k ||h||), the underflow term (k 2^-150 <= 2^-120), and room for the
+    // gamma_k ||W|| ||h|| (hn holds gamma_k ||h||), the underflow term (<= 2^-120, see above), and room for the
     // rounding of s -+ e below (2^-50 |s|)
     double e = wn * a.hn[r] + 0x1p-120 + 0x1p-50 * std::fabs(s);
     double lo = std::fabs(s) - e, hi = std::fabs(s) + e;
@@ -1245,7 +1246,7 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
             h64[r * H + j] = x;
             nn += (double)x * x;
         }
-        // gamma_k = k u / (1 - k u), u = 2^-24, k = Hp/8 + 3 roundings per term; 1.01 covers
+        // gamma_k = k u / (1 - k u), u = 2^-24, k = hd_roundings(Hp) per term; 1.01 covers
         // the float64 norms' own rounding
         const double k = hd_roundings(Hp), u = 0x1p-24;
         hn[r] = 1.01 * k * u / (1.0 - k * u) * std::sqrt(nn);

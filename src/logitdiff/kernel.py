@@ -140,22 +140,27 @@ def first_nonfinite(rows: np.ndarray) -> int | None:
     return None if got < 0 else int(got)
 
 
-def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int) -> tuple[np.ndarray, int] | None:
+def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int,
+                  isa: str = "auto") -> tuple[np.ndarray, int] | None:
     """`hidden.decode`'s reconstruction before exceptions, compiled (issue 28): the bits
     R(W h) [n, V] of hidden states [n, H] and a head [V, H] (16-bit bits, ``dtype``
     "bfloat16" or "float16"), float32 dots with a proven error bound and the float64 dot
     where that bound straddles a rounding boundary (_kernel.cpp), and how many entries took
-    the float64 path. None when the library lacks the function."""
+    the float64 path. ``isa`` "scalar": the portable path (every dot in float64, as on a CPU
+    without AVX2). None when the library lacks the function."""
     lib = _lib()
     fn = getattr(lib, "logitdiff_hidden_decode", None) if lib is not None else None
     if fn is None:
         return None
     h = np.ascontiguousarray(hidden, np.uint16)
     w = np.ascontiguousarray(head, np.uint16)  # a C-contiguous memory map is read in place
+    if h.ndim != 2 or w.ndim != 2 or h.shape[1] != w.shape[1]:
+        # the kernel reads hidden as [n, head.shape[1]]: a mismatch would read past its end
+        raise ValueError(f"hidden_decode: hidden {h.shape} and head {w.shape} differ in hidden size")
     n, V = h.shape[0], w.shape[0]
     out = np.empty((n, V), np.uint16)
     fb = ctypes.c_int64(0)
-    rc = fn(h.ctypes.data, n, w.ctypes.data, V, w.shape[1], DTYPE_CODES[dtype], max(1, int(threads)), 0,
+    rc = fn(h.ctypes.data, n, w.ctypes.data, V, w.shape[1], DTYPE_CODES[dtype], max(1, int(threads)), ISA_CODES[isa],
             out.ctypes.data, V, ctypes.byref(fb))
     if rc != 0:
         raise ValueError(f"hidden_decode: bad arguments (hidden {h.shape}, head {w.shape}, {dtype})")
