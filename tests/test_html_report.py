@@ -703,3 +703,17 @@ def test_readme_figures_script_writes_between_the_markers(ladder, tmp_path):
     # README itself has one block to rewrite
     real = (root / "README.md").read_text(encoding="utf-8")
     assert real.count("<!-- readme_figures:begin -->") == 1 == real.count("<!-- readme_figures:end -->")
+
+
+def test_pair_without_interval_says_not_evaluated():
+    # --bootstrap 0 (or one item): paired_bootstrap gives no CI and no p-value; the pair cell
+    # must say the ordering was not evaluated, not "cannot order" (a tested, inconclusive result)
+    from logitdiff.report.html import _verdict
+    from logitdiff.stats import paired_bootstrap
+
+    r = paired_bootstrap([0.1, 0.2, 0.3], [0.5, 0.6, 0.9], n_boot=0)
+    assert r["ci"] == [None, None] and r["p_two_sided"] is None
+    cell = _verdict("a", "b", r, "g")
+    assert "not evaluated" in cell and "cannot order" not in cell and "p =" not in cell
+    tested = _verdict("a", "b", paired_bootstrap([0.1, 0.2, 0.3], [0.5, 0.6, 0.9], n_boot=200), "g")
+    assert "not evaluated" not in tested

@@ -871,6 +871,11 @@ def _verdict(a: str, b: str, r: dict | None, kind: str) -> str:
     if not r or r.get("diff") is None:
         return "<td>n/a</td>"
     lo, hi = r["ci"]
+    if lo is None or hi is None:
+        # One item or --bootstrap 0: no interval and no p-value, so no ordering was tested;
+        # "cannot order" would read as a tested, inconclusive result.
+        return (f'<td data-v="{r["diff"]!r}">{fmt(r["diff"], kind)} <small>no interval</small></td>'
+                f'<td class="say">not evaluated: no interval (one item, or --bootstrap 0)</td>')
     diff = f"{fmt(r['diff'], kind)} <small>[{fmt(lo, kind)}, {fmt(hi, kind)}] · {_p(r['p_two_sided'])}</small>"
     if r["separable"]:
         more, less = (b, a) if r["diff"] > 0 else (a, b)
