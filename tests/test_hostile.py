@@ -945,3 +945,17 @@ def test_gate_option_errors(command, flag, value, what, runs, tmp_path, capsys):
             else ["run", "--workload", runs["root"] / "missing.jsonl"]) + ["--out", tmp_path / "out", f"{flag}={value}"]
     fails(capsys, argv, what)
     assert os.listdir(tmp_path) == []
+
+
+def test_bootstrap_0_reports_say_no_interval(runs, tmp_path, capsys):
+    """--bootstrap 0: every CI is null, and report.md and the page say there is none (not
+    '95 % CIs from 0 bootstrap resamples', not a zero-width interval)."""
+    out = tmp_path / "rep"
+    assert main(["compare", str(runs["ref"]), str(runs["topk"]), "--out", str(out), "--bootstrap", "0"]) == 0
+    capsys.readouterr()
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["summary"]["metrics"]["kl_nats"]["ci95"] == [None, None]
+    md = (out / "report.md").read_text()
+    assert "no 95 % CIs (--bootstrap 0)" in md and "from 0 bootstrap" not in md
+    page = (out / "report.html").read_text()
+    assert "no 95 % CIs (--bootstrap 0)" in page and "from 0 bootstrap" not in page

@@ -631,7 +631,8 @@ def _header(names, paths, reports, summary) -> str:
     rows += [
         ("workload", f"{_e(s0.get('paired_prompts'))} items, {_e(s0.get('positions'))} teacher-forced output positions"
          + (f"; <code>{_e(summary.get('workload'))}</code>" if summary and summary.get("workload") else "")),
-        ("method", method + (f"; 95 % CIs from {_e(boot.get('n'))} bootstrap resamples of items" if boot else "")),
+        ("method", method + ((f"; 95 % CIs from {_e(boot.get('n'))} bootstrap resamples of items" if boot.get("n")
+                               else "; no 95 % CIs (--bootstrap 0)") if boot else "")),
         ("noise floor", noise),
     ]
     sfs = {json.dumps(_get(r, "summary.served_floor"), sort_keys=True) for r in reports} - {"null"}

@@ -63,8 +63,9 @@ def render_markdown(report: Report) -> str:
         f"**Verdict:** {verdict_text(report)}.\n",
         f"- method: **{m['kind']}** — {m['description']}",
         f"- vocabulary: {m['vocab_size']:,}; top-K fields at K = {m['top_logprobs']}; ε = {m['epsilon']}",
-        f"- positions: {s['positions']:,} over {s['paired_prompts']} items; 95 % CIs from {m['bootstrap']['n']} "
-        f"bootstrap resamples of items (seed {m['bootstrap']['seed']})",
+        f"- positions: {s['positions']:,} over {s['paired_prompts']} items; "
+        + (f"95 % CIs from {m['bootstrap']['n']} bootstrap resamples of items (seed {m['bootstrap']['seed']})"
+           if m["bootstrap"]["n"] else "no 95 % CIs (--bootstrap 0): the means below carry no interval"),
     ]
     out += _interval_lines(s, m)
     mc = report.get("machine")
