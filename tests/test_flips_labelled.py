@@ -409,7 +409,9 @@ SMOL_LABELS = Path(__file__).parent / "data" / "flip_labels_smollm.jsonl"
 # 1/4, kappa 0.05. Floors: the measured count less one case (0 where it is 0 or 1): benign
 # and recovered are far off the target (benign SmolLM2 branches read as changes).
 SMOL_FLOORS: dict[str, tuple[int, int]] = {"meaning_changed": (140, 154), "benign": (0, 22), "recovered": (0, 4)}
-SMOL_KAPPA_FLOOR = -0.1
+# kappa measured 0.008; losing the one agreeing benign or recovered case (the worst single
+# cases) gives -0.039 / -0.042, so -0.05 is the measured figure less one case (-0.1 let more go)
+SMOL_KAPPA_FLOOR = -0.05
 SMOL_GOAL_MET: tuple[str, ...] = ("meaning_changed",)
 
 
