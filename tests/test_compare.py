@@ -312,3 +312,33 @@ def test_compare_blocks_across_unaligned_chunks(tmp_path, dtype):
     want = M.full_vocab(zr, zc, np.concatenate([teacher[k] for k in lens]), k=10, top_k_out=64, threads=1)
     for f in ("kl_nats", "kl_rev_nats", "jsd_nats", "entropy_ref", "nll_cand", "top1_ref", "topk_overlap"):
         np.testing.assert_array_equal(comp.columns[f], want[f], err_msg=f)
+
+
+@pytest.mark.parametrize("store", ["full", "topk:5"])
+def test_zero_positions_give_a_null_report_with_its_reason(tmp_path, capsys, store):
+    """Paired items with no scored position (every position excluded, empty outputs): a
+    valid report (the writer validates it against the schema, tests/conftest.py) whose
+    figures are null, never 0, with the reason in report.json, the console, report.md and the
+    page; a gate on those figures is not evaluated, never passed or crossed."""
+    empty = {"a": np.zeros((0, V), np.float32), "b": np.zeros((0, V), np.float32)}
+    teacher: dict = {"a": [], "b": []}
+    r = make_run(tmp_path / "ref", empty, teacher, store=store)
+    c = make_run(tmp_path / "cand", empty, teacher, store=store)
+    out = tmp_path / "rep"
+    assert main(["compare", str(r), str(c), "--out", str(out), "--fail-on", "kl_mean>0.1"]) == 4  # 4: a gate not evaluated
+    err = " ".join(capsys.readouterr().err.split())
+    assert "no positions compared" in err and "gate not evaluated" in err and "Traceback" not in err
+    rep = json.loads((out / "report.json").read_text())
+    s = rep["summary"]
+    assert s["positions"] == 0 and s["paired_prompts"] == 2
+    for key in ("kl_nats_mean", "kl_nats_max", "kl_bits_mean", "top1_match_rate", "baseline_top_mass_mean", "max_kl_source_id"):
+        assert s[key] is None, key
+    assert s["top1_disagreement"]["rate"] is None and s["top1_disagreement"]["ci95"] == [None, None]
+    assert s["metrics"]["kl_nats"]["mean"] is None and s["metrics"]["kl_nats"]["n"] == 0
+    assert any(n.startswith("no positions compared") for n in rep["method"]["notes"])
+    assert rep["gates"]["crossed"] == [] and rep["gates"]["not_evaluated"]
+    md = (out / "report.md").read_text()
+    assert "no positions compared" in md.split("## Summary")[0]  # the verdict and the notes, above any table
+    assert "item `None`" not in md
+    assert "no positions compared" in (out / "report.html").read_text()
+    assert len(pd.read_parquet(out / "tokens.parquet")) == 0

@@ -107,5 +107,5 @@ def print_summary(report: Report) -> None:
     table_console().print(t)
     # a label that changes what the figures mean belongs beside them, not only in report.json
     for note in report["method"].get("notes") or []:
-        if note.startswith("speculation not exercised"):
+        if note.startswith(("speculation not exercised", "no positions compared")):
             console().print(f"[yellow]note:[/] {note}")

@@ -37,6 +37,17 @@ SEED_ROW_FIELDS = (
     "top1_match",
 )
 
+# A comparison of no positions (every position excluded, items without output): its figures
+# are null, with this reason in method.notes, the console, report.md and the page -- never 0.
+NO_POSITIONS = "no positions compared: the paired items have no scored positions, so every figure of this report is null"
+# What build_report reads of every comparison, given as empty columns when no block was read
+# (a method says its columns block by block, and no block means no columns)
+_EMPTY_COLUMNS = {
+    "top1_ref": np.int64, "top1_cand": np.int64, "top1_match": np.bool_, "kl_nats": np.float64,
+    "baseline_top_mass": np.float64, "candidate_top_mass": np.float64, "shared_tokens": np.int64,
+    "shared_baseline_mass": np.float64, "shared_candidate_mass": np.float64,
+}
+
 
 def machine_info() -> dict:
     """Where the comparison ran (the captures' own devices are in each side's identity)."""
@@ -104,6 +115,11 @@ def build_report(
     """The report.json object and the per-position table (columns) behind it."""
     c = dict(comp.columns)
     n = comp.n
+    notes = list(comp.notes)
+    if n == 0:
+        for key, dtype in _EMPTY_COLUMNS.items():
+            c.setdefault(key, np.empty(0, dtype))
+        notes.append(NO_POSITIONS)
     # Seed-compatible names and bits twins.
     c["source_id"] = c["item_id"]
     c["baseline_top_token_id"] = c["top1_ref"]
@@ -203,7 +219,7 @@ def build_report(
             **comp.method,
             "bootstrap": {"resample": "items", "n": n_boot, "seed": seed, "level": 0.95},
             "ranges": list(ranges),
-            "notes": comp.notes,
+            "notes": notes,
         },
         "rows": [],
         "summary": summary,

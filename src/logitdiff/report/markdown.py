@@ -107,10 +107,13 @@ def render_markdown(report: Report) -> str:
     if sb:
         out.append("- served batching: " + ", ".join(f"{k} `{v}`" for k, v in sb.items() if v)
                    + " (rounds: several items share the server's batches; serial: one task per batch)")
-    out.append(
-        f"- largest KL: {_f(s['kl_nats_max'])} nats at item `{s['max_kl_source_id']}` position {s.get('max_kl_position')} "
-        f"(reference top token {s['max_kl_baseline_top_token']!r}, candidate {s['max_kl_candidate_top_token']!r})"
-    )
+    if s.get("max_kl_source_id") is None:
+        out.append("- largest KL: n/a (no positions compared)")
+    else:
+        out.append(
+            f"- largest KL: {_f(s['kl_nats_max'])} nats at item `{s['max_kl_source_id']}` position {s.get('max_kl_position')} "
+            f"(reference top token {s['max_kl_baseline_top_token']!r}, candidate {s['max_kl_candidate_top_token']!r})"
+        )
     out.append("\n## By output range\n")
     out.append(group_table(report["ranges"], "positions"))
     if report.get("tags"):

@@ -42,6 +42,8 @@ def _get(d: Any, path: str):
 def drift_part(report: Mapping, *, x_cross_engine_floor: float | None = None, is_cross_engine_floor: bool = False) -> tuple[str, str]:
     """(severity, text): the mean KL against the cross-engine floor when one was measured,
     else the noise floor, else no floor (said so). severity: ok | warn | info."""
+    if _get(report, "summary.positions") == 0:  # nothing measured: no figure, and no floor to read one against
+        return "info", "mean KL n/a: no positions compared"
     kl = _num(_get(report, "summary.metrics.kl_nats.mean"))
     if kl is None:
         kl = _num(_get(report, "summary.kl_nats_mean"))
