@@ -17,7 +17,7 @@ from servers import llama_server, start_or_fail
 from logitdiff import speculation as S
 from logitdiff.api import speculate
 from logitdiff.errors import LogitdiffError
-from logitdiff.generation import LlamaServer, parse_generation
+from logitdiff.generation import LlamaServer, Trace, parse_generation
 
 N = 32  # tokens per item: short, but long enough for several verify batches
 ITEMS = 3
@@ -63,6 +63,32 @@ def test_probability_not_reported_is_never_p1():
     assert tr.draft_n == 3 and tr.draft_n_accepted == 2
     with pytest.raises(LogitdiffError, match="not n_predict"):
         parse_generation(ans, 5, K, "test")
+
+
+def _trace(ids, lps, reported):
+    """A generation with top-1 lists: the token itself at its logprob where reported."""
+    ids, rep = np.asarray(ids, np.int64), np.asarray(reported, bool)
+    lp = np.where(rep, np.asarray(lps, np.float64), np.nan)
+    return Trace(ids=ids, logprob=lp, reported=rep, no_entry=np.zeros(len(ids), bool),
+                 top_ids=np.where(rep, ids, -1)[:, None], top_lps=np.where(rep, lp, -np.inf)[:, None])
+
+
+def test_f0_with_nothing_compared_is_null_with_its_reason_never_0():
+    """F0's largest |Δlogprob| is the largest over the positions both runs reported; with no
+    such position (no rerun items; only speculative steps, whose probabilities are not
+    reported) it is null with the reason, and the verdict's F0 line says so."""
+    a = _trace([5, 6, 7], [-0.5, -0.25, -1.0], [True, True, True])
+    b = _trace([5, 6, 7], [-0.5, -0.75, -1.0], [True, True, True])
+    f0 = S._f0([a], [b], 3)
+    assert f0["max_abs_dlogprob"] == 0.5 and f0["positions_compared"] == 3 and "not_evaluated" not in f0
+    unreported = _trace([5, 6, 7], [0, 0, 0], [False, False, False])
+    for first, again, why in (([], [], "no items rerun"), ([unreported], [unreported], "no position where both runs reported")):
+        f0 = S._f0(first, again, 3)
+        assert f0["max_abs_dlogprob"] is None and f0["positions_compared"] == 0
+        assert f0["not_evaluated"].startswith("not evaluated: no positions compared") and why in f0["not_evaluated"]
+    # the reported positions of one run only: nothing compared either
+    f0 = S._f0([a], [unreported], 3)
+    assert f0["max_abs_dlogprob"] is None and "no position where both" in f0["not_evaluated"]
 
 
 # ------------------------------------------------------------------ real servers
@@ -145,6 +171,30 @@ def test_self_draft_runs_verify_batches_and_reports_no_probabilities(env, server
     assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html", "generations.jsonl"}
     assert rep["verdict"]["label"] in (S.LOSSLESS, S.SHAPE_ONLY, S.DEFECT)
     assert rep["verdict"]["label"] in (out / "report.md").read_text() and rep["verdict"]["label"] in (out / "report.html").read_text()
+
+
+def test_no_floor_items_reads_f0_not_evaluated_everywhere(env, servers, tmp_path):
+    """--floor-items 0 reruns nothing: F0's largest |Δlogprob| is null with its reason in
+    report.json (valid against the schema, tests/conftest.py), report.md, the page and the
+    verdict's reasons, never 0."""
+    out = tmp_path / "nofloor"
+    rep = speculate(servers("ref").url, servers("self").url, out, workload=env["wl"], n_predict=8, floor_items=0, top_k=8)
+    saved = json.loads((out / "report.json").read_text())
+    for side in ("reference", "candidate"):
+        for f0 in (rep["floors"]["F0"][side], saved["floors"]["F0"][side]):
+            assert f0["items"] == 0 and f0["positions_compared"] == 0 and f0["max_abs_dlogprob"] is None
+            assert f0["not_evaluated"].startswith(S.F0_NOT_EVALUATED)
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    f0_rows = [ln for ln in md.splitlines() if ln.startswith("| F0 ")]
+    assert len(f0_rows) == 2 and all(S.F0_NOT_EVALUATED in ln and "dlogprob 0" not in ln for ln in f0_rows), f0_rows
+    assert page.count(S.F0_NOT_EVALUATED) >= 3  # both F0 rows (the page's report) and the verdict's reasons
+    assert any(S.F0_NOT_EVALUATED in r for r in rep["verdict"]["reasons"])
+    # the schema holds the rule: a null F0 figure carries its reason
+    from logitdiff.contracts import validate
+
+    del saved["floors"]["F0"]["candidate"]["not_evaluated"]
+    with pytest.raises(LogitdiffError, match="F0.candidate"):
+        validate(saved, "speculation")
 
 
 def test_q2k_draft_rejects_some_drafts(env, servers):

@@ -181,22 +181,35 @@ def _trace_counts(traces: Sequence[Trace]) -> dict:
             "server_predicted_ms": sum(float(t.timings.get("predicted_ms") or 0) for t in traces)}
 
 
+F0_NOT_EVALUATED = "not evaluated: no positions compared"
+
+
 def _f0(first: Sequence[Trace], again: Sequence[Trace], n: int) -> dict:
-    """A side against its own rerun: identical tokens, and |Δlogprob| where both reported."""
+    """A side against its own rerun: identical tokens, and |Δlogprob| where both reported.
+    With no position reported by both runs (no rerun items, or only speculative steps, whose
+    probabilities a server does not report) the largest |Δlogprob| is null with the reason in
+    ``not_evaluated``: nothing was compared, which 0 would hide."""
     fd = [first_divergence(a.ids, b.ids) for a, b in zip(first, again)]
     dmax = 0.0
+    compared = 0
     top_equal = True
     for a, b in zip(first, again):
         m = len(a.ids) if first_divergence(a.ids, b.ids) is None else first_divergence(a.ids, b.ids)
         both = a.reported[:m] & b.reported[:m]
+        compared += int(both.sum())
         if both.any():
             dmax = max(dmax, float(np.abs(a.logprob[:m][both] - b.logprob[:m][both]).max()))
             top_equal &= bool(np.array_equal(a.top_ids[:m][both], b.top_ids[:m][both])
                               and np.array_equal(a.top_lps[:m][both], b.top_lps[:m][both]))
         top_equal &= bool(np.array_equal(a.reported[:m], b.reported[:m]))
-    return {"items": len(fd), "identical_outputs": sum(d is None for d in fd), "max_abs_dlogprob": dmax,
-            "bit_identical": bool(all(d is None for d in fd) and dmax == 0.0 and top_equal),
-            "survival": survival(fd, n).tolist()}
+    out = {"items": len(fd), "identical_outputs": sum(d is None for d in fd), "positions_compared": compared,
+           "max_abs_dlogprob": dmax if compared else None,
+           "bit_identical": bool(all(d is None for d in fd) and dmax == 0.0 and top_equal),
+           "survival": survival(fd, n).tolist()}
+    if not compared:
+        why = "no items rerun (floor items 0)" if not fd else "no position where both runs reported a probability"
+        out["not_evaluated"] = f"{F0_NOT_EVALUATED} ({why})"
+    return out
 
 
 def _f1(ref_traces: Sequence[Trace], scored, vocab: int, n: int, width: int) -> dict:
@@ -434,7 +447,9 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
         defects.append(f"prefix KL {pre_kl:.3g} nats exceeds the shape floor F1's {f1_kl:.3g} at identical contexts")
     f0_zero = f0["reference"]["bit_identical"] and f0["candidate"]["bit_identical"]
     reasons.append(f"F0 (run-to-run): reference {'bit-identical' if f0['reference']['bit_identical'] else 'NOT identical'}, "
-                   f"candidate {'bit-identical' if f0['candidate']['bit_identical'] else 'NOT identical'} on {f0['reference']['items']} items")
+                   f"candidate {'bit-identical' if f0['candidate']['bit_identical'] else 'NOT identical'} on {f0['reference']['items']} items"
+                   + "".join(f"; {side} |Δlogprob| {f0[side]['not_evaluated']}" for side in ("reference", "candidate")
+                             if f0[side].get("not_evaluated")))
     reasons.append(f"F1 (shape floor, width {f1['shape_width']}): max |Δlogprob| {f1['max_abs_dlogprob']:.3g} nats, "
                    f"KL max {'not measured' if f1['kl_nats']['max'] is None else format(f1_kl, '.3g')}, "
                    f"{f1['top1_flips']} top-1 flips over {f1['positions']} positions")

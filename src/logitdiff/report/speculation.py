@@ -26,6 +26,14 @@ def _kl(x) -> str:
     return "not reported" if x is None else format(x, ".3g")
 
 
+def _f0_dlogprob(side: dict) -> str:
+    """F0's largest |Δlogprob|; with no position compared, the reason (report.json's
+    ``not_evaluated``), never 0."""
+    if side.get("max_abs_dlogprob") is None:
+        return side.get("not_evaluated") or "not evaluated: no positions compared"
+    return f"max abs dlogprob {_f(side['max_abs_dlogprob'])}"
+
+
 def render_markdown(rep: dict) -> str:
     s, v, f0, f1 = rep["summary"], rep["verdict"], rep["floors"]["F0"], rep["floors"]["F1"]
     cc = rep["candidate"]["counters"]
@@ -42,9 +50,9 @@ def render_markdown(rep: dict) -> str:
         "## Floors", "",
         "| floor | what | result |", "| --- | --- | --- |",
         f"| F0 reference | rerun of itself, {f0['reference']['items']} items | identical outputs {f0['reference']['identical_outputs']}, "
-        f"max abs dlogprob {_f(f0['reference']['max_abs_dlogprob'])}, bit-identical {f0['reference']['bit_identical']} |",
-        f"| F0 candidate | rerun of itself | identical outputs {f0['candidate']['identical_outputs']}, max abs dlogprob "
-        f"{_f(f0['candidate']['max_abs_dlogprob'])}, bit-identical {f0['candidate']['bit_identical']} |",
+        f"{_f0_dlogprob(f0['reference'])}, bit-identical {f0['reference']['bit_identical']} |",
+        f"| F0 candidate | rerun of itself | identical outputs {f0['candidate']['identical_outputs']}, "
+        f"{_f0_dlogprob(f0['candidate'])}, bit-identical {f0['candidate']['bit_identical']} |",
         f"| F1 shape | reference tokens teacher-forced in width-{f1['shape_width']} prefill batches vs its decode logprobs, "
         f"{f1['positions']} positions | max abs dlogprob {_f(f1['max_abs_dlogprob'])}, KL max {_kl(f1['kl_nats']['max'])}, "
         f"top-1 flips {f1['top1_flips']}; near-tie threshold {_f(f1['near_tie_nats'])} nats |", "",
