@@ -717,3 +717,52 @@ def test_pair_without_interval_says_not_evaluated():
     assert "not evaluated" in cell and "cannot order" not in cell and "p =" not in cell
     tested = _verdict("a", "b", paired_bootstrap([0.1, 0.2, 0.3], [0.5, 0.6, 0.9], n_boot=200), "g")
     assert "not evaluated" not in tested
+
+
+def test_pairs_use_the_reports_bootstrap_setting(ladder):
+    """The adjacent-pair table resamples as often as its reports did (method.bootstrap: the
+    run's --bootstrap and --seed) and says how many; with --bootstrap 0 it orders nothing and
+    says 'not evaluated', as the rest of the page. A separable pair's bootstrap p-value is
+    1 / (resamples + 1): the count actually used shows in the number itself."""
+    import copy
+
+    from logitdiff.report.html import load_tokens
+    from logitdiff.stats import paired_bootstrap
+
+    data = _embedded(ladder["html"], "logitdiff-data")
+    assert {r["method"]["bootstrap"]["n"] for r in ladder["reports"].values()} == {200}
+    assert data["pairs_bootstrap"] == {"n": 200, "seed": 0}
+    for p in data["pairs"]:
+        assert p["kl"]["separable"] and p["kl"]["p_two_sided"] == pytest.approx(1 / 201, rel=1e-12)
+    note = htmlmod.unescape(ladder["html"].split("<h3>Can the candidates be ordered?</h3>")[1].split("</p>")[0])
+    assert "200 resamples, seed 0" in note and "2,000" not in note
+
+    reports = [json.loads((d / "report.json").read_text()) for d in ladder["dirs"]]
+    tokens = [load_tokens(d / "tokens.parquet") for d in ladder["dirs"]]
+    names = [d.name for d in ladder["dirs"]]
+
+    def page(n, seed, n_of=None):
+        reps = copy.deepcopy(reports)
+        for r in reps:
+            r["method"]["bootstrap"].update(n=(n_of or {}).get(r["candidate"]["spec"], n), seed=seed)
+        text = render_html(reps, tokens, paths=[str(d) for d in ladder["dirs"]])
+        return text, _embedded(text, "logitdiff-data"), htmlmod.unescape(
+            text.split("<h3>Can the candidates be ordered?</h3>")[1].split("</table>")[0])
+
+    # another seed and count: the page's intervals are the paired bootstrap's with them
+    _, d7, section = page(50, 7)
+    assert d7["pairs_bootstrap"] == {"n": 50, "seed": 7} and "50 resamples, seed 7" in section
+    ids = [it["id"] for it in reports[0]["items"]]  # the per-item means the page pairs: report.json's
+    ikl = {n: [{it["id"]: it["kl_nats"]["mean"] for it in r["items"]}[i] for i in ids] for n, r in zip(names, reports)}
+    for p in d7["pairs"]:
+        want = paired_bootstrap(ikl[p["a"]], ikl[p["b"]], n_boot=50, seed=7)
+        assert p["kl"]["ci"] == pytest.approx(want["ci"], rel=1e-12) and p["kl"]["p_two_sided"] == want["p_two_sided"]
+    # reports made with different settings: the fewest resamples, said so
+    _, dm, section = page(200, 0, n_of={"test:q4": 30})
+    assert dm["pairs_bootstrap"]["n"] == 30 and "30 resamples" in section and "fewest" in section
+    # --bootstrap 0: no interval, no ordering, "not evaluated" in the note and in every cell
+    _, d0, section = page(0, 0)
+    assert d0["pairs_bootstrap"]["n"] == 0 and all(p["kl"]["ci"] == [None, None] for p in d0["pairs"])
+    assert "not evaluated" in section.split("</p>")[0] and "resamples" not in section.split("</p>")[0]
+    assert section.count("not evaluated: no interval") == 2 * len(d0["pairs"])
+    assert "drifts more than" not in section and "cannot order" not in section

@@ -39,6 +39,7 @@ from ..gates import get_path as _get
 from ..metric_registry import METRICS
 from ..outputs import HTML_DATA_SCHEMA, HTML_GENERATOR_META, Kind, writing
 from ..stats import adjacent_pairs, per_item_values
+from ..summarize import DEFAULT_BOOTSTRAP
 
 # Buckets of the reference's probability of its own top token.
 REF_CONF_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
@@ -888,7 +889,18 @@ def _verdict(a: str, b: str, r: dict | None, kind: str) -> str:
     return f'<td data-v="{r["diff"]!r}">{diff}</td><td class="say">{say}</td>'
 
 
-def _pairs_html(pairs, n_items) -> str:
+def pairs_bootstrap(reports: Sequence[Report]) -> tuple[int, int, bool]:
+    """(resamples, seed, mixed) of the page's paired bootstrap: the reports' own --bootstrap
+    and --seed (method.bootstrap), so the page claims no interval its reports did not ask
+    for. Reports made with different settings (mixed): the fewest resamples, and the first
+    report's seed."""
+    boots = [_get(r, "method.bootstrap") or {} for r in reports]
+    ns = sorted({int(b["n"]) for b in boots if isinstance(b.get("n"), int)})
+    seed = next((int(b["seed"]) for b in boots if isinstance(b.get("seed"), int)), 0)
+    return (ns[0] if ns else DEFAULT_BOOTSTRAP), seed, len(ns) > 1
+
+
+def _pairs_html(pairs, n_items, n_boot: int, seed: int, mixed: bool = False) -> str:
     if not pairs:
         return '<p class="note">One candidate: nothing to order.</p>'
     rows = "".join(
@@ -896,8 +908,15 @@ def _pairs_html(pairs, n_items) -> str:
         + _verdict(p["a"], p["b"], p.get("kl"), "g") + _verdict(p["a"], p["b"], p.get("top1"), "pct") + "</tr>"
         for p in pairs
     )
-    return ('<p class="note">Neighbours in the order of mean item KL, compared on the same items: a paired bootstrap over '
-            f'{n_items} items of the difference of per-item means (b − a), 95 % CI.</p>'
+    if n_boot > 0:
+        how = (f"a paired bootstrap over {n_items} items ({n_boot:,} resamples, seed {seed}"
+               + (", the fewest of the reports' --bootstrap settings" if mixed else "")
+               + ") of the difference of per-item means (b − a), 95 % CI.")
+    else:
+        how = ("the difference of per-item means (b − a); not evaluated: no 95 % CIs (--bootstrap 0), so no pair "
+               "is ordered.")
+    return ('<p class="note">Neighbours in the order of mean item KL, compared on the same items: '
+            f'{how}</p>'
             '<div class="scroll"><table id="pairs"><thead><tr><th>a → b</th><th>Δ mean item KL</th><th></th>'
             "<th>Δ item top-1 disagr.</th><th></th></tr></thead><tbody>" + rows + "</tbody></table></div>")
 
@@ -1161,8 +1180,10 @@ def render_html(
     if not item_ids and cols[0] is not None:
         item_ids = sorted(set(np.asarray(cols[0]["item_id"]).astype(str)))
     ikl, it1 = _item_arrays(reports, cols, names, item_ids)
-    pairs = adjacent_pairs(item_ids, ikl, it1, n_boot=2000, seed=0) if len(ikl) >= 2 else []
+    n_boot, boot_seed, boot_mixed = pairs_bootstrap(reports)
+    pairs = adjacent_pairs(item_ids, ikl, it1, n_boot=n_boot, seed=boot_seed) if len(ikl) >= 2 else []
     data["pairs"] = pairs
+    data["pairs_bootstrap"] = {"n": n_boot, "seed": boot_seed}
 
     pts: list[dict[str, Any]] = [{"name": n, "size": _num(cells[n]["file_size"]["value"]), "kl_mean": _num(cells[n]["kl_mean"]["value"])}
                                  for n in names]
@@ -1217,7 +1238,7 @@ def render_html(
         '<h2 id="setup">What was compared</h2>',
         _header(names, paths_text, reports, summary),
         "<h3>Can the candidates be ordered?</h3>",
-        _pairs_html(pairs, len(item_ids)),
+        _pairs_html(pairs, len(item_ids), n_boot, boot_seed, boot_mixed),
         '<h2 id="plots">Plots</h2>',
         '<div class="grid2">' + "".join(plot_divs) + "</div>",
         omitted_html,
