@@ -183,7 +183,9 @@ class CountingProxy:
     counts them per path (``counts``), keeping the JSON bodies of ``keep`` paths
     (``bodies``). For tests that assert how many requests a client sends, and for faults a
     client never asks for: fields in ``inject[path]`` are merged into the JSON body of every
-    later request to that path (e.g. forcing a server option on scoring requests)."""
+    later request to that path (e.g. forcing a server option on scoring requests). A hung
+    server: requests to a path in ``hang`` are held unanswered (``held`` is set when one
+    arrives) until the proxy exits."""
 
     def __init__(self, upstream: str, *, keep: tuple[str, ...] = ()):
         import collections
@@ -193,6 +195,9 @@ class CountingProxy:
         self.counts: collections.Counter = collections.Counter()
         self.bodies: dict[str, list] = collections.defaultdict(list)
         self.inject: dict[str, dict] = {}
+        self.hang: set[str] = set()
+        self.held = threading.Event()
+        self._release = threading.Event()
         self._lock = threading.Lock()
 
     def __enter__(self) -> "CountingProxy":
@@ -219,6 +224,12 @@ class CountingProxy:
                     if path in proxy.keep and body:
                         proxy.bodies[path].append(json.loads(body))
                     extra = proxy.inject.get(path)
+                    hang = path in proxy.hang
+                if hang:  # silence on an open connection, as a hung server gives
+                    proxy.held.set()
+                    proxy._release.wait(600)
+                    self.close_connection = True
+                    return
                 if extra and body:
                     body = json.dumps({**json.loads(body), **extra}).encode()
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=600)
@@ -244,6 +255,7 @@ class CountingProxy:
         return self
 
     def __exit__(self, *exc):
+        self._release.set()
         self._srv.shutdown()
         self._srv.server_close()
         self._thread.join(timeout=10)

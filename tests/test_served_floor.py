@@ -291,6 +291,59 @@ def test_prefetched_block_is_the_block_scored_now(served, tmp_path):
     assert src._client is None and not src._prefetched  # closed with blocks never asked for
 
 
+def _prefetch_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("logitdiff-prefetch")]
+
+
+def test_close_on_a_hung_server_cancels_the_block_in_flight(served):
+    """A prefetched block whose server hangs (a real proxy on 127.0.0.1 in front of the real
+    candidate server holds its scoring requests unanswered): close() and Ctrl-C while
+    score_many waits for that block both return within seconds, not after the request
+    timeout; the request is cancelled, no prefetch thread is left, and the closed source
+    refuses further work in one line."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from servers import CountingProxy
+    from logitdiff.errors import LogitdiffError
+    from logitdiff.sources.served.client import CLOSE_WAIT_S
+
+    timeout = 30  # the request timeout close() must not wait out
+    pairs = [([1, 2, 3, 4], [5, 6, 7])]
+    with CountingProxy(served["cand"].url) as px:
+        src = open_source(f"openai:{px.url},top_k={K},timeout={timeout},retries=1")
+        px.hang.add("/completion")  # after the handshake, which scores a probe pair
+        assert src.prefetch(pairs) and px.held.wait(30)
+        t0 = time.monotonic()
+        src.close()
+        took = time.monotonic() - t0
+        assert took < 2 * CLOSE_WAIT_S + 1, f"close took {took:.1f} s with a hung server (timeout {timeout} s)"
+        with pytest.raises(LogitdiffError, match="closed"):
+            src.score_many(pairs)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while _prefetch_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _prefetch_threads()
+        # Ctrl-C while the job waits for that block: the interrupt, then close, both prompt
+        px.hang.clear()
+        with open_source(f"openai:{px.url},top_k={K},timeout={timeout},retries=1") as src:
+            px.held.clear()
+            px.hang.add("/completion")
+            assert src.prefetch(pairs) and px.held.wait(30)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            t0 = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                with src:
+                    src.score_many(pairs)  # the prefetched block: waits on the hung server
+            took = time.monotonic() - t0
+        assert took < 2 * CLOSE_WAIT_S + 1.5, f"Ctrl-C and close took {took:.1f} s with a hung server (timeout {timeout} s)"
+        assert src._client is None
+
+
 @pytest.mark.parametrize("overlap", ["on", "auto"])
 def test_run_scores_the_served_candidate_on_reference_blocks_ahead(served, tmp_path, monkeypatch, overlap):
     """`logitdiff run`, served reference and candidate, batching=serial: the candidate, scored on

@@ -532,13 +532,22 @@ class ServedSource(TopKSource):
         })
 
     def close(self) -> None:
+        """Prompt whatever the server does: blocks never asked for (a job that failed, Ctrl-C)
+        are cancelled, the one in flight with its requests (the client's close), and its thread
+        waited for at most CLOSE_WAIT_S, never the request timeout of a hung server."""
+        from concurrent.futures import wait
+
+        from .client import CLOSE_WAIT_S
+
         pool = getattr(self, "_prefetcher", None)
+        blocks = list((getattr(self, "_prefetched", None) or {}).values())
         if pool is not None:
-            # blocks never asked for (a job that failed): cancelled, or waited for, not left running
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)  # the blocks not started
             self._prefetcher = None
             self._prefetched = {}
         c = getattr(self, "_client", None)
         if c is not None:
-            c.close()
+            c.close()  # cancels the block in flight: its thread's call returns now
             self._client = None
+        if blocks:
+            wait(blocks, timeout=CLOSE_WAIT_S)

@@ -4,6 +4,7 @@ retries, replicas) and the probe that tells which server answers at a URL."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import itertools
 import json
@@ -55,6 +56,11 @@ class ServerError(LogitdiffError):
         self.status, self.body = status, body
 
 
+#: seconds close() waits for cancelled requests and the loop thread to wind down: closing a
+#: source whose server hangs (Ctrl-C, a failed job) must not wait out the request timeout
+CLOSE_WAIT_S = 2.0
+
+
 class HttpClient:
     """An httpx client on its own event-loop thread (a sync facade for the source methods):
     bounded concurrency, retries with backoff, round-robin over replicas."""
@@ -68,6 +74,10 @@ class HttpClient:
         self.timeout = timeout
         self.concurrency = concurrency
         self._rr = itertools.count()
+        # the calls waiting on the loop, cancelled by close(); a call after close() is refused
+        self._inflight: set[concurrent.futures.Future] = set()
+        self._closing = False
+        self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="logitdiff-openai", daemon=True)
         self._thread.start()
@@ -80,18 +90,49 @@ class HttpClient:
         self._http = self.run(make())
 
     def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """The coroutine's result, from any thread; a call cancelled by close() raises
+        ``concurrent.futures.CancelledError``, one after close() a LogitdiffError."""
+        with self._lock:  # close() sees every call submitted before its flag, so none waits on a stopped loop
+            if self._closing:
+                coro.close()
+                raise LogitdiffError(f"{self.spec}: the client is closed")
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._inflight.add(fut)
+        try:
+            return fut.result()
+        finally:
+            with self._lock:
+                self._inflight.discard(fut)
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
+        """Cancel every request in flight and stop the loop, waiting at most a few seconds
+        (CLOSE_WAIT_S), never the request timeout: a hung server's prefetched block or an
+        interrupted call must not hold Ctrl-C or a failed job's exit."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            inflight = list(self._inflight)
+        for fut in inflight:
+            fut.cancel()  # its waiter returns now; the task on the loop is cancelled with it
+
+        async def shutdown():
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=CLOSE_WAIT_S / 2)
+            await self._http.aclose()
+
         try:
-            self.run(self._http.aclose())
-        except Exception:  # noqa: BLE001
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=CLOSE_WAIT_S)
+        except Exception:  # noqa: BLE001  (closing: a connection that fails to close is let go)
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
+        self._thread.join(timeout=CLOSE_WAIT_S)
+        if not self._thread.is_alive():  # a loop still running cannot be closed; its thread is a daemon
+            self._loop.close()
 
     def server_kind(self, root: str) -> "ServerKind":
         """Which server answers at ``root`` (:func:`detect_kind`)."""
