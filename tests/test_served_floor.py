@@ -372,6 +372,53 @@ def test_run_scores_the_served_candidate_on_reference_blocks_ahead(served, tmp_p
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
+def test_prefetched_blocks_are_consumed_not_requested_again(served, tmp_path, monkeypatch):
+    """`run` with overlap=on: every block the candidate scored ahead, on the reference's blocks
+    while the reference generated the next, is the block its capture then takes, never asked
+    for again: the candidate server (behind a real counting proxy on 127.0.0.1) gets exactly
+    the scoring requests of overlap=off, each block is scored on the prefetch thread and none
+    on the capture's own, and the candidate's rows and report are those of overlap=off."""
+    import threading
+
+    from servers import CountingProxy
+    from logitdiff.sources.served.base import ServedSource
+
+    scored: list[tuple[str, str, int]] = []  # (endpoint, thread, pairs) of every block a served source scored
+    probe = [([0, 1], [2])]  # the handshake's pair (ServedSource._preflight), scored by every open
+    real = ServedSource._score_now
+
+    def score_now(self, batch):
+        if [(list(p), list(t)) for p, t in batch] != probe:
+            scored.append((self.roots[0], threading.current_thread().name, len(batch)))
+        return real(self, batch)
+
+    monkeypatch.setattr(ServedSource, "_score_now", score_now)
+    n_items = len(read_workload(served["wl"]))
+    requests, threads, rows, kl = {}, {}, {}, {}
+    for overlap in ("on", "off"):
+        scored.clear()
+        out = tmp_path / overlap
+        with CountingProxy(served["cand"].url) as px:
+            summary = run_pipeline(RunConfig(
+                reference=f"openai:{served['ref'].url},top_k={K},batching=serial",
+                candidates=[f"openai:{px.url},top_k={K},batching=serial,overlap={overlap}"], workload=str(served["wl"]),
+                out=str(out), noise_floor=False, flips=False, correctness=False, html=False, bootstrap=0))
+            requests[overlap] = px.counts["/completion"]
+        threads[overlap] = [(t, n) for root, t, n in scored if root == px.url]  # the candidate's blocks
+        name = summary["candidates"][0]["name"]
+        rows[overlap] = _rows(RunReader(out / "runs" / f"candidate-{name}"))
+        kl[overlap] = json.loads((out / "reports" / name / "report.json").read_text())["summary"]["metrics"]["kl_nats"]
+    main = threading.main_thread().name
+    # every item's block: after the reference, on the capture's thread (off); ahead, on the
+    # prefetch thread, and none of them again on the capture's (on)
+    assert all(t == main for t, _ in threads["off"]) and sum(n for _, n in threads["off"]) == n_items
+    assert len(threads["on"]) > 1 and all(t.startswith("logitdiff-prefetch") for t, _ in threads["on"]), threads["on"]
+    assert sum(n for _, n in threads["on"]) == n_items
+    assert requests["on"] == requests["off"] > n_items  # serial: a request per pair at least, none repeated
+    assert np.array_equal(rows["on"][0], rows["off"][0]) and np.array_equal(rows["on"][1], rows["off"][1])
+    assert kl["on"] == kl["off"]
+
+
 def test_overlap_rule_compares_hosts(served):
     """Who `run` scores ahead: never on the reference's own server; overlap=on on another server;
     off never; auto only when the hosts differ (loopback spellings are one host)."""
