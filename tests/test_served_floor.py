@@ -291,6 +291,42 @@ def test_prefetched_block_is_the_block_scored_now(served, tmp_path):
     assert src._client is None and not src._prefetched  # closed with blocks never asked for
 
 
+def test_reference_rows_shown_in_how_measured(served, tmp_path):
+    """Where a served reference's rows came from (report.json's baseline.identity.reference_rows:
+    its greedy generation, alone in its batches or with other items' steps as batch mates, or
+    scored teacher-forced) is in the how-measured lines of report.md and of the page, as
+    report.json says it, for each batching; a reference without it gets no such line."""
+    import html
+
+    from logitdiff.api import diff_runs
+    from logitdiff.capture import capture_reference
+
+    items = read_workload(served["wl"])
+    said = {}
+    for batching in ("serial", "rounds"):
+        with open_source(f"openai:{served['ref'].url},top_k={K},batching={batching}") as src:
+            ref = RunReader(capture_reference(src, items, tmp_path / f"ref-{batching}"))
+        with open_source(f"openai:{served['cand'].url},top_k={K},batching=serial") as src:
+            cand = capture_candidate(src, ref, tmp_path / f"cand-{batching}")
+        out = tmp_path / f"rep-{batching}"
+        rep = diff_runs(ref.path, cand, out, bootstrap=0)
+        said[batching] = rep["baseline"]["identity"]["reference_rows"]
+        head = (out / "report.md").read_text().split("## Summary")[0]  # the lines above any figure
+        assert f"- reference rows: {said[batching]}" in head
+        page = (out / "report.html").read_text()
+        assert f"<dt>reference rows</dt><dd>{html.escape(said[batching], quote=True)}</dd>" in page
+    assert "bit-identical" in said["serial"] and "batch mates" in said["rounds"]
+    # a reference whose identity does not say it (a file source): no line
+    from test_compare import make_run
+
+    rng = np.random.default_rng(0)
+    lg = {"a": rng.normal(0, 1, (5, 40)).astype(np.float32)}
+    r = make_run(tmp_path / "plain-ref", lg, {"a": lg["a"].argmax(1)}, vocab=40)
+    diff_runs(r, r, tmp_path / "plain", bootstrap=0)
+    assert "reference rows" not in (tmp_path / "plain" / "report.md").read_text()
+    assert "<dt>reference rows</dt>" not in (tmp_path / "plain" / "report.html").read_text()
+
+
 def _prefetch_threads():
     import threading
 

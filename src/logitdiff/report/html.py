@@ -651,6 +651,9 @@ def _header(names, paths, reports, summary) -> str:
         sb = _get(reports[0], "method.served_batching") if len(batch) == 1 else None
         rows.append(("served batching", "differs per report" if sb is None else
                      ", ".join(f"{_e(k)}: {_e(v)}" for k, v in sb.items() if v)))
+    rows_from = {str(v) for r in reports if (v := _get(r, "baseline.identity.reference_rows"))}
+    if rows_from:  # a served reference: its rows from its generation, or rescored teacher-forced
+        rows.append(("reference rows", "<br>".join(_e(v) for v in sorted(rows_from))))
     xf = (summary or {}).get("cross_engine_floor")
     if xf:
         rows.append(("cross-engine floor", f"<code>{_e(xf.get('candidate'))}</code>: the reference's weights in another engine, "

@@ -68,6 +68,9 @@ def render_markdown(report: Report) -> str:
            if m["bootstrap"]["n"] else "no 95 % CIs (--bootstrap 0): the means below carry no interval"),
     ]
     out += _interval_lines(s, m)
+    rows_from = (b.get("identity") or {}).get("reference_rows")  # a served reference: generation or rescoring
+    if rows_from:
+        out.append(f"- reference rows: {rows_from}")
     mc = report.get("machine")
     if mc:
         out.append(f"- compared on: {mc.get('cpu')}, {mc.get('cpu_count')} cores, {mc.get('memory_gib')} GiB, {mc.get('platform')}, Python {mc.get('python')}")
