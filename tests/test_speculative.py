@@ -17,7 +17,7 @@ from servers import llama_server, start_or_fail
 from logitdiff import speculation as S
 from logitdiff.api import speculate
 from logitdiff.errors import LogitdiffError
-from logitdiff.generation import LlamaServer, Trace, parse_generation
+from logitdiff.generation import LlamaServer, Scored, Trace, parse_generation
 
 N = 32  # tokens per item: short, but long enough for several verify batches
 ITEMS = 3
@@ -91,6 +91,19 @@ def test_f0_with_nothing_compared_is_null_with_its_reason_never_0():
     assert f0["max_abs_dlogprob"] is None and "no position where both" in f0["not_evaluated"]
 
 
+def test_f1_with_nothing_compared_is_null_with_its_reason_never_0():
+    """F1's largest |Δlogprob| and the near-tie threshold (twice it) are null with the reason
+    when F1 compared no position (no items re-scored), never 0: a 0 threshold classes every
+    divergence material. A measured F1 of exactly 0 stays 0 (that is evidence)."""
+    f1 = S._f1([], [], 16, 3, 4)
+    assert f1["positions"] == 0 and f1["max_abs_dlogprob"] is None and f1["near_tie_nats"] is None
+    assert f1["not_evaluated"].startswith(S.F1_NOT_EVALUATED) and "floor items 0" in f1["not_evaluated"]
+    a = _trace([5, 6, 7], [-0.5, -0.25, -1.0], [True, True, True])
+    scored = Scored(a.top_ids, a.top_lps, np.array([4, 4, 4]))
+    f1 = S._f1([a], [scored], 16, 3, 4)
+    assert f1["positions"] == 3 and f1["max_abs_dlogprob"] == 0.0 and f1["near_tie_nats"] == 0.0 and "not_evaluated" not in f1
+
+
 # ------------------------------------------------------------------ real servers
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -141,7 +154,8 @@ def _invariants(rep):
         assert r["identical"] == (d is None)
         assert r["shared_prefix_fraction"] == pytest.approx((n if d is None else d) / n)
         if d is not None:
-            assert r["class"] in (S.NEAR_TIE, S.MATERIAL)
+            # a class needs F1's near-tie threshold; without it, never a guess
+            assert r["class"] in ((S.UNCLASSIFIED,) if rep["method"]["near_tie_nats"] is None else (S.NEAR_TIE, S.MATERIAL))
             assert r["reference_token"] != r["candidate_token"]
     cc = rep["candidate"]["counters"]
     assert cc["draft_n"] == sum(r["draft_n"] for r in items) and cc["draft_n_accepted"] == sum(r["draft_n_accepted"] for r in items)
@@ -243,6 +257,43 @@ def test_a_different_target_diverges_materially(env, servers):
         if r["class"] == S.MATERIAL:
             assert r["reference_margin_nats"] > near or abs(r["candidate_margin_nats"]) > near
     assert rep["summary"]["cross"]["items"] == len(div)
+
+
+def test_no_floor_items_leaves_divergences_unclassified_never_material(env, servers, tmp_path):
+    """A candidate that diverges (another target) with --floor-items 0: F1 compared nothing,
+    so there is no near-tie threshold. Every divergence's class, the near-tie/material
+    counts and the prefix-KL check read 'not evaluated' (report.json valid against the
+    schema, report.md, the page), never a threshold of 0 that makes each divergence
+    material and the verdict 'defect'; the verdict is 'floor not measured'."""
+    out = tmp_path / "nofloor-div"
+    rep = speculate(servers("ref").url, servers("q2k_target").url, out, workload=env["wl"], n_predict=N, floor_items=0, top_k=8)
+    _invariants(rep)
+    saved = json.loads((out / "report.json").read_text())
+    for r in (rep, saved):
+        f1, s = r["floors"]["F1"], r["summary"]
+        assert f1["positions"] == 0 and f1["max_abs_dlogprob"] is None and f1["near_tie_nats"] is None
+        assert f1["not_evaluated"].startswith(S.F1_NOT_EVALUATED) and r["method"]["near_tie_nats"] is None
+        div = [it for it in r["items"] if not it["identical"]]
+        assert div and all(it["class"] == S.UNCLASSIFIED for it in div)
+        assert s["near_tie_divergences"] is None and s["material_divergences"] is None
+        assert s["unclassified_divergences"] == len(div) and s["classes_not_evaluated"] == S.NO_THRESHOLD
+    v = rep["verdict"]
+    assert v["label"] == S.FLOOR_NOT_MEASURED and not v["defects"], v
+    assert any(S.NO_THRESHOLD in x for x in v["reasons"]) and any(S.F1_NOT_EVALUATED in x for x in v["reasons"])
+    assert rep["summary"]["prefix"]["kl_nats"]["max"] > 0  # the Q2_K target: the prefix-KL check had something to read
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    f1_row = [ln for ln in md.splitlines() if ln.startswith("| F1 ")]
+    assert len(f1_row) == 1 and S.F1_NOT_EVALUATED in f1_row[0] and "threshold not evaluated" in f1_row[0], f1_row
+    assert "threshold 0" not in md and "dlogprob 0 " not in md and "| material |" not in md
+    assert md.count(f"| {S.UNCLASSIFIED} |") == len([it for it in rep["items"] if not it["identical"]])
+    assert f"- divergences: {rep['summary']['unclassified_divergences']} not classed" in md
+    assert S.FLOOR_NOT_MEASURED in page and f"<td>{S.UNCLASSIFIED}</td>" in page
+    # the schema holds the rule: null counts carry their reason
+    from logitdiff.contracts import validate
+
+    del saved["summary"]["classes_not_evaluated"]
+    with pytest.raises(LogitdiffError, match="summary"):
+        validate(saved, "speculation")
 
 
 def test_declared_speculative_without_drafting_is_refused(env, servers, tmp_path):

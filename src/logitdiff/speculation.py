@@ -48,8 +48,10 @@ LOSSLESS = "speculation numerically lossless"
 SHAPE_ONLY = "changes output by batch-shape numerics only"
 DEFECT = "defect"
 NOT_EXERCISED = "speculation not exercised"
-VERDICTS = (LOSSLESS, SHAPE_ONLY, DEFECT, NOT_EXERCISED)
+FLOOR_NOT_MEASURED = "floor not measured"
+VERDICTS = (LOSSLESS, SHAPE_ONLY, DEFECT, NOT_EXERCISED, FLOOR_NOT_MEASURED)
 NEAR_TIE, MATERIAL = "near-tie", "material"
+UNCLASSIFIED = "not evaluated"  # a divergence's class when there is no near-tie threshold (F1 compared nothing)
 
 from .defaults import DEFAULT_FLOOR_ITEMS, DEFAULT_N_PREDICT, DEFAULT_SHAPE_WIDTH, DEFAULT_TOP_K  # noqa: E402,F401
 
@@ -181,7 +183,11 @@ def _trace_counts(traces: Sequence[Trace]) -> dict:
             "server_predicted_ms": sum(float(t.timings.get("predicted_ms") or 0) for t in traces)}
 
 
-F0_NOT_EVALUATED = "not evaluated: no positions compared"
+NO_POSITIONS = "not evaluated: no positions compared"
+F0_NOT_EVALUATED = F1_NOT_EVALUATED = NO_POSITIONS
+# what a figure read against F1's near-tie threshold says when F1 compared nothing: a
+# divergence's class, the near-tie/material counts, the prefix-KL check
+NO_THRESHOLD = "not evaluated: the near-tie threshold (F1) was not measured"
 
 
 def _f0(first: Sequence[Trace], again: Sequence[Trace], n: int) -> dict:
@@ -208,12 +214,15 @@ def _f0(first: Sequence[Trace], again: Sequence[Trace], n: int) -> dict:
            "survival": survival(fd, n).tolist()}
     if not compared:
         why = "no items rerun (floor items 0)" if not fd else "no position where both runs reported a probability"
-        out["not_evaluated"] = f"{F0_NOT_EVALUATED} ({why})"
+        out["not_evaluated"] = f"{NO_POSITIONS} ({why})"
     return out
 
 
 def _f1(ref_traces: Sequence[Trace], scored, vocab: int, n: int, width: int) -> dict:
-    """The shape floor: decode logprobs vs the same tokens teacher-forced in width-w batches."""
+    """The shape floor: decode logprobs vs the same tokens teacher-forced in width-w batches.
+    With no position compared (no floor items) its largest |Δlogprob| and the near-tie
+    threshold (twice it) are null with the reason in ``not_evaluated``, never 0: a 0
+    threshold would class every divergence material."""
     deltas, kls, flips_first, gaps = [], [], [], []
     widths = []
     for tr, sc in zip(ref_traces, scored):
@@ -232,16 +241,20 @@ def _f1(ref_traces: Sequence[Trace], scored, vocab: int, n: int, width: int) -> 
     d_all = np.concatenate(deltas) if deltas else np.zeros(0)
     kl_all = np.concatenate(kls) if kls else np.zeros(0)
     w_all = np.concatenate(widths) if widths else np.zeros(0, np.int64)
-    dmax = float(d_all.max()) if d_all.size else 0.0
+    dmax = float(d_all.max()) if d_all.size else None
     uniq, cnt = np.unique(w_all, return_counts=True)
-    return {"items": len(scored), "positions": int(d_all.size), "shape_width": width,
-            "widths_seen": {str(int(u)): int(c) for u, c in zip(uniq, cnt)},
-            "max_abs_dlogprob": dmax, "abs_dlogprob": _stat(d_all), "kl_nats": _stat(kl_all),
-            "top1_flips": sum(1 for _ in gaps), "flip_margins_nats": [float(g) for g in gaps],
-            "near_tie_nats": 2.0 * dmax, "survival": survival(flips_first, n).tolist()}
+    out = {"items": len(scored), "positions": int(d_all.size), "shape_width": width,
+           "widths_seen": {str(int(u)): int(c) for u, c in zip(uniq, cnt)},
+           "max_abs_dlogprob": dmax, "abs_dlogprob": _stat(d_all), "kl_nats": _stat(kl_all),
+           "top1_flips": sum(1 for _ in gaps), "flip_margins_nats": [float(g) for g in gaps],
+           "near_tie_nats": None if dmax is None else 2.0 * dmax, "survival": survival(flips_first, n).tolist()}
+    if dmax is None:
+        why = "no items re-scored (floor items 0)" if not scored else "no position where the reference reported a probability"
+        out["not_evaluated"] = f"{NO_POSITIONS} ({why})"
+    return out
 
 
-def _item_analysis(p: Prompt, r: Trace, c: Trace, ref: LlamaServer, cand: LlamaServer, vocab: int, near: float) -> tuple[dict, dict]:
+def _item_analysis(p: Prompt, r: Trace, c: Trace, ref: LlamaServer, cand: LlamaServer, vocab: int, near: float | None) -> tuple[dict, dict]:
     """One item: divergence, margins, class; the same-context rows (prefix and cross-scored)."""
     n = len(r.ids)
     d = first_divergence(r.ids, c.ids)
@@ -269,7 +282,11 @@ def _item_analysis(p: Prompt, r: Trace, c: Trace, ref: LlamaServer, cand: LlamaS
         else:
             cm, cm_exact = margin(r_on_c.top_ids[0], r_on_c.top_lps[0], ct, rt)
             src = "candidate server, teacher-forced (the verify batch's own probabilities are not reported)"
-        tie = (np.isfinite(rm) and abs(rm) <= near) and (not np.isfinite(cm) or abs(cm) <= near)
+        if near is None:
+            cls = UNCLASSIFIED
+        else:
+            tie = (np.isfinite(rm) and abs(rm) <= near) and (not np.isfinite(cm) or abs(cm) <= near)
+            cls = NEAR_TIE if tie else MATERIAL
         # reference tokens in the candidate's (teacher-forced) distributions vs the reference's decode rows
         rr = np.flatnonzero(r.reported[d:])
         x1 = same_context(r.top_ids[d:][rr], r.top_lps[d:][rr], r_on_c.top_ids[rr], r_on_c.top_lps[rr], vocab, r.ids[d:][rr])
@@ -281,7 +298,7 @@ def _item_analysis(p: Prompt, r: Trace, c: Trace, ref: LlamaServer, cand: LlamaS
             "reference_token": rt, "candidate_token": ct,
             "reference_margin_nats": rm, "reference_margin_exact": rm_exact,
             "candidate_margin_nats": cm, "candidate_margin_exact": cm_exact, "candidate_margin_source": src,
-            "class": NEAR_TIE if tie else MATERIAL,
+            "class": cls,
             "cross_reference_on_candidate_kl_max": float(x1["kl_nats"].max()) if rr.size else None,
             "cross_reference_on_candidate_top1_agreement": float((r_on_c.top_ids[:, 0] == r.ids[d:]).mean()),
             "cross_candidate_on_reference_top1_agreement": float(agree.mean()),
@@ -379,6 +396,7 @@ def compare_generation(
         "identical_output_rate": sum(row["identical"] for row in rows) / len(rows),
         "divergent_items": len(div), "near_tie_divergences": sum(row["class"] == NEAR_TIE for row in div),
         "material_divergences": sum(row["class"] == MATERIAL for row in div),
+        "unclassified_divergences": sum(row["class"] == UNCLASSIFIED for row in div),
         "mean_shared_prefix_fraction": float(np.mean([row["shared_prefix_fraction"] for row in rows])),
         "prefix": {"positions_compared": int(kl_all.size), "kl_nats": _stat(kl_all), "kl_lower_nats": _stat(klo_all),
                    "top1_disagreements": int((~t1_all).sum()), "abs_dlogprob": _stat(np.abs(dl_all))},
@@ -386,6 +404,10 @@ def compare_generation(
                   "reference_on_candidate_kl_nats": _stat(np.concatenate(x1_kl) if x1_kl else []),
                   "candidate_on_reference_top1_agreement": float(np.concatenate(x2_agree).mean()) if x2_agree else None},
     }
+    if summary["unclassified_divergences"]:
+        # no threshold: how many divergences are near-tie or material is unknown, not 0
+        summary["near_tie_divergences"] = summary["material_divergences"] = None
+        summary["classes_not_evaluated"] = NO_THRESHOLD
     verdict = decide(summary, f0, f1, rc, cc, rows, declared)
     wall = time.perf_counter() - t0
     server_s = (cc["server_prompt_ms"] + cc["server_predicted_ms"] + rc["server_prompt_ms"] + rc["server_predicted_ms"]) / 1e3
@@ -438,33 +460,46 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     if summary["material_divergences"]:
         defects.append(f"{summary['material_divergences']} material divergence(s): a side's margin exceeds the shape floor's "
                        f"{f1['near_tie_nats']:.3g} nats")
-    f1_kl = f1["kl_nats"]["max"] or 0.0
+    # what could not be read against a floor F1 never measured: neither passed nor failed
+    unmeasured: list[str] = []
+    if summary["unclassified_divergences"]:
+        unmeasured.append(f"{summary['unclassified_divergences']} divergence(s) not classed near-tie or material: "
+                          f"{summary['classes_not_evaluated']}")
+    f1_kl = f1["kl_nats"]["max"]
     pre_kl = summary["prefix"]["kl_nats"]["max"] or 0.0
     # a relative slack for float64 summation order: the same row through two code paths
     # (seen: a candidate decode step on a KV cache its width-4 verify batch wrote equals F1's
-    # width-4 row to 1e-12)
-    if pre_kl > f1_kl * (1 + 1e-9) + 1e-15:
+    # width-4 row to 1e-12); a prefix KL of 0 is within any floor, measured or not
+    if pre_kl > 1e-15 and f1_kl is None:
+        unmeasured.append(f"prefix KL {pre_kl:.3g} nats at identical contexts against the shape floor F1: {NO_THRESHOLD}")
+    elif f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15:
         defects.append(f"prefix KL {pre_kl:.3g} nats exceeds the shape floor F1's {f1_kl:.3g} at identical contexts")
     f0_zero = f0["reference"]["bit_identical"] and f0["candidate"]["bit_identical"]
     reasons.append(f"F0 (run-to-run): reference {'bit-identical' if f0['reference']['bit_identical'] else 'NOT identical'}, "
                    f"candidate {'bit-identical' if f0['candidate']['bit_identical'] else 'NOT identical'} on {f0['reference']['items']} items"
                    + "".join(f"; {side} |Δlogprob| {f0[side]['not_evaluated']}" for side in ("reference", "candidate")
                              if f0[side].get("not_evaluated")))
-    reasons.append(f"F1 (shape floor, width {f1['shape_width']}): max |Δlogprob| {f1['max_abs_dlogprob']:.3g} nats, "
-                   f"KL max {'not measured' if f1['kl_nats']['max'] is None else format(f1_kl, '.3g')}, "
-                   f"{f1['top1_flips']} top-1 flips over {f1['positions']} positions")
-    reasons.append(f"identical outputs {summary['identical_output_rate'] * 100:.1f}% of {summary['items']} items; "
-                   f"{summary['near_tie_divergences']} near-tie and {summary['material_divergences']} material divergences")
+    if f1["max_abs_dlogprob"] is None:
+        reasons.append(f"F1 (shape floor, width {f1['shape_width']}): max |Δlogprob| and the near-tie threshold "
+                       f"{f1['not_evaluated']}")
+    else:
+        reasons.append(f"F1 (shape floor, width {f1['shape_width']}): max |Δlogprob| {f1['max_abs_dlogprob']:.3g} nats, "
+                       f"KL max {'not measured' if f1_kl is None else format(f1_kl, '.3g')}, "
+                       f"{f1['top1_flips']} top-1 flips over {f1['positions']} positions")
+    classes = (f"{summary['divergent_items']} divergences, classes not evaluated" if summary["near_tie_divergences"] is None
+               else f"{summary['near_tie_divergences']} near-tie and {summary['material_divergences']} material divergences")
+    reasons.append(f"identical outputs {summary['identical_output_rate'] * 100:.1f}% of {summary['items']} items; {classes}")
     if cc["draft_n"]:
         reasons.append(f"drafting ran: {cc['draft_n_accepted']} of {cc['draft_n']} draft tokens accepted "
                        f"({100 * cc['acceptance_rate']:.1f}%) in {cc['requests_that_drafted']} of {cc['requests']} requests")
-    if not f1["positions"]:
-        reasons.append("no floors were measured (floor items 0): every divergence counts as material, every prefix KL above 0 as a defect")
+    reasons += unmeasured
     if cc["draft_n"] == 0:
         label = NOT_EXERCISED
         reasons.insert(0, "the candidate never drafted (timings.draft_n = 0 on every request): nothing about speculation was measured")
     elif defects:
         label = DEFECT
+    elif unmeasured:
+        label = FLOOR_NOT_MEASURED
     elif summary["divergent_items"] == 0 and f0_zero:
         label = LOSSLESS
     else:

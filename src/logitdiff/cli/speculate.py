@@ -24,8 +24,10 @@ def register(sub) -> None:
             "reference's tokens teacher-forced in prefill batches of --shape-width tokens against its decode logprobs. Then per "
             "item the first divergence with both margins (near-tie within F1, or material), the survival curve, the "
             "same-context KL/top-1/dlogprob on the aligned prefix, cross-scoring after each divergence, and a verdict: "
-            "'speculation numerically lossless', 'changes output by batch-shape numerics only', 'defect', or 'speculation not "
-            "exercised'. Writes OUT/report.json (schema logitdiff.speculation/1), report.md, report.html, generations.jsonl."
+            "'speculation numerically lossless', 'changes output by batch-shape numerics only', 'defect', 'speculation not "
+            "exercised', or 'floor not measured' (a figure the verdict needs was read against a floor that compared no positions, "
+            "e.g. --floor-items 0: never lossless from zero evidence). Writes OUT/report.json (schema "
+            "logitdiff.speculation/1), report.md, report.html, generations.jsonl."
         ),
     )
     t.add_argument("reference", metavar="REFERENCE", help="llama-server URL without speculation, e.g. http://127.0.0.1:8080")

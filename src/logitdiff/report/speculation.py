@@ -34,6 +34,24 @@ def _f0_dlogprob(side: dict) -> str:
     return f"max abs dlogprob {_f(side['max_abs_dlogprob'])}"
 
 
+def _f1_result(f1: dict) -> str:
+    """F1's figures; with no position compared its reason (report.json's ``not_evaluated``)
+    for the largest |Δlogprob| and the near-tie threshold (twice it), never 0."""
+    if f1.get("max_abs_dlogprob") is None:
+        why = f1.get("not_evaluated") or "not evaluated: no positions compared"
+        return f"max abs dlogprob {why}; near-tie threshold not evaluated"
+    return (f"max abs dlogprob {_f(f1['max_abs_dlogprob'])}, KL max {_kl(f1['kl_nats']['max'])}, "
+            f"top-1 flips {f1['top1_flips']}; near-tie threshold {_f(f1['near_tie_nats'])} nats")
+
+
+def _classes(s: dict) -> str:
+    """The near-tie/material counts; null (F1 measured nothing) reads as its reason."""
+    if s["near_tie_divergences"] is None:
+        return (f"{s.get('unclassified_divergences', s['divergent_items'])} not classed near-tie or material, "
+                f"{s.get('classes_not_evaluated') or 'not evaluated'}")
+    return f"{s['near_tie_divergences']} near-tie, {s['material_divergences']} material"
+
+
 def render_markdown(rep: dict) -> str:
     s, v, f0, f1 = rep["summary"], rep["verdict"], rep["floors"]["F0"], rep["floors"]["F1"]
     cc = rep["candidate"]["counters"]
@@ -54,12 +72,11 @@ def render_markdown(rep: dict) -> str:
         f"| F0 candidate | rerun of itself | identical outputs {f0['candidate']['identical_outputs']}, "
         f"{_f0_dlogprob(f0['candidate'])}, bit-identical {f0['candidate']['bit_identical']} |",
         f"| F1 shape | reference tokens teacher-forced in width-{f1['shape_width']} prefill batches vs its decode logprobs, "
-        f"{f1['positions']} positions | max abs dlogprob {_f(f1['max_abs_dlogprob'])}, KL max {_kl(f1['kl_nats']['max'])}, "
-        f"top-1 flips {f1['top1_flips']}; near-tie threshold {_f(f1['near_tie_nats'])} nats |", "",
+        f"{f1['positions']} positions | {_f1_result(f1)} |", "",
         "## Generation", "",
         f"- identical outputs: {100 * s['identical_output_rate']:.1f}% of {s['items']} items; mean shared-prefix fraction "
         f"{s['mean_shared_prefix_fraction']:.3f}",
-        f"- divergences: {s['near_tie_divergences']} near-tie, {s['material_divergences']} material",
+        f"- divergences: {_classes(s)}",
         f"- drafting: {cc['draft_n_accepted']} of {cc['draft_n']} draft tokens accepted "
         f"(acceptance {_f(cc['acceptance_rate'])}); candidate probabilities not reported at {cc['positions_not_reported']} of "
         f"{cc['positions']} positions",
