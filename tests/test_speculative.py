@@ -160,8 +160,10 @@ def _invariants(rep):
     cc = rep["candidate"]["counters"]
     assert cc["draft_n"] == sum(r["draft_n"] for r in items) and cc["draft_n_accepted"] == sum(r["draft_n_accepted"] for r in items)
     assert cc["positions"] == n * len(items)
-    # F0 on a one-slot llama-server: bit-identical reruns of the reference
-    assert rep["floors"]["F0"]["reference"]["bit_identical"]
+    # F0 on a one-slot llama-server: bit-identical reruns of the reference; not measured
+    # (null, never a vacuous True) without reruns
+    f0 = rep["floors"]["F0"]["reference"]
+    assert f0["bit_identical"] is (True if f0["items"] else None)
     assert rep["verdict"]["label"] in S.VERDICTS
 
 
@@ -209,6 +211,48 @@ def test_no_floor_items_reads_f0_not_evaluated_everywhere(env, servers, tmp_path
     del saved["floors"]["F0"]["candidate"]["not_evaluated"]
     with pytest.raises(LogitdiffError, match="F0.candidate"):
         validate(saved, "speculation")
+
+
+def test_lossless_never_from_zero_f0_evidence_cli(env, servers, tmp_path):
+    """`logitdiff speculate --floor-items 0` reruns nothing: F0 compared no position, its
+    bit-identity is null (not a vacuous True), and the verdict is 'floor not measured', never
+    'speculation numerically lossless', on the terminal and in report.json, report.md, the page."""
+    out = tmp_path / "cli-nofloor"
+    p = subprocess.run([sys.executable, "-m", "logitdiff.cli", "speculate", servers("ref").url, servers("self").url, "--out", str(out),
+                        "--workload", str(env["wl"]), "--max-tokens", "8", "--floor-items", "0", "--top-k", "8"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads((out / "report.json").read_text())
+    _invariants(rep)
+    assert rep["floors"]["F0"]["candidate"]["bit_identical"] is None and rep["floors"]["F0"]["reference"]["bit_identical"] is None
+    assert rep["verdict"]["label"] == S.FLOOR_NOT_MEASURED and not rep["verdict"]["defects"], rep["verdict"]
+    assert f"verdict: {S.FLOOR_NOT_MEASURED}" in p.stderr and S.LOSSLESS not in p.stderr  # the console is stderr
+    assert any("F0 (run-to-run): reference not measured, candidate not measured on 0 items" in r for r in rep["verdict"]["reasons"])
+    md = (out / "report.md").read_text()
+    assert md.count("bit-identical not evaluated") == 2 and "bit-identical True" not in md
+    assert f"Verdict: {S.FLOOR_NOT_MEASURED}" in md and S.FLOOR_NOT_MEASURED in (out / "report.html").read_text()
+
+
+def test_lossless_needs_a_compared_f0_position_on_each_side(env, servers):
+    """The verdict rule on a real run's figures: the run as measured (identical outputs,
+    floors on one item), then the same figures with F0 replaced by what no rerun (no items)
+    or a rerun with no reported position gives: never 'lossless' from zero evidence."""
+    rep = speculate(servers("ref").url, servers("self").url, None, workload=env["wl"], n_predict=8, floor_items=1, top_k=8)
+    _invariants(rep)
+    s, f0, f1, rc, cc = (rep["summary"], rep["floors"]["F0"], rep["floors"]["F1"], rep["reference"]["counters"],
+                         rep["candidate"]["counters"])
+    assert s["divergent_items"] == 0 and f0["candidate"]["positions_compared"] >= 1 and f1["positions"] >= 1
+    assert S.decide(s, f0, f1, rc, cc, rep["items"], True)["label"] == rep["verdict"]["label"] == S.LOSSLESS
+    unreported = _trace([5, 6, 7], [0, 0, 0], [False, False, False])
+    for empty in (S._f0([], [], 8), S._f0([unreported], [unreported], 8)):
+        assert empty["bit_identical"] is None
+        for side in ("reference", "candidate"):
+            v = S.decide(s, {**f0, side: empty}, f1, rc, cc, rep["items"], True)
+            assert v["label"] == S.FLOOR_NOT_MEASURED, (side, v)
+            assert any(f"F0 compared no position on the {side} side" in r for r in v["reasons"]), v["reasons"]
+    # a rerun whose reported positions differ is a difference, compared positions or not
+    a = _trace([5, 6, 7], [-0.5, -0.25, -1.0], [True, True, True])
+    assert S._f0([a], [unreported], 3)["bit_identical"] is False
 
 
 def test_q2k_draft_rejects_some_drafts(env, servers):

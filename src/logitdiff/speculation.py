@@ -194,7 +194,9 @@ def _f0(first: Sequence[Trace], again: Sequence[Trace], n: int) -> dict:
     """A side against its own rerun: identical tokens, and |Δlogprob| where both reported.
     With no position reported by both runs (no rerun items, or only speculative steps, whose
     probabilities a server does not report) the largest |Δlogprob| is null with the reason in
-    ``not_evaluated``: nothing was compared, which 0 would hide."""
+    ``not_evaluated``: nothing was compared, which 0 would hide; ``bit_identical`` is then
+    null too (never vacuously true: a verdict of lossless needs a compared position),
+    unless the runs already differ (tokens, or which positions were reported): False."""
     fd = [first_divergence(a.ids, b.ids) for a, b in zip(first, again)]
     dmax = 0.0
     compared = 0
@@ -210,7 +212,8 @@ def _f0(first: Sequence[Trace], again: Sequence[Trace], n: int) -> dict:
         top_equal &= bool(np.array_equal(a.reported[:m], b.reported[:m]))
     out = {"items": len(fd), "identical_outputs": sum(d is None for d in fd), "positions_compared": compared,
            "max_abs_dlogprob": dmax if compared else None,
-           "bit_identical": bool(all(d is None for d in fd) and dmax == 0.0 and top_equal),
+           "bit_identical": (False if not (all(d is None for d in fd) and top_equal)
+                             else None if not compared else dmax == 0.0),
            "survival": survival(fd, n).tolist()}
     if not compared:
         why = "no items rerun (floor items 0)" if not fd else "no position where both runs reported a probability"
@@ -474,11 +477,18 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
         unmeasured.append(f"prefix KL {pre_kl:.3g} nats at identical contexts against the shape floor F1: {NO_THRESHOLD}")
     elif f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15:
         defects.append(f"prefix KL {pre_kl:.3g} nats exceeds the shape floor F1's {f1_kl:.3g} at identical contexts")
-    f0_zero = f0["reference"]["bit_identical"] and f0["candidate"]["bit_identical"]
-    reasons.append(f"F0 (run-to-run): reference {'bit-identical' if f0['reference']['bit_identical'] else 'NOT identical'}, "
-                   f"candidate {'bit-identical' if f0['candidate']['bit_identical'] else 'NOT identical'} on {f0['reference']['items']} items"
+    # F0 = 0 is evidence only where a rerun compared at least one position on each side
+    f0_zero = f0["reference"]["bit_identical"] is True and f0["candidate"]["bit_identical"] is True
+    f0_unmeasured = [side for side in ("reference", "candidate") if f0[side]["bit_identical"] is None]
+    word = {True: "bit-identical", False: "NOT identical", None: "not measured"}
+    reasons.append(f"F0 (run-to-run): reference {word[f0['reference']['bit_identical']]}, "
+                   f"candidate {word[f0['candidate']['bit_identical']]} on {f0['reference']['items']} items"
                    + "".join(f"; {side} |Δlogprob| {f0[side]['not_evaluated']}" for side in ("reference", "candidate")
                              if f0[side].get("not_evaluated")))
+    if summary["divergent_items"] == 0 and f0_unmeasured:
+        # identical outputs, but lossless also says the runs are bit-identical, and no rerun showed it
+        unmeasured.append(f"identical outputs, but F0 compared no position on the {' and '.join(f0_unmeasured)} side: "
+                          "lossless needs at least one position compared on each side's rerun")
     if f1["max_abs_dlogprob"] is None:
         reasons.append(f"F1 (shape floor, width {f1['shape_width']}): max |Δlogprob| and the near-tie threshold "
                        f"{f1['not_evaluated']}")
@@ -504,6 +514,8 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
         label = LOSSLESS
     else:
         label = SHAPE_ONLY
-        if not f0_zero:
+        if f0_unmeasured:
+            reasons.append(f"F0 not measured ({' and '.join(f0_unmeasured)}): run-to-run noise is not ruled out")
+        elif not f0_zero:
             reasons.append("F0 is not zero: part of any difference is run-to-run noise")
     return {"label": label, "defects": defects, "reasons": reasons}

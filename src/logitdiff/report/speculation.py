@@ -34,6 +34,12 @@ def _f0_dlogprob(side: dict) -> str:
     return f"max abs dlogprob {_f(side['max_abs_dlogprob'])}"
 
 
+def _f0_bits(side: dict) -> str:
+    """F0's bit-identity: null (nothing compared) reads 'not evaluated', never True."""
+    b = side.get("bit_identical")
+    return "bit-identical not evaluated" if b is None else f"bit-identical {b}"
+
+
 def _f1_result(f1: dict) -> str:
     """F1's figures; with no position compared its reason (report.json's ``not_evaluated``)
     for the largest |Δlogprob| and the near-tie threshold (twice it), never 0."""
@@ -68,9 +74,9 @@ def render_markdown(rep: dict) -> str:
         "## Floors", "",
         "| floor | what | result |", "| --- | --- | --- |",
         f"| F0 reference | rerun of itself, {f0['reference']['items']} items | identical outputs {f0['reference']['identical_outputs']}, "
-        f"{_f0_dlogprob(f0['reference'])}, bit-identical {f0['reference']['bit_identical']} |",
+        f"{_f0_dlogprob(f0['reference'])}, {_f0_bits(f0['reference'])} |",
         f"| F0 candidate | rerun of itself | identical outputs {f0['candidate']['identical_outputs']}, "
-        f"{_f0_dlogprob(f0['candidate'])}, bit-identical {f0['candidate']['bit_identical']} |",
+        f"{_f0_dlogprob(f0['candidate'])}, {_f0_bits(f0['candidate'])} |",
         f"| F1 shape | reference tokens teacher-forced in width-{f1['shape_width']} prefill batches vs its decode logprobs, "
         f"{f1['positions']} positions | {_f1_result(f1)} |", "",
         "## Generation", "",
