@@ -255,6 +255,56 @@ def test_lossless_needs_a_compared_f0_position_on_each_side(env, servers):
     assert S._f0([a], [unreported], 3)["bit_identical"] is False
 
 
+def test_traces_are_held_one_item_at_a_time_not_for_the_run(env, servers, tmp_path):
+    """Memory is bounded by an item, not by the run: each item's traces (n_predict x K top
+    lists per side) are spilled as they come and read back one item at a time. Counted on
+    real servers as the live Trace objects (gc) at every server call and while the records
+    are consumed: at most the floor items' (kept, and their reruns) plus the current item's,
+    whatever the number of items; none once compare_generation has returned."""
+    import gc
+
+    from logitdiff.builtin import WORKLOAD
+    from logitdiff.workload import read_workload
+
+    items, floor = 8, 1
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("\n".join(WORKLOAD.read_text().splitlines()[:items]) + "\n")
+    ref = LlamaServer(servers("ref").url, role="reference", top_k=8)
+    cand = LlamaServer(servers("self").url, role="candidate", top_k=8)
+    live: list[int] = []
+
+    def n_traces() -> int:
+        return sum(isinstance(o, Trace) for o in gc.get_objects())
+
+    def counting(fn):
+        def call(*a, **kw):
+            live.append(n_traces())
+            return fn(*a, **kw)
+        return call
+
+    try:
+        prompts = S.prepare_prompts(ref, cand, read_workload(str(wl)))
+        for srv in (ref, cand):
+            srv.generate, srv.score = counting(srv.generate), counting(srv.score)  # type: ignore[method-assign]
+        base = n_traces()
+        rep, records = S.compare_generation(ref, cand, prompts, n_predict=8, floor_items=floor)
+        assert n_traces() == base  # nothing held between the report and its records
+        during = []
+        recs = []
+        for r in records:
+            during.append(n_traces() - base)
+            recs.append(r)
+    finally:
+        ref.close()
+        cand.close()
+    bound = 4 * floor + 2  # kept floor traces, their reruns, the current item's pair
+    assert max(live) - base <= bound < 2 * items, live
+    assert max(during) <= 2, during
+    assert [(r["id"], r["side"]) for r in recs] == [(p.id, side) for p in prompts for side in ("reference", "candidate")]
+    assert [r["id"] for r in rep["items"]] == [p.id for p in prompts]
+    assert rep["candidate"]["counters"]["positions"] == sum(len(r["ids"]) for r in recs if r["side"] == "candidate") == 8 * items
+
+
 def test_q2k_draft_rejects_some_drafts(env, servers):
     """A Q2_K drafter for the F32 target: drafting runs and some drafts are rejected (the
     target's own token wins), so acceptance is below 1; the output is the target's."""

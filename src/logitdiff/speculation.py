@@ -35,9 +35,11 @@ time, prompt cache off (:mod:`logitdiff.generation` has the protocol), and then:
 
 from __future__ import annotations
 
+import pickle
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import IO, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -169,18 +171,39 @@ def prepare_prompts(ref: LlamaServer, cand: LlamaServer, items) -> list[Prompt]:
     return out
 
 
-def _trace_counts(traces: Sequence[Trace]) -> dict:
-    dn = sum(t.draft_n for t in traces)
-    da = sum(t.draft_n_accepted for t in traces)
-    pos = sum(len(t.ids) for t in traces)
-    rep = sum(int(t.reported.sum()) for t in traces)
-    spec0 = sum(int((~t.reported & ~t.no_entry).sum()) for t in traces)
-    noent = sum(int(t.no_entry.sum()) for t in traces)
-    return {"requests": len(traces), "draft_n": dn, "draft_n_accepted": da, "acceptance_rate": (da / dn) if dn else None,
-            "requests_that_drafted": sum(1 for t in traces if t.draft_n > 0), "positions": pos, "positions_reported": rep,
-            "positions_not_reported": pos - rep, "not_reported_logprob_zero_no_top": spec0, "not_reported_no_entry": noent,
-            "server_prompt_ms": sum(float(t.timings.get("prompt_ms") or 0) for t in traces),
-            "server_predicted_ms": sum(float(t.timings.get("predicted_ms") or 0) for t in traces)}
+def _trace_sums(t: Trace) -> dict:
+    """One request's counters, to be added up by :func:`_trace_counts` (a few numbers per
+    request: the run keeps these, not the request's arrays)."""
+    return {"requests": 1, "draft_n": t.draft_n, "draft_n_accepted": t.draft_n_accepted,
+            "requests_that_drafted": int(t.draft_n > 0), "positions": len(t.ids), "positions_reported": int(t.reported.sum()),
+            "not_reported_logprob_zero_no_top": int((~t.reported & ~t.no_entry).sum()), "not_reported_no_entry": int(t.no_entry.sum()),
+            "server_prompt_ms": float(t.timings.get("prompt_ms") or 0), "server_predicted_ms": float(t.timings.get("predicted_ms") or 0)}
+
+
+def _trace_counts(sums: Iterable[dict]) -> dict:
+    """A side's counters over its requests (each from :func:`_trace_sums`)."""
+    tot: dict = {}
+    for one in sums:
+        for k, v in one.items():
+            tot[k] = tot.get(k, 0) + v
+    g = lambda k: tot.get(k, 0)  # noqa: E731
+    dn, da, pos, rep = g("draft_n"), g("draft_n_accepted"), g("positions"), g("positions_reported")
+    return {"requests": g("requests"), "draft_n": dn, "draft_n_accepted": da, "acceptance_rate": (da / dn) if dn else None,
+            "requests_that_drafted": g("requests_that_drafted"), "positions": pos, "positions_reported": rep,
+            "positions_not_reported": pos - rep, "not_reported_logprob_zero_no_top": g("not_reported_logprob_zero_no_top"),
+            "not_reported_no_entry": g("not_reported_no_entry"), "server_prompt_ms": g("server_prompt_ms"),
+            "server_predicted_ms": g("server_predicted_ms")}
+
+
+def _spilled(spill) -> Iterator[tuple[Trace, Trace]]:
+    """The (reference, candidate) traces of each item, in order, read back one item at a
+    time from the spill file :func:`compare_generation` wrote."""
+    spill.seek(0)
+    while True:
+        try:
+            yield pickle.load(spill)
+        except EOFError:
+            return
 
 
 NO_POSITIONS = "not evaluated: no positions compared"
@@ -335,29 +358,57 @@ def compare_generation(
         raise LogitdiffError("no items to generate from")
     declared = bool(speculative) if speculative is not None else bool(cand.can_speculate)
     V = int(vocab_size or 0) or None
+    # Memory is bounded by one item, not by the run: each item's two traces (n_predict x K
+    # top lists) go to a spill file as they come and are read back one item at a time for
+    # the comparison and for the records; the run keeps counters, the floor items' traces
+    # (--floor-items), a row per item and a few per-position scalars (KL, its lower bound,
+    # top-1, dlogprob: the exact percentiles' inputs, <= 34 bytes a position, as `compare`
+    # keeps its metric columns), where the traces were 2 x K x 16 bytes a position and more.
+    spill = tempfile.TemporaryFile(prefix="logitdiff-speculate-")
+    try:
+        return _compare(ref, cand, prompts, spill, n_predict=n_predict, declared=declared, floor_items=floor_items,
+                        shape_width=shape_width, V=V, bar=bar)
+    except BaseException:
+        spill.close()
+        raise
+
+
+def _compare(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spill: IO[bytes], *, n_predict: int, declared: bool,
+             floor_items: int, shape_width: int, V: int | None, bar: Callable) -> tuple[dict, Iterator[dict]]:
     t0 = time.perf_counter()
-    ref_tr, cand_tr = [], []
+    n_floor = min(max(floor_items, 0), len(prompts))
+    ref_kept, cand_kept = [], []  # the floor items' traces
+    ref_sums, cand_sums = [], []
+    top_id = -1
     t_gen = 0.0
     adv = bar(len(prompts), "generating (reference, candidate)")
-    for p in prompts:
+    for i, p in enumerate(prompts):
         a = time.perf_counter()
-        ref_tr.append(ref.generate(p.ids, n_predict, p.id))
-        cand_tr.append(cand.generate(p.ids, n_predict, p.id))
+        r = ref.generate(p.ids, n_predict, p.id)
+        c = cand.generate(p.ids, n_predict, p.id)
         t_gen += time.perf_counter() - a
+        ref_sums.append(_trace_sums(r))
+        cand_sums.append(_trace_sums(c))
+        top_id = max([top_id] + [int(t.top_ids.max()) for t in (r, c) if t.top_ids.size])
+        if i < n_floor:
+            ref_kept.append(r)
+            cand_kept.append(c)
+        pickle.dump((r, c), spill, protocol=pickle.HIGHEST_PROTOCOL)
+        del r, c
         adv()
-    rc, cc = _trace_counts(ref_tr), _trace_counts(cand_tr)
+    rc, cc = _trace_counts(ref_sums), _trace_counts(cand_sums)
     if rc["draft_n"] > 0:
         raise LogitdiffError(f"reference server {ref.url}: it drafted ({rc['draft_n']} draft tokens); the reference must run without speculation")
     if declared and cc["draft_n"] == 0:
         raise LogitdiffError(
             f"candidate server {cand.url}: declared speculative, but speculation never ran (timings.draft_n = 0 on all "
-            f"{len(cand_tr)} requests: no draft was ever proposed; llama-server drafts only with --spec-type, e.g. --spec-type "
+            f"{cc['requests']} requests: no draft was ever proposed; llama-server drafts only with --spec-type, e.g. --spec-type "
             "draft-simple -md DRAFT.gguf, and an n-gram type only where the text repeats itself)"
         )
     if V is None:
-        V = int(max(int(t.top_ids.max()) for t in ref_tr + cand_tr) + 1)
+        V = top_id + 1
     # floors
-    fl = list(range(min(max(floor_items, 0), len(prompts))))
+    fl = list(range(n_floor))
     t1 = time.perf_counter()
     adv = bar(len(fl), "floors (F0 reruns, F1 teacher-forced)")
     ref_again, cand_again, f1_scored = [], [], []
@@ -365,18 +416,18 @@ def compare_generation(
         p = prompts[i]
         ref_again.append(ref.generate(p.ids, n_predict, p.id))
         cand_again.append(cand.generate(p.ids, n_predict, p.id))
-        f1_scored.append(ref.score(p.ids, ref_tr[i].ids, start=0, width=shape_width, item=p.id))
+        f1_scored.append(ref.score(p.ids, ref_kept[i].ids, start=0, width=shape_width, item=p.id))
         adv()
-    f0 = {"reference": _f0([ref_tr[i] for i in fl], ref_again, n_predict),
-          "candidate": _f0([cand_tr[i] for i in fl], cand_again, n_predict)}
-    f1 = _f1([ref_tr[i] for i in fl], f1_scored, V, n_predict, shape_width)
+    f0 = {"reference": _f0(ref_kept, ref_again, n_predict), "candidate": _f0(cand_kept, cand_again, n_predict)}
+    f1 = _f1(ref_kept, f1_scored, V, n_predict, shape_width)
+    del ref_kept, cand_kept, ref_again, cand_again, f1_scored
     t_floor = time.perf_counter() - t1
     near = f1["near_tie_nats"]
     # per item
     t2 = time.perf_counter()
     rows, pre_kl, pre_klo, pre_top1, pre_dl, x1_kl, x2_agree = [], [], [], [], [], [], []
     adv = bar(len(prompts), "comparing (cross-scoring after each divergence)")
-    for p, r, c in zip(prompts, ref_tr, cand_tr):
+    for p, (r, c) in zip(prompts, _spilled(spill)):
         row, x = _item_analysis(p, r, c, ref, cand, V, near)
         rows.append(row)
         pre_kl.append(x["prefix"]["kl_nats"])
@@ -441,11 +492,19 @@ def compare_generation(
                    "server_generation_s": server_s, "wall_over_generations": wall / t_gen if t_gen else None,
                    "wall_over_server_generation": wall / server_s if server_s else None},
     }
-    # records as a generator: one item's JSON (Python lists, ~10x its arrays) at a time while
-    # the writer streams them, not every item's at once
-    records = ({"id": p.id, "side": side, "run": 1, "prompt_ids": p.ids, **t.to_json()}
-               for p, r, c in zip(prompts, ref_tr, cand_tr) for side, t in (("reference", r), ("candidate", c)))
-    return report, records
+    return report, _records(prompts, spill)
+
+
+def _records(prompts: Sequence[Prompt], spill: IO[bytes]) -> Iterator[dict]:
+    """The generation records, read back from the spill one item at a time: one item's JSON
+    (Python lists, ~10x its arrays) at a time while the writer streams them. Closes the
+    spill at the end (or when the generator is closed or collected)."""
+    try:
+        for p, (r, c) in zip(prompts, _spilled(spill)):
+            for side, t in (("reference", r), ("candidate", c)):
+                yield {"id": p.id, "side": side, "run": 1, "prompt_ids": p.ids, **t.to_json()}
+    finally:
+        spill.close()
 
 
 def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dict], declared: bool) -> dict:
