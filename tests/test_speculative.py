@@ -382,6 +382,12 @@ def test_no_floor_items_leaves_divergences_unclassified_never_material(env, serv
     assert md.count(f"| {S.UNCLASSIFIED} |") == len([it for it in rep["items"] if not it["identical"]])
     assert f"- divergences: {rep['summary']['unclassified_divergences']} not classed" in md
     assert S.FLOOR_NOT_MEASURED in page and f"<td>{S.UNCLASSIFIED}</td>" in page
+    # the page's survival plot: a floor over no items (1 everywhere by definition) is not drawn
+    plot, _ = json.JSONDecoder().raw_decode(page.split("Plotly.newPlot('survival', ", 1)[1])
+    assert [t["name"] for t in plot] == ["candidate vs reference", "F0 reference rerun: not measured (no floor items)",
+                                         "F0 candidate rerun: not measured (no floor items)",
+                                         "F1 shape floor (teacher-forced): not measured (no floor items)"]
+    assert len(plot[0]["y"]) == N and all(t["y"] == [] for t in plot[1:])
     # the schema holds the rule: null counts carry their reason
     from logitdiff.contracts import validate
 

@@ -116,7 +116,13 @@ def render_html(rep: dict) -> str:
     n = rep["method"]["n_predict"]
     xs = list(range(n))
     sv = rep["survival"]
-    traces = [{"x": xs, "y": sv[k], "name": name, "mode": "lines", "line": {"dash": dash}}
+    # a floor over no items has a survival of 1 everywhere by definition: drawn, it would read
+    # as a measured perfect floor, so it is left out and the legend says why
+    f0, f1 = rep["floors"]["F0"], rep["floors"]["F1"]
+    measured = {"candidate": True, "F0_reference": bool(f0["reference"]["items"]), "F0_candidate": bool(f0["candidate"]["items"]),
+                "F1": bool(f1.get("items", f1["positions"]))}
+    traces = [{"x": xs, "y": sv[k], "name": name, "mode": "lines", "line": {"dash": dash}} if measured[k] else
+              {"x": [], "y": [], "name": f"{name}: not measured (no floor items)", "mode": "lines", "line": {"dash": dash}}
               for k, name, dash in (("candidate", "candidate vs reference", "solid"), ("F0_reference", "F0 reference rerun", "dot"),
                                     ("F0_candidate", "F0 candidate rerun", "dot"), ("F1", "F1 shape floor (teacher-forced)", "dash"))]
     fig = {"data": traces, "layout": {"title": {"text": "Survival: share of items still identical at position t"},
