@@ -986,7 +986,12 @@ __attribute__((visibility("default"))) int64_t logitdiff_first_nonfinite(const v
 // float64 sum, the reference reconstruction itself. So the output is exactly what the
 // float64 decode gives, at float32 speed.
 // ======================================================================================
+#if LD_X86
+#include <cpuid.h>
+#endif
 namespace {
+
+constexpr int HD_ISA_AVX512BF16 = 3;  // kernel.HIDDEN_ISA_CODES["avx512bf16"]
 
 // hidden.round_bits for one value: float64 -> 16-bit bits, nearest, ties to even, one
 // rounding (fmt BF16 or F16). For normal, finite results (others are stored exceptions).
@@ -1222,22 +1227,287 @@ void hd_tile(const HdArgs& a, int64_t v0, int64_t v1, bool simd, std::vector<flo
         for (int64_t r = 0; r < a.n; ++r) a.out[r * a.out_stride + v0 + i] = hd_exact(a, w.data() + i * a.Hp, r);
 }
 
+
+// --------------------------------------------------------------------------------------
+// AVX-512 BF16 decode (isa "avx512bf16", BF16 heads only; the default where the CPU has it).
+// Same contract as above: R(s) where a proven bound on the float32 dot decides it, the
+// float64 dot elsewhere. The head tile is repacked so 16 vocabulary entries sit in the
+// lanes ([H2 = ceil(H/2)][32 entries][2 bf16]), and VDPBF16PS takes a hidden row's bf16
+// pair broadcast against it: no horizontal sums. Per output, chains of at most HB_KB
+// instructions from zero, each added into a running total whose magnitude after each
+// addition is summed too (a running error bound, Higham 3.1), so (docs/bounds.md section 6):
+//   * VDPBF16PS rounds (nearest even) after each of its two products per lane, or once:
+//     a chain's first instruction adds its first product to zero (exact), so a term passes
+//     through at most 2 HB_KB - 1 roundings in its chain; products of bf16 are exact in
+//     float32 unless |p| < 2^-126 (flushed: FTZ) or they overflow (inf: the float64 path);
+//   * each addition into the total errs by at most u |its result|;
+//   so |s32 - s| <= gamma_(2 HB_KB - 1) ||W_v|| ||h|| + u sum_i |t_i| + N 2^-126, t_i the
+//     totals, N = 5 H2 + 2 bounding the flushed products and results (each off by < 2^-126);
+//   * denormal inputs are read as zero (DAZ): a tile or a call with bf16 denormals takes
+//     the AVX2 path instead.
+// The finish runs 16 lanes in float32/int32 with the bound rounded up (hb_finish).
+// --------------------------------------------------------------------------------------
+constexpr int HB_RB = 4;        // hidden rows per register block (x 2 vectors of 16 entries: 8 accumulators,
+                                // 8 totals, 8 error sums)
+constexpr int64_t HB_KB = 3;    // VDPBF16PS steps per chain (error 2 HB_KB - 1 roundings; shorter: more additions)
+constexpr int64_t HB_TILE_BYTES = 512 * 1024;  // repacked tile: fits L2 (Zen4, Ice Lake+: >= 1 MB)
+
+inline double hb_roundings() { return (double)(2 * HB_KB - 1); }
+
+// CPUID: AVX512F, BW, VL and BF16, with the OS saving opmask and zmm state (XCR0 bits 1, 2, 5, 6, 7).
+bool have_avx512bf16() {
+#if LD_X86
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+        unsigned lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if ((lo & 0xE6u) != 0xE6u) return false;
+        if (__get_cpuid_max(0, nullptr) < 7) return false;
+        __cpuid_count(7, 0, a, b, c, d);
+        const unsigned need = (1u << 16) | (1u << 30) | (1u << 31);  // avx512f, avx512bw, avx512vl
+        if ((b & need) != need) return false;
+        __cpuid_count(7, 1, a, b, c, d);
+        return (a & (1u << 5)) != 0;  // avx512_bf16
+    }();
+    return ok;
+#else
+    return false;
+#endif
+}
+
+struct HbArgs {
+    const uint32_t* hp;  // [n_pad, H2] hidden rows as bf16 pairs (zero rows past n)
+    int64_t H2;
+    const float* hn32;   // per row: gamma_k ||h|| rounded up (hb_finish)
+    float abs32;         // N 2^-126 (N = 5 H2 + 2) times 1 + 2^-16
+    float run32;         // u (1 + 2 gamma_chains) (1 + 2^-16): sum_i |t_i| <= its float32 sum (1 + 2 gamma_chains)
+};
+
+// A bf16 denormal among count values: exponent 0, significand not 0.
+inline bool hb_has_denormal(const uint16_t* x, int64_t count) {
+    uint16_t any = 0;
+    for (int64_t i = 0; i < count; ++i) any |= (uint16_t)(((x[i] & 0x7F80u) == 0) & ((x[i] & 0x7Fu) != 0));
+    return any != 0;
+}
+
+#if LD_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+#define HB_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+
+// One chain of C steps (C <= HB_KB) from the accumulators' current values.
+template <int C>
+HB_TARGET inline void hb_chain(const uint32_t* w, const uint32_t* h, int64_t H2, int64_t k, __m512 (&acc)[2][HB_RB]) {
+    for (int c = 0; c < C; ++c) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + (k + c) * 32);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + (k + c) * 32 + 16);
+        for (int j = 0; j < HB_RB; ++j) {
+            const __m512bh hb = (__m512bh)_mm512_set1_epi32((int)h[j * H2 + k + c]);
+            acc[0][j] = _mm512_dpbf16_ps(acc[0][j], w0, hb);
+            acc[1][j] = _mm512_dpbf16_ps(acc[1][j], w1, hb);
+        }
+    }
+}
+
+HB_TARGET inline void hb_chain_n(const uint32_t* w, const uint32_t* h, int64_t H2, int64_t k, int64_t c,
+                                 __m512 (&acc)[2][HB_RB]) {
+    static_assert(HB_KB <= 4, "hb_chain_n unrolls chains of up to 4 steps");
+    switch (c) {
+        case 4: hb_chain<4>(w, h, H2, k, acc); break;
+        case 3: hb_chain<3>(w, h, H2, k, acc); break;
+        case 2: hb_chain<2>(w, h, H2, k, acc); break;
+        default: hb_chain<1>(w, h, H2, k, acc); break;
+    }
+}
+
+// 32 entries (w: [H2][32] pairs) x HB_RB hidden rows (h: [HB_RB][H2] pairs): the float32
+// dots of the documented structure into out[0 .. 2 HB_RB) and the sums of |total| after
+// each addition into out[2 HB_RB .. 4 HB_RB) (vectors of 16, [half][row]).
+HB_TARGET __attribute__((noinline)) void hb_block(const uint32_t* w, const uint32_t* h, int64_t H2, float* out) {
+    __m512 tot[2][HB_RB], err[2][HB_RB], acc[2][HB_RB];
+    for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < HB_RB; ++j) tot[i][j] = err[i][j] = _mm512_setzero_ps();
+    hb_chain_n(w, h, H2, 0, std::min(HB_KB, H2), tot);  // the first chain straight into the total
+    int64_t k = HB_KB;
+    for (; k + HB_KB <= H2; k += HB_KB) {
+        for (int i = 0; i < 2; ++i)
+            for (int j = 0; j < HB_RB; ++j) acc[i][j] = _mm512_setzero_ps();
+        hb_chain<HB_KB>(w, h, H2, k, acc);
+        for (int i = 0; i < 2; ++i)
+            for (int j = 0; j < HB_RB; ++j) {
+                tot[i][j] = _mm512_add_ps(tot[i][j], acc[i][j]);
+                err[i][j] = _mm512_add_ps(err[i][j], _mm512_abs_ps(tot[i][j]));
+            }
+    }
+    if (k < H2) {
+        for (int i = 0; i < 2; ++i)
+            for (int j = 0; j < HB_RB; ++j) acc[i][j] = _mm512_setzero_ps();
+        hb_chain_n(w, h, H2, k, H2 - k, acc);
+        for (int i = 0; i < 2; ++i)
+            for (int j = 0; j < HB_RB; ++j) {
+                tot[i][j] = _mm512_add_ps(tot[i][j], acc[i][j]);
+                err[i][j] = _mm512_add_ps(err[i][j], _mm512_abs_ps(tot[i][j]));
+            }
+    }
+    for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < HB_RB; ++j) {
+            _mm512_storeu_ps(out + (i * HB_RB + j) * 16, tot[i][j]);
+            _mm512_storeu_ps(out + ((2 + i) * HB_RB + j) * 16, err[i][j]);
+        }
+}
+
+// The float64 dot of the fallback, from the bf16 head row and the bf16 hidden row (both
+// in L2: the tile was just read from the one, the block's rows are read per group), 8
+// lanes x 2 (any order is within the writer's margin).
+HB_TARGET inline __m512d hb_f64(const uint16_t* x) {  // 8 bf16 -> 8 float64 (exact)
+    return _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)x)), 16)));
+}
+
+HB_TARGET __attribute__((noinline)) uint16_t hb_exact(const uint16_t* w, const uint16_t* h, int64_t H) {
+    __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+    int64_t j = 0;
+    for (; j + 16 <= H; j += 16) {
+        acc0 = _mm512_fmadd_pd(hb_f64(w + j), hb_f64(h + j), acc0);
+        acc1 = _mm512_fmadd_pd(hb_f64(w + j + 8), hb_f64(h + j + 8), acc1);
+    }
+    double s = _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
+    for (; j < H; ++j) s += (double)hd_to_f32(w[j], BF16) * (double)hd_to_f32(h[j], BF16);
+    return hd_round(s, BF16);
+}
+
+// 16 lanes of one hidden row: the bound e of the header, rounded up in float32 (see
+// docs/bounds.md section 6): e32 >= e (1 + 3u) from hn32, wn32 and abs32 (each carries a
+// factor 1 + 2^-16); e' = e32 + 4u|s| so that the rounded |s| - e' and |s| + e' still
+// enclose [|s| - e, |s| + e]. Where R is the same on both ends, inside the normal range,
+// that is R(s); other lanes (and non-finite s) take hb_exact.
+HB_TARGET __attribute__((noinline)) void hb_finish(const HdArgs& a, const HbArgs& b, const uint16_t* head_rows, __m512 s,
+                                                   __m512 run, __m512 wn32, int64_t r, int64_t v0, __mmask16 valid, int64_t& nfb) {
+    const __m512 as = _mm512_abs_ps(s);
+    // gamma ||W|| ||h|| + N 2^-126, then + u' sum |t_i| (u' = b.run32: u and the float32 error sum's own rounding)
+    const __m512 e32 = _mm512_fmadd_ps(run, _mm512_set1_ps(b.run32),
+                                       _mm512_fmadd_ps(wn32, _mm512_set1_ps(b.hn32[r]), _mm512_set1_ps(b.abs32)));
+    // fused: one rounding of wn hn + abs (>= the two-rounding bound); then + 4u |s| = 2^-22 |s|
+    const __m512 e = _mm512_fmadd_ps(as, _mm512_set1_ps(0x1p-22f), e32);
+    const __m512 lo = _mm512_sub_ps(as, e), hi = _mm512_add_ps(as, e);
+    const __m512i bl = _mm512_castps_si512(lo), bh = _mm512_castps_si512(hi);
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    const __m512i rl = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bl, half), _mm512_and_si512(_mm512_srli_epi32(bl, 16), one)), 16);
+    const __m512i rh = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bh, half), _mm512_and_si512(_mm512_srli_epi32(bh, 16), one)), 16);
+    __mmask16 ok = _mm512_cmp_ps_mask(lo, _mm512_set1_ps(0x1p-126f), _CMP_GE_OQ);  // false for NaN
+    ok &= _mm512_cmpeq_epi32_mask(rl, rh) & _mm512_cmple_epi32_mask(rh, _mm512_set1_epi32(0x7F7F));
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(s), 16), _mm512_set1_epi32(0x8000));
+    const __m256i bits = _mm512_cvtepi32_epi16(_mm512_or_si512(rl, sign));
+    uint16_t* dst = a.out + r * a.out_stride + v0;
+    _mm256_mask_storeu_epi16(dst, valid, bits);
+    unsigned bad = (unsigned)(valid & ~ok);
+    while (bad) {
+        const int i = __builtin_ctz(bad);
+        bad &= bad - 1;
+        ++nfb;
+        dst[i] = hb_exact(head_rows + i * a.H, a.hidden + r * a.H, a.H);
+    }
+}
+
+// One tile [v0, v1) of a BF16 head: repack (pairs, 32 entries a group, zero padding) with
+// the rows' norms, then every block of hidden rows against every group. False (nothing
+// written) when the tile holds a bf16 denormal: the caller takes the AVX2 path.
+HB_TARGET bool hb_tile(const HdArgs& a, const HbArgs& b, int64_t v0, int64_t v1, std::vector<uint32_t>& w,
+                       std::vector<float>& wn, std::vector<float>& part, int64_t& nfb) {
+    const int64_t tv = v1 - v0, groups = (tv + 31) / 32, H2 = b.H2;
+    w.resize((size_t)(groups * H2 * 32));
+    wn.resize((size_t)(groups * 32));
+    // 16 entries at a time: gather each pair of the 16 rows (masked past the tile's end),
+    // store it as one vector, and sum the squares in float64 (x^2 exact, 8 lanes x 2)
+    const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)(2 * a.H)));
+    const int64_t full = a.H / 2;  // pairs inside the row (an odd H's last pair is padded below)
+    for (int64_t e0 = 0; e0 < groups * 32; e0 += 16) {
+        const __mmask16 valid = e0 >= tv ? (__mmask16)0 : tv - e0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (tv - e0)) - 1);
+        const uint16_t* src = a.head + (v0 + std::min(e0, tv)) * a.H;
+        uint32_t* dst = w.data() + (e0 / 32) * H2 * 32 + (e0 % 32);
+        __m512d n0 = _mm512_setzero_pd(), n1 = _mm512_setzero_pd(), n2 = _mm512_setzero_pd(), n3 = _mm512_setzero_pd();
+        auto add = [&](__m512i pr) {
+            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16));
+            const __m512 y = _mm512_castsi512_ps(_mm512_and_si512(pr, _mm512_set1_epi32((int)0xFFFF0000u)));
+            const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(x)), y0 = _mm512_cvtps_pd(_mm512_castps512_ps256(y));
+            const __m512d x1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+            const __m512d y1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
+            n0 = _mm512_fmadd_pd(x0, x0, n0);
+            n1 = _mm512_fmadd_pd(x1, x1, n1);
+            n2 = _mm512_fmadd_pd(y0, y0, n2);
+            n3 = _mm512_fmadd_pd(y1, y1, n3);
+        };
+        // bf16 denormals (exponent 0, significand not 0) in either half of any pair
+        const __m512i exp_lo = _mm512_set1_epi32(0x7F80), exp_hi = _mm512_set1_epi32(0x7F800000), sig_lo = _mm512_set1_epi32(0x7F), sig_hi = _mm512_set1_epi32(0x7F0000);
+        __mmask16 denormal = 0;
+        for (int64_t k = 0; k < full; ++k) {
+            const __m512i pr = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows16, src + 2 * k, 1);
+            _mm512_storeu_si512(dst + k * 32, pr);
+            add(pr);
+            denormal |= _mm512_mask_testn_epi32_mask(_mm512_test_epi32_mask(pr, sig_lo), pr, exp_lo);
+            denormal |= _mm512_mask_testn_epi32_mask(_mm512_test_epi32_mask(pr, sig_hi), pr, exp_hi);
+        }
+        if (denormal) return false;
+        if (full < H2) {  // odd H: the last value alone, its pair's other half zero
+            alignas(64) uint32_t last[16] = {};
+            for (int i = 0; i < 16 && e0 + i < tv; ++i) last[i] = src[i * a.H + a.H - 1];
+            for (int i = 0; i < 16; ++i)
+                if (hb_has_denormal((const uint16_t*)(last + i), 1)) return false;
+            const __m512i pr = _mm512_load_si512(last);
+            _mm512_storeu_si512(dst + full * 32, pr);
+            add(pr);
+        }
+        // float64 norms (error ~H 2^-53, inside the 1 + 2^-16) rounded up to float32
+        alignas(64) double nn[16];
+        _mm512_store_pd(nn, _mm512_add_pd(n0, n2));
+        _mm512_store_pd(nn + 8, _mm512_add_pd(n1, n3));
+        for (int i = 0; i < 16; ++i) wn[e0 + i] = (float)(std::sqrt(nn[i]) * (1.0 + 0x1p-16));
+    }
+    part.resize((size_t)(4 * HB_RB * 16));
+    for (int64_t r0 = 0; r0 < a.n; r0 += HB_RB) {
+        const uint32_t* h = b.hp + r0 * H2;
+        for (int64_t g = 0; g < groups; ++g) {
+            hb_block(w.data() + g * H2 * 32, h, H2, part.data());
+            for (int half = 0; half < 2; ++half) {
+                const int64_t e0 = g * 32 + half * 16;
+                if (e0 >= tv) break;
+                const __mmask16 valid = tv - e0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (tv - e0)) - 1);
+                const __m512 wn32 = _mm512_loadu_ps(wn.data() + e0);
+                for (int j = 0; j < HB_RB && r0 + j < a.n; ++j)
+                    hb_finish(a, b, a.head + (v0 + e0) * a.H, _mm512_loadu_ps(part.data() + (half * HB_RB + j) * 16),
+                              _mm512_loadu_ps(part.data() + ((2 + half) * HB_RB + j) * 16), wn32, r0 + j, v0 + e0, valid, nfb);
+            }
+        }
+    }
+    return true;
+}
+#undef HB_TARGET
+#pragma GCC pop_options
+#endif
+
 }  // namespace
 
 extern "C" {
 
+// 1 where the AVX-512 BF16 decode runs on this CPU (CPUID and the OS's zmm state).
+__attribute__((visibility("default"))) int logitdiff_has_avx512bf16(void) { return have_avx512bf16() ? 1 : 0; }
+
 // hidden [n, H] and head [V, H] as 16-bit bits (fmt: BF16 or F16), rows contiguous; out
 // [n, V] (row stride out_stride) receives the reconstructed bits before exceptions.
-// fallbacks (optional): the number of entries that took the float64 path. Returns 0, or
-// 1 for bad arguments.
+// fallbacks (optional): the number of entries that took the float64 path. isa: 0 auto
+// (AVX-512 BF16 for a BF16 head where the CPU has it, else AVX2, else portable), 1
+// portable, 2 AVX2, 3 AVX-512 BF16 (F16 heads take AVX2). Returns 0, 1 for bad
+// arguments, or 2 when isa 3 is asked for on a CPU without it.
 __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_t* hidden, int64_t n,
                                                                    const uint16_t* head, int64_t V, int64_t H, int fmt,
                                                                    int threads, int isa, uint16_t* out,
                                                                    int64_t out_stride, int64_t* fallbacks) {
     if (n < 0 || V < 1 || H < 1 || (fmt != BF16 && fmt != F16) || threads < 1 || out_stride < V) return 1;
+    if (isa == HD_ISA_AVX512BF16 && !have_avx512bf16()) return 2;  // asked for by name on a CPU without it
     const int64_t Hp = (H + 7) / 8 * 8;
     std::vector<float> h32((size_t)(n * Hp), 0.0f);
-    std::vector<double> h64((size_t)(n * H)), hn((size_t)n);
+    std::vector<double> h64((size_t)(n * H)), hn((size_t)n), hnorm((size_t)n);
     for (int64_t r = 0; r < n; ++r) {
         double nn = 0.0;
         for (int64_t j = 0; j < H; ++j) {
@@ -1249,19 +1519,56 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
         // gamma_k = k u / (1 - k u), u = 2^-24, k = hd_roundings(Hp) per term; 1.01 covers
         // the float64 norms' own rounding
         const double k = hd_roundings(Hp), u = 0x1p-24;
-        hn[r] = 1.01 * k * u / (1.0 - k * u) * std::sqrt(nn);
+        hnorm[r] = std::sqrt(nn);
+        hn[r] = 1.01 * k * u / (1.0 - k * u) * hnorm[r];
     }
     HdArgs a{hidden, n, head, V, H, Hp, fmt, h32.data(), h64.data(), hn.data(), out, out_stride};
     bool simd = isa != ISA_SCALAR && have_avx2();
+    // the AVX-512 BF16 path: BF16 only, by default where the CPU has it, hidden rows without
+    // bf16 denormals (read as zero by VDPBF16PS)
+    const bool bf16 = (isa == ISA_AUTO || isa == HD_ISA_AVX512BF16) && fmt == BF16 && have_avx512bf16() &&
+                      !hb_has_denormal(hidden, n * H);
+    const int64_t H2 = (H + 1) / 2, n_pad = (n + HB_RB - 1) / HB_RB * HB_RB;
+    std::vector<uint32_t> hp;
+    std::vector<float> hn32;
+    HbArgs b{nullptr, H2, nullptr, 0.0f, 0.0f};
+    int64_t tile = HD_TV;
+    if (bf16) {
+        hp.assign((size_t)(n_pad * H2), 0u);
+        hn32.assign((size_t)n, 0.0f);
+        const double k = hb_roundings(), u = 0x1p-24;
+        for (int64_t r = 0; r < n; ++r) {
+            const uint16_t* src = hidden + r * H;
+            for (int64_t j = 0; j < H2; ++j) hp[r * H2 + j] = src[2 * j] | (2 * j + 1 < H ? (uint32_t)src[2 * j + 1] << 16 : 0u);
+            // gamma_k ||h|| with this path's k; 1.01 covers the float64 norm, 1 + 2^-16 the float32 finish
+            hn32[r] = (float)(1.01 * k * u / (1.0 - k * u) * hnorm[r] * (1.0 + 0x1p-16));
+        }
+        const double chains = (double)((H2 + HB_KB - 1) / HB_KB), g = 1.0 + 2.0 * chains * u / (1.0 - chains * u);
+        b = HbArgs{hp.data(), H2, hn32.data(), (float)((5.0 * (double)H2 + 2.0) * 0x1p-126 * (1.0 + 0x1p-16)),
+                   (float)(u * g * (1.0 + 0x1p-16))};
+        tile = std::max<int64_t>(32, std::min<int64_t>(1024, HB_TILE_BYTES / (4 * H2) / 32 * 32));
+    }
     std::atomic<int64_t> next{0}, nfb_all{0};
     auto work = [&]() {
         std::vector<float> w;
         std::vector<double> wn;
         int64_t nfb = 0;
-        for (int64_t t; (t = next.fetch_add(1)) * HD_TV < V;) hd_tile(a, t * HD_TV, std::min(V, (t + 1) * HD_TV), simd, w, wn, nfb);
+#if LD_X86
+        std::vector<uint32_t> wp;
+        std::vector<float> wn32;
+        std::vector<float> part;
+#endif
+        for (int64_t t; (t = next.fetch_add(1)) * tile < V;) {
+            const int64_t v0 = t * tile, v1 = std::min(V, v0 + tile);
+#if LD_X86
+            if (bf16 && hb_tile(a, b, v0, v1, wp, wn32, part, nfb)) continue;
+#endif
+            // the AVX2 (or portable) path in its own tiles
+            for (int64_t u0 = v0; u0 < v1; u0 += HD_TV) hd_tile(a, u0, std::min(v1, u0 + HD_TV), simd, w, wn, nfb);
+        }
         nfb_all += nfb;
     };
-    int64_t tiles = (V + HD_TV - 1) / HD_TV;
+    int64_t tiles = (V + tile - 1) / tile;
     int nt = (int)std::min<int64_t>(threads, tiles);
     std::vector<std::thread> pool;
     for (int t = 1; t < nt; ++t) pool.emplace_back(work);

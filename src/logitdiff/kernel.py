@@ -21,6 +21,9 @@ DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 # Instruction sets: auto (AVX2+FMA+F16C where the CPU has them, pass 2 in the EVEX build where
 # it also has AVX-512VL), "avx2" (the AVX2 build only), or the portable path.
 ISA_CODES = {"auto": 0, "scalar": 1, "avx2": 2}
+# `hidden_decode`'s instruction sets: those of ISA_CODES, and "avx512bf16" (VDPBF16PS, bf16
+# heads; what "auto" takes where the CPU has it, `has_avx512bf16`).
+HIDDEN_ISA_CODES = {**ISA_CODES, "avx512bf16": 3}
 # Order of the per-row sums returned in ``sums`` (see _kernel.cpp).
 SUM_FIELDS = ("s_p", "a_p", "s_q", "a_q", "d_p", "d_q", "g", "s_d")
 FLAG_BAD = 1  # a row holds NaN/inf (its sums are NaN)
@@ -52,6 +55,9 @@ def _lib():
     if h is not None:
         h.argtypes = [p, i64, p, i64, i64, i32, i32, i32, p, i64, p]
         h.restype = i32
+    b = getattr(lib, "logitdiff_has_avx512bf16", None)  # absent from older builds
+    if b is not None:
+        b.restype = i32
     c = getattr(lib, "logitdiff_compact_bounds", None)  # bounds.compact_vs_full's groups (absent from older builds)
     if c is not None:
         c.argtypes = [i64, i64, p, p, i64, i64, p, p, i64, p, p, p, p, p, p, p, i32, p, p]
@@ -74,6 +80,13 @@ def has_evex() -> bool:
     """True when ``isa="auto"`` takes the EVEX (AVX-512VL, 32-register) build of pass 2."""
     lib = _lib()
     return bool(lib is not None and getattr(lib, "logitdiff_has_evex", None) is not None and lib.logitdiff_has_evex())
+
+
+def has_avx512bf16() -> bool:
+    """True when `hidden_decode` can take (and ``isa="auto"`` takes) the AVX-512 BF16 path."""
+    lib = _lib()
+    f = getattr(lib, "logitdiff_has_avx512bf16", None) if lib is not None else None
+    return bool(f is not None and f())
 
 
 def supports(z) -> bool:
@@ -146,8 +159,10 @@ def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int
     R(W h) [n, V] of hidden states [n, H] and a head [V, H] (16-bit bits, ``dtype``
     "bfloat16" or "float16"), float32 dots with a proven error bound and the float64 dot
     where that bound straddles a rounding boundary (_kernel.cpp), and how many entries took
-    the float64 path. ``isa`` "scalar": the portable path (every dot in float64, as on a CPU
-    without AVX2). None when the library lacks the function."""
+    the float64 path. ``isa`` (`HIDDEN_ISA_CODES`): "auto" the fastest this CPU runs,
+    "avx512bf16" VDPBF16PS (bf16 heads; ValueError on a CPU without it, `has_avx512bf16`),
+    "avx2" the 8-lane float32 path, "scalar" the portable one (every dot in float64, as on
+    a CPU without AVX2). The bits do not depend on it. None when the library lacks the function."""
     lib = _lib()
     fn = getattr(lib, "logitdiff_hidden_decode", None) if lib is not None else None
     if fn is None:
@@ -160,8 +175,10 @@ def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int
     n, V = h.shape[0], w.shape[0]
     out = np.empty((n, V), np.uint16)
     fb = ctypes.c_int64(0)
-    rc = fn(h.ctypes.data, n, w.ctypes.data, V, w.shape[1], DTYPE_CODES[dtype], max(1, int(threads)), ISA_CODES[isa],
-            out.ctypes.data, V, ctypes.byref(fb))
+    rc = fn(h.ctypes.data, n, w.ctypes.data, V, w.shape[1], DTYPE_CODES[dtype], max(1, int(threads)),
+            HIDDEN_ISA_CODES[isa], out.ctypes.data, V, ctypes.byref(fb))
+    if rc == 2:
+        raise ValueError("hidden_decode: isa='avx512bf16' on a CPU without AVX-512 BF16")
     if rc != 0:
         raise ValueError(f"hidden_decode: bad arguments (hidden {h.shape}, head {w.shape}, {dtype})")
     return out, int(fb.value)
