@@ -1250,7 +1250,7 @@ void hd_tile(const HdArgs& a, int64_t v0, int64_t v1, bool simd, std::vector<flo
 constexpr int HB_RB = 4;        // hidden rows per register block (x 2 vectors of 16 entries: 8 accumulators,
                                 // 8 totals, 8 error sums)
 constexpr int64_t HB_KB = 3;    // VDPBF16PS steps per chain (error 2 HB_KB - 1 roundings; shorter: more additions)
-constexpr int64_t HB_TILE_BYTES = 512 * 1024;  // repacked tile: fits L2 (Zen4, Ice Lake+: >= 1 MB)
+constexpr int64_t HB_TILE_BYTES = 256 * 1024;  // repacked tile: fits L2 (Zen4, Ice Lake+: >= 1 MB)
 
 inline double hb_roundings() { return (double)(2 * HB_KB - 1); }
 
