@@ -1381,7 +1381,7 @@ HB_TARGET __attribute__((noinline)) uint16_t hb_exact(const uint16_t* w, const u
 // factor 1 + 2^-16); e' = e32 + 4u|s| so that the rounded |s| - e' and |s| + e' still
 // enclose [|s| - e, |s| + e]. Where R is the same on both ends, inside the normal range,
 // that is R(s); other lanes (and non-finite s) take hb_exact.
-HB_TARGET __attribute__((noinline)) void hb_finish(const HdArgs& a, const HbArgs& b, const uint16_t* head_rows, __m512 s,
+HB_TARGET inline void hb_finish(const HdArgs& a, const HbArgs& b, const uint16_t* head_rows, __m512 s,
                                                    __m512 run, __m512 wn32, int64_t r, int64_t v0, __mmask16 valid, int64_t& nfb) {
     const __m512 as = _mm512_abs_ps(s);
     // gamma ||W|| ||h|| + N 2^-126, then + u' sum |t_i| (u' = b.run32: u and the float32 error sum's own rounding)
@@ -1409,6 +1409,29 @@ HB_TARGET __attribute__((noinline)) void hb_finish(const HdArgs& a, const HbArgs
     }
 }
 
+// 16 x 16 32-bit transpose in registers: r[i] lane j -> r[j] lane i.
+HB_TARGET inline void hb_transpose16(__m512i (&r)[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; ++g) {  // u[4g + c], 128-bit lane L: rows 4g..4g+3 of column 4L + c
+        u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512i a0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), a1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        const __m512i b0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), b1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+        r[c + 8] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+        r[c + 4] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+        r[c + 12] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+    }
+}
+
 // One tile [v0, v1) of a BF16 head: repack (pairs, 32 entries a group, zero padding) with
 // the rows' norms, then every block of hidden rows against every group. False (nothing
 // written) when the tile holds a bf16 denormal: the caller takes the AVX2 path.
@@ -1417,13 +1440,10 @@ HB_TARGET bool hb_tile(const HdArgs& a, const HbArgs& b, int64_t v0, int64_t v1,
     const int64_t tv = v1 - v0, groups = (tv + 31) / 32, H2 = b.H2;
     w.resize((size_t)(groups * H2 * 32));
     wn.resize((size_t)(groups * 32));
-    // 16 entries at a time: gather each pair of the 16 rows (masked past the tile's end),
-    // store it as one vector, and sum the squares in float64 (x^2 exact, 8 lanes x 2)
-    const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32((int)(2 * a.H)));
+    // 16 entries at a time: 16 x 16 blocks of pairs transposed (entries into the lanes),
+    // stored, and their squares summed in float64 (x^2 exact, 8 lanes x 2)
     const int64_t full = a.H / 2;  // pairs inside the row (an odd H's last pair is padded below)
     for (int64_t e0 = 0; e0 < groups * 32; e0 += 16) {
-        const __mmask16 valid = e0 >= tv ? (__mmask16)0 : tv - e0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (tv - e0)) - 1);
         const uint16_t* src = a.head + (v0 + std::min(e0, tv)) * a.H;
         uint32_t* dst = w.data() + (e0 / 32) * H2 * 32 + (e0 % 32);
         __m512d n0 = _mm512_setzero_pd(), n1 = _mm512_setzero_pd(), n2 = _mm512_setzero_pd(), n3 = _mm512_setzero_pd();
@@ -1441,12 +1461,22 @@ HB_TARGET bool hb_tile(const HdArgs& a, const HbArgs& b, int64_t v0, int64_t v1,
         // bf16 denormals (exponent 0, significand not 0) in either half of any pair
         const __m512i exp_lo = _mm512_set1_epi32(0x7F80), exp_hi = _mm512_set1_epi32(0x7F800000), sig_lo = _mm512_set1_epi32(0x7F), sig_hi = _mm512_set1_epi32(0x7F0000);
         __mmask16 denormal = 0;
-        for (int64_t k = 0; k < full; ++k) {
-            const __m512i pr = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows16, src + 2 * k, 1);
-            _mm512_storeu_si512(dst + k * 32, pr);
-            add(pr);
-            denormal |= _mm512_mask_testn_epi32_mask(_mm512_test_epi32_mask(pr, sig_lo), pr, exp_lo);
-            denormal |= _mm512_mask_testn_epi32_mask(_mm512_test_epi32_mask(pr, sig_hi), pr, exp_hi);
+        const int rows = (int)std::min<int64_t>(16, std::max<int64_t>(0, tv - e0));
+        for (int64_t k0 = 0; k0 < full; k0 += 16) {
+            // 16 pairs of each of the 16 rows (zeros past the tile and the row), transposed
+            const int64_t m = std::min<int64_t>(16, full - k0);
+            const __mmask16 cols = m == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1);
+            __m512i blk[16];
+            for (int i = 0; i < 16; ++i)
+                blk[i] = i < rows ? _mm512_maskz_loadu_epi32(cols, src + i * a.H + 2 * k0) : _mm512_setzero_si512();
+            hb_transpose16(blk);
+            for (int c = 0; c < m; ++c) {
+                const __m512i pr = blk[c];
+                _mm512_storeu_si512(dst + (k0 + c) * 32, pr);
+                add(pr);
+                denormal |= _mm512_mask_testn_epi32_mask(_mm512_test_epi32_mask(pr, sig_lo), pr, exp_lo);
+                denormal |= _mm512_mask_testn_epi32_mask(_mm512_test_epi32_mask(pr, sig_hi), pr, exp_hi);
+            }
         }
         if (denormal) return false;
         if (full < H2) {  // odd H: the last value alone, its pair's other half zero
