@@ -9,6 +9,8 @@ and the cost of writing, reading and comparing them. One benchmark, four questio
                                                     compact references: intervals and compare time
     python bench/store_bench.py hidden WORK [...]   the hidden-state store at V = 248,320, H = 4096:
                                                     bit-identity, bytes, read speed against full
+    python bench/store_bench.py decode RUN... [...] the compiled hidden decode alone on stored runs'
+                                                    heads and chunks: GMAC/s per instruction set
 
 `python bench/store_bench.py SUBCOMMAND --help` says each one's inputs. (Peak memory and wall
 time of every streaming command at V = 248,320: bench/scale_bench.py.)
@@ -532,6 +534,9 @@ def cmd_real(argv=None) -> int:
                     help="also time the previous readers in the same rounds: the hidden store decoded by the float64 "
                          "torch product (hidden-f64) and the compact bounds in numpy (compact-numpy)")
     ap.add_argument("--skip-figures", action="store_true", help="timing only (no KL/interval table)")
+    ap.add_argument("--isa-peers", action="store_true",
+                    help="also time the hidden reference decoded by each compiled instruction set this CPU runs "
+                         "(hidden-avx2, hidden-avx512bf16: kernel.hidden_decode's isa) in the same rounds")
     ap.add_argument("--wide", action="store_true",
                     help="instead of SmolLM2: the random bf16 Llama of tests/_models.py at V = 248,320 (hidden 128) as "
                          "the reference and the same architecture from another seed (bf16) as the one candidate")
@@ -621,12 +626,18 @@ def cmd_real(argv=None) -> int:
     kinds = dict(refs)
     if a.peers:
         kinds.update({"hidden-f64": refs["hidden"], "compact-numpy": refs["compact"]})
+    isa_kinds = {}
+    if a.isa_peers:
+        isa_kinds = {f"hidden-{i}": i for i in ("avx2", "avx512bf16") if i != "avx512bf16" or K.has_avx512bf16()}
+        kinds.update({k: refs["hidden"] for k in isa_kinds})
     timing = {q: {s: [] for s in kinds} for q in cands}
     cpu = {q: {s: [] for s in kinds} for q in cands}
     for _ in range(a.rounds):
         for q, p in cands.items():
             for s, rp in kinds.items():  # interleaved: every reference kind per rung per round
                 previous(s in ("hidden-f64", "compact-numpy"))
+                if s in isa_kinds:
+                    K.hidden_decode = functools.partial(compiled[1], isa=isa_kinds[s])
                 ref = RunReader(rp, device=a.device)
                 cand = RunReader(p)
                 c0, w0 = os.times(), time.perf_counter()
@@ -751,7 +762,69 @@ def cmd_hidden(argv=None) -> None:
     print(json.dumps(res, indent=1))
 
 
-COMMANDS = {"rows": cmd_rows, "ladder": cmd_ladder, "real": cmd_real, "hidden": cmd_hidden}
+# ---------------------------------------------------------------- decode
+DOC_DECODE = """The compiled hidden-state decode alone (`kernel.hidden_decode`, before exceptions) on
+stored runs: each run's head.npy (memory-mapped, as a reader has it) and its chunks' hidden
+states, every instruction set this CPU runs, interleaved per round. Prints, per run, isa and
+thread count, the median wall and CPU (user+sys) time, GMAC/s (n V H multiply-adds over
+the median) and the share of entries that took the float64 path; checks that every isa
+gives the same bits.
+
+    python bench/store_bench.py decode /tmp/rs/ref-hidden [/tmp/rsw/ref-hidden ...] [--rounds 5] [--threads 1,2]
+"""
+
+
+def cmd_decode(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="store_bench.py decode", description=DOC_DECODE,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", type=Path, nargs="+", help="runs captured with --store hidden")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default %(default)s)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    from logitdiff import hidden as Hs
+    from logitdiff import kernel as K
+
+    isas = ["avx2"] * K.has_simd() + ["avx512bf16"] * K.has_avx512bf16()
+    out = {"load_avg_start": os.getloadavg(), "isas": isas, "runs": {}}
+    for run in a.runs:
+        rd = RunReader(run)
+        head = rd.kind.head()
+        hid = np.concatenate([Hs.load_chunk(run / "chunks" / c["data"], head.shape[1], head.shape[0])["hidden"]
+                              for c in rd.manifest["chunks"]])
+        n, (V, H) = hid.shape[0], head.shape
+        print(f"{run}: n = {n}, V = {V:,}, H = {H}, {n * V * H / 1e9:.2f} GMAC a pass", flush=True)
+        res = {}
+        for th in (int(t) for t in a.threads.split(",")):
+            wall = {i: [] for i in isas}
+            cpu = {i: [] for i in isas}
+            fb, bits = {}, {}
+            for _ in range(a.rounds):
+                for i in isas:
+                    c0, w0 = os.times(), time.perf_counter()
+                    got, fb[i] = K.hidden_decode(hid, head, "bfloat16", th, isa=i)
+                    w1, c1 = time.perf_counter(), os.times()
+                    wall[i].append(w1 - w0)
+                    cpu[i].append(c1.user - c0.user + c1.system - c0.system)
+                    bits.setdefault(i, got)
+            same = all(np.array_equal(bits[i], bits[isas[0]]) for i in isas)
+            for i in isas:
+                mw, mc = statistics.median(wall[i]), statistics.median(cpu[i])
+                res[f"{i}/{th}"] = {"wall_s": mw, "cpu_s": mc, "gmac_s_wall": n * V * H / mw / 1e9,
+                                    "gmac_s_cpu": n * V * H / mc / 1e9, "fallback_share": fb[i] / (n * V)}
+                print(f"  {i:>10} threads {th}: wall {mw:.3f} s ({n * V * H / mw / 1e9:.1f} GMAC/s), CPU {mc:.3f} s "
+                      f"({n * V * H / mc / 1e9:.1f} GMAC/s of CPU), float64 path {100 * fb[i] / (n * V):.2f} %", flush=True)
+            print(f"  identical bits across isas: {same}")
+            res[f"identical/{th}"] = same
+        out["runs"][str(run)] = {"n": n, "V": V, "H": H, **res}
+    out["load_avg_end"] = os.getloadavg()
+    print(f"load average: start {out['load_avg_start'][0]:.1f}, end {out['load_avg_end'][0]:.1f}")
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+COMMANDS = {"rows": cmd_rows, "ladder": cmd_ladder, "real": cmd_real, "hidden": cmd_hidden, "decode": cmd_decode}
 
 
 def main(argv=None) -> int:
