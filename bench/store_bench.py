@@ -665,13 +665,15 @@ def cmd_real(argv=None) -> int:
     for q, m in med.items():
         print(f"| {q} | {m['full']:.2f} | {m['hidden']:.2f} | {m['compact']:.2f} | {m['hidden'] / m['full']:.2f} | "
               f"{m['compact'] / m['full']:.2f} |")
-    if a.peers:
+    if a.peers or a.isa_peers:
         print("\nsame rounds, median wall (s) / median CPU user+sys (s), and wall ratio to full:")
         print("| rung | " + " | ".join(kinds) + " | " + " | ".join(f"{s} / full" for s in kinds if s != "full") + " |")
         print("|---|" + "---:|" * (2 * len(kinds) - 1))
         for q, m in med.items():
             print(f"| {q} | " + " | ".join(f"{m[s]:.2f} / {cpu_med[q][s]:.2f}" for s in kinds) + " | "
                   + " | ".join(f"{m[s] / m['full']:.2f}" for s in kinds if s != "full") + " |")
+        print("CPU ratio to full: " + "; ".join(f"{q}: " + ", ".join(f"{s} {cpu_med[q][s] / cpu_med[q]['full']:.2f}"
+                                                                      for s in kinds if s != "full") for q in med))
     tot = {s: sum(m[s] for m in med.values()) for s in refs}
     print(f"all rungs: full {tot['full']:.2f} s, hidden {tot['hidden']:.2f} s ({tot['hidden'] / tot['full']:.2f}x), "
           f"compact {tot['compact']:.2f} s ({tot['compact'] / tot['full']:.2f}x)")
