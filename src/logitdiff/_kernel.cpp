@@ -984,7 +984,8 @@ __attribute__((visibility("default"))) int64_t logitdiff_first_nonfinite(const v
 // model's value unless the entry is a stored exception (docs/bounds.md section 6). The
 // other entries (a few per cent: those within e_v of a rounding boundary) take the
 // float64 sum, the reference reconstruction itself. So the output is exactly what the
-// float64 decode gives, at float32 speed.
+// float64 decode gives, at float32 speed. Where the CPU has AVX-512 BF16, bf16 heads take
+// the VDPBF16PS path below instead (same contract, its own bound: see "AVX-512 BF16 decode").
 // ======================================================================================
 #if LD_X86
 #include <cpuid.h>
