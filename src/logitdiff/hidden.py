@@ -217,7 +217,7 @@ def stack(blocks: list[dict[str, np.ndarray]], hidden_size: int) -> dict[str, np
 def head_sha256(head: np.ndarray) -> str:
     hsh = hashlib.sha256()
     for v0, v1 in _slices(*head.shape):
-        hsh.update(memoryview(np.ascontiguousarray(head[v0:v1], np.uint16)))  # a memory map's slice: no copy
+        hsh.update(np.ascontiguousarray(head[v0:v1], np.uint16).data)  # a memory map's slice: its buffer, no copy
     return hsh.hexdigest()
 
 
