@@ -1391,14 +1391,16 @@ HB_TARGET inline void hb_finish(const HdArgs& a, const HbArgs& b, const uint16_t
     // fused: one rounding of wn hn + abs (>= the two-rounding bound); then + 4u |s| = 2^-22 |s|
     const __m512 e = _mm512_fmadd_ps(as, _mm512_set1_ps(0x1p-22f), e32);
     const __m512 lo = _mm512_sub_ps(as, e), hi = _mm512_add_ps(as, e);
-    const __m512i bl = _mm512_castps_si512(lo), bh = _mm512_castps_si512(hi);
-    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-    const __m512i rl = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bl, half), _mm512_and_si512(_mm512_srli_epi32(bl, 16), one)), 16);
-    const __m512i rh = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bh, half), _mm512_and_si512(_mm512_srli_epi32(bh, 16), one)), 16);
-    __mmask16 ok = _mm512_cmp_ps_mask(lo, _mm512_set1_ps(0x1p-126f), _CMP_GE_OQ);  // false for NaN
-    ok &= _mm512_cmpeq_epi32_mask(rl, rh) & _mm512_cmple_epi32_mask(rh, _mm512_set1_epi32(0x7F7F));
-    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(s), 16), _mm512_set1_epi32(0x8000));
-    const __m256i bits = _mm512_cvtepi32_epi16(_mm512_or_si512(rl, sign));
+    // both ends with the sign of s, rounded to bf16 by VCVTNEPS2BF16 (nearest even; it reads
+    // denormals as zero, but a lo below 2^-126 fails the range test anyway)
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32((int)0x80000000u));
+    const __m256i rl = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(lo), sign)));
+    const __m256i rh = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(hi), sign)));
+    // lo in the normal range (false for NaN), R(hi) finite (hi below bf16's largest finite + half an ulp), R(lo) = R(hi)
+    const __mmask16 ok = _mm512_cmp_ps_mask(lo, _mm512_set1_ps(0x1p-126f), _CMP_GE_OQ) &
+                         _mm512_cmp_ps_mask(hi, _mm512_castsi512_ps(_mm512_set1_epi32(0x7F7F8000)), _CMP_LT_OQ) &
+                         _mm256_cmpeq_epi16_mask(rl, rh);
+    const __m256i bits = rl;
     uint16_t* dst = a.out + r * a.out_stride + v0;
     _mm256_mask_storeu_epi16(dst, valid, bits);
     unsigned bad = (unsigned)(valid & ~ok);
