@@ -39,6 +39,14 @@ def test_align_rejoin_stay_and_leave():
     # nothing in common
     assert align([1, 2, 3, 4], [5, 6, 7, 8]).rejoin is None
     assert align([], []).rejoin is None and align([], []).joined_share is None
+    # the budget cut both right after the flip token (end tokens known, none written): nothing
+    # after the flip differs, so it stays joined
+    assert align([], [], end_ids=[0]).stays_joined() and align([], [], end_ids=[0]).joined_share == 1.0
+    # near the end of both budgets a run shorter than min_run that reaches both ends re-joins;
+    # where an output stopped (end token) min_run stands
+    assert align([7, 1, 2], [8, 1, 2], end_ids=[0]).stays_joined()
+    assert align([7, 1, 2], [8, 1, 2], end_ids=[0]).rejoin == (1, 1)
+    assert align([7, 1, 0], [8, 1, 0], end_ids=[0]).rejoin is None
     # a common run too short is no re-join (min_run 4), and a short output has no room to re-join
     assert align([1, 2, 3, 9], [1, 2, 3, 8]).rejoin is None
     assert align([99], [99]).rejoin is None
@@ -80,7 +88,10 @@ def test_joined_share_counts_the_whole_remainder():
 def test_numbers_agree():
     assert not numbers_agree("x = 12", "x = 13")
     assert not numbers_agree("a 1 b 2", "a 1 b 2 c 3")  # an added number is a change: both full sides count
-    assert not numbers_agree("a 1 b 2 c 3", "a 1 b 2")  # and so is a missing one
+    assert not numbers_agree("a 1 b 2 c 3", "a 1 c 3")  # and so is a missing one
+    # the branch stopped (end token) where the reference goes on: stopping earlier is benign,
+    # so in prose what the reference says past the branch's end is not judged
+    assert numbers_agree("a 1 b 2 c 3", "a 1 b 2")
     assert numbers_agree("a 1 b 2", "a 1 b 2 c 3", ref_cut=True)  # past the end of a side the budget cut, the other goes on
     assert numbers_agree("costs 1,000 now", "costs 1000 now")
     assert numbers_agree("range(10)\nx = 12", "range(10)\nx = 1", branch_cut=True)  # cut inside a number
@@ -473,9 +484,15 @@ def test_word_salad_cut_tail_and_early_stop():
     assert cmp(ref, ref + "\nis imported.", False, True)["changed"]
     # and going on with what was said before is not
     assert not cmp(ref, ref + " the exception is raised.", False, True)["changed"]
-    # stopping earlier where the reference goes on with new words is a change; with repetition it is not
-    assert cmp(ref + " and the module is imported.", ref, True, False)["changed"]
+    # stopping earlier is benign (docs/flips.md, the labelling rules): where the branch stopped
+    # and the reference goes on, the reference's words past the branch's end are not judged,
+    # new or repeated
+    assert not cmp(ref + " and the module is imported.", ref, True, False)["changed"]
     assert not cmp(ref + ", and the exception is raised.", ref, True, False)["changed"]
+    # but a change before the stop still counts
+    assert cmp(ref.replace("value", "module", 1) + " and the module is imported.", ref, True, False)["changed"]
+    # code that stops short is other code: its missing items are judged
+    assert compare("x = f(1)\ny = g(2)\n", "x = f(1)\n", code=True, ref_cut=True, branch_cut=False)["changed"]
 
 
 def test_word_salad_through_classify():

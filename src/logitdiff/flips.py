@@ -326,7 +326,7 @@ class Alignment:
     def joined_share(self) -> float | None:
         if self.rejoin is None:
             return None
-        return self.joined / self.remainder if self.remainder else 0.0
+        return self.joined / self.remainder if self.remainder else 1.0  # nothing after the flip: all of it joined
 
     def stays_joined(self, min_share: float = MIN_JOINED_SHARE) -> bool:
         """Re-joined, never left for good, and joined for at least ``min_share`` of the
@@ -336,14 +336,19 @@ class Alignment:
                 and ((self.joined_share or 0.0) >= min_share or self.remainder - self.joined <= LOCAL_TOKENS))
 
 
-def _first_rejoin(b, r, min_run: int, max_shift: int) -> tuple[int, int] | None:
+def _first_rejoin(b, r, min_run: int, max_shift: int, cut: bool = False) -> tuple[int, int] | None:
     """First branch offset where ``min_run`` tokens match the reference at most ``max_shift``
-    tokens away; of several such reference offsets (repetitive text) the nearest."""
-    for i in range(len(b) - min_run + 1):
-        lo, hi = max(0, i - max_shift), min(len(r) - min_run, i + max_shift)
+    tokens away; of several such reference offsets (repetitive text) the nearest. Where the
+    budget cut both tails (``cut``), a shorter run that reaches the end of both will do: the
+    budget left no room for ``min_run`` tokens (``retrieve`` | `` the supported`` against
+    ``get`` | `` the supported``)."""
+    for i in range(len(b)):
+        lo, hi = max(0, i - max_shift), min(len(r) - 1, i + max_shift)
         for j in sorted(range(lo, hi + 1), key=lambda j: (abs(i - j), j)):
-            if b[i] == r[j] and _run(b, r, i, j, cap=min_run) >= min_run:
-                return i, j
+            if b[i] == r[j]:
+                n = _run(b, r, i, j, cap=min_run)
+                if n >= min_run or (cut and i + n == len(b) and j + n == len(r)):
+                    return i, j
     return None
 
 
@@ -383,10 +388,15 @@ def align(
     either side) is cut short, not a departure. Otherwise the branch left for good there.
     """
     b, r = list(branch_tail), list(ref_tail)
-    start = _first_rejoin(b, r, min_run, max_shift)
+    ends = set(end_ids)
+    # neither output stopped (known only when the end tokens are): the budget cut both
+    cut = bool(ends) and not ends.intersection(b + r)
+    if cut and not b and not r:
+        # the flip token was the last one both budgets allowed: nothing after it differs
+        return Alignment((0, 0), None, 0, 0, 0)
+    start = _first_rejoin(b, r, min_run, max_shift, cut)
     if start is None:
         return Alignment(None)
-    ends = set(end_ids)
     i, j = start
     remainder = min(len(b), len(r))
     joined = detours = 0
@@ -505,6 +515,10 @@ def classify(
     sig["joined_share"] = al.joined_share
     sig["detours"] = al.detours
     stays = al.stays_joined()
+    ends_set = set(end_ids)
+    # the candidate's token at the flip is an end token: the branch stopped there, where the
+    # reference goes on (stopping earlier is benign, docs/flips.md)
+    stopped_at_flip = t < len(branch_ids) and branch_ids[t] in ends_set
     tools = item.get("tools") or []
     expected = item.get("expected") or {}
     same: bool | None = None
@@ -579,7 +593,9 @@ def classify(
     # one does similarity stand in for it.
     # Word salad (salient.is_word_salad) is judged by its content words alone: an embedding
     # or character similarity of a dozen repeated words says nothing its words do not.
-    label_free = not expected and not sig.get("ref_call_valid") and not sig.get("word_salad")
+    label_free = not expected and not sig.get("ref_call_valid") and not sig.get("word_salad") and not stopped_at_flip
+    if stopped_at_flip and not expected and not sig.get("ref_call_valid"):
+        what += " (the branch stopped at the flip where the reference goes on: it says nothing else)"
     ends_alike = end_similarity is None or end_similarity >= END_RATIO_DISSIMILAR
     sim_ok = not label_free or (similarity >= threshold and ends_alike)
     sim_text = f"similarity {similarity:.3f} {'>=' if similarity >= threshold else '<'} {threshold:g}" if label_free else ""

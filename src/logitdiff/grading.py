@@ -194,6 +194,9 @@ EDIT_TAGS = ("code", "tool")
 # Sentence embeddings need sentences: MiniLM puts "Yes" and "No" at cosine 0.73. Texts with
 # fewer words than this (either side) are scored by edit similarity.
 MIN_WORDS_FOR_EMBEDDING = 3
+# Items tagged code or tool whose continuations are at least this share prose characters
+# (salient.prose_share) on both sides are scored as prose.
+PROSE_SHARE = 0.8
 
 
 def is_repetitive(text: str) -> bool:
@@ -248,7 +251,12 @@ class SimilarityPolicy:
         return {self.edit.kind: self.edit.threshold, self.prose.kind: self.prose.threshold}
 
     def pick(self, tags: Sequence[str], ref_text: str, branch_text: str | None = None) -> Similarity:
-        if any(t in EDIT_TAGS for t in tags or ()) or is_repetitive(ref_text):
+        from .salient import prose_share
+
+        # an item about code or tools whose outputs here are words (an explanation after the
+        # code, a docstring, an answer with no call) is scored as the prose it is
+        words_only = all(prose_share(x) >= PROSE_SHARE for x in (ref_text, branch_text) if x is not None)
+        if (any(t in EDIT_TAGS for t in tags or ()) and not words_only) or is_repetitive(ref_text):
             return self.edit
         words = len(ref_text.split()) if branch_text is None else min(len(ref_text.split()), len(branch_text.split()))
         if words < MIN_WORDS_FOR_EMBEDDING:

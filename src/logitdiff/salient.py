@@ -80,14 +80,16 @@ def _num(s: str) -> str:
         return s
 
 
-def _mask_docstrings(text: str) -> str:
-    """Blank out triple-quoted strings (docstrings: prose, not code). A fragment cut out of a
-    longer text may hold an odd number of triple quotes (a run of empty ``\"\"\"`` lines
-    with one line skipped), so quotes are paired in order, and a "string" whose lines look
-    like code is taken as a stray quote (only the quote is blanked) and the pairing goes on
-    from its closing quote; a quote left unclosed at the end is blanked alone."""
+def _docstrings(text: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """Triple-quoted strings (docstrings: prose, not code) as (start, end) spans of their
+    quotes and content, and the stray quotes. A fragment cut out of a longer text may hold
+    an odd number of triple quotes (a run of empty ``\"\"\"`` lines with one line skipped,
+    or a docstring opened in the prompt), so quotes are paired in order, and a "string"
+    whose lines look like code is taken as a stray quote and the pairing goes on from its
+    closing quote; a quote left unclosed at the end is a stray quote too."""
     marks = [m.start() for m in re.finditer(r'"""|\'\'\'', text)]
-    out = list(text)
+    spans: list[tuple[int, int]] = []
+    stray: list[int] = []
     k = 0
     while k < len(marks):
         a = marks[k]
@@ -95,14 +97,82 @@ def _mask_docstrings(text: str) -> str:
             b = marks[k + 1]
             inner = text[a + 3 : b]
             if not any(_CODE_LINE.search(x) for x in inner.splitlines() if x.strip()):
-                for i in range(a, b + 3):
-                    if out[i] != "\n":
-                        out[i] = " "
+                spans.append((a, b + 3))
                 k += 2
                 continue
-        out[a : a + 3] = "   "
+        stray.append(a)
         k += 1
+    return spans, stray
+
+
+def _mask_docstrings(text: str) -> str:
+    """Blank out triple-quoted strings and stray triple quotes (:func:`_docstrings`)."""
+    spans, stray = _docstrings(text)
+    out = list(text)
+    for a, b in spans:
+        for i in range(a, b):
+            if out[i] != "\n":
+                out[i] = " "
+    for a in stray:
+        out[a : a + 3] = "   "
     return "".join(out)
+
+
+# A line of code starts with a statement keyword or is mostly not plain words; a line of
+# prose (markdown around code, a docstring line, an answer in words) is mostly plain words.
+_STATEMENT = re.compile(r"^\s*(pass|break|continue|return|yield|raise|import|del|global|nonlocal|assert|lambda|await|"
+                        r"with|while|class|def|print|async)\b")
+_PLAIN_WORD = re.compile(r"^[(*_]*[A-Za-z][A-Za-z'’-]*[)*_.,;:!?]*$")
+PROSE_LINE_WORDS = 0.6
+
+
+def _is_prose_line(line: str) -> bool:
+    """Most of the line's whitespace-separated pieces are plain words, and it is not a
+    statement (``return x``, ``pass``) or a line that looks like Python."""
+    bare = re.sub(r"`[^`\n]*`", " code ", line)  # inline code in prose is one piece of it
+    if (_CODE_LINE.search(line) or _STATEMENT.search(line) or re.search(r"(?<![=!<>])=(?!=)|\w\(|[%{}\[\]]", bare)):
+        return False
+    pieces = bare.split()
+    return bool(pieces) and sum(bool(_PLAIN_WORD.match(x)) for x in pieces) >= PROSE_LINE_WORDS * len(pieces)
+
+
+def split_prose(text: str) -> tuple[str, str]:
+    """(code, prose): the text twice, each with the other's characters blanked (offsets and
+    line breaks kept). In an output about code, the words around the code are prose and are
+    judged as prose (the labelling rules judge what a reader takes from them): docstrings,
+    and lines of plain words outside markdown code fences (an explanation after the code, an
+    answer in words, a docstring line whose quotes lie in the prompt). Fence lines, ``#``
+    comment lines (comment wording is not a change of the code) and triple quotes are in
+    neither; comments after code on its line are left out by :func:`code_tokens`."""
+    n = len(text)
+    kind = bytearray(n)  # 0 code, 1 prose, 2 neither
+    spans, stray = _docstrings(text)
+    for a, b in spans:
+        kind[a : a + 3] = b"\x02\x02\x02"
+        kind[b - 3 : b] = b"\x02\x02\x02"
+        for i in range(a + 3, b - 3):
+            kind[i] = 1
+    for a in stray:
+        kind[a : a + 3] = b"\x02\x02\x02"
+    pos = 0
+    for line in text.split("\n"):
+        a, b = pos, pos + len(line)
+        pos = b + 1
+        if line.strip().startswith("```") or line.lstrip().startswith("#"):
+            # a fence, or a comment line (comment wording is no change of the code): neither
+            kind[a:b] = b"\x02" * (b - a)
+            continue
+        if any(kind[i] == 1 for i in range(a, b)):
+            continue  # a docstring line
+        # (whether a line lies inside a fence is not trusted: the fence may have opened in
+        # the prompt; code inside a fence does not read as plain words anyway)
+        if _is_prose_line(line.replace('"""', "   ")):
+            for i in range(a, b):
+                if kind[i] == 0:
+                    kind[i] = 1
+    code = "".join(c if k == 0 or c == "\n" else " " for c, k in zip(text, kind))
+    prose = "".join(c if k == 1 or c == "\n" else " " for c, k in zip(text, kind))
+    return code, prose
 
 
 def code_tokens(text: str) -> list[Tok]:
@@ -125,11 +195,14 @@ def code_tokens(text: str) -> list[Tok]:
 
 
 def _stem(w: str) -> str:
+    """A crude stem: the inflections of one word share it (``squared``/``square``,
+    ``reverses``/``reverse``, ``tuples``/``tuple``): a suffix off, then a final ``e``."""
     w = w.lower().replace("’", "'")
     for suf in ("'s", "ies", "es", "s", "ing", "ed", "ly"):
         if w.endswith(suf) and len(w) - len(suf) >= 3:
-            return w[: -len(suf)]
-    return w
+            w = w[: -len(suf)]
+            break
+    return w[:-1] if w.endswith("e") and len(w) > 3 else w
 
 
 def prose_tokens(text: str) -> list[Tok]:
@@ -148,8 +221,17 @@ def prose_tokens(text: str) -> list[Tok]:
             out.append(Tok("name", w, m.start(), m.end()))
         elif low not in STOP and len(low) >= 3:
             out.append(Tok("word", _stem(low), m.start(), m.end()))
-    for m in re.finditer(r"\b[A-Za-z]+\d[\w.]*|\b\w+_\w+", text):  # v2, py3, snake_case names in prose
-        out.append(Tok("name", m.group(0), m.start(), m.end()))
+    named = set()
+    for m in re.finditer(r"\b[A-Za-z]+\d[\w.]*|\b\w+_\w+|\b[A-Za-z_]\w+(?:\.[A-Za-z_]\w*)+", text):
+        # v2, py3, snake_case and dotted names (numpy.corrcoef, archives.py) in prose
+        out.append(Tok("name", m.group(0).rstrip("."), m.start(), m.end()))
+        named.add(m.start())
+    for m in re.finditer(r"(?<!`)`([^`\n]+)`(?!`)", text):
+        # inline code in prose: its identifiers are names (`covariance`, `x`)
+        for n in _IDENT.finditer(m.group(1)):
+            a = m.start(1) + n.start()
+            if a not in named and not any(t.start == a and t.kind == "name" for t in out):
+                out.append(Tok("name", n.group(0), a, a + len(n.group(0))))
     return sorted(out, key=lambda t: (t.start, t.kind))
 
 
@@ -176,11 +258,21 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
     a word on the other side only is a synonym, not new content. Without it every such
     word counts (stricter).
     """
-    tok = code_tokens if code else prose_tokens
     # whole texts are tokenized (a comment or docstring opened before the flip is still one),
-    # then only what lies from ``start`` (where the two first differ) on is compared
-    a, a_len = _drop_cut_end(tok(ref), ref, ref_cut)
-    b, b_len = _drop_cut_end(tok(branch), branch, branch_cut)
+    # then only what lies from ``start`` (where the two first differ) on is compared. In an
+    # output about code, the code is compared as code and the words around it as prose.
+    ref_code_at: set[int] = set()  # where the reference's code tokens start
+    if code:
+        (ref_code, ref_prose), (br_code, br_prose) = split_prose(ref), split_prose(branch)
+        code_a = code_tokens(ref_code)
+        ref_code_at = {t.start for t in code_a}
+        tok_a = sorted(code_a + prose_tokens(ref_prose), key=lambda t: (t.start, t.kind))
+        tok_b = sorted(code_tokens(br_code) + prose_tokens(br_prose), key=lambda t: (t.start, t.kind))
+    else:
+        ref_prose, br_prose = ref, branch
+        tok_a, tok_b = prose_tokens(ref), prose_tokens(branch)
+    a, a_len = _drop_cut_end(tok_a, ref, ref_cut)
+    b, b_len = _drop_cut_end(tok_b, branch, branch_cut)
     a = [t for t in a if t.end > start]
     b = [t for t in b if t.end > start]
     if kinds is not None:
@@ -204,20 +296,25 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
                 continue
         # the cut tail: past the end of a side the budget cut, the other side goes on
         lim_a, lim_b = _limits(ops[:k], ta, tb, a_len, b_len, start)
-        gone = [sa[i] for i in range(i1, i2) if not (branch_cut and ta[i].start >= lim_a)]
+        # (past the branch's end the reference's items are not judged where the budget cut
+        # the branch, or where it stopped and the items are words, not code: stopping earlier
+        # is benign, code that stops short is other code; past the reference's end the
+        # branch's are judged unless the budget cut the reference: going on must repeat)
+        gone = [sa[i] for i in range(i1, i2)
+                if not (ta[i].start >= lim_a and (branch_cut or ta[i].start not in ref_code_at))]
         new = [sb[j] for j in range(j1, j2) if not (ref_cut and tb[j].start >= lim_b)]
         if gone or new:
             changed.append(_describe("insert" if not gone else "delete" if not new else "replace", gone, new))
     share = None
     salad = False
     local = True
-    if not code:
-        words = content_words(ref, branch, a, b, ref_cut=ref_cut, branch_cut=branch_cut, a_len=a_len, b_len=b_len,
-                              start=start, word_similarity=word_similarity)
+    if not code or ref_prose.strip() or br_prose.strip():
+        words = content_words(ref_prose, br_prose, a, b, ref_cut=ref_cut, branch_cut=branch_cut, a_len=a_len, b_len=b_len,
+                              start=start, word_similarity=word_similarity, ref_full=ref, branch_full=branch)
         ua, ub, n_union = words["only_ref"], words["only_branch"], words["n_union"]
         if n_union:
             share = (len(ua) + len(ub)) / n_union
-        salad = is_word_salad(ref)
+        salad = is_word_salad(ref_prose)
         if salad:
             # word salad asserts by which content words it uses: one on one side only is
             # another claim; the same words in another order say the same (at most benign)
@@ -239,7 +336,8 @@ def is_word_salad(text: str) -> bool:
 
 
 def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut: bool, branch_cut: bool, a_len: int,
-                  b_len: int, start: int, word_similarity=None) -> dict:
+                  b_len: int, start: int, word_similarity=None, ref_full: str | None = None,
+                  branch_full: str | None = None) -> dict:
     """Content words of prose on one side only, both full sides from ``start`` compared as
     sets (``a``/``b``: the tokens :func:`compare` compares), with its tolerances: past the
     end of a side the budget cut, the other side's words are not judged (the ends aligned by
@@ -255,7 +353,8 @@ def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut:
     all_b = [t for t in prose_tokens(branch) if t.kind == "word"]
     # a cut side's last word (left out by _drop_cut_end) comes back as a possibly cut word
     pa, pb = _partial_last(all_a, ref, ref_cut, start), _partial_last(all_b, branch, branch_cut, start)
-    lim_a, lim_b = _char_limits(ref, branch, start, a_len, b_len)
+    lim_a, lim_b = _char_limits(ref if ref_full is None else ref_full, branch if branch_full is None else branch_full,
+                                start, a_len, b_len)
     A, B = {t.text for t in wa}, {t.text for t in wb}
 
     def begins(x: str, y: str) -> bool:
@@ -277,7 +376,7 @@ def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut:
             out.append(partial)
         return sorted(set(out))
 
-    only_a = one_side(wa, all_a, ref, B, pb, lim_a, branch_cut, pa)
+    only_a = one_side(wa, all_a, ref, B, pb, lim_a, True, pa)  # the branch cut or stopped: not judged
     only_b = one_side(wb, all_b, branch, A, pa, lim_b, ref_cut, pb)
     ua, ub = _unmatched(only_a, only_b, word_similarity)
     # as sequences: inside the compared extent, every replaced, added or missing word must
@@ -286,7 +385,7 @@ def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut:
     for op, i1, i2, j1, j2 in SequenceMatcher(None, [t.text for t in wa], [t.text for t in wb], autojunk=False).get_opcodes():
         if op == "equal":
             continue
-        ga = [_surface(t, ref) for t in wa[i1:i2] if not (branch_cut and t.start >= lim_a)]
+        ga = [_surface(t, ref) for t in wa[i1:i2] if not t.start >= lim_a]
         gb = [_surface(t, branch) for t in wb[j1:j2] if not (ref_cut and t.start >= lim_b)]
         ra, rb = _unmatched(ga, gb, word_similarity)
         if ra or rb:
@@ -362,6 +461,14 @@ def _describe(op: str, a: list[tuple[str, str]], b: list[tuple[str, str]]) -> st
 
 
 CODE_TAGS = ("code", "tool")
+
+
+def prose_share(text: str) -> float:
+    """Share of the text's non-blank characters that are prose (:func:`split_prose`): an
+    answer in words to a code or tool request is prose, whatever the item's tags."""
+    _, prose = split_prose(text)
+    n_all, n_prose = len("".join(text.split())), len("".join(prose.split()))
+    return n_prose / n_all if n_all else 0.0
 _CODE_LINE = re.compile(r"^\s*(def |class |return\b|import |from \S+ import|if .*:$|for .*:$|elif |else:|try:|except|raise |@\w)|[=({\[]\s*$|\)\s*:?$")
 
 
