@@ -514,3 +514,66 @@ def test_a_short_tail_joined_but_for_a_word_stays_joined():
     assert al.joined == 4 and al.joined_share < 0.8 and al.stays_joined()
     # three tokens unjoined is not local at this length
     assert not align([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 4, 5, 6, 7]).stays_joined()
+
+
+def test_words_around_code_are_judged_as_prose():
+    from logitdiff.salient import compare, prose_share, split_prose
+
+    text = ('def f(x):\n    """Return the thing."""\n    # a comment\n    return x[::-1]\n```\n\n'
+            'This function uses slicing to reverse the string. The `[::-1]` syntax does it.\n')
+    code, prose = split_prose(text)
+    assert "return x[::-1]" in code and "slicing" not in code and "comment" not in code
+    assert "slicing" in prose and "Return the thing." in prose and "return x" not in prose and "comment" not in prose
+    assert len(code) == len(prose) == len(text)  # offsets kept
+    # a statement or a call with a string is code even when it is mostly words
+    assert "isinstance" in split_prose('    if not isinstance(self, "in" or "r" %\n')[0]
+    assert prose_share(" get the supported") == 1.0 and prose_share("    return x\n") == 0.0
+    # a code item's explanation: a synonym and an inflection are no change (as prose), while
+    # as identifiers every word was one
+    ref = "x = 1\n```\n\nIt returns the squared deviations of the data, using a generator function.\n"
+    br = "x = 1\n```\n\nIt returns the square deviations of the data, using a generator function.\n"
+    assert not compare(ref, br, code=True, start=ref.index("squared"))["changed"]
+    # inline code and dotted names in the prose are names: another one is a change
+    ref2 = "x = 1\n```\n\nThe function comes from the `archives.py` module to get the formats.\n"
+    br2 = "x = 1\n```\n\nThe function comes from the `archives.util` module to get the formats.\n"
+    assert compare(ref2, br2, code=True, start=ref2.index("archives.") + 9)["changed"]
+    # the code itself is still code: another identifier is a change
+    assert compare("y = f(x)\n", "y = g(x)\n", code=True, start=4)["changed"]
+
+
+def test_similarity_of_words_in_code_items_is_prose_similarity():
+    from logitdiff.grading import SimilarityPolicy, _edit
+
+    edit, prose = _edit(0.45), _edit(0.7)
+    prose.kind = "minilm"  # a stand-in: which similarity is picked is what is tested
+    pol = SimilarityPolicy(edit, prose)
+    words = " is a Python idiom that reverses the string by slicing it."
+    assert pol.pick(["code"], words, " in Python is used to reverse a string.") is prose
+    assert pol.pick(["tool"], "I can help with travel planning.", "I am here to help with any trip.") is prose
+    assert pol.pick(["code"], "    return x[::-1]\n", "    return x[::1]\n") is edit
+    assert pol.pick(["code"], words, "    return x[::1]\n") is edit  # one side code: edit
+
+
+def test_a_branch_that_stops_at_the_flip_is_benign():
+    # the candidate's token at the flip is the end token: it stopped where the reference goes
+    # on with other numbers (stopping earlier is benign, the labelling rules)
+    ref = "The number b is 78. It is the base-10 logarithm of 67."
+    pre = "The number b is 78."
+    ref_ids, br_ids = [ord(c) for c in ref] + [0], [ord(c) for c in pre] + [0]
+    o, sig = classify(item={"id": "l", "tags": ["lookup"]}, ref_ids=ref_ids, branch_ids=br_ids, position=len(pre),
+                      ref_text=ref, branch_text=pre, similarity=0.0, threshold=0.45, end_ids=[0])
+    assert o == "benign" and "stopped at the flip" in sig["decided_by"], sig
+    # stopping after a changed number is still a change
+    br = "The number b is 79."
+    o, _ = classify(item={"id": "l"}, ref_ids=ref_ids, branch_ids=[ord(c) for c in br] + [0], position=len(pre) - 2,
+                    ref_text=ref, branch_text=br, similarity=0.0, threshold=0.45, end_ids=[0])
+    assert o == "meaning_changed"
+
+
+def test_pronoun_i_and_contractions_are_not_names_or_content():
+    from logitdiff.salient import prose_tokens
+
+    toks = prose_tokens("Sure, I'll help. What's the plan, and what is Earth's orbit?")
+    assert not any(t.kind == "name" and t.text.lower().startswith("i") for t in toks)
+    assert [t.text for t in toks if t.kind == "name"] == ["Earth"]
+    assert "what" not in [t.text for t in toks if t.kind == "word"]

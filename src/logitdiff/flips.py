@@ -570,17 +570,11 @@ def classify(
             sig["shifted"] = sal["shifted"]
             sig["content_share"] = sal["content_share"]
             sig["word_salad"] = sal.get("word_salad", False)
-            sig["word_salad"] = sal.get("word_salad", False)
             same = not sal["changed"]
             what = "same " + ("numbers, names and literals" if code else "numbers, names, negations and content")
             if sal.get("word_salad") and not sal.get("local", True):
                 # word salad whose words differ in order or place (not by a synonym or a
                 # filler word): the same words, other sentences; not a local change
-                stays = False
-                what += " (word salad: the same content words, reworded)"
-            if sal.get("word_salad") and not sal.get("local", True):
-                # word salad whose words differ in order or place (not by a synonym): the
-                # same words in other sentences, not a local change (docs/flips.md)
                 stays = False
                 what += " (word salad: the same content words, reworded)"
             if sal["shifted"]:

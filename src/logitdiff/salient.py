@@ -209,7 +209,7 @@ def prose_tokens(text: str) -> list[Tok]:
     """Numbers, negations, names and content words of prose, in order."""
     out: list[Tok] = [Tok("number", _num(m.group(0)), m.start(), m.end()) for m in _NUMBER.finditer(text)]
     for m in _WORD.finditer(text):
-        w = m.group(0)
+        w = re.sub(r"['’](s|re|ll|ve|d|m)$", "", m.group(0), flags=re.I)  # what's, Earth's: what, Earth
         low = w.lower().replace("’", "'")
         if low in NEGATIONS or low.endswith("n't"):
             out.append(Tok("neg", "not", m.start(), m.end()))
@@ -217,6 +217,9 @@ def prose_tokens(text: str) -> list[Tok]:
         before = text[: m.start()].rstrip()
         # a quote or bracket does not start a sentence: "None", (Python) are names
         sentence_start = not before or before[-1] in ".!?:\n*-#>"
+        pronoun = low == "i" or low.startswith(("i'", "i’"))  # I, I'm, I'll: not names
+        if pronoun:
+            continue
         if w[0].isupper() and not sentence_start and low not in STOP:
             out.append(Tok("name", w, m.start(), m.end()))
         elif low not in STOP and len(low) >= 3:
@@ -270,6 +273,7 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
         tok_b = sorted(code_tokens(br_code) + prose_tokens(br_prose), key=lambda t: (t.start, t.kind))
     else:
         ref_prose, br_prose = ref, branch
+        ref_code = br_code = ""
         tok_a, tok_b = prose_tokens(ref), prose_tokens(branch)
     a, a_len = _drop_cut_end(tok_a, ref, ref_cut)
     b, b_len = _drop_cut_end(tok_b, branch, branch_cut)
@@ -285,6 +289,8 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
     tb = [t for t in b if t.kind in strict]
     changed: list[str] = []
     shifted = False
+    code_a_or_b = code and (bool(ref_code_at) or bool(ref_code.strip()) or bool(br_code.strip()))
+    char_lim = _char_limits(ref, branch, start, a_len, b_len)
     ops = SequenceMatcher(None, sa, sb, autojunk=False).get_opcodes()
     for k, (op, i1, i2, j1, j2) in enumerate(ops):
         if op == "equal":
@@ -296,6 +302,10 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
                 continue
         # the cut tail: past the end of a side the budget cut, the other side goes on
         lim_a, lim_b = _limits(ops[:k], ta, tb, a_len, b_len, start)
+        if not code_a_or_b:
+            # prose: the ends aligned by characters, as for content words (names, numbers and
+            # negations are too sparse to align two texts by)
+            lim_a, lim_b = char_lim
         # (past the branch's end the reference's items are not judged where the budget cut
         # the branch, or where it stopped and the items are words, not code: stopping earlier
         # is benign, code that stops short is other code; past the reference's end the
