@@ -1619,11 +1619,24 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
 // of forward KL, reverse KL and JSD with the reference unknown. Same mathematics as the
 // numpy code, without its sorts and fixed bisections: the ratio tau solving
 // sum_i clip(tau w_i, lo_i, hi_i) = M is found by an active-set iteration (tau from the
-// entries inside their boxes, safeguarded by a bracket), which ends at the root instead of
-// within 1e-13 of it (the dual value is flat there: the two agree to rounding); the
-// knapsack of the upper bound is a weighted selection instead of a sort, and the rest's
-// fill of the smallest w one selection (nth_element). Results agree with the numpy
-// functions to float64 summation error (tests/test_bounds_store.py checks both).
+// entries inside their boxes, safeguarded by a bracket, started at the unclipped solution
+// M / sum w), which ends at the root instead of within 1e-13 of it (the dual value is flat
+// there: the two agree to rounding); the knapsack of the upper bound is a weighted
+// selection instead of a sort; the rest's fill of the smallest w is one order statistic
+// of ln w (a bounded heap when the fill is small, nth_element on a copy of ln w otherwise)
+// and one pass that puts hi below it and lo above it (ties at it counted and weighted
+// afterwards: their terms are equal). The passes over the rest (ratio, lower, upper) are
+// 4-wide float64 (AVX2) with the JSD's log in log_pd (<= 4 ulp); a quad holding an entry
+// where a term needs its special case (x = 0, w = 0, x + w subnormal) goes through the
+// scalar cb_phi. Results agree with the numpy functions to float64 summation error
+// (tests/test_bounds.py checks both against scipy and against each other).
+//
+// `logitdiff_compact_rows` also does the candidate's side from its raw logits (float32,
+// bf16 or f16 rows, read in place): max, ln sum exp, log-probabilities and probabilities
+// in the thread's scratch (exp_pd, one exp per entry: q = e / s), the entropy
+// ln s - sum e a / s, the top-kk ids (value descending, lowest id first on ties) and a
+// non-finite check: no [n, V] float64 array leaves the kernel, the scratch is allocated
+// once per call and thread (O(V)), and a block of any number of rows is one call.
 // Appended section; nothing above depends on it.
 // ======================================================================================
 namespace {
@@ -1659,68 +1672,6 @@ struct CbSum {
     inline double get() const { return std::isfinite(s) ? s + c : s; }
 };
 
-// Plain sums over blocks of 16 terms, the blocks compensated: ~18 eps of the sum of
-// magnitudes, at a plain add per term (CbSum per term costs a branch and four flops).
-struct CbBlockSum {
-    CbSum t;
-    double b = 0.0;
-    int k = 0;
-    inline void add(double x) {
-        b += x;
-        if (++k == 16) { t.add(b); b = 0.0; k = 0; }
-    }
-    inline double get() { t.add(b); b = 0.0; k = 0; return t.get(); }
-};
-
-// Sum over i of the JSD term at (x_i, w_i) (cb_phi's CB_JS), the log in 4-wide float64
-// (log_pd, <= 4 ulp) where the CPU has AVX2; blocks of 64 entries summed in lanes, the
-// blocks compensated (the terms are >= 0: error ~ 18 eps of the sum).
-double cb_js_sum_scalar(const double* x, const double* lx, const double* w, const double* lw, size_t n) {
-    CbSum t;
-    for (size_t i = 0; i < n; ++i) t.add(cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]));
-    return t.get();
-}
-
-#if LD_X86
-__attribute__((target("avx2,fma,f16c"))) double cb_js_sum_avx2(const double* x, const double* lx, const double* w,
-                                                               const double* lw, size_t n) {
-    CbSum t;
-    const __m256d ln2 = _mm256_set1_pd(CB_LN2), zero = _mm256_setzero_pd(), half = _mm256_set1_pd(0.5);
-    const __m256d tiny = _mm256_set1_pd(std::numeric_limits<double>::min());
-    size_t i = 0;
-    while (i + 4 <= n) {
-        __m256d acc = zero;
-        size_t end = std::min(n, i + 64);
-        for (; i + 4 <= end; i += 4) {
-            __m256d xv = _mm256_loadu_pd(x + i), wv = _mm256_loadu_pd(w + i);
-            __m256d a = _mm256_mul_pd(xv, _mm256_add_pd(ln2, _mm256_loadu_pd(lx + i)));
-            __m256d b = _mm256_mul_pd(wv, _mm256_add_pd(ln2, _mm256_loadu_pd(lw + i)));
-            a = _mm256_and_pd(a, _mm256_cmp_pd(xv, zero, _CMP_GT_OQ));  // x = 0: 0 (not 0 * -inf)
-            b = _mm256_and_pd(b, _mm256_cmp_pd(wv, zero, _CMP_GT_OQ));
-            __m256d sv = _mm256_add_pd(xv, wv);
-            __m256d ok = _mm256_cmp_pd(sv, tiny, _CMP_GE_OQ);
-            if (_mm256_movemask_pd(ok) != 0xF) {  // a subnormal or zero sum: this quad in scalar
-                for (size_t k = i; k < i + 4; ++k) t.add(cb_phi(CB_JS, lx[k], lw[k], x[k], w[k]));
-                continue;
-            }
-            __m256d v = _mm256_mul_pd(half, _mm256_sub_pd(_mm256_add_pd(a, b), _mm256_mul_pd(sv, log_pd(sv))));
-            acc = _mm256_add_pd(acc, v);
-        }
-        t.add(hsum(acc));
-    }
-    for (; i < n; ++i) t.add(cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]));
-    return t.get();
-}
-#endif
-
-inline double cb_js_sum(const double* x, const double* lx, const double* w, const double* lw, size_t n) {
-#if LD_X86
-    static const bool simd = have_avx2();
-    if (simd) return cb_js_sum_avx2(x, lx, w, lw, n);
-#endif
-    return cb_js_sum_scalar(x, lx, w, lw, n);
-}
-
 inline double cb_dphi(int term, double lt) {
     if (term == CB_XLOGX) return lt + 1.0;
     if (term == CB_NEGLOG) return -std::exp(-lt);
@@ -1728,13 +1679,14 @@ inline double cb_dphi(int term, double lt) {
     return 0.5 * (CB_LN2 + lt - (m + std::log1p(std::exp(-std::fabs(lt)))));
 }
 
-// ln tau with sum_i clip(tau w_i, lo_i, hi_i) = mass, in [a, b] (f(a) <= mass <= f(b)).
-// eval(E, Clo, Chi, Wm) returns f at tau = E with the sums of the entries at lo, at hi and
-// the w of those in between; the next ln tau is the one that solves the equation with
-// that split (exact once the split is right), bisection where it leaves the bracket.
+// ln tau with sum_i clip(tau w_i, lo_i, hi_i) = mass, in [a, b] (f(a) <= mass <= f(b)),
+// from `start` (the bracket's middle where it is outside). eval(E, Clo, Chi, Wm) returns f
+// at tau = E with the sums of the entries at lo, at hi and the w of those in between; the
+// next ln tau is the one that solves the equation with that split (exact once the split
+// is right), bisection where it leaves the bracket.
 template <typename Eval>
-double cb_root(double a, double b, double mass, Eval eval) {
-    double lt = 0.5 * (a + b);
+double cb_root(double a, double b, double mass, double start, Eval eval) {
+    double lt = (start > a && start < b) ? start : 0.5 * (a + b);
     for (int it = 0; it < 200 && b - a >= 1e-13; ++it) {
         double clo, chi, wm;
         double f = eval(std::exp(lt), clo, chi, wm);
@@ -1776,9 +1728,298 @@ double cb_knapsack(std::vector<std::pair<double, double>>& sc, double rest) {
     return gain;
 }
 
+// ---------------------------------------------------------------- vector passes
+// Every pass sums in 4 lanes over blocks of 64 entries, the blocks compensated (CbSum):
+// error ~ 18 eps of the sum of magnitudes (docs/bounds.md, Rounding).
+
+// One entry of the rest's lower pass (scalar; the SIMD passes' special quads and tails).
+inline void cb_lower1(double lw, double w, double lt, double Et, double llo, double lhi, double lo, double hi, double* acc) {
+    double lx = std::min(std::max(lt + lw, llo), lhi);
+    double x = std::min(std::max(Et * w, lo), hi);
+    acc[0] += x;
+    acc[1] += cb_phi(CB_XLOGX, lx, lw, x, w);
+    acc[2] += cb_phi(CB_NEGLOG, lx, lw, x, w);
+    acc[3] += cb_phi(CB_JS, lx, lw, x, w);
+}
+
+// Entries of the rest at lo (below) and hi: the three terms (scalar).
+inline void cb_box1(double lx, double lw, double x, double w, double* acc) {
+    acc[0] += cb_phi(CB_XLOGX, lx, lw, x, w);
+    acc[1] += cb_phi(CB_NEGLOG, lx, lw, x, w);
+    acc[2] += cb_phi(CB_JS, lx, lw, x, w);
+}
+
+void cb_rest_eval_scalar(const double* w, size_t n, double Et, double lo, double hi, double& nlo, double& nhi, double& wmid) {
+    double a = 0, b = 0, m = 0;
+    for (size_t i = 0; i < n; ++i) {
+        double x = Et * w[i];
+        bool l = x <= lo, h = !l && x >= hi;  // lo == hi: an entry is counted once
+        a += l; b += h;
+        m += (l | h) ? 0.0 : w[i];
+    }
+    nlo = a; nhi = b; wmid = m;
+}
+
+#if LD_X86
+__attribute__((target("avx2,fma,f16c"))) void cb_rest_eval_avx2(const double* w, size_t n, double Et, double lo, double hi,
+                                                                 double& nlo, double& nhi, double& wmid) {
+    const __m256d E = _mm256_set1_pd(Et), L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi), one = _mm256_set1_pd(1.0);
+    __m256d a = _mm256_setzero_pd(), b = a, m = a;
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256d wv = _mm256_loadu_pd(w + i), x = _mm256_mul_pd(E, wv);
+        __m256d l = _mm256_cmp_pd(x, L, _CMP_LE_OQ);
+        __m256d h = _mm256_andnot_pd(l, _mm256_cmp_pd(x, H, _CMP_GE_OQ));
+        a = _mm256_add_pd(a, _mm256_and_pd(l, one));
+        b = _mm256_add_pd(b, _mm256_and_pd(h, one));
+        m = _mm256_add_pd(m, _mm256_andnot_pd(_mm256_or_pd(l, h), wv));
+    }
+    double ta, tb, tm;
+    cb_rest_eval_scalar(w + i, n - i, Et, lo, hi, ta, tb, tm);
+    nlo = hsum(a) + ta; nhi = hsum(b) + tb; wmid = hsum(m) + tm;
+}
+
+// JSD terms 0.5 (x (ln2 + lx) + w (ln2 + lw) - s ln s), s = x + w, of four entries with
+// x > 0, w > 0, s normal (the caller checks).
+__attribute__((target("avx2,fma,f16c"))) inline __m256d cb_js4(__m256d x, __m256d lx, __m256d w, __m256d lw) {
+    const __m256d ln2 = _mm256_set1_pd(CB_LN2), half = _mm256_set1_pd(0.5);
+    __m256d s = _mm256_add_pd(x, w);
+    __m256d ab = _mm256_fmadd_pd(x, _mm256_add_pd(ln2, lx), _mm256_mul_pd(w, _mm256_add_pd(ln2, lw)));
+    return _mm256_mul_pd(half, _mm256_fnmadd_pd(s, log_pd(s), ab));
+}
+
+// a quad whose four entries take the common formulas: x > 0, w > 0, x + w normal
+__attribute__((target("avx2,fma,f16c"))) inline bool cb_plain4(__m256d x, __m256d w) {
+    const __m256d tiny = _mm256_set1_pd(std::numeric_limits<double>::min()), zero = _mm256_setzero_pd();
+    __m256d ok = _mm256_and_pd(_mm256_and_pd(_mm256_cmp_pd(x, zero, _CMP_GT_OQ), _mm256_cmp_pd(w, zero, _CMP_GT_OQ)),
+                               _mm256_cmp_pd(_mm256_add_pd(x, w), tiny, _CMP_GE_OQ));
+    return _mm256_movemask_pd(ok) == 0xF;
+}
+
+// Sum of JSD terms over arrays (the band's lower pass).
+__attribute__((target("avx2,fma,f16c"))) double cb_js_sum_avx2(const double* x, const double* lx, const double* w,
+                                                               const double* lw, size_t n) {
+    CbSum t;
+    size_t i = 0;
+    while (i < n) {
+        size_t end = std::min(n, i + 64);
+        __m256d acc = _mm256_setzero_pd();
+        double rest = 0;
+        for (; i + 4 <= end; i += 4) {
+            __m256d xv = _mm256_loadu_pd(x + i), wv = _mm256_loadu_pd(w + i);
+            if (!cb_plain4(xv, wv)) {
+                for (size_t k = i; k < i + 4; ++k) rest += cb_phi(CB_JS, lx[k], lw[k], x[k], w[k]);
+                continue;
+            }
+            acc = _mm256_add_pd(acc, cb_js4(xv, _mm256_loadu_pd(lx + i), wv, _mm256_loadu_pd(lw + i)));
+        }
+        for (; i < end; ++i) rest += cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]);
+        t.add(hsum(acc) + rest);
+    }
+    return t.get();
+}
+
+// JSD terms one by one (the band's chords need each entry's value at lo and at hi).
+__attribute__((target("avx2,fma,f16c"))) void cb_js_terms_avx2(const double* x, const double* lx, const double* w,
+                                                               const double* lw, size_t n, double* out) {
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256d xv = _mm256_loadu_pd(x + i), wv = _mm256_loadu_pd(w + i);
+        if (!cb_plain4(xv, wv)) {
+            for (size_t k = i; k < i + 4; ++k) out[k] = cb_phi(CB_JS, lx[k], lw[k], x[k], w[k]);
+            continue;
+        }
+        _mm256_storeu_pd(out + i, cb_js4(xv, _mm256_loadu_pd(lx + i), wv, _mm256_loadu_pd(lw + i)));
+    }
+    for (; i < n; ++i) out[i] = cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]);
+}
+
+// exp of an array of a <= 0 (exp_pd, <= 4 ulp); a > 0 (a box's end a rounding above 0)
+// through std::exp.
+__attribute__((target("avx2,fma,f16c"))) void cb_exp_avx2(const double* a, size_t n, double* out) {
+    size_t i = 0;
+    const __m256d zero = _mm256_setzero_pd();
+    for (; i + 4 <= n; i += 4) {
+        __m256d v = _mm256_loadu_pd(a + i);
+        if (_mm256_movemask_pd(_mm256_cmp_pd(v, zero, _CMP_LE_OQ)) != 0xF) {
+            for (size_t k = i; k < i + 4; ++k) out[k] = std::exp(a[k]);
+            continue;
+        }
+        _mm256_storeu_pd(out + i, exp_pd(v));
+    }
+    for (; i < n; ++i) out[i] = std::exp(a[i]);
+}
+
+// The rest's entries compacted out of the row: ln w = lq - shift, w = q * scale (the fused
+// path's row is a = z - max and e = exp(a): shift = ln sum e, scale = 1 / sum e), where
+// mask is 1 and ln w > -inf; with their minimum and maximum ln w and sum of w.
+__attribute__((target("avx2,fma,f16c"))) size_t cb_build_avx2(const double* lq, const double* q, const uint8_t* mask, int64_t V,
+                                                              double shift, double scale, double* rlw, double* rw,
+                                                              double& lw_min, double& lw_max, double& sw) {
+    const __m256d S = _mm256_set1_pd(shift), K = _mm256_set1_pd(scale), NINF = _mm256_set1_pd(-CB_INF);
+    __m256d mn = _mm256_set1_pd(CB_INF), mx = NINF, sv = _mm256_setzero_pd();
+    double smn = CB_INF, smx = -CB_INF, ss = 0;
+    size_t cnt = 0;
+    int64_t v = 0;
+    auto one = [&](int64_t k) {
+        double l = lq[k] - shift, w = q[k] * scale;
+        if (!mask[k] || !(l > -CB_INF)) return;
+        rlw[cnt] = l; rw[cnt] = w; ++cnt;
+        smn = std::min(smn, l); smx = std::max(smx, l); ss += w;
+    };
+    for (; v + 4 <= V; v += 4) {
+        uint32_t mb;
+        std::memcpy(&mb, mask + v, 4);
+        __m256d l = _mm256_sub_pd(_mm256_loadu_pd(lq + v), S), w = _mm256_mul_pd(_mm256_loadu_pd(q + v), K);
+        if (mb != 0x01010101u || _mm256_movemask_pd(_mm256_cmp_pd(l, NINF, _CMP_GT_OQ)) != 0xF) {
+            for (int64_t k = v; k < v + 4; ++k) one(k);
+            continue;
+        }
+        _mm256_storeu_pd(rlw + cnt, l);
+        _mm256_storeu_pd(rw + cnt, w);
+        cnt += 4;
+        mn = _mm256_min_pd(mn, l); mx = _mm256_max_pd(mx, l); sv = _mm256_add_pd(sv, w);
+    }
+    for (; v < V; ++v) one(v);
+    alignas(32) double a[4], b[4];
+    _mm256_store_pd(a, mn); _mm256_store_pd(b, mx);
+    for (int k = 0; k < 4; ++k) { smn = std::min(smn, a[k]); smx = std::max(smx, b[k]); }
+    lw_min = smn; lw_max = smx; sw = ss + hsum(sv);
+    return cnt;
+}
+
+// The band's ratio equation at tau = Et: sums of lo over the entries at lo, of hi over
+// those at hi, and w of those in between (per-entry boxes).
+__attribute__((target("avx2,fma,f16c"))) void cb_band_eval_avx2(const double* w, const double* lo, const double* hi, size_t m,
+                                                                double Et, double& clo, double& chi, double& wm) {
+    const __m256d E = _mm256_set1_pd(Et);
+    __m256d a = _mm256_setzero_pd(), b = a, c = a;
+    size_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+        __m256d wv = _mm256_loadu_pd(w + i), L = _mm256_loadu_pd(lo + i), H = _mm256_loadu_pd(hi + i);
+        __m256d x = _mm256_mul_pd(E, wv);
+        __m256d l = _mm256_cmp_pd(x, L, _CMP_LE_OQ);
+        __m256d h = _mm256_andnot_pd(l, _mm256_cmp_pd(x, H, _CMP_GE_OQ));
+        a = _mm256_add_pd(a, _mm256_and_pd(l, L));
+        b = _mm256_add_pd(b, _mm256_and_pd(h, H));
+        c = _mm256_add_pd(c, _mm256_andnot_pd(_mm256_or_pd(l, h), wv));
+    }
+    double ta = 0, tb = 0, tc = 0;
+    for (; i < m; ++i) {
+        double x = Et * w[i];
+        if (x <= lo[i]) ta += lo[i];
+        else if (x >= hi[i]) tb += hi[i];
+        else tc += w[i];
+    }
+    clo = hsum(a) + ta; chi = hsum(b) + tb; wm = hsum(c) + tc;
+}
+
+// The band's lower pass (per-entry boxes): sum x, and the three terms.
+__attribute__((target("avx2,fma,f16c"))) void cb_band_lower_avx2(const double* lw, const double* w, const double* llo,
+                                                                 const double* lhi, const double* lo, const double* hi, size_t m,
+                                                                 double lt, double Et, double* out) {
+    const __m256d LT = _mm256_set1_pd(lt), E = _mm256_set1_pd(Et);
+    CbSum t[4];
+    size_t i = 0;
+    while (i < m) {
+        size_t end = std::min(m, i + 64);
+        __m256d sx = _mm256_setzero_pd(), s0 = sx, s1 = sx, s2 = sx;
+        double acc[4] = {0, 0, 0, 0};
+        for (; i + 4 <= end; i += 4) {
+            __m256d lwv = _mm256_loadu_pd(lw + i), wv = _mm256_loadu_pd(w + i);
+            __m256d lx = _mm256_min_pd(_mm256_max_pd(_mm256_add_pd(LT, lwv), _mm256_loadu_pd(llo + i)), _mm256_loadu_pd(lhi + i));
+            __m256d x = _mm256_min_pd(_mm256_max_pd(_mm256_mul_pd(E, wv), _mm256_loadu_pd(lo + i)), _mm256_loadu_pd(hi + i));
+            if (!cb_plain4(x, wv)) {
+                for (size_t k = i; k < i + 4; ++k) cb_lower1(lw[k], w[k], lt, Et, llo[k], lhi[k], lo[k], hi[k], acc);
+                continue;
+            }
+            sx = _mm256_add_pd(sx, x);
+            s0 = _mm256_fmadd_pd(_mm256_sub_pd(lx, lwv), x, s0);
+            s1 = _mm256_fmadd_pd(wv, _mm256_sub_pd(lwv, lx), s1);
+            s2 = _mm256_add_pd(s2, cb_js4(x, lx, wv, lwv));
+        }
+        for (; i < end; ++i) cb_lower1(lw[i], w[i], lt, Et, llo[i], lhi[i], lo[i], hi[i], acc);
+        t[0].add(hsum(sx) + acc[0]); t[1].add(hsum(s0) + acc[1]); t[2].add(hsum(s1) + acc[2]); t[3].add(hsum(s2) + acc[3]);
+    }
+    for (int k = 0; k < 4; ++k) out[k] = t[k].get();
+}
+
+// The candidate's raw row (float32): maximum, and false where it holds NaN/inf.
+__attribute__((target("avx2,fma,f16c"))) bool cb_max_avx2(const float* z, int64_t V, float& m) {
+    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), bad = _mm256_setzero_ps();
+    const __m256 zero = _mm256_setzero_ps();
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) {
+        __m256 x = _mm256_loadu_ps(z + v);
+        mx = _mm256_max_ps(mx, x);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_NEQ_UQ));  // NaN or inf: x - x is NaN
+    }
+    float r = hmax(mx);
+    bool ok = _mm256_movemask_ps(bad) == 0;
+    for (; v < V; ++v) { r = std::max(r, z[v]); ok &= z[v] - z[v] == 0.0f; }
+    m = r;
+    return ok;
+}
+
+// Top-kk of a row into `top`: blocks of 16 whose maximum beats the heap's threshold.
+__attribute__((target("avx2,fma,f16c"))) void cb_topk_avx2(const float* z, int64_t V, TopK& top) {
+    int64_t v = 0;
+    for (; v + 16 <= V; v += 16) {
+        if (top.full() && !(hmax(_mm256_max_ps(_mm256_loadu_ps(z + v), _mm256_loadu_ps(z + v + 8))) > top.threshold())) continue;
+        for (int64_t k = v; k < v + 16; ++k) top.offer(z[k], k);
+    }
+    for (; v < V; ++v) top.offer(z[v], v);
+}
+#endif
+
+double cb_js_sum_scalar(const double* x, const double* lx, const double* w, const double* lw, size_t n) {
+    CbSum t;
+    for (size_t i = 0; i < n; ++i) t.add(cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]));
+    return t.get();
+}
+
+inline bool cb_simd() {
+#if LD_X86
+    static const bool simd = have_avx2();
+    return simd;
+#else
+    return false;
+#endif
+}
+
+inline void cb_rest_eval(const double* w, size_t n, double Et, double lo, double hi, double& nlo, double& nhi, double& wmid) {
+#if LD_X86
+    if (cb_simd()) return cb_rest_eval_avx2(w, n, Et, lo, hi, nlo, nhi, wmid);
+#endif
+    cb_rest_eval_scalar(w, n, Et, lo, hi, nlo, nhi, wmid);
+}
+
+inline double cb_js_sum(const double* x, const double* lx, const double* w, const double* lw, size_t n) {
+#if LD_X86
+    if (cb_simd()) return cb_js_sum_avx2(x, lx, w, lw, n);
+#endif
+    return cb_js_sum_scalar(x, lx, w, lw, n);
+}
+
+inline void cb_js_terms(const double* x, const double* lx, const double* w, const double* lw, size_t n, double* out) {
+#if LD_X86
+    if (cb_simd()) return cb_js_terms_avx2(x, lx, w, lw, n, out);
+#endif
+    for (size_t i = 0; i < n; ++i) out[i] = cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]);
+}
+
+inline void cb_exp(const double* a, size_t n, double* out) {
+#if LD_X86
+    if (cb_simd()) return cb_exp_avx2(a, n, out);
+#endif
+    for (size_t i = 0; i < n; ++i) out[i] = std::exp(a[i]);
+}
+
+// ---------------------------------------------------------------- rows
+
 struct CbArgs {
     int64_t n, V, ld;
-    const double *lq, *q;
+    const double *lq, *q;  // null in the fused path (the candidate's row is in the scratch)
     int64_t E;
     const int64_t* e_ids;
     const double* e_logp;
@@ -1786,17 +2027,311 @@ struct CbArgs {
     const int64_t* b_ids;
     const double *b_lo, *b_hi, *band_mass, *rest_mass, *rest_max, *rest_min;
     double *lower, *upper;  // [3, n]
+    // fused path: raw candidate logits and their outputs
+    const void* z;
+    int dtype, kk;
+    double* stats;     // [n, 3]: max, ln sum exp(z - max), entropy
+    int64_t* top_ids;  // [n, kk]
+    int32_t* bad;      // [n]: 1 where the row holds NaN/inf (its sums are NaN)
 };
 
+// Per worker thread, sized once per call; nothing survives the call.
 struct CbScratch {
-    std::vector<uint8_t> mask;
-    std::vector<double> lw, w, llo, lhi, lo, hi, x, lx;
+    std::vector<uint8_t> mask;     // 1 for every id between rows
+    std::vector<double> a, e;      // the fused path's row: z - max and exp(z - max)
+    std::vector<double> rlw, rw;   // the rest, compacted
+    std::vector<float> zf;
+    std::vector<double> lw, w, llo, lhi, lo, hi, p0, p1, sel, tv;
+    std::vector<int64_t> hist;
+    std::vector<int32_t> bins;
     std::vector<std::pair<double, double>> sc;
+    TopK top;
+    explicit CbScratch(int64_t V) : mask((size_t)V, 1), rlw((size_t)V + 4), rw((size_t)V + 4) {}
 };
 
-void cb_row(const CbArgs& A, int64_t r, CbScratch& S) {
-    const double* lq = A.lq + r * A.ld;
-    const double* q = A.q + r * A.ld;
+#if LD_X86
+// a = z - m, e = exp(a) (exp_pd: a < -708 gives 0), sums of e and e a per block of 64
+// entries (4 lanes, blocks compensated); returns how many entries it did (whole blocks).
+__attribute__((target("avx2,fma,f16c"))) int64_t cb_softmax_avx2(const float* z, int64_t V, double m, double* a, double* e,
+                                                                  CbSum& ts, CbSum& ta) {
+    const __m256d M = _mm256_set1_pd(m);
+    int64_t v = 0;
+    for (; v + 64 <= V; v += 64) {
+        __m256d s = _mm256_setzero_pd(), sa = s;
+        for (int64_t k = v; k < v + 64; k += 4) {
+            __m256d av = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(z + k)), M);
+            __m256d ev = exp_pd(av);
+            _mm256_storeu_pd(a + k, av);
+            _mm256_storeu_pd(e + k, ev);
+            s = _mm256_add_pd(s, ev);
+            sa = _mm256_fmadd_pd(ev, av, sa);
+        }
+        ts.add(hsum(s));
+        ta.add(hsum(sa));
+    }
+    return v;
+}
+#endif
+
+#if LD_X86
+void cb_widen_avx2(const void* base, int64_t V, int dtype, float* out);
+#endif
+
+// The candidate's row from raw logits into S.a (z - max) and S.e (exp(z - max)); st: max,
+// ln sum e, entropy. False when the row holds NaN/inf.
+bool cb_candidate(const CbArgs& A, int64_t r, CbScratch& S, double* st) {
+    const int64_t V = A.V;
+    const float* z;
+    const char* base = static_cast<const char*>(A.z) + (size_t)(r * A.ld) * (A.dtype == F32 ? 4 : 2);
+    if (A.dtype == F32) {
+        z = reinterpret_cast<const float*>(base);
+    } else {
+        S.zf.resize((size_t)V);
+#if LD_X86
+        if (cb_simd()) cb_widen_avx2(base, V, A.dtype, S.zf.data());
+        else
+#endif
+            for (int64_t v = 0; v < V; ++v) S.zf[v] = load1(base, v, A.dtype);
+        z = S.zf.data();
+    }
+    float m = -std::numeric_limits<float>::infinity();
+    bool ok = true;
+    if (A.kk > 0) S.top.reset(A.kk);
+#if LD_X86
+    if (cb_simd()) {
+        ok = cb_max_avx2(z, V, m);
+        if (ok && A.kk > 0) cb_topk_avx2(z, V, S.top);
+    } else
+#endif
+    {
+        for (int64_t v = 0; v < V; ++v) { m = std::max(m, z[v]); ok &= z[v] - z[v] == 0.0f; }
+        if (ok && A.kk > 0) for (int64_t v = 0; v < V; ++v) S.top.offer(z[v], v);
+    }
+    if (!ok) return false;
+    S.a.resize((size_t)V);
+    S.e.resize((size_t)V);
+    double* a = S.a.data();
+    double* e = S.e.data();
+    CbSum ts, ta;
+    const double md = m;
+    int64_t v = 0;
+#if LD_X86
+    if (cb_simd()) v = cb_softmax_avx2(z, V, md, a, e, ts, ta);
+#endif
+    for (; v < V; v += 64) {
+        double s = 0, sa = 0;
+        for (int64_t k = v; k < std::min(V, v + 64); ++k) {
+            a[k] = (double)z[k] - md;
+            e[k] = std::exp(a[k]);
+            s += e[k];
+            sa += e[k] * a[k];
+        }
+        ts.add(s); ta.add(sa);
+    }
+    double s = ts.get(), ls = std::log(s);
+    st[0] = md;
+    st[1] = ls;
+    st[2] = std::max(ls - ta.get() / s, 0.0);  // -sum q ln q = ln s - sum e a / s
+    if (A.kk > 0) {
+        S.tv.resize((size_t)A.kk);
+        S.top.write(A.top_ids + r * A.kk, S.tv.data());
+    }
+    return true;
+}
+
+inline size_t cb_build(const double* lq, const double* q, const uint8_t* mask, int64_t V, double shift, double scale, double* rlw,
+                       double* rw, double& lw_min, double& lw_max, double& sw) {
+#if LD_X86
+    if (cb_simd()) return cb_build_avx2(lq, q, mask, V, shift, scale, rlw, rw, lw_min, lw_max, sw);
+#endif
+    size_t cnt = 0;
+    lw_min = CB_INF; lw_max = -CB_INF; sw = 0;
+    for (int64_t v = 0; v < V; ++v) {
+        double l = lq[v] - shift, w = q[v] * scale;
+        if (!mask[v] || !(l > -CB_INF)) continue;
+        rlw[cnt] = l; rw[cnt] = w; ++cnt;
+        lw_min = std::min(lw_min, l); lw_max = std::max(lw_max, l); sw += w;
+    }
+    return cnt;
+}
+
+constexpr int CB_NB = 4096;
+inline int cb_bin(double v, double xmin, double sc) { return (int)std::min<double>((v - xmin) * sc, CB_NB - 1); }
+
+#if LD_X86
+// the bins of x[0, n) (the same rounding as cb_bin: one subtraction, one product, a min
+// and truncation)
+__attribute__((target("avx2,fma,f16c"))) void cb_bins_avx2(const double* x, size_t n, double xmin, double sc, int32_t* out) {
+    const __m256d X = _mm256_set1_pd(xmin), S = _mm256_set1_pd(sc), T = _mm256_set1_pd(CB_NB - 1);
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256d v = _mm256_min_pd(_mm256_mul_pd(_mm256_sub_pd(_mm256_loadu_pd(x + i), X), S), T);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvttpd_epi32(v));
+    }
+    for (; i < n; ++i) out[i] = cb_bin(x[i], xmin, sc);
+}
+#endif
+
+
+// The rest's lower pass (x = clip(tau w) in the box) and upper assignment in one pass:
+// with bins, an entry whose bin is below bstar takes (lhi, hi), above it (llo, lo), and
+// those of bin bstar are collected (coll: ln w, w) for the caller; without bins every
+// entry takes hi (all_hi) or lo. low: sum x and the three lower terms; up: the three
+// upper terms of the assigned entries; n_hi: how many took hi.
+struct CbPassOut {
+    double low[4], up[3], n_hi;
+};
+
+inline void cb_pass1(const double* lw, const double* w, const int32_t* bins, size_t i, int32_t bstar, bool all_hi, double lt,
+                     double Et, double llo, double lhi, double lo, double hi, double* lacc, double* uacc, double& nh,
+                     std::vector<std::pair<double, double>>& coll) {
+    cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, lacc);
+    if (bins && bins[i] == bstar) { coll.emplace_back(lw[i], w[i]); return; }
+    bool full = bins ? bins[i] < bstar : all_hi;
+    nh += full;
+    cb_box1(full ? lhi : llo, lw[i], full ? hi : lo, w[i], uacc);
+}
+
+void cb_pass_scalar(const double* lw, const double* w, const int32_t* bins, size_t n, int32_t bstar, bool all_hi, double lt,
+                    double Et, double llo, double lhi, double lo, double hi, CbPassOut& o,
+                    std::vector<std::pair<double, double>>& coll) {
+    CbSum tl[4], tu[3];
+    double nh = 0;
+    for (size_t i0 = 0; i0 < n; i0 += 64) {
+        double la[4] = {0, 0, 0, 0}, ua[3] = {0, 0, 0};
+        for (size_t i = i0; i < std::min(n, i0 + 64); ++i) cb_pass1(lw, w, bins, i, bstar, all_hi, lt, Et, llo, lhi, lo, hi, la, ua, nh, coll);
+        for (int k = 0; k < 4; ++k) tl[k].add(la[k]);
+        for (int k = 0; k < 3; ++k) tu[k].add(ua[k]);
+    }
+    for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
+    for (int k = 0; k < 3; ++k) o.up[k] = tu[k].get();
+    o.n_hi = nh;
+}
+
+#if LD_X86
+__attribute__((target("avx2,fma,f16c"))) void cb_pass_avx2(const double* lw, const double* w, const int32_t* bins, size_t n,
+                                                            int32_t bstar, bool all_hi, double lt, double Et, double llo,
+                                                            double lhi, double lo, double hi, CbPassOut& o,
+                                                            std::vector<std::pair<double, double>>& coll) {
+    const __m256d LT = _mm256_set1_pd(lt), E = _mm256_set1_pd(Et), LLO = _mm256_set1_pd(llo), LHI = _mm256_set1_pd(lhi);
+    const __m256d L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi), one = _mm256_set1_pd(1.0);
+    const __m128i BS = _mm_set1_epi32(bstar);
+    const __m256d ALL = all_hi ? _mm256_castsi256_pd(_mm256_set1_epi64x(-1)) : _mm256_setzero_pd();
+    CbSum tl[4], tu[3];
+    double nh = 0;
+    __m256d cnt = _mm256_setzero_pd();
+    size_t i = 0;
+    while (i < n) {
+        size_t end = std::min(n, i + 64);
+        __m256d sx = _mm256_setzero_pd(), s0 = sx, s1 = sx, s2 = sx, u0 = sx, u1 = sx, u2 = sx;
+        double la[4] = {0, 0, 0, 0}, ua[3] = {0, 0, 0};
+        for (; i + 4 <= end; i += 4) {
+            __m256d lwv = _mm256_loadu_pd(lw + i), wv = _mm256_loadu_pd(w + i);
+            __m256d full = ALL;
+            if (bins) {
+                __m128i bq = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bins + i));
+                if (_mm_movemask_epi8(_mm_cmpeq_epi32(bq, BS))) {
+                    for (size_t k = i; k < i + 4; ++k) cb_pass1(lw, w, bins, k, bstar, all_hi, lt, Et, llo, lhi, lo, hi, la, ua, nh, coll);
+                    continue;
+                }
+                full = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm_cmplt_epi32(bq, BS)));
+            }
+            __m256d lx = _mm256_min_pd(_mm256_max_pd(_mm256_add_pd(LT, lwv), LLO), LHI);
+            __m256d x = _mm256_min_pd(_mm256_max_pd(_mm256_mul_pd(E, wv), L), H);
+            __m256d xu = _mm256_blendv_pd(L, H, full), lxu = _mm256_blendv_pd(LLO, LHI, full);
+            if (!cb_plain4(x, wv) || !cb_plain4(xu, wv)) {
+                for (size_t k = i; k < i + 4; ++k) cb_pass1(lw, w, bins, k, bstar, all_hi, lt, Et, llo, lhi, lo, hi, la, ua, nh, coll);
+                continue;
+            }
+            sx = _mm256_add_pd(sx, x);
+            s0 = _mm256_fmadd_pd(_mm256_sub_pd(lx, lwv), x, s0);
+            s1 = _mm256_fmadd_pd(wv, _mm256_sub_pd(lwv, lx), s1);
+            s2 = _mm256_add_pd(s2, cb_js4(x, lx, wv, lwv));
+            u0 = _mm256_fmadd_pd(_mm256_sub_pd(lxu, lwv), xu, u0);
+            u1 = _mm256_fmadd_pd(wv, _mm256_sub_pd(lwv, lxu), u1);
+            u2 = _mm256_add_pd(u2, cb_js4(xu, lxu, wv, lwv));
+            cnt = _mm256_add_pd(cnt, _mm256_and_pd(full, one));
+        }
+        for (; i < end; ++i) cb_pass1(lw, w, bins, i, bstar, all_hi, lt, Et, llo, lhi, lo, hi, la, ua, nh, coll);
+        tl[0].add(hsum(sx) + la[0]); tl[1].add(hsum(s0) + la[1]); tl[2].add(hsum(s1) + la[2]); tl[3].add(hsum(s2) + la[3]);
+        tu[0].add(hsum(u0) + ua[0]); tu[1].add(hsum(u1) + ua[1]); tu[2].add(hsum(u2) + ua[2]);
+    }
+    for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
+    for (int k = 0; k < 3; ++k) o.up[k] = tu[k].get();
+    o.n_hi = nh + hsum(cnt);
+}
+
+// bf16 / f16 bits -> float32 (exact)
+__attribute__((target("avx2,fma,f16c"))) void cb_widen_avx2(const void* base, int64_t V, int dtype, float* out) {
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) _mm256_storeu_ps(out + v, dtype == F16 ? load8<F16>(base, v) : load8<BF16>(base, v));
+    for (; v < V; ++v) out[v] = load1(base, v, dtype);
+}
+#endif
+
+inline void cb_pass(const double* lw, const double* w, const int32_t* bins, size_t n, int32_t bstar, bool all_hi, double lt,
+                    double Et, double llo, double lhi, double lo, double hi, CbPassOut& o,
+                    std::vector<std::pair<double, double>>& coll) {
+    coll.clear();
+#if LD_X86
+    if (cb_simd()) return cb_pass_avx2(lw, w, bins, n, bstar, all_hi, lt, Et, llo, lhi, lo, hi, o, coll);
+#endif
+    cb_pass_scalar(lw, w, bins, n, bstar, all_hi, lt, Et, llo, lhi, lo, hi, o, coll);
+}
+
+// The histogram bin, out of CB_NB, holding rank k (0-based, ascending) of x[0, n) (all in
+// [xmin, xmax], xmax > xmin): bins[i] of every entry, and how many entries lie in lower bins.
+int32_t cb_rank_bin(const double* x, size_t n, size_t k, double xmin, double xmax, CbScratch& S, size_t& below) {
+    const double sc = (CB_NB - 1) / (xmax - xmin);
+    S.bins.resize(n);
+    int32_t* bins = S.bins.data();
+#if LD_X86
+    if (cb_simd()) cb_bins_avx2(x, n, xmin, sc, bins);
+    else
+#endif
+        for (size_t i = 0; i < n; ++i) bins[i] = cb_bin(x[i], xmin, sc);
+    S.hist.assign(CB_NB, 0);
+    int64_t* h = S.hist.data();
+    for (size_t i = 0; i < n; ++i) ++h[bins[i]];
+    size_t before = 0;
+    int32_t b = 0;
+    for (; b < CB_NB - 1 && before + (size_t)h[b] <= k; ++b) before += (size_t)h[b];
+    below = before;
+    return b;
+}
+
+inline void cb_band_eval(const double* w, const double* lo, const double* hi, size_t m, double Et, double& clo, double& chi,
+                         double& wm) {
+#if LD_X86
+    if (cb_simd()) return cb_band_eval_avx2(w, lo, hi, m, Et, clo, chi, wm);
+#endif
+    clo = chi = wm = 0;
+    for (size_t i = 0; i < m; ++i) {
+        double x = Et * w[i];
+        if (x <= lo[i]) clo += lo[i];
+        else if (x >= hi[i]) chi += hi[i];
+        else wm += w[i];
+    }
+}
+
+inline void cb_band_lower(const double* lw, const double* w, const double* llo, const double* lhi, const double* lo,
+                          const double* hi, size_t m, double lt, double Et, double* out) {
+#if LD_X86
+    if (cb_simd()) return cb_band_lower_avx2(lw, w, llo, lhi, lo, hi, m, lt, Et, out);
+#endif
+    CbSum t[4];
+    for (size_t i = 0; i < m; ++i) {
+        double acc[4] = {0, 0, 0, 0};
+        cb_lower1(lw[i], w[i], lt, Et, llo[i], lhi[i], lo[i], hi[i], acc);
+        for (int k = 0; k < 4; ++k) t[k].add(acc[k]);
+    }
+    for (int k = 0; k < 4; ++k) out[k] = t[k].get();
+}
+
+// One row. The candidate's ln q and q of entry v are lq[v] - shift and q[v] * scale
+// (shift 0 and scale 1 where the caller gives them; the fused path's z - max and
+// exp(z - max) with shift ln sum e, scale 1 / sum e).
+void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, double shift, double scale, CbScratch& S) {
     double lower[3] = {0, 0, 0}, upper[3] = {0, 0, 0};
     // ---- exact entries -------------------------------------------------------------
     CbSum ex[3];
@@ -1804,148 +2339,143 @@ void cb_row(const CbArgs& A, int64_t r, CbScratch& S) {
         int64_t id = A.e_ids[r * A.E + i];
         if (id < 0) continue;
         double lx = A.e_logp[r * A.E + i], x = std::exp(lx);
-        for (int t = 0; t < 3; ++t) ex[t].add(cb_phi(t, lx, lq[id], x, q[id]));
+        for (int t = 0; t < 3; ++t) ex[t].add(cb_phi(t, lx, lq[id] - shift, x, q[id] * scale));
     }
     for (int t = 0; t < 3; ++t) upper[t] = lower[t] = ex[t].get();
     // ---- band: one group, a box per entry --------------------------------------------
     {
-        S.lw.clear(); S.w.clear(); S.llo.clear(); S.lhi.clear(); S.lo.clear(); S.hi.clear();
-        double slo = 0, shi = 0;
+        S.lw.clear(); S.w.clear(); S.llo.clear(); S.lhi.clear();
         for (int64_t i = 0; i < A.B; ++i) {
             int64_t id = A.b_ids[r * A.B + i];
-            if (id < 0 || !std::isfinite(lq[id])) continue;
+            if (id < 0) continue;
+            double l = lq[id] - shift;
+            if (!std::isfinite(l)) continue;
             double l0 = A.b_lo[r * A.B + i], l1 = std::max(A.b_hi[r * A.B + i], l0);
-            S.lw.push_back(lq[id]); S.w.push_back(q[id]); S.llo.push_back(l0); S.lhi.push_back(l1);
-            S.lo.push_back(std::exp(l0)); S.hi.push_back(std::exp(l1));
-            slo += S.lo.back(); shi += S.hi.back();
+            S.lw.push_back(l); S.w.push_back(q[id] * scale); S.llo.push_back(l0); S.lhi.push_back(l1);
         }
         const size_t m = S.lw.size();
         if (m) {
-            double mass = std::min(std::max(A.band_mass[r], slo), shi);
+            S.lo.resize(m); S.hi.resize(m);
+            cb_exp(S.llo.data(), m, S.lo.data());
+            cb_exp(S.lhi.data(), m, S.hi.data());
+            double slo = 0, shi = 0, sw = 0;
             double r_lo = CB_INF, r_hi = -CB_INF;
             bool some_zero = false;
             for (size_t i = 0; i < m; ++i) {
+                slo += S.lo[i]; shi += S.hi[i]; sw += S.w[i];
                 if (S.llo[i] > -CB_INF) r_lo = std::min(r_lo, S.llo[i] - S.lw[i]); else some_zero = true;
                 r_hi = std::max(r_hi, S.lhi[i] - S.lw[i]);
             }
+            double mass = std::min(std::max(A.band_mass[r], slo), shi);
             double a = (some_zero ? std::min(r_lo, r_hi - 800.0) : std::min(r_lo, r_hi)) - 1.0, b = r_hi + 1.0;
             if (!std::isfinite(a)) a = 0.0;
             if (!std::isfinite(b)) b = 1.0;
-            double lt = cb_root(a, b, mass, [&](double Et, double& clo, double& chi, double& wm) {
-                double f = 0; clo = chi = wm = 0;
-                for (size_t i = 0; i < m; ++i) {
-                    double x = Et * S.w[i];
-                    if (x <= S.lo[i]) { clo += S.lo[i]; f += S.lo[i]; }
-                    else if (x >= S.hi[i]) { chi += S.hi[i]; f += S.hi[i]; }
-                    else { wm += S.w[i]; f += x; }
-                }
-                return f;
+            double start = (sw > 0 && mass > 0) ? std::log(mass / sw) : 0.5 * (a + b);
+            double lt = cb_root(a, b, mass, start, [&](double Et, double& clo, double& chi, double& wm) {
+                cb_band_eval(S.w.data(), S.lo.data(), S.hi.data(), m, Et, clo, chi, wm);
+                return clo + chi + Et * wm;
             });
             double Et = std::exp(lt);
-            CbSum sx, ph[3], base[3];
-            for (size_t i = 0; i < m; ++i) {
-                double lx = std::min(std::max(lt + S.lw[i], S.llo[i]), S.lhi[i]);
-                double x = std::min(std::max(Et * S.w[i], S.lo[i]), S.hi[i]);
-                sx.add(x);
-                for (int t = 0; t < 3; ++t) ph[t].add(cb_phi(t, lx, S.lw[i], x, S.w[i]));
-            }
+            double l4[4];
+            cb_band_lower(S.lw.data(), S.w.data(), S.llo.data(), S.lhi.data(), S.lo.data(), S.hi.data(), m, lt, Et, l4);
             double rest = std::max(mass - slo, 0.0);
+            S.p0.resize(m); S.p1.resize(m);
             for (int t = 0; t < 3; ++t) {
-                lower[t] += ph[t].get() + cb_dphi(t, lt) * (mass - sx.get());
-                S.sc.clear();
-                bool neg_inf_slope = false;
-                for (size_t i = 0; i < m; ++i) {
-                    double p0 = cb_phi(t, S.llo[i], S.lw[i], S.lo[i], S.w[i]);
-                    base[t].add(p0);
-                    double cap = S.hi[i] - S.lo[i];
-                    if (!(cap > 0)) continue;
-                    if (!std::isfinite(p0)) { neg_inf_slope = true; continue; }
-                    double p1 = cb_phi(t, S.lhi[i], S.lw[i], S.hi[i], S.w[i]);
-                    S.sc.emplace_back((p1 - p0) / cap, cap);
+                lower[t] += l4[1 + t] + cb_dphi(t, lt) * (mass - l4[0]);
+                if (t == CB_JS) {
+                    cb_js_terms(S.lo.data(), S.llo.data(), S.w.data(), S.lw.data(), m, S.p0.data());
+                    cb_js_terms(S.hi.data(), S.lhi.data(), S.w.data(), S.lw.data(), m, S.p1.data());
+                } else {
+                    for (size_t i = 0; i < m; ++i) {
+                        S.p0[i] = cb_phi(t, S.llo[i], S.lw[i], S.lo[i], S.w[i]);
+                        S.p1[i] = cb_phi(t, S.lhi[i], S.lw[i], S.hi[i], S.w[i]);
+                    }
                 }
-                (void)neg_inf_slope;  // such an entry has base = inf (no finite upper bound)
-                double gain = cb_knapsack(S.sc, rest), bt = base[t].get();
-                double u = std::isinf(bt) ? CB_INF : bt + (std::isfinite(bt) ? gain : 0.0);
-                upper[t] += u;
+                S.sc.clear();
+                CbSum base;
+                double blk = 0;
+                for (size_t i = 0; i < m; ++i) {
+                    double p0 = S.p0[i];
+                    blk += p0;
+                    if ((i & 63) == 63) { base.add(blk); blk = 0; }
+                    double cap = S.hi[i] - S.lo[i];
+                    if (!(cap > 0) || !std::isfinite(p0)) continue;  // an infinite p0 makes base inf
+                    S.sc.emplace_back((S.p1[i] - p0) / cap, cap);
+                }
+                base.add(blk);
+                double gain = cb_knapsack(S.sc, rest), bt = base.get();
+                upper[t] += std::isinf(bt) ? CB_INF : bt + (std::isfinite(bt) ? gain : 0.0);
             }
         }
     }
     // ---- rest: one group sharing one box ---------------------------------------------
     {
-        S.mask.assign((size_t)A.V, 1);
-        for (int64_t i = 0; i < A.E; ++i) { int64_t id = A.e_ids[r * A.E + i]; if (id >= 0) S.mask[id] = 0; }
-        for (int64_t i = 0; i < A.B; ++i) { int64_t id = A.b_ids[r * A.B + i]; if (id >= 0) S.mask[id] = 0; }
-        S.lw.clear(); S.w.clear();
-        double lw_min = CB_INF, lw_max = -CB_INF;
-        for (int64_t v = 0; v < A.V; ++v) {
-            if (!S.mask[v] || !std::isfinite(lq[v])) continue;
-            S.lw.push_back(lq[v]); S.w.push_back(q[v]);
-            lw_min = std::min(lw_min, lq[v]); lw_max = std::max(lw_max, lq[v]);
-        }
-        const size_t cnt = S.lw.size();
+        uint8_t* mask = S.mask.data();
+        for (int64_t i = 0; i < A.E; ++i) { int64_t id = A.e_ids[r * A.E + i]; if (id >= 0) mask[id] = 0; }
+        for (int64_t i = 0; i < A.B; ++i) { int64_t id = A.b_ids[r * A.B + i]; if (id >= 0) mask[id] = 0; }
+        double* rlw = S.rlw.data();
+        double* rw = S.rw.data();
+        double lw_min, lw_max, sw;
+        const size_t cnt = cb_build(lq, q, mask, A.V, shift, scale, rlw, rw, lw_min, lw_max, sw);
+        for (int64_t i = 0; i < A.E; ++i) { int64_t id = A.e_ids[r * A.E + i]; if (id >= 0) mask[id] = 1; }
+        for (int64_t i = 0; i < A.B; ++i) { int64_t id = A.b_ids[r * A.B + i]; if (id >= 0) mask[id] = 1; }
         if (cnt) {
             double llo = A.rest_min[r], lhi = std::max(A.rest_max[r], llo);
             double lo = std::exp(llo), hi = std::exp(lhi);
             double mass = std::min(std::max(A.rest_mass[r], cnt * lo), cnt * hi);
             double a = (std::isfinite(llo) ? llo - lw_max : lhi - lw_max - 800.0) - 1.0, b = lhi - lw_min + 1.0;
-            double lt = cb_root(a, b, mass, [&](double Et, double& clo, double& chi, double& wm) {
-                int64_t nlo = 0, nhi = 0;
-                double wmid = 0;
-                const double tlo = lo, thi = hi;
-                for (size_t i = 0; i < cnt; ++i) {
-                    double x = Et * S.w[i];
-                    bool l = x <= tlo, h = !l && x >= thi;  // lo == hi: an entry is counted once
-                    nlo += l; nhi += h;
-                    wmid += (l | h) ? 0.0 : S.w[i];
-                }
-                clo = nlo * lo; chi = nhi * hi; wm = wmid;
-                return clo + chi + Et * wmid;
+            double start = (sw > 0 && mass > 0) ? std::log(mass / sw) : 0.5 * (a + b);
+            double lt = cb_root(a, b, mass, start, [&](double Et, double& clo, double& chi, double& wm) {
+                double nlo, nhi;
+                cb_rest_eval(rw, cnt, Et, lo, hi, nlo, nhi, wm);
+                clo = nlo * lo; chi = nhi * hi;
+                return clo + chi + Et * wm;
             });
             double Et = std::exp(lt);
-            CbBlockSum sx, ph[2];
-            S.x.resize(cnt);
-            S.lx.resize(cnt);
-            for (size_t i = 0; i < cnt; ++i) {
-                double lx = std::min(std::max(lt + S.lw[i], llo), lhi);
-                double x = std::min(std::max(Et * S.w[i], lo), hi);
-                S.x[i] = x;
-                S.lx[i] = lx;
-                sx.add(x);
-                ph[CB_XLOGX].add(cb_phi(CB_XLOGX, lx, S.lw[i], x, S.w[i]));
-                ph[CB_NEGLOG].add(cb_phi(CB_NEGLOG, lx, S.lw[i], x, S.w[i]));
-            }
-            double phs[3] = {ph[0].get(), ph[1].get(), cb_js_sum(S.x.data(), S.lx.data(), S.w.data(), S.lw.data(), cnt)};
-            for (int t = 0; t < 3; ++t) lower[t] += phs[t] + cb_dphi(t, lt) * (mass - sx.get());
             // upper: hi on the n_full smallest w, lo on the others, the chord of the next one
             double cap = hi - lo, rest = std::max(mass - cnt * lo, 0.0);
             int64_t n_full = cap > 0 ? (int64_t)std::floor(rest / cap) : 0;
             n_full = std::min<int64_t>(std::max<int64_t>(n_full, 0), (int64_t)cnt);
             double part = cap > 0 ? rest - n_full * cap : 0.0;
-            S.sc.resize(cnt);
-            for (size_t i = 0; i < cnt; ++i) S.sc[i] = {S.lw[i], S.w[i]};
-            auto by_lw = [](const std::pair<double, double>& x, const std::pair<double, double>& y) { return x.first < y.first; };
-            if (n_full > 0 && n_full < (int64_t)cnt) std::nth_element(S.sc.begin(), S.sc.begin() + n_full, S.sc.end(), by_lw);
-            else if (n_full == 0) std::iter_swap(S.sc.begin(), std::min_element(S.sc.begin(), S.sc.end(), by_lw));
-            CbBlockSum bsum[2];
-            for (size_t i = 0; i < cnt; ++i) {
-                bool full = (int64_t)i < n_full;
-                double lv = S.sc[i].first, wv = S.sc[i].second;
-                S.lw[i] = lv;
-                S.w[i] = wv;
-                S.lx[i] = full ? lhi : llo;
-                S.x[i] = full ? hi : lo;
-                bsum[CB_XLOGX].add(cb_phi(CB_XLOGX, S.lx[i], lv, S.x[i], wv));
-                bsum[CB_NEGLOG].add(cb_phi(CB_NEGLOG, S.lx[i], lv, S.x[i], wv));
-            }
-            double base[3] = {bsum[0].get(), bsum[1].get(), cb_js_sum(S.x.data(), S.lx.data(), S.w.data(), S.lw.data(), cnt)};
-            bool has_part = n_full < (int64_t)cnt && part > 0;
-            for (int t = 0; t < 3; ++t) {
-                double gain = 0;
-                if (has_part) {
-                    double lj = S.sc[n_full].first, wj = S.sc[n_full].second;
-                    gain = (cb_phi(t, lhi, lj, hi, wj) - cb_phi(t, llo, lj, lo, wj)) / (cap > 0 ? cap : 1.0) * part;
+            const bool all_hi = n_full >= (int64_t)cnt;
+            // the n_full smallest: every entry of the bins below the one holding rank n_full,
+            // and the smallest of that bin (collected by the pass, selected after it)
+            const int32_t* bins = nullptr;
+            int32_t bstar = 0;
+            size_t below = 0;
+            if (!all_hi && n_full > 0) {
+                if (lw_max > lw_min) {
+                    bstar = cb_rank_bin(rlw, cnt, (size_t)n_full, lw_min, lw_max, S, below);
+                } else {  // one value: one bin
+                    S.bins.assign(cnt, 0);
                 }
-                upper[t] += std::isinf(base[t]) ? CB_INF : base[t] + (std::isfinite(base[t]) ? gain : 0.0);
+                bins = S.bins.data();
+            }
+            CbPassOut o;
+            cb_pass(rlw, rw, bins, cnt, bstar, all_hi, lt, Et, llo, lhi, lo, hi, o, S.sc);
+            for (int t = 0; t < 3; ++t) lower[t] += o.low[1 + t] + cb_dphi(t, lt) * (mass - o.low[0]);
+            double base[3] = {o.up[0], o.up[1], o.up[2]};
+            double p_lw = 0, p_w = 0;  // the partly filled entry
+            if (bins) {
+                auto& c = S.sc;
+                const size_t k = (size_t)n_full - below;  // < c.size(): the bin holds rank n_full
+                std::nth_element(c.begin(), c.begin() + k, c.end(),
+                                 [](const std::pair<double, double>& x, const std::pair<double, double>& y) { return x.first < y.first; });
+                for (int t = 0; t < 3; ++t) {
+                    CbSum b;
+                    for (size_t j = 0; j < c.size(); ++j)
+                        b.add(j < k ? cb_phi(t, lhi, c[j].first, hi, c[j].second) : cb_phi(t, llo, c[j].first, lo, c[j].second));
+                    base[t] += b.get();
+                }
+                p_lw = c[k].first; p_w = c[k].second;
+            } else if (!all_hi) {  // n_full = 0: the smallest w
+                for (size_t j = 0; j < cnt; ++j) if (rlw[j] == lw_min) { p_lw = rlw[j]; p_w = rw[j]; break; }
+            }
+            const bool has_part = !all_hi && part > 0;
+            for (int t = 0; t < 3; ++t) {
+                double bt = base[t];
+                double gain = has_part ? (cb_phi(t, lhi, p_lw, hi, p_w) - cb_phi(t, llo, p_lw, lo, p_w)) / cap * part : 0.0;
+                upper[t] += std::isinf(bt) ? CB_INF : bt + (std::isfinite(bt) ? gain : 0.0);
             }
         }
     }
@@ -1953,6 +2483,39 @@ void cb_row(const CbArgs& A, int64_t r, CbScratch& S) {
         A.lower[t * A.n + r] = lower[t];
         A.upper[t * A.n + r] = upper[t];
     }
+}
+
+void cb_run(const CbArgs& A, int threads) {
+    std::atomic<int64_t> next{0};
+    auto work = [&]() {
+        CbScratch S(A.V);
+        for (int64_t r; (r = next.fetch_add(1)) < A.n;) {
+            if (A.z == nullptr) { cb_row(A, r, A.lq + r * A.ld, A.q + r * A.ld, 0.0, 1.0, S); continue; }
+            double* st = A.stats + 3 * r;
+            if (!cb_candidate(A, r, S, st)) {
+                A.bad[r] = 1;
+                const double nan = std::numeric_limits<double>::quiet_NaN();
+                st[0] = st[1] = st[2] = nan;
+                for (int t = 0; t < 3; ++t) A.lower[t * A.n + r] = A.upper[t * A.n + r] = nan;
+                for (int j = 0; j < A.kk; ++j) A.top_ids[r * A.kk + j] = 0;
+                continue;
+            }
+            A.bad[r] = 0;
+            double sum = std::exp(st[1]);  // e / sum e: the reciprocal of sum e once
+            cb_row(A, r, S.a.data(), S.e.data(), st[1], 1.0 / sum, S);
+        }
+    };
+    int nt = (int)std::min<int64_t>(threads, std::max<int64_t>(A.n, 1));
+    std::vector<std::thread> pool;
+    for (int t = 1; t < nt; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+}
+
+bool cb_ids_ok(int64_t n, int64_t V, int64_t E, const int64_t* e_ids, int64_t B, const int64_t* b_ids) {
+    for (int64_t i = 0; i < n * E; ++i) if (e_ids[i] >= V) return false;
+    for (int64_t i = 0; i < n * B; ++i) if (b_ids[i] >= V) return false;
+    return true;
 }
 
 }  // namespace
@@ -1971,19 +2534,28 @@ __attribute__((visibility("default"))) int logitdiff_compact_bounds(
     const double* band_mass, const double* rest_mass, const double* rest_max, const double* rest_min, int threads,
     double* lower, double* upper) {
     if (n < 0 || V < 1 || ld < V || E < 0 || B < 0 || threads < 1) return 1;
-    for (int64_t i = 0; i < n * E; ++i) if (e_ids[i] >= V) return 1;
-    for (int64_t i = 0; i < n * B; ++i) if (b_ids[i] >= V) return 1;
-    CbArgs A{n, V, ld, lq, q, E, e_ids, e_logp, B, b_ids, b_lo, b_hi, band_mass, rest_mass, rest_max, rest_min, lower, upper};
-    std::atomic<int64_t> next{0};
-    auto work = [&]() {
-        CbScratch S;
-        for (int64_t r; (r = next.fetch_add(1)) < n;) cb_row(A, r, S);
-    };
-    int nt = (int)std::min<int64_t>(threads, std::max<int64_t>(n, 1));
-    std::vector<std::thread> pool;
-    for (int t = 1; t < nt; ++t) pool.emplace_back(work);
-    work();
-    for (auto& t : pool) t.join();
+    if (!cb_ids_ok(n, V, E, e_ids, B, b_ids)) return 1;
+    CbArgs A{n, V, ld, lq, q, E, e_ids, e_logp, B, b_ids, b_lo, b_hi, band_mass, rest_mass, rest_max, rest_min, lower, upper,
+             nullptr, 0, 0, nullptr, nullptr, nullptr};
+    cb_run(A, threads);
+    return 0;
+}
+
+// The same from the candidate's raw logits z [n, V] (row stride ld; dtype 0 float32,
+// 1 bf16 bits, 2 f16 bits), with the candidate's per-row max, ln sum exp(z - max) and
+// entropy (stats [n, 3]), top-kk ids (top_ids [n, kk]) and bad[n] = 1 for a row holding
+// NaN/inf (its outputs NaN). Returns 0, or 1 for bad arguments.
+__attribute__((visibility("default"))) int logitdiff_compact_rows(
+    int64_t n, int64_t V, const void* z, int64_t ld, int dtype, int64_t E, const int64_t* e_ids, const double* e_logp,
+    int64_t B, const int64_t* b_ids, const double* b_lo, const double* b_hi, const double* band_mass,
+    const double* rest_mass, const double* rest_max, const double* rest_min, int kk, int threads, double* lower,
+    double* upper, double* stats, int64_t* top_ids, int32_t* bad) {
+    if (n < 0 || V < 1 || ld < V || E < 0 || B < 0 || threads < 1 || kk < 0 || kk > V) return 1;
+    if (dtype != F32 && dtype != BF16 && dtype != F16) return 1;
+    if (!cb_ids_ok(n, V, E, e_ids, B, b_ids)) return 1;
+    CbArgs A{n, V, ld, nullptr, nullptr, E, e_ids, e_logp, B, b_ids, b_lo, b_hi, band_mass, rest_mass, rest_max, rest_min,
+             lower, upper, z, dtype, kk, stats, top_ids, bad};
+    cb_run(A, threads);
     return 0;
 }
 

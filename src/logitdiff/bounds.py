@@ -360,9 +360,17 @@ def compact_vs_full(ref: CompactRows, cand_logp, divergences=DIVERGENCES, *, com
     ``compiled``: the compiled kernel's version of the same sums where it is built
     (kernel.compact_bounds: no sort, the ratio solved exactly; equal to the numpy code
     below to float64 summation error); ``cand_p``: exp(cand_logp) when the caller has it;
-    ``threads``: the kernel's worker threads (rows in parallel; default 1)."""
+    ``threads``: the kernel's worker threads (rows in parallel; default 1). A row of
+    ``cand_logp`` holding NaN or +inf is refused (`metrics.NonFiniteLogits`, as the full
+    comparison refuses such logits); -inf is a probability of 0."""
     lq = np.asarray(cand_logp, np.float64)
     n_rows, V = lq.shape
+    bad = np.isnan(lq) | (lq == np.inf)
+    if bad.any():
+        from .metrics import NonFiniteLogits
+
+        r = int(np.nonzero(bad.any(1))[0][0])
+        raise NonFiniteLogits("candidate", r, float(lq[r][bad[r]][0]))
     if compiled and tuple(divergences) == DIVERGENCES:
         from . import kernel
 

@@ -264,40 +264,89 @@ def _cand_top_ids(cand_logits, lq: np.ndarray, k: int) -> np.ndarray:
 
 
 def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_k: int, overlap_k: int,
-                 eps: float = 1e-12) -> dict[str, np.ndarray]:
+                 eps: float = 1e-12, threads: int = 1) -> dict[str, np.ndarray]:
     """Per-position columns for a compact reference (``block``, rows of `encode`) against
-    full candidate logits [N, V]: every divergence as its estimate (the minimiser) with the
-    interval beside it, and the exact columns the store keeps (top-1, margin, p and nll
-    of the teacher token, entropy, top-K overlap, the seed's top-K fields)."""
+    full candidate logits [N, V] (float32, float16, or bf16 bits as uint16): every
+    divergence as its estimate (the minimiser) with the interval beside it, and the exact
+    columns the store keeps (top-1, margin, p and nll of the teacher token, entropy, top-K
+    overlap, the seed's top-K fields). Where the compiled kernel is built, one call does
+    the candidate's side and the bounds for the whole block (`kernel.compact_rows`,
+    ``threads`` rows at a time, no [N, V] float64 array); else numpy. Raises
+    `metrics.NonFiniteLogits` naming the first candidate row with NaN/inf, as the full
+    comparison does."""
     from . import bounds as Bd
+    from . import kernel
     from . import metrics as M
 
-    lq = _log_softmax(cand_logits)
-    n, V = lq.shape
+    kk = max(top_k, overlap_k, 2)
     y = np.asarray(next_tokens, np.int64)
+    z = np.asarray(cand_logits)
+    fused = kernel.compact_rows(z, decode(block), kk, threads) if kernel.available() else None
+    if fused is None:
+        return _compare_rows_numpy(block, z, y, top_k=top_k, overlap_k=overlap_k, eps=eps)
+    if fused["bad"].any():
+        r = int(np.nonzero(fused["bad"])[0][0])
+        zr = _as_float(z[r : r + 1])[0]
+        raise M.NonFiniteLogits("candidate", r, float(zr[~np.isfinite(zr)][0]))
+    n, V = z.shape
     rows = np.arange(n)
-    cols: dict[str, Any] = {}  # arrays, and "_tops": the (ids, logprobs) pairs of both sides for the caller
+    res = Bd._compact_intervals(fused["lower"], fused["upper"])
+    ic = fused["top_ids"]
+    # ln q = (z - max) - ln sum exp(z - max), as the kernel forms it
+    lc = (_as_float(np.take_along_axis(z, ic, 1)).astype(np.float64) - fused["max"][:, None]) - fused["log_sum"][:, None]
+    lqy = ((_as_float(z[rows, y]).astype(np.float64) - fused["max"]) - fused["log_sum"]) if n else np.zeros(0)
+    return _columns(block, res, ic, lc, y, lqy, fused["entropy"], V, top_k=top_k, overlap_k=overlap_k, eps=eps, kk=kk)
+
+
+def _as_float(z: np.ndarray) -> np.ndarray:
+    """Raw logits as float32 values (bf16 bits widened exactly; float32/float16 as is)."""
+    z = np.asarray(z)
+    return (z.astype(np.uint32) << 16).view(np.float32) if z.dtype == np.uint16 else z
+
+
+def _compare_rows_numpy(block, z, y, *, top_k: int, overlap_k: int, eps: float) -> dict[str, np.ndarray]:
+    """`compare_rows` without the compiled kernel (or for a layout it cannot read)."""
+    from . import bounds as Bd
+
+    z = _as_float(z)
+    if z.size and not np.isfinite(z).all():
+        from . import metrics as M
+
+        r = int(np.nonzero(~np.isfinite(z).all(1))[0][0])
+        raise M.NonFiniteLogits("candidate", r, float(z[r][~np.isfinite(z[r])][0]))
+    lq = _log_softmax(z)
+    n, V = lq.shape
+    rows = np.arange(n)
     q = np.exp(lq)  # shared by the bounds and the candidate's entropy
     res = Bd.compact_vs_full(decode(block), lq, cand_p=q)
+    kk = max(top_k, overlap_k, 2)
+    ic = _cand_top_ids(z, lq, kk)
+    lc = np.take_along_axis(lq, ic, 1)
+    q *= lq
+    entropy = np.maximum(-q.sum(1), 0.0)
+    del q
+    return _columns(block, res, ic, lc, y, lq[rows, y], entropy, V, top_k=top_k, overlap_k=overlap_k, eps=eps, kk=kk)
+
+
+def _columns(block, res, ic, lc, y, lqy, entropy_cand, V, *, top_k, overlap_k, eps, kk) -> dict[str, np.ndarray]:
+    """The columns of `compare_rows` from the intervals and the candidate's figures."""
+    from . import metrics as M
+
+    cols: dict[str, Any] = {}  # arrays, and "_tops": the (ids, logprobs) pairs of both sides for the caller
     for name, (lo, hi) in INTERVAL_COLUMNS.items():
         iv = res[_DIV_OF[name]]
         cols[name], cols[lo], cols[hi] = iv.estimate, iv.lower, iv.upper
-    kk = max(top_k, overlap_k, 2)
     ir, lr = reference_top(block, kk)
-    ic = _cand_top_ids(cand_logits, lq, kk)
-    lc = np.take_along_axis(lq, ic, 1)
     cols["top1_ref"], cols["top1_cand"] = ir[:, 0], ic[:, 0]
     cols["top1_match"] = ir[:, 0] == ic[:, 0]
     pr = np.exp(lr[:, :2])
     cols["margin_ref"] = pr[:, 0] - pr[:, 1]
-    lpy, lqy = block["token_logp"], lq[rows, y]
+    lpy = block["token_logp"]
     cols["p_ref_token"], cols["p_cand_token"] = np.exp(lpy), np.exp(lqy)
     cols["delta_p"] = np.exp(lqy) - np.exp(lpy)
     cols["nll_ref"], cols["nll_cand"] = -lpy, -lqy
     cols["entropy_ref"] = block["entropy"]
-    q *= lq
-    cols["entropy_cand"] = np.maximum(-q.sum(1), 0.0)
-    del q
+    cols["entropy_cand"] = entropy_cand
     kp, kq = ir[:, :overlap_k], ic[:, :overlap_k]
     cols["topk_overlap"] = (kp[:, :, None] == kq[:, None, :]).any(-1).sum(-1) / overlap_k
     t = M.topk(ir[:, :top_k], lr[:, :top_k], ic[:, :top_k], lc[:, :top_k], V, eps=eps)

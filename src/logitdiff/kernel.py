@@ -62,6 +62,10 @@ def _lib():
     if c is not None:
         c.argtypes = [i64, i64, p, p, i64, i64, p, p, i64, p, p, p, p, p, p, p, i32, p, p]
         c.restype = i32
+    c = getattr(lib, "logitdiff_compact_rows", None)  # the same from raw candidate logits (absent from older builds)
+    if c is not None:
+        c.argtypes = [i64, i64, p, i64, i32, i64, p, p, i64, p, p, p, p, p, p, p, i32, i32, p, p, p, p, p]
+        c.restype = i32
     return lib
 
 
@@ -184,6 +188,46 @@ def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int
     return out, int(fb.value)
 
 
+def _compact_ref_arrays(ref) -> dict[str, np.ndarray]:
+    return {k: np.ascontiguousarray(getattr(ref, k), dt) for k, dt in (
+        ("exact_ids", np.int64), ("exact_logp", np.float64), ("band_ids", np.int64), ("band_lo", np.float64),
+        ("band_hi", np.float64), ("band_mass", np.float64), ("rest_mass", np.float64), ("rest_max", np.float64),
+        ("rest_min", np.float64))}
+
+
+def compact_rows(z: np.ndarray, ref, kk: int, threads: int) -> dict[str, np.ndarray] | None:
+    """`compact_bounds` from the candidate's raw logits ``z`` [n, V] (float32, float16, or
+    bf16 bits as uint16; rows contiguous, read in place), with the candidate's side in the
+    same pass (issue 28): ``lower``/``upper`` [3, n] (forward KL, reverse KL, JSD), ``max``,
+    ``log_sum`` (ln sum exp(z - max)) and ``entropy`` [n] (float64), ``top_ids`` [n, kk]
+    (value descending, lowest id first on ties) and ``bad`` [n] (True: the row holds NaN/inf;
+    its other outputs are NaN). None when the library lacks the function or cannot read
+    ``z`` in place."""
+    lib = _lib()
+    fn = getattr(lib, "logitdiff_compact_rows", None) if lib is not None else None
+    z = np.asarray(z)
+    dtype = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.float16): 2}.get(z.dtype)
+    if fn is None or dtype is None or z.ndim != 2 or z.strides[1] != z.itemsize or z.strides[0] % z.itemsize:
+        return None
+    n, V = z.shape
+    kk = int(min(max(kk, 0), V))
+    arr = _compact_ref_arrays(ref)
+    lower, upper = np.zeros((3, n)), np.zeros((3, n))
+    stats = np.zeros((n, 3))
+    top = np.zeros((n, kk), np.int64)
+    bad = np.zeros(n, np.int32)
+    ld = z.strides[0] // z.itemsize if n > 1 else V
+    rc = fn(n, V, z.ctypes.data, ld, dtype, arr["exact_ids"].shape[1], arr["exact_ids"].ctypes.data,
+            arr["exact_logp"].ctypes.data, arr["band_ids"].shape[1], arr["band_ids"].ctypes.data,
+            arr["band_lo"].ctypes.data, arr["band_hi"].ctypes.data, arr["band_mass"].ctypes.data,
+            arr["rest_mass"].ctypes.data, arr["rest_max"].ctypes.data, arr["rest_min"].ctypes.data, kk,
+            max(1, int(threads)), lower.ctypes.data, upper.ctypes.data, stats.ctypes.data, top.ctypes.data, bad.ctypes.data)
+    if rc != 0:
+        raise ValueError("compact_rows: bad arguments (an id outside the vocabulary)")
+    return {"lower": lower, "upper": upper, "max": stats[:, 0], "log_sum": stats[:, 1], "entropy": stats[:, 2],
+            "top_ids": top, "bad": bad.astype(bool)}
+
+
 def compact_bounds(lq: np.ndarray, q: np.ndarray, ref, threads: int) -> tuple[np.ndarray, np.ndarray] | None:
     """`bounds.compact_vs_full`'s sums, compiled (issue 28): (lower, upper) [3, n] of forward
     KL, reverse KL and JSD (that order) before `bounds._interval`'s clamps, for a compact
@@ -196,10 +240,7 @@ def compact_bounds(lq: np.ndarray, q: np.ndarray, ref, threads: int) -> tuple[np
     lq = np.ascontiguousarray(lq, np.float64)
     q = np.ascontiguousarray(q, np.float64)
     n, V = lq.shape
-    arr = {k: np.ascontiguousarray(getattr(ref, k), dt) for k, dt in (
-        ("exact_ids", np.int64), ("exact_logp", np.float64), ("band_ids", np.int64), ("band_lo", np.float64),
-        ("band_hi", np.float64), ("band_mass", np.float64), ("rest_mass", np.float64), ("rest_max", np.float64),
-        ("rest_min", np.float64))}
+    arr = _compact_ref_arrays(ref)
     lower = np.zeros((3, n))
     upper = np.zeros((3, n))
     rc = fn(n, V, lq.ctypes.data, q.ctypes.data, V, arr["exact_ids"].shape[1], arr["exact_ids"].ctypes.data,

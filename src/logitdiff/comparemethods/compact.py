@@ -24,10 +24,11 @@ COMPACT_DESCRIPTION = (
     "of the unstored mass closest to the candidate (the interval's lower end). Top-1, margin, teacher-token p and entropy of "
     "the reference are exact."
 )
-# float64 bytes per sub-batch of a compact comparison: small enough that its ~15 [n, V]
-# temporaries come from the heap's free lists rather than a fresh mmap each (SmolLM2,
-# V = 49,152: 1.5 s of system time per compare at 8 MiB, 0.04 s at 2 MiB, same user
-# time; bench/RESULTS.md); at least one row
+# float64 bytes per sub-batch of a compact comparison in numpy (where the compiled kernel
+# is not built; it takes a whole block in one call, its scratch O(V) per thread): small
+# enough that its ~15 [n, V] temporaries come from the heap's free lists rather than a
+# fresh mmap each (SmolLM2, V = 49,152: 1.5 s of system time per compare at 8 MiB, 0.04 s
+# at 2 MiB, same user time; bench/RESULTS.md); at least one row
 COMPACT_SUB_BYTES = 2 << 20
 
 
@@ -49,37 +50,46 @@ class CompactBounded(ComparisonMethod):
         self.overlap_k = min(overlap_k, exact, self.V)
 
     def blocks(self, rows: int) -> Iterator[tuple[Any, Any]]:
-        # the compact reference and the full candidate, streamed in the same row blocks
-        return zip(self.ref.row_blocks(self.items_r, rows), self.cand.row_blocks(self.items_c, rows))
+        # the compact reference and the full candidate, streamed in the same row blocks; the
+        # candidate as stored (bf16 bits stay uint16: the compiled kernel reads them in place)
+        return zip(self.ref.row_blocks(self.items_r, rows), self.cand.row_blocks(self.items_c, rows, raw=True))
 
     def rows_in(self, ref_block: Any, cand_block: Any) -> int:
         return len(cand_block)
 
     def columns(self, ref_block: Any, cand_block: Any, next_tokens: np.ndarray, row0: int) -> dict[str, np.ndarray]:
-        """One block in sub-batches of ``COMPACT_SUB_BYTES`` of float64 rows, ``threads`` of
-        them at a time (numpy releases the GIL in its array work; default: the metrics'
-        `default_threads`, as the full-vocabulary kernel uses)."""
+        """One block: with the compiled kernel, one call (``threads`` rows at a time; default:
+        the metrics' `default_threads`, as the full-vocabulary kernel uses); without it, numpy
+        in sub-batches of ``COMPACT_SUB_BYTES`` of float64 rows, ``threads`` of them at a time
+        (numpy releases the GIL in its array work)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from .. import compact as C
+        from .. import kernel
 
         zc = np.asarray(cand_block)
-        if zc.size and not (np.isfinite(zc.max()) and np.isfinite(zc.min())):
-            it, row = owner(self.items_c, row0 + int(np.nonzero(~np.isfinite(zc).all(1))[0][0]))
-            raise LogitdiffError(f"{self.cand.path}: item {it.id!r} has NaN/inf logits at output position {it.positions[row]}")
-        step = max(1, COMPACT_SUB_BYTES // (zc.shape[1] * 8))
         top_k, overlap_k = self.top_k, int(self.overlap_k or 0)
+        threads = self.threads or M.default_threads()
 
-        def one(a: int) -> dict[str, np.ndarray]:
+        def one(a: int, step: int, threads: int) -> dict[str, np.ndarray]:
             sl = slice(a, a + step)
-            cols = C.compare_rows(C.rows_of(ref_block, sl), zc[sl], next_tokens[sl], top_k=top_k, overlap_k=overlap_k, eps=self.eps)
+            try:
+                cols = C.compare_rows(C.rows_of(ref_block, sl), zc[sl], next_tokens[sl], top_k=top_k, overlap_k=overlap_k,
+                                      eps=self.eps, threads=threads)
+            except M.NonFiniteLogits as e:
+                it, row = owner(self.items_c, row0 + a + e.row)
+                raise LogitdiffError(f"{self.cand.path}: item {it.id!r} has NaN/inf logits at output position {it.positions[row]}") from None
             ir, lr, ic, lc = cols.pop("_tops")
             return {**cols, **tops_columns(ir, lr, ic, lc)}
 
+        if kernel.available() and zc.dtype in (np.float32, np.uint16, np.float16):
+            zc = np.ascontiguousarray(zc)  # read in place (a copy only of a strided block)
+            return one(0, zc.shape[0], threads)
+        step = max(1, COMPACT_SUB_BYTES // (zc.shape[1] * 8))
         starts = range(0, zc.shape[0], step)
-        workers = max(1, min(len(starts), self.threads or M.default_threads()))
+        workers = max(1, min(len(starts), threads))
         with ThreadPoolExecutor(workers) as pool:
-            parts = list(pool.map(one, starts))  # in order
+            parts = list(pool.map(lambda a: one(a, step, 1), starts))  # in order
         return joined(parts) if parts else {}
 
     def description(self) -> str:
