@@ -1796,29 +1796,6 @@ __attribute__((target("avx2,fma,f16c"))) inline bool cb_plain4(__m256d x, __m256
     return _mm256_movemask_pd(ok) == 0xF;
 }
 
-// Sum of JSD terms over arrays (the band's lower pass).
-__attribute__((target("avx2,fma,f16c"))) double cb_js_sum_avx2(const double* x, const double* lx, const double* w,
-                                                               const double* lw, size_t n) {
-    CbSum t;
-    size_t i = 0;
-    while (i < n) {
-        size_t end = std::min(n, i + 64);
-        __m256d acc = _mm256_setzero_pd();
-        double rest = 0;
-        for (; i + 4 <= end; i += 4) {
-            __m256d xv = _mm256_loadu_pd(x + i), wv = _mm256_loadu_pd(w + i);
-            if (!cb_plain4(xv, wv)) {
-                for (size_t k = i; k < i + 4; ++k) rest += cb_phi(CB_JS, lx[k], lw[k], x[k], w[k]);
-                continue;
-            }
-            acc = _mm256_add_pd(acc, cb_js4(xv, _mm256_loadu_pd(lx + i), wv, _mm256_loadu_pd(lw + i)));
-        }
-        for (; i < end; ++i) rest += cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]);
-        t.add(hsum(acc) + rest);
-    }
-    return t.get();
-}
-
 // JSD terms one by one (the band's chords need each entry's value at lo and at hi).
 __attribute__((target("avx2,fma,f16c"))) void cb_js_terms_avx2(const double* x, const double* lx, const double* w,
                                                                const double* lw, size_t n, double* out) {
@@ -1972,12 +1949,6 @@ __attribute__((target("avx2,fma,f16c"))) void cb_topk_avx2(const float* z, int64
 }
 #endif
 
-double cb_js_sum_scalar(const double* x, const double* lx, const double* w, const double* lw, size_t n) {
-    CbSum t;
-    for (size_t i = 0; i < n; ++i) t.add(cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]));
-    return t.get();
-}
-
 inline bool cb_simd() {
 #if LD_X86
     static const bool simd = have_avx2();
@@ -1992,13 +1963,6 @@ inline void cb_rest_eval(const double* w, size_t n, double Et, double lo, double
     if (cb_simd()) return cb_rest_eval_avx2(w, n, Et, lo, hi, nlo, nhi, wmid);
 #endif
     cb_rest_eval_scalar(w, n, Et, lo, hi, nlo, nhi, wmid);
-}
-
-inline double cb_js_sum(const double* x, const double* lx, const double* w, const double* lw, size_t n) {
-#if LD_X86
-    if (cb_simd()) return cb_js_sum_avx2(x, lx, w, lw, n);
-#endif
-    return cb_js_sum_scalar(x, lx, w, lw, n);
 }
 
 inline void cb_js_terms(const double* x, const double* lx, const double* w, const double* lw, size_t n, double* out) {
@@ -2173,92 +2137,109 @@ __attribute__((target("avx2,fma,f16c"))) void cb_bins_avx2(const double* x, size
 #endif
 
 
-// The rest's lower pass (x = clip(tau w) in the box) and upper assignment in one pass:
-// with bins, an entry whose bin is below bstar takes (lhi, hi), above it (llo, lo), and
-// those of bin bstar are collected (coll: ln w, w) for the caller; without bins every
-// entry takes hi (all_hi) or lo. low: sum x and the three lower terms; up: the three
-// upper terms of the assigned entries; n_hi: how many took hi.
+// The rest's lower pass and upper assignment in one pass. Lower: an entry whose x =
+// tau w lies strictly inside the box ("mid": the ratio equation puts nearly every entry
+// there) has terms x ln tau, -w ln tau and w g(tau), so the pass only sums their w
+// (w_mid) and takes the per-entry terms of the clipped ones (at lo or hi; low: their sum
+// of x and three terms). Upper: ln w below thr takes (lhi, hi), above it (llo, lo); those
+// equal to thr are counted (n_eq; their w in w_eq: equal ln w, equal terms) and left to
+// the caller; up: the three upper terms, n_lt: how many lie below thr.
 struct CbPassOut {
-    double low[4], up[3], n_hi;
+    double low[4], w_mid, up[3], n_lt, n_eq, w_eq;
 };
 
-inline void cb_pass1(const double* lw, const double* w, const int32_t* bins, size_t i, int32_t bstar, bool all_hi, double lt,
-                     double Et, double llo, double lhi, double lo, double hi, double* lacc, double* uacc, double& nh,
-                     std::vector<std::pair<double, double>>& coll) {
-    cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, lacc);
-    if (bins && bins[i] == bstar) { coll.emplace_back(lw[i], w[i]); return; }
-    bool full = bins ? bins[i] < bstar : all_hi;
-    nh += full;
-    cb_box1(full ? lhi : llo, lw[i], full ? hi : lo, w[i], uacc);
+inline void cb_pass1(double lwi, double wi, double thr, double lt, double Et, double llo, double lhi, double lo, double hi,
+                     double* lacc, double* uacc, double& nlt, double& neq, double& weq, double& wm) {
+    double x = Et * wi;
+    if (x <= lo || x >= hi) cb_lower1(lwi, wi, lt, Et, llo, lhi, lo, hi, lacc);
+    else wm += wi;
+    if (lwi == thr) { neq += 1; weq = wi; return; }
+    bool full = lwi < thr;
+    nlt += full;
+    cb_box1(full ? lhi : llo, lwi, full ? hi : lo, wi, uacc);
 }
 
-void cb_pass_scalar(const double* lw, const double* w, const int32_t* bins, size_t n, int32_t bstar, bool all_hi, double lt,
-                    double Et, double llo, double lhi, double lo, double hi, CbPassOut& o,
-                    std::vector<std::pair<double, double>>& coll) {
-    CbSum tl[4], tu[3];
-    double nh = 0;
+void cb_pass_scalar(const double* lw, const double* w, size_t n, double thr, double lt, double Et, double llo, double lhi,
+                    double lo, double hi, CbPassOut& o) {
+    CbSum tl[4], tu[3], tw;
+    double nlt = 0, neq = 0, weq = 0;
     for (size_t i0 = 0; i0 < n; i0 += 64) {
-        double la[4] = {0, 0, 0, 0}, ua[3] = {0, 0, 0};
-        for (size_t i = i0; i < std::min(n, i0 + 64); ++i) cb_pass1(lw, w, bins, i, bstar, all_hi, lt, Et, llo, lhi, lo, hi, la, ua, nh, coll);
+        double la[4] = {0, 0, 0, 0}, ua[3] = {0, 0, 0}, wm = 0;
+        for (size_t i = i0; i < std::min(n, i0 + 64); ++i) cb_pass1(lw[i], w[i], thr, lt, Et, llo, lhi, lo, hi, la, ua, nlt, neq, weq, wm);
         for (int k = 0; k < 4; ++k) tl[k].add(la[k]);
         for (int k = 0; k < 3; ++k) tu[k].add(ua[k]);
+        tw.add(wm);
     }
     for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
     for (int k = 0; k < 3; ++k) o.up[k] = tu[k].get();
-    o.n_hi = nh;
+    o.w_mid = tw.get();
+    o.n_lt = nlt; o.n_eq = neq; o.w_eq = weq;
 }
 
 #if LD_X86
-__attribute__((target("avx2,fma,f16c"))) void cb_pass_avx2(const double* lw, const double* w, const int32_t* bins, size_t n,
-                                                            int32_t bstar, bool all_hi, double lt, double Et, double llo,
-                                                            double lhi, double lo, double hi, CbPassOut& o,
-                                                            std::vector<std::pair<double, double>>& coll) {
-    const __m256d LT = _mm256_set1_pd(lt), E = _mm256_set1_pd(Et), LLO = _mm256_set1_pd(llo), LHI = _mm256_set1_pd(lhi);
-    const __m256d L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi), one = _mm256_set1_pd(1.0);
-    const __m128i BS = _mm_set1_epi32(bstar);
-    const __m256d ALL = all_hi ? _mm256_castsi256_pd(_mm256_set1_epi64x(-1)) : _mm256_setzero_pd();
-    CbSum tl[4], tu[3];
-    double nh = 0;
-    __m256d cnt = _mm256_setzero_pd();
+// The lower terms of the lanes of a quad whose x is clipped to lo or hi (a helper out of
+// the pass's loop: its accumulators live in memory, the loop's in registers).
+__attribute__((target("avx2,fma,f16c"), noinline)) void cb_clipped4(const double* lw, const double* w, __m256d clipped, __m256d xc,
+                                                                     double lt, double llo, double lhi, double* acc) {
+    __m256d lwv = _mm256_loadu_pd(lw), wv = _mm256_loadu_pd(w);
+    __m256d lxc = _mm256_min_pd(_mm256_max_pd(_mm256_add_pd(_mm256_set1_pd(lt), lwv), _mm256_set1_pd(llo)), _mm256_set1_pd(lhi));
+    _mm256_store_pd(acc, _mm256_add_pd(_mm256_load_pd(acc), _mm256_and_pd(clipped, xc)));
+    _mm256_store_pd(acc + 4, _mm256_add_pd(_mm256_load_pd(acc + 4), _mm256_and_pd(clipped, _mm256_mul_pd(_mm256_sub_pd(lxc, lwv), xc))));
+    _mm256_store_pd(acc + 8, _mm256_add_pd(_mm256_load_pd(acc + 8), _mm256_and_pd(clipped, _mm256_mul_pd(wv, _mm256_sub_pd(lwv, lxc)))));
+    _mm256_store_pd(acc + 12, _mm256_add_pd(_mm256_load_pd(acc + 12), _mm256_and_pd(clipped, cb_js4(xc, lxc, wv, lwv))));
+}
+
+__attribute__((target("avx2,fma,f16c"))) void cb_pass_avx2(const double* lw, const double* w, size_t n, double thr, double lt,
+                                                            double Et, double llo, double lhi, double lo, double hi, CbPassOut& o) {
+    const __m256d E = _mm256_set1_pd(Et), LLO = _mm256_set1_pd(llo), LHI = _mm256_set1_pd(lhi);
+    const __m256d L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi), one = _mm256_set1_pd(1.0), T = _mm256_set1_pd(thr);
+    // lo normal: every x of the upper and x + w is >= lo, so a quad is plain where w > 0
+    const bool lo_normal = lo >= std::numeric_limits<double>::min();
+    const __m256d zero = _mm256_setzero_pd();
+    CbSum tl[4], tu[3], tw;
+    double nlt = 0, neq = 0, weq = 0;
+    __m256d clt = zero, ceq = zero;
     size_t i = 0;
     while (i < n) {
         size_t end = std::min(n, i + 64);
-        __m256d sx = _mm256_setzero_pd(), s0 = sx, s1 = sx, s2 = sx, u0 = sx, u1 = sx, u2 = sx;
-        double la[4] = {0, 0, 0, 0}, ua[3] = {0, 0, 0};
+        __m256d wm = zero, u0 = zero, u1 = zero, u2 = zero;
+        alignas(32) double cacc[16] = {0};  // four lanes each of the clipped entries' sum x and three terms
+        double la[4] = {0, 0, 0, 0}, ua[3] = {0, 0, 0}, wms = 0;
         for (; i + 4 <= end; i += 4) {
             __m256d lwv = _mm256_loadu_pd(lw + i), wv = _mm256_loadu_pd(w + i);
-            __m256d full = ALL;
-            if (bins) {
-                __m128i bq = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bins + i));
-                if (_mm_movemask_epi8(_mm_cmpeq_epi32(bq, BS))) {
-                    for (size_t k = i; k < i + 4; ++k) cb_pass1(lw, w, bins, k, bstar, all_hi, lt, Et, llo, lhi, lo, hi, la, ua, nh, coll);
-                    continue;
-                }
-                full = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm_cmplt_epi32(bq, BS)));
-            }
-            __m256d lx = _mm256_min_pd(_mm256_max_pd(_mm256_add_pd(LT, lwv), LLO), LHI);
-            __m256d x = _mm256_min_pd(_mm256_max_pd(_mm256_mul_pd(E, wv), L), H);
+            __m256d full = _mm256_cmp_pd(lwv, T, _CMP_LT_OQ), eq = _mm256_cmp_pd(lwv, T, _CMP_EQ_OQ);
+            __m256d x = _mm256_mul_pd(E, wv);
+            __m256d clipped = _mm256_or_pd(_mm256_cmp_pd(x, L, _CMP_LE_OQ), _mm256_cmp_pd(x, H, _CMP_GE_OQ));
             __m256d xu = _mm256_blendv_pd(L, H, full), lxu = _mm256_blendv_pd(LLO, LHI, full);
-            if (!cb_plain4(x, wv) || !cb_plain4(xu, wv)) {
-                for (size_t k = i; k < i + 4; ++k) cb_pass1(lw, w, bins, k, bstar, all_hi, lt, Et, llo, lhi, lo, hi, la, ua, nh, coll);
+            const int cm = _mm256_movemask_pd(clipped);
+            __m256d xc = _mm256_min_pd(_mm256_max_pd(x, L), H);
+            bool scalar = lo_normal ? _mm256_movemask_pd(_mm256_cmp_pd(wv, zero, _CMP_GT_OQ)) != 0xF
+                                    : (!cb_plain4(xu, wv) || (cm && !cb_plain4(xc, wv)));
+            if (scalar) {
+                for (size_t k = i; k < i + 4; ++k) cb_pass1(lw[k], w[k], thr, lt, Et, llo, lhi, lo, hi, la, ua, nlt, neq, weq, wms);
                 continue;
             }
-            sx = _mm256_add_pd(sx, x);
-            s0 = _mm256_fmadd_pd(_mm256_sub_pd(lx, lwv), x, s0);
-            s1 = _mm256_fmadd_pd(wv, _mm256_sub_pd(lwv, lx), s1);
-            s2 = _mm256_add_pd(s2, cb_js4(x, lx, wv, lwv));
-            u0 = _mm256_fmadd_pd(_mm256_sub_pd(lxu, lwv), xu, u0);
-            u1 = _mm256_fmadd_pd(wv, _mm256_sub_pd(lwv, lxu), u1);
-            u2 = _mm256_add_pd(u2, cb_js4(xu, lxu, wv, lwv));
-            cnt = _mm256_add_pd(cnt, _mm256_and_pd(full, one));
+            wm = _mm256_add_pd(wm, _mm256_andnot_pd(clipped, wv));
+            if (cm) cb_clipped4(lw + i, w + i, clipped, xc, lt, llo, lhi, cacc);  // entries at lo or hi in the lower placement
+            const int em = _mm256_movemask_pd(eq);
+            if (em) {  // ties at thr: counted, left out of the sums
+                ceq = _mm256_add_pd(ceq, _mm256_and_pd(eq, one));
+                weq = w[i + __builtin_ctz((unsigned)em)];
+            }
+            u0 = _mm256_add_pd(u0, _mm256_andnot_pd(eq, _mm256_mul_pd(_mm256_sub_pd(lxu, lwv), xu)));
+            u1 = _mm256_add_pd(u1, _mm256_andnot_pd(eq, _mm256_mul_pd(wv, _mm256_sub_pd(lwv, lxu))));
+            u2 = _mm256_add_pd(u2, _mm256_andnot_pd(eq, cb_js4(xu, lxu, wv, lwv)));
+            clt = _mm256_add_pd(clt, _mm256_and_pd(full, one));
         }
-        for (; i < end; ++i) cb_pass1(lw, w, bins, i, bstar, all_hi, lt, Et, llo, lhi, lo, hi, la, ua, nh, coll);
-        tl[0].add(hsum(sx) + la[0]); tl[1].add(hsum(s0) + la[1]); tl[2].add(hsum(s1) + la[2]); tl[3].add(hsum(s2) + la[3]);
+        for (; i < end; ++i) cb_pass1(lw[i], w[i], thr, lt, Et, llo, lhi, lo, hi, la, ua, nlt, neq, weq, wms);
+        for (int k = 0; k < 4; ++k) tl[k].add(cacc[4 * k] + cacc[4 * k + 1] + cacc[4 * k + 2] + cacc[4 * k + 3] + la[k]);
+        tw.add(hsum(wm) + wms);
         tu[0].add(hsum(u0) + ua[0]); tu[1].add(hsum(u1) + ua[1]); tu[2].add(hsum(u2) + ua[2]);
     }
     for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
     for (int k = 0; k < 3; ++k) o.up[k] = tu[k].get();
-    o.n_hi = nh + hsum(cnt);
+    o.w_mid = tw.get();
+    o.n_lt = nlt + hsum(clt); o.n_eq = neq + hsum(ceq); o.w_eq = weq;
 }
 
 // bf16 / f16 bits -> float32 (exact)
@@ -2269,19 +2250,19 @@ __attribute__((target("avx2,fma,f16c"))) void cb_widen_avx2(const void* base, in
 }
 #endif
 
-inline void cb_pass(const double* lw, const double* w, const int32_t* bins, size_t n, int32_t bstar, bool all_hi, double lt,
-                    double Et, double llo, double lhi, double lo, double hi, CbPassOut& o,
-                    std::vector<std::pair<double, double>>& coll) {
-    coll.clear();
+inline void cb_pass(const double* lw, const double* w, size_t n, double thr, double lt, double Et, double llo, double lhi,
+                    double lo, double hi, CbPassOut& o) {
 #if LD_X86
-    if (cb_simd()) return cb_pass_avx2(lw, w, bins, n, bstar, all_hi, lt, Et, llo, lhi, lo, hi, o, coll);
+    if (cb_simd()) return cb_pass_avx2(lw, w, n, thr, lt, Et, llo, lhi, lo, hi, o);
 #endif
-    cb_pass_scalar(lw, w, bins, n, bstar, all_hi, lt, Et, llo, lhi, lo, hi, o, coll);
+    cb_pass_scalar(lw, w, n, thr, lt, Et, llo, lhi, lo, hi, o);
 }
 
-// The histogram bin, out of CB_NB, holding rank k (0-based, ascending) of x[0, n) (all in
-// [xmin, xmax], xmax > xmin): bins[i] of every entry, and how many entries lie in lower bins.
-int32_t cb_rank_bin(const double* x, size_t n, size_t k, double xmin, double xmax, CbScratch& S, size_t& below) {
+// The value at rank k (0-based, ascending) of x[0, n), k < n, all in [xmin, xmax]: a
+// histogram of CB_NB bins (the bin index is monotone in x) locates its bin, nth_element
+// among that bin's entries finds it.
+double cb_rank(const double* x, size_t n, size_t k, double xmin, double xmax, CbScratch& S) {
+    if (!(xmax > xmin)) return xmin;
     const double sc = (CB_NB - 1) / (xmax - xmin);
     S.bins.resize(n);
     int32_t* bins = S.bins.data();
@@ -2290,14 +2271,25 @@ int32_t cb_rank_bin(const double* x, size_t n, size_t k, double xmin, double xma
     else
 #endif
         for (size_t i = 0; i < n; ++i) bins[i] = cb_bin(x[i], xmin, sc);
-    S.hist.assign(CB_NB, 0);
+    S.hist.assign(4 * CB_NB, 0);  // four interleaved counts: no chain of increments of one slot
     int64_t* h = S.hist.data();
-    for (size_t i = 0; i < n; ++i) ++h[bins[i]];
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        ++h[bins[i]];
+        ++h[CB_NB + bins[i + 1]];
+        ++h[2 * CB_NB + bins[i + 2]];
+        ++h[3 * CB_NB + bins[i + 3]];
+    }
+    for (; i < n; ++i) ++h[bins[i]];
+    for (int b = 0; b < CB_NB; ++b) h[b] += h[CB_NB + b] + h[2 * CB_NB + b] + h[3 * CB_NB + b];
     size_t before = 0;
     int32_t b = 0;
     for (; b < CB_NB - 1 && before + (size_t)h[b] <= k; ++b) before += (size_t)h[b];
-    below = before;
-    return b;
+    S.sel.resize((size_t)h[b]);
+    size_t j = 0;
+    for (size_t i2 = 0; i2 < n; ++i2) if (bins[i2] == b) S.sel[j++] = x[i2];
+    std::nth_element(S.sel.begin(), S.sel.begin() + (k - before), S.sel.end());
+    return S.sel[k - before];
 }
 
 inline void cb_band_eval(const double* w, const double* lo, const double* hi, size_t m, double Et, double& clo, double& chi,
@@ -2438,39 +2430,24 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
             n_full = std::min<int64_t>(std::max<int64_t>(n_full, 0), (int64_t)cnt);
             double part = cap > 0 ? rest - n_full * cap : 0.0;
             const bool all_hi = n_full >= (int64_t)cnt;
-            // the n_full smallest: every entry of the bins below the one holding rank n_full,
-            // and the smallest of that bin (collected by the pass, selected after it)
-            const int32_t* bins = nullptr;
-            int32_t bstar = 0;
-            size_t below = 0;
-            if (!all_hi && n_full > 0) {
-                if (lw_max > lw_min) {
-                    bstar = cb_rank_bin(rlw, cnt, (size_t)n_full, lw_min, lw_max, S, below);
-                } else {  // one value: one bin
-                    S.bins.assign(cnt, 0);
-                }
-                bins = S.bins.data();
-            }
+            // thr: ln w at rank n_full (ascending), +inf when every entry is full
+            double thr = all_hi ? CB_INF : n_full == 0 ? lw_min : cb_rank(rlw, cnt, (size_t)n_full, lw_min, lw_max, S);
             CbPassOut o;
-            cb_pass(rlw, rw, bins, cnt, bstar, all_hi, lt, Et, llo, lhi, lo, hi, o, S.sc);
-            for (int t = 0; t < 3; ++t) lower[t] += o.low[1 + t] + cb_dphi(t, lt) * (mass - o.low[0]);
+            cb_pass(rlw, rw, cnt, thr, lt, Et, llo, lhi, lo, hi, o);
+            // the mid entries' terms from their sum of w: x ln tau, -w ln tau, w g(tau)
+            double x_mid = o.w_mid > 0 ? Et * o.w_mid : 0.0;
+            double lp1 = lt > 0 ? lt + std::log1p(std::exp(-lt)) : std::log1p(std::exp(lt));  // ln(1 + tau)
+            double g_tau = 0.5 * (Et * (CB_LN2 + lt - lp1) + (CB_LN2 - lp1));
+            double mid[3] = {x_mid * lt, -o.w_mid * lt, o.w_mid > 0 ? o.w_mid * g_tau : 0.0};
+            for (int t = 0; t < 3; ++t) lower[t] += (o.low[1 + t] + mid[t]) + cb_dphi(t, lt) * (mass - (o.low[0] + x_mid));
+            // ties at thr: the first n_full - n_lt of them full (equal ln w: equal terms)
+            double k_full = std::min(std::max((double)n_full - o.n_lt, 0.0), o.n_eq);
             double base[3] = {o.up[0], o.up[1], o.up[2]};
-            double p_lw = 0, p_w = 0;  // the partly filled entry
-            if (bins) {
-                auto& c = S.sc;
-                const size_t k = (size_t)n_full - below;  // < c.size(): the bin holds rank n_full
-                std::nth_element(c.begin(), c.begin() + k, c.end(),
-                                 [](const std::pair<double, double>& x, const std::pair<double, double>& y) { return x.first < y.first; });
-                for (int t = 0; t < 3; ++t) {
-                    CbSum b;
-                    for (size_t j = 0; j < c.size(); ++j)
-                        b.add(j < k ? cb_phi(t, lhi, c[j].first, hi, c[j].second) : cb_phi(t, llo, c[j].first, lo, c[j].second));
-                    base[t] += b.get();
-                }
-                p_lw = c[k].first; p_w = c[k].second;
-            } else if (!all_hi) {  // n_full = 0: the smallest w
-                for (size_t j = 0; j < cnt; ++j) if (rlw[j] == lw_min) { p_lw = rlw[j]; p_w = rw[j]; break; }
+            for (int t = 0; t < 3; ++t) {
+                if (k_full > 0) base[t] += k_full * cb_phi(t, lhi, thr, hi, o.w_eq);
+                if (o.n_eq - k_full > 0) base[t] += (o.n_eq - k_full) * cb_phi(t, llo, thr, lo, o.w_eq);
             }
+            double p_lw = thr, p_w = o.w_eq;  // the partly filled entry: rank n_full
             const bool has_part = !all_hi && part > 0;
             for (int t = 0; t < 3; ++t) {
                 double bt = base[t];
