@@ -519,6 +519,30 @@ def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+# A warm process of another checkout (--peer-src): one compare per request line, answered
+# with its wall and CPU (user, system) seconds, measured as the in-process kinds are.
+PEER_WORKER = r"""
+import json, os, sys, time
+from logitdiff.compare import compare_runs
+from logitdiff.store import RunReader
+for line in sys.stdin:
+    req = json.loads(line)
+    ref, cand = RunReader(req["ref"]), RunReader(req["cand"])
+    c0, w0 = os.times(), time.perf_counter()
+    compare_runs(ref, cand, threads=req["threads"])
+    w1, c1 = time.perf_counter(), os.times()
+    print(json.dumps([w1 - w0, c1.user - c0.user, c1.system - c0.system]), flush=True)
+"""
+
+
+def peer_worker(src: Path):
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(src.resolve()))
+    return subprocess.Popen([sys.executable, "-c", PEER_WORKER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
 def cmd_real(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="store_bench.py real", description=DOC_REAL, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -537,6 +561,10 @@ def cmd_real(argv=None) -> int:
     ap.add_argument("--isa-peers", action="store_true",
                     help="also time the hidden reference decoded by each compiled instruction set this CPU runs "
                          "(hidden-avx2, hidden-avx512bf16: kernel.hidden_decode's isa) in the same rounds")
+    ap.add_argument("--peer-src", type=Path, default=None,
+                    help="another checkout's src/ (its kernel built): its full and compact compares are timed in the same "
+                         "rounds by a warm worker process (kinds full@LABEL, compact@LABEL), e.g. main before a change")
+    ap.add_argument("--peer-label", default="before", help="label of --peer-src's kinds (default: before)")
     ap.add_argument("--wide", action="store_true",
                     help="instead of SmolLM2: the random bf16 Llama of tests/_models.py at V = 248,320 (hidden 128) as "
                          "the reference and the same architecture from another seed (bf16) as the one candidate")
@@ -630,11 +658,22 @@ def cmd_real(argv=None) -> int:
     if a.isa_peers:
         isa_kinds = {f"hidden-{i}": i for i in ("avx2", "avx512bf16") if i != "avx512bf16" or K.has_avx512bf16()}
         kinds.update({k: refs["hidden"] for k in isa_kinds})
+    worker = None
+    if a.peer_src:
+        kinds.update({f"full@{a.peer_label}": refs["full"], f"compact@{a.peer_label}": refs["compact"]})
+        worker = peer_worker(a.peer_src)
     timing = {q: {s: [] for s in kinds} for q in cands}
     cpu = {q: {s: [] for s in kinds} for q in cands}
     for _ in range(a.rounds):
         for q, p in cands.items():
             for s, rp in kinds.items():  # interleaved: every reference kind per rung per round
+                if "@" in s:  # the peer checkout, in its warm worker (wall and CPU of its process)
+                    worker.stdin.write(json.dumps({"ref": str(rp), "cand": str(p), "threads": a.threads}) + "\n")
+                    worker.stdin.flush()
+                    w, u, y = json.loads(worker.stdout.readline())
+                    timing[q][s].append(w)
+                    cpu[q][s].append((u, y))
+                    continue
                 previous(s in ("hidden-f64", "compact-numpy"))
                 if s in isa_kinds:
                     K.hidden_decode = functools.partial(compiled[1], isa=isa_kinds[s])
@@ -646,6 +685,9 @@ def cmd_real(argv=None) -> int:
                 timing[q][s].append(w1 - w0)
                 cpu[q][s].append((c1.user - c0.user, c1.system - c0.system))
     previous(False)
+    if worker is not None:
+        worker.stdin.close()
+        worker.wait()
     med = {q: {s: statistics.median(v) for s, v in d.items()} for q, d in timing.items()}
     cpu_med = {q: {s: statistics.median(u + y for u, y in v) for s, v in d.items()} for q, d in cpu.items()}
 
@@ -665,7 +707,7 @@ def cmd_real(argv=None) -> int:
     for q, m in med.items():
         print(f"| {q} | {m['full']:.2f} | {m['hidden']:.2f} | {m['compact']:.2f} | {m['hidden'] / m['full']:.2f} | "
               f"{m['compact'] / m['full']:.2f} |")
-    if a.peers or a.isa_peers:
+    if a.peers or a.isa_peers or a.peer_src:
         print("\nsame rounds, median wall (s) / median CPU user+sys (s), and wall ratio to full:")
         print("| rung | " + " | ".join(kinds) + " | " + " | ".join(f"{s} / full" for s in kinds if s != "full") + " |")
         print("|---|" + "---:|" * (2 * len(kinds) - 1))

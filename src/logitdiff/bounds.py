@@ -361,11 +361,12 @@ def compact_vs_full(ref: CompactRows, cand_logp, divergences=DIVERGENCES, *, com
     (kernel.compact_bounds: no sort, the ratio solved exactly; equal to the numpy code
     below to float64 summation error); ``cand_p``: exp(cand_logp) when the caller has it;
     ``threads``: the kernel's worker threads (rows in parallel; default 1). A row of
-    ``cand_logp`` holding NaN or +inf is refused (`metrics.NonFiniteLogits`, as the full
-    comparison refuses such logits); -inf is a probability of 0."""
+    ``cand_logp`` holding NaN or +-inf is refused (`metrics.NonFiniteLogits`), as the full
+    comparison refuses such logits: NaN has no divergence, and the groups below leave out
+    entries whose candidate probability is 0, which would hide an infinite forward KL."""
     lq = np.asarray(cand_logp, np.float64)
     n_rows, V = lq.shape
-    bad = np.isnan(lq) | (lq == np.inf)
+    bad = ~np.isfinite(lq)
     if bad.any():
         from .metrics import NonFiniteLogits
 
