@@ -1728,6 +1728,36 @@ double cb_knapsack(std::vector<std::pair<double, double>>& sc, double rest) {
     return gain;
 }
 
+// cb_knapsack for many entries: a histogram of the slopes (1,024 bins, steepest first;
+// the bin index is monotone in s) gives the capacity and s-weighted capacity of whole bins,
+// the bins before the one where the fill ends are taken whole, and cb_knapsack fills the
+// rest within that bin. The same optimum (any order of equal slopes fills alike); slopes
+// that are not finite go to cb_knapsack on the whole set.
+double cb_knapsack_hist(std::vector<std::pair<double, double>>& sc, double rest, std::vector<double>& hist,
+                        std::vector<std::pair<double, double>>& part) {
+    const size_t m = sc.size();
+    if (m < 256 || !(rest > 0)) return cb_knapsack(sc, rest);
+    double smin = CB_INF, smax = -CB_INF;
+    for (const auto& e : sc) { smin = std::min(smin, e.first); smax = std::max(smax, e.first); }
+    if (!std::isfinite(smin) || !std::isfinite(smax) || !(smax > smin)) return cb_knapsack(sc, rest);
+    constexpr int NB = 1024;
+    const double f = (NB - 1) / (smax - smin);
+    auto bin = [&](double v) { return (int)std::min<double>((smax - v) * f, NB - 1); };
+    hist.assign(2 * NB, 0.0);  // [b]: capacity, [NB + b]: s * capacity
+    for (const auto& e : sc) {
+        int b = bin(e.first);
+        hist[b] += e.second;
+        hist[NB + b] += e.first * e.second;
+    }
+    double gain = 0.0;
+    int b = 0;
+    for (; b < NB && hist[b] < rest; ++b) { rest -= hist[b]; gain += hist[NB + b]; }
+    if (b == NB) return gain;  // every entry full
+    part.clear();
+    for (const auto& e : sc) if (bin(e.first) == b) part.push_back(e);
+    return gain + cb_knapsack(part, rest);
+}
+
 // ---------------------------------------------------------------- vector passes
 // Every pass sums in 4 lanes over blocks of 64 entries, the blocks compensated (CbSum):
 // error ~ 18 eps of the sum of magnitudes (docs/bounds.md, Rounding).
@@ -2008,7 +2038,8 @@ struct CbScratch {
     std::vector<double> lw, w, llo, lhi, lo, hi, p0, p1, sel, tv;
     std::vector<int64_t> hist;
     std::vector<int32_t> bins;
-    std::vector<std::pair<double, double>> sc;
+    std::vector<std::pair<double, double>> sc, kpart;
+    std::vector<double> khist;
     TopK top;
     explicit CbScratch(int64_t V) : mask((size_t)V, 1), rlw((size_t)V + 4), rw((size_t)V + 4) {}
 };
@@ -2395,7 +2426,7 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
                     S.sc.emplace_back((S.p1[i] - p0) / cap, cap);
                 }
                 base.add(blk);
-                double gain = cb_knapsack(S.sc, rest), bt = base.get();
+                double gain = cb_knapsack_hist(S.sc, rest, S.khist, S.kpart), bt = base.get();
                 upper[t] += std::isinf(bt) ? CB_INF : bt + (std::isfinite(bt) ? gain : 0.0);
             }
         }
