@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -70,6 +71,61 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
             os.fsync(f.fileno())
     except OSError as e:
         raise write_error(path, e) from None
+
+
+@contextmanager
+def atomic_file_unsynced(path: str | Path) -> Iterator[BinaryIO]:
+    """:func:`atomic_file` without the fsync: whole or not at all for a killed process, but
+    not yet durable; the caller must :func:`fsync_path` it before anything that says it is
+    there (a RUN's manifest) is made durable. Writeback is started when the file is
+    complete (:func:`start_writeback`), so the later fsync mostly finds it done."""
+    path = Path(path)
+    try:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            start_writeback(f.fileno())
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
+def fsync_path(path: str | Path) -> None:
+    """Make a file written by :func:`atomic_file_unsynced` durable (fsync by name: it syncs
+    the file, not the descriptor)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
+@functools.lru_cache(maxsize=None)
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None (looked up once)."""
+    try:
+        import ctypes
+
+        f = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    f.restype = ctypes.c_int
+    return f
+
+
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Start writing a file's dirty pages to disk now, without waiting for it
+    (sync_file_range(SYNC_FILE_RANGE_WRITE) on Linux; elsewhere nothing: the fsync that
+    follows does all the work). Advisory: errors surface at that fsync."""
+    sfr = _sync_file_range()
+    if sfr is not None:
+        sfr(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

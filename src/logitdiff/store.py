@@ -36,7 +36,7 @@ import numpy as np
 from ._version import __version__
 from . import validate
 from .errors import LogitdiffError
-from .outputs import RUN_SCHEMA, Kind, atomic_write_bytes, atomic_write_json, check_output
+from .outputs import RUN_SCHEMA, Kind, atomic_file_unsynced, atomic_write_bytes, atomic_write_json, check_output, fsync_path
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 from .storekinds import BlockPlace, RowsForm, StoreKind, check_full_rows, cut_rows, store_kind
@@ -58,6 +58,10 @@ RESUME_FREE_IDENTITY = ("threads", "endpoints", "extra_bufts", "total_slots")
 DEFAULT_CHUNK_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 1 << 40
 TOKENS_FILE = "tokens.json"
+# Chunks a RunWriter may have written but not yet made durable and listed in the manifest
+# (the syncer's lag behind the writer): what the disk may owe when the producer waits, and
+# what a SIGKILL or a crash can cost a --resume on top of the chunk being written.
+SYNC_LAG = 4
 
 
 def parse_chunk_size(text: str | int | None) -> int:
@@ -277,12 +281,19 @@ class RunWriter(_KindViews):
         self._cur: RunItem | None = None
         self._cur_rows = 0
         # Chunks are written by one background thread, in order, while the caller computes
-        # the next rows (the file write and fsync cost a cheap model ~15 % of its forward
-        # time). At most one chunk is in flight: a producer faster than the disk waits
-        # rather than piling chunks up in memory. The manifest lists a chunk only after its
-        # files are durable, so a kill still leaves whole chunks behind.
+        # the next rows; at most one chunk is in flight there: a producer faster than the
+        # disk waits rather than piling chunks up in memory. The files are written whole
+        # (temporary + rename) but not fsynced by that thread: a second thread (the syncer)
+        # fsyncs each chunk's files and only then lists the chunk in the manifest, so the
+        # manifest still names only durable chunks and a kill or a crash leaves whole chunks
+        # behind, while the disk's writeback no longer holds up the writer (at V = 248,320 a
+        # blocking fsync per 64 MiB chunk made the capture disk-bound; issue 24). The syncer
+        # may trail the writer by at most SYNC_LAG chunks (written, not yet listed).
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: list = []
+        self._syncer: ThreadPoolExecutor | None = None
+        self._pending: list = []  # the writer's futures
+        self._syncing: list = []  # the syncer's futures, in chunk order
+        self._sync_failed = False  # a chunk failed to become durable: no later chunk is listed
         self._kept_tools: dict[str, dict] = {}  # tools module path -> its copy in the RUN
         mpath = self.path / "manifest.json"
         fresh = {
@@ -323,6 +334,13 @@ class RunWriter(_KindViews):
             # manifest never listed it, so it is garbage: remove it before writing again.
             for stale in (self.path / "chunks").glob(".*.tmp*"):
                 stale.unlink(missing_ok=True)
+            # Chunk files the manifest does not list (written, not yet durable when the kill
+            # came): the resumed capture writes those indices again; remove any it may not reach.
+            listed = len(self.manifest["chunks"])
+            for f in (self.path / "chunks").iterdir():
+                head = f.name.split(".", 1)[0]
+                if head.isdigit() and len(head) == 6 and int(head) >= listed and f.is_file():
+                    f.unlink(missing_ok=True)
         else:
             if mpath.exists() and not overwrite:
                 raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
@@ -340,12 +358,16 @@ class RunWriter(_KindViews):
             self._write_manifest()
         # a new run writes these; a resumed one only when a kill came before them
         fresh_start = self.manifest is fresh
+        side: list[tuple[str, list]] = []
         if vocab is not None and (fresh_start or not (self.path / "vocab.json").exists()):
-            # one line (json's C encoder: ~10x the indented Python one at V = 248,320)
-            atomic_write_json(self.path / "vocab.json", vocab, indent=None)
+            side.append(("vocab.json", vocab))
         if tokens is not None and (fresh_start or not (self.path / TOKENS_FILE).exists()):
-            # the strings tokenizer_hash is of (tokenizer_identity.py)
-            atomic_write_json(self.path / TOKENS_FILE, list(tokens), indent=None)
+            side.append((TOKENS_FILE, list(tokens)))  # the strings tokenizer_hash is of (tokenizer_identity.py)
+        if side:
+            # by the writer thread, before any chunk (so durable before the manifest lists one):
+            # encoding V strings twice is ~10 % of a 1,024-position capture at V = 248,320,
+            # done while the caller's first forward runs
+            self._pending.append(self._threads()[0].submit(self._write_side_files, side))
         self.kind.write_files(self.path, fresh_start)
         self._next_chunk = len(self.manifest["chunks"])
 
@@ -462,47 +484,96 @@ class RunWriter(_KindViews):
             self._buf_items, self._buf_rows, self._nrows = [], [], 0
             idx = self._next_chunk
             self._next_chunk += 1
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitdiff-writer")
-            self._drain()  # bound memory: one chunk in flight, one buffering
-            self._pending.append(self._pool.submit(self._write_chunk, idx, items, rows, nrows))
+            pool, syncer = self._threads()
+            self._drain_writes()  # bound memory: one chunk in flight, one buffering
+            self._drain_syncs(keep=SYNC_LAG)  # and a bounded number written but not yet listed
+            written = pool.submit(self._write_chunk, idx, items, rows, nrows)
+            self._pending.append(written)
+            self._syncing.append(syncer.submit(self._list_chunk, written))
         if wait:
             self._drain()
 
-    def _raise_failed(self) -> None:
-        done = [f for f in self._pending if f.done()]
-        self._pending = [f for f in self._pending if not f.done()]
-        for f in done:
-            f.result()  # re-raises the writer's exception in the caller
+    def _threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The writer and the syncer (started on first use, stopped by ``close``)."""
+        if self._pool is None or self._syncer is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-    def _drain(self) -> None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitdiff-writer")
+            self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitdiff-syncer")
+        return self._pool, self._syncer
+
+    def _write_side_files(self, files: list[tuple[str, list]]) -> None:
+        for name, strings in files:
+            # one line (json's C encoder: ~10x the indented Python one at V = 248,320)
+            atomic_write_json(self.path / name, strings, indent=None)
+
+    def _raise_failed(self) -> None:
+        for name in ("_pending", "_syncing"):
+            futures = getattr(self, name)
+            done = [f for f in futures if f.done()]
+            setattr(self, name, [f for f in futures if not f.done()])
+            for f in done:
+                f.result()  # re-raises the writer's (or syncer's) exception in the caller
+
+    def _drain_writes(self) -> None:
         pending, self._pending = self._pending, []
         for f in pending:
             f.result()
 
+    def _drain_syncs(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` chunks are written but not yet listed."""
+        while len(self._syncing) > keep:
+            self._syncing.pop(0).result()
+
+    def _drain(self) -> None:
+        """Every chunk handed out so far written, durable and listed in the manifest."""
+        try:
+            self._drain_writes()
+        finally:
+            self._drain_syncs()
+
     def close(self) -> None:
-        """Wait for pending chunks and stop the writer thread (``finish`` does this too)."""
+        """Wait for pending chunks and stop the writer threads (``finish`` does this too)."""
         try:
             self._drain()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            for name in ("_pool", "_syncer"):
+                pool = getattr(self, name)
+                if pool is not None:
+                    pool.shutdown(wait=True)
+                    setattr(self, name, None)
 
-    def _write_chunk(self, idx: int, items: list[RunItem], rows: list, nrows: int) -> None:
+    def _write_chunk(self, idx: int, items: list[RunItem], rows: list, nrows: int) -> tuple[dict, list[RunItem]]:
+        """The writer thread: a chunk's files, whole under their names, writeback started
+        (not yet durable: :meth:`_list_chunk` does that)."""
         stem = f"{idx:06d}"
         cdir = self.path / "chunks"
         entry: dict[str, Any] = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items),
                  "data": f"{stem}.{self.kind.chunk_suffix}"}
         self.kind.save_chunk(cdir / entry["data"], rows)
         text = "".join(json.dumps(it.to_json_in(idx)) + "\n" for it in items)
-        atomic_write_bytes(cdir / entry["items"], text.encode())
-        self.manifest["chunks"].append(entry)
-        self.manifest["n_items"] += len(items)
-        self.manifest["n_positions"] += sum(len(it.positions) for it in items)
-        self._write_manifest()
+        with atomic_file_unsynced(cdir / entry["items"]) as f:
+            f.write(text.encode())
+        return entry, items
+
+    def _list_chunk(self, written) -> None:
+        """The syncer thread, in chunk order: once the writer has written a chunk, fsync its
+        files, then list it in the manifest (written atomically and fsynced). After a
+        failure no later chunk is listed: the manifest's chunks stay 0, 1, ... with no gap."""
+        if self._sync_failed:
+            raise LogitdiffError(f"{self.path}: an earlier chunk was not written; later chunks are not listed")
+        try:
+            entry, items = written.result()
+            cdir = self.path / "chunks"
+            fsync_path(cdir / entry["data"])
+            fsync_path(cdir / entry["items"])
+            self.manifest["chunks"].append(entry)
+            self.manifest["n_items"] += len(items)
+            self.manifest["n_positions"] += sum(len(it.positions) for it in items)
+            self._write_manifest()
+        except BaseException:
+            self._sync_failed = True
+            raise
 
     def finish(self, extra: dict | None = None) -> None:
         if self._cur is not None:

@@ -1,5 +1,10 @@
 """``--store full``: every row's logits as the source gave them (float32, float16, float64,
-or bf16 as its uint16 bits), one ``.npy`` per chunk, read back memory-mapped."""
+or bf16 as its uint16 bits), one ``.npy`` per chunk, read back memory-mapped.
+
+A chunk file is written whole or not at all (temporary + rename) but not fsynced here: at
+V = 248,320 a chunk is 64 MiB, and a blocking fsync per chunk kept the writer (and through
+it the capture) waiting on the disk. ``RunWriter`` fsyncs it before the manifest lists the
+chunk; writeback is started after each block, so that fsync mostly finds the data written."""
 
 from __future__ import annotations
 
@@ -10,8 +15,9 @@ import numpy as np
 
 from .. import validate
 from ..errors import LogitdiffError
+from ..outputs import atomic_file_unsynced, start_writeback
 from .base import Block, BlockPlace, RowsForm, StoreKind, check_full_rows
-from .rows import DTYPES, atomic_save_npy_rows, full_values
+from .rows import DTYPES, f32_to_bf16, full_values
 
 
 class FullStore(StoreKind):
@@ -36,8 +42,9 @@ class FullStore(StoreKind):
         return rows, int(rows.shape[0])
 
     def save_chunk(self, path: Path, blocks: list[Block]) -> None:
-        atomic_save_npy_rows(path, blocks or [np.zeros((0, int(self.vocab_size or 0)), dtype=np.float32)],
-                             self.dtype or "float32")
+        """Not durable on return: ``RunWriter`` fsyncs ``path`` before it lists the chunk."""
+        save_npy_rows_unsynced(path, blocks or [np.zeros((0, int(self.vocab_size or 0)), dtype=np.float32)],
+                               self.dtype or "float32")
 
     def load_chunk(self, path: Path, label: Any) -> Block:
         data = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -48,3 +55,22 @@ class FullStore(StoreKind):
 
     def values(self, rows: Block, raw: bool = False) -> Block:
         return full_values(rows, self.dtype, raw)
+
+
+def save_npy_rows_unsynced(path: Path, blocks: list[np.ndarray], dtype: str) -> None:
+    """One ``.npy`` of the row blocks stacked, written block by block straight from each
+    block's buffer (no concatenated copy), renamed into place when whole; writeback of each
+    block is started as soon as it is written, the fsync is the caller's. ``dtype``
+    ``"bfloat16"`` stores bf16 bits."""
+    n = sum(b.shape[0] for b in blocks)
+    cols = blocks[0].shape[1] if blocks else 0
+    out_dtype = np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(DTYPES[dtype])
+    with atomic_file_unsynced(path) as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False,
+                                                 "shape": (n, cols)})
+        for b in blocks:
+            if dtype == "bfloat16":
+                b = b if b.dtype == np.uint16 else f32_to_bf16(b)
+            f.write(np.ascontiguousarray(b, dtype=out_dtype).data)
+            f.flush()
+            start_writeback(f.fileno())
