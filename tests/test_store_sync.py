@@ -1,0 +1,138 @@
+"""RunWriter's durability order: chunk files are written by the writer thread without a
+blocking fsync; the syncer fsyncs them and only then lists the chunk in the manifest (at most
+``SYNC_LAG`` chunks behind); a failed chunk stops the listing; resume removes what was
+written but never listed."""
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import logitdiff.store as store
+from logitdiff.errors import LogitdiffError
+from logitdiff.store import SYNC_LAG, RunItem, RunReader, RunWriter
+from logitdiff.storekinds.full import FullStore
+
+V = 64
+
+
+def _item(i: int, n: int = 3) -> tuple[RunItem, np.ndarray]:
+    rng = np.random.default_rng(i)
+    return (RunItem(id=f"i{i}", prompt_ids=[1, 2], teacher_ids=rng.integers(0, V, n).tolist(), positions=list(range(n))),
+            rng.normal(0, 3, (n, V)).astype(np.float32))
+
+
+def _writer(path, chunk_rows=3, **kw) -> RunWriter:
+    return RunWriter(path, source={"spec": "test:sync"}, vocab_size=V, tokenizer_hash="sha256:t", chunk_rows=chunk_rows,
+                     vocab=[f"t{k}" for k in range(V)], tokens=[f"t{k}" for k in range(V)], **kw)
+
+
+@pytest.mark.parametrize("store_text", ["full", "topk:5"])
+def test_manifest_lists_a_chunk_only_after_its_files_are_fsynced(tmp_path, monkeypatch, store_text):
+    events: list[tuple] = []
+    real_fsync, real_manifest = store.fsync_path, RunWriter._write_manifest
+
+    def fsync_path(path):
+        real_fsync(path)
+        events.append(("fsync", path.name))
+
+    def write_manifest(self):
+        events.append(("manifest", [c["index"] for c in self.manifest["chunks"]]))
+        real_manifest(self)
+
+    monkeypatch.setattr(store, "fsync_path", fsync_path)
+    monkeypatch.setattr(RunWriter, "_write_manifest", write_manifest)
+    w = _writer(tmp_path / "run", store=store_text)
+    data = [_item(i) for i in range(7)]
+    for it, lg in data:
+        w.add(it, logits=lg)
+    w.finish()
+    listed: set[int] = set()
+    synced: set[str] = set()
+    for kind, what in events:
+        if kind == "fsync":
+            synced.add(what)
+            continue
+        for k in set(what) - listed:  # a chunk listed for the first time: its two files fsynced before
+            entry = json.loads((tmp_path / "run" / "manifest.json").read_text())["chunks"][k]
+            assert {entry["data"], entry["items"]} <= synced, (k, sorted(synced))
+        assert what == list(range(len(what))) and listed <= set(what)  # 0, 1, ... in order, none dropped
+        listed = set(what)
+    assert listed == set(range(len(json.loads((tmp_path / "run" / "manifest.json").read_text())["chunks"]))) and len(listed) >= 7
+    r = RunReader(tmp_path / "run")
+    assert [it.id for it in r.items()] == [f"i{k}" for k in range(7)]
+    assert r.vocab() == [f"t{k}" for k in range(V)] and r.tokens() == [f"t{k}" for k in range(V)]
+    if store_text == "full":
+        for it, (_, lg) in zip(r.items(), data):
+            np.testing.assert_array_equal(r.logits(it), lg)
+
+
+def test_syncer_lag_is_bounded(tmp_path, monkeypatch):
+    """With the disk stuck (fsync blocked), the producer stops after SYNC_LAG written chunks
+    plus the one the writer holds; released, everything is listed."""
+    gate = threading.Event()
+    real_fsync = store.fsync_path
+
+    def fsync_path(path):
+        gate.wait(30)
+        real_fsync(path)
+
+    monkeypatch.setattr(store, "fsync_path", fsync_path)
+    w = _writer(tmp_path / "run")
+    n = SYNC_LAG + 4
+    done = threading.Event()
+
+    def produce():
+        for i in range(n):
+            w.add(*_item(i))  # one chunk per item (chunk_rows=3)
+        done.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    time.sleep(1.0)
+    written = [p for p in (tmp_path / "run" / "chunks").glob("*.logits.npy")]
+    assert not done.is_set()
+    assert len(written) <= SYNC_LAG + 1
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["chunks"] == []
+    gate.set()
+    t.join(30)
+    assert done.is_set()
+    w.finish()
+    assert [it.id for it in RunReader(tmp_path / "run").items()] == [f"i{k}" for k in range(n)]
+
+
+def test_failed_chunk_stops_listing_then_resume_clears_unlisted(tmp_path, monkeypatch):
+    real_save = FullStore.save_chunk
+
+    def save_chunk(self, path, blocks):
+        if path.name.startswith("000001."):
+            raise LogitdiffError(f"{path}: no space left on device")
+        real_save(self, path, blocks)
+
+    monkeypatch.setattr(FullStore, "save_chunk", save_chunk)
+    w = _writer(tmp_path / "run", chunk_rows=4)  # chunk 0: the rows of i0 and i1, i0 ends there
+    data = [_item(i) for i in range(6)]
+    with pytest.raises(LogitdiffError, match="000001.logits.npy: no space left on device|earlier chunk"):
+        for it, lg in data:
+            w.add(it, logits=lg)
+        w.finish()
+    try:
+        w.close()
+    except LogitdiffError:
+        pass
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert m["status"] == "partial" and [c["index"] for c in m["chunks"]] == [0]
+    monkeypatch.setattr(FullStore, "save_chunk", real_save)
+    again = _writer(tmp_path / "run", chunk_rows=4, resume=True)
+    # chunks written after the failed one were never listed: gone, not read as the resumed run's
+    assert sorted(p.name for p in (tmp_path / "run" / "chunks").iterdir()) == ["000000.items.jsonl", "000000.logits.npy"]
+    assert again.done_ids() == {"i0"}
+    for it, lg in data[1:]:
+        again.add(it, logits=lg)
+    again.finish()
+    r = RunReader(tmp_path / "run")
+    assert [it.id for it in r.items()] == [f"i{k}" for k in range(6)]
+    for it, (_, lg) in zip(r.items(), data):
+        np.testing.assert_array_equal(r.logits(it), lg)
