@@ -33,7 +33,9 @@ Every step is reported in wall and in CPU seconds (user + system, all threads: o
 machine they spread far less than wall time), with the fsynced write rate of the output
 directory measured in the same invocation (a full bf16 row is 2 V bytes: a slow disk, not
 the capture, can be the limit; ``--out-dir /dev/shm/X`` shows the capture apart from it).
-``--device cuda`` runs the per-position part on a GPU, ``--hidden-store`` also captures
+``--peer-src DIR`` also times, in the same process and rounds, the capture of another
+logitdiff (``DIR/logitdiff``, e.g. main's ``src``: the "before" of a change), with its own
+source object over the same model files. ``--device cuda`` runs the per-position part on a GPU, ``--hidden-store`` also captures
 ``--store hidden`` and reads it back, ``--no-fixed`` skips the processes
 (bench/gpu_check.sh uses all three).
 """
@@ -182,6 +184,24 @@ def _read_rate(run) -> float:
     return time.perf_counter() - t
 
 
+def _peer_package(src_dir: str):
+    """The logitdiff package under ``src_dir`` imported as ``logitdiff_peer`` (a copy in a
+    temporary directory: its imports are relative), beside this one."""
+    import importlib
+    import sys
+
+    tmp = Path(tempfile.mkdtemp(prefix="capbench-peer-"))
+    shutil.copytree(Path(src_dir) / "logitdiff", tmp / "logitdiff_peer", ignore=shutil.ignore_patterns("__pycache__"))
+    sys.path.insert(0, str(tmp))
+    reg = importlib.import_module("logitdiff_peer.sources.registry")
+
+    def open_source(text: str):  # the registry names its factories by absolute module: take the peer's
+        spec = reg.parse_spec(text)
+        return importlib.import_module(f"logitdiff_peer.sources.{spec.kind}").open_hf(spec)
+
+    return importlib.import_module("logitdiff_peer.capture"), open_source, importlib.import_module("logitdiff_peer.store")
+
+
 def wide(args) -> None:
     import json
     import os
@@ -221,7 +241,12 @@ def wide(args) -> None:
     block = rows_per_block(src.vocab_size)
     outdir = Path(args.out_dir) if args.out_dir else work
     outdir.mkdir(parents=True, exist_ok=True)
-    keys = ("capture", "capture_hidden", "read_hidden", "bare", "forward", "fixed", "load", "whole")
+    peer = None
+    if args.peer_src:
+        pcap, psrc, pstore = _peer_package(args.peer_src)
+        peer = (pcap.capture_candidate, psrc(f"hf:{model}{dev},batch={args.batch}"),
+                pstore.RunReader(refs[args.tokens]))
+    keys = ("capture", "capture_peer", "capture_hidden", "read_hidden", "bare", "forward", "fixed", "load", "whole")
     t = {k: [] for k in keys}
     cpu = {k: [] for k in keys}
 
@@ -235,8 +260,12 @@ def wide(args) -> None:
 
     for r in range(args.repeats + 1):  # the first round warms caches (files, the ~/.cache/logitdiff facts)
         row = {}
-        out = fresh("cap")
-        row["capture"] = _timed(lambda: capture_candidate(src, ref, out, batch=args.batch))
+        caps = [("capture", lambda o: capture_candidate(src, ref, o, batch=args.batch))]
+        if peer is not None:  # which of the two goes first alternates by round
+            caps.append(("capture_peer", lambda o: peer[0](peer[1], peer[2], o, batch=args.batch)))
+        for key, fn in caps[r % len(caps):] + caps[: r % len(caps)]:
+            out = fresh("cap")
+            row[key] = _timed(lambda: fn(out))  # noqa: B023 (called at once)
         row["bare"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device))
         row["forward"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device, copy=False))
         if args.hidden_store:
@@ -263,13 +292,19 @@ def wide(args) -> None:
           f"{2 * args.vocab / 1e3:,.0f} KB: {disk * 1e6 / (2 * args.vocab):,.0f} positions/s at most)")
     print("| what | wall | positions/s | wall vs forward + copy | CPU s | CPU vs forward + copy |\n|---|---:|---:|---:|---:|---:|")
     rate = lambda k: n_pos / med(t[k])  # noqa: E731
-    rows = [("capture_candidate, --store full (in process)", "capture"), ("bare forward + bf16 rows copied to host", "bare"),
+    rows = [("capture_candidate, --store full (in process)", "capture"),
+            (f"capture_candidate of {args.peer_src}, --store full (in process)", "capture_peer"),
+            ("bare forward + bf16 rows copied to host", "bare"),
             ("model's own forward (base + head, rows stay on the device)", "forward"),
             ("capture_candidate, --store hidden (in process)", "capture_hidden"), ("read the hidden-state run (decode)", "read_hidden")]
     for name, k in rows:
         if t[k]:
             print(f"| {name} | {med(t[k]):.2f} s | {rate(k):,.0f} | {med(a / b for a, b in zip(t[k], t['bare'])):.3f}x "
                   f"| {med(cpu[k]):.2f} | {med(a / b for a, b in zip(cpu[k], cpu['bare'])):.3f}x |")
+    for k in ("capture", "capture_peer"):
+        if t[k]:
+            print(f"\n{k} / bare forward + copy, ratio of medians: {med(t[k]) / med(t['bare']):.3f}x wall, "
+                  f"{med(cpu[k]) / med(cpu['bare']):.3f}x CPU")
     print(f"\ncapture / model's own forward, positions/s: {rate('capture') / rate('forward'):.1%}")
     if args.fixed:
         print("\n| fixed cost (process start to exit) | wall | CPU s |\n|---|---:|---:|")
@@ -293,6 +328,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="--wide: cpu or cuda")
     ap.add_argument("--hidden-store", action="store_true", help="--wide: also capture --store hidden and read it back")
     ap.add_argument("--no-fixed", dest="fixed", action="store_false", help="--wide: skip the fixed-cost processes")
+    ap.add_argument("--peer-src", help="--wide: also time the capture of the logitdiff package under this src dir "
+                    "(e.g. main's), same process and rounds")
     ap.add_argument("--out-dir", help="--wide: where the captured RUNs go (default WORK; /dev/shm: apart from the disk)")
     args = ap.parse_args()
     if args.wide:

@@ -14,9 +14,10 @@ Layout::
                                   (or compact.npz, hidden.npz: one file per chunk in the
                                   form of the run's store kind, storekinds/)
 
-Every file of a chunk is written to a temporary name and renamed; the manifest (which
-lists finished chunks) is rewritten atomically after each chunk. A killed capture leaves
-only whole chunks behind, and ``RunWriter(resume=True)`` continues after them.
+Every file of a chunk is written to a temporary name and renamed; once the chunk's files
+are fsynced, the manifest (which lists finished chunks) is rewritten atomically to list it.
+A killed capture leaves only whole chunks listed, each fsynced before it was listed, and
+``RunWriter(resume=True)`` continues after them (files of chunks never listed are removed).
 Row r of a chunk is the distribution that predicts ``teacher_ids[positions[j]]`` of the
 item whose rows it holds.
 """
