@@ -339,8 +339,8 @@ class RunWriter(_KindViews):
             # came): the resumed capture writes those indices again; remove any it may not reach.
             listed = len(self.manifest["chunks"])
             for f in (self.path / "chunks").iterdir():
-                head = f.name.split(".", 1)[0]
-                if head.isdigit() and len(head) == 6 and int(head) >= listed and f.is_file():
+                stem = f.name.split(".", 1)[0]
+                if stem.isdigit() and len(stem) == 6 and int(stem) >= listed and f.is_file():
                     f.unlink(missing_ok=True)
         else:
             if mpath.exists() and not overwrite:
