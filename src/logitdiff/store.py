@@ -287,9 +287,9 @@ class RunWriter(_KindViews):
         # (temporary + rename) but not fsynced by that thread: a second thread (the syncer)
         # fsyncs each chunk's files and only then lists the chunk in the manifest, so the
         # manifest still names only durable chunks and a kill or a crash leaves whole chunks
-        # behind, while the disk's writeback no longer holds up the writer (at V = 248,320 a
-        # blocking fsync per 64 MiB chunk made the capture disk-bound; issue 24). The syncer
-        # may trail the writer by at most SYNC_LAG chunks (written, not yet listed).
+        # behind, while the disk's writeback no longer holds up the writer (at V = 248,320 the
+        # producer's wait on a writer that fsynced each 64 MiB chunk fell ~10x, bench/RESULTS.md
+        # issue 24). The syncer may trail the writer by at most SYNC_LAG chunks (written, not listed).
         self._pool: ThreadPoolExecutor | None = None
         self._syncer: ThreadPoolExecutor | None = None
         self._pending: list = []  # the writer's futures
@@ -366,8 +366,8 @@ class RunWriter(_KindViews):
             side.append((TOKENS_FILE, list(tokens)))  # the strings tokenizer_hash is of (tokenizer_identity.py)
         if side:
             # by the writer thread, before any chunk (so durable before the manifest lists one):
-            # encoding V strings twice is ~10 % of a 1,024-position capture at V = 248,320,
-            # done while the caller's first forward runs
+            # encoding V strings twice, ~0.06 CPU s at V = 248,320, runs beside the caller's
+            # first forward instead of before it
             self._pending.append(self._threads()[0].submit(self._write_side_files, side))
         self.kind.write_files(self.path, fresh_start)
         self._next_chunk = len(self.manifest["chunks"])
