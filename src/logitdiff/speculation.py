@@ -373,7 +373,18 @@ def compare_generation(
     bar: Callable = _no_bar,
 ) -> tuple[dict, Iterator[dict]]:
     """Generation-mode comparison (see the module doc). Returns the report (without the
-    tool/created header) and the per-token generation records (a generator: iterate once)."""
+    tool/created header) and the per-token generation records (a generator: iterate once).
+
+    ``speculative`` is the candidate's *declaration*, not a switch: None reads it from the
+    candidate's /slots; True or False overrides that. It decides only what a run in which the
+    candidate never drafted gets: declared, a refusal ("speculation never ran"); not declared,
+    a report with the verdict "speculation not exercised". It changes nothing else: a
+    candidate that drafts is compared the same way either way (False does not turn the
+    candidate's speculation off; only its llama-server flags do).
+
+    ``floor_items``: the first items also get the floors F0 and F1. Fewer floor positions than
+    prefix positions make F1's maximum an easy bar to pass by chance; the verdict then says
+    "floor too small to judge" rather than "defect" (:func:`chance_above_max`)."""
     if n_predict < 1:
         raise LogitdiffError(f"n_predict {n_predict}: must be at least 1")
     if not prompts:
