@@ -104,6 +104,25 @@ def test_f1_with_nothing_compared_is_null_with_its_reason_never_0():
     assert f1["positions"] == 3 and f1["max_abs_dlogprob"] == 0.0 and f1["near_tie_nats"] == 0.0 and "not_evaluated" not in f1
 
 
+def test_chance_above_max_is_the_hypergeometric_tail():
+    """P(j or more of n exchangeable values above the largest of m others) = the j largest of
+    the pooled n + m all among the n: scipy's hypergeometric pmf, and n / (n + m) for j = 1."""
+    from scipy.stats import hypergeom
+
+    for n, m in ((936, 256), (6072, 2048), (5, 1), (1, 40)):
+        assert S.chance_above_max(n, m, 0) == 1.0 and S.chance_above_max(n, m, n + 1) == 0.0
+        assert S.chance_above_max(n, m, 1) == pytest.approx(n / (n + m), rel=1e-12)
+        js = np.arange(1, min(n, 60) + 1)
+        ps = [S.chance_above_max(n, m, int(j)) for j in js]
+        ref = hypergeom.pmf(js, n + m, n, js)
+        np.testing.assert_allclose(ps, ref, rtol=1e-9, atol=1e-300)
+        assert np.all(np.diff(ps) <= 0)
+    # by simulation: the max of 50 iid values beats the max of 10 in ~50/60 of draws
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((20000, 60))
+    assert np.mean(x[:, :50].max(1) > x[:, 50:].max(1)) == pytest.approx(S.chance_above_max(50, 10, 1), abs=0.01)
+
+
 # ------------------------------------------------------------------ real servers
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -472,3 +491,33 @@ def test_teacher_forced_comparison_of_a_speculative_source_is_labelled(env, serv
     # the same server without the declaration: no label
     plain = capture_run(f"openai:{servers('self').url},top_k=8", tmp_path / "plain", teacher=ref_run)
     assert not any("speculation not exercised" in n for n in diff_runs(ref_run, plain)["method"]["notes"])
+
+
+def test_prefix_kl_above_a_small_floor_is_not_a_defect(env, servers):
+    """ngram-simple on the bundled workload's first 4 items, 256 tokens, top-20, F1 on one
+    item (256 positions): one prefix position's top-20 KL estimate (two tokens tied at the
+    20th place swap) exceeds F1's largest, which the maximum over 4x more positions does by
+    chance alone (p = n / (n + m)). Never 'defect' from that: 'floor too small to judge'
+    with the counts. The same figures with many positions above F1's largest are a defect."""
+    from logitdiff.builtin import WORKLOAD
+
+    wl = env["root"] / "wl4.jsonl"
+    wl.write_text("\n".join(WORKLOAD.read_text().splitlines()[:4]) + "\n")
+    rep = speculate(servers("ref").url, servers("ngram").url, None, workload=wl, n_predict=256, floor_items=1, top_k=20)
+    _invariants(rep)
+    s, f0, f1, rc, cc, v = (rep["summary"], rep["floors"]["F0"], rep["floors"]["F1"], rep["reference"]["counters"],
+                            rep["candidate"]["counters"], rep["verdict"])
+    above = s["prefix"]["kl_above_floor_max"]
+    assert cc["draft_n"] > 0 and s["divergent_items"] == 0
+    # the case the old rule called a defect: the prefix's largest KL above F1's largest
+    assert s["prefix"]["kl_nats"]["max"] > f1["kl_nats"]["max"] and f1["positions"] == above["floor_positions"] == 256
+    assert 1 <= above["positions"] and above["of"] == s["prefix"]["positions_compared"] > above["floor_positions"]
+    assert above["chance"] == S.chance_above_max(above["of"], above["floor_positions"], above["positions"]) >= S.PREFIX_KL_ALPHA
+    assert v["label"] == S.FLOOR_TOO_SMALL and not v["defects"], v
+    said = [r for r in v["reasons"] if r.startswith(S.FLOOR_TOO_SMALL)]
+    assert len(said) == 1 and f"at {above['positions']} of {above['of']} positions" in said[0] and "over 256 positions" in said[0]
+    # many positions above F1's largest: improbable by chance, a defect
+    many = {**s, "prefix": {**s["prefix"], "kl_above_floor_max": {
+        **above, "positions": 40, "chance": S.chance_above_max(above["of"], above["floor_positions"], 40)}}}
+    d = S.decide(many, f0, f1, rc, cc, rep["items"], True)
+    assert d["label"] == S.DEFECT and any("at 40 of" in x for x in d["defects"]), d

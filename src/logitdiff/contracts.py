@@ -36,7 +36,7 @@ from .outputs import REPORT_SCHEMA, RUN_SUMMARY_SCHEMA
 SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of report.json and summary.json; MAJOR matches REPORT_SCHEMA's "/1"
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
 SCHEMA_DIR = Path(__file__).with_name("schemas")
-SPECULATION_SCHEMA_VERSION = "1.1"  # MAJOR.MINOR of a `logitdiff speculate` report.json (logitdiff.speculation/1)
+SPECULATION_SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of a `logitdiff speculate` report.json (logitdiff.speculation/1)
 
 
 # --------------------------------------------------------------------------------------------

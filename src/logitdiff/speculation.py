@@ -30,7 +30,10 @@ time, prompt cache off (:mod:`logitdiff.generation` has the protocol), and then:
   other server (one-token steps, the decode shape), so every position still has a
   same-context comparison (token-only where the candidate reported nothing).
 * **Verdict** in words: "speculation numerically lossless", "changes output by batch-shape
-  numerics only", "defect", or "speculation not exercised" (a candidate that never drafted).
+  numerics only", "defect", "speculation not exercised" (a candidate that never drafted),
+  "floor not measured" (a floor compared nothing) or "floor too small to judge" (prefix
+  positions above F1's largest KL, but no more of them than a floor of that size leaves
+  by chance: :func:`chance_above_max`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ SHAPE_ONLY = "changes output by batch-shape numerics only"
 DEFECT = "defect"
 NOT_EXERCISED = "speculation not exercised"
 FLOOR_NOT_MEASURED = "floor not measured"
-VERDICTS = (LOSSLESS, SHAPE_ONLY, DEFECT, NOT_EXERCISED, FLOOR_NOT_MEASURED)
+FLOOR_TOO_SMALL = "floor too small to judge"
+VERDICTS = (LOSSLESS, SHAPE_ONLY, DEFECT, NOT_EXERCISED, FLOOR_NOT_MEASURED, FLOOR_TOO_SMALL)
+# a prefix-KL defect needs its exceedances of F1's maximum to be this improbable from
+# positions that behave like F1's own (chance_above_max)
+PREFIX_KL_ALPHA = 1e-3
 NEAR_TIE, MATERIAL = "near-tie", "material"
 UNCLASSIFIED = "not evaluated"  # a divergence's class when there is no near-tie threshold (F1 compared nothing)
 
@@ -129,6 +136,21 @@ def same_context(ref_ids, ref_lps, cand_ids, cand_lps, vocab_size: int, tokens) 
             dl[r] = b - a
     return {"kl_nats": seed["kl_nats"], "kl_lower_nats": iv.lower, "kl_upper_nats": iv.upper,
             "top1_match": seed["top1_match"], "dlogprob": dl}
+
+
+def chance_above_max(n: int, m: int, j: int) -> float:
+    """Probability that j or more of n values exceed the largest of m others when all n + m
+    are exchangeable (the same distribution, no ties): the j largest of the pooled n + m all
+    among the n, C(n, j) / C(n + m, j). Why the prefix-KL check needs it: the largest of n
+    prefix positions exceeds the largest of m floor positions with probability n / (n + m)
+    when speculation changes nothing at all (936 prefix positions against a one-item F1 of
+    256: 0.79), so "prefix KL max above F1's max" alone is no evidence."""
+    if j <= 0:
+        return 1.0
+    if j > n:
+        return 0.0
+    i = np.arange(j, dtype=np.float64)
+    return float(np.exp(np.sum(np.log((n - i) / (n + m - i)))))
 
 
 def _stat(x) -> dict:
@@ -351,7 +373,18 @@ def compare_generation(
     bar: Callable = _no_bar,
 ) -> tuple[dict, Iterator[dict]]:
     """Generation-mode comparison (see the module doc). Returns the report (without the
-    tool/created header) and the per-token generation records (a generator: iterate once)."""
+    tool/created header) and the per-token generation records (a generator: iterate once).
+
+    ``speculative`` is the candidate's *declaration*, not a switch: None reads it from the
+    candidate's /slots; True or False overrides that. It decides only what a run in which the
+    candidate never drafted gets: declared, a refusal ("speculation never ran"); not declared,
+    a report with the verdict "speculation not exercised". It changes nothing else: a
+    candidate that drafts is compared the same way either way (False does not turn the
+    candidate's speculation off; only its llama-server flags do).
+
+    ``floor_items``: the first items also get the floors F0 and F1. Fewer floor positions than
+    prefix positions make F1's maximum an easy bar to pass by chance; the verdict then says
+    "floor too small to judge" rather than "defect" (:func:`chance_above_max`)."""
     if n_predict < 1:
         raise LogitdiffError(f"n_predict {n_predict}: must be at least 1")
     if not prompts:
@@ -443,6 +476,9 @@ def _compare(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spi
     kl_all = np.concatenate(pre_kl) if pre_kl else np.zeros(0)
     klo_all = np.concatenate(pre_klo) if pre_klo else np.zeros(0)
     t1_all = np.concatenate(pre_top1) if pre_top1 else np.zeros(0, bool)
+    # prefix positions whose KL exceeds F1's largest (the relative slack: decide's comment)
+    f1_kl = f1["kl_nats"]["max"]
+    above = None if f1_kl is None else int((kl_all > f1_kl * (1 + 1e-9) + 1e-15).sum())
     dl_all = np.concatenate(pre_dl) if pre_dl else np.zeros(0)
     div = [row for row in rows if not row["identical"]]
     summary = {
@@ -453,7 +489,12 @@ def _compare(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spi
         "unclassified_divergences": sum(row["class"] == UNCLASSIFIED for row in div),
         "mean_shared_prefix_fraction": float(np.mean([row["shared_prefix_fraction"] for row in rows])),
         "prefix": {"positions_compared": int(kl_all.size), "kl_nats": _stat(kl_all), "kl_lower_nats": _stat(klo_all),
-                   "top1_disagreements": int((~t1_all).sum()), "abs_dlogprob": _stat(np.abs(dl_all))},
+                   "top1_disagreements": int((~t1_all).sum()), "abs_dlogprob": _stat(np.abs(dl_all)),
+                   # how many positions exceed F1's largest KL, against how many F1 compared, and the
+                   # chance of that many when speculation changes nothing (null without F1)
+                   "kl_above_floor_max": None if above is None else {
+                       "positions": above, "of": int(kl_all.size), "floor_positions": f1["kl_nats"]["n"],
+                       "chance": chance_above_max(int(kl_all.size), f1["kl_nats"]["n"], above)}},
         "cross": {"items": len(x1_kl),
                   "reference_on_candidate_kl_nats": _stat(np.concatenate(x1_kl) if x1_kl else []),
                   "candidate_on_reference_top1_agreement": float(np.concatenate(x2_agree).mean()) if x2_agree else None},
@@ -532,10 +573,26 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     # a relative slack for float64 summation order: the same row through two code paths
     # (seen: a candidate decode step on a KV cache its width-4 verify batch wrote equals F1's
     # width-4 row to 1e-12); a prefix KL of 0 is within any floor, measured or not
+    # The prefix's KL against F1's largest: a maximum over many prefix positions exceeds the
+    # maximum over a few floor positions by chance alone (and the top-K seed estimate jumps
+    # where two tokens tied at the K-th place swap, seen: 2.6e-3 nats at a position whose
+    # proven lower bound is 3e-11). So a defect needs more exceedances than F1's size leaves
+    # to chance (chance_above_max < PREFIX_KL_ALPHA); fewer say the floor is too small.
+    too_small: list[str] = []
+    above = summary["prefix"].get("kl_above_floor_max")
     if pre_kl > 1e-15 and f1_kl is None:
         unmeasured.append(f"prefix KL {pre_kl:.3g} nats at identical contexts against the shape floor F1: {NO_THRESHOLD}")
     elif f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15:
-        defects.append(f"prefix KL {pre_kl:.3g} nats exceeds the shape floor F1's {f1_kl:.3g} at identical contexts")
+        j, n, m, p = above["positions"], above["of"], above["floor_positions"], above["chance"]
+        lo = summary["prefix"]["kl_lower_nats"]["max"]
+        said = (f"prefix KL at identical contexts above the shape floor F1's largest ({f1_kl:.3g} nats, over {m} positions of "
+                f"{f1['items']} floor items) at {j} of {n} positions (max {pre_kl:.3g} nats, proven lower bound max "
+                f"{0.0 if lo is None else lo:.3g}); that many from positions like F1's own, by chance: p = {p:.2g}")
+        if p < PREFIX_KL_ALPHA:
+            defects.append(said)
+        else:
+            too_small.append(f"{FLOOR_TOO_SMALL}: {said} (>= {PREFIX_KL_ALPHA:g}), no evidence either way; more --floor-items "
+                             "measure F1 on more positions")
     # F0 = 0 is evidence only where a rerun compared at least one position on each side
     f0_zero = f0["reference"]["bit_identical"] is True and f0["candidate"]["bit_identical"] is True
     f0_unmeasured = [side for side in ("reference", "candidate") if f0[side]["bit_identical"] is None]
@@ -561,7 +618,7 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     if cc["draft_n"]:
         reasons.append(f"drafting ran: {cc['draft_n_accepted']} of {cc['draft_n']} draft tokens accepted "
                        f"({100 * cc['acceptance_rate']:.1f}%) in {cc['requests_that_drafted']} of {cc['requests']} requests")
-    reasons += unmeasured
+    reasons += unmeasured + too_small
     if cc["draft_n"] == 0:
         label = NOT_EXERCISED
         reasons.insert(0, "the candidate never drafted (timings.draft_n = 0 on every request): nothing about speculation was measured")
@@ -569,6 +626,8 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
         label = DEFECT
     elif unmeasured:
         label = FLOOR_NOT_MEASURED
+    elif too_small:
+        label = FLOOR_TOO_SMALL
     elif summary["divergent_items"] == 0 and f0_zero:
         label = LOSSLESS
     else:

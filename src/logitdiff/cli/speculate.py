@@ -26,7 +26,9 @@ def register(sub) -> None:
             "same-context KL/top-1/dlogprob on the aligned prefix, cross-scoring after each divergence, and a verdict: "
             "'speculation numerically lossless', 'changes output by batch-shape numerics only', 'defect', 'speculation not "
             "exercised', or 'floor not measured' (a figure the verdict needs was read against a floor that compared no positions, "
-            "e.g. --floor-items 0: never lossless from zero evidence). Writes OUT/report.json (schema "
+            "e.g. --floor-items 0: never lossless from zero evidence), or 'floor too small to judge' (prefix positions whose KL "
+            "exceeds F1's largest, but no more of them than chance leaves with F1 measured on so few positions: raise "
+            "--floor-items). Writes OUT/report.json (schema "
             "logitdiff.speculation/1), report.md, report.html, generations.jsonl."
         ),
     )
@@ -39,7 +41,8 @@ def register(sub) -> None:
     t.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="logprobs per position (n_probs; default: %(default)s)")
     t.add_argument("--limit", type=int, default=None, help="only the first N items of the workload")
     t.add_argument("--floor-items", type=int, default=DEFAULT_FLOOR_ITEMS,
-                   help="items that get the floors F0 (reruns) and F1 (teacher-forced re-scoring) (default: %(default)s)")
+                   help="items that get the floors F0 (reruns) and F1 (teacher-forced re-scoring); with few, F1's largest "
+                        "KL is a low bar the prefix passes by chance, read as 'floor too small to judge' (default: %(default)s)")
     t.add_argument("--shape-width", type=int, default=DEFAULT_SHAPE_WIDTH,
                    help="prefill batch width of F1: the verify batch's width, draft max + 1 (default: %(default)s)")
     t.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
