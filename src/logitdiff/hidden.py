@@ -151,20 +151,23 @@ def _round_bits_torch(s, dtype: str):
     return r.to(getattr(torch, dtype)).view(torch.int16)
 
 
-def decode(block: dict[str, np.ndarray], head: np.ndarray, dtype: str = "bfloat16", device=None) -> np.ndarray:
+def decode(block: dict[str, np.ndarray], head: np.ndarray, dtype: str = "bfloat16", device=None,
+           out: np.ndarray | None = None) -> np.ndarray:
     """Arrays of `encode` (a whole block, or one with its exceptions' rows renumbered) ->
     the model's logits [n, V] as ``dtype`` bits, exactly.
 
     One float64 head product per row group and head slice (torch: its threads on a CPU;
     ``device`` "cuda" runs the product and the rounding on a GPU): the result does not
     depend on where or in which order the sums are taken (module docstring). On a CPU
-    the rounding is numpy's (torch's 64-bit integer ops measured ~40x slower there)."""
+    the rounding is numpy's (torch's 64-bit integer ops measured ~40x slower there).
+    ``out``: a C-contiguous uint16 [n, V] array to write the logits into (and return)
+    instead of a fresh one (a reader reuses its buffers: no page faults per chunk)."""
     h = np.ascontiguousarray(block["hidden"], np.uint16)
     if device is None or str(device) == "cpu":
         from . import kernel
         from .metrics import default_threads
 
-        got = kernel.hidden_decode(h, head, dtype, default_threads())
+        got = kernel.hidden_decode(h, head, dtype, default_threads(), out=out)
         if got is not None:
             out = got[0]
             out[block["exc_row"], block["exc_id"]] = block["exc_bits"]
@@ -174,7 +177,8 @@ def decode(block: dict[str, np.ndarray], head: np.ndarray, dtype: str = "bfloat1
     dev = torch.device(device or "cpu")
     tdt = getattr(torch, dtype)
     n, V = h.shape[0], head.shape[0]
-    out = np.empty((n, V), np.uint16)
+    if out is None:
+        out = np.empty((n, V), np.uint16)
     out_t = torch.from_numpy(out.view(np.int16))
     for a in range(0, n, ROW_GROUP):
         hf = torch.from_numpy(h[a : a + ROW_GROUP].view(np.int16)).to(dev).view(tdt).to(torch.float64)

@@ -158,7 +158,7 @@ def first_nonfinite(rows: np.ndarray) -> int | None:
 
 
 def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int,
-                  isa: str = "auto") -> tuple[np.ndarray, int] | None:
+                  isa: str = "auto", out: np.ndarray | None = None) -> tuple[np.ndarray, int] | None:
     """`hidden.decode`'s reconstruction before exceptions, compiled (issue 28): the bits
     R(W h) [n, V] of hidden states [n, H] and a head [V, H] (16-bit bits, ``dtype``
     "bfloat16" or "float16"), float32 dots with a proven error bound and the float64 dot
@@ -166,7 +166,8 @@ def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int
     the float64 path. ``isa`` (`HIDDEN_ISA_CODES`): "auto" the fastest this CPU runs,
     "avx512bf16" VDPBF16PS (bf16 heads; ValueError on a CPU without it, `has_avx512bf16`),
     "avx2" the 8-lane float32 path, "scalar" the portable one (every dot in float64, as on
-    a CPU without AVX2). The bits do not depend on it. None when the library lacks the function."""
+    a CPU without AVX2). The bits do not depend on it. ``out``: a C-contiguous uint16 [n, V]
+    array to write into (and return) instead of a fresh one. None when the library lacks the function."""
     lib = _lib()
     fn = getattr(lib, "logitdiff_hidden_decode", None) if lib is not None else None
     if fn is None:
@@ -177,7 +178,10 @@ def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int
         # the kernel reads hidden as [n, head.shape[1]]: a mismatch would read past its end
         raise ValueError(f"hidden_decode: hidden {h.shape} and head {w.shape} differ in hidden size")
     n, V = h.shape[0], w.shape[0]
-    out = np.empty((n, V), np.uint16)
+    if out is None:
+        out = np.empty((n, V), np.uint16)
+    elif out.shape != (n, V) or out.dtype != np.uint16 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"hidden_decode: out {out.dtype} {out.shape} is not a writable C-contiguous uint16 ({n}, {V})")
     fb = ctypes.c_int64(0)
     rc = fn(h.ctypes.data, n, w.ctypes.data, V, w.shape[1], DTYPE_CODES[dtype], max(1, int(threads)),
             HIDDEN_ISA_CODES[isa], out.ctypes.data, V, ctypes.byref(fb))

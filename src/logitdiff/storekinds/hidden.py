@@ -5,6 +5,7 @@ the logits back: full rows, as from ``--store full`` of the same source."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,6 +16,11 @@ from ..errors import LogitdiffError
 from ..outputs import atomic_write_bytes
 from .base import Block, BlockPlace, RowsForm, StoreKind
 from .rows import DTYPES, atomic_save_npy_rows, full_values
+
+
+# decoded-chunk buffers a reader keeps for reuse (`HiddenStore._free_buffer`): a streaming
+# compare needs two (the chunk being decoded, the previous one still referenced)
+OUT_BUFFERS = 2
 
 
 class HiddenStore(StoreKind):
@@ -32,6 +38,7 @@ class HiddenStore(StoreKind):
         self._norms: np.ndarray | None = None  # ||W_v|| per head row (writer)
         self._run: Path | None = None
         self._head_meta: dict[str, Any] = {}
+        self._out_buffers: list[np.ndarray] = []  # decoded chunks' arrays, reused once nothing refers to them
 
     def describe(self) -> str:
         return "hidden states"
@@ -132,8 +139,39 @@ class HiddenStore(StoreKind):
         return H.rows_of(block, a, b)
 
     def decode(self, block: Block, device: Any = None) -> Block:
-        data = H.decode(block, self.head(), self.dtype or "bfloat16", device=device)
+        n = int(np.asarray(block["hidden"]).shape[0])
+        data = H.decode(block, self.head(), self.dtype or "bfloat16", device=device, out=self._free_buffer(n))
         return data.view(np.float16) if self.dtype == "float16" else data  # what a full float16 chunk holds
+
+    def _free_buffer(self, n: int) -> np.ndarray:
+        """A uint16 [n, V] array to decode a chunk into: a view of a kept buffer that
+        nothing else refers to, else a fresh one (kept when fewer than ``OUT_BUFFERS`` are).
+
+        A fresh chunk-sized array costs its page faults on every chunk (~0.1 s of system
+        CPU per compare at V = 248,320, more than the rest of the reader). Reusing one is
+        safe only when no earlier chunk's rows are still wanted: a caller may hold views of
+        any number of chunks (``RunReader.logits`` lists an item's pieces; ``reblock``
+        carries a block's first rows while the next chunk is decoded). Every such view, and
+        every view of a view, holds a reference to the buffer itself (numpy's ``base``), and
+        the buffer is only ever handed out as a view, so a buffer whose reference count is
+        the pool's own is referred to by nothing: overwriting it cannot change rows anyone
+        can still read. A streaming compare holds at most the previous chunk while the next
+        is decoded, so it cycles between two buffers."""
+        V = int(self.vocab_size or 0)
+        pool = self._out_buffers
+        for i in range(len(pool)):
+            # references: the list's slot and getrefcount's argument -- nothing else
+            if pool[i].shape[0] >= n and sys.getrefcount(pool[i]) == 2:
+                return pool[i][:n]
+        buf = np.empty((n, V), np.uint16)
+        if len(pool) < OUT_BUFFERS:
+            pool.append(buf)
+        else:
+            # all kept buffers in use (or too short): replace a free one, if any, with this one
+            free = [i for i in range(len(pool)) if sys.getrefcount(pool[i]) == 2]
+            if free:
+                pool[free[0]] = buf
+        return buf[:n]
 
     def values(self, rows: Block, raw: bool = False) -> Block:
         return full_values(rows, self.dtype, raw)

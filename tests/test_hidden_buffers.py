@@ -1,0 +1,98 @@
+"""A hidden-state reader decodes each chunk into a reused buffer (storekinds/hidden.py,
+`HiddenStore._free_buffer`): rows a caller still holds must never change when a later
+chunk is decoded, whatever the caller keeps -- one block, a block straddling chunks, every
+piece of the run at once -- and a streaming compare must cycle between two buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from logitdiff.builtin import WORKLOAD
+from logitdiff.capture import capture_candidate, capture_reference
+from logitdiff.compare import compare_runs
+from logitdiff.sources import open_source
+from logitdiff.store import RunReader, aligned_blocks
+from logitdiff.storekinds import hidden as HS
+from logitdiff.workload import read_workload
+
+V = 4096  # builtin:tiny
+CHUNK_ROWS = 8  # 64 KiB chunks of bf16 rows: every item runs over several chunks
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hbuf")
+    items = read_workload(WORKLOAD)[:6]
+    src = open_source("builtin:tiny")
+    full = capture_reference(src, items, root / "full")
+    hid = capture_reference(src, items, root / "hid", store="hidden", chunk_bytes=CHUNK_ROWS * V * 2)
+    cand = capture_candidate(open_source("builtin:tiny,dtype=float32"), RunReader(full), root / "cand")
+    return full, hid, cand
+
+
+def _rows(r: RunReader) -> np.ndarray:
+    return np.concatenate([np.asarray(p) for p in r.row_pieces(r.items())])
+
+
+def test_the_run_has_many_small_chunks(runs):
+    full, hid, _ = runs
+    h = RunReader(hid)
+    sizes = [c["rows"] for c in h.manifest["chunks"]]
+    assert max(sizes) <= CHUNK_ROWS and len(sizes) >= 10
+    # some item spans three chunks or more: holding its pieces holds three decoded chunks
+    assert max(len(list(h._spans(it))) for it in h.items()) >= 3
+
+
+def test_pieces_held_all_at_once_keep_their_rows(runs):
+    full, hid, _ = runs
+    want = _rows(RunReader(full))
+    h = RunReader(hid)
+    held = list(h.row_pieces(h.items()))  # every chunk's rows alive at once
+    np.testing.assert_array_equal(np.concatenate(held), want)
+    # and an item's logits, which list the item's pieces (one per chunk it spans)
+    f = RunReader(full)
+    for it_h, it_f in zip(h.items(), f.items()):
+        np.testing.assert_array_equal(h.logits(it_h), f.logits(it_f))
+
+
+@pytest.mark.parametrize("rows", [3, CHUNK_ROWS, CHUNK_ROWS + 3, 3 * CHUNK_ROWS + 1])
+def test_reblocked_blocks_straddling_chunks_keep_their_rows(runs, rows):
+    full, hid, _ = runs
+    f, h = RunReader(full), RunReader(hid)
+    streamed = [(np.asarray(a).copy(), np.asarray(b).copy())
+                for a, b in zip(f.row_blocks(f.items(), rows, raw=True), h.row_blocks(h.items(), rows, raw=True))]
+    assert len(streamed) > 1
+    for a, b in streamed:
+        np.testing.assert_array_equal(a, b)
+    # the same blocks kept (not copied) until the end
+    kept = list(h.row_blocks(h.items(), rows, raw=True))
+    np.testing.assert_array_equal(np.concatenate(kept), np.concatenate([a for a, _ in streamed]))
+
+
+@pytest.mark.parametrize("max_batch_rows", [5, CHUNK_ROWS + 3, None])
+def test_compare_against_hidden_equals_compare_against_full(runs, max_batch_rows):
+    full, hid, cand = runs
+    a = compare_runs(RunReader(full), RunReader(cand), max_batch_rows=max_batch_rows)
+    b = compare_runs(RunReader(hid), RunReader(cand), max_batch_rows=max_batch_rows)
+    assert a.method == b.method
+    n = 0
+    for k, v in a.columns.items():
+        if isinstance(v, np.ndarray) and v.dtype.kind in "fiub":
+            np.testing.assert_array_equal(v, b.columns[k], err_msg=k)
+            n += 1
+    assert n > 5 and a.columns["kl_nats"].mean() > 0
+
+
+def test_a_streaming_reader_cycles_between_two_buffers(runs):
+    full, hid, _ = runs
+    h = RunReader(hid)
+    bases = set()
+    n = 0
+    for a, b in aligned_blocks(RunReader(full).row_pieces(RunReader(full).items()), h.row_pieces(h.items()), 5):
+        bases.add(id(b.base))
+        n += 1
+        del a, b
+    pool = h.kind._out_buffers
+    assert n > 10 and len(pool) == HS.OUT_BUFFERS
+    assert bases <= {id(x) for x in pool}  # every chunk decoded into one of the two kept buffers
