@@ -565,6 +565,8 @@ def cmd_real(argv=None) -> int:
                     help="another checkout's src/ (its kernel built): its full and compact compares are timed in the same "
                          "rounds by a warm worker process (kinds full@LABEL, compact@LABEL), e.g. main before a change")
     ap.add_argument("--peer-label", default="before", help="label of --peer-src's kinds (default: before)")
+    ap.add_argument("--peer-kinds", default="full,compact",
+                    help="comma-separated reference stores --peer-src times (default %(default)s; e.g. full,hidden)")
     ap.add_argument("--wide", action="store_true",
                     help="instead of SmolLM2: the random bf16 Llama of tests/_models.py at V = 248,320 (hidden 128) as "
                          "the reference and the same architecture from another seed (bf16) as the one candidate")
@@ -660,7 +662,7 @@ def cmd_real(argv=None) -> int:
         kinds.update({k: refs["hidden"] for k in isa_kinds})
     worker = None
     if a.peer_src:
-        kinds.update({f"full@{a.peer_label}": refs["full"], f"compact@{a.peer_label}": refs["compact"]})
+        kinds.update({f"{k}@{a.peer_label}": refs[k] for k in a.peer_kinds.split(",")})
         worker = peer_worker(a.peer_src)
     timing = {q: {s: [] for s in kinds} for q in cands}
     cpu = {q: {s: [] for s in kinds} for q in cands}
@@ -714,6 +716,8 @@ def cmd_real(argv=None) -> int:
         for q, m in med.items():
             print(f"| {q} | " + " | ".join(f"{m[s]:.2f} / {cpu_med[q][s]:.2f}" for s in kinds) + " | "
                   + " | ".join(f"{m[s] / m['full']:.2f}" for s in kinds if s != "full") + " |")
+        print("median system CPU (s; page faults of fresh arrays show here): " + "; ".join(
+            f"{q}: " + ", ".join(f"{s} {statistics.median(y for _, y in cpu[q][s]):.3f}" for s in kinds) for q in med))
         print("CPU ratio to full: " + "; ".join(f"{q}: " + ", ".join(f"{s} {cpu_med[q][s] / cpu_med[q]['full']:.2f}"
                                                                       for s in kinds if s != "full") for q in med))
     tot = {s: sum(m[s] for m in med.values()) for s in refs}

@@ -84,15 +84,25 @@ def test_compare_against_hidden_equals_compare_against_full(runs, max_batch_rows
     assert n > 5 and a.columns["kl_nats"].mean() > 0
 
 
-def test_a_streaming_reader_cycles_between_two_buffers(runs):
-    full, hid, _ = runs
-    h = RunReader(hid)
+def test_a_streaming_compare_decodes_every_chunk_into_one_buffer(runs):
+    """What the reuse is for: no fresh chunk-sized pages per chunk. A caller that drops each
+    block before asking for the next (compare's loop) leaves the previous chunk unreferenced
+    when the next is decoded (aligned_blocks drops its spent piece first)."""
+    full, hid, cand = runs
+    f, h = RunReader(full), RunReader(hid)
     bases = set()
     n = 0
-    for a, b in aligned_blocks(RunReader(full).row_pieces(RunReader(full).items()), h.row_pieces(h.items()), 5):
+    for a, b in aligned_blocks(f.row_pieces(f.items()), h.row_pieces(h.items()), 5):
         bases.add(id(b.base))
         n += 1
         del a, b
     pool = h.kind._out_buffers
-    assert n > 10 and len(pool) == HS.OUT_BUFFERS
-    assert bases <= {id(x) for x in pool}  # every chunk decoded into one of the two kept buffers
+    assert n > 10 and len(pool) == 1 and bases == {id(pool[0])}
+    h = RunReader(hid)
+    compare_runs(h, RunReader(cand), max_batch_rows=CHUNK_ROWS + 3)
+    assert len(h.kind._out_buffers) == 1
+    # a caller holding the previous block while asking for the next gets a second buffer
+    h = RunReader(hid)
+    for a, b in aligned_blocks(f.row_pieces(f.items()), h.row_pieces(h.items()), 5):
+        pass
+    assert len(h.kind._out_buffers) == HS.OUT_BUFFERS == 2

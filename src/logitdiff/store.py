@@ -707,6 +707,7 @@ def reblock(pieces: Iterable, rows: int) -> Iterator:
             if have == rows:
                 yield cat(buf)
                 buf, have = [], 0
+        p = None  # a spent piece is not held while the next is made (see aligned_blocks)
     if have:
         yield cat(buf)
 
@@ -721,10 +722,14 @@ def aligned_blocks(pieces_a: Iterable, pieces_b: Iterable, rows: int) -> Iterato
     oa = ob = 0
     while True:
         while pa is None or oa == len(pa):
+            # the spent piece is dropped before the next is made: a decoding reader (hidden
+            # store) can then decode into the buffer it was a view of, not into fresh pages
+            pa = None
             pa, oa = next(it_a, None), 0
             if pa is None:
                 return
         while pb is None or ob == len(pb):
+            pb = None
             pb, ob = next(it_b, None), 0
             if pb is None:
                 return
