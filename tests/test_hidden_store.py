@@ -369,7 +369,7 @@ def _float64_decode(block, head, dtype):
     from logitdiff import kernel
 
     keep = kernel.hidden_decode
-    kernel.hidden_decode = lambda *a: None  # the torch float64 product
+    kernel.hidden_decode = lambda *a, **k: None  # the torch float64 product
     try:
         return Hs.decode(block, head, dtype)
     finally:
