@@ -716,8 +716,6 @@ def cmd_real(argv=None) -> int:
         for q, m in med.items():
             print(f"| {q} | " + " | ".join(f"{m[s]:.2f} / {cpu_med[q][s]:.2f}" for s in kinds) + " | "
                   + " | ".join(f"{m[s] / m['full']:.2f}" for s in kinds if s != "full") + " |")
-        print("median system CPU (s; page faults of fresh arrays show here): " + "; ".join(
-            f"{q}: " + ", ".join(f"{s} {statistics.median(y for _, y in cpu[q][s]):.3f}" for s in kinds) for q in med))
         print("CPU ratio to full: " + "; ".join(f"{q}: " + ", ".join(f"{s} {cpu_med[q][s] / cpu_med[q]['full']:.2f}"
                                                                       for s in kinds if s != "full") for q in med))
     tot = {s: sum(m[s] for m in med.values()) for s in refs}
