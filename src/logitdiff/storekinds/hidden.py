@@ -19,8 +19,14 @@ from .rows import DTYPES, atomic_save_npy_rows, full_values
 
 
 # decoded-chunk buffers a reader keeps for reuse (`HiddenStore._free_buffer`): a streaming
-# compare needs two (the chunk being decoded, the previous one still referenced)
+# compare uses one; two cover a caller that holds the previous block while the next chunk
+# is decoded (a plain ``for`` loop over blocks)
 OUT_BUFFERS = 2
+# the reference count of an array held by a list slot and nothing else, as read above
+# (measured once, so an interpreter that counts differently only changes this number)
+_probe = [np.empty(0)]
+_LISTED_ONLY = sys.getrefcount(_probe[0])
+del _probe
 
 
 class HiddenStore(StoreKind):
@@ -147,28 +153,30 @@ class HiddenStore(StoreKind):
         """A uint16 [n, V] array to decode a chunk into: a view of a kept buffer that
         nothing else refers to, else a fresh one (kept when fewer than ``OUT_BUFFERS`` are).
 
-        A fresh chunk-sized array costs its page faults on every chunk (~0.1 s of system
-        CPU per compare at V = 248,320, more than the rest of the reader). Reusing one is
+        A fresh chunk-sized array (above glibc's 32 MB mmap ceiling, freed back to the
+        kernel) is fresh pages on every chunk: ~0.01 s of system CPU per 79 MB chunk at
+        V = 248,320 (bench/RESULTS.md, "hidden reader's buffers"). Reusing one is
         safe only when no earlier chunk's rows are still wanted: a caller may hold views of
         any number of chunks (``RunReader.logits`` lists an item's pieces; ``reblock``
         carries a block's first rows while the next chunk is decoded). Every such view, and
         every view of a view, holds a reference to the buffer itself (numpy's ``base``), and
         the buffer is only ever handed out as a view, so a buffer whose reference count is
         the pool's own is referred to by nothing: overwriting it cannot change rows anyone
-        can still read. A streaming compare holds at most the previous chunk while the next
-        is decoded, so it cycles between two buffers."""
+        can still read. A streaming compare drops each chunk's rows before the next is
+        decoded (``aligned_blocks`` and ``reblock`` let a spent piece go first), so it
+        decodes every chunk into one buffer; a caller that keeps the previous block while
+        asking for the next cycles between two."""
         V = int(self.vocab_size or 0)
         pool = self._out_buffers
         for i in range(len(pool)):
-            # references: the list's slot and getrefcount's argument -- nothing else
-            if pool[i].shape[0] >= n and sys.getrefcount(pool[i]) == 2:
+            if pool[i].shape[0] >= n and sys.getrefcount(pool[i]) == _LISTED_ONLY:
                 return pool[i][:n]
         buf = np.empty((n, V), np.uint16)
         if len(pool) < OUT_BUFFERS:
             pool.append(buf)
         else:
             # all kept buffers in use (or too short): replace a free one, if any, with this one
-            free = [i for i in range(len(pool)) if sys.getrefcount(pool[i]) == 2]
+            free = [i for i in range(len(pool)) if sys.getrefcount(pool[i]) == _LISTED_ONLY]
             if free:
                 pool[free[0]] = buf
         return buf[:n]
