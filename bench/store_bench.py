@@ -870,7 +870,58 @@ def cmd_decode(argv=None) -> int:
     return 0
 
 
-COMMANDS = {"rows": cmd_rows, "ladder": cmd_ladder, "real": cmd_real, "hidden": cmd_hidden, "decode": cmd_decode}
+# ---------------------------------------------------------------- stream
+DOC_STREAM = """A hidden-state reader's cost per chunk of a long run, simulated on a short
+one: one reader decodes the run's chunks in turn, dropping each before the next (as a
+streaming compare does), ``--passes`` times over; wall, user and system CPU and minor page
+faults, median of ``--rounds`` readers. What it shows: whether a decoded chunk costs fresh
+pages (system CPU, faults) every time or once per reader.
+
+    PYTHONPATH=src python bench/store_bench.py stream RUN/ref-hidden [--passes 10] [--rounds 3] [--peer-src DIR/src]
+"""
+
+
+# the loop, run in this process or, for --peer-src, in a process of that checkout
+STREAM_LOOP = r"""
+import json, resource, statistics, sys, time
+from logitdiff.store import RunReader
+run, passes, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+res = []
+for _ in range(rounds):
+    r = RunReader(run)
+    r.kind.head()  # the head's check is once per reader: not what is timed here
+    n = len(r.manifest["chunks"])
+    u0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for _ in range(passes):
+        for idx in range(n):
+            x = r._chunk(idx)
+            x[::50, ::1000].sum()
+            del x
+    w1, u1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    res.append((w1 - w0, u1.ru_utime - u0.ru_utime, u1.ru_stime - u0.ru_stime, u1.ru_minflt - u0.ru_minflt))
+med = [statistics.median(v[k] for v in res) for k in range(4)]
+print(f"{run}: {passes * n} chunk decodes, median of {rounds} readers: wall {med[0]:.2f} s, user {med[1]:.2f} s, "
+      f"sys {med[2]:.3f} s, minor faults {med[3]:,.0f}")
+"""
+
+
+def cmd_stream(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="store_bench.py stream", description=DOC_STREAM, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path, help="a run captured with --store hidden")
+    ap.add_argument("--passes", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--peer-src", type=Path, default=None, help="also time this checkout's src/ (alternating, twice each)")
+    a = ap.parse_args(argv)
+    args = [str(a.run), str(a.passes), str(a.rounds)]
+    for src in ([ROOT / "src", a.peer_src] * 2 if a.peer_src else [ROOT / "src"]):
+        print(f"[{src}] ", end="", flush=True)
+        subprocess.run([sys.executable, "-c", STREAM_LOOP, *args], env=dict(os.environ, PYTHONPATH=str(Path(src).resolve())),
+                       check=True)
+    return 0
+
+
+COMMANDS = {"rows": cmd_rows, "ladder": cmd_ladder, "real": cmd_real, "hidden": cmd_hidden, "decode": cmd_decode,
+            "stream": cmd_stream}
 
 
 def main(argv=None) -> int:
