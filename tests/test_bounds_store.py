@@ -322,3 +322,35 @@ def test_topk_compare_at_k_equal_v_gives_the_exact_values(runs):
         np.testing.assert_allclose(col[f"{name}_lower_nats"], ex[name], rtol=1e-6, atol=1e-9)
         np.testing.assert_allclose(col[f"{name}_upper_nats"], ex[name], rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(col["kl_nats"], ex["kl"], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("field,damage", [("band_gaps", "id"), ("exact_gaps", "id"), ("rest_mass", np.nan),
+                                          ("band_mass", np.inf), ("exact_logits", np.nan), ("log_sum", -np.inf)])
+def test_damaged_compact_chunk_is_a_one_line_error(tmp_path, field, damage):
+    """A compact reference chunk with an id outside the vocabulary or a NaN/inf figure is
+    refused on load, naming the file, the item and position and the field (it used to reach
+    the kernel as a bare ValueError, or give NaN intervals without a word)."""
+    import io
+
+    rng = np.random.default_rng(8)
+    ref = {"a": rng.normal(0, 3, (6, 400)).astype(np.float32)}
+    teacher = {"a": rng.integers(0, 400, 6)}
+    comp = make_run(tmp_path / "comp", ref, teacher, store="compact:exact=8,band=40")
+    cand = make_run(tmp_path / "cand", {"a": ref["a"] + 0.1}, teacher)
+    r = RunReader(comp)
+    chunk = r.path / "chunks" / r.manifest["chunks"][-1]["data"]
+    with np.load(chunk) as z:
+        d = {k: z[k].copy() for k in z.files}
+    if damage == "id":
+        d[field] = d[field].astype(np.uint32)
+        d[field][3, -1] += 400  # the row's last (largest) id moves past V
+    else:
+        d[field][3] = damage
+    bio = io.BytesIO()
+    np.savez_compressed(bio, **d)
+    chunk.write_bytes(bio.getvalue())
+    with pytest.raises(LogitdiffError) as ei:
+        compare_runs(RunReader(comp), RunReader(cand))
+    msg = str(ei.value)
+    assert "\n" not in msg and str(chunk) in msg and "item 'a' output position 3" in msg, msg
+    assert repr(field.replace("_gaps", "_ids")) in msg, msg

@@ -225,6 +225,33 @@ def load_chunk(path) -> dict[str, np.ndarray]:
     return data
 
 
+def check_rows(data: dict[str, np.ndarray], vocab_size: int, where: str, label=None) -> None:
+    """A loaded chunk's rows as `encode` writes them: ids in [0, V), logits and row figures
+    finite (the rest's extremes -inf only where it is empty, the teacher token's log p NaN
+    only where none was given). A damaged file would otherwise reach the kernel (an id
+    outside the vocabulary) or give NaN intervals without a word. ``label(r)`` names row r."""
+
+    def at(r: int) -> str:
+        try:
+            return f"{where}: {label(int(r))}" if label is not None else f"{where}: row {int(r)}"
+        except Exception:  # noqa: BLE001 - a damaged run may not say which item
+            return f"{where}: row {int(r)}"
+
+    for key in ("exact_ids", "band_ids"):
+        ids = data[key]
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bad.any():
+            r, c = np.argwhere(bad)[0]
+            raise LogitdiffError(f"{at(r)}: compact field {key!r}: token id {int(ids[r, c])} outside [0, {vocab_size})")
+    allowed = {"rest_max": np.isneginf, "rest_min": np.isneginf, "token_logp": np.isnan}
+    for key in ("exact_logits", *ROW_FIELDS):
+        v = np.asarray(data[key], np.float64)
+        bad = ~np.isfinite(v) & ~allowed.get(key, lambda x: np.zeros(x.shape, bool))(v)
+        if bad.any():
+            r = np.argwhere(bad)[0]
+            raise LogitdiffError(f"{at(r[0])}: compact field {key!r} holds {float(v[tuple(r)])}: the chunk is damaged")
+
+
 def rows_of(data: dict[str, np.ndarray], sl: slice) -> dict[str, np.ndarray]:
     return {k: v[sl] for k, v in data.items()}
 

@@ -63,7 +63,9 @@ class CompactStore(StoreKind):
         atomic_write_bytes(path, C.save_chunk(path, blocks))
 
     def load_chunk(self, path: Path, label: Any) -> Block:
-        return C.load_chunk(path)
+        data = C.load_chunk(path)
+        C.check_rows(data, int(self.vocab_size or 0), str(path), label)
+        return data
 
     def rows_in(self, block: Block) -> int:
         return int(block["max_logit"].shape[0])
