@@ -370,7 +370,7 @@ def _columns(block, res, ic, lc, y, lqy, entropy_cand, V, *, top_k, overlap_k, e
     cols["margin_ref"] = pr[:, 0] - pr[:, 1]
     lpy = block["token_logp"]
     cols["p_ref_token"], cols["p_cand_token"] = np.exp(lpy), np.exp(lqy)
-    cols["delta_p"] = np.exp(lqy) - np.exp(lpy)
+    cols["delta_p"] = cols["p_cand_token"] - cols["p_ref_token"]
     cols["nll_ref"], cols["nll_cand"] = -lpy, -lqy
     cols["entropy_ref"] = block["entropy"]
     cols["entropy_cand"] = entropy_cand
