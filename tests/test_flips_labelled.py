@@ -361,7 +361,9 @@ def test_real_labels_are_blind_and_from_runs():
 # Re-measured after the flipcls changes (prose in code items judged as prose, short-tail
 # re-join, stopping earlier; docs/flips.md): dev 2/2, 57/57; held-out recovered 11/14, benign
 # 4/8, meaning_changed 175/187, kappa 0.60. These parts are now development data for that
-# work (their disagreements were read), so they are dev figures.
+# work (their disagreements were read), so they are dev figures. Where the 90 % goal is
+# asserted it binds harder than a floor: dev benign 1/2 would fail it, so dev benign must stay
+# 2/2. kappa is no count: 0.55 lies below the measured 0.599 less one case (0.570).
 REAL_FLOORS = {
     "dev": {"benign": (1, 2), "meaning_changed": (56, 57)},
     "held-out": {"recovered": (10, 14), "benign": (3, 8), "meaning_changed": (174, 187)},
@@ -406,14 +408,16 @@ def test_agreement_with_blind_labels_of_real_branches():
 
 # Branches of real runs of a real model (SmolLM2-135M-Instruct, the project's real-model
 # GGUF), labelled blind by another reader with the same rules after the classifier above was
-# frozen (tests/data/flip_labels_dump.py wrote only the texts). Measured once, reported as it is.
+# frozen (tests/data/flip_labels_dump.py wrote only the texts). Measured once then; tuned on
+# since (below).
 SMOL_LABELS = Path(__file__).parent / "data" / "flip_labels_smollm.jsonl"
 # Measured (docs/flips.md), 180 branches: first (frozen classifier) meaning_changed 141/154
 # (92 %), benign 1/22, recovered 1/4, kappa 0.01. Since then this set is development data:
 # its disagreements were read and general fixes made (flipcls: words around code judged as
 # prose, short-tail re-join, stopping earlier is benign...), giving meaning_changed 139/154
 # (90 %), benign 5/22, recovered 3/4, kappa 0.24: dev figures, not a test set any more.
-# Floors: the measured count less one case.
+# Floors: the measured count less one case; for meaning_changed the 90 % goal binds first
+# (139/154 is 90.3 %, 138/154 89.6 %), so it must stay at 139.
 SMOL_FLOORS: dict[str, tuple[int, int]] = {"meaning_changed": (138, 154), "benign": (4, 22), "recovered": (2, 4)}
 # kappa measured 0.239; losing one agreeing recovered or benign case (the worst single cases)
 # gives 0.201 / 0.203, so 0.2 is the measured figure less one case
@@ -473,7 +477,8 @@ def test_agreement_with_blind_labels_of_smollm2_branches():
 SMOL_B_LABELS = Path(__file__).parent / "data" / "flip_labels_smollm_b.jsonl"
 # Measured (docs/flips.md): recovered 2/7, benign 5/19, meaning_changed 139/154 (90 %), kappa
 # 0.219 (the classifier before the dev fixes: 1/7, 2/19, 138/154, kappa 0.05). Floors: the
-# measured count less one case; the 90 % goal is asserted where it was reached.
+# measured count less one case; the 90 % goal is asserted where it was reached (for
+# meaning_changed it binds first: 138/154 is 89.6 %, so it must stay at 139).
 SMOL_B_FLOORS: dict[str, tuple[int, int]] = {"meaning_changed": (138, 154), "benign": (4, 19), "recovered": (1, 7)}
 # losing one agreeing recovered or benign case gives kappa 0.180 / 0.182
 SMOL_B_KAPPA_FLOOR = 0.18
