@@ -14,9 +14,10 @@ from logitdiff.store import RunItem, RunReader, RunWriter
 V = 300
 
 
-def make_run(path, logits_by_item, teacher_by_item, *, tok_hash="sha256:t", vocab=V, store="full", tags=None, finish=True, dtype="float32"):
-    w = RunWriter(path, source={"spec": f"test:{path.name}"}, vocab_size=vocab, tokenizer_hash=tok_hash, store=store, dtype=dtype, chunk_rows=16,
-                  vocab=[f"t{i}" for i in range(vocab)])
+def make_run(path, logits_by_item, teacher_by_item, *, tok_hash="sha256:t", vocab=V, store="full", tags=None, finish=True, dtype="float32",
+             source=None, chunk_rows=16):
+    w = RunWriter(path, source=source or {"spec": f"test:{path.name}"}, vocab_size=vocab, tokenizer_hash=tok_hash, store=store, dtype=dtype,
+                  chunk_rows=chunk_rows, vocab=[f"t{i}" for i in range(vocab)])
     for iid, lg in logits_by_item.items():
         T = lg.shape[0]
         it = RunItem(id=iid, prompt_ids=[1, 2], teacher_ids=list(teacher_by_item[iid]), positions=list(range(T)), tags=(tags or {}).get(iid, []))

@@ -14,26 +14,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_compare import make_run  # the RUN writer of the report tests
 
 from logitdiff import contracts as C
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
 from logitdiff.report import build_report, noise_floor_section, read_report, update_report_dir, write_report_dir
 from logitdiff.report.markdown import render_markdown
-from logitdiff.store import RunItem, RunReader, RunWriter
+from logitdiff.store import RunReader
 
 V = 32
 LENS = {"a": 9, "b": 5}
 
 
 def _run(path, logits, teacher, spec):
-    w = RunWriter(path, source={"spec": spec, "identity": {"backend": "test"}}, vocab_size=V, tokenizer_hash="sha256:t",
-                  chunk_rows=4)
-    for iid, lg in logits.items():
-        w.add(RunItem(id=iid, prompt_ids=[1], teacher_ids=list(teacher[iid]), positions=list(range(len(lg))), tags=["x"]),
-              logits=lg)
-    w.finish()
-    return RunReader(path)
+    """A full-logit RUN in 4-row chunks (test_compare's writer), read back."""
+    return RunReader(make_run(path, logits, teacher, vocab=V, source={"spec": spec, "identity": {"backend": "test"}}, chunk_rows=4,
+                              tags={iid: ["x"] for iid in logits}))
 
 
 @pytest.fixture(scope="module")
@@ -365,15 +362,7 @@ def test_top_k_report_with_bounds_validates(tmp_path):
     k = 8
 
     def topk_run(path, logits, teacher):
-        w = RunWriter(path, source={"spec": f"test:{path.name}"}, vocab_size=V, tokenizer_hash="sha256:t", store=f"topk:{k}",
-                      chunk_rows=4)
-        for iid, lg in logits.items():
-            lp = lg - np.log(np.exp(lg.astype(np.float64)).sum(1, keepdims=True))
-            ids = np.argsort(-lp, 1)[:, :k]
-            w.add(RunItem(id=iid, prompt_ids=[1], teacher_ids=list(teacher[iid]), positions=list(range(len(lg))), tags=[]),
-                  topk={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
-        w.finish()
-        return RunReader(path)
+        return RunReader(make_run(path, logits, teacher, vocab=V, store=f"topk:{k}", chunk_rows=4))
 
     ref = {k_: rng.normal(0, 2, (n, V)) for k_, n in LENS.items()}
     teacher = {k_: lg.argmax(1) for k_, lg in ref.items()}
