@@ -258,3 +258,33 @@ def test_cancellation_inside_a_chain_and_across_chains(isa):
     want, ok = reference(hid_b, head_b)
     assert want[0, 0] == bf16_of(260.0) and want[1, 1] == bf16_of(2.0**30) and want[1, 2] == bf16_of(2.0**27)
     got, fallbacks = check(hid_b, head_b, isa, threads=1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_callers_flush_to_zero_does_not_change_the_bits(isa):
+    """A process may run with FTZ/DAZ set (torch.set_flush_denormal(True), a library built
+    with -ffast-math): bf16 denormal hidden values would then read as zero and tiny products
+    flush, errors the bound does not cover. The decode runs with IEEE underflow and leaves
+    the caller's setting as it was. Rows: a normal term and a denormal hidden value times a
+    large head weight, which decides the rounding of most entries."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    n, V = 3, 96
+    hid = np.zeros((n, 2))
+    hid[:, 0] = rng.integers(128, 256, n) * 2.0**-128  # normal
+    hid[:, 1] = rng.integers(1, 128, n) * 2.0**-133  # bf16 (and float32) denormal
+    head = rng.integers(128, 256, (V, 2)) * 2.0**13 * rng.choice([-1.0, 1.0], (V, 2))
+    h, w = bf16_of(hid), bf16_of(head)
+    want, ok = reference(h, w)  # before FTZ/DAZ: the reference converts through float32
+    dropped, _ = reference(h, w * np.array([1, 0], np.uint16))  # what reading the denormal as zero gives
+    assert ok.all() and (dropped != want).sum() > V  # the denormal decides many entries
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no FTZ/DAZ to set")
+    try:
+        assert np.float32(2.0**-129) * np.float32(1.0) == 0  # DAZ is on in this thread
+        got, _ = kernel.hidden_decode(h, w, "bfloat16", 2, isa=isa)
+        still = np.float32(2.0**-129) * np.float32(1.0) == 0  # and still on after the call
+    finally:
+        torch.set_flush_denormal(False)
+    np.testing.assert_array_equal(got, want)
+    assert still

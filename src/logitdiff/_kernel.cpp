@@ -994,6 +994,20 @@ namespace {
 
 constexpr int HD_ISA_AVX512BF16 = 3;  // kernel.HIDDEN_ISA_CODES["avx512bf16"]
 
+// IEEE underflow for the scope of a decode, whatever the caller's MXCSR: with DAZ set (e.g.
+// torch.set_flush_denormal(True), or a library built with -ffast-math loaded in the process)
+// a bf16 denormal read as float32, or converted to double, is zero, and FTZ flushes products
+// below 2^-126: errors the bound above (2^-150 per operation) does not cover, and the float64
+// path's conversions would drop the same values. Restored on exit. Set in the calling thread
+// and in each worker (a thread's MXCSR is its own).
+struct HdIeeeUnderflow {
+#if LD_X86
+    unsigned saved = _mm_getcsr();
+    HdIeeeUnderflow() { _mm_setcsr(saved & ~0x8040u); }  // clear FTZ (bit 15) and DAZ (bit 6)
+    ~HdIeeeUnderflow() { _mm_setcsr(saved); }
+#endif
+};
+
 // hidden.round_bits for one value: float64 -> 16-bit bits, nearest, ties to even, one
 // rounding (fmt BF16 or F16). For normal, finite results (others are stored exceptions).
 inline uint16_t hd_round(double s, int fmt) {
@@ -1538,6 +1552,7 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
                                                                    int64_t out_stride, int64_t* fallbacks) {
     if (n < 0 || V < 1 || H < 1 || (fmt != BF16 && fmt != F16) || threads < 1 || out_stride < V) return 1;
     if (isa == HD_ISA_AVX512BF16 && !have_avx512bf16()) return 2;  // asked for by name on a CPU without it
+    HdIeeeUnderflow ieee;  // before the conversions below
     const int64_t Hp = (H + 7) / 8 * 8;
     std::vector<float> h32((size_t)(n * Hp), 0.0f);
     std::vector<double> h64((size_t)(n * H)), hn((size_t)n), hnorm((size_t)n);
@@ -1583,6 +1598,7 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
     }
     std::atomic<int64_t> next{0}, nfb_all{0};
     auto work = [&]() {
+        HdIeeeUnderflow ieee;
         std::vector<float> w;
         std::vector<double> wn;
         int64_t nfb = 0;
