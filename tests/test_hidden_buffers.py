@@ -106,3 +106,41 @@ def test_a_streaming_compare_decodes_every_chunk_into_one_buffer(runs):
     for a, b in aligned_blocks(f.row_pieces(f.items()), h.row_pieces(h.items()), 5):
         pass
     assert len(h.kind._out_buffers) == HS.OUT_BUFFERS == 2
+
+
+@pytest.mark.parametrize("hold", ["torch.from_numpy", "memoryview", "np.frombuffer", "ctypeslib.as_ctypes", "float16 view"])
+def test_rows_held_without_the_array_keep_their_rows(runs, hold):
+    """The reuse test reads the buffer's reference count: whatever a consumer keeps of a
+    chunk's rows (a tensor sharing them, a buffer export, an array over that export, a ctypes
+    array) holds a reference that reaches the buffer, so the buffer is not decoded into
+    while those rows can be read. (A raw address, ``.ctypes.data``, holds nothing: it is no
+    safer with any numpy array, whose memory goes back to the allocator once freed.)"""
+    full, hid, _ = runs
+    f, h = RunReader(full), RunReader(hid)
+    want = [np.asarray(p).copy() for p in f.row_pieces(f.items())]
+
+    def keep(a: np.ndarray):
+        if hold == "torch.from_numpy":
+            torch = pytest.importorskip("torch")
+            return torch.from_numpy(a.view(np.int16))
+        if hold == "memoryview":
+            return memoryview(a)
+        if hold == "np.frombuffer":
+            return np.frombuffer(memoryview(a), np.uint16).reshape(a.shape)
+        if hold == "ctypeslib.as_ctypes":
+            return np.ctypeslib.as_ctypes(a)
+        return a.view(np.float16)
+
+    def back(k) -> np.ndarray:
+        if hold == "torch.from_numpy":
+            return k.numpy().view(np.uint16)
+        if hold == "ctypeslib.as_ctypes":
+            return np.ctypeslib.as_array(k).copy()
+        return np.asarray(k).view(np.uint16)
+
+    kept = []
+    for p in h.row_pieces(h.items()):
+        kept.append(keep(np.ascontiguousarray(p)))
+        del p  # only the consumer's object refers to the rows now
+    got = np.concatenate([back(k) for k in kept])
+    np.testing.assert_array_equal(got, np.concatenate(want))
