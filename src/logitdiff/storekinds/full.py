@@ -17,7 +17,7 @@ from .. import validate
 from ..errors import LogitdiffError
 from ..outputs import atomic_file_unsynced, start_writeback
 from .base import Block, BlockPlace, RowsForm, StoreKind, check_full_rows
-from .rows import DTYPES, f32_to_bf16, full_values
+from .rows import DTYPES, full_values, write_npy_rows
 
 
 class FullStore(StoreKind):
@@ -58,19 +58,12 @@ class FullStore(StoreKind):
 
 
 def save_npy_rows_unsynced(path: Path, blocks: list[np.ndarray], dtype: str) -> None:
-    """One ``.npy`` of the row blocks stacked, written block by block straight from each
-    block's buffer (no concatenated copy), renamed into place when whole; writeback of each
-    block is started as soon as it is written, the fsync is the caller's. ``dtype``
-    ``"bfloat16"`` stores bf16 bits."""
-    n = sum(b.shape[0] for b in blocks)
-    cols = blocks[0].shape[1] if blocks else 0
-    out_dtype = np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(DTYPES[dtype])
+    """:func:`rows.atomic_save_npy_rows` without its fsync: renamed into place when whole;
+    writeback of each block is started as soon as it is written, the fsync is the caller's."""
     with atomic_file_unsynced(path) as f:
-        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False,
-                                                 "shape": (n, cols)})
-        for b in blocks:
-            if dtype == "bfloat16":
-                b = b if b.dtype == np.uint16 else f32_to_bf16(b)
-            f.write(np.ascontiguousarray(b, dtype=out_dtype).data)
-            f.flush()
-            start_writeback(f.fileno())
+        write_npy_rows(f, blocks, dtype, after_block=_start_writeback)
+
+
+def _start_writeback(f) -> None:
+    f.flush()
+    start_writeback(f.fileno())

@@ -28,16 +28,24 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 def atomic_save_npy_rows(path: Path, blocks: list[np.ndarray], dtype: str) -> None:
     """One ``.npy`` of the row blocks stacked, written block by block (no concatenated
-    copy in memory), then renamed into place. ``dtype`` ``"bfloat16"`` stores bf16 bits."""
+    copy in memory), then fsynced and renamed into place. ``dtype`` ``"bfloat16"`` stores bf16 bits."""
+    with atomic_file(path) as f:
+        write_npy_rows(f, blocks, dtype)
+
+
+def write_npy_rows(f, blocks: list[np.ndarray], dtype: str, after_block=None) -> None:
+    """The ``.npy`` bytes of the row blocks stacked, into the open binary file ``f``, block
+    by block straight from each block's buffer; ``after_block(f)`` is called after each."""
     n = sum(b.shape[0] for b in blocks)
     cols = blocks[0].shape[1] if blocks else 0
     out_dtype = np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(DTYPES[dtype])
-    with atomic_file(path) as f:
-        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False, "shape": (n, cols)})
-        for b in blocks:
-            if dtype == "bfloat16":
-                b = b if b.dtype == np.uint16 else f32_to_bf16(b)
-            f.write(np.ascontiguousarray(b, dtype=out_dtype).data)
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(out_dtype), "fortran_order": False, "shape": (n, cols)})
+    for b in blocks:
+        if dtype == "bfloat16":
+            b = b if b.dtype == np.uint16 else f32_to_bf16(b)
+        f.write(np.ascontiguousarray(b, dtype=out_dtype).data)
+        if after_block is not None:
+            after_block(f)
 
 
 def nonfinite_row(rows: np.ndarray, dtype: str | None) -> int | None:
