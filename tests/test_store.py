@@ -7,6 +7,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from _runs import finish_resumed
 
 from logitdiff.errors import LogitdiffError
 from logitdiff.store import RunItem, RunReader, RunWriter, bf16_to_f32, f32_to_bf16
@@ -96,14 +97,7 @@ def test_partial_run_refused_then_resumed(tmp_path):
     w2 = _writer(tmp_path / "run", chunk_rows=1, resume=True)
     done = w2.done_ids()
     assert done == {"i0", "i1", "i2"}
-    for it, lg in data:
-        if it.id not in done:
-            w2.add(it, logits=lg)
-    w2.finish()
-    r = RunReader(tmp_path / "run")
-    assert [g.id for g in r.items()] == [f"i{k}" for k in range(6)]
-    for g, (_, lg) in zip(r.items(), data):
-        np.testing.assert_array_equal(r.logits(g), lg)
+    finish_resumed(w2, data)
 
 
 def test_killed_writer_leaves_only_whole_chunks(tmp_path):

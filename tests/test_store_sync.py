@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from _runs import finish_resumed
 
 import logitdiff.store as store
 from logitdiff.errors import LogitdiffError
@@ -129,10 +130,4 @@ def test_failed_chunk_stops_listing_then_resume_clears_unlisted(tmp_path, monkey
     # chunks written after the failed one were never listed: gone, not read as the resumed run's
     assert sorted(p.name for p in (tmp_path / "run" / "chunks").iterdir()) == ["000000.items.jsonl", "000000.logits.npy"]
     assert again.done_ids() == {"i0"}
-    for it, lg in data[1:]:
-        again.add(it, logits=lg)
-    again.finish()
-    r = RunReader(tmp_path / "run")
-    assert [it.id for it in r.items()] == [f"i{k}" for k in range(6)]
-    for it, (_, lg) in zip(r.items(), data):
-        np.testing.assert_array_equal(r.logits(it), lg)
+    finish_resumed(again, data)
