@@ -284,7 +284,9 @@ class RunWriter(_KindViews):
         # Chunks are written by one background thread, in order, while the caller computes
         # the next rows; at most one chunk is in flight there: a producer faster than the
         # disk waits rather than piling chunks up in memory. The files are written whole
-        # (temporary + rename) but not fsynced by that thread: a second thread (the syncer)
+        # (temporary + rename) but not fsynced by that thread (full chunks and items files;
+        # the other kinds' chunk files go through atomic_write_bytes, fsynced there, so the
+        # syncer's fsync finds them clean): a second thread (the syncer)
         # fsyncs each chunk's files and only then lists the chunk in the manifest, so the
         # manifest still names only durable chunks and a kill or a crash leaves whole chunks
         # behind, while the disk's writeback no longer holds up the writer (at V = 248,320 the
