@@ -796,3 +796,22 @@ def test_run_does_not_resume_a_reference_made_with_another_model(w, tmp_path, ca
     fresh = RunReader(out / "runs" / "reference")
     assert fresh.manifest["source"]["identity"]["weight_files"] == RunReader(w["ref"]).manifest["source"]["identity"]["weight_files"]
     assert [it.teacher_ids for it in fresh.items()] == [it.teacher_ids for it in RunReader(w["ref"]).items()]
+
+
+def test_a_failed_replacement_names_the_output_not_its_temporary(tmp_path):
+    """An error raised while writing the temporary that replaces an existing output names
+    the output the user asked for (the temporary is gone by then), and leaves it as it was."""
+    from logitdiff.errors import LogitdiffError
+    from logitdiff.outputs import TOPK_ERROR_SCHEMA, Kind, writing
+
+    out = tmp_path / "topk.json"
+    old = json.dumps({"schema": TOPK_ERROR_SCHEMA})
+    out.write_text(old)
+    seen = []
+    with pytest.raises(LogitdiffError) as err:
+        with writing(out, Kind.TOPK_JSON, overwrite=True) as tmp:
+            seen.append(tmp)
+            raise LogitdiffError(f"{tmp}: cannot write (File too large)")
+    assert seen[0] != out and str(seen[0]) not in str(err.value)
+    assert str(err.value) == f"{out}: cannot write (File too large)"
+    assert out.read_text() == old and not seen[0].exists()

@@ -522,6 +522,12 @@ def writing(
                     tmp.mkdir()
                 yield tmp
                 _swap(tmp, out)
+            except LogitdiffError as e:
+                _remove(tmp)
+                # the user never sees the temporary: name the output they asked for
+                if str(tmp) in str(e):
+                    raise LogitdiffError(str(e).replace(str(tmp), str(out))) from None
+                raise
             except BaseException:
                 _remove(tmp)
                 raise
