@@ -225,6 +225,13 @@ def head_sha256(head: np.ndarray) -> str:
     return hsh.hexdigest()
 
 
+def _head_sha256_cached(path, head: np.ndarray) -> str:
+    from .sources.filecache import file_fact_cached
+
+    return file_fact_cached(path, "hidden-head-sha256", lambda: head_sha256(head),
+                            valid=lambda t: len(t) == 64 and all(c in "0123456789abcdef" for c in t))
+
+
 def save_chunk(block: dict[str, np.ndarray]) -> bytes:
     bio = io.BytesIO()
     arrays: dict[str, Any] = block  # (numpy's stub would read a ** of arrays as its allow_pickle flag)
@@ -254,7 +261,13 @@ def load_chunk(path, hidden_size: int, vocab_size: int) -> dict[str, np.ndarray]
 
 def load_head(path, vocab_size: int, sha256: str | None) -> np.ndarray:
     """The run's output head [V, H] (bf16 bits), memory-mapped, checked against the
-    manifest's shape and sha256."""
+    manifest's shape and sha256.
+
+    The sha256 is computed once per version of the file (sources/filecache.py: keyed by
+    path, device, inode, size, mtime_ns and ctime_ns, which a write to the file moves and
+    user space cannot set back), not once per reader: hashing a 57 MB head took 0.04 s,
+    40 % of a whole compare against a full reference at V = 49,152 (bench/RESULTS.md). A
+    head whose bytes changed has another identity, so it is hashed again and refused."""
     try:
         head = np.load(path, mmap_mode="r")
     except FileNotFoundError:
@@ -263,6 +276,6 @@ def load_head(path, vocab_size: int, sha256: str | None) -> np.ndarray:
         raise LogitdiffError(f"{path}: unreadable output head ({e})") from None
     if head.dtype != np.uint16 or head.ndim != 2 or head.shape[0] != vocab_size:
         raise LogitdiffError(f"{path}: output head is {head.dtype} {head.shape}, expected uint16 ({vocab_size}, H)")
-    if sha256 is not None and head_sha256(head) != sha256:
+    if sha256 is not None and _head_sha256_cached(path, head) != sha256:
         raise LogitdiffError(f"{path}: sha256 differs from the manifest's 'head.sha256' (the file was changed)")
     return head

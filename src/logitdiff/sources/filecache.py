@@ -6,7 +6,7 @@ At V = 248,320 a transformers source spent ~7 s before its first position on fac
 only change when a file changes: the sha256 of every weight file (its identity), the
 texts of all V tokens (a RUN's ``vocab.json``) and the vocabulary's content hash.
 
-* :func:`file_sha256_cached`: a file's sha256, keyed by (resolved path, size, mtime_ns,
+* :func:`file_sha256_cached`: a file's sha256, keyed by (resolved path, size, mtime_ns, device,
   inode, ctime_ns) -- what ``git`` and ``make`` trust to say a file is unchanged. A file
   rewritten in place with the same size inside one mtime tick would be missed; ctime_ns
   (which user space cannot set back) narrows that to a rewrite within one ctime tick: on
@@ -14,6 +14,9 @@ texts of all V tokens (a RUN's ``vocab.json``) and the vocabulary's content hash
   always gets a new ctime, on older kernels the tick is one jiffy (1-10 ms).
 * :func:`cached_json`: a JSON value computed from files, keyed by those files' sha256
   (via the cache above), the library versions that computed it and a name.
+* :func:`file_fact_cached`: any short text computed from one file's bytes (e.g. the
+  sha256 of a hidden-state run's output head as its manifest records it), keyed by the
+  file's identity as above and a name: read once per version of the file.
 
 Every entry is one small file written through a temporary name and a rename; an entry
 that cannot be read is recomputed, and a cache directory that cannot be written is not an
@@ -66,20 +69,43 @@ def _write(path: Path | None, data: bytes) -> None:
         pass  # a read-only cache: compute again next time
 
 
+def file_identity(path: str | os.PathLike) -> list:
+    """What says a file is the version a fact was computed from: its resolved path, size,
+    mtime_ns, inode, ctime_ns and device (see the module doc)."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return [str(p), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, st.st_dev]
+
+
 def file_sha256_cached(path: str | os.PathLike) -> str:
     """``"sha256:<hex>"`` of a file, read once per version of the file (see the module doc)."""
     from .base import file_sha256
 
-    p = Path(path).resolve()
-    st = p.stat()
-    key = json.dumps([str(p), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
-    entry = _entry("sha256", key)
+    return file_fact_cached(path, "sha256", lambda: file_sha256(Path(path).resolve()),
+                            valid=lambda t: t.startswith("sha256:") and len(t) == 71)
+
+
+def file_fact_cached(path: str | os.PathLike, name: str, compute: Callable[[], str],
+                     valid: Callable[[str], bool] = bool) -> str:
+    """``compute()`` (a short ASCII text computed from the bytes of the file ``path``), or
+    its cached copy for this version of the file (`file_identity`) and ``name``; an entry
+    that ``valid`` refuses is recomputed. The value is kept only when the file's identity
+    is the same after ``compute`` as before it (a file changed while it was read is read
+    again next time)."""
+    ident = file_identity(path)
+    entry = _entry(name, json.dumps(ident))
     got = _read(entry)
-    if got is not None and got.startswith(b"sha256:") and len(got) == 71:
-        return got.decode()
-    digest = file_sha256(p)
-    _write(entry, digest.encode())
-    return digest
+    if got is not None:
+        try:
+            text = got.decode("ascii")
+        except UnicodeDecodeError:
+            text = ""
+        if valid(text):
+            return text
+    value = compute()
+    if file_identity(path) == ident:
+        _write(entry, value.encode("ascii"))
+    return value
 
 
 def cached_json(name: str, files: Sequence[str | os.PathLike], versions: dict, compute: Callable[[], object]):
