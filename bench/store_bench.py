@@ -487,10 +487,16 @@ GGUF loaded through transformers (``hf:FILE.gguf``: dequantized, bf16); the ladd
 shipped Q4_1 and rungs requantized from it by llama.cpp (32-wide block types: the model's
 576-wide rows do not fit the K-quants' 256-wide blocks).
 
-    PYTHONPATH=src python bench/reference_store_bench.py OUT [--items 8] [--max-tokens 64]
+    PYTHONPATH=src python bench/store_bench.py real OUT [--items 8] [--max-tokens 64]
         [--rounds 3] [--quants Q8_0,Q5_0,Q4_0] [--threads N] [--device cpu|cuda] [--json FILE]
+        [--cold] [--prefetch] [--peer-src OTHER/src --peer-kinds full,hidden] [--wide]
 
-OUT keeps the captures (reused when present) so timing reruns skip them.
+OUT keeps the captures (reused when present) so timing reruns skip them. Warm (the runs'
+files in the page cache, as after a first compare) and, with --cold, cold (every file of
+both runs dropped from the page cache before each compare: what a run larger than RAM
+costs, where a hidden reference reads ~2 H bytes a position and a full one 2 V). The MAC
+floor line says what the hidden reference's head product alone costs on this CPU, so a
+ratio can be read against the least it could be.
 """
 
 
@@ -519,19 +525,100 @@ def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+def evict(*runs: Path) -> int:
+    """Drop every file of ``runs`` (chunks, head, tokens, manifest) from the page cache:
+    posix_fadvise(DONTNEED) on each, which any process that can open a file may ask for
+    (clean pages only: the runs were written long before). Bytes asked for."""
+    total = 0
+    for run in runs:
+        for f in Path(run).rglob("*"):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    total += os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+    return total
+
+
+def resident_bytes(*runs: Path) -> int | None:
+    """Bytes of ``runs``' files in the page cache (mincore(2) on a private mapping, which
+    reads no page), or None where mincore cannot be called."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mincore = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    got = 0
+    for run in runs:
+        for f in Path(run).rglob("*"):
+            size = f.stat().st_size if f.is_file() else 0
+            if not size:
+                continue
+            with open(f, "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)  # writable view: from_buffer wants one
+                try:
+                    buf = (ctypes.c_char * size).from_buffer(mm)
+                    vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+                    if mincore(ctypes.addressof(buf), size, vec) != 0:
+                        return None
+                    got += sum(1 for v in vec if v & 1) * page
+                    del buf
+                finally:
+                    mm.close()
+    return got
+
+
+def mac_rate(run: Path, threads: int | None) -> dict:
+    """The compiled hidden decode alone on ``run``'s (a hidden-state run) hidden states, warm:
+    GMAC/s per CPU second at one thread, and per wall second at ``threads``; median of 3."""
+    import resource
+
+    from logitdiff import hidden as Hs
+    from logitdiff import kernel as K
+    from logitdiff.metrics import default_threads
+
+    rd = RunReader(run)
+    head = rd.kind.head()
+    hid = np.concatenate([Hs.load_chunk(run / "chunks" / c["data"], head.shape[1], head.shape[0])["hidden"]
+                          for c in rd.manifest["chunks"]])
+    n, (V, H) = hid.shape[0], head.shape
+    out = np.empty((n, V), np.uint16)
+    res = {}
+    for th in (1, threads or default_threads()):
+        wall, cpu = [], []
+        for _ in range(3):
+            u0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            _, fb = K.hidden_decode(hid, head, "bfloat16", th, out=out)
+            w1, u1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+            wall.append(w1 - w0)
+            cpu.append(u1.ru_utime - u0.ru_utime + u1.ru_stime - u0.ru_stime)
+        res[th] = (statistics.median(wall), statistics.median(cpu), fb / (n * V))
+    th = max(res)
+    return {"macs": n * V * H, "n": n, "V": V, "H": H, "threads": th, "gmac_s_cpu_1": n * V * H / res[1][1] / 1e9,
+            "gmac_s_wall": n * V * H / res[th][0] / 1e9, "decode_wall_s": res[th][0], "decode_cpu_s": res[1][1],
+            "fallback_share": res[th][2]}
+
+
 # A warm process of another checkout (--peer-src): one compare per request line, answered
 # with its wall and CPU (user, system) seconds, measured as the in-process kinds are.
 PEER_WORKER = r"""
-import json, os, sys, time
+import json, resource, sys, time
 from logitdiff.compare import compare_runs
 from logitdiff.store import RunReader
 for line in sys.stdin:
     req = json.loads(line)
     ref, cand = RunReader(req["ref"]), RunReader(req["cand"])
-    c0, w0 = os.times(), time.perf_counter()
+    c0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     compare_runs(ref, cand, threads=req["threads"])
-    w1, c1 = time.perf_counter(), os.times()
-    print(json.dumps([w1 - w0, c1.user - c0.user, c1.system - c0.system]), flush=True)
+    w1, c1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps([w1 - w0, c1.ru_utime - c0.ru_utime, c1.ru_stime - c0.ru_stime]), flush=True)
 """
 
 
@@ -567,6 +654,14 @@ def cmd_real(argv=None) -> int:
     ap.add_argument("--peer-label", default="before", help="label of --peer-src's kinds (default: before)")
     ap.add_argument("--peer-kinds", default="full,compact",
                     help="comma-separated reference stores --peer-src times (default %(default)s; e.g. full,hidden)")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time every kind cold (kinds KIND/cold, ratio to full/cold): before each such compare both "
+                         "runs' files (chunks, head, tokens) are dropped from the page cache with posix_fadvise(DONTNEED), "
+                         "checked once with mincore, so they are read from disk as a run larger than RAM is")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="also time kind hidden-prefetch: the hidden reference with RunReader.prefetch() called in the "
+                         "timed span just before compare_runs (its first chunk decoded while the compare checks tokens "
+                         "and items: what compare_runs calling it first would give)")
     ap.add_argument("--wide", action="store_true",
                     help="instead of SmolLM2: the random bf16 Llama of tests/_models.py at V = 248,320 (hidden 128) as "
                          "the reference and the same architecture from another seed (bf16) as the one candidate")
@@ -656,6 +751,8 @@ def cmd_real(argv=None) -> int:
     kinds = dict(refs)
     if a.peers:
         kinds.update({"hidden-f64": refs["hidden"], "compact-numpy": refs["compact"]})
+    if a.prefetch:
+        kinds["hidden-prefetch"] = refs["hidden"]
     isa_kinds = {}
     if a.isa_peers:
         isa_kinds = {f"hidden-{i}": i for i in ("avx2", "avx512bf16") if i != "avx512bf16" or K.has_avx512bf16()}
@@ -664,11 +761,28 @@ def cmd_real(argv=None) -> int:
     if a.peer_src:
         kinds.update({f"{k}@{a.peer_label}": refs[k] for k in a.peer_kinds.split(",")})
         worker = peer_worker(a.peer_src)
+    if a.cold:  # each kind's cold compare right before its warm one (which then finds the files just read)
+        kinds = {k2: v for k, v in kinds.items() for k2 in (f"{k}/cold", k)}
+
+    def base(s: str) -> str:
+        return s.removesuffix("/cold")
+
+    def full_of(s: str) -> str:  # what a kind's time is read against: full, warm or cold as it is
+        return "full/cold" if s.endswith("/cold") else "full"
+
+    mac = mac_rate(refs["hidden"], a.threads)
+    cold_check = None
     timing = {q: {s: [] for s in kinds} for q in cands}
     cpu = {q: {s: [] for s in kinds} for q in cands}
+    import resource
+
     for _ in range(a.rounds):
         for q, p in cands.items():
             for s, rp in kinds.items():  # interleaved: every reference kind per rung per round
+                if s.endswith("/cold"):
+                    evict(rp, p)
+                    if cold_check is None:
+                        cold_check = (resident_bytes(rp, p), dir_bytes(rp) + dir_bytes(p))
                 if "@" in s:  # the peer checkout, in its warm worker (wall and CPU of its process)
                     worker.stdin.write(json.dumps({"ref": str(rp), "cand": str(p), "threads": a.threads}) + "\n")
                     worker.stdin.flush()
@@ -676,16 +790,18 @@ def cmd_real(argv=None) -> int:
                     timing[q][s].append(w)
                     cpu[q][s].append((u, y))
                     continue
-                previous(s in ("hidden-f64", "compact-numpy"))
-                if s in isa_kinds:
-                    K.hidden_decode = functools.partial(compiled[1], isa=isa_kinds[s])
+                previous(base(s) in ("hidden-f64", "compact-numpy"))
+                if base(s) in isa_kinds:
+                    K.hidden_decode = functools.partial(compiled[1], isa=isa_kinds[base(s)])
                 ref = RunReader(rp, device=a.device)
                 cand = RunReader(p)
-                c0, w0 = os.times(), time.perf_counter()
+                c0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                if base(s) == "hidden-prefetch":
+                    ref.prefetch()
                 compare_runs(ref, cand, threads=a.threads, device=a.device)
-                w1, c1 = time.perf_counter(), os.times()
+                w1, c1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
                 timing[q][s].append(w1 - w0)
-                cpu[q][s].append((c1.user - c0.user, c1.system - c0.system))
+                cpu[q][s].append((c1.ru_utime - c0.ru_utime, c1.ru_stime - c0.ru_stime))
     previous(False)
     if worker is not None:
         worker.stdin.close()
@@ -703,21 +819,38 @@ def cmd_real(argv=None) -> int:
         ci = f["kl_ci95"]
         print(f"| {q} | {f['kl_mean']:.5f} [{ci[0]:.5f}, {ci[1]:.5f}] | {f['top1_match_rate']:.3f} | "
               f"[{f['compact_lower']:.5f}, {f['compact_upper']:.5f}] | {f['width_pct']:,.0f} % |")
-    print(f"\ncompare time, median of {a.rounds} interleaved rounds (s; user/sys CPU of the median-adjacent round):")
-    print("| rung | full | hidden | compact | hidden / full | compact / full |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for q, m in med.items():
-        print(f"| {q} | {m['full']:.2f} | {m['hidden']:.2f} | {m['compact']:.2f} | {m['hidden'] / m['full']:.2f} | "
-              f"{m['compact'] / m['full']:.2f} |")
-    if a.peers or a.isa_peers or a.peer_src:
-        print("\nsame rounds, median wall (s) / median CPU user+sys (s), and wall ratio to full:")
-        print("| rung | " + " | ".join(kinds) + " | " + " | ".join(f"{s} / full" for s in kinds if s != "full") + " |")
-        print("|---|" + "---:|" * (2 * len(kinds) - 1))
+    for suffix in ("", "/cold") if a.cold else ("",):
+        print(f"\ncompare time{' COLD (files evicted before each compare)' if suffix else ''}, median of {a.rounds} "
+              "interleaved rounds (s):")
+        print("| rung | full | hidden | compact | hidden / full | compact / full |")
+        print("|---|---:|---:|---:|---:|---:|")
         for q, m in med.items():
-            print(f"| {q} | " + " | ".join(f"{m[s]:.2f} / {cpu_med[q][s]:.2f}" for s in kinds) + " | "
-                  + " | ".join(f"{m[s] / m['full']:.2f}" for s in kinds if s != "full") + " |")
-        print("CPU ratio to full: " + "; ".join(f"{q}: " + ", ".join(f"{s} {cpu_med[q][s] / cpu_med[q]['full']:.2f}"
-                                                                      for s in kinds if s != "full") for q in med))
+            f_, h_, c_ = (m[k + suffix] for k in ("full", "hidden", "compact"))
+            print(f"| {q} | {f_:.3f} | {h_:.3f} | {c_:.3f} | {h_ / f_:.2f} | {c_ / f_:.2f} |")
+    if cold_check is not None:
+        res_b, all_b = cold_check
+        print(f"cold check (mincore right after the eviction, first cold compare): "
+              f"{'unknown' if res_b is None else f'{res_b:,} B'} of {all_b:,} B of both runs' files in the page cache")
+    if a.peers or a.isa_peers or a.peer_src or a.cold or a.prefetch:
+        print("\nsame rounds, median wall (s) / median CPU user+sys (s), and wall ratio to full (warm or cold alike):")
+        print("| rung | " + " | ".join(kinds) + " | " + " | ".join(f"{s} / {full_of(s)}" for s in kinds if base(s) != "full") + " |")
+        print("|---|" + "---:|" * (len(kinds) + sum(base(s) != "full" for s in kinds)))
+        for q, m in med.items():
+            print(f"| {q} | " + " | ".join(f"{m[s]:.3f} / {cpu_med[q][s]:.3f}" for s in kinds) + " | "
+                  + " | ".join(f"{m[s] / m[full_of(s)]:.2f}" for s in kinds if base(s) != "full") + " |")
+        print("CPU ratio to full: " + "; ".join(f"{q}: " + ", ".join(f"{s} {cpu_med[q][s] / cpu_med[q][full_of(s)]:.2f}"
+                                                                      for s in kinds if base(s) != "full") for q in med))
+    # the head product alone: what a hidden compare adds to a full one at the least, on this CPU
+    full_w = statistics.median(m["full"] for m in med.values())
+    full_c = statistics.median(cpu_med[q]["full"] for q in med)
+    print(f"\nMAC floor (warm): the head product is {mac['macs'] / 1e9:.2f} GMAC ({mac['n']} positions x V {mac['V']:,} x "
+          f"H {mac['H']}); the compiled decode alone runs {mac['gmac_s_cpu_1']:.1f} GMAC per CPU second (1 thread) and "
+          f"{mac['gmac_s_wall']:.1f} GMAC/s wall ({mac['threads']} threads; float64 path {100 * mac['fallback_share']:.2f} % "
+          f"of entries): {mac['decode_cpu_s']:.3f} CPU s, {mac['decode_wall_s']:.3f} s wall = "
+          f"{mac['decode_wall_s'] / full_w:.2f} x the full compare's wall ({full_w:.3f} s) and "
+          f"{mac['decode_cpu_s'] / full_c:.2f} x its CPU ({full_c:.3f} s). A hidden compare that adds the product to a "
+          f"full one is >= {1 + mac['decode_wall_s'] / full_w:.2f} x full wall unless the product runs in time the full "
+          f"compare leaves a core idle; >= {1 + mac['decode_cpu_s'] / full_c:.2f} x its CPU in any case.")
     tot = {s: sum(m[s] for m in med.values()) for s in refs}
     print(f"all rungs: full {tot['full']:.2f} s, hidden {tot['hidden']:.2f} s ({tot['hidden'] / tot['full']:.2f}x), "
           f"compact {tot['compact']:.2f} s ({tot['compact'] / tot['full']:.2f}x)")
@@ -726,7 +859,8 @@ def cmd_real(argv=None) -> int:
     if a.json:
         a.json.write_text(json.dumps({"positions": n, "sizes": sizes, "head_bytes": head, "figures": figures,
                                       "median_s": med, "cpu": cpu, "load_avg": os.getloadavg(), "threads": a.threads or torch.get_num_threads(),
-                                      "device": a.device}, indent=1))
+                                      "device": a.device, "mac_floor": mac, "cold_check": cold_check}, indent=1))
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

@@ -84,12 +84,15 @@ def test_compare_against_hidden_equals_compare_against_full(runs, max_batch_rows
     assert n > 5 and a.columns["kl_nats"].mean() > 0
 
 
-def test_a_streaming_compare_decodes_every_chunk_into_one_buffer(runs):
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_a_streaming_compare_cycles_between_a_fixed_set_of_buffers(runs, read_ahead):
     """What the reuse is for: no fresh chunk-sized pages per chunk. A caller that drops each
     block before asking for the next (compare's loop) leaves the previous chunk unreferenced
-    when the next is decoded (aligned_blocks drops its spent piece first)."""
+    when the next is decoded (aligned_blocks drops its spent piece first): one buffer, or
+    two when the reader decodes the next chunk ahead (the one compared, the one decoded)."""
     full, hid, cand = runs
-    f, h = RunReader(full), RunReader(hid)
+    want = 2 if read_ahead else 1
+    f, h = RunReader(full), RunReader(hid, read_ahead=read_ahead)
     bases = set()
     n = 0
     for a, b in aligned_blocks(f.row_pieces(f.items()), h.row_pieces(h.items()), 5):
@@ -97,15 +100,15 @@ def test_a_streaming_compare_decodes_every_chunk_into_one_buffer(runs):
         n += 1
         del a, b
     pool = h.kind._out_buffers
-    assert n > 10 and len(pool) == 1 and bases == {id(pool[0])}
-    h = RunReader(hid)
+    assert n > 10 and len(pool) == want and bases == {id(x) for x in pool}
+    h = RunReader(hid, read_ahead=read_ahead)
     compare_runs(h, RunReader(cand), max_batch_rows=CHUNK_ROWS + 3)
-    assert len(h.kind._out_buffers) == 1
-    # a caller holding the previous block while asking for the next gets a second buffer
-    h = RunReader(hid)
+    assert len(h.kind._out_buffers) == want
+    # a caller holding the previous block while asking for the next gets one more buffer
+    h = RunReader(hid, read_ahead=read_ahead)
     for a, b in aligned_blocks(f.row_pieces(f.items()), h.row_pieces(h.items()), 5):
         pass
-    assert len(h.kind._out_buffers) == HS.OUT_BUFFERS == 2
+    assert len(h.kind._out_buffers) == want + 1 <= HS.OUT_BUFFERS == 3
 
 
 @pytest.mark.parametrize("hold", ["torch.from_numpy", "memoryview", "np.frombuffer", "ctypeslib.as_ctypes", "float16 view"])

@@ -1,18 +1,22 @@
 """What a hidden-state reader does besides the head product (storekinds/hidden.py,
-hidden.py): the output head's sha256 is checked once per version of the file, not once per
-reader -- and a head whose bytes changed in any way is still refused."""
+hidden.py, store.RunReader): the output head's sha256 is checked once per version of the
+file, not once per reader -- and a head whose bytes changed in any way is still refused;
+chunks read in order are decoded one ahead in a worker thread -- and whatever order they are
+read in, they are the full run's rows, a damaged chunk is named when (and only when) it is
+read."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
 
 from logitdiff import hidden as Hs
 from logitdiff.builtin import WORKLOAD
-from logitdiff.capture import capture_reference
+from logitdiff.capture import capture_candidate, capture_reference
 from logitdiff.errors import LogitdiffError
 from logitdiff.sources import filecache as fc
 from logitdiff.sources import open_source
@@ -20,10 +24,23 @@ from logitdiff.store import RunReader
 from logitdiff.workload import read_workload
 
 
+V = 4096  # builtin:tiny
+CHUNK_ROWS = 8
+
+
 @pytest.fixture(scope="module")
-def hid(tmp_path_factory):
+def both(tmp_path_factory):
     root = tmp_path_factory.mktemp("hidr")
-    return capture_reference(open_source("builtin:tiny"), read_workload(WORKLOAD)[:2], root / "hid", store="hidden")
+    src = open_source("builtin:tiny")
+    full = capture_reference(src, read_workload(WORKLOAD)[:2], root / "full")
+    # teacher-forced on the full run's tokens (no second generation): 8-row chunks, ~12 of them
+    hid = capture_candidate(src, RunReader(full), root / "hid", store="hidden", chunk_bytes=CHUNK_ROWS * V * 2)
+    return full, hid
+
+
+@pytest.fixture(scope="module")
+def hid(both):
+    return both[1]
 
 
 @pytest.fixture()
@@ -44,7 +61,9 @@ def run(hid, tmp_path, monkeypatch):
 
 
 def _first_rows(path) -> np.ndarray:
-    r = RunReader(path)
+    # no decode ahead: nothing may read the head's memory map while a test rewrites the file
+    # (a truncated mapped file is SIGBUS to whoever reads past its new end)
+    r = RunReader(path, read_ahead=False)
     return np.asarray(next(iter(r.row_pieces(r.items()))))
 
 
@@ -132,3 +151,128 @@ def test_a_file_changed_while_it_is_read_is_not_cached(tmp_path, monkeypatch):
     assert not (tmp_path / "cache" / "t").exists()
     assert fc.file_fact_cached(f, "t", lambda: "y") == "y"  # the new version: computed, then kept
     assert fc.file_fact_cached(f, "t", lambda: "z") == "y"
+
+
+# --------------------------------------------------------------------------------------
+# decoding ahead
+# --------------------------------------------------------------------------------------
+
+
+def _full_chunks(full, hid) -> list[np.ndarray]:
+    """The full run's rows cut as the hidden run's chunks are."""
+    f, h = RunReader(full), RunReader(hid)
+    rows = np.concatenate([np.asarray(p) for p in f.row_pieces(f.items())])
+    cuts = np.cumsum([c["rows"] for c in h.manifest["chunks"]])[:-1]
+    return np.split(rows, cuts)
+
+
+def test_chunks_read_in_order_are_decoded_ahead_in_the_worker(both, monkeypatch):
+    full, hid = both
+    want = _full_chunks(full, hid)
+    assert len(want) >= 10
+    h = RunReader(hid)
+    where = []
+    real = type(h.kind).decode
+
+    def decode(kind, block, device=None):
+        where.append(threading.current_thread().name)
+        return real(kind, block, device)
+
+    monkeypatch.setattr(type(h.kind), "decode", decode)
+    for k, w in enumerate(want):
+        np.testing.assert_array_equal(h._chunk(k), w)
+        assert h._ahead is None if k == len(want) - 1 else h._ahead[0] == k + 1
+    assert where[0] == threading.current_thread().name  # the first: asked for, nothing ahead yet
+    assert len(where) == len(want) and all(w.startswith("logitdiff-decode") for w in where[1:])
+    off = RunReader(hid, read_ahead=False)
+    where.clear()
+    for k, w in enumerate(want):
+        np.testing.assert_array_equal(off._chunk(k), w)
+        assert off._ahead is None
+    assert set(where) == {threading.current_thread().name}
+
+
+@pytest.mark.parametrize("order", ["backwards", "skipping", "repeating", "interleaved_readers"])
+def test_chunks_read_in_any_order_are_the_full_runs_rows(both, order):
+    full, hid = both
+    want = _full_chunks(full, hid)
+    n = len(want)
+    h = RunReader(hid)
+    if order == "backwards":
+        seq = [0, 1, 2] + list(range(n - 1, -1, -1))
+    elif order == "skipping":
+        seq = [0, 1, 3, 4, 6, 2, 3, n - 1, 0]
+    elif order == "repeating":
+        seq = [0, 0, 1, 1, 2, 1, 2, 3]
+    else:
+        seq = list(range(n))
+    held = []
+    g = RunReader(hid)
+    for k in seq:
+        got = h._chunk(k)
+        held.append((k, got))  # every chunk kept alive: no buffer may be decoded into under it
+        if order == "interleaved_readers":
+            held.append((n - 1 - k, g._chunk(n - 1 - k)))
+    for k, got in held:
+        np.testing.assert_array_equal(got, want[k])
+
+
+def test_a_damaged_chunk_is_named_when_it_is_read_not_when_it_is_decoded_ahead(both, tmp_path):
+    full, hid = both
+    run = tmp_path / "r"
+    shutil.copytree(hid, run)
+    chunks = RunReader(run).manifest["chunks"]
+    bad = run / "chunks" / chunks[2]["data"]
+    bad.write_bytes(bad.read_bytes()[:100])
+    want = _full_chunks(full, hid)
+    h = RunReader(run)
+    np.testing.assert_array_equal(h._chunk(0), want[0])
+    np.testing.assert_array_equal(h._chunk(1), want[1])  # chunk 2 is decoded ahead now, and fails there
+    assert h._ahead is not None and h._ahead[0] == 2
+    np.testing.assert_array_equal(h._chunk(5), want[5])  # out of order: the failed read-ahead is dropped
+    with pytest.raises(LogitdiffError, match=r"000002\.hidden\.npz: unreadable hidden-state chunk"):
+        RunReader(run)._chunk(2)
+    h = RunReader(run)
+    h._chunk(0)
+    h._chunk(1)
+    with pytest.raises(LogitdiffError, match=r"000002\.hidden\.npz: unreadable hidden-state chunk"):
+        h._chunk(2)  # the worker's error, raised by the call that asks for the chunk
+
+
+def test_prefetch_decodes_the_first_chunk_wanted_in_the_worker(both, monkeypatch):
+    full, hid = both
+    want = _full_chunks(full, hid)
+    where = []
+    kind_cls = type(RunReader(hid).kind)
+    real = kind_cls.decode
+
+    def decode(kind, block, device=None):
+        where.append(threading.current_thread().name)
+        return real(kind, block, device)
+
+    monkeypatch.setattr(kind_cls, "decode", decode)
+    h = RunReader(hid)
+    h.prefetch()
+    assert h._ahead[0] == 0
+    got = [np.asarray(p).copy() for p in h.row_pieces(h.items())]
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+    if h._ahead is not None:  # the last chunk (no rows: the writer's last, items-only) decoded ahead, unasked
+        h._ahead[1].result()
+    assert len(where) == len(want) and all(w.startswith("logitdiff-decode") for w in where)
+    # from a later item: the chunk its rows start in
+    h = RunReader(hid)
+    later = h.items()[1:]
+    h.prefetch(later)
+    assert h._ahead[0] == later[0].chunk > 0
+    np.testing.assert_array_equal(h._chunk(later[0].chunk), want[later[0].chunk])
+    # no-ops: rows already read, read-ahead off
+    h = RunReader(hid)
+    h._chunk(3)
+    h.prefetch()
+    assert h._ahead is None
+    off = RunReader(hid, read_ahead=False)
+    off.prefetch()
+    assert off._ahead is None
+    where.clear()
+    np.testing.assert_array_equal(off._chunk(0), want[0])
+    assert where == [threading.current_thread().name]

@@ -744,9 +744,10 @@ def aligned_blocks(pieces_a: Iterable, pieces_b: Iterable, rows: int) -> Iterato
 class RunReader(_KindViews):
     """Streaming reader: chunks are memory-mapped on demand, never the whole run."""
 
-    def __init__(self, path: str | Path, *, allow_partial: bool = False, device=None):
+    def __init__(self, path: str | Path, *, allow_partial: bool = False, device=None, read_ahead: bool = True):
         self.path = Path(path)
         self.device = device  # where a hidden-state run's chunks are decoded (torch device; None: cpu)
+        self.read_ahead = read_ahead  # decode the next chunk while the caller works on this one (_chunk)
         mpath = self.path / "manifest.json"
         if not self.path.is_dir():
             raise LogitdiffError(f"{self.path}: not a RUN directory")
@@ -778,6 +779,9 @@ class RunReader(_KindViews):
         self._items: list[RunItem] | None = None
         self._cache: tuple[int, object] | None = None  # (chunk index, its readable rows)
         self._stored_cache: tuple[int, object] | None = None  # (chunk index, its stored rows)
+        self._ahead: tuple[int, Any] | None = None  # (chunk index, the Future of its decode)
+        self._last_index = -1  # the chunk handed out last (decode ahead only after k - 1 came before k)
+        self._pool = None  # the decode-ahead worker thread (an executor of one), made on first use
 
     @property
     def is_partial(self) -> bool:
@@ -856,6 +860,11 @@ class RunReader(_KindViews):
         if self._stored_cache is not None and self._stored_cache[0] == index:
             return self._stored_cache[1]
         self._stored_cache = None  # let the previous chunk go before the next one is read
+        data = self._load_stored(index)
+        self._stored_cache = (index, data)
+        return data
+
+    def _load_stored(self, index: int):
         c = self.manifest["chunks"][index]
         p = self.path / "chunks" / c["data"]
         if not p.exists():
@@ -867,22 +876,65 @@ class RunReader(_KindViews):
             raise LogitdiffError(f"{p}: unreadable chunk ({e})") from None
         if n != c["rows"]:
             raise LogitdiffError(f"{p}: holds {n} rows, manifest says {c['rows']} (truncated run)")
-        self._stored_cache = (index, data)
         return data
 
-    def _chunk(self, index: int):
-        """Chunk ``index``'s rows as a reader gets them (decoded by the kind)."""
-        if self._cache is not None and self._cache[0] == index:
-            return self._cache[1]
-        self._cache = None  # let the previous chunk go before the next one is built (decoded)
-        stored = self._stored(index)
+    def _decode(self, index: int, stored):
         try:
-            data = self.kind.decode(stored, device=self.device)
+            return self.kind.decode(stored, device=self.device)
         except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as e:
             p = self.path / "chunks" / self.manifest["chunks"][index]["data"]
             raise LogitdiffError(f"{p}: unreadable chunk ({e})") from None
+
+    def _chunk(self, index: int):
+        """Chunk ``index``'s rows as a reader gets them (decoded by the kind).
+
+        A kind that decodes (the hidden store: a head product per chunk) decodes ahead when
+        chunks are asked for in order: once chunk k is handed out, chunk k + 1 is read and
+        decoded in the reader's one worker thread while the caller works on chunk k (the
+        kernel's threads run without the GIL), so a compare's single-threaded stretches
+        (conversions, Python between blocks) leave no core idle while decoding is left. One
+        decode at a time: a chunk asked for out of order waits for the one in flight first
+        (the kind's buffer pool is not shared between two decodes)."""
+        if self._cache is not None and self._cache[0] == index:
+            return self._cache[1]
+        self._cache = None  # let the previous chunk go before the next one is built (decoded)
+        ahead, self._ahead = self._ahead, None
+        data = None
+        if ahead is not None:
+            if ahead[0] == index:
+                data = ahead[1].result()  # the worker's LogitdiffError, if any, is this call's
+            else:
+                ahead[1].cancel() or ahead[1].exception()  # not wanted: wait for it, drop it (and its error)
+            del ahead
+        if data is None:
+            data = self._decode(index, self._stored(index))
         self._cache = (index, data)
+        sequential, self._last_index = index == self._last_index + 1, index
+        if self.read_ahead and sequential and index + 1 < len(self.manifest["chunks"]) and getattr(self.kind, "decodes", False):
+            self._ahead = (index + 1, self._worker().submit(lambda k=index + 1: self._decode(k, self._load_stored(k))))
         return data
+
+    def prefetch(self, items: Iterable[RunItem] | None = None) -> None:
+        """Start decoding, in the reader's worker thread, the first chunk a sequential read
+        of ``items`` (default: the whole run) will ask for, and return at once. For a caller
+        that is about to read rows but has other work first: a compare checks the runs'
+        tokens and items (single-threaded Python) before its first block, and a hidden-state
+        reference's first chunk can be decoded on the core that leaves idle. A no-op for a
+        kind that does not decode, with ``read_ahead`` off, or once rows have been read."""
+        if not (self.read_ahead and getattr(self.kind, "decodes", False)) or self._ahead or self._cache or self._last_index >= 0:
+            return
+        first = next(iter(items), None) if items is not None else None
+        index = first.chunk if first is not None else 0
+        if index < len(self.manifest["chunks"]):
+            self._ahead = (index, self._worker().submit(lambda: self._decode(index, self._load_stored(index))))
+            self._last_index = index - 1  # asking for it next is reading in order
+
+    def _worker(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitdiff-decode")
+        return self._pool
 
     def _row_label(self, index: int, r: int) -> str:
         """``item 'ID' output position P`` of row ``r`` of chunk ``index`` (for errors)."""

@@ -19,9 +19,10 @@ from .rows import DTYPES, atomic_save_npy_rows, full_values
 
 
 # decoded-chunk buffers a reader keeps for reuse (`HiddenStore._free_buffer`): a streaming
-# compare uses one; two cover a caller that holds the previous block while the next chunk
-# is decoded (a plain ``for`` loop over blocks)
-OUT_BUFFERS = 2
+# compare uses two (the chunk it compares, the next one decoded ahead: RunReader._chunk);
+# three cover a caller that holds the previous block while asking for the next (a plain
+# ``for`` loop over blocks)
+OUT_BUFFERS = 3
 # the reference count of an array held by a list slot and nothing else, as read above
 # (measured once, so an interpreter that counts differently only changes this number)
 _probe = [np.empty(0)]
@@ -37,6 +38,7 @@ class HiddenStore(StoreKind):
     reads_as: ClassVar[RowsForm] = RowsForm.FULL
     chunk_suffix: ClassVar[str] = H.CHUNK_SUFFIX
     needs_hidden_states: ClassVar[bool] = True
+    decodes: ClassVar[bool] = True  # a reader decodes the next chunk ahead (RunReader._chunk)
 
     def __init__(self, text: str, vocab_size: int | None = None, dtype: str | None = None) -> None:
         super().__init__(text, vocab_size, dtype)
