@@ -781,7 +781,7 @@ class RunReader(_KindViews):
         self._stored_cache: tuple[int, object] | None = None  # (chunk index, its stored rows)
         self._ahead: tuple[int, Any] | None = None  # (chunk index, the Future of its decode)
         self._last_index = -1  # the chunk handed out last (decode ahead only after k - 1 came before k)
-        self._pool = None  # the decode-ahead worker thread (an executor of one), made on first use
+        self._pool: Any = None  # the decode-ahead worker thread (an executor of one), made on first use
 
     @property
     def is_partial(self) -> bool:
