@@ -276,3 +276,21 @@ def test_prefetch_decodes_the_first_chunk_wanted_in_the_worker(both, monkeypatch
     where.clear()
     np.testing.assert_array_equal(off._chunk(0), want[0])
     assert where == [threading.current_thread().name]
+
+
+def test_a_dropped_reader_leaves_no_thread_behind(both):
+    """The worker lives as long as its reader: a long-lived process opening many readers does
+    not collect threads (nor the decoded chunk a read-ahead holds)."""
+    import gc
+    import weakref
+
+    _, hid = both
+    h = RunReader(hid)
+    h._chunk(0)
+    h._chunk(1)  # chunk 2 is being decoded ahead
+    (thread,) = h._pool._threads
+    ahead = weakref.ref(h._ahead[1])
+    del h
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and ahead() is None
