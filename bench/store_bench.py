@@ -850,7 +850,8 @@ def cmd_real(argv=None) -> int:
           f"{mac['decode_wall_s'] / full_w:.2f} x the full compare's wall ({full_w:.3f} s) and "
           f"{mac['decode_cpu_s'] / full_c:.2f} x its CPU ({full_c:.3f} s). A hidden compare that adds the product to a "
           f"full one is >= {1 + mac['decode_wall_s'] / full_w:.2f} x full wall unless the product runs in time the full "
-          f"compare leaves a core idle; >= {1 + mac['decode_cpu_s'] / full_c:.2f} x its CPU in any case.")
+          f"compare leaves a core idle; about >= {1 + mac['decode_cpu_s'] / full_c:.2f} x its CPU however it is scheduled "
+          f"(the product's CPU measured apart, at one thread).")
     tot = {s: sum(m[s] for m in med.values()) for s in refs}
     print(f"all rungs: full {tot['full']:.2f} s, hidden {tot['hidden']:.2f} s ({tot['hidden'] / tot['full']:.2f}x), "
           f"compact {tot['compact']:.2f} s ({tot['compact'] / tot['full']:.2f}x)")
