@@ -192,6 +192,8 @@ def compare_runs(
     metrics' worker threads (`metrics.full_vocab`'s ``threads``; default there).
     ``logprob_floor``: a stated lower bound (nats) on every log-probability of both
     distributions, which gives top-K comparisons a finite KL upper bound (check_floor)."""
+    # a hidden-state reference's first chunk decodes on the core the checks below leave idle
+    ref.prefetch()
     notes = check_same_tokens(ref, cand)
     items_r, items_c, paired_notes = pair_items(ref, cand, allow_partial=allow_partial)
     notes += paired_notes
