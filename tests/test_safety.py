@@ -355,6 +355,92 @@ def test_concurrent_writer_is_refused_and_a_dead_one_does_not_block(cmd, w, tmp_
     assert sorted(os.listdir(out.parent)) == sorted([out.name] + [p.name for p in users])
 
 
+# Where each command is held mid-work by the test below: a function of its work phase
+# (after its --out checks, before its write), as module and attribute.
+WORK = {
+    "capture-reference": ("logitdiff.capture", "_reference_rows"),
+    "capture-candidate": ("logitdiff.capture", "_candidate_rows"),
+    "capture-hidden": ("logitdiff.capture", "_candidate_rows"),
+    "compare": ("logitdiff.compare", "compare_runs"),
+    "import-llamacpp-kld": ("logitdiff.importers", "read_kld_header"),
+    "import-npz": ("logitdiff.importers", "import_npz"),
+    "merge": ("logitdiff.shards", "merge_runs"),
+    "report": ("logitdiff.report.html", "write_html"),
+    "topk-error": ("logitdiff.topk_error", "topk_error"),
+    "run": ("logitdiff.pipeline", "_run_locked"),
+    "layers": ("logitdiff.layers", "layer_attribution"),
+    "speculate": ("logitdiff.speculation", "compare_generation"),
+}
+OVERWRITES = ("capture-reference", "capture-candidate", "capture-hidden", "merge", "import-llamacpp-kld", "import-npz")
+
+STOP_IN_WORK = (
+    "import importlib, os, signal, sys\n"
+    "m = importlib.import_module(sys.argv[1])\n"
+    "orig = getattr(m, sys.argv[2])\n"
+    "def held(*a, **k):\n"
+    "    setattr(m, sys.argv[2], orig)\n"
+    "    os.kill(os.getpid(), signal.SIGSTOP)  # a real process stopped mid-work until the test sends SIGCONT\n"
+    "    return orig(*a, **k)\n"
+    "setattr(m, sys.argv[2], held)\n"
+    "from logitdiff.cli import main\n"
+    "sys.exit(main(sys.argv[3:]))\n"
+)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def test_writer_class_is_complete():
+    assert sorted(WORK) == sorted(IDS)
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=IDS)
+def test_a_writer_mid_work_refuses_the_next_and_finishes_complete(cmd, w, tmp_path, capsys):
+    """A real first writer stopped in its work phase (before its write): a second writer of
+    the same --out is refused at once naming the first's pid, writes nothing, and the first,
+    resumed, finishes a complete output of its kind with nothing left beside it. Before, the
+    commands whose work comes before their write (compare, report, topk-error, layers,
+    speculate; import and merge while checking their input) took the lock only to write:
+    both did the work and the last to finish replaced the other's output whole."""
+    from logitdiff.outputs import Kind, is_kind
+
+    (tmp_path / "o").mkdir()
+    out = tmp_path / "o" / ("out.file" if cmd.is_file else "out")
+    first_argv = cmd.argv(w, str(out))
+    if cmd.name == "speculate":
+        first_argv = [w["spec_url"]() if a == DEAD_URL else a for a in first_argv]
+    second_argv = first_argv + (["--overwrite"] if cmd.name in OVERWRITES else [])
+    env = {**os.environ, "PYTHONPATH": SRC}
+    log = tmp_path / "first.log"
+    with open(log, "w") as f:
+        first = subprocess.Popen([sys.executable, "-c", STOP_IN_WORK, *WORK[cmd.name], *first_argv], env=env, stdout=f, stderr=f)
+    try:
+        deadline = time.time() + 300
+        while not _stopped(first.pid) and first.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert _stopped(first.pid), f"the first writer never reached its work: {log.read_text()[-2000:]}"
+        before = digest(out)
+        assert main(second_argv) == 2
+        err = one_line_error(capsys)
+        assert f"pid {first.pid}" in err, err
+        assert digest(out) == before
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert first.wait(timeout=600) == 0, log.read_text()[-2000:]
+    kind = {"report": Kind.HTML, "topk-error": Kind.TOPK_JSON, "compare": Kind.REPORT, "run": Kind.RUN_OUT,
+            "layers": Kind.LAYERS, "speculate": Kind.SPECULATION}.get(cmd.name, Kind.RUN)
+    assert is_kind(out, kind), sorted(os.listdir(out)) if out.is_dir() else out
+    if kind is Kind.RUN:
+        assert RunReader(out).manifest["status"] == "complete"
+    if kind is Kind.SPECULATION:
+        assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html", "generations.jsonl"}
+    assert os.listdir(out.parent) == [out.name]  # no lock file, no temporary
+
+
 def plant_user_files(out: Path) -> dict[Path, str]:
     """A user's files beside --out whose names resemble the writer's temporaries: the
     hostile examples and the class around them (no pid, a live pid, a malformed token,

@@ -324,7 +324,7 @@ def diff_runs(
     of top-K comparisons (compare.check_floor)."""
     from .compare import DEFAULT_TOP_LOGPROBS, check_floor_value, compare_runs, served_batching
     from .contracts import ServedFloorSide
-    from .outputs import Kind, check_output
+    from .outputs import Kind, reserved
     from .report import build_report, write_report_dir
     from .report.html import render_html
     from .report.markdown import render_markdown
@@ -355,58 +355,58 @@ def diff_runs(
         raise LogitdiffError(f"--top-k {top_logprobs}: must be at least 1")
     live = not Path(candidate).exists() and ":" in str(candidate)
     inputs: list[str | Path] = [p for p in (reference, noise_floor) if p is not None] + ([] if live else [candidate])
-    if out is not None:
-        check_output(out, Kind.REPORT, inputs=inputs)
-    ref = RunReader(reference, allow_partial=allow_partial, device=device)  # a hidden reference decodes there
-    if top_logprobs is None:
-        top_logprobs = min(DEFAULT_TOP_LOGPROBS, ref.vocab_size)
-    elif top_logprobs > ref.vocab_size:
-        raise LogitdiffError(f"--top-k {top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {reference}")
-    live_source = None
-    cand: RunReader | LiveRun
-    threads_scope = contextlib.ExitStack()
-    try:
-        if live:
-            from .capture import LiveRun
-            from .sources import applied_threads, open_source
+    # out guarded and locked for the whole comparison: a second writer is refused from the start
+    with reserved(out, Kind.REPORT, inputs=inputs) if out is not None else contextlib.nullcontext():
+        ref = RunReader(reference, allow_partial=allow_partial, device=device)  # a hidden reference decodes there
+        if top_logprobs is None:
+            top_logprobs = min(DEFAULT_TOP_LOGPROBS, ref.vocab_size)
+        elif top_logprobs > ref.vocab_size:
+            raise LogitdiffError(f"--top-k {top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {reference}")
+        live_source = None
+        cand: RunReader | LiveRun
+        threads_scope = contextlib.ExitStack()
+        try:
+            if live:
+                from .capture import LiveRun
+                from .sources import applied_threads, open_source
 
-            live_source = open_source(str(candidate))
-            threads_scope.enter_context(applied_threads([live_source]))
-            cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
-        else:
-            cand = RunReader(candidate, allow_partial=allow_partial)
-        noise: NoiseFloor | None = None
-        if noise_floor:
-            nf_run = RunReader(noise_floor, allow_partial=allow_partial)
-            noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
-        advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
-        comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
-                            device=device, chunk_bytes=chunk_bytes, threads=threads, logprob_floor=logprob_floor)
-        if noise and served_batching(ref) and served_batching(nf_run):
-            # a served reference captured twice: its rerun is the served floor (servedfloor.py)
-            from .servedfloor import served_floor
+                live_source = open_source(str(candidate))
+                threads_scope.enter_context(applied_threads([live_source]))
+                cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
+            else:
+                cand = RunReader(candidate, allow_partial=allow_partial)
+            noise: NoiseFloor | None = None
+            if noise_floor:
+                nf_run = RunReader(noise_floor, allow_partial=allow_partial)
+                noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
+            advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
+            comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
+                                device=device, chunk_bytes=chunk_bytes, threads=threads, logprob_floor=logprob_floor)
+            if noise and served_batching(ref) and served_batching(nf_run):
+                # a served reference captured twice: its rerun is the served floor (servedfloor.py)
+                from .servedfloor import served_floor
 
-            comp.served_floor = served_floor(ServedFloorSide(
-                spec=noise["spec"], batching=served_batching(nf_run), measured_by=f"compare --noise-floor: {noise['rerun']}",
-                kl_nats_mean=noise["kl_nats_mean"], kl_nats_max=noise["kl_nats_max"],
-                top1_disagreement=noise["top1_disagreement"], positions=noise["positions"]), None)
-    finally:
-        threads_scope.close()
-        if live_source is not None:
-            live_source.close()
-    report, columns = build_report(comp, ranges=ranges, n_boot=bootstrap, seed=seed, include_rows=include_rows,
-                                   noise_floor=noise)
-    if allow_partial and (ref.is_partial or cand.is_partial):
-        report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
-    if gate_list:
-        from .gates import evaluate
+                comp.served_floor = served_floor(ServedFloorSide(
+                    spec=noise["spec"], batching=served_batching(nf_run), measured_by=f"compare --noise-floor: {noise['rerun']}",
+                    kl_nats_mean=noise["kl_nats_mean"], kl_nats_max=noise["kl_nats_max"],
+                    top1_disagreement=noise["top1_disagreement"], positions=noise["positions"]), None)
+        finally:
+            threads_scope.close()
+            if live_source is not None:
+                live_source.close()
+        report, columns = build_report(comp, ranges=ranges, n_boot=bootstrap, seed=seed, include_rows=include_rows,
+                                       noise_floor=noise)
+        if allow_partial and (ref.is_partial or cand.is_partial):
+            report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
+        if gate_list:
+            from .gates import evaluate
 
-        report["gates"] = evaluate(report, gate_list)
-    if out is not None:
-        html = render_html([report], [columns], paths=[out])
-        write_report_dir(out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()},
-                         inputs=inputs)
-    return report
+            report["gates"] = evaluate(report, gate_list)
+        if out is not None:
+            html = render_html([report], [columns], paths=[out])
+            write_report_dir(out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()},
+                             inputs=inputs)
+        return report
 
 
 @_checked
@@ -430,7 +430,7 @@ def layers(
     from .contracts import layers_json
     from .layers import FLOOR_NONE, FLOOR_RERUN, FLOOR_SPEC, check_layer_specs, layer_attribution
     from .report.layers import render_html, render_markdown
-    from .outputs import Kind, check_lockable, check_output, writing
+    from .outputs import Kind, reserved, writing
     from .sources import applied_threads, open_source
     from .store import RunReader, parse_chunk_size
 
@@ -443,26 +443,25 @@ def layers(
         raise LogitdiffError(f"--floor {floor!r}: expected rerun, none or a source spec (e.g. builtin:tiny-BF16)")
     check_layer_specs([reference, *cands] + ([floor_spec] if floor_spec else []))
     chunk_bytes = parse_chunk_size(chunk_size)
-    if out is not None:
-        check_output(out, Kind.LAYERS, inputs=[teacher])
-        check_lockable(out)
-    teacher_run = RunReader(teacher)
-    teacher_run.items()  # a damaged teacher is a one-line error before any source loads
-    with contextlib.ExitStack() as stack:
-        ref_src = stack.enter_context(open_source(reference))
-        cand_srcs = [stack.enter_context(open_source(c)) for c in cands]
-        floor_src = stack.enter_context(open_source(floor_spec)) if floor_spec else None
-        stack.enter_context(applied_threads([ref_src, *cand_srcs] + ([floor_src] if floor_src else [])))
-        advance = bar(len(teacher_run.items()), "layers")
-        doc = layer_attribution(ref_src, cand_srcs, teacher_run, floor_src=floor_src, floor=FLOOR_SPEC if floor_spec else floor,
-                                chunk_bytes=chunk_bytes, progress=advance)
-    if out is not None:
-        text = layers_json(doc)
-        with writing(out, Kind.LAYERS, inputs=[teacher]) as tmp:
-            (tmp / "layers.json").write_text(text)
-            (tmp / "layers.md").write_text(render_markdown(doc))
-            (tmp / "layers.html").write_text(render_html(doc))
-    return doc
+    # out guarded and locked for the whole sweep: a second writer is refused from the start
+    with reserved(out, Kind.LAYERS, inputs=[teacher]) if out is not None else contextlib.nullcontext():
+        teacher_run = RunReader(teacher)
+        teacher_run.items()  # a damaged teacher is a one-line error before any source loads
+        with contextlib.ExitStack() as stack:
+            ref_src = stack.enter_context(open_source(reference))
+            cand_srcs = [stack.enter_context(open_source(c)) for c in cands]
+            floor_src = stack.enter_context(open_source(floor_spec)) if floor_spec else None
+            stack.enter_context(applied_threads([ref_src, *cand_srcs] + ([floor_src] if floor_src else [])))
+            advance = bar(len(teacher_run.items()), "layers")
+            doc = layer_attribution(ref_src, cand_srcs, teacher_run, floor_src=floor_src, floor=FLOOR_SPEC if floor_spec else floor,
+                                    chunk_bytes=chunk_bytes, progress=advance)
+        if out is not None:
+            text = layers_json(doc)
+            with writing(out, Kind.LAYERS, inputs=[teacher]) as tmp:
+                (tmp / "layers.json").write_text(text)
+                (tmp / "layers.md").write_text(render_markdown(doc))
+                (tmp / "layers.html").write_text(render_html(doc))
+        return doc
 
 
 @_checked
@@ -549,7 +548,7 @@ def speculate(
     from ._version import __version__
     from .builtin import WORKLOAD
     from .generation import LlamaServer
-    from .outputs import Kind, check_lockable, check_output, writing
+    from .outputs import Kind, reserved, writing
     from .report.speculation import render_html, render_markdown, speculation_json
     from .speculation import compare_generation, prepare_prompts
     from .workload import read_workload
@@ -567,32 +566,32 @@ def speculate(
     if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
         raise LogitdiffError(f"--timeout {timeout}: must be a positive, finite number of seconds")
     wl = str(workload) if workload else str(WORKLOAD)
-    if out is not None:
-        check_output(out, Kind.SPECULATION, inputs=[wl])
-        check_lockable(out)
-    items = read_workload(wl)[: limit or None]
-    ref = LlamaServer(ref_url, role="reference", top_k=top_k, timeout=timeout)
-    try:
-        cand = LlamaServer(cand_url, role="candidate", top_k=top_k, timeout=timeout)
+    # out guarded and locked for the whole generation: a second writer is refused from the start, not
+    # replaced (whole) by whichever run finishes last
+    with reserved(out, Kind.SPECULATION, inputs=[wl]) if out is not None else contextlib.nullcontext():
+        items = read_workload(wl)[: limit or None]
+        ref = LlamaServer(ref_url, role="reference", top_k=top_k, timeout=timeout)
         try:
-            prompts = prepare_prompts(ref, cand, items)
-            report, records = compare_generation(ref, cand, prompts, n_predict=n_predict, speculative=declared,
-                                                 floor_items=floor_items, shape_width=shape_width, bar=bar)
+            cand = LlamaServer(cand_url, role="candidate", top_k=top_k, timeout=timeout)
+            try:
+                prompts = prepare_prompts(ref, cand, items)
+                report, records = compare_generation(ref, cand, prompts, n_predict=n_predict, speculative=declared,
+                                                     floor_items=floor_items, shape_width=shape_width, bar=bar)
+            finally:
+                cand.close()
         finally:
-            cand.close()
-    finally:
-        ref.close()
-    report = {"tool": {"name": "logitdiff", "version": __version__},
-              "created": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()), **report}
-    report["method"]["workload"] = wl
-    text = speculation_json(report)
-    if out is not None:
-        with writing(out, Kind.SPECULATION, inputs=[wl]) as tmp:
-            (tmp / "report.json").write_text(text)
-            (tmp / "report.md").write_text(render_markdown(report))
-            (tmp / "report.html").write_text(render_html(report))
-            with open(tmp / "generations.jsonl", "w") as f:
-                for rec in records:
-                    f.write(json.dumps(rec) + "\n")
-    doc: SpeculationReport = json.loads(text)  # the written text, so the returned object equals the file
-    return doc
+            ref.close()
+        report = {"tool": {"name": "logitdiff", "version": __version__},
+                  "created": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()), **report}
+        report["method"]["workload"] = wl
+        text = speculation_json(report)
+        if out is not None:
+            with writing(out, Kind.SPECULATION, inputs=[wl]) as tmp:
+                (tmp / "report.json").write_text(text)
+                (tmp / "report.md").write_text(render_markdown(report))
+                (tmp / "report.html").write_text(render_html(report))
+                with open(tmp / "generations.jsonl", "w") as f:
+                    for rec in records:
+                        f.write(json.dumps(rec) + "\n")
+        doc: SpeculationReport = json.loads(text)  # the written text, so the returned object equals the file
+        return doc

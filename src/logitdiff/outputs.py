@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
@@ -350,10 +351,57 @@ def lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}.lock"
 
 
+# The outputs this process holds the lock of: real path -> (thread id, depth). flock is
+# per open file, so a second flock on the same lock file by the holder itself would be
+# refused; the holding thread re-enters instead (a command's whole run holds the lock and
+# its final write takes it again; `writing` holds it and the RunWriter it opens on the
+# yielded path takes it again). Another thread of this process is refused like another
+# process. This mirrors the kernel's locks; nothing else reads it.
+_HELD: dict[str, tuple[int, int]] = {}
+_HELD_MUTEX = threading.Lock()
+
+
+def _held_key(out: Path) -> str:
+    return str(_real(out))
+
+
+@contextmanager
+def _holding(key: str, out: Path) -> Iterator[bool]:
+    """Count this thread in on ``key``; yields whether it already held it (re-entered)."""
+    me = threading.get_ident()
+    with _HELD_MUTEX:
+        owner, depth = _HELD.get(key, (me, 0))
+        if owner != me:
+            raise LogitdiffError(
+                f"{out}: another thread of this logitdiff process (pid {os.getpid()}) is writing it; wait for it or choose "
+                "another --out")
+        _HELD[key] = (me, depth + 1)
+    try:
+        yield depth > 0
+    finally:
+        with _HELD_MUTEX:  # the current depth: an inner holder may have let go out of order
+            depth = _HELD[key][1] - 1
+            if depth:
+                _HELD[key] = (me, depth)
+            else:
+                del _HELD[key]
+
+
 @contextmanager
 def locked(out: str | Path) -> Iterator[None]:
-    """Exclusive lock on ``out`` (``.NAME.lock`` beside it) for the block; never waits."""
+    """Exclusive lock on ``out`` (``.NAME.lock`` beside it) for the block; never waits.
+    The thread that holds it may take it again (nested blocks share the one lock)."""
     out = Path(out)
+    with _holding(_held_key(out), out) as again:
+        if again:
+            yield
+            return
+        with _flocked(out):
+            yield
+
+
+@contextmanager
+def _flocked(out: Path) -> Iterator[None]:
     path = lock_path(out)
     while True:
         try:
@@ -391,15 +439,29 @@ def locked(out: str | Path) -> Iterator[None]:
         os.close(fd)
 
 
-def check_lockable(out: str | Path) -> None:
-    """Take and release ``out``'s lock at once, after :func:`check_output`: a command whose
-    work comes first (generation against servers, a layer sweep) learns that it cannot write
-    there, or that another process is writing it, before that work, not after. Nothing stays
-    behind; parents that do not exist yet are left to :func:`writing` (it creates them)."""
+@contextmanager
+def reserved(
+    out: str | Path,
+    kind: Kind,
+    *,
+    inputs: Sequence[str | Path] = (),
+    overwrite: bool | None = None,
+) -> Iterator[None]:
+    """Guard and lock ``out`` for the whole of a command whose work comes before its write
+    (a comparison, a page, generation against servers, a layer sweep), with :func:`writing`
+    inside the block (it re-enters the lock). A second writer is refused from the first
+    one's start, not only during its final write: without this, both did the work and the
+    last to finish replaced the other's output whole. Parents that did not exist are
+    created (the lock file lives there) and removed again if the block fails."""
     out = Path(out)
-    if out.parent.is_dir():
+    check_output(out, kind, inputs=inputs, overwrite=overwrite)
+    created = _make_parents(out)
+    try:
         with locked(out):
-            pass
+            yield
+    except BaseException:
+        _remove_empty(created)
+        raise
 
 
 def _temp_sibling(out: Path, what: str) -> Path:
@@ -520,7 +582,10 @@ def writing(
             try:
                 if kind.is_dir:
                     tmp.mkdir()
-                yield tmp
+                # the temporary's name is this call's alone: held without a lock file of its
+                # own, so a RunWriter opened on it takes this lock instead of making one
+                with _holding(_held_key(tmp), tmp):
+                    yield tmp
                 _swap(tmp, out)
             except LogitdiffError as e:
                 _remove(tmp)

@@ -39,22 +39,23 @@ def register(sub) -> None:
 
 def run_llamacpp(args) -> int:
     from ..importers import import_llamacpp_kld, read_kld_header
-    from ..outputs import Kind, check_output
+    from ..outputs import Kind, reserved
 
-    check_output(args.out, Kind.RUN, inputs=[args.file], overwrite=args.overwrite)
-    _, _, n_chunk = read_kld_header(Path(args.file)) if Path(args.file).exists() else (0, 0, None)
-    prog, advance = progress(n_chunk, "importing chunks")
-    with prog:
-        import_llamacpp_kld(args.file, args.out, bos_id=args.bos_id, overwrite=args.overwrite, progress=advance)
+    # locked from the start: the file's rows are all checked before the import writes
+    with reserved(args.out, Kind.RUN, inputs=[args.file], overwrite=args.overwrite):
+        _, _, n_chunk = read_kld_header(Path(args.file)) if Path(args.file).exists() else (0, 0, None)
+        prog, advance = progress(n_chunk, "importing chunks")
+        with prog:
+            import_llamacpp_kld(args.file, args.out, bos_id=args.bos_id, overwrite=args.overwrite, progress=advance)
     console().print(f"wrote RUN {args.out}")
     return 0
 
 
 def run_npz(args) -> int:
     from ..importers import import_npz
-    from ..outputs import Kind, check_output
+    from ..outputs import Kind, reserved
 
-    check_output(args.out, Kind.RUN, inputs=[args.file], overwrite=args.overwrite)
-    import_npz(args.file, args.out, overwrite=args.overwrite)
+    with reserved(args.out, Kind.RUN, inputs=[args.file], overwrite=args.overwrite):  # locked while the file is checked
+        import_npz(args.file, args.out, overwrite=args.overwrite)
     console().print(f"wrote RUN {args.out}")
     return 0

@@ -28,10 +28,13 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from ..outputs import Kind, reserved
     from ..shards import merge_runs
     from ..store import RunReader, parse_chunk_size
 
-    out = merge_runs(args.runs, args.out, overwrite=args.overwrite, chunk_bytes=parse_chunk_size(args.chunk_size))
+    chunk_bytes = parse_chunk_size(args.chunk_size)
+    with reserved(args.out, Kind.RUN, inputs=args.runs, overwrite=args.overwrite):  # locked while the shards are checked
+        out = merge_runs(args.runs, args.out, overwrite=args.overwrite, chunk_bytes=chunk_bytes)
     r = RunReader(out)
     console().print(f"wrote RUN {out} ({len(r.items())} items, {r.manifest['n_positions']} positions from {len(args.runs)} runs)")
     return 0

@@ -142,7 +142,7 @@ def _check_input(path: Path, schema: str) -> None:
 
 def _run(args) -> int:
     from ..contracts import validate
-    from ..outputs import Kind, check_output
+    from ..outputs import Kind, reserved
     from ..report.html import write_html
 
     dirs, summary = expand_report_dirs(args.report_dirs)
@@ -151,12 +151,13 @@ def _run(args) -> int:
     # The REPORT directories actually read (a `run` OUT stands for its reports/*, so its
     # report.html may be rewritten) and --summary are inputs --out must stay clear of.
     inputs = [*dirs, *([args.summary] if args.summary else [])]
-    check_output(args.out, Kind.HTML, inputs=inputs)
-    if args.summary:
-        summary = load_summary(Path(args.summary))
-    if summary is not None:
-        validate(summary, "summary", str(args.summary or "summary.json"))
-    out = write_html(dirs, args.out, summary=summary, title=args.title, inputs=inputs)
+    # --out guarded and locked while the page is rendered, not only while it is written
+    with reserved(args.out, Kind.HTML, inputs=inputs):
+        if args.summary:
+            summary = load_summary(Path(args.summary))
+        if summary is not None:
+            validate(summary, "summary", str(args.summary or "summary.json"))
+        out = write_html(dirs, args.out, summary=summary, title=args.title, inputs=inputs)
     size = out.stat().st_size
     console().print(f"wrote {out} ({len(dirs)} candidate{'s' if len(dirs) != 1 else ''}, {size / 1e6:.1f} MB)")
     return 0

@@ -3,6 +3,7 @@ RUNs, and whether the proven intervals hold."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from .console import console, table_console
@@ -42,18 +43,24 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from rich.table import Table
-
-    from ..outputs import TOPK_ERROR_SCHEMA, Kind, check_output, writing
-    from ..topk_error import parse_ks, topk_error
-    from ..store import RunReader, parse_chunk_size
-
     from ..compare import check_floor_value
+    from ..outputs import Kind, reserved
+    from ..topk_error import parse_ks
 
     ks = parse_ks(args.k)
     check_floor_value(args.logprob_floor)
-    if args.json:
-        check_output(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b])
+    # --json guarded and locked for the whole measurement: a second writer is refused from the start
+    with reserved(args.json, Kind.TOPK_JSON, inputs=[args.run_a, args.run_b]) if args.json else contextlib.nullcontext():
+        return _run(args, ks)
+
+
+def _run(args, ks) -> int:
+    from rich.table import Table
+
+    from ..outputs import TOPK_ERROR_SCHEMA, Kind, writing
+    from ..topk_error import topk_error
+    from ..store import RunReader, parse_chunk_size
+
     res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks, compact_specs=args.compact or (),
                      chunk_bytes=parse_chunk_size(args.chunk_size), logprob_floor=args.logprob_floor)
     ex = res["exact"]
