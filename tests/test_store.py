@@ -179,3 +179,53 @@ def test_foreign_directory(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"schema": "other/9"}))
     with pytest.raises(LogitdiffError, match="schema"):
         RunReader(tmp_path)
+
+
+RESUME_AND_HOLD = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from logitdiff.store import RunItem, RunWriter
+    w = RunWriter(sys.argv[1], source={'spec': 'test:x'}, vocab_size=50, tokenizer_hash='sha256:t', chunk_rows=1, resume=True)
+    rng = np.random.default_rng(7)
+    for i in range(len(w.done_ids()), 6):  # chunks of its own
+        w.add(RunItem(id=f'i{i}', prompt_ids=[1], teacher_ids=[2], positions=[0]), logits=rng.normal(size=(1, 50)).astype(np.float32))
+    w.flush()  # on disk and listed: the second writer below finds a still state
+    print('held', flush=True)
+    sys.stdin.readline()
+    w.finish()
+    """
+)
+
+
+def test_library_writers_of_one_run_are_one_at_a_time(tmp_path):
+    """Two real processes open RunWriter(resume=True) on one partial RUN, as library callers
+    (no CLI): the second is refused at once naming the first's pid and touches nothing (a
+    second resume would remove the first's chunks not yet listed), the first finishes a
+    complete run, and then the lock is free again. A constructor that fails lets go of it too."""
+    from logitdiff.outputs import lock_path
+
+    run = tmp_path / "run"
+    w = _writer(run, chunk_rows=1)
+    w.add(RunItem(id="i0", prompt_ids=[1], teacher_ids=[2], positions=[0]), logits=np.zeros((1, 50), np.float32))
+    w.close()  # partial: one chunk listed; the lock let go
+    assert not lock_path(run).exists()
+    first = subprocess.Popen([sys.executable, "-c", RESUME_AND_HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        files = sorted(p.name for p in (run / "chunks").iterdir())
+        for kw in ({"resume": True}, {"overwrite": True}):
+            with pytest.raises(LogitdiffError, match=f"another logitdiff process \\(pid {first.pid}\\) is writing it"):
+                _writer(run, chunk_rows=1, **kw)
+            assert sorted(p.name for p in (run / "chunks").iterdir()) == files
+    finally:
+        first.stdin.write("\n")
+        first.stdin.close()
+    assert first.wait(timeout=120) == 0
+    r = RunReader(run)
+    assert [it.id for it in r.items()] == [f"i{k}" for k in range(6)] and r.manifest["status"] == "complete"
+    assert not lock_path(run).exists()
+    with pytest.raises(LogitdiffError, match="tokenizer_hash"):
+        RunWriter(run, source={"spec": "test:x"}, vocab_size=50, tokenizer_hash="other", resume=True)
+    probe = subprocess.run([sys.executable, "-c", "import sys; from logitdiff.outputs import locked\nwith locked(sys.argv[1]): pass",
+                            str(run)], capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr  # the failed constructor holds nothing

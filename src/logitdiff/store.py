@@ -28,16 +28,18 @@ import hashlib
 import json
 import time
 import zipfile
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar, cast
 
 import numpy as np
 
 from ._version import __version__
 from . import validate
 from .errors import LogitdiffError
-from .outputs import RUN_SCHEMA, Kind, atomic_file_unsynced, atomic_write_bytes, atomic_write_json, check_output, fsync_path
+from .outputs import (RUN_SCHEMA, Kind, atomic_file_unsynced, atomic_write_bytes, atomic_write_json, check_output, fsync_path,
+                      locked)
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 from .storekinds import BlockPlace, RowsForm, StoreKind, check_full_rows, cut_rows, store_kind
@@ -231,6 +233,24 @@ class _KindViews:
         return getattr(self.kind, "spec", None)
 
 
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def _unlocked_on_error(init: _Init) -> _Init:
+    """A RunWriter whose constructor fails lets go of the RUN's lock at once."""
+
+    def wrapper(self: RunWriter, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            if "_lock" in vars(self):
+                self._lock.close()
+            raise
+
+    wrapper.__doc__, wrapper.__wrapped__ = init.__doc__, init  # type: ignore[attr-defined]
+    return cast(_Init, wrapper)
+
+
 class RunWriter(_KindViews):
     """Writes a RUN chunk by chunk. ``store`` is a ``--store`` text: ``"full"``, ``"topk:K"``,
     a compact spec (compact.py), ``"hidden"`` (hidden.py: pass the output head as ``head``)
@@ -247,8 +267,15 @@ class RunWriter(_KindViews):
     into the next chunk. An item is listed in the items file of the chunk where its rows
     end, so a killed capture leaves no half item behind. ``finish()`` marks the run complete.
     Memory: the buffered chunk plus at most one chunk being written.
+
+    One writer per RUN: the constructor takes the RUN's lock (``outputs.locked``, the one
+    ``logitdiff capture`` takes; a writer opened inside ``outputs.writing`` re-enters it) and
+    holds it until ``finish()`` or ``close()``; another process's writer is refused at once,
+    naming this one's pid (two writers with ``resume=True`` would remove each other's unlisted
+    chunks).
     """
 
+    @_unlocked_on_error
     def __init__(
         self,
         path: str | Path,
@@ -268,6 +295,14 @@ class RunWriter(_KindViews):
         tokens: list[str | None] | None = None,
     ):
         self.path = Path(path)
+        if not self.path.parent.is_dir():  # the lock file lives beside the RUN
+            check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise LogitdiffError(f"{self.path}: cannot create its directory ({e.strerror})") from None
+        self._lock = ExitStack()  # closed by finish() / close()
+        self._lock.enter_context(locked(self.path))
         self.store = store
         self.kind: StoreKind = store_kind(store, int(vocab_size), dtype)
         kind_fields = self.kind.start_writing(head)  # checks that the source fits the kind
@@ -536,7 +571,14 @@ class RunWriter(_KindViews):
             self._drain_syncs()
 
     def close(self) -> None:
-        """Wait for pending chunks and stop the writer threads (``finish`` does this too)."""
+        """Wait for pending chunks, stop the writer threads and let go of the RUN's lock
+        (``finish`` does this too)."""
+        try:
+            self._stop()
+        finally:
+            self._lock.close()
+
+    def _stop(self) -> None:
         try:
             self._drain()
         finally:
@@ -582,14 +624,17 @@ class RunWriter(_KindViews):
         if self._cur is not None:
             raise ValueError(f"item {self._cur.id!r} is not finished (end_item)")
         try:
-            self.flush(wait=True)
+            try:
+                self.flush(wait=True)
+            finally:
+                self._stop()
+            if extra:
+                self.manifest.update(extra)
+            self.manifest["status"] = "complete"
+            self.manifest["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            self._write_manifest()
         finally:
-            self.close()
-        if extra:
-            self.manifest.update(extra)
-        self.manifest["status"] = "complete"
-        self.manifest["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self._write_manifest()
+            self._lock.close()
 
     def _write_manifest(self) -> None:
         atomic_write_json(self.path / "manifest.json", self.manifest)
