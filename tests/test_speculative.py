@@ -274,6 +274,51 @@ def test_lossless_needs_a_compared_f0_position_on_each_side(env, servers):
     assert S._f0([a], [unreported], 3)["bit_identical"] is False
 
 
+def test_reference_without_probabilities_is_a_measurement_gap_and_null_figures_say_why(env, servers):
+    """On a real run's figures: a reference that sent no probability at some positions
+    (logprob 0 and no top list, or no entry at all) is a measurement gap named in the
+    reasons and report.md with its counts, never a speculation defect: the label and the
+    defects stay those of the run as measured. And report.md's null figures carry their
+    reason, never a bare 'n/a' or 'not reported': the aligned prefix with no position
+    compared, cross-scoring with no divergence, acceptance with nothing drafted."""
+    from logitdiff.report.speculation import render_markdown
+
+    rep = speculate(servers("ref").url, servers("self").url, None, workload=env["wl"], n_predict=8, floor_items=1, top_k=8)
+    _invariants(rep)
+    s, f0, f1, rc, cc = (rep["summary"], rep["floors"]["F0"], rep["floors"]["F1"], rep["reference"]["counters"],
+                         rep["candidate"]["counters"])
+    assert rc["positions_not_reported"] == 0
+    base = S.decide(s, f0, f1, rc, cc, rep["items"], True)
+    gap_words = "measurement gap, not a speculation defect"  # S.MEASUREMENT_GAP
+    assert base == rep["verdict"] and not any(gap_words in r for r in base["reasons"])
+    for zero_no_top, no_entry in ((3, 0), (0, 2), (3, 2)):
+        gap = {**rc, "not_reported_logprob_zero_no_top": zero_no_top, "not_reported_no_entry": no_entry,
+               "positions_not_reported": zero_no_top + no_entry, "positions_reported": rc["positions"] - zero_no_top - no_entry}
+        v = S.decide(s, f0, f1, gap, cc, rep["items"], True)
+        assert v["label"] == base["label"] and v["defects"] == base["defects"], v
+        said = [r for r in v["reasons"] if r.startswith(gap_words)]
+        assert len(said) == 1 and f"at {zero_no_top + no_entry} of {rc['positions']} positions" in said[0], v["reasons"]
+        assert f"({zero_no_top} with logprob 0 and no top list, {no_entry} with no entry)" in said[0]
+        md = render_markdown({**rep, "reference": {**rep["reference"], "counters": gap}, "verdict": v})
+        assert "Defects:" not in md and said[0] in md
+        assert f"reference probabilities not reported at {zero_no_top + no_entry} of {rc['positions']} positions (a measurement gap" in md
+    # nothing compared on the aligned prefix (every item diverging at its first token, or only
+    # speculative steps there), no divergence, nothing drafted: each null figure says why
+    none = S._stat([])
+    s0 = {**s, "prefix": {**s["prefix"], "positions_compared": 0, "kl_nats": none, "kl_lower_nats": none, "abs_dlogprob": none,
+                          "top1_disagreements": 0, "kl_above_floor_max": None},
+          "cross": {"items": 0, "reference_on_candidate_kl_nats": none, "candidate_on_reference_top1_agreement": None}}
+    cc0 = {**cc, "draft_n": 0, "draft_n_accepted": 0, "acceptance_rate": None}
+    md = render_markdown({**rep, "summary": s0, "candidate": {**rep["candidate"], "counters": cc0}})
+    lines = {key: next(ln for ln in md.splitlines() if ln.startswith(key)) for key in
+             ("- same context, aligned prefix", "- cross-scoring after divergences", "- drafting:")}
+    for key, line in lines.items():
+        assert "n/a" not in line and "not reported:" not in line and "KL max not reported" not in line, line
+    assert "not evaluated: no positions compared" in lines["- same context, aligned prefix"]
+    assert "not evaluated: no divergence to cross-score" in lines["- cross-scoring after divergences"]
+    assert "acceptance not evaluated: nothing drafted" in lines["- drafting:"]
+
+
 def test_traces_are_held_one_item_at_a_time_not_for_the_run(env, servers, tmp_path):
     """Memory is bounded by an item, not by the run: each item's traces (n_predict x K top
     lists per side) are spilled as they come and read back one item at a time. Counted on

@@ -33,7 +33,8 @@ time, prompt cache off (:mod:`logitdiff.generation` has the protocol), and then:
   numerics only", "defect", "speculation not exercised" (a candidate that never drafted),
   "floor not measured" (a floor compared nothing) or "floor too small to judge" (prefix
   positions above F1's largest KL, but no more of them than a floor of that size leaves
-  by chance: :func:`chance_above_max`).
+  by chance: :func:`chance_above_max`). A reference position without a probability is a
+  measurement gap (said in the reasons), not a defect.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ VERDICTS = (LOSSLESS, SHAPE_ONLY, DEFECT, NOT_EXERCISED, FLOOR_NOT_MEASURED, FLO
 # positions that behave like F1's own (chance_above_max)
 PREFIX_KL_ALPHA = 1e-3
 NEAR_TIE, MATERIAL = "near-tie", "material"
+# a position a server sent no probability for, where the request asked for one (not a defect)
+MEASUREMENT_GAP = "measurement gap, not a speculation defect"
 UNCLASSIFIED = "not evaluated"  # a divergence's class when there is no near-tie threshold (F1 compared nothing)
 
 from .defaults import DEFAULT_FLOOR_ITEMS, DEFAULT_N_PREDICT, DEFAULT_SHAPE_WIDTH, DEFAULT_TOP_K  # noqa: E402,F401
@@ -554,9 +557,15 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     defects: list[str] = []
     if cc["draft_n_accepted"] > cc["draft_n"]:
         defects.append(f"the candidate reports {cc['draft_n_accepted']} accepted of {cc['draft_n']} drafted tokens (acceptance without drafting)")
-    if rc["not_reported_logprob_zero_no_top"]:
-        defects.append(f"the reference (no speculation) left {rc['not_reported_logprob_zero_no_top']} probabilities unreported "
-                       "although n_probs was asked")
+    # A reference position without a probability (logprob 0 and no top list, or no entry at
+    # all) is a gap in what was measured, not a fault of speculation: it is left out of every
+    # comparison that needs it, and the figures say over how many positions they were read.
+    gaps: list[str] = []
+    if rc["positions_not_reported"]:
+        gaps.append(f"{MEASUREMENT_GAP}: the reference (no speculation) reported no probability at {rc['positions_not_reported']} of "
+                    f"{rc['positions']} positions although n_probs was asked ({rc['not_reported_logprob_zero_no_top']} with logprob 0 "
+                    f"and no top list, {rc['not_reported_no_entry']} with no entry); F1, the aligned-prefix comparison and the "
+                    "margins leave them out")
     unexplained = sum(r["candidate_not_reported"] for r in rows if r["draft_n"] == 0)
     if unexplained:
         defects.append(f"{unexplained} candidate probabilities unreported in requests that never drafted")
@@ -618,7 +627,7 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     if cc["draft_n"]:
         reasons.append(f"drafting ran: {cc['draft_n_accepted']} of {cc['draft_n']} draft tokens accepted "
                        f"({100 * cc['acceptance_rate']:.1f}%) in {cc['requests_that_drafted']} of {cc['requests']} requests")
-    reasons += unmeasured + too_small
+    reasons += gaps + unmeasured + too_small
     if cc["draft_n"] == 0:
         label = NOT_EXERCISED
         reasons.insert(0, "the candidate never drafted (timings.draft_n = 0 on every request): nothing about speculation was measured")

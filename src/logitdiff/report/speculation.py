@@ -50,6 +50,30 @@ def _f1_result(f1: dict) -> str:
             f"top-1 flips {f1['top1_flips']}; near-tie threshold {_f(f1['near_tie_nats'])} nats")
 
 
+def _prefix(p: dict) -> str:
+    """The aligned prefix's same-context figures; with no position compared, the reason
+    (as compare's zero-position report does), never 'n/a' or 'not reported'."""
+    if not p["positions_compared"]:
+        return PREFIX_NOT_EVALUATED
+    dl = p["abs_dlogprob"]["max"]
+    return (f"{p['positions_compared']} positions where both sides reported; KL (top-K estimate) max {_kl(p['kl_nats']['max'])} "
+            f"nats, proven lower bound max {_kl(p['kl_lower_nats']['max'])}, top-1 disagreements {p['top1_disagreements']}, "
+            "max abs dlogprob " + (_f(dl) if dl is not None else
+                                   "not evaluated: the next token is listed by both sides at none of these positions"))
+
+
+PREFIX_NOT_EVALUATED = ("not evaluated: no positions compared (no aligned-prefix position where both sides reported a "
+                        "probability): KL, top-1 and max abs dlogprob not evaluated")
+
+
+def _cross(x: dict) -> str:
+    """Cross-scoring after the divergences; with none, the reason, never 'n/a'."""
+    if not x["items"]:
+        return "not evaluated: no divergence to cross-score (every output identical)"
+    return (f"{x['items']} items: reference tokens on the candidate server KL max {_kl(x['reference_on_candidate_kl_nats']['max'])}; "
+            f"the reference agrees with the candidate's next token in its context at {_f(x['candidate_on_reference_top1_agreement'])}")
+
+
 def _classes(s: dict) -> str:
     """The near-tie/material counts; null (F1 measured nothing) reads as its reason."""
     if s["near_tie_divergences"] is None:
@@ -84,14 +108,13 @@ def render_markdown(rep: dict) -> str:
         f"{s['mean_shared_prefix_fraction']:.3f}",
         f"- divergences: {_classes(s)}",
         f"- drafting: {cc['draft_n_accepted']} of {cc['draft_n']} draft tokens accepted "
-        f"(acceptance {_f(cc['acceptance_rate'])}); candidate probabilities not reported at {cc['positions_not_reported']} of "
-        f"{cc['positions']} positions",
-        f"- same context, aligned prefix ({s['prefix']['positions_compared']} positions where the candidate reported): KL (top-K "
-        f"estimate) max {_kl(s['prefix']['kl_nats']['max'])} nats, proven lower bound max {_kl(s['prefix']['kl_lower_nats']['max'])}, top-1 disagreements {s['prefix']['top1_disagreements']}, "
-        f"max abs dlogprob {_f(s['prefix']['abs_dlogprob']['max'])}",
-        f"- cross-scoring after divergences ({s['cross']['items']} items): reference tokens on the candidate server KL max "
-        f"{_kl(s['cross']['reference_on_candidate_kl_nats']['max'])}; the reference agrees with the candidate's next "
-        f"token in its context at {_f(s['cross']['candidate_on_reference_top1_agreement'])}", "",
+        f"(acceptance {_f(cc['acceptance_rate']) if cc['draft_n'] else 'not evaluated: nothing drafted'}); candidate probabilities "
+        f"not reported at {cc['positions_not_reported']} of {cc['positions']} positions"
+        + (f"; reference probabilities not reported at {rep['reference']['counters']['positions_not_reported']} of "
+           f"{rep['reference']['counters']['positions']} positions (a measurement gap, not a speculation defect)"
+           if rep["reference"]["counters"]["positions_not_reported"] else ""),
+        f"- same context, aligned prefix: {_prefix(s['prefix'])}",
+        f"- cross-scoring after divergences: {_cross(s['cross'])}", "",
         "## First divergences", "",
         "| item | first divergence | shared prefix | reference token | candidate token | reference margin (nats) | candidate margin (nats) | class |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
