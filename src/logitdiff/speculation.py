@@ -32,9 +32,9 @@ time, prompt cache off (:mod:`logitdiff.generation` has the protocol), and then:
 * **Verdict** in words: "speculation numerically lossless", "changes output by batch-shape
   numerics only", "defect", "speculation not exercised" (a candidate that never drafted),
   "floor not measured" (a floor compared nothing) or "floor too small to judge" (prefix
-  positions above F1's largest KL, but no more of them than a floor of that size leaves
-  by chance: :func:`chance_above_max`). A reference position without a probability is a
-  measurement gap (said in the reasons), not a defect.
+  positions whose proven KL lower bound is above F1's largest KL, but no more of them than a
+  floor of that size leaves by chance: :func:`chance_above_max`). A reference position
+  without a probability is a measurement gap (said in the reasons), not a defect.
 """
 
 from __future__ import annotations
@@ -479,9 +479,10 @@ def _compare(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spi
     kl_all = np.concatenate(pre_kl) if pre_kl else np.zeros(0)
     klo_all = np.concatenate(pre_klo) if pre_klo else np.zeros(0)
     t1_all = np.concatenate(pre_top1) if pre_top1 else np.zeros(0, bool)
-    # prefix positions whose KL exceeds F1's largest (the relative slack: decide's comment)
+    # prefix positions whose KL provably exceeds F1's largest: their proven lower bound is
+    # above it (decide's comment; the relative slack is for float64 summation order)
     f1_kl = f1["kl_nats"]["max"]
-    above = None if f1_kl is None else int((kl_all > f1_kl * (1 + 1e-9) + 1e-15).sum())
+    above = None if f1_kl is None else int((klo_all > f1_kl * (1 + 1e-9) + 1e-15).sum())
     dl_all = np.concatenate(pre_dl) if pre_dl else np.zeros(0)
     div = [row for row in rows if not row["identical"]]
     summary = {
@@ -493,8 +494,8 @@ def _compare(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spi
         "mean_shared_prefix_fraction": float(np.mean([row["shared_prefix_fraction"] for row in rows])),
         "prefix": {"positions_compared": int(kl_all.size), "kl_nats": _stat(kl_all), "kl_lower_nats": _stat(klo_all),
                    "top1_disagreements": int((~t1_all).sum()), "abs_dlogprob": _stat(np.abs(dl_all)),
-                   # how many positions exceed F1's largest KL, against how many F1 compared, and the
-                   # chance of that many when speculation changes nothing (null without F1)
+                   # how many positions' proven KL lower bound exceeds F1's largest KL, against how many
+                   # F1 compared, and the chance of that many when speculation changes nothing (null without F1)
                    "kl_above_floor_max": None if above is None else {
                        "positions": above, "of": int(kl_all.size), "floor_positions": f1["kl_nats"]["n"],
                        "chance": chance_above_max(int(kl_all.size), f1["kl_nats"]["n"], above)}},
@@ -579,29 +580,35 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
                           f"{summary['classes_not_evaluated']}")
     f1_kl = f1["kl_nats"]["max"]
     pre_kl = summary["prefix"]["kl_nats"]["max"] or 0.0
-    # a relative slack for float64 summation order: the same row through two code paths
-    # (seen: a candidate decode step on a KV cache its width-4 verify batch wrote equals F1's
-    # width-4 row to 1e-12); a prefix KL of 0 is within any floor, measured or not
-    # The prefix's KL against F1's largest: a maximum over many prefix positions exceeds the
-    # maximum over a few floor positions by chance alone (and the top-K seed estimate jumps
-    # where two tokens tied at the K-th place swap, seen: 2.6e-3 nats at a position whose
-    # proven lower bound is 3e-11). So a defect needs more exceedances than F1's size leaves
-    # to chance (chance_above_max < PREFIX_KL_ALPHA); fewer say the floor is too small.
+    # The prefix's KL against F1's largest. A position counts as above it only when its KL
+    # provably is: its proven lower bound (bounds.topk_vs_topk) exceeds F1's largest, not its
+    # top-K seed estimate, which a swap of two tokens tied at the K-th place inflates by orders
+    # of magnitude (seen: an estimate of 2.6e-3 nats over a lower bound of 3e-11; and the
+    # prefix's and F1's largest estimates equal to the last digit, 2.62e-3, so that the
+    # verdict hung on the float slack). The slack (1e-9 relative) is for float64 summation
+    # order: the same row through two code paths agrees to 1e-12. And a maximum over many
+    # prefix positions exceeds the maximum over a few floor positions by chance alone, so a
+    # defect needs more positions above than F1's size leaves to chance
+    # (chance_above_max < PREFIX_KL_ALPHA); fewer say the floor is too small.
     too_small: list[str] = []
+    within: list[str] = []
     above = summary["prefix"].get("kl_above_floor_max")
+    lo = summary["prefix"]["kl_lower_nats"]["max"]
     if pre_kl > 1e-15 and f1_kl is None:
         unmeasured.append(f"prefix KL {pre_kl:.3g} nats at identical contexts against the shape floor F1: {NO_THRESHOLD}")
-    elif f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15:
+    elif f1_kl is not None and above and above["positions"]:
         j, n, m, p = above["positions"], above["of"], above["floor_positions"], above["chance"]
-        lo = summary["prefix"]["kl_lower_nats"]["max"]
-        said = (f"prefix KL at identical contexts above the shape floor F1's largest ({f1_kl:.3g} nats, over {m} positions of "
-                f"{f1['items']} floor items) at {j} of {n} positions (max {pre_kl:.3g} nats, proven lower bound max "
-                f"{0.0 if lo is None else lo:.3g}); that many from positions like F1's own, by chance: p = {p:.2g}")
+        said = (f"prefix KL at identical contexts provably above the shape floor F1's largest ({f1_kl:.3g} nats, over {m} positions "
+                f"of {f1['items']} floor items) at {j} of {n} positions (proven lower bound max {0.0 if lo is None else lo:.3g} nats, "
+                f"top-K estimate max {pre_kl:.3g}); that many from positions like F1's own, by chance: p = {p:.2g}")
         if p < PREFIX_KL_ALPHA:
             defects.append(said)
         else:
             too_small.append(f"{FLOOR_TOO_SMALL}: {said} (>= {PREFIX_KL_ALPHA:g}), no evidence either way; more --floor-items "
                              "measure F1 on more positions")
+    elif f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15:
+        within.append(f"prefix KL top-K estimate max {pre_kl:.3g} nats above F1's largest ({f1_kl:.3g}), but no position's proven "
+                      f"lower bound is (max {0.0 if lo is None else lo:.3g}): within the floor")
     # F0 = 0 is evidence only where a rerun compared at least one position on each side
     f0_zero = f0["reference"]["bit_identical"] is True and f0["candidate"]["bit_identical"] is True
     f0_unmeasured = [side for side in ("reference", "candidate") if f0[side]["bit_identical"] is None]
@@ -627,7 +634,7 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     if cc["draft_n"]:
         reasons.append(f"drafting ran: {cc['draft_n_accepted']} of {cc['draft_n']} draft tokens accepted "
                        f"({100 * cc['acceptance_rate']:.1f}%) in {cc['requests_that_drafted']} of {cc['requests']} requests")
-    reasons += gaps + unmeasured + too_small
+    reasons += gaps + within + unmeasured + too_small
     if cc["draft_n"] == 0:
         label = NOT_EXERCISED
         reasons.insert(0, "the candidate never drafted (timings.draft_n = 0 on every request): nothing about speculation was measured")
