@@ -229,3 +229,35 @@ def test_library_writers_of_one_run_are_one_at_a_time(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import sys; from logitdiff.outputs import locked\nwith locked(sys.argv[1]): pass",
                             str(run)], capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr  # the failed constructor holds nothing
+
+
+def test_a_second_thread_is_refused_and_the_holding_thread_reenters(tmp_path):
+    """In one process: another thread's writer of the same RUN is refused like another
+    process's; the holding thread itself re-enters (outputs.writing holds the lock and the
+    RunWriter it opens takes it again); after finish() the other thread may write."""
+    import threading
+
+    from logitdiff.outputs import locked
+
+    run = tmp_path / "run"
+    w = _writer(run)
+    with locked(run):  # the holder takes it again: no error
+        pass
+
+    def other(kw, out):
+        try:
+            _writer(run, **kw).finish()
+            out.append("ok")
+        except LogitdiffError as e:
+            out.append(str(e))
+
+    got: list[str] = []
+    t = threading.Thread(target=other, args=({"overwrite": True}, got))
+    t.start()
+    t.join()
+    assert "another thread of this logitdiff process" in got[0], got
+    w.finish()
+    t = threading.Thread(target=other, args=({"overwrite": True}, got))
+    t.start()
+    t.join()
+    assert got[1] == "ok" and RunReader(run).manifest["status"] == "complete"
