@@ -27,8 +27,9 @@ def register(sub) -> None:
             "'speculation numerically lossless', 'changes output by batch-shape numerics only', 'defect', 'speculation not "
             "exercised', or 'floor not measured' (a figure the verdict needs was read against a floor that compared no positions, "
             "e.g. --floor-items 0: never lossless from zero evidence), or 'floor too small to judge' (prefix positions whose KL "
-            "exceeds F1's largest, but no more of them than chance leaves with F1 measured on so few positions: raise "
-            "--floor-items). Writes OUT/report.json (schema "
+            "provably exceeds F1's largest, by its proven lower bound, but no more of them than chance leaves with F1 measured "
+            "on so few positions: raise --floor-items). A reference position without a probability is a measurement gap, said "
+            "in the reasons, not a defect. Writes OUT/report.json (schema "
             "logitdiff.speculation/1), report.md, report.html, generations.jsonl."
         ),
     )
