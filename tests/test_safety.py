@@ -398,6 +398,38 @@ def test_writer_class_is_complete():
     assert sorted(WORK) == sorted(IDS)
 
 
+def first_stopped_second_refused(work: tuple[str, str], first_argv: list[str], second_argv: list[str], out: Path, log: Path,
+                                 capsys) -> None:
+    """A real first writer stopped in ``work``; the second (this process) is refused naming
+    its pid and leaves ``out`` as it was; the first, continued, exits 0."""
+    env = {**os.environ, "PYTHONPATH": SRC}
+    with open(log, "w") as f:
+        first = subprocess.Popen([sys.executable, "-c", STOP_IN_WORK, *work, *first_argv], env=env, stdout=f, stderr=f)
+    try:
+        deadline = time.time() + 300
+        while not _stopped(first.pid) and first.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert _stopped(first.pid), f"the first writer never reached its work: {log.read_text()[-2000:]}"
+        before = digest(out)
+        assert main(second_argv) == 2
+        err = one_line_error(capsys)
+        assert f"pid {first.pid}" in err, err
+        assert digest(out) == before
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert first.wait(timeout=600) == 0, log.read_text()[-2000:]
+
+
+def test_flips_mid_work_refuses_the_next_and_finishes_complete(w, tmp_path, capsys):
+    """flips writes into the REPORT it reads: a second flips of that REPORT while the first
+    runs its branches is refused; the first finishes (flips.parquet, report.json's flips)."""
+    rep = copy_of(w, "rep", tmp_path / "rep")
+    argv = ["flips", str(rep), "--similarity", "edit"]
+    first_stopped_second_refused(("logitdiff.consequences", "analyse_report_dir"), argv, argv, rep, tmp_path / "first.log", capsys)
+    assert (rep / "flips.parquet").is_file() and "flips" in json.loads((rep / "report.json").read_text())
+    assert sorted(os.listdir(tmp_path)) == ["first.log", "rep"]
+
+
 @pytest.mark.parametrize("cmd", COMMANDS, ids=IDS)
 def test_a_writer_mid_work_refuses_the_next_and_finishes_complete(cmd, w, tmp_path, capsys):
     """A real first writer stopped in its work phase (before its write): a second writer of
@@ -414,23 +446,7 @@ def test_a_writer_mid_work_refuses_the_next_and_finishes_complete(cmd, w, tmp_pa
     if cmd.name == "speculate":
         first_argv = [w["spec_url"]() if a == DEAD_URL else a for a in first_argv]
     second_argv = first_argv + (["--overwrite"] if cmd.name in OVERWRITES else [])
-    env = {**os.environ, "PYTHONPATH": SRC}
-    log = tmp_path / "first.log"
-    with open(log, "w") as f:
-        first = subprocess.Popen([sys.executable, "-c", STOP_IN_WORK, *WORK[cmd.name], *first_argv], env=env, stdout=f, stderr=f)
-    try:
-        deadline = time.time() + 300
-        while not _stopped(first.pid) and first.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
-        assert _stopped(first.pid), f"the first writer never reached its work: {log.read_text()[-2000:]}"
-        before = digest(out)
-        assert main(second_argv) == 2
-        err = one_line_error(capsys)
-        assert f"pid {first.pid}" in err, err
-        assert digest(out) == before
-    finally:
-        first.send_signal(signal.SIGCONT)
-    assert first.wait(timeout=600) == 0, log.read_text()[-2000:]
+    first_stopped_second_refused(WORK[cmd.name], first_argv, second_argv, out, tmp_path / "first.log", capsys)
     kind = {"report": Kind.HTML, "topk-error": Kind.TOPK_JSON, "compare": Kind.REPORT, "run": Kind.RUN_OUT,
             "layers": Kind.LAYERS, "speculate": Kind.SPECULATION}.get(cmd.name, Kind.RUN)
     assert is_kind(out, kind), sorted(os.listdir(out)) if out.is_dir() else out
