@@ -577,3 +577,61 @@ def test_pronoun_i_and_contractions_are_not_names_or_content():
     assert not any(t.kind == "name" and t.text.lower().startswith("i") for t in toks)
     assert [t.text for t in toks if t.kind == "name"] == ["Earth"]
     assert "what" not in [t.text for t in toks if t.kind == "word"]
+
+
+def _prose_tokens_as_defined(text: str):
+    """prose_tokens as first written (quadratic: a slice of everything before each word, a
+    scan of every token per inline-code identifier): the oracle of the linear one."""
+    import re
+
+    from logitdiff import salient as S
+
+    out = [S.Tok("number", S._num(m.group(0)), m.start(), m.end()) for m in S._NUMBER.finditer(text)]
+    for m in S._WORD.finditer(text):
+        w = re.sub(r"['’](s|re|ll|ve|d|m)$", "", m.group(0), flags=re.I)
+        low = w.lower().replace("’", "'")
+        if low in S.NEGATIONS or low.endswith("n't"):
+            out.append(S.Tok("neg", "not", m.start(), m.end()))
+            continue
+        before = text[: m.start()].rstrip()
+        sentence_start = not before or before[-1] in ".!?:\n*-#>"
+        if low == "i" or low.startswith(("i'", "i’")):
+            continue
+        if w[0].isupper() and not sentence_start and low not in S.STOP:
+            out.append(S.Tok("name", w, m.start(), m.end()))
+        elif low not in S.STOP and len(low) >= 3:
+            out.append(S.Tok("word", S._stem(low), m.start(), m.end()))
+    named = set()
+    for m in re.finditer(r"\b[A-Za-z]+\d[\w.]*|\b\w+_\w+|\b[A-Za-z_]\w+(?:\.[A-Za-z_]\w*)+", text):
+        out.append(S.Tok("name", m.group(0).rstrip("."), m.start(), m.end()))
+        named.add(m.start())
+    for m in re.finditer(r"(?<!`)`([^`\n]+)`(?!`)", text):
+        for n in S._IDENT.finditer(m.group(1)):
+            a = m.start(1) + n.start()
+            if a not in named and not any(t.start == a and t.kind == "name" for t in out):
+                out.append(S.Tok("name", n.group(0), a, a + len(n.group(0))))
+    return sorted(out, key=lambda t: (t.start, t.kind))
+
+
+def test_linear_prose_tokens_equal_their_definition_on_every_labelled_text():
+    """The flips rules' text work was made linear (one tokenization per side, no slice per
+    word, a set for inline code); the tokens, and so every verdict, are the same: checked on
+    every labelled text (reference and branch continuations with their prefixes, both as
+    written and as split_prose's prose part), on texts whose blanks run long (unicode
+    spaces, tabs, blank lines before a word) and on inline code repeating a dotted name."""
+    from pathlib import Path
+
+    from logitdiff.salient import prose_tokens, split_prose
+
+    data = Path(__file__).resolve().parent / "data"
+    texts = ["", "   ", "x", "`a.b` `a.b` a.b `x_y`\u2003\u2003Word", "end.\n\n\t \u00a0Name here;   ( None ) \"Quote\" > Bob"]
+    for f in sorted(data.glob("flip_labels*.jsonl")):
+        for line in f.read_text().splitlines():
+            c = json.loads(line)
+            for key in ("ref", "branch"):
+                if isinstance(c.get(key), str):
+                    texts.append(c.get("prefix", "") + c[key])
+    texts += [split_prose(t)[1] for t in texts]
+    assert len(texts) > 1000
+    for t in texts:
+        assert prose_tokens(t) == _prose_tokens_as_defined(t), t[:200]

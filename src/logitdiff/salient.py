@@ -37,6 +37,7 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
 _COMMENT = re.compile(r"#[^\n]*")
 _WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*[A-Za-z]|[A-Za-z]")
+_CLITIC = re.compile(r"['’](s|re|ll|ve|d|m)$", re.I)
 NEGATIONS = frozenset("not no never none nothing nobody neither nor cannot without".split())
 STOP = frozenset("""
 a an the and or but if then else of to in on at by for with from into onto over under as is are was were be been being
@@ -209,14 +210,18 @@ def prose_tokens(text: str) -> list[Tok]:
     """Numbers, negations, names and content words of prose, in order."""
     out: list[Tok] = [Tok("number", _num(m.group(0)), m.start(), m.end()) for m in _NUMBER.finditer(text)]
     for m in _WORD.finditer(text):
-        w = re.sub(r"['’](s|re|ll|ve|d|m)$", "", m.group(0), flags=re.I)  # what's, Earth's: what, Earth
+        w = _CLITIC.sub("", m.group(0))  # what's, Earth's: what, Earth
         low = w.lower().replace("’", "'")
         if low in NEGATIONS or low.endswith("n't"):
             out.append(Tok("neg", "not", m.start(), m.end()))
             continue
-        before = text[: m.start()].rstrip()
+        # the last non-blank character before the word (a walk back over the blanks, not a
+        # slice of everything before it: that made long texts quadratic);
         # a quote or bracket does not start a sentence: "None", (Python) are names
-        sentence_start = not before or before[-1] in ".!?:\n*-#>"
+        k = m.start() - 1
+        while k >= 0 and text[k].isspace():
+            k -= 1
+        sentence_start = k < 0 or text[k] in ".!?:\n*-#>"
         pronoun = low == "i" or low.startswith(("i'", "i’"))  # I, I'm, I'll: not names
         if pronoun:
             continue
@@ -229,12 +234,14 @@ def prose_tokens(text: str) -> list[Tok]:
         # v2, py3, snake_case and dotted names (numpy.corrcoef, archives.py) in prose
         out.append(Tok("name", m.group(0).rstrip("."), m.start(), m.end()))
         named.add(m.start())
+    names_at = {t.start for t in out if t.kind == "name"}  # looked up per identifier: a set, not a scan
     for m in re.finditer(r"(?<!`)`([^`\n]+)`(?!`)", text):
         # inline code in prose: its identifiers are names (`covariance`, `x`)
         for n in _IDENT.finditer(m.group(1)):
             a = m.start(1) + n.start()
-            if a not in named and not any(t.start == a and t.kind == "name" for t in out):
+            if a not in named and a not in names_at:
                 out.append(Tok("name", n.group(0), a, a + len(n.group(0))))
+                names_at.add(a)
     return sorted(out, key=lambda t: (t.start, t.kind))
 
 
@@ -264,17 +271,20 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
     # whole texts are tokenized (a comment or docstring opened before the flip is still one),
     # then only what lies from ``start`` (where the two first differ) on is compared. In an
     # output about code, the code is compared as code and the words around it as prose.
+    # Each side's prose is tokenized once, here; content_words and is_word_salad take these tokens.
     ref_code_at: set[int] = set()  # where the reference's code tokens start
     if code:
         (ref_code, ref_prose), (br_code, br_prose) = split_prose(ref), split_prose(branch)
+        prose_a, prose_b = prose_tokens(ref_prose), prose_tokens(br_prose)
         code_a = code_tokens(ref_code)
         ref_code_at = {t.start for t in code_a}
-        tok_a = sorted(code_a + prose_tokens(ref_prose), key=lambda t: (t.start, t.kind))
-        tok_b = sorted(code_tokens(br_code) + prose_tokens(br_prose), key=lambda t: (t.start, t.kind))
+        tok_a = sorted(code_a + prose_a, key=lambda t: (t.start, t.kind))
+        tok_b = sorted(code_tokens(br_code) + prose_b, key=lambda t: (t.start, t.kind))
     else:
         ref_prose, br_prose = ref, branch
         ref_code = br_code = ""
         tok_a, tok_b = prose_tokens(ref), prose_tokens(branch)
+        prose_a, prose_b = tok_a, tok_b
     a, a_len = _drop_cut_end(tok_a, ref, ref_cut)
     b, b_len = _drop_cut_end(tok_b, branch, branch_cut)
     a = [t for t in a if t.end > start]
@@ -320,11 +330,12 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
     local = True
     if not code or ref_prose.strip() or br_prose.strip():
         words = content_words(ref_prose, br_prose, a, b, ref_cut=ref_cut, branch_cut=branch_cut, a_len=a_len, b_len=b_len,
-                              start=start, word_similarity=word_similarity, ref_full=ref, branch_full=branch)
+                              start=start, word_similarity=word_similarity, ref_full=ref, branch_full=branch,
+                              prose=(prose_a, prose_b), char_limits=char_lim)
         ua, ub, n_union = words["only_ref"], words["only_branch"], words["n_union"]
         if n_union:
             share = (len(ua) + len(ub)) / n_union
-        salad = is_word_salad(ref_prose)
+        salad = is_word_salad(ref_prose, prose_a)
         if salad:
             # word salad asserts by which content words it uses: one on one side only is
             # another claim; the same words in another order say the same (at most benign)
@@ -336,18 +347,20 @@ def compare(ref: str, branch: str, *, code: bool, ref_cut: bool = False, branch_
     return {"changed": changed, "shifted": shifted, "content_share": share, "word_salad": salad, "local": local}
 
 
-def is_word_salad(text: str) -> bool:
+def is_word_salad(text: str, tokens: list[Tok] | None = None) -> bool:
     """Text that says the same few content words again and again (``If the exception is
     raised if the exception is raised``): at least ``SALAD_MIN_WORDS`` content words (and
     names), each used ``1 / SALAD_DISTINCT_SHARE`` times or more on average. Such text
-    carries its claims by which words it uses, not by its wording."""
-    w = [t.text for t in prose_tokens(text) if t.kind in ("word", "name")]
+    carries its claims by which words it uses, not by its wording. ``tokens``: the text's
+    :func:`prose_tokens`, when the caller has them."""
+    w = [t.text for t in (prose_tokens(text) if tokens is None else tokens) if t.kind in ("word", "name")]
     return len(w) >= SALAD_MIN_WORDS and len(set(w)) <= SALAD_DISTINCT_SHARE * len(w)
 
 
 def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut: bool, branch_cut: bool, a_len: int,
                   b_len: int, start: int, word_similarity=None, ref_full: str | None = None,
-                  branch_full: str | None = None) -> dict:
+                  branch_full: str | None = None, prose: tuple[list[Tok], list[Tok]] | None = None,
+                  char_limits: tuple[float, float] | None = None) -> dict:
     """Content words of prose on one side only, both full sides from ``start`` compared as
     sets (``a``/``b``: the tokens :func:`compare` compares), with its tolerances: past the
     end of a side the budget cut, the other side's words are not judged (the ends aligned by
@@ -356,15 +369,18 @@ def content_words(ref: str, branch: str, a: list[Tok], b: list[Tok], *, ref_cut:
     side's words that repeat what was said before them are not new. A word with MiniLM
     cosine >= ``WORD_MATCH`` to a word on the other side only is a synonym, not new.
     ``reordered``: the words as sequences differ beyond such synonyms (a reworded or
-    reordered text, not a local change)."""
+    reordered text, not a local change). ``prose``: the :func:`prose_tokens` of ``ref`` and
+    ``branch``, when the caller has them (:func:`compare` does), and ``char_limits`` its
+    :func:`_char_limits` of the full texts."""
     wa = [t for t in a if t.kind == "word"]
     wb = [t for t in b if t.kind == "word"]
-    all_a = [t for t in prose_tokens(ref) if t.kind == "word"]
-    all_b = [t for t in prose_tokens(branch) if t.kind == "word"]
+    toks_a, toks_b = prose if prose is not None else (prose_tokens(ref), prose_tokens(branch))
+    all_a = [t for t in toks_a if t.kind == "word"]
+    all_b = [t for t in toks_b if t.kind == "word"]
     # a cut side's last word (left out by _drop_cut_end) comes back as a possibly cut word
     pa, pb = _partial_last(all_a, ref, ref_cut, start), _partial_last(all_b, branch, branch_cut, start)
-    lim_a, lim_b = _char_limits(ref if ref_full is None else ref_full, branch if branch_full is None else branch_full,
-                                start, a_len, b_len)
+    lim_a, lim_b = char_limits or _char_limits(ref if ref_full is None else ref_full,
+                                               branch if branch_full is None else branch_full, start, a_len, b_len)
     A, B = {t.text for t in wa}, {t.text for t in wb}
 
     def begins(x: str, y: str) -> bool:
