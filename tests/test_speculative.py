@@ -317,6 +317,20 @@ def test_reference_without_probabilities_is_a_measurement_gap_and_null_figures_s
     assert "not evaluated: no positions compared" in lines["- same context, aligned prefix"]
     assert "not evaluated: no divergence to cross-score" in lines["- cross-scoring after divergences"]
     assert "acceptance not evaluated: nothing drafted" in lines["- drafting:"]
+    # a divergence whose margins are unknown (NaN before report.json, null in it): the reason
+    import html
+
+    from logitdiff.report.speculation import MARGIN_UNKNOWN, render_html
+
+    row = {**rep["items"][0], "identical": False, "first_divergence": 3, "shared_prefix_fraction": 3 / 8, "reference_token": 5,
+           "candidate_token": 6, "class": S.NEAR_TIE}
+    for rm, cm in ((float("nan"), None), (None, float("nan"))):
+        bad = {**row, "reference_margin_nats": rm, "reference_margin_exact": False, "candidate_margin_nats": cm,
+               "candidate_margin_exact": False}
+        md = render_markdown({**rep, "items": [bad]})
+        line = next(ln for ln in md.splitlines() if ln.startswith(f"| {row['id']} |"))
+        assert line.count(MARGIN_UNKNOWN) == 2 and "nan" not in line and "n/a" not in line, line
+        assert render_html({**rep, "items": [bad]}).count(html.escape(MARGIN_UNKNOWN)) >= 4  # the table and the report text
 
 
 def test_traces_are_held_one_item_at_a_time_not_for_the_run(env, servers, tmp_path):

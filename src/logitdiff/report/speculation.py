@@ -66,6 +66,16 @@ PREFIX_NOT_EVALUATED = ("not evaluated: no positions compared (no aligned-prefix
                         "probability): KL, top-1 and max abs dlogprob not evaluated")
 
 
+MARGIN_UNKNOWN = "not known (no probability there, or the side's own token outside its top-K)"
+
+
+def _margin(x, exact: bool = True) -> str:
+    """A side's margin at a divergence; null with the reason, '(>=)' where a lower bound."""
+    if x is None or x != x:  # null in report.json, NaN before it is written
+        return MARGIN_UNKNOWN
+    return _f(x) + ("" if exact else " (>=)")
+
+
 def _cross(x: dict) -> str:
     """Cross-scoring after the divergences; with none, the reason, never 'n/a'."""
     if not x["items"]:
@@ -123,8 +133,8 @@ def render_markdown(rep: dict) -> str:
         if r["identical"]:
             continue
         out.append(f"| {r['id']} | {r['first_divergence']} | {r['shared_prefix_fraction']:.3f} | {r['reference_token']} | "
-                   f"{r['candidate_token']} | {_f(r['reference_margin_nats'])}{'' if r['reference_margin_exact'] else ' (>=)'} | "
-                   f"{_f(r['candidate_margin_nats'])} | {r['class']} |")
+                   f"{r['candidate_token']} | {_margin(r['reference_margin_nats'], r['reference_margin_exact'])} | "
+                   f"{_margin(r['candidate_margin_nats'], r['candidate_margin_exact'])} | {r['class']} |")
     if all(r["identical"] for r in rep["items"]):
         out.append("| (none: every output identical) | | | | | | | |")
     t = rep["timing"]
@@ -155,7 +165,8 @@ def render_html(rep: dict) -> str:
     v = rep["verdict"]
     rows = "".join(
         f"<tr><td>{html.escape(str(r['id']))}</td><td>{r['first_divergence']}</td><td>{r['shared_prefix_fraction']:.3f}</td>"
-        f"<td>{_f(r['reference_margin_nats'])}</td><td>{_f(r['candidate_margin_nats'])}</td><td>{r['class']}</td></tr>"
+        f"<td>{html.escape(_margin(r['reference_margin_nats'], r['reference_margin_exact']))}</td>"
+        f"<td>{html.escape(_margin(r['candidate_margin_nats'], r['candidate_margin_exact']))}</td><td>{r['class']}</td></tr>"
         for r in rep["items"] if not r["identical"])
     data = json.dumps(json_clean({"schema": SPECULATION_SCHEMA, "verdict": v, "summary": rep["summary"]})).replace("</", "<\\/")
     return "\n".join([
