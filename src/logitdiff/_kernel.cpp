@@ -1753,36 +1753,6 @@ double cb_knapsack(std::vector<std::pair<double, double>>& sc, double rest) {
     return gain;
 }
 
-// cb_knapsack for many entries: a histogram of the slopes (1,024 bins, steepest first;
-// the bin index is monotone in s) gives the capacity and s-weighted capacity of whole bins,
-// the bins before the one where the fill ends are taken whole, and cb_knapsack fills the
-// rest within that bin. The same optimum (any order of equal slopes fills alike); slopes
-// that are not finite go to cb_knapsack on the whole set.
-double cb_knapsack_hist(std::vector<std::pair<double, double>>& sc, double rest, std::vector<double>& hist,
-                        std::vector<std::pair<double, double>>& part) {
-    const size_t m = sc.size();
-    if (m < 256 || !(rest > 0)) return cb_knapsack(sc, rest);
-    double smin = CB_INF, smax = -CB_INF;
-    for (const auto& e : sc) { smin = std::min(smin, e.first); smax = std::max(smax, e.first); }
-    if (!std::isfinite(smin) || !std::isfinite(smax) || !(smax > smin)) return cb_knapsack(sc, rest);
-    constexpr int NB = 1024;
-    const double f = (NB - 1) / (smax - smin);
-    auto bin = [&](double v) { return (int)std::min<double>((smax - v) * f, NB - 1); };
-    hist.assign(2 * NB, 0.0);  // [b]: capacity, [NB + b]: s * capacity
-    for (const auto& e : sc) {
-        int b = bin(e.first);
-        hist[b] += e.second;
-        hist[NB + b] += e.first * e.second;
-    }
-    double gain = 0.0;
-    int b = 0;
-    for (; b < NB && hist[b] < rest; ++b) { rest -= hist[b]; gain += hist[NB + b]; }
-    if (b == NB) return gain;  // every entry full
-    part.clear();
-    for (const auto& e : sc) if (bin(e.first) == b) part.push_back(e);
-    return gain + cb_knapsack(part, rest);
-}
-
 // ---------------------------------------------------------------- vector passes
 // Every pass sums in 4 lanes over blocks of 64 entries, the blocks compensated (CbSum):
 // error ~ 18 eps of the sum of magnitudes (docs/bounds.md, Rounding).
@@ -1849,21 +1819,6 @@ __attribute__((target("avx2,fma,f16c"))) inline bool cb_plain4(__m256d x, __m256
     __m256d ok = _mm256_and_pd(_mm256_and_pd(_mm256_cmp_pd(x, zero, _CMP_GT_OQ), _mm256_cmp_pd(w, zero, _CMP_GT_OQ)),
                                _mm256_cmp_pd(_mm256_add_pd(x, w), tiny, _CMP_GE_OQ));
     return _mm256_movemask_pd(ok) == 0xF;
-}
-
-// JSD terms one by one (the band's chords need each entry's value at lo and at hi).
-__attribute__((target("avx2,fma,f16c"))) void cb_js_terms_avx2(const double* x, const double* lx, const double* w,
-                                                               const double* lw, size_t n, double* out) {
-    size_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        __m256d xv = _mm256_loadu_pd(x + i), wv = _mm256_loadu_pd(w + i);
-        if (!cb_plain4(xv, wv)) {
-            for (size_t k = i; k < i + 4; ++k) out[k] = cb_phi(CB_JS, lx[k], lw[k], x[k], w[k]);
-            continue;
-        }
-        _mm256_storeu_pd(out + i, cb_js4(xv, _mm256_loadu_pd(lx + i), wv, _mm256_loadu_pd(lw + i)));
-    }
-    for (; i < n; ++i) out[i] = cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]);
 }
 
 // exp of an array of a <= 0 (exp_pd, <= 4 ulp); a > 0 (a box's end a rounding above 0)
@@ -2020,13 +1975,6 @@ inline void cb_rest_eval(const double* w, size_t n, double Et, double lo, double
     cb_rest_eval_scalar(w, n, Et, lo, hi, nlo, nhi, wmid);
 }
 
-inline void cb_js_terms(const double* x, const double* lx, const double* w, const double* lw, size_t n, double* out) {
-#if LD_X86
-    if (cb_simd()) return cb_js_terms_avx2(x, lx, w, lw, n, out);
-#endif
-    for (size_t i = 0; i < n; ++i) out[i] = cb_phi(CB_JS, lx[i], lw[i], x[i], w[i]);
-}
-
 inline void cb_exp(const double* a, size_t n, double* out) {
 #if LD_X86
     if (cb_simd()) return cb_exp_avx2(a, n, out);
@@ -2060,13 +2008,20 @@ struct CbScratch {
     std::vector<double> a, e;      // the fused path's row: z - max and exp(z - max)
     std::vector<double> rlw, rw;   // the rest, compacted
     std::vector<float> zf;
-    std::vector<double> lw, w, llo, lhi, lo, hi, p0, p1, sel, tv;
+    std::vector<double> lw, w, llo, lhi, lo, hi, sel, tv;
+    std::vector<double> ks[3], kc[3];  // the band's chord slopes and capacities per term
     std::vector<int64_t> hist;
-    std::vector<int32_t> bins;
-    std::vector<std::pair<double, double>> sc, kpart;
+    std::vector<int32_t> bins, kbins;
+    std::vector<std::pair<double, double>> kpart;
     std::vector<double> khist;
     TopK top;
     explicit CbScratch(int64_t V) : mask((size_t)V, 1), rlw((size_t)V + 4), rw((size_t)V + 4) {}
+    void band_size(size_t b) {  // room for b band entries (grown once per call)
+        if (lw.size() >= b) return;
+        for (auto* v : {&lw, &w, &llo, &lhi, &lo, &hi}) v->resize(b);
+        for (int t = 0; t < 3; ++t) { ks[t].resize(b); kc[t].resize(b); }
+        kbins.resize(b);
+    }
 };
 
 #if LD_X86
@@ -2376,6 +2331,155 @@ inline void cb_band_lower(const double* lw, const double* w, const double* llo, 
     for (int k = 0; k < 4; ++k) out[k] = t[k].get();
 }
 
+// The band's upper bound, per term t (forward KL, reverse KL, JSD): base_t = sum of the
+// terms at lo (blocks of 64, compensated) and, of each entry with cap = hi - lo > 0 and a
+// finite term at lo, its chord slope (phi(hi) - phi(lo)) / cap and cap, written to
+// ks[t], kc[t] (cnt[t] of them): the knapsack's items. One pass for the three terms.
+inline void cb_chord1(size_t i, const double* lw, const double* w, const double* llo, const double* lhi, const double* lo,
+                      const double* hi, double* const* ks, double* const* kc, size_t* cnt, double* blk) {
+    const double cap = hi[i] - lo[i], rc = 1.0 / cap;
+    for (int t = 0; t < 3; ++t) {
+        double p0 = cb_phi(t, llo[i], lw[i], lo[i], w[i]);
+        blk[t] += p0;
+        if (!(cap > 0) || !std::isfinite(p0)) continue;  // an infinite p0 makes base inf
+        ks[t][cnt[t]] = (cb_phi(t, lhi[i], lw[i], hi[i], w[i]) - p0) * rc;
+        kc[t][cnt[t]++] = cap;
+    }
+}
+
+void cb_band_chords_scalar(const double* lw, const double* w, const double* llo, const double* lhi, const double* lo,
+                           const double* hi, size_t m, double* const* ks, double* const* kc, double* base, size_t* cnt) {
+    CbSum b[3];
+    cnt[0] = cnt[1] = cnt[2] = 0;
+    for (size_t i0 = 0; i0 < m; i0 += 64) {
+        double blk[3] = {0, 0, 0};
+        for (size_t i = i0; i < std::min(m, i0 + 64); ++i) cb_chord1(i, lw, w, llo, lhi, lo, hi, ks, kc, cnt, blk);
+        for (int t = 0; t < 3; ++t) b[t].add(blk[t]);
+    }
+    for (int t = 0; t < 3; ++t) base[t] = b[t].get();
+}
+
+#if LD_X86
+__attribute__((target("avx2,fma,f16c"))) void cb_band_chords_avx2(const double* lw, const double* w, const double* llo,
+                                                                   const double* lhi, const double* lo, const double* hi,
+                                                                   size_t m, double* const* ks, double* const* kc, double* base,
+                                                                   size_t* cnt) {
+    CbSum b[3];
+    cnt[0] = cnt[1] = cnt[2] = 0;
+    const __m256d zero = _mm256_setzero_pd(), one = _mm256_set1_pd(1.0);
+    size_t i = 0;
+    while (i < m) {
+        const size_t end = std::min(m, i + 64);
+        __m256d a0 = zero, a1 = zero, a2 = zero;
+        double blk[3] = {0, 0, 0};
+        for (; i + 4 <= end; i += 4) {
+            __m256d lwv = _mm256_loadu_pd(lw + i), wv = _mm256_loadu_pd(w + i), L = _mm256_loadu_pd(lo + i),
+                    H = _mm256_loadu_pd(hi + i), LL = _mm256_loadu_pd(llo + i), LH = _mm256_loadu_pd(lhi + i);
+            __m256d cap = _mm256_sub_pd(H, L);
+            // plain (lo > 0, w > 0, lo + w normal: every term finite, hi >= lo) with cap > 0
+            if (_mm256_movemask_pd(_mm256_cmp_pd(cap, zero, _CMP_GT_OQ)) != 0xF || !cb_plain4(L, wv)) {
+                for (size_t k = i; k < i + 4; ++k) cb_chord1(k, lw, w, llo, lhi, lo, hi, ks, kc, cnt, blk);
+                continue;
+            }
+            __m256d rc = _mm256_div_pd(one, cap);
+            __m256d p0 = _mm256_mul_pd(_mm256_sub_pd(LL, lwv), L), p1 = _mm256_mul_pd(_mm256_sub_pd(LH, lwv), H);
+            a0 = _mm256_add_pd(a0, p0);
+            _mm256_storeu_pd(ks[0] + cnt[0], _mm256_mul_pd(_mm256_sub_pd(p1, p0), rc));
+            p0 = _mm256_mul_pd(wv, _mm256_sub_pd(lwv, LL)); p1 = _mm256_mul_pd(wv, _mm256_sub_pd(lwv, LH));
+            a1 = _mm256_add_pd(a1, p0);
+            _mm256_storeu_pd(ks[1] + cnt[1], _mm256_mul_pd(_mm256_sub_pd(p1, p0), rc));
+            p0 = cb_js4(L, LL, wv, lwv); p1 = cb_js4(H, LH, wv, lwv);
+            a2 = _mm256_add_pd(a2, p0);
+            _mm256_storeu_pd(ks[2] + cnt[2], _mm256_mul_pd(_mm256_sub_pd(p1, p0), rc));
+            for (int t = 0; t < 3; ++t) { _mm256_storeu_pd(kc[t] + cnt[t], cap); cnt[t] += 4; }
+        }
+        for (; i < end; ++i) cb_chord1(i, lw, w, llo, lhi, lo, hi, ks, kc, cnt, blk);
+        b[0].add(hsum(a0) + blk[0]); b[1].add(hsum(a1) + blk[1]); b[2].add(hsum(a2) + blk[2]);
+    }
+    for (int t = 0; t < 3; ++t) base[t] = b[t].get();
+}
+
+// minimum and maximum of s[0, n); false where one is not finite (NaN or inf)
+__attribute__((target("avx2,fma,f16c"))) bool cb_minmax_avx2(const double* s, size_t n, double& mn, double& mx) {
+    __m256d a = _mm256_set1_pd(CB_INF), b = _mm256_set1_pd(-CB_INF), bad = _mm256_setzero_pd();
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256d v = _mm256_loadu_pd(s + i);
+        a = _mm256_min_pd(a, v); b = _mm256_max_pd(b, v);
+        bad = _mm256_or_pd(bad, _mm256_cmp_pd(_mm256_sub_pd(v, v), _mm256_setzero_pd(), _CMP_NEQ_UQ));  // NaN or inf
+    }
+    alignas(32) double x[4], y[4];
+    _mm256_store_pd(x, a); _mm256_store_pd(y, b);
+    bool ok = _mm256_movemask_pd(bad) == 0;
+    mn = std::min(std::min(x[0], x[1]), std::min(x[2], x[3]));
+    mx = std::max(std::max(y[0], y[1]), std::max(y[2], y[3]));
+    for (; i < n; ++i) { ok &= s[i] - s[i] == 0.0; mn = std::min(mn, s[i]); mx = std::max(mx, s[i]); }
+    return ok;
+}
+
+// bins of the knapsack's histogram, steepest first: min((smax - s) f, nb - 1), truncated
+__attribute__((target("avx2,fma,f16c"))) void cb_kbins_avx2(const double* s, size_t n, double smax, double f, int nb, int32_t* out) {
+    const __m256d X = _mm256_set1_pd(smax), F = _mm256_set1_pd(f), T = _mm256_set1_pd(nb - 1);
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256d v = _mm256_min_pd(_mm256_mul_pd(_mm256_sub_pd(X, _mm256_loadu_pd(s + i)), F), T);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvttpd_epi32(v));
+    }
+    for (; i < n; ++i) out[i] = (int32_t)std::min<double>((smax - s[i]) * f, nb - 1);
+}
+#endif
+
+inline void cb_band_chords(const double* lw, const double* w, const double* llo, const double* lhi, const double* lo,
+                           const double* hi, size_t m, double* const* ks, double* const* kc, double* base, size_t* cnt) {
+#if LD_X86
+    if (cb_simd()) return cb_band_chords_avx2(lw, w, llo, lhi, lo, hi, m, ks, kc, base, cnt);
+#endif
+    cb_band_chords_scalar(lw, w, llo, lhi, lo, hi, m, ks, kc, base, cnt);
+}
+
+// cb_knapsack of the items (s[i], c[i]), i < n, for many items: a histogram of the slopes
+// (1,024 bins, steepest first; the bin index is monotone in s) gives the capacity and
+// s-weighted capacity of whole bins, the bins before the one where the fill ends are taken
+// whole, and cb_knapsack fills the rest within that bin. The same optimum (any order of
+// equal slopes fills alike); slopes that are not finite go to cb_knapsack on the whole set.
+double cb_knapsack_soa(const double* s, const double* c, size_t n, double rest, CbScratch& S) {
+    auto all = [&]() {
+        S.kpart.resize(n);
+        for (size_t i = 0; i < n; ++i) S.kpart[i] = {s[i], c[i]};
+        return cb_knapsack(S.kpart, rest);
+    };
+    if (n < 256 || !(rest > 0)) return all();
+    constexpr int NB = 1024;
+    double smin = CB_INF, smax = -CB_INF;
+    bool finite = true;
+    int32_t* bins = S.kbins.data();
+#if LD_X86
+    if (cb_simd()) finite = cb_minmax_avx2(s, n, smin, smax);
+    else
+#endif
+        for (size_t i = 0; i < n; ++i) { finite &= s[i] - s[i] == 0.0; smin = std::min(smin, s[i]); smax = std::max(smax, s[i]); }
+    if (!finite || !(smax > smin)) return all();
+    const double f = (NB - 1) / (smax - smin);
+#if LD_X86
+    if (cb_simd()) cb_kbins_avx2(s, n, smax, f, NB, bins);
+    else
+#endif
+        for (size_t i = 0; i < n; ++i) bins[i] = (int32_t)std::min<double>((smax - s[i]) * f, NB - 1);
+    S.khist.assign(2 * NB, 0.0);  // [b]: capacity, [NB + b]: s * capacity
+    double* hist = S.khist.data();
+    for (size_t i = 0; i < n; ++i) {
+        hist[bins[i]] += c[i];
+        hist[NB + bins[i]] += s[i] * c[i];
+    }
+    double gain = 0.0;
+    int b = 0;
+    for (; b < NB && hist[b] < rest; ++b) { rest -= hist[b]; gain += hist[NB + b]; }
+    if (b == NB) return gain;  // every entry full
+    S.kpart.clear();
+    for (size_t i = 0; i < n; ++i) if (bins[i] == b) S.kpart.emplace_back(s[i], c[i]);
+    return gain + cb_knapsack(S.kpart, rest);
+}
+
 // One row. The candidate's ln q and q of entry v are lq[v] - shift and q[v] * scale
 // (shift 0 and scale 1 where the caller gives them; the fused path's z - max and
 // exp(z - max) with shift ln sum e, scale 1 / sum e).
@@ -2392,18 +2496,18 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
     for (int t = 0; t < 3; ++t) upper[t] = lower[t] = ex[t].get();
     // ---- band: one group, a box per entry --------------------------------------------
     {
-        S.lw.clear(); S.w.clear(); S.llo.clear(); S.lhi.clear();
+        S.band_size((size_t)A.B);
+        size_t m = 0;
         for (int64_t i = 0; i < A.B; ++i) {
             int64_t id = A.b_ids[r * A.B + i];
             if (id < 0) continue;
             double l = lq[id] - shift;
             if (!std::isfinite(l)) continue;
             double l0 = A.b_lo[r * A.B + i], l1 = std::max(A.b_hi[r * A.B + i], l0);
-            S.lw.push_back(l); S.w.push_back(q[id] * scale); S.llo.push_back(l0); S.lhi.push_back(l1);
+            S.lw[m] = l; S.w[m] = q[id] * scale; S.llo[m] = l0; S.lhi[m] = l1;
+            ++m;
         }
-        const size_t m = S.lw.size();
         if (m) {
-            S.lo.resize(m); S.hi.resize(m);
             cb_exp(S.llo.data(), m, S.lo.data());
             cb_exp(S.lhi.data(), m, S.hi.data());
             double slo = 0, shi = 0, sw = 0;
@@ -2427,31 +2531,15 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
             double l4[4];
             cb_band_lower(S.lw.data(), S.w.data(), S.llo.data(), S.lhi.data(), S.lo.data(), S.hi.data(), m, lt, Et, l4);
             double rest = std::max(mass - slo, 0.0);
-            S.p0.resize(m); S.p1.resize(m);
+            for (int t = 0; t < 3; ++t) lower[t] += l4[1 + t] + cb_dphi(t, lt) * (mass - l4[0]);
+            // upper: each term's chord slopes and capacities in one pass, then its knapsack
+            double base[3];
+            size_t cnt[3];
+            double* ks[3] = {S.ks[0].data(), S.ks[1].data(), S.ks[2].data()};
+            double* kc[3] = {S.kc[0].data(), S.kc[1].data(), S.kc[2].data()};
+            cb_band_chords(S.lw.data(), S.w.data(), S.llo.data(), S.lhi.data(), S.lo.data(), S.hi.data(), m, ks, kc, base, cnt);
             for (int t = 0; t < 3; ++t) {
-                lower[t] += l4[1 + t] + cb_dphi(t, lt) * (mass - l4[0]);
-                if (t == CB_JS) {
-                    cb_js_terms(S.lo.data(), S.llo.data(), S.w.data(), S.lw.data(), m, S.p0.data());
-                    cb_js_terms(S.hi.data(), S.lhi.data(), S.w.data(), S.lw.data(), m, S.p1.data());
-                } else {
-                    for (size_t i = 0; i < m; ++i) {
-                        S.p0[i] = cb_phi(t, S.llo[i], S.lw[i], S.lo[i], S.w[i]);
-                        S.p1[i] = cb_phi(t, S.lhi[i], S.lw[i], S.hi[i], S.w[i]);
-                    }
-                }
-                S.sc.clear();
-                CbSum base;
-                double blk = 0;
-                for (size_t i = 0; i < m; ++i) {
-                    double p0 = S.p0[i];
-                    blk += p0;
-                    if ((i & 63) == 63) { base.add(blk); blk = 0; }
-                    double cap = S.hi[i] - S.lo[i];
-                    if (!(cap > 0) || !std::isfinite(p0)) continue;  // an infinite p0 makes base inf
-                    S.sc.emplace_back((S.p1[i] - p0) / cap, cap);
-                }
-                base.add(blk);
-                double gain = cb_knapsack_hist(S.sc, rest, S.khist, S.kpart), bt = base.get();
+                double gain = cb_knapsack_soa(ks[t], kc[t], cnt[t], rest, S), bt = base[t];
                 upper[t] += std::isinf(bt) ? CB_INF : bt + (std::isfinite(bt) ? gain : 0.0);
             }
         }
