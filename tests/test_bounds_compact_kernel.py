@@ -107,7 +107,7 @@ def test_candidate_side_matches_scipy():
     z = (rng.normal(0, 4, (5, 2000))).astype(np.float32)
     z[2, 100:110] = z[2].max()  # a tie at the top: lowest ids first
     block = C.encode(z, np.zeros(5, np.int64), C.CompactSpec(8, 32))
-    out = kernel.compact_rows(z, C.decode(block), 12, 1)
+    out = kernel.compact_rows(z, block, 12, 1)
     zd = z.astype(np.float64)
     m = zd.max(1)
     ls = np.log(np.exp(zd - m[:, None]).sum(1))
@@ -139,7 +139,7 @@ def test_nonfinite_candidate_rows_are_refused(value, dtype):
     raw, _ = raw_of(bad, dtype)
     if dtype == "bfloat16":
         raw[2, 597] = raw[3, 5] = {np.inf: 0x7F80, -np.inf: 0xFF80}.get(value, 0x7FC0)
-    out = kernel.compact_rows(raw, C.decode(block), 4, 1)
+    out = kernel.compact_rows(raw, block, 4, 1)
     assert out["bad"].tolist() == [False, False, True, True]
     assert np.isnan(out["lower"][:, 2:]).all() and np.isfinite(out["lower"][:, :2]).all()
     with pytest.raises(NonFiniteLogits) as ei:

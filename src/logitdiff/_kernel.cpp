@@ -2000,6 +2000,14 @@ struct CbArgs {
     double* stats;     // [n, 3]: max, ln sum exp(z - max), entropy
     int64_t* top_ids;  // [n, kk]
     int32_t* bad;      // [n]: 1 where the row holds NaN/inf (its sums are NaN)
+    // the stored form (compact.decode's arithmetic done here), where e_logp / b_lo are null:
+    // ln p of an exact entry (logit - max) - ln sum; of a band entry with code c the box
+    // [top - (c + 1) step - slack, min(top - c step + slack, 0)]
+    const float* e_logits = nullptr;
+    const double *e_max = nullptr, *e_ls = nullptr, *b_top = nullptr, *b_step = nullptr;
+    const void* b_codes = nullptr;
+    int code_bits = 16;
+    double slack = 0.0;
 };
 
 // Per worker thread, sized once per call; nothing survives the call.
@@ -2144,6 +2152,20 @@ __attribute__((target("avx2,fma,f16c"))) void cb_bins_avx2(const double* x, size
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvttpd_epi32(v));
     }
     for (; i < n; ++i) out[i] = cb_bin(x[i], xmin, sc);
+}
+
+// x[i] of the entries of bin b, appended to out[j...] (8 bins compared at once: bin b is a
+// small part of the row); returns how many entries it looked at (whole octets)
+__attribute__((target("avx2,fma,f16c"))) size_t cb_bin_members_avx2(const double* x, const int32_t* bins, size_t n, int32_t b,
+                                                                    double* out, size_t& j) {
+    const __m256i B = _mm256_set1_epi32(b);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        unsigned mk = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(
+            _mm256_cmpeq_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bins + i)), B)));
+        for (; mk; mk &= mk - 1) out[j++] = x[i + __builtin_ctz(mk)];
+    }
+    return i;
 }
 #endif
 
@@ -2297,8 +2319,11 @@ double cb_rank(const double* x, size_t n, size_t k, double xmin, double xmax, Cb
     int32_t b = 0;
     for (; b < CB_NB - 1 && before + (size_t)h[b] <= k; ++b) before += (size_t)h[b];
     S.sel.resize((size_t)h[b]);
-    size_t j = 0;
-    for (size_t i2 = 0; i2 < n; ++i2) if (bins[i2] == b) S.sel[j++] = x[i2];
+    size_t j = 0, i2 = 0;
+#if LD_X86
+    if (cb_simd()) i2 = cb_bin_members_avx2(x, bins, n, b, S.sel.data(), j);
+#endif
+    for (; i2 < n; ++i2) if (bins[i2] == b) S.sel[j++] = x[i2];
     std::nth_element(S.sel.begin(), S.sel.begin() + (k - before), S.sel.end());
     return S.sel[k - before];
 }
@@ -2490,7 +2515,8 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
     for (int64_t i = 0; i < A.E; ++i) {
         int64_t id = A.e_ids[r * A.E + i];
         if (id < 0) continue;
-        double lx = A.e_logp[r * A.E + i], x = std::exp(lx);
+        double lx = A.e_logp ? A.e_logp[r * A.E + i] : ((double)A.e_logits[r * A.E + i] - A.e_max[r]) - A.e_ls[r];
+        double x = std::exp(lx);
         for (int t = 0; t < 3; ++t) ex[t].add(cb_phi(t, lx, lq[id] - shift, x, q[id] * scale));
     }
     for (int t = 0; t < 3; ++t) upper[t] = lower[t] = ex[t].get();
@@ -2503,7 +2529,18 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
             if (id < 0) continue;
             double l = lq[id] - shift;
             if (!std::isfinite(l)) continue;
-            double l0 = A.b_lo[r * A.B + i], l1 = std::max(A.b_hi[r * A.B + i], l0);
+            double l0, l1;
+            if (A.b_lo) {
+                l0 = A.b_lo[r * A.B + i];
+                l1 = std::max(A.b_hi[r * A.B + i], l0);
+            } else {
+                const int64_t k = r * A.B + i;
+                const double c = A.code_bits == 8 ? (double)static_cast<const uint8_t*>(A.b_codes)[k]
+                                                  : (double)static_cast<const uint16_t*>(A.b_codes)[k];
+                const double top = A.b_top[r], step = A.b_step[r];
+                l0 = (top - (c + 1.0) * step) - A.slack;
+                l1 = std::max(std::min((top - c * step) + A.slack, 0.0), l0);
+            }
             S.lw[m] = l; S.w[m] = q[id] * scale; S.llo[m] = l0; S.lhi[m] = l1;
             ++m;
         }
@@ -2663,19 +2700,26 @@ __attribute__((visibility("default"))) int logitdiff_compact_bounds(
 }
 
 // The same from the candidate's raw logits z [n, V] (row stride ld; dtype 0 float32,
-// 1 bf16 bits, 2 f16 bits), with the candidate's per-row max, ln sum exp(z - max) and
-// entropy (stats [n, 3]), top-kk ids (top_ids [n, kk]) and bad[n] = 1 for a row holding
-// NaN/inf (its outputs NaN). Returns 0, or 1 for bad arguments.
+// 1 bf16 bits, 2 f16 bits) and the reference in its stored form (compact.encode's arrays:
+// exact logits float32 with the row's max logit and ln sum exp, band codes of code_bits
+// 8 or 16 with the row's band_top and band_step, boxes widened by slack; rest_max and
+// rest_min as compact.decode gives them), with the candidate's per-row max, ln sum
+// exp(z - max) and entropy (stats [n, 3]), top-kk ids (top_ids [n, kk]) and bad[n] = 1 for
+// a row holding NaN/inf (its outputs NaN). Returns 0, or 1 for bad arguments.
 __attribute__((visibility("default"))) int logitdiff_compact_rows(
-    int64_t n, int64_t V, const void* z, int64_t ld, int dtype, int64_t E, const int64_t* e_ids, const double* e_logp,
-    int64_t B, const int64_t* b_ids, const double* b_lo, const double* b_hi, const double* band_mass,
-    const double* rest_mass, const double* rest_max, const double* rest_min, int kk, int threads, double* lower,
-    double* upper, double* stats, int64_t* top_ids, int32_t* bad) {
+    int64_t n, int64_t V, const void* z, int64_t ld, int dtype, int64_t E, const int64_t* e_ids, const float* e_logits,
+    const double* e_max, const double* e_ls, int64_t B, const int64_t* b_ids, const void* b_codes, int code_bits,
+    const double* b_top, const double* b_step, double slack, const double* band_mass, const double* rest_mass,
+    const double* rest_max, const double* rest_min, int kk, int threads, double* lower, double* upper, double* stats,
+    int64_t* top_ids, int32_t* bad) {
     if (n < 0 || V < 1 || ld < V || E < 0 || B < 0 || threads < 1 || kk < 0 || kk > V) return 1;
     if (dtype != F32 && dtype != BF16 && dtype != F16) return 1;
+    if (code_bits != 8 && code_bits != 16) return 1;
     if (!cb_ids_ok(n, V, E, e_ids, B, b_ids)) return 1;
-    CbArgs A{n, V, ld, nullptr, nullptr, E, e_ids, e_logp, B, b_ids, b_lo, b_hi, band_mass, rest_mass, rest_max, rest_min,
+    CbArgs A{n, V, ld, nullptr, nullptr, E, e_ids, nullptr, B, b_ids, nullptr, nullptr, band_mass, rest_mass, rest_max, rest_min,
              lower, upper, z, dtype, kk, stats, top_ids, bad};
+    A.e_logits = e_logits; A.e_max = e_max; A.e_ls = e_ls;
+    A.b_codes = b_codes; A.code_bits = code_bits; A.b_top = b_top; A.b_step = b_step; A.slack = slack;
     cb_run(A, threads);
     return 0;
 }

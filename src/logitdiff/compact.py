@@ -168,12 +168,19 @@ def decode(block: dict[str, np.ndarray]) -> CompactRows:
     top, step = block["band_top"][:, None], block["band_step"][:, None]
     band_hi = top - code * step + BOX_SLACK
     band_lo = top - (code + 1.0) * step - BOX_SLACK
+    rest_max, rest_min = decode_rest(block)
     return CompactRows(
         exact_ids=np.asarray(block["exact_ids"], np.int64), exact_logp=exact_logp,
         band_ids=np.asarray(block["band_ids"], np.int64), band_lo=band_lo, band_hi=np.minimum(band_hi, 0.0),
-        band_mass=block["band_mass"], rest_mass=block["rest_mass"],
-        rest_max=np.minimum(block["rest_max"] + BOX_SLACK, 0.0), rest_min=block["rest_min"] - BOX_SLACK,
+        band_mass=block["band_mass"], rest_mass=block["rest_mass"], rest_max=rest_max, rest_min=rest_min,
     )
+
+
+def decode_rest(block: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The rest's common box [rest_min, rest_max] (ln p) of `decode`, widened by the slack
+    (the compiled kernel decodes the exact and band entries itself, per entry, with
+    `decode`'s arithmetic: kernel.compact_rows)."""
+    return np.minimum(block["rest_max"] + BOX_SLACK, 0.0), block["rest_min"] - BOX_SLACK
 
 
 def reference_top(block: dict[str, np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -312,7 +319,7 @@ def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_
     kk = max(top_k, overlap_k, 2)
     y = np.asarray(next_tokens, np.int64)
     z = np.asarray(cand_logits)
-    fused = kernel.compact_rows(z, decode(block), kk, threads) if kernel.available() else None
+    fused = kernel.compact_rows(z, block, kk, threads) if kernel.available() else None
     if fused is None:
         return _compare_rows_numpy(block, z, y, top_k=top_k, overlap_k=overlap_k, eps=eps)
     if fused["bad"].any():

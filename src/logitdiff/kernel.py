@@ -64,7 +64,8 @@ def _lib():
         c.restype = i32
     c = getattr(lib, "logitdiff_compact_rows", None)  # the same from raw candidate logits (absent from older builds)
     if c is not None:
-        c.argtypes = [i64, i64, p, i64, i32, i64, p, p, i64, p, p, p, p, p, p, p, i32, i32, p, p, p, p, p]
+        c.argtypes = [i64, i64, p, i64, i32, i64, p, p, p, p, i64, p, p, i32, p, p, ctypes.c_double, p, p, p, p, i32, i32,
+                      p, p, p, p, p]
         c.restype = i32
     return lib
 
@@ -199,14 +200,17 @@ def _compact_ref_arrays(ref) -> dict[str, np.ndarray]:
         ("rest_min", np.float64))}
 
 
-def compact_rows(z: np.ndarray, ref, kk: int, threads: int) -> dict[str, np.ndarray] | None:
+def compact_rows(z: np.ndarray, block: dict[str, np.ndarray], kk: int, threads: int) -> dict[str, np.ndarray] | None:
     """`compact_bounds` from the candidate's raw logits ``z`` [n, V] (float32, float16, or
-    bf16 bits as uint16; rows contiguous, read in place), with the candidate's side in the
-    same pass (issue 28): ``lower``/``upper`` [3, n] (forward KL, reverse KL, JSD), ``max``,
-    ``log_sum`` (ln sum exp(z - max)) and ``entropy`` [n] (float64), ``top_ids`` [n, kk]
-    (value descending, lowest id first on ties) and ``bad`` [n] (True: the row holds NaN/inf;
-    its other outputs are NaN). None when the library lacks the function or cannot read
-    ``z`` in place."""
+    bf16 bits as uint16; rows contiguous, read in place) against a compact reference in its
+    stored form ``block`` (`compact.encode`'s arrays; `compact.decode`'s arithmetic is done
+    in the kernel, per entry), with the candidate's side in the same pass (issue 28):
+    ``lower``/``upper`` [3, n] (forward KL, reverse KL, JSD), ``max``, ``log_sum`` (ln sum
+    exp(z - max)) and ``entropy`` [n] (float64), ``top_ids`` [n, kk] (value descending,
+    lowest id first on ties) and ``bad`` [n] (True: the row holds NaN/inf; its other outputs
+    are NaN). None when the library lacks the function or cannot read ``z`` in place."""
+    from .compact import BOX_SLACK, decode_rest
+
     lib = _lib()
     fn = getattr(lib, "logitdiff_compact_rows", None) if lib is not None else None
     z = np.asarray(z)
@@ -215,16 +219,23 @@ def compact_rows(z: np.ndarray, ref, kk: int, threads: int) -> dict[str, np.ndar
         return None
     n, V = z.shape
     kk = int(min(max(kk, 0), V))
-    arr = _compact_ref_arrays(ref)
+    f64, i64 = np.float64, np.int64
+    arr = {k: np.ascontiguousarray(block[k], dt) for k, dt in (
+        ("exact_ids", i64), ("exact_logits", np.float32), ("max_logit", f64), ("log_sum", f64), ("band_ids", i64),
+        ("band_top", f64), ("band_step", f64), ("band_mass", f64), ("rest_mass", f64))}
+    codes = np.asarray(block["band_codes"])
+    codes = np.ascontiguousarray(codes if codes.dtype in (np.uint8, np.uint16) else codes.astype(np.uint16))
+    rest_max, rest_min = (np.ascontiguousarray(a, f64) for a in decode_rest(block))
     lower, upper = np.zeros((3, n)), np.zeros((3, n))
     stats = np.zeros((n, 3))
     top = np.zeros((n, kk), np.int64)
     bad = np.zeros(n, np.int32)
     ld = z.strides[0] // z.itemsize if n > 1 else V
     rc = fn(n, V, z.ctypes.data, ld, dtype, arr["exact_ids"].shape[1], arr["exact_ids"].ctypes.data,
-            arr["exact_logp"].ctypes.data, arr["band_ids"].shape[1], arr["band_ids"].ctypes.data,
-            arr["band_lo"].ctypes.data, arr["band_hi"].ctypes.data, arr["band_mass"].ctypes.data,
-            arr["rest_mass"].ctypes.data, arr["rest_max"].ctypes.data, arr["rest_min"].ctypes.data, kk,
+            arr["exact_logits"].ctypes.data, arr["max_logit"].ctypes.data, arr["log_sum"].ctypes.data,
+            arr["band_ids"].shape[1], arr["band_ids"].ctypes.data, codes.ctypes.data, 8 * codes.itemsize,
+            arr["band_top"].ctypes.data, arr["band_step"].ctypes.data, BOX_SLACK, arr["band_mass"].ctypes.data,
+            arr["rest_mass"].ctypes.data, rest_max.ctypes.data, rest_min.ctypes.data, kk,
             max(1, int(threads)), lower.ctypes.data, upper.ctypes.data, stats.ctypes.data, top.ctypes.data, bad.ctypes.data)
     if rc != 0:
         raise ValueError("compact_rows: bad arguments (an id outside the vocabulary)")
