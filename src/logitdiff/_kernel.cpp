@@ -2222,38 +2222,79 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_clipped4(const double
     _mm256_store_pd(acc + 12, _mm256_add_pd(_mm256_load_pd(acc + 12), _mm256_and_pd(clipped, cb_js4(xc, lxc, wv, lwv))));
 }
 
-__attribute__((target("avx2,fma,f16c"))) void cb_pass_avx2(const double* lw, const double* w, size_t n, double thr, double lt,
-                                                            double Et, double llo, double lhi, double lo, double hi, CbPassOut& o) {
-    const __m256d E = _mm256_set1_pd(Et), LLO = _mm256_set1_pd(llo), LHI = _mm256_set1_pd(lhi);
-    const __m256d L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi), one = _mm256_set1_pd(1.0), T = _mm256_set1_pd(thr);
-    // lo normal: every x of the upper and x + w is >= lo, so a quad is plain where w > 0
-    const bool lo_normal = lo >= std::numeric_limits<double>::min();
-    const __m256d zero = _mm256_setzero_pd();
-    CbSum tl[4], tu[3], tw;
+// Two loops over the rest (each with its accumulators and constants in registers: one loop
+// holding both spilled them): the lower placement (w of the entries in between; the terms
+// of the clipped ones) and the upper one (hi below thr, lo above it, ties counted).
+__attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const double* lw, const double* w, size_t n, double lt,
+                                                                  double Et, double llo, double lhi, double lo, double hi,
+                                                                  bool lo_normal, CbPassOut& o) {
+    const __m256d E = _mm256_set1_pd(Et), L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi), zero = _mm256_setzero_pd();
+    CbSum tl[4], tw;
+    size_t i = 0;
+    while (i < n) {
+        const size_t end = std::min(n, i + 64);
+        __m256d wm = zero;
+        alignas(32) double cacc[16] = {0};  // four lanes each of the clipped entries' sum x and three terms
+        double la[4] = {0, 0, 0, 0}, wms = 0;
+        for (; i + 4 <= end; i += 4) {
+            __m256d wv = _mm256_loadu_pd(w + i), x = _mm256_mul_pd(E, wv);
+            __m256d clipped = _mm256_or_pd(_mm256_cmp_pd(x, L, _CMP_LE_OQ), _mm256_cmp_pd(x, H, _CMP_GE_OQ));
+            wm = _mm256_add_pd(wm, _mm256_andnot_pd(clipped, wv));
+            if (_mm256_movemask_pd(clipped) == 0) continue;
+            __m256d xc = _mm256_min_pd(_mm256_max_pd(x, L), H);
+            bool scalar = lo_normal ? _mm256_movemask_pd(_mm256_cmp_pd(wv, zero, _CMP_GT_OQ)) != 0xF : !cb_plain4(xc, wv);
+            if (scalar) {  // the clipped lanes' terms one by one (special cases: cb_phi)
+                for (size_t k = i; k < i + 4; ++k) {
+                    double xk = Et * w[k];
+                    if (xk <= lo || xk >= hi) cb_lower1(lw[k], w[k], lt, Et, llo, lhi, lo, hi, la);
+                }
+                continue;
+            }
+            cb_clipped4(lw + i, w + i, clipped, xc, lt, llo, lhi, cacc);
+        }
+        for (; i < end; ++i) {
+            double x = Et * w[i];
+            if (x <= lo || x >= hi) cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, la);
+            else wms += w[i];
+        }
+        for (int k = 0; k < 4; ++k) tl[k].add(cacc[4 * k] + cacc[4 * k + 1] + cacc[4 * k + 2] + cacc[4 * k + 3] + la[k]);
+        tw.add(hsum(wm) + wms);
+    }
+    for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
+    o.w_mid = tw.get();
+}
+
+// the upper part of cb_pass1 (one entry, scalar)
+inline void cb_upper1(double lwi, double wi, double thr, double llo, double lhi, double lo, double hi, double* uacc, double& nlt,
+                      double& neq, double& weq) {
+    if (lwi == thr) { neq += 1; weq = wi; return; }
+    bool full = lwi < thr;
+    nlt += full;
+    cb_box1(full ? lhi : llo, lwi, full ? hi : lo, wi, uacc);
+}
+
+__attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_upper_avx2(const double* lw, const double* w, size_t n, double thr,
+                                                                  double llo, double lhi, double lo, double hi, bool lo_normal,
+                                                                  CbPassOut& o) {
+    const __m256d LLO = _mm256_set1_pd(llo), LHI = _mm256_set1_pd(lhi), L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi);
+    const __m256d one = _mm256_set1_pd(1.0), T = _mm256_set1_pd(thr), zero = _mm256_setzero_pd();
+    CbSum tu[3];
     double nlt = 0, neq = 0, weq = 0;
     __m256d clt = zero, ceq = zero;
     size_t i = 0;
     while (i < n) {
-        size_t end = std::min(n, i + 64);
-        __m256d wm = zero, u0 = zero, u1 = zero, u2 = zero;
-        alignas(32) double cacc[16] = {0};  // four lanes each of the clipped entries' sum x and three terms
-        double la[4] = {0, 0, 0, 0}, ua[3] = {0, 0, 0}, wms = 0;
+        const size_t end = std::min(n, i + 64);
+        __m256d u0 = zero, u1 = zero, u2 = zero;
+        double ua[3] = {0, 0, 0};
         for (; i + 4 <= end; i += 4) {
             __m256d lwv = _mm256_loadu_pd(lw + i), wv = _mm256_loadu_pd(w + i);
             __m256d full = _mm256_cmp_pd(lwv, T, _CMP_LT_OQ), eq = _mm256_cmp_pd(lwv, T, _CMP_EQ_OQ);
-            __m256d x = _mm256_mul_pd(E, wv);
-            __m256d clipped = _mm256_or_pd(_mm256_cmp_pd(x, L, _CMP_LE_OQ), _mm256_cmp_pd(x, H, _CMP_GE_OQ));
             __m256d xu = _mm256_blendv_pd(L, H, full), lxu = _mm256_blendv_pd(LLO, LHI, full);
-            const int cm = _mm256_movemask_pd(clipped);
-            __m256d xc = _mm256_min_pd(_mm256_max_pd(x, L), H);
-            bool scalar = lo_normal ? _mm256_movemask_pd(_mm256_cmp_pd(wv, zero, _CMP_GT_OQ)) != 0xF
-                                    : (!cb_plain4(xu, wv) || (cm && !cb_plain4(xc, wv)));
+            bool scalar = lo_normal ? _mm256_movemask_pd(_mm256_cmp_pd(wv, zero, _CMP_GT_OQ)) != 0xF : !cb_plain4(xu, wv);
             if (scalar) {
-                for (size_t k = i; k < i + 4; ++k) cb_pass1(lw[k], w[k], thr, lt, Et, llo, lhi, lo, hi, la, ua, nlt, neq, weq, wms);
+                for (size_t k = i; k < i + 4; ++k) cb_upper1(lw[k], w[k], thr, llo, lhi, lo, hi, ua, nlt, neq, weq);
                 continue;
             }
-            wm = _mm256_add_pd(wm, _mm256_andnot_pd(clipped, wv));
-            if (cm) cb_clipped4(lw + i, w + i, clipped, xc, lt, llo, lhi, cacc);  // entries at lo or hi in the lower placement
             const int em = _mm256_movemask_pd(eq);
             if (em) {  // ties at thr: counted, left out of the sums
                 ceq = _mm256_add_pd(ceq, _mm256_and_pd(eq, one));
@@ -2264,15 +2305,19 @@ __attribute__((target("avx2,fma,f16c"))) void cb_pass_avx2(const double* lw, con
             u2 = _mm256_add_pd(u2, _mm256_andnot_pd(eq, cb_js4(xu, lxu, wv, lwv)));
             clt = _mm256_add_pd(clt, _mm256_and_pd(full, one));
         }
-        for (; i < end; ++i) cb_pass1(lw[i], w[i], thr, lt, Et, llo, lhi, lo, hi, la, ua, nlt, neq, weq, wms);
-        for (int k = 0; k < 4; ++k) tl[k].add(cacc[4 * k] + cacc[4 * k + 1] + cacc[4 * k + 2] + cacc[4 * k + 3] + la[k]);
-        tw.add(hsum(wm) + wms);
+        for (; i < end; ++i) cb_upper1(lw[i], w[i], thr, llo, lhi, lo, hi, ua, nlt, neq, weq);
         tu[0].add(hsum(u0) + ua[0]); tu[1].add(hsum(u1) + ua[1]); tu[2].add(hsum(u2) + ua[2]);
     }
-    for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
     for (int k = 0; k < 3; ++k) o.up[k] = tu[k].get();
-    o.w_mid = tw.get();
     o.n_lt = nlt + hsum(clt); o.n_eq = neq + hsum(ceq); o.w_eq = weq;
+}
+
+__attribute__((target("avx2,fma,f16c"))) void cb_pass_avx2(const double* lw, const double* w, size_t n, double thr, double lt,
+                                                            double Et, double llo, double lhi, double lo, double hi, CbPassOut& o) {
+    // lo normal: every x of the upper and x + w is >= lo, so a quad is plain where w > 0
+    const bool lo_normal = lo >= std::numeric_limits<double>::min();
+    cb_pass_lower_avx2(lw, w, n, lt, Et, llo, lhi, lo, hi, lo_normal, o);
+    cb_pass_upper_avx2(lw, w, n, thr, llo, lhi, lo, hi, lo_normal, o);
 }
 
 // bf16 / f16 bits -> float32 (exact)
