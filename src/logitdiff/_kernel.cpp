@@ -1709,19 +1709,35 @@ inline double cb_dphi(int term, double lt) {
 // at tau = E with the sums of the entries at lo, at hi and the w of those in between; the
 // next ln tau is the one that solves the equation with that split (exact once the split
 // is right), bisection where it leaves the bracket.
+// The iteration's state, so that a caller can stop after a few evaluations and resume.
+struct CbRoot {
+    double a, b, lt;
+    bool done = false, from_cand = false;  // from_cand: lt is the last split's solution
+    int it = 0;
+    CbRoot(double a_, double b_, double start) : a(a_), b(b_), lt((start > a_ && start < b_) ? start : 0.5 * (a_ + b_)) {}
+};
+
 template <typename Eval>
-double cb_root(double a, double b, double mass, double start, Eval eval) {
-    double lt = (start > a && start < b) ? start : 0.5 * (a + b);
-    for (int it = 0; it < 200 && b - a >= 1e-13; ++it) {
+void cb_root_steps(CbRoot& R, double mass, int evals, Eval eval) {
+    for (int k = 0; k < evals && !R.done; ++k) {
+        if (!(R.it < 200 && R.b - R.a >= 1e-13)) { R.done = true; break; }
+        ++R.it;
         double clo, chi, wm;
-        double f = eval(std::exp(lt), clo, chi, wm);
-        if (f < mass) a = lt; else b = lt;
+        double f = eval(std::exp(R.lt), clo, chi, wm);
+        if (f < mass) R.a = R.lt; else R.b = R.lt;
         double r = mass - clo - chi;
         double cand = (wm > 0 && r > 0) ? std::log(r / wm) : std::numeric_limits<double>::quiet_NaN();
-        if (cand == lt) break;  // the split reproduces itself: the root
-        lt = (cand > a && cand < b) ? cand : 0.5 * (a + b);
+        if (cand == R.lt) { R.done = true; break; }  // the split reproduces itself: the root
+        R.from_cand = cand > R.a && cand < R.b;
+        R.lt = R.from_cand ? cand : 0.5 * (R.a + R.b);
     }
-    return lt;
+}
+
+template <typename Eval>
+double cb_root(double a, double b, double mass, double start, Eval eval) {
+    CbRoot R(a, b, start);
+    cb_root_steps(R, mass, 1 << 30, eval);
+    return R.lt;
 }
 
 // Sum of s_i y_i maximised over 0 <= y_i <= c_i, sum y_i = rest (steepest first); only
@@ -2179,33 +2195,50 @@ __attribute__((target("avx2,fma,f16c"))) size_t cb_bin_members_avx2(const double
 // the caller; up: the three upper terms, n_lt: how many lie below thr.
 struct CbPassOut {
     double low[4], w_mid, up[3], n_lt, n_eq, w_eq;
+    double n_lo, n_hi;  // the lower placement's split: entries at lo, at hi (as cb_rest_eval counts them)
 };
 
-inline void cb_pass1(double lwi, double wi, double thr, double lt, double Et, double llo, double lhi, double lo, double hi,
-                     double* lacc, double* uacc, double& nlt, double& neq, double& weq, double& wm) {
-    double x = Et * wi;
-    if (x <= lo || x >= hi) cb_lower1(lwi, wi, lt, Et, llo, lhi, lo, hi, lacc);
-    else wm += wi;
+void cb_pass_lower_scalar(const double* lw, const double* w, size_t n, double lt, double Et, double llo, double lhi, double lo,
+                          double hi, CbPassOut& o) {
+    CbSum tl[4], tw;
+    double nl = 0, nh = 0;
+    for (size_t i0 = 0; i0 < n; i0 += 64) {
+        double la[4] = {0, 0, 0, 0}, wm = 0;
+        for (size_t i = i0; i < std::min(n, i0 + 64); ++i) {
+            double x = Et * w[i];
+            bool l = x <= lo, h = !l && x >= hi;
+            nl += l; nh += h;
+            if (l || h) cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, la);
+            else wm += w[i];
+        }
+        for (int k = 0; k < 4; ++k) tl[k].add(la[k]);
+        tw.add(wm);
+    }
+    for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
+    o.w_mid = tw.get();
+    o.n_lo = nl; o.n_hi = nh;
+}
+
+// the upper placement of one entry: ties at thr counted (n_eq, their w in w_eq), the others'
+// three terms at hi (ln w below thr; n_lt counts them) or lo
+inline void cb_upper1(double lwi, double wi, double thr, double llo, double lhi, double lo, double hi, double* uacc, double& nlt,
+                      double& neq, double& weq) {
     if (lwi == thr) { neq += 1; weq = wi; return; }
     bool full = lwi < thr;
     nlt += full;
     cb_box1(full ? lhi : llo, lwi, full ? hi : lo, wi, uacc);
 }
 
-void cb_pass_scalar(const double* lw, const double* w, size_t n, double thr, double lt, double Et, double llo, double lhi,
-                    double lo, double hi, CbPassOut& o) {
-    CbSum tl[4], tu[3], tw;
+void cb_pass_upper_scalar(const double* lw, const double* w, size_t n, double thr, double llo, double lhi, double lo, double hi,
+                          CbPassOut& o) {
+    CbSum tu[3];
     double nlt = 0, neq = 0, weq = 0;
     for (size_t i0 = 0; i0 < n; i0 += 64) {
-        double la[4] = {0, 0, 0, 0}, ua[3] = {0, 0, 0}, wm = 0;
-        for (size_t i = i0; i < std::min(n, i0 + 64); ++i) cb_pass1(lw[i], w[i], thr, lt, Et, llo, lhi, lo, hi, la, ua, nlt, neq, weq, wm);
-        for (int k = 0; k < 4; ++k) tl[k].add(la[k]);
+        double ua[3] = {0, 0, 0};
+        for (size_t i = i0; i < std::min(n, i0 + 64); ++i) cb_upper1(lw[i], w[i], thr, llo, lhi, lo, hi, ua, nlt, neq, weq);
         for (int k = 0; k < 3; ++k) tu[k].add(ua[k]);
-        tw.add(wm);
     }
-    for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
     for (int k = 0; k < 3; ++k) o.up[k] = tu[k].get();
-    o.w_mid = tw.get();
     o.n_lt = nlt; o.n_eq = neq; o.w_eq = weq;
 }
 
@@ -2230,6 +2263,7 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const
                                                                   bool lo_normal, CbPassOut& o) {
     const __m256d E = _mm256_set1_pd(Et), L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi), zero = _mm256_setzero_pd();
     CbSum tl[4], tw;
+    int64_t nl = 0, nh = 0;
     size_t i = 0;
     while (i < n) {
         const size_t end = std::min(n, i + 64);
@@ -2241,6 +2275,9 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const
             __m256d clipped = _mm256_or_pd(_mm256_cmp_pd(x, L, _CMP_LE_OQ), _mm256_cmp_pd(x, H, _CMP_GE_OQ));
             wm = _mm256_add_pd(wm, _mm256_andnot_pd(clipped, wv));
             if (_mm256_movemask_pd(clipped) == 0) continue;
+            const unsigned ml = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(x, L, _CMP_LE_OQ));
+            nl += __builtin_popcount(ml);
+            nh += __builtin_popcount((unsigned)_mm256_movemask_pd(clipped) & ~ml);
             __m256d xc = _mm256_min_pd(_mm256_max_pd(x, L), H);
             bool scalar = lo_normal ? _mm256_movemask_pd(_mm256_cmp_pd(wv, zero, _CMP_GT_OQ)) != 0xF : !cb_plain4(xc, wv);
             if (scalar) {  // the clipped lanes' terms one by one (special cases: cb_phi)
@@ -2254,7 +2291,9 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const
         }
         for (; i < end; ++i) {
             double x = Et * w[i];
-            if (x <= lo || x >= hi) cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, la);
+            bool l = x <= lo, h = !l && x >= hi;
+            nl += l; nh += h;
+            if (l || h) cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, la);
             else wms += w[i];
         }
         for (int k = 0; k < 4; ++k) tl[k].add(cacc[4 * k] + cacc[4 * k + 1] + cacc[4 * k + 2] + cacc[4 * k + 3] + la[k]);
@@ -2262,15 +2301,7 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const
     }
     for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
     o.w_mid = tw.get();
-}
-
-// the upper part of cb_pass1 (one entry, scalar)
-inline void cb_upper1(double lwi, double wi, double thr, double llo, double lhi, double lo, double hi, double* uacc, double& nlt,
-                      double& neq, double& weq) {
-    if (lwi == thr) { neq += 1; weq = wi; return; }
-    bool full = lwi < thr;
-    nlt += full;
-    cb_box1(full ? lhi : llo, lwi, full ? hi : lo, wi, uacc);
+    o.n_lo = (double)nl; o.n_hi = (double)nh;
 }
 
 __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_upper_avx2(const double* lw, const double* w, size_t n, double thr,
@@ -2312,14 +2343,6 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_upper_avx2(const
     o.n_lt = nlt + hsum(clt); o.n_eq = neq + hsum(ceq); o.w_eq = weq;
 }
 
-__attribute__((target("avx2,fma,f16c"))) void cb_pass_avx2(const double* lw, const double* w, size_t n, double thr, double lt,
-                                                            double Et, double llo, double lhi, double lo, double hi, CbPassOut& o) {
-    // lo normal: every x of the upper and x + w is >= lo, so a quad is plain where w > 0
-    const bool lo_normal = lo >= std::numeric_limits<double>::min();
-    cb_pass_lower_avx2(lw, w, n, lt, Et, llo, lhi, lo, hi, lo_normal, o);
-    cb_pass_upper_avx2(lw, w, n, thr, llo, lhi, lo, hi, lo_normal, o);
-}
-
 // bf16 / f16 bits -> float32 (exact)
 __attribute__((target("avx2,fma,f16c"))) void cb_widen_avx2(const void* base, int64_t V, int dtype, float* out) {
     int64_t v = 0;
@@ -2328,12 +2351,21 @@ __attribute__((target("avx2,fma,f16c"))) void cb_widen_avx2(const void* base, in
 }
 #endif
 
-inline void cb_pass(const double* lw, const double* w, size_t n, double thr, double lt, double Et, double llo, double lhi,
-                    double lo, double hi, CbPassOut& o) {
+// lo normal: every x of the upper and x + w is >= lo, so a quad is plain where w > 0
+inline void cb_pass_lower(const double* lw, const double* w, size_t n, double lt, double Et, double llo, double lhi, double lo,
+                          double hi, CbPassOut& o) {
 #if LD_X86
-    if (cb_simd()) return cb_pass_avx2(lw, w, n, thr, lt, Et, llo, lhi, lo, hi, o);
+    if (cb_simd()) return cb_pass_lower_avx2(lw, w, n, lt, Et, llo, lhi, lo, hi, lo >= std::numeric_limits<double>::min(), o);
 #endif
-    cb_pass_scalar(lw, w, n, thr, lt, Et, llo, lhi, lo, hi, o);
+    cb_pass_lower_scalar(lw, w, n, lt, Et, llo, lhi, lo, hi, o);
+}
+
+inline void cb_pass_upper(const double* lw, const double* w, size_t n, double thr, double llo, double lhi, double lo, double hi,
+                          CbPassOut& o) {
+#if LD_X86
+    if (cb_simd()) return cb_pass_upper_avx2(lw, w, n, thr, llo, lhi, lo, hi, lo >= std::numeric_limits<double>::min(), o);
+#endif
+    cb_pass_upper_scalar(lw, w, n, thr, llo, lhi, lo, hi, o);
 }
 
 // The value at rank k (0-based, ascending) of x[0, n), k < n, all in [xmin, xmax]: a
@@ -2643,13 +2675,6 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
             double mass = std::min(std::max(A.rest_mass[r], cnt * lo), cnt * hi);
             double a = (std::isfinite(llo) ? llo - lw_max : lhi - lw_max - 800.0) - 1.0, b = lhi - lw_min + 1.0;
             double start = (sw > 0 && mass > 0) ? std::log(mass / sw) : 0.5 * (a + b);
-            double lt = cb_root(a, b, mass, start, [&](double Et, double& clo, double& chi, double& wm) {
-                double nlo, nhi;
-                cb_rest_eval(rw, cnt, Et, lo, hi, nlo, nhi, wm);
-                clo = nlo * lo; chi = nhi * hi;
-                return clo + chi + Et * wm;
-            });
-            double Et = std::exp(lt);
             // upper: hi on the n_full smallest w, lo on the others, the chord of the next one
             double cap = hi - lo, rest = std::max(mass - cnt * lo, 0.0);
             int64_t n_full = cap > 0 ? (int64_t)std::floor(rest / cap) : 0;
@@ -2659,7 +2684,26 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
             // thr: ln w at rank n_full (ascending), +inf when every entry is full
             double thr = all_hi ? CB_INF : n_full == 0 ? lw_min : cb_rank(rlw, cnt, (size_t)n_full, lw_min, lw_max, S);
             CbPassOut o;
-            cb_pass(rlw, rw, cnt, thr, lt, Et, llo, lhi, lo, hi, o);
+            cb_pass_upper(rlw, rw, cnt, thr, llo, lhi, lo, hi, o);
+            // lower: tau by the active-set iteration. Its last evaluation only confirms the
+            // split (the root's split reproduces itself); the lower pass counts its own split,
+            // so after two evaluations the pass runs at the next tau and, where its split is
+            // the previous evaluation's, that tau is the root the iteration would return
+            // (the evaluation it saves would give the same sums, hence the same tau).
+            double enlo = -1, enhi = -1;
+            auto eval = [&](double Et, double& clo, double& chi, double& wm) {
+                cb_rest_eval(rw, cnt, Et, lo, hi, enlo, enhi, wm);
+                clo = enlo * lo; chi = enhi * hi;
+                return clo + chi + Et * wm;
+            };
+            CbRoot R(a, b, start);
+            cb_root_steps(R, mass, 2, eval);
+            cb_pass_lower(rlw, rw, cnt, R.lt, std::exp(R.lt), llo, lhi, lo, hi, o);
+            if (!R.done && !(R.from_cand && o.n_lo == enlo && o.n_hi == enhi)) {
+                cb_root_steps(R, mass, 1 << 30, eval);
+                cb_pass_lower(rlw, rw, cnt, R.lt, std::exp(R.lt), llo, lhi, lo, hi, o);
+            }
+            const double lt = R.lt, Et = std::exp(lt);
             // the mid entries' terms from their sum of w: x ln tau, -w ln tau, w g(tau)
             double x_mid = o.w_mid > 0 ? Et * o.w_mid : 0.0;
             double lp1 = lt > 0 ? lt + std::log1p(std::exp(-lt)) : std::log1p(std::exp(lt));  // ln(1 + tau)
