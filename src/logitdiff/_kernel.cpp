@@ -1710,11 +1710,17 @@ inline double cb_dphi(int term, double lt) {
 // next ln tau is the one that solves the equation with that split (exact once the split
 // is right), bisection where it leaves the bracket.
 // The iteration's state, so that a caller can stop after a few evaluations and resume.
+// Where the split's solution leaves the bracket, the next ln tau is the bracket's regula
+// falsi point (Illinois: the end kept twice in a row has its excess halved), from f at the
+// ends where known (fa, fb; NaN: unknown, bisection): a band of narrow boxes has few
+// entries in between at any tau, so its split's solution is rarely inside the bracket.
 struct CbRoot {
-    double a, b, lt;
+    double a, b, lt, fa, fb;
     bool done = false, from_cand = false;  // from_cand: lt is the last split's solution
-    int it = 0;
-    CbRoot(double a_, double b_, double start) : a(a_), b(b_), lt((start > a_ && start < b_) ? start : 0.5 * (a_ + b_)) {}
+    int it = 0, side = 0;                  // side: -1 / +1, the end moved last
+    CbRoot(double a_, double b_, double start, double fa_ = std::numeric_limits<double>::quiet_NaN(),
+           double fb_ = std::numeric_limits<double>::quiet_NaN())
+        : a(a_), b(b_), lt((start > a_ && start < b_) ? start : 0.5 * (a_ + b_)), fa(fa_), fb(fb_) {}
 };
 
 template <typename Eval>
@@ -1724,18 +1730,27 @@ void cb_root_steps(CbRoot& R, double mass, int evals, Eval eval) {
         ++R.it;
         double clo, chi, wm;
         double f = eval(std::exp(R.lt), clo, chi, wm);
-        if (f < mass) R.a = R.lt; else R.b = R.lt;
+        if (f < mass) {
+            if (R.side == -1) R.fb = mass + 0.5 * (R.fb - mass);
+            R.a = R.lt; R.fa = f; R.side = -1;
+        } else {
+            if (R.side == 1) R.fa = mass - 0.5 * (mass - R.fa);
+            R.b = R.lt; R.fb = f; R.side = 1;
+        }
         double r = mass - clo - chi;
         double cand = (wm > 0 && r > 0) ? std::log(r / wm) : std::numeric_limits<double>::quiet_NaN();
         if (cand == R.lt) { R.done = true; break; }  // the split reproduces itself: the root
         R.from_cand = cand > R.a && cand < R.b;
-        R.lt = R.from_cand ? cand : 0.5 * (R.a + R.b);
+        if (R.from_cand) { R.lt = cand; continue; }
+        double t = R.fb > R.fa ? R.a + (mass - R.fa) / (R.fb - R.fa) * (R.b - R.a) : std::numeric_limits<double>::quiet_NaN();
+        R.lt = (t > R.a && t < R.b) ? t : 0.5 * (R.a + R.b);
     }
 }
 
 template <typename Eval>
-double cb_root(double a, double b, double mass, double start, Eval eval) {
-    CbRoot R(a, b, start);
+double cb_root(double a, double b, double mass, double start, Eval eval, double fa = std::numeric_limits<double>::quiet_NaN(),
+               double fb = std::numeric_limits<double>::quiet_NaN()) {
+    CbRoot R(a, b, start, fa, fb);
     cb_root_steps(R, mass, 1 << 30, eval);
     return R.lt;
 }
@@ -2640,7 +2655,7 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
             double lt = cb_root(a, b, mass, start, [&](double Et, double& clo, double& chi, double& wm) {
                 cb_band_eval(S.w.data(), S.lo.data(), S.hi.data(), m, Et, clo, chi, wm);
                 return clo + chi + Et * wm;
-            });
+            }, slo, shi);  // every entry at lo below the bracket, at hi above it
             double Et = std::exp(lt);
             double l4[4];
             cb_band_lower(S.lw.data(), S.w.data(), S.llo.data(), S.lhi.data(), S.lo.data(), S.hi.data(), m, lt, Et, l4);
