@@ -2046,6 +2046,9 @@ struct CbScratch {
     std::vector<uint8_t> mask;     // 1 for every id between rows
     std::vector<double> a, e;      // the fused path's row: z - max and exp(z - max)
     std::vector<double> rlw, rw;   // the rest, compacted
+    // set by the fused path's candidate pass: rlw, rw hold the rest's z - max and
+    // exp(z - max) (n of them), cb_row applies shift and scale
+    struct { bool ready; size_t n; } rest{false, 0};
     std::vector<float> zf;
     std::vector<double> lw, w, llo, lhi, lo, hi, sel, tv;
     std::vector<double> ks[3], kc[3];  // the band's chord slopes and capacities per term
@@ -2066,9 +2069,36 @@ struct CbScratch {
 #if LD_X86
 // a = z - m, e = exp(a) (exp_pd: a < -708 gives 0), sums of e and e a per block of 64
 // entries (4 lanes, blocks compensated); returns how many entries it did (whole blocks).
+// The rest's entries (mask 1) are also copied, compacted, to ra, re (rc of them so far):
+// the rest's arrays without a second pass over the row (CbScratch::rest). A quad's four
+// mask bytes become a 4-bit keep mask (one multiply) that picks a permutation moving the
+// kept lanes to the front; the quad is stored whole and rc advances by the kept count
+// (ra, re have 4 entries of room past V).
+struct CbCompactLut {
+    alignas(32) int32_t idx[16][8];
+    CbCompactLut() {
+        for (int mk = 0; mk < 16; ++mk) {
+            int j = 0;
+            for (int l = 0; l < 4; ++l)
+                if (mk >> l & 1) { idx[mk][2 * j] = 2 * l; idx[mk][2 * j + 1] = 2 * l + 1; ++j; }
+            for (; j < 4; ++j) { idx[mk][2 * j] = 0; idx[mk][2 * j + 1] = 1; }
+        }
+    }
+};
+const CbCompactLut cb_lut;
+
+// bit l of the result: byte l of the 4 mask bytes at p (each 0 or 1)
+inline unsigned cb_keep4(const uint8_t* p) {
+    uint32_t mb;
+    std::memcpy(&mb, p, 4);
+    return (mb * 0x10204080u) >> 28;
+}
+
 __attribute__((target("avx2,fma,f16c"))) int64_t cb_softmax_avx2(const float* z, int64_t V, double m, double* a, double* e,
-                                                                  CbSum& ts, CbSum& ta) {
+                                                                  CbSum& ts, CbSum& ta, const uint8_t* mask, double* ra,
+                                                                  double* re, size_t& rc) {
     const __m256d M = _mm256_set1_pd(m);
+    size_t c = rc;
     int64_t v = 0;
     for (; v + 64 <= V; v += 64) {
         __m256d s = _mm256_setzero_pd(), sa = s;
@@ -2079,11 +2109,37 @@ __attribute__((target("avx2,fma,f16c"))) int64_t cb_softmax_avx2(const float* z,
             _mm256_storeu_pd(e + k, ev);
             s = _mm256_add_pd(s, ev);
             sa = _mm256_fmadd_pd(ev, av, sa);
+            const unsigned keep = cb_keep4(mask + k);
+            const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb_lut.idx[keep]));
+            _mm256_storeu_pd(ra + c, _mm256_castsi256_pd(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(av), p)));
+            _mm256_storeu_pd(re + c, _mm256_castsi256_pd(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(ev), p)));
+            c += (size_t)__builtin_popcount(keep);
         }
         ts.add(hsum(s));
         ta.add(hsum(sa));
     }
+    rc = c;
     return v;
+}
+
+// ln w = a - shift and w = e * scale in place (cb_build's arithmetic), with the extremes
+// of ln w and sum w
+__attribute__((target("avx2,fma,f16c"))) size_t cb_shift_scale_avx2(double* la, double* e, size_t n, double shift, double scale,
+                                                                     double& lw_min, double& lw_max, double& sw) {
+    const __m256d S = _mm256_set1_pd(shift), K = _mm256_set1_pd(scale);
+    __m256d mn = _mm256_set1_pd(CB_INF), mx = _mm256_set1_pd(-CB_INF), sv = _mm256_setzero_pd();
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256d l = _mm256_sub_pd(_mm256_loadu_pd(la + i), S), w = _mm256_mul_pd(_mm256_loadu_pd(e + i), K);
+        _mm256_storeu_pd(la + i, l);
+        _mm256_storeu_pd(e + i, w);
+        mn = _mm256_min_pd(mn, l); mx = _mm256_max_pd(mx, l); sv = _mm256_add_pd(sv, w);
+    }
+    alignas(32) double x[4], y[4];
+    _mm256_store_pd(x, mn); _mm256_store_pd(y, mx);
+    for (int k = 0; k < 4; ++k) { lw_min = std::min(lw_min, x[k]); lw_max = std::max(lw_max, y[k]); }
+    sw += hsum(sv);
+    return i;
 }
 #endif
 
@@ -2129,8 +2185,12 @@ bool cb_candidate(const CbArgs& A, int64_t r, CbScratch& S, double* st) {
     CbSum ts, ta;
     const double md = m;
     int64_t v = 0;
+    const uint8_t* mask = S.mask.data();
+    double* ra = S.rlw.data();
+    double* re = S.rw.data();
+    size_t rc = 0;
 #if LD_X86
-    if (cb_simd()) v = cb_softmax_avx2(z, V, md, a, e, ts, ta);
+    if (cb_simd()) v = cb_softmax_avx2(z, V, md, a, e, ts, ta, mask, ra, re, rc);
 #endif
     for (; v < V; v += 64) {
         double s = 0, sa = 0;
@@ -2139,9 +2199,11 @@ bool cb_candidate(const CbArgs& A, int64_t r, CbScratch& S, double* st) {
             e[k] = std::exp(a[k]);
             s += e[k];
             sa += e[k] * a[k];
+            if (mask[k]) { ra[rc] = a[k]; re[rc] = e[k]; ++rc; }
         }
         ts.add(s); ta.add(sa);
     }
+    S.rest = {true, rc};
     double s = ts.get(), ls = std::log(s);
     st[0] = md;
     st[1] = ls;
@@ -2597,6 +2659,25 @@ double cb_knapsack_soa(const double* s, const double* c, size_t n, double rest, 
     return gain + cb_knapsack(S.kpart, rest);
 }
 
+// mask[id] = v for the exact and band ids of row r
+inline void cb_mask(const CbArgs& A, int64_t r, uint8_t* mask, uint8_t v) {
+    for (int64_t i = 0; i < A.E; ++i) { int64_t id = A.e_ids[r * A.E + i]; if (id >= 0) mask[id] = v; }
+    for (int64_t i = 0; i < A.B; ++i) { int64_t id = A.b_ids[r * A.B + i]; if (id >= 0) mask[id] = v; }
+}
+
+inline void cb_shift_scale(double* la, double* e, size_t n, double shift, double scale, double& lw_min, double& lw_max,
+                           double& sw) {
+    lw_min = CB_INF; lw_max = -CB_INF; sw = 0;
+    size_t i = 0;
+#if LD_X86
+    if (cb_simd()) i = cb_shift_scale_avx2(la, e, n, shift, scale, lw_min, lw_max, sw);
+#endif
+    for (; i < n; ++i) {
+        la[i] -= shift; e[i] *= scale;
+        lw_min = std::min(lw_min, la[i]); lw_max = std::max(lw_max, la[i]); sw += e[i];
+    }
+}
+
 // One row. The candidate's ln q and q of entry v are lq[v] - shift and q[v] * scale
 // (shift 0 and scale 1 where the caller gives them; the fused path's z - max and
 // exp(z - max) with shift ln sum e, scale 1 / sum e).
@@ -2675,15 +2756,19 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
     }
     // ---- rest: one group sharing one box ---------------------------------------------
     {
-        uint8_t* mask = S.mask.data();
-        for (int64_t i = 0; i < A.E; ++i) { int64_t id = A.e_ids[r * A.E + i]; if (id >= 0) mask[id] = 0; }
-        for (int64_t i = 0; i < A.B; ++i) { int64_t id = A.b_ids[r * A.B + i]; if (id >= 0) mask[id] = 0; }
         double* rlw = S.rlw.data();
         double* rw = S.rw.data();
         double lw_min, lw_max, sw;
-        const size_t cnt = cb_build(lq, q, mask, A.V, shift, scale, rlw, rw, lw_min, lw_max, sw);
-        for (int64_t i = 0; i < A.E; ++i) { int64_t id = A.e_ids[r * A.E + i]; if (id >= 0) mask[id] = 1; }
-        for (int64_t i = 0; i < A.B; ++i) { int64_t id = A.b_ids[r * A.B + i]; if (id >= 0) mask[id] = 1; }
+        size_t cnt;
+        if (S.rest.ready) {  // compacted by the candidate's pass (the mask set by cb_run)
+            S.rest.ready = false;
+            cnt = S.rest.n;
+            cb_shift_scale(rlw, rw, cnt, shift, scale, lw_min, lw_max, sw);
+        } else {
+            cb_mask(A, r, S.mask.data(), 0);
+            cnt = cb_build(lq, q, S.mask.data(), A.V, shift, scale, rlw, rw, lw_min, lw_max, sw);
+            cb_mask(A, r, S.mask.data(), 1);
+        }
         if (cnt) {
             double llo = A.rest_min[r], lhi = std::max(A.rest_max[r], llo);
             double lo = std::exp(llo), hi = std::exp(lhi);
@@ -2754,7 +2839,11 @@ void cb_run(const CbArgs& A, int threads) {
         for (int64_t r; (r = next.fetch_add(1)) < A.n;) {
             if (A.z == nullptr) { cb_row(A, r, A.lq + r * A.ld, A.q + r * A.ld, 0.0, 1.0, S); continue; }
             double* st = A.stats + 3 * r;
-            if (!cb_candidate(A, r, S, st)) {
+            cb_mask(A, r, S.mask.data(), 0);  // the candidate's pass compacts the rest
+            const bool ok = cb_candidate(A, r, S, st);
+            cb_mask(A, r, S.mask.data(), 1);
+            if (!ok) {
+                S.rest.ready = false;
                 A.bad[r] = 1;
                 const double nan = std::numeric_limits<double>::quiet_NaN();
                 st[0] = st[1] = st[2] = nan;
