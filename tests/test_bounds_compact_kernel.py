@@ -193,3 +193,60 @@ def test_compare_refuses_a_nan_candidate_like_the_full_compare(tmp_path):
             compare_runs(RunReader(refp), RunReader(c))
         msgs.append(str(ei.value))
     assert msgs[0] == msgs[1] and "NaN/inf logits at output position" in msgs[0], msgs
+
+
+def _isa_cases():
+    """(name, reference logits, candidate logits, spec): wide bands (the knapsack's histogram
+    path, >= 256 chords), few or no band entries, ties at the fill threshold, and the
+    adversarial rows (special quads: x = 0, w = 0, subnormal sums)."""
+    rng = np.random.default_rng(29)
+    z = rng.normal(0, 3, (6, 4000)) + 8 * (rng.random((6, 4000)) < 0.01)
+    yield "random wide band", z, z + rng.normal(0, 0.3, z.shape), C.CompactSpec(64, 700)
+    yield "random 8-bit band", z, z + rng.normal(0, 0.3, z.shape), C.CompactSpec(16, 300, 8)
+    zt = np.round(rng.normal(0, 2, (4, 3000)) * 2) / 2
+    yield "ties", zt, np.round((zt + rng.normal(0, 0.5, zt.shape)) * 2) / 2, C.CompactSpec(16, 64)
+    yield "no band", z[:3], z[:3] + rng.normal(0, 0.5, z[:3].shape), C.CompactSpec(4, 0)
+    for name, lp, lq in adversarial_rows():
+        yield name, lp[None], lq[None], C.CompactSpec(5, 20)
+
+
+@pytest.mark.skipif(not kernel.has_simd(), reason="no AVX2 on this CPU: only the scalar path runs")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avx2_and_scalar_paths_agree_and_cover(dtype):
+    """The compact kernel's two instruction sets (isa="auto": the AVX2 passes; "scalar": the
+    portable ones a CPU without AVX2 runs) give every output to float64 summation error of
+    each other, and both intervals contain scipy's values."""
+    for name, zr, zc_, spec in _isa_cases():
+        raw, zc = raw_of(zc_, dtype)
+        zr32 = np.asarray(zr, np.float32)
+        block = C.encode(zr32, np.zeros(len(zr32), np.int64), spec)
+        got = {isa: kernel.compact_rows(raw, block, 8, 2, isa=isa) for isa in ("auto", "scalar")}
+        lp = log_softmax(zr32.astype(np.float64), 1)
+        lq = log_softmax(zc.astype(np.float64), 1)
+        ex, t = exact(lp, lq), tol(lp, lq)
+        for isa, out in got.items():
+            ivs = B._compact_intervals(out["lower"], out["upper"])  # the clamps compare_rows applies
+            for div in (B.KL, B.KL_REV, B.JSD):
+                assert_covers(ivs[div], ex[div], t, f"{name} {dtype} {isa} {div}")
+        a, b = got["auto"], got["scalar"]
+        assert np.array_equal(a["top_ids"], b["top_ids"]) and np.array_equal(a["bad"], b["bad"]), name
+        for k in ("lower", "upper"):
+            fin = np.isfinite(b[k])
+            assert (np.isinf(a[k]) == np.isinf(b[k])).all(), f"{name} {dtype} {k}: inf differs"
+            assert (np.abs(a[k][fin] - b[k][fin]) <= np.broadcast_to(t, b[k].shape)[fin] + 64 * EPS * np.abs(b[k][fin])).all(), \
+                f"{name} {dtype} {k}: auto {a[k][fin][:4]} scalar {b[k][fin][:4]}"
+        for k in ("max", "log_sum", "entropy"):
+            np.testing.assert_allclose(a[k], b[k], rtol=64 * EPS, atol=64 * EPS, err_msg=f"{name} {dtype} {k}")
+
+
+def test_isa_avx2_refused_where_absent_and_unknown_isa():
+    z = np.zeros((1, 300), np.float32)
+    block = C.encode(z, np.zeros(1, np.int64), C.CompactSpec(4, 8))
+    with pytest.raises(KeyError):
+        kernel.compact_rows(z, block, 4, 1, isa="sse9")
+    if not kernel.has_simd():
+        with pytest.raises(ValueError, match="isa"):
+            kernel.compact_rows(z, block, 4, 1, isa="avx2")
+    else:
+        assert np.array_equal(kernel.compact_rows(z, block, 4, 1, isa="avx2")["lower"],
+                              kernel.compact_rows(z, block, 4, 1, isa="auto")["lower"])

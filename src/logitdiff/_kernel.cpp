@@ -1990,10 +1990,14 @@ __attribute__((target("avx2,fma,f16c"))) void cb_topk_avx2(const float* z, int64
 }
 #endif
 
+// The compact section's instruction set, chosen per call (logitdiff_compact_rows' isa:
+// 0 auto, 1 scalar, 2 avx2) and held by each of the call's worker threads for the call.
+thread_local bool cb_scalar_only = false;
+
 inline bool cb_simd() {
 #if LD_X86
     static const bool simd = have_avx2();
-    return simd;
+    return simd && !cb_scalar_only;
 #else
     return false;
 #endif
@@ -2039,6 +2043,7 @@ struct CbArgs {
     const void* b_codes = nullptr;
     int code_bits = 16;
     double slack = 0.0;
+    int isa = 0;  // 0 auto, 1 scalar, 2 avx2 (kernel.ISA_CODES)
 };
 
 // Per worker thread, sized once per call; nothing survives the call.
@@ -2835,6 +2840,7 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
 void cb_run(const CbArgs& A, int threads) {
     std::atomic<int64_t> next{0};
     auto work = [&]() {
+        cb_scalar_only = A.isa == 1;
         CbScratch S(A.V);
         for (int64_t r; (r = next.fetch_add(1)) < A.n;) {
             if (A.z == nullptr) { cb_row(A, r, A.lq + r * A.ld, A.q + r * A.ld, 0.0, 1.0, S); continue; }
@@ -2861,6 +2867,7 @@ void cb_run(const CbArgs& A, int threads) {
     for (int t = 1; t < nt; ++t) pool.emplace_back(work);
     work();
     for (auto& t : pool) t.join();
+    cb_scalar_only = false;
 }
 
 bool cb_ids_ok(int64_t n, int64_t V, int64_t E, const int64_t* e_ids, int64_t B, const int64_t* b_ids) {
@@ -2896,23 +2903,25 @@ __attribute__((visibility("default"))) int logitdiff_compact_bounds(
 // 1 bf16 bits, 2 f16 bits) and the reference in its stored form (compact.encode's arrays:
 // exact logits float32 with the row's max logit and ln sum exp, band codes of code_bits
 // 8 or 16 with the row's band_top and band_step, boxes widened by slack; rest_max and
-// rest_min as compact.decode gives them), with the candidate's per-row max, ln sum
+// rest_min as compact.decode gives them; isa 0 auto, 1 scalar, 2 avx2), with the candidate's per-row max, ln sum
 // exp(z - max) and entropy (stats [n, 3]), top-kk ids (top_ids [n, kk]) and bad[n] = 1 for
 // a row holding NaN/inf (its outputs NaN). Returns 0, or 1 for bad arguments.
 __attribute__((visibility("default"))) int logitdiff_compact_rows(
     int64_t n, int64_t V, const void* z, int64_t ld, int dtype, int64_t E, const int64_t* e_ids, const float* e_logits,
     const double* e_max, const double* e_ls, int64_t B, const int64_t* b_ids, const void* b_codes, int code_bits,
     const double* b_top, const double* b_step, double slack, const double* band_mass, const double* rest_mass,
-    const double* rest_max, const double* rest_min, int kk, int threads, double* lower, double* upper, double* stats,
-    int64_t* top_ids, int32_t* bad) {
+    const double* rest_max, const double* rest_min, int kk, int threads, int isa, double* lower, double* upper,
+    double* stats, int64_t* top_ids, int32_t* bad) {
     if (n < 0 || V < 1 || ld < V || E < 0 || B < 0 || threads < 1 || kk < 0 || kk > V) return 1;
     if (dtype != F32 && dtype != BF16 && dtype != F16) return 1;
     if (code_bits != 8 && code_bits != 16) return 1;
+    if (isa < 0 || isa > 2 || (isa == 2 && !cb_simd())) return 1;
     if (!cb_ids_ok(n, V, E, e_ids, B, b_ids)) return 1;
     CbArgs A{n, V, ld, nullptr, nullptr, E, e_ids, nullptr, B, b_ids, nullptr, nullptr, band_mass, rest_mass, rest_max, rest_min,
              lower, upper, z, dtype, kk, stats, top_ids, bad};
     A.e_logits = e_logits; A.e_max = e_max; A.e_ls = e_ls;
     A.b_codes = b_codes; A.code_bits = code_bits; A.b_top = b_top; A.b_step = b_step; A.slack = slack;
+    A.isa = isa;
     cb_run(A, threads);
     return 0;
 }

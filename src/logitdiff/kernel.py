@@ -65,7 +65,7 @@ def _lib():
     c = getattr(lib, "logitdiff_compact_rows", None)  # the same from raw candidate logits (absent from older builds)
     if c is not None:
         c.argtypes = [i64, i64, p, i64, i32, i64, p, p, p, p, i64, p, p, i32, p, p, ctypes.c_double, p, p, p, p, i32, i32,
-                      p, p, p, p, p]
+                      i32, p, p, p, p, p]
         c.restype = i32
     return lib
 
@@ -200,7 +200,8 @@ def _compact_ref_arrays(ref) -> dict[str, np.ndarray]:
         ("rest_min", np.float64))}
 
 
-def compact_rows(z: np.ndarray, block: dict[str, np.ndarray], kk: int, threads: int) -> dict[str, np.ndarray] | None:
+def compact_rows(z: np.ndarray, block: dict[str, np.ndarray], kk: int, threads: int,
+                 isa: str = "auto") -> dict[str, np.ndarray] | None:
     """`compact_bounds` from the candidate's raw logits ``z`` [n, V] (float32, float16, or
     bf16 bits as uint16; rows contiguous, read in place) against a compact reference in its
     stored form ``block`` (`compact.encode`'s arrays; `compact.decode`'s arithmetic is done
@@ -208,7 +209,9 @@ def compact_rows(z: np.ndarray, block: dict[str, np.ndarray], kk: int, threads: 
     ``lower``/``upper`` [3, n] (forward KL, reverse KL, JSD), ``max``, ``log_sum`` (ln sum
     exp(z - max)) and ``entropy`` [n] (float64), ``top_ids`` [n, kk] (value descending,
     lowest id first on ties) and ``bad`` [n] (True: the row holds NaN/inf; its other outputs
-    are NaN). None when the library lacks the function or cannot read ``z`` in place."""
+    are NaN). ``isa`` (`ISA_CODES`): "auto" the AVX2 passes where the CPU has them, "scalar"
+    the portable ones (tests hold both to the same values). None when the library lacks the
+    function or cannot read ``z`` in place."""
     from .compact import BOX_SLACK, decode_rest
 
     lib = _lib()
@@ -236,9 +239,10 @@ def compact_rows(z: np.ndarray, block: dict[str, np.ndarray], kk: int, threads: 
             arr["band_ids"].shape[1], arr["band_ids"].ctypes.data, codes.ctypes.data, 8 * codes.itemsize,
             arr["band_top"].ctypes.data, arr["band_step"].ctypes.data, BOX_SLACK, arr["band_mass"].ctypes.data,
             arr["rest_mass"].ctypes.data, rest_max.ctypes.data, rest_min.ctypes.data, kk,
-            max(1, int(threads)), lower.ctypes.data, upper.ctypes.data, stats.ctypes.data, top.ctypes.data, bad.ctypes.data)
+            max(1, int(threads)), ISA_CODES[isa], lower.ctypes.data, upper.ctypes.data, stats.ctypes.data, top.ctypes.data,
+            bad.ctypes.data)
     if rc != 0:
-        raise ValueError("compact_rows: bad arguments (an id outside the vocabulary)")
+        raise ValueError(f"compact_rows: bad arguments (an id outside the vocabulary, or isa={isa!r} not on this CPU)")
     return {"lower": lower, "upper": upper, "max": stats[:, 0], "log_sum": stats[:, 1], "entropy": stats[:, 2],
             "top_ids": top, "bad": bad.astype(bool)}
 
