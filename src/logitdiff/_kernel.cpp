@@ -1835,13 +1835,69 @@ __attribute__((target("avx2,fma,f16c"))) void cb_rest_eval_avx2(const double* w,
     nlo = hsum(a) + ta; nhi = hsum(b) + tb; wmid = hsum(m) + tm;
 }
 
+// log_pd and exp_pd with their constants read from memory, four copies each (an FMA takes
+// one as its memory operand; the register-bound passes below reloaded every broadcast
+// constant per quad): the same operations in the same order, so the same values.
+struct alignas(32) CbConsts {
+    double log_c[9][4], exp_c[12][4];
+    CbConsts() {
+        const double lc[9] = {1.0 / 19, 1.0 / 17, 1.0 / 15, 1.0 / 13, 1.0 / 11, 1.0 / 9, 1.0 / 7, 1.0 / 5, 1.0 / 3};
+        const double ec[12] = {1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320, 1.0 / 5040, 1.0 / 720,
+                               1.0 / 120,      1.0 / 24,      1.0 / 6,      0.5,          1.0,          1.0};
+        for (int k = 0; k < 4; ++k) {
+            for (int j = 0; j < 9; ++j) log_c[j][k] = lc[j];
+            for (int j = 0; j < 12; ++j) exp_c[j][k] = ec[j];
+        }
+    }
+};
+const CbConsts cb_c;
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256d cb_log_pd(__m256d g) {
+    __m256i bits = _mm256_castpd_si256(g);
+    __m256i ex = _mm256_srli_epi64(bits, 52);  // biased exponent (g > 0)
+    __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000fffffffffffffLL)),
+                                                    _mm256_set1_epi64x(0x3ff0000000000000LL)));
+    __m256d big = _mm256_cmp_pd(m, _mm256_set1_pd(1.4142135623730951), _CMP_GT_OQ);
+    m = _mm256_blendv_pd(m, _mm256_mul_pd(m, _mm256_set1_pd(0.5)), big);
+    ex = _mm256_sub_epi64(ex, _mm256_castpd_si256(big));  // big lanes are all ones = -1
+    const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
+    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(ex, _mm256_castpd_si256(two52))),
+                              _mm256_set1_pd(4503599627370496.0 + 1023.0));
+    __m256d f = _mm256_div_pd(_mm256_sub_pd(m, _mm256_set1_pd(1.0)), _mm256_add_pd(m, _mm256_set1_pd(1.0)));
+    __m256d f2 = _mm256_mul_pd(f, f);
+    __m256d p = _mm256_load_pd(cb_c.log_c[0]);
+    for (int j = 1; j < 9; ++j) p = _mm256_fmadd_pd(p, f2, _mm256_load_pd(cb_c.log_c[j]));
+    __m256d f2x = _mm256_add_pd(f, f);
+    __m256d lnm = _mm256_fmadd_pd(_mm256_mul_pd(f2x, f2), p, f2x);  // 2f + 2f^3 P(f^2)
+    __m256d lo = _mm256_fmadd_pd(e, _mm256_set1_pd(1.9082149292705877e-10), lnm);  // ln2 = hi + lo
+    return _mm256_fmadd_pd(e, _mm256_set1_pd(0.69314718036912382), lo);
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256d cb_exp_pd(__m256d a) {
+    const __m256d lo = _mm256_set1_pd(FLUSH);
+    __m256d under = _mm256_cmp_pd(a, lo, _CMP_LT_OQ);
+    __m256d x = _mm256_max_pd(lo, a);  // max(lo, NaN) = NaN
+    const __m256d magic = _mm256_set1_pd(6755399441055744.0);  // 1.5 * 2^52
+    __m256d t = _mm256_fmadd_pd(x, _mm256_set1_pd(2.8853900817779268), magic);  // x * 2/ln2
+    __m256d n = _mm256_sub_pd(t, magic);
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0.34657359018456191), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(9.5410746463529385e-11), r);
+    __m256d p = _mm256_load_pd(cb_c.exp_c[0]);
+    for (int j = 1; j < 12; ++j) p = _mm256_fmadd_pd(p, r, _mm256_load_pd(cb_c.exp_c[j]));
+    __m256i u = _mm256_add_epi64(_mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(magic)), _mm256_set1_epi64x(2048));
+    __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(_mm256_srli_epi64(u, 1), _mm256_set1_epi64x(1)), 52));
+    __m256d odd = _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_and_si256(u, _mm256_set1_epi64x(1)), _mm256_set1_epi64x(1)));
+    p = _mm256_mul_pd(p, _mm256_blendv_pd(_mm256_set1_pd(1.0), _mm256_set1_pd(1.4142135623730951), odd));
+    return _mm256_andnot_pd(under, _mm256_mul_pd(p, scale));
+}
+
 // JSD terms 0.5 (x (ln2 + lx) + w (ln2 + lw) - s ln s), s = x + w, of four entries with
 // x > 0, w > 0, s normal (the caller checks).
 __attribute__((target("avx2,fma,f16c"))) inline __m256d cb_js4(__m256d x, __m256d lx, __m256d w, __m256d lw) {
     const __m256d ln2 = _mm256_set1_pd(CB_LN2), half = _mm256_set1_pd(0.5);
     __m256d s = _mm256_add_pd(x, w);
     __m256d ab = _mm256_fmadd_pd(x, _mm256_add_pd(ln2, lx), _mm256_mul_pd(w, _mm256_add_pd(ln2, lw)));
-    return _mm256_mul_pd(half, _mm256_fnmadd_pd(s, log_pd(s), ab));
+    return _mm256_mul_pd(half, _mm256_fnmadd_pd(s, cb_log_pd(s), ab));
 }
 
 // a quad whose four entries take the common formulas: x > 0, w > 0, x + w normal
@@ -1863,7 +1919,7 @@ __attribute__((target("avx2,fma,f16c"))) void cb_exp_avx2(const double* a, size_
             for (size_t k = i; k < i + 4; ++k) out[k] = std::exp(a[k]);
             continue;
         }
-        _mm256_storeu_pd(out + i, exp_pd(v));
+        _mm256_storeu_pd(out + i, cb_exp_pd(v));
     }
     for (; i < n; ++i) out[i] = std::exp(a[i]);
 }
@@ -2109,7 +2165,7 @@ __attribute__((target("avx2,fma,f16c"))) int64_t cb_softmax_avx2(const float* z,
         __m256d s = _mm256_setzero_pd(), sa = s;
         for (int64_t k = v; k < v + 64; k += 4) {
             __m256d av = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(z + k)), M);
-            __m256d ev = exp_pd(av);
+            __m256d ev = cb_exp_pd(av);
             _mm256_storeu_pd(a + k, av);
             _mm256_storeu_pd(e + k, ev);
             s = _mm256_add_pd(s, ev);
