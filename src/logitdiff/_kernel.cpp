@@ -2669,6 +2669,27 @@ __attribute__((target("avx2,fma,f16c"))) void cb_kbins_avx2(const double* s, siz
 }
 #endif
 
+#if LD_X86
+// cb_knapsack_soa's scan: sum s c over the items of bins below b, the items of bin b
+// appended to part; returns how many items it looked at (whole quads)
+__attribute__((target("avx2,fma,f16c"))) size_t cb_knap_scan_avx2(const double* s, const double* c, const int32_t* bins,
+                                                                   size_t n, int b, double& gain,
+                                                                   std::vector<std::pair<double, double>>& part) {
+    const __m128i B = _mm_set1_epi32(b);
+    __m256d g = _mm256_setzero_pd();
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m128i bv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bins + i));
+        __m256d below = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm_cmplt_epi32(bv, B)));
+        g = _mm256_fmadd_pd(_mm256_and_pd(below, _mm256_loadu_pd(s + i)), _mm256_loadu_pd(c + i), g);
+        unsigned eq = (unsigned)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(bv, B)));
+        for (; eq; eq &= eq - 1) { size_t k = i + __builtin_ctz(eq); part.emplace_back(s[k], c[k]); }
+    }
+    gain += hsum(g);
+    return i;
+}
+#endif
+
 inline void cb_band_chords(const double* lw, const double* w, const double* llo, const double* lhi, const double* lo,
                            const double* hi, size_t m, double* const* ks, double* const* kc, double* base, size_t* cnt) {
 #if LD_X86
@@ -2705,18 +2726,23 @@ double cb_knapsack_soa(const double* s, const double* c, size_t n, double rest, 
     else
 #endif
         for (size_t i = 0; i < n; ++i) bins[i] = (int32_t)std::min<double>((smax - s[i]) * f, NB - 1);
-    S.khist.assign(2 * NB, 0.0);  // [b]: capacity, [NB + b]: s * capacity
+    S.khist.assign(NB, 0.0);  // capacity per bin
     double* hist = S.khist.data();
-    for (size_t i = 0; i < n; ++i) {
-        hist[bins[i]] += c[i];
-        hist[NB + bins[i]] += s[i] * c[i];
-    }
-    double gain = 0.0;
+    for (size_t i = 0; i < n; ++i) hist[bins[i]] += c[i];
     int b = 0;
-    for (; b < NB && hist[b] < rest; ++b) { rest -= hist[b]; gain += hist[NB + b]; }
-    if (b == NB) return gain;  // every entry full
+    for (; b < NB && hist[b] < rest; ++b) rest -= hist[b];
+    // the bins before b are taken whole: their gain sum s c; bin b's items to cb_knapsack
     S.kpart.clear();
-    for (size_t i = 0; i < n; ++i) if (bins[i] == b) S.kpart.emplace_back(s[i], c[i]);
+    double gain = 0.0;
+    size_t i = 0;
+#if LD_X86
+    if (cb_simd()) i = cb_knap_scan_avx2(s, c, bins, n, b, gain, S.kpart);
+#endif
+    for (; i < n; ++i) {
+        if (bins[i] < b) gain += s[i] * c[i];
+        else if (bins[i] == b) S.kpart.emplace_back(s[i], c[i]);
+    }
+    if (b == NB) return gain;  // every entry full
     return gain + cb_knapsack(S.kpart, rest);
 }
 
