@@ -250,3 +250,21 @@ def test_isa_avx2_refused_where_absent_and_unknown_isa():
     else:
         assert np.array_equal(kernel.compact_rows(z, block, 4, 1, isa="avx2")["lower"],
                               kernel.compact_rows(z, block, 4, 1, isa="auto")["lower"])
+
+
+def test_reference_top_same_rule_for_stored_and_unordered_ids():
+    """The reference's top-k from its exact entries: value descending, lowest id first on
+    ties, whether the ids come ascending (a stored chunk: the stable-sort path) or in any
+    order (encode's blocks: lexsort), on tie-heavy rows."""
+    rng = np.random.default_rng(5)
+    z = np.round(rng.normal(0, 2, (7, 900)))  # many equal logits among the exact entries
+    block = C.encode(z.astype(np.float32), np.zeros(7, np.int64), C.CompactSpec(64, 32))
+    order = np.argsort(block["exact_ids"], axis=1)
+    stored = {**block, "exact_ids": np.take_along_axis(block["exact_ids"], order, 1),
+              "exact_logits": np.take_along_axis(block["exact_logits"], order, 1)}
+    for b in (block, stored):
+        ids, lp = C.reference_top(b, 40)
+        want = np.stack([np.lexsort((np.arange(900), -z[r]))[:40] for r in range(7)])
+        np.testing.assert_array_equal(ids, want)
+        exact_lp = np.take_along_axis(log_softmax(z, 1), want, 1)
+        np.testing.assert_allclose(lp, exact_lp, rtol=0, atol=64 * EPS * (1 + np.abs(exact_lp).max()))

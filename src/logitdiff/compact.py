@@ -190,7 +190,10 @@ def reference_top(block: dict[str, np.ndarray], k: int) -> tuple[np.ndarray, np.
     if k > ids.shape[1]:
         raise LogitdiffError(f"top-{k} asked of a compact store that keeps {ids.shape[1]} exact entries")
     lp = (block["exact_logits"].astype(np.float64) - block["max_logit"][:, None]) - block["log_sum"][:, None]
-    order = np.lexsort((ids, -lp), axis=1)[:, :k]
+    if ids.shape[1] < 2 or (ids[:, 1:] >= ids[:, :-1]).all():  # ids ascending (a stored chunk's): a stable sort keeps them so
+        order = np.argsort(-lp, axis=1, kind="stable")[:, :k]
+    else:
+        order = np.lexsort((ids, -lp), axis=1)[:, :k]
     return np.take_along_axis(ids, order, 1), np.take_along_axis(lp, order, 1)
 
 
