@@ -1646,17 +1646,20 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
 // sum_i clip(tau w_i, lo_i, hi_i) = M is found by an active-set iteration (tau from the
 // entries inside their boxes, safeguarded by a bracket, started at the unclipped solution
 // M / sum w), which ends at the root instead of within 1e-13 of it (the dual value is flat
-// there: the two agree to rounding); the knapsack of the upper bound is a weighted
+// there: the two agree to rounding; the rest's last evaluation is the lower pass's own
+// split count); the knapsack of the upper bound is a slope histogram and a weighted
 // selection instead of a sort; the rest's fill of the smallest w is one order statistic
-// of ln w (a bounded heap when the fill is small, nth_element on a copy of ln w otherwise)
-// and one pass that puts hi below it and lo above it (ties at it counted and weighted
-// afterwards: their terms are equal). The passes over the rest (ratio, lower, upper) are
-// 4-wide float64 (AVX2) with the JSD's log in log_pd (<= 4 ulp); a quad holding an entry
-// where a term needs its special case (x = 0, w = 0, x + w subnormal) goes through the
-// scalar cb_phi. Results agree with the numpy functions to float64 summation error
-// (tests/test_bounds.py checks both against scipy and against each other).
+// of ln w (a histogram of ln w, nth_element in the bin that holds it) and one pass that
+// puts hi below it and lo above it (ties at it counted and weighted afterwards: their
+// terms are equal). The passes over the rest (ratio, lower, upper) and the band's are
+// 4-wide float64 (AVX2; isa "scalar" runs the portable ones) with the JSD's log in
+// log_pd's arithmetic (<= 4 ulp); a quad holding an entry where a term needs its special
+// case (x = 0, w = 0, x + w subnormal) goes through the scalar cb_phi. Results agree with
+// the numpy functions to float64 summation error (tests/test_bounds.py checks both
+// against scipy and against each other; docs/bounds.md section 1, "Compiled path").
 //
-// `logitdiff_compact_rows` also does the candidate's side from its raw logits (float32,
+// `logitdiff_compact_rows` reads the reference in its stored form (exact logits, band
+// codes) and also does the candidate's side from its raw logits (float32,
 // bf16 or f16 rows, read in place): max, ln sum exp, log-probabilities and probabilities
 // in the thread's scratch (exp_pd, one exp per entry: q = e / s), the entropy
 // ln s - sum e a / s, the top-kk ids (value descending, lowest id first on ties) and a
