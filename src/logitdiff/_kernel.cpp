@@ -2189,19 +2189,19 @@ __attribute__((target("avx2,fma,f16c"))) int64_t cb_softmax_avx2(const float* z,
 // ln w = a - shift and w = e * scale in place (cb_build's arithmetic), with the extremes
 // of ln w and sum w
 __attribute__((target("avx2,fma,f16c"))) size_t cb_shift_scale_avx2(double* la, double* e, size_t n, double shift, double scale,
-                                                                     double& lw_min, double& lw_max, double& sw) {
+                                                                     double& lw_min, double& lw_max, double& sw, double& w_min) {
     const __m256d S = _mm256_set1_pd(shift), K = _mm256_set1_pd(scale);
-    __m256d mn = _mm256_set1_pd(CB_INF), mx = _mm256_set1_pd(-CB_INF), sv = _mm256_setzero_pd();
+    __m256d mn = _mm256_set1_pd(CB_INF), mx = _mm256_set1_pd(-CB_INF), sv = _mm256_setzero_pd(), wm = mn;
     size_t i = 0;
     for (; i + 4 <= n; i += 4) {
         __m256d l = _mm256_sub_pd(_mm256_loadu_pd(la + i), S), w = _mm256_mul_pd(_mm256_loadu_pd(e + i), K);
         _mm256_storeu_pd(la + i, l);
         _mm256_storeu_pd(e + i, w);
-        mn = _mm256_min_pd(mn, l); mx = _mm256_max_pd(mx, l); sv = _mm256_add_pd(sv, w);
+        mn = _mm256_min_pd(mn, l); mx = _mm256_max_pd(mx, l); sv = _mm256_add_pd(sv, w); wm = _mm256_min_pd(wm, w);
     }
-    alignas(32) double x[4], y[4];
-    _mm256_store_pd(x, mn); _mm256_store_pd(y, mx);
-    for (int k = 0; k < 4; ++k) { lw_min = std::min(lw_min, x[k]); lw_max = std::max(lw_max, y[k]); }
+    alignas(32) double x[4], y[4], z[4];
+    _mm256_store_pd(x, mn); _mm256_store_pd(y, mx); _mm256_store_pd(z, wm);
+    for (int k = 0; k < 4; ++k) { lw_min = std::min(lw_min, x[k]); lw_max = std::max(lw_max, y[k]); w_min = std::min(w_min, z[k]); }
     sw += hsum(sv);
     return i;
 }
@@ -2445,6 +2445,8 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const
     o.n_lo = (double)nl; o.n_hi = (double)nh;
 }
 
+// CHECK false: the caller knows every w > 0 and lo normal (every quad plain: no test)
+template <bool CHECK>
 __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_upper_avx2(const double* lw, const double* w, size_t n, double thr,
                                                                   double llo, double lhi, double lo, double hi, bool lo_normal,
                                                                   CbPassOut& o) {
@@ -2462,7 +2464,7 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_upper_avx2(const
             __m256d lwv = _mm256_loadu_pd(lw + i), wv = _mm256_loadu_pd(w + i);
             __m256d full = _mm256_cmp_pd(lwv, T, _CMP_LT_OQ), eq = _mm256_cmp_pd(lwv, T, _CMP_EQ_OQ);
             __m256d xu = _mm256_blendv_pd(L, H, full), lxu = _mm256_blendv_pd(LLO, LHI, full);
-            bool scalar = lo_normal ? _mm256_movemask_pd(_mm256_cmp_pd(wv, zero, _CMP_GT_OQ)) != 0xF : !cb_plain4(xu, wv);
+            bool scalar = CHECK && (lo_normal ? _mm256_movemask_pd(_mm256_cmp_pd(wv, zero, _CMP_GT_OQ)) != 0xF : !cb_plain4(xu, wv));
             if (scalar) {
                 for (size_t k = i; k < i + 4; ++k) cb_upper1(lw[k], w[k], thr, llo, lhi, lo, hi, ua, nlt, neq, weq);
                 continue;
@@ -2502,9 +2504,13 @@ inline void cb_pass_lower(const double* lw, const double* w, size_t n, double lt
 }
 
 inline void cb_pass_upper(const double* lw, const double* w, size_t n, double thr, double llo, double lhi, double lo, double hi,
-                          CbPassOut& o) {
+                          bool w_pos, CbPassOut& o) {
 #if LD_X86
-    if (cb_simd()) return cb_pass_upper_avx2(lw, w, n, thr, llo, lhi, lo, hi, lo >= std::numeric_limits<double>::min(), o);
+    if (cb_simd()) {
+        const bool lo_normal = lo >= std::numeric_limits<double>::min();
+        if (w_pos && lo_normal) return cb_pass_upper_avx2<false>(lw, w, n, thr, llo, lhi, lo, hi, true, o);
+        return cb_pass_upper_avx2<true>(lw, w, n, thr, llo, lhi, lo, hi, lo_normal, o);
+    }
 #endif
     cb_pass_upper_scalar(lw, w, n, thr, llo, lhi, lo, hi, o);
 }
@@ -2756,15 +2762,15 @@ inline void cb_mask(const CbArgs& A, int64_t r, uint8_t* mask, uint8_t v) {
 }
 
 inline void cb_shift_scale(double* la, double* e, size_t n, double shift, double scale, double& lw_min, double& lw_max,
-                           double& sw) {
-    lw_min = CB_INF; lw_max = -CB_INF; sw = 0;
+                           double& sw, double& w_min) {
+    lw_min = CB_INF; lw_max = -CB_INF; sw = 0; w_min = CB_INF;
     size_t i = 0;
 #if LD_X86
-    if (cb_simd()) i = cb_shift_scale_avx2(la, e, n, shift, scale, lw_min, lw_max, sw);
+    if (cb_simd()) i = cb_shift_scale_avx2(la, e, n, shift, scale, lw_min, lw_max, sw, w_min);
 #endif
     for (; i < n; ++i) {
         la[i] -= shift; e[i] *= scale;
-        lw_min = std::min(lw_min, la[i]); lw_max = std::max(lw_max, la[i]); sw += e[i];
+        lw_min = std::min(lw_min, la[i]); lw_max = std::max(lw_max, la[i]); sw += e[i]; w_min = std::min(w_min, e[i]);
     }
 }
 
@@ -2848,12 +2854,12 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
     {
         double* rlw = S.rlw.data();
         double* rw = S.rw.data();
-        double lw_min, lw_max, sw;
+        double lw_min, lw_max, sw, w_min = 0.0;
         size_t cnt;
         if (S.rest.ready) {  // compacted by the candidate's pass (the mask set by cb_run)
             S.rest.ready = false;
             cnt = S.rest.n;
-            cb_shift_scale(rlw, rw, cnt, shift, scale, lw_min, lw_max, sw);
+            cb_shift_scale(rlw, rw, cnt, shift, scale, lw_min, lw_max, sw, w_min);
         } else {
             cb_mask(A, r, S.mask.data(), 0);
             cnt = cb_build(lq, q, S.mask.data(), A.V, shift, scale, rlw, rw, lw_min, lw_max, sw);
@@ -2874,7 +2880,7 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
             // thr: ln w at rank n_full (ascending), +inf when every entry is full
             double thr = all_hi ? CB_INF : n_full == 0 ? lw_min : cb_rank(rlw, cnt, (size_t)n_full, lw_min, lw_max, S);
             CbPassOut o;
-            cb_pass_upper(rlw, rw, cnt, thr, llo, lhi, lo, hi, o);
+            cb_pass_upper(rlw, rw, cnt, thr, llo, lhi, lo, hi, w_min > 0, o);  // w_min > 0: every w > 0 (fused path)
             // lower: tau by the active-set iteration. Its last evaluation only confirms the
             // split (the root's split reproduces itself); the lower pass counts its own split,
             // so after two evaluations the pass runs at the next tau and, where its split is
