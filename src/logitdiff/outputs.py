@@ -159,6 +159,32 @@ def direct_stage(nbytes: int | None = None):
     return mmap.mmap(-1, max(DIRECT_ALIGN, nbytes // DIRECT_ALIGN * DIRECT_ALIGN))
 
 
+# File systems whose files live in the page cache (shmem, ramfs): O_DIRECT spares them no copy
+# (tmpfs accepts it since Linux 6.6 and copies through the page cache all the same), so the
+# staging copy would be one copy more.
+_MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+
+
+def direct_io_pays(directory: str | Path) -> bool:
+    """Whether writing files in ``directory`` with O_DIRECT spares the page-cache copy: the
+    platform has O_DIRECT and the directory is not on a memory file system (its mount's type
+    from /proc/self/mountinfo; where that cannot be read, assume it pays: a refusal of
+    O_DIRECT still falls back, see DirectFile)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        dev = os.stat(directory).st_dev
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                major, minor = fields[2].split(":")
+                if os.makedev(int(major), int(minor)) == dev:
+                    return fields[fields.index("-") + 1] not in _MEMORY_FILE_SYSTEMS
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
+
+
 class DirectFile:
     """The binary file being written by :func:`atomic_file_direct`: ``write(buffer)`` takes any
     C-contiguous buffer. With O_DIRECT the device reads the bytes from the staging buffer: no
@@ -170,15 +196,15 @@ class DirectFile:
     (a multiple of DIRECT_ALIGN bytes), replaces the file's first bytes: a header that
     describes what follows it, written after it."""
 
-    def __init__(self, path: Path, stage):
+    def __init__(self, path: Path, stage, direct: bool = True):
         self.path = path
         self.head = b""
-        self._stage = memoryview(stage)
+        self._stage = memoryview(stage) if stage is not None else memoryview(b"")
         self._fill = 0  # bytes gathered in the staging buffer, not yet written
         self._size = 0  # bytes the file will hold
         self._written = 0  # bytes written to the file (direct: multiples of DIRECT_ALIGN)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self.direct = hasattr(os, "O_DIRECT")
+        self.direct = direct and hasattr(os, "O_DIRECT") and len(self._stage) >= DIRECT_ALIGN
         try:
             self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o666)
         except OSError as e:
@@ -202,6 +228,10 @@ class DirectFile:
                 o += k
                 if self._fill == cap:
                     self._write_stage(cap)
+                    if not self.direct:  # refused: the rest goes straight through the page cache
+                        self._write_all(mv[o:])
+                        start_writeback(self.fd)
+                        break
         self._size += n
         return n
 
@@ -236,7 +266,7 @@ class DirectFile:
         the bytes given (the padding never reaches the file's final name), ``head`` over the
         first bytes."""
         head = self.head
-        if len(head) % DIRECT_ALIGN or len(head) > min(self._size, len(self._stage)):
+        if len(head) % DIRECT_ALIGN or len(head) > self._size or (self.direct and len(head) > len(self._stage)):
             raise ValueError(f"a head of {len(head)} bytes over a file of {self._size}")
         if head and self.direct and self._written == 0:  # the first bytes are still staged
             self._stage[: len(head)] = head
@@ -260,16 +290,17 @@ class DirectFile:
 
 
 @contextmanager
-def atomic_file_direct(path: str | Path, stage) -> Iterator[DirectFile]:
+def atomic_file_direct(path: str | Path, stage, direct: bool = True) -> Iterator[DirectFile]:
     """:func:`atomic_file_unsynced` written with O_DIRECT through ``stage`` (:func:`direct_stage`;
     one writer at a time per buffer), or through the page cache where the file system refuses
-    O_DIRECT (:class:`DirectFile`). Whole or not at all for a killed process, not yet durable:
-    the caller must :func:`fsync_path` it (the device's write cache and the file's metadata)
-    before anything that says it is there is made durable."""
+    O_DIRECT or ``direct`` is false (:func:`direct_io_pays`; ``stage`` may then be None).
+    Whole or not at all for a killed process, not yet durable: the caller must
+    :func:`fsync_path` it (the device's write cache and the file's metadata) before anything
+    that says it is there is made durable."""
     path = Path(path)
     try:
         with atomic_path(path) as tmp:
-            f = DirectFile(tmp, stage)
+            f = DirectFile(tmp, stage, direct)
             try:
                 yield f
                 f.finish()

@@ -6,8 +6,9 @@ V = 248,320 a chunk is 64 MiB, and a blocking fsync per chunk kept the writer (a
 it the capture) waiting on the disk. ``RunWriter`` fsyncs it before the manifest lists the
 chunk. The rows are written with O_DIRECT through one staging buffer per run: the kernel
 neither copies them into the page cache nor writes them back later, work that ran on the
-cores the model's forward needs (bench/RESULTS.md, issue 24 "O_DIRECT"); where the file
-system refuses O_DIRECT (tmpfs) they go through the page cache, writeback started per block."""
+cores the model's forward needs (bench/RESULTS.md, issue 24 "O_DIRECT"); on a memory file
+system (tmpfs: nothing to spare) or one that refuses O_DIRECT they go through the page
+cache, writeback started per block."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from .. import validate
 from ..errors import LogitdiffError
-from ..outputs import direct_stage
+from ..outputs import direct_io_pays, direct_stage
 from .base import Block, BlockPlace, ChunkFile, RowsForm, StoreKind, check_full_rows
 from .rows import DTYPES, RowsFile, full_values
 
@@ -33,6 +34,7 @@ class FullStore(StoreKind):
     def __init__(self, text: str, vocab_size: int | None = None, dtype: str | None = None) -> None:
         super().__init__(text, vocab_size, dtype)
         self._stage: Any = None  # the writer's O_DIRECT staging buffer (made on the first chunk)
+        self._direct: dict[Path, bool] = {}  # directory -> whether O_DIRECT spares a copy there
 
     def describe(self) -> str:
         return "full logits"
@@ -62,9 +64,12 @@ class FullStore(StoreKind):
     def open_chunk(self, path: Path) -> ChunkFile:
         """Rows streamed to ``path`` as they come (rows.RowsFile), O_DIRECT where allowed.
         One chunk at a time (the writer thread's): the staging buffer is the kind's."""
-        if self._stage is None:
+        where = Path(path).parent
+        if where not in self._direct:
+            self._direct[where] = direct_io_pays(where)
+        if self._direct[where] and self._stage is None:
             self._stage = direct_stage()
-        return RowsFile(path, int(self.vocab_size or 0), self.dtype or "float32", self._stage)
+        return RowsFile(path, int(self.vocab_size or 0), self.dtype or "float32", self._stage, self._direct[where])
 
     def load_chunk(self, path: Path, label: Any) -> Block:
         data = np.load(path, mmap_mode="r", allow_pickle=False)

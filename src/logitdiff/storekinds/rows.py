@@ -68,13 +68,14 @@ class RowsFile:
     """One ``.npy`` of rows written block by block as the blocks come (``append``), its
     header (the row count) written last over the first page (``close``): the rows reach the
     disk while later rows are computed, and no block is held after it is written. Written
-    with O_DIRECT through ``stage`` where the file system allows it (outputs.atomic_file_direct);
+    with O_DIRECT through ``stage`` when ``direct`` and the file system allows it
+    (outputs.atomic_file_direct), through the page cache otherwise;
     whole under ``path`` after ``close``, nothing there after ``abort``; not yet durable."""
 
-    def __init__(self, path: Path, cols: int, dtype: str, stage):
+    def __init__(self, path: Path, cols: int, dtype: str, stage, direct: bool = True):
         self.cols, self.dtype, self.rows = int(cols), dtype, 0
         self._files = ExitStack()
-        self._f = self._files.enter_context(atomic_file_direct(path, stage))
+        self._f = self._files.enter_context(atomic_file_direct(path, stage, direct))
         self._f.write(bytes(NPY_DATA_OFFSET))  # the header's page, filled in by close()
 
     def append(self, block: np.ndarray) -> None:
