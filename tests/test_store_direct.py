@@ -251,3 +251,19 @@ def test_chunk_files_are_fsynced_once_by_name(tmp_path, monkeypatch, store_text)
         assert synced.count(c["data"]) == 1 and synced.count(c["items"]) == 1, (c, synced)
     assert not [s for s in synced if ".tmp" in s and ("topk" in s or "logits" in s or "items" in s)], synced
     assert len(m["chunks"]) >= 3
+
+
+def test_a_writer_closed_mid_chunk_leaves_no_temporary(tmp_path):
+    """A capture that fails between blocks closes its writer (capture._close_quietly): the
+    chunk being filled, its rows already in a temporary file, is removed; listed chunks stay."""
+    V = 300
+    items = _items(V, "float32", [6, 5])
+    w = RunWriter(tmp_path / "run", source={"spec": "test:direct"}, vocab_size=V, tokenizer_hash="sha256:t", chunk_rows=4)
+    w.add(*items[0])  # chunk 0 closed (6 rows)
+    w.begin_item(items[1][0])
+    w.add_rows(items[1][1][:3])  # chunk 1 open, 3 rows in its file
+    w._drain_writes()
+    assert [p.name for p in (tmp_path / "run" / "chunks").iterdir() if p.name.startswith(".000001.logits.npy.tmp")]
+    w.close()
+    assert sorted(p.name for p in (tmp_path / "run" / "chunks").iterdir()) == ["000000.items.jsonl", "000000.logits.npy"]
+    assert [c["index"] for c in json.loads((tmp_path / "run" / "manifest.json").read_text())["chunks"]] == [0]

@@ -638,12 +638,12 @@ class RunWriter(_KindViews):
                 self._chunk_file = self.kind.open_chunk(self._chunk_path(idx))
             chunk, self._chunk_file = self._chunk_file, None
             chunk.close()
+            text = "".join(json.dumps(it.to_json_in(idx)) + "\n" for it in items)
+            with atomic_file_unsynced(self.path / "chunks" / entry["items"]) as f:
+                f.write(text.encode())
         except BaseException:
             self._abandon_chunk()
             raise
-        text = "".join(json.dumps(it.to_json_in(idx)) + "\n" for it in items)
-        with atomic_file_unsynced(self.path / "chunks" / entry["items"]) as f:
-            f.write(text.encode())
         return entry, items
 
     def _list_chunk(self, written) -> None:
