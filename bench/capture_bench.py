@@ -30,12 +30,13 @@ WORK once), ``--items`` (2) items x ``--tokens`` (512) teacher tokens:
   start to exit (the CLI's exit included).
 
 Every step is reported in wall and in CPU seconds (user + system, all threads: on a shared
-machine they spread far less than wall time), with the fsynced write rate of the output
+machine they spread far less than wall time; the in-process steps also in system CPU, where
+the kernel's copy of the rows into the page cache and their writeback show), with the fsynced write rate of the output
 directory measured in the same invocation (a full bf16 row is 2 V bytes: a slow disk, not
 the capture, can be the limit; ``--out-dir /dev/shm/X`` shows the capture apart from it).
 ``--peer-src DIR`` also times, in the same process and rounds, the capture of another
 logitdiff (``DIR/logitdiff``, e.g. main's ``src``: the "before" of a change), with its own
-source object over the same model files. ``--device cuda`` runs the per-position part on a GPU, ``--hidden-store`` also captures
+source object over the same model files, and the median of the per-round ratios of the two captures. ``--device cuda`` runs the per-position part on a GPU, ``--hidden-store`` also captures
 ``--store hidden`` and reads it back, ``--no-fixed`` skips the processes
 (bench/gpu_check.sh uses all three).
 """
@@ -116,11 +117,14 @@ def _wall(cmd: list[str]) -> tuple[float, float]:
     return w, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 
 
-def _timed(fn) -> tuple[float, float]:
-    """(wall, CPU seconds of this process, all threads) of ``fn()``."""
+def _timed(fn) -> tuple[float, float, float]:
+    """(wall, CPU seconds of this process (all threads), of it system CPU) of ``fn()``."""
+    import resource
+
+    s = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     c, t = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - t, time.process_time() - c
+    return time.perf_counter() - t, time.process_time() - c, resource.getrusage(resource.RUSAGE_SELF).ru_stime - s
 
 
 def _disk_rate(where: Path, mb: int = 256) -> float:
@@ -247,8 +251,9 @@ def wide(args) -> None:
         peer = (pcap.capture_candidate, psrc(f"hf:{model}{dev},batch={args.batch}"),
                 pstore.RunReader(refs[args.tokens]))
     keys = ("capture", "capture_peer", "capture_hidden", "read_hidden", "bare", "forward", "fixed", "load", "whole")
-    t = {k: [] for k in keys}
-    cpu = {k: [] for k in keys}
+    t: dict[str, list[float]] = {k: [] for k in keys}
+    cpu: dict[str, list[float]] = {k: [] for k in keys}
+    sys_cpu: dict[str, list[float]] = {k: [] for k in keys}  # in-process steps only
 
     def fresh(name: str) -> Path:
         shutil.rmtree(outdir / name, ignore_errors=True)  # outside the timed part
@@ -278,10 +283,11 @@ def wide(args) -> None:
             row["whole"] = _wall(cli + ["capture", f"hf:{model}{dev},batch={args.batch}", "--teacher", str(refs[args.tokens]),
                                         "--out", str(fresh("capw"))])
         if r:
-            for k, (w, c) in row.items():
+            for k, (w, c, *sy) in row.items():
                 t[k].append(w)
                 cpu[k].append(c)
-        print(json.dumps({"round": r, **{k: [round(w, 3), round(c, 3)] for k, (w, c) in row.items()},
+                sys_cpu[k].extend(sy)
+        print(json.dumps({"round": r, **{k: [round(x, 3) for x in v] for k, v in row.items()},
                           "load1": os.getloadavg()[0]}), flush=True)
     disk = _disk_rate(outdir)
     med = statistics.median
@@ -290,7 +296,8 @@ def wide(args) -> None:
           f"{where}, median of {args.repeats} interleaved rounds; RUNs written to {outdir} "
           f"({disk:,.0f} MB/s written in 64 MiB fsynced files, measured after the rounds; a full row is "
           f"{2 * args.vocab / 1e3:,.0f} KB: {disk * 1e6 / (2 * args.vocab):,.0f} positions/s at most)")
-    print("| what | wall | positions/s | wall vs forward + copy | CPU s | CPU vs forward + copy |\n|---|---:|---:|---:|---:|---:|")
+    print("| what | wall | positions/s | wall vs forward + copy | CPU s | CPU vs forward + copy | system CPU s |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
     rate = lambda k: n_pos / med(t[k])  # noqa: E731
     rows = [("capture_candidate, --store full (in process)", "capture"),
             (f"capture_candidate of {args.peer_src}, --store full (in process)", "capture_peer"),
@@ -300,11 +307,18 @@ def wide(args) -> None:
     for name, k in rows:
         if t[k]:
             print(f"| {name} | {med(t[k]):.2f} s | {rate(k):,.0f} | {med(a / b for a, b in zip(t[k], t['bare'])):.3f}x "
-                  f"| {med(cpu[k]):.2f} | {med(a / b for a, b in zip(cpu[k], cpu['bare'])):.3f}x |")
+                  f"| {med(cpu[k]):.2f} | {med(a / b for a, b in zip(cpu[k], cpu['bare'])):.3f}x "
+                  f"| {med(sys_cpu[k]) if sys_cpu[k] else float('nan'):.2f} |")
     for k in ("capture", "capture_peer"):
         if t[k]:
             print(f"\n{k} / bare forward + copy, ratio of medians: {med(t[k]) / med(t['bare']):.3f}x wall, "
                   f"{med(cpu[k]) / med(cpu['bare']):.3f}x CPU")
+    if t["capture_peer"]:
+        wr = [a / b for a, b in zip(t["capture"], t["capture_peer"])]
+        cr = [a / b for a, b in zip(cpu["capture"], cpu["capture_peer"])]
+        print(f"\ncapture / capture_peer, median of per-round ratios: {med(wr):.3f}x wall "
+              f"(faster in {sum(x < 1 for x in wr)}/{len(wr)} rounds), {med(cr):.3f}x CPU "
+              f"(less in {sum(x < 1 for x in cr)}/{len(cr)})")
     print(f"\ncapture / model's own forward, positions/s: {rate('capture') / rate('forward'):.1%}")
     if args.fixed:
         print("\n| fixed cost (process start to exit) | wall | CPU s |\n|---|---:|---:|")
