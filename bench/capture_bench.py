@@ -145,6 +145,29 @@ def _disk_rate(where: Path, mb: int = 256) -> float:
     return rate
 
 
+def _direct_rate(where: Path, mb: int = 256) -> tuple[float, bool]:
+    """MB/s of the full store's write path alone (outputs.atomic_file_direct: O_DIRECT through a
+    staging buffer where it pays, 64 MiB files fsynced by name), and whether O_DIRECT was used."""
+    import os
+
+    from logitdiff.outputs import atomic_file_direct, direct_io_pays, direct_stage, fsync_path
+
+    buf = os.urandom(1 << 20) * 64
+    direct = direct_io_pays(where)
+    stage = direct_stage() if direct else None
+    used = False
+    t = time.perf_counter()
+    for k in range(max(1, mb // 64)):
+        with atomic_file_direct(where / f".direct{k}", stage, direct) as f:
+            f.write(buf)
+            used = f.direct
+        fsync_path(where / f".direct{k}")
+    rate = max(1, mb // 64) * 64 / (time.perf_counter() - t)
+    for k in range(max(1, mb // 64)):
+        (where / f".direct{k}").unlink()
+    return rate, used
+
+
 def _bare_forward_copy(model, pairs, batch: int, block: int, device, copy: bool = True) -> int:
     """The least a capture must do: one right-padded forward of ``prompt + teacher[:-1]``,
     the head on the output positions, every bf16 row copied to a host array (``copy``;
@@ -290,12 +313,15 @@ def wide(args) -> None:
         print(json.dumps({"round": r, **{k: [round(x, 3) for x in v] for k, v in row.items()},
                           "load1": os.getloadavg()[0]}), flush=True)
     disk = _disk_rate(outdir)
+    direct, used = _direct_rate(outdir)
     med = statistics.median
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(f"\nV = {args.vocab:,}, hidden {args.hidden}, {len(pairs)} items x {args.tokens} tokens = {n_pos} positions, "
           f"{where}, median of {args.repeats} interleaved rounds; RUNs written to {outdir} "
           f"({disk:,.0f} MB/s written in 64 MiB fsynced files, measured after the rounds; a full row is "
-          f"{2 * args.vocab / 1e3:,.0f} KB: {disk * 1e6 / (2 * args.vocab):,.0f} positions/s at most)")
+          f"{2 * args.vocab / 1e3:,.0f} KB: {disk * 1e6 / (2 * args.vocab):,.0f} positions/s at most; through the full "
+          f"store's writer ({'O_DIRECT' if used else 'page cache'}): {direct:,.0f} MB/s, "
+          f"{direct * 1e6 / (2 * args.vocab):,.0f} positions/s at most)")
     print("| what | wall | positions/s | wall vs forward + copy | CPU s | CPU vs forward + copy | system CPU s |\n"
           "|---|---:|---:|---:|---:|---:|---:|")
     rate = lambda k: n_pos / med(t[k])  # noqa: E731
