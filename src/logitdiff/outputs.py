@@ -220,10 +220,15 @@ class DirectFile:
             self._write_all(mv)
             start_writeback(self.fd)
         else:
-            stage, cap, o = self._stage, len(self._stage), 0
+            import numpy as np
+
+            # numpy's copy lets go of the GIL (a memoryview's does not): the caller's thread
+            # runs on while a large block is staged
+            stage, src = np.frombuffer(self._stage, np.uint8), np.frombuffer(mv, np.uint8)
+            cap, o = len(stage), 0
             while o < n:
                 k = min(cap - self._fill, n - o)
-                stage[self._fill : self._fill + k] = mv[o : o + k]
+                stage[self._fill : self._fill + k] = src[o : o + k]
                 self._fill += k
                 o += k
                 if self._fill == cap:
