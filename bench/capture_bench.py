@@ -38,7 +38,7 @@ the capture, can be the limit; ``--out-dir /dev/shm/X`` shows the capture apart 
 logitdiff (``DIR/logitdiff``, e.g. main's ``src``: the "before" of a change), with its own
 source object over the same model files, and the median of the per-round ratios of the two captures. ``--device cuda`` runs the per-position part on a GPU, ``--hidden-store`` also captures
 ``--store hidden`` and reads it back, ``--no-fixed`` skips the processes
-(bench/gpu_check.sh uses all three).
+(bench/gpu_check.sh uses all three), ``--read-back`` reads each captured RUN back at once.
 """
 
 from __future__ import annotations
@@ -211,6 +211,18 @@ def _read_rate(run) -> float:
     return time.perf_counter() - t
 
 
+def _read_all(run) -> int:
+    """Every stored row of a RUN read back through RunReader in chunk-sized blocks, each byte
+    touched (a full RUN's blocks are memory-mapped: nothing is read until touched)."""
+    import numpy as np
+
+    from logitdiff.store import RunReader, rows_per_block
+
+    r = RunReader(run)
+    return sum(int(np.asarray(b).sum(dtype=np.uint64)) & 1
+               for b in r.row_blocks(r.items(), rows_per_block(r.vocab_size, None, 2), raw=True))
+
+
 def _peer_package(src_dir: str):
     """The logitdiff package under ``src_dir`` imported as ``logitdiff_peer`` (a copy in a
     temporary directory: its imports are relative), beside this one."""
@@ -273,7 +285,8 @@ def wide(args) -> None:
         pcap, psrc, pstore = _peer_package(args.peer_src)
         peer = (pcap.capture_candidate, psrc(f"hf:{model}{dev},batch={args.batch}"),
                 pstore.RunReader(refs[args.tokens]))
-    keys = ("capture", "capture_peer", "capture_hidden", "read_hidden", "bare", "forward", "fixed", "load", "whole")
+    keys = ("capture", "capture_peer", "read", "read_peer", "capture_hidden", "read_hidden", "bare", "forward", "fixed",
+            "load", "whole")
     t: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in keys}
     sys_cpu: dict[str, list[float]] = {k: [] for k in keys}  # in-process steps only
@@ -294,6 +307,8 @@ def wide(args) -> None:
         for key, fn in caps[r % len(caps):] + caps[: r % len(caps)]:
             out = fresh("cap")
             row[key] = _timed(lambda: fn(out))  # noqa: B023 (called at once)
+            if args.read_back:  # at once, as `logitdiff run` compares a candidate it just captured
+                row[key.replace("capture", "read")] = _timed(lambda: _read_all(out))  # noqa: B023
         row["bare"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device))
         row["forward"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device, copy=False))
         if args.hidden_store:
@@ -327,6 +342,8 @@ def wide(args) -> None:
     rate = lambda k: n_pos / med(t[k])  # noqa: E731
     rows = [("capture_candidate, --store full (in process)", "capture"),
             (f"capture_candidate of {args.peer_src}, --store full (in process)", "capture_peer"),
+            ("read back every row of that RUN at once (RunReader, each byte touched)", "read"),
+            (f"read back the RUN of {args.peer_src}'s capture", "read_peer"),
             ("bare forward + bf16 rows copied to host", "bare"),
             ("model's own forward (base + head, rows stay on the device)", "forward"),
             ("capture_candidate, --store hidden (in process)", "capture_hidden"), ("read the hidden-state run (decode)", "read_hidden")]
@@ -345,6 +362,12 @@ def wide(args) -> None:
         print(f"\ncapture / capture_peer, median of per-round ratios: {med(wr):.3f}x wall "
               f"(faster in {sum(x < 1 for x in wr)}/{len(wr)} rounds), {med(cr):.3f}x CPU "
               f"(less in {sum(x < 1 for x in cr)}/{len(cr)})")
+        if t["read"] and t["read_peer"]:
+            both = lambda d, k: [a + b for a, b in zip(d[f"capture{k}"], d[f"read{k}"])]  # noqa: E731
+            wr = [a / b for a, b in zip(both(t, ""), both(t, "_peer"))]
+            cr = [a / b for a, b in zip(both(cpu, ""), both(cpu, "_peer"))]
+            print(f"capture + read back / the same of capture_peer, median of per-round ratios: {med(wr):.3f}x wall "
+                  f"(faster in {sum(x < 1 for x in wr)}/{len(wr)}), {med(cr):.3f}x CPU (less in {sum(x < 1 for x in cr)}/{len(cr)})")
     print(f"\ncapture / model's own forward, positions/s: {rate('capture') / rate('forward'):.1%}")
     if args.fixed:
         print("\n| fixed cost (process start to exit) | wall | CPU s |\n|---|---:|---:|")
@@ -368,6 +391,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="--wide: cpu or cuda")
     ap.add_argument("--hidden-store", action="store_true", help="--wide: also capture --store hidden and read it back")
     ap.add_argument("--no-fixed", dest="fixed", action="store_false", help="--wide: skip the fixed-cost processes")
+    ap.add_argument("--read-back", action="store_true", help="--wide: after each capture, read every row of its RUN "
+                    "back at once (what a compare right after the capture pays: page cache or disk)")
     ap.add_argument("--peer-src", help="--wide: also time the capture of the logitdiff package under this src dir "
                     "(e.g. main's), same process and rounds")
     ap.add_argument("--out-dir", help="--wide: where the captured RUNs go (default WORK; /dev/shm: apart from the disk)")
