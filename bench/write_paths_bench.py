@@ -6,7 +6,8 @@ blocks x 67 rows x V = 248,320 bf16 (537 MB), interleaved rounds, each file made
   before issue 24's O_DIRECT round);
 * ``dontneed``: the same, then POSIX_FADV_DONTNEED after each fsync (drop the written pages);
 * ``direct``: outputs.atomic_file_direct, O_DIRECT through a 16 MiB page-aligned staging
-  buffer (the full store's writer now; the page cache where the file system does not pay).
+  buffer, always tried (the full store's writer uses it only where outputs.direct_io_pays:
+  on tmpfs, which accepts O_DIRECT since Linux 6.6, this row shows the copy that avoids).
 
 Reported per pattern: wall, this process's CPU (user, system) and the whole machine's busy
 CPU (from /proc/stat: the kernel's writeback threads included, and anything else running).
