@@ -147,3 +147,40 @@ def test_failed_chunk_stops_listing_then_resume_clears_unlisted(tmp_path, store_
     else:
         again.finish()
         assert [it.id for it in RunReader(tmp_path / "run").items()] == ["i0"]
+
+
+def test_writer_queue_is_bounded_by_chunk_bytes_and_forgets_done_tasks(tmp_path):
+    """With the writer thread held, the producer queues blocks up to chunk_bytes and then
+    waits (memory bounded by a chunk, whatever the block size); released, finished tasks are
+    dropped from the queue as the producer goes on (no queue growing with the output)."""
+    row = V * 4
+    w = _writer(tmp_path / "run", chunk_rows=10**6, chunk_bytes=8 * row)
+    gate = threading.Event()
+    w._send(0, gate.wait, 30)  # the writer thread is busy until the gate opens
+    it, lg = _item(0, 40)
+    w.begin_item(it)
+    sent = threading.Event()
+    progress: list[int] = []
+
+    def produce():
+        for r in range(39):  # one-row blocks
+            w.add_rows(lg[r : r + 1])
+            progress.append(r)
+        sent.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    time.sleep(0.5)
+    assert not sent.is_set() and len(progress) == 8  # 8 rows of bytes queued, the 9th waits
+    assert w._queued == 8 * row
+    gate.set()
+    t.join(30)
+    assert sent.is_set()
+    w._pending[-1][0].result()
+    w.add_rows(lg[39:])  # within the item: the 39 tasks done are forgotten here
+    assert len(w._pending) == 1 and w._queued == row
+    w.end_item()
+    w.add(*_item(1, 1))
+    w.finish()
+    assert [x.id for x in RunReader(tmp_path / "run").items()] == ["i0", "i1"]
+    np.testing.assert_array_equal(RunReader(tmp_path / "run").logits(RunReader(tmp_path / "run").items()[0]), lg)

@@ -28,6 +28,7 @@ import hashlib
 import json
 import time
 import zipfile
+from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -330,7 +331,8 @@ class RunWriter(_KindViews):
         # issue 24). The syncer may trail the writer by at most SYNC_LAG chunks (written, not listed).
         self._pool: ThreadPoolExecutor | None = None
         self._syncer: ThreadPoolExecutor | None = None
-        self._pending: list = []  # the writer's futures with the bytes of their blocks, in order
+        self._pending: deque = deque()  # the writer's futures with the bytes of their blocks, in order
+        self._queued = 0  # bytes of the blocks in _pending
         self._syncing: list = []  # the syncer's futures, in chunk order
         self._sync_failed = False  # a chunk failed to become durable: no later chunk is listed
         self._chunk_file: Any = None  # the writer thread's: the chunk being filled (kind.open_chunk)
@@ -533,11 +535,17 @@ class RunWriter(_KindViews):
 
     def _send(self, nbytes: int, fn, *args):
         """``fn(*args)`` queued for the writer thread; first, while more than ``chunk_bytes``
-        of blocks are queued there, wait for the oldest (memory bounded by a chunk)."""
-        while self._pending and sum(b for _, b in self._pending) + nbytes > self.chunk_bytes:
-            self._pending.pop(0)[0].result()
+        of blocks are queued there, wait for the oldest (memory bounded by a chunk). Tasks
+        done are forgotten as they finish (their errors raised here), so the queue holds
+        only what the writer has not done, however small the blocks."""
+        pending = self._pending
+        while pending and (pending[0][0].done() or self._queued + nbytes > self.chunk_bytes):
+            done, b = pending.popleft()
+            self._queued -= b
+            done.result()
         future = self._threads()[0].submit(fn, *args)
-        self._pending.append((future, nbytes))
+        pending.append((future, nbytes))
+        self._queued += nbytes
         return future
 
     def _threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
@@ -556,13 +564,14 @@ class RunWriter(_KindViews):
 
     def _raise_failed(self) -> None:
         done = [f for f, _ in self._pending if f.done()] + [f for f in self._syncing if f.done()]
-        self._pending = [(f, b) for f, b in self._pending if not f.done()]
+        self._pending = deque((f, b) for f, b in self._pending if not f.done())
+        self._queued = sum(b for _, b in self._pending)
         self._syncing = [f for f in self._syncing if not f.done()]
         for f in done:
             f.result()  # re-raises the writer's (or syncer's) exception in the caller
 
     def _drain_writes(self) -> None:
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._queued = self._pending, deque(), 0
         for f, _ in pending:
             f.result()
 
