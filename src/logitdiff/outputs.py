@@ -190,9 +190,10 @@ class DirectFile:
     C-contiguous buffer. With O_DIRECT the device reads the bytes from the staging buffer: no
     copy into the page cache and no writeback by the kernel afterwards (on this project's VM
     those were ~0.4 CPU s per 0.5 GB, beside the model's forward). ``direct`` says whether
-    O_DIRECT is in use: a file system that refuses it (EINVAL at open or at the first write:
-    tmpfs, some FUSE and network file systems) gets the same bytes through the page cache,
-    writeback started after each ``write``. ``head``, when set before the file is finished
+    O_DIRECT is in use: a file system that refuses it (EINVAL at open, or at a write: tmpfs
+    before Linux 6.6, some FUSE and network file systems, alignments beyond DIRECT_ALIGN)
+    gets the same bytes, in order, through the page cache, writeback started after each
+    ``write``. ``head``, when set before the file is finished
     (a multiple of DIRECT_ALIGN bytes), replaces the file's first bytes: a header that
     describes what follows it, written after it."""
 
