@@ -30,14 +30,15 @@ WORK once), ``--items`` (2) items x ``--tokens`` (512) teacher tokens:
   start to exit (the CLI's exit included).
 
 Every step is reported in wall and in CPU seconds (user + system, all threads: on a shared
-machine they spread far less than wall time), with the fsynced write rate of the output
+machine they spread far less than wall time; the in-process steps also in system CPU, where
+the kernel's copy of the rows into the page cache and their writeback show), with the fsynced write rate of the output
 directory measured in the same invocation (a full bf16 row is 2 V bytes: a slow disk, not
 the capture, can be the limit; ``--out-dir /dev/shm/X`` shows the capture apart from it).
 ``--peer-src DIR`` also times, in the same process and rounds, the capture of another
 logitdiff (``DIR/logitdiff``, e.g. main's ``src``: the "before" of a change), with its own
-source object over the same model files. ``--device cuda`` runs the per-position part on a GPU, ``--hidden-store`` also captures
+source object over the same model files, and the median of the per-round ratios of the two captures. ``--device cuda`` runs the per-position part on a GPU, ``--hidden-store`` also captures
 ``--store hidden`` and reads it back, ``--no-fixed`` skips the processes
-(bench/gpu_check.sh uses all three).
+(bench/gpu_check.sh uses all three), ``--read-back`` reads each captured RUN back at once.
 """
 
 from __future__ import annotations
@@ -116,11 +117,14 @@ def _wall(cmd: list[str]) -> tuple[float, float]:
     return w, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 
 
-def _timed(fn) -> tuple[float, float]:
-    """(wall, CPU seconds of this process, all threads) of ``fn()``."""
+def _timed(fn) -> tuple[float, float, float]:
+    """(wall, CPU seconds of this process (all threads), of it system CPU) of ``fn()``."""
+    import resource
+
+    s = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     c, t = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - t, time.process_time() - c
+    return time.perf_counter() - t, time.process_time() - c, resource.getrusage(resource.RUSAGE_SELF).ru_stime - s
 
 
 def _disk_rate(where: Path, mb: int = 256) -> float:
@@ -139,6 +143,29 @@ def _disk_rate(where: Path, mb: int = 256) -> float:
     for k in range(max(1, mb // 64)):
         (where / f".disk{k}").unlink()
     return rate
+
+
+def _direct_rate(where: Path, mb: int = 256) -> tuple[float, bool]:
+    """MB/s of the full store's write path alone (outputs.atomic_file_direct: O_DIRECT through a
+    staging buffer where it pays, 64 MiB files fsynced by name), and whether O_DIRECT was used."""
+    import os
+
+    from logitdiff.outputs import atomic_file_direct, direct_io_pays, direct_stage, fsync_path
+
+    buf = os.urandom(1 << 20) * 64
+    direct = direct_io_pays(where)
+    stage = direct_stage() if direct else None
+    used = False
+    t = time.perf_counter()
+    for k in range(max(1, mb // 64)):
+        with atomic_file_direct(where / f".direct{k}", stage, direct) as f:
+            f.write(buf)
+            used = f.direct
+        fsync_path(where / f".direct{k}")
+    rate = max(1, mb // 64) * 64 / (time.perf_counter() - t)
+    for k in range(max(1, mb // 64)):
+        (where / f".direct{k}").unlink()
+    return rate, used
 
 
 def _bare_forward_copy(model, pairs, batch: int, block: int, device, copy: bool = True) -> int:
@@ -182,6 +209,18 @@ def _read_rate(run) -> float:
     for _ in r.row_blocks(r.items(), rows_per_block(r.vocab_size, None, 2), raw=True):
         pass
     return time.perf_counter() - t
+
+
+def _read_all(run) -> int:
+    """Every stored row of a RUN read back through RunReader in chunk-sized blocks, each byte
+    touched (a full RUN's blocks are memory-mapped: nothing is read until touched)."""
+    import numpy as np
+
+    from logitdiff.store import RunReader, rows_per_block
+
+    r = RunReader(run)
+    return sum(int(np.asarray(b).sum(dtype=np.uint64)) & 1
+               for b in r.row_blocks(r.items(), rows_per_block(r.vocab_size, None, 2), raw=True))
 
 
 def _peer_package(src_dir: str):
@@ -246,9 +285,11 @@ def wide(args) -> None:
         pcap, psrc, pstore = _peer_package(args.peer_src)
         peer = (pcap.capture_candidate, psrc(f"hf:{model}{dev},batch={args.batch}"),
                 pstore.RunReader(refs[args.tokens]))
-    keys = ("capture", "capture_peer", "capture_hidden", "read_hidden", "bare", "forward", "fixed", "load", "whole")
-    t = {k: [] for k in keys}
-    cpu = {k: [] for k in keys}
+    keys = ("capture", "capture_peer", "read", "read_peer", "capture_hidden", "read_hidden", "bare", "forward", "fixed",
+            "load", "whole")
+    t: dict[str, list[float]] = {k: [] for k in keys}
+    cpu: dict[str, list[float]] = {k: [] for k in keys}
+    sys_cpu: dict[str, list[float]] = {k: [] for k in keys}  # in-process steps only
 
     def fresh(name: str) -> Path:
         shutil.rmtree(outdir / name, ignore_errors=True)  # outside the timed part
@@ -266,6 +307,8 @@ def wide(args) -> None:
         for key, fn in caps[r % len(caps):] + caps[: r % len(caps)]:
             out = fresh("cap")
             row[key] = _timed(lambda: fn(out))  # noqa: B023 (called at once)
+            if args.read_back:  # at once, as `logitdiff run` compares a candidate it just captured
+                row[key.replace("capture", "read")] = _timed(lambda: _read_all(out))  # noqa: B023
         row["bare"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device))
         row["forward"] = _timed(lambda: _bare_forward_copy(src.model, pairs, args.batch, block, src.device, copy=False))
         if args.hidden_store:
@@ -278,33 +321,53 @@ def wide(args) -> None:
             row["whole"] = _wall(cli + ["capture", f"hf:{model}{dev},batch={args.batch}", "--teacher", str(refs[args.tokens]),
                                         "--out", str(fresh("capw"))])
         if r:
-            for k, (w, c) in row.items():
+            for k, (w, c, *sy) in row.items():
                 t[k].append(w)
                 cpu[k].append(c)
-        print(json.dumps({"round": r, **{k: [round(w, 3), round(c, 3)] for k, (w, c) in row.items()},
+                sys_cpu[k].extend(sy)
+        print(json.dumps({"round": r, **{k: [round(x, 3) for x in v] for k, v in row.items()},
                           "load1": os.getloadavg()[0]}), flush=True)
     disk = _disk_rate(outdir)
+    direct, used = _direct_rate(outdir)
     med = statistics.median
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(f"\nV = {args.vocab:,}, hidden {args.hidden}, {len(pairs)} items x {args.tokens} tokens = {n_pos} positions, "
           f"{where}, median of {args.repeats} interleaved rounds; RUNs written to {outdir} "
           f"({disk:,.0f} MB/s written in 64 MiB fsynced files, measured after the rounds; a full row is "
-          f"{2 * args.vocab / 1e3:,.0f} KB: {disk * 1e6 / (2 * args.vocab):,.0f} positions/s at most)")
-    print("| what | wall | positions/s | wall vs forward + copy | CPU s | CPU vs forward + copy |\n|---|---:|---:|---:|---:|---:|")
+          f"{2 * args.vocab / 1e3:,.0f} KB: {disk * 1e6 / (2 * args.vocab):,.0f} positions/s at most; through the full "
+          f"store's writer ({'O_DIRECT' if used else 'page cache'}): {direct:,.0f} MB/s, "
+          f"{direct * 1e6 / (2 * args.vocab):,.0f} positions/s at most)")
+    print("| what | wall | positions/s | wall vs forward + copy | CPU s | CPU vs forward + copy | system CPU s |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
     rate = lambda k: n_pos / med(t[k])  # noqa: E731
     rows = [("capture_candidate, --store full (in process)", "capture"),
             (f"capture_candidate of {args.peer_src}, --store full (in process)", "capture_peer"),
+            ("read back every row of that RUN at once (RunReader, each byte touched)", "read"),
+            (f"read back the RUN of {args.peer_src}'s capture", "read_peer"),
             ("bare forward + bf16 rows copied to host", "bare"),
             ("model's own forward (base + head, rows stay on the device)", "forward"),
             ("capture_candidate, --store hidden (in process)", "capture_hidden"), ("read the hidden-state run (decode)", "read_hidden")]
     for name, k in rows:
         if t[k]:
             print(f"| {name} | {med(t[k]):.2f} s | {rate(k):,.0f} | {med(a / b for a, b in zip(t[k], t['bare'])):.3f}x "
-                  f"| {med(cpu[k]):.2f} | {med(a / b for a, b in zip(cpu[k], cpu['bare'])):.3f}x |")
+                  f"| {med(cpu[k]):.2f} | {med(a / b for a, b in zip(cpu[k], cpu['bare'])):.3f}x "
+                  f"| {med(sys_cpu[k]) if sys_cpu[k] else float('nan'):.2f} |")
     for k in ("capture", "capture_peer"):
         if t[k]:
             print(f"\n{k} / bare forward + copy, ratio of medians: {med(t[k]) / med(t['bare']):.3f}x wall, "
                   f"{med(cpu[k]) / med(cpu['bare']):.3f}x CPU")
+    if t["capture_peer"]:
+        wr = [a / b for a, b in zip(t["capture"], t["capture_peer"])]
+        cr = [a / b for a, b in zip(cpu["capture"], cpu["capture_peer"])]
+        print(f"\ncapture / capture_peer, median of per-round ratios: {med(wr):.3f}x wall "
+              f"(faster in {sum(x < 1 for x in wr)}/{len(wr)} rounds), {med(cr):.3f}x CPU "
+              f"(less in {sum(x < 1 for x in cr)}/{len(cr)})")
+        if t["read"] and t["read_peer"]:
+            both = lambda d, k: [a + b for a, b in zip(d[f"capture{k}"], d[f"read{k}"])]  # noqa: E731
+            wr = [a / b for a, b in zip(both(t, ""), both(t, "_peer"))]
+            cr = [a / b for a, b in zip(both(cpu, ""), both(cpu, "_peer"))]
+            print(f"capture + read back / the same of capture_peer, median of per-round ratios: {med(wr):.3f}x wall "
+                  f"(faster in {sum(x < 1 for x in wr)}/{len(wr)}), {med(cr):.3f}x CPU (less in {sum(x < 1 for x in cr)}/{len(cr)})")
     print(f"\ncapture / model's own forward, positions/s: {rate('capture') / rate('forward'):.1%}")
     if args.fixed:
         print("\n| fixed cost (process start to exit) | wall | CPU s |\n|---|---:|---:|")
@@ -328,6 +391,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="--wide: cpu or cuda")
     ap.add_argument("--hidden-store", action="store_true", help="--wide: also capture --store hidden and read it back")
     ap.add_argument("--no-fixed", dest="fixed", action="store_false", help="--wide: skip the fixed-cost processes")
+    ap.add_argument("--read-back", action="store_true", help="--wide: after each capture, read every row of its RUN "
+                    "back at once (what a compare right after the capture pays: page cache or disk)")
     ap.add_argument("--peer-src", help="--wide: also time the capture of the logitdiff package under this src dir "
                     "(e.g. main's), same process and rounds")
     ap.add_argument("--out-dir", help="--wide: where the captured RUNs go (default WORK; /dev/shm: apart from the disk)")

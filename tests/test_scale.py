@@ -28,6 +28,7 @@ from logitdiff.topk_error import topk_error  # noqa: E402
 from logitdiff.sources.hf import HFSource  # noqa: E402
 from logitdiff.store import RunReader, bf16_to_f32, rows_per_block  # noqa: E402
 from logitdiff.workload import Item  # noqa: E402
+from logitdiff.storekinds.rows import NPY_DATA_OFFSET  # noqa: E402
 
 V = WIDE_VOCAB
 CHUNK = 4 << 20  # 4 rows of float32 at V = 248,320 per block; 8 bf16 rows per chunk file
@@ -82,7 +83,7 @@ def test_reference_stores_bf16_bits_two_bytes_per_entry(runs):
     n = ref.manifest["n_positions"]
     assert n == sum(len(it.teacher_ids) for it in ref.items()) == 120 + 80  # eos cannot win: full length
     data = sum((ref.path / "chunks" / c["data"]).stat().st_size for c in ref.manifest["chunks"])
-    hdr = 128 * len(ref.manifest["chunks"])  # one .npy header per chunk
+    hdr = NPY_DATA_OFFSET * len(ref.manifest["chunks"])  # one .npy header page per chunk
     assert data == n * V * 2 + hdr
     # items ran on across chunk files (8 bf16 rows each at this chunk size)
     assert len(ref.manifest["chunks"]) >= n // 8

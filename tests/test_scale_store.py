@@ -10,6 +10,7 @@ import pytest
 
 from logitdiff import metrics as M
 from logitdiff.errors import LogitdiffError
+from logitdiff.storekinds.rows import NPY_DATA_OFFSET
 from logitdiff.store import (
     RunItem,
     RunReader,
@@ -68,7 +69,7 @@ def test_items_span_chunks_flushed_by_bytes(tmp_path, dtype):
         raw = np.concatenate(list(r.row_blocks(items, 1000, raw=True)))
         assert raw.dtype == np.uint16 and np.array_equal(bf16_to_f32(raw), cat)
         data = sum((r.path / "chunks" / c["data"]).stat().st_size for c in r.manifest["chunks"])
-        assert data == sum(SIZES) * V * 2 + 128 * len(rows)  # 2 bytes per entry + .npy headers
+        assert data == sum(SIZES) * V * 2 + NPY_DATA_OFFSET * len(rows)  # 2 bytes per entry + .npy header pages
 
 
 def test_item_rows_must_match_positions(tmp_path):

@@ -4,8 +4,11 @@ blocking fsync; the syncer fsyncs them and only then lists the chunk in the mani
 written but never listed."""
 
 import json
+import resource
+import signal
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -14,7 +17,6 @@ from _runs import finish_resumed
 import logitdiff.store as store
 from logitdiff.errors import LogitdiffError
 from logitdiff.store import SYNC_LAG, RunItem, RunReader, RunWriter
-from logitdiff.storekinds.full import FullStore
 
 V = 64
 
@@ -104,18 +106,28 @@ def test_syncer_lag_is_bounded(tmp_path, monkeypatch):
     assert [it.id for it in RunReader(tmp_path / "run").items()] == [f"i{k}" for k in range(n)]
 
 
-def test_failed_chunk_stops_listing_then_resume_clears_unlisted(tmp_path, monkeypatch):
-    real_save = FullStore.save_chunk
+@contextmanager
+def file_size_limit(nbytes: int):
+    """A real write failure: RLIMIT_FSIZE makes any write past ``nbytes`` of a file fail with
+    EFBIG (SIGXFSZ ignored), as a full disk fails a write with ENOSPC."""
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_handler)
 
-    def save_chunk(self, path, blocks):
-        if path.name.startswith("000001."):
-            raise LogitdiffError(f"{path}: no space left on device")
-        real_save(self, path, blocks)
 
-    monkeypatch.setattr(FullStore, "save_chunk", save_chunk)
-    w = _writer(tmp_path / "run", chunk_rows=4)  # chunk 0: the rows of i0 and i1, i0 ends there
-    data = [_item(i) for i in range(6)]
-    with pytest.raises(LogitdiffError, match="000001.logits.npy: no space left on device|earlier chunk"):
+@pytest.mark.parametrize("store_text", ["full", "topk:5"])
+def test_failed_chunk_stops_listing_then_resume_clears_unlisted(tmp_path, store_text):
+    # chunk 0: the rows of i0 and i1 (6 rows, ~5.6 KB full, ~2 KB top-K), i0 ends there;
+    # chunk 1: i1's end and the 60 rows of i2 (~21 KB full, ~5 KB top-K): past the limit
+    data = [_item(0), _item(1), _item(2, 60), _item(3), _item(4)]
+    limit = 8192 if store_text == "full" else 4096
+    w = _writer(tmp_path / "run", chunk_rows=4, store=store_text)
+    with file_size_limit(limit), pytest.raises(LogitdiffError, match=r"000001\.[a-z.]+: cannot write \(File too large\)|earlier"):
         for it, lg in data:
             w.add(it, logits=lg)
         w.finish()
@@ -125,9 +137,50 @@ def test_failed_chunk_stops_listing_then_resume_clears_unlisted(tmp_path, monkey
         pass
     m = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert m["status"] == "partial" and [c["index"] for c in m["chunks"]] == [0]
-    monkeypatch.setattr(FullStore, "save_chunk", real_save)
-    again = _writer(tmp_path / "run", chunk_rows=4, resume=True)
-    # chunks written after the failed one were never listed: gone, not read as the resumed run's
-    assert sorted(p.name for p in (tmp_path / "run" / "chunks").iterdir()) == ["000000.items.jsonl", "000000.logits.npy"]
+    # the failed chunk's temporary is gone and nothing after it was written
+    suffix = m["chunks"][0]["data"].split(".", 1)[1]
+    assert sorted(p.name for p in (tmp_path / "run" / "chunks").iterdir()) == ["000000.items.jsonl", f"000000.{suffix}"]
+    again = _writer(tmp_path / "run", chunk_rows=4, resume=True, store=store_text)
     assert again.done_ids() == {"i0"}
-    finish_resumed(again, data)
+    if store_text == "full":
+        finish_resumed(again, data)
+    else:
+        again.finish()
+        assert [it.id for it in RunReader(tmp_path / "run").items()] == ["i0"]
+
+
+def test_writer_queue_is_bounded_by_chunk_bytes_and_forgets_done_tasks(tmp_path):
+    """With the writer thread held, the producer queues blocks up to chunk_bytes and then
+    waits (memory bounded by a chunk, whatever the block size); released, finished tasks are
+    dropped from the queue as the producer goes on (no queue growing with the output)."""
+    row = V * 4
+    w = _writer(tmp_path / "run", chunk_rows=10**6, chunk_bytes=8 * row)
+    gate = threading.Event()
+    w._send(0, gate.wait, 30)  # the writer thread is busy until the gate opens
+    it, lg = _item(0, 40)
+    w.begin_item(it)
+    sent = threading.Event()
+    progress: list[int] = []
+
+    def produce():
+        for r in range(39):  # one-row blocks
+            w.add_rows(lg[r : r + 1])
+            progress.append(r)
+        sent.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    time.sleep(0.5)
+    assert not sent.is_set() and len(progress) == 8  # 8 rows of bytes queued, the 9th waits
+    assert w._queued == 8 * row
+    gate.set()
+    t.join(30)
+    assert sent.is_set()
+    w._pending[-1][0].result()
+    w.add_rows(lg[39:])  # within the item: the 39 tasks done are forgotten here
+    assert len(w._pending) == 1 and w._queued == row
+    w.end_item()
+    w.add(*_item(1, 1))
+    w.finish()
+    assert [x.id for x in RunReader(tmp_path / "run").items()] == ["i0", "i1"]
+    np.testing.assert_array_equal(RunReader(tmp_path / "run").logits(RunReader(tmp_path / "run").items()[0]), lg)

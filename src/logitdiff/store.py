@@ -28,6 +28,7 @@ import hashlib
 import json
 import time
 import zipfile
+from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,12 +262,14 @@ class RunWriter(_KindViews):
     them), ``add_topk(ids, logprobs)`` (a top-K source's rows) or ``add_rows(stored=block)``
     (rows already in the kind's stored form, e.g. ``topk=dict`` of ids, logprobs, logsumexp,
     tail_mass, entropy) as often as the source hands out blocks, then ``end_item()``;
-    ``add(item, ...)`` does all three for a whole item. Rows
-    are buffered and written as a chunk once ``chunk_bytes`` of them are buffered (or
-    ``chunk_rows`` rows, when given) — also in the middle of an item, whose rows then run on
-    into the next chunk. An item is listed in the items file of the chunk where its rows
-    end, so a killed capture leaves no half item behind. ``finish()`` marks the run complete.
-    Memory: the buffered chunk plus at most one chunk being written.
+    ``add(item, ...)`` does all three for a whole item. Each block goes to the writer
+    thread as it comes, into the current chunk's file (``StoreKind.open_chunk``: full rows
+    are written at once, other kinds keep them until the chunk closes); a chunk closes once
+    ``chunk_bytes`` of rows are in it (or ``chunk_rows`` rows, when given) — also in the
+    middle of an item, whose rows then run on into the next chunk. An item is listed in the
+    items file of the chunk where its rows end, so a killed capture leaves no half item
+    behind. ``finish()`` marks the run complete. Memory: the blocks of the chunk being
+    filled (kinds that keep them) plus at most ``chunk_bytes`` of blocks queued for the writer.
 
     One writer per RUN: the constructor takes the RUN's lock (``outputs.locked``, the one
     ``logitdiff capture`` takes; a writer opened inside ``outputs.writing`` re-enters it) and
@@ -312,26 +315,28 @@ class RunWriter(_KindViews):
         self.chunk_bytes = int(chunk_bytes or DEFAULT_CHUNK_BYTES)
         self.chunk_rows = int(chunk_rows) if chunk_rows else max(1, self.chunk_bytes // max(1, self.row_bytes))
         self._buf_items: list[RunItem] = []
-        self._buf_rows: list = []
-        self._nrows = 0
+        self._nrows = 0  # rows handed to the writer for the chunk being filled
         self._cur: RunItem | None = None
         self._cur_rows = 0
-        # Chunks are written by one background thread, in order, while the caller computes
-        # the next rows; at most one chunk is in flight there: a producer faster than the
-        # disk waits rather than piling chunks up in memory. The files are written whole
-        # (temporary + rename) but not fsynced by that thread (full chunks and items files;
-        # the other kinds' chunk files go through atomic_write_bytes, fsynced there, so the
-        # syncer's fsync finds them clean): a second thread (the syncer)
+        # Blocks are written by one background thread, in order, into the chunk's file as
+        # they come (the full store streams them to the disk while the caller computes the
+        # next rows: after the last forward only the last block is left to write, not a
+        # whole chunk); a producer faster than the disk waits once chunk_bytes of blocks are
+        # queued rather than piling them up in memory. The files are written whole
+        # (temporary + rename) but not fsynced by that thread: a second thread (the syncer)
         # fsyncs each chunk's files and only then lists the chunk in the manifest, so the
         # manifest still names only durable chunks and a kill or a crash leaves whole chunks
-        # behind, while the disk's writeback no longer holds up the writer (at V = 248,320 the
+        # behind, while the disk's flushes do not hold up the writer (at V = 248,320 the
         # producer's wait on a writer that fsynced each 64 MiB chunk fell ~10x, bench/RESULTS.md
         # issue 24). The syncer may trail the writer by at most SYNC_LAG chunks (written, not listed).
         self._pool: ThreadPoolExecutor | None = None
         self._syncer: ThreadPoolExecutor | None = None
-        self._pending: list = []  # the writer's futures
+        self._pending: deque = deque()  # the writer's futures with the bytes of their blocks, in order
+        self._queued = 0  # bytes of the blocks in _pending
         self._syncing: list = []  # the syncer's futures, in chunk order
         self._sync_failed = False  # a chunk failed to become durable: no later chunk is listed
+        self._chunk_file: Any = None  # the writer thread's: the chunk being filled (kind.open_chunk)
+        self._write_failed = False  # the writer thread's: a block was not written, write nothing more
         self._kept_tools: dict[str, dict] = {}  # tools module path -> its copy in the RUN
         mpath = self.path / "manifest.json"
         fresh = {
@@ -405,7 +410,7 @@ class RunWriter(_KindViews):
             # by the writer thread, before any chunk (so durable before the manifest lists one):
             # encoding V strings twice, ~0.06 CPU s at V = 248,320, runs beside the caller's
             # first forward instead of before it
-            self._pending.append(self._threads()[0].submit(self._write_side_files, side))
+            self._send(0, self._write_side_files, side)
         self.kind.write_files(self.path, fresh_start)
         self._next_chunk = len(self.manifest["chunks"])
 
@@ -492,7 +497,7 @@ class RunWriter(_KindViews):
     def _buffer(self, block, n: int) -> None:
         if n == 0:
             return
-        self._buf_rows.append(block)
+        self._send(_nbytes(block), self._append_block, self._next_chunk, block)
         self._nrows += n
         self._cur_rows += n
         if self._nrows >= self.chunk_rows:
@@ -512,24 +517,36 @@ class RunWriter(_KindViews):
             self.flush(wait=False)
 
     def flush(self, wait: bool = True) -> None:
-        """Write the buffered rows as a chunk; by default return once every chunk is on disk.
+        """Close the chunk being filled; by default return once every chunk is on disk.
 
-        ``add_rows`` calls ``flush(wait=False)``: the chunk is handed to the writer thread
-        (after the previous one is written)."""
+        ``add_rows`` calls ``flush(wait=False)``: the chunk's closing is handed to the writer
+        thread (after its blocks)."""
         self._raise_failed()
         if self._buf_items or self._nrows:
-            items, rows, nrows = self._buf_items, self._buf_rows, self._nrows
-            self._buf_items, self._buf_rows, self._nrows = [], [], 0
+            items, nrows = self._buf_items, self._nrows
+            self._buf_items, self._nrows = [], 0
             idx = self._next_chunk
             self._next_chunk += 1
-            pool, syncer = self._threads()
-            self._drain_writes()  # bound memory: one chunk in flight, one buffering
-            self._drain_syncs(keep=SYNC_LAG)  # and a bounded number written but not yet listed
-            written = pool.submit(self._write_chunk, idx, items, rows, nrows)
-            self._pending.append(written)
-            self._syncing.append(syncer.submit(self._list_chunk, written))
+            self._drain_syncs(keep=SYNC_LAG)  # a bounded number written but not yet listed
+            written = self._send(0, self._write_chunk, idx, items, nrows)
+            self._syncing.append(self._threads()[1].submit(self._list_chunk, written))
         if wait:
             self._drain()
+
+    def _send(self, nbytes: int, fn, *args):
+        """``fn(*args)`` queued for the writer thread; first, while more than ``chunk_bytes``
+        of blocks are queued there, wait for the oldest (memory bounded by a chunk). Tasks
+        done are forgotten as they finish (their errors raised here), so the queue holds
+        only what the writer has not done, however small the blocks."""
+        pending = self._pending
+        while pending and (pending[0][0].done() or self._queued + nbytes > self.chunk_bytes):
+            done, b = pending.popleft()
+            self._queued -= b
+            done.result()
+        future = self._threads()[0].submit(fn, *args)
+        pending.append((future, nbytes))
+        self._queued += nbytes
+        return future
 
     def _threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         """The writer and the syncer (started on first use, stopped by ``close``)."""
@@ -546,16 +563,16 @@ class RunWriter(_KindViews):
             atomic_write_json(self.path / name, strings, indent=None)
 
     def _raise_failed(self) -> None:
-        for name in ("_pending", "_syncing"):
-            futures = getattr(self, name)
-            done = [f for f in futures if f.done()]
-            setattr(self, name, [f for f in futures if not f.done()])
-            for f in done:
-                f.result()  # re-raises the writer's (or syncer's) exception in the caller
+        done = [f for f, _ in self._pending if f.done()] + [f for f in self._syncing if f.done()]
+        self._pending = deque((f, b) for f, b in self._pending if not f.done())
+        self._queued = sum(b for _, b in self._pending)
+        self._syncing = [f for f in self._syncing if not f.done()]
+        for f in done:
+            f.result()  # re-raises the writer's (or syncer's) exception in the caller
 
     def _drain_writes(self) -> None:
-        pending, self._pending = self._pending, []
-        for f in pending:
+        pending, self._pending, self._queued = self._pending, deque(), 0
+        for f, _ in pending:
             f.result()
 
     def _drain_syncs(self, keep: int = 0) -> None:
@@ -572,7 +589,8 @@ class RunWriter(_KindViews):
 
     def close(self) -> None:
         """Wait for pending chunks, stop the writer threads and let go of the RUN's lock
-        (``finish`` does this too)."""
+        (``finish`` does this too); a chunk still being filled (rows given, never flushed) is
+        abandoned: its file removed."""
         try:
             self._stop()
         finally:
@@ -587,18 +605,54 @@ class RunWriter(_KindViews):
                 if pool is not None:
                     pool.shutdown(wait=True)
                     setattr(self, name, None)
+            chunk, self._chunk_file = self._chunk_file, None
+            if chunk is not None:
+                chunk.abort()
 
-    def _write_chunk(self, idx: int, items: list[RunItem], rows: list, nrows: int) -> tuple[dict, list[RunItem]]:
-        """The writer thread: a chunk's files, whole under their names, writeback started
-        (not yet durable: :meth:`_list_chunk` does that)."""
+    def _chunk_path(self, idx: int) -> Path:
+        return self.path / "chunks" / f"{idx:06d}.{self.kind.chunk_suffix}"
+
+    def _append_block(self, idx: int, block) -> None:
+        """The writer thread: one stored block into chunk ``idx``'s file (opened by its first)."""
+        if self._write_failed:
+            raise LogitdiffError(f"{self.path}: an earlier block was not written; later blocks are not")
+        try:
+            if self._chunk_file is None:
+                self._chunk_file = self.kind.open_chunk(self._chunk_path(idx))
+            self._chunk_file.append(block)
+        except BaseException:
+            self._abandon_chunk()
+            raise
+
+    def _abandon_chunk(self) -> None:
+        """After a failed write: the chunk's temporary removed, nothing more written."""
+        self._write_failed = True
+        chunk, self._chunk_file = self._chunk_file, None
+        if chunk is not None:
+            try:
+                chunk.abort()
+            except Exception:  # noqa: S110 (the write's own error is the one to report)
+                pass
+
+    def _write_chunk(self, idx: int, items: list[RunItem], nrows: int) -> tuple[dict, list[RunItem]]:
+        """The writer thread: chunk ``idx``'s files closed, whole under their names (not yet
+        durable: :meth:`_list_chunk` does that)."""
+        if self._write_failed:
+            raise LogitdiffError(f"{self.path}: an earlier block was not written; chunk {idx} is not")
         stem = f"{idx:06d}"
-        cdir = self.path / "chunks"
         entry: dict[str, Any] = {"index": idx, "items": f"{stem}.items.jsonl", "rows": nrows, "n_items": len(items),
                  "data": f"{stem}.{self.kind.chunk_suffix}"}
-        self.kind.save_chunk(cdir / entry["data"], rows)
-        text = "".join(json.dumps(it.to_json_in(idx)) + "\n" for it in items)
-        with atomic_file_unsynced(cdir / entry["items"]) as f:
-            f.write(text.encode())
+        try:
+            if self._chunk_file is None:  # a chunk that only closes items whose rows ended in earlier chunks
+                self._chunk_file = self.kind.open_chunk(self._chunk_path(idx))
+            chunk, self._chunk_file = self._chunk_file, None
+            chunk.close()
+            text = "".join(json.dumps(it.to_json_in(idx)) + "\n" for it in items)
+            with atomic_file_unsynced(self.path / "chunks" / entry["items"]) as f:
+                f.write(text.encode())
+        except BaseException:
+            self._abandon_chunk()
+            raise
         return entry, items
 
     def _list_chunk(self, written) -> None:
@@ -638,6 +692,13 @@ class RunWriter(_KindViews):
 
     def _write_manifest(self) -> None:
         atomic_write_json(self.path / "manifest.json", self.manifest)
+
+
+def _nbytes(block) -> int:
+    """Bytes of a block's arrays (an array, or a dict of arrays)."""
+    if isinstance(block, dict):
+        return sum(int(getattr(a, "nbytes", 0)) for a in block.values())
+    return int(getattr(block, "nbytes", 0))
 
 
 def _parse_item_line(path: Path, lineno: int, line: bytes, chunk: int) -> RunItem:

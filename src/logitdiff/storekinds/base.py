@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -27,6 +27,35 @@ from .rows import DTYPES, nonfinite_row
 # One block of rows in a kind's stored or readable form: an array [r, V] (full rows) or a
 # dict of arrays with r rows each (top-K lists, a compact reference, hidden states).
 Block = Any
+
+
+class ChunkFile(Protocol):
+    """A chunk file being written (``StoreKind.open_chunk``): ``append`` each stored block,
+    then ``close`` (whole under its name, not yet durable), or ``abort`` (nothing left)."""
+
+    def append(self, block: Block) -> None: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class KeptBlocks:
+    """The default :class:`ChunkFile`: keeps the blocks and hands them to ``save`` at ``close``."""
+
+    def __init__(self, save) -> None:
+        self._save = save
+        self._blocks: list[Block] = []
+
+    def append(self, block: Block) -> None:
+        self._blocks.append(block)
+
+    def close(self) -> None:
+        blocks, self._blocks = self._blocks, []
+        self._save(blocks)
+
+    def abort(self) -> None:
+        self._blocks = []
 
 
 class RowsForm(str, enum.Enum):
@@ -173,7 +202,15 @@ class StoreKind(ABC):
 
     @abstractmethod
     def save_chunk(self, path: Path, blocks: list[Block]) -> None:
-        """Write the stored blocks (maybe none) as one chunk file, atomically (outputs.py)."""
+        """Write the stored blocks (maybe none) as one chunk file, whole under ``path`` or not
+        at all (outputs.py); not necessarily durable: ``RunWriter`` fsyncs it before listing it."""
+
+    def open_chunk(self, path: Path) -> ChunkFile:
+        """The chunk file ``path`` to be written block by block (``RunWriter``'s writer thread:
+        ``append`` each stored block, then ``close``; ``abort`` on failure). Default: the
+        blocks are kept and written by ``save_chunk`` at ``close``; a kind whose file can
+        take its rows as they come (full rows) overrides it."""
+        return KeptBlocks(lambda blocks: self.save_chunk(path, blocks))
 
     # ------------------------------------------------------------------ reading
     def start_reading(self, run: Path, manifest: dict[str, Any]) -> None:

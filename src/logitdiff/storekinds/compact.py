@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import compact as C
 from ..errors import LogitdiffError
-from ..outputs import atomic_write_bytes
+from ..outputs import atomic_write_bytes_unsynced
 from .base import Block, BlockPlace, RowsForm, StoreKind
 
 
@@ -60,7 +60,7 @@ class CompactStore(StoreKind):
     def save_chunk(self, path: Path, blocks: list[Block]) -> None:
         if not blocks:  # a chunk that only closes items whose rows ended in earlier chunks
             blocks = [C.encode(np.zeros((0, int(self.vocab_size or 0)), np.float32), np.zeros(0, np.int64), self.spec)]
-        atomic_write_bytes(path, C.save_chunk(path, blocks))
+        atomic_write_bytes_unsynced(path, C.save_chunk(path, blocks))  # fsynced by RunWriter before it lists the chunk
 
     def load_chunk(self, path: Path, label: Any) -> Block:
         data = C.load_chunk(path)

@@ -4,7 +4,11 @@ or bf16 as its uint16 bits), one ``.npy`` per chunk, read back memory-mapped.
 A chunk file is written whole or not at all (temporary + rename) but not fsynced here: at
 V = 248,320 a chunk is 64 MiB, and a blocking fsync per chunk kept the writer (and through
 it the capture) waiting on the disk. ``RunWriter`` fsyncs it before the manifest lists the
-chunk; writeback is started after each block, so that fsync mostly finds the data written."""
+chunk. The rows are written with O_DIRECT through one staging buffer per run: the kernel
+neither copies them into the page cache nor writes them back later, work that ran on the
+cores the model's forward needs (bench/RESULTS.md, issue 24 "O_DIRECT"); on a memory file
+system (tmpfs: nothing to spare) or one that refuses O_DIRECT they go through the page
+cache, writeback started per block."""
 
 from __future__ import annotations
 
@@ -15,9 +19,9 @@ import numpy as np
 
 from .. import validate
 from ..errors import LogitdiffError
-from ..outputs import atomic_file_unsynced, start_writeback
-from .base import Block, BlockPlace, RowsForm, StoreKind, check_full_rows
-from .rows import DTYPES, full_values, write_npy_rows
+from ..outputs import direct_io_pays, direct_stage
+from .base import Block, BlockPlace, ChunkFile, RowsForm, StoreKind, check_full_rows
+from .rows import DTYPES, RowsFile, full_values
 
 
 class FullStore(StoreKind):
@@ -26,6 +30,11 @@ class FullStore(StoreKind):
     summary: ClassVar[str] = "native-dtype logits"
     reads_as: ClassVar[RowsForm] = RowsForm.FULL
     chunk_suffix: ClassVar[str] = "logits.npy"
+
+    def __init__(self, text: str, vocab_size: int | None = None, dtype: str | None = None) -> None:
+        super().__init__(text, vocab_size, dtype)
+        self._stage: Any = None  # the writer's O_DIRECT staging buffer (made on the first chunk)
+        self._direct: dict[Path, bool] = {}  # directory -> whether O_DIRECT spares a copy there
 
     def describe(self) -> str:
         return "full logits"
@@ -43,8 +52,24 @@ class FullStore(StoreKind):
 
     def save_chunk(self, path: Path, blocks: list[Block]) -> None:
         """Not durable on return: ``RunWriter`` fsyncs ``path`` before it lists the chunk."""
-        save_npy_rows_unsynced(path, blocks or [np.zeros((0, int(self.vocab_size or 0)), dtype=np.float32)],
-                               self.dtype or "float32")
+        f = self.open_chunk(path)
+        try:
+            for b in blocks:
+                f.append(b)
+        except BaseException:
+            f.abort()
+            raise
+        f.close()
+
+    def open_chunk(self, path: Path) -> ChunkFile:
+        """Rows streamed to ``path`` as they come (rows.RowsFile), O_DIRECT where allowed.
+        One chunk at a time (the writer thread's): the staging buffer is the kind's."""
+        where = Path(path).parent
+        if where not in self._direct:
+            self._direct[where] = direct_io_pays(where)
+        if self._direct[where] and self._stage is None:
+            self._stage = direct_stage()
+        return RowsFile(path, int(self.vocab_size or 0), self.dtype or "float32", self._stage, self._direct[where])
 
     def load_chunk(self, path: Path, label: Any) -> Block:
         data = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -56,14 +81,3 @@ class FullStore(StoreKind):
     def values(self, rows: Block, raw: bool = False) -> Block:
         return full_values(rows, self.dtype, raw)
 
-
-def save_npy_rows_unsynced(path: Path, blocks: list[np.ndarray], dtype: str) -> None:
-    """:func:`rows.atomic_save_npy_rows` without its fsync: renamed into place when whole;
-    writeback of each block is started as soon as it is written, the fsync is the caller's."""
-    with atomic_file_unsynced(path) as f:
-        write_npy_rows(f, blocks, dtype, after_block=_start_writeback)
-
-
-def _start_writeback(f) -> None:
-    f.flush()
-    start_writeback(f.fileno())

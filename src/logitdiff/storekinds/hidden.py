@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import hidden as H
 from ..errors import LogitdiffError
-from ..outputs import atomic_write_bytes
+from ..outputs import atomic_write_bytes_unsynced
 from .base import Block, BlockPlace, RowsForm, StoreKind
 from .rows import DTYPES, atomic_save_npy_rows, full_values
 
@@ -114,7 +114,7 @@ class HiddenStore(StoreKind):
         return rows, int(h.shape[0])
 
     def save_chunk(self, path: Path, blocks: list[Block]) -> None:
-        atomic_write_bytes(path, H.save_chunk(H.stack(blocks, self.head().shape[1])))
+        atomic_write_bytes_unsynced(path, H.save_chunk(H.stack(blocks, self.head().shape[1])))  # fsynced by RunWriter before it lists the chunk
 
     # ------------------------------------------------------------------ reading
     def start_reading(self, run: Path, manifest: dict[str, Any]) -> None:

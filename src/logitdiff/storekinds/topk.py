@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import validate
 from ..errors import LogitdiffError
-from ..outputs import atomic_write_bytes
+from ..outputs import atomic_write_bytes_unsynced
 from .base import Block, BlockPlace, RowsForm, StoreKind
 from .rows import bf16_to_f32
 
@@ -85,7 +85,7 @@ class TopKStore(StoreKind):
             cat = {"ids": np.zeros((0, self._k), np.int64), "logprobs": np.zeros((0, self._k), np.float64)}
         bio = io.BytesIO()
         np.savez(bio, allow_pickle=False, **cat)
-        atomic_write_bytes(path, bio.getvalue())
+        atomic_write_bytes_unsynced(path, bio.getvalue())  # fsynced by RunWriter before it lists the chunk
 
     def load_chunk(self, path: Path, label: Any) -> Block:
         with np.load(path, allow_pickle=False) as z:

@@ -1,0 +1,269 @@
+"""Full chunks streamed to their files block by block, with O_DIRECT on a disk file system and
+through the page cache on a memory one (tmpfs) or where a write refuses O_DIRECT; the header
+page written last. Every path must give the same arrays (np.load, RunReader) as the rows
+given; a failed or killed write leaves nothing a reader or a resume could take for a chunk;
+chunks of the other kinds are fsynced once, by the syncer."""
+
+import errno
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _runs import finish_resumed
+
+import logitdiff.outputs as outputs
+from logitdiff.store import RunItem, RunReader, RunWriter
+from logitdiff.storekinds.rows import NPY_DATA_OFFSET, f32_to_bf16, npy_header_page
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _odirect_works(where: Path) -> bool:
+    """Whether the file system under ``where`` takes an aligned O_DIRECT write."""
+    p = where / ".odirect-probe"
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            os.write(fd, mmap.mmap(-1, 4096))
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        p.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def modes(monkeypatch):
+    """(file name, direct) of every DirectFile finished, in order."""
+    seen: list[tuple[str, bool]] = []
+    real = outputs.DirectFile.finish
+
+    def finish(self):
+        real(self)
+        seen.append((self.path.name, self.direct))
+
+    monkeypatch.setattr(outputs.DirectFile, "finish", finish)
+    return seen
+
+
+def _rows(rng, n: int, V: int, dtype: str) -> np.ndarray:
+    x = rng.normal(0, 4, (n, V))
+    if dtype == "bfloat16":
+        return f32_to_bf16(x.astype(np.float32))
+    return x.astype(dtype)
+
+
+def _write(path, V, dtype, items, chunk_rows, block):
+    w = RunWriter(path, source={"spec": "test:direct"}, vocab_size=V, tokenizer_hash="sha256:t", dtype=dtype,
+                  chunk_rows=chunk_rows)
+    for it, lg in items:
+        w.begin_item(it)
+        for a in range(0, len(lg), block):
+            w.add_rows(lg[a : a + block])
+        w.end_item()
+    w.finish()
+
+
+def _items(V, dtype, sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(RunItem(id=f"i{k}", prompt_ids=[1], teacher_ids=rng.integers(0, V, n).tolist(), positions=list(range(n))),
+             _rows(rng, n, V, dtype)) for k, n in enumerate(sizes)]
+
+
+def _check_run(path: Path, items, V: int, dtype: str) -> None:
+    """RunReader gives the rows back bit for bit; every chunk file is a plain .npy whose rows
+    start at NPY_DATA_OFFSET and whose size is exactly header + rows (the padding cut)."""
+    r = RunReader(path)
+    assert [g.id for g in r.items()] == [it.id for it, _ in items]
+    for g, (_, lg) in zip(r.items(), items):
+        got = r.logits(g)  # bf16 rows widened to float32 (exact): back to their bits
+        np.testing.assert_array_equal(f32_to_bf16(got) if dtype == "bfloat16" else got, lg)
+    allrows = np.concatenate([lg for _, lg in items])
+    m = json.loads((path / "manifest.json").read_text())
+    at = 0
+    for c in m["chunks"]:
+        f = path / "chunks" / c["data"]
+        a = np.load(f)
+        mm = np.load(f, mmap_mode="r")
+        assert a.shape == (c["rows"], V) and mm.offset == NPY_DATA_OFFSET
+        np.testing.assert_array_equal(a, allrows[at : at + c["rows"]])
+        assert f.stat().st_size == NPY_DATA_OFFSET + a.nbytes
+        at += c["rows"]
+    assert at == len(allrows)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+@pytest.mark.parametrize("stage", [4096, 3 * 4096, None])  # None: the default 16 MiB
+@pytest.mark.parametrize("fs", ["disk", "tmpfs"])
+def test_chunks_read_back_as_given_on_every_write_path(tmp_path, monkeypatch, modes, dtype, stage, fs):
+    if fs == "tmpfs":
+        if not Path("/dev/shm").is_dir():
+            pytest.skip("no /dev/shm")
+        import tempfile
+
+        tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ld-direct-"))
+    if stage is not None:
+        monkeypatch.setattr(outputs, "DIRECT_STAGE_BYTES", stage)
+    try:
+        V = 1001  # a row is not a multiple of the page or of the staging buffer
+        items = _items(V, dtype, [5, 1, 17, 9, 3])
+        _write(tmp_path / "run", V, dtype, items, chunk_rows=12, block=4)
+        _check_run(tmp_path / "run", items, V, dtype)
+        files = [name for name, _ in modes]
+        assert files == [f".{k:06d}.logits.npy.tmp{os.getpid()}" for k in range(len(files))] and len(files) >= 3
+        want_direct = fs == "disk" and outputs.direct_io_pays(tmp_path) and _odirect_works(tmp_path)
+        assert {d for _, d in modes} == {want_direct}
+        assert not [p for p in (tmp_path / "run" / "chunks").iterdir() if p.name.startswith(".")]
+    finally:
+        if fs == "tmpfs":
+            import shutil
+
+            shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_memory_file_systems_are_written_through_the_page_cache(tmp_path):
+    if Path("/dev/shm").is_dir() and os.path.exists("/proc/self/mountinfo"):
+        assert outputs.direct_io_pays("/dev/shm") is False
+    if _odirect_works(tmp_path):  # a disk (ext4 here; CI's /tmp may be a tmpfs: then False is right)
+        assert outputs.direct_io_pays(tmp_path) is outputs.direct_io_pays(Path(tmp_path).parent)
+
+
+def test_a_write_the_file_system_refuses_goes_through_the_page_cache(tmp_path, modes):
+    """A real refusal: O_DIRECT from memory that is not aligned (a staging buffer one byte into
+    a page) fails with EINVAL on a disk file system; the writer clears O_DIRECT and writes the
+    same bytes buffered, the rows as given."""
+    if not _odirect_works(tmp_path):
+        pytest.skip("no O_DIRECT under the test's temporary directory")
+    raw = mmap.mmap(-1, 5 * 4096)
+    stage = memoryview(raw)[1 : 1 + 4 * 4096]
+    rng = np.random.default_rng(3)
+    blocks = [rng.normal(0, 1, (n, 1001)).astype(np.float32) for n in (3, 7, 2)]
+    with outputs.atomic_file_direct(tmp_path / "x.npy", stage) as f:
+        assert f.direct
+        f.write(bytes(NPY_DATA_OFFSET))
+        for b in blocks:
+            f.write(b.data)
+        f.head = npy_header_page(12, 1001, "float32")
+    assert modes == [(f".x.npy.tmp{os.getpid()}", False)]
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), np.concatenate(blocks))
+
+
+def test_o_direct_refused_at_open_goes_through_the_page_cache(tmp_path, monkeypatch, modes):
+    """Simulated (no file system of this kernel refuses O_DIRECT at open: tmpfs accepts it
+    since Linux 6.6): open(O_DIRECT) failing with EINVAL, as on older tmpfs or some FUSE."""
+    real_open = os.open
+
+    def refusing_open(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    V = 333
+    items = _items(V, "float32", [4, 6])
+    _write(tmp_path / "run", V, "float32", items, chunk_rows=5, block=3)
+    monkeypatch.setattr(os, "open", real_open)
+    _check_run(tmp_path / "run", items, V, "float32")
+    assert modes and {d for _, d in modes} == {False}
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    import logitdiff.outputs as outputs
+    from logitdiff.store import RunItem, RunWriter
+    outputs.DIRECT_STAGE_BYTES = 4096  # rows reach the file as they come, not at the chunk's end
+    V, path = int(sys.argv[1]), sys.argv[2]
+    w = RunWriter(path, source={"spec": "test:direct"}, vocab_size=V, tokenizer_hash="sha256:t", chunk_rows=10)
+    rng = np.random.default_rng(7)
+    for k in range(3):  # chunk 0: i0, i1 (16 rows, lists i0); chunk 1: i2 and i3's first row, open
+        w.begin_item(RunItem(id=f"i{k}", prompt_ids=[1], teacher_ids=[1] * 8, positions=list(range(8))))
+        w.add_rows(rng.normal(0, 1, (8, V)).astype(np.float32))
+        w.end_item()
+    w.begin_item(RunItem(id="i3", prompt_ids=[1], teacher_ids=[1] * 5, positions=list(range(5))))
+    w.add_rows(rng.normal(0, 1, (1, V)).astype(np.float32))
+    w._drain_writes()
+    w._drain_syncs()
+    print("ready", flush=True)
+    sys.stdin.read()  # killed here, mid-chunk
+""")
+
+
+def test_a_capture_killed_mid_chunk_resumes_cleanly(tmp_path):
+    """SIGKILL while a chunk's file is open with rows in it (a real process, a real kill):
+    the manifest lists only whole chunks, and a resume removes the half-written temporary and
+    continues from the listed items, reading back as if never killed."""
+    V = 777
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(V), str(run)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+        temps = [f for f in (run / "chunks").iterdir() if f.name.startswith(".")]
+        assert len(temps) == 1 and temps[0].name.startswith(".000001.logits.npy.tmp")
+        assert temps[0].stat().st_size >= NPY_DATA_OFFSET + 8 * V * 4 - 4096  # rows in it, no header yet
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.wait(30)
+    m = json.loads((run / "manifest.json").read_text())
+    assert m["status"] == "partial" and [c["index"] for c in m["chunks"]] == [0]
+    rng = np.random.default_rng(7)
+    data = [(RunItem(id=f"i{k}", prompt_ids=[1], teacher_ids=[1] * 8, positions=list(range(8))),
+             rng.normal(0, 1, (8, V)).astype(np.float32)) for k in range(3)]
+    w = RunWriter(run, source={"spec": "test:direct"}, vocab_size=V, tokenizer_hash="sha256:t", chunk_rows=10, resume=True)
+    assert sorted(f.name for f in (run / "chunks").iterdir()) == ["000000.items.jsonl", "000000.logits.npy"]
+    assert w.done_ids() == {"i0"}  # i1 ends in chunk 1, never listed
+    finish_resumed(w, data)
+
+
+@pytest.mark.parametrize("store_text", ["topk:4", "full"])
+def test_chunk_files_are_fsynced_once_by_name(tmp_path, monkeypatch, store_text):
+    """The syncer's fsync (by the chunk's final name) orders the manifest; the writer fsyncs no
+    chunk file (before, topk/compact/hidden chunks were fsynced twice: once as temporaries)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return real(fd)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("no /proc/self/fd")
+    monkeypatch.setattr(os, "fsync", fsync)
+    V = 50
+    items = _items(V, "float32", [3, 4, 5, 2])
+    w = RunWriter(tmp_path / "run", source={"spec": "test:direct"}, vocab_size=V, tokenizer_hash="sha256:t",
+                  store=store_text, chunk_rows=4)
+    for it, lg in items:
+        w.add(it, logits=lg)
+    w.finish()
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    for c in m["chunks"]:
+        assert synced.count(c["data"]) == 1 and synced.count(c["items"]) == 1, (c, synced)
+    assert not [s for s in synced if ".tmp" in s and ("topk" in s or "logits" in s or "items" in s)], synced
+    assert len(m["chunks"]) >= 3
+
+
+def test_a_writer_closed_mid_chunk_leaves_no_temporary(tmp_path):
+    """A capture that fails between blocks closes its writer (capture._close_quietly): the
+    chunk being filled, its rows already in a temporary file, is removed; listed chunks stay."""
+    V = 300
+    items = _items(V, "float32", [6, 5])
+    w = RunWriter(tmp_path / "run", source={"spec": "test:direct"}, vocab_size=V, tokenizer_hash="sha256:t", chunk_rows=4)
+    w.add(*items[0])  # chunk 0 closed (6 rows)
+    w.begin_item(items[1][0])
+    w.add_rows(items[1][1][:3])  # chunk 1 open, 3 rows in its file
+    w._drain_writes()
+    assert [p.name for p in (tmp_path / "run" / "chunks").iterdir() if p.name.startswith(".000001.logits.npy.tmp")]
+    w.close()
+    assert sorted(p.name for p in (tmp_path / "run" / "chunks").iterdir()) == ["000000.items.jsonl", "000000.logits.npy"]
+    assert [c["index"] for c in json.loads((tmp_path / "run" / "manifest.json").read_text())["chunks"]] == [0]
