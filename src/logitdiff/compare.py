@@ -115,8 +115,10 @@ def check_same_tokens(ref: RunReader, cand: RunReader | LiveRun) -> list[str]:
             f"vocab sizes differ: {ref.path} has V={ref.vocab_size}, {cand.path} has V={cand.vocab_size}"
         )
     # token strings compared under converter spellings; the per-item id checks (pair_items) decide
-    spelled = tokenizer_identity.check(str(ref.path), ref.tokenizer_hash, _tokens(ref), str(cand.path),
-                                       cand.tokenizer_hash, _tokens(cand))
+    # the token lists (V strings of JSON a side) are read only when the hashes differ
+    differ = bool(ref.tokenizer_hash and cand.tokenizer_hash and ref.tokenizer_hash != cand.tokenizer_hash)
+    spelled = tokenizer_identity.check(str(ref.path), ref.tokenizer_hash, _tokens(ref) if differ else None, str(cand.path),
+                                       cand.tokenizer_hash, _tokens(cand) if differ else None)
     if spelled:
         notes.append(spelled)
     if not (ref.tokenizer_hash and cand.tokenizer_hash):
