@@ -1667,6 +1667,8 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
 // once per call and thread (O(V)), and a block of any number of rows is one call.
 // Appended section; nothing above depends on it.
 // ======================================================================================
+#include <memory>  // std::unique_ptr (CbBuf)
+
 namespace {
 
 enum CbTerm : int { CB_XLOGX = 0, CB_NEGLOG = 1, CB_JS = 2 };
@@ -2105,23 +2107,38 @@ struct CbArgs {
     int isa = 0;  // 0 auto, 1 scalar, 2 avx2 (kernel.ISA_CODES)
 };
 
+// A buffer of n values, not initialised (every use writes before it reads: a row's O(V)
+// arrays would otherwise be zeroed once per call and thread for nothing).
+template <typename T>
+struct CbBuf {
+    std::unique_ptr<T[]> p;
+    size_t n = 0;
+    T* get(size_t m) {
+        if (n < m) { p.reset(new T[m]); n = m; }
+        return p.get();
+    }
+};
+
 // Per worker thread, sized once per call; nothing survives the call.
 struct CbScratch {
     std::vector<uint8_t> mask;     // 1 for every id between rows
-    std::vector<double> a, e;      // the fused path's row: z - max and exp(z - max)
-    std::vector<double> rlw, rw;   // the rest, compacted
+    CbBuf<double> a, e;            // the fused path's row: z - max and exp(z - max)
+    CbBuf<double> rlw, rw;         // the rest, compacted (4 entries of room past V)
     // set by the fused path's candidate pass: rlw, rw hold the rest's z - max and
     // exp(z - max) (n of them), cb_row applies shift and scale
     struct { bool ready; size_t n; } rest{false, 0};
-    std::vector<float> zf;
+    CbBuf<float> zf;
     std::vector<double> lw, w, llo, lhi, lo, hi, sel, tv;
     std::vector<double> ks[3], kc[3];  // the band's chord slopes and capacities per term
-    std::vector<int64_t> hist;
+    std::vector<uint32_t> hist;
     std::vector<int32_t> bins, kbins;
     std::vector<std::pair<double, double>> kpart;
     std::vector<double> khist;
     TopK top;
-    explicit CbScratch(int64_t V) : mask((size_t)V, 1), rlw((size_t)V + 4), rw((size_t)V + 4) {}
+    explicit CbScratch(int64_t V) : mask((size_t)V, 1) {
+        rlw.get((size_t)V + 4);
+        rw.get((size_t)V + 4);
+    }
     void band_size(size_t b) {  // room for b band entries (grown once per call)
         if (lw.size() >= b) return;
         for (auto* v : {&lw, &w, &llo, &lhi, &lo, &hi}) v->resize(b);
@@ -2220,13 +2237,13 @@ bool cb_candidate(const CbArgs& A, int64_t r, CbScratch& S, double* st) {
     if (A.dtype == F32) {
         z = reinterpret_cast<const float*>(base);
     } else {
-        S.zf.resize((size_t)V);
+        float* zf = S.zf.get((size_t)V);
 #if LD_X86
-        if (cb_simd()) cb_widen_avx2(base, V, A.dtype, S.zf.data());
+        if (cb_simd()) cb_widen_avx2(base, V, A.dtype, zf);
         else
 #endif
-            for (int64_t v = 0; v < V; ++v) S.zf[v] = load1(base, v, A.dtype);
-        z = S.zf.data();
+            for (int64_t v = 0; v < V; ++v) zf[v] = load1(base, v, A.dtype);
+        z = zf;
     }
     float m = -std::numeric_limits<float>::infinity();
     bool ok = true;
@@ -2242,16 +2259,14 @@ bool cb_candidate(const CbArgs& A, int64_t r, CbScratch& S, double* st) {
         if (ok && A.kk > 0) for (int64_t v = 0; v < V; ++v) S.top.offer(z[v], v);
     }
     if (!ok) return false;
-    S.a.resize((size_t)V);
-    S.e.resize((size_t)V);
-    double* a = S.a.data();
-    double* e = S.e.data();
+    double* a = S.a.get((size_t)V);
+    double* e = S.e.get((size_t)V);
     CbSum ts, ta;
     const double md = m;
     int64_t v = 0;
     const uint8_t* mask = S.mask.data();
-    double* ra = S.rlw.data();
-    double* re = S.rw.data();
+    double* ra = S.rlw.p.get();
+    double* re = S.rw.p.get();
     size_t rc = 0;
 #if LD_X86
     if (cb_simd()) v = cb_softmax_avx2(z, V, md, a, e, ts, ta, mask, ra, re, rc);
@@ -2529,7 +2544,7 @@ double cb_rank(const double* x, size_t n, size_t k, double xmin, double xmax, Cb
 #endif
         for (size_t i = 0; i < n; ++i) bins[i] = cb_bin(x[i], xmin, sc);
     S.hist.assign(4 * CB_NB, 0);  // four interleaved counts: no chain of increments of one slot
-    int64_t* h = S.hist.data();
+    uint32_t* h = S.hist.data();
     size_t i = 0;
     for (; i + 4 <= n; i += 4) {
         ++h[bins[i]];
@@ -2852,8 +2867,8 @@ void cb_row(const CbArgs& A, int64_t r, const double* lq, const double* q, doubl
     }
     // ---- rest: one group sharing one box ---------------------------------------------
     {
-        double* rlw = S.rlw.data();
-        double* rw = S.rw.data();
+        double* rlw = S.rlw.p.get();
+        double* rw = S.rw.p.get();
         double lw_min, lw_max, sw, w_min = 0.0;
         size_t cnt;
         if (S.rest.ready) {  // compacted by the candidate's pass (the mask set by cb_run)
@@ -2950,7 +2965,7 @@ void cb_run(const CbArgs& A, int threads) {
             }
             A.bad[r] = 0;
             double sum = std::exp(st[1]);  // e / sum e: the reciprocal of sum e once
-            cb_row(A, r, S.a.data(), S.e.data(), st[1], 1.0 / sum, S);
+            cb_row(A, r, S.a.p.get(), S.e.p.get(), st[1], 1.0 / sum, S);
         }
     };
     int nt = (int)std::min<int64_t>(threads, std::max<int64_t>(A.n, 1));
