@@ -20,6 +20,11 @@ from logitdiff.errors import LogitdiffError
 from logitdiff.metrics import NonFiniteLogits
 from logitdiff.store import RunReader
 
+
+def kernel_rows(z, block, kk, threads, isa="auto"):
+    """`kernel.compact_rows` with the rest box and slack `compact` gives it."""
+    return kernel.compact_rows(z, block, kk, threads, isa, rest_box=C.decode_rest(block), box_slack=C.BOX_SLACK)
+
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="compiled kernel not built")
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -107,7 +112,7 @@ def test_candidate_side_matches_scipy():
     z = (rng.normal(0, 4, (5, 2000))).astype(np.float32)
     z[2, 100:110] = z[2].max()  # a tie at the top: lowest ids first
     block = C.encode(z, np.zeros(5, np.int64), C.CompactSpec(8, 32))
-    out = kernel.compact_rows(z, block, 12, 1)
+    out = kernel_rows(z, block, 12, 1)
     zd = z.astype(np.float64)
     m = zd.max(1)
     ls = np.log(np.exp(zd - m[:, None]).sum(1))
@@ -139,7 +144,7 @@ def test_nonfinite_candidate_rows_are_refused(value, dtype):
     raw, _ = raw_of(bad, dtype)
     if dtype == "bfloat16":
         raw[2, 597] = raw[3, 5] = {np.inf: 0x7F80, -np.inf: 0xFF80}.get(value, 0x7FC0)
-    out = kernel.compact_rows(raw, block, 4, 1)
+    out = kernel_rows(raw, block, 4, 1)
     assert out["bad"].tolist() == [False, False, True, True]
     assert np.isnan(out["lower"][:, 2:]).all() and np.isfinite(out["lower"][:, :2]).all()
     with pytest.raises(NonFiniteLogits) as ei:
@@ -220,7 +225,7 @@ def test_avx2_and_scalar_paths_agree_and_cover(dtype):
         raw, zc = raw_of(zc_, dtype)
         zr32 = np.asarray(zr, np.float32)
         block = C.encode(zr32, np.zeros(len(zr32), np.int64), spec)
-        got = {isa: kernel.compact_rows(raw, block, 8, 2, isa=isa) for isa in ("auto", "scalar")}
+        got = {isa: kernel_rows(raw, block, 8, 2, isa=isa) for isa in ("auto", "scalar")}
         lp = log_softmax(zr32.astype(np.float64), 1)
         lq = log_softmax(zc.astype(np.float64), 1)
         ex, t = exact(lp, lq), tol(lp, lq)
@@ -243,13 +248,13 @@ def test_isa_avx2_refused_where_absent_and_unknown_isa():
     z = np.zeros((1, 300), np.float32)
     block = C.encode(z, np.zeros(1, np.int64), C.CompactSpec(4, 8))
     with pytest.raises(KeyError):
-        kernel.compact_rows(z, block, 4, 1, isa="sse9")
+        kernel_rows(z, block, 4, 1, isa="sse9")
     if not kernel.has_simd():
         with pytest.raises(ValueError, match="isa"):
-            kernel.compact_rows(z, block, 4, 1, isa="avx2")
+            kernel_rows(z, block, 4, 1, isa="avx2")
     else:
-        assert np.array_equal(kernel.compact_rows(z, block, 4, 1, isa="avx2")["lower"],
-                              kernel.compact_rows(z, block, 4, 1, isa="auto")["lower"])
+        assert np.array_equal(kernel_rows(z, block, 4, 1, isa="avx2")["lower"],
+                              kernel_rows(z, block, 4, 1, isa="auto")["lower"])
 
 
 def test_reference_top_same_rule_for_stored_and_unordered_ids():

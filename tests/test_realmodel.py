@@ -111,7 +111,7 @@ def ladder(root, reference):
 
 
 def test_reference_from_a_gguf_through_transformers(reference):
-    from logitdiff.sources.base import file_sha256
+    from logitdiff.sources.filecache import file_sha256
 
     src, runs = reference
     assert src.vocab_size == SMOL_V and src.logits_dtype == "bfloat16"

@@ -329,7 +329,8 @@ def compare_rows(block: dict[str, np.ndarray], cand_logits, next_tokens, *, top_
     kk = max(top_k, overlap_k, 2)
     y = np.asarray(next_tokens, np.int64)
     z = np.asarray(cand_logits)
-    fused = kernel.compact_rows(z, block, kk, threads) if kernel.available() else None
+    fused = (kernel.compact_rows(z, block, kk, threads, rest_box=decode_rest(block), box_slack=BOX_SLACK)
+             if kernel.available() else None)
     if fused is None:
         return _compare_rows_numpy(block, z, y, top_k=top_k, overlap_k=overlap_k, eps=eps)
     if fused["bad"].any():

@@ -201,7 +201,7 @@ def _compact_ref_arrays(ref) -> dict[str, np.ndarray]:
 
 
 def compact_rows(z: np.ndarray, block: dict[str, np.ndarray], kk: int, threads: int,
-                 isa: str = "auto") -> dict[str, np.ndarray] | None:
+                 isa: str = "auto", *, rest_box: tuple[np.ndarray, np.ndarray], box_slack: float) -> dict[str, np.ndarray] | None:
     """`compact_bounds` from the candidate's raw logits ``z`` [n, V] (float32, float16, or
     bf16 bits as uint16; rows contiguous, read in place) against a compact reference in its
     stored form ``block`` (`compact.encode`'s arrays; `compact.decode`'s arithmetic is done
@@ -211,9 +211,9 @@ def compact_rows(z: np.ndarray, block: dict[str, np.ndarray], kk: int, threads: 
     lowest id first on ties) and ``bad`` [n] (True: the row holds NaN/inf; its other outputs
     are NaN). ``isa`` (`ISA_CODES`): "auto" the AVX2 passes where the CPU has them, "scalar"
     the portable ones (tests hold both to the same values). None when the library lacks the
-    function or cannot read ``z`` in place."""
-    from .compact import BOX_SLACK, decode_rest
-
+    function or cannot read ``z`` in place. ``rest_box`` (rest_max, rest_min) and ``box_slack``
+    are `compact.decode_rest`'s box and `compact.BOX_SLACK`, passed in so that this module
+    imports nothing of the package."""
     lib = _lib()
     fn = getattr(lib, "logitdiff_compact_rows", None) if lib is not None else None
     z = np.asarray(z)
@@ -228,7 +228,7 @@ def compact_rows(z: np.ndarray, block: dict[str, np.ndarray], kk: int, threads: 
         ("band_top", f64), ("band_step", f64), ("band_mass", f64), ("rest_mass", f64))}
     codes = np.asarray(block["band_codes"])
     codes = np.ascontiguousarray(codes if codes.dtype in (np.uint8, np.uint16) else codes.astype(np.uint16))
-    rest_max, rest_min = (np.ascontiguousarray(a, f64) for a in decode_rest(block))
+    rest_max, rest_min = (np.ascontiguousarray(a, f64) for a in rest_box)
     lower, upper = np.zeros((3, n)), np.zeros((3, n))
     stats = np.zeros((n, 3))
     top = np.zeros((n, kk), np.int64)
@@ -237,7 +237,7 @@ def compact_rows(z: np.ndarray, block: dict[str, np.ndarray], kk: int, threads: 
     rc = fn(n, V, z.ctypes.data, ld, dtype, arr["exact_ids"].shape[1], arr["exact_ids"].ctypes.data,
             arr["exact_logits"].ctypes.data, arr["max_logit"].ctypes.data, arr["log_sum"].ctypes.data,
             arr["band_ids"].shape[1], arr["band_ids"].ctypes.data, codes.ctypes.data, 8 * codes.itemsize,
-            arr["band_top"].ctypes.data, arr["band_step"].ctypes.data, BOX_SLACK, arr["band_mass"].ctypes.data,
+            arr["band_top"].ctypes.data, arr["band_step"].ctypes.data, float(box_slack), arr["band_mass"].ctypes.data,
             arr["rest_mass"].ctypes.data, rest_max.ctypes.data, rest_min.ctypes.data, kk,
             max(1, int(threads)), ISA_CODES[isa], lower.ctypes.data, upper.ctypes.data, stats.ctypes.data, top.ctypes.data,
             bad.ctypes.data)

@@ -41,13 +41,13 @@ from .base import (
     Spec,
     TopKRows,
     TopKSource,
-    file_sha256,
     is_full,
     is_topk,
     parse_spec,
     requested_threads,
     tokenizer_hash_of,
 )
+from .filecache import file_sha256
 from .registry import kinds, open_source, register
 
 __all__ = [

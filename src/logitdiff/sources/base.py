@@ -138,17 +138,6 @@ def tokenizer_hash_of(tokens: Sequence[str | None]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def file_sha256(path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return "sha256:" + h.hexdigest()
-
-
 class Source:
     """What every source has; use :class:`FullLogitSource` or :class:`TopKSource`.
 

@@ -77,10 +77,20 @@ def file_identity(path: str | os.PathLike) -> list:
     return [str(p), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, st.st_dev]
 
 
+def file_sha256(path, chunk: int = 1 << 22) -> str:
+    """``"sha256:<hex>"`` of a file's bytes, read in ``chunk``-byte pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return "sha256:" + h.hexdigest()
+
+
 def file_sha256_cached(path: str | os.PathLike) -> str:
     """``"sha256:<hex>"`` of a file, read once per version of the file (see the module doc)."""
-    from .base import file_sha256
-
     return file_fact_cached(path, "sha256", lambda: file_sha256(Path(path).resolve()),
                             valid=lambda t: t.startswith("sha256:") and len(t) == 71)
 
