@@ -340,7 +340,9 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d exp_tail_pd(__m256d a) {
 }
 
 // float64 log for normal g > 0 (see the header for its error).
-__attribute__((target("avx2,fma,f16c"))) inline __m256d log_pd(__m256d g) {
+// log_pd's argument reduction: g = 2^e * m, m in (sqrt(1/2), sqrt(2)], f = (m - 1) / (m + 1)
+// (shared by log_pd and the compact section's cb_log_pd: same operations, same values)
+__attribute__((target("avx2,fma,f16c"))) inline void log_pd_split(__m256d g, __m256d& e, __m256d& f) {
     __m256i bits = _mm256_castpd_si256(g);
     __m256i ex = _mm256_srli_epi64(bits, 52);  // biased exponent (g > 0)
     __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000fffffffffffffLL)),
@@ -350,9 +352,22 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d log_pd(__m256d g) {
     ex = _mm256_sub_epi64(ex, _mm256_castpd_si256(big));  // big lanes are all ones = -1
     // exponent as double: ex - 1023 via the 2^52 trick
     const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
-    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(ex, _mm256_castpd_si256(two52))),
-                              _mm256_set1_pd(4503599627370496.0 + 1023.0));
-    __m256d f = _mm256_div_pd(_mm256_sub_pd(m, _mm256_set1_pd(1.0)), _mm256_add_pd(m, _mm256_set1_pd(1.0)));
+    e = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(ex, _mm256_castpd_si256(two52))),
+                      _mm256_set1_pd(4503599627370496.0 + 1023.0));
+    f = _mm256_div_pd(_mm256_sub_pd(m, _mm256_set1_pd(1.0)), _mm256_add_pd(m, _mm256_set1_pd(1.0)));
+}
+
+// log_pd's end: 2f + 2f^3 P(f^2) + e ln2 (ln2 split hi + lo)
+__attribute__((target("avx2,fma,f16c"))) inline __m256d log_pd_join(__m256d e, __m256d f, __m256d f2, __m256d p) {
+    __m256d f2x = _mm256_add_pd(f, f);
+    __m256d lnm = _mm256_fmadd_pd(_mm256_mul_pd(f2x, f2), p, f2x);  // 2f + 2f^3 P(f^2)
+    __m256d lo = _mm256_fmadd_pd(e, _mm256_set1_pd(1.9082149292705877e-10), lnm);  // ln2 = hi + lo
+    return _mm256_fmadd_pd(e, _mm256_set1_pd(0.69314718036912382), lo);
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256d log_pd(__m256d g) {
+    __m256d e, f;
+    log_pd_split(g, e, f);
     __m256d f2 = _mm256_mul_pd(f, f);
     __m256d p = _mm256_set1_pd(1.0 / 19);
     p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 17));
@@ -363,10 +378,7 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d log_pd(__m256d g) {
     p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 7));
     p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 5));
     p = _mm256_fmadd_pd(p, f2, _mm256_set1_pd(1.0 / 3));
-    __m256d f2x = _mm256_add_pd(f, f);
-    __m256d lnm = _mm256_fmadd_pd(_mm256_mul_pd(f2x, f2), p, f2x);  // 2f + 2f^3 P(f^2)
-    __m256d lo = _mm256_fmadd_pd(e, _mm256_set1_pd(1.9082149292705877e-10), lnm);  // ln2 = hi + lo
-    return _mm256_fmadd_pd(e, _mm256_set1_pd(0.69314718036912382), lo);
+    return log_pd_join(e, f, f2, p);
 }
 
 // ln cosh x for |x| <= TAIL_DELTA_MAX/2 = 0.375, series through x^10 (tail tiles only):
@@ -1858,24 +1870,12 @@ struct alignas(32) CbConsts {
 const CbConsts cb_c;
 
 __attribute__((target("avx2,fma,f16c"))) inline __m256d cb_log_pd(__m256d g) {
-    __m256i bits = _mm256_castpd_si256(g);
-    __m256i ex = _mm256_srli_epi64(bits, 52);  // biased exponent (g > 0)
-    __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000fffffffffffffLL)),
-                                                    _mm256_set1_epi64x(0x3ff0000000000000LL)));
-    __m256d big = _mm256_cmp_pd(m, _mm256_set1_pd(1.4142135623730951), _CMP_GT_OQ);
-    m = _mm256_blendv_pd(m, _mm256_mul_pd(m, _mm256_set1_pd(0.5)), big);
-    ex = _mm256_sub_epi64(ex, _mm256_castpd_si256(big));  // big lanes are all ones = -1
-    const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
-    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(ex, _mm256_castpd_si256(two52))),
-                              _mm256_set1_pd(4503599627370496.0 + 1023.0));
-    __m256d f = _mm256_div_pd(_mm256_sub_pd(m, _mm256_set1_pd(1.0)), _mm256_add_pd(m, _mm256_set1_pd(1.0)));
+    __m256d e, f;
+    log_pd_split(g, e, f);
     __m256d f2 = _mm256_mul_pd(f, f);
     __m256d p = _mm256_load_pd(cb_c.log_c[0]);
     for (int j = 1; j < 9; ++j) p = _mm256_fmadd_pd(p, f2, _mm256_load_pd(cb_c.log_c[j]));
-    __m256d f2x = _mm256_add_pd(f, f);
-    __m256d lnm = _mm256_fmadd_pd(_mm256_mul_pd(f2x, f2), p, f2x);  // 2f + 2f^3 P(f^2)
-    __m256d lo = _mm256_fmadd_pd(e, _mm256_set1_pd(1.9082149292705877e-10), lnm);  // ln2 = hi + lo
-    return _mm256_fmadd_pd(e, _mm256_set1_pd(0.69314718036912382), lo);
+    return log_pd_join(e, f, f2, p);
 }
 
 __attribute__((target("avx2,fma,f16c"))) inline __m256d cb_exp_pd(__m256d a) {
