@@ -89,9 +89,17 @@ def test_a_streaming_compare_cycles_between_a_fixed_set_of_buffers(runs, read_ah
     """What the reuse is for: no fresh chunk-sized pages per chunk. A caller that drops each
     block before asking for the next (compare's loop) leaves the previous chunk unreferenced
     when the next is decoded (aligned_blocks drops its spent piece first): one buffer, or
-    two when the reader decodes the next chunk ahead (the one compared, the one decoded)."""
+    two when the reader decodes the next chunk ahead (the one compared, the one decoded; one
+    when the worker thread only gets to run once the consumer has let the previous chunk go,
+    which is up to the scheduler)."""
     full, hid, cand = runs
     want = 2 if read_ahead else 1
+
+    def kept(reader, most):
+        # without a worker the count is exact; with one it is at most ``most`` (at least one)
+        n_kept = len(reader.kind._out_buffers)
+        return n_kept == most if not read_ahead else 1 <= n_kept <= most
+
     f, h = RunReader(full), RunReader(hid, read_ahead=read_ahead)
     bases = set()
     n = 0
@@ -100,15 +108,15 @@ def test_a_streaming_compare_cycles_between_a_fixed_set_of_buffers(runs, read_ah
         n += 1
         del a, b
     pool = h.kind._out_buffers
-    assert n > 10 and len(pool) == want and bases == {id(x) for x in pool}
+    assert n > 10 and kept(h, want) and bases == {id(x) for x in pool}  # > 6 chunks, <= 2 buffers
     h = RunReader(hid, read_ahead=read_ahead)
     compare_runs(h, RunReader(cand), max_batch_rows=CHUNK_ROWS + 3)
-    assert len(h.kind._out_buffers) == want
+    assert kept(h, want)
     # a caller holding the previous block while asking for the next gets one more buffer
     h = RunReader(hid, read_ahead=read_ahead)
     for a, b in aligned_blocks(f.row_pieces(f.items()), h.row_pieces(h.items()), 5):
         pass
-    assert len(h.kind._out_buffers) == want + 1 <= HS.OUT_BUFFERS == 3
+    assert kept(h, want + 1) and want + 1 <= HS.OUT_BUFFERS == 3
 
 
 @pytest.mark.parametrize("hold", ["torch.from_numpy", "memoryview", "np.frombuffer", "ctypeslib.as_ctypes", "float16 view"])
