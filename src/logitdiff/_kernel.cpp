@@ -273,17 +273,35 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 exp_ps_rough(__m256 x) {
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_castps_si256(t), 23)));
 }
 
-// float64 exp for a <= 0 (see the header for its error); NaN propagates.
-__attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd(__m256d a) {
+// exp_pd's argument reduction: a = n ln2/2 + r, |r| <= ln2/4; t holds n + 1.5 * 2^52
+// (shared by exp_pd and the compact section's cb_exp_pd: same operations, same values)
+__attribute__((target("avx2,fma,f16c"))) inline void exp_pd_split(__m256d a, __m256d& under, __m256d& t, __m256d& r) {
     const __m256d lo = _mm256_set1_pd(FLUSH);
-    __m256d under = _mm256_cmp_pd(a, lo, _CMP_LT_OQ);
+    under = _mm256_cmp_pd(a, lo, _CMP_LT_OQ);
     __m256d x = _mm256_max_pd(lo, a);  // max(lo, NaN) = NaN
     const __m256d magic = _mm256_set1_pd(6755399441055744.0);  // 1.5 * 2^52
-    __m256d t = _mm256_fmadd_pd(x, _mm256_set1_pd(2.8853900817779268), magic);  // x * 2/ln2
+    t = _mm256_fmadd_pd(x, _mm256_set1_pd(2.8853900817779268), magic);  // x * 2/ln2
     __m256d n = _mm256_sub_pd(t, magic);
     // ln2/2 = C1 + C2 (fdlibm's ln2_hi/2, ln2_lo/2): n * C1 is exact for |n| <= 2043
-    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0.34657359018456191), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0.34657359018456191), x);
     r = _mm256_fnmadd_pd(n, _mm256_set1_pd(9.5410746463529385e-11), r);
+}
+
+// exp_pd's end: p = e^r times 2^(n/2); below FLUSH, 0
+__attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd_join(__m256d under, __m256d t, __m256d p) {
+    const __m256d magic = _mm256_set1_pd(6755399441055744.0);  // 1.5 * 2^52
+    // n in [-2043, 0]: u = n + 2048 >= 0, 2^floor(n/2) has biased exponent (u >> 1) - 1
+    __m256i u = _mm256_add_epi64(_mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(magic)), _mm256_set1_epi64x(2048));
+    __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(_mm256_srli_epi64(u, 1), _mm256_set1_epi64x(1)), 52));
+    __m256d odd = _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_and_si256(u, _mm256_set1_epi64x(1)), _mm256_set1_epi64x(1)));
+    p = _mm256_mul_pd(p, _mm256_blendv_pd(_mm256_set1_pd(1.0), _mm256_set1_pd(1.4142135623730951), odd));
+    return _mm256_andnot_pd(under, _mm256_mul_pd(p, scale));
+}
+
+// float64 exp for a <= 0 (see the header for its error); NaN propagates.
+__attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd(__m256d a) {
+    __m256d under, t, r;
+    exp_pd_split(a, under, t, r);
     __m256d p = _mm256_set1_pd(1.0 / 39916800);
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 3628800));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 362880));
@@ -296,12 +314,7 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d exp_pd(__m256d a) {
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.5));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
-    // n in [-2043, 0]: u = n + 2048 >= 0, 2^floor(n/2) has biased exponent (u >> 1) - 1
-    __m256i u = _mm256_add_epi64(_mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(magic)), _mm256_set1_epi64x(2048));
-    __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(_mm256_srli_epi64(u, 1), _mm256_set1_epi64x(1)), 52));
-    __m256d odd = _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_and_si256(u, _mm256_set1_epi64x(1)), _mm256_set1_epi64x(1)));
-    p = _mm256_mul_pd(p, _mm256_blendv_pd(_mm256_set1_pd(1.0), _mm256_set1_pd(1.4142135623730951), odd));
-    return _mm256_andnot_pd(under, _mm256_mul_pd(p, scale));
+    return exp_pd_join(under, t, p);
 }
 
 // float64 exp for a <= 0, tail tiles only (EPS_TAIL_EXP). n = round(a / ln2) from the
@@ -1879,21 +1892,11 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256d cb_log_pd(__m256d g) {
 }
 
 __attribute__((target("avx2,fma,f16c"))) inline __m256d cb_exp_pd(__m256d a) {
-    const __m256d lo = _mm256_set1_pd(FLUSH);
-    __m256d under = _mm256_cmp_pd(a, lo, _CMP_LT_OQ);
-    __m256d x = _mm256_max_pd(lo, a);  // max(lo, NaN) = NaN
-    const __m256d magic = _mm256_set1_pd(6755399441055744.0);  // 1.5 * 2^52
-    __m256d t = _mm256_fmadd_pd(x, _mm256_set1_pd(2.8853900817779268), magic);  // x * 2/ln2
-    __m256d n = _mm256_sub_pd(t, magic);
-    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0.34657359018456191), x);
-    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(9.5410746463529385e-11), r);
+    __m256d under, t, r;
+    exp_pd_split(a, under, t, r);
     __m256d p = _mm256_load_pd(cb_c.exp_c[0]);
     for (int j = 1; j < 12; ++j) p = _mm256_fmadd_pd(p, r, _mm256_load_pd(cb_c.exp_c[j]));
-    __m256i u = _mm256_add_epi64(_mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(magic)), _mm256_set1_epi64x(2048));
-    __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(_mm256_srli_epi64(u, 1), _mm256_set1_epi64x(1)), 52));
-    __m256d odd = _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_and_si256(u, _mm256_set1_epi64x(1)), _mm256_set1_epi64x(1)));
-    p = _mm256_mul_pd(p, _mm256_blendv_pd(_mm256_set1_pd(1.0), _mm256_set1_pd(1.4142135623730951), odd));
-    return _mm256_andnot_pd(under, _mm256_mul_pd(p, scale));
+    return exp_pd_join(under, t, p);
 }
 
 // JSD terms 0.5 (x (ln2 + lx) + w (ln2 + lw) - s ln s), s = x + w, of four entries with
