@@ -9,6 +9,7 @@ from scipy.special import log_softmax, rel_entr
 
 from logitdiff.cli import main
 from logitdiff.compare import compare_runs
+from logitdiff.errors import LogitdiffError
 from logitdiff.store import RunItem, RunReader, RunWriter
 
 V = 300
@@ -107,6 +108,22 @@ def test_self_compare_is_exactly_zero(pair):
     comp = compare_runs(RunReader(r), RunReader(r))
     assert np.all(comp.columns["kl_nats"] == 0) and np.all(comp.columns["jsd_nats"] == 0)
     assert comp.columns["top1_match"].all()
+
+
+def test_token_lists_are_read_only_when_the_tokenizer_hashes_differ(pair, monkeypatch):
+    """Equal tokenizer hashes settle the vocabulary: the V token strings of each side
+    (tokens.json) are not parsed; different hashes read both lists (and refuse here)."""
+    r, c, *_ = pair
+    read = []
+    real = RunReader.tokens
+    monkeypatch.setattr(RunReader, "tokens", lambda self: read.append(self.path) or real(self))
+    compare_runs(RunReader(r), RunReader(c))
+    assert read == []
+    cand = RunReader(c)
+    cand.tokenizer_hash = "sha256:other"
+    with pytest.raises(LogitdiffError):
+        compare_runs(RunReader(r), cand)
+    assert len(read) == 2
 
 
 def test_no_rows_and_ranges_option(pair):
