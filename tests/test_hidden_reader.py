@@ -166,6 +166,34 @@ def _full_chunks(full, hid) -> list[np.ndarray]:
     return np.split(rows, cuts)
 
 
+def test_a_head_replaced_between_its_map_and_its_check_cannot_lend_its_key(run, monkeypatch):
+    """np.load maps head.npy; if the file is replaced before the cache is asked, the mapped
+    (old) bytes' hash must not be stored under the new file's identity, which would make
+    every later reader accept the new head unhashed."""
+    path, calls = run
+    head_path = path / Hs.HEAD_FILE
+    sha = RunReader(path).manifest["head"]["sha256"]
+    original = np.load(head_path).copy()
+    changed = original.copy()
+    changed[0, 0] ^= 1
+    staged = path / "staged.npy"
+    np.save(staged, changed)
+    real_load = np.load
+
+    def load_then_replace(p, *a, **k):
+        out = real_load(p, *a, **k)
+        if str(p) == str(head_path) and staged.exists():
+            os.replace(staged, head_path)  # after the map, before the check
+        return out
+
+    monkeypatch.setattr(Hs.np, "load", load_then_replace)
+    got = Hs.load_head(head_path, V, sha)  # the mapped bytes are the old file's: they match
+    assert np.array_equal(got, original) and not staged.exists()
+    monkeypatch.setattr(Hs.np, "load", real_load)
+    with pytest.raises(LogitdiffError, match="sha256 differs"):
+        Hs.load_head(head_path, V, sha)  # the new bytes, under their own identity: hashed and refused
+
+
 def test_chunks_read_in_order_are_decoded_ahead_in_the_worker(both, monkeypatch):
     full, hid = both
     want = _full_chunks(full, hid)

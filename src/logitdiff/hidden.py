@@ -225,11 +225,16 @@ def head_sha256(head: np.ndarray) -> str:
     return hsh.hexdigest()
 
 
-def _head_sha256_cached(path, head: np.ndarray) -> str:
-    from .sources.filecache import file_fact_cached
+def _head_sha256_cached(path, head: np.ndarray, ident: list) -> str:
+    """sha256 of the memory-mapped ``head``, cached under ``ident``: the identity of the file
+    taken before it was mapped, and still its identity after (else hashed, not cached): a
+    head.npy replaced between the map and the lookup cannot pass its key to the old bytes."""
+    from .sources.filecache import file_fact_cached, file_identity
 
+    if file_identity(path) != ident:
+        return head_sha256(head)
     return file_fact_cached(path, "hidden-head-sha256", lambda: head_sha256(head),
-                            valid=lambda t: len(t) == 64 and all(c in "0123456789abcdef" for c in t))
+                            valid=lambda t: len(t) == 64 and all(c in "0123456789abcdef" for c in t), ident=ident)
 
 
 def save_chunk(block: dict[str, np.ndarray]) -> bytes:
@@ -268,7 +273,10 @@ def load_head(path, vocab_size: int, sha256: str | None) -> np.ndarray:
     user space cannot set back), not once per reader: hashing a 57 MB head took 0.04 s,
     40 % of a whole compare against a full reference at V = 49,152 (bench/RESULTS.md). A
     head whose bytes changed has another identity, so it is hashed again and refused."""
+    from .sources.filecache import file_identity
+
     try:
+        ident = file_identity(path)  # before the map: the version the mapped bytes are
         head = np.load(path, mmap_mode="r")
     except FileNotFoundError:
         raise LogitdiffError(f"{path}: missing (a hidden-state run needs its output head)") from None
@@ -276,6 +284,6 @@ def load_head(path, vocab_size: int, sha256: str | None) -> np.ndarray:
         raise LogitdiffError(f"{path}: unreadable output head ({e})") from None
     if head.dtype != np.uint16 or head.ndim != 2 or head.shape[0] != vocab_size:
         raise LogitdiffError(f"{path}: output head is {head.dtype} {head.shape}, expected uint16 ({vocab_size}, H)")
-    if sha256 is not None and _head_sha256_cached(path, head) != sha256:
+    if sha256 is not None and _head_sha256_cached(path, head, ident) != sha256:
         raise LogitdiffError(f"{path}: sha256 differs from the manifest's 'head.sha256' (the file was changed)")
     return head

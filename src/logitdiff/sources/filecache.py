@@ -96,13 +96,15 @@ def file_sha256_cached(path: str | os.PathLike) -> str:
 
 
 def file_fact_cached(path: str | os.PathLike, name: str, compute: Callable[[], str],
-                     valid: Callable[[str], bool] = bool) -> str:
+                     valid: Callable[[str], bool] = bool, ident: list | None = None) -> str:
     """``compute()`` (a short ASCII text computed from the bytes of the file ``path``), or
     its cached copy for this version of the file (`file_identity`) and ``name``; an entry
     that ``valid`` refuses is recomputed. The value is kept only when the file's identity
     is the same after ``compute`` as before it (a file changed while it was read is read
-    again next time)."""
-    ident = file_identity(path)
+    again next time). ``ident``: the identity the caller took when it opened the bytes
+    ``compute`` reads (a memory map), so that a file replaced since cannot lend that
+    version its key; default: taken now."""
+    ident = file_identity(path) if ident is None else ident
     entry = _entry(name, json.dumps(ident))
     got = _read(entry)
     if got is not None:
