@@ -574,7 +574,7 @@ def test_prefix_kl_is_above_the_floor_only_where_its_proven_lower_bound_is(env, 
     assert pre["kl_nats"]["max"] > 100 * f1["kl_nats"]["max"] and pre["kl_lower_nats"]["max"] <= f1["kl_nats"]["max"]
     assert above["positions"] == 0 and above["of"] == pre["positions_compared"] > above["floor_positions"]
     assert v["label"] == S.LOSSLESS and not v["defects"], v
-    assert any("but no position's proven lower bound is" in r and "within the floor" in r for r in v["reasons"]), v["reasons"]
+    assert any("but no position's proven lower bound is" in r and "not provably above the floor" in r for r in v["reasons"]), v["reasons"]
     # positions provably above F1's largest: one is what chance allows here, forty are not
     for j, label in ((1, S.FLOOR_TOO_SMALL), (40, S.DEFECT)):
         some = {**s, "prefix": {**pre, "kl_above_floor_max": {**above, "positions": j,
@@ -583,3 +583,7 @@ def test_prefix_kl_is_above_the_floor_only_where_its_proven_lower_bound_is(env, 
         said = [x for x in d["reasons"] + d["defects"] if f"provably above the shape floor F1's largest" in x]
         assert d["label"] == label and len(said) == 1 and f"at {j} of {above['of']} positions" in said[0], d
         assert "over 256 positions" in said[0]
+    # no finite lower bound anywhere: the estimate above F1 is not decided, not "lossless"
+    unknown = {**s, "prefix": {**pre, "kl_lower_nats": {**pre["kl_lower_nats"], "max": None}}}
+    d = S.decide(unknown, f0, f1, rc, cc, rep["items"], True)
+    assert d["label"] == S.FLOOR_NOT_MEASURED and any("no position has a finite proven lower bound" in r for r in d["reasons"]), d

@@ -599,16 +599,20 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     elif f1_kl is not None and above and above["positions"]:
         j, n, m, p = above["positions"], above["of"], above["floor_positions"], above["chance"]
         said = (f"prefix KL at identical contexts provably above the shape floor F1's largest ({f1_kl:.3g} nats, over {m} positions "
-                f"of {f1['items']} floor items) at {j} of {n} positions (proven lower bound max {0.0 if lo is None else lo:.3g} nats, "
+                f"of {f1['items']} floor items) at {j} of {n} positions (proven lower bound max {'not known' if lo is None else f'{lo:.3g}'} nats, "
                 f"top-K estimate max {pre_kl:.3g}); that many from positions like F1's own, by chance: p = {p:.2g}")
         if p < PREFIX_KL_ALPHA:
             defects.append(said)
         else:
             too_small.append(f"{FLOOR_TOO_SMALL}: {said} (>= {PREFIX_KL_ALPHA:g}), no evidence either way; more --floor-items "
                              "measure F1 on more positions")
+    elif f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15 and lo is None:
+        # no finite lower bound: "not provably above" would be read as evidence it is not above
+        unmeasured.append(f"prefix KL top-K estimate max {pre_kl:.3g} nats above F1's largest ({f1_kl:.3g}), and no position "
+                          "has a finite proven lower bound to decide it")
     elif f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15:
         within.append(f"prefix KL top-K estimate max {pre_kl:.3g} nats above F1's largest ({f1_kl:.3g}), but no position's proven "
-                      f"lower bound is (max {0.0 if lo is None else lo:.3g}): within the floor")
+                      f"lower bound is (max {lo:.3g}): not provably above the floor")
     # F0 = 0 is evidence only where a rerun compared at least one position on each side
     f0_zero = f0["reference"]["bit_identical"] is True and f0["candidate"]["bit_identical"] is True
     f0_unmeasured = [side for side in ("reference", "candidate") if f0[side]["bit_identical"] is None]
