@@ -23,7 +23,7 @@ def _f(x, fmt=".3g") -> str:
 
 def _kl(x) -> str:
     """A KL with no positions behind it was never measured: say so, never print 0 or n/a."""
-    return "not reported" if x is None else format(x, ".3g")
+    return "not known (no finite value among the positions compared)" if x is None else format(x, ".3g")
 
 
 def _f0_dlogprob(side: dict) -> str:
