@@ -58,9 +58,10 @@ def test_manifest_lists_a_chunk_only_after_its_files_are_fsynced(tmp_path, monke
         if kind == "fsync":
             synced.add(what)
             continue
-        for k in set(what) - listed:  # a chunk listed for the first time: its two files fsynced before
+        for k in set(what) - listed:  # a chunk listed for the first time: its two files fsynced before,
             entry = json.loads((tmp_path / "run" / "manifest.json").read_text())["chunks"][k]
-            assert {entry["data"], entry["items"]} <= synced, (k, sorted(synced))
+            assert {entry["data"], entry["items"], "chunks"} <= synced, (k, sorted(synced))  # and the renames naming them
+        synced.discard("chunks")  # the directory again for the next chunk
         assert what == list(range(len(what))) and listed <= set(what)  # 0, 1, ... in order, none dropped
         listed = set(what)
     assert listed == set(range(len(json.loads((tmp_path / "run" / "manifest.json").read_text())["chunks"]))) and len(listed) >= 7

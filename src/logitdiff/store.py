@@ -666,6 +666,7 @@ class RunWriter(_KindViews):
             cdir = self.path / "chunks"
             fsync_path(cdir / entry["data"])
             fsync_path(cdir / entry["items"])
+            fsync_path(cdir)  # the renames that named them: else a crash could keep the manifest's entry, not the files
             self.manifest["chunks"].append(entry)
             self.manifest["n_items"] += len(items)
             self.manifest["n_positions"] += sum(len(it.positions) for it in items)
