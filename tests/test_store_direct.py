@@ -157,6 +157,38 @@ def test_a_write_the_file_system_refuses_goes_through_the_page_cache(tmp_path, m
     np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), np.concatenate(blocks))
 
 
+def test_a_head_write_refused_under_o_direct_goes_through_the_page_cache(tmp_path, monkeypatch):
+    """Simulated (a file system that takes whole staging buffers under O_DIRECT but refuses a
+    4 KiB write is not at hand): a file of exactly one staging buffer leaves nothing staged at
+    finish, so the header page is the first small write; EINVAL there clears O_DIRECT."""
+    if not _odirect_works(tmp_path):
+        pytest.skip("no O_DIRECT under the test's temporary directory")
+    stage = outputs.direct_stage(4 * 4096)
+    real_pwrite = os.pwrite
+    refused = []
+
+    def pwrite(fd, data, offset):
+        if not refused and os.O_DIRECT & fcntl_flags(fd):
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    rows = np.random.default_rng(5).normal(0, 1, (4 * 4096 - NPY_DATA_OFFSET) // 4).astype(np.float32)
+    with outputs.atomic_file_direct(tmp_path / "x.npy", stage) as f:
+        f.write(bytes(NPY_DATA_OFFSET))
+        f.write(rows.data)  # fills the staging buffer exactly: written, nothing left staged
+        f.head = npy_header_page(1, rows.size, "float32")
+    assert refused == [0]
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), rows[None, :])
+
+
+def fcntl_flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
 def test_o_direct_refused_at_open_goes_through_the_page_cache(tmp_path, monkeypatch, modes):
     """Simulated (no file system of this kernel refuses O_DIRECT at open: tmpfs accepts it
     since Linux 6.6): open(O_DIRECT) failing with EINVAL, as on older tmpfs or some FUSE."""

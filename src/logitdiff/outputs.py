@@ -247,6 +247,10 @@ class DirectFile:
             self._written += k
             mv = mv[k:]
 
+    def _page_cache_from_here(self) -> None:
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self.direct = False
+
     def _write_stage(self, nbytes: int) -> None:
         """The first ``nbytes`` of the staging buffer (a multiple of DIRECT_ALIGN) to the file."""
         mv = self._stage[:nbytes]
@@ -258,8 +262,7 @@ class DirectFile:
                 # wants beyond DIRECT_ALIGN, or no direct I/O at all): the page cache from here on
                 if e.errno != errno.EINVAL or not self.direct:
                     raise
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                self.direct = False
+                self._page_cache_from_here()
                 continue
             self._written += k
             mv = mv[k:]
@@ -289,7 +292,16 @@ class DirectFile:
             if self.direct:  # from aligned memory: the staging buffer, free now
                 self._stage[: len(head)] = head
                 out = self._stage[: len(head)]
-            if os.pwrite(self.fd, out, 0) != len(head):
+            try:
+                k = os.pwrite(self.fd, out, 0)
+            except OSError as e:
+                # the file's writes so far filled whole staging buffers, so none probed a
+                # write this small: refused under O_DIRECT, it goes through the page cache
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._page_cache_from_here()
+                k = os.pwrite(self.fd, bytes(out), 0)
+            if k != len(head):
                 raise OSError(errno.EIO, "short write of the file's head")
             if not self.direct:
                 start_writeback(self.fd)
