@@ -94,6 +94,7 @@ def test_partial_run_refused_then_resumed(tmp_path):
     with pytest.raises(LogitdiffError, match="partial"):
         RunReader(tmp_path / "run")
     assert len(RunReader(tmp_path / "run", allow_partial=True).items()) == 3
+    del w  # abandoned, never finished: a crash (a live writer would refuse a second one)
     w2 = _writer(tmp_path / "run", chunk_rows=1, resume=True)
     done = w2.done_ids()
     assert done == {"i0", "i1", "i2"}
@@ -261,3 +262,51 @@ def test_a_second_thread_is_refused_and_the_holding_thread_reenters(tmp_path):
     t.start()
     t.join()
     assert got[1] == "ok" and RunReader(run).manifest["status"] == "complete"
+
+
+def test_a_second_live_writer_in_the_holding_thread_is_refused_an_abandoned_one_is_not(tmp_path):
+    """The RUN's lock is re-entrant per thread (outputs.writing's nested writer), so the
+    thread holding a live RunWriter could open a second on the same RUN (both writing chunk
+    files of the same indices, the second removing the first's unlisted ones): refused, for a
+    fresh start, --overwrite and --resume alike, also on the path `writing` yields. A writer
+    closed, finished, or abandoned without close (a crash: garbage, no longer referenced)
+    blocks nothing: resume in the same process goes on."""
+    import gc
+
+    from logitdiff.outputs import Kind, writing
+
+    run = tmp_path / "run"
+    data = _items(4)
+    w = _writer(run, chunk_rows=1)
+    w.add(*data[0])
+    w.flush()
+    before = (run / "manifest.json").read_bytes()
+    for kw in ({}, {"resume": True}, {"overwrite": True}, {"resume": True, "overwrite": True}):
+        with pytest.raises(LogitdiffError, match=r"run: a RunWriter of this run is open in this thread; finish\(\) or close\(\) it"):
+            _writer(run, chunk_rows=1, **kw)
+        with pytest.raises(LogitdiffError, match="open in this thread"):  # the same RUN by another spelling
+            _writer(tmp_path / "." / "run", chunk_rows=1, **kw)
+    assert (run / "manifest.json").read_bytes() == before  # the refusals touched nothing
+    w.add(*data[1])  # the first writer is unharmed
+    w.flush()
+    del w  # abandoned without close: a crash, as the resume tests simulate it
+    gc.collect()
+    w = _writer(run, chunk_rows=1, resume=True)
+    assert w.done_ids() == {"i0", "i1"}
+    w.close()  # closed: the next one is let in
+    w = _writer(run, chunk_rows=1, resume=True)
+    finish_resumed(w, data)
+    assert [it.id for it in RunReader(run).items()] == ["i0", "i1", "i2", "i3"]
+    # abandoned in a reference cycle: found by the collector, not counted either
+    w = _writer(run, overwrite=True)
+    w.cycle = w
+    del w
+    _writer(run, overwrite=True).finish()
+    # the writer `writing` opens on the path it yields: one, then refused
+    with writing(tmp_path / "new", Kind.RUN) as p:
+        first = _writer(p)
+        with pytest.raises(LogitdiffError, match="open in this thread"):
+            _writer(p, overwrite=True)
+        first.add(*data[0])
+        first.finish()
+    assert [it.id for it in RunReader(tmp_path / "new").items()] == ["i0"]

@@ -554,7 +554,8 @@ _HELD: dict[str, tuple[int, int]] = {}
 _HELD_MUTEX = threading.Lock()
 
 
-def _held_key(out: Path) -> str:
+def held_key(out: Path) -> str:
+    """The key of an output in this process's lock bookkeeping (its real path)."""
     return str(_real(out))
 
 
@@ -585,7 +586,7 @@ def locked(out: str | Path) -> Iterator[None]:
     """Exclusive lock on ``out`` (``.NAME.lock`` beside it) for the block; never waits.
     The thread that holds it may take it again (nested blocks share the one lock)."""
     out = Path(out)
-    with _holding(_held_key(out), out) as again:
+    with _holding(held_key(out), out) as again:
         if again:
             yield
             return
@@ -777,7 +778,7 @@ def writing(
                     tmp.mkdir()
                 # the temporary's name is this call's alone: held without a lock file of its
                 # own, so a RunWriter opened on it takes this lock instead of making one
-                with _holding(_held_key(tmp), tmp):
+                with _holding(held_key(tmp), tmp):
                     yield tmp
                 _swap(tmp, out)
             except LogitdiffError as e:

@@ -24,9 +24,11 @@ item whose rows it holds.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import time
+import weakref
 import zipfile
 from collections import deque
 from contextlib import ExitStack
@@ -40,7 +42,7 @@ from ._version import __version__
 from . import validate
 from .errors import LogitdiffError
 from .outputs import (RUN_SCHEMA, Kind, atomic_file_unsynced, atomic_write_bytes, atomic_write_json, check_output, fsync_path,
-                      locked)
+                      held_key, locked)
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 from .storekinds import BlockPlace, RowsForm, StoreKind, check_full_rows, cut_rows, store_kind
@@ -252,6 +254,23 @@ def _unlocked_on_error(init: _Init) -> _Init:
     return cast(_Init, wrapper)
 
 
+# The RunWriters of this process not yet finished or closed, by the RUN's real path. The
+# RUN's lock cannot refuse a second writer in the thread that holds it (it is re-entrant per
+# thread: `outputs.writing` holds it and the writer opened on its path takes it again), so
+# the constructor refuses while one is listed here. Weak: a writer abandoned without close()
+# (a crash the caller survived) and collected as garbage no longer counts, and resume goes on.
+_LIVE_WRITERS: weakref.WeakValueDictionary[str, RunWriter] = weakref.WeakValueDictionary()
+
+
+def _refuse_second_live_writer(key: str, path: Path) -> None:
+    if key not in _LIVE_WRITERS:
+        return
+    gc.collect()  # one abandoned in a reference cycle is garbage the collector has not reached yet
+    if key in _LIVE_WRITERS:
+        raise LogitdiffError(
+            f"{path}: a RunWriter of this run is open in this thread; finish() or close() it before opening another")
+
+
 class RunWriter(_KindViews):
     """Writes a RUN chunk by chunk. ``store`` is a ``--store`` text: ``"full"``, ``"topk:K"``,
     a compact spec (compact.py), ``"hidden"`` (hidden.py: pass the output head as ``head``)
@@ -275,7 +294,8 @@ class RunWriter(_KindViews):
     ``logitdiff capture`` takes; a writer opened inside ``outputs.writing`` re-enters it) and
     holds it until ``finish()`` or ``close()``; another process's writer is refused at once,
     naming this one's pid (two writers with ``resume=True`` would remove each other's unlisted
-    chunks).
+    chunks), and so is a second writer of the RUN in this one's own thread while this one is
+    neither finished, closed nor garbage (``_LIVE_WRITERS``).
     """
 
     @_unlocked_on_error
@@ -306,6 +326,8 @@ class RunWriter(_KindViews):
                 raise LogitdiffError(f"{self.path}: cannot create its directory ({e.strerror})") from None
         self._lock = ExitStack()  # closed by finish() / close()
         self._lock.enter_context(locked(self.path))
+        self._key = held_key(self.path)
+        _refuse_second_live_writer(self._key, self.path)
         self.store = store
         self.kind: StoreKind = store_kind(store, int(vocab_size), dtype)
         kind_fields = self.kind.start_writing(head)  # checks that the source fits the kind
@@ -413,6 +435,7 @@ class RunWriter(_KindViews):
             self._send(0, self._write_side_files, side)
         self.kind.write_files(self.path, fresh_start)
         self._next_chunk = len(self.manifest["chunks"])
+        _LIVE_WRITERS[self._key] = self  # the last step: a constructor that fails leaves no entry
 
     # -------------------------------------------------------------------------------
     def done_ids(self) -> set[str]:
@@ -594,7 +617,13 @@ class RunWriter(_KindViews):
         try:
             self._stop()
         finally:
-            self._lock.close()
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """The RUN's lock released and this writer no longer counted as open."""
+        if _LIVE_WRITERS.get(self._key) is self:
+            del _LIVE_WRITERS[self._key]
+        self._lock.close()
 
     def _stop(self) -> None:
         try:
@@ -689,7 +718,7 @@ class RunWriter(_KindViews):
             self.manifest["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             self._write_manifest()
         finally:
-            self._lock.close()
+            self._let_go()
 
     def _write_manifest(self) -> None:
         atomic_write_json(self.path / "manifest.json", self.manifest)
