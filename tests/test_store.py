@@ -310,3 +310,63 @@ def test_a_second_live_writer_in_the_holding_thread_is_refused_an_abandoned_one_
         first.add(*data[0])
         first.finish()
     assert [it.id for it in RunReader(tmp_path / "new").items()] == ["i0"]
+
+
+@pytest.mark.parametrize("store_text", ["full", "topk:4"])
+def test_an_item_ending_on_a_chunk_boundary_writes_no_empty_chunk(tmp_path, store_text):
+    """An item whose last rows fill a chunk is listed in that chunk (given whole, or in
+    blocks whose last one fills it); before, the chunk closed at the rows and the item went
+    into a chunk of its own with no rows. A RUN written that way (older versions) still reads
+    back and resumes."""
+    from logitdiff.storekinds import store_kind
+
+    rng = np.random.default_rng(3)
+    data = [(RunItem(id=f"i{k}", prompt_ids=[1], teacher_ids=[1] * n, positions=list(range(n))),
+             rng.normal(0, 2, (n, 50)).astype(np.float32)) for k, n in enumerate([4, 8, 2, 2, 4])]
+    w = _writer(tmp_path / "run", chunk_rows=4, store=store_text)
+    for k, (it, lg) in enumerate(data):
+        if k % 2:  # in blocks of one row
+            w.begin_item(it)
+            for r in range(len(lg)):
+                w.add_rows(lg[r : r + 1])
+            w.end_item()
+        else:
+            w.add(it, logits=lg)
+    w.finish()
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert [(c["rows"], c["n_items"]) for c in m["chunks"]] == [(4, 1), (4, 0), (4, 1), (4, 2), (4, 1)]
+    r = RunReader(tmp_path / "run")
+    want = [(it.id, lg) for it, lg in data]
+    assert [(it.id, it.chunk, it.row) for it in r.items()] == [("i0", 0, 0), ("i1", 1, 0), ("i2", 3, 0), ("i3", 3, 2), ("i4", 4, 0)]
+
+    # the older layout: i0 listed in a chunk 1 of no rows after chunk 0 (the rest renumbered)
+    old = tmp_path / "old"
+    w = _writer(old, chunk_rows=4, store=store_text)
+    w.add(*data[0])
+    w.flush()
+    w.close()
+    m = json.loads((old / "manifest.json").read_text())
+    c0 = m["chunks"][0]
+    items0 = (old / "chunks" / c0["items"]).read_text()
+    (old / "chunks" / c0["items"]).write_text("")
+    (old / "chunks" / "000001.items.jsonl").write_text(items0.replace('"row": 0', '"row": 0, "chunk": 0'))
+    kind = store_kind(store_text, 50, "float32")
+    kind.save_chunk(old / "chunks" / f"000001.{kind.chunk_suffix}", [])
+    m["chunks"] = [{**c0, "n_items": 0}, {"index": 1, "items": "000001.items.jsonl", "rows": 0, "n_items": 1,
+                                          "data": f"000001.{kind.chunk_suffix}"}]
+    (old / "manifest.json").write_text(json.dumps(m))
+    part = RunReader(old, allow_partial=True)
+    assert [(it.id, it.chunk, it.row) for it in part.items()] == [("i0", 0, 0)]
+    w = _writer(old, chunk_rows=4, store=store_text, resume=True)
+    assert w.done_ids() == {"i0"}
+    for it, lg in data[1:]:
+        w.add(it, logits=lg)
+    w.finish()
+    a, b = RunReader(tmp_path / "run"), RunReader(old)
+    assert [it.id for it in b.items()] == [i for i, _ in want]
+    for x, y in zip(a.items(), b.items()):
+        if store_text == "full":
+            np.testing.assert_array_equal(a.logits(x), b.logits(y))
+        else:
+            for k, v in a.topk(x).items():
+                np.testing.assert_array_equal(v, b.topk(y)[k])

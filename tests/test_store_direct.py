@@ -216,7 +216,7 @@ KILLED_WRITER = textwrap.dedent("""
     V, path = int(sys.argv[1]), sys.argv[2]
     w = RunWriter(path, source={"spec": "test:direct"}, vocab_size=V, tokenizer_hash="sha256:t", chunk_rows=10)
     rng = np.random.default_rng(7)
-    for k in range(3):  # chunk 0: i0, i1 (16 rows, lists i0); chunk 1: i2 and i3's first row, open
+    for k in range(3):  # chunk 0: i0, i1 (16 rows, lists both); chunk 1: i2 and i3's first row, open
         w.begin_item(RunItem(id=f"i{k}", prompt_ids=[1], teacher_ids=[1] * 8, positions=list(range(8))))
         w.add_rows(rng.normal(0, 1, (8, V)).astype(np.float32))
         w.end_item()
@@ -253,7 +253,7 @@ def test_a_capture_killed_mid_chunk_resumes_cleanly(tmp_path):
              rng.normal(0, 1, (8, V)).astype(np.float32)) for k in range(3)]
     w = RunWriter(run, source={"spec": "test:direct"}, vocab_size=V, tokenizer_hash="sha256:t", chunk_rows=10, resume=True)
     assert sorted(f.name for f in (run / "chunks").iterdir()) == ["000000.items.jsonl", "000000.logits.npy"]
-    assert w.done_ids() == {"i0"}  # i1 ends in chunk 1, never listed
+    assert w.done_ids() == {"i0", "i1"}  # i2 ends in chunk 1, never listed
     finish_resumed(w, data)
 
 

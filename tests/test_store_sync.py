@@ -123,8 +123,8 @@ def file_size_limit(nbytes: int):
 
 @pytest.mark.parametrize("store_text", ["full", "topk:5"])
 def test_failed_chunk_stops_listing_then_resume_clears_unlisted(tmp_path, store_text):
-    # chunk 0: the rows of i0 and i1 (6 rows, ~5.6 KB full, ~2 KB top-K), i0 ends there;
-    # chunk 1: i1's end and the 60 rows of i2 (~21 KB full, ~5 KB top-K): past the limit
+    # chunk 0: the rows of i0 and i1 (6 rows, ~5.6 KB full, ~2 KB top-K), both end there;
+    # chunk 1: the 60 rows of i2 (~15 KB full, ~5 KB top-K): past the limit
     data = [_item(0), _item(1), _item(2, 60), _item(3), _item(4)]
     limit = 8192 if store_text == "full" else 4096
     w = _writer(tmp_path / "run", chunk_rows=4, store=store_text)
@@ -142,12 +142,12 @@ def test_failed_chunk_stops_listing_then_resume_clears_unlisted(tmp_path, store_
     suffix = m["chunks"][0]["data"].split(".", 1)[1]
     assert sorted(p.name for p in (tmp_path / "run" / "chunks").iterdir()) == ["000000.items.jsonl", f"000000.{suffix}"]
     again = _writer(tmp_path / "run", chunk_rows=4, resume=True, store=store_text)
-    assert again.done_ids() == {"i0"}
+    assert again.done_ids() == {"i0", "i1"}
     if store_text == "full":
         finish_resumed(again, data)
     else:
         again.finish()
-        assert [it.id for it in RunReader(tmp_path / "run").items()] == ["i0"]
+        assert [it.id for it in RunReader(tmp_path / "run").items()] == ["i0", "i1"]
 
 
 def test_writer_queue_is_bounded_by_chunk_bytes_and_forgets_done_tasks(tmp_path):
@@ -185,3 +185,4 @@ def test_writer_queue_is_bounded_by_chunk_bytes_and_forgets_done_tasks(tmp_path)
     w.finish()
     assert [x.id for x in RunReader(tmp_path / "run").items()] == ["i0", "i1"]
     np.testing.assert_array_equal(RunReader(tmp_path / "run").logits(RunReader(tmp_path / "run").items()[0]), lg)
+

@@ -523,7 +523,10 @@ class RunWriter(_KindViews):
         self._send(_nbytes(block), self._append_block, self._next_chunk, block)
         self._nrows += n
         self._cur_rows += n
-        if self._nrows >= self.chunk_rows:
+        # a full chunk closes here in the middle of an item; at the item's last rows, in
+        # end_item, which lists the item in it (closed here, the item would go into a chunk
+        # of its own with no rows)
+        if self._nrows >= self.chunk_rows and (self._cur is None or self._cur_rows < len(self._cur.positions)):
             self.flush(wait=False)
 
     def end_item(self) -> None:
