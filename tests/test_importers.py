@@ -1,5 +1,6 @@
 """Importers: llama.cpp --kl-divergence-base files (written in their exact layout) and npz."""
 
+import os
 import struct
 
 import numpy as np
@@ -166,3 +167,60 @@ def test_npz_missing_array(tmp_path):
     np.savez(tmp_path / "x.npz", logits=np.zeros((2, 3)))
     with pytest.raises(LogitdiffError, match="token_ids"):
         import_npz(tmp_path / "x.npz", tmp_path / "run")
+
+
+@pytest.mark.parametrize("what", ["npz", "kld", "merge"])
+def test_library_imports_and_merge_hold_the_output_lock_for_the_whole_call(tmp_path, monkeypatch, what):
+    """Called from the library (no CLI around them), import_npz, import_llamacpp_kld and
+    merge_runs hold --out's lock from their start, through the checks of their input, not
+    only while they write (before, another writer could take the output meanwhile and one
+    replaced the other's whole): a second writer (another thread) asking when the write
+    begins is refused; after the call the lock is free and nothing is left beside out."""
+    import threading
+
+    import logitdiff.importers as importers
+    import logitdiff.shards as shards
+    from logitdiff.outputs import locked
+
+    out = tmp_path / "o" / "run"
+    probes: list[str] = []
+
+    def second_writer() -> None:
+        def other():
+            try:
+                with locked(out):
+                    probes.append("let in")
+            except LogitdiffError as e:
+                probes.append(str(e))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+
+    mod = shards if what == "merge" else importers
+    real = mod.writing
+
+    def spy(*a, **k):
+        second_writer()
+        return real(*a, **k)
+
+    if what == "merge":
+        _npz(tmp_path / "x.npz")
+        src = import_npz(tmp_path / "x.npz", tmp_path / "shard")
+    monkeypatch.setattr(mod, "writing", spy)
+    if what == "npz":
+        _npz(tmp_path / "x.npz")
+        import_npz(tmp_path / "x.npz", out)
+    elif what == "kld":
+        logits, tokens = _kld_inputs()
+        write_llamacpp_kld(tmp_path / "base.kld", logits, tokens)
+        import_llamacpp_kld(tmp_path / "base.kld", out)
+    else:
+        from logitdiff.shards import merge_runs
+
+        merge_runs([src], out)
+    assert len(probes) == 1 and "another thread of this logitdiff process" in probes[0], probes
+    assert RunReader(out).manifest["status"] == "complete"
+    assert sorted(os.listdir(out.parent)) == ["run"]
+    second_writer()
+    assert probes[-1] == "let in"

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import validate
 from .errors import LogitdiffError
-from .outputs import Kind, writing
+from .outputs import Kind, reserved, writing
 from .store import RunItem, RunWriter
 
 MAGIC = b"_logits_"
@@ -70,6 +70,14 @@ def import_llamacpp_kld(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
+    """A llama-perplexity ``--kl-divergence-base`` file as a RUN at ``out`` (locked for the
+    whole call, the checks of every row included; re-entered when the caller holds it)."""
+    with reserved(out, Kind.RUN, inputs=[path], overwrite=overwrite):
+        return _import_llamacpp_kld(Path(path), out, bos_id=bos_id, overwrite=overwrite, progress=progress)
+
+
+def _import_llamacpp_kld(path: Path, out: str | Path, *, bos_id: int | None, overwrite: bool,
+                         progress: Callable[[int], None] | None) -> Path:
     path = Path(path)
     if not path.exists():
         raise LogitdiffError(f"{path}: file not found")
@@ -218,7 +226,13 @@ def import_npz(path: str | Path, out: str | Path, *, overwrite: bool = False, vo
     """Import ``logits [N, V]``, ``token_ids [N]``, ``item_ids [N]``, ``positions [N]``.
 
     Everything is checked before the output is touched: dtypes (float logits, integer
-    ids and positions, string or integer item ids), shapes, ranges, finiteness."""
+    ids and positions, string or integer item ids), shapes, ranges, finiteness. ``out`` is
+    locked for the whole call, those checks included (re-entered when the caller holds it)."""
+    with reserved(out, Kind.RUN, inputs=[path], overwrite=overwrite):
+        return _import_npz(Path(path), out, overwrite=overwrite, vocab_size=vocab_size)
+
+
+def _import_npz(path: Path, out: str | Path, *, overwrite: bool, vocab_size: int | None) -> Path:
     path = Path(path)
     if not path.exists():
         raise LogitdiffError(f"{path}: file not found")

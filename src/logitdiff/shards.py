@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence, overload
 
 from .errors import LogitdiffError
-from .outputs import Kind, check_output, writing
+from .outputs import Kind, reserved, writing
 from .store import RESUME_FREE_IDENTITY, RunReader, RunWriter
 
 # settings that may differ between shards of one capture
@@ -100,11 +100,17 @@ def _short(x, limit: int = 60) -> str:
 
 def merge_runs(paths: Sequence[str | Path], out: str | Path, *, overwrite: bool = False, chunk_bytes: int | None = None) -> Path:
     """Merge complete shard runs into ``out``. Refuses partial runs, different vocabularies,
-    tokenizers, stores or settings, duplicate items and incomplete shard sets."""
+    tokenizers, stores or settings, duplicate items and incomplete shard sets. ``out`` is
+    locked for the whole call (re-entered when the caller holds it, as the CLI does): a
+    second writer is refused while the shards are checked, not only while they are copied."""
     if len(paths) < 1:
         raise LogitdiffError("merge: give at least one RUN")
     out = Path(out)
-    check_output(out, Kind.RUN, inputs=paths, overwrite=overwrite)
+    with reserved(out, Kind.RUN, inputs=paths, overwrite=overwrite):
+        return _merge_runs(paths, out, overwrite=overwrite, chunk_bytes=chunk_bytes)
+
+
+def _merge_runs(paths: Sequence[str | Path], out: Path, *, overwrite: bool, chunk_bytes: int | None) -> Path:
     runs = [RunReader(p) for p in paths]  # refuses partial runs
     first = runs[0]
     for r in runs[1:]:
