@@ -126,6 +126,25 @@ def test_token_lists_are_read_only_when_the_tokenizer_hashes_differ(pair, monkey
     assert len(read) == 2
 
 
+def test_the_vocabulary_is_read_only_when_a_token_text_is_wanted(pair, monkeypatch):
+    """A comparison's figures need no token text: compare_runs parses no vocab.json (V
+    strings of JSON a side); the first token text asked for (a report's token columns) reads
+    the reference's, once, and the candidate's only when the reference has none."""
+    r, c, *_ = pair
+    read = []
+    real = RunReader.vocab
+    monkeypatch.setattr(RunReader, "vocab", lambda self: read.append(self.path) or real(self))
+    comp = compare_runs(RunReader(r), RunReader(c))
+    assert read == []
+    assert [comp.token_text(t) for t in (5, 7, V, -1)] == ["t5", "t7", f"<{V}>", "<-1>"]
+    assert read == [r]
+    (r / "vocab.json").unlink()
+    read.clear()
+    comp = compare_runs(RunReader(r), RunReader(c))
+    assert read == [] and comp.token_text(5) == "t5" and comp.vocab == [f"t{i}" for i in range(V)]
+    assert read == [r, c]
+
+
 def test_no_rows_and_ranges_option(pair):
     r, c, *_, tmp = pair
     assert main(["compare", str(r), str(c), "--out", str(tmp / "rep"), "--no-rows", "--ranges", "0,10", "--bootstrap", "10"]) == 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import numpy as np
 
@@ -61,6 +61,9 @@ def positions_sampling(run) -> dict | None:
     out = {"mode": mode}
     out.update(settings.get("positions_sampling") or {})
     return out
+_UNREAD = object()  # Comparison's vocabulary before its first use
+
+
 @dataclass
 class Comparison:
     kind: str  # method.kind: "full_vocab" | "compact" | "top_k" (contracts.MethodKind)
@@ -69,9 +72,18 @@ class Comparison:
     ref: RunReader
     cand: RunReader | LiveRun
     method: dict
-    vocab: list[str] | None = None
     notes: list[str] = field(default_factory=list)
     served_floor: ServedFloor | None = None  # servedfloor.served_floor, set by whoever measured it (run)
+    _vocab: list[str] | None | object = field(default=_UNREAD, repr=False)
+
+    @property
+    def vocab(self) -> list[str] | None:
+        """The printable text of every token id (the reference's vocab.json, else the
+        candidate's), read on first use: V strings of JSON that the figures never need, only a
+        report's token columns do."""
+        if self._vocab is _UNREAD:
+            self._vocab = self.ref.vocab() or self.cand.vocab()
+        return cast("list[str] | None", self._vocab)
 
     @property
     def n(self) -> int:
@@ -200,7 +212,6 @@ def compare_runs(
     items_r, items_c, paired_notes = pair_items(ref, cand, allow_partial=allow_partial)
     notes += paired_notes
     notes += speculation_notes(ref, cand)
-    vocab = ref.vocab() or cand.vocab()
     V = ref.vocab_size
     method_cls = select_method(ref, cand)
     check_floor(logprob_floor, method_cls, V, ref, cand)
@@ -260,7 +271,7 @@ def compare_runs(
             + (f" (fraction {sampling['fraction']}, seed {'default' if seed is None else seed}: {sampling['rule']})"
                if "fraction" in sampling else "")
         )
-    comp = Comparison(kind=method.kind, columns=columns, items=items_r, ref=ref, cand=cand, method=info, vocab=vocab, notes=notes)
+    comp = Comparison(kind=method.kind, columns=columns, items=items_r, ref=ref, cand=cand, method=info, notes=notes)
     return comp
 
 
