@@ -186,3 +186,129 @@ def test_writer_queue_is_bounded_by_chunk_bytes_and_forgets_done_tasks(tmp_path)
     assert [x.id for x in RunReader(tmp_path / "run").items()] == ["i0", "i1"]
     np.testing.assert_array_equal(RunReader(tmp_path / "run").logits(RunReader(tmp_path / "run").items()[0]), lg)
 
+
+# --------------------------------------------------------------------------------------
+# resume drops the rows of the item a kill interrupted
+# --------------------------------------------------------------------------------------
+
+ORPHAN_STORES = ["full", "topk:5", "compact:exact=8,band=8", "hidden"]
+
+
+def _orphan_case(store_text):
+    """The writer's keyword arguments for the kind, and items i0 (6 rows), i1 (12), i2 (5)
+    with their rows as add_rows keyword arguments (the hidden store: bf16 logits that are a
+    random head's output, with their hidden states)."""
+    if store_text != "hidden":
+        return {"store": store_text}, [(it, {"logits": lg}) for it, lg in (_item(0, 6), _item(1, 12), _item(2, 5))]
+    from logitdiff import hidden as Hs
+
+    rng = np.random.default_rng(5)
+    head = Hs.round_bits(rng.normal(0, 1, (V, 16)))
+    data = []
+    for k, n in enumerate((6, 12, 5)):
+        h = Hs.round_bits(rng.normal(0, 1, (n, 16)))
+        data.append((_item(k, n)[0], {"logits": Hs.round_bits(Hs._bits_to_f64(h) @ Hs._bits_to_f64(head).T), "hidden": h}))
+    return {"store": "hidden", "dtype": "bfloat16", "head": head}, data
+
+
+def _write_until_killed_mid_item(run, kw, data) -> None:
+    """i0 (6 rows) ends in chunk 1; i1 (12 rows) then fills the rest of chunk 1 and chunks
+    2-4 before the kill: 5 chunks listed, i1 in none (chunk_rows 4, blocks of one row)."""
+    w = _writer(run, chunk_rows=4, **kw)
+    for it, rows in data[:2]:
+        w.begin_item(it)
+        for r in range(len(it.positions) if it.id == "i0" else 11):
+            w.add_rows(**{k: v[r : r + 1] for k, v in rows.items()})
+        if it.id == "i0":
+            w.end_item()
+    w.flush()  # chunks 0-4 durable and listed, i1 unfinished
+    m = json.loads((run / "manifest.json").read_text())
+    assert [c["rows"] for c in m["chunks"]] == [4, 4, 4, 4, 1] and m["n_items"] == 1
+    del w  # killed
+
+
+def _rows_of(r: RunReader) -> list:
+    out = []
+    for b in r.row_blocks(r.items(), 1000):
+        out.extend(sorted(b.items()) if isinstance(b, dict) else [("rows", b)])
+    return out
+
+
+def _assert_only_listed_rows(run) -> None:
+    """Every row of every listed chunk belongs to a listed item; no file in chunks/ is unlisted."""
+    m = json.loads((run / "manifest.json").read_text())
+    assert sum(c["rows"] for c in m["chunks"]) == m["n_positions"]
+    names = {c[k] for c in m["chunks"] for k in ("items", "data")}
+    assert sorted(p.name for p in (run / "chunks").iterdir()) == sorted(names)
+
+
+@pytest.mark.parametrize("store_text", ORPHAN_STORES)
+def test_resume_drops_the_rows_of_the_killed_item(tmp_path, store_text):
+    """A kill in the middle of a long item left its first rows in listed chunks no item
+    lists (a chunk's worth or more per kill). Resume drops the chunks holding only those and
+    cuts the one they start in; the finished run holds only listed rows, read back as a run
+    written without the kill, for every store kind."""
+    kw, data = _orphan_case(store_text)
+    clean = _writer(tmp_path / "clean", chunk_rows=4, **kw)
+    for it, rows in data:
+        clean.add(it, **rows)
+    clean.finish()
+    run = tmp_path / "run"
+    _write_until_killed_mid_item(run, kw, data)
+    w = _writer(run, chunk_rows=4, resume=True, **kw)
+    m = json.loads((run / "manifest.json").read_text())
+    assert [c["rows"] for c in m["chunks"]] == [4, 2] and m["chunks"][1]["data"].startswith("000001.cut2.")
+    _assert_only_listed_rows(run)
+    part = RunReader(run, allow_partial=True)
+    assert [it.id for it in part.items()] == ["i0"]
+    assert w.done_ids() == {"i0"}
+    for it, rows in data[1:]:
+        w.add(it, **rows)
+    w.finish()
+    _assert_only_listed_rows(run)
+    a, b = RunReader(tmp_path / "clean"), RunReader(run)
+    assert [it.id for it in b.items()] == ["i0", "i1", "i2"]
+    for (ka, xa), (kb, xb) in zip(_rows_of(a), _rows_of(b), strict=True):
+        assert ka == kb
+        np.testing.assert_array_equal(xa, xb)
+
+
+class _Crash(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("crash_at", ["save", "fsync", "manifest", "unlink"])
+def test_a_crash_while_dropping_orphan_rows_loses_no_listed_row(tmp_path, monkeypatch, crash_at):
+    """The cleanup killed at each of its steps (writing the cut copy, making it durable,
+    listing it, removing what is no longer listed): the run still reads back every listed
+    item whole, and the next resume finishes the cleanup and the run."""
+    kw, pairs = _orphan_case("full")
+    data = [(it, rows["logits"]) for it, rows in pairs]
+    run = tmp_path / "run"
+    _write_until_killed_mid_item(run, kw, pairs)
+    calls = {"n": 0}
+
+    def crash(real, *args, **kw):
+        # unlink: once the manifest lists the cut chunk (before, atomic writes unlink temporaries)
+        if crash_at == "unlink" and len(json.loads((run / "manifest.json").read_text())["chunks"]) != 2:
+            return real(*args, **kw)
+        calls["n"] += 1
+        raise _Crash()
+
+    from logitdiff.storekinds.full import FullStore
+
+    target = {"save": (FullStore, "save_chunk"), "fsync": (store, "fsync_path"),
+              "manifest": (RunWriter, "_write_manifest"), "unlink": (type(run), "unlink")}[crash_at]
+    real = getattr(*target)
+    monkeypatch.setattr(*target, lambda *a, **k: crash(real, *a, **k))
+    with pytest.raises(_Crash):
+        _writer(run, chunk_rows=4, resume=True)
+    monkeypatch.undo()
+    assert calls["n"] == 1
+    part = RunReader(run, allow_partial=True)
+    assert [it.id for it in part.items()] == ["i0"]
+    np.testing.assert_array_equal(part.logits(part.items()[0]), data[0][1])
+    w = _writer(run, chunk_rows=4, resume=True)  # the lock was let go; the cleanup completes
+    _assert_only_listed_rows(run)
+    finish_resumed(w, data)
+    _assert_only_listed_rows(run)

@@ -17,7 +17,8 @@ Layout::
 Every file of a chunk is written to a temporary name and renamed; once the chunk's files
 are fsynced, the manifest (which lists finished chunks) is rewritten atomically to list it.
 A killed capture leaves only whole chunks listed, each fsynced before it was listed, and
-``RunWriter(resume=True)`` continues after them (files of chunks never listed are removed).
+``RunWriter(resume=True)`` continues after them (files of chunks never listed are removed,
+and so are the rows of the item the kill interrupted: its start, in listed chunks).
 Row r of a chunk is the distribution that predicts ``teacher_ids[positions[j]]`` of the
 item whose rows it holds.
 """
@@ -399,13 +400,8 @@ class RunWriter(_KindViews):
             # manifest never listed it, so it is garbage: remove it before writing again.
             for stale in (self.path / "chunks").glob(".*.tmp*"):
                 stale.unlink(missing_ok=True)
-            # Chunk files the manifest does not list (written, not yet durable when the kill
-            # came): the resumed capture writes those indices again; remove any it may not reach.
-            listed = len(self.manifest["chunks"])
-            for f in (self.path / "chunks").iterdir():
-                stem = f.name.split(".", 1)[0]
-                if stem.isdigit() and len(stem) == 6 and int(stem) >= listed and f.is_file():
-                    f.unlink(missing_ok=True)
+            self._drop_orphan_rows()
+            self._remove_unlisted_files()
         else:
             if mpath.exists() and not overwrite:
                 raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
@@ -436,6 +432,64 @@ class RunWriter(_KindViews):
         self.kind.write_files(self.path, fresh_start)
         self._next_chunk = len(self.manifest["chunks"])
         _LIVE_WRITERS[self._key] = self  # the last step: a constructor that fails leaves no entry
+
+    def _drop_orphan_rows(self) -> None:
+        """Resume: the rows of the item a kill interrupted, in listed chunks that no listed
+        item covers (an item is listed in the chunk where its rows end; its earlier chunks
+        were listed as they filled), are dropped: the resumed capture writes that item again
+        from its start, so they would only take space, a chunk's worth per kill. Chunks past
+        the last one that lists an item go from the manifest; that chunk, when rows follow
+        its last item's, is rewritten cut after them under a new name. Crash-safe: the cut
+        copy is durable before the manifest (written atomically) names it, and the files the
+        manifest stopped naming are removed only after it (else by the next resume)."""
+        chunks = self.manifest["chunks"]
+        last, end = -1, 0  # the last chunk that lists an item; the rows its items cover
+        for e in reversed(chunks):
+            p = self.path / "chunks" / e["items"]
+            try:
+                lines = [(n, ln) for n, ln in enumerate(p.read_bytes().split(b"\n"), 1) if ln.strip()]
+            except OSError as err:
+                raise LogitdiffError(f"{p}: cannot resume, unreadable chunk items ({err.strerror})") from None
+            if lines:
+                last = e["index"]
+                it = _parse_item_line(p, *lines[-1], last)
+                # its rows run from (it.chunk, it.row) to here; every chunk between holds only its rows
+                end = it.row + len(it.positions) - sum(c["rows"] for c in chunks[it.chunk:last])
+                break
+        if last >= 0 and not (0 <= end <= chunks[last]["rows"]):
+            return  # entries that do not add up: a damaged run, left as it is (a reader names the fault)
+        keep = [dict(c) for c in chunks[: last + 1]]
+        if last >= 0 and end < keep[-1]["rows"]:
+            entry = keep[-1]
+            src = self.path / "chunks" / entry["data"]
+            try:
+                block = self.kind.load_chunk(src, lambda r: f"{src} row {r}")
+            except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as err:
+                raise LogitdiffError(f"{src}: cannot resume, unreadable chunk ({err})") from None
+            entry["data"] = f"{last:06d}.cut{end}.{self.kind.chunk_suffix}"
+            dest = self.path / "chunks" / entry["data"]
+            self.kind.save_chunk(dest, [self.kind.cut_stored(block, 0, end)])
+            del block  # a memory-mapped chunk is let go before its file is removed
+            entry["rows"] = end
+            fsync_path(dest)
+            fsync_path(dest.parent)
+        if keep == chunks:
+            return
+        self.manifest["chunks"] = keep
+        self._write_manifest()
+
+    def _remove_unlisted_files(self) -> None:
+        """Resume: chunk files no manifest entry names (written, not yet durable when the
+        kill came; cut or dropped by :meth:`_drop_orphan_rows`): the resumed capture writes
+        the indices past the listed ones again; remove any it may not reach."""
+        chunks = self.manifest["chunks"]
+        for f in (self.path / "chunks").iterdir():
+            stem = f.name.split(".", 1)[0]
+            if not (stem.isdigit() and len(stem) == 6 and f.is_file()):
+                continue
+            i = int(stem)
+            if i >= len(chunks) or f.name not in (chunks[i]["items"], chunks[i]["data"]):
+                f.unlink(missing_ok=True)
 
     # -------------------------------------------------------------------------------
     def done_ids(self) -> set[str]:
