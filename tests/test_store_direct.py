@@ -299,3 +299,37 @@ def test_a_writer_closed_mid_chunk_leaves_no_temporary(tmp_path):
     w.close()
     assert sorted(p.name for p in (tmp_path / "run" / "chunks").iterdir()) == ["000000.items.jsonl", "000000.logits.npy"]
     assert [c["index"] for c in json.loads((tmp_path / "run" / "manifest.json").read_text())["chunks"]] == [0]
+
+
+@pytest.mark.parametrize("end", ["finish", "close"])
+def test_the_staging_buffer_is_freed_when_the_writer_is_done(tmp_path, monkeypatch, end):
+    """The 16 MiB O_DIRECT staging buffer goes at finish() or close(), not when the writer
+    object does (a caller keeping the RunWriter kept 16 MiB): no reference to it is left
+    once the writer is done, while the writer itself still lives."""
+    import gc
+    import weakref
+
+    import logitdiff.storekinds.full as full
+
+    made = []
+    real = full.direct_stage
+
+    def stage(*a, **k):
+        buf = real(*a, **k)
+        made.append(weakref.ref(buf))
+        return buf
+
+    monkeypatch.setattr(full, "direct_stage", stage)
+    monkeypatch.setattr(full, "direct_io_pays", lambda where: True)  # a tmpfs /tmp too: the buffer is made
+    rng = np.random.default_rng(3)
+    w = RunWriter(tmp_path / "run", source={"spec": "test:direct"}, vocab_size=300, tokenizer_hash="sha256:t", chunk_rows=8)
+    for k in range(3):
+        w.add(RunItem(id=f"i{k}", prompt_ids=[1], teacher_ids=[1] * 6, positions=list(range(6))),
+              logits=rng.normal(0, 1, (6, 300)).astype(np.float32))
+    w.flush()
+    gc.collect()
+    assert len(made) == 1 and made[0]() is not None  # one buffer, reused across the chunks
+    getattr(w, end)()
+    gc.collect()
+    assert made[0]() is None, gc.get_referrers(made[0]())
+    assert len(RunReader(tmp_path / "run", allow_partial=True).items()) == 3

@@ -694,6 +694,7 @@ class RunWriter(_KindViews):
             chunk, self._chunk_file = self._chunk_file, None
             if chunk is not None:
                 chunk.abort()
+            self.kind.stop_writing()  # the O_DIRECT staging buffer, freed now, not with this object
 
     def _chunk_path(self, idx: int) -> Path:
         return self.path / "chunks" / f"{idx:06d}.{self.kind.chunk_suffix}"

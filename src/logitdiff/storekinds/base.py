@@ -212,6 +212,10 @@ class StoreKind(ABC):
         take its rows as they come (full rows) overrides it."""
         return KeptBlocks(lambda blocks: self.save_chunk(path, blocks))
 
+    def stop_writing(self) -> None:
+        """The writer is done (finished or closed): let go of what writing kept between
+        chunks (buffers); a later chunk would make them again. Default: nothing kept."""
+
     # ------------------------------------------------------------------ reading
     def start_reading(self, run: Path, manifest: dict[str, Any]) -> None:
         """Check the manifest fields the kind adds (a one-line error naming the field)."""

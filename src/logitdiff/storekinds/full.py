@@ -71,6 +71,9 @@ class FullStore(StoreKind):
             self._stage = direct_stage()
         return RowsFile(path, int(self.vocab_size or 0), self.dtype or "float32", self._stage, self._direct[where])
 
+    def stop_writing(self) -> None:
+        self._stage = None  # 16 MiB, not kept for as long as the writer object lives
+
     def load_chunk(self, path: Path, label: Any) -> Block:
         data = np.load(path, mmap_mode="r", allow_pickle=False)
         if data.ndim != 2 or data.shape[1] != self.vocab_size:
