@@ -1,6 +1,7 @@
 """RUN files: round trips in every dtype, atomic chunks, resume, streaming reads, bad files."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -370,3 +371,65 @@ def test_an_item_ending_on_a_chunk_boundary_writes_no_empty_chunk(tmp_path, stor
         else:
             for k, v in a.topk(x).items():
                 np.testing.assert_array_equal(v, b.topk(y)[k])
+
+
+@pytest.mark.parametrize("how", ["reserved", "writing"])
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_directory_another_writer_removed_on_letting_go_is_made_again(tmp_path, monkeypatch, how, fails):
+    """Writer A fails and removes the empty directories it made for --out just after writer
+    B found them there (B's _make_parents) and before B took the lock: B makes them again
+    and writes (before: "cannot write there (No such file or directory)", a line about no
+    fault of B's). When B fails in turn, what it made (again) is removed too, while it still
+    holds the lock."""
+    import logitdiff.outputs as outputs
+    from logitdiff.outputs import Kind, reserved, writing
+
+    out = tmp_path / "a" / "b" / "run"
+    real = outputs._make_parents
+    calls = []
+
+    def a_lets_go_between(o):
+        made = real(o)
+        if not calls:  # A, letting go, removes the directories (empty) at this moment
+            (tmp_path / "a" / "b").rmdir()
+            (tmp_path / "a").rmdir()
+        calls.append(o)
+        return made
+
+    monkeypatch.setattr(outputs, "_make_parents", a_lets_go_between)
+    removed_holding = []
+    real_remove = outputs._remove_empty
+
+    def remove_empty(dirs):
+        if dirs:  # B's own removal: still holding the lock, before a third writer may take it
+            removed_holding.append(outputs.held_key(out) in outputs._HELD)
+        real_remove(dirs)
+
+    monkeypatch.setattr(outputs, "_remove_empty", remove_empty)
+
+    def write():
+        if how == "reserved":
+            with reserved(out, Kind.RUN), writing(out, Kind.RUN) as p:
+                w = _writer(p)
+                if fails:
+                    w.close()
+                    raise KeyboardInterrupt
+                w.finish()
+        else:
+            with writing(out, Kind.RUN) as p:
+                w = _writer(p)
+                if fails:
+                    w.close()
+                    raise KeyboardInterrupt
+                w.finish()
+
+    if fails:
+        with pytest.raises(KeyboardInterrupt):
+            write()
+        assert sorted(os.listdir(tmp_path)) == []
+        assert removed_holding == [True]
+    else:
+        write()
+        assert RunReader(out).manifest["status"] == "complete"
+        assert sorted(os.listdir(out.parent)) == ["run"]
+    assert len(calls) >= 2  # made again

@@ -582,24 +582,45 @@ def _holding(key: str, out: Path) -> Iterator[bool]:
 
 
 @contextmanager
-def locked(out: str | Path) -> Iterator[None]:
+def locked(out: str | Path, *, made: list[Path] | None = None) -> Iterator[None]:
     """Exclusive lock on ``out`` (``.NAME.lock`` beside it) for the block; never waits.
-    The thread that holds it may take it again (nested blocks share the one lock)."""
+    The thread that holds it may take it again (nested blocks share the one lock).
+
+    ``made``: the directories the caller created for ``out`` (:func:`_make_parents`): when
+    the block fails, those left empty are removed before the lock is let go. A writer that
+    fails so may remove them between another's ``_make_parents`` and its lock: that one makes
+    them again (added to its ``made``) instead of failing on a directory that vanished."""
     out = Path(out)
     with _holding(held_key(out), out) as again:
         if again:
             yield
             return
-        with _flocked(out):
+        with _flocked(out, made):
             yield
 
 
+# times a writer makes its directory again when another writer letting go removed it
+_PARENT_RETRIES = 8
+
+
 @contextmanager
-def _flocked(out: Path) -> Iterator[None]:
+def _flocked(out: Path, made: list[Path] | None = None) -> Iterator[None]:
     path = lock_path(out)
+    retries = _PARENT_RETRIES
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError as e:
+            # the directory is gone: a writer that had created it failed and removed it
+            # (the only way it goes between our making it and here); make it again
+            if retries == 0:
+                raise LogitdiffError(f"{out}: cannot write there ({e.strerror})") from None
+            retries -= 1
+            again = _make_parents(out)
+            if made is not None:
+                made.extend(d for d in again if d not in made)
+                made.sort(key=lambda d: len(d.parts))
+            continue
         except OSError as e:
             raise LogitdiffError(f"{out}: cannot write there ({e.strerror})") from None
         try:
@@ -621,15 +642,22 @@ def _flocked(out: Path) -> Iterator[None]:
         if same:
             break
         os.close(fd)
+    failed = False
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
+    except BaseException:
+        failed = True
+        raise
     finally:
         try:
             os.unlink(path)
         except OSError:
             pass
+        if failed and made:
+            _remove_empty(made)  # still holding the lock (the lock file itself went just before)
+            made.clear()
         os.close(fd)
 
 
@@ -651,10 +679,10 @@ def reserved(
     check_output(out, kind, inputs=inputs, overwrite=overwrite)
     created = _make_parents(out)
     try:
-        with locked(out):
+        with locked(out, made=created):
             yield
     except BaseException:
-        _remove_empty(created)
+        _remove_empty(created)  # when the lock was refused (else already removed under it)
         raise
 
 
@@ -756,7 +784,7 @@ def writing(
     check_output(out, kind, inputs=inputs, overwrite=overwrite, resume=resume)
     created = _make_parents(out)
     try:
-        with locked(out):
+        with locked(out, made=created):
             # Again under the lock: another writer may have written it in the meantime.
             check_output(out, kind, inputs=inputs, overwrite=overwrite, resume=resume)
             _sweep_stale(out)
