@@ -333,3 +333,71 @@ def test_the_staging_buffer_is_freed_when_the_writer_is_done(tmp_path, monkeypat
     gc.collect()
     assert made[0]() is None, gc.get_referrers(made[0]())
     assert len(RunReader(tmp_path / "run", allow_partial=True).items()) == 3
+
+
+def _anon_huge_bytes(address: int) -> int | None:
+    """AnonHugePages of the mapping holding ``address`` (/proc/self/smaps), None without it."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
+
+
+def _direct_round_trip(where: Path, stage) -> None:
+    """Rows written through ``stage`` (O_DIRECT where the file system takes it) read back as given."""
+    rows = np.random.default_rng(11).normal(0, 1, (9, 300_001)).astype(np.float32)  # 10.8 MB, not page-sized
+    with outputs.atomic_file_direct(where / "x.npy", stage) as f:
+        f.write(bytes(NPY_DATA_OFFSET))
+        f.write(rows.data)
+        f.head = npy_header_page(*rows.shape, "float32")
+    np.testing.assert_array_equal(np.load(where / "x.npy"), rows)
+
+
+def test_the_staging_buffer_lies_on_transparent_huge_pages(tmp_path):
+    """The default staging buffer starts on a huge-page boundary and, where THP is "always" or
+    "madvise", is backed by huge pages once touched (before: an ordinary shared mapping, on
+    4 KiB pages whatever THP said); O_DIRECT writes from it read back as given."""
+    stage = outputs.direct_stage()
+    view = np.frombuffer(stage, np.uint8)
+    assert len(view) == outputs.DIRECT_STAGE_BYTES and view.ctypes.data % outputs.HUGE_PAGE == 0
+    view[:] = 7  # faulted in, as the writer's first chunk does
+    mode = _thp_mode()
+    if mode not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip(f"transparent huge pages {mode or 'not available'} here")
+    huge = _anon_huge_bytes(view.ctypes.data)
+    if huge is None:
+        pytest.skip("no /proc/self/smaps")
+    assert huge >= outputs.HUGE_PAGE, huge
+    _direct_round_trip(tmp_path, stage)
+
+
+@pytest.mark.parametrize("how", ["no MADV_HUGEPAGE", "advice refused"])
+def test_a_staging_buffer_without_huge_pages_still_writes(tmp_path, monkeypatch, how):
+    """No huge pages: the platform lacks the advice (the buffer is an ordinary mapping) or the
+    kernel refuses it (a real EINVAL, from an advice value it does not know); the buffer is the
+    size asked, page-aligned, and O_DIRECT writes from it read back as given."""
+    if how == "no MADV_HUGEPAGE":
+        monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+    else:
+        monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)
+    stage = outputs.direct_stage(4 << 20)
+    view = np.frombuffer(stage, np.uint8)
+    assert len(view) == 4 << 20 and view.ctypes.data % outputs.DIRECT_ALIGN == 0
+    _direct_round_trip(tmp_path, stage)
