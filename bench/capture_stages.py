@@ -12,7 +12,7 @@ forward + copy of the same positions (capture_bench's), timed on one clock:
 * for both, the machine's /proc/stat ticks over the step (steal: the hypervisor ran something
   else on a vCPU, e.g. the virtual disk's work; irq+softirq: the guest's interrupt work).
 
-    PYTHONPATH=src python bench/capture_stages.py --wide /tmp/s11/capw [--rounds 5] [--out-dir DIR]
+    PYTHONPATH=src python bench/capture_stages.py --wide /tmp/s11/capw [--rounds 5] [--out-dir DIR] [--no-side-files]
 
 ``--floor``: instead, the disk's cost to the forward when perfectly overlapped: the bare forward
 + copy alone, against the same while another process writes the same bytes (the rows of one
@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=2)
     ap.add_argument("--out-dir", help="where RUNs go (default WORK)")
     ap.add_argument("--floor", action="store_true", help="the disk's cost to a concurrent forward (see above)")
+    ap.add_argument("--no-side-files", action="store_true", help="captures write no vocab.json/tokens.json (what "
+                    "they cost the setup; the RUNs are not complete RUNs)")
     ap.add_argument("--small-pages", action="store_true", help="--floor: the writers' staging buffers on 4 KiB pages "
                     "(outputs.direct_stage before huge pages), to compare")
     args = ap.parse_args()
@@ -136,6 +138,9 @@ def main() -> None:
 
     import logitdiff.outputs as outputs
     import logitdiff.store as store
+
+    if args.no_side_files:
+        store.RunWriter._write_side_files = lambda self, files: None
 
     marks: dict[str, float] = {}
     acc: dict[str, float] = {}
