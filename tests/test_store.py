@@ -433,3 +433,22 @@ def test_a_directory_another_writer_removed_on_letting_go_is_made_again(tmp_path
         assert RunReader(out).manifest["status"] == "complete"
         assert sorted(os.listdir(out.parent)) == ["run"]
     assert len(calls) >= 2  # made again
+
+
+@pytest.mark.parametrize("n", [0, 1, 8191, 8192, 8193, 20_000])
+def test_side_files_are_json_dumps_bytes_whatever_the_slicing(n):
+    """vocab.json / tokens.json are encoded a slice at a time (the writer thread lets go of the GIL
+    between slices); the bytes are those of one json.dumps of the whole list, at every boundary
+    (empty, one item, a slice exactly, one past it) with escapes, non-ASCII, lone surrogates and
+    None (a token with no string)."""
+    import json
+
+    from logitdiff.store import JSON_SLICE, json_list_bytes
+
+    assert JSON_SLICE == 8192  # the boundaries above are around it
+    pool = ['a', 'x"y', "tab\there", "é", "\u2028", "\\", "\ud800", None, "<|im_end|>", ""]
+    items = [pool[i % len(pool)] + (str(i) if pool[i % len(pool)] is not None else "") if pool[i % len(pool)] is not None
+             else None for i in range(n)]
+    got = json_list_bytes(items)
+    assert got == (json.dumps(items, indent=None, default=str) + "\n").encode()
+    assert json.loads(got) == items

@@ -639,8 +639,7 @@ class RunWriter(_KindViews):
 
     def _write_side_files(self, files: list[tuple[str, list]]) -> None:
         for name, strings in files:
-            # one line (json's C encoder: ~10x the indented Python one at V = 248,320)
-            atomic_write_json(self.path / name, strings, indent=None)
+            atomic_write_bytes(self.path / name, json_list_bytes(strings))
 
     def _raise_failed(self) -> None:
         done = [f for f, _ in self._pending if f.done()] + [f for f in self._syncing if f.done()]
@@ -780,6 +779,23 @@ class RunWriter(_KindViews):
 
     def _write_manifest(self) -> None:
         atomic_write_json(self.path / "manifest.json", self.manifest)
+
+
+# Strings per json.dumps call in json_list_bytes: ~1 ms of encoding, under the interpreter's
+# 5 ms switch interval.
+JSON_SLICE = 8192
+
+
+def json_list_bytes(items: list) -> bytes:
+    """``json.dumps(items) + "\\n"`` as bytes (one line: json's C encoder, ~10x the indented
+    Python one at V = 248,320), encoded a slice of JSON_SLICE items per call. The C encoder
+    holds the GIL for a whole call: 248,320 strings at once were ~35 ms in which the thread
+    that called it (the writer, writing vocab.json and tokens.json) kept the caller's thread
+    from running Python; that is setup and the first forward of a capture (setup measured
+    0.068 s with the two files, 0.01 s without: bench/RESULTS.md, issue 24). Between slices
+    the caller gets the GIL. The same bytes as one call."""
+    parts = [json.dumps(items[a : a + JSON_SLICE], default=str)[1:-1] for a in range(0, len(items), JSON_SLICE)]
+    return ("[" + ", ".join(parts) + "]\n").encode()
 
 
 def _nbytes(block) -> int:
