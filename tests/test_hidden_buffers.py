@@ -74,7 +74,9 @@ def test_reblocked_blocks_straddling_chunks_keep_their_rows(runs, rows):
 def test_compare_against_hidden_equals_compare_against_full(runs, max_batch_rows):
     full, hid, cand = runs
     a = compare_runs(RunReader(full), RunReader(cand), max_batch_rows=max_batch_rows)
-    b = compare_runs(RunReader(hid), RunReader(cand), max_batch_rows=max_batch_rows)
+    hr = RunReader(hid)
+    b = compare_runs(hr, RunReader(cand), max_batch_rows=max_batch_rows)
+    assert hr._float32  # a float32 candidate: the reference decoded straight to float32
     assert a.method == b.method
     n = 0
     for k, v in a.columns.items():
@@ -155,3 +157,70 @@ def test_rows_held_without_the_array_keep_their_rows(runs, hold):
         del p  # only the consumer's object refers to the rows now
     got = np.concatenate([back(k) for k in kept])
     np.testing.assert_array_equal(got, np.concatenate(want))
+
+
+def test_rows_decoded_to_float32_are_the_full_runs_rows_widened(runs):
+    """`RunReader.decode_to_float32`: every row the full run's bf16 row widened, exactly,
+    held all at once (buffers of their own dtype) or streamed in blocks across chunks; asked
+    for once rows were read, refused (the chunk decoded ahead would be the other form)."""
+    full, hid, _ = runs
+    want = _rows(RunReader(full))
+    h = RunReader(hid)
+    h.decode_to_float32()
+    held = list(h.row_pieces(h.items()))
+    assert all(p.dtype == np.float32 for p in held)
+    np.testing.assert_array_equal(np.concatenate(held).view(np.uint32), want.astype(np.uint32) << 16)
+    h = RunReader(hid)
+    h.decode_to_float32()
+    blocks = [b.copy() for b in h.row_blocks(h.items(), CHUNK_ROWS + 3)]  # values(): no second widening
+    np.testing.assert_array_equal(np.concatenate(blocks).view(np.uint32), want.astype(np.uint32) << 16)
+    f, h = RunReader(full), RunReader(hid)
+    h.decode_to_float32()
+    for it_h, it_f in zip(h.items(), f.items()):
+        np.testing.assert_array_equal(h.logits(it_h), f.logits(it_f))
+    h = RunReader(hid)
+    next(iter(h.row_pieces(h.items())))
+    with pytest.raises(RuntimeError, match="already read"):
+        h.decode_to_float32()
+    RunReader(full).decode_to_float32()  # a kind that does not decode: nothing to change
+
+
+def test_float32_decoding_only_where_the_compare_would_convert(runs):
+    """compare_runs decodes the reference to float32 against float32 candidate rows only: a
+    bf16 candidate is compared on the bits in place, as against the full reference."""
+    from logitdiff.compare import decodes_to_float32
+
+    full, hid, cand = runs
+    assert decodes_to_float32(RunReader(hid), RunReader(cand))
+    assert not decodes_to_float32(RunReader(hid), RunReader(full))  # bf16 both sides
+    assert not decodes_to_float32(RunReader(full), RunReader(cand))  # nothing decoded
+    a = compare_runs(RunReader(full), RunReader(full))
+    hr = RunReader(hid)
+    b = compare_runs(hr, RunReader(full))
+    assert not hr._float32
+    for k, v in a.columns.items():
+        if isinstance(v, np.ndarray) and v.dtype.kind in "fiub":
+            np.testing.assert_array_equal(v, b.columns[k], err_msg=k)
+
+
+def test_float32_decode_without_the_compiled_kernel(runs, monkeypatch):
+    """hidden.decode into a float32 buffer where the compiled decode is absent (or another
+    device runs it): the portable product's bits, widened; exceptions included."""
+    from logitdiff import hidden as Hs
+    from logitdiff import kernel
+
+    full, hid, _ = runs
+    h = RunReader(hid, read_ahead=False)
+    # the first chunk with stored exceptions (entries the head does not reproduce)
+    index = next(i for i in range(len(h.manifest["chunks"])) if h._load_stored(i)["exc_row"].size)
+    stored = h._load_stored(index)
+    head = h.kind.head()
+    bits = Hs.decode(stored, head).copy()
+    compiled = Hs.decode(stored, head, out=np.full(bits.shape, np.nan, np.float32)).copy()
+    monkeypatch.setattr(kernel, "hidden_decode", lambda *a, **k: None)
+    portable = Hs.decode(stored, head, out=np.full(bits.shape, np.nan, np.float32))
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(compiled.view(np.uint32), widened.view(np.uint32))
+    np.testing.assert_array_equal(portable.view(np.uint32), widened.view(np.uint32))
+    first = sum(c["rows"] for c in h.manifest["chunks"][:index])
+    np.testing.assert_array_equal(bits, _rows(RunReader(full))[first : first + len(bits)])

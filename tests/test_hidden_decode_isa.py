@@ -288,3 +288,32 @@ def test_the_callers_flush_to_zero_does_not_change_the_bits(isa):
         torch.set_flush_denormal(False)
     np.testing.assert_array_equal(got, want)
     assert still
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("isa", ISAS)
+def test_float32_output_is_the_bits_widened(isa, threads):
+    """``out`` float32 (what a compare against float32 rows reads): every entry the 16-bit
+    decode's value widened, exactly, whatever path took it -- several tiles of each path
+    (each thread widens its tile from its own scratch), a head tile with a bf16 denormal
+    (that tile goes through the AVX2 path), float16 heads -- and nothing left of what the
+    buffer held before."""
+    rng = np.random.default_rng(5)
+    n, V, H = 9, 2 * 1024 + 37, 161  # > 2 AVX-512 tiles (800 entries at H = 161), ~33 AVX2 tiles
+    to_bf16 = lambda x: ((np.asarray(x, np.float32).view(np.uint32) + 0x8000) >> 16).astype(np.uint16)  # noqa: E731
+    hid = to_bf16(rng.normal(0, 1, (n, H)))
+    head = to_bf16(rng.normal(0, 0.05, (V, H)))
+    head[1500, 3] = 0x0005  # a bf16 denormal in the second tile
+    want = kernel.hidden_decode(hid, head, "bfloat16", threads, isa=isa)[0]
+    out = np.full((n, V), np.nan, np.float32)
+    got, _ = kernel.hidden_decode(hid, head, "bfloat16", threads, isa=isa, out=out)
+    assert got is out and got.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.astype(np.uint32) << 16)
+    if isa in ("scalar", "avx2", "auto"):  # float16 heads: the AVX2 and portable paths
+        h16 = rng.normal(0, 1, (n, 37)).astype(np.float16).view(np.uint16)
+        w16 = rng.normal(0, 0.1, (300, 37)).astype(np.float16).view(np.uint16)
+        b16 = kernel.hidden_decode(h16, w16, "float16", threads, isa=isa)[0]
+        f32 = kernel.hidden_decode(h16, w16, "float16", threads, isa=isa, out=np.full((n, 300), np.nan, np.float32))[0]
+        assert np.array_equal(f32, b16.view(np.float16).astype(np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        kernel.hidden_decode(hid, head, "bfloat16", threads, isa=isa, out=np.zeros((n, V), np.float64))

@@ -1080,6 +1080,7 @@ struct HdArgs {
     const double* hn;   // gamma_k ||h|| per row (see hd_finish)
     uint16_t* out;      // [n, V]
     int64_t out_stride;
+    int64_t out_v0 = 0;  // the column out's first entry stands for (a thread's tile scratch: its tile's first)
 };
 
 // The exact float64 dot (any order is within the writer's margin) and its rounding.
@@ -1217,24 +1218,41 @@ __attribute__((target("avx2,fma,f16c"))) void hd_rows(const HdArgs& a, const flo
             for (int j = 0; j < 3; ++j) {
                 uint16_t o[4];
                 hd_finish4(a, wn, r + j, _mm_setr_ps(s[0 * 3 + j], s[1 * 3 + j], s[2 * 3 + j], s[3 * 3 + j]), w, o, nfb);
-                std::memcpy(a.out + (r + j) * a.out_stride + v0, o, sizeof o);
+                std::memcpy(a.out + (r + j) * a.out_stride + (v0 - a.out_v0), o, sizeof o);
             }
             continue;
         }
         for (int i = 0; i < VB; ++i)
             for (int j = 0; j < 3; ++j)
-                a.out[(r + j) * a.out_stride + v0 + i] =
+                a.out[(r + j) * a.out_stride + (v0 - a.out_v0) + i] =
                     hd_finish(a, wn[i], r + j, s[i * 3 + j], nfb, [&] { return hd_exact_avx2(a, w + i * a.Hp, r + j); });
     }
     for (; r < a.n; ++r) {
         hd_block<VB, 1>(w, a.Hp, a.h32 + r * a.Hp, a.Hp, a.Hp, s);
         for (int i = 0; i < VB; ++i)
-            a.out[r * a.out_stride + v0 + i] =
+            a.out[r * a.out_stride + (v0 - a.out_v0) + i] =
                 hd_finish(a, wn[i], r, s[i], nfb, [&] { return hd_exact_avx2(a, w + i * a.Hp, r); });
     }
 }
 #pragma GCC pop_options
 #endif
+
+// rows x cols 16-bit bits (row stride cols) -> float32 values at dst (row stride ds): exact
+// (bf16: the bits are float32's top half; f16: widened).
+void hd_widen(const uint16_t* src, int64_t rows, int64_t cols, int fmt, float* dst, int64_t ds) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* s = src + r * cols;
+        float* d = dst + r * ds;
+        if (fmt == F16) {
+            for (int64_t j = 0; j < cols; ++j) d[j] = half_to_float(s[j]);
+        } else {
+            for (int64_t j = 0; j < cols; ++j) {  // float32 bits (vectorised by the compiler)
+                const uint32_t u = (uint32_t)s[j] << 16;
+                std::memcpy(d + j, &u, 4);
+            }
+        }
+    }
+}
 
 // One tile of head rows [v0, v1): convert to float32 (exact) with their float64 norms,
 // then every hidden row against them.
@@ -1264,7 +1282,7 @@ void hd_tile(const HdArgs& a, int64_t v0, int64_t v1, bool simd, std::vector<flo
 #endif
     (void)simd;
     for (int64_t i = 0; i < tv; ++i)
-        for (int64_t r = 0; r < a.n; ++r) a.out[r * a.out_stride + v0 + i] = hd_exact(a, w.data() + i * a.Hp, r);
+        for (int64_t r = 0; r < a.n; ++r) a.out[r * a.out_stride + (v0 - a.out_v0) + i] = hd_exact(a, w.data() + i * a.Hp, r);
 }
 
 
@@ -1449,7 +1467,7 @@ HB_TARGET inline void hb_finish(const HdArgs& a, const HbArgs& b, const uint16_t
                          _mm512_cmp_ps_mask(hi, _mm512_castsi512_ps(_mm512_set1_epi32(0x7F7F8000)), _CMP_LT_OQ) &
                          _mm256_cmpeq_epi16_mask(rl, rh);
     const __m256i bits = rl;
-    uint16_t* dst = a.out + r * a.out_stride + v0;
+    uint16_t* dst = a.out + r * a.out_stride + (v0 - a.out_v0);
     _mm256_mask_storeu_epi16(dst, valid, bits);
     unsigned bad = (unsigned)(valid & ~ok);
     while (bad) {
@@ -1569,6 +1587,12 @@ HB_TARGET bool hb_tile(const HdArgs& a, const HbArgs& b, int64_t v0, int64_t v1,
 
 }  // namespace
 
+namespace {
+// hidden [n, H], head [V, H] -> out (16-bit bits) or out32 (float32 values), whichever is given
+int hd_decode(const uint16_t* hidden, int64_t n, const uint16_t* head, int64_t V, int64_t H, int fmt, int threads,
+              int isa, uint16_t* out, float* out32, int64_t out_stride, int64_t* fallbacks);
+}  // namespace
+
 extern "C" {
 
 // 1 where the AVX-512 BF16 decode runs on this CPU (CPUID and the OS's zmm state).
@@ -1584,6 +1608,26 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
                                                                    const uint16_t* head, int64_t V, int64_t H, int fmt,
                                                                    int threads, int isa, uint16_t* out,
                                                                    int64_t out_stride, int64_t* fallbacks) {
+    return hd_decode(hidden, n, head, V, H, fmt, threads, isa, out, nullptr, out_stride, fallbacks);
+}
+
+// The same, the output as float32 values (bf16 bits << 16, f16 widened: exact) [n, V] (row
+// stride out_stride): what a caller comparing against float32 rows converts the bits to,
+// written by the decode's threads a tile at a time (each thread decodes a tile into its own
+// 16-bit scratch, then widens it while it is in cache), so the caller's single-threaded
+// conversion pass over the whole block goes away.
+__attribute__((visibility("default"))) int logitdiff_hidden_decode_f32(const uint16_t* hidden, int64_t n,
+                                                                       const uint16_t* head, int64_t V, int64_t H,
+                                                                       int fmt, int threads, int isa, float* out,
+                                                                       int64_t out_stride, int64_t* fallbacks) {
+    return hd_decode(hidden, n, head, V, H, fmt, threads, isa, nullptr, out, out_stride, fallbacks);
+}
+
+}  // extern "C"
+
+namespace {
+int hd_decode(const uint16_t* hidden, int64_t n, const uint16_t* head, int64_t V, int64_t H, int fmt, int threads,
+              int isa, uint16_t* out, float* out32, int64_t out_stride, int64_t* fallbacks) {
     if (n < 0 || V < 1 || H < 1 || (fmt != BF16 && fmt != F16) || threads < 1 || out_stride < V) return 1;
     if (isa == HD_ISA_AVX512BF16 && !have_avx512bf16()) return 2;  // asked for by name on a CPU without it
     HdIeeeUnderflow ieee;  // before the conversions below
@@ -1641,13 +1685,23 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
         std::vector<float> wn32;
         std::vector<float> part;
 #endif
+        std::vector<uint16_t> scratch;  // float32 output: this thread's tile as bits, widened below
         for (int64_t t; (t = next.fetch_add(1)) * tile < V;) {
             const int64_t v0 = t * tile, v1 = std::min(V, v0 + tile);
+            HdArgs at = a;
+            if (out32) {
+                scratch.resize((size_t)(n * (v1 - v0)));
+                at.out = scratch.data();
+                at.out_stride = v1 - v0;
+                at.out_v0 = v0;
+            }
+            bool done = false;
 #if LD_X86
-            if (bf16 && hb_tile(a, b, v0, v1, wp, wn32, part, nfb)) continue;
+            done = bf16 && hb_tile(at, b, v0, v1, wp, wn32, part, nfb);
 #endif
             // the AVX2 (or portable) path in its own tiles
-            for (int64_t u0 = v0; u0 < v1; u0 += HD_TV) hd_tile(a, u0, std::min(v1, u0 + HD_TV), simd, w, wn, nfb);
+            for (int64_t u0 = v0; !done && u0 < v1; u0 += HD_TV) hd_tile(at, u0, std::min(v1, u0 + HD_TV), simd, w, wn, nfb);
+            if (out32) hd_widen(scratch.data(), n, v1 - v0, fmt, out32 + v0, out_stride);
         }
         nfb_all += nfb;
     };
@@ -1660,8 +1714,7 @@ __attribute__((visibility("default"))) int logitdiff_hidden_decode(const uint16_
     if (fallbacks) *fallbacks = nfb_all.load();
     return 0;
 }
-
-}  // extern "C"
+}  // namespace
 
 // ======================================================================================
 // Compact reference bounds (bounds.compact_vs_full, issue 28): per row, the exact

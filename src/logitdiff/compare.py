@@ -206,6 +206,8 @@ def compare_runs(
     metrics' worker threads (`metrics.full_vocab`'s ``threads``; default there).
     ``logprob_floor``: a stated lower bound (nats) on every log-probability of both
     distributions, which gives top-K comparisons a finite KL upper bound (check_floor)."""
+    if decodes_to_float32(ref, cand):
+        ref.decode_to_float32()
     # a hidden-state reference's first chunk decodes on the core the checks below leave idle
     ref.prefetch()
     notes = check_same_tokens(ref, cand)
@@ -273,6 +275,23 @@ def compare_runs(
         )
     comp = Comparison(kind=method.kind, columns=columns, items=items_r, ref=ref, cand=cand, method=info, notes=notes)
     return comp
+
+
+def decodes_to_float32(ref: RunReader, cand) -> bool:
+    """Whether ``ref`` (a reference whose kind decodes its rows: the hidden store) should
+    decode them to float32: when the exact comparison would convert them anyway, i.e. when
+    the candidate's stored rows are another dtype than the reference's (`exact.kernel_pair`
+    compares float32 copies then). Same values, so the same report; the conversion, one
+    thread's pass over every block, becomes part of the decode's threads."""
+    from .comparemethods.exact import Exact
+
+    if not getattr(ref.kind, "decodes", False) or not isinstance(cand, RunReader):
+        return False
+    try:
+        method = select_method(ref, cand)
+    except LogitdiffError:
+        return False  # compare_runs says why, after its checks
+    return issubclass(method, Exact) and (cand.dtype or "float32") != (ref.dtype or "float32")
 
 
 def check_floor(floor: float | None, method: type[ComparisonMethod], V: int, ref, cand) -> None:

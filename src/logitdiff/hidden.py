@@ -161,8 +161,22 @@ def decode(block: dict[str, np.ndarray], head: np.ndarray, dtype: str = "bfloat1
     depend on where or in which order the sums are taken (module docstring). On a CPU
     the rounding is numpy's (torch's 64-bit integer ops measured ~40x slower there).
     ``out``: a C-contiguous uint16 [n, V] array to write the logits into (and return)
-    instead of a fresh one (a reader reuses its buffers: no page faults per chunk)."""
+    instead of a fresh one (a reader reuses its buffers: no page faults per chunk), or a
+    float32 [n, V] one: the same logits as float32 values (exact), for a caller that compares
+    them against float32 rows (the compiled decode widens each tile in its threads)."""
     h = np.ascontiguousarray(block["hidden"], np.uint16)
+    if out is not None and out.dtype == np.float32:
+        got = None
+        if device is None or str(device) == "cpu":
+            from . import kernel
+            from .metrics import default_threads
+
+            got = kernel.hidden_decode(h, head, dtype, default_threads(), out=out)
+        if got is None:  # no compiled decode (or another device): the bits, then widened
+            out[...] = _bits_to_f64(decode(block, head, dtype, device), dtype)
+            return out
+        out[block["exc_row"], block["exc_id"]] = _bits_to_f64(block["exc_bits"], dtype)
+        return out
     if device is None or str(device) == "cpu":
         from . import kernel
         from .metrics import default_threads

@@ -51,10 +51,11 @@ def _lib():
     if g is not None:
         g.argtypes = [p, i64, i64, i64, i32]
         g.restype = i64
-    h = getattr(lib, "logitdiff_hidden_decode", None)  # hidden.decode's product (absent from older builds)
-    if h is not None:
-        h.argtypes = [p, i64, p, i64, i64, i32, i32, i32, p, i64, p]
-        h.restype = i32
+    for name in ("logitdiff_hidden_decode", "logitdiff_hidden_decode_f32"):  # hidden.decode's product (absent from older builds)
+        h = getattr(lib, name, None)
+        if h is not None:
+            h.argtypes = [p, i64, p, i64, i64, i32, i32, i32, p, i64, p]
+            h.restype = i32
     b = getattr(lib, "logitdiff_has_avx512bf16", None)  # absent from older builds
     if b is not None:
         b.restype = i32
@@ -168,9 +169,12 @@ def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int
     "avx512bf16" VDPBF16PS (bf16 heads; ValueError on a CPU without it, `has_avx512bf16`),
     "avx2" the 8-lane float32 path, "scalar" the portable one (every dot in float64, as on
     a CPU without AVX2). The bits do not depend on it. ``out``: a C-contiguous uint16 [n, V]
-    array to write into (and return) instead of a fresh one. None when the library lacks the function."""
+    array to write into (and return) instead of a fresh one, or a float32 one: the same
+    values widened to float32 (exact), written by the decode's threads (a caller comparing
+    against float32 rows then converts nothing). None when the library lacks the function."""
     lib = _lib()
-    fn = getattr(lib, "logitdiff_hidden_decode", None) if lib is not None else None
+    f32 = out is not None and out.dtype == np.float32
+    fn = getattr(lib, "logitdiff_hidden_decode_f32" if f32 else "logitdiff_hidden_decode", None) if lib is not None else None
     if fn is None:
         return None
     h = np.ascontiguousarray(hidden, np.uint16)
@@ -181,8 +185,8 @@ def hidden_decode(hidden: np.ndarray, head: np.ndarray, dtype: str, threads: int
     n, V = h.shape[0], w.shape[0]
     if out is None:
         out = np.empty((n, V), np.uint16)
-    elif out.shape != (n, V) or out.dtype != np.uint16 or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"hidden_decode: out {out.dtype} {out.shape} is not a writable C-contiguous uint16 ({n}, {V})")
+    elif out.shape != (n, V) or out.dtype not in (np.uint16, np.float32) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"hidden_decode: out {out.dtype} {out.shape} is not a writable C-contiguous uint16 or float32 ({n}, {V})")
     fb = ctypes.c_int64(0)
     rc = fn(h.ctypes.data, n, w.ctypes.data, V, w.shape[1], DTYPE_CODES[dtype], max(1, int(threads)),
             HIDDEN_ISA_CODES[isa], out.ctypes.data, V, ctypes.byref(fb))

@@ -992,6 +992,7 @@ class RunReader(_KindViews):
         self._ahead: tuple[int, Any] | None = None  # (chunk index, the Future of its decode)
         self._last_index = -1  # the chunk handed out last (decode ahead only after k - 1 came before k)
         self._pool: Any = None  # the decode-ahead worker thread (an executor of one), made on first use
+        self._float32 = False  # a decoding kind's rows handed out as float32 values (decode_to_float32)
 
     @property
     def is_partial(self) -> bool:
@@ -1088,8 +1089,22 @@ class RunReader(_KindViews):
             raise LogitdiffError(f"{p}: holds {n} rows, manifest says {c['rows']} (truncated run)")
         return data
 
+    def decode_to_float32(self) -> None:
+        """Hand out a decoding kind's rows (the hidden store's) as float32 values instead of
+        the stored form (bf16 bits): exact, the values ``values`` would widen them to. For a
+        caller that converts them to float32 anyway (a compare against float32 rows): the
+        decode's threads write float32 directly, so the caller's single-threaded conversion of
+        every block goes away. Call before any rows are read (or prefetched); a no-op for a
+        kind that does not decode, whose rows are the file's."""
+        if getattr(self.kind, "decodes", False):
+            if self._ahead or self._cache or self._last_index >= 0:
+                raise RuntimeError("decode_to_float32: rows were already read or prefetched")
+            self._float32 = True
+
     def _decode(self, index: int, stored):
         try:
+            if self._float32:
+                return self.kind.decode(stored, device=self.device, float32=True)
             return self.kind.decode(stored, device=self.device)
         except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as e:
             p = self.path / "chunks" / self.manifest["chunks"][index]["data"]

@@ -146,12 +146,16 @@ class HiddenStore(StoreKind):
     def cut_stored(self, block: Block, a: int, b: int) -> Block:
         return H.rows_of(block, a, b)
 
-    def decode(self, block: Block, device: Any = None) -> Block:
+    def decode(self, block: Block, device: Any = None, float32: bool = False) -> Block:
+        """The chunk's rows as a full chunk of the same source holds them, or with
+        ``float32`` as float32 values (exact; what a reader converts them to for a compare
+        against float32 rows, done by the decode's threads instead)."""
         n = int(np.asarray(block["hidden"]).shape[0])
-        data = H.decode(block, self.head(), self.dtype or "bfloat16", device=device, out=self._free_buffer(n))
-        return data.view(np.float16) if self.dtype == "float16" else data  # what a full float16 chunk holds
+        out = self._free_buffer(n, np.float32 if float32 else np.uint16)
+        data = H.decode(block, self.head(), self.dtype or "bfloat16", device=device, out=out)
+        return data.view(np.float16) if self.dtype == "float16" and not float32 else data  # what a full float16 chunk holds
 
-    def _free_buffer(self, n: int) -> np.ndarray:
+    def _free_buffer(self, n: int, dtype: Any = np.uint16) -> np.ndarray:
         """A uint16 [n, V] array to decode a chunk into: a view of a kept buffer that
         nothing else refers to, else a fresh one (kept when fewer than ``OUT_BUFFERS`` are).
 
@@ -171,9 +175,9 @@ class HiddenStore(StoreKind):
         V = int(self.vocab_size or 0)
         pool = self._out_buffers
         for i in range(len(pool)):
-            if pool[i].shape[0] >= n and sys.getrefcount(pool[i]) == _LISTED_ONLY:
+            if pool[i].shape[0] >= n and pool[i].dtype == dtype and sys.getrefcount(pool[i]) == _LISTED_ONLY:
                 return pool[i][:n]
-        buf = np.empty((n, V), np.uint16)
+        buf = np.empty((n, V), dtype)
         if len(pool) < OUT_BUFFERS:
             pool.append(buf)
         else:

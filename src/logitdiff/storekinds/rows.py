@@ -128,7 +128,8 @@ def nonfinite_row(rows: np.ndarray, dtype: str | None) -> int | None:
 
 def full_values(rows: Any, dtype: str | None, raw: bool = False) -> Any:
     """Full rows as a reader hands them out: bf16 bits widened to float32 (exact) unless
-    ``raw``; other dtypes as stored."""
-    if dtype == "bfloat16" and not raw:
+    ``raw``; other dtypes as stored; rows already float32 (a decoding kind's rows decoded to
+    float32, RunReader.decode_to_float32) as they are."""
+    if dtype == "bfloat16" and not raw and np.asarray(rows).dtype == np.uint16:
         return bf16_to_f32(np.asarray(rows))
     return rows
