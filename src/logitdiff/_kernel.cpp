@@ -1081,6 +1081,7 @@ struct HdArgs {
     uint16_t* out;      // [n, V]
     int64_t out_stride;
     int64_t out_v0 = 0;  // the column out's first entry stands for (a thread's tile scratch: its tile's first)
+    float* out32 = nullptr;  // set: the AVX-512 BF16 finish writes float32 values here (row stride out_stride)
 };
 
 // The exact float64 dot (any order is within the writer's margin) and its rounding.
@@ -1467,9 +1468,22 @@ HB_TARGET inline void hb_finish(const HdArgs& a, const HbArgs& b, const uint16_t
                          _mm512_cmp_ps_mask(hi, _mm512_castsi512_ps(_mm512_set1_epi32(0x7F7F8000)), _CMP_LT_OQ) &
                          _mm256_cmpeq_epi16_mask(rl, rh);
     const __m256i bits = rl;
+    unsigned bad = (unsigned)(valid & ~ok);
+    if (a.out32) {  // float32 values straight into the caller's rows (no 16-bit scratch)
+        alignas(64) uint16_t fix[16];
+        _mm256_store_si256((__m256i*)fix, bits);
+        while (bad) {
+            const int i = __builtin_ctz(bad);
+            bad &= bad - 1;
+            ++nfb;
+            fix[i] = hb_exact(head_rows + i * a.H, a.h64 + r * a.H, a.H);
+        }
+        const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i*)fix)), 16);
+        _mm512_mask_storeu_ps(a.out32 + r * a.out_stride + v0, valid, _mm512_castsi512_ps(wide));
+        return;
+    }
     uint16_t* dst = a.out + r * a.out_stride + (v0 - a.out_v0);
     _mm256_mask_storeu_epi16(dst, valid, bits);
-    unsigned bad = (unsigned)(valid & ~ok);
     while (bad) {
         const int i = __builtin_ctz(bad);
         bad &= bad - 1;
@@ -1688,6 +1702,14 @@ int hd_decode(const uint16_t* hidden, int64_t n, const uint16_t* head, int64_t V
         std::vector<uint16_t> scratch;  // float32 output: this thread's tile as bits, widened below
         for (int64_t t; (t = next.fetch_add(1)) * tile < V;) {
             const int64_t v0 = t * tile, v1 = std::min(V, v0 + tile);
+#if LD_X86
+            if (bf16) {  // float32 output: written by its finish directly
+                HdArgs ab = a;
+                ab.out32 = out32;
+                if (hb_tile(ab, b, v0, v1, wp, wn32, part, nfb)) continue;  // false: nothing written
+            }
+#endif
+            // the AVX2 (or portable) path in its own tiles (float32 output: through a scratch)
             HdArgs at = a;
             if (out32) {
                 scratch.resize((size_t)(n * (v1 - v0)));
@@ -1695,12 +1717,7 @@ int hd_decode(const uint16_t* hidden, int64_t n, const uint16_t* head, int64_t V
                 at.out_stride = v1 - v0;
                 at.out_v0 = v0;
             }
-            bool done = false;
-#if LD_X86
-            done = bf16 && hb_tile(at, b, v0, v1, wp, wn32, part, nfb);
-#endif
-            // the AVX2 (or portable) path in its own tiles
-            for (int64_t u0 = v0; !done && u0 < v1; u0 += HD_TV) hd_tile(at, u0, std::min(v1, u0 + HD_TV), simd, w, wn, nfb);
+            for (int64_t u0 = v0; u0 < v1; u0 += HD_TV) hd_tile(at, u0, std::min(v1, u0 + HD_TV), simd, w, wn, nfb);
             if (out32) hd_widen(scratch.data(), n, v1 - v0, fmt, out32 + v0, out_stride);
         }
         nfb_all += nfb;
