@@ -180,9 +180,23 @@ def test_rows_decoded_to_float32_are_the_full_runs_rows_widened(runs):
         np.testing.assert_array_equal(h.logits(it_h), f.logits(it_f))
     h = RunReader(hid)
     next(iter(h.row_pieces(h.items())))
-    with pytest.raises(RuntimeError, match="already read"):
-        h.decode_to_float32()
-    RunReader(full).decode_to_float32()  # a kind that does not decode: nothing to change
+    assert not h.decode_to_float32() and next(iter(h.row_pieces(h.items()))).dtype == np.uint16
+    assert not RunReader(full).decode_to_float32()  # a kind that does not decode: nothing to change
+
+
+def test_a_reference_prefetched_by_the_caller_is_compared_as_it_was_decoded(runs):
+    """A caller may prefetch before compare_runs (its first chunk already decoding in the
+    16-bit form): the compare keeps that form, converts as against a full reference, and
+    gives the same columns."""
+    full, hid, cand = runs
+    a = compare_runs(RunReader(full), RunReader(cand))
+    hr = RunReader(hid)
+    hr.prefetch()
+    b = compare_runs(hr, RunReader(cand))
+    assert not hr._float32
+    for k, v in a.columns.items():
+        if isinstance(v, np.ndarray) and v.dtype.kind in "fiub":
+            np.testing.assert_array_equal(v, b.columns[k], err_msg=k)
 
 
 def test_float32_decoding_only_where_the_compare_would_convert(runs):

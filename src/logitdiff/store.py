@@ -1089,17 +1089,17 @@ class RunReader(_KindViews):
             raise LogitdiffError(f"{p}: holds {n} rows, manifest says {c['rows']} (truncated run)")
         return data
 
-    def decode_to_float32(self) -> None:
+    def decode_to_float32(self) -> bool:
         """Hand out a decoding kind's rows (the hidden store's) as float32 values instead of
         the stored form (bf16 bits): exact, the values ``values`` would widen them to. For a
         caller that converts them to float32 anyway (a compare against float32 rows): the
         decode's threads write float32 directly, so the caller's single-threaded conversion of
-        every block goes away. Call before any rows are read (or prefetched); a no-op for a
-        kind that does not decode, whose rows are the file's."""
-        if getattr(self.kind, "decodes", False):
-            if self._ahead or self._cache or self._last_index >= 0:
-                raise RuntimeError("decode_to_float32: rows were already read or prefetched")
+        every block goes away. Whether the rows will be float32: False for a kind that does
+        not decode (its rows are the file's) and once rows were read or prefetched (one form
+        per reader: nothing already decoded is decoded again)."""
+        if getattr(self.kind, "decodes", False) and not (self._ahead or self._cache or self._last_index >= 0):
             self._float32 = True
+        return self._float32
 
     def _decode(self, index: int, stored):
         try:
