@@ -1103,7 +1103,7 @@ class RunReader(_KindViews):
 
     def _decode(self, index: int, stored):
         try:
-            if self._float32:
+            if self._float32:  # only a kind that ``decodes`` (decode_to_float32); others keep decode(block, device)
                 return self.kind.decode(stored, device=self.device, float32=True)
             return self.kind.decode(stored, device=self.device)
         except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as e:

@@ -235,8 +235,10 @@ class StoreKind(ABC):
         """Rows a..b of a block in the stored form (default: as `cut_rows`)."""
         return cut_rows(block, a, b)
 
-    def decode(self, block: Block, device: Any = None) -> Block:
-        """A chunk's stored rows -> its readable rows (default: the same)."""
+    def decode(self, block: Block, device: Any = None, float32: bool = False) -> Block:
+        """A chunk's stored rows -> its readable rows (default: the same). ``float32``: full
+        rows as float32 values, for a kind that ``decodes`` (RunReader.decode_to_float32 asks
+        only those)."""
         return block
 
     def values(self, rows: Block, raw: bool = False) -> Block:
