@@ -797,6 +797,10 @@ def cmd_real(argv=None) -> int:
                 cand = RunReader(p)
                 c0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 if base(s) == "hidden-prefetch":
+                    from logitdiff.compare import decodes_to_float32
+
+                    if decodes_to_float32(ref, cand):  # as compare_runs would, before its own prefetch
+                        ref.decode_to_float32()
                     ref.prefetch()
                 compare_runs(ref, cand, threads=a.threads, device=a.device)
                 w1, c1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
