@@ -238,3 +238,30 @@ def test_float32_decode_without_the_compiled_kernel(runs, monkeypatch):
     np.testing.assert_array_equal(portable.view(np.uint32), widened.view(np.uint32))
     first = sum(c["rows"] for c in h.manifest["chunks"][:index])
     np.testing.assert_array_equal(bits, _rows(RunReader(full))[first : first + len(bits)])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_float32_decode_of_both_formats(dtype, compiled, monkeypatch):
+    """hidden.decode into float32 for a bf16 and a float16 store, compiled or not: the 16-bit
+    decode's values widened, stored exceptions included (here: every entry of one row)."""
+    from logitdiff import hidden as Hs
+    from logitdiff import kernel
+
+    rng = np.random.default_rng(3)
+    n, V, Hd = 5, 300, 24
+    to16 = (lambda x: np.asarray(x, np.float16).view(np.uint16)) if dtype == "float16" else (
+        lambda x: ((np.asarray(x, np.float32).view(np.uint32) + 0x8000) >> 16).astype(np.uint16))
+    hid, head = to16(rng.normal(0, 1, (n, Hd))), to16(rng.normal(0, 0.2, (V, Hd)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        logits = Hs.round_bits(Hs._bits_to_f64(hid, dtype) @ Hs._bits_to_f64(head, dtype).T, dtype)
+    logits[2] ^= 1  # a row the head does not reproduce: all its entries become exceptions
+    block = Hs.encode(logits, hid, head, Hs.head_norms(head, dtype), dtype)
+    assert (block["exc_row"] == 2).sum() == V
+    if not compiled:
+        monkeypatch.setattr(kernel, "hidden_decode", lambda *a, **k: None)
+    bits = Hs.decode(block, head, dtype).copy()
+    np.testing.assert_array_equal(bits, logits)
+    got = Hs.decode(block, head, dtype, out=np.full((n, V), np.nan, np.float32))
+    want = bits.view(np.float16).astype(np.float32) if dtype == "float16" else (bits.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

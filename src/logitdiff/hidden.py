@@ -172,8 +172,14 @@ def decode(block: dict[str, np.ndarray], head: np.ndarray, dtype: str = "bfloat1
             from .metrics import default_threads
 
             got = kernel.hidden_decode(h, head, dtype, default_threads(), out=out)
-        if got is None:  # no compiled decode (or another device): the bits, then widened
-            out[...] = _bits_to_f64(decode(block, head, dtype, device), dtype)
+        if got is None:  # no compiled decode (or another device): the bits, then widened in place
+            bits = decode(block, head, dtype, device)
+            if dtype == "float16":
+                out[...] = bits.view(np.float16)
+            else:
+                wide = out.view(np.uint32)
+                wide[...] = bits
+                wide <<= 16
             return out
         out[block["exc_row"], block["exc_id"]] = _bits_to_f64(block["exc_bits"], dtype)
         return out
