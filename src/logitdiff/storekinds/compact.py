@@ -23,6 +23,10 @@ class CompactStore(StoreKind):
     reads_as: ClassVar[RowsForm] = RowsForm.BOUNDED
     chunk_suffix: ClassVar[str] = C.CHUNK_SUFFIX
     keeps_dtype: ClassVar[bool] = False  # log-probabilities and codes, whatever the source's logits were
+    # a reader reads the next chunk ahead in its worker thread (RunReader._chunk / prefetch): a
+    # chunk's inflate and checks are the work, done on the core that a compare's
+    # single-threaded stretches (token and item checks, Python between blocks) leave idle
+    decodes: ClassVar[bool] = True
 
     def __init__(self, text: str, vocab_size: int | None = None, dtype: str | None = None, *,
                  spec: C.CompactSpec | None = None) -> None:
