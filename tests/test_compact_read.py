@@ -147,3 +147,46 @@ def test_compact_chunks_are_read_ahead_with_the_same_comparison(runs, monkeypatc
     assert ahead.keys() == inline.keys()
     for k in ahead:
         np.testing.assert_array_equal(np.asarray(ahead[k]), np.asarray(inline[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_kernel_at_a_rest_large_enough_for_the_sampled_rank(ties):
+    """A rest of >= 8,192 entries takes the rest's fill threshold from a sample's bracket
+    (cb_rank_sampled) instead of a histogram; random rows and quantised ones (thousands of
+    entries on one value, the threshold inside a tie) agree with numpy and cover scipy."""
+    from scipy.special import log_softmax
+    from test_bounds_compact_kernel import check, raw_of
+
+    from logitdiff import bounds as B
+    from logitdiff import kernel
+
+    if not kernel.available():
+        pytest.skip("compiled kernel not built")
+    rng = np.random.default_rng(21 + ties)
+    z = rng.normal(0, 2.5, (5, 20000)) + 6 * (rng.random((5, 20000)) < 0.005)
+    zc = z + rng.normal(0, 0.4, z.shape)
+    if ties:
+        z, zc = np.round(z * 2) / 2, np.round(zc * 2) / 2
+    spec = C.CompactSpec(32, 256)
+    for dtype in ("float32", "bfloat16"):
+        check(z, zc, dtype, spec, f"V=20000 ties={ties}")
+        # tighter than check's allowance, against the numpy code (a sort, no kernel): the
+        # same threshold (a value at a rank is one number) leaves only summation order
+        # between the two upper bounds
+        block = C.encode(np.asarray(z, np.float32), np.zeros(5, np.int64), spec)
+        raw, zf = raw_of(zc, dtype)
+        fused = C.compare_rows(block, raw, np.zeros(5, np.int64), top_k=8, overlap_k=4, threads=2)
+        ref = B.compact_vs_full(C.decode(block), log_softmax(zf.astype(np.float64), 1), compiled=False)
+        for col, div in (("kl_upper_nats", "kl"), ("kl_rev_upper_nats", "kl_rev"), ("jsd_upper_nats", "jsd")):
+            np.testing.assert_allclose(fused[col], ref[div].upper, rtol=1e-11, atol=0, err_msg=col)
+
+
+def test_stable_top_is_the_stable_argsort():
+    """compact._stable_top (a partition, then a sort of k entries per row) equals the stable
+    whole-row argsort it replaces, on tie-heavy rows and at every k."""
+    rng = np.random.default_rng(4)
+    for trial in range(300):
+        n, E = int(rng.integers(1, 12)), int(rng.integers(2, 70))
+        k = int(rng.integers(1, E + 2))
+        lp = np.round(rng.normal(0, rng.choice([0.5, 3.0]), (n, E)), int(rng.integers(0, 3)))
+        np.testing.assert_array_equal(C._stable_top(lp, k), np.argsort(-lp, axis=1, kind="stable")[:, :k], err_msg=str(trial))

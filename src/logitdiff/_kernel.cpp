@@ -2201,7 +2201,7 @@ struct CbScratch {
     // exp(z - max) (n of them), cb_row applies shift and scale
     struct { bool ready; size_t n; } rest{false, 0};
     CbBuf<float> zf;
-    std::vector<double> lw, w, llo, lhi, lo, hi, sel, tv;
+    std::vector<double> lw, w, llo, lhi, lo, hi, sel, tv, samp;
     std::vector<double> ks[3], kc[3];  // the band's chord slopes and capacities per term
     std::vector<uint32_t> hist;
     std::vector<int32_t> bins, kbins;
@@ -2499,11 +2499,13 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const
         __m256d wm = zero;
         alignas(32) double cacc[16] = {0};  // four lanes each of the clipped entries' sum x and three terms
         double la[4] = {0, 0, 0, 0}, wms = 0;
+        bool any_clipped = false;
         for (; i + 4 <= end; i += 4) {
             __m256d wv = _mm256_loadu_pd(w + i), x = _mm256_mul_pd(E, wv);
             __m256d clipped = _mm256_or_pd(_mm256_cmp_pd(x, L, _CMP_LE_OQ), _mm256_cmp_pd(x, H, _CMP_GE_OQ));
             wm = _mm256_add_pd(wm, _mm256_andnot_pd(clipped, wv));
             if (_mm256_movemask_pd(clipped) == 0) continue;
+            any_clipped = true;
             const unsigned ml = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(x, L, _CMP_LE_OQ));
             nl += __builtin_popcount(ml);
             nh += __builtin_popcount((unsigned)_mm256_movemask_pd(clipped) & ~ml);
@@ -2522,10 +2524,11 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const
             double x = Et * w[i];
             bool l = x <= lo, h = !l && x >= hi;
             nl += l; nh += h;
-            if (l || h) cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, la);
+            if (l || h) { any_clipped = true; cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, la); }
             else wms += w[i];
         }
-        for (int k = 0; k < 4; ++k) tl[k].add(cacc[4 * k] + cacc[4 * k + 1] + cacc[4 * k + 2] + cacc[4 * k + 3] + la[k]);
+        // a block with no clipped entry adds +0.0 to each tl: a no-op (CbSum), left out
+        if (any_clipped) for (int k = 0; k < 4; ++k) tl[k].add(cacc[4 * k] + cacc[4 * k + 1] + cacc[4 * k + 2] + cacc[4 * k + 3] + la[k]);
         tw.add(hsum(wm) + wms);
     }
     for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
@@ -2603,11 +2606,73 @@ inline void cb_pass_upper(const double* lw, const double* w, size_t n, double th
     cb_pass_upper_scalar(lw, w, n, thr, llo, lhi, lo, hi, o);
 }
 
-// The value at rank k (0-based, ascending) of x[0, n), k < n, all in [xmin, xmax]: a
+#if LD_X86
+// How many of x[0, n) lie below a, and those in [a, b] appended to out (compacted four at a
+// time with cb_lut's permutations; out has 4 entries of room past the most it can hold);
+// returns how many entries it looked at (whole quads).
+__attribute__((target("avx2,fma,f16c"))) size_t cb_window_avx2(const double* x, size_t n, double a, double b, size_t& below,
+                                                                double* out, size_t& j) {
+    const __m256d A = _mm256_set1_pd(a), Bv = _mm256_set1_pd(b);
+    size_t i = 0, cnt = 0, c = j;
+    for (; i + 4 <= n; i += 4) {
+        __m256d v = _mm256_loadu_pd(x + i);
+        const unsigned lt = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(v, A, _CMP_LT_OQ));
+        const unsigned le = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(v, Bv, _CMP_LE_OQ));
+        cnt += (size_t)__builtin_popcount(lt);
+        const unsigned in = le & ~lt;
+        if (in) {
+            const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb_lut.idx[in]));
+            _mm256_storeu_pd(out + c, _mm256_castsi256_pd(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(v), p)));
+            c += (size_t)__builtin_popcount(in);
+        }
+    }
+    below += cnt;
+    j = c;
+    return i;
+}
+#endif
+
+// The value at rank k by a sample: the order statistics of 1,024 evenly spaced entries
+// bracket it (a margin of ~3 standard deviations of the sample's rank either side), one
+// pass counts the entries below the bracket and keeps those inside, nth_element among them
+// finds it. False where the bracket missed (the caller takes the histogram). The value at a
+// rank is one number however it is found: the result is the histogram's.
+bool cb_rank_sampled(const double* x, size_t n, size_t k, CbScratch& S, double& out) {
+    constexpr size_t NS = 1024;
+    const size_t stride = n / NS;
+    S.samp.resize(NS);
+    for (size_t j = 0; j < NS; ++j) S.samp[j] = x[j * stride];
+    const double pos = (double)k / (double)n * NS, margin = 3.0 * std::sqrt(pos * (1.0 - pos / NS)) + 4.0;
+    const size_t jl = (size_t)std::max(0.0, std::floor(pos - margin)), jh = (size_t)std::min((double)NS - 1, std::ceil(pos + margin));
+    std::nth_element(S.samp.begin(), S.samp.begin() + jh, S.samp.end());
+    const double b = S.samp[jh];
+    std::nth_element(S.samp.begin(), S.samp.begin() + jl, S.samp.begin() + jh);
+    const double a = S.samp[jl];
+    if (!(a <= b)) return false;  // NaN: the histogram's way
+    S.sel.resize(n + 4);
+    double* sel = S.sel.data();
+    size_t below = 0, m = 0, i = 0;
+#if LD_X86
+    if (cb_simd()) i = cb_window_avx2(x, n, a, b, below, sel, m);
+#endif
+    for (; i < n; ++i) {
+        below += x[i] < a;
+        if (x[i] >= a && x[i] <= b) sel[m++] = x[i];
+    }
+    if (k < below || k - below >= m) return false;
+    std::nth_element(sel, sel + (k - below), sel + m);
+    out = sel[k - below];
+    return true;
+}
+
+// The value at rank k (0-based, ascending) of x[0, n), k < n, all in [xmin, xmax]: by a
+// sample (cb_rank_sampled) where n is large, else (or where the sample missed) a
 // histogram of CB_NB bins (the bin index is monotone in x) locates its bin, nth_element
 // among that bin's entries finds it.
 double cb_rank(const double* x, size_t n, size_t k, double xmin, double xmax, CbScratch& S) {
     if (!(xmax > xmin)) return xmin;
+    double v;
+    if (n >= 8192 && cb_rank_sampled(x, n, k, S, v)) return v;
     const double sc = (CB_NB - 1) / (xmax - xmin);
     S.bins.resize(n);
     int32_t* bins = S.bins.data();

@@ -184,6 +184,30 @@ def decode_rest(block: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return np.minimum(block["rest_max"] + BOX_SLACK, 0.0), block["rest_min"] - BOX_SLACK
 
 
+def _stable_top(lp: np.ndarray, k: int) -> np.ndarray:
+    """``np.argsort(-lp, axis=1, kind="stable")[:, :k]`` without sorting whole rows: the k-th
+    largest value t of each row (one partition) selects the entries >= t, in position order;
+    where a row has exactly k of them, the stable sort of those k is the answer (every entry
+    above them is in, ties keep position order). Rows with more entries equal to t (ties at
+    the cut) take the whole-row sort."""
+    n, E = lp.shape
+    if k >= E or n == 0:
+        return np.argsort(-lp, axis=1, kind="stable")[:, :k]
+    t = -np.partition(-lp, k - 1, axis=1)[:, k - 1]
+    sel = lp >= t[:, None]
+    exact = sel.sum(1) == k
+    order = np.empty((n, k), np.int64)
+    other = np.nonzero(~exact)[0]
+    if other.size:
+        order[other] = np.argsort(-lp[other], axis=1, kind="stable")[:, :k]
+    rows = np.nonzero(exact)[0]
+    if rows.size:
+        pos = np.nonzero(sel[rows])[1].reshape(rows.size, k)  # ascending positions per row
+        sub = np.argsort(-np.take_along_axis(lp[rows], pos, 1), axis=1, kind="stable")
+        order[rows] = np.take_along_axis(pos, sub, 1)
+    return order
+
+
 def reference_top(block: dict[str, np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
     """The reference's top-k (ids, log-probabilities), descending, lowest id first on
     ties — exact, read from the exact entries (k <= exact)."""
@@ -192,7 +216,7 @@ def reference_top(block: dict[str, np.ndarray], k: int) -> tuple[np.ndarray, np.
         raise LogitdiffError(f"top-{k} asked of a compact store that keeps {ids.shape[1]} exact entries")
     lp = (block["exact_logits"].astype(np.float64) - block["max_logit"][:, None]) - block["log_sum"][:, None]
     if ids.shape[1] < 2 or (ids[:, 1:] >= ids[:, :-1]).all():  # ids ascending (a stored chunk's): a stable sort keeps them so
-        order = np.argsort(-lp, axis=1, kind="stable")[:, :k]
+        order = _stable_top(lp, k)
     else:
         order = np.lexsort((ids, -lp), axis=1)[:, :k]
     return np.take_along_axis(ids, order, 1), np.take_along_axis(lp, order, 1)
@@ -243,8 +267,8 @@ def load_chunk(path) -> dict[str, np.ndarray]:
     missing = [k for k in ("exact_gaps", "exact_logits", "band_gaps", "band_codes", *ROW_FIELDS) if k not in data]
     if missing:
         raise LogitdiffError(f"{path}: compact chunk lacks field {missing[0]!r}")
-    data["exact_ids"] = np.cumsum(data.pop("exact_gaps").astype(np.int64), axis=1)
-    data["band_ids"] = np.cumsum(data.pop("band_gaps").astype(np.int64), axis=1)
+    data["exact_ids"] = np.cumsum(data.pop("exact_gaps"), axis=1, dtype=np.int64)  # widened as it sums: no int64 copy first
+    data["band_ids"] = np.cumsum(data.pop("band_gaps"), axis=1, dtype=np.int64)
     return data
 
 
