@@ -1744,7 +1744,8 @@ int hd_decode(const uint16_t* hidden, int64_t n, const uint16_t* head, int64_t V
 // there: the two agree to rounding; the rest's last evaluation is the lower pass's own
 // split count); the knapsack of the upper bound is a slope histogram and a weighted
 // selection instead of a sort; the rest's fill of the smallest w is one order statistic
-// of ln w (a histogram of ln w, nth_element in the bin that holds it) and one pass that
+// of ln w (a sample's bracket or a histogram of ln w, nth_element among the entries
+// there: cb_rank) and one pass that
 // puts hi below it and lo above it (ties at it counted and weighted afterwards: their
 // terms are equal). The passes over the rest (ratio, lower, upper) and the band's are
 // 4-wide float64 (AVX2; isa "scalar" runs the portable ones) with the JSD's log in
