@@ -2614,20 +2614,22 @@ inline void cb_pass_upper(const double* lw, const double* w, size_t n, double th
 __attribute__((target("avx2,fma,f16c"))) size_t cb_window_avx2(const double* x, size_t n, double a, double b, size_t& below,
                                                                 double* out, size_t& j) {
     const __m256d A = _mm256_set1_pd(a), Bv = _mm256_set1_pd(b);
-    size_t i = 0, cnt = 0, c = j;
+    __m256i cnt = _mm256_setzero_si256();  // per lane: minus the count below a (a true compare is -1)
+    size_t i = 0, c = j;
     for (; i + 4 <= n; i += 4) {
         __m256d v = _mm256_loadu_pd(x + i);
-        const unsigned lt = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(v, A, _CMP_LT_OQ));
-        const unsigned le = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(v, Bv, _CMP_LE_OQ));
-        cnt += (size_t)__builtin_popcount(lt);
-        const unsigned in = le & ~lt;
+        __m256d lt = _mm256_cmp_pd(v, A, _CMP_LT_OQ);
+        cnt = _mm256_add_epi64(cnt, _mm256_castpd_si256(lt));
+        const unsigned in = (unsigned)_mm256_movemask_pd(_mm256_andnot_pd(lt, _mm256_cmp_pd(v, Bv, _CMP_LE_OQ)));
         if (in) {
             const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb_lut.idx[in]));
             _mm256_storeu_pd(out + c, _mm256_castsi256_pd(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(v), p)));
             c += (size_t)__builtin_popcount(in);
         }
     }
-    below += cnt;
+    alignas(32) int64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), cnt);
+    below += (size_t)(-(lanes[0] + lanes[1] + lanes[2] + lanes[3]));
     j = c;
     return i;
 }
