@@ -1920,20 +1920,27 @@ void cb_rest_eval_scalar(const double* w, size_t n, double Et, double lo, double
 #if LD_X86
 __attribute__((target("avx2,fma,f16c"))) void cb_rest_eval_avx2(const double* w, size_t n, double Et, double lo, double hi,
                                                                  double& nlo, double& nhi, double& wmid) {
-    const __m256d E = _mm256_set1_pd(Et), L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi), one = _mm256_set1_pd(1.0);
-    __m256d a = _mm256_setzero_pd(), b = a, m = a;
+    const __m256d E = _mm256_set1_pd(Et), L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi);
+    // counts as integers (a true compare is -1 in every bit: one subtraction a quad); exact,
+    // as the float64 counts they replace were below 2^53
+    __m256i a = _mm256_setzero_si256(), b = a;
+    __m256d m = _mm256_setzero_pd();
     size_t i = 0;
     for (; i + 4 <= n; i += 4) {
         __m256d wv = _mm256_loadu_pd(w + i), x = _mm256_mul_pd(E, wv);
         __m256d l = _mm256_cmp_pd(x, L, _CMP_LE_OQ);
         __m256d h = _mm256_andnot_pd(l, _mm256_cmp_pd(x, H, _CMP_GE_OQ));
-        a = _mm256_add_pd(a, _mm256_and_pd(l, one));
-        b = _mm256_add_pd(b, _mm256_and_pd(h, one));
+        a = _mm256_sub_epi64(a, _mm256_castpd_si256(l));
+        b = _mm256_sub_epi64(b, _mm256_castpd_si256(h));
         m = _mm256_add_pd(m, _mm256_andnot_pd(_mm256_or_pd(l, h), wv));
     }
     double ta, tb, tm;
     cb_rest_eval_scalar(w + i, n - i, Et, lo, hi, ta, tb, tm);
-    nlo = hsum(a) + ta; nhi = hsum(b) + tb; wmid = hsum(m) + tm;
+    alignas(32) int64_t ca[4], cbv[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ca), a);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(cbv), b);
+    nlo = (double)(ca[0] + ca[1] + ca[2] + ca[3]) + ta; nhi = (double)(cbv[0] + cbv[1] + cbv[2] + cbv[3]) + tb;
+    wmid = hsum(m) + tm;
 }
 
 // log_pd and exp_pd with their constants read from memory, four copies each (an FMA takes
@@ -2115,11 +2122,19 @@ __attribute__((target("avx2,fma,f16c"))) bool cb_max_avx2(const float* z, int64_
 }
 
 // Top-kk of a row into `top`: blocks of 16 whose maximum beats the heap's threshold.
+// (the threshold kept broadcast, renewed after each block offered: a block is skipped by one
+// compare of its 16 values with it instead of a horizontal maximum)
 __attribute__((target("avx2,fma,f16c"))) void cb_topk_avx2(const float* z, int64_t V, TopK& top) {
     int64_t v = 0;
+    bool full = top.full();
+    __m256 T = _mm256_set1_ps(top.threshold());
     for (; v + 16 <= V; v += 16) {
-        if (top.full() && !(hmax(_mm256_max_ps(_mm256_loadu_ps(z + v), _mm256_loadu_ps(z + v + 8))) > top.threshold())) continue;
+        if (full && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_max_ps(_mm256_loadu_ps(z + v), _mm256_loadu_ps(z + v + 8)), T,
+                                                     _CMP_GT_OQ)) == 0)
+            continue;
         for (int64_t k = v; k < v + 16; ++k) top.offer(z[k], k);
+        full = top.full();
+        T = _mm256_set1_ps(top.threshold());
     }
     for (; v < V; ++v) top.offer(z[v], v);
 }
