@@ -2217,6 +2217,7 @@ struct CbScratch {
     // exp(z - max) (n of them), cb_row applies shift and scale
     struct { bool ready; size_t n; } rest{false, 0};
     CbBuf<float> zf;
+    CbBuf<double> win;             // cb_rank_sampled's window
     std::vector<double> lw, w, llo, lhi, lo, hi, sel, tv, samp;
     std::vector<double> ks[3], kc[3];  // the band's chord slopes and capacities per term
     std::vector<uint32_t> hist;
@@ -2667,8 +2668,10 @@ bool cb_rank_sampled(const double* x, size_t n, size_t k, CbScratch& S, double& 
     std::nth_element(S.samp.begin(), S.samp.begin() + jl, S.samp.begin() + jh);
     const double a = S.samp[jl];
     if (!(a <= b)) return false;  // NaN: the histogram's way
-    S.sel.resize(n + 4);
-    double* sel = S.sel.data();
+    // room for every entry (the bracket's worst case), not initialised: only the pages the
+    // window's entries reach are touched (a zeroed vector faulted in all of it, ~2 MB a
+    // thread and call at V = 248,320)
+    double* sel = S.win.get(n + 4);
     size_t below = 0, m = 0, i = 0;
 #if LD_X86
     if (cb_simd()) i = cb_window_avx2(x, n, a, b, below, sel, m);
