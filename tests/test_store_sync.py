@@ -312,3 +312,46 @@ def test_a_crash_while_dropping_orphan_rows_loses_no_listed_row(tmp_path, monkey
     _assert_only_listed_rows(run)
     finish_resumed(w, data)
     _assert_only_listed_rows(run)
+
+
+@pytest.mark.parametrize("store_text", ORPHAN_STORES)
+def test_resume_cuts_a_chunk_to_no_rows_when_a_zero_position_item_ends_its_listing(tmp_path, store_text):
+    """The last listed chunk's listed items cover none of its rows (a zero-position item
+    listed there, then rows of the killed item): the cut keeps no row. The full store's
+    empty block was a TypeError on every resume (found by review); now every kind resumes
+    to a run read back as one written without the kill."""
+    kw, data = _orphan_case(store_text)
+    (i0, r0), (i1, r1) = data[0], data[1]
+    z = RunItem(id="z", prompt_ids=[1], teacher_ids=[5], positions=[])
+    first = {k: v[:4] for k, v in r0.items()}
+    it0 = RunItem(id=i0.id, prompt_ids=i0.prompt_ids, teacher_ids=i0.teacher_ids[:4], positions=i0.positions[:4])
+    clean = _writer(tmp_path / "clean", chunk_rows=4, **kw)
+    clean.add(it0, **first)
+    clean.begin_item(z)
+    clean.end_item()
+    clean.add(i1, **r1)
+    clean.finish()
+    run = tmp_path / "run"
+    w = _writer(run, chunk_rows=4, **kw)
+    w.add(it0, **first)  # fills chunk 0, which lists it
+    w.begin_item(z)
+    w.end_item()
+    w.begin_item(i1)
+    w.add_rows(**{k: v[:5] for k, v in r1.items()})
+    w.flush()  # chunk 1 (z, then 4 of i1's rows) listed; i1 unfinished
+    m = json.loads((run / "manifest.json").read_text())
+    assert [(c["rows"] > 0, c["n_items"]) for c in m["chunks"]] == [(True, 1), (True, 1)]
+    del w  # killed
+    w = _writer(run, chunk_rows=4, resume=True, **kw)
+    m = json.loads((run / "manifest.json").read_text())
+    assert [c["rows"] for c in m["chunks"]] == [4, 0] and m["chunks"][1]["data"].startswith("000001.cut0.")
+    _assert_only_listed_rows(run)
+    assert w.done_ids() == {i0.id, "z"}
+    w.add(i1, **r1)
+    w.finish()
+    _assert_only_listed_rows(run)
+    a, b = RunReader(tmp_path / "clean"), RunReader(run)
+    assert [it.id for it in b.items()] == [i0.id, "z", i1.id]
+    for (ka, xa), (kb, xb) in zip(_rows_of(a), _rows_of(b), strict=True):
+        assert ka == kb
+        np.testing.assert_array_equal(xa, xb)

@@ -245,7 +245,10 @@ class DirectFile:
             self.fd = os.open(path, flags, 0o666)
 
     def write(self, data) -> int:
-        mv = memoryview(data).cast("B")
+        mv = memoryview(data)
+        if mv.nbytes == 0:
+            return 0  # an empty block (cast("B") refuses a view with a zero in its shape)
+        mv = mv.cast("B")
         n = len(mv)
         if not self.direct:
             self._write_all(mv)

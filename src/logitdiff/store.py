@@ -468,7 +468,8 @@ class RunWriter(_KindViews):
                 raise LogitdiffError(f"{src}: cannot resume, unreadable chunk ({err})") from None
             entry["data"] = f"{last:06d}.cut{end}.{self.kind.chunk_suffix}"
             dest = self.path / "chunks" / entry["data"]
-            self.kind.save_chunk(dest, [self.kind.cut_stored(block, 0, end)])
+            # end 0: the chunk's rows are all the killed item's (its listed items have none)
+            self.kind.save_chunk(dest, [self.kind.cut_stored(block, 0, end)] if end else [])
             del block  # a memory-mapped chunk is let go before its file is removed
             entry["rows"] = end
             fsync_path(dest)
