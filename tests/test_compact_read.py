@@ -189,3 +189,89 @@ def test_stable_top_is_the_stable_argsort():
         k = int(rng.integers(1, E + 2))
         lp = np.round(rng.normal(0, rng.choice([0.5, 3.0]), (n, E)), int(rng.integers(0, 3)))
         np.testing.assert_array_equal(C._stable_top(lp, k), np.argsort(-lp, axis=1, kind="stable")[:, :k], err_msg=str(trial))
+
+
+def _npz(members: dict[str, bytes], method=zipfile.ZIP_DEFLATED) -> bytearray:
+    b = io.BytesIO()
+    with zipfile.ZipFile(b, "w", method) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return bytearray(b.getvalue())
+
+
+def _npy(arr=None, header: bytes | None = None) -> bytes:
+    f = io.BytesIO()
+    np.save(f, np.zeros(4) if arr is None else arr)
+    raw = f.getvalue()
+    if header is None:
+        return raw
+    body = header.ljust(118) + b"\n"  # a version 1.0 header of the same length: 128 bytes with the preamble
+    return raw[:8] + len(body).to_bytes(2, "little") + body + raw[10 + int.from_bytes(raw[8:10], "little"):]
+
+
+def _central(d: bytearray) -> int:
+    e = d.rfind(b"PK\x05\x06")
+    return int.from_bytes(d[e + 16 : e + 20], "little")
+
+
+def _hostile(kind: str) -> bytearray:
+    """One damaged or hostile .npz per class the review found (each a few hundred bytes)."""
+    if kind == "stored_size":  # a stored member claiming 2 GiB from 1 byte: broadcast over 2 GiB before the CRC
+        d = _npz({"a.npy": _npy()}, zipfile.ZIP_STORED)
+        cd = _central(d)
+        d[cd + 20 : cd + 28] = (1).to_bytes(4, "little") + (2 << 30).to_bytes(4, "little")
+        return d
+    if kind == "inflate_ratio":  # a deflated member claiming more than deflate can expand its bytes to
+        d = _npz({"a.npy": _npy()})
+        cd = _central(d)
+        d[cd + 24 : cd + 28] = (3 << 30).to_bytes(4, "little")
+        return d
+    if kind == "overlap":  # two names in the directory for one member's bytes
+        d = _npz({"a.npy": _npy(), "b.npy": _npy()})
+        cd = _central(d)
+        second = d.find(b"PK\x01\x02", cd + 4)
+        d[second + 42 : second + 46] = d[cd + 42 : cd + 46]  # b's local header offset := a's
+        return d
+    if kind == "short_local_header":  # the directory points at a local header magic with nothing after it
+        d = _npz({"a.npy": _npy()})
+        at = len(d)
+        d += b"PK\x03\x04ab"
+        cd = _central(d)
+        d[cd + 42 : cd + 46] = at.to_bytes(4, "little")
+        return d
+    headers = {"header_tokens": b"{'descr': '<f8', 'fortran_order': False, 'shape': (4,",
+               "header_type": b"{'descr': '<f8', 'fortran_order': False, 'shape': (True,), }",
+               "negative_dim": b"{'descr': '<f8', 'fortran_order': False, 'shape': (-1,), }"}
+    return _npz({"a.npy": _npy(header=headers[kind])})
+
+
+HOSTILE = ["stored_size", "inflate_ratio", "overlap", "short_local_header", "header_tokens", "header_type", "negative_dim"]
+
+
+@needs_libdeflate
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_hostile_members_are_refused_before_anything_large_is_made(tmp_path, kind):
+    """Each class is a ValueError naming the member (a one-line LogitdiffError naming the file
+    through compact.load_chunk), with no allocation beyond the file's own size: a 2 GiB claim
+    from a few hundred bytes, one stream named twice, a header numpy's parser chokes on."""
+    import resource
+
+    p = tmp_path / "h.npz"
+    p.write_bytes(bytes(_hostile(kind)))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match="member"):
+        npzinflate.load(p)
+    with pytest.raises(LogitdiffError, match=f"{p}: unreadable compact chunk"):
+        C.load_chunk(p)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 << 10  # KiB: under 256 MiB
+
+
+@pytest.mark.parametrize("kind", ["header_tokens", "header_type", "short_local_header"])
+def test_hostile_members_are_one_line_errors_on_the_np_load_path_too(tmp_path, monkeypatch, kind):
+    """Without libdeflate (np.load reads the file): numpy's header parser raised
+    tokenize.TokenError / TypeError, and zipfile struct errors, past load_chunk's net."""
+    monkeypatch.setattr(npzinflate, "load", lambda path, threads=4: None)
+    p = tmp_path / "h.npz"
+    p.write_bytes(bytes(_hostile(kind)))
+    with pytest.raises(LogitdiffError, match=f"{p}: unreadable compact chunk"):
+        C.load_chunk(p)

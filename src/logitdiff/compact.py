@@ -19,6 +19,7 @@ measures them.
 from __future__ import annotations
 
 import io
+import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -262,7 +263,10 @@ def load_chunk(path) -> dict[str, np.ndarray]:
                 # members inflated side by side (zlib releases the GIL; ZipFile reads under its
                 # own lock): the band's ids and codes are most of a chunk (bench/RESULTS.md)
                 data = dict(zip(z.files, pool.map(z.__getitem__, z.files)))
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # zlib.error: np.load's, a bad stream
+    # zlib.error: np.load's, a bad stream; SyntaxError, TypeError, TokenError: numpy's .npy
+    # header parser on some damaged headers; MemoryError: a header's shape beyond memory
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, SyntaxError, TypeError,
+            tokenize.TokenError, MemoryError) as e:
         raise LogitdiffError(f"{path}: unreadable compact chunk ({e})") from None
     missing = [k for k in ("exact_gaps", "exact_logits", "band_gaps", "band_codes", *ROW_FIELDS) if k not in data]
     if missing:

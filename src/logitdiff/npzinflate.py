@@ -5,9 +5,13 @@ instructions and checks the CRC-32 in a fraction of zlib's time).
 
 `load` returns None where it cannot read the file this way (no libdeflate, a member stored
 with another method, encrypted, or a layout it does not know): the caller reads the file
-with ``np.load`` as before, so a file is never refused here that ``np.load`` would read.
-What it does refuse (ValueError) is what ``np.load`` also refuses: a member whose bytes do
-not inflate, do not match the CRC-32 of the zip directory, or hold no plain ``.npy`` array.
+with ``np.load`` as before, so a well-formed file is never refused here that ``np.load`` would read.
+What it refuses (ValueError naming the member): a member whose bytes do not inflate, do not
+match the CRC-32 of the zip directory, or hold no plain ``.npy`` array, as ``np.load`` does;
+and, before anything is allocated, sizes its method cannot produce from its bytes (a stored
+member's two sizes differ; a deflated one claims more than 1032 times its bytes), a local
+header missing or naming another member, or two members' bytes overlapping (``np.load``
+reads some such files, inflating whatever a directory claims).
 The same deflate streams are read, so stores written by any version read alike.
 """
 
@@ -50,17 +54,87 @@ def available() -> bool:
     return _lib() is not None
 
 
-def _member(lib, raw: memoryview, info: zipfile.ZipInfo) -> np.ndarray:
-    """One member's ``.npy`` array, inflated into a fresh buffer that the array views."""
-    off = info.header_offset
-    if bytes(raw[off : off + 4]) != b"PK\x03\x04":
-        raise ValueError(f"member {info.filename!r}: no local header at offset {off}")
-    name_len, extra_len = struct.unpack("<HH", raw[off + 26 : off + 30])
-    start = off + 30 + name_len + extra_len
-    data = raw[start : start + info.compress_size]
-    if len(data) != info.compress_size:
-        raise ValueError(f"member {info.filename!r}: truncated")
-    out = np.empty(info.file_size, np.uint8)
+# deflate expands at most ~1032:1 (a length-258 match per 2 bits at best, RFC 1951), so a
+# member claiming more than this is damaged or hostile: refused before anything is allocated
+DEFLATE_MAX_RATIO = 1032
+LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
+
+
+class _NotHere(Exception):
+    """A member this reader does not handle though ``np.load`` may (a .npy version or layout
+    it does not know): `load` returns None and the caller reads the file with ``np.load``."""
+
+
+def _checked_spans(raw: memoryview, infos: list[zipfile.ZipInfo]) -> dict[str, tuple[int, int]]:
+    """Each member's compressed bytes as (start, end) in the file, after the checks that bound
+    what inflating it may allocate: a local header where the directory says, with the
+    directory's name; sizes a member's method can produce from its bytes; no two members'
+    bytes overlapping (a directory pointing many names at one stream would inflate it many
+    times). ValueError for any that fails, naming the member."""
+    spans: dict[str, tuple[int, int]] = {}
+    for info in infos:
+        off, name = info.header_offset, info.filename
+        if off < 0 or off + LOCAL_HEADER > len(raw) or bytes(raw[off : off + 4]) != b"PK\x03\x04":
+            raise ValueError(f"member {name!r}: no local header at offset {off}")
+        name_len, extra_len = struct.unpack("<HH", raw[off + 26 : off + 30])
+        local_name = bytes(raw[off + LOCAL_HEADER : off + LOCAL_HEADER + name_len])
+        if local_name not in (name.encode("utf-8"), name.encode("cp437", "replace")):
+            raise ValueError(f"member {name!r}: its local header names {local_name!r}")
+        start = off + LOCAL_HEADER + name_len + extra_len
+        end = start + info.compress_size
+        if end > len(raw):
+            raise ValueError(f"member {name!r}: truncated")
+        if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+            raise ValueError(f"member {name!r}: stored with {info.compress_size} bytes for {info.file_size}")
+        if info.compress_type == zipfile.ZIP_DEFLATED and info.file_size > DEFLATE_MAX_RATIO * info.compress_size + 1024:
+            raise ValueError(f"member {name!r}: {info.file_size} bytes cannot inflate from {info.compress_size}")
+        spans[name] = (off, end)
+    ordered = sorted(spans.items(), key=lambda kv: kv[1])
+    for (a, (_, a_end)), (b, (b_off, _)) in zip(ordered, ordered[1:]):
+        if b_off < a_end:
+            raise ValueError(f"members {a!r} and {b!r} overlap")
+    return spans
+
+
+def _header(out: np.ndarray, name: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """The .npy header at the start of ``out``: shape, Fortran order, dtype and the data's
+    offset. A header ``np.load`` would refuse is a ValueError here too (numpy's parser raises
+    SyntaxError, TypeError or tokenize errors on some); one it may read that this does not
+    is `_NotHere`."""
+    f = io.BytesIO(out[:12].tobytes())
+    try:
+        version = np.lib.format.read_magic(f)
+    except Exception as e:  # noqa: BLE001 - numpy's parser: any failure is a damaged member
+        raise ValueError(f"member {name!r}: not a .npy array ({e})") from None
+    if version not in ((1, 0), (2, 0)):
+        raise _NotHere(version)
+    length = int.from_bytes(out[8:10].tobytes() if version == (1, 0) else out[8:12].tobytes(), "little")
+    total = (10 if version == (1, 0) else 12) + length
+    if total > out.size:
+        raise ValueError(f"member {name!r}: .npy header longer than the member")
+    f = io.BytesIO(out[:total].tobytes())
+    try:
+        np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(f)
+    except Exception as e:  # noqa: BLE001 - SyntaxError, TypeError, tokenize.TokenError, ValueError
+        raise ValueError(f"member {name!r}: bad .npy header ({type(e).__name__}: {e})") from None
+    if not all(type(d) is int and d >= 0 for d in shape):  # not a bool, not negative
+        raise ValueError(f"member {name!r}: bad shape {shape!r} in its .npy header")
+    if dtype.hasobject:
+        raise ValueError(f"member {name!r}: object arrays are not read (pickles)")
+    return shape, fortran, dtype, total
+
+
+def _member(lib, raw: memoryview, info: zipfile.ZipInfo, span: tuple[int, int]) -> np.ndarray:
+    """One member's ``.npy`` array, inflated into a fresh buffer that the array views
+    (its sizes already checked by `_checked_spans`)."""
+    end = span[1]
+    data = raw[end - info.compress_size : end]
+    try:
+        out = np.empty(info.file_size, np.uint8)
+    except MemoryError:
+        raise ValueError(f"member {info.filename!r}: {info.file_size} bytes do not fit in memory") from None
     if info.compress_type == zipfile.ZIP_DEFLATED:
         src = np.frombuffer(data, np.uint8)  # a view of the file's bytes, not a copy
         d = lib.libdeflate_alloc_decompressor()  # one per call: a decompressor is not shared between threads
@@ -78,18 +152,9 @@ def _member(lib, raw: memoryview, info: zipfile.ZipInfo) -> np.ndarray:
         out[:] = np.frombuffer(data, np.uint8)
     if lib.libdeflate_crc32(0, out.ctypes.data, out.size) != info.CRC:
         raise ValueError(f"member {info.filename!r}: CRC-32 mismatch (damaged file)")
-    f = io.BytesIO(out[:4096].tobytes())  # the .npy header (np.lib.format: magic, then a dict)
-    version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-    elif version == (2, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    else:
-        raise ValueError(f"member {info.filename!r}: .npy version {version} not read here")
-    if dtype.hasobject:
-        raise ValueError(f"member {info.filename!r}: object arrays are not read (pickles)")
+    shape, fortran, dtype, offset = _header(out, info.filename)
     count = int(np.prod(shape, dtype=np.int64))
-    arr = np.frombuffer(out, dtype, count=count, offset=f.tell())
+    arr = np.frombuffer(out, dtype, count=count, offset=offset)
     return arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
 
 
@@ -106,13 +171,18 @@ def load(path: str | Path, threads: int = 4) -> dict[str, np.ndarray] | None:
            or not i.filename.endswith(".npy") for i in infos):
         return None
     raw = memoryview(Path(path).read_bytes())
-    if threads > 1 and len(infos) > 1:
-        from concurrent.futures import ThreadPoolExecutor
+    spans = _checked_spans(raw, infos)
+    try:
+        if threads > 1 and len(infos) > 1:
+            from concurrent.futures import ThreadPoolExecutor
 
-        # the largest members first: the band's ids and codes are most of a compact chunk
-        order = sorted(infos, key=lambda i: -i.file_size)
-        with ThreadPoolExecutor(min(threads, len(infos))) as pool:
-            arrays = dict(zip((i.filename for i in order), pool.map(lambda i: _member(lib, raw, i), order)))
-    else:
-        arrays = {i.filename: _member(lib, raw, i) for i in infos}
+            # the largest members first: the band's ids and codes are most of a compact chunk
+            order = sorted(infos, key=lambda i: -i.file_size)
+            with ThreadPoolExecutor(min(threads, len(infos))) as pool:
+                arrays = dict(zip((i.filename for i in order),
+                                  pool.map(lambda i: _member(lib, raw, i, spans[i.filename]), order)))
+        else:
+            arrays = {i.filename: _member(lib, raw, i, spans[i.filename]) for i in infos}
+    except _NotHere:
+        return None
     return {i.filename[: -len(".npy")]: arrays[i.filename] for i in infos}
