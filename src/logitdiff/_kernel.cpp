@@ -1744,8 +1744,7 @@ int hd_decode(const uint16_t* hidden, int64_t n, const uint16_t* head, int64_t V
 // there: the two agree to rounding; the rest's last evaluation is the lower pass's own
 // split count); the knapsack of the upper bound is a slope histogram and a weighted
 // selection instead of a sort; the rest's fill of the smallest w is one order statistic
-// of ln w (a sample's bracket or a histogram of ln w, nth_element among the entries
-// there: cb_rank) and one pass that
+// of ln w (a histogram of ln w, nth_element in the bin that holds it) and one pass that
 // puts hi below it and lo above it (ties at it counted and weighted afterwards: their
 // terms are equal). The passes over the rest (ratio, lower, upper) and the band's are
 // 4-wide float64 (AVX2; isa "scalar" runs the portable ones) with the JSD's log in
@@ -1920,27 +1919,20 @@ void cb_rest_eval_scalar(const double* w, size_t n, double Et, double lo, double
 #if LD_X86
 __attribute__((target("avx2,fma,f16c"))) void cb_rest_eval_avx2(const double* w, size_t n, double Et, double lo, double hi,
                                                                  double& nlo, double& nhi, double& wmid) {
-    const __m256d E = _mm256_set1_pd(Et), L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi);
-    // counts as integers (a true compare is -1 in every bit: one subtraction a quad); exact,
-    // as the float64 counts they replace were below 2^53
-    __m256i a = _mm256_setzero_si256(), b = a;
-    __m256d m = _mm256_setzero_pd();
+    const __m256d E = _mm256_set1_pd(Et), L = _mm256_set1_pd(lo), H = _mm256_set1_pd(hi), one = _mm256_set1_pd(1.0);
+    __m256d a = _mm256_setzero_pd(), b = a, m = a;
     size_t i = 0;
     for (; i + 4 <= n; i += 4) {
         __m256d wv = _mm256_loadu_pd(w + i), x = _mm256_mul_pd(E, wv);
         __m256d l = _mm256_cmp_pd(x, L, _CMP_LE_OQ);
         __m256d h = _mm256_andnot_pd(l, _mm256_cmp_pd(x, H, _CMP_GE_OQ));
-        a = _mm256_sub_epi64(a, _mm256_castpd_si256(l));
-        b = _mm256_sub_epi64(b, _mm256_castpd_si256(h));
+        a = _mm256_add_pd(a, _mm256_and_pd(l, one));
+        b = _mm256_add_pd(b, _mm256_and_pd(h, one));
         m = _mm256_add_pd(m, _mm256_andnot_pd(_mm256_or_pd(l, h), wv));
     }
     double ta, tb, tm;
     cb_rest_eval_scalar(w + i, n - i, Et, lo, hi, ta, tb, tm);
-    alignas(32) int64_t ca[4], cbv[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ca), a);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(cbv), b);
-    nlo = (double)(ca[0] + ca[1] + ca[2] + ca[3]) + ta; nhi = (double)(cbv[0] + cbv[1] + cbv[2] + cbv[3]) + tb;
-    wmid = hsum(m) + tm;
+    nlo = hsum(a) + ta; nhi = hsum(b) + tb; wmid = hsum(m) + tm;
 }
 
 // log_pd and exp_pd with their constants read from memory, four copies each (an FMA takes
@@ -2122,19 +2114,11 @@ __attribute__((target("avx2,fma,f16c"))) bool cb_max_avx2(const float* z, int64_
 }
 
 // Top-kk of a row into `top`: blocks of 16 whose maximum beats the heap's threshold.
-// (the threshold kept broadcast, renewed after each block offered: a block is skipped by one
-// compare of its 16 values with it instead of a horizontal maximum)
 __attribute__((target("avx2,fma,f16c"))) void cb_topk_avx2(const float* z, int64_t V, TopK& top) {
     int64_t v = 0;
-    bool full = top.full();
-    __m256 T = _mm256_set1_ps(top.threshold());
     for (; v + 16 <= V; v += 16) {
-        if (full && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_max_ps(_mm256_loadu_ps(z + v), _mm256_loadu_ps(z + v + 8)), T,
-                                                     _CMP_GT_OQ)) == 0)
-            continue;
+        if (top.full() && !(hmax(_mm256_max_ps(_mm256_loadu_ps(z + v), _mm256_loadu_ps(z + v + 8))) > top.threshold())) continue;
         for (int64_t k = v; k < v + 16; ++k) top.offer(z[k], k);
-        full = top.full();
-        T = _mm256_set1_ps(top.threshold());
     }
     for (; v < V; ++v) top.offer(z[v], v);
 }
@@ -2217,8 +2201,7 @@ struct CbScratch {
     // exp(z - max) (n of them), cb_row applies shift and scale
     struct { bool ready; size_t n; } rest{false, 0};
     CbBuf<float> zf;
-    CbBuf<double> win;             // cb_rank_sampled's window
-    std::vector<double> lw, w, llo, lhi, lo, hi, sel, tv, samp;
+    std::vector<double> lw, w, llo, lhi, lo, hi, sel, tv;
     std::vector<double> ks[3], kc[3];  // the band's chord slopes and capacities per term
     std::vector<uint32_t> hist;
     std::vector<int32_t> bins, kbins;
@@ -2516,13 +2499,11 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const
         __m256d wm = zero;
         alignas(32) double cacc[16] = {0};  // four lanes each of the clipped entries' sum x and three terms
         double la[4] = {0, 0, 0, 0}, wms = 0;
-        bool any_clipped = false;
         for (; i + 4 <= end; i += 4) {
             __m256d wv = _mm256_loadu_pd(w + i), x = _mm256_mul_pd(E, wv);
             __m256d clipped = _mm256_or_pd(_mm256_cmp_pd(x, L, _CMP_LE_OQ), _mm256_cmp_pd(x, H, _CMP_GE_OQ));
             wm = _mm256_add_pd(wm, _mm256_andnot_pd(clipped, wv));
             if (_mm256_movemask_pd(clipped) == 0) continue;
-            any_clipped = true;
             const unsigned ml = (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(x, L, _CMP_LE_OQ));
             nl += __builtin_popcount(ml);
             nh += __builtin_popcount((unsigned)_mm256_movemask_pd(clipped) & ~ml);
@@ -2541,11 +2522,10 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void cb_pass_lower_avx2(const
             double x = Et * w[i];
             bool l = x <= lo, h = !l && x >= hi;
             nl += l; nh += h;
-            if (l || h) { any_clipped = true; cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, la); }
+            if (l || h) cb_lower1(lw[i], w[i], lt, Et, llo, lhi, lo, hi, la);
             else wms += w[i];
         }
-        // a block with no clipped entry adds +0.0 to each tl: a no-op (CbSum), left out
-        if (any_clipped) for (int k = 0; k < 4; ++k) tl[k].add(cacc[4 * k] + cacc[4 * k + 1] + cacc[4 * k + 2] + cacc[4 * k + 3] + la[k]);
+        for (int k = 0; k < 4; ++k) tl[k].add(cacc[4 * k] + cacc[4 * k + 1] + cacc[4 * k + 2] + cacc[4 * k + 3] + la[k]);
         tw.add(hsum(wm) + wms);
     }
     for (int k = 0; k < 4; ++k) o.low[k] = tl[k].get();
@@ -2623,77 +2603,11 @@ inline void cb_pass_upper(const double* lw, const double* w, size_t n, double th
     cb_pass_upper_scalar(lw, w, n, thr, llo, lhi, lo, hi, o);
 }
 
-#if LD_X86
-// How many of x[0, n) lie below a, and those in [a, b] appended to out (compacted four at a
-// time with cb_lut's permutations; out has 4 entries of room past the most it can hold);
-// returns how many entries it looked at (whole quads).
-__attribute__((target("avx2,fma,f16c"))) size_t cb_window_avx2(const double* x, size_t n, double a, double b, size_t& below,
-                                                                double* out, size_t& j) {
-    const __m256d A = _mm256_set1_pd(a), Bv = _mm256_set1_pd(b);
-    __m256i cnt = _mm256_setzero_si256();  // per lane: minus the count below a (a true compare is -1)
-    size_t i = 0, c = j;
-    for (; i + 4 <= n; i += 4) {
-        __m256d v = _mm256_loadu_pd(x + i);
-        __m256d lt = _mm256_cmp_pd(v, A, _CMP_LT_OQ);
-        cnt = _mm256_add_epi64(cnt, _mm256_castpd_si256(lt));
-        const unsigned in = (unsigned)_mm256_movemask_pd(_mm256_andnot_pd(lt, _mm256_cmp_pd(v, Bv, _CMP_LE_OQ)));
-        if (in) {
-            const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb_lut.idx[in]));
-            _mm256_storeu_pd(out + c, _mm256_castsi256_pd(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(v), p)));
-            c += (size_t)__builtin_popcount(in);
-        }
-    }
-    alignas(32) int64_t lanes[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), cnt);
-    below += (size_t)(-(lanes[0] + lanes[1] + lanes[2] + lanes[3]));
-    j = c;
-    return i;
-}
-#endif
-
-// The value at rank k by a sample: the order statistics of 1,024 evenly spaced entries
-// bracket it (a margin of ~3 standard deviations of the sample's rank either side), one
-// pass counts the entries below the bracket and keeps those inside, nth_element among them
-// finds it. False where the bracket missed (the caller takes the histogram). The value at a
-// rank is one number however it is found: the result is the histogram's.
-bool cb_rank_sampled(const double* x, size_t n, size_t k, CbScratch& S, double& out) {
-    constexpr size_t NS = 1024;
-    const size_t stride = n / NS;
-    S.samp.resize(NS);
-    for (size_t j = 0; j < NS; ++j) S.samp[j] = x[j * stride];
-    const double pos = (double)k / (double)n * NS, margin = 3.0 * std::sqrt(pos * (1.0 - pos / NS)) + 4.0;
-    const size_t jl = (size_t)std::max(0.0, std::floor(pos - margin)), jh = (size_t)std::min((double)NS - 1, std::ceil(pos + margin));
-    std::nth_element(S.samp.begin(), S.samp.begin() + jh, S.samp.end());
-    const double b = S.samp[jh];
-    std::nth_element(S.samp.begin(), S.samp.begin() + jl, S.samp.begin() + jh);
-    const double a = S.samp[jl];
-    if (!(a <= b)) return false;  // NaN: the histogram's way
-    // room for every entry (the bracket's worst case), not initialised: only the pages the
-    // window's entries reach are touched (a zeroed vector faulted in all of it, ~2 MB a
-    // thread and call at V = 248,320)
-    double* sel = S.win.get(n + 4);
-    size_t below = 0, m = 0, i = 0;
-#if LD_X86
-    if (cb_simd()) i = cb_window_avx2(x, n, a, b, below, sel, m);
-#endif
-    for (; i < n; ++i) {
-        below += x[i] < a;
-        if (x[i] >= a && x[i] <= b) sel[m++] = x[i];
-    }
-    if (k < below || k - below >= m) return false;
-    std::nth_element(sel, sel + (k - below), sel + m);
-    out = sel[k - below];
-    return true;
-}
-
-// The value at rank k (0-based, ascending) of x[0, n), k < n, all in [xmin, xmax]: by a
-// sample (cb_rank_sampled) where n is large, else (or where the sample missed) a
+// The value at rank k (0-based, ascending) of x[0, n), k < n, all in [xmin, xmax]: a
 // histogram of CB_NB bins (the bin index is monotone in x) locates its bin, nth_element
 // among that bin's entries finds it.
 double cb_rank(const double* x, size_t n, size_t k, double xmin, double xmax, CbScratch& S) {
     if (!(xmax > xmin)) return xmin;
-    double v;
-    if (n >= 8192 && cb_rank_sampled(x, n, k, S, v)) return v;
     const double sc = (CB_NB - 1) / (xmax - xmin);
     S.bins.resize(n);
     int32_t* bins = S.bins.data();
