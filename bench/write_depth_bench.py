@@ -1,6 +1,7 @@
 """O_DIRECT write patterns on one disk, interleaved (issue 24): one capture's 512 MiB as 8 files of 64 MiB,
 each fsynced, every buffer first filled by a copy (as the full store's writer does): one 16/32/64 MiB write at a
-time, or two 16 MiB buffers with one write in flight while the other is filled. Buffers from
+time, or two 8 or 16 MiB buffers with one write in flight while the other is filled (outputs.DirectFile's
+halves). Buffers from
 ``outputs.direct_stage`` (huge pages where THP allows).
 
     PYTHONPATH=src python bench/write_depth_bench.py ROUNDS [DIR]   (files in DIR, default /tmp/cap_disk)
@@ -61,7 +62,8 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     where = sys.argv[2] if len(sys.argv) > 2 else "/tmp/cap_disk"
     os.makedirs(where, exist_ok=True)
-    pats = {"serial 16 MiB": serial(16 * M), "2 x 16 MiB in flight": piped(16 * M), "serial 32 MiB": serial(32 * M),
+    pats = {"serial 16 MiB": serial(16 * M), "2 x 8 MiB, one filled while one is written": piped(8 * M),
+            "2 x 16 MiB, one filled while one is written": piped(16 * M), "serial 32 MiB": serial(32 * M),
             "serial 64 MiB": serial(64 * M)}
     res: dict[str, list[tuple[float, float]]] = {k: [] for k in pats}
     for r in range(rounds):

@@ -401,3 +401,25 @@ def test_a_staging_buffer_without_huge_pages_still_writes(tmp_path, monkeypatch,
     view = np.frombuffer(stage, np.uint8)
     assert len(view) == 4 << 20 and view.ctypes.data % outputs.DIRECT_ALIGN == 0
     _direct_round_trip(tmp_path, stage)
+
+
+def test_a_direct_write_failing_mid_file_is_one_line_and_leaves_nothing(tmp_path):
+    """A real failure of an O_DIRECT write of a full staging buffer (RLIMIT_FSIZE: EFBIG, as a
+    full disk gives ENOSPC) reaches the caller as one line naming the file; the temporary is
+    removed, and the same staging buffer then writes the next file whole."""
+    if not _odirect_works(tmp_path):
+        pytest.skip("no O_DIRECT under the test's temporary directory")
+    from test_store_sync import file_size_limit
+
+    from logitdiff.errors import LogitdiffError
+
+    stage = outputs.direct_stage(4 * 4096)
+    data = np.random.default_rng(12).integers(0, 255, 9 * 4096, dtype=np.uint8)
+    with file_size_limit(3 * 4096), pytest.raises(LogitdiffError, match=r"x\.bin: cannot write \(File too large\)"):
+        with outputs.atomic_file_direct(tmp_path / "x.bin", stage) as f:
+            for at in range(0, len(data), 1000):
+                f.write(data[at : at + 1000])
+    assert list(tmp_path.iterdir()) == []
+    with outputs.atomic_file_direct(tmp_path / "y.bin", stage) as f:
+        f.write(data)
+    assert (tmp_path / "y.bin").read_bytes() == data.tobytes()
