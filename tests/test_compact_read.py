@@ -275,3 +275,21 @@ def test_hostile_members_are_one_line_errors_on_the_np_load_path_too(tmp_path, m
     p.write_bytes(bytes(_hostile(kind)))
     with pytest.raises(LogitdiffError, match=f"{p}: unreadable compact chunk"):
         C.load_chunk(p)
+
+
+@needs_libdeflate
+@pytest.mark.parametrize("method", [zipfile.ZIP_DEFLATED, zipfile.ZIP_STORED])
+def test_a_header_not_padded_to_the_dtype_gives_aligned_arrays(tmp_path, method):
+    """np.save pads the .npy header to 64 bytes; another writer may not. A header whose length
+    leaves the data at an odd offset still reads as np.load reads it, into aligned memory (the
+    compiled readers take raw pointers)."""
+    arr = np.arange(12, dtype=np.float64).reshape(3, 4) / 7
+    body = repr({"descr": "<f8", "fortran_order": False, "shape": (3, 4)}).encode().ljust(70) + b"\n"  # 10 + 71 = 81
+    raw = b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body + arr.tobytes()
+    p = tmp_path / "u.npz"
+    p.write_bytes(bytes(_npz({"a.npy": raw, "b.npy": _npy(np.arange(5, dtype=np.int32))}, method)))
+    got = npzinflate.load(p)
+    assert got is not None and got["a"].flags.aligned and got["a"].dtype == np.float64
+    np.testing.assert_array_equal(got["a"], np.load(p)["a"])
+    np.testing.assert_array_equal(got["a"], arr)
+    np.testing.assert_array_equal(got["b"], np.arange(5, dtype=np.int32))

@@ -155,6 +155,10 @@ def _member(lib, raw: memoryview, info: zipfile.ZipInfo, span: tuple[int, int]) 
     shape, fortran, dtype, offset = _header(out, info.filename)
     count = int(np.prod(shape, dtype=np.int64))
     arr = np.frombuffer(out, dtype, count=count, offset=offset)
+    if not arr.flags.aligned:
+        # a header not padded to the dtype's alignment (np.save pads to 64 bytes; other writers
+        # need not): a copy, so compiled readers never get a misaligned pointer
+        arr = arr.copy()
     return arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
 
 
