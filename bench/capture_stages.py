@@ -179,11 +179,11 @@ def main() -> None:
         real_append(self, *a)
         add("writer_cpu", time.thread_time() - c)
 
-    real_stage_write = outputs.DirectFile._write_stage
+    real_aligned_write = outputs.DirectFile._write_aligned
 
-    def write_stage(self, n):
+    def write_aligned(self, mv):  # every O_DIRECT write: staged buffers and blocks written from the caller's memory
         t, c = time.perf_counter(), time.thread_time()
-        real_stage_write(self, n)
+        real_aligned_write(self, mv)
         add("write_wall", time.perf_counter() - t)
         add("write_cpu", time.thread_time() - c)
 
@@ -207,7 +207,7 @@ def main() -> None:
     store.RunWriter._send = send
     store.RunWriter._append_block = append_block
     store.RunWriter.finish = finish
-    outputs.DirectFile._write_stage = write_stage
+    outputs.DirectFile._write_aligned = write_aligned
     outputs.DirectFile.write = dwrite
 
     rows: list[dict] = []
@@ -255,7 +255,7 @@ def main() -> None:
                        ("tail: last block handed over to return", "tail", None), ("of it finish()", "finish", None),
                        ("main thread in add_rows (checks + hand-off)", "add_rows", None),
                        ("of it waiting for queue room (_send)", "send_wait", None),
-                       ("writer: staging copy (wall)", "stage_copy", None), ("writer: write() of full buffers (wall)", "write_wall", None),
+                       ("writer: staging copy (wall)", "stage_copy", None), ("writer: O_DIRECT write() calls (wall)", "write_wall", None),
                        ("writer: write() thread CPU", "write_cpu", None), ("writer thread CPU (rows)", "writer_cpu", None),
                        ("machine steal over the step", "cap_steal", "bare_steal"), ("machine irq", "cap_irq", "bare_irq"),
                        ("machine softirq", "cap_softirq", "bare_softirq"), ("machine system", "cap_system", "bare_system")]:

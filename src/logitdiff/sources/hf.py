@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence, cast
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -63,6 +63,9 @@ from ..store import bf16_to_f32 as _bits_to_f32
 from .base import Block, FullLogitSource, Generation, Spec, tokenizer_hash_of
 from .filecache import file_sha256_cached
 from .options import parse_options
+
+if TYPE_CHECKING:
+    from ..rowpool import RowPool
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _TOKENIZER_FILES = (
@@ -197,6 +200,10 @@ class HFSource(FullLogitSource):
         # logits are the head's output unchanged, float32 after any post-processing.
         self.logits_dtype = self.dtype_name if self.dtype_name in ("bfloat16", "float16") and not self._postprocessed else "float32"
         self._identity: dict | None = None
+        # CPU blocks of a head whose 16-bit output is the stored rows go into page-aligned
+        # buffers used again (rowpool.py): no fresh tensor per block, and the O_DIRECT writer
+        # takes the rows from there without its staging copy. Made at the first block.
+        self._row_pool: RowPool | None = None
 
     @classmethod
     def from_spec(cls, spec: Spec) -> "HFSource":
@@ -340,11 +347,13 @@ class HFSource(FullLogitSource):
         memory without waiting, with the event that says they arrived (:meth:`_landed`)."""
         import torch
 
-        rows = self._stored(self._head(hb))
         # hidden states as the head's 16-bit bits (what a hidden-state store keeps)
         hid = hb.detach().to(self.lm_head.weight.dtype).contiguous().view(torch.int16) if with_hidden else None
         if self.device.type != "cuda":
-            return Block(k, t0, _host_array(rows), _host_array(hid) if hid is not None else None), None
+            pooled = self._head_pooled(hb)
+            rows = pooled if pooled is not None else _host_array(self._stored(self._head(hb)))
+            return Block(k, t0, rows, _host_array(hid) if hid is not None else None), None
+        rows = self._stored(self._head(hb))
         out: list[Any] = []  # pinned host tensors (None: no hidden states asked for)
         for t in (rows, hid):
             if t is None:
@@ -469,6 +478,29 @@ class HFSource(FullLogitSource):
             rows = np.concatenate(ps) if ps else np.zeros((0, self.vocab_size), np.float32)
             out.append(_bits_to_f32(rows) if rows.dtype == np.uint16 else rows)
         return out
+
+    def _head_pooled(self, hb) -> np.ndarray | None:
+        """The head's rows of ``hb`` ([n, H], on the CPU) as 16-bit bits in a pooled
+        page-aligned buffer, or None where the rows are not the head's plain 16-bit output of
+        exactly the vocabulary (post-processing, a bias, padded head rows, float32 storage).
+        The same values as ``_stored(_head(hb))``: the same matrix product (``F.linear``
+        without a bias is ``mm`` with the transposed weight), written in place."""
+        import torch
+
+        w = self.lm_head.weight
+        if (self.logits_dtype not in ("bfloat16", "float16") or w.dtype != getattr(torch, self.logits_dtype)
+                or self.out_rows != self.vocab_size or getattr(self.lm_head, "bias", None) is not None
+                or hb.dtype != w.dtype or hb.dim() != 2):
+            return None
+        n = int(hb.shape[0])
+        if self._row_pool is None or self._row_pool.rows < n:  # sized for the largest block asked for
+            from ..rowpool import RowPool
+            from ..store import rows_per_block
+
+            self._row_pool = RowPool(max(n, rows_per_block(self.vocab_size)), self.vocab_size, np.uint16)
+        rows = self._row_pool.take(n)
+        torch.mm(hb, w.t(), out=torch.from_numpy(rows.view(np.int16)).view(w.dtype))
+        return rows
 
     def score_blocks(self, batch, positions=None, *, chunk_bytes=None, with_hidden: bool = False) -> Iterator[Block]:
         """Teacher-forced rows, a bounded block at a time (see ``Source.score_blocks``);

@@ -1,0 +1,232 @@
+"""Rows written to the disk from where the head wrote them (issue 24): a transformers source on
+the CPU puts each block of its 16-bit head rows into a page-aligned pooled buffer
+(rowpool.RowPool), and the O_DIRECT writer hands such a block to the device without its
+staging copy where the memory, the length and the file offset allow (outputs.DirectFile).
+The bytes must be the same as through the staging buffer, for every mix of aligned and
+unaligned writes and for a refusal mid-file; the pooled rows the same bits as the head's own
+output; a buffer is used again only once nothing views it."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _models import make_random_llama  # noqa: E402
+
+import logitdiff.outputs as outputs  # noqa: E402
+from logitdiff.rowpool import RowPool  # noqa: E402
+from logitdiff.sources import open_source  # noqa: E402
+
+
+def _odirect_works(where) -> bool:
+    p = where / ".odirect-probe"
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            os.write(fd, mmap.mmap(-1, 4096))
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        p.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    if not _odirect_works(tmp_path) or not outputs.direct_io_pays(tmp_path):
+        pytest.skip("no O_DIRECT under the test's temporary directory")
+    return tmp_path
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    """(address, length, O_DIRECT?) of every os.write, in order."""
+    import fcntl
+
+    seen: list[tuple[int, int, bool]] = []
+    real = os.write
+
+    def write(fd, data):
+        a = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        seen.append((a.ctypes.data, a.size, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    return seen
+
+
+# --------------------------------------------------------------------------------------
+# the pool
+# --------------------------------------------------------------------------------------
+
+
+def test_a_pooled_buffer_is_used_again_only_once_nothing_views_it():
+    pool = RowPool(3, 1000, np.uint16, keep=2)
+    a = pool.take(3)
+    at = a.ctypes.data
+    assert at % outputs.DIRECT_ALIGN == 0 and a.shape == (3, 1000) and a.dtype == np.uint16
+    view = a[1:]  # a view keeps the buffer
+    del a
+    gc.collect()
+    b = pool.take(2)
+    assert b.ctypes.data != at and pool.idle() == 0
+    del view
+    gc.collect()
+    assert pool.idle() == 1
+    c = pool.take(1)
+    assert c.ctypes.data == at and c.shape == (1, 1000)
+    t = torch.from_numpy(c.view(np.int16))  # a tensor over it keeps it too
+    del c
+    gc.collect()
+    assert pool.idle() == 0
+    del t, b
+    gc.collect()
+    assert pool.idle() == 2
+    more = [pool.take(3) for _ in range(4)]
+    del more
+    gc.collect()
+    assert pool.idle() == 2  # at most `keep` idle buffers are held
+    with pytest.raises(ValueError, match="4 rows from a pool of 3-row buffers"):
+        pool.take(4)
+
+
+# --------------------------------------------------------------------------------------
+# the writer: from the caller's memory where alignment allows, the same bytes always
+# --------------------------------------------------------------------------------------
+
+
+def test_aligned_blocks_go_to_the_device_from_the_callers_memory(disk, writes):
+    """A header page, then page-aligned blocks whose size is a multiple of 512 bytes (bf16 rows
+    of 1,280 tokens): at least the first block's bytes are written from the block itself (with
+    the file system's reported 512-byte alignment, every block), and the file is the bytes
+    given. Before: every byte went through the staging buffer."""
+    pool = RowPool(120, 1280, np.uint16)
+    rng = np.random.default_rng(1)
+    blocks = []
+    for n in (120, 120, 110, 120):  # 110 rows: 275 KiB, a multiple of 512 bytes but not of a page
+        b = pool.take(n)
+        b[...] = rng.integers(0, 65535, b.shape, dtype=np.uint16)
+        blocks.append(b)
+    with outputs.atomic_file_direct(disk / "x.bin", outputs.direct_stage()) as f:
+        f.write(bytes(outputs.DIRECT_ALIGN))
+        for b in blocks:
+            f.write(b.data)
+        f.head = b"H" * outputs.DIRECT_ALIGN
+    from_caller = [b for b in blocks if any(a == b.ctypes.data and d for a, _, d in writes)]
+    assert from_caller and from_caller[0] is blocks[0]
+    if outputs.dio_alignment(os.open(disk / "x.bin", os.O_RDONLY)) == (512, 512):  # ext4 here
+        assert len(from_caller) == len(blocks)
+    want = b"H" * outputs.DIRECT_ALIGN + b"".join(b.tobytes() for b in blocks)
+    assert (disk / "x.bin").read_bytes() == want
+
+
+@pytest.mark.parametrize("align", [(512, 512), (4096, 4096), (8, 512)])
+def test_every_mix_of_aligned_and_unaligned_writes_reads_back(disk, monkeypatch, align):
+    """Writes of random sizes (tiny, under and over a page, larger than the staging buffer)
+    from memory at offsets 0, 8, 64, 512, 1024 and 4096 bytes into a page, under each
+    alignment a file system may report; the staging buffer small so that it fills and
+    wraps. The file holds the bytes in order."""
+    monkeypatch.setattr(outputs, "dio_alignment", lambda fd: align)
+    monkeypatch.setattr(outputs, "DIRECT_FROM_CALLER_MIN", 1024)
+    rng = np.random.default_rng(sum(align))
+    raw = mmap.mmap(-1, 8 << 20)
+    base = np.frombuffer(raw, np.uint8)
+    base[:] = rng.integers(0, 255, base.size, dtype=np.uint8)
+    want = []
+    with outputs.atomic_file_direct(disk / "m.bin", outputs.direct_stage(64 << 10)) as f:
+        f.write(bytes(outputs.DIRECT_ALIGN))
+        want.append(bytes(outputs.DIRECT_ALIGN))
+        for _ in range(60):
+            at = int(rng.choice([0, 8, 64, 512, 1024, 4096])) + 4096 * int(rng.integers(0, 100))
+            n = int(rng.choice([1, 100, 1000, 1536, 4096, 5000, 40960, 70000, 200000]))
+            piece = base[at : at + n]
+            f.write(piece.data)
+            want.append(piece.tobytes())
+        f.head = b"\x01" * outputs.DIRECT_ALIGN
+    want[0] = b"\x01" * outputs.DIRECT_ALIGN
+    assert (disk / "m.bin").read_bytes() == b"".join(want)
+
+
+def test_a_write_from_the_callers_memory_refused_goes_through_the_page_cache(disk, monkeypatch):
+    """EINVAL on the first write straight from a caller's block (a file system that reports an
+    alignment it then refuses; simulated): O_DIRECT is cleared and the same bytes follow
+    through the page cache, in order."""
+    pool = RowPool(128, 1280, np.uint16)
+    blocks = [pool.take(128) for _ in range(3)]  # 320 KiB each: over DIRECT_FROM_CALLER_MIN
+    for k, b in enumerate(blocks):
+        b[...] = k + 1
+    real = os.write
+    refused = []
+
+    def write(fd, data):
+        a = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        if not refused and a.ctypes.data == blocks[1].ctypes.data:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    with outputs.atomic_file_direct(disk / "r.bin", outputs.direct_stage()) as f:
+        f.write(bytes(outputs.DIRECT_ALIGN))
+        for b in blocks:
+            f.write(b.data)
+        f.head = b"h" * outputs.DIRECT_ALIGN
+        assert refused and not f.direct
+    assert (disk / "r.bin").read_bytes() == b"h" * outputs.DIRECT_ALIGN + b"".join(b.tobytes() for b in blocks)
+
+
+# --------------------------------------------------------------------------------------
+# the source: pooled rows are the head's own output
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    return make_random_llama(tmp_path_factory.mktemp("pool") / "bf16", dtype="bfloat16")
+
+
+def test_pooled_head_rows_are_the_heads_own_output(bf16_model):
+    from logitdiff.sources.hf import _host_array
+
+    src = open_source(f"hf:{bf16_model},batch=3")
+    w = src.lm_head.weight
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        for n in (1, 5, 64):
+            hb = (torch.randn(n, w.shape[1]) * 4).to(w.dtype)
+            pooled = src._head_pooled(hb)
+            assert pooled is not None and pooled.ctypes.data % outputs.DIRECT_ALIGN == 0
+            np.testing.assert_array_equal(pooled, _host_array(src._stored(src._head(hb))))
+    f32 = open_source(f"hf:{bf16_model},batch=3,dtype=float32")  # float32 rows: not pooled
+    with torch.inference_mode():
+        assert f32._head_pooled(torch.zeros(2, w.shape[1])) is None
+
+
+def test_a_capture_with_pooled_rows_stores_the_same_bytes(bf16_model, tmp_path, monkeypatch):
+    """The whole capture (full store, O_DIRECT where the disk allows) with the pool and with
+    it turned off: the same rows, chunk for chunk."""
+    from logitdiff.capture import capture_candidate, capture_reference
+    from logitdiff.store import RunReader
+    from logitdiff.workload import Item
+
+    src = open_source(f"hf:{bf16_model},batch=3")
+    items = [Item(id=f"i{k}", prompt=f"Item {k}: the quick brown fox") for k in range(4)]
+    ref = RunReader(capture_reference(src, items, tmp_path / "ref", max_tokens=40, store="topk:1"))
+    kw = dict(chunk_bytes=40 * src.vocab_size * 4)  # blocks of 40 rows: several per item, several chunks
+    a = RunReader(capture_candidate(src, ref, tmp_path / "pooled", **kw))
+    monkeypatch.setattr(type(src), "_head_pooled", lambda self, hb: None)
+    b = RunReader(capture_candidate(src, ref, tmp_path / "plain", **kw))
+    assert len(list((tmp_path / "pooled" / "chunks").glob("*.npy"))) >= 2
+    for x, y in zip(a.items(), b.items()):
+        np.testing.assert_array_equal(a.logits(x), b.logits(y))
+    for p in sorted((tmp_path / "pooled" / "chunks").glob("*.npy")):
+        assert p.read_bytes() == (tmp_path / "plain" / "chunks" / p.name).read_bytes()
