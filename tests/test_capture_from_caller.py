@@ -194,19 +194,26 @@ def bf16_model(tmp_path_factory):
     return make_random_llama(tmp_path_factory.mktemp("pool") / "bf16", dtype="bfloat16")
 
 
-def test_pooled_head_rows_are_the_heads_own_output(bf16_model):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_pooled_head_rows_are_the_heads_own_output(tmp_path, dtype):
+    """Bits and dtype as the head's own output hands them out (bf16 as uint16 bits, float16
+    as float16), for blocks of several sizes; float32 rows are not pooled."""
     from logitdiff.sources.hf import _host_array
 
-    src = open_source(f"hf:{bf16_model},batch=3")
+    d = make_random_llama(tmp_path / dtype, dtype=dtype, layers=1)
+    src = open_source(f"hf:{d},batch=3")
+    assert src.logits_dtype == dtype
     w = src.lm_head.weight
     torch.manual_seed(3)
     with torch.inference_mode():
         for n in (1, 5, 64):
             hb = (torch.randn(n, w.shape[1]) * 4).to(w.dtype)
             pooled = src._head_pooled(hb)
+            own = _host_array(src._stored(src._head(hb)))
             assert pooled is not None and pooled.ctypes.data % outputs.DIRECT_ALIGN == 0
-            np.testing.assert_array_equal(pooled, _host_array(src._stored(src._head(hb))))
-    f32 = open_source(f"hf:{bf16_model},batch=3,dtype=float32")  # float32 rows: not pooled
+            assert pooled.dtype == own.dtype
+            np.testing.assert_array_equal(pooled.view(np.uint16), own.view(np.uint16))
+    f32 = open_source(f"hf:{d},batch=3,dtype=float32")  # float32 rows: not pooled
     with torch.inference_mode():
         assert f32._head_pooled(torch.zeros(2, w.shape[1])) is None
 

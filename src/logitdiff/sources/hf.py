@@ -500,7 +500,8 @@ class HFSource(FullLogitSource):
             self._row_pool = RowPool(max(n, rows_per_block(self.vocab_size)), self.vocab_size, np.uint16)
         rows = self._row_pool.take(n)
         torch.mm(hb, w.t(), out=torch.from_numpy(rows.view(np.int16)).view(w.dtype))
-        return rows
+        # as _host_array hands them out: bf16 as uint16 bits, float16 as float16
+        return rows if w.dtype == torch.bfloat16 else rows.view(np.float16)
 
     def score_blocks(self, batch, positions=None, *, chunk_bytes=None, with_hidden: bool = False) -> Iterator[Block]:
         """Teacher-forced rows, a bounded block at a time (see ``Source.score_blocks``);
