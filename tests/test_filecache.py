@@ -86,7 +86,7 @@ def test_hf_token_texts_equal_token_text_and_are_cached(cache, tmp_path):
     texts = src.token_texts()
     assert texts == [src.token_text(i) for i in range(src.vocab_size)]
     assert any("\ufffd" not in t and t != src.detokenize([i]) for i, t in enumerate(texts))  # fallbacks happen
-    assert len(list((cache / "derived").iterdir())) == 1  # the texts (the tokenizer hash is computed: ~25 ms, and keys them)
+    assert len(list((cache / "derived").iterdir())) == 2  # the tokens and the texts (the tokenizer hash is computed: ~25 ms, and keys them)
     again = open_source(f"hf:{model}")
     again.tok.backend_tokenizer.decode_batch = None  # a cached read needs no decode
     assert again.token_texts() == texts and again.tokenizer_hash == src.tokenizer_hash
@@ -95,4 +95,42 @@ def test_hf_token_texts_equal_token_text_and_are_cached(cache, tmp_path):
     (model / "tokenizer_config.json").write_text(cfg + "\n")
     third = open_source(f"hf:{model}")
     assert third.token_texts() == texts  # same texts, computed again (another key)
-    assert len(list((cache / "derived").iterdir())) == 2
+    assert len(list((cache / "derived").iterdir())) == 4
+
+
+def test_hf_tokenizer_tokens_are_cached_per_version_of_every_file(cache, tmp_path):
+    """The token strings (what tokenizer_hash is of) are read from the cache on a second
+    open, equal to convert_ids_to_tokens; a changed tokenizer file, a new or changed other
+    file of the directory, or a damaged entry gives them computed again."""
+    from logitdiff.builtin import TINY_DIR
+    from logitdiff.sources import open_source
+
+    model = tmp_path / "m"
+    shutil.copytree(TINY_DIR, model)
+    first = open_source(f"hf:{model}")
+    want = first.tok.convert_ids_to_tokens(list(range(len(first.tok))))
+    assert first.tokenizer_tokens == want
+    calls = []
+    real = type(first.tok).convert_ids_to_tokens
+
+    def counting(self, ids, *a, **k):
+        if isinstance(ids, list) and len(ids) == len(want):
+            calls.append(1)
+        return real(self, ids, *a, **k)
+
+    import pytest as _pytest
+
+    with _pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(first.tok), "convert_ids_to_tokens", counting)
+        again = open_source(f"hf:{model}")
+        assert again.tokenizer_tokens == want and again.tokenizer_hash == first.tokenizer_hash and calls == []
+        (model / "notes.txt").write_text("a file the tokenizer might read")  # another file: its identity is in the key
+        assert open_source(f"hf:{model}").tokenizer_tokens == want and len(calls) == 1
+        cfg = model / "tokenizer_config.json"
+        cfg.write_text(cfg.read_text() + "\n")  # a tokenizer file's contents
+        assert open_source(f"hf:{model}").tokenizer_tokens == want and len(calls) == 2
+        for entry in (cache / "derived").iterdir():  # damaged entries: valid JSON of the wrong shape
+            entry.write_text('["x"]')
+        damaged = open_source(f"hf:{model}")
+        assert damaged.tokenizer_tokens == want and len(calls) == 3
+        assert damaged.token_texts() == first.token_texts()  # the texts' entry was damaged too

@@ -178,7 +178,7 @@ class HFSource(FullLogitSource):
         self.out_rows = int(self.lm_head.weight.shape[0])
         self.vocab_size = min(n_tok, self.out_rows)
         self.padded = self.out_rows - self.vocab_size
-        self.tokenizer_tokens = self.tok.convert_ids_to_tokens(list(range(n_tok)))
+        self.tokenizer_tokens = self._tokens(n_tok)
         # not cached: ~25 ms at V = 248,320, and it keys the cached token texts (below)
         self.tokenizer_hash = tokenizer_hash_of(self.tokenizer_tokens)
         self.max_positions = getattr(self.config, "max_position_embeddings", None)
@@ -254,6 +254,36 @@ class HFSource(FullLogitSource):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def _tokens(self, n_tok: int) -> list[str | None]:
+        """``convert_ids_to_tokens`` of every id (a Python call per id: ~0.2 s at V = 248,320,
+        a fifth of a capture's fixed cost), kept per version of every file the tokenizer can
+        come from (filecache.py): the GGUF; or in a model directory the tokenizer files by
+        content and every other file by its identity (a tokenizer in a file
+        _TOKENIZER_FILES does not name is covered; a weight file is not read for this), and
+        the library versions. A cached value that is not ``n_tok`` strings or None is
+        computed again."""
+        import tokenizers
+        import transformers
+
+        from .filecache import cached_json, file_identity
+
+        if self.gguf_file:
+            files, others = [self.path / self.gguf_file], []
+        else:
+            every = sorted(p for p in self.path.iterdir() if p.is_file())
+            files = [p for p in every if p.name in _TOKENIZER_FILES]
+            others = [file_identity(p) for p in every if p.name not in _TOKENIZER_FILES]
+        versions = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__, "n_tok": n_tok,
+                    "class": type(self.tok).__name__, "others": others}
+
+        def compute() -> list[str | None]:
+            return list(self.tok.convert_ids_to_tokens(list(range(n_tok))))
+
+        got = cached_json("hf.tokenizer_tokens", files, versions, compute)
+        if not (isinstance(got, list) and len(got) == n_tok and all(t is None or type(t) is str for t in got)):
+            return compute()
+        return got
+
     def _cached(self, name: str, compute):
         """A fact of the tokenizer, computed once per version of its files (filecache.py)."""
         import tokenizers
@@ -274,7 +304,9 @@ class HFSource(FullLogitSource):
         """``token_text`` of every id: one parallel decode in the Rust tokenizer (not V
         Python calls), kept per version of the tokenizer's files (filecache.py)."""
         if self._token_texts is None or len(self._token_texts) != self.vocab_size:
-            self._token_texts = self._cached("token_texts", self._all_token_texts)
+            got = self._cached("token_texts", self._all_token_texts)
+            ok = isinstance(got, list) and len(got) == self.vocab_size and all(type(t) is str for t in got)
+            self._token_texts = got if ok else self._all_token_texts()  # a damaged cache entry: computed again
         return self._token_texts
 
     def _all_token_texts(self) -> list[str]:
