@@ -19,25 +19,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from _models import make_random_llama  # noqa: E402
+from test_store_direct import _odirect_works  # noqa: E402
 
 import logitdiff.outputs as outputs  # noqa: E402
 from logitdiff.rowpool import RowPool  # noqa: E402
 from logitdiff.sources import open_source  # noqa: E402
-
-
-def _odirect_works(where) -> bool:
-    p = where / ".odirect-probe"
-    try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-        try:
-            os.write(fd, mmap.mmap(-1, 4096))
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        p.unlink(missing_ok=True)
 
 
 @pytest.fixture
