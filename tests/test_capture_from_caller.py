@@ -12,6 +12,7 @@ import errno
 import gc
 import mmap
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -191,17 +192,17 @@ def test_pooled_head_rows_are_the_heads_own_output(tmp_path, dtype):
     assert src.logits_dtype == dtype
     w = src.lm_head.weight
     torch.manual_seed(3)
+    pool = src._row_pool(64)
+    assert pool is not None
     with torch.inference_mode():
         for n in (1, 5, 64):
             hb = (torch.randn(n, w.shape[1]) * 4).to(w.dtype)
-            pooled = src._head_pooled(hb)
+            pooled = src._head_pooled(hb, pool)
             own = _host_array(src._stored(src._head(hb)))
             assert pooled is not None and pooled.ctypes.data % outputs.DIRECT_ALIGN == 0
             assert pooled.dtype == own.dtype
             np.testing.assert_array_equal(pooled.view(np.uint16), own.view(np.uint16))
-    f32 = open_source(f"hf:{d},batch=3,dtype=float32")  # float32 rows: not pooled
-    with torch.inference_mode():
-        assert f32._head_pooled(torch.zeros(2, w.shape[1])) is None
+    assert open_source(f"hf:{d},batch=3,dtype=float32")._row_pool(64) is None  # float32 rows: not pooled
 
 
 def test_a_capture_with_pooled_rows_stores_the_same_bytes(bf16_model, tmp_path, monkeypatch):
@@ -216,10 +217,34 @@ def test_a_capture_with_pooled_rows_stores_the_same_bytes(bf16_model, tmp_path, 
     ref = RunReader(capture_reference(src, items, tmp_path / "ref", max_tokens=40, store="topk:1"))
     kw = dict(chunk_bytes=40 * src.vocab_size * 4)  # blocks of 40 rows: several per item, several chunks
     a = RunReader(capture_candidate(src, ref, tmp_path / "pooled", **kw))
-    monkeypatch.setattr(type(src), "_head_pooled", lambda self, hb: None)
+    monkeypatch.setattr(type(src), "_row_pool", lambda self, block: None)
     b = RunReader(capture_candidate(src, ref, tmp_path / "plain", **kw))
     assert len(list((tmp_path / "pooled" / "chunks").glob("*.npy"))) >= 2
     for x, y in zip(a.items(), b.items()):
         np.testing.assert_array_equal(a.logits(x), b.logits(y))
     for p in sorted((tmp_path / "pooled" / "chunks").glob("*.npy")):
         assert p.read_bytes() == (tmp_path / "plain" / "chunks" / p.name).read_bytes()
+
+
+def test_a_scoring_call_holds_no_buffer_once_its_blocks_are_gone(bf16_model):
+    """One pool per score_blocks call, on nothing that outlives it: with the call's blocks
+    dropped, no pooled buffer is alive (a source opened for a whole ladder holds none)."""
+    from logitdiff import rowpool
+
+    made = []
+    real = rowpool.RowPool.__init__
+
+    def init(self, *a, **k):
+        real(self, *a, **k)
+        made.append(weakref.ref(self))
+
+    src = open_source(f"hf:{bf16_model},batch=3")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rowpool.RowPool, "__init__", init)
+        pairs = [([1, 2, 3], list(range(4, 40))), ([5, 6], list(range(7, 30)))]
+        blocks = list(src.score_blocks(pairs, chunk_bytes=8 * src.vocab_size * 4))
+        assert len(blocks) >= 4 and made and made[0]() is not None
+        assert all(b.rows.ctypes.data % 4096 == 0 for b in blocks)
+        del blocks
+        gc.collect()
+        assert all(r() is None for r in made)

@@ -200,10 +200,6 @@ class HFSource(FullLogitSource):
         # logits are the head's output unchanged, float32 after any post-processing.
         self.logits_dtype = self.dtype_name if self.dtype_name in ("bfloat16", "float16") and not self._postprocessed else "float32"
         self._identity: dict | None = None
-        # CPU blocks of a head whose 16-bit output is the stored rows go into page-aligned
-        # buffers used again (rowpool.py): no fresh tensor per block, and the O_DIRECT writer
-        # takes the rows from there without its staging copy. Made at the first block.
-        self._row_pool: RowPool | None = None
 
     @classmethod
     def from_spec(cls, spec: Spec) -> "HFSource":
@@ -373,7 +369,7 @@ class HFSource(FullLogitSource):
 
         return logits.to({"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.logits_dtype, torch.float32)).contiguous()
 
-    def _launch(self, k: int, t0: int, hb, with_hidden: bool):
+    def _launch(self, k: int, t0: int, hb, with_hidden: bool, pool: RowPool | None = None):
         """Block ``t0..`` of pair ``k`` from its hidden states ``hb``: on the CPU a finished
         :class:`Block`; on CUDA the head's rows (and hidden states) on their way to pinned host
         memory without waiting, with the event that says they arrived (:meth:`_landed`)."""
@@ -382,7 +378,7 @@ class HFSource(FullLogitSource):
         # hidden states as the head's 16-bit bits (what a hidden-state store keeps)
         hid = hb.detach().to(self.lm_head.weight.dtype).contiguous().view(torch.int16) if with_hidden else None
         if self.device.type != "cuda":
-            pooled = self._head_pooled(hb)
+            pooled = self._head_pooled(hb, pool) if pool is not None else None
             rows = pooled if pooled is not None else _host_array(self._stored(self._head(hb)))
             return Block(k, t0, rows, _host_array(hid) if hid is not None else None), None
         rows = self._stored(self._head(hb))
@@ -511,28 +507,37 @@ class HFSource(FullLogitSource):
             out.append(_bits_to_f32(rows) if rows.dtype == np.uint16 else rows)
         return out
 
-    def _head_pooled(self, hb) -> np.ndarray | None:
-        """The head's rows of ``hb`` ([n, H], on the CPU) as 16-bit bits in a pooled
-        page-aligned buffer, or None where the rows are not the head's plain 16-bit output of
-        exactly the vocabulary (post-processing, a bias, padded head rows, float32 storage).
-        The same values as ``_stored(_head(hb))``: the same matrix product (``F.linear``
-        without a bias is ``mm`` with the transposed weight), written in place."""
+    def _row_pool(self, block: int) -> RowPool | None:
+        """Page-aligned buffers for one scoring call's blocks of at most ``block`` rows
+        (rowpool.py), where the rows are the head's plain 16-bit output of exactly the
+        vocabulary on the CPU; None otherwise (post-processing, a bias, padded head rows,
+        float32 storage, CUDA). Each block then costs no fresh tensor mapped and faulted by
+        the kernel, and the O_DIRECT writer takes the rows from there without its staging
+        copy. One pool per call: nothing is held once the call's blocks are gone."""
         import torch
 
         w = self.lm_head.weight
-        if (self.logits_dtype not in ("bfloat16", "float16") or w.dtype != getattr(torch, self.logits_dtype)
-                or self.out_rows != self.vocab_size or getattr(self.lm_head, "bias", None) is not None
-                or hb.dtype != w.dtype or hb.dim() != 2):
+        if (self.device.type == "cuda" or self.logits_dtype not in ("bfloat16", "float16")
+                or w.dtype != getattr(torch, self.logits_dtype) or self.out_rows != self.vocab_size
+                or getattr(self.lm_head, "bias", None) is not None):
             return None
-        n = int(hb.shape[0])
-        if self._row_pool is None or self._row_pool.rows < n:  # sized for the largest block asked for
-            from ..rowpool import RowPool
-            from ..store import rows_per_block
+        from ..rowpool import RowPool
 
-            self._row_pool = RowPool(max(n, rows_per_block(self.vocab_size)), self.vocab_size, np.uint16)
-        rows = self._row_pool.take(n)
+        return RowPool(block, self.vocab_size, np.uint16)
+
+    def _head_pooled(self, hb, pool: RowPool) -> np.ndarray | None:
+        """The head's rows of ``hb`` ([n, H] on the CPU, n <= ``pool.rows``) as 16-bit values in
+        one of ``pool``'s buffers (bf16 as uint16 bits, float16 as float16, as ``_host_array``
+        hands them out); None for hidden states the head would not take as they are. The same
+        values as ``_stored(_head(hb))``: the same matrix product (``F.linear`` without a bias
+        is ``mm`` with the transposed weight), written in place."""
+        import torch
+
+        w = self.lm_head.weight
+        if hb.dtype != w.dtype or hb.dim() != 2 or not 0 < hb.shape[0] <= pool.rows:
+            return None
+        rows = pool.take(int(hb.shape[0]))
         torch.mm(hb, w.t(), out=torch.from_numpy(rows.view(np.int16)).view(w.dtype))
-        # as _host_array hands them out: bf16 as uint16 bits, float16 as float16
         return rows if w.dtype == torch.bfloat16 else rows.view(np.float16)
 
     def score_blocks(self, batch, positions=None, *, chunk_bytes=None, with_hidden: bool = False) -> Iterator[Block]:
@@ -569,6 +574,7 @@ class HFSource(FullLogitSource):
         # wait while blocks are yielded in pair order.
         short = sorted((k for k in range(len(batch)) if sel[k].size and len(seqs[k]) <= self.prefill), key=lambda k: -len(seqs[k]))
         hidden: dict[int, Any] = {}
+        pool = self._row_pool(block)
         with torch.inference_mode():
             for a in range(0, len(short), self.batch):
                 hidden.update(self._forward_group(short[a : a + self.batch], seqs, sel))
@@ -576,10 +582,10 @@ class HFSource(FullLogitSource):
                 if not sel[k].size:
                     continue
                 if k not in hidden:
-                    yield from self._score_long(k, seqs[k], sel[k], block, with_hidden)
+                    yield from self._score_long(k, seqs[k], sel[k], block, with_hidden, pool)
                     continue
                 h = hidden.pop(k)
-                yield from self._landed(self._launch(k, a, h[a : a + block], with_hidden) for a in range(0, len(h), block))
+                yield from self._landed(self._launch(k, a, h[a : a + block], with_hidden, pool) for a in range(0, len(h), block))
 
     def _forward_group(self, group, seqs, sel) -> dict:
         """One right-padded forward pass: padding sits after the real tokens, so with the
@@ -596,7 +602,7 @@ class HFSource(FullLogitSource):
         out = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False).last_hidden_state
         return {k: out[b, torch.as_tensor(sel[k], device=self.device)] for b, k in enumerate(group)}
 
-    def _score_long(self, k, seq, sel, block, with_hidden=False):
+    def _score_long(self, k, seq, sel, block, with_hidden=False, pool=None):
         """One sequence, ``prefill`` tokens per forward pass over a KV cache."""
         import torch
 
@@ -608,7 +614,7 @@ class HFSource(FullLogitSource):
             kw = self._cache_kw(o)
             stop = int(np.searchsorted(sel, b))
             here = torch.as_tensor(sel[done:stop] - a, device=self.device)
-            yield from self._landed(self._launch(k, done + c, o.last_hidden_state[0, here[c : c + block]], with_hidden)
+            yield from self._landed(self._launch(k, done + c, o.last_hidden_state[0, here[c : c + block]], with_hidden, pool)
                                     for c in range(0, len(here), block))
             done = stop
 
