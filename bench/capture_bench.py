@@ -388,11 +388,16 @@ def wide(args) -> None:
     # per position, as the issue reads it: what a capture costs beyond the same call with a
     # 1-token teacher (its per-call part: setup, vocab.json/tokens.json, the last fsync and
     # manifest, which the fixed cost below covers) against the bare pass beyond its own
-    mp = [(c - c1) / (b - b1) for c, c1, b, b1 in zip(t["capture"], t["capture1"], t["bare"], t["bare1"])]
-    print(f"\nper position (each minus its 1-token call: capture {med(t['capture1']):.3f} s, bare {med(t['bare1']):.3f} s): "
-          f"capture / bare forward + copy, median of per-round ratios {med(mp):.3f}x wall "
-          f"(<= 1.1x in {sum(x <= 1.1 for x in mp)}/{len(mp)} rounds), ratio of medians "
-          f"{(med(t['capture']) - med(t['capture1'])) / (med(t['bare']) - med(t['bare1'])):.3f}x")
+    mp = [(c - c1) / (b - b1) for c, c1, b, b1 in zip(t["capture"], t["capture1"], t["bare"], t["bare1"]) if b > b1]
+    if not mp or med(t["capture"]) <= med(t["capture1"]) or med(t["bare"]) <= med(t["bare1"]) or min(mp) < 0:
+        print(f"\nper position: not measurable at this size (capture {med(t['capture']):.3f} s against its 1-token call "
+              f"{med(t['capture1']):.3f} s, bare {med(t['bare']):.3f} s against {med(t['bare1']):.3f} s: the per-call part "
+              "is not small against the whole; use more --tokens or --repeats)")
+    else:
+        print(f"\nper position (each minus its 1-token call: capture {med(t['capture1']):.3f} s, bare {med(t['bare1']):.3f} s): "
+              f"capture / bare forward + copy, median of per-round ratios {med(mp):.3f}x wall "
+              f"(<= 1.1x in {sum(x <= 1.1 for x in mp)}/{len(mp)} rounds), ratio of medians "
+              f"{(med(t['capture']) - med(t['capture1'])) / (med(t['bare']) - med(t['bare1'])):.3f}x")
     print(f"\ncapture / model's own forward, positions/s: {rate('capture') / rate('forward'):.1%}")
     if args.fixed:
         print("\n| fixed cost (process start to exit) | wall | CPU s |\n|---|---:|---:|")
