@@ -192,34 +192,50 @@ def test_pooled_head_rows_are_the_heads_own_output(tmp_path, dtype):
     assert src.logits_dtype == dtype
     w = src.lm_head.weight
     torch.manual_seed(3)
-    pool = src._row_pool(64)
-    assert pool is not None
     with torch.inference_mode():
         for n in (1, 5, 64):
             hb = (torch.randn(n, w.shape[1]) * 4).to(w.dtype)
+            pool = src._row_pool(n)
+            assert pool is not None
             pooled = src._head_pooled(hb, pool)
             own = _host_array(src._stored(src._head(hb)))
             assert pooled is not None and pooled.ctypes.data % outputs.DIRECT_ALIGN == 0
             assert pooled.dtype == own.dtype
             np.testing.assert_array_equal(pooled.view(np.uint16), own.view(np.uint16))
+        assert src._head_pooled(hb[:31], src._row_pool(64)) is None  # under half a buffer: the head's own output
     assert open_source(f"hf:{d},batch=3,dtype=float32")._row_pool(64) is None  # float32 rows: not pooled
 
 
-def test_a_capture_with_pooled_rows_stores_the_same_bytes(bf16_model, tmp_path, monkeypatch):
-    """The whole capture (full store, O_DIRECT where the disk allows) with the pool and with
-    it turned off: the same rows, chunk for chunk."""
+def test_a_capture_with_pooled_rows_stores_the_same_bytes(bf16_model, disk, monkeypatch):
+    """The whole capture (full store, O_DIRECT) with the pool and with it turned off: the same
+    rows, chunk for chunk, and the pooled blocks did go to the device from their buffers (the
+    threshold lowered to this small vocabulary's 40 KB blocks)."""
     from logitdiff.capture import capture_candidate, capture_reference
     from logitdiff.store import RunReader
     from logitdiff.workload import Item
 
+    tmp_path = disk
+    monkeypatch.setattr(outputs, "DIRECT_FROM_CALLER_MIN", 16 << 10)
+    from_caller = []
+    real = outputs.DirectFile._write_from_caller
+
+    def counted(self, mv, src):
+        done = real(self, mv, src)
+        from_caller.append(done)
+        return done
+
+    monkeypatch.setattr(outputs.DirectFile, "_write_from_caller", counted)
     src = open_source(f"hf:{bf16_model},batch=3")
     items = [Item(id=f"i{k}", prompt=f"Item {k}: the quick brown fox") for k in range(4)]
     ref = RunReader(capture_reference(src, items, tmp_path / "ref", max_tokens=40, store="topk:1"))
     kw = dict(chunk_bytes=40 * src.vocab_size * 4)  # blocks of 40 rows: several per item, several chunks
+    from_caller.clear()
     a = RunReader(capture_candidate(src, ref, tmp_path / "pooled", **kw))
+    assert sum(d > 0 for d in from_caller) >= 4
     monkeypatch.setattr(type(src), "_row_pool", lambda self, block: None)
     b = RunReader(capture_candidate(src, ref, tmp_path / "plain", **kw))
     assert len(list((tmp_path / "pooled" / "chunks").glob("*.npy"))) >= 2
+    assert [x.id for x in a.items()] == [x.id for x in b.items()] == [it.id for it in items]
     for x, y in zip(a.items(), b.items()):
         np.testing.assert_array_equal(a.logits(x), b.logits(y))
     for p in sorted((tmp_path / "pooled" / "chunks").glob("*.npy")):
@@ -244,7 +260,32 @@ def test_a_scoring_call_holds_no_buffer_once_its_blocks_are_gone(bf16_model):
         pairs = [([1, 2, 3], list(range(4, 40))), ([5, 6], list(range(7, 30)))]
         blocks = list(src.score_blocks(pairs, chunk_bytes=8 * src.vocab_size * 4))
         assert len(blocks) >= 4 and made and made[0]() is not None
-        assert all(b.rows.ctypes.data % 4096 == 0 for b in blocks)
+        assert sum(b.rows.ctypes.data % 4096 == 0 for b in blocks) >= 4  # the full blocks (8 rows) are pooled
         del blocks
         gc.collect()
         assert all(r() is None for r in made)
+
+
+def test_pool_buffers_are_sized_by_the_rows_a_call_scores(bf16_model):
+    """A chunk size far above the rows scored maps no memory for rows that never come (a
+    1 TiB chunk for a few positions: the buffers' size was 1 TiB / 4V rows), and a block under
+    half a buffer (a short item beside a long one) is not pooled: no buffer pinned for a few
+    rows the writer's queue does not count."""
+    from logitdiff import rowpool
+
+    made = []
+    real = rowpool.RowPool.__init__
+
+    def init(self, *a, **k):
+        real(self, *a, **k)
+        made.append(self)
+
+    src = open_source(f"hf:{bf16_model},batch=3")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rowpool.RowPool, "__init__", init)
+        few = list(src.score_blocks([([1, 2, 3], [4, 5]), ([6], [7])], chunk_bytes=1 << 40))
+        assert [b.rows.shape[0] for b in few] == [2, 1] and made[-1].rows == 2
+        mixed = list(src.score_blocks([([1, 2], list(range(3, 43))), ([5, 6], [7, 8, 9])], chunk_bytes=16 * src.vocab_size * 4))
+        assert made[-1].rows == 16
+        pooled = [b.rows.ctypes.data % outputs.DIRECT_ALIGN == 0 and b.rows.shape[0] > 8 for b in mixed]
+        assert [b.rows.shape[0] for b in mixed] == [16, 16, 8, 3] and pooled == [True, True, False, False]

@@ -517,7 +517,7 @@ class HFSource(FullLogitSource):
         import torch
 
         w = self.lm_head.weight
-        if (self.device.type == "cuda" or self.logits_dtype not in ("bfloat16", "float16")
+        if (block < 1 or self.device.type == "cuda" or self.logits_dtype not in ("bfloat16", "float16")
                 or w.dtype != getattr(torch, self.logits_dtype) or self.out_rows != self.vocab_size
                 or getattr(self.lm_head, "bias", None) is not None):
             return None
@@ -526,15 +526,18 @@ class HFSource(FullLogitSource):
         return RowPool(block, self.vocab_size, np.uint16)
 
     def _head_pooled(self, hb, pool: RowPool) -> np.ndarray | None:
-        """The head's rows of ``hb`` ([n, H] on the CPU, n <= ``pool.rows``) as 16-bit values in
-        one of ``pool``'s buffers (bf16 as uint16 bits, float16 as float16, as ``_host_array``
-        hands them out); None for hidden states the head would not take as they are. The same
+        """The head's rows of ``hb`` ([n, H] on the CPU, pool.rows / 2 < n <= ``pool.rows``) as
+        16-bit values in one of ``pool``'s buffers (bf16 as uint16 bits, float16 as float16, as
+        ``_host_array`` hands them out); None for a smaller block or hidden states the head
+        would not take as they are (the caller then takes the head's own output). The same
         values as ``_stored(_head(hb))``: the same matrix product (``F.linear`` without a bias
         is ``mm`` with the transposed weight), written in place."""
         import torch
 
         w = self.lm_head.weight
-        if hb.dtype != w.dtype or hb.dim() != 2 or not 0 < hb.shape[0] <= pool.rows:
+        # a block under half a buffer (an item's last rows, a short item) is not pooled: a
+        # buffer held for a few rows would pin memory the writer's queue does not count
+        if hb.dtype != w.dtype or hb.dim() != 2 or not pool.rows < 2 * hb.shape[0] <= 2 * pool.rows:
             return None
         rows = pool.take(int(hb.shape[0]))
         torch.mm(hb, w.t(), out=torch.from_numpy(rows.view(np.int16)).view(w.dtype))
@@ -574,7 +577,9 @@ class HFSource(FullLogitSource):
         # wait while blocks are yielded in pair order.
         short = sorted((k for k in range(len(batch)) if sel[k].size and len(seqs[k]) <= self.prefill), key=lambda k: -len(seqs[k]))
         hidden: dict[int, Any] = {}
-        pool = self._row_pool(block)
+        # buffers of the largest block this call makes: no larger than the rows it scores
+        # (a chunk size far above them must not map memory for rows that never come)
+        pool = self._row_pool(min(block, max((x.size for x in sel), default=0)))
         with torch.inference_mode():
             for a in range(0, len(short), self.batch):
                 hidden.update(self._forward_group(short[a : a + self.batch], seqs, sel))
