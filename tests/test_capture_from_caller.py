@@ -231,7 +231,9 @@ def test_a_capture_with_pooled_rows_stores_the_same_bytes(bf16_model, disk, monk
     kw = dict(chunk_bytes=40 * src.vocab_size * 4)  # blocks of 40 rows: several per item, several chunks
     from_caller.clear()
     a = RunReader(capture_candidate(src, ref, tmp_path / "pooled", **kw))
-    assert sum(d > 0 for d in from_caller) >= 4
+    # at least each chunk's first block (after the header page, on an offset boundary whatever
+    # alignment the file system reports); with 512 bytes reported, every pooled block
+    assert sum(d > 0 for d in from_caller) >= 2
     monkeypatch.setattr(type(src), "_row_pool", lambda self, block: None)
     b = RunReader(capture_candidate(src, ref, tmp_path / "plain", **kw))
     assert len(list((tmp_path / "pooled" / "chunks").glob("*.npy"))) >= 2
