@@ -149,10 +149,11 @@ def test_compact_chunks_are_read_ahead_with_the_same_comparison(runs, monkeypatc
 
 
 @pytest.mark.parametrize("ties", [False, True])
-def test_kernel_at_a_rest_large_enough_for_the_sampled_rank(ties):
-    """A rest of >= 8,192 entries takes the rest's fill threshold from a sample's bracket
-    (cb_rank_sampled) instead of a histogram; random rows and quantised ones (thousands of
-    entries on one value, the threshold inside a tie) agree with numpy and cover scipy."""
+def test_kernel_at_a_large_rest(ties):
+    """A rest of ~20,000 entries (the rest's fill threshold from the kernel's capacity
+    histogram; a sampled-rank variant was tried and reverted, bench/RESULTS.md): random rows
+    and quantised ones (thousands of entries on one value, the threshold inside a tie) agree
+    with numpy and cover scipy."""
     from scipy.special import log_softmax
     from test_bounds_compact_kernel import check, raw_of
 
