@@ -351,16 +351,23 @@ class HFSource(FullLogitSource):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def _rows_are_head_output(self) -> bool:
+        """Whether the stored rows are the head's 16-bit output unchanged: no post-processing,
+        no bias, the head's own dtype (what a hidden-state store and the pooled rows need)."""
+        import torch
+
+        w = self.lm_head.weight
+        return (self.logits_dtype in ("bfloat16", "float16") and w.dtype == getattr(torch, self.logits_dtype)
+                and getattr(self.lm_head, "bias", None) is None)
+
     def output_head(self) -> np.ndarray | None:
         """The head's weight rows of the vocabulary (bf16 or float16 bits) when the logits
         are the head's 16-bit output unchanged: no post-processing, no bias."""
         import torch
 
-        w = self.lm_head.weight
-        if (self.logits_dtype not in ("bfloat16", "float16") or w.dtype != getattr(torch, self.logits_dtype)
-                or getattr(self.lm_head, "bias", None) is not None):
+        if not self._rows_are_head_output():
             return None
-        return w[: self.vocab_size].detach().contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+        return self.lm_head.weight[: self.vocab_size].detach().contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
     def _stored(self, logits):
         """The head's rows in the stored dtype (``logits_dtype``), converted where they are
@@ -514,12 +521,7 @@ class HFSource(FullLogitSource):
         float32 storage, CUDA). Each block then costs no fresh tensor mapped and faulted by
         the kernel, and the O_DIRECT writer takes the rows from there without its staging
         copy. One pool per call: nothing is held once the call's blocks are gone."""
-        import torch
-
-        w = self.lm_head.weight
-        if (block < 1 or self.device.type == "cuda" or self.logits_dtype not in ("bfloat16", "float16")
-                or w.dtype != getattr(torch, self.logits_dtype) or self.out_rows != self.vocab_size
-                or getattr(self.lm_head, "bias", None) is not None):
+        if block < 1 or self.device.type == "cuda" or self.out_rows != self.vocab_size or not self._rows_are_head_output():
             return None
         from ..rowpool import RowPool
 
