@@ -16,6 +16,14 @@ markers ``<!-- readme_figures:begin -->`` and ``<!-- readme_figures:end -->``, r
 was there (atomically: logitdiff.outputs.atomic_write_bytes). Every number comes from the
 run's summary.json, report.json files and flips.parquet; fields that a run does not have
 are left out with the sentence that would quote them.
+
+The figures depend on the CPU's instruction set (torch's and llama.cpp's kernels take other
+paths with AVX-512 than with AVX2: other rounding, so other logits, ties and noise floor), so
+README keeps one section per machine class (vendor and widest SIMD level, e.g. ``amd-avx2``,
+``amd-avx512bf16``), each opened by ``<!-- readme_figures:class KEY -->``. The script rewrites
+only this machine's section (added when README has none), and ``--check`` compares only it,
+with the run's own wall time and load left out (they are the run's, not the method's); a class
+README has no section for is reported as such (exit 1).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +42,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- readme_figures:begin -->", "<!-- readme_figures:end -->"
+CLASS_MARK = re.compile(r"<!-- readme_figures:class ([a-z0-9-]+) -->\n")
+# the run's own wall time and load: not compared by --check (whitespace is collapsed first)
+TIMING = re.compile(r"took \d+ s wall \(`summary\.json` seconds: [^)]*\); load average \(1/5/15 min\) \S+ before and \S+ after, "
+                    r"so (?:other work shared the machine|the machine was otherwise quiet)\.")
 SIGNIFICANCE = 0.05
 
 
@@ -47,7 +60,40 @@ def machine() -> dict:
     except AttributeError:
         cores = info["cpu_count"]
     mem = info["memory_gib"]
-    return {"cpu": info["cpu"] or "unknown CPU", "cores": cores, "memory_gib": round(mem) if mem else None}
+    key, isa = machine_class()
+    return {"cpu": info["cpu"] or "unknown CPU", "cores": cores, "memory_gib": round(mem) if mem else None,
+            "class": key, "isa": isa}
+
+
+def machine_class(cpuinfo: str | None = None) -> tuple[str, str]:
+    """(key, words) of what moves the figures between machines: the CPU vendor and the widest
+    SIMD level the kernels can take (AVX-512 BF16, AVX-512, AVX2), AMX where present.
+    ``cpuinfo``: the text of /proc/cpuinfo (read when None; ("unknown", "instruction set
+    unknown") where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "unknown", "instruction set unknown"
+    fields = {}
+    for line in cpuinfo.splitlines():
+        k, _, v = line.partition(":")
+        fields.setdefault(k.strip(), v.strip())
+    flags = set(fields.get("flags", "").split())
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(fields.get("vendor_id", ""), "other")
+    if not flags:
+        return f"{vendor}-unknown", "instruction set unknown"
+    if "avx512_bf16" in flags:
+        level, words = "avx512bf16", "AVX-512 BF16"
+    elif "avx512f" in flags:
+        level, words = "avx512", "AVX-512, no BF16"
+    elif "avx2" in flags:
+        level, words = "avx2", "AVX2, no AVX-512"
+    else:
+        level, words = "noavx2", "no AVX2"
+    if "amx_tile" in flags:
+        level, words = level + "-amx", words + ", AMX"
+    return f"{vendor}-{level}", words
 
 
 def load() -> str:
@@ -149,7 +195,8 @@ def render(fig: dict, timing: dict | None, mach: dict) -> str:
     ref_ident = _get(r0, "baseline.identity") or {}
     versions = ", ".join(f"{k} {v}" for k, v in (("llama-cpp-python", ident.get("llama_cpp_python")), ("torch", ref_ident.get("torch")),
                                                   ("transformers", ref_ident.get("transformers"))) if v)
-    where = f"{mach['cpu']}, {mach['cores']} cores" + (f", {mach['memory_gib']} GiB" if mach.get("memory_gib") else "")
+    cpu = f"{mach['cpu']} ({mach['isa']})" if mach.get("isa") else mach["cpu"]
+    where = f"{cpu}, {mach['cores']} cores" + (f", {mach['memory_gib']} GiB" if mach.get("memory_gib") else "")
     lines = []
     if timing:
         lines.append(
@@ -267,7 +314,7 @@ def _floor_paragraph(s, cands, mach, has_corr) -> str:
                if "bit-identical" in rerun else f"The noise floor is the reference against its {rerun}")
         flips = nf.get("top1_flips") or 0
         parts.append(f"{how}: mean KL {e2(nf.get('kl_nats_mean'))} nats and {flips or 'no'} top-1 flip{'' if flips == 1 else 's'} "
-                     f"on {mach['cpu']} ({mach['cores']} cores).")
+                     f"on {mach['cpu']} ({mach['isa'] + ', ' if mach.get('isa') else ''}{mach['cores']} cores).")
         floor_c = by.get(next((c["name"] for c in cands if c["candidate"] == xf.get("candidate")), ""), None)
         worst = max(cands, key=lambda c: c.get("kl_mean") or 0)
         if floor_c and floor_c.get("x_noise_floor"):
@@ -304,23 +351,44 @@ def wrap(block: str, width: int = 92) -> str:
     return "\n".join(out)
 
 
-def rewrite(readme: Path, block: str, check: bool) -> int:
+def sections(region: str) -> dict[str, str]:
+    """README's figures region -> {class key: its section's text}; text before the first class
+    marker (a README from before the sections) is dropped."""
+    parts = CLASS_MARK.split(region)
+    return {parts[i]: parts[i + 1].strip("\n") for i in range(1, len(parts) - 1, 2)}
+
+
+def comparable(block: str) -> str:
+    """A section as --check compares it: whitespace collapsed, the run's wall time and load out."""
+    return TIMING.sub("took (the run's own time and load).", " ".join(block.split()))
+
+
+def rewrite(readme: Path, block: str, key: str, check: bool) -> int:
     text = readme.read_text(encoding="utf-8")
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
         sys.exit(f"readme_figures: {readme}: expected one {BEGIN} and one {END} after it")
     head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{block}\n{END}{tail}"
+    region, tail = rest.split(END, 1)
+    have = sections(region)
     if check:
-        if new != text:
-            print(f"{readme}: the figures differ from this run's", file=sys.stderr)
+        if key not in have:
+            print(f"{readme}: no figures for this machine class ({key}; it has: {', '.join(sorted(have)) or 'none'}): "
+                  f"run scripts/readme_figures.py to add them", file=sys.stderr)
             return 1
+        if comparable(have[key]) != comparable(block):
+            print(f"{readme}: the figures for this machine class ({key}) differ from this run's", file=sys.stderr)
+            return 1
+        print(f"{readme}: the figures for this machine class ({key}) match this run's "
+              f"(other classes: {', '.join(sorted(set(have) - {key})) or 'none'})", file=sys.stderr)
         return 0
+    have[key] = block
+    body = "\n\n".join(f"<!-- readme_figures:class {k} -->\n{have[k]}" for k in sorted(have))
+    new = f"{head}{BEGIN}\n{body}\n{END}{tail}"
     if new != text:
         from logitdiff.outputs import atomic_write_bytes
 
         atomic_write_bytes(readme, new.encode("utf-8"))
-    print(f"{readme}: figures {'rewritten' if new != text else 'unchanged'}", file=sys.stderr)
+    print(f"{readme}: figures for {key} {'rewritten' if new != text else 'unchanged'}", file=sys.stderr)
     return 0
 
 
@@ -330,7 +398,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", metavar="DIR", help="where the fresh run goes (must not exist; default: a temporary directory, removed)")
     ap.add_argument("--readme", default=str(ROOT / "README.md"), help="README to rewrite between the markers (default: %(default)s)")
     ap.add_argument("--print", action="store_true", help="print the block instead of rewriting README")
-    ap.add_argument("--check", action="store_true", help="exit 1 when README's block differs from this run's")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when README's section for this machine class differs from this run's (or is missing)")
     args = ap.parse_args(argv)
     mach = machine()
     timing = None
@@ -343,6 +412,8 @@ def main(argv=None) -> int:
         if saved.is_file():
             timing = json.loads(saved.read_text())
             mach = timing.pop("machine", mach)
+            if "class" not in mach:  # saved before machine classes: the run was made here, as before
+                mach["class"], mach["isa"] = machine_class()
     else:
         if args.out:
             out = Path(args.out).resolve()
@@ -362,7 +433,7 @@ def main(argv=None) -> int:
     if args.print:
         print(block)
         return 0
-    return rewrite(Path(args.readme), block, args.check)
+    return rewrite(Path(args.readme), block, mach["class"], args.check)
 
 
 if __name__ == "__main__":

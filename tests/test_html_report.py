@@ -697,12 +697,60 @@ def test_readme_figures_script_writes_between_the_markers(ladder, tmp_path):
     # a second run changes nothing; --check agrees; a README without the markers is refused
     assert subprocess.run(script, capture_output=True, text=True, env=env, timeout=300).returncode == 0 and readme.read_text() == text
     assert subprocess.run(script + ["--check"], capture_output=True, text=True, env=env, timeout=300).returncode == 0
+    # one section per machine class: this machine's is rewritten, another class's kept as it is;
+    # --check reads this class's section only, with the run's wall time and load left out
+    sys.path.insert(0, str(root / "scripts"))
+    import readme_figures as rf
+
+    key = rf.machine_class()[0]
+    assert text.count("<!-- readme_figures:class ") == 1 and f"<!-- readme_figures:class {key} -->\n" in text
+    other = "<!-- readme_figures:class zz-other -->\nfigures of another machine class\n"
+    readme.write_text(text.replace("<!-- readme_figures:end -->", "\n" + other + "<!-- readme_figures:end -->"))
+    assert subprocess.run(script + ["--check"], capture_output=True, text=True, env=env, timeout=300).returncode == 0
+    assert subprocess.run(script, capture_output=True, text=True, env=env, timeout=300).returncode == 0
+    two = readme.read_text()
+    assert "figures of another machine class" in two and two.count("<!-- readme_figures:class ") == 2
+    assert two.index(f"class {key} -->") < two.index("class zz-other -->")  # sorted by key
+    # another run's wall time and load, wrapped otherwise: not a difference; a figure beside them is
+    timed = ("on X: `logitdiff run --out DIR` into a fresh directory (GGUF ladder cached) took {} s wall (`summary.json` "
+             "seconds: {}); load average (1/5/15 min) {} before and {} after, so {}. Mean KL 1.2e-04.")
+    a = timed.format(44, 40.2, "1.2/1.0/1.4", "1.1/1.0/1.4", "other work shared the machine")
+    b = timed.format(284, 264.5, "0.1/0.2/0.3", "0.2/0.2/0.3", "the machine was otherwise quiet").replace(" took", "\ntook")
+    assert rf.comparable(a) == rf.comparable(b) and rf.comparable(a) != rf.comparable(a.replace("1.2e-04", "1.3e-04"))
+    readme.write_text(two.replace("| `test:q4` | 6 |", "| `test:q4` | 7 |"))  # a figure: a difference
+    r = subprocess.run(script + ["--check"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and f"({key}) differ" in r.stderr
+    readme.write_text(two.replace(f"class {key} -->", "class zz-another -->"))  # no section for this class
+    r = subprocess.run(script + ["--check"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and f"no figures for this machine class ({key}" in r.stderr
     readme.write_text("no markers\n")
     r = subprocess.run(script, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0 and "readme_figures:begin" in r.stderr and readme.read_text() == "no markers\n"
-    # README itself has one block to rewrite
+    # README itself has one region to rewrite, with a section per machine class measured
     real = (root / "README.md").read_text(encoding="utf-8")
     assert real.count("<!-- readme_figures:begin -->") == 1 == real.count("<!-- readme_figures:end -->")
+    assert {"amd-avx2", "amd-avx512bf16"} <= set(rf.sections(real.split("<!-- readme_figures:begin -->")[1]))
+
+
+def test_readme_figures_machine_class_from_cpuinfo():
+    """The class key is the vendor and the widest SIMD level the kernels take (what moves the
+    figures), read from /proc/cpuinfo's first processor."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import readme_figures as rf
+
+    def info(vendor, flags):
+        return f"processor\t: 0\nvendor_id\t: {vendor}\nmodel name\t: X\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t: sse\n"
+
+    zen3 = "fpu sse sse2 avx fma avx2 bmi2 sha_ni vaes"
+    assert rf.machine_class(info("AuthenticAMD", zen3)) == ("amd-avx2", "AVX2, no AVX-512")
+    assert rf.machine_class(info("AuthenticAMD", zen3 + " avx512f avx512bw avx512_bf16")) == ("amd-avx512bf16", "AVX-512 BF16")
+    assert rf.machine_class(info("GenuineIntel", zen3 + " avx512f amx_tile amx_bf16")) == ("intel-avx512-amx", "AVX-512, no BF16, AMX")
+    assert rf.machine_class(info("GenuineIntel", "fpu sse sse2 avx")) == ("intel-noavx2", "no AVX2")
+    assert rf.machine_class(info("HygonGenuine", zen3))[0] == "other-avx2"
+    assert rf.machine_class("") == ("other-unknown", "instruction set unknown")
 
 
 def test_pair_without_interval_says_not_evaluated():
