@@ -665,6 +665,10 @@ def cmd_real(argv=None) -> int:
     ap.add_argument("--wide", action="store_true",
                     help="instead of SmolLM2: the random bf16 Llama of tests/_models.py at V = 248,320 (hidden 128) as "
                          "the reference and the same architecture from another seed (bf16) as the one candidate")
+    ap.add_argument("--vocab", type=int, default=V_WIDE, help="--wide: the vocabulary (default %(default)s; Gemma 3: 262144)")
+    ap.add_argument("--hidden-size", type=int, default=128,
+                    help="--wide: the hidden size (default %(default)s; SmolLM2-135M: 576, Gemma 3 270M: 640): the hidden "
+                         "store's decode costs V x H multiply-adds a position, the full store's compare does not depend on H")
     a = ap.parse_args(argv)
 
     import torch
@@ -696,8 +700,10 @@ def cmd_real(argv=None) -> int:
     if a.wide:
         from _models import make_wide_llama
 
-        model = make_wide_llama(out / "wide-ref", dtype="bfloat16", layers=1, never_eos=True)
-        peer = make_wide_llama(out / "wide-cand", dtype="bfloat16", layers=1, never_eos=True, seed=1)
+        heads = max(4, a.hidden_size // 64)  # head size 64 (32 at the default 128: the models before this option)
+        shape = {"vocab_size": a.vocab, "hidden": a.hidden_size, "heads": heads, "kv_heads": heads // 2 if heads % 2 == 0 else heads}
+        model = make_wide_llama(out / "wide-ref", dtype="bfloat16", layers=1, never_eos=True, **shape)
+        peer = make_wide_llama(out / "wide-cand", dtype="bfloat16", layers=1, never_eos=True, seed=1, **shape)
     if not all((p / "manifest.json").exists() for p in refs.values()):
         src = open_source(f"hf:{model if a.wide else a.model}" + (f",threads={a.threads}" if a.threads else ""))
         capture_reference(src, items, refs["full"], store="full", overwrite=True)

@@ -44,6 +44,12 @@ Word salad (prose whose content words repeat, twice or more on average) is judge
 content words alone, as sets over both full sides: a content word on one side only is a
 change, the same words in another order are benign.
 
+How far the classes hold when someone checks (docs/flips.md): against two blind readers of
+a trained model's branches (SmolLM2-135M, 2 x 180; the cases both readers label alike),
+meaning_changed agrees on 91 %, benign on 29-38 % and recovered on 2 of 5 and 3 of 3: a
+benign or recovered verdict on a real model's prose is the class to read for yourself
+(each branch's decided_by says what decided it).
+
 Ties are not flips: where the reference's margin p(top1) - p(top2) is within the bf16
 spacing at p(top1) (0 included), the engines only broke a tie. Ties are counted and listed
 apart, not branched (unless --branch-ties), and never counted in outcomes or gates.
