@@ -701,7 +701,19 @@ def cmd_real(argv=None) -> int:
         from _models import make_wide_llama
 
         heads = max(4, a.hidden_size // 64)  # head size 64 (32 at the default 128: the models before this option)
+        if a.hidden_size % heads:
+            print(f"--hidden-size {a.hidden_size}: not divisible into {heads} attention heads (use a multiple of 64, or 128)",
+                  file=sys.stderr)
+            return 2
         shape = {"vocab_size": a.vocab, "hidden": a.hidden_size, "heads": heads, "kv_heads": heads // 2 if heads % 2 == 0 else heads}
+        for d in ("wide-ref", "wide-cand"):  # an OUT made with another shape: its captures would be measured
+            cfg = out / d / "config.json"
+            if cfg.is_file():
+                have = json.loads(cfg.read_text())
+                if (have.get("vocab_size"), have.get("hidden_size")) != (a.vocab, a.hidden_size):
+                    print(f"{out}: made with V = {have.get('vocab_size')}, H = {have.get('hidden_size')}, not --vocab {a.vocab} "
+                          f"--hidden-size {a.hidden_size}: use another OUT", file=sys.stderr)
+                    return 2
         model = make_wide_llama(out / "wide-ref", dtype="bfloat16", layers=1, never_eos=True, **shape)
         peer = make_wide_llama(out / "wide-cand", dtype="bfloat16", layers=1, never_eos=True, seed=1, **shape)
     if not all((p / "manifest.json").exists() for p in refs.values()):

@@ -43,6 +43,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- readme_figures:begin -->", "<!-- readme_figures:end -->"
 CLASS_MARK = re.compile(r"<!-- readme_figures:class ([a-z0-9-]+) -->\n")
+# the machine's words as render() writes them: CPU model (ISA words), N cores[, M GiB] (versions)
+ISA_WORDS = r"(AVX[^()]*|no AVX2[^()]*|instruction set unknown)"
+MACHINE = re.compile(r"on [^`]*? \(" + ISA_WORDS + r"\), (\d+) cores(?:, \d+ GiB)? \(")
+FLOOR_MACHINE = re.compile(r"on [^`]*? \(" + ISA_WORDS + r", (\d+) cores\)\.")
 # the run's own wall time and load: not compared by --check (whitespace is collapsed first)
 TIMING = re.compile(r"took \d+ s wall \(`summary\.json` seconds: [^)]*\); load average \(1/5/15 min\) \S+ before and \S+ after, "
                     r"so (?:other work shared the machine|the machine was otherwise quiet)\.")
@@ -351,16 +355,31 @@ def wrap(block: str, width: int = 92) -> str:
     return "\n".join(out)
 
 
-def sections(region: str) -> dict[str, str]:
-    """README's figures region -> {class key: its section's text}; text before the first class
-    marker (a README from before the sections) is dropped."""
+def sections(region: str, where: str = "README") -> dict[str, str]:
+    """README's figures region -> {class key: its section's text}. A region with no class
+    marker at all (a README from before the sections) gives {} (its text is replaced); text
+    before the first marker, a key twice, or a marker this pattern does not read is refused
+    (exit with the reason), so a rewrite never drops a section it could not parse."""
     parts = CLASS_MARK.split(region)
+    keys = parts[1::2]
+    if region.count("readme_figures:class") != len(keys):
+        sys.exit(f"readme_figures: {where}: a `readme_figures:class` marker that is not "
+                 f"`<!-- readme_figures:class KEY -->` on a line of its own (KEY: a-z, 0-9, -)")
+    if keys and parts[0].strip():
+        sys.exit(f"readme_figures: {where}: text before the first `readme_figures:class` marker")
+    if len(set(keys)) != len(keys):
+        sys.exit(f"readme_figures: {where}: a machine class twice: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
     return {parts[i]: parts[i + 1].strip("\n") for i in range(1, len(parts) - 1, 2)}
 
 
 def comparable(block: str) -> str:
-    """A section as --check compares it: whitespace collapsed, the run's wall time and load out."""
-    return TIMING.sub("took (the run's own time and load).", " ".join(block.split()))
+    """A section as --check compares it: whitespace collapsed; the run's wall time and load,
+    the CPU's model name and the memory left out (another machine of the same class: same
+    vendor, SIMD level and cores, gives the same figures); the class words, the cores and
+    the library versions kept."""
+    text = TIMING.sub("took (the run's own time and load).", " ".join(block.split()))
+    text = MACHINE.sub(r"on (a CPU) (\1), \2 cores (", text)
+    return FLOOR_MACHINE.sub(r"on (a CPU) (\1, \2 cores).", text)
 
 
 def rewrite(readme: Path, block: str, key: str, check: bool) -> int:
@@ -369,7 +388,7 @@ def rewrite(readme: Path, block: str, key: str, check: bool) -> int:
         sys.exit(f"readme_figures: {readme}: expected one {BEGIN} and one {END} after it")
     head, rest = text.split(BEGIN, 1)
     region, tail = rest.split(END, 1)
-    have = sections(region)
+    have = sections(region, str(readme))
     if check:
         if key not in have:
             print(f"{readme}: no figures for this machine class ({key}; it has: {', '.join(sorted(have)) or 'none'}): "

@@ -723,6 +723,32 @@ def test_readme_figures_script_writes_between_the_markers(ladder, tmp_path):
     readme.write_text(two.replace(f"class {key} -->", "class zz-another -->"))  # no section for this class
     r = subprocess.run(script + ["--check"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 1 and f"no figures for this machine class ({key}" in r.stderr
+    # a region it cannot parse is refused whole, README untouched (never a section silently dropped)
+    for bad in (two.replace("class zz-other -->\n", "class zz-other --> \n"),  # marker not on a line of its own
+                two.replace("<!-- readme_figures:begin -->\n", "<!-- readme_figures:begin -->\nstray text\n"),
+                two.replace("class zz-other -->", f"class {key} -->")):  # a class twice
+        readme.write_text(bad)
+        r = subprocess.run(script, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode != 0 and "readme_figures:" in r.stderr and readme.read_text() == bad, r.stderr
+    # end to end with a run's timing (readme_figures.timing.json, as a fresh run keeps it): another
+    # run's wall time and load, another CPU model name and memory of the same class are no
+    # difference to --check; other cores are
+    readme.write_text(two)
+    timing = {"wall_s": 44.2, "load_before": "1.2/1.0/1.4", "load_after": "1.1/1.0/1.4",
+              "machine": {"cpu": "AMD EPYC", "cores": 2, "memory_gib": 24, "class": key, "isa": rf.machine_class()[1]}}
+    saved = out / "readme_figures.timing.json"
+    saved.write_text(json.dumps(timing))
+    assert subprocess.run(script, capture_output=True, text=True, env=env, timeout=300).returncode == 0
+    timed_text = readme.read_text()
+    assert "took 44 s wall" in timed_text and "on AMD EPYC (" in timed_text
+    other_run = {**timing, "wall_s": 1284.0, "load_before": "9.0/8.0/7.0", "load_after": "0.1/0.1/0.1",
+                 "machine": {**timing["machine"], "cpu": "Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz", "memory_gib": 256}}
+    saved.write_text(json.dumps(other_run))
+    r = subprocess.run(script + ["--check"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and readme.read_text() == timed_text, r.stderr
+    saved.write_text(json.dumps({**other_run, "machine": {**other_run["machine"], "cores": 16}}))
+    r = subprocess.run(script + ["--check"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and "differ" in r.stderr
     readme.write_text("no markers\n")
     r = subprocess.run(script, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0 and "readme_figures:begin" in r.stderr and readme.read_text() == "no markers\n"
