@@ -70,34 +70,11 @@ def machine() -> dict:
 
 
 def machine_class(cpuinfo: str | None = None) -> tuple[str, str]:
-    """(key, words) of what moves the figures between machines: the CPU vendor and the widest
-    SIMD level the kernels can take (AVX-512 BF16, AVX-512, AVX2), AMX where present.
-    ``cpuinfo``: the text of /proc/cpuinfo (read when None; ("unknown", "instruction set
-    unknown") where there is none)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return "unknown", "instruction set unknown"
-    fields = {}
-    for line in cpuinfo.splitlines():
-        k, _, v = line.partition(":")
-        fields.setdefault(k.strip(), v.strip())
-    flags = set(fields.get("flags", "").split())
-    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(fields.get("vendor_id", ""), "other")
-    if not flags:
-        return f"{vendor}-unknown", "instruction set unknown"
-    if "avx512_bf16" in flags:
-        level, words = "avx512bf16", "AVX-512 BF16"
-    elif "avx512f" in flags:
-        level, words = "avx512", "AVX-512, no BF16"
-    elif "avx2" in flags:
-        level, words = "avx2", "AVX2, no AVX-512"
-    else:
-        level, words = "noavx2", "no AVX2"
-    if "amx_tile" in flags:
-        level, words = level + "-amx", words + ", AMX"
-    return f"{vendor}-{level}", words
+    """(key, words) of this machine's class: `logitdiff.report.cpu_class` (vendor and widest
+    SIMD level), as report.json's machine section records it."""
+    from logitdiff.report import cpu_class
+
+    return cpu_class(cpuinfo)
 
 
 def load() -> str:

@@ -316,6 +316,10 @@ def test_report_names_the_machine(pair):
     assert main(["compare", str(r), str(c), "--out", str(tmp / "m"), "--bootstrap", "10"]) == 0
     rep = json.loads((tmp / "m" / "report.json").read_text())
     assert rep["machine"]["cpu_count"] == os.cpu_count() and rep["machine"]["python"]
+    # the CPU's class (vendor, widest SIMD level): figures differ between classes (README, readme_figures)
+    from logitdiff.report import cpu_class
+
+    assert (rep["machine"]["cpu_class"], rep["machine"]["simd"]) == cpu_class()
     assert "compared on:" in (tmp / "m" / "report.md").read_text()
     assert "<th>machine</th>" in (tmp / "m" / "report.html").read_text() or ">machine<" in (tmp / "m" / "report.html").read_text()
 

@@ -49,8 +49,43 @@ _EMPTY_COLUMNS = {
 }
 
 
+def cpu_class(cpuinfo: str | None = None) -> tuple[str, str]:
+    """(key, words) of what moves a run's figures between CPUs: the vendor and the widest SIMD
+    level the kernels take (AVX-512 BF16, AVX-512, AVX2), AMX where present. torch's and
+    llama.cpp's kernels round differently on each (other logits, ties and noise floor), while
+    runs on one machine are deterministic. ``cpuinfo``: the text of /proc/cpuinfo (read when
+    None; ("unknown", "instruction set unknown") where there is none)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return "unknown", "instruction set unknown"
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():  # the first processor's fields
+        k, _, v = line.partition(":")
+        fields.setdefault(k.strip(), v.strip())
+    flags = set(fields.get("flags", "").split())
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(fields.get("vendor_id", ""), "other")
+    if not flags:
+        return f"{vendor}-unknown", "instruction set unknown"
+    if "avx512_bf16" in flags:
+        level, words = "avx512bf16", "AVX-512 BF16"
+    elif "avx512f" in flags:
+        level, words = "avx512", "AVX-512, no BF16"
+    elif "avx2" in flags:
+        level, words = "avx2", "AVX2, no AVX-512"
+    else:
+        level, words = "noavx2", "no AVX2"
+    if "amx_tile" in flags:
+        level, words = level + "-amx", words + ", AMX"
+    return f"{vendor}-{level}", words
+
+
 def machine_info() -> dict:
-    """Where the comparison ran (the captures' own devices are in each side's identity)."""
+    """Where the comparison ran (the captures' own devices are in each side's identity), with
+    the CPU's class (`cpu_class`): figures from machines of other classes differ in their
+    last digits and in ties, so a reader comparing published numbers needs it."""
     import os
     import platform
 
@@ -65,8 +100,10 @@ def machine_info() -> dict:
         mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError, AttributeError):
         pass
-    return {"cpu": cpu or platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "memory_gib": mem,
-            "platform": platform.platform(terse=True), "python": platform.python_version()}
+    key, simd = cpu_class()
+    return {"cpu": cpu or platform.processor() or platform.machine(), "cpu_class": key, "simd": simd,
+            "cpu_count": os.cpu_count(), "memory_gib": mem, "platform": platform.platform(terse=True),
+            "python": platform.python_version()}
 
 
 def _side(reader, label: str) -> Side:

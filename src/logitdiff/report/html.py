@@ -1000,7 +1000,8 @@ def _token_view(name, rep, cols, worst_ids, *, open_: bool) -> str:
 
 
 def _machine_text(m: dict) -> str:
-    return ", ".join(str(x) for x in (m.get("cpu"), f"{m.get('cpu_count')} cores" if m.get("cpu_count") else None,
+    cpu = f"{m.get('cpu')} ({m['simd']})" if m.get("cpu") and m.get("simd") else m.get("cpu")
+    return ", ".join(str(x) for x in (cpu, f"{m.get('cpu_count')} cores" if m.get("cpu_count") else None,
                                        f"{m.get('memory_gib')} GiB" if m.get("memory_gib") else None, m.get("platform"),
                                        f"Python {m['python']}" if m.get("python") else None) if x)
 

@@ -73,7 +73,8 @@ def render_markdown(report: Report) -> str:
         out.append(f"- reference rows: {rows_from}")
     mc = report.get("machine")
     if mc:
-        out.append(f"- compared on: {mc.get('cpu')}, {mc.get('cpu_count')} cores, {mc.get('memory_gib')} GiB, {mc.get('platform')}, Python {mc.get('python')}")
+        simd = f" ({mc['simd']})" if mc.get("simd") else ""
+        out.append(f"- compared on: {mc.get('cpu')}{simd}, {mc.get('cpu_count')} cores, {mc.get('memory_gib')} GiB, {mc.get('platform')}, Python {mc.get('python')}")
     for note in m.get("notes") or []:
         out.append(f"- note: {note}")
     out += gates_markdown(report.get("gates"))
