@@ -5,8 +5,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "logitdiff._kernel",
-            sources=["src/logitdiff/_kernel.cpp"],
+            "logitdiff.numerics._kernel",
+            sources=["src/logitdiff/numerics/_kernel.cpp"],
             language="c++",
             # No -ffast-math: the kernel relies on IEEE NaN/inf semantics. AVX2/FMA code is
             # compiled per function (target attributes) and chosen at run time.

@@ -154,7 +154,7 @@ def _direct_rate(where: Path, mb: int = 256) -> tuple[float, bool]:
     staging buffer where it pays, 64 MiB files fsynced by name), and whether O_DIRECT was used."""
     import os
 
-    from logitdiff.outputs import atomic_file_direct, direct_io_pays, direct_stage, fsync_path
+    from logitdiff.store.files import atomic_file_direct, direct_io_pays, direct_stage, fsync_path
 
     buf = os.urandom(1 << 20) * 64
     direct = direct_io_pays(where)
@@ -433,7 +433,7 @@ def main() -> None:
 
     from logitdiff.builtin import TINY_DIR, WORKLOAD
     from logitdiff.capture import capture_candidate, capture_reference
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
     from logitdiff.sources import open_source
     from logitdiff.store import RunReader
     from logitdiff.workload import read_workload

@@ -71,7 +71,7 @@ print(json.dumps({"wall": time.perf_counter() - t, "cpu": time.process_time() - 
 RAW = """
 import os, sys, time, json
 import numpy as np
-import logitdiff.outputs as outputs
+import logitdiff.store.files as outputs
 V, n, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 stage = outputs.direct_stage()
 np.frombuffer(stage, np.uint8)[:] = 1
@@ -90,7 +90,7 @@ print(json.dumps({"wall": time.perf_counter() - t, "cpu": time.process_time() - 
 """
 
 # --small-pages: direct_stage as it was before huge pages (a shared mapping: 4 KiB pages)
-SMALL = "import mmap, logitdiff.outputs as o; o.direct_stage = lambda n=None: mmap.mmap(-1, o.DIRECT_STAGE_BYTES)\n"
+SMALL = "import mmap, logitdiff.store.files as o; o.direct_stage = lambda n=None: mmap.mmap(-1, o.DIRECT_STAGE_BYTES)\n"
 
 
 def main() -> None:
@@ -135,7 +135,7 @@ def main() -> None:
     if args.floor:
         return floor(args, src, pairs, block, n_pos, fresh)
 
-    import logitdiff.outputs as outputs
+    import logitdiff.store.files as outputs
     import logitdiff.store as store
 
     if args.no_side_files:

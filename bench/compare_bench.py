@@ -1,4 +1,4 @@
-"""Benchmark of `logitdiff.metrics.full_vocab` against a naive scipy float64 peer.
+"""Benchmark of `logitdiff.numerics.metrics.full_vocab` against a naive scipy float64 peer.
 
 Full-vocabulary comparison at V = 248,320 on synthetic logits (reference ~ N(0, 2^2),
 candidate = reference + N(0, 0.05^2) noise, i.e. quantisation-sized differences), stored
@@ -143,7 +143,7 @@ def child(args) -> None:
     zp, zq, y = load(args.data, args.dtype)
     n = zp.shape[0]
     if args.child == "ours":
-        from logitdiff import metrics
+        from logitdiff.numerics import metrics
 
         # the thread count is full_vocab's parameter (its default is the process's CPUs, not torch's)
         fn = lambda a, b, t: metrics.full_vocab(a, b, t, k=10, threads=args.threads or None)  # noqa: E731

@@ -22,8 +22,8 @@ import time
 from collections import defaultdict
 
 from logitdiff import compare as C
-from logitdiff import kernel as K
-from logitdiff.comparemethods import exact as E
+from logitdiff.numerics import kernel as K
+from logitdiff.compare.methods import exact as E
 from logitdiff.store import RunReader
 
 

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
 
     from test_flips_labelled import _smol_codec, real_branch_of
 
-    from logitdiff.grading import load_similarity
+    from logitdiff.flips.grading import load_similarity
 
     policy, codec, nli = load_similarity("auto"), _smol_codec(), nli_scorer()
     rows = []

@@ -45,7 +45,7 @@ def texts(chars: int) -> tuple[str, str]:
 
 
 def worker(base: int) -> None:
-    from logitdiff import salient
+    from logitdiff.flips import salient
     from logitdiff.flips import _divergence
 
     out = []

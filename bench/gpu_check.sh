@@ -87,7 +87,7 @@ t "candidate item0 on cpu" $TOKENS LD capture "hf:$M,dtype=float16,device=cpu,ba
 import sys
 import numpy as np
 import pyarrow.parquet as pq
-from logitdiff import metrics as M
+from logitdiff.numerics import metrics as M
 from logitdiff.store import RunReader
 
 work = sys.argv[1]

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from logitdiff import metrics  # noqa: E402
+from logitdiff.numerics import metrics  # noqa: E402
 from logitdiff.store import parse_chunk_size  # noqa: E402
 
 V = 248_320

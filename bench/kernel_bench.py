@@ -222,7 +222,7 @@ def contract_error(got: dict, want: dict) -> float:
 
 
 def run_ours(files, dtype, threads, y, backend="auto"):
-    from logitdiff import metrics
+    from logitdiff.numerics import metrics
 
     zp, zq = load(files, dtype)
     c = time.process_time()
@@ -264,7 +264,7 @@ def run_e2e(files, runs, dtype, threads, y, tmp) -> tuple[float, float, float]:
 
     import torch
 
-    from logitdiff import metrics
+    from logitdiff.numerics import metrics
     from logitdiff.cli import main as cli_main
     from logitdiff.compare import compare_runs
     from logitdiff.store import RunReader
@@ -324,7 +324,7 @@ def main() -> None:
                     help="run N busy processes (one core each, a float loop) during the timed repeats: the 'loaded' regime")
     args = ap.parse_args()
 
-    from logitdiff import kernel
+    from logitdiff.numerics import kernel
 
     version = args.llama_version or installed_llama_version()
     if version is None:
@@ -373,7 +373,7 @@ def main() -> None:
             for dtype in ("float32", "bfloat16"):
                 zp, zq = load(files, dtype)
                 zp64, zq64 = (np.asarray(z[:m].float() if dtype == "bfloat16" else z[:m], dtype=np.float64) for z in (zp, zq))
-                from logitdiff import metrics
+                from logitdiff.numerics import metrics
 
                 got = metrics.full_vocab(zp[:m], zq[:m], y, k=10, threads=args.threads)
                 d[f"contract_{dtype}"] = contract_error(got, scipy_reference(zp64, zq64, y, 10))

@@ -114,8 +114,8 @@ def build_models(work: Path) -> tuple[Path, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
     from _models import make_wide_llama
 
-    from logitdiff.gguf_export import export_gguf
-    from logitdiff.quantize import quantize
+    from logitdiff.sources.gguf_export import export_gguf
+    from logitdiff.sources.quantize import quantize
 
     m = work / "model"
     if not (m / "config.json").exists():

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from servers import llama_server
 from logitdiff.builtin import TINY_DIR, cache_dir
-from logitdiff.quantize import build_ladder
+from logitdiff.sources.quantize import build_ladder
 
 ALL = ["quantdiff", "A-3step", "B-3step", "B-run", "B-run-floor", "B-run-serial", "B-run-nooverlap"]
 out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)

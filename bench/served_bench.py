@@ -70,7 +70,7 @@ def make_workload(path: Path, n: int, max_tokens: int) -> Path:
 
 def cmd_topk_runs(args) -> None:
     from logitdiff.capture import capture_candidate, capture_reference
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
     from logitdiff.sources import open_source
     from logitdiff.store import RunReader
     from logitdiff.workload import read_workload
@@ -160,7 +160,7 @@ def bench_llamacpp(d: Path, pairs, logs: Path, K: int, threads: int) -> dict:
     import httpx
     from servers import llama_server
 
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
     from logitdiff.sources import open_source
 
     gguf = build_ladder(d, d.parent / "ladder", [])["F32"]
@@ -443,7 +443,7 @@ def bench_scale_flags(gguf: Path, d: Path, args, logs: Path) -> dict:
 def cmd_scale(args) -> None:
     from _models import make_wide_llama
 
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -507,7 +507,7 @@ def cmd_peer(args) -> None:
 
     from servers import llama_server
     from logitdiff.builtin import TINY_DIR, cache_dir
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -582,7 +582,7 @@ def cmd_floors(args) -> None:
     from logitdiff.builtin import TINY_DIR, WORKLOAD, cache_dir
     from logitdiff.capture import capture_candidate, capture_reference
     from logitdiff.compare import compare_runs
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
     from logitdiff.sources import open_source
     from logitdiff.store import RunReader
     from logitdiff.workload import read_workload

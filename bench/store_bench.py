@@ -34,8 +34,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from logitdiff import bounds as B  # noqa: E402
-from logitdiff import compact as C  # noqa: E402
+from logitdiff.numerics import bounds as B  # noqa: E402
+from logitdiff.store import compact as C  # noqa: E402
 from logitdiff.builtin import LADDER  # noqa: E402
 from logitdiff.store import RunReader  # noqa: E402
 
@@ -170,7 +170,7 @@ def compact_eval(spec_text, zr, y, cands, lq_of, batch=64):
 
 
 def seed_topk_err(zr, lq_of, cands, K=64):
-    from logitdiff import metrics as M
+    from logitdiff.numerics import metrics as M
 
     lp = log_softmax(zr)
     ir = np.argsort(-lp, 1, kind="stable")[:, :K]
@@ -189,7 +189,7 @@ def llamacpp_eval(zr, lq_of, cands, every=3, batch=64):
     layout), bounded against each candidate: coverage, width, the dequantised estimate's error."""
     import tempfile
 
-    from logitdiff.importers import read_kld_header, write_llamacpp_kld
+    from logitdiff.store.importers import read_kld_header, write_llamacpp_kld
 
     idx = np.arange(0, zr.shape[0], every)
     V = zr.shape[1]
@@ -316,7 +316,7 @@ of its vocabulary with the lowest mean log-probability over the bundled workload
 training pushed down), each copied with N(0, (0.05 sd)^2) noise per weight (sd: that row's
 standard deviation) so no two are equal; new input rows likewise (never used: BPE never
 produces the filler tokens). Saved in bf16; F32 and the ladder are built from it by
-logitdiff.quantize, and the tokenizer is the bundled one widened (tests/_models.py).
+logitdiff.sources.quantize, and the tokenizer is the bundled one widened (tests/_models.py).
 
     python bench/wide_store_bench.py WORK [--positions sample:0.25] [--specs compact:...;...]
 
@@ -415,7 +415,7 @@ def cmd_ladder(argv=None) -> None:
 
     t = time.perf_counter()
     model = build_model(work)
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     paths = build_ladder(model, work / "ggufs", ladder)
     print(json.dumps({"step": "model+ladder", "s": round(time.perf_counter() - t, 1)}), flush=True)
@@ -580,9 +580,9 @@ def mac_rate(run: Path, threads: int | None) -> dict:
     GMAC/s per CPU second at one thread, and per wall second at ``threads``; median of 3."""
     import resource
 
-    from logitdiff import hidden as Hs
-    from logitdiff import kernel as K
-    from logitdiff.metrics import default_threads
+    from logitdiff.store import hidden as Hs
+    from logitdiff.numerics import kernel as K
+    from logitdiff.numerics.metrics import default_threads
 
     rd = RunReader(run)
     head = rd.kind.head()
@@ -676,7 +676,7 @@ def cmd_real(argv=None) -> int:
     from logitdiff.api import diff_runs as api_compare
     from logitdiff.capture import capture_candidate, capture_reference
     from logitdiff.compare import compare_runs
-    from logitdiff.quantize import quantize
+    from logitdiff.sources.quantize import quantize
     from logitdiff.sources import open_source
     from logitdiff.sources.gguf import GGUFSource
     from logitdiff.store import RunReader
@@ -756,8 +756,8 @@ def cmd_real(argv=None) -> int:
 
     import functools
 
-    from logitdiff import bounds as Bd
-    from logitdiff import kernel as K
+    from logitdiff.numerics import bounds as Bd
+    from logitdiff.numerics import kernel as K
 
     compiled = (Bd.compact_vs_full, K.hidden_decode)
 
@@ -993,8 +993,8 @@ def cmd_decode(argv=None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default %(default)s)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
-    from logitdiff import hidden as Hs
-    from logitdiff import kernel as K
+    from logitdiff.store import hidden as Hs
+    from logitdiff.numerics import kernel as K
 
     isas = ["avx2"] * K.has_simd() + ["avx512bf16"] * K.has_avx512bf16()
     out = {"load_avg_start": os.getloadavg(), "isas": isas, "runs": {}}

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from logitdiff.outputs import direct_stage
+from logitdiff.store.files import direct_stage
 
 M = 1 << 20
 FILE = 64 * M

@@ -40,7 +40,7 @@ def _busy() -> int:
 
 
 def _buffered(path: Path, blocks) -> None:
-    from logitdiff.outputs import start_writeback
+    from logitdiff.store.files import start_writeback
 
     with open(path, "wb") as f:
         f.write(bytes(128))  # a .npy header's size
@@ -51,7 +51,7 @@ def _buffered(path: Path, blocks) -> None:
 
 
 def _direct(path: Path, blocks, stage) -> None:
-    from logitdiff.outputs import atomic_file_direct
+    from logitdiff.store.files import atomic_file_direct
 
     with atomic_file_direct(path, stage) as f:
         f.write(bytes(4096))
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--patterns", default="buffered,dontneed,direct")
     args = ap.parse_args()
-    from logitdiff.outputs import direct_io_pays, direct_stage
+    from logitdiff.store.files import direct_io_pays, direct_stage
 
     where = Path(args.dir) / "write-paths"
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ model, cores, memory, the load average before and after, the llama.cpp and torch
 the reports record. It then writes README's two run tables and every figure quoted in the
 paragraphs below them (noise floor, × floor, ties, recovered count, McNemar p) between the
 markers ``<!-- readme_figures:begin -->`` and ``<!-- readme_figures:end -->``, replacing what
-was there (atomically: logitdiff.outputs.atomic_write_bytes). Every number comes from the
+was there (atomically: logitdiff.store.files.atomic_write_bytes). Every number comes from the
 run's summary.json, report.json files and flips.parquet; fields that a run does not have
 are left out with the sentence that would quote them.
 
@@ -380,7 +380,7 @@ def rewrite(readme: Path, block: str, key: str, check: bool) -> int:
     body = "\n\n".join(f"<!-- readme_figures:class {k} -->\n{have[k]}" for k in sorted(have))
     new = f"{head}{BEGIN}\n{body}\n{END}{tail}"
     if new != text:
-        from logitdiff.outputs import atomic_write_bytes
+        from logitdiff.store.files import atomic_write_bytes
 
         atomic_write_bytes(readme, new.encode("utf-8"))
     print(f"{readme}: figures for {key} {'rewritten' if new != text else 'unchanged'}", file=sys.stderr)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""README's generated tables: the metrics (from logitdiff.metric_registry) and the source
+"""README's generated tables: the metrics (from logitdiff.report.metric_registry) and the source
 options (from logitdiff.sources.options), declared once in the package.
 
     .venv/bin/python scripts/readme_tables.py            # rewrite the tables in README.md
@@ -8,7 +8,7 @@ options (from logitdiff.sources.options), declared once in the package.
 
 Each table sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (NAME:
 readme_metrics, readme_sources); README.md is replaced atomically
-(logitdiff.outputs.atomic_write_bytes).
+(logitdiff.store.files.atomic_write_bytes).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from logitdiff import metric_registry  # noqa: E402
-from logitdiff.outputs import atomic_write_bytes  # noqa: E402
+from logitdiff.report import metric_registry  # noqa: E402
+from logitdiff.store.files import atomic_write_bytes  # noqa: E402
 from logitdiff.sources import options  # noqa: E402
 
 TABLES = {"readme_metrics": metric_registry.markdown_table, "readme_sources": options.markdown_table}

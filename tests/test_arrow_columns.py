@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from logitdiff import arrow_columns as ac
+from logitdiff.report import arrow_columns as ac
 
 RNG = np.random.default_rng(0)
 TEXTS = ["", "a", "héllo", "日本語", " \n\t", "🙂x", "tok" * 50]
@@ -115,14 +115,15 @@ def test_cli_start_imports_no_engine_or_pandas():
 import sys
 from logitdiff.cli import build_parser
 build_parser()
-heavy = ("logitdiff.capture", "logitdiff.flips", "logitdiff.grading", "logitdiff.consequences", "logitdiff.speculation",
+heavy = ("logitdiff.capture", "logitdiff.flips", "logitdiff.flips.grading", "logitdiff.flips.consequences", "logitdiff.speculation",
          "logitdiff.layers", "logitdiff.sources.served", "pandas", "plotly", "torch", "transformers", "jsonschema")
 print([m for m in heavy if m in sys.modules])
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
-    from logitdiff import capture, consequences, defaults, flips, grading, layers, speculation
+    from logitdiff import capture, defaults, flips, layers, speculation
+    from logitdiff.flips import consequences, grading
 
     assert (capture.SCORE_BATCH, flips.MIN_RUN, consequences.DEFAULT_MAX_BRANCHES, grading.DEFAULT_THRESHOLDS,
             layers.FLOOR_RERUN, speculation.DEFAULT_TOP_K) == (defaults.SCORE_BATCH, defaults.MIN_RUN,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy.special import log_softmax, rel_entr
 
-from logitdiff import bounds as B
+from logitdiff.numerics import bounds as B
 
 EPS = np.finfo(np.float64).eps
 
@@ -314,7 +314,7 @@ def test_topk_lower_bound_sees_a_dropped_reference_token():
 
 def read_base_rows(path):
     """(codes [rows, V], scale, min_log_prob) of every scored row of a base file."""
-    from logitdiff.importers import read_kld_header
+    from logitdiff.store.importers import read_kld_header
 
     n_ctx, n_vocab, n_chunk = read_kld_header(path)
     nv = 2 * ((n_vocab + 1) // 2) + 4
@@ -328,7 +328,7 @@ def read_base_rows(path):
 
 @pytest.mark.parametrize("spread", [1.0, 3.0, 8.0])
 def test_llamacpp_base_rows_are_covered(tmp_path, spread):
-    from logitdiff.importers import write_llamacpp_kld
+    from logitdiff.store.importers import write_llamacpp_kld
 
     rng = np.random.default_rng(int(spread * 10))
     n_chunk, n_ctx, V = 2, 8, 600
@@ -394,7 +394,7 @@ def test_topk_at_k_equal_v_is_exact_in_bounded_memory():
         np.testing.assert_allclose(res[d].upper, ex[d], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(res[B.KL].estimate, ex[B.KL], rtol=1e-9, atol=1e-12)
     # the same rows cut into K < V lists: block results equal a one-block run (row order kept)
-    from logitdiff import metrics as M
+    from logitdiff.numerics import metrics as M
 
     seed = M.topk(ir, vr, ic, vc, V)
     np.testing.assert_allclose(seed["kl_nats"], ex[B.KL], rtol=1e-9, atol=1e-12)

@@ -12,12 +12,12 @@ import pytest
 from scipy.special import log_softmax
 from test_bounds import EPS, adversarial_rows, assert_covers, exact, tol
 
-from logitdiff import bounds as B
-from logitdiff import compact as C
-from logitdiff import kernel
+from logitdiff.numerics import bounds as B
+from logitdiff.store import compact as C
+from logitdiff.numerics import kernel
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
-from logitdiff.metrics import NonFiniteLogits
+from logitdiff.numerics.metrics import NonFiniteLogits
 from logitdiff.store import RunReader
 
 

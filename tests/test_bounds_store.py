@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 from scipy.special import log_softmax, rel_entr
 
-from logitdiff import bounds as B
-from logitdiff import compact as C
+from logitdiff.numerics import bounds as B
+from logitdiff.store import compact as C
 from logitdiff.cli import main
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
@@ -252,7 +252,7 @@ def test_bundled_model_rows_are_covered(tiny_rows, spec):
 
 
 def test_merge_keeps_compact_rows(runs):
-    from logitdiff.shards import merge_runs
+    from logitdiff.capture.shards import merge_runs
 
     tmp, ref, cand, teacher = runs
     store = "compact:exact=8,band=40"
@@ -279,7 +279,7 @@ def test_encode_reads_bf16_bits_like_float32():
 
 
 def test_imported_llamacpp_base_is_compared_with_intervals(tmp_path):
-    from logitdiff.importers import import_llamacpp_kld, write_llamacpp_kld
+    from logitdiff.store.importers import import_llamacpp_kld, write_llamacpp_kld
 
     rng = np.random.default_rng(11)
     n_chunk, n_ctx, Vb = 2, 10, 300

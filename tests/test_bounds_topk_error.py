@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from logitdiff.cli import main
-from logitdiff.topk_error import topk_error
+from logitdiff.compare.topk_error import topk_error
 from logitdiff.store import RunItem, RunReader, RunWriter
 
 from test_bounds import adversarial_rows

@@ -268,8 +268,8 @@ def test_every_report_metric_is_registered_and_every_registered_one_reported(def
     import math
 
     from logitdiff.contracts import Outcome
-    from logitdiff.gates import get_path, metric_value
-    from logitdiff.metric_registry import GATE_METRICS, METRICS, SERIES
+    from logitdiff.report.gates import get_path, metric_value
+    from logitdiff.report.metric_registry import GATE_METRICS, METRICS, SERIES
 
     summary = json.loads((default_run / "summary.json").read_text())
     registered = {p for m in METRICS.values() for p in m.paths}

@@ -22,7 +22,7 @@ from logitdiff.workload import read_workload
 def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("cap")
     d = make_random_llama(root / "m", layers=2, dtype="float32")
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     ladder = build_ladder(d, root / "cache", ["Q8_0", "Q2_K"])
     wl = root / "wl.jsonl"

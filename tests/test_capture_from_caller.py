@@ -22,8 +22,8 @@ torch = pytest.importorskip("torch")
 from _models import make_random_llama  # noqa: E402
 from test_store_direct import _odirect_works  # noqa: E402
 
-import logitdiff.outputs as outputs  # noqa: E402
-from logitdiff.rowpool import RowPool  # noqa: E402
+import logitdiff.store.files as outputs  # noqa: E402
+from logitdiff.store.rowpool import RowPool  # noqa: E402
 from logitdiff.sources import open_source  # noqa: E402
 
 
@@ -247,7 +247,7 @@ def test_a_capture_with_pooled_rows_stores_the_same_bytes(bf16_model, disk, monk
 def test_a_scoring_call_holds_no_buffer_once_its_blocks_are_gone(bf16_model):
     """One pool per score_blocks call, on nothing that outlives it: with the call's blocks
     dropped, no pooled buffer is alive (a source opened for a whole ladder holds none)."""
-    from logitdiff import rowpool
+    from logitdiff.store import rowpool
 
     made = []
     real = rowpool.RowPool.__init__
@@ -273,7 +273,7 @@ def test_pool_buffers_are_sized_by_the_rows_a_call_scores(bf16_model):
     1 TiB chunk for a few positions: the buffers' size was 1 TiB / 4V rows), and a block under
     half a buffer (a short item beside a long one) is not pooled: no buffer pinned for a few
     rows the writer's queue does not count."""
-    from logitdiff import rowpool
+    from logitdiff.store import rowpool
 
     made = []
     real = rowpool.RowPool.__init__

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from test_bounds_store import make_run
 
-from logitdiff import compact as C
-from logitdiff import npzinflate
+from logitdiff.store import compact as C
+from logitdiff.store import npzinflate
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
 from logitdiff.store import RunReader
@@ -157,8 +157,8 @@ def test_kernel_at_a_large_rest(ties):
     from scipy.special import log_softmax
     from test_bounds_compact_kernel import check, raw_of
 
-    from logitdiff import bounds as B
-    from logitdiff import kernel
+    from logitdiff.numerics import bounds as B
+    from logitdiff.numerics import kernel
 
     if not kernel.available():
         pytest.skip("compiled kernel not built")

@@ -331,7 +331,7 @@ def test_compare_blocks_across_unaligned_chunks(tmp_path, dtype):
     size (`store.aligned_blocks`); bf16 rows reach the kernel as stored bits. The per-row
     results equal one `full_vocab` call on all rows (per-row results do not depend on the
     blocking, and bf16 -> float32 is exact, so equality is exact)."""
-    from logitdiff import metrics as M
+    from logitdiff.numerics import metrics as M
 
     rng = np.random.default_rng(5)
     lens = {"a": 9, "b": 1, "c": 20, "d": 5}

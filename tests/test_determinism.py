@@ -14,7 +14,7 @@ from logitdiff.builtin import WORKLOAD
 from logitdiff.capture import SCORE_BATCH, LiveRun, batch_blocks
 from logitdiff.cli import main
 from logitdiff.compare import compare_runs
-from logitdiff.shards import shard_items
+from logitdiff.capture.shards import shard_items
 from logitdiff.sources import open_source
 from logitdiff.store import RunReader
 

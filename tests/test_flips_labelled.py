@@ -25,8 +25,8 @@ import pytest
 from logitdiff.builtin import TINY_DIR
 from _tasks import TOOLS_BY_NAME
 from logitdiff.flips import OUTCOMES, classify, end_ratio
-from logitdiff.grading import DEFAULT_THRESHOLDS, SimilarityPolicy, load_similarity
-from logitdiff.salient import is_code
+from logitdiff.flips.grading import DEFAULT_THRESHOLDS, SimilarityPolicy, load_similarity
+from logitdiff.flips.salient import is_code
 
 LABELS = Path(__file__).parent / "data" / "flip_labels.jsonl"
 # Branches of real runs of the bundled default, labelled blind (tests/data/flip_labels_dump.py

@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 
 from logitdiff.errors import LogitdiffError
-from logitdiff.gates import (
-    CROSSED_EXIT, METRICS, NOT_EVALUATED_EXIT, OPS, Gate, GateKind, evaluate, exit_status, metric_value, parse_gate_options, parse_gates,
-)
+from logitdiff.report.gates import CROSSED_EXIT, METRICS, NOT_EVALUATED_EXIT, OPS, Gate, GateKind, evaluate, exit_status, metric_value, parse_gate_options, parse_gates
 
 # The gate-relevant sections of a real report.json (`logitdiff run`, builtin:tiny vs its
 # Q2_K GGUF, 68 items, flips and correctness on), trimmed to what gates read.
@@ -177,7 +175,7 @@ def test_missing_metrics_are_not_evaluated_never_crossed():
 
 
 def test_a_report_written_before_1_2_reads_missing_as_not_evaluated():
-    from logitdiff.gates import crossed_of, not_evaluated_of
+    from logitdiff.report.gates import crossed_of, not_evaluated_of
 
     old = {"gates": [{"gate": "kl_mean>1", "metric": "kl_mean", "op": ">", "threshold": 1.0, "value": 0.1, "crossed": False, "missing": False},
                      {"gate": "flips>0", "metric": "flips", "op": ">", "threshold": 0.0, "value": None, "crossed": True, "missing": True}],

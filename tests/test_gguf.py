@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from _models import make_random_llama  # noqa: E402
 
 from logitdiff.errors import LogitdiffError  # noqa: E402
-from logitdiff.quantize import DEFAULT_QUANTS, build_ladder, check_tensor_types, quantize  # noqa: E402
+from logitdiff.sources.quantize import DEFAULT_QUANTS, build_ladder, check_tensor_types, quantize  # noqa: E402
 from logitdiff.sources import open_source, tokenizer_hash_of  # noqa: E402
 from logitdiff.sources.gguf import GGUFSource, extra_bufts_supported  # noqa: E402
 from logitdiff.workload import Item  # noqa: E402
@@ -270,7 +270,7 @@ def test_check_tensor_types_rejects_wrong_type(ladder):
 def test_check_tensor_types_catches_fallback(tmp_path):
     """Rows of 320 are not multiples of 256: llama.cpp silently falls back to Q5_0."""
     d = make_random_llama(tmp_path / "odd", hidden=320, intermediate=512, layers=1, heads=4, kv_heads=4)
-    from logitdiff.gguf_export import export_gguf
+    from logitdiff.sources.gguf_export import export_gguf
 
     src = export_gguf(d, tmp_path / "odd-F32.gguf", "F32")
     with pytest.raises(LogitdiffError, match=r"blk\.0\.\w+\.weight"):

@@ -10,15 +10,7 @@ from scipy.stats import binomtest
 
 from _tasks import TOOLS_BY_NAME
 from logitdiff.errors import LogitdiffError
-from logitdiff.grading import (
-    check_expected,
-    edit_similarity,
-    grade,
-    load_similarity,
-    mcnemar_exact,
-    paired_diff_ci,
-    wilson_ci,
-)
+from logitdiff.flips.grading import check_expected, edit_similarity, grade, load_similarity, mcnemar_exact, paired_diff_ci, wilson_ci
 
 WEATHER = [TOOLS_BY_NAME["get_weather"]]
 
@@ -120,7 +112,7 @@ def test_paired_diff_ci():
 
 
 def test_similarity_backends():
-    from logitdiff.grading import DEFAULT_THRESHOLDS, is_repetitive
+    from logitdiff.flips.grading import DEFAULT_THRESHOLDS, is_repetitive
 
     edit = load_similarity("edit")
     assert "edit" in edit.name and edit.edit is edit.prose and edit.edit.threshold == DEFAULT_THRESHOLDS["edit"]
@@ -198,7 +190,7 @@ def test_an_output_cut_by_the_budget_is_truncated_not_wrong(expected, cut_output
     'truncated'; the same text when the model stopped is 'wrong'; a cut output that is right
     (the answer came before the cut) is still right."""
     from logitdiff.contracts import CallVerdict, Verdict
-    from logitdiff.grading import call_verdict
+    from logitdiff.flips.grading import call_verdict
 
     g = grade(expected, cut_output, WEATHER, truncated=True)
     assert not g.correct and g.verdict == Verdict.TRUNCATED and "token budget" in g.detail
@@ -213,7 +205,7 @@ def test_an_output_cut_by_the_budget_is_truncated_not_wrong(expected, cut_output
 
 
 def test_correctness_counts_truncated_apart_from_wrong():
-    from logitdiff.consequences import Settings, changed_items, correctness_section
+    from logitdiff.flips.consequences import Settings, changed_items, correctness_section
 
     def row(iid, rv, cv, ref_cut=False, cand_cut=False):
         return {"item_id": iid, "tags": ["t"], "ref_correct": rv == "right", "cand_correct": cv == "right", "ref_verdict": rv,

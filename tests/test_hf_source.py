@@ -68,13 +68,13 @@ def _full_logits(src, ids):
         return src.model(torch.tensor([ids])).logits[0].float().numpy()
 
 
-def _log_softmax(x):
+def log_softmax(x):
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def _kl(a, b):
-    la, lb = _log_softmax(a.astype(np.float64)), _log_softmax(b.astype(np.float64))
+    la, lb = log_softmax(a.astype(np.float64)), log_softmax(b.astype(np.float64))
     return (np.exp(la) * (la - lb)).sum(-1)
 
 

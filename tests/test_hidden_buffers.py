@@ -13,7 +13,7 @@ from logitdiff.capture import capture_candidate, capture_reference
 from logitdiff.compare import compare_runs
 from logitdiff.sources import open_source
 from logitdiff.store import RunReader, aligned_blocks
-from logitdiff.storekinds import hidden as HS
+from logitdiff.store.kinds import hidden as HS
 from logitdiff.workload import read_workload
 
 V = 4096  # builtin:tiny
@@ -220,8 +220,8 @@ def test_float32_decoding_only_where_the_compare_would_convert(runs):
 def test_float32_decode_without_the_compiled_kernel(runs, monkeypatch):
     """hidden.decode into a float32 buffer where the compiled decode is absent (or another
     device runs it): the portable product's bits, widened; exceptions included."""
-    from logitdiff import hidden as Hs
-    from logitdiff import kernel
+    from logitdiff.store import hidden as Hs
+    from logitdiff.numerics import kernel
 
     full, hid, _ = runs
     h = RunReader(hid, read_ahead=False)
@@ -245,8 +245,8 @@ def test_float32_decode_without_the_compiled_kernel(runs, monkeypatch):
 def test_float32_decode_of_both_formats(dtype, compiled, monkeypatch):
     """hidden.decode into float32 for a bf16 and a float16 store, compiled or not: the 16-bit
     decode's values widened, stored exceptions included (here: every entry of one row)."""
-    from logitdiff import hidden as Hs
-    from logitdiff import kernel
+    from logitdiff.store import hidden as Hs
+    from logitdiff.numerics import kernel
 
     rng = np.random.default_rng(3)
     n, V, Hd = 5, 300, 24

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from logitdiff import kernel
+from logitdiff.numerics import kernel
 
 pytestmark = pytest.mark.skipif(
     kernel.hidden_decode(np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16), "bfloat16", 1) is None,

@@ -14,11 +14,11 @@ import threading
 import numpy as np
 import pytest
 
-from logitdiff import hidden as Hs
+from logitdiff.store import hidden as Hs
 from logitdiff.builtin import WORKLOAD
 from logitdiff.capture import capture_candidate, capture_reference
 from logitdiff.errors import LogitdiffError
-from logitdiff.sources import filecache as fc
+from logitdiff.store import filecache as fc
 from logitdiff.sources import open_source
 from logitdiff.store import RunReader
 from logitdiff.workload import read_workload

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from _models import WIDE_VOCAB, make_random_llama, make_wide_llama
-from logitdiff import hidden as Hs
+from logitdiff.store import hidden as Hs
 from logitdiff.builtin import WORKLOAD
 from logitdiff.capture import capture_candidate, capture_reference
 from logitdiff.cli import main
@@ -366,7 +366,7 @@ def test_float16_model_round_trip(tmp_path):
 
 
 def _float64_decode(block, head, dtype):
-    from logitdiff import kernel
+    from logitdiff.numerics import kernel
 
     keep = kernel.hidden_decode
     kernel.hidden_decode = lambda *a, **k: None  # the torch float64 product
@@ -378,7 +378,7 @@ def _float64_decode(block, head, dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_compiled_decode_is_the_float64_decode(dtype):
-    from logitdiff import kernel
+    from logitdiff.numerics import kernel
 
     if kernel.hidden_decode(np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16), dtype, 1) is None:
         pytest.skip("compiled kernel not built")
@@ -416,7 +416,7 @@ def test_compiled_decode_is_the_float64_decode(dtype):
 
 
 def test_compiled_decode_refuses_a_hidden_size_mismatch():
-    from logitdiff import kernel
+    from logitdiff.numerics import kernel
 
     if kernel.hidden_decode(np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16), "bfloat16", 1) is None:
         pytest.skip("compiled kernel not built")

@@ -25,7 +25,7 @@ from logitdiff import api
 from logitdiff.cli import main
 from logitdiff.contracts import VALIDATE_ENV
 from logitdiff.errors import LogitdiffError
-from logitdiff.outputs import Kind, writing
+from logitdiff.store.files import Kind, writing
 from logitdiff.store import RunItem, RunReader, RunWriter, f32_to_bf16
 from logitdiff.workload import read_workload
 
@@ -467,7 +467,7 @@ def test_resume_of_a_run_killed_before_its_manifest(tmp_path):
 def test_manifest_is_written_before_anything_else(tmp_path):
     """The order that makes every kill after the first file resumable."""
     seen = []
-    import logitdiff.outputs as outputs
+    import logitdiff.store.files as outputs
     import logitdiff.store as store
 
     real = outputs.atomic_write_bytes
@@ -791,7 +791,7 @@ def test_imported_token_ids_outside_the_vocabulary(bad, dtype, tmp_path, capsys)
 
 @pytest.mark.parametrize("bad", [-1, 16, 2**31 - 1])
 def test_imported_kld_token_block_outside_the_vocabulary(bad, tmp_path, capsys):
-    from logitdiff.importers import write_llamacpp_kld
+    from logitdiff.store.importers import write_llamacpp_kld
 
     rng = np.random.default_rng(0)
     kld = tmp_path / "base.kld"

@@ -435,7 +435,7 @@ def test_flips_and_tool_calls_columns(ladder):
 
 # ----------------------------------------------------------------------------- gates
 def test_gates_crossed_shown_in_red_per_candidate(ladder):
-    from logitdiff.gates import evaluate, parse_gates
+    from logitdiff.report.gates import evaluate, parse_gates
 
     gates = parse_gates("kl_mean>0.01, meaning_changed>0, accuracy_drop>=0.25")
     reports = [json.loads(json.dumps(ladder["reports"][d.name])) for d in ladder["dirs"]]
@@ -491,7 +491,7 @@ def _full_page(ladder):
     """The widest page a default run makes: eight candidates named as `run` names them, every
     one with flips, correctness, gates (crossed and not evaluated), both floors and the
     fields schema 1.2 adds; plus its summary.json's cross-engine floor."""
-    from logitdiff.gates import evaluate, parse_gate_options
+    from logitdiff.report.gates import evaluate, parse_gate_options
 
     base = [ladder["reports"][d.name] for d in ladder["dirs"]]
     reports, paths, rows = [], [], []
@@ -783,7 +783,7 @@ def test_pair_without_interval_says_not_evaluated():
     # --bootstrap 0 (or one item): paired_bootstrap gives no CI and no p-value; the pair cell
     # must say the ordering was not evaluated, not "cannot order" (a tested, inconclusive result)
     from logitdiff.report.html import _verdict
-    from logitdiff.stats import paired_bootstrap
+    from logitdiff.numerics.stats import paired_bootstrap
 
     r = paired_bootstrap([0.1, 0.2, 0.3], [0.5, 0.6, 0.9], n_boot=0)
     assert r["ci"] == [None, None] and r["p_two_sided"] is None
@@ -801,7 +801,7 @@ def test_pairs_use_the_reports_bootstrap_setting(ladder):
     import copy
 
     from logitdiff.report.html import load_tokens
-    from logitdiff.stats import paired_bootstrap
+    from logitdiff.numerics.stats import paired_bootstrap
 
     data = _embedded(ladder["html"], "logitdiff-data")
     assert {r["method"]["bootstrap"]["n"] for r in ladder["reports"].values()} == {200}

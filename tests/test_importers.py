@@ -9,7 +9,7 @@ from scipy.special import log_softmax
 
 from logitdiff.cli import main
 from logitdiff.errors import LogitdiffError
-from logitdiff.importers import import_llamacpp_kld, import_npz, read_kld_header, write_llamacpp_kld
+from logitdiff.store.importers import import_llamacpp_kld, import_npz, read_kld_header, write_llamacpp_kld
 from logitdiff.store import RunReader
 
 
@@ -178,9 +178,9 @@ def test_library_imports_and_merge_hold_the_output_lock_for_the_whole_call(tmp_p
     begins is refused; after the call the lock is free and nothing is left beside out."""
     import threading
 
-    import logitdiff.importers as importers
-    import logitdiff.shards as shards
-    from logitdiff.outputs import locked
+    import logitdiff.store.importers as importers
+    import logitdiff.capture.shards as shards
+    from logitdiff.store.files import locked
 
     out = tmp_path / "o" / "run"
     probes: list[str] = []
@@ -216,7 +216,7 @@ def test_library_imports_and_merge_hold_the_output_lock_for_the_whole_call(tmp_p
         write_llamacpp_kld(tmp_path / "base.kld", logits, tokens)
         import_llamacpp_kld(tmp_path / "base.kld", out)
     else:
-        from logitdiff.shards import merge_runs
+        from logitdiff.capture.shards import merge_runs
 
         merge_runs([src], out)
     assert len(probes) == 1 and "another thread of this logitdiff process" in probes[0], probes

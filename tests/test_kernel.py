@@ -1,4 +1,4 @@
-"""The compiled full-vocabulary kernel (logitdiff._kernel via logitdiff.kernel): built by the
+"""The compiled full-vocabulary kernel (logitdiff.numerics._kernel via logitdiff.numerics.kernel): built by the
 install, exact against scipy on the rows that stress it (ties, underflow, huge and tiny
 spreads, non-finite input, SIMD tails), independent of threads and chunking, reading
 bfloat16 in place. The scipy reference and tolerances are those of test_metrics.py.
@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_metrics import ATOL, RTOL, U, assert_matches, kl_error_bound, make_pair, ref_full_vocab
 
-from logitdiff import kernel
-from logitdiff.metrics import FULL_VOCAB_FIELDS, NonFiniteLogits, bfloat16_view, full_vocab
+from logitdiff.numerics import kernel
+from logitdiff.numerics.metrics import FULL_VOCAB_FIELDS, NonFiniteLogits, bfloat16_view, full_vocab
 
 NATIVE = ("native", "native-scalar")
 LN2 = math.log(2.0)

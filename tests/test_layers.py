@@ -80,7 +80,7 @@ def teacher(models):
 @pytest.fixture(scope="module")
 def gguf_f32(models):
     pytest.importorskip("llama_cpp")
-    from logitdiff.gguf_export import export_gguf
+    from logitdiff.sources.gguf_export import export_gguf
 
     return export_gguf(models["a"], models["root"] / "a-F32.gguf", "F32")
 

@@ -1,4 +1,4 @@
-"""The metric registry (logitdiff.metric_registry) is the one description of every metric:
+"""The metric registry (logitdiff.report.metric_registry) is the one description of every metric:
 its declarations are complete and point at real functions, and every surface that describes
 a metric (gates, page tooltips, report.md, assert_drift_within, README) is generated from it.
 (That every metric in a real report.json is registered and vice versa: tests/test_builtin_run.py.)"""
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from logitdiff import gates, testing
-from logitdiff.metric_registry import GATE_METRICS, METRICS, SERIES, Direction
+from logitdiff.report import gates
+from logitdiff import testing
+from logitdiff.report.metric_registry import GATE_METRICS, METRICS, SERIES, Direction
 from logitdiff.report import html
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,8 +22,8 @@ from scipy.spatial.distance import jensenshannon
 from scipy.special import log_softmax, logsumexp, rel_entr
 from scipy.stats import entropy
 
-from logitdiff import metrics
-from logitdiff.metrics import FULL_VOCAB_FIELDS, NonFiniteLogits, full_vocab, row_stats, topk
+from logitdiff.numerics import metrics
+from logitdiff.numerics.metrics import FULL_VOCAB_FIELDS, NonFiniteLogits, full_vocab, row_stats, topk
 
 LN2 = math.log(2.0)
 # The accuracy contract of full_vocab (a requirement, docs/formulas.md). Why both paths meet it
@@ -457,7 +457,7 @@ def test_full_vocab_memory_independent_of_n():
     code = textwrap.dedent(
         """
         import resource, sys, numpy as np, torch
-        from logitdiff import metrics
+        from logitdiff.numerics import metrics
         n, v = int(sys.argv[1]), 248320
         g = torch.Generator().manual_seed(0)
         zp = torch.randn(1, v, generator=g).expand(n, v)

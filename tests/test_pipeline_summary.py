@@ -21,7 +21,7 @@ from logitdiff.contracts import RUN_SUMMARY_SCHEMA, SCHEMA_VERSION, summary_json
 from logitdiff.pipeline import _cross_engine_floor, _summary_row, render_summary_md
 from logitdiff.report import build_report
 from logitdiff.store import RunReader
-from logitdiff.summarize import describe
+from logitdiff.numerics.summarize import describe
 
 V = 32
 LENS = {"a": 12, "b": 7, "c": 9}

@@ -94,7 +94,7 @@ def reference(root, items, smol_hf):
 @pytest.fixture(scope="module")
 def ladder(root, reference):
     """Candidate runs: the shipped Q4_1 and a rung requantized from it by llama.cpp."""
-    from logitdiff.quantize import quantize
+    from logitdiff.sources.quantize import quantize
     from logitdiff.sources.gguf import GGUFSource
 
     files = {"Q4_1": SMOL}
@@ -111,7 +111,7 @@ def ladder(root, reference):
 
 
 def test_reference_from_a_gguf_through_transformers(reference):
-    from logitdiff.sources.filecache import file_sha256
+    from logitdiff.store.filecache import file_sha256
 
     src, runs = reference
     assert src.vocab_size == SMOL_V and src.logits_dtype == "bfloat16"

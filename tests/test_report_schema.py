@@ -111,7 +111,7 @@ def test_outcome_and_kind_enums_match_the_schema():
     s = C.schema("report")["$defs"]
     assert tuple(s["outcome_counts"]["properties"]) == C.Outcome.ALL
     assert set(s["method"]["properties"]["kind"]["enum"]) == set(C.MethodKind.ALL)
-    from logitdiff import bounds
+    from logitdiff.numerics import bounds
 
     assert set(s["method"]["properties"]["bounds"]["enum"]) == {
         bounds.METHOD_EXACT, bounds.METHOD_COMPACT, bounds.METHOD_TOPK, bounds.METHOD_LLAMACPP}
@@ -272,7 +272,7 @@ def _schema_has(path: str) -> bool:
 def test_every_path_a_reader_reads_is_declared():
     """report.html's matrix and the gates read report.json by dotted paths: each must exist in
     the schema (a reader of a key nothing writes — the old file_size / bits_per_weight — fails here)."""
-    from logitdiff.gates import _SOURCES
+    from logitdiff.report.gates import _SOURCES
     from logitdiff.report.html import CI_OF, MATRIX
 
     paths = [p for *_, ps, _ in MATRIX for p in ps] + list(CI_OF.values())
@@ -299,7 +299,7 @@ def test_json_clean():
 
 
 def test_range_labels_and_edges():
-    from logitdiff.summarize import DEFAULT_RANGES, format_ranges, parse_ranges, range_label, range_labels
+    from logitdiff.numerics.summarize import DEFAULT_RANGES, format_ranges, parse_ranges, range_label, range_labels
 
     assert parse_ranges(format_ranges(DEFAULT_RANGES)) == DEFAULT_RANGES
     labels = range_labels(DEFAULT_RANGES)
@@ -323,9 +323,9 @@ def test_store_text_has_one_parser_and_one_formatter():
 def test_one_item_bootstrap():
     """resample_items against a direct float64 computation of the same draws; the three CI
     helpers (pooled mean, paired difference, accuracy difference) all go through it."""
-    from logitdiff.grading import paired_diff_ci
-    from logitdiff.stats import paired_bootstrap
-    from logitdiff.summarize import bootstrap_mean_ci, resample_items
+    from logitdiff.flips.grading import paired_diff_ci
+    from logitdiff.numerics.stats import paired_bootstrap
+    from logitdiff.numerics.summarize import bootstrap_mean_ci, resample_items
 
     rng = np.random.default_rng(3)
     sums, counts = rng.random(11) * 5, rng.integers(1, 9, 11).astype(float)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from logitdiff.cli import main
-from logitdiff.importers import write_llamacpp_kld
+from logitdiff.store.importers import write_llamacpp_kld
 from logitdiff.store import RunReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,7 +72,7 @@ def run_cli(argv: list[str]) -> subprocess.CompletedProcess:
 
 HOLD_LOCK = (
     "import sys, time\n"
-    "from logitdiff.outputs import locked\n"
+    "from logitdiff.store.files import locked\n"
     "with locked(sys.argv[1]):\n"
     "    print('held', flush=True)\n"
     "    time.sleep(600)\n"
@@ -362,11 +362,11 @@ WORK = {
     "capture-candidate": ("logitdiff.capture", "_candidate_rows"),
     "capture-hidden": ("logitdiff.capture", "_candidate_rows"),
     "compare": ("logitdiff.compare", "compare_runs"),
-    "import-llamacpp-kld": ("logitdiff.importers", "read_kld_header"),
-    "import-npz": ("logitdiff.importers", "import_npz"),
-    "merge": ("logitdiff.shards", "merge_runs"),
+    "import-llamacpp-kld": ("logitdiff.store.importers", "read_kld_header"),
+    "import-npz": ("logitdiff.store.importers", "import_npz"),
+    "merge": ("logitdiff.capture.shards", "merge_runs"),
     "report": ("logitdiff.report.html", "write_html"),
-    "topk-error": ("logitdiff.topk_error", "topk_error"),
+    "topk-error": ("logitdiff.compare.topk_error", "topk_error"),
     "run": ("logitdiff.pipeline", "_run_locked"),
     "layers": ("logitdiff.layers", "layer_attribution"),
     "speculate": ("logitdiff.speculation", "compare_generation"),
@@ -425,7 +425,7 @@ def test_flips_mid_work_refuses_the_next_and_finishes_complete(w, tmp_path, caps
     runs its branches is refused; the first finishes (flips.parquet, report.json's flips)."""
     rep = copy_of(w, "rep", tmp_path / "rep")
     argv = ["flips", str(rep), "--similarity", "edit"]
-    first_stopped_second_refused(("logitdiff.consequences", "analyse_report_dir"), argv, argv, rep, tmp_path / "first.log", capsys)
+    first_stopped_second_refused(("logitdiff.flips.consequences", "analyse_report_dir"), argv, argv, rep, tmp_path / "first.log", capsys)
     assert (rep / "flips.parquet").is_file() and "flips" in json.loads((rep / "report.json").read_text())
     assert sorted(os.listdir(tmp_path)) == ["first.log", "rep"]
 
@@ -438,7 +438,7 @@ def test_a_writer_mid_work_refuses_the_next_and_finishes_complete(cmd, w, tmp_pa
     commands whose work comes before their write (compare, report, topk-error, layers,
     speculate; import and merge while checking their input) took the lock only to write:
     both did the work and the last to finish replaced the other's output whole."""
-    from logitdiff.outputs import Kind, is_kind
+    from logitdiff.store.files import Kind, is_kind
 
     (tmp_path / "o").mkdir()
     out = tmp_path / "o" / ("out.file" if cmd.is_file else "out")
@@ -690,7 +690,7 @@ def test_resume_refuses_other_weights_at_the_same_path(w, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- run: one report per candidate
 def test_report_names_are_unique_and_stable():
-    from logitdiff.outputs import report_names
+    from logitdiff.store.files import report_names
 
     assert report_names(["gguf:a/model.gguf", "gguf:b/model.gguf", "builtin:tiny-Q8_0"]) == ["a-model", "b-model", "tiny-Q8_0"]
     # the same parent name too: a hash of the spec, stable across calls and orders
@@ -904,7 +904,8 @@ def test_a_failed_replacement_names_the_output_not_its_temporary(tmp_path):
     """An error raised while writing the temporary that replaces an existing output names
     the output the user asked for (the temporary is gone by then), and leaves it as it was."""
     from logitdiff.errors import LogitdiffError
-    from logitdiff.outputs import TOPK_ERROR_SCHEMA, Kind, writing
+    from logitdiff.contracts import TOPK_ERROR_SCHEMA
+    from logitdiff.store.files import Kind, writing
 
     out = tmp_path / "topk.json"
     old = json.dumps({"schema": TOPK_ERROR_SCHEMA})

@@ -21,14 +21,14 @@ pytest.importorskip("transformers")
 from scipy.special import log_softmax  # noqa: E402
 
 from _models import WIDE_VOCAB, make_wide_llama  # noqa: E402
-from logitdiff import metrics as M  # noqa: E402
+from logitdiff.numerics import metrics as M  # noqa: E402
 from logitdiff.capture import LiveRun, capture_candidate, capture_reference, select_positions  # noqa: E402
 from logitdiff.compare import compare_runs  # noqa: E402
-from logitdiff.topk_error import topk_error  # noqa: E402
+from logitdiff.compare.topk_error import topk_error  # noqa: E402
 from logitdiff.sources.hf import HFSource  # noqa: E402
 from logitdiff.store import RunReader, bf16_to_f32, rows_per_block  # noqa: E402
 from logitdiff.workload import Item  # noqa: E402
-from logitdiff.storekinds.rows import NPY_DATA_OFFSET  # noqa: E402
+from logitdiff.store.kinds.rows import NPY_DATA_OFFSET  # noqa: E402
 
 V = WIDE_VOCAB
 CHUNK = 4 << 20  # 4 rows of float32 at V = 248,320 per block; 8 bf16 rows per chunk file

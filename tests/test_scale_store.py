@@ -8,18 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from logitdiff import metrics as M
+from logitdiff.numerics import metrics as M
 from logitdiff.errors import LogitdiffError
-from logitdiff.storekinds.rows import NPY_DATA_OFFSET
-from logitdiff.store import (
-    RunItem,
-    RunReader,
-    RunWriter,
-    f32_to_bf16,
-    bf16_to_f32,
-    parse_chunk_size,
-    reblock,
-)
+from logitdiff.store.kinds.rows import NPY_DATA_OFFSET
+from logitdiff.store import RunItem, RunReader, RunWriter, f32_to_bf16, bf16_to_f32, parse_chunk_size, reblock
 
 V = 300
 SIZES = [5, 1500, 0, 3000, 7]

@@ -7,15 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from logitdiff.segments import (
-    SEGMENTS,
-    item_segments,
-    segment_labels,
-    segment_masks,
-    token_pieces,
-    vocab_scheme,
-)
-from logitdiff.summarize import by_groups
+from logitdiff.numerics.segments import SEGMENTS, item_segments, segment_labels, segment_masks, token_pieces, vocab_scheme
+from logitdiff.numerics.summarize import by_groups
 
 TINY_TOKENIZER = Path(__file__).resolve().parents[1] / "src/logitdiff/builtin/tiny/tokenizer.json"
 

@@ -17,13 +17,13 @@ import pytest
 
 from _models import make_random_llama
 from servers import free_port, llama_server, replay_server, start_or_fail, vllm_server
-from logitdiff import metrics as M
+from logitdiff.numerics import metrics as M
 from logitdiff.capture import capture_candidate, capture_reference, verified_prompts
 from logitdiff.cli import main
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
-from logitdiff.shards import merge_runs, parse_shard, shard_items
-from logitdiff.topk_error import topk_error
+from logitdiff.capture.shards import merge_runs, parse_shard, shard_items
+from logitdiff.compare.topk_error import topk_error
 from logitdiff.sources import TopKRows, open_source
 from logitdiff.sources.served import topk_row
 from logitdiff.store import RunReader
@@ -36,7 +36,7 @@ K = 32
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     d = make_random_llama(root / "m", layers=2, dtype="float32")
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     ladder = build_ladder(d, root / "cache", ["Q8_0"])
     wl = root / "wl.jsonl"
@@ -242,7 +242,7 @@ def test_llama_server_faults(env, llama, tmp_path, capsys):
         other.stop()
     # a server with another tokenizer (another vocabulary)
     od = make_random_llama(tmp_path / "other", layers=1, vocab_size=400, dtype="float32")
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     og = build_ladder(od, tmp_path / "ocache", [])["F32"]
     other = start_or_fail(llama_server, og, env["logs"])
@@ -545,7 +545,7 @@ def test_openai_spec_errors(capsys, tmp_path):
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
-    from logitdiff.shards import with_endpoints
+    from logitdiff.capture.shards import with_endpoints
 
     assert with_endpoints("openai:http://a:1,top_k=8", ["http://b:2", "http://c:3"]) == "openai:http://a:1,top_k=8,endpoints=http://b:2|http://c:3"
     with pytest.raises(LogitdiffError, match="applies to served: sources only"):
@@ -577,8 +577,8 @@ def _forced_flips(ref):
 
 
 def _branches(source, ref, cols, n=6):
-    from logitdiff.consequences import Settings, run_flips
-    from logitdiff.grading import load_similarity
+    from logitdiff.flips.consequences import Settings, run_flips
+    from logitdiff.flips.grading import load_similarity
 
     _, rows = run_flips(source, ref, cols, load_similarity("edit"), Settings(select="all", max_branches=n))
     return {(r["item_id"], r["position"]): r for r in rows}

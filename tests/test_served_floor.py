@@ -33,7 +33,7 @@ K = 16
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("servedfloor")
     d = make_random_llama(root / "m", layers=2, dtype="float32")
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     ladder = build_ladder(d, root / "cache", ["Q4_K_M"])
     wl = root / "wl.jsonl"
@@ -150,7 +150,7 @@ def test_served_floor_fields_batching_notes_and_report(tmp_path):
     no multiple."""
     from logitdiff.report import build_report
     from logitdiff.report.markdown import render_markdown
-    from logitdiff.servedfloor import floor_side, served_floor
+    from logitdiff.sources.served_floor import floor_side, served_floor
 
     rng = np.random.default_rng(3)
     z = rng.normal(0, 3, (20, 64)).astype(np.float32)
@@ -223,7 +223,7 @@ def test_reference_rows_from_its_generation(served, tmp_path, server):
     generation steps as batch mates): the same ids and log-probabilities up to the server's
     batch arithmetic."""
     from logitdiff.capture import capture_reference
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     if server == "one-slot":
         ladder = build_ladder(served["root"] / "m", served["root"] / "cache", ["Q4_K_M"])

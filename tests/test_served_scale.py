@@ -35,7 +35,7 @@ T = 40  # output tokens per item: two requests of 32 + 8 positions
 def wide(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     root = tmp_path_factory.mktemp("wide")
     d = make_wide_llama(root / "m", vocab_size=V, hidden=128, layers=2)
@@ -138,7 +138,7 @@ def test_token_text_containing_the_separator(tmp_path):
     text (checked against one /detokenize request per id, the independent reference)."""
     import httpx
 
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
     from logitdiff.sources.served import SEPARATORS
 
     evil = (f"x{SEPARATORS[0]}y", SEPARATORS[0])

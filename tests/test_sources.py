@@ -16,17 +16,8 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from logitdiff.builtin import TINY_DIR  # noqa: E402
 from logitdiff.errors import LogitdiffError  # noqa: E402
-from logitdiff.quantize import build_ladder, current_llama_log  # noqa: E402
-from logitdiff.sources import (  # noqa: E402
-    FullLogitSource,
-    RowKind,
-    TopKRows,
-    TopKSource,
-    kinds,
-    open_source,
-    register,
-    requested_threads,
-)
+from logitdiff.sources.quantize import build_ladder, current_llama_log  # noqa: E402
+from logitdiff.sources import FullLogitSource, RowKind, TopKRows, TopKSource, kinds, open_source, register, requested_threads
 from logitdiff.sources.registry import _FACTORIES  # noqa: E402
 
 
@@ -144,8 +135,8 @@ def test_openai_is_another_name_for_served():
     assert ALIASES == {"openai": "served"} and canonical_kind("openai") == "served"
     assert is_served("openai:http://h:1") and is_served("served:http://h:1") and not is_served("gguf:x") and not is_served(None)
     assert parse_options(parse_spec("openai:http://h:1,top_k=8")) == parse_options(parse_spec("served:http://h:1,top_k=8"))
-    from logitdiff.outputs import safe_name
-    from logitdiff.shards import with_endpoints
+    from logitdiff.store.files import safe_name
+    from logitdiff.capture.shards import with_endpoints
     from logitdiff.sources.registry import declared_row_kind
 
     assert declared_row_kind("openai:http://h:1") is declared_row_kind("served:http://h:1") is RowKind.TOPK

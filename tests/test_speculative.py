@@ -17,7 +17,7 @@ from servers import llama_server, start_or_fail
 from logitdiff import speculation as S
 from logitdiff.api import speculate
 from logitdiff.errors import LogitdiffError
-from logitdiff.generation import LlamaServer, Scored, Trace, parse_generation
+from logitdiff.sources.served.generate import LlamaServer, Scored, Trace, parse_generation
 
 N = 32  # tokens per item: short, but long enough for several verify batches
 ITEMS = 3
@@ -491,7 +491,7 @@ def test_declared_speculative_without_drafting_is_refused(env, servers, tmp_path
 
 def test_text_prompt_that_tokenizes_differently_is_refused(env, servers, tmp_path):
     from _models import make_random_llama
-    from logitdiff.quantize import build_ladder
+    from logitdiff.sources.quantize import build_ladder
 
     d = make_random_llama(tmp_path / "m", layers=1, dtype="float32")
     other = start_or_fail(llama_server, build_ladder(d, tmp_path / "cache", [])["F32"], env["logs"], parallel=1, threads=1)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from logitdiff.stats import adjacent_pairs, items_needed, paired_bootstrap, per_item_values
+from logitdiff.numerics.stats import adjacent_pairs, items_needed, paired_bootstrap, per_item_values
 
 
 def test_identical_inputs_cannot_be_separated():

@@ -204,7 +204,7 @@ def test_library_writers_of_one_run_are_one_at_a_time(tmp_path):
     (no CLI): the second is refused at once naming the first's pid and touches nothing (a
     second resume would remove the first's chunks not yet listed), the first finishes a
     complete run, and then the lock is free again. A constructor that fails lets go of it too."""
-    from logitdiff.outputs import lock_path
+    from logitdiff.store.files import lock_path
 
     run = tmp_path / "run"
     w = _writer(run, chunk_rows=1)
@@ -228,7 +228,7 @@ def test_library_writers_of_one_run_are_one_at_a_time(tmp_path):
     assert not lock_path(run).exists()
     with pytest.raises(LogitdiffError, match="tokenizer_hash"):
         RunWriter(run, source={"spec": "test:x"}, vocab_size=50, tokenizer_hash="other", resume=True)
-    probe = subprocess.run([sys.executable, "-c", "import sys; from logitdiff.outputs import locked\nwith locked(sys.argv[1]): pass",
+    probe = subprocess.run([sys.executable, "-c", "import sys; from logitdiff.store.files import locked\nwith locked(sys.argv[1]): pass",
                             str(run)], capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr  # the failed constructor holds nothing
 
@@ -239,7 +239,7 @@ def test_a_second_thread_is_refused_and_the_holding_thread_reenters(tmp_path):
     RunWriter it opens takes it again); after finish() the other thread may write."""
     import threading
 
-    from logitdiff.outputs import locked
+    from logitdiff.store.files import locked
 
     run = tmp_path / "run"
     w = _writer(run)
@@ -274,7 +274,7 @@ def test_a_second_live_writer_in_the_holding_thread_is_refused_an_abandoned_one_
     blocks nothing: resume in the same process goes on."""
     import gc
 
-    from logitdiff.outputs import Kind, writing
+    from logitdiff.store.files import Kind, writing
 
     run = tmp_path / "run"
     data = _items(4)
@@ -319,7 +319,7 @@ def test_an_item_ending_on_a_chunk_boundary_writes_no_empty_chunk(tmp_path, stor
     blocks whose last one fills it); before, the chunk closed at the rows and the item went
     into a chunk of its own with no rows. A RUN written that way (older versions) still reads
     back and resumes."""
-    from logitdiff.storekinds import store_kind
+    from logitdiff.store.kinds import store_kind
 
     rng = np.random.default_rng(3)
     data = [(RunItem(id=f"i{k}", prompt_ids=[1], teacher_ids=[1] * n, positions=list(range(n))),
@@ -381,8 +381,8 @@ def test_a_directory_another_writer_removed_on_letting_go_is_made_again(tmp_path
     and writes (before: "cannot write there (No such file or directory)", a line about no
     fault of B's). When B fails in turn, what it made (again) is removed too, while it still
     holds the lock."""
-    import logitdiff.outputs as outputs
-    from logitdiff.outputs import Kind, reserved, writing
+    import logitdiff.store.files as outputs
+    from logitdiff.store.files import Kind, reserved, writing
 
     out = tmp_path / "a" / "b" / "run"
     real = outputs._make_parents

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from _runs import finish_resumed
 
-import logitdiff.outputs as outputs
+import logitdiff.store.files as outputs
 from logitdiff.store import RunItem, RunReader, RunWriter
-from logitdiff.storekinds.rows import NPY_DATA_OFFSET, f32_to_bf16, npy_header_page
+from logitdiff.store.kinds.rows import NPY_DATA_OFFSET, f32_to_bf16, npy_header_page
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -210,7 +210,7 @@ def test_o_direct_refused_at_open_goes_through_the_page_cache(tmp_path, monkeypa
 
 KILLED_WRITER = textwrap.dedent("""
     import sys, numpy as np
-    import logitdiff.outputs as outputs
+    import logitdiff.store.files as outputs
     from logitdiff.store import RunItem, RunWriter
     outputs.DIRECT_STAGE_BYTES = 4096  # rows reach the file as they come, not at the chunk's end
     V, path = int(sys.argv[1]), sys.argv[2]
@@ -309,7 +309,7 @@ def test_the_staging_buffer_is_freed_when_the_writer_is_done(tmp_path, monkeypat
     import gc
     import weakref
 
-    import logitdiff.storekinds.full as full
+    import logitdiff.store.kinds.full as full
 
     made = []
     real = full.direct_stage

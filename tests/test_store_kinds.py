@@ -19,10 +19,10 @@ from scipy.special import log_softmax
 from logitdiff.cli import main
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
-from logitdiff.outputs import atomic_write_bytes
+from logitdiff.store.files import atomic_write_bytes
 from logitdiff.store import RunReader, parse_store
-from logitdiff.storekinds import STORE_KINDS, BlockPlace, RowsForm, StoreKind
-from logitdiff.storekinds.rows import bf16_to_f32
+from logitdiff.store.kinds import STORE_KINDS, BlockPlace, RowsForm, StoreKind
+from logitdiff.store.kinds.rows import bf16_to_f32
 
 LEVELS = 254  # int8 codes -127..127
 

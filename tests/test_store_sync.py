@@ -200,7 +200,7 @@ def _orphan_case(store_text):
     random head's output, with their hidden states)."""
     if store_text != "hidden":
         return {"store": store_text}, [(it, {"logits": lg}) for it, lg in (_item(0, 6), _item(1, 12), _item(2, 5))]
-    from logitdiff import hidden as Hs
+    from logitdiff.store import hidden as Hs
 
     rng = np.random.default_rng(5)
     head = Hs.round_bits(rng.normal(0, 1, (V, 16)))
@@ -295,7 +295,7 @@ def test_a_crash_while_dropping_orphan_rows_loses_no_listed_row(tmp_path, monkey
         calls["n"] += 1
         raise _Crash()
 
-    from logitdiff.storekinds.full import FullStore
+    from logitdiff.store.kinds.full import FullStore
 
     target = {"save": (FullStore, "save_chunk"), "fsync": (store, "fsync_path"),
               "manifest": (RunWriter, "_write_manifest"), "unlink": (type(run), "unlink")}[crash_at]

@@ -23,13 +23,13 @@ import json
 import numpy as np
 import pytest
 
-from logitdiff import gguf_export
+from logitdiff.sources import gguf_export
 from logitdiff.capture import capture_candidate, capture_reference
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
 from logitdiff.sources.base import tokenizer_hash_of
 from logitdiff.store import RunReader
-from logitdiff.tokenizer_identity import canonical, check
+from logitdiff.store.tokenizer_identity import canonical, check
 from logitdiff.workload import read_workload
 
 USER_TOKEN = "\u2581\u2581\u2581\u2581"  # a run of four SentencePiece spaces, as Gemma's vocabularies hold

@@ -1,4 +1,4 @@
-"""Parsing, schema checks and comparison of tool calls (logitdiff.toolcalls)."""
+"""Parsing, schema checks and comparison of tool calls (logitdiff.flips.toolcalls)."""
 
 import json
 
@@ -6,15 +6,7 @@ import pytest
 
 from _tasks import TOOLS, tool_call_text
 from logitdiff.errors import LogitdiffError
-from logitdiff.toolcalls import (
-    ToolCall,
-    check_tools_schema,
-    compare_calls,
-    normalize_string,
-    parse_tool_calls,
-    validate_call,
-    values_equal,
-)
+from logitdiff.flips.toolcalls import ToolCall, check_tools_schema, compare_calls, normalize_string, parse_tool_calls, validate_call, values_equal
 
 W = ToolCall("get_weather", {"city": "Paris", "unit": "celsius"})
 T = ToolCall("set_timer", {"minutes": 5, "label": "tea"})

@@ -1,4 +1,4 @@
-"""Executable tool checks in a sandboxed subprocess (logitdiff.toolexec), on real modules."""
+"""Executable tool checks in a sandboxed subprocess (logitdiff.flips.sandbox), on real modules."""
 
 import json
 import os
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from logitdiff.errors import LogitdiffError
-from logitdiff.toolcalls import ToolCall
-from logitdiff.toolexec import ExecResult, compare_results, execute_calls, load_check
+from logitdiff.flips.toolcalls import ToolCall
+from logitdiff.flips.sandbox import ExecResult, compare_results, execute_calls, load_check
 
 DATA = Path(__file__).parent / "data"
 TOOLS = DATA / "tools_impl.py"
@@ -307,8 +307,8 @@ def test_containment_is_reported_by_load_check_and_every_result():
 # process, makes Landlock, unshare and further seccomp filters fail the way such a platform does.
 _DEGRADE = r'''
 import ctypes, json, os, struct, sys
-from logitdiff.toolcalls import ToolCall
-from logitdiff.toolexec import execute_calls
+from logitdiff.flips.toolcalls import ToolCall
+from logitdiff.flips.sandbox import execute_calls
 L = ctypes.c_long
 libc = ctypes.CDLL(None, use_errno=True)
 ld, jeq, ret, allow = 0x20, 0x15, 0x06, 0x7FFF0000

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (at run time __getattr__ 
     from .api import capture_run, diff_runs, load_report, run, speculate
     from .contracts import Outcome, Report, RunSummary, load_summary
     from .errors import LogitdiffError
-    from .metrics import full_vocab
+    from .numerics.metrics import full_vocab
     from .sources import FullLogitSource, RowKind, Source, TopKRows, TopKSource, open_source, parse_spec
     from .store import RunReader
     from .testing import assert_drift_within
@@ -40,7 +40,7 @@ _EXPORTS = {
     "TopKSource": "sources", "RowKind": "sources", "TopKRows": "sources",
     # data
     "read_workload": "workload", "Item": "workload",
-    "RunReader": "store", "full_vocab": "metrics",
+    "RunReader": "store", "full_vocab": "numerics.metrics",
     # contracts and checks
     "Report": "contracts", "RunSummary": "contracts", "Outcome": "contracts", "load_summary": "contracts",
     "LogitdiffError": "errors", "assert_drift_within": "testing",

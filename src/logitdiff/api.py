@@ -30,7 +30,7 @@ from .errors import LogitdiffError
 if TYPE_CHECKING:  # the types only: importing the modules here would load numpy/torch on `import logitdiff.api`
     from .capture import LiveRun
     from .contracts import LayersDoc, NoiseFloor, Report, RunSummary, SpeculationReport
-    from .gates import Gate
+    from .report.gates import Gate
     from .store import RunReader
 
 Bar = Callable[[int | None, str], Callable[..., None]]
@@ -192,8 +192,8 @@ def capture_run(
     ``spec`` is a source spec (``hf:PATH``, ``gguf:PATH``, ``served:URL``, ``builtin:tiny``...).
     Returns ``out``."""
     from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
-    from .outputs import Kind, check_output
-    from .shards import parse_shard, shard_items, with_endpoints
+    from .store.files import Kind, check_output
+    from .capture.shards import parse_shard, shard_items, with_endpoints
     from .sources import applied_threads, open_source
     from .store import RunReader, parse_chunk_size, parse_store
 
@@ -317,19 +317,19 @@ def diff_runs(
     plain ``dict`` at run time: ``json.dumps``-able after ``contracts.json_clean``, and
     ``contracts.report_json(report)`` gives report.json's exact text); with ``out``, also writes the REPORT directory (report.json, tokens.parquet,
     report.md, report.html). ``gates`` (failure conditions in ``--fail-on`` syntax, or a list of
-    ``logitdiff.gates.Gate``, e.g. from ``gates.parse_gate_options(fail_on, require)``) are evaluated into the
+    ``logitdiff.report.gates.Gate``, e.g. from ``gates.parse_gate_options(fail_on, require)``) are evaluated into the
     report's ``gates`` section. ``threads``: CPU threads of the metrics (default: the CPUs
     this process may run on, ``metrics.default_threads()``). ``logprob_floor``: a stated
     lower bound (nats) on every log-probability of both models, for a finite KL upper bound
     of top-K comparisons (compare.check_floor)."""
     from .compare import DEFAULT_TOP_LOGPROBS, check_floor_value, compare_runs, served_batching
     from .contracts import ServedFloorSide
-    from .outputs import Kind, reserved
+    from .store.files import Kind, reserved
     from .report import build_report, write_report_dir
     from .report.html import render_html
     from .report.markdown import render_markdown
     from .store import RunReader, parse_chunk_size
-    from .summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
+    from .numerics.summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 
     bar = bar or _no_bar
     if not 0 <= seed < 2**63:
@@ -343,7 +343,7 @@ def diff_runs(
     check_floor_value(logprob_floor)
     gate_list = None
     if isinstance(gates, str):
-        from .gates import parse_gates
+        from .report.gates import parse_gates
 
         gate_list = parse_gates(gates)  # an empty string is an error, not "no gates"
     elif gates:
@@ -384,7 +384,7 @@ def diff_runs(
                                 device=device, chunk_bytes=chunk_bytes, threads=threads, logprob_floor=logprob_floor)
             if noise and served_batching(ref) and served_batching(nf_run):
                 # a served reference captured twice: its rerun is the served floor (servedfloor.py)
-                from .servedfloor import served_floor
+                from .sources.served_floor import served_floor
 
                 comp.served_floor = served_floor(ServedFloorSide(
                     spec=noise["spec"], batching=served_batching(nf_run), measured_by=f"compare --noise-floor: {noise['rerun']}",
@@ -399,7 +399,7 @@ def diff_runs(
         if allow_partial and (ref.is_partial or cand.is_partial):
             report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
         if gate_list:
-            from .gates import evaluate
+            from .report.gates import evaluate
 
             report["gates"] = evaluate(report, gate_list)
         if out is not None:
@@ -430,7 +430,7 @@ def layers(
     from .contracts import layers_json
     from .layers import FLOOR_NONE, FLOOR_RERUN, FLOOR_SPEC, check_layer_specs, layer_attribution
     from .report.layers import render_html, render_markdown
-    from .outputs import Kind, reserved, writing
+    from .store.files import Kind, reserved, writing
     from .sources import applied_threads, open_source
     from .store import RunReader, parse_chunk_size
 
@@ -547,8 +547,8 @@ def speculate(
 
     from ._version import __version__
     from .builtin import WORKLOAD
-    from .generation import LlamaServer
-    from .outputs import Kind, reserved, writing
+    from .sources.served.generate import LlamaServer
+    from .store.files import Kind, reserved, writing
     from .report.speculation import render_html, render_markdown, speculation_json
     from .speculation import compare_generation, prepare_prompts
     from .workload import read_workload

@@ -31,7 +31,17 @@ from typing import Any, Callable, TypedDict
 import numpy as np
 
 from .errors import LogitdiffError
-from .outputs import REPORT_SCHEMA, RUN_SUMMARY_SCHEMA
+
+# The schema ids of every file logitdiff writes (the first key of each JSON file).
+RUN_SCHEMA = "logitdiff.run/1"
+REPORT_SCHEMA = "logitdiff.report/1"
+RUN_SUMMARY_SCHEMA = "logitdiff.run-summary/1"
+TOPK_ERROR_SCHEMA = "logitdiff.topk-error/1"
+LAYERS_SCHEMA = "logitdiff.layers/1"
+SPECULATION_SCHEMA = "logitdiff.speculation/1"
+# report.html carries this in its <head>; pages written before it carried the data schema.
+HTML_GENERATOR_META = '<meta name="generator" content="logitdiff">'
+HTML_DATA_SCHEMA = "logitdiff.html-data/1"
 
 SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of report.json and summary.json; MAJOR matches REPORT_SCHEMA's "/1"
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
@@ -435,7 +445,7 @@ class SpeculationReport(TypedDict):
     """report.json of ``logitdiff speculate`` (schema ``logitdiff.speculation/1``,
     schemas/speculation.schema.json): speculation on vs off in generation mode."""
 
-    schema: str  # outputs.SPECULATION_SCHEMA
+    schema: str  # contracts.SPECULATION_SCHEMA
     schema_version: str  # SPECULATION_SCHEMA_VERSION
     tool: Tool
     created: str
@@ -687,7 +697,6 @@ def layers_json(doc: LayersDoc, where: str = "layers.json") -> str:
 
 def load_layers(path: str | Path) -> LayersDoc:
     """layers.json of a `logitdiff layers` REPORT (the directory or the file), checked."""
-    from .outputs import LAYERS_SCHEMA
 
     return _load_checked(path, "layers.json", "layers REPORT directory", LAYERS_SCHEMA, "layers")  # type: ignore[return-value]
 

@@ -10,7 +10,7 @@ vLLM's ``check_logprobs_close`` turns two logprob lists into one::
         assert_drift_within(tmp_path / "reports" / "q4", require="kl_mean<0.01, top1_disagreement<0.02")
         assert_drift_within(tmp_path / "reports" / "q4", fail_on="kl_p99>0.5")
 
-The clauses are the gates' (:mod:`logitdiff.gates`): one grammar, one meaning per name,
+The clauses are the gates' (:mod:`logitdiff.report.gates`): one grammar, one meaning per name,
 the same as the CLI's. ``fail_on=`` takes failure conditions, as ``--fail-on`` does (the
 check fails when one holds); ``require=`` takes clauses that must hold, as ``--require``
 does (the check fails when one does not). A bare clause string without either name is
@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from .gates import Gate, GateKind, evaluate, parse_gate_options
-from .metric_registry import GATE_METRICS
+from .report.gates import Gate, GateKind, evaluate, parse_gate_options
+from .report.metric_registry import GATE_METRICS
 
 if TYPE_CHECKING:
     from .contracts import Report

@@ -1,4 +1,7 @@
-"""The bundled default: a tiny Llama trained by ``training/train_tiny.py``, its workload, and its
+"""Stage *builtin*: the bundled model and workload, resolved to sources. Imports `sources` and
+below.
+
+The bundled default: a tiny Llama trained by ``training/train_tiny.py``, its workload, and its
 GGUF quant ladder built on demand.
 
 Specs:
@@ -29,15 +32,15 @@ GGUF_TYPES = ("F32", "BF16") + LADDER
 
 
 def cache_dir() -> Path:
-    """Where the ladder is built: :func:`logitdiff.quantize.default_cache_dir` (one definition)."""
-    from ..quantize import default_cache_dir
+    """Where the ladder is built: :func:`logitdiff.sources.quantize.default_cache_dir` (one definition)."""
+    from ..sources.quantize import default_cache_dir
 
     return default_cache_dir()
 
 
 def gguf_path(name: str, progress=None) -> Path:
     """Path of ``builtin:tiny-<name>``, building the ladder entry on demand."""
-    from ..quantize import build_ladder
+    from ..sources.quantize import build_ladder
 
     if name not in GGUF_TYPES:
         raise LogitdiffError(f"builtin:tiny-{name}: unknown type (expected one of {', '.join(GGUF_TYPES)})")

@@ -1,4 +1,6 @@
-"""The ``logitdiff`` command line: a thin layer over the library.
+"""Stage *cli*: the top; imports the public API and any stage, and nothing imports it.
+
+The ``logitdiff`` command line: a thin layer over the library.
 
 One module per command (``capture``, ``compare``, ``run``, ``flips``, ``speculate``, ``report``, ``merge``,
 ``topk-error``, ``import``, ``layers``), each with ``NAME``, ``HELP``, ``register(subparsers)`` and

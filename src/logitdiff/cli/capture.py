@@ -27,7 +27,7 @@ EPILOG = (
 
 def register(sub) -> None:
     from ..defaults import SCORE_BATCH
-    from ..storekinds import store_help
+    from ..store.kinds import store_help
 
     cap = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=EPILOG)
     cap.add_argument("spec", metavar="SPEC", help="source spec")

@@ -9,10 +9,7 @@ from .console import Bars, console, table_console
 
 if TYPE_CHECKING:
     from ..contracts import Report
-from .options import (
-    add_bootstrap, add_chunk_size, add_gate_options, add_logprob_floor, add_ranges, check_at_least, gate_exit,
-    parse_gate_args, parse_ranges_arg,
-)
+from .options import add_bootstrap, add_chunk_size, add_gate_options, add_logprob_floor, add_ranges, check_at_least, gate_exit, parse_gate_args, parse_ranges_arg
 
 NAME = "compare"
 HELP = "compare a candidate RUN with a reference RUN and write a REPORT directory"

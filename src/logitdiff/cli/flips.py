@@ -68,7 +68,7 @@ def register(sub) -> None:
 
     from ..defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN, flip_agreement_sentence
     from ..defaults import DEFAULT_THRESHOLDS
-    from ..toolexec import SANDBOX_HELP
+    from ..flips.sandbox import SANDBOX_HELP
 
     description = FLIPS_DESCRIPTION.replace("{agreement}", textwrap.fill(flip_agreement_sentence(), 92))
     f = sub.add_parser(NAME, help=HELP, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -103,9 +103,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..consequences import Settings, analyse_report_dir
+    from ..flips.consequences import Settings, analyse_report_dir
     from ..flips import parse_select
-    from ..outputs import Kind, is_kind, locked
+    from ..store.files import Kind, is_kind, locked
 
     settings = Settings(
         select=args.select,

@@ -38,8 +38,8 @@ def register(sub) -> None:
 
 
 def run_llamacpp(args) -> int:
-    from ..importers import import_llamacpp_kld, read_kld_header
-    from ..outputs import Kind, reserved
+    from ..store.importers import import_llamacpp_kld, read_kld_header
+    from ..store.files import Kind, reserved
 
     # locked from the start: the file's rows are all checked before the import writes
     with reserved(args.out, Kind.RUN, inputs=[args.file], overwrite=args.overwrite):
@@ -52,8 +52,8 @@ def run_llamacpp(args) -> int:
 
 
 def run_npz(args) -> int:
-    from ..importers import import_npz
-    from ..outputs import Kind, reserved
+    from ..store.importers import import_npz
+    from ..store.files import Kind, reserved
 
     with reserved(args.out, Kind.RUN, inputs=[args.file], overwrite=args.overwrite):  # locked while the file is checked
         import_npz(args.file, args.out, overwrite=args.overwrite)

@@ -28,8 +28,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..outputs import Kind, reserved
-    from ..shards import merge_runs
+    from ..store.files import Kind, reserved
+    from ..capture.shards import merge_runs
     from ..store import RunReader, parse_chunk_size
 
     chunk_bytes = parse_chunk_size(args.chunk_size)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..api import MAX_BOOTSTRAP
 from ..errors import LogitdiffError
 
-from ..gates import CROSSED_EXIT as GATES_EXIT, NOT_EVALUATED_EXIT
+from ..report.gates import CROSSED_EXIT as GATES_EXIT, NOT_EVALUATED_EXIT
 
 if TYPE_CHECKING:
     from ..contracts import Report
@@ -28,7 +28,7 @@ REQUIRE_HELP = "clauses that must hold, e.g. 'kl_mean<=0.05,top1_disagreement<=0
 
 
 def parse_ranges_arg(text: str):
-    from ..summarize import parse_ranges
+    from ..numerics.summarize import parse_ranges
 
     try:
         return parse_ranges(text)
@@ -44,7 +44,7 @@ def check_at_least(flag: str, value: int | None, low: int) -> None:
 def parse_gate_args(args):
     """The gates of ``--fail-on`` and ``--require`` (None when neither is given); an empty
     clause list or a bad clause is a one-line error."""
-    from ..gates import parse_gate_options
+    from ..report.gates import parse_gate_options
 
     fail_on, require = getattr(args, "fail_on", None), getattr(args, "require", None)
     if fail_on is None and require is None:
@@ -55,7 +55,7 @@ def parse_gate_args(args):
 def gate_exit(reports: Sequence[Report]) -> int:
     """The gates' exit status (gates.exit_status) over ``reports``, each crossed or
     not-evaluated gate printed with its candidate."""
-    from ..gates import exit_status
+    from ..report.gates import exit_status
     from .console import console
 
     sections = [(r["candidate"].get("spec") or r["candidate"].get("path"), r.get("gates")) for r in reports]
@@ -66,7 +66,7 @@ def gate_exit(reports: Sequence[Report]) -> int:
 def print_gates(con, per_candidate: list) -> None:
     """``gate crossed`` (red) and ``gate not evaluated`` (yellow, with the reason) lines for
     (candidate, report.json gates section) pairs."""
-    from ..gates import crossed_of, not_evaluated_of
+    from ..report.gates import crossed_of, not_evaluated_of
 
     for who, g in per_candidate:
         results = {x["gate"]: x for x in g.get("gates") or []}
@@ -80,13 +80,13 @@ def print_gates(con, per_candidate: list) -> None:
 
 
 def add_ranges(p) -> None:
-    from ..summarize import DEFAULT_RANGES, format_ranges
+    from ..numerics.summarize import DEFAULT_RANGES, format_ranges
 
     p.add_argument("--ranges", default=format_ranges(DEFAULT_RANGES), help="output-position range edges (default: %(default)s)")
 
 
 def add_bootstrap(p) -> None:
-    from ..summarize import DEFAULT_BOOTSTRAP
+    from ..numerics.summarize import DEFAULT_BOOTSTRAP
 
     p.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP,
                    help=f"bootstrap resamples of items for 95%% CIs, 0 (no CIs) to {MAX_BOOTSTRAP} (default: %(default)s)")

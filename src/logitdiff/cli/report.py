@@ -142,7 +142,7 @@ def _check_input(path: Path, schema: str) -> None:
 
 def _run(args) -> int:
     from ..contracts import validate
-    from ..outputs import Kind, reserved
+    from ..store.files import Kind, reserved
     from ..report.html import write_html
 
     dirs, summary = expand_report_dirs(args.report_dirs)

@@ -8,10 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..api import check_bootstrap
 from .console import Bars, console, table_console
-from .options import (
-    add_bootstrap, add_gate_options, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_gate_args,
-    parse_ranges_arg,
-)
+from .options import add_bootstrap, add_gate_options, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_gate_args, parse_ranges_arg
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -35,8 +32,8 @@ DESCRIPTION = (
 
 
 def register(sub) -> None:
-    from ..outputs import REPORT_NAMES_HELP
-    from ..toolexec import SANDBOX_HELP
+    from ..store.files import REPORT_NAMES_HELP
+    from ..flips.sandbox import SANDBOX_HELP
 
     run_p = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=SANDBOX_HELP)
     run_p.add_argument("--reference", default="builtin:tiny", help="reference spec (default: %(default)s)")
@@ -121,7 +118,7 @@ def run(args) -> int:
 def _gates_exit(summary: RunSummary, con: Console) -> int:
     """Each candidate's crossed and not-evaluated gates (summary.json) and the exit status
     they give (gates.exit_status); the values and reasons are in each report."""
-    from ..gates import CROSSED_EXIT, NOT_EVALUATED_EXIT
+    from ..report.gates import CROSSED_EXIT, NOT_EVALUATED_EXIT
 
     crossed = summary.get("gates_crossed") or {}
     missing = summary.get("gates_not_evaluated") or {}

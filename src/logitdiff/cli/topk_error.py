@@ -44,8 +44,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..compare import check_floor_value
-    from ..outputs import Kind, reserved
-    from ..topk_error import parse_ks
+    from ..store.files import Kind, reserved
+    from ..compare.topk_error import parse_ks
 
     ks = parse_ks(args.k)
     check_floor_value(args.logprob_floor)
@@ -57,8 +57,9 @@ def run(args) -> int:
 def _run(args, ks) -> int:
     from rich.table import Table
 
-    from ..outputs import TOPK_ERROR_SCHEMA, Kind, writing
-    from ..topk_error import topk_error
+    from ..contracts import TOPK_ERROR_SCHEMA
+    from ..store.files import Kind, writing
+    from ..compare.topk_error import topk_error
     from ..store import RunReader, parse_chunk_size
 
     res = topk_error(RunReader(args.run_a), RunReader(args.run_b), ks, compact_specs=args.compact or (),

@@ -1,4 +1,9 @@
-"""REPORT directories: report.json (the seed's keys and fields, extended), tokens.parquet,
+"""Stage *report*: what a reader sees — report.json and tokens.parquet (this module), report.md
+(`markdown`), report.html (`html`), the verdict lines (`verdict`), gates (`gates`), the
+metric registry (`metric_registry`), the layers and speculation pages. Imports `compare`,
+`capture`, `sources`, `store`, `numerics` and below.
+
+REPORT directories: report.json (the seed's keys and fields, extended), tokens.parquet,
 report.md. Everything is built in memory first and the files are renamed into place, so a
 failure never leaves half a report behind."""
 
@@ -14,10 +19,11 @@ import numpy as np
 from .._version import __version__
 from ..compare import Comparison
 from ..contracts import SCHEMA_VERSION, GroupStats, NoiseFloor, Report, Side, Summary, json_clean, load_report, report_json
-from ..metrics import LN2
-from ..outputs import REPORT_SCHEMA, atomic_path, atomic_write_bytes, write_error  # REPORT_SCHEMA: declared once, beside the output guard
-from ..segments import item_segments, segment_masks, vocab_scheme
-from ..summarize import DEFAULT_RANGES, by_groups, range_masks, summarize_group
+from ..numerics.metrics import LN2
+from ..contracts import REPORT_SCHEMA
+from ..store.files import atomic_path, atomic_write_bytes, write_error
+from ..numerics.segments import item_segments, segment_masks, vocab_scheme
+from ..numerics.summarize import DEFAULT_RANGES, by_groups, range_masks, summarize_group
 
 
 # Row fields of the seed report, in its order.
@@ -202,7 +208,7 @@ def build_report(
         if key in overall:
             named[key] = cast("dict[str, Any]", overall)[key]
     # Proven intervals (bounded methods): the mean of the bounds bounds the mean.
-    from ..compact import INTERVAL_COLUMNS
+    from ..store.compact import INTERVAL_COLUMNS
 
     for lo, hi in INTERVAL_COLUMNS.values():
         if lo in c and n:
@@ -221,7 +227,7 @@ def build_report(
         floor = noise_floor.get("kl_nats_mean")
         summary["kl_mean_x_noise_floor"] = (kl.mean() / floor) if (n and floor) else None
     if comp.served_floor:  # served sides captured again with other batch mates (servedfloor.py)
-        from ..servedfloor import summary_fields
+        from ..sources.served_floor import summary_fields
 
         named.update(summary_fields(float(kl.mean()) if n else None, comp.served_floor))
 
@@ -252,7 +258,7 @@ def build_report(
         "machine": machine_info(),
         "baseline": _side(comp.ref, "reference"),
         "candidate": _side(comp.cand, "candidate"),
-        "method": {  # type: ignore[typeddict-item]  # comp.method (comparemethods) holds the rest of Method's keys
+        "method": {  # type: ignore[typeddict-item]  # comp.method (compare.methods) holds the rest of Method's keys
             **comp.method,
             "bootstrap": {"resample": "items", "n": n_boot, "seed": seed, "level": 0.95},
             "ranges": list(ranges),
@@ -320,7 +326,7 @@ def write_parquet(path: Path, columns: dict[str, np.ndarray]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .. import arrow_columns as ac  # pa.array would import pandas (seconds per compare)
+    from . import arrow_columns as ac  # pa.array would import pandas (seconds per compare)
 
     first = ["item_id", "tags", "position", "token_id", "token"]
     names = first + sorted(k for k in columns if k not in first)
@@ -349,8 +355,8 @@ def write_report_dir(
 ) -> Path:
     """Write report.json, tokens.parquet, report.md (+ extras) into a temporary directory
     and swap it in: ``out`` must be new, empty or a REPORT, and none of ``inputs``
-    (see :func:`logitdiff.outputs.writing`)."""
-    from ..outputs import Kind, writing
+    (see :func:`logitdiff.store.files.writing`)."""
+    from ..store.files import Kind, writing
 
     out = Path(out)
     text = report_json(report, str(out / "report.json"))
@@ -367,7 +373,7 @@ def update_report_dir(out: str | Path, report: Report, files: dict[str, bytes], 
     """Replace report.json, add/replace ``files`` and delete ``remove`` in an existing REPORT directory.
 
     Every file is written to a temporary name first and only then renamed into place
-    (:func:`logitdiff.outputs.atomic_path`), so a failure while producing the new contents
+    (:func:`logitdiff.store.files.atomic_path`), so a failure while producing the new contents
     leaves the old report untouched.
     """
     out = Path(out)
@@ -405,7 +411,7 @@ def read_columns(report_dir: str | Path, names: Sequence[str] | None = None) -> 
         from ..errors import LogitdiffError
 
         raise LogitdiffError(f"{path}: not found (is {report_dir} a logitdiff REPORT directory?)")
-    from ..arrow_columns import to_numpy
+    from .arrow_columns import to_numpy
 
     t = pq.ParquetFile(path).read(columns=list(names) if names else None)
     return {k: to_numpy(t.column(k)) for k in t.column_names}

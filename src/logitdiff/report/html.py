@@ -36,11 +36,12 @@ from .._version import __version__
 from ..contracts import GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report
 from ..errors import LogitdiffError
 from ..defaults import flip_agreement_sentence
-from ..gates import get_path as _get
-from ..metric_registry import METRICS
-from ..outputs import HTML_DATA_SCHEMA, HTML_GENERATOR_META, Kind, writing
-from ..stats import adjacent_pairs, per_item_values
-from ..summarize import DEFAULT_BOOTSTRAP
+from .gates import get_path as _get
+from .metric_registry import METRICS
+from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META
+from ..store.files import Kind, writing
+from ..numerics.stats import adjacent_pairs, per_item_values
+from ..numerics.summarize import DEFAULT_BOOTSTRAP
 
 # Buckets of the reference's probability of its own top token.
 REF_CONF_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
@@ -61,7 +62,7 @@ VERSION_KEYS = (
     "dtype", "threads", "attn_implementation", "architecture", "arch",
 )
 
-# The tables' columns, generated from the metric registry (logitdiff.metric_registry): header,
+# The tables' columns, generated from the metric registry (logitdiff.report.metric_registry): header,
 # tooltip (meaning; unit, direction; aggregate), report.json paths and format declared there once.
 def _col(name: str, paths: bool = True) -> tuple:
     m = METRICS[name]
@@ -299,7 +300,7 @@ def load_tokens(path: str | Path) -> dict[str, np.ndarray] | None:
     path = Path(path)
     if not path.exists():
         return None
-    from ..arrow_columns import to_numpy
+    from .arrow_columns import to_numpy
 
     names = set(pq.read_schema(path).names)
     table = pq.ParquetFile(path).read(columns=[c for c in TOKEN_COLUMNS if c in names])

@@ -54,7 +54,7 @@ def render_html(doc: LayersDoc) -> str:
     import plotly.graph_objects as go
     import plotly.offline
 
-    from ..outputs import HTML_GENERATOR_META
+    from ..contracts import HTML_GENERATOR_META
 
     names = doc["geometry"]["points"]
     x = list(range(len(names)))

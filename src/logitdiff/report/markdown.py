@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from ..contracts import Column, Correctness, Flips, Outcome, Report
-from ..metric_registry import SERIES
+from .metric_registry import SERIES
 from .verdict import verdict_text
 
 
@@ -104,7 +104,7 @@ def render_markdown(report: Report) -> str:
             out.append("- **warning: within 2× of the noise floor** — this drift is not distinguishable from the "
                        "reference's own run-to-run variation")
     if s.get("served_floor"):
-        from ..servedfloor import markdown_lines
+        from ..sources.served_floor import markdown_lines
 
         out += markdown_lines(dict(s))
     sb = m.get("served_batching")
@@ -141,7 +141,7 @@ def render_markdown(report: Report) -> str:
 
 def gates_markdown(g) -> list[str]:
     """The gates section's lines: crossed (exit status 3), not evaluated (4, with the reason), or passed."""
-    from ..gates import CROSSED_EXIT, NOT_EVALUATED_EXIT, crossed_of, not_evaluated_of
+    from .gates import CROSSED_EXIT, NOT_EVALUATED_EXIT, crossed_of, not_evaluated_of
 
     if not g:
         return []

@@ -7,7 +7,7 @@ import html
 import json
 
 from ..contracts import SPECULATION_SCHEMA_VERSION, json_clean, validate, validation_on
-from ..outputs import HTML_GENERATOR_META, SPECULATION_SCHEMA
+from ..contracts import HTML_GENERATOR_META, SPECULATION_SCHEMA
 
 
 def speculation_json(report: dict, where: str = "report.json") -> str:

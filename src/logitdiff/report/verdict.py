@@ -126,7 +126,7 @@ def _truncated(report: Mapping) -> int:
 
 
 def gates_part(report: Mapping) -> tuple[str, str] | None:
-    from ..gates import crossed_of, not_evaluated_of
+    from .gates import crossed_of, not_evaluated_of
 
     g = report.get("gates")
     if not g:

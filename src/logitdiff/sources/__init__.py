@@ -1,4 +1,10 @@
-"""Sources: where next-token distributions come from, behind one small interface.
+"""Stage *sources*: the engines (transformers, llama.cpp in process, served llama-server / vLLM
+/ SGLang) behind one interface, the one llama-server client that capture, speculation and
+generation share (`served/`), GGUF export and quantization (`gguf_export`, `quantize`), and
+the served-batching floor (`served_floor`). Imports `store`, `workload`, `numerics` and the
+base modules only.
+
+Sources: where next-token distributions come from, behind one small interface.
 
 A source is named by a spec string ``KIND:TARGET[,key=value...]``:
 
@@ -31,23 +37,8 @@ in ``source.threads`` for the program's entry point (:func:`requested_threads`).
 
 from __future__ import annotations
 
-from .base import (
-    Block,
-    applied_threads,
-    FullLogitSource,
-    Generation,
-    RowKind,
-    Source,
-    Spec,
-    TopKRows,
-    TopKSource,
-    is_full,
-    is_topk,
-    parse_spec,
-    requested_threads,
-    tokenizer_hash_of,
-)
-from .filecache import file_sha256
+from .base import Block, applied_threads, FullLogitSource, Generation, RowKind, Source, Spec, TopKRows, TopKSource, is_full, is_topk, parse_spec, requested_threads, tokenizer_hash_of
+from ..store.filecache import file_sha256
 from .registry import kinds, open_source, register
 
 __all__ = [

@@ -62,7 +62,7 @@ from ..contracts import json_clean
 from .base import Block, FullLogitSource, Generation, Spec, parse_spec, tokenizer_hash_of
 from .options import parse_options
 
-_load_lock = threading.Lock()
+load_lock = threading.Lock()
 _stderr_lock = threading.Lock()  # load_vocab's sys.stderr swap, one at a time
 _PAD_RE = re.compile(r"^\[PAD(\d+)\]$")
 
@@ -82,13 +82,13 @@ def load_llama(path: str | Path, **kwargs):
     duration of the constructor only (under a lock, restored in ``finally``), and the level
     ``Llama(verbose=...)`` sets on the process-wide ``llama-cpp-python`` logger is put back.
     llama.cpp's log is quiet (errors only) during the load and the source's ``close``
-    (:func:`_llama_log_errors_only`); quieting it for everything is the entry point's choice
+    (:func:`llama_log_errors_only`); quieting it for everything is the entry point's choice
     (:func:`quiet_llama_log`)."""
     import llama_cpp
     import llama_cpp.llama_cpp as C
 
     has_field = extra_bufts_supported()
-    with _load_lock, _llama_log_errors_only():
+    with load_lock, llama_log_errors_only():
         orig = C.llama_model_default_params
 
         def no_repack_params():
@@ -109,7 +109,7 @@ def load_llama(path: str | Path, **kwargs):
 
 
 @contextlib.contextmanager
-def _llama_log_errors_only():
+def llama_log_errors_only():
     """llama.cpp's log through llama-cpp-python at error level for the duration of one call,
     then the logger's level as it was (``Llama(verbose=False)`` would leave it changed)."""
     logger = logging.getLogger("llama-cpp-python")
@@ -402,7 +402,7 @@ class GGUFSource(FullLogitSource):
         if self._token_texts is None or len(self._token_texts) != self.vocab_size:
             import llama_cpp
 
-            from .filecache import cached_json
+            from ..store.filecache import cached_json
 
             self._token_texts = cached_json("gguf.token_texts", [self.path], {
                 "llama_cpp_python": getattr(llama_cpp, "__version__", "unknown"), "vocab_size": self.vocab_size},
@@ -556,10 +556,10 @@ class GGUFSource(FullLogitSource):
     def identity(self) -> dict:
         import llama_cpp
 
-        from ..quantize import ftype_name
+        from .quantize import ftype_name
 
         if self._sha256 is None:
-            from .filecache import file_sha256_cached
+            from ..store.filecache import file_sha256_cached
 
             self._sha256 = file_sha256_cached(self.path)
         return json_clean(default=str, obj={
@@ -586,7 +586,7 @@ class GGUFSource(FullLogitSource):
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception), _load_lock, _llama_log_errors_only():
+            with contextlib.suppress(Exception), load_lock, llama_log_errors_only():
                 llm.close()
             self.llm = None
 

@@ -61,11 +61,11 @@ import numpy as np
 from ..errors import LogitdiffError
 from ..store import bf16_to_f32 as _bits_to_f32
 from .base import Block, FullLogitSource, Generation, Spec, tokenizer_hash_of
-from .filecache import file_sha256_cached
+from ..store.filecache import file_sha256_cached
 from .options import parse_options
 
 if TYPE_CHECKING:
-    from ..rowpool import RowPool
+    from ..store.rowpool import RowPool
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _TOKENIZER_FILES = (
@@ -261,7 +261,7 @@ class HFSource(FullLogitSource):
         import tokenizers
         import transformers
 
-        from .filecache import cached_json, file_identity
+        from ..store.filecache import cached_json, file_identity
 
         if self.gguf_file:
             files, others = [self.path / self.gguf_file], []
@@ -285,7 +285,7 @@ class HFSource(FullLogitSource):
         import tokenizers
         import transformers
 
-        from .filecache import cached_json
+        from ..store.filecache import cached_json
 
         # a GGUF holds its tokenizer: the file is the key (the directory may hold several).
         # The token strings' hash is in the key too: a tokenizer held in files not named in
@@ -523,7 +523,7 @@ class HFSource(FullLogitSource):
         copy. One pool per call: nothing is held once the call's blocks are gone."""
         if block < 1 or self.device.type == "cuda" or self.out_rows != self.vocab_size or not self._rows_are_head_output():
             return None
-        from ..rowpool import RowPool
+        from ..store.rowpool import RowPool
 
         return RowPool(block, self.vocab_size, np.uint16)
 
@@ -687,9 +687,9 @@ class HFSource(FullLogitSource):
     def close(self) -> None:
         vocab, self._vocab = getattr(self, "_vocab", None), None
         if vocab is not None:
-            from .gguf import _llama_log_errors_only, _load_lock
+            from .gguf import llama_log_errors_only, load_lock
 
-            with _load_lock, _llama_log_errors_only():
+            with load_lock, llama_log_errors_only():
                 vocab.close()
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ... import validate
+from ...store import validate
 from ...errors import LogitdiffError
 from ...contracts import json_clean
 from ..base import Generation, TopKRows, TopKSource, tokenizer_hash_of

@@ -1,0 +1,647 @@
+"""Drive flips and correctness for one comparison: generate, grade, classify, summarise.
+
+Inputs are the reference RUN (prompts, teacher ids, the workload items), the per-position
+columns of a comparison (``tokens.parquet`` or a live :class:`~logitdiff.compare.Comparison`)
+and an open candidate source. Outputs are plain dicts/rows: the ``flips`` and
+``correctness`` sections of report.json and the rows of ``flips.parquet`` and
+``correctness.parquet``. Writing files is left to the caller (report/ and cli).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypedDict
+
+import numpy as np
+
+from ..capture import DEFAULT_MAX_TOKENS
+from ..contracts import Correctness, Flips, MethodKind, Report
+from ..defaults import DEFAULT_MAX_BRANCHES  # noqa: F401 (re-exported)
+from ..errors import LogitdiffError
+from ..contracts import CallVerdict, Verdict
+from . import MAX_DETOUR, MAX_SHIFT, MIN_RUN, Flip, classify, end_ratio, find_flips, reference_self_consistency, select_flips, summarize_branches
+from .grading import SimilarityPolicy, call_verdict, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
+from .salient import is_code
+from ..sources import Source
+from ..store import RunItem, RunReader, first_difference
+from ..numerics.summarize import DEFAULT_RANGES
+
+from .toolcalls import ToolCall
+from ..workload import check_tools_once
+
+if TYPE_CHECKING:
+    from ..report.gates import Gate
+
+
+class _Rejoin(TypedDict):
+    """The re-join settings of flips.classify (its keywords)."""
+
+    min_run: int
+    max_shift: int
+    max_detour: int
+    end_ids: Sequence[int]
+
+
+class _Sections(TypedDict, total=False):
+    """The report sections analyse adds."""
+
+    flips: Flips
+    correctness: Correctness
+
+
+@dataclass
+class Settings:
+    select: str = "first"
+    max_branches: int | None = DEFAULT_MAX_BRANCHES
+    max_tokens: int | None = None  # branch budget; default: what is left of the item's
+    both: bool = False
+    resync: int = MIN_RUN
+    max_shift: int = MAX_SHIFT
+    max_detour: int = MAX_DETOUR
+    branch_ties: bool = False
+    seed: int = 0
+    exec_timeout: float = 5.0
+    n_boot: int = 2000
+    ranges: Sequence[int] = DEFAULT_RANGES
+
+
+def _item_json(it: RunItem) -> dict:
+    return dict(it.extra.get("item") or {"id": it.id, "tags": it.tags})
+
+
+def _budget(reader: RunReader, it: RunItem) -> int:
+    """The generation budget the reference had for this item."""
+    mt = (reader.manifest.get("settings") or {}).get("max_tokens")
+    return int(mt or _item_json(it).get("max_tokens") or DEFAULT_MAX_TOKENS)
+
+
+def hit_budget(ids: Sequence[int], budget: int, eos: set[int]) -> bool:
+    """The output used its whole token budget without an end token: cut, not finished."""
+    return len(ids) >= budget and not (ids and ids[-1] in eos)
+
+
+def changed_items(rows: Sequence[dict]) -> dict[str, tuple[str, int | None]]:
+    """Items whose graded answer or tool-call verdict differs between the free-running
+    outputs (correctness rows): item -> (what changed, where the outputs first differ)."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for r in rows:
+        change = None
+        if r.get("ref_verdict") != r.get("cand_verdict"):
+            change = f"answer {r.get('ref_verdict')} -> {r.get('cand_verdict')}"
+        elif r.get("ref_tool_call") != r.get("cand_tool_call"):
+            change = f"tool call {r.get('ref_tool_call')} -> {r.get('cand_tool_call')}"
+        if change:
+            out[r["item_id"]] = (change, r.get("first_divergence"))
+    return out
+
+
+def _strip_end(ids: Sequence[int], eos: set[int]) -> list[int]:
+    ids = list(ids)
+    while ids and ids[-1] in eos:
+        ids.pop()
+    return ids
+
+
+_MODULES_IMPORTED: set[str] = set()
+
+
+def check_items(items: Sequence[RunItem], exec_timeout: float = 10.0) -> None:
+    """Tools must be valid JSON Schema, labels must name a known check and tools modules
+    must import (sandboxed, within the timeout): fail before any work."""
+    modules = set()
+    for it in items:
+        d = _item_json(it)
+        where = f"item {it.id!r}"
+        if d.get("tools"):
+            check_tools_once(d["tools"], where)
+        if d.get("expected") is not None:
+            check_expected(d["expected"], where)
+        if d.get("tools_module"):
+            modules.add(d["tools_module"])
+    # Each module is imported (in a sandboxed subprocess) once per process, not once per
+    # candidate and step: `run` checks the same reference items for every candidate.
+    todo = sorted(modules - _MODULES_IMPORTED)
+    if todo:
+        from .sandbox import load_check
+
+        for m in todo:
+            load_check(m, timeout=exec_timeout)
+            _MODULES_IMPORTED.add(m)
+
+
+def exec_checker(item: dict, timeout: float) -> Callable | None:
+    mod = item.get("tools_module")
+    if not mod:
+        return None
+    from .sandbox import compare_results, execute_calls
+
+    def run(ref_calls: list[ToolCall], branch_calls: list[ToolCall]) -> dict:
+        a = execute_calls(mod, ref_calls, timeout=timeout)
+        b = execute_calls(mod, branch_calls, timeout=timeout)
+        same, reasons = compare_results(a, b)
+        return {
+            "same_result": same,
+            "reasons": reasons,
+            "ref": [{"ok": r.ok, "value": r.value, "error": r.error, "timed_out": r.timed_out} for r in a],
+            "branch": [{"ok": r.ok, "value": r.value, "error": r.error, "timed_out": r.timed_out} for r in b],
+            "containment": next((r.containment for r in a + b if r.containment), None),  # what held the tool processes
+        }
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# flips
+
+
+def _char_offset(text_of: Callable[[Sequence[int]], str], ids: Sequence[int], n: int | None, whole: str) -> int | None:
+    """Characters of ``whole`` (the decoded ``ids``) covered by its first ``n`` tokens."""
+    if n is None:
+        return None
+    return min(len(text_of(ids[:n])), len(whole))
+
+
+def run_flips(
+    source: Source,
+    ref: RunReader,
+    columns: dict,
+    similarity: SimilarityPolicy,
+    settings: Settings,
+    *,
+    reference_source: Source | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+    changed: dict[str, tuple[str, int | None]] | None = None,
+) -> tuple[Flips, list[dict[str, Any]]]:
+    """Branch at the selected flips; return the report section and one row per branch.
+
+    ``changed`` (:func:`changed_items`, from the correctness rows) names the items whose
+    answer or tool call changed: the flip behind each is always selected and ranked first
+    under the cap, and the section lists each with the branch taken or why none was."""
+    items = {it.id: it for it in ref.items()}
+    check_items(list(items.values()), settings.exec_timeout)
+    if settings.both and reference_source is None:
+        raise LogitdiffError("--both needs the reference as a source (pass --reference SPEC)")
+    tags_of = {i: it.tags for i, it in items.items()}
+    teacher_of: dict[str, Sequence[int]] = {i: it.teacher_ids for i, it in items.items()}
+    all_flips = find_flips(columns, tags_of, teacher_of)
+    changed = changed or {}
+    chosen, note, left_out = select_flips(all_flips, settings.select, settings.max_branches, settings.seed, settings.branch_ties,
+                                          priority={i: pos for i, (_, pos) in changed.items()})
+    if on_total:
+        on_total(len(chosen))
+    eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
+    rows: list[dict] = []
+    pending = []
+    for f in chosen:
+        it = items.get(f.item_id)
+        if it is None:
+            raise LogitdiffError(f"{ref.path}: flip at item {f.item_id!r} is not in the reference run")
+        t = f.position
+        teacher = list(it.teacher_ids)
+        if t >= len(teacher):
+            raise LogitdiffError(
+                f"{ref.path}: item {f.item_id!r} has {len(teacher)} teacher tokens, the report flips at output "
+                f"position {t}; report and run do not belong together"
+            )
+        # The teacher is the reference's greedy (incremental) output, the distributions come
+        # from one prefill: in low precision the two can pick different near-tied winners, so
+        # teacher[t] need not be top1_ref. The control is always the teacher.
+        left = _budget(ref, it) - t - 1
+        if settings.max_tokens is not None:
+            left = min(left, settings.max_tokens)
+        prefix = list(it.prompt_ids) + teacher[:t] + [f.cand_token_id]
+        cont = [] if f.cand_token_id in eos or left <= 0 else source.generate(prefix, left).token_ids
+        branch = teacher[:t] + [f.cand_token_id] + list(cont)
+        ref_out = teacher[: t + 1 + max(left, 0)]
+        alt = None
+        if settings.both and reference_source is not None:  # (--both without it was refused above)
+            alt_cont = [] if f.cand_token_id in eos or left <= 0 else reference_source.generate(prefix, left).token_ids
+            alt = teacher[:t] + [f.cand_token_id] + list(alt_cont)
+        pending.append((f, it, ref_out, branch, alt))
+        if progress:
+            progress(1)
+
+    def text(ids):
+        return source.detokenize(_strip_end(ids, eos))
+
+    ref_tails, br_tails, alt_tails = [], [], []
+    for f, it, ref_out, branch, alt in pending:
+        t = f.position
+        ref_tails.append(text(ref_out[t:]))
+        br_tails.append(text(branch[t:]))
+        alt_tails.append(text(alt[t:]) if alt is not None else "")
+    tags = [list(f.tags) for f, *_ in pending]
+    sims = similarity.score(tags, ref_tails, br_tails)
+    alt_sims = similarity.score(tags, ref_tails, alt_tails) if settings.both else None
+    words = similarity.word_similarity
+    rejoin_args = _Rejoin(min_run=settings.resync, max_shift=settings.max_shift, max_detour=settings.max_detour, end_ids=sorted(eos))
+    for k, (f, it, ref_out, branch, alt) in enumerate(pending):
+        item = _item_json(it)
+        t = f.position
+        ref_text, br_text = text(ref_out), text(branch)
+        score, sim = sims[k]
+        ends = end_ratio(ref_tails[k], br_tails[k])
+        outcome, sig = classify(
+            item=item, ref_ids=ref_out, branch_ids=branch, position=t, ref_text=ref_text,
+            branch_text=br_text, similarity=score, threshold=sim.threshold,
+            end_similarity=ends if sim.kind == "edit" else None,
+            exec_check=exec_checker(item, settings.exec_timeout), code=is_code(f.tags, ref_tails[k]), word_similarity=words, **rejoin_args,
+        )
+        # Where the flip token ends, the branch re-joined and left again, in characters of
+        # both continuations (from the flip on): the page highlights them.
+        r_ids, b_ids = ref_out[t:], branch[t:]
+        marks = {
+            "ref": [_char_offset(text, r_ids, n, ref_tails[k]) for n in (
+                1, None if sig["rejoin_ref_position"] is None else sig["rejoin_ref_position"] - t,
+                None if sig["left_ref_position"] is None else sig["left_ref_position"] - t)],
+            "branch": [_char_offset(text, b_ids, n, br_tails[k]) for n in (
+                1, None if sig["rejoin_position"] is None else sig["rejoin_position"] - t,
+                None if sig["left_position"] is None else sig["left_position"] - t)],
+        }
+        row = {
+            "item_id": f.item_id,
+            "tags": list(f.tags),
+            "position": t,
+            "ref_token_id": f.ref_token_id,
+            "cand_token_id": f.cand_token_id,
+            "ref_token": source.token_text(f.ref_token_id),
+            "cand_token": source.token_text(f.cand_token_id),
+            "p_ref": f.p_ref,
+            "p_cand": f.p_cand,
+            "margin_ref": f.margin_ref,
+            "tie": f.tie,
+            "kl_nats": f.kl_nats,
+            "outcome": outcome,
+            "decided_by": sig.get("decided_by", ""),
+            "similarity": score,
+            "similarity_kind": sim.kind,
+            "similarity_threshold": sim.threshold,
+            "rejoin_position": sig["rejoin_position"],
+            "rejoin_ref_position": sig["rejoin_ref_position"],
+            "joined_share": sig["joined_share"],
+            "left_position": sig["left_position"],
+            "left_ref_position": sig["left_ref_position"],
+            "end_ratio": ends,
+            "ref_continuation": ref_tails[k],
+            "branch_continuation": br_tails[k],
+            "marks": json.dumps(marks),
+            "branch_tokens": len(branch) - t,
+            # both outputs have the item's budget: one that used it all without an end token was cut
+            "ref_cut": hit_budget(ref_out, _budget(ref, it), eos),
+            "branch_cut": hit_budget(branch, _budget(ref, it), eos),
+            "signals": json.dumps(sig, sort_keys=True, default=str),
+        }
+        if alt is not None and alt_sims is not None:
+            a_score, a_sim = alt_sims[k]
+            o2, s2 = classify(
+                item=item, ref_ids=ref_out, branch_ids=alt, position=t, ref_text=ref_text,
+                branch_text=text(alt), similarity=a_score, threshold=a_sim.threshold,
+                end_similarity=end_ratio(ref_tails[k], alt_tails[k]) if a_sim.kind == "edit" else None,
+                code=is_code(f.tags, ref_tails[k]), word_similarity=words, **rejoin_args,
+            )
+            row["outcome_ref_from_cand_token"] = o2
+            row["ref_from_cand_continuation"] = alt_tails[k]
+        rows.append(row)
+    ties = [
+        {"item_id": f.item_id, "position": f.position, "margin_ref": f.margin_ref, "p_ref": f.p_ref,
+         "ref_token": source.token_text(f.ref_token_id), "cand_token": source.token_text(f.cand_token_id)}
+        for f in all_flips if f.tie
+    ]
+    n_pos = len(columns["position"])
+    section = summarize_branches(
+        rows, n_flips=sum(not f.tie for f in all_flips), n_positions=n_pos, note=note, similarity_name=similarity.name,
+        ranges=settings.ranges, ties=ties,
+        settings={"select": settings.select, "max_branches": settings.max_branches, "max_tokens": settings.max_tokens,
+                  "resync_tokens": settings.resync, "max_shift": settings.max_shift, "max_detour": settings.max_detour,
+                  "similarity_thresholds": similarity.thresholds, "both": settings.both, "branch_ties": settings.branch_ties},
+    )
+    section["reference_self_consistency"] = reference_self_consistency(columns, teacher_of, source.token_text)
+    section["left_out"] = {
+        "n": len(left_out), "n_items": len({f.item_id for f in left_out}),
+        "list": [{"item_id": f.item_id, "position": f.position, "kl_nats": f.kl_nats, "margin_ref": f.margin_ref}
+                 for f in left_out[:100]],
+    }
+    by_item: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_item.setdefault(r["item_id"], []).append(r)
+    flips_of: dict[str, list[Flip]] = {}
+    for f in all_flips:
+        flips_of.setdefault(f.item_id, []).append(f)
+    listed = []
+    for iid, (change, pos) in sorted(changed.items()):
+        got = by_item.get(iid)
+        if got:
+            b = next((r for r in got if r["position"] == pos), got[0])
+            listed.append({"item_id": iid, "change": change, "branched": True, "position": b["position"], "outcome": b["outcome"],
+                           "why_not": None})
+            continue
+        own = flips_of.get(iid, [])
+        if not own:
+            why = ("no flip to branch: at every scored position the candidate's teacher-forced top-1 is the written token "
+                   "(the free-running outputs part elsewhere, or where the reference's written token is not its own top-1)")
+        elif all(f.tie for f in own) and not settings.branch_ties:
+            why = "its only flips are ties at the reference (not branched; --branch-ties branches them)"
+        else:
+            why = "left out by --max-branches"
+        listed.append({"item_id": iid, "change": change, "branched": False, "position": pos, "outcome": None, "why_not": why})
+    section["changed_items"] = listed
+    section["outputs_cut"] = {
+        "n_items": len(items),
+        "reference_cut": sum(hit_budget(it.teacher_ids, _budget(ref, it), eos) for it in items.values()),
+        "n_branches": len(rows),
+        "branches_cut": sum(bool(r["branch_cut"]) for r in rows),
+    }
+    return section, rows
+
+
+# --------------------------------------------------------------------------------------------
+# correctness
+
+
+def run_correctness(
+    source: Source,
+    ref: RunReader,
+    columns: dict,
+    *,
+    settings: Settings,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> tuple[Correctness, list[dict[str, Any]]]:
+    """Grade free-running greedy outputs of both models on labelled items; count correctness flips.
+
+    The reference's free-running output is its teacher sequence; the candidate generates
+    from the same prompt ids with the same budget. A correctness flip "starts at a top-1
+    flip" when the first position where the candidate's output leaves the teacher is a
+    scored position whose top-1 differed under teacher forcing.
+    """
+    items = [it for it in ref.items() if _item_json(it).get("expected") is not None]
+    check_items(items, settings.exec_timeout)
+    if on_total:
+        on_total(len(items))
+    eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
+    # (item, position) -> top1_match, to locate where a divergence started
+    key = {(str(i), int(p)): bool(m) for i, p, m in zip(columns["item_id"], columns["position"], columns["top1_match"])}
+    rows: list[dict[str, Any]] = []
+    for it in items:
+        d = _item_json(it)
+        tools = d.get("tools") or []
+        budget = _budget(ref, it)
+        gen = source.generate(list(it.prompt_ids), budget)
+        cand_ids = list(gen.token_ids)
+        ref_ids = list(it.teacher_ids)
+        ref_text = source.detokenize(_strip_end(ref_ids, eos))
+        cand_text = source.detokenize(_strip_end(cand_ids, eos))
+        ref_cut, cand_cut = hit_budget(ref_ids, budget, eos), hit_budget(cand_ids, budget, eos)
+        gr = grade(d["expected"], ref_text, tools, where=f"item {it.id!r}", truncated=ref_cut)
+        gc = grade(d["expected"], cand_text, tools, where=f"item {it.id!r}", truncated=cand_cut)
+        div = first_difference(ref_ids, cand_ids)
+        diverged = div < max(len(ref_ids), len(cand_ids))
+        at_flip = None
+        if diverged and (it.id, div) in key:
+            at_flip = not key[(it.id, div)]
+        row = {
+            "item_id": it.id,
+            "tags": list(it.tags),
+            "check": gr.check,
+            "ref_correct": gr.correct,
+            "cand_correct": gc.correct,
+            "ref_verdict": gr.verdict,
+            "cand_verdict": gc.verdict,
+            "ref_cut": ref_cut,
+            "cand_cut": cand_cut,
+            "budget_tokens": budget,
+            "ref_detail": gr.detail,
+            "cand_detail": gc.detail,
+            "ref_output": ref_text,
+            "cand_output": cand_text,
+            "first_divergence": div if diverged else None,
+            "divergence_at_top1_flip": at_flip,
+        }
+        if tools:
+            for side, txt, cut in (("ref", ref_text, ref_cut), ("cand", cand_text, cand_cut)):
+                v = call_verdict(txt, tools, truncated=cut)
+                row[f"{side}_tool_call"] = v
+                row[f"{side}_tool_call_valid"] = v == CallVerdict.VALID
+        rows.append(row)
+        if progress:
+            progress(1)
+    return correctness_section(rows, settings), rows
+
+
+def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
+    n = len(rows)
+    r_ok = np.array([r["ref_correct"] for r in rows], dtype=bool)
+    c_ok = np.array([r["cand_correct"] for r in rows], dtype=bool)
+    # A candidate output cut by the budget is not right, but not wrong either: right->truncated
+    # is counted apart (and in McNemar's discordant pairs, which compare right with not right).
+    cut = lambda r, side: r.get(f"{side}_verdict") == Verdict.TRUNCATED  # noqa: E731
+    r2w = [r for r in rows if r["ref_correct"] and not r["cand_correct"] and not cut(r, "cand")]
+    r2t = [r for r in rows if r["ref_correct"] and not r["cand_correct"] and cut(r, "cand")]
+    w2r = [r for r in rows if not r["ref_correct"] and r["cand_correct"]]
+    flips = r2w + r2t + w2r
+    # by_tag is added last, after the optional tool-call fields: report.json's key order
+    sec: Correctness = {  # type: ignore[typeddict-item]
+        "n_labelled": n,
+        "accuracy_ref": float(r_ok.mean()) if n else None,
+        "accuracy_ref_ci": wilson_ci(int(r_ok.sum()), n),
+        "accuracy_cand": float(c_ok.mean()) if n else None,
+        "accuracy_cand_ci": wilson_ci(int(c_ok.sum()), n),
+        "accuracy_diff": float(c_ok.mean() - r_ok.mean()) if n else None,
+        "accuracy_diff_ci": paired_diff_ci(r_ok, c_ok, n_boot=settings.n_boot, seed=settings.seed),
+        "both_right": int((r_ok & c_ok).sum()),
+        "both_wrong": int((~r_ok & ~c_ok).sum()),
+        "right_to_wrong": len(r2w),
+        "wrong_to_right": len(w2r),
+        "correctness_flips": len(flips),
+        "mcnemar_p": mcnemar_exact(len(r2w) + len(r2t), len(w2r)),
+        "flips_starting_at_top1_flip": sum(1 for r in flips if r["divergence_at_top1_flip"]),
+        "flips_with_unscored_start": sum(1 for r in flips if r["divergence_at_top1_flip"] is None),
+        "method": "free-running greedy outputs graded against each item's label (an output cut by the token budget "
+        "and not right is graded truncated, not wrong); McNemar exact (binomial) test on the discordant items (right vs "
+        "not right); Wilson 95 % CIs; paired bootstrap (items) for the difference",
+        "items_right_to_wrong": [r["item_id"] for r in r2w],
+        "items_wrong_to_right": [r["item_id"] for r in w2r],
+        "budget_tokens": (lambda b: b.pop() if len(b) == 1 else None)({r["budget_tokens"] for r in rows if "budget_tokens" in r}),
+        "cut_ref": sum(bool(r.get("ref_cut")) for r in rows),
+        "cut_cand": sum(bool(r.get("cand_cut")) for r in rows),
+        "truncated_ref": sum(cut(r, "ref") for r in rows),
+        "truncated_cand": sum(cut(r, "cand") for r in rows),
+        "right_to_truncated": len(r2t),
+        "items_right_to_truncated": [r["item_id"] for r in r2t],
+    }
+    tool_rows = [r for r in rows if "ref_tool_call_valid" in r]
+    if tool_rows:
+        sec["tool_call_valid_ref"] = float(np.mean([r["ref_tool_call_valid"] for r in tool_rows]))
+        sec["tool_call_valid_cand"] = float(np.mean([r["cand_tool_call_valid"] for r in tool_rows]))
+        sec["n_tool_items"] = len(tool_rows)
+        sec["tool_call_truncated_ref"] = sum(r.get("ref_tool_call") == CallVerdict.TRUNCATED for r in tool_rows)
+        sec["tool_call_truncated_cand"] = sum(r.get("cand_tool_call") == CallVerdict.TRUNCATED for r in tool_rows)
+    by_tag: dict[str, dict] = {}
+    for r in rows:
+        for t in r["tags"] or ["(untagged)"]:
+            d = by_tag.setdefault(t, {"n": 0, "ref_correct": 0, "cand_correct": 0, "right_to_wrong": 0, "wrong_to_right": 0})
+            d["n"] += 1
+            d["ref_correct"] += int(r["ref_correct"])
+            d["cand_correct"] += int(r["cand_correct"])
+            d["right_to_wrong"] += int(r["ref_correct"] and not r["cand_correct"] and not cut(r, "cand"))
+            d["wrong_to_right"] += int(r["cand_correct"] and not r["ref_correct"])
+    for d in by_tag.values():
+        d["accuracy_ref"] = d["ref_correct"] / d["n"]
+        d["accuracy_cand"] = d["cand_correct"] / d["n"]
+    sec["by_tag"] = dict(sorted(by_tag.items()))
+    return sec
+
+
+# --------------------------------------------------------------------------------------------
+# files
+
+
+def rows_table(rows: list[dict]):
+    """A pyarrow table of branch/correctness rows (lists of strings for tags)."""
+    import pyarrow as pa
+
+    if not rows:
+        return pa.table({"item_id": pa.array([], pa.string())})
+    names = list(rows[0])
+    for r in rows[1:]:
+        names += [k for k in r if k not in names]
+    cols = {}
+    for k in names:
+        vals = [r.get(k) for r in rows]
+        if k == "tags":
+            cols[k] = pa.array(vals, type=pa.list_(pa.string()))
+        else:
+            cols[k] = pa.array(vals)
+    return pa.table(cols)
+
+
+def parquet_bytes(rows: list[dict]) -> bytes:
+    import io
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(rows_table(rows), buf)
+    return buf.getvalue()
+
+
+# tokens.parquet columns flips read (p_top1_* are optional: reports from before they existed)
+FLIP_COLUMNS = ("item_id", "position", "top1_match", "top1_ref", "top1_cand", "p_top1_ref", "p_top1_cand", "margin_ref", "kl_nats")
+
+
+def analyse(
+    source: Source,
+    ref: RunReader,
+    columns: dict,
+    similarity: SimilarityPolicy,
+    settings: Settings,
+    *,
+    reference_source: Source | None = None,
+    correctness: bool = True,
+    flips: bool = True,
+    bar: Callable[[int, str], Callable[[int], None]] | None = None,
+) -> tuple[_Sections, dict[str, bytes]]:
+    """Flips (and correctness) for one comparison: report sections and file contents."""
+    sections: _Sections = {}
+    files: dict[str, bytes] = {}
+    state: dict[str, Callable[[int], None] | None] = {}
+
+    def total(label: str) -> Callable[[int], None]:
+        def set_total(n: int) -> None:
+            state[label] = bar(n, label) if bar else None
+        return set_total
+
+    def adv(label: str) -> Callable[[int], None]:
+        def advance(n: int = 1) -> None:
+            step = state.get(label)
+            if step:
+                step(n)
+        return advance
+
+    # Correctness first: the items whose answer or tool call changed decide which flips are
+    # branched first (select_flips' priority), so none of them is dropped by the cap.
+    changed: dict[str, tuple[str, int | None]] = {}
+    if correctness:
+        csec, crow = run_correctness(source, ref, columns, settings=settings, progress=adv("correctness"),
+                                     on_total=total("correctness"))
+        if crow:
+            sections["correctness"] = csec
+            files["correctness.parquet"] = parquet_bytes(crow)
+            changed = changed_items(crow)
+    if flips:
+        sec, rows = run_flips(source, ref, columns, similarity, settings, reference_source=reference_source,
+                              progress=adv("branches"), on_total=total("branches"), changed=changed)
+        sections = {"flips": sec, **sections}  # flips first: report.json's key order
+        files["flips.parquet"] = parquet_bytes(rows)
+    return sections, files
+
+
+def analyse_report_dir(
+    report_dir: str | Path,
+    *,
+    candidate: str | None = None,
+    reference: str | None = None,
+    settings: Settings,
+    similarity: str = "auto",
+    similarity_threshold: float | None = None,
+    correctness: bool = True,
+    bar: Callable[[int, str], Callable[[int], None]] | None = None,
+    gates: Sequence[Gate] | None = None,
+) -> Report:
+    """``logitdiff flips REPORT/``: add flips (+ correctness) to an existing report."""
+    from .grading import load_similarity
+    from ..report import read_columns, read_report, update_report_dir
+    from ..report.markdown import render_markdown
+    from ..sources import applied_threads, open_source
+
+    report = read_report(report_dir)
+    if report["method"].get("kind") not in (MethodKind.FULL_VOCAB, MethodKind.TOP_K):
+        raise LogitdiffError(f"{report_dir}/report.json: field 'method.kind' is {report['method'].get('kind')!r}")
+    cols = read_columns(report_dir)
+    missing = [c for c in FLIP_COLUMNS if c not in cols and not c.startswith("p_top1")]
+    if missing:
+        raise LogitdiffError(f"{report_dir}/tokens.parquet: column {missing[0]!r} is missing")
+    ref_path = report["baseline"].get("path")
+    if not ref_path or not Path(ref_path).exists():
+        raise LogitdiffError(f"{report_dir}/report.json: field 'baseline.path' ({ref_path}) is not a reference RUN that exists here")
+    ref = RunReader(ref_path)
+    spec = candidate or report["candidate"].get("spec")
+    if not spec:
+        raise LogitdiffError(f"{report_dir}/report.json: field 'candidate.spec' is empty; pass --candidate SPEC")
+    sim = load_similarity(similarity, similarity_threshold)
+    source = open_source(spec)
+    ref_spec = reference or report["baseline"].get("spec")
+    if settings.both and not ref_spec:
+        raise LogitdiffError(f"{report_dir}/report.json: field 'baseline.spec' is empty; pass --reference SPEC for --both")
+    ref_src = open_source(ref_spec) if settings.both and ref_spec else None
+    try:
+        from ..store.tokenizer_identity import check as check_tokenizers
+
+        check_tokenizers(spec, source.tokenizer_hash, source.tokenizer_tokens, f"the reference run {ref.path}",
+                         ref.tokenizer_hash, ref.tokens())
+        with applied_threads([source] + ([ref_src] if ref_src is not None else [])):
+            sections, files = analyse(source, ref, cols, sim, settings, reference_source=ref_src, correctness=correctness, bar=bar)
+    finally:
+        source.close()
+        if ref_src is not None:
+            ref_src.close()
+    # A rerun replaces what an earlier `flips` wrote: no section or file from it survives
+    # beside the new ones (e.g. old correctness after --no-correctness, old gates).
+    report.pop("flips", None)
+    report.pop("correctness", None)
+    report.pop("gates", None)
+    report.update(sections)
+    if gates:
+        from ..report.gates import evaluate
+
+        report["gates"] = evaluate(report, list(gates))
+    files["report.md"] = render_markdown(report).encode()
+    from ..report.html import render_html
+
+    files["report.html"] = render_html([report], [cols], paths=[str(report_dir)]).encode()
+    stale = [n for n in ("flips.parquet", "correctness.parquet") if n not in files]
+    update_report_dir(report_dir, report, files, remove=stale)
+    return report

@@ -1,0 +1,493 @@
+"""Stage *pipeline*: the `logitdiff run` job — reference, floors, candidates, comparisons,
+flips and reports in one go (this module). Imports every stage below it; only `api` and
+`cli` import it.
+
+`logitdiff run`: reference capture, noise floor, candidates, one report each, a summary.
+
+    reference  --capture (greedy, then teacher-forced distributions)-->  OUT/runs/reference
+    reference again, teacher-forced            --> noise floor (reproducibility; when that rerun
+                                                   is bit-identical, a rerun with other batch mates)
+    each candidate, teacher-forced, scored live --> OUT/reports/<candidate>/
+    all candidates                              --> OUT/summary.json, OUT/summary.md
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, cast
+
+import numpy as np
+
+from ..capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, preflight_tokenization
+from ..compare import DEFAULT_TOP_LOGPROBS, compare_runs
+from ..defaults import DEFAULT_MAX_BRANCHES
+from ..contracts import SCHEMA_VERSION, CandidateRow, Column, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
+from ..errors import LogitdiffError
+from ..contracts import RUN_SUMMARY_SCHEMA
+from ..store.files import Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
+from ..report import build_report, noise_floor_section, write_report_dir
+from ..report.markdown import render_markdown
+from ..sources.served_floor import SHIFT_TEXT, floor_side, is_served, served_floor
+from ..sources import applied_threads, open_source
+from ..store import ResumeMismatch, RunReader
+from ..numerics.summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
+from ..workload import read_workload
+
+
+def default_candidates() -> list[str]:
+    from ..builtin import LADDER
+
+    return ["builtin:tiny-BF16"] + [f"builtin:tiny-{q}" for q in LADDER]
+
+
+@dataclass
+class RunConfig:
+    reference: str = "builtin:tiny"
+    candidates: list[str] = field(default_factory=default_candidates)
+    workload: str | None = None
+    out: str = "logitdiff-out"
+    max_tokens: int | None = None
+    positions: str = "all"
+    noise_floor: bool = True
+    bootstrap: int = DEFAULT_BOOTSTRAP
+    seed: int = 0
+    ranges: tuple[int, ...] = DEFAULT_RANGES
+    top_logprobs: int = DEFAULT_TOP_LOGPROBS
+    fresh: bool = False
+    # what the flips do, and correctness (budgeted: the default run stays within minutes)
+    flips: bool = True
+    flip_select: str = "first"
+    max_branches: int = DEFAULT_MAX_BRANCHES
+    correctness: bool = True
+    similarity: str = "auto"
+    html: bool = True
+    gates: list | None = None  # logitdiff.report.gates.Gate; crossed gates are listed in summary.json
+    logprob_floor: float | None = None  # stated floor for top-K (served) candidates: compare.check_floor
+    # "auto": hidden (hidden.py: the logits bit for bit from the hidden states, ~2H bytes a
+    # position) for a bf16/f16 transformers reference whose logits are its head's output,
+    # full otherwise; or "full"/"hidden" explicitly (capture.reference_store_for)
+    reference_store: str = "auto"
+
+
+class Hooks:
+    """Progress callbacks; the CLI passes rich-backed ones."""
+
+    def stage(self, text: str) -> None:  # pragma: no cover - trivial
+        pass
+
+    def bar(self, total: int, text: str) -> Callable[[int], None]:  # pragma: no cover - trivial
+        def advance(n: int = 1) -> None:
+            pass
+
+        return advance
+
+    def done(self) -> None:  # pragma: no cover - trivial
+        pass
+
+
+def _workload_path(cfg: RunConfig) -> Path:
+    if cfg.workload:
+        return Path(cfg.workload)
+    from ..builtin import WORKLOAD
+
+    return WORKLOAD
+
+
+def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks, prefetch=None) -> RunReader:
+    """Capture the reference, or reuse/resume a matching capture in OUT/runs/reference.
+
+    ``prefetch``: a served candidate source whose scoring of each generated block starts while
+    the reference generates the next one (ServedSource.prefetch; a fresh capture only: a
+    resumed block keeps its stored tokens)."""
+    path = Path(cfg.out) / "runs" / "reference"
+    want = {"workload_sha256": wl_hash, "spec": cfg.reference, "max_tokens": cfg.max_tokens, "positions": cfg.positions,
+            "store": cfg.reference_store}
+    resume = False
+    if is_kind(path, Kind.RUN) and not cfg.fresh:
+        m = json.loads((path / "manifest.json").read_text())
+        have = {"workload_sha256": m["settings"].get("workload_sha256"), "spec": m["source"]["spec"],
+                "max_tokens": m["settings"].get("max_tokens"), "positions": m["settings"].get("positions"),
+                "store": m["settings"].get("store")}
+        if cfg.reference_store == "auto" and have["store"] in ("full", "hidden"):
+            have["store"] = "auto"  # what auto picks depends only on the spec, compared above
+        if have == want:
+            if m.get("status") == "complete":
+                hooks.stage(f"reference: reusing {path}")
+                return RunReader(path)
+            resume = True
+    hooks.stage(f"reference: {cfg.reference} generating greedily on {len(items)} items")
+    with open_source(cfg.reference) as src, applied_threads([src]):
+        # another server only, and by default another host (ServedSource.scores_ahead_of)
+        if prefetch is not None and not resume and hasattr(src, "on_generated") and prefetch.scores_ahead_of(src):
+            src.on_generated = prefetch.prefetch
+        advance = hooks.bar(len(items), "reference")
+        settings = {"workload_sha256": wl_hash, "workload": str(_workload_path(cfg))}
+        try:
+            capture_reference(src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, resume=resume,
+                              overwrite=not resume, settings=settings, progress=advance, inputs=[_workload_path(cfg)],
+                              store=cfg.reference_store)
+        except ResumeMismatch as e:
+            # The partial capture was made with another model or settings: start again
+            # rather than mix the two (the old one is replaced only when the new is whole).
+            hooks.stage(f"reference: not resuming ({str(e).split('cannot resume, ', 1)[-1]}); capturing afresh")
+            capture_reference(src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, overwrite=True,
+                              settings=settings, progress=hooks.bar(len(items), "reference"), inputs=[_workload_path(cfg)],
+                              store=cfg.reference_store)
+    return RunReader(path)
+
+
+def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> RunSummary:
+    hooks = hooks or Hooks()
+    wl_path = _workload_path(cfg)
+    names = report_names(cfg.candidates)
+    out = Path(cfg.out)
+    # OUT is new, empty or an earlier run's OUT; each report dir in it new or a REPORT.
+    check_output(out, Kind.RUN_OUT, inputs=[wl_path], resume=True)
+    for name in names:
+        check_output(out / "reports" / name, Kind.REPORT)
+    items = read_workload(wl_path)
+    # One `run` per OUT at a time; a new OUT that fails is removed, an interrupted one kept
+    # (its reference capture resumes).
+    with writing(out, Kind.RUN_OUT, inputs=[wl_path], resume=True, in_place_when_new=True):
+        return _run_locked(cfg, hooks, wl_path, items, names)
+
+
+def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str]) -> RunSummary:
+    import contextlib
+
+    with contextlib.ExitStack() as opened:  # a source opened ahead is closed whatever happens
+        return _run_opened(cfg, hooks, wl_path, items, names, opened)
+
+
+def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], opened) -> RunSummary:
+    t0 = time.time()
+    wl_hash = hashlib.sha256(wl_path.read_bytes()).hexdigest()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _prebuild_builtin_ladder(cfg, hooks)  # before the preflight, which renders with those GGUFs
+    hooks.stage("preflight: each candidate tokenizes every prompt as the reference does")
+    preflight_tokenization(cfg.reference, cfg.candidates, items)  # seconds, not after the reference capture
+    # A served reference and a served (first) candidate: the candidate is opened first and
+    # scores each reference block (another server) while the reference generates the next.
+    early = None
+    first_served = next((c for c in cfg.candidates if is_served(c)), None)
+    if is_served(cfg.reference) and first_served is not None:
+        early = opened.enter_context(open_source(first_served))
+    ref = _reference_run(cfg, items, wl_hash, hooks, prefetch=early)
+    n_pos = sum(len(it.positions) for it in ref.items())
+
+    def score(spec: str, label: str, after=None, offset: int = 0):
+        with open_source(spec) as src, applied_threads([src]):
+            live = LiveRun(src, ref, offset=offset)
+            advance = hooks.bar(n_pos, label)
+            comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance, logprob_floor=cfg.logprob_floor)
+            return comp, (after(src, comp) if after else None)
+
+    def served_candidate(spec: str, name: str, opened=None):
+        """A served candidate: captured into OUT/runs/<name> (top-K), compared from there,
+        then scored again live with other batch mates against that capture: its floor.
+        ``opened``: the source, already open (and prefetched on the reference's blocks)."""
+        run_dir = out / "runs" / f"candidate-{name}"
+        with (opened or open_source(spec)) as src, applied_threads([src]):
+            hooks.stage(f"candidate: {spec} -> {run_dir}")
+            capture_candidate(src, ref, run_dir, overwrite=True, progress=hooks.bar(len(ref.items()), name))
+            cand = RunReader(run_dir)
+            comp = compare_runs(ref, cand, top_logprobs=cfg.top_logprobs, progress=hooks.bar(n_pos, f"{name}: compare"),
+                                logprob_floor=cfg.logprob_floor)
+            cand_floor = None
+            if cfg.noise_floor:
+                hooks.stage(f"served floor: {spec} scored again with batch boundaries moved by {shift} items")
+                again = compare_runs(cand, LiveRun(src, ref, offset=shift), top_logprobs=cfg.top_logprobs,
+                                     progress=hooks.bar(n_pos, f"{name}: served floor"))
+                cand_floor = floor_side(again, spec=spec, batching=getattr(src, "batching", None), shift=shift)
+            comp.served_floor = served_floor(ref_floor, cand_floor)
+            return comp, consequences(src, comp)
+
+    similarity = None
+    if cfg.flips or cfg.correctness:
+        from ..flips.grading import load_similarity
+
+        similarity = load_similarity(cfg.similarity)
+
+    def consequences(src, comp):
+        if not (cfg.flips or cfg.correctness):
+            return {}, {}
+        # imported only here: flips and grading (jsonschema, tool calls) are a third of the
+        # import time of a run that does neither
+        from ..flips.consequences import Settings, analyse
+
+        assert similarity is not None  # loaded above whenever flips or correctness is on
+        fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
+        return analyse(src, ref, comp.columns, similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
+                       bar=lambda n, label: hooks.bar(n, label))
+
+    noise: NoiseFloor | None = None
+    ref_floor = None  # the served reference's floor (servedfloor.py)
+    shift = SCORE_BATCH // 2
+    if cfg.noise_floor and is_served(cfg.reference):
+        # A served reference: its rerun has other batch mates by construction (the server's
+        # rounds), the floor a served comparison is read against.
+        hooks.stage(f"served floor: {cfg.reference} scored again with batch boundaries moved by {shift} items")
+        nf, batching = score(cfg.reference, "served floor", offset=shift, after=lambda src, comp: getattr(src, "batching", None))
+        ref_floor = floor_side(nf, spec=cfg.reference, batching=batching, shift=shift)
+        noise = noise_floor_section(nf, spec=cfg.reference, rerun="served: " + SHIFT_TEXT.format(shift=shift))
+    elif cfg.noise_floor:
+        hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
+        nf, _ = score(cfg.reference, "noise floor")
+        noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun, same batch layout (blocks of {SCORE_BATCH} items)")
+        if identical_distributions(nf):
+            # A deterministic backend reruns bit-identically (CPU): that says nothing about its
+            # numerical noise. Other batch mates (what --resume, --shard or a server's batching
+            # give) change the float rounding of a batched backend: that is the floor.
+            shift = SCORE_BATCH // 2
+            hooks.stage(f"noise floor: the rerun is bit-identical; rerun with batch boundaries moved by {shift} items")
+            nf, _ = score(cfg.reference, "noise floor, other batch mates", offset=shift)
+            noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun with batch boundaries moved by {shift} items "
+                                        "(other batch mates); the plain rerun is bit-identical")
+            if identical_distributions(nf):
+                noise["rerun"] += ("; bit-identical with other batch mates too: on this workload the backend's numbers do "
+                                   "not depend on the batch (llama.cpp, for one, scores each sequence alone), so x noise floor "
+                                   "is undefined")
+    rows: list[CandidateRow] = []
+    for spec, name in zip(cfg.candidates, names):
+        hooks.stage(f"candidate: {spec}")
+        if is_served(spec):
+            comp, (sections, files) = served_candidate(spec, name, opened=early if spec == first_served else None)
+            if spec == first_served:
+                early = None
+        else:
+            comp, (sections, files) = score(spec, name, consequences)
+            comp.served_floor = served_floor(ref_floor, None)
+        report, columns = build_report(comp, ranges=cfg.ranges, n_boot=cfg.bootstrap, seed=cfg.seed, noise_floor=noise)
+        report["baseline"]["spec"] = cfg.reference
+        report.update(sections)
+        if cfg.gates:
+            from ..report.gates import evaluate
+
+            report["gates"] = evaluate(report, cfg.gates)
+        rdir = out / "reports" / name
+        write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files, inputs=[wl_path])
+        rows.append(_summary_row(spec, report, rdir, noise))
+        if "served_floor" in report["summary"]:
+            rows[-1]["x_served_floor"] = report["summary"]["kl_mean_x_served_floor"]
+            rows[-1]["within_2x_served_floor"] = report["summary"]["within_2x_served_floor"]
+    cross_engine = _cross_engine_floor(rows, cfg.reference)
+    summary: RunSummary = {
+        "schema": RUN_SUMMARY_SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "reference": cfg.reference,
+        "workload": str(wl_path),
+        "workload_sha256": wl_hash,
+        "items": len(items),
+        "positions": n_pos,
+        "noise_floor": noise,
+        "cross_engine_floor": cross_engine,
+        "candidates": rows,
+        "seconds": round(time.time() - t0, 1),
+    }
+    if cfg.gates:
+        summary["gates"] = [g.text for g in cfg.gates]
+        summary["gates_crossed"] = {r["name"]: r["gates_crossed"] for r in rows if r.get("gates_crossed")}
+        summary["gates_not_evaluated"] = {r["name"]: r["gates_not_evaluated"] for r in rows if r.get("gates_not_evaluated")}
+    atomic_write_bytes(out / "summary.json", summary_json(summary, str(out / "summary.json")).encode())
+    atomic_write_bytes(out / "summary.md", render_summary_md(summary).encode())
+    if cfg.html:
+        from ..report import write_candidate_page
+        from ..report.html import write_html
+
+        hooks.stage("report.html: every candidate on one page, and each candidate's own in reports/<name>/")
+        write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
+        if len(rows) == 1:
+            # one candidate: its own page is the run's page (the same report, tokens, summary
+            # and path rendered), written once and copied, not rendered twice
+            atomic_write_bytes(Path(rows[0]["report"]) / "report.html", (out / "report.html").read_bytes())
+        else:
+            for r in rows:
+                write_candidate_page(r["report"], summary)
+    hooks.done()
+    return summary
+
+
+def identical_distributions(comp) -> bool:
+    """Same distributions at every position (identical rows give exactly 0 both ways)."""
+    c = comp.columns
+    return not (np.any(c["kl_nats"]) or np.any(c.get("kl_rev_nats", 0))) and bool(np.all(c["top1_match"]))
+
+
+def _prebuild_builtin_ladder(cfg: RunConfig, hooks: Hooks) -> None:
+    """Build the bundled model's GGUFs up front, with progress, into the hash-keyed cache."""
+    names = [c.split(",")[0][len("builtin:tiny-"):] for c in cfg.candidates if c.startswith("builtin:tiny-")]
+    if not names:
+        return
+    from ..builtin import LADDER, TINY_DIR, cache_dir
+    from ..sources.quantize import build_ladder
+
+    quants = [n for n in names if n in LADDER]
+    hooks.stage(f"GGUF ladder of the bundled model (F32, BF16, {', '.join(quants) or 'no quants'}) in {cache_dir()}")
+    advance = hooks.bar(2 + len(quants), "ladder")
+
+    def progress(name, index, total, status):
+        if status in ("built", "cached"):
+            advance(1)
+
+    build_ladder(TINY_DIR, cache_dir(), quants, progress=progress)
+
+
+def _cross_engine_floor(rows: list[CandidateRow], reference: str) -> CrossEngineFloor | None:
+    """The cross-engine floor: the reference's own weights in another engine (BF16 GGUF in
+    the default run). A bit-identical rerun gives a noise floor of 0, so this is the floor
+    that says which drift is the quantization's and which the engine's. Sets each row's
+    x_cross_engine_floor (None without a floor, or for a row without a mean KL)."""
+    xf = next((r for r in rows if r["name"].upper().endswith("BF16") and r["candidate"] != reference), None)
+    xf_mean = xf["kl_mean"] if xf else None  # None: the BF16 run scored no positions, no floor
+    for r in rows:
+        kl_mean = r["kl_mean"]
+        r["x_cross_engine_floor"] = (kl_mean / xf_mean) if (xf_mean and kl_mean is not None) else None
+    return {"candidate": xf["candidate"], "kl_nats_mean": xf_mean} if xf and xf_mean is not None else None
+
+
+def _summary_row(spec: str, report: Report, rdir: Path, noise: NoiseFloor | None) -> CandidateRow:
+    s = report["summary"]
+    m = s["metrics"]
+    kl, js, kl_rev = m["kl_nats"], m.get("jsd_nats"), m.get("kl_rev_nats")  # a top-K (served) comparison has no JSD estimate
+    kl_mean = kl["mean"]  # None: no positions scored
+    t1 = s["top1_disagreement"]  # None: no positions scored
+    floor = noise["kl_nats_mean"] if noise else None
+    # x_cross_engine_floor is missing on purpose: run() sets it once every row is known, and it
+    # stays the last key of a row (summary.json's bytes)
+    row: CandidateRow = {  # type: ignore[typeddict-item]
+        "candidate": spec,
+        "name": rdir.name,
+        "report": str(rdir),
+        "kl_mean": kl_mean,
+        "kl_mean_ci95": kl["ci95"],
+        "kl_p99": kl["p99"],
+        "kl_max": kl["max"],
+        "kl_rev_mean": kl_rev["mean"] if kl_rev else None,
+        "jsd_mean": js["mean"] if js else None,
+        "top1_disagreement": t1["rate"] if t1 else None,
+        "top1_disagreement_ci95": t1["ci95"] if t1 else [None, None],
+        "ppl_ratio": s.get("ppl_ratio"),
+        "x_noise_floor": (kl_mean / floor) if (floor and kl_mean is not None) else None,
+        "within_2x_noise_floor": bool(floor) and kl_mean is not None and kl_mean <= 2 * floor,
+    }
+    # the optional columns, keys built in _consequence_cols: written through a plain view
+    extra = cast("dict[str, Any]", row)
+    extra.update(_consequence_cols(report))
+    gates = report.get("gates")
+    if gates:
+        extra.update(gates_crossed=gates["crossed"], gates_not_evaluated=gates.get("not_evaluated", []))
+    return row
+
+
+def _consequence_cols(report: Report) -> dict:
+    out: dict = {}
+    f = report.get("flips")
+    if f:
+        out["flip_branches"] = f["n_branches"]
+        out["flip_ties"] = f.get("n_ties", 0)
+        out["flip_outcomes"] = f["outcomes"]
+        out["flips_consequential"] = sum(f["outcomes"][o] for o in Outcome.BAD)
+    c = report.get("correctness")
+    if c:
+        out.update(
+            accuracy_ref=c["accuracy_ref"], accuracy_cand=c["accuracy_cand"], right_to_wrong=c["right_to_wrong"],
+            wrong_to_right=c["wrong_to_right"], mcnemar_p=c["mcnemar_p"], tool_call_valid_cand=c.get("tool_call_valid_cand"),
+        )
+    return out
+
+
+def _f(x, spec=".4g"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def _pct(x, spec=".2f"):
+    """A share as a percentage; n/a when undefined (no positions scored, no labelled items)."""
+    return "n/a" if x is None else f"{100 * x:{spec}} %"
+
+
+def render_summary_md(summary: RunSummary) -> str:
+    nf = summary.get("noise_floor")
+    lines = [
+        f"# logitdiff run: drift from `{summary['reference']}`\n",
+        f"- workload: `{summary['workload']}` ({summary['items']} items, {summary['positions']} teacher-forced positions)",
+    ]
+    if nf:
+        lines.append(
+            f"- noise floor ({nf.get('rerun') or 'reference rerun'}): mean KL {_f(nf['kl_nats_mean'])} nats, top-1 disagreement "
+            f"{100 * nf['top1_disagreement']:.2f} %" + (" — the rerun is bit-identical, so × floor is undefined" if nf["kl_nats_mean"] == 0 else "")
+        )
+    xf = summary.get("cross_engine_floor")
+    if xf:
+        lines.append(f"- cross-engine floor (same weights, other engine): `{xf['candidate']}`, mean KL {_f(xf['kl_nats_mean'])} nats")
+    lines += [
+        "",
+        f"| candidate | {Column.NAME['kl_mean']} (nats) | 95 % CI | {Column.NAME['kl_p99']} | {Column.NAME['jsd_mean']} | "
+        f"{Column.NAME['top1_disagreement']} | 95 % CI | {Column.NAME['ppl_ratio']} | {Column.NAME['x_noise_floor']} | "
+        f"{Column.NAME['x_cross_engine_floor']} |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in summary["candidates"]:
+        ci, tci = r["kl_mean_ci95"], r["top1_disagreement_ci95"]
+        lines.append(
+            f"| `{r['candidate']}` | {_f(r['kl_mean'])} | [{_f(ci[0])}, {_f(ci[1])}] | {_f(r['kl_p99'])} | {_f(r['jsd_mean'])} | "
+            f"{_pct(r['top1_disagreement'])} | [{_pct(tci[0])}, {_pct(tci[1])}] | {_f(r['ppl_ratio'], '.5f')} | "
+            f"{_f(r['x_noise_floor'], '.3g')} | {_f(r.get('x_cross_engine_floor'), '.3g')} |"
+        )
+    served = [r for r in summary["candidates"] if "x_served_floor" in r]
+    if served:
+        lines += ["", "Served floor (each served side scored again with other batch mates; see each report):", ""]
+        for r in served:
+            lines.append(f"- `{r['candidate']}`: {_f(r['x_served_floor'], '.3g')} × served floor"
+                         + (" — **within 2×: not distinguishable from the servers' batch arithmetic**"
+                            if r["within_2x_served_floor"] else ""))
+    if any("flip_branches" in r or "accuracy_cand" in r for r in summary["candidates"]):
+        lines += [
+            "",
+            "What the drift does (free-running answers and branches from top-1 flips; see each report):",
+            "",
+            f"| candidate | {Column.NAME['flip_branches']} | " + " | ".join(o.replace("_", " ") for o in Outcome.ALL) + " | "
+            + " | ".join(Column.NAME[k] for k in ("flip_ties", "accuracy", "right_to_wrong", "wrong_to_right", "mcnemar_p",
+                                                   "tool_call_valid_cand")) + " |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in summary["candidates"]:
+            o = r.get("flip_outcomes") or {}
+            acc = (f"{_pct(r.get('accuracy_ref'), '.1f')} → {_pct(r['accuracy_cand'], '.1f')}" if r.get("accuracy_cand") is not None else "n/a")
+            lines.append(
+                f"| `{r['candidate']}` | {r.get('flip_branches', 'n/a')} | "
+                + " | ".join(str(o.get(k, "n/a")) for k in Outcome.ALL)
+                + f" | {r.get('flip_ties', 'n/a')} | {acc} | {r.get('right_to_wrong', 'n/a')} | {r.get('wrong_to_right', 'n/a')} | {_f(r.get('mcnemar_p'), '.3g')} | "
+                + _pct(r.get("tool_call_valid_cand"), ".0f") + " |"
+            )
+    if summary.get("gates"):
+        crossed = summary.get("gates_crossed") or {}
+        missing = summary.get("gates_not_evaluated") or {}
+        said = [f"`{n}` crossed {', '.join(g)}" for n, g in crossed.items()]
+        said += [f"`{n}`: not evaluated (metric not in its report) {', '.join(g)}" for n, g in missing.items()]
+        lines.append(f"\nGates `{', '.join(summary['gates'])}`: " + ("; ".join(said) if said else "every candidate passed") + ".")
+    lines.append(f"\nOne report per candidate under `reports/`. Wall time {summary['seconds']} s.\n")
+    return "\n".join(lines)
+
+
+def check_specs(cfg: RunConfig) -> None:
+    if not cfg.candidates:
+        raise LogitdiffError("logitdiff run: no candidates (pass --candidate SPEC)")
+    from ..compare import check_floor_value
+
+    check_floor_value(cfg.logprob_floor)
+    if cfg.logprob_floor is not None:
+        # refused before the reference capture, not after it (compare.check_floor): a floor
+        # bounds top-K comparisons, and two full-logit sides make an exact one
+        from ..sources.base import RowKind
+        from ..sources.registry import declared_row_kind
+
+        if declared_row_kind(cfg.reference) == RowKind.FULL:
+            full = [c for c in cfg.candidates if declared_row_kind(c) == RowKind.FULL]
+            if full:
+                raise LogitdiffError(f"--logprob-floor applies to top-K comparisons (served candidates, served:...); "
+                                     f"{full[0]} gives full logits, compared exactly with the reference {cfg.reference}")

@@ -1,0 +1,107 @@
+"""The rules an item's fields are checked by when a workload is read: its ``expected``
+label names exactly one check, its ``tools`` are valid JSON Schema. Grading an output against
+a label (logitdiff.flips.grading) and parsing tool calls (logitdiff.flips.toolcalls) build on
+these; the workload reader needs only them."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
+
+from ..errors import LogitdiffError
+
+CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls")
+
+
+def json_type(v: Any) -> str:
+    """JSON type name of a decoded value, for messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    return "object" if isinstance(v, dict) else type(v).__name__
+
+
+def function_of(tool: Any) -> dict | None:
+    """The function object of an OpenAI tool entry, or a bare ``{"name", "parameters"}``."""
+    if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+        return tool["function"]
+    return tool if isinstance(tool, dict) and "name" in tool else None
+
+
+def one_line(s: str, limit: int = 200) -> str:
+    s = " ".join(str(s).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+# A function without "parameters" takes no arguments (OpenAI's rule).
+NO_PARAMS = {"type": "object", "properties": {}}
+
+
+def check_tools_schema(tools: list[dict], where: str) -> None:
+    """Raise :class:`LogitdiffError` unless every tool has a unique ``function.name`` string and
+    its ``parameters`` (when given) is a JSON object that is valid JSON Schema for its draft
+    (``$schema``, default 2020-12).  ``where`` names the file/item in the message."""
+    if not isinstance(tools, list):
+        raise LogitdiffError(f"{where}: 'tools' must be a list")
+    seen: dict[str, int] = {}
+    for k, tool in enumerate(tools):
+        fn = function_of(tool)
+        name = fn.get("name") if fn is not None else None
+        if fn is None or not isinstance(name, str) or not name:
+            raise LogitdiffError(f"{where}: tools[{k}] needs a string function.name")
+        if name in seen:
+            raise LogitdiffError(f"{where}: tools[{k}] ('{name}') repeats the name of tools[{seen[name]}]")
+        seen[name] = k
+        params = fn.get("parameters", NO_PARAMS)
+        bad = None
+        if not isinstance(params, dict):
+            bad = f"expected an object, got {json_type(params)}"
+        else:
+            try:
+                validator_for(params).check_schema(params)
+            except SchemaError as e:
+                at = "/".join(str(p) for p in e.path)
+                bad = one_line(e.message) + (f" (at {at})" if at else "")
+        if bad:
+            raise LogitdiffError(f"{where}: tools[{k}] ('{name}') field 'parameters' is not valid JSON Schema: {bad}")
+
+
+
+def check_expected(expected: dict, where: str) -> str:
+    """The check an ``expected`` label names; a one-line error when it names none or is malformed."""
+    if not isinstance(expected, dict):
+        raise LogitdiffError(f"{where}: field 'expected' must be an object")
+    known = [k for k in CHECKS if k in expected]
+    if len(known) != 1:
+        raise LogitdiffError(
+            f"{where}: field 'expected' must name exactly one check of {', '.join(CHECKS)} "
+            f"(got {', '.join(sorted(expected)) or 'nothing'})"
+        )
+    kind = known[0]
+    if kind == "regex":
+        try:
+            re.compile(expected["regex"])
+        except (re.error, TypeError) as e:
+            raise LogitdiffError(f"{where}: field 'expected.regex' does not compile: {e}") from None
+    if kind == "numeric":
+        v, tol = expected["numeric"], expected.get("tol", 1e-9)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (v, tol)):
+            raise LogitdiffError(f"{where}: fields 'expected.numeric' and 'expected.tol' must be finite numbers")
+    if kind in ("tool_call", "tool_calls"):
+        calls = expected[kind] if kind == "tool_calls" else [expected[kind]]
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments", {}), dict) for c in calls
+        ):
+            raise LogitdiffError(f"{where}: field 'expected.{kind}' must be {{'name': str, 'arguments': object}}")
+    return kind
