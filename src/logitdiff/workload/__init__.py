@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import LogitdiffError
 
@@ -153,35 +153,58 @@ def check_tools_once(tools: list, where: str) -> None:
     _TOOLS_CHECKED.add(key)
 
 
-def read_workload(path: str | Path) -> list[Item]:
-    path = Path(path)
+def records(path: str | Path) -> Iterator[tuple[int, Item | LogitdiffError]]:
+    """Every non-blank line of a workload file as ``(line number, Item)``, or ``(line number,
+    the one-line error)`` for a bad record: a reader that stops at the first error
+    (:func:`read_workload`) and one that lists them all (``logitdiff workloads validate``)
+    share one set of rules. A file that cannot be read at all raises. ``path`` may name a
+    bundled workload (:mod:`logitdiff.workload.catalog`) where no such file exists."""
+    from .catalog import resolve_workload
+
+    path = resolve_workload(path)
     if not path.exists():
         raise LogitdiffError(f"{path}: workload file not found")
-    items: list[Item] = []
-    seen: dict[str, int] = {}
     if not path.is_file():
         raise LogitdiffError(f"{path}: not a regular file (a workload is a JSONL file)")
+    seen: dict[str, int] = {}
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise LogitdiffError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
-            if not line.strip():
+                item = _record(path, lineno, raw, seen)
+            except LogitdiffError as e:
+                yield lineno, e
                 continue
-            d = parse_line(line, f"{path}:{lineno}")
-            item = Item.from_json(d, where=f"{path}:{lineno}")
-            if item.tools_module is not None:
-                tm = (path.parent / item.tools_module).resolve()
-                if not tm.is_file():
-                    raise LogitdiffError(f"{path}:{lineno} (id {item.id!r}): field 'tools_module' {item.tools_module!r} is not a file")
-                item.tools_module = str(tm)
-            if item.id in seen:
-                raise LogitdiffError(
-                    f"{path}:{lineno}: duplicate item id {item.id!r} (first on line {seen[item.id]})"
-                )
-            seen[item.id] = lineno
-            items.append(item)
+            if item is not None:
+                yield lineno, item
+
+
+def _record(path: Path, lineno: int, raw: bytes, seen: dict[str, int]) -> Item | None:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LogitdiffError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+    if not line.strip():
+        return None
+    d = parse_line(line, f"{path}:{lineno}")
+    item = Item.from_json(d, where=f"{path}:{lineno}")
+    if item.tools_module is not None:
+        tm = (path.parent / item.tools_module).resolve()
+        if not tm.is_file():
+            raise LogitdiffError(f"{path}:{lineno} (id {item.id!r}): field 'tools_module' {item.tools_module!r} is not a file")
+        item.tools_module = str(tm)
+    if item.id in seen:
+        raise LogitdiffError(f"{path}:{lineno}: duplicate item id {item.id!r} (first on line {seen[item.id]})")
+    seen[item.id] = lineno
+    return item
+
+
+def read_workload(path: str | Path) -> list[Item]:
+    """The items of a workload file; the first bad record raises its one-line error."""
+    items: list[Item] = []
+    for _, record in records(path):
+        if isinstance(record, LogitdiffError):
+            raise record
+        items.append(record)
     if not items:
         raise LogitdiffError(f"{path}: workload has no items")
     return items
