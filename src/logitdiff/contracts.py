@@ -39,6 +39,7 @@ RUN_SUMMARY_SCHEMA = "logitdiff.run-summary/1"
 TOPK_ERROR_SCHEMA = "logitdiff.topk-error/1"
 LAYERS_SCHEMA = "logitdiff.layers/1"
 SPECULATION_SCHEMA = "logitdiff.speculation/1"
+QUANTIZE_SCHEMA = "logitdiff.quantize/1"
 # report.html carries this in its <head>; pages written before it carried the data schema.
 HTML_GENERATOR_META = '<meta name="generator" content="logitdiff">'
 HTML_DATA_SCHEMA = "logitdiff.html-data/1"

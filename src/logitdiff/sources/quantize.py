@@ -145,7 +145,7 @@ def _resolve_ftype(ftype: str | int) -> tuple[str, int]:
 
 
 def quantize(src: str | Path, dst: str | Path, qtype: str, *, nthread: int = 0, check: bool = True,
-             allow_requantize: bool = False) -> Path:
+             allow_requantize: bool = False, allow_fallbacks: bool = False) -> Path:
     """Quantize GGUF ``src`` to ``dst`` with llama.cpp's quantizer (atomic write).
     ``allow_requantize``: ``src`` may itself be quantized (a GGUF-only model's ladder is
     made from the quant it ships; llama-quantize --allow-requantize)."""
@@ -177,14 +177,19 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, *, nthread: int = 0, 
             why = f": {errs[-1]}" if errs else ""
             raise LogitdiffError(f"{src}: llama.cpp quantization to {name} failed (status {rc}){why}")
         if check:
-            check_tensor_types(tmp, name, display=dst)
+            check_tensor_types(tmp, name, display=dst, allow_fallbacks=allow_fallbacks)
     return dst
 
 
-def check_tensor_types(path: str | Path, expected_ftype: str | int, *, display: str | Path | None = None) -> dict:
-    """Verify the weight types in a GGUF; return ``{"dominant", "counts", "file_type"}``.
+def check_tensor_types(path: str | Path, expected_ftype: str | int, *, display: str | Path | None = None,
+                       allow_fallbacks: bool = False) -> dict:
+    """Verify the weight types in a GGUF; return ``{"dominant", "counts", "file_type", "fallbacks"}``.
 
-    Raises :class:`LogitdiffError` naming the file and tensor on a mismatch.
+    Raises :class:`LogitdiffError` naming the file and tensor on a mismatch. With
+    ``allow_fallbacks`` (llama-quantize's own semantics, ``logitdiff quantize``), a weight whose
+    rows are not a multiple of the type's block size and that llama.cpp therefore wrote in a
+    fallback type is listed in ``fallbacks`` (tensor name -> type written) instead, and the
+    dominant type may then differ from the requested one (``dominant`` says which it is).
     """
     import gguf
 
@@ -205,6 +210,7 @@ def check_tensor_types(path: str | Path, expected_ftype: str | int, *, display: 
 
     params: dict[str, int] = {}
     counts: dict[str, int] = {}
+    fallbacks: dict[str, str] = {}
     quantized = name not in _FLOATS
     for t in reader.tensors:
         tname = t.name
@@ -228,6 +234,9 @@ def check_tensor_types(path: str | Path, expected_ftype: str | int, *, display: 
             if ttype != want:
                 raise LogitdiffError(f"{shown}: tensor {tname} is {ttype}, expected {want}")
             continue
+        if allow_fallbacks and (ttype in _FLOATS or (ttype in _FALLBACKS and ttype != want)):
+            fallbacks[tname] = ttype
+            continue
         if ttype in _FLOATS:
             raise LogitdiffError(
                 f"{shown}: tensor {tname} was left as {ttype} in a {name} file (row length {t.shape[0]})"
@@ -240,12 +249,12 @@ def check_tensor_types(path: str | Path, expected_ftype: str | int, *, display: 
     if not params:
         raise LogitdiffError(f"{shown}: no attention/FFN weight tensors found")
     dominant = max(params, key=lambda t: params[t])
-    if dominant != want:
+    if dominant != want and not allow_fallbacks:
         raise LogitdiffError(
             f"{shown}: dominant weight type is {dominant} ({params[dominant]} of {sum(params.values())} "
             f"weights), expected {want} for {name}"
         )
-    return {"dominant": dominant, "counts": counts, "file_type": ftype_name(file_type)}
+    return {"dominant": dominant, "counts": counts, "file_type": ftype_name(file_type), "fallbacks": fallbacks}
 
 
 # ------------------------------------------------------------------------------------

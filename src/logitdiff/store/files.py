@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
 
 from ..errors import LogitdiffError
-from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META, LAYERS_SCHEMA, REPORT_SCHEMA, RUN_SCHEMA, RUN_SUMMARY_SCHEMA, SPECULATION_SCHEMA, TOPK_ERROR_SCHEMA
+from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META, LAYERS_SCHEMA, REPORT_SCHEMA, RUN_SCHEMA, RUN_SUMMARY_SCHEMA, SPECULATION_SCHEMA, TOPK_ERROR_SCHEMA, QUANTIZE_SCHEMA
 
 
 @contextmanager
@@ -450,10 +450,11 @@ class Kind(enum.Enum):
     TOPK_JSON = "topk-error JSON file"
     LAYERS = "layers REPORT directory"
     SPECULATION = "`logitdiff speculate` output directory"
+    QUANT = "`logitdiff quantize` output directory"
 
     @property
     def is_dir(self) -> bool:
-        return self in (Kind.RUN, Kind.REPORT, Kind.RUN_OUT, Kind.LAYERS, Kind.SPECULATION)
+        return self in (Kind.RUN, Kind.REPORT, Kind.RUN_OUT, Kind.LAYERS, Kind.SPECULATION, Kind.QUANT)
 
 
 _SCHEMA_FIRST = re.compile(rb'\A\s*\{\s*"schema"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -519,6 +520,8 @@ def is_kind(path: Path, kind: Kind) -> bool:
         return path.is_file() and _json_schema(path) == TOPK_ERROR_SCHEMA
     if kind is Kind.LAYERS:
         return path.is_dir() and _json_schema(path / "layers.json") == LAYERS_SCHEMA
+    if kind is Kind.QUANT:
+        return path.is_dir() and _json_schema(path / "quantize.json") == QUANTIZE_SCHEMA
     raise AssertionError(kind)
 
 
