@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` from the llama.cpp sources vendored in the sdist of the
+# Build llama.cpp's `llama-server` (and `llama-quantize`) from the llama.cpp sources vendored in the sdist of the
 # installed llama-cpp-python, so the served model runs exactly the engine that the in-process
 # gguf: source runs. Output: $LOGITDIFF_TOOLS/llama-server/<version>/bin/llama-server (+ a
 # `current` symlink); LOGITDIFF_TOOLS defaults to ~/.cache/logitdiff/tools, outside the
@@ -14,7 +14,8 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 VER=$("$PY" -c 'import llama_cpp; print(llama_cpp.__version__)')
 DEST="$TOOLS/llama-server/$VER"
 BIN="$DEST/bin/llama-server"
-if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
+QBIN="$DEST/bin/llama-quantize"  # llama.cpp's quantizer CLI, for `logitdiff quantize --imatrix`
+if [ -x "$BIN" ] && [ -x "$QBIN" ] && "$BIN" --version >/dev/null 2>&1; then
   ln -sfn "$VER" "$TOOLS/llama-server/current"
   echo "llama-server $VER: $BIN (already built)"
   exit 0
@@ -38,11 +39,13 @@ cmake -S "$SRC" -B "$WORK/build" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DBUILD_SHARED_LIBS=OFF >"$WORK/cmake-configure.log" 2>&1 \
   || { tail -40 "$WORK/cmake-configure.log"; exit 1; }
-cmake --build "$WORK/build" --target llama-server -j "${JOBS:-2}" >"$WORK/cmake-build.log" 2>&1 \
+cmake --build "$WORK/build" --target llama-server llama-quantize -j "${JOBS:-2}" >"$WORK/cmake-build.log" 2>&1 \
   || { tail -60 "$WORK/cmake-build.log"; exit 1; }
 mkdir -p "$DEST/bin"
 cp "$WORK/build/bin/llama-server" "$BIN.tmp$$"
 mv "$BIN.tmp$$" "$BIN"
+cp "$WORK/build/bin/llama-quantize" "$QBIN.tmp$$"
+mv "$QBIN.tmp$$" "$QBIN"
 ln -sfn "$VER" "$TOOLS/llama-server/current"
 "$BIN" --version 2>&1 | head -3 || true
 echo "llama-server $VER: $BIN"
