@@ -6,7 +6,7 @@ import json
 import sys
 from collections import Counter
 
-from .console import console, table_console
+from .console import console, progress, table_console
 
 NAME = "workloads"
 HELP = "list the bundled workloads, check a workload file, print its JSON Schema"
@@ -45,6 +45,12 @@ def register(sub) -> None:
     ls.set_defaults(func=run_list)
     sc = wsub.add_parser("schema", help="print the JSON Schema of a workload record")
     sc.set_defaults(func=run_schema)
+    ck = wsub.add_parser("check", help="grade a benchmark's own ground truth through logitdiff's grader (all must pass)",
+                         description="Grade a benchmark's ground truth (HumanEval's canonical solutions) through the "
+                                     "same path a model's answers take; every item must pass. A grader that fails its "
+                                     "ground truth is a bug: the items that failed are named, exit status 1.")
+    ck.add_argument("name", metavar="NAME[:N]", help="a benchmark (logitdiff workloads list)")
+    ck.set_defaults(func=run_check)
 
 
 def run_validate(args) -> int:
@@ -77,7 +83,28 @@ def run_list(args) -> int:
     for w in bundled_workloads():
         table.add_row(w.name, str(w.items), str(w.labelled), w.tags, w.path)
     table_console().print(table)
+    from ..workload.benchmarks import BENCHMARKS, installed
+
+    bt = Table(title="benchmarks (--workload NAME[:N]: the first N items), graded by their own rules")
+    for col in ("name", "package", "installed", "what"):
+        bt.add_column(col)
+    for b in BENCHMARKS.values():
+        bt.add_row(b.name, b.package, "yes" if installed(b) else "no (pip install 'logitdiff[bench]')", b.about)
+    table_console().print(bt)
     return 0
+
+
+def run_check(args) -> int:
+    from ..flips.groundtruth import check_ground_truth
+
+    bar, advance = progress(None, f"grading {args.name}'s ground truth")
+    with bar:
+        result = check_ground_truth(args.name, progress=advance)
+    for item_id, why in result.failed:
+        console().print(f"[red]fail:[/] {item_id}: {why}", highlight=False, soft_wrap=True)
+    n, bad = result.n_items, len(result.failed)
+    print(f"{args.name}: {n - bad} of {n} ground-truth answers pass the grader" + ("" if not bad else f"; {bad} fail"))
+    return 1 if bad else 0
 
 
 def run_schema(args) -> int:

