@@ -737,7 +737,8 @@ def _exchange(proc: subprocess.Popen, data: bytes, timeout: float) -> tuple[byte
     os.set_blocking(in_fd, False)
     sel.register(out_fd, selectors.EVENT_READ)
     sel.register(in_fd, selectors.EVENT_WRITE)
-    view, chunks, n = memoryview(data), [], 0
+    view, n = memoryview(data), 0
+    chunks: list[bytes] = []
     try:
         while sel.get_map():
             left = deadline - time.monotonic()
