@@ -482,3 +482,107 @@ def test_run_program_refuses_bad_arguments():
         run_program(b"print(1)")  # type: ignore[arg-type]
     with pytest.raises(LogitdiffError, match="timeout"):
         run_program("print(1)", timeout=0)
+
+
+# --- as an unprivileged user ------------------------------------------------------------------------
+# Under root the kernel's own permission checks stop some routes already (the runner's real uid
+# is not root's); an ordinary user's tool and its victims share one uid, so there only the
+# sandbox stands between them. The tests run as root here: this one becomes uid 65534, with a
+# copy of the sandbox (it needs only errors.py) and a Python that user can run.
+_UNPRIVILEGED = r'''
+import importlib.util, json, os, subprocess, sys, time
+from logitdiff.flips.sandbox import TASK_LIMIT, execute_calls
+spec = importlib.util.spec_from_file_location("h", sys.argv[1])
+h = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(h)
+
+class Call:  # what execute_calls needs of a ToolCall (toolcalls pulls in jsonschema)
+    def __init__(self, name, arguments):
+        self.name, self.arguments = name, arguments
+    def to_json(self):
+        return {"name": self.name, "arguments": self.arguments}
+
+whats = json.loads(sys.argv[2])
+out = {"uid": os.getuid(), "control": {}, "sandboxed": {}}
+for what in whats:
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        before = h.controls(victim.pid)
+        try:
+            h.reach(victim.pid, what)
+        except OSError as e:
+            out["control"][what] = str(e)
+        time.sleep(0.05)
+        out["control"][what] = out["control"].get(what) or (h.controls(victim.pid) != before)
+    finally:
+        victim.kill()
+        victim.wait()
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        mine, before = h.controls(os.getpid()), h.controls(victim.pid)
+        targets = [Call("reach", {"pid": victim.pid, "what": what, "uid": os.getuid()}),
+                   Call("reach", {"pid": os.getpid(), "what": what, "uid": os.getuid()})]
+        rs = execute_calls(sys.argv[1], targets)
+        time.sleep(0.05)
+        out["sandboxed"][what] = {"errors": [r.error for r in rs], "victim_same": h.controls(victim.pid) == before,
+                                  "parent_same": h.controls(os.getpid()) == mine, "containment": rs[0].containment}
+    finally:
+        victim.kill()
+        victim.wait()
+(r,) = execute_calls(sys.argv[1], [Call("threads", {"n": 2000})])
+out["threads"] = [r.value, r.containment["tasks"], TASK_LIMIT]
+print(json.dumps(out))
+'''
+
+
+def _python_for(uid: int) -> str | None:
+    """A Python interpreter user ``uid`` can run (this one may live in root's home)."""
+    for exe in (sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            p = subprocess.run([exe, "-c", "import ctypes, json, termios"], user=uid, group=uid, extra_groups=[],
+                               capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if p.returncode == 0:
+            return exe
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user needs root (as a user, the tests above are this case)")
+def test_as_an_unprivileged_user_no_route_reaches_its_own_processes():
+    nobody = 65534
+    python = _python_for(nobody)
+    if python is None:
+        pytest.skip("no Python that uid 65534 can run")
+    src = Path(__file__).parent.parent / "src" / "logitdiff"
+    top = Path(tempfile.mkdtemp(prefix="logitdiff-test-"))
+    try:
+        pkg = top / "logitdiff"
+        (pkg / "flips").mkdir(parents=True)
+        for rel in ("errors.py", "flips/sandbox.py"):
+            (pkg / rel).write_bytes((src / rel).read_bytes())
+        for rel in ("__init__.py", "flips/__init__.py"):
+            (pkg / rel).write_text("")
+        hostile = top / "sandbox_hostile.py"
+        hostile.write_bytes(HOSTILE.read_bytes())
+        for p in [top, *top.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        whats = [w for w in REACH + KILLS if w != "affinity" or len(os.sched_getaffinity(0)) > 1]
+        p = subprocess.run([python, "-c", _UNPRIVILEGED, str(hostile), json.dumps(whats)], user=nobody, group=nobody,
+                           extra_groups=[], capture_output=True, text=True, cwd=top, timeout=300,
+                           env={"PATH": os.defpath, "PYTHONPATH": str(top)})
+    finally:
+        _remove_tree(str(top))
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    assert out["uid"] == nobody
+    for what in whats:
+        assert out["control"][what] is True, (what, out["control"][what])  # unsandboxed, each route works
+        got = out["sandboxed"][what]
+        part = "signals" if what in KILLS else "other_processes"
+        if got["containment"][part].startswith(KERNEL[part]):
+            assert got["victim_same"] and got["parent_same"], (what, got)
+            assert all("Operation not permitted" in e for e in got["errors"]), (what, got["errors"])
+    value, line, cap = out["threads"]
+    if line.startswith("RLIMIT_NPROC"):
+        assert value == cap - 1, out["threads"]
