@@ -27,7 +27,8 @@ refused it):
   - *filesystem*: Landlock (Linux >= 5.13, the ``landlock`` LSM enabled): the process may
     create, write, truncate, rename, link or remove files only beneath the sandbox directory
     (and write ``/dev/null``); the rest of the filesystem is a read-only view; from ABI 5 no
-    ioctl on any device it opens. Reading is allowed everywhere.
+    ioctl on a device it opens (but /dev/null, and the generic ``FIO*`` requests). Reading is
+    allowed everywhere.
   - *network*: a seccomp filter refuses ``socket()`` and ``socketpair()`` of every address
     family (Unix sockets included: a pathname Unix socket is reachable from any network
     namespace) and io_uring; and a network namespace of its own (no interface up). Without
