@@ -42,3 +42,20 @@ def flip_agreement_sentence() -> str:
             "2 x 180) that two blind readers label alike, the classifier agrees on " + ", ".join(parts)
             + ": a benign or recovered verdict on a real model's prose is one to read for yourself "
             "(each branch's decided_by says what decided it; docs/flips.md).")
+
+# What `--help` says of the sandbox (flips; run): here, not in flips/sandbox.py, so that building
+# the CLI's parser imports no flips module. Keep in step with flips/sandbox.py's docstring.
+SANDBOX_HELP = """\
+Executed tool calls (items with a tools_module) run one per fresh subprocess, in an empty
+temporary directory, with a timeout, memory/CPU/file-size limits and a Python audit hook.
+On Linux the kernel also confines the process where it allows: Landlock (writes only inside
+that directory), seccomp (no socket of any address family, Unix included; no new
+processes; no chmod/chown/utime/xattr changes anywhere; prlimit, priority, affinity and
+signals only on itself; no System V IPC; no terminal ioctls), namespaces of its own (network:
+no interface up; IPC; mount: a 64 MiB tmpfs holds all it writes), at most 64 tasks, no
+terminal and no capabilities. A tool's result is read up to 16 MiB and 100 levels deep; more
+fails that call. Any part the kernel refuses (old kernel, container profile, no user
+namespaces) falls back to the audit hook alone, which ctypes, C extensions and dir_fd paths
+go around, or to nothing: that part is NOT contained. Every execution records which parts
+held ("containment" in flips.parquet's signals). Reading files is never restricted. For
+hostile code, use a container as well."""

@@ -68,7 +68,7 @@ def register(sub) -> None:
 
     from ..defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN, flip_agreement_sentence
     from ..defaults import DEFAULT_THRESHOLDS
-    from ..flips.sandbox import SANDBOX_HELP
+    from ..defaults import SANDBOX_HELP
 
     description = FLIPS_DESCRIPTION.replace("{agreement}", textwrap.fill(flip_agreement_sentence(), 92))
     f = sub.add_parser(NAME, help=HELP, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,

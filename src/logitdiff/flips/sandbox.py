@@ -122,7 +122,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import LogitdiffError
 
-if TYPE_CHECKING:  # toolcalls pulls in jsonschema; the CLI imports SANDBOX_HELP at startup
+if TYPE_CHECKING:  # toolcalls pulls in jsonschema
     from .toolcalls import ToolCall
 
 MEMORY_LIMIT = 1 << 30  # bytes of address space for the sandboxed process
@@ -134,22 +134,6 @@ RESULT_LIMIT = 16 << 20  # most bytes read from its result pipe; more: it is kil
 RESULT_DEPTH_LIMIT = 100  # deepest nesting of lists and objects accepted in a tool's result
 STDERR_TAIL = 4000  # bytes of stderr kept for an error line or a program's tail
 _KILL_GRACE = 1.0  # seconds to reap the process group after SIGKILL
-
-# What `--help` says (flips; run). Keep in step with the module docstring and README.
-SANDBOX_HELP = """\
-Executed tool calls (items with a tools_module) run one per fresh subprocess, in an empty
-temporary directory, with a timeout, memory/CPU/file-size limits and a Python audit hook.
-On Linux the kernel also confines the process where it allows: Landlock (writes only inside
-that directory), seccomp (no socket of any address family, Unix included; no new
-processes; no chmod/chown/utime/xattr changes anywhere; prlimit, priority, affinity and
-signals only on itself; no System V IPC; no terminal ioctls), namespaces of its own (network:
-no interface up; IPC; mount: a 64 MiB tmpfs holds all it writes), at most 64 tasks, no
-terminal and no capabilities. A tool's result is read up to 16 MiB and 100 levels deep; more
-fails that call. Any part the kernel refuses (old kernel, container profile, no user
-namespaces) falls back to the audit hook alone, which ctypes, C extensions and dir_fd paths
-go around, or to nothing: that part is NOT contained. Every execution records which parts
-held ("containment" in flips.parquet's signals). Reading files is never restricted. For
-hostile code, use a container as well."""
 
 # The runner, run as ``python -I -B -c _RUNNER MODE TARGET SANDBOX TIMEOUT MEM FSIZE TASKS DISK INODES
 # DEPTH`` (MODE: import, call or program; TARGET: the tools module, or - for a program).
