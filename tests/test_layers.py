@@ -403,3 +403,19 @@ def test_layers_schema_and_typed_dict_agree():
     assert set(s["$defs"]["item"]["properties"]) == set(typing.get_type_hints(C.LayersItem))
     assert set(s["properties"]["geometry"]["properties"]) == set(typing.get_type_hints(C.LayersGeometry))
     assert set(s["properties"]["method"]["properties"]) == set(typing.get_type_hints(C.LayersMethod))
+
+
+def test_layers_reaches_the_engines_through_the_layer_hooks_only():
+    """Stage layers holds the attribution, no engine code: from sources it imports the layer
+    hooks' public interface (and parse_spec, to refuse a served spec), nothing of an engine
+    module (gguf, hf) and no private name."""
+    import ast
+
+    import logitdiff.layers as layers_pkg
+
+    tree = ast.parse(Path(layers_pkg.__file__).read_text(encoding="utf-8"))
+    from_sources = sorted({(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                           and (n.module or "").startswith("sources") for a in n.names})
+    assert {m for m, _ in from_sources} <= {"sources", "sources.layer_hooks"}, from_sources
+    assert not [a for _, a in from_sources if a.startswith("_")], from_sources
+    assert ("sources.layer_hooks", "layer_hooks") in from_sources

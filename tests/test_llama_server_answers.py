@@ -171,6 +171,7 @@ CASES = [
     ("cand", "/props", None, "total_slots", "1", "total_slots"),
     ("cand", "/slots", None, "0.params", "x", "[0].params"),
     ("cand", "/slots", None, "0", 7, "[0]"),
+    ("cand", "/slots", None, "0.speculative", "false", "[0].speculative"),
     ("ref", "/slots", None, "", {"slots": []}, ""),
     ("ref", "/v1/models", None, "data", {}, "data"),
     ("ref", "/v1/models", None, "data.0.meta.n_vocab", "64", "data[0].meta.n_vocab"),

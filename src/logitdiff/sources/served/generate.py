@@ -1,4 +1,5 @@
-"""Greedy generation and batch-shaped teacher forcing on a llama-server, token by token.
+"""Greedy generation and batch-shaped teacher forcing on a llama-server, token by token,
+through the one llama-server client (:mod:`.llamacpp_client`: every answer field checked).
 
 The protocol of generation mode (:mod:`logitdiff.speculation`), checked against the
 llama.cpp vendored by llama-cpp-python (tools/server: server-schema.cpp, server-context.cpp,
@@ -206,11 +207,14 @@ class LlamaServer:
             raise LogitdiffError(f"--top-k {self.k}: exceeds the vocabulary size {n_vocab} of the {self.where}")
         slots = c.slots()
         self.slots_visible = bool(slots)
+        w = c.at("slots", "/slots", "GET")
         #: whether the server holds a speculative decoding context (/slots), None when it does not say
-        self.can_speculate = any(bool(s.get("speculative")) for s in slots) if slots else None
+        self.can_speculate = any([bool(answer_field(s, "speculative", "bool", w, f"[{n}].speculative", optional=True))
+                                  for n, s in enumerate(slots)]) if slots else None
         self.spec_types = None
         if slots:
-            params = answer_field(slots[0], "params", "object", c.at("slots", "/slots", "GET"), "[0].params", optional=True)
+            # copied into the report's identity as the server sent it (any JSON value)
+            params = answer_field(slots[0], "params", "object", w, "[0].params", optional=True)
             self.spec_types = (params or {}).get("speculative.types")
         self._ascii: int | None = None
 
