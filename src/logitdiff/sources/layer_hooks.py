@@ -16,49 +16,16 @@ and ``begin()`` (a new sequence: empty KV cache), ``window(tokens, n_past, sel)`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from ..errors import LogitdiffError
+from .layer_families import FAMILIES, Family, family_of, point_names
+
+__all__ = ["FAMILIES", "NOT_IN_PROCESS", "Family", "LayerHooks", "family_of", "geometry_of", "layer_hooks", "point_names"]
 
 NOT_IN_PROCESS = "per-layer hidden states need an in-process hf:, gguf: or builtin: source"
-
-
-@dataclass(frozen=True)
-class Family:
-    """Where one architecture family's per-layer residual stream is, in each engine: the
-    decoder layers' outputs (transformers: ``model.layers[i]``; llama.cpp: ``l_out-i``) and,
-    when ``embedding``, the token embedding before any scaling (transformers:
-    ``model.embed_tokens``; llama.cpp: ``embd``)."""
-
-    name: str
-    hf_model_types: tuple[str, ...]
-    gguf_archs: tuple[str, ...]
-    embedding: bool  # both engines expose the same embedding point
-
-
-# Gemma scales the embedding by sqrt(H) in a place that differs between transformers
-# versions (inside embed_tokens or in the model's forward), so only its layers are compared.
-FAMILIES = (
-    Family("llama", ("llama", "mistral"), ("llama",), True),
-    Family("qwen", ("qwen2", "qwen3"), ("qwen2", "qwen3"), True),
-    Family("gemma", ("gemma", "gemma2", "gemma3", "gemma3_text"), ("gemma", "gemma2", "gemma3"), False),
-)
-
-
-def family_of(engine: str, arch: str | None, spec: str) -> Family:
-    """The family of a transformers ``model_type`` or a GGUF ``general.architecture``."""
-    for f in FAMILIES:
-        if arch in (f.hf_model_types if engine == "hf" else f.gguf_archs):
-            return f
-    known = sorted({a for f in FAMILIES for a in (f.hf_model_types if engine == "hf" else f.gguf_archs)})
-    raise LogitdiffError(f"{spec}: architecture {arch!r} has no per-layer mapping (layers knows {', '.join(known)})")
-
-
-def point_names(family: Family, n_layer: int) -> list[str]:
-    return (["embedding"] if family.embedding else []) + [f"layer {i}" for i in range(n_layer)]
 
 
 class LayerHooks(Protocol):
@@ -104,11 +71,11 @@ def layer_hooks(source, *, window: int, split: bool = False) -> LayerHooks:
     if isinstance(source, HFSource):
         from .layer_hooks_hf import HFLayers
 
-        return HFLayers(source, split=split)
+        return HFLayers(source, family_of("hf", getattr(source.config, "model_type", None), source.spec), split=split)
     if isinstance(source, GGUFSource):
         from .layer_hooks_gguf import GGUFLayers
 
-        return GGUFLayers(source, window=window, split=split)
+        return GGUFLayers(source, family_of("gguf", source.arch, source.spec), window=window, split=split)
     raise LogitdiffError(f"{source.spec}: {NOT_IN_PROCESS}")
 
 

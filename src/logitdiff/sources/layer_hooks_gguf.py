@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import LogitdiffError
 from .gguf import llama_log_errors_only, load_lock
-from .layer_hooks import family_of
+from .layer_families import Family
 
 
 class _TensorHead(ctypes.Structure):
@@ -57,7 +57,7 @@ class GGUFLayers:
     _out: np.ndarray  # [points, selected rows, hidden] being filled
     _out_done: int  # output rows of the last point filled so far
 
-    def __init__(self, source, *, window: int, split: bool = False):
+    def __init__(self, source, family: Family, *, window: int, split: bool = False):
         import llama_cpp
 
         self.src = source
@@ -66,7 +66,7 @@ class GGUFLayers:
         if not getattr(source, "_fast", False):
             raise LogitdiffError(f"{source.spec}: this llama-cpp-python lacks the internals per-layer capture needs")
         model = llm._model.model
-        self.family = family_of("gguf", source.arch, source.spec)
+        self.family = family
         self.n_layer = int(llama_cpp.llama_model_n_layer(model))
         self.hidden = int(llama_cpp.llama_model_n_embd(model))
         self.n_vocab = int(llm.n_vocab())

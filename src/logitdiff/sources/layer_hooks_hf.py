@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .layer_hooks import family_of
+from .layer_families import Family
 
 
 class HFLayers:
@@ -16,11 +16,11 @@ class HFLayers:
 
     engine = "hf"
 
-    def __init__(self, source, *, split: bool = False):
+    def __init__(self, source, family: Family, *, split: bool = False):
         self.src = source
         self.split = split
         cfg = source.config
-        self.family = family_of("hf", getattr(cfg, "model_type", None), source.spec)
+        self.family = family
         self.layers = list(source.base.layers)
         self.n_layer = len(self.layers)
         self.hidden = int(cfg.hidden_size)
