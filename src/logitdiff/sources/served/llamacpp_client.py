@@ -109,12 +109,17 @@ class LlamaServerClient:
 
     # ---- requests --------------------------------------------------------------------------
     def _named(self, e: LogitdiffError, what: str, path: str) -> LogitdiffError:
+        """``e`` with the request named (a ServerError stays one: callers tell a refusal
+        from a lost server by it)."""
         msg = str(e)
-        return e if msg.startswith(self.where) else LogitdiffError(f"{self.where}: {what} ({path}): {msg}")
+        if msg.startswith(self.where):
+            return e
+        msg = f"{self.where}: {what} ({path}): {msg}"
+        return ServerError(msg, e.status, e.body) if isinstance(e, ServerError) else LogitdiffError(msg)
 
     def call(self, method: str, path: str, body: Any = None, what: str = "") -> Any:
-        """One JSON request (the HTTP client's retries); an error answer or a lost server is
-        one line naming the request."""
+        """One JSON request (the HTTP client's retries); an error answer (ServerError) or a
+        lost server is one line naming the request."""
         try:
             return self.http.run(self.http.request(method, path, body, root=self.root))
         except LogitdiffError as e:
@@ -124,8 +129,6 @@ class LlamaServerClient:
         """:meth:`call` on the client's event loop (``kw``: :meth:`HttpClient.request`'s)."""
         try:
             return await self.http.request(method, path, body, **({"root": self.root} | kw))
-        except ServerError:
-            raise
         except LogitdiffError as e:
             raise self._named(e, what or path, f"{method} {path}") from None
 
