@@ -27,6 +27,7 @@ from _models import make_random_llama  # noqa: E402
 import logitdiff.api as api  # noqa: E402
 from logitdiff import layers as L  # noqa: E402
 from logitdiff.errors import LogitdiffError  # noqa: E402
+from logitdiff.sources.layer_hooks import family_of, layer_hooks  # noqa: E402
 
 N_LAYER = 3
 CHANGED = 1  # the candidate's changed decoder layer
@@ -246,7 +247,8 @@ def test_hf_points_are_the_residual_stream_and_the_last_reproduces_the_logits(mo
     sel = len(it.prompt_ids) - 1 + np.asarray(it.positions)
     states, z64 = np_llama(w, cfg, seq)
     with open_source(f"hf:{models['a']},dtype=float32,threads=1") as src, applied_threads([src]):
-        eng = L.HFLayers(src)
+        eng = layer_hooks(src, window=7)
+        assert eng.engine == "hf"
         eng.begin()
         hid, logits = [], []
         for a in range(0, len(seq), 7):  # windows of 7 tokens over the KV cache
@@ -277,7 +279,8 @@ def test_gguf_points_are_l_out_and_the_last_reproduces_the_logits(models, teache
     with open_source(f"gguf:{gguf_f32},threads=1,n_ctx=256") as src:
         plain = src.score(it.prompt_ids, it.teacher_ids)[np.asarray(it.positions)]
         for window, split in ((len(seq), False), (5, False), (len(seq), True)):
-            eng = L.GGUFLayers(src, window=window, split=split)
+            eng = layer_hooks(src, window=window, split=split)
+            assert eng.engine == "gguf"
             try:
                 eng.begin()
                 hid, logits = [], []
@@ -385,7 +388,7 @@ def test_bad_floor_and_unknown_architecture(teacher):
     with pytest.raises(LogitdiffError, match="--floor 'bf16'"):
         api.layers("hf:/x", ["hf:/y"], teacher.path, floor="bf16")
     with pytest.raises(LogitdiffError, match="architecture 'mamba' has no per-layer mapping"):
-        L.family_of("hf", "mamba", "hf:/m")
+        family_of("hf", "mamba", "hf:/m")
 
 
 def test_layers_schema_and_typed_dict_agree():
@@ -400,3 +403,19 @@ def test_layers_schema_and_typed_dict_agree():
     assert set(s["$defs"]["item"]["properties"]) == set(typing.get_type_hints(C.LayersItem))
     assert set(s["properties"]["geometry"]["properties"]) == set(typing.get_type_hints(C.LayersGeometry))
     assert set(s["properties"]["method"]["properties"]) == set(typing.get_type_hints(C.LayersMethod))
+
+
+def test_layers_reaches_the_engines_through_the_layer_hooks_only():
+    """Stage layers holds the attribution, no engine code: from sources it imports the layer
+    hooks' public interface (and parse_spec, to refuse a served spec), nothing of an engine
+    module (gguf, hf) and no private name."""
+    import ast
+
+    import logitdiff.layers as layers_pkg
+
+    tree = ast.parse(Path(layers_pkg.__file__).read_text(encoding="utf-8"))
+    from_sources = sorted({(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                           and (n.module or "").startswith("sources") for a in n.names})
+    assert {m for m, _ in from_sources} <= {"sources", "sources.layer_hooks"}, from_sources
+    assert not [a for _, a in from_sources if a.startswith("_")], from_sources
+    assert ("sources.layer_hooks", "layer_hooks") in from_sources

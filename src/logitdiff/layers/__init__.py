@@ -1,5 +1,6 @@
 """Stage *layers*: where in the network a candidate's drift starts — per-layer attribution
-through each engine's layer hooks (this module). Imports `capture`, `sources`, `store` and
+through each engine's layer hooks (:mod:`logitdiff.sources.layer_hooks`: the only way in;
+this module holds the attribution, no engine code). Imports `capture`, `sources`, `store` and
 below.
 
 Where the drift starts: per-layer attribution between a candidate and its reference.
@@ -18,11 +19,8 @@ first layer where a candidate leaves the floor band, and per item the rank corre
 between a layer's error and the final KL of the position (the KL from the same forward
 passes' logits, :func:`logitdiff.numerics.metrics.full_vocab`).
 
-The point compared is the same in both engines: transformers' decoder layer ``i`` output
-(a forward hook on ``model.layers[i]``; note ``hidden_states[-1]`` of a transformers
-forward is *after* the final norm, so it is not used) and llama.cpp's ``l_out-i`` (read
-through the graph evaluation callback ``cb_eval`` of a second llama.cpp context on the
-same loaded model). The final norm and the output head are not a layer: their effect is the
+The point compared is the same in both engines (:mod:`logitdiff.sources.layer_hooks`):
+transformers' decoder layer ``i`` output and llama.cpp's ``l_out-i``. The final norm and the output head are not a layer: their effect is the
 KL itself.
 
 Memory: sequences are prefilled a window of tokens at a time over a KV cache (the window
@@ -40,18 +38,18 @@ spec compared like a candidate (e.g. ``builtin:tiny-BF16``: the cross-engine flo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from ..errors import LogitdiffError
 from ..contracts import LAYERS_SCHEMA
+from ..sources.layer_hooks import LayerHooks, geometry_of, layer_hooks, point_names
 
 if TYPE_CHECKING:
-    from ..contracts import LayersComparison, LayersDoc, LayersGeometry, LayersItem, LayersPerPoint
+    from ..contracts import LayersComparison, LayersDoc, LayersGeometry, LayersItem, LayersMethod, LayersPerPoint
 
 LAYERS_SCHEMA_VERSION = "1.0"
 from ..defaults import FLOOR_RERUN  # noqa: E402
@@ -187,300 +185,6 @@ def summarize_points(rel: np.ndarray, cos: np.ndarray, sqnr: np.ndarray, added: 
     }
 
 
-# ------------------------------------------------------------------ architecture families
-@dataclass(frozen=True)
-class Family:
-    """Where one architecture family's per-layer residual stream is, in each engine: the
-    decoder layers' outputs (transformers: ``model.layers[i]``; llama.cpp: ``l_out-i``) and,
-    when ``embedding``, the token embedding before any scaling (transformers:
-    ``model.embed_tokens``; llama.cpp: ``embd``)."""
-
-    name: str
-    hf_model_types: tuple[str, ...]
-    gguf_archs: tuple[str, ...]
-    embedding: bool  # both engines expose the same embedding point
-
-
-# Gemma scales the embedding by sqrt(H) in a place that differs between transformers
-# versions (inside embed_tokens or in the model's forward), so only its layers are compared.
-FAMILIES = (
-    Family("llama", ("llama", "mistral"), ("llama",), True),
-    Family("qwen", ("qwen2", "qwen3"), ("qwen2", "qwen3"), True),
-    Family("gemma", ("gemma", "gemma2", "gemma3", "gemma3_text"), ("gemma", "gemma2", "gemma3"), False),
-)
-
-
-def family_of(engine: str, arch: str | None, spec: str) -> Family:
-    """The family of a transformers ``model_type`` or a GGUF ``general.architecture``."""
-    for f in FAMILIES:
-        if arch in (f.hf_model_types if engine == "hf" else f.gguf_archs):
-            return f
-    known = sorted({a for f in FAMILIES for a in (f.hf_model_types if engine == "hf" else f.gguf_archs)})
-    raise LogitdiffError(f"{spec}: architecture {arch!r} has no per-layer mapping (layers knows {', '.join(known)})")
-
-
-def point_names(family: Family, n_layer: int) -> list[str]:
-    return (["embedding"] if family.embedding else []) + [f"layer {i}" for i in range(n_layer)]
-
-
-# -------------------------------------------------------------------------------- engines
-class HFLayers:
-    """A transformers source's per-layer hidden states, a window of tokens at a time over a
-    KV cache; ``split``: each window in two forward passes (the floor's other layout)."""
-
-    engine = "hf"
-
-    def __init__(self, source, *, split: bool = False):
-        self.src = source
-        self.split = split
-        cfg = source.config
-        self.family = family_of("hf", getattr(cfg, "model_type", None), source.spec)
-        self.layers = list(source.base.layers)
-        self.n_layer = len(self.layers)
-        self.hidden = int(cfg.hidden_size)
-        self.modules = ([source.base.embed_tokens] if self.family.embedding else []) + self.layers
-        self._kw: dict = {}
-
-    def begin(self) -> None:
-        self._kw = {}
-
-    def close(self) -> None:
-        self._kw = {}
-
-    def window(self, tokens: Sequence[int], n_past: int, sel: np.ndarray):
-        """Hidden states ``[points, len(sel), H]`` float32 and logits ``[len(sel), V]``
-        float32 at the window's rows ``sel`` (indices into ``tokens``, sorted)."""
-        import torch
-
-        n = len(tokens)
-        self.src._check_len(n_past + n, "per-layer scoring")
-        out = np.empty((len(self.modules), len(sel), self.hidden), np.float32)
-        logits = np.empty((len(sel), self.src.vocab_size), np.float32)
-        cuts = [0, n // 2, n] if self.split and n >= 2 else [0, n]
-        dev = self.src.device
-        for a, b in zip(cuts, cuts[1:]):
-            lo, hi = np.searchsorted(sel, a), np.searchsorted(sel, b)
-            here = torch.as_tensor(sel[lo:hi] - a, device=dev)
-
-            def hook(j):
-                def keep(module, args, output):
-                    h = output[0] if isinstance(output, tuple) else output
-                    out[j, lo:hi] = h[0, here].float().cpu().numpy()
-                return keep
-
-            handles = [m.register_forward_hook(hook(j)) for j, m in enumerate(self.modules)]
-            try:
-                with torch.inference_mode():
-                    o = self.src.base(input_ids=torch.tensor([list(tokens[a:b])], device=dev), use_cache=True, **self._kw)
-                    self._kw = self.src._cache_kw(o)
-                    if hi > lo:
-                        logits[lo:hi] = self.src._head(o.last_hidden_state[0, here]).float().cpu().numpy()
-            finally:
-                for h in handles:
-                    h.remove()
-        return out, logits
-
-
-class _TensorHead(ctypes.Structure):
-    """The leading fields of ``struct ggml_tensor`` (ggml.h: type, buffer, ne[4], nb[4])."""
-
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4)]
-
-
-_GGML_TYPE_F32 = 0
-
-
-def _ggml_functions():
-    """``ggml_get_name`` and ``ggml_backend_tensor_get`` from the binding's bundled ggml."""
-    from llama_cpp import _ggml
-
-    lib = _ggml.libggml
-    get_name = lib.ggml_get_name
-    get_name.argtypes, get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
-    tensor_get = lib.ggml_backend_tensor_get
-    tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    tensor_get.restype = None
-    return get_name, tensor_get
-
-
-class GGUFLayers:
-    """A llama.cpp source's per-layer hidden states: a second context on the source's loaded
-    model whose graph evaluation callback (``cb_eval``) copies the named per-layer outputs
-    (``l_out-i``, ``embd``) as they are computed; the source's own context is untouched.
-
-    The callback sees tensors per ubatch: a decode of more tokens than ``n_ubatch`` would be
-    split, so rows are collected per ubatch, in order (a point seen again starts the next
-    ubatch). All but the last layer hold every token of the ubatch; the last layer holds
-    only the output rows (llama.cpp gathers them before the last layer's attention), which
-    are exactly the selected rows here (only those are flagged for logits)."""
-
-    engine = "gguf"
-    # the decode in progress, for the callback (set by _decode)
-    _sel: np.ndarray  # the selected (output) rows of the decode
-    _ub0: int  # first token of the current ubatch
-    _ub_n: int  # tokens in the current ubatch
-    _seen: set[int]  # points seen in the current ubatch
-    _out: np.ndarray  # [points, selected rows, hidden] being filled
-    _out_done: int  # output rows of the last point filled so far
-
-    def __init__(self, source, *, window: int, split: bool = False):
-        import llama_cpp
-
-        self.src = source
-        self.split = split
-        llm = source.llm
-        if not getattr(source, "_fast", False):
-            raise LogitdiffError(f"{source.spec}: this llama-cpp-python lacks the internals per-layer capture needs")
-        model = llm._model.model
-        self.family = family_of("gguf", source.arch, source.spec)
-        self.n_layer = int(llama_cpp.llama_model_n_layer(model))
-        self.hidden = int(llama_cpp.llama_model_n_embd(model))
-        self.n_vocab = int(llm.n_vocab())
-        names = (["embd"] if self.family.embedding else []) + [f"l_out-{i}" for i in range(self.n_layer)]
-        self._point = {n.encode(): j for j, n in enumerate(names)}
-        self._last = len(names) - 1
-        self._get_name, self._tensor_get = _ggml_functions()
-        self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
-        # the source's own context settings (KV cache types, flash attention, threads...), so
-        # the numbers are those of its plain capture; only the batch sizes and the callback differ
-        params = type(llm.context_params).from_buffer_copy(llm.context_params)
-        self.window_tokens = max(1, min(int(window), int(llm.n_ctx())))
-        params.n_batch = params.n_ubatch = self.window_tokens
-        params.cb_eval = self._cb
-        params.cb_eval_user_data = None
-        from ..sources.gguf import llama_log_errors_only, load_lock
-
-        with load_lock, llama_log_errors_only():  # llama.cpp logs a context's creation at info level
-            self.ctx = llama_cpp.llama_init_from_model(model, params)
-        if not self.ctx:
-            raise LogitdiffError(f"{source.spec}: llama.cpp could not create a context for per-layer capture")
-        self.batch = llama_cpp.llama_batch_init(self.window_tokens, 0, 1)
-        self._error: BaseException | None = None
-
-    def begin(self) -> None:
-        import llama_cpp
-
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
-
-    def close(self) -> None:
-        import llama_cpp
-
-        from ..sources.gguf import llama_log_errors_only, load_lock
-
-        if getattr(self, "ctx", None):
-            with load_lock, llama_log_errors_only():
-                llama_cpp.llama_batch_free(self.batch)
-                llama_cpp.llama_free(self.ctx)
-            self.ctx = None
-
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self.close()
-
-    # called by llama.cpp from the decode (same thread): never raise through C
-    def _eval(self, t, ask, user_data):
-        try:
-            j = self._point.get(self._get_name(t))
-            if ask:
-                return j is not None
-            if j is None:
-                return True
-            head = _TensorHead.from_address(t)
-            h, rows = int(head.ne[0]), int(head.ne[1])
-            if head.type != _GGML_TYPE_F32 or h != self.hidden or head.ne[2] != 1 or head.nb[1] != 4 * h:
-                raise LogitdiffError(f"{self.src.spec}: llama.cpp tensor {self._get_name(t).decode()} is not a contiguous "
-                                     f"F32 [{self.hidden}, rows] block")
-            if j in self._seen:  # the same point again: the next ubatch of this decode
-                self._ub0 += self._ub_n
-                self._seen.clear()
-            self._seen.add(j)
-            buf = np.empty((rows, h), np.float32)
-            self._tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
-            if j == self._last:  # output rows only, in order
-                lo = self._out_done
-                self._out[j, lo : lo + rows] = buf
-                self._out_done += rows
-            else:
-                self._ub_n = rows
-                lo, hi = int(np.searchsorted(self._sel, self._ub0)), int(np.searchsorted(self._sel, self._ub0 + rows))
-                self._out[j, lo:hi] = buf[self._sel[lo:hi] - self._ub0]
-            return True
-        except BaseException as e:  # noqa: BLE001 - reported after the decode
-            self._error = e
-            return False
-
-    def _decode(self, tokens, n_past: int, sel: np.ndarray, out: np.ndarray, logits: np.ndarray, row0: int) -> None:
-        import llama_cpp
-
-        b = self.batch
-        n = len(tokens)
-        flags = np.zeros(n, bool)
-        flags[sel] = True
-        b.n_tokens = n
-        for i, tok in enumerate(tokens):
-            b.token[i] = int(tok)
-            b.pos[i] = n_past + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = bool(flags[i])
-        self._sel, self._ub0, self._ub_n, self._seen, self._out_done = sel, 0, n, set(), 0
-        self._out = out[:, row0 : row0 + len(sel)]
-        self._error = None
-        rc = llama_cpp.llama_decode(self.ctx, b)
-        if self._error is not None:
-            raise self._error if isinstance(self._error, LogitdiffError) else LogitdiffError(
-                f"{self.src.spec}: reading llama.cpp's per-layer tensors failed ({type(self._error).__name__}: {self._error})")
-        if rc != 0:
-            raise LogitdiffError(f"{self.src.spec}: llama.cpp decode failed (status {rc})")
-        if self._out_done != len(sel):
-            raise LogitdiffError(f"{self.src.spec}: llama.cpp's last layer held {self._out_done} output rows, expected {len(sel)}")
-        if len(sel):
-            rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(len(sel), self.n_vocab))
-            logits[row0 : row0 + len(sel)] = rows[:, : self.src.vocab_size]
-
-    def window(self, tokens: Sequence[int], n_past: int, sel: np.ndarray):
-        n = len(tokens)
-        if n_past + n > self.src.n_ctx:
-            raise LogitdiffError(f"{self.src.spec}: a sequence of more than {n_past + n - 1} tokens exceeds n_ctx={self.src.n_ctx} "
-                                 "(raise it with gguf:PATH,n_ctx=N)")
-        out = np.empty((len(self._point), len(sel), self.hidden), np.float32)
-        logits = np.empty((len(sel), self.src.vocab_size), np.float32)
-        cuts = [0, n // 2, n] if self.split and n >= 2 else [0, n]
-        for a, b in zip(cuts, cuts[1:]):
-            lo, hi = int(np.searchsorted(sel, a)), int(np.searchsorted(sel, b))
-            self._decode(tokens[a:b], n_past + a, sel[lo:hi] - a, out, logits, lo)
-        return out, logits
-
-
-def geometry_of(source) -> tuple[Family, int, int]:
-    """(family, decoder layers, hidden size) of an open source, without running it."""
-    from ..sources.gguf import GGUFSource
-    from ..sources.hf import HFSource
-
-    if isinstance(source, HFSource):
-        cfg = source.config
-        return family_of("hf", getattr(cfg, "model_type", None), source.spec), len(source.base.layers), int(cfg.hidden_size)
-    if isinstance(source, GGUFSource):
-        import llama_cpp
-
-        model = source.llm._model.model
-        return (family_of("gguf", source.arch, source.spec), int(llama_cpp.llama_model_n_layer(model)),
-                int(llama_cpp.llama_model_n_embd(model)))
-    raise LogitdiffError(f"{source.spec}: per-layer hidden states need an in-process hf:, gguf: or builtin: source")
-
-
-def layer_engine(source, *, window: int, split: bool = False):
-    """The per-layer reader of an open source (transformers or llama.cpp)."""
-    from ..sources.gguf import GGUFSource
-    from ..sources.hf import HFSource
-
-    if isinstance(source, HFSource):
-        return HFLayers(source, split=split)
-    if isinstance(source, GGUFSource):
-        return GGUFLayers(source, window=window, split=split)
-    raise LogitdiffError(f"{source.spec}: per-layer hidden states need an in-process hf:, gguf: or builtin: source")
-
-
 def check_layer_specs(specs: Sequence[str]) -> None:
     """A served source cannot do this: one line, before anything opens."""
     from ..sources import parse_spec
@@ -521,7 +225,7 @@ class _Side:
     """Per-position figures of one comparison with the reference (a candidate or the floor)."""
 
     spec: str
-    engine: Any
+    engine: LayerHooks
     rel: np.ndarray
     cos: np.ndarray
     sqnr: np.ndarray
@@ -544,7 +248,6 @@ def layer_attribution(
 
     ``floor``: ``FLOOR_RERUN`` (the reference, each window in two forward passes),
     ``FLOOR_NONE``, or ``FLOOR_SPEC``: ``floor_src``, an open source compared like a candidate."""
-    from ..numerics import metrics as M
     from ..capture import verified_prompts
     from ..store import DEFAULT_CHUNK_BYTES
 
@@ -554,65 +257,23 @@ def layer_attribution(
         verified_prompts(s, teacher)
     family, n_layer, hidden = geometry_of(ref_src)
     win = window_tokens(chunk_bytes, len(point_names(family, n_layer)), hidden, ref_src.vocab_size)
+    n_pos = sum(len(it.positions) for it, _ in pairs)
     with contextlib.ExitStack() as stack:
-        ref = layer_engine(ref_src, window=win)
+        ref = layer_hooks(ref_src, window=win)
         stack.callback(ref.close)
         names = point_names(ref.family, ref.n_layer)
-        n_pos = sum(len(it.positions) for it, _ in pairs)
-
-        def side(spec, eng):
-            stack.callback(eng.close)
-            check_same_geometry(ref, eng)
-            shape = (n_pos, len(names))
-            return _Side(spec, eng, np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan),
-                         np.full(shape, np.nan), np.full(n_pos, np.nan), np.zeros(n_pos, bool))
-
-        floor_side = None
-        if floor == FLOOR_RERUN:
-            floor_side = side(f"{ref_src.spec} (rerun, each window in two forward passes)", layer_engine(ref_src, window=win, split=True))
-        elif floor == FLOOR_SPEC:
-            floor_side = side(floor_src.spec, layer_engine(floor_src, window=win))
-        sides = [side(c.spec, layer_engine(c, window=win)) for c in cand_srcs]
+        floor_side, sides = _open_sides(stack, ref, cand_srcs, floor, floor_src, win, (n_pos, len(names)))
         everyone = ([floor_side] if floor_side else []) + sides
         item_rows: list[tuple[str, int, int]] = []
         row0 = 0
         for it, prompt in pairs:
-            teacher_ids = list(it.teacher_ids)
-            pos = np.asarray(it.positions, np.int64)
-            if not len(pos):
-                item_rows.append((it.id, row0, row0))
-                continue
-            seq = (list(prompt) + teacher_ids[:-1])[: len(prompt) + int(pos.max())]
-            sel_all = len(prompt) - 1 + pos
-            nxt = np.asarray(teacher_ids, np.int64)[pos]
-            ref.begin()
-            for s in everyone:
-                s.engine.begin()
-            done = 0
-            for a in range(0, len(seq), win):
-                b = min(len(seq), a + win)
-                hi = int(np.searchsorted(sel_all, b))
-                sel = sel_all[done:hi] - a
-                h_ref, z_ref = ref.window(seq[a:b], a, sel)
-                rows = slice(row0 + done, row0 + hi)
-                for s in everyone:
-                    h, z = s.engine.window(seq[a:b], a, sel)
-                    for j in range(len(names)):
-                        e = layer_errors(h_ref[j], h[j])
-                        s.rel[rows, j], s.cos[rows, j], s.sqnr[rows, j] = e["rel_l2"], e["cosine"], e["sqnr_db"]
-                        s.added[rows, j] = added_error(h_ref[j], h[j], *((h_ref[j - 1], h[j - 1]) if j else ()))
-                    if len(sel):
-                        m = M.full_vocab(z_ref, z, nxt[done:hi], k=1)
-                        s.kl[rows] = m["kl_nats"]
-                        s.top1[rows] = m["top1_match"]
-                    del h, z
-                done = hi
-            item_rows.append((it.id, row0, row0 + len(pos)))
-            row0 += len(pos)
-            if progress:
+            _measure_item(ref, everyone, it, prompt, win, row0)
+            item_rows.append((it.id, row0, row0 + len(it.positions)))
+            row0 += len(it.positions)
+            if progress and len(it.positions):
                 progress(1)
         geometry: LayersGeometry = {"family": ref.family.name, "n_layer": ref.n_layer, "hidden_size": ref.hidden, "points": names,
-                    "window_tokens": win, "chunk_bytes": chunk_bytes}
+                                    "window_tokens": win, "chunk_bytes": chunk_bytes}
     floor_doc = _comparison(floor_side, item_rows, None) if floor_side else None
     band = floor_doc["per_point"]["rel_l2_p95"] if floor_doc else None
     return {
@@ -623,22 +284,82 @@ def layer_attribution(
         "n_items": len(pairs),
         "n_positions": n_pos,
         "geometry": geometry,
-        "method": {
-            "point": "residual stream after each decoder layer (before the final norm); 'embedding': the token "
-                     "embedding before any scaling. transformers: model.layers[i] outputs (forward hooks); llama.cpp: "
-                     "l_out-i (graph evaluation callback)",
-            "metrics": "rel_l2 = |c - r| / |r|; cosine = r.c / (|r| |c|); sqnr_db = 10 log10(|r|^2 / |c - r|^2); float64 "
-                       "from the engines' float32 (bf16) states; growth = median rel_l2 of a point / that of the point before; "
-                       "added_rel_l2 = |e - e_prev| / |r| with e = c - r (the error a layer's own update adds; the layers that "
-                       "add the most error are ranked by its median)",
-            "floor": _floor_text(floor, floor_side),
-            "beyond_floor": "a point leaves the floor band where a candidate's median rel_l2 exceeds the floor's p95",
-            "kl": "forward KL(P_ref || P_cand) of each position's final logits, from the same forward passes "
-                  "(metrics.full_vocab); correlation per item: Spearman's rank correlation across the item's positions",
-            "layout": f"each sequence prefilled {win} tokens per forward pass over a KV cache, one sequence at a time",
-        },
+        "method": _method(floor, floor_side, win),
         "floor": floor_doc,
         "candidates": [_comparison(s, item_rows, band) for s in sides],
+    }
+
+
+def _open_sides(stack: contextlib.ExitStack, ref: LayerHooks, cand_srcs: Sequence, floor: str, floor_src, win: int,
+                shape: tuple[int, int]) -> tuple[_Side | None, list[_Side]]:
+    """The floor's side (None without one) and each candidate's: its engine's layer hooks
+    (closed by ``stack``), checked against the reference's geometry, and its figures
+    ``[positions, points]`` not yet measured (nan)."""
+
+    def side(spec: str, eng: LayerHooks) -> _Side:
+        stack.callback(eng.close)
+        check_same_geometry(ref, eng)
+        return _Side(spec, eng, np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan),
+                     np.full(shape, np.nan), np.full(shape[0], np.nan), np.zeros(shape[0], bool))
+
+    floor_side = None
+    if floor == FLOOR_RERUN:
+        floor_side = side(f"{ref.src.spec} (rerun, each window in two forward passes)", layer_hooks(ref.src, window=win, split=True))
+    elif floor == FLOOR_SPEC:
+        floor_side = side(floor_src.spec, layer_hooks(floor_src, window=win))
+    return floor_side, [side(c.spec, layer_hooks(c, window=win)) for c in cand_srcs]
+
+
+def _measure_item(ref: LayerHooks, everyone: Sequence[_Side], it, prompt: Sequence[int], win: int, row0: int) -> None:
+    """One teacher item, ``win`` tokens per forward pass over each engine's KV cache: every
+    side's per-point figures and final KL at the item's positions, in rows ``row0..``."""
+    from ..numerics import metrics as M
+
+    teacher_ids = list(it.teacher_ids)
+    pos = np.asarray(it.positions, np.int64)
+    if not len(pos):
+        return
+    seq = (list(prompt) + teacher_ids[:-1])[: len(prompt) + int(pos.max())]
+    sel_all = len(prompt) - 1 + pos
+    nxt = np.asarray(teacher_ids, np.int64)[pos]
+    ref.begin()
+    for s in everyone:
+        s.engine.begin()
+    done = 0
+    for a in range(0, len(seq), win):
+        b = min(len(seq), a + win)
+        hi = int(np.searchsorted(sel_all, b))
+        sel = sel_all[done:hi] - a
+        h_ref, z_ref = ref.window(seq[a:b], a, sel)
+        rows = slice(row0 + done, row0 + hi)
+        for s in everyone:
+            h, z = s.engine.window(seq[a:b], a, sel)
+            for j in range(len(h_ref)):
+                e = layer_errors(h_ref[j], h[j])
+                s.rel[rows, j], s.cos[rows, j], s.sqnr[rows, j] = e["rel_l2"], e["cosine"], e["sqnr_db"]
+                s.added[rows, j] = added_error(h_ref[j], h[j], *((h_ref[j - 1], h[j - 1]) if j else ()))
+            if len(sel):
+                m = M.full_vocab(z_ref, z, nxt[done:hi], k=1)
+                s.kl[rows] = m["kl_nats"]
+                s.top1[rows] = m["top1_match"]
+            del h, z
+        done = hi
+
+
+def _method(floor: str, floor_side: _Side | None, win: int) -> LayersMethod:
+    return {
+        "point": "residual stream after each decoder layer (before the final norm); 'embedding': the token "
+                 "embedding before any scaling. transformers: model.layers[i] outputs (forward hooks); llama.cpp: "
+                 "l_out-i (graph evaluation callback)",
+        "metrics": "rel_l2 = |c - r| / |r|; cosine = r.c / (|r| |c|); sqnr_db = 10 log10(|r|^2 / |c - r|^2); float64 "
+                   "from the engines' float32 (bf16) states; growth = median rel_l2 of a point / that of the point before; "
+                   "added_rel_l2 = |e - e_prev| / |r| with e = c - r (the error a layer's own update adds; the layers that "
+                   "add the most error are ranked by its median)",
+        "floor": _floor_text(floor, floor_side),
+        "beyond_floor": "a point leaves the floor band where a candidate's median rel_l2 exceeds the floor's p95",
+        "kl": "forward KL(P_ref || P_cand) of each position's final logits, from the same forward passes "
+              "(metrics.full_vocab); correlation per item: Spearman's rank correlation across the item's positions",
+        "layout": f"each sequence prefilled {win} tokens per forward pass over a KV cache, one sequence at a time",
     }
 
 

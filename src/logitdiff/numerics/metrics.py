@@ -34,6 +34,7 @@ import math
 import os
 import threading
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -473,6 +474,40 @@ def full_vocab(
     """
     import torch
 
+    zp_all, zq_all, y_all = _checked_pair(ref_logits, cand_logits, next_tokens, k, top_k_out)
+    n, vocab = zp_all.shape
+    out = _empty_outputs(n, top_k_out)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1")
+    if n == 0:
+        return out
+    dev = torch.device(device) if device is not None else zp_all.device
+    plan = _plan_pass(zp_all, zq_all, dev, backend, threads, chunk_bytes, k, top_k_out)
+    torch_threads = torch.get_num_threads()  # restored after the torch per-row path
+    pool = _row_pool(n, dev, plan.n_threads) if plan.per_row else None
+    local = threading.local()
+    try:
+        for a in range(0, n, _chunk_rows(plan, pool, zp_all, zq_all, dev, chunk_bytes, k, top_k_out)):
+            b = min(n, a + plan.step)
+            zp = zp_all[a:b].to(dev)
+            zq = zq_all[a:b].to(dev)
+            tops = _chunk_tops_and_sums(zp, zq, plan, backend, pool, local)
+            _write_chunk(out, a, b, zp, zq, tops, y_all, dev, k, plan.kk, top_k_out, check_finite)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        if plan.per_row:
+            torch.set_num_threads(torch_threads)
+    return out
+
+
+def _checked_pair(ref_logits, cand_logits, next_tokens, k: int, top_k_out: int):
+    """The two sides as tensors ``[N, V]`` and the next tokens (None, or int64 ``[N]`` in
+    range), after the shape and range checks of :func:`full_vocab`."""
+    import torch
+
     zp_all = _as_tensor(ref_logits)
     zq_all = _as_tensor(cand_logits)
     if zp_all.dim() != 2 or zq_all.shape != zp_all.shape:
@@ -491,7 +526,11 @@ def full_vocab(
             raise ValueError(f"next_tokens must have shape [{n}], got {tuple(y_all.shape)}")
         if n and (int(y_all.min()) < 0 or int(y_all.max()) >= vocab):
             raise ValueError(f"next_tokens out of range [0, {vocab})")
+    return zp_all, zq_all, y_all
 
+
+def _empty_outputs(n: int, top_k_out: int) -> dict[str, np.ndarray]:
+    """:func:`full_vocab`'s result arrays for ``n`` rows (token metrics NaN until filled)."""
     out = {
         "kl_nats": np.empty(n, np.float64),
         "kl_rev_nats": np.empty(n, np.float64),
@@ -513,126 +552,147 @@ def full_vocab(
         for side in ("ref", "cand"):
             out[f"topk_ids_{side}"] = np.empty((n, top_k_out), np.int64)
             out[f"topk_logprobs_{side}"] = np.empty((n, top_k_out), np.float64)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads={threads} must be >= 1")
-    if n == 0:
-        return out
-    dev = torch.device(device) if device is not None else zp_all.device
+    return out
+
+
+@dataclass
+class _Pass:
+    """How :func:`full_vocab` runs: the compiled kernel (``native``), torch a row per worker
+    thread (``per_row``, tiles of ``tile`` values) or torch batched over a chunk; ``kk`` the
+    size of the one exact top search; ``step`` the rows per chunk (set by _chunk_rows)."""
+
+    native: bool
+    per_row: bool
+    n_threads: int
+    tile: int
+    kk: int
+    step: int = 0
+
+
+def _plan_pass(zp_all, zq_all, dev, backend: str, threads: int | None, chunk_bytes: int | None, k: int, top_k_out: int) -> _Pass:
+    vocab = zp_all.shape[1]
     native = _use_native(backend, dev, zp_all, zq_all)
     per_row = dev.type == "cpu" and _CPU_PER_ROW and not native
-    n_threads = threads or default_threads()
-    torch_threads = torch.get_num_threads()  # restored after the torch per-row path
+    # One exact top-kk search serves top-1, the margin, the top-k overlap and the stored
+    # top-K: its order (value desc, id asc) makes every prefix the top of that size.
+    kk = min(vocab, max(k, 2, top_k_out))
+    return _Pass(native, per_row, threads or default_threads(), min(vocab, _CPU_TILE) if per_row else vocab, kk)
+
+
+def _chunk_rows(plan: _Pass, pool, zp_all, zq_all, dev, chunk_bytes: int | None, k: int, top_k_out: int) -> int:
+    """Rows per chunk (also kept in ``plan.step``): within ``chunk_bytes`` (default
+    `default_chunk_bytes`) of what the pass holds per row."""
+    vocab = zp_all.shape[1]
     if chunk_bytes is None:
         chunk_bytes = default_chunk_bytes(dev)
-    pool = _row_pool(n, dev, n_threads) if per_row else None
-    local = threading.local()
     nw = pool._max_workers if pool is not None else 1
-    if native and dev.type == "cpu" and zp_all.device.type == "cpu" and zq_all.device.type == "cpu":
+    if plan.native and dev.type == "cpu" and zp_all.device.type == "cpu" and zq_all.device.type == "cpu":
         # The kernel reads the rows in place (views, memory maps): a call holds only its
         # outputs (~16 kk + 100 bytes a row), so a chunk's worth of those, not of rows. Fewer,
         # larger calls: one join of the kernel's threads per call, which on a shared machine
         # waits for the slowest thread's last row.
-        step = max(n_threads, int(chunk_bytes // (16 * max(k, 2, top_k_out) + 128)))
-    elif native:
-        step = max(n_threads, int(chunk_bytes // max(1, vocab * (zp_all.element_size() + zq_all.element_size()))))
-    elif per_row:
-        tile = min(vocab, _CPU_TILE)
+        step = max(plan.n_threads, int(chunk_bytes // (16 * max(k, 2, top_k_out) + 128)))
+    elif plan.native:
+        step = max(plan.n_threads, int(chunk_bytes // max(1, vocab * (zp_all.element_size() + zq_all.element_size()))))
+    elif plan.per_row:
         in_bytes = vocab * (zp_all.element_size() + zq_all.element_size())
         step = max(nw, int(chunk_bytes // max(1, in_bytes)))
     else:
-        tile = vocab
         step = _rows_per_chunk(vocab, chunk_bytes)
-    # One exact top-kk search serves top-1, the margin, the top-k overlap and the stored
-    # top-K: its order (value desc, id asc) makes every prefix the top of that size.
-    kk = min(vocab, max(k, 2, top_k_out))
-    try:
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            zp = zp_all[a:b].to(dev)
-            zq = zq_all[a:b].to(dev)
-            if native:
-                r = kernel.pair_rows(zp, zq, kk, n_threads, "scalar" if backend == "native-scalar" else "auto")
-                ids_p, ids_q = (torch.from_numpy(r["top_ids"][:, j]) for j in (0, 1))
-                vals_p, vals_q = (torch.from_numpy(r["top_vals"][:, j]) for j in (0, 1))
-                sums = torch.from_numpy(r["sums"].T.copy())
-            elif per_row:
+    plan.step = step
+    return step
 
-                def one_row(i, w):
-                    zpi, zqi = zp[i], zq[i]
-                    ip, vp = _row_top(zpi, kk, tile)
-                    iq, vq = _row_top(zqi, kk, tile)
-                    sums = _pair_sums_row(zpi, zqi, float(vp[0]), float(vq[0]), w, tile)
-                    return ip, vp, iq, vq, sums
 
-                rows = _map_rows(pool, local, one_row, b - a, lambda: _Work(1, vocab, tile, dev, True))
-                ids_p, vals_p, ids_q, vals_q = (torch.stack([r[j] for r in rows]) for j in range(4))
-                sums = torch.tensor([r[4] for r in rows], dtype=torch.float64).T
-            else:
-                ids_p, vals_p = _topk_candidates(zp, kk)
-                ids_q, vals_q = _topk_candidates(zq, kk)
-                sums = _pair_sums_batched(zp, zq, vals_p[:, 0].contiguous(), vals_q[:, 0].contiguous())
-            mp, mq = vals_p[:, 0], vals_q[:, 0]
-            s_p, a_p, s_q, a_q, d_p, d_q, g, s_d = sums
-            if check_finite:
-                bad_p = ~(torch.isfinite(mp) & torch.isfinite(a_p))
-                bad_q = ~(torch.isfinite(mq) & torch.isfinite(a_q))
-                if bool((bad_p | bad_q).any()):
-                    _raise_nonfinite([("reference", zp, bad_p), ("candidate", zq, bad_q)], a)
-            ls_p, ls_q = torch.log(s_p), torch.log(s_q)
-            ent_p = ls_p - a_p / s_p  # -sum p lP, lP = a_p - ln s_p
-            ent_q = ls_q - a_q / s_q
-            # c = ln(s_p/s_q) = log1p(S_d/s_q), S_d = sum (e_p - e_q) summed directly: its
-            # rounding error scales with sum |e_p - e_q| (small for near-identical rows), not
-            # with s_p + s_q as ln s_p - ln s_q's does; |x| <= 1/2 bounds log1p's condition.
-            x = s_d / s_q
-            c = torch.where(x.abs() <= 0.5, torch.log1p(x), ls_p - ls_q)
-            kl = (d_p / s_p - c).clamp_min(0.0)  # sum p (lP - lQ) = sum p d - (ln s_p - ln s_q)
-            kl_rev = (c - d_q / s_q).clamp_min(0.0)
-            # JSD = H(M) - (H_P + H_Q)/2 with H(M) = ln 2 - 1/2 sum (p+q) ln(p+q),
-            # sum (p+q) ln(p+q) = G/s_p - 2 ln s_p. Bounded by ln 2 and by (KL + KL_rev)/4
-            # (convexity: KL(P||M) <= KL(P||Q)/2), which also makes identical rows give 0.
-            jsd = LN2 - 0.5 * (ent_p + ent_q) - 0.5 * (g / s_p) + ls_p
-            jsd = torch.minimum(jsd.clamp(0.0, LN2), 0.25 * (kl + kl_rev))
-            # Top-1 (lowest id on ties) and margin from the exact top-K search.
-            lp_top = (vals_p[:, :2] - mp[:, None]) - ls_p[:, None]
-            margin = lp_top[:, 0].exp() - lp_top[:, 1].exp() if kk >= 2 else lp_top[:, 0].exp()
-            kp, kq = ids_p[:, :k], ids_q[:, :k]
-            overlap = (kp[:, :, None] == kq[:, None, :]).any(-1).sum(-1).to(torch.float64) / k
-            t1p, t1q = ids_p[:, 0], ids_q[:, 0]
-            sl = slice(a, b)
-            out["kl_nats"][sl] = kl.cpu().numpy()
-            out["kl_rev_nats"][sl] = kl_rev.cpu().numpy()
-            out["jsd_nats"][sl] = jsd.cpu().numpy()
-            out["top1_ref"][sl] = t1p.cpu().numpy()
-            out["top1_cand"][sl] = t1q.cpu().numpy()
-            out["top1_match"][sl] = (t1p == t1q).cpu().numpy()
-            out["margin_ref"][sl] = margin.cpu().numpy()
-            out["entropy_ref"][sl] = ent_p.clamp_min(0.0).cpu().numpy()
-            out["entropy_cand"][sl] = ent_q.clamp_min(0.0).cpu().numpy()
-            out["topk_overlap"][sl] = overlap.cpu().numpy()
-            if top_k_out:
-                out["topk_ids_ref"][sl] = ids_p[:, :top_k_out].cpu().numpy()
-                out["topk_ids_cand"][sl] = ids_q[:, :top_k_out].cpu().numpy()
-                out["topk_logprobs_ref"][sl] = ((vals_p[:, :top_k_out] - mp[:, None]) - ls_p[:, None]).cpu().numpy()
-                out["topk_logprobs_cand"][sl] = ((vals_q[:, :top_k_out] - mq[:, None]) - ls_q[:, None]).cpu().numpy()
-            if y_all is not None:
-                y = y_all[a:b].to(dev)[:, None]
-                # lP[y] = (z[y] - max) - ln s, as log_softmax computes it.
-                lpy = (zp.gather(1, y)[:, 0].to(torch.float64) - mp) - ls_p
-                lqy = (zq.gather(1, y)[:, 0].to(torch.float64) - mq) - ls_q
-                out["p_ref_token"][sl] = lpy.exp().cpu().numpy()
-                out["p_cand_token"][sl] = lqy.exp().cpu().numpy()
-                out["delta_p"][sl] = (lqy.exp() - lpy.exp()).cpu().numpy()
-                out["nll_ref"][sl] = (-lpy).cpu().numpy()
-                out["nll_cand"][sl] = (-lqy).cpu().numpy()
-    finally:
-        if pool is not None:
-            pool.shutdown()
-        if per_row:
-            torch.set_num_threads(torch_threads)
-    return out
+def _chunk_tops_and_sums(zp, zq, plan: _Pass, backend: str, pool, local):
+    """Each side's exact top-``kk`` (ids, raw logits) and the eight pair sums of one chunk
+    (kernel, per-row torch or batched torch)."""
+    import torch
+
+    kk, tile = plan.kk, plan.tile
+    if plan.native:
+        r = kernel.pair_rows(zp, zq, kk, plan.n_threads, "scalar" if backend == "native-scalar" else "auto")
+        ids_p, ids_q = (torch.from_numpy(r["top_ids"][:, j]) for j in (0, 1))
+        vals_p, vals_q = (torch.from_numpy(r["top_vals"][:, j]) for j in (0, 1))
+        sums = torch.from_numpy(r["sums"].T.copy())
+    elif plan.per_row:
+
+        def one_row(i, w):
+            zpi, zqi = zp[i], zq[i]
+            ip, vp = _row_top(zpi, kk, tile)
+            iq, vq = _row_top(zqi, kk, tile)
+            sums = _pair_sums_row(zpi, zqi, float(vp[0]), float(vq[0]), w, tile)
+            return ip, vp, iq, vq, sums
+
+        vocab = zp.shape[1]
+        rows = _map_rows(pool, local, one_row, zp.shape[0], lambda: _Work(1, vocab, tile, zp.device, True))
+        ids_p, vals_p, ids_q, vals_q = (torch.stack([r[j] for r in rows]) for j in range(4))
+        sums = torch.tensor([r[4] for r in rows], dtype=torch.float64).T
+    else:
+        ids_p, vals_p = _topk_candidates(zp, kk)
+        ids_q, vals_q = _topk_candidates(zq, kk)
+        sums = _pair_sums_batched(zp, zq, vals_p[:, 0].contiguous(), vals_q[:, 0].contiguous())
+    return ids_p, vals_p, ids_q, vals_q, sums
+
+
+def _write_chunk(out: dict, a: int, b: int, zp, zq, tops, y_all, dev, k: int, kk: int, top_k_out: int, check_finite: bool) -> None:
+    """Rows ``a:b`` of every metric from the chunk's tops and pair sums."""
+    import torch
+
+    ids_p, vals_p, ids_q, vals_q, sums = tops
+    mp, mq = vals_p[:, 0], vals_q[:, 0]
+    s_p, a_p, s_q, a_q, d_p, d_q, g, s_d = sums
+    if check_finite:
+        bad_p = ~(torch.isfinite(mp) & torch.isfinite(a_p))
+        bad_q = ~(torch.isfinite(mq) & torch.isfinite(a_q))
+        if bool((bad_p | bad_q).any()):
+            _raise_nonfinite([("reference", zp, bad_p), ("candidate", zq, bad_q)], a)
+    ls_p, ls_q = torch.log(s_p), torch.log(s_q)
+    ent_p = ls_p - a_p / s_p  # -sum p lP, lP = a_p - ln s_p
+    ent_q = ls_q - a_q / s_q
+    # c = ln(s_p/s_q) = log1p(S_d/s_q), S_d = sum (e_p - e_q) summed directly: its
+    # rounding error scales with sum |e_p - e_q| (small for near-identical rows), not
+    # with s_p + s_q as ln s_p - ln s_q's does; |x| <= 1/2 bounds log1p's condition.
+    x = s_d / s_q
+    c = torch.where(x.abs() <= 0.5, torch.log1p(x), ls_p - ls_q)
+    kl = (d_p / s_p - c).clamp_min(0.0)  # sum p (lP - lQ) = sum p d - (ln s_p - ln s_q)
+    kl_rev = (c - d_q / s_q).clamp_min(0.0)
+    # JSD = H(M) - (H_P + H_Q)/2 with H(M) = ln 2 - 1/2 sum (p+q) ln(p+q),
+    # sum (p+q) ln(p+q) = G/s_p - 2 ln s_p. Bounded by ln 2 and by (KL + KL_rev)/4
+    # (convexity: KL(P||M) <= KL(P||Q)/2), which also makes identical rows give 0.
+    jsd = LN2 - 0.5 * (ent_p + ent_q) - 0.5 * (g / s_p) + ls_p
+    jsd = torch.minimum(jsd.clamp(0.0, LN2), 0.25 * (kl + kl_rev))
+    # Top-1 (lowest id on ties) and margin from the exact top-K search.
+    lp_top = (vals_p[:, :2] - mp[:, None]) - ls_p[:, None]
+    margin = lp_top[:, 0].exp() - lp_top[:, 1].exp() if kk >= 2 else lp_top[:, 0].exp()
+    kp, kq = ids_p[:, :k], ids_q[:, :k]
+    overlap = (kp[:, :, None] == kq[:, None, :]).any(-1).sum(-1).to(torch.float64) / k
+    t1p, t1q = ids_p[:, 0], ids_q[:, 0]
+    sl = slice(a, b)
+    out["kl_nats"][sl] = kl.cpu().numpy()
+    out["kl_rev_nats"][sl] = kl_rev.cpu().numpy()
+    out["jsd_nats"][sl] = jsd.cpu().numpy()
+    out["top1_ref"][sl] = t1p.cpu().numpy()
+    out["top1_cand"][sl] = t1q.cpu().numpy()
+    out["top1_match"][sl] = (t1p == t1q).cpu().numpy()
+    out["margin_ref"][sl] = margin.cpu().numpy()
+    out["entropy_ref"][sl] = ent_p.clamp_min(0.0).cpu().numpy()
+    out["entropy_cand"][sl] = ent_q.clamp_min(0.0).cpu().numpy()
+    out["topk_overlap"][sl] = overlap.cpu().numpy()
+    if top_k_out:
+        out["topk_ids_ref"][sl] = ids_p[:, :top_k_out].cpu().numpy()
+        out["topk_ids_cand"][sl] = ids_q[:, :top_k_out].cpu().numpy()
+        out["topk_logprobs_ref"][sl] = ((vals_p[:, :top_k_out] - mp[:, None]) - ls_p[:, None]).cpu().numpy()
+        out["topk_logprobs_cand"][sl] = ((vals_q[:, :top_k_out] - mq[:, None]) - ls_q[:, None]).cpu().numpy()
+    if y_all is not None:
+        y = y_all[a:b].to(dev)[:, None]
+        # lP[y] = (z[y] - max) - ln s, as log_softmax computes it.
+        lpy = (zp.gather(1, y)[:, 0].to(torch.float64) - mp) - ls_p
+        lqy = (zq.gather(1, y)[:, 0].to(torch.float64) - mq) - ls_q
+        out["p_ref_token"][sl] = lpy.exp().cpu().numpy()
+        out["p_cand_token"][sl] = lqy.exp().cpu().numpy()
+        out["delta_p"][sl] = (lqy.exp() - lpy.exp()).cpu().numpy()
+        out["nll_ref"][sl] = (-lpy).cpu().numpy()
+        out["nll_cand"][sl] = (-lqy).cpu().numpy()
 
 
 def row_stats(logits, *, k: int = 0, device=None, chunk_bytes: int = 256 << 20, threads: int | None = None):

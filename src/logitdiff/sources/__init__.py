@@ -1,8 +1,11 @@
 """Stage *sources*: the engines (transformers, llama.cpp in process, served llama-server / vLLM
-/ SGLang) behind one interface, the one llama-server client that capture, speculation and
-generation share (`served/`), GGUF export and quantization (`gguf_export`, `quantize`), and
-the served-batching floor (`served_floor`). Imports `store`, `workload`, `numerics` and the
-base modules only.
+/ SGLang) behind one interface, the one llama-server client that capture and speculation
+share (`served/llamacpp_client`; generation mode in `served/generate`), each engine's layer
+hooks (`layer_hooks`: stage *layers* reads hidden states only through it), GGUF export and
+quantization (`gguf_export`, `quantize`), and the served-batching floor (`served_floor`).
+Imports `store`, `workload`, `numerics` and the base modules only. llama.cpp's process-wide
+load lock and quiet log (`gguf.load_lock`, `gguf.llama_log_errors_only`) are shared by the
+modules of this stage that call llama.cpp (gguf, hf, layer_hooks_gguf) and by nothing outside it.
 
 Sources: where next-token distributions come from, behind one small interface.
 

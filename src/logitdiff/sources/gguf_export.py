@@ -338,90 +338,14 @@ def export_gguf(
     hp = _hparams(hf_dir)
     tk = read_tokenizer(hf_dir, hp["vocab_size"])
 
-    qt = gguf.GGMLQuantizationType
-    file_type = gguf.LlamaFileType.ALL_F32 if outtype == "F32" else gguf.LlamaFileType.MOSTLY_BF16
-
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out_path) as tmp:  # out_path appears whole, or not at all
         w = gguf.GGUFWriter(str(tmp), "llama")
         try:
-            # ---- general / hparams -------------------------------------------------------
-            w.add_type(gguf.GGUFType.MODEL)
-            w.add_name(name or hf_dir.resolve().name)
-            w.add_file_type(int(file_type))
-            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-            w.add_vocab_size(len(tk["tokens"]))
-            w.add_context_length(int(hp["n_ctx"]))
-            w.add_embedding_length(hp["n_embd"])
-            w.add_block_count(hp["n_layer"])
-            w.add_feed_forward_length(hp["n_ff"])
-            w.add_head_count(hp["n_head"])
-            w.add_head_count_kv(hp["n_head_kv"])
-            w.add_layer_norm_rms_eps(hp["eps"])
-            w.add_rope_freq_base(hp["theta"])
-            w.add_rope_dimension_count(hp["head_dim"])
-            if hp["head_dim"] != hp["n_embd"] // hp["n_head"]:
-                w.add_key_length(hp["head_dim"])
-                w.add_value_length(hp["head_dim"])
-            if hp["rope_type"] == "linear" and hp["rope_factor"]:
-                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-                w.add_rope_scaling_factor(float(hp["rope_factor"]))
-
-            # ---- tokenizer ---------------------------------------------------------------
-            w.add_tokenizer_model("gpt2")
-            w.add_tokenizer_pre("gpt-2")
-            w.add_token_list(tk["tokens"])
-            w.add_token_types(tk["types"])
-            if tk["merges"]:
-                w.add_token_merges(tk["merges"])
-            sp = tk["special"]
-            if "bos" in sp:
-                w.add_bos_token_id(sp["bos"])
-            if "eos" in sp:
-                w.add_eos_token_id(sp["eos"])
-            if "pad" in sp:
-                w.add_pad_token_id(sp["pad"])
-            if "unk" in sp:
-                w.add_unk_token_id(sp["unk"])
-            w.add_add_bos_token(tk["add_bos"])
-            w.add_add_eos_token(False)
-            if tk["chat_template"]:
-                w.add_chat_template(tk["chat_template"])
-
-            # ---- tensors -----------------------------------------------------------------
-            seen: set[str] = set()
-            for wf in weight_files(hf_dir):
-                for hf_name, dt, arr in _iter_safetensors(wf):
-                    mapped = _gguf_name(hf_name, hp["n_layer"])
-                    if mapped is None:
-                        continue
-                    gname, _bid = mapped
-                    if gname == "output.weight" and hp["tied"]:
-                        continue
-                    if gname.endswith(".attn_q.weight") or gname.endswith(".attn_q.bias"):
-                        arr = _permute(arr, hp["n_head"], hp["n_head"])
-                    elif gname.endswith(".attn_k.weight") or gname.endswith(".attn_k.bias"):
-                        arr = _permute(arr, hp["n_head"], hp["n_head_kv"])
-                    if arr.ndim <= 1 or gname.endswith("_norm.weight") or outtype == "F32":
-                        w.add_tensor(gname, np.ascontiguousarray(_to_f32(dt, arr)), raw_dtype=qt.F32)
-                    elif dt == "BF16":  # bit-exact copy
-                        w.add_tensor(gname, np.ascontiguousarray(arr), raw_dtype=qt.BF16)
-                    else:
-                        w.add_tensor(gname, gguf.quants.quantize(_to_f32(dt, arr), qt.BF16), raw_dtype=qt.BF16)
-                    seen.add(gname)
-                    if progress:
-                        progress(gname)
-            missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in seen]
-            if not hp["tied"] and "output.weight" not in seen:
-                missing.append("output.weight")
-            for b in range(hp["n_layer"]):
-                for s in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                          "attn_norm", "ffn_norm"):
-                    if f"blk.{b}.{s}.weight" not in seen:
-                        missing.append(f"blk.{b}.{s}.weight")
-            if missing:
-                raise LogitdiffError(f"{hf_dir}: weights are missing tensors for {missing[0]} ({len(missing)} missing)")
-
+            _add_hparams(w, hp, outtype, name or hf_dir.resolve().name, len(tk["tokens"]))
+            _add_tokenizer(w, tk)
+            seen = _add_tensors(w, hf_dir, hp, outtype, progress)
+            _check_complete(hf_dir, hp, seen)
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_tensors_to_file()
@@ -433,3 +357,99 @@ def export_gguf(
                 pass
             raise
     return out_path
+
+
+def _add_hparams(w, hp: dict, outtype: str, name: str, n_vocab: int) -> None:
+    """The general and hyperparameter keys."""
+    import gguf
+
+    file_type = gguf.LlamaFileType.ALL_F32 if outtype == "F32" else gguf.LlamaFileType.MOSTLY_BF16
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(name)
+    w.add_file_type(int(file_type))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_vocab_size(n_vocab)
+    w.add_context_length(int(hp["n_ctx"]))
+    w.add_embedding_length(hp["n_embd"])
+    w.add_block_count(hp["n_layer"])
+    w.add_feed_forward_length(hp["n_ff"])
+    w.add_head_count(hp["n_head"])
+    w.add_head_count_kv(hp["n_head_kv"])
+    w.add_layer_norm_rms_eps(hp["eps"])
+    w.add_rope_freq_base(hp["theta"])
+    w.add_rope_dimension_count(hp["head_dim"])
+    if hp["head_dim"] != hp["n_embd"] // hp["n_head"]:
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+    if hp["rope_type"] == "linear" and hp["rope_factor"]:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(hp["rope_factor"]))
+
+
+def _add_tokenizer(w, tk: dict) -> None:
+    """The tokenizer keys (a GPT-2 style BPE) from :func:`read_tokenizer`'s description."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tk["tokens"])
+    w.add_token_types(tk["types"])
+    if tk["merges"]:
+        w.add_token_merges(tk["merges"])
+    sp = tk["special"]
+    if "bos" in sp:
+        w.add_bos_token_id(sp["bos"])
+    if "eos" in sp:
+        w.add_eos_token_id(sp["eos"])
+    if "pad" in sp:
+        w.add_pad_token_id(sp["pad"])
+    if "unk" in sp:
+        w.add_unk_token_id(sp["unk"])
+    w.add_add_bos_token(tk["add_bos"])
+    w.add_add_eos_token(False)
+    if tk["chat_template"]:
+        w.add_chat_template(tk["chat_template"])
+
+
+def _add_tensors(w, hf_dir: Path, hp: dict, outtype: str, progress: Callable[[str], None] | None) -> set[str]:
+    """Every weight of the safetensors files under its GGUF name (Q and K permuted to
+    llama.cpp's rotary layout; norms and vectors F32; ``BF16``: BF16 weights copied bit for
+    bit, others rounded); returns the names written."""
+    import gguf
+
+    qt = gguf.GGMLQuantizationType
+    seen: set[str] = set()
+    for wf in weight_files(hf_dir):
+        for hf_name, dt, arr in _iter_safetensors(wf):
+            mapped = _gguf_name(hf_name, hp["n_layer"])
+            if mapped is None:
+                continue
+            gname, _bid = mapped
+            if gname == "output.weight" and hp["tied"]:
+                continue
+            if gname.endswith(".attn_q.weight") or gname.endswith(".attn_q.bias"):
+                arr = _permute(arr, hp["n_head"], hp["n_head"])
+            elif gname.endswith(".attn_k.weight") or gname.endswith(".attn_k.bias"):
+                arr = _permute(arr, hp["n_head"], hp["n_head_kv"])
+            if arr.ndim <= 1 or gname.endswith("_norm.weight") or outtype == "F32":
+                w.add_tensor(gname, np.ascontiguousarray(_to_f32(dt, arr)), raw_dtype=qt.F32)
+            elif dt == "BF16":  # bit-exact copy
+                w.add_tensor(gname, np.ascontiguousarray(arr), raw_dtype=qt.BF16)
+            else:
+                w.add_tensor(gname, gguf.quants.quantize(_to_f32(dt, arr), qt.BF16), raw_dtype=qt.BF16)
+            seen.add(gname)
+            if progress:
+                progress(gname)
+    return seen
+
+
+def _check_complete(hf_dir: Path, hp: dict, seen: set[str]) -> None:
+    """Every tensor a Llama GGUF needs was written: one line naming the first missing."""
+    missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in seen]
+    if not hp["tied"] and "output.weight" not in seen:
+        missing.append("output.weight")
+    for b in range(hp["n_layer"]):
+        for s in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                  "attn_norm", "ffn_norm"):
+            if f"blk.{b}.{s}.weight" not in seen:
+                missing.append(f"blk.{b}.{s}.weight")
+    if missing:
+        raise LogitdiffError(f"{hf_dir}: weights are missing tensors for {missing[0]} ({len(missing)} missing)")

@@ -416,6 +416,56 @@ def _compare(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spi
              floor_items: int, shape_width: int, V: int | None, bar: Callable) -> tuple[dict, Iterator[dict]]:
     t0 = time.perf_counter()
     n_floor = min(max(floor_items, 0), len(prompts))
+    gen = _generate_all(ref, cand, prompts, spill, n_predict, n_floor, bar)
+    rc, cc = gen.rc, gen.cc
+    _check_drafting(ref, cand, rc, cc, declared)
+    if V is None:
+        V = gen.top_id + 1
+    t1 = time.perf_counter()
+    f0, f1 = _floors(ref, cand, prompts[:n_floor], gen, n_predict, shape_width, V, bar)
+    del gen.ref_kept, gen.cand_kept
+    t_floor = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    rows, per_pos = _compare_items(ref, cand, prompts, spill, V, f1["near_tie_nats"], bar)
+    t_cmp = time.perf_counter() - t2
+    summary = _summary(rows, per_pos, f1, n_predict)
+    verdict = decide(summary, f0, f1, rc, cc, rows, declared)
+    wall = time.perf_counter() - t0
+    server_s = (cc["server_prompt_ms"] + cc["server_predicted_ms"] + rc["server_prompt_ms"] + rc["server_predicted_ms"]) / 1e3
+    fd = [row["first_divergence"] for row in rows]
+    report = {
+        "reference": {**ref.identity(), "counters": rc},
+        "candidate": {**cand.identity(), "declared_speculative": declared, "counters": cc},
+        "method": _method(ref, n_predict, V, n_floor, shape_width, f1["near_tie_nats"]),
+        "floors": {"F0": f0, "F1": f1},
+        "summary": summary,
+        "survival": {"candidate": survival(fd, n_predict).tolist(), "F0_reference": f0["reference"]["survival"],
+                     "F0_candidate": f0["candidate"]["survival"], "F1": f1["survival"]},
+        "items": rows,
+        "verdict": verdict,
+        "timing": {"wall_s": wall, "generations_s": gen.t_gen, "floors_s": t_floor, "compare_s": t_cmp,
+                   "server_generation_s": server_s, "wall_over_generations": wall / gen.t_gen if gen.t_gen else None,
+                   "wall_over_server_generation": wall / server_s if server_s else None},
+    }
+    return report, _records(prompts, spill)
+
+
+@dataclass
+class _Generated:
+    """What the generation pass keeps: each side's counters, the floor items' traces, the
+    largest token id seen and the seconds spent generating (the traces are in the spill)."""
+
+    rc: dict
+    cc: dict
+    ref_kept: list[Trace]
+    cand_kept: list[Trace]
+    top_id: int
+    t_gen: float
+
+
+def _generate_all(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spill: IO[bytes], n_predict: int, n_floor: int,
+                  bar: Callable) -> _Generated:
+    """Both servers generate every item; each item's two traces go to ``spill``."""
     ref_kept, cand_kept = [], []  # the floor items' traces
     ref_sums, cand_sums = [], []
     top_id = -1
@@ -435,7 +485,11 @@ def _compare(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spi
         pickle.dump((r, c), spill, protocol=pickle.HIGHEST_PROTOCOL)
         del r, c
         adv()
-    rc, cc = _trace_counts(ref_sums), _trace_counts(cand_sums)
+    return _Generated(_trace_counts(ref_sums), _trace_counts(cand_sums), ref_kept, cand_kept, top_id, t_gen)
+
+
+def _check_drafting(ref: LlamaServer, cand: LlamaServer, rc: dict, cc: dict, declared: bool) -> None:
+    """The preconditions: the reference never drafted; a candidate declared speculative did."""
     if rc["draft_n"] > 0:
         raise LogitdiffError(f"reference server {ref.url}: it drafted ({rc['draft_n']} draft tokens); the reference must run without speculation")
     if declared and cc["draft_n"] == 0:
@@ -444,49 +498,56 @@ def _compare(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spi
             f"{cc['requests']} requests: no draft was ever proposed; llama-server drafts only with --spec-type, e.g. --spec-type "
             "draft-simple -md DRAFT.gguf, and an n-gram type only where the text repeats itself)"
         )
-    if V is None:
-        V = top_id + 1
-    # floors
-    fl = list(range(n_floor))
-    t1 = time.perf_counter()
-    adv = bar(len(fl), "floors (F0 reruns, F1 teacher-forced)")
+
+
+def _floors(ref: LlamaServer, cand: LlamaServer, floor_prompts: Sequence[Prompt], gen: _Generated, n_predict: int,
+            shape_width: int, V: int, bar: Callable) -> tuple[dict, dict]:
+    """F0 (each side against its rerun) and F1 (the reference's tokens teacher-forced in
+    ``shape_width`` batches) over the floor items."""
+    adv = bar(len(floor_prompts), "floors (F0 reruns, F1 teacher-forced)")
     ref_again, cand_again, f1_scored = [], [], []
-    for i in fl:
-        p = prompts[i]
+    for i, p in enumerate(floor_prompts):
         ref_again.append(ref.generate(p.ids, n_predict, p.id))
         cand_again.append(cand.generate(p.ids, n_predict, p.id))
-        f1_scored.append(ref.score(p.ids, ref_kept[i].ids, start=0, width=shape_width, item=p.id))
+        f1_scored.append(ref.score(p.ids, gen.ref_kept[i].ids, start=0, width=shape_width, item=p.id))
         adv()
-    f0 = {"reference": _f0(ref_kept, ref_again, n_predict), "candidate": _f0(cand_kept, cand_again, n_predict)}
-    f1 = _f1(ref_kept, f1_scored, V, n_predict, shape_width)
-    del ref_kept, cand_kept, ref_again, cand_again, f1_scored
-    t_floor = time.perf_counter() - t1
-    near = f1["near_tie_nats"]
-    # per item
-    t2 = time.perf_counter()
-    rows, pre_kl, pre_klo, pre_top1, pre_dl, x1_kl, x2_agree = [], [], [], [], [], [], []
+    f0 = {"reference": _f0(gen.ref_kept, ref_again, n_predict), "candidate": _f0(gen.cand_kept, cand_again, n_predict)}
+    return f0, _f1(gen.ref_kept, f1_scored, V, n_predict, shape_width)
+
+
+def _compare_items(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spill: IO[bytes], V: int, near: float | None,
+                   bar: Callable) -> tuple[list[dict], dict[str, list]]:
+    """Per item (read back from the spill) its row, and the per-position figures kept for
+    the summary: the aligned prefix's KL, its lower bound, top-1 and Δlogprob; the
+    cross-scored KL and agreement after a divergence."""
+    rows: list[dict] = []
+    per_pos: dict[str, list] = {"kl": [], "klo": [], "top1": [], "dl": [], "x1_kl": [], "x2_agree": []}
     adv = bar(len(prompts), "comparing (cross-scoring after each divergence)")
     for p, (r, c) in zip(prompts, _spilled(spill)):
         row, x = _item_analysis(p, r, c, ref, cand, V, near)
         rows.append(row)
-        pre_kl.append(x["prefix"]["kl_nats"])
-        pre_klo.append(x["prefix"]["kl_lower_nats"])
-        pre_top1.append(x["prefix"]["top1_match"])
-        pre_dl.append(x["prefix"]["dlogprob"])
+        per_pos["kl"].append(x["prefix"]["kl_nats"])
+        per_pos["klo"].append(x["prefix"]["kl_lower_nats"])
+        per_pos["top1"].append(x["prefix"]["top1_match"])
+        per_pos["dl"].append(x["prefix"]["dlogprob"])
         if "ref_on_cand" in x:
-            x1_kl.append(x["ref_on_cand"]["kl_nats"])
-            x2_agree.append(x["cand_on_ref_agree"])
+            per_pos["x1_kl"].append(x["ref_on_cand"]["kl_nats"])
+            per_pos["x2_agree"].append(x["cand_on_ref_agree"])
         adv()
-    t_cmp = time.perf_counter() - t2
-    fd = [row["first_divergence"] for row in rows]
-    kl_all = np.concatenate(pre_kl) if pre_kl else np.zeros(0)
-    klo_all = np.concatenate(pre_klo) if pre_klo else np.zeros(0)
-    t1_all = np.concatenate(pre_top1) if pre_top1 else np.zeros(0, bool)
+    return rows, per_pos
+
+
+def _summary(rows: list[dict], per_pos: dict[str, list], f1: dict, n_predict: int) -> dict:
+    """The run's summary from the item rows and the per-position figures (_compare_items)."""
+    kl_all = np.concatenate(per_pos["kl"]) if per_pos["kl"] else np.zeros(0)
+    klo_all = np.concatenate(per_pos["klo"]) if per_pos["klo"] else np.zeros(0)
+    t1_all = np.concatenate(per_pos["top1"]) if per_pos["top1"] else np.zeros(0, bool)
     # prefix positions whose KL provably exceeds F1's largest: their proven lower bound is
     # above it (decide's comment; the relative slack is for float64 summation order)
     f1_kl = f1["kl_nats"]["max"]
     above = None if f1_kl is None else int((klo_all > f1_kl * (1 + 1e-9) + 1e-15).sum())
-    dl_all = np.concatenate(pre_dl) if pre_dl else np.zeros(0)
+    dl_all = np.concatenate(per_pos["dl"]) if per_pos["dl"] else np.zeros(0)
+    x1_kl, x2_agree = per_pos["x1_kl"], per_pos["x2_agree"]
     div = [row for row in rows if not row["identical"]]
     summary = {
         "items": len(rows), "n_predict": n_predict,
@@ -510,37 +571,24 @@ def _compare(ref: LlamaServer, cand: LlamaServer, prompts: Sequence[Prompt], spi
         # no threshold: how many divergences are near-tie or material is unknown, not 0
         summary["near_tie_divergences"] = summary["material_divergences"] = None
         summary["classes_not_evaluated"] = NO_THRESHOLD
-    verdict = decide(summary, f0, f1, rc, cc, rows, declared)
-    wall = time.perf_counter() - t0
-    server_s = (cc["server_prompt_ms"] + cc["server_predicted_ms"] + rc["server_prompt_ms"] + rc["server_predicted_ms"]) / 1e3
-    report = {
-        "reference": {**ref.identity(), "counters": rc},
-        "candidate": {**cand.identity(), "declared_speculative": declared, "counters": cc},
-        "method": {
-            "mode": "generation", "description": __doc__.split("\n\n")[1].replace("\n", " "),
-            "request": {k: v for k, v in ref.generation_body([0], n_predict).items() if k != "prompt"},
-            "n_predict": n_predict, "top_logprobs": ref.k, "vocab_size": V, "concurrency": 1,
-            "floor_items": len(fl), "shape_width": shape_width, "near_tie_nats": near,
-            "notes": [
-                "tokens with logprob exactly 0.0 and a short or empty top list are 'probability not reported' "
-                "(llama-server sends prob 1.0 and no top list for every token of a speculative step); never read as p = 1",
-                "KL figures (kl_nats) are the seed's top-K estimate of KL(P_ref || P_cand); kl_lower_nats its proven lower bound "
-                "(bounds.topk_vs_topk; the upper bound of a top-K/top-K KL is infinite without a stated logprob floor)",
-                "candidate margins at a divergence come from its generation when it reported them, else from "
-                "teacher forcing on the candidate server (a non-speculative prefill)",
-            ],
-        },
-        "floors": {"F0": f0, "F1": f1},
-        "summary": summary,
-        "survival": {"candidate": survival(fd, n_predict).tolist(), "F0_reference": f0["reference"]["survival"],
-                     "F0_candidate": f0["candidate"]["survival"], "F1": f1["survival"]},
-        "items": rows,
-        "verdict": verdict,
-        "timing": {"wall_s": wall, "generations_s": t_gen, "floors_s": t_floor, "compare_s": t_cmp,
-                   "server_generation_s": server_s, "wall_over_generations": wall / t_gen if t_gen else None,
-                   "wall_over_server_generation": wall / server_s if server_s else None},
+    return summary
+
+
+def _method(ref: LlamaServer, n_predict: int, V: int, n_floor: int, shape_width: int, near: float | None) -> dict:
+    return {
+        "mode": "generation", "description": __doc__.split("\n\n")[1].replace("\n", " "),
+        "request": {k: v for k, v in ref.generation_body([0], n_predict).items() if k != "prompt"},
+        "n_predict": n_predict, "top_logprobs": ref.k, "vocab_size": V, "concurrency": 1,
+        "floor_items": n_floor, "shape_width": shape_width, "near_tie_nats": near,
+        "notes": [
+            "tokens with logprob exactly 0.0 and a short or empty top list are 'probability not reported' "
+            "(llama-server sends prob 1.0 and no top list for every token of a speculative step); never read as p = 1",
+            "KL figures (kl_nats) are the seed's top-K estimate of KL(P_ref || P_cand); kl_lower_nats its proven lower bound "
+            "(bounds.topk_vs_topk; the upper bound of a top-K/top-K KL is infinite without a stated logprob floor)",
+            "candidate margins at a divergence come from its generation when it reported them, else from "
+            "teacher forcing on the candidate server (a non-speculative prefill)",
+        ],
     }
-    return report, _records(prompts, spill)
 
 
 def _records(prompts: Sequence[Prompt], spill: IO[bytes]) -> Iterator[dict]:
@@ -553,6 +601,35 @@ def _records(prompts: Sequence[Prompt], spill: IO[bytes]) -> Iterator[dict]:
                 yield {"id": p.id, "side": side, "run": 1, "prompt_ids": p.ids, **t.to_json()}
     finally:
         spill.close()
+
+
+def _prefix_kl_finding(summary: dict, f1: dict) -> tuple[str, str] | None:
+    """What the prefix's KL says against F1's largest, as (``defect`` | ``too_small`` |
+    ``unmeasured`` | ``within``, the sentence), or None when there is nothing to say (see
+    :func:`decide`'s comment)."""
+    f1_kl = f1["kl_nats"]["max"]
+    pre_kl = summary["prefix"]["kl_nats"]["max"] or 0.0
+    above = summary["prefix"].get("kl_above_floor_max")
+    lo = summary["prefix"]["kl_lower_nats"]["max"]
+    if pre_kl > 1e-15 and f1_kl is None:
+        return "unmeasured", f"prefix KL {pre_kl:.3g} nats at identical contexts against the shape floor F1: {NO_THRESHOLD}"
+    if f1_kl is not None and above and above["positions"]:
+        j, n, m, p = above["positions"], above["of"], above["floor_positions"], above["chance"]
+        said = (f"prefix KL at identical contexts provably above the shape floor F1's largest ({f1_kl:.3g} nats, over {m} positions "
+                f"of {f1['items']} floor items) at {j} of {n} positions (proven lower bound max {'not known' if lo is None else f'{lo:.3g}'} nats, "
+                f"top-K estimate max {pre_kl:.3g}); that many from positions like F1's own, by chance: p = {p:.2g}")
+        if p < PREFIX_KL_ALPHA:
+            return "defect", said
+        return "too_small", (f"{FLOOR_TOO_SMALL}: {said} (>= {PREFIX_KL_ALPHA:g}), no evidence either way; more --floor-items "
+                             "measure F1 on more positions")
+    if f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15 and lo is None:
+        # no finite lower bound: "not provably above" would be read as evidence it is not above
+        return "unmeasured", (f"prefix KL top-K estimate max {pre_kl:.3g} nats above F1's largest ({f1_kl:.3g}), and no position "
+                              "has a finite proven lower bound to decide it")
+    if f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15:
+        return "within", (f"prefix KL top-K estimate max {pre_kl:.3g} nats above F1's largest ({f1_kl:.3g}), but no position's proven "
+                          f"lower bound is (max {lo:.3g}): not provably above the floor")
+    return None
 
 
 def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dict], declared: bool) -> dict:
@@ -582,8 +659,7 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
         unmeasured.append(f"{summary['unclassified_divergences']} divergence(s) not classed near-tie or material: "
                           f"{summary['classes_not_evaluated']}")
     f1_kl = f1["kl_nats"]["max"]
-    pre_kl = summary["prefix"]["kl_nats"]["max"] or 0.0
-    # The prefix's KL against F1's largest. A position counts as above it only when its KL
+    # The prefix's KL against F1's largest (_prefix_kl_finding). A position counts as above it only when its KL
     # provably is: its proven lower bound (bounds.topk_vs_topk) exceeds F1's largest, not its
     # top-K seed estimate, which a swap of two tokens tied at the K-th place inflates by orders
     # of magnitude (seen: an estimate of 2.6e-3 nats over a lower bound of 3e-11; and the
@@ -595,27 +671,9 @@ def decide(summary: dict, f0: dict, f1: dict, rc: dict, cc: dict, rows: list[dic
     # (chance_above_max < PREFIX_KL_ALPHA); fewer say the floor is too small.
     too_small: list[str] = []
     within: list[str] = []
-    above = summary["prefix"].get("kl_above_floor_max")
-    lo = summary["prefix"]["kl_lower_nats"]["max"]
-    if pre_kl > 1e-15 and f1_kl is None:
-        unmeasured.append(f"prefix KL {pre_kl:.3g} nats at identical contexts against the shape floor F1: {NO_THRESHOLD}")
-    elif f1_kl is not None and above and above["positions"]:
-        j, n, m, p = above["positions"], above["of"], above["floor_positions"], above["chance"]
-        said = (f"prefix KL at identical contexts provably above the shape floor F1's largest ({f1_kl:.3g} nats, over {m} positions "
-                f"of {f1['items']} floor items) at {j} of {n} positions (proven lower bound max {'not known' if lo is None else f'{lo:.3g}'} nats, "
-                f"top-K estimate max {pre_kl:.3g}); that many from positions like F1's own, by chance: p = {p:.2g}")
-        if p < PREFIX_KL_ALPHA:
-            defects.append(said)
-        else:
-            too_small.append(f"{FLOOR_TOO_SMALL}: {said} (>= {PREFIX_KL_ALPHA:g}), no evidence either way; more --floor-items "
-                             "measure F1 on more positions")
-    elif f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15 and lo is None:
-        # no finite lower bound: "not provably above" would be read as evidence it is not above
-        unmeasured.append(f"prefix KL top-K estimate max {pre_kl:.3g} nats above F1's largest ({f1_kl:.3g}), and no position "
-                          "has a finite proven lower bound to decide it")
-    elif f1_kl is not None and pre_kl > f1_kl * (1 + 1e-9) + 1e-15:
-        within.append(f"prefix KL top-K estimate max {pre_kl:.3g} nats above F1's largest ({f1_kl:.3g}), but no position's proven "
-                      f"lower bound is (max {lo:.3g}): not provably above the floor")
+    finding = _prefix_kl_finding(summary, f1)
+    if finding is not None:
+        {"defect": defects, "too_small": too_small, "unmeasured": unmeasured, "within": within}[finding[0]].append(finding[1])
     # F0 = 0 is evidence only where a rerun compared at least one position on each side
     f0_zero = f0["reference"]["bit_identical"] is True and f0["candidate"]["bit_identical"] is True
     f0_unmeasured = [side for side in ("reference", "candidate") if f0[side]["bit_identical"] is None]

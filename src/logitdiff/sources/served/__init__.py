@@ -17,6 +17,9 @@ per server batch (deterministic, slower). Both are recorded in the RUN's source 
 Layout: :mod:`.client` (HTTP: pool, retries, replicas, server detection), :mod:`.base`
 (what every server kind shares, and the validation of one position's top-K), then one
 module per server kind with its protocol: :mod:`.llamacpp`, :mod:`.vllm`, :mod:`.sglang`.
+llama-server is spoken to through one client, :mod:`.llamacpp_client` (its requests, every
+answer field checked: one line naming the field and the request), by the capture source
+(:mod:`.llamacpp`) and by generation mode (:mod:`.generate`, which ``speculate`` uses).
 
 Every request sends **token ids**, never text, so the server scores exactly the teacher
 sequence. Refused (a one-line :class:`LogitdiffError`, never a report): fewer than K finite

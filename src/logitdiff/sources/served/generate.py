@@ -1,4 +1,5 @@
-"""Greedy generation and batch-shaped teacher forcing on a llama-server, token by token.
+"""Greedy generation and batch-shaped teacher forcing on a llama-server, token by token,
+through the one llama-server client (:mod:`.llamacpp_client`: every answer field checked).
 
 The protocol of generation mode (:mod:`logitdiff.speculation`), checked against the
 llama.cpp vendored by llama-cpp-python (tools/server: server-schema.cpp, server-context.cpp,
@@ -41,6 +42,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import LogitdiffError
+from .client import HttpClient
+from .llamacpp_client import LlamaServerClient, checked, top_logprobs
+from .llamacpp_client import field as answer_field
 
 #: the fields of an answer we read (the prompt's text and the rest are not sent back)
 GEN_FIELDS = ("index", "tokens", "completion_probabilities", "timings", "stop_type", "truncated", "generation_settings")
@@ -49,9 +53,8 @@ SCORE_FIELDS = ("index", "completion_probabilities", "timings")
 TASKS_PER_REQUEST = 64
 
 
-def one_line(s: Any, n: int = 200) -> str:
-    s = " ".join(str(s).split())
-    return s if len(s) <= n else s[: n - 3] + "..."
+#: the timings of a generation kept in its trace (numbers, each checked)
+TIMINGS = ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "draft_n", "draft_n_accepted")
 
 
 @dataclass
@@ -96,64 +99,66 @@ def not_reported(logprob: float | None, n_top: int, k: int) -> bool:
     return logprob is None or (logprob == 0.0 and n_top < k)
 
 
-def parse_generation(answer: dict, n_predict: int, k: int, where: str) -> Trace:
+def parse_generation(answer: Any, n_predict: int, k: int, where: str) -> Trace:
     """A /completion answer as a :class:`Trace`; refuses what is not a fixed-length greedy
-    generation with raw log-probabilities."""
-    if not isinstance(answer, dict):
-        raise LogitdiffError(f"{where}: the server's answer is not a JSON object")
-    ids = answer.get("tokens")
-    if not isinstance(ids, list):
+    generation with raw log-probabilities, and every field of the wrong type (one line
+    naming the field)."""
+    checked(answer, "object", where, "")
+    if "tokens" not in answer:
         raise LogitdiffError(f"{where}: the answer has no 'tokens' (server too old for return_tokens)")
-    ids = [int(t) for t in ids]
+    ids = [int(checked(t, "int", where, f"tokens[{n}]")) for n, t in enumerate(answer_field(answer, "tokens", "list", where))]
+    stop_type = answer_field(answer, "stop_type", "str", where, optional=True)
     if len(ids) != n_predict:
         raise LogitdiffError(
             f"{where}: the server generated {len(ids)} tokens, not n_predict={n_predict} "
-            f"(stop_type {answer.get('stop_type')!r}; ignore_eos not honoured, or the context is too short)"
+            f"(stop_type {stop_type!r}; ignore_eos not honoured, or the context is too short)"
         )
-    probs = answer.get("completion_probabilities") or []
+    probs = answer_field(answer, "completion_probabilities", "list", where, optional=True) or []
     n = len(ids)
-    logprob = np.full(n, np.nan)
-    reported = np.zeros(n, bool)
-    no_entry = np.ones(n, bool)
-    top_ids = np.full((n, k), -1, np.int64)
-    top_lps = np.full((n, k), -np.inf)
-    # entries align to tokens from the end (see the module doc)
+    tr = Trace(ids=np.asarray(ids, np.int64), logprob=np.full(n, np.nan), reported=np.zeros(n, bool), no_entry=np.ones(n, bool),
+               top_ids=np.full((n, k), -1, np.int64), top_lps=np.full((n, k), -np.inf), stop_type=stop_type,
+               settings=answer_field(answer, "generation_settings", "object", where, optional=True) or {})
+    _read_probabilities(tr, probs, k, where)
+    tm = answer_field(answer, "timings", "object", where, optional=True) or {}
+    tr.timings = {t: answer_field(tm, t, "number", where, f"timings.{t}") for t in TIMINGS if t in tm}
+    # absent: the request never drafted (0)
+    tr.draft_n = int(answer_field(tm, "draft_n", "int", where, "timings.draft_n", optional=True) or 0)
+    tr.draft_n_accepted = int(answer_field(tm, "draft_n_accepted", "int", where, "timings.draft_n_accepted", optional=True) or 0)
+    return tr
+
+
+def _read_probabilities(tr: Trace, probs: list, k: int, where: str) -> None:
+    """The ``completion_probabilities`` entries into ``tr``, aligned to its tokens from the
+    end (see the module doc)."""
+    ids = tr.ids
     j = len(probs) - 1
-    for i in range(n - 1, -1, -1):
+    for i in range(len(ids) - 1, -1, -1):
         if j < 0:
             break
-        e = probs[j]
-        if not isinstance(e, dict) or "id" not in e:
-            raise LogitdiffError(f"{where}: a completion_probabilities entry is not an object with an id")
+        e, name = probs[j], f"completion_probabilities[{j}]"
+        checked(e, "object", where, name)
         if "top_probs" in e or ("prob" in e and "logprob" not in e):
             raise LogitdiffError(f"{where}: the server returned post-sampling probabilities; raw logprobs are required")
-        if int(e["id"]) != ids[i]:
+        if int(answer_field(e, "id", "int", where, f"{name}.id")) != ids[i]:
             continue  # token i has no entry (incomplete UTF-8 text): not reported
         j -= 1
-        no_entry[i] = False
-        top = e.get("top_logprobs") or []
-        lp = e.get("logprob")
+        tr.no_entry[i] = False
+        top = top_logprobs(e, where, name) if e.get("top_logprobs") is not None else []
+        lp = answer_field(e, "logprob", "number", where, f"{name}.logprob", optional=True)
         if lp is None or not_reported(lp, len(top), k):
             continue
         pairs = []
-        for d in top[:k]:
-            v = d.get("logprob")
-            if v is None or math.isnan(float(v)) or float(v) > 1e-6:
-                raise LogitdiffError(f"{where}: token {i}: the server returned logprob {v!r} for token {d.get('id')}: not a log-probability")
-            pairs.append((int(d["id"]), float(v)))
+        for tid, v in top[:k]:
+            if math.isnan(v) or v > 1e-6:
+                raise LogitdiffError(f"{where}: token {i}: the server returned logprob {v!r} for token {tid}: not a log-probability")
+            pairs.append((tid, v))
         pairs.sort(key=lambda x: (-x[1], x[0]))
-        logprob[i] = float(lp)
-        reported[i] = True
+        tr.logprob[i] = float(lp)
+        tr.reported[i] = True
         for c, (tid, v) in enumerate(pairs):
-            top_ids[i, c], top_lps[i, c] = tid, v
+            tr.top_ids[i, c], tr.top_lps[i, c] = tid, v
     if j >= 0:
         raise LogitdiffError(f"{where}: {j + 1} completion_probabilities entries match no generated token")
-    tm = answer.get("timings") or {}
-    return Trace(ids=np.asarray(ids, np.int64), logprob=logprob, reported=reported, no_entry=no_entry, top_ids=top_ids, top_lps=top_lps,
-                 draft_n=int(tm.get("draft_n") or 0), draft_n_accepted=int(tm.get("draft_n_accepted") or 0),
-                 timings={k2: tm[k2] for k2 in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "draft_n", "draft_n_accepted")
-                          if k2 in tm},
-                 stop_type=answer.get("stop_type"), settings=answer.get("generation_settings") or {})
 
 
 @dataclass
@@ -167,11 +172,11 @@ class Scored:
 
 
 class LlamaServer:
-    """One llama-server, spoken to with one request at a time (concurrency 1)."""
+    """One llama-server in generation mode, spoken to with one request at a time
+    (concurrency 1, no retries) through the one llama-server client
+    (:class:`~logitdiff.sources.served.llamacpp_client.LlamaServerClient`)."""
 
     def __init__(self, url: str, *, role: str, top_k: int = 20, timeout: float = 600.0):
-        import httpx
-
         u = url.strip().rstrip("/")
         for prefix in ("served:", "openai:"):  # openai: the old name of served:
             if u.startswith(prefix):
@@ -182,114 +187,65 @@ class LlamaServer:
             raise LogitdiffError(f"{role} {url!r}: expected a llama-server URL http://HOST:PORT")
         self.url, self.role, self.k = u, role, int(top_k)
         self.where = f"{role} server {u}"
-        self._http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0))
+        http = HttpClient([u], concurrency=1, timeout=float(timeout), retries=1, spec=self.where)
+        self.client = LlamaServerClient(http, self.where, u)
         try:
             self._handshake()
         except BaseException:
-            self._http.close()
+            http.close()
             raise
 
     def _handshake(self) -> None:
-        self.props = self._get("/props")
-        if not isinstance(self.props, dict) or not ("default_generation_settings" in self.props or "build_info" in self.props):
-            raise LogitdiffError(f"{self.where}: not a llama-server (no /props with default_generation_settings)")
-        params = (self.props.get("default_generation_settings") or {}).get("params") or {}
-        if params.get("post_sampling_probs"):
+        c = self.client
+        self.props = c.props()
+        if self.props.post_sampling_probs:
             raise LogitdiffError(f"{self.where}: configured for post-sampling probabilities; raw logprobs are required")
-        self.n_ctx = int((self.props.get("default_generation_settings") or {}).get("n_ctx") or 0)
-        n_vocab = self._n_vocab()
+        self.n_ctx = int(self.props.n_ctx or 0)
+        n_vocab = c.n_vocab()
         if n_vocab and self.k > n_vocab:
             # the server would hand out the whole vocabulary and the report claim K log-probabilities
             raise LogitdiffError(f"--top-k {self.k}: exceeds the vocabulary size {n_vocab} of the {self.where}")
-        try:
-            slots = self._get("/slots")
-        except LogitdiffError:
-            slots = None
-        self.slots_visible = isinstance(slots, list) and bool(slots)
+        slots = c.slots()
+        self.slots_visible = bool(slots)
+        w = c.at("slots", "/slots", "GET")
         #: whether the server holds a speculative decoding context (/slots), None when it does not say
-        self.can_speculate = any(bool(s.get("speculative")) for s in slots) if self.slots_visible else None
+        self.can_speculate = any([bool(answer_field(s, "speculative", "bool", w, f"[{n}].speculative", optional=True))
+                                  for n, s in enumerate(slots)]) if slots else None
         self.spec_types = None
-        if self.slots_visible:
-            self.spec_types = ((slots[0].get("params") or {}).get("speculative.types"))
+        if slots:
+            # copied into the report's identity as the server sent it (any JSON value)
+            params = answer_field(slots[0], "params", "object", w, "[0].params", optional=True)
+            self.spec_types = (params or {}).get("speculative.types")
         self._ascii: int | None = None
 
-    def _n_vocab(self) -> int | None:
-        """The model's vocabulary size from /v1/models (llama-server's meta.n_vocab); None
-        when the server does not say."""
-        try:
-            models = self._get("/v1/models")
-            n = ((models.get("data") or [{}])[0].get("meta") or {}).get("n_vocab")
-        except (LogitdiffError, AttributeError, IndexError, TypeError):
-            return None
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
-
     def close(self) -> None:
-        self._http.close()
-
-    # ---- HTTP ----------------------------------------------------------------------------
-    def _call(self, method: str, path: str, body: Any = None, what: str = "") -> Any:
-        import httpx
-
-        where = f"{self.where}{': ' + what if what else ''}"
-        try:
-            r = self._http.request(method, self.url + path, json=body)
-        except httpx.TimeoutException:
-            raise LogitdiffError(f"{where}: no answer within the timeout ({path})") from None
-        except (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ProtocolError) as e:
-            raise LogitdiffError(f"{where}: connection lost or refused on {path} ({type(e).__name__}); did the server die?") from None
-        try:
-            data = r.json()
-        except ValueError:
-            data = r.text
-        if r.status_code >= 400:
-            msg = data.get("error", data) if isinstance(data, dict) else data
-            if isinstance(msg, dict):
-                msg = msg.get("message", msg)
-            raise LogitdiffError(f"{where}: HTTP {r.status_code} on {path}: {one_line(msg)}")
-        return data
-
-    def _get(self, path: str) -> Any:
-        return self._call("GET", path)
+        self.client.http.close()
 
     def identity(self) -> dict:
         p = self.props
         return {
             "url": self.url,
-            "build_info": p.get("build_info"),
-            "model_path": p.get("model_path"),
-            "total_slots": p.get("total_slots"),
+            "build_info": p.build_info,
+            "model_path": p.model_path,
+            "total_slots": p.total_slots,
             "n_ctx": self.n_ctx,
             "can_speculate": self.can_speculate,
             "speculative_types": self.spec_types,
-            "default_samplers": ((p.get("default_generation_settings") or {}).get("params") or {}).get("samplers"),
+            "default_samplers": p.samplers,
         }
 
     # ---- tokenization ------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        r = self._call("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": True}, "tokenize")
-        return [int(t["id"]) if isinstance(t, dict) else int(t) for t in r.get("tokens", [])]
+        return self.client.tokenize(text)
 
     def apply_template(self, messages: list, tools: list | None) -> str:
-        body: dict = {"messages": messages}
-        if tools:
-            body["tools"] = tools
-        return self._call("POST", "/apply-template", body, "apply-template")["prompt"]
+        return self.client.apply_template(messages, tools)
 
     def ascii_token(self) -> int | None:
-        """A token whose text is one ASCII character: a scoring request's sampled token is
-        biased to it, because llama-server drops the probabilities of a sampled token whose
-        text is an incomplete UTF-8 sequence (the raw n_probs are computed before any sampler,
-        so the bias changes nothing we read)."""
+        """A token whose text is one ASCII character (:meth:`LlamaServerClient.ascii_token`)."""
         if self._ascii is None:
-            for text in ("a", "e", "0", " ", "x", "."):
-                r = self._call("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": False}, "tokenize")
-                toks = r.get("tokens") or []
-                if len(toks) == 1:
-                    t = toks[0]
-                    self._ascii = int(t["id"]) if isinstance(t, dict) else int(t)
-                    break
-            else:
-                self._ascii = -1
+            t = self.client.ascii_token()
+            self._ascii = -1 if t is None else t
         return None if self._ascii < 0 else self._ascii
 
     # ---- generation ----------------------------------------------------------------------
@@ -305,8 +261,9 @@ class LlamaServer:
         where = f"{self.where}: item {item}"
         if self.n_ctx and len(prompt) + n_predict > self.n_ctx:
             raise LogitdiffError(f"{where}: prompt {len(prompt)} + n_predict {n_predict} tokens exceed the slot context {self.n_ctx}")
-        answer = self._call("POST", "/completion", self.generation_body(prompt, n_predict), f"item {item} generation")
-        return parse_generation(answer, n_predict, self.k, where)
+        what = f"item {item} generation"
+        answer = self.client.call("POST", "/completion", self.generation_body(prompt, n_predict), what)
+        return parse_generation(answer, n_predict, self.k, self.client.at(what))
 
     # ---- teacher forcing in a batch shape --------------------------------------------------
     def score(self, prompt: Sequence[int], tokens: Sequence[int] | np.ndarray, *, start: int = 0, width: int = 1, item: str = "") -> Scored:
@@ -314,39 +271,49 @@ class LlamaServer:
         every row from a prefill batch of ``width`` tokens (see the module doc)."""
         full = [int(i) for i in prompt] + [int(i) for i in tokens]
         P, n, K = len(prompt), len(tokens), self.k
-        m = n - start
-        top_ids = np.full((max(m, 0), K), -1, np.int64)
-        top_lps = np.full((max(m, 0), K), -np.inf)
-        widths = np.zeros(max(m, 0), np.int64)
-        if m <= 0:
-            return Scored(top_ids, top_lps, widths)
+        m = max(n - start, 0)
+        out = Scored(np.full((m, K), -1, np.int64), np.full((m, K), -np.inf), np.zeros(m, np.int64))
         w = max(1, int(width))
-        where = f"{self.where}: item {item} teacher forcing"
         for o in range(min(w, m)):
             js = list(range(start + o, n, w))
             for c in range(0, len(js), TASKS_PER_REQUEST):
                 part = js[c : c + TASKS_PER_REQUEST]
                 prime = full[: max(1, P + part[0] - w)]
-                contexts = [prime] + [full[: P + j] for j in part]
-                body = {"prompt": contexts, "n_predict": 1, "n_probs": K, "post_sampling_probs": False,
-                        "samplers": ["top_k"], "top_k": 1, "temperature": 0.0, "cache_prompt": True, "id_slot": 0,
-                        "stream": False, "response_fields": list(SCORE_FIELDS)}
-                if self.ascii_token() is not None:
-                    body["logit_bias"] = [[self.ascii_token(), 1e6]]
-                ans = self._call("POST", "/completion", body, f"item {item} teacher forcing")
-                if isinstance(ans, dict):
-                    ans = [ans]
-                if not isinstance(ans, list) or len(ans) != len(contexts):
-                    raise LogitdiffError(f"{where}: {len(contexts)} contexts sent, {len(ans) if isinstance(ans, list) else 0} answers")
-                ans = sorted(ans, key=lambda a: int(a.get("index", 0)))
-                for j, a in zip(part, ans[1:]):
-                    cp = a.get("completion_probabilities") or []
-                    top = (cp[0].get("top_logprobs") if cp else None) or []
-                    if len(top) < K:
-                        raise LogitdiffError(f"{where}: position {j}: {len(top)} < K={K} logprobs returned")
-                    pairs = sorted(((int(d["id"]), float(d["logprob"])) for d in top[:K]), key=lambda x: (-x[1], x[0]))
+                answers = self._score_request([prime] + [full[: P + j] for j in part], item)
+                for j, (pairs, width_seen) in zip(part, answers[1:]):
+                    if len(pairs) < K:
+                        raise LogitdiffError(f"{self.where}: item {item} teacher forcing: position {j}: {len(pairs)} < K={K} "
+                                             "logprobs returned")
                     r = j - start
-                    top_ids[r] = [p[0] for p in pairs]
-                    top_lps[r] = [p[1] for p in pairs]
-                    widths[r] = int((a.get("timings") or {}).get("prompt_n") or 0)
-        return Scored(top_ids, top_lps, widths)
+                    out.top_ids[r] = [p[0] for p in pairs]
+                    out.top_lps[r] = [p[1] for p in pairs]
+                    out.widths[r] = width_seen
+        return out
+
+    def _score_request(self, contexts: list[list[int]], item: str) -> list[tuple[list[tuple[int, float]], int]]:
+        """One request of one-token completions of ``contexts``, in order on slot 0: per
+        context its top-K ``(id, logprob)`` pairs (sorted) and the prompt tokens the server
+        evaluated for it (``timings.prompt_n``: the batch width), every field checked."""
+        K = self.k
+        body = {"prompt": contexts, "n_predict": 1, "n_probs": K, "post_sampling_probs": False,
+                "samplers": ["top_k"], "top_k": 1, "temperature": 0.0, "cache_prompt": True, "id_slot": 0,
+                "stream": False, "response_fields": list(SCORE_FIELDS)}
+        if self.ascii_token() is not None:
+            body["logit_bias"] = [[self.ascii_token(), 1e6]]
+        what = f"item {item} teacher forcing"
+        ans = self.client.call("POST", "/completion", body, what)
+        where = self.client.at(what)
+        if isinstance(ans, dict):
+            ans = [ans]
+        if not isinstance(ans, list) or len(ans) != len(contexts):
+            raise LogitdiffError(f"{where}: {len(contexts)} contexts sent, {len(ans) if isinstance(ans, list) else 0} answers")
+        for n, a in enumerate(ans):
+            answer_field(a, "index", "int", where, f"[{n}].index", optional=True)
+        out = []
+        for n, a in enumerate(sorted(ans, key=lambda a: int(a.get("index") or 0))):
+            cp = answer_field(a, "completion_probabilities", "list", where, f"[{n}].completion_probabilities", optional=True) or []
+            top = top_logprobs(cp[0], where, f"[{n}].completion_probabilities[0]") if cp else []
+            tm = answer_field(a, "timings", "object", where, f"[{n}].timings", optional=True) or {}
+            prompt_n = answer_field(tm, "prompt_n", "int", where, f"[{n}].timings.prompt_n", optional=True) or 0
+            out.append((sorted(top[:K], key=lambda x: (-x[1], x[0])), int(prompt_n)))
+        return out
