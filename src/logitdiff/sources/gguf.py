@@ -60,6 +60,7 @@ import numpy as np
 from ..errors import LogitdiffError
 from ..contracts import json_clean
 from .base import Block, FullLogitSource, Generation, Spec, parse_spec, tokenizer_hash_of
+from .gguf_check import check_gguf_layout
 from .options import parse_options
 
 load_lock = threading.Lock()
@@ -313,6 +314,7 @@ class GGUFSource(FullLogitSource):
             reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
             raise LogitdiffError(f"{self.path}: not a readable GGUF file ({e})") from None
+        check_gguf_layout(reader, self.path)  # before llama.cpp, which aborts on some of it
 
         def get(key, default=None):
             f = reader.fields.get(key)
