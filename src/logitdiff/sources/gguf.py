@@ -60,6 +60,7 @@ import numpy as np
 from ..errors import LogitdiffError
 from ..contracts import json_clean
 from .base import Block, FullLogitSource, Generation, Spec, parse_spec, tokenizer_hash_of
+from .chat_template import render_bounded
 from .gguf_check import check_gguf_layout
 from .options import parse_options
 
@@ -381,12 +382,12 @@ class GGUFSource(FullLogitSource):
                 raise LogitdiffError(f"{self.path}: chat template does not compile ({e})") from None
         kwargs = dict(self._special_strs)
         try:
-            return self._template.render(
+            return render_bounded(lambda: self._template.render(
                 messages=item.messages,
                 tools=item.tools,
                 add_generation_prompt=True,
                 **kwargs,
-            )
+            ), f"item {item.id!r}: {self.spec}")
         except jinja2.TemplateError as e:
             raise LogitdiffError(f"item {item.id!r}: chat template of {self.path} failed ({e})") from None
 

@@ -61,6 +61,7 @@ import numpy as np
 from ..errors import LogitdiffError
 from ..store import bf16_to_f32 as _bits_to_f32
 from .base import Block, FullLogitSource, Generation, Spec, tokenizer_hash_of
+from .chat_template import render_bounded
 from ..store.filecache import file_sha256_cached
 from .options import parse_options
 
@@ -248,9 +249,11 @@ class HFSource(FullLogitSource):
     def render(self, item: Any) -> list[int]:
         if item.messages is not None:
             try:
-                text = self.tok.apply_chat_template(
+                text = render_bounded(lambda: self.tok.apply_chat_template(
                     item.messages, tools=item.tools, add_generation_prompt=True, tokenize=False
-                )
+                ), f"item {item.id!r}: {self.spec}")
+            except LogitdiffError:
+                raise
             except Exception as e:
                 raise LogitdiffError(
                     f"item {item.id!r}: chat template of {self.path} failed ({type(e).__name__}: {e})".splitlines()[0]
