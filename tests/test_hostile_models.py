@@ -367,3 +367,12 @@ def test_a_space_padded_valid_clause_is_read():
     assert time.monotonic() - t0 < 1.0
     assert (g.metric, g.op, g.threshold, g.text) == ("kl_mean", ">=", 0.25, "kl_mean>=0.25")
     assert math.isfinite(g.threshold)
+
+
+def test_a_template_that_recurses_without_end_is_one_line(base, f32):
+    template = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"
+    for spec in _with_template(base, f32, "recursion", template):
+        with open_source(spec) as s, pytest.raises(LogitdiffError) as e:
+            s.render(CHAT)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("item 'chat': chat template of ") and "RecursionError" in msg, msg

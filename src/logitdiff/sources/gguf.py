@@ -388,8 +388,11 @@ class GGUFSource(FullLogitSource):
                 add_generation_prompt=True,
                 **kwargs,
             ), f"item {item.id!r}: {self.spec}")
-        except jinja2.TemplateError as e:
-            raise LogitdiffError(f"item {item.id!r}: chat template of {self.path} failed ({e})") from None
+        except LogitdiffError:
+            raise
+        except Exception as e:  # a template's own error (TemplateError, TypeError, RecursionError...): one line
+            msg = f"{type(e).__name__}: {e}".splitlines()[0]
+            raise LogitdiffError(f"item {item.id!r}: chat template of {self.path} failed ({msg})") from None
 
     def render(self, item: Any) -> list[int]:
         return self._tokenize(self.render_text(item))
