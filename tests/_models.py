@@ -184,3 +184,37 @@ def make_wide_llama(out_dir: str | Path, *, vocab_size: int = WIDE_VOCAB, hidden
     else:
         _save_random(model, out_dir, seed=seed, dtype=dtype)
     return out_dir
+
+
+def rewrite_gguf(src: str | Path, dst: str | Path, *, fields: dict | None = None, keep_tensor=None) -> Path:
+    """A copy of the GGUF ``src`` at ``dst`` with metadata ``fields`` replaced (key -> value,
+    written with the field's type in ``src``; a new key as a uint32, a string or an array of
+    strings as its value is) and only the tensors ``keep_tensor(name)`` accepts (default all):
+    a file that claims what its tensors do not hold, built the way a converter writes one."""
+    import gguf
+
+    fields = dict(fields or {})
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch=fields.pop("general.architecture", arch))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = fields.pop(field.name, field.contents())
+        writer.add_key_value(field.name, value, vtype, sub_type=sub)
+    for key, value in fields.items():
+        vtype = (gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.ARRAY
+                 if isinstance(value, list) else gguf.GGUFValueType.UINT32)
+        writer.add_key_value(key, value, vtype, sub_type=gguf.GGUFValueType.STRING if isinstance(value, list) else None)
+    kept = [t for t in reader.tensors if keep_tensor is None or keep_tensor(t.name)]
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return Path(dst)

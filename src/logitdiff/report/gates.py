@@ -91,7 +91,18 @@ class Gate:
         return holds if self.kind == GateKind.FAIL_ON else not holds
 
 
-_CLAUSE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*([<>=!]+)\s*(.*?)\s*$")
+# the metric and the operator at the start of a stripped clause; the number is the rest,
+# stripped (a pattern over the whole clause, ``\s*(.*?)\s*$``, backtracked quadratically over
+# a run of spaces inside it)
+_CLAUSE_HEAD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*([<>=!]+)")
+_QUOTED_MAX = 80  # characters of a bad clause quoted in its error line
+
+
+def _quoted(clause: str) -> str:
+    """A clause as an error line quotes it: its start, and how long it is when that is cut."""
+    if len(clause) <= _QUOTED_MAX:
+        return repr(clause)
+    return f"{clause[:_QUOTED_MAX]!r}... ({len(clause)} characters)"
 
 
 def _known() -> str:
@@ -114,20 +125,21 @@ def parse_gates(text: str, kind: str = GateKind.FAIL_ON) -> list[Gate]:
         clause = raw.strip()
         if not clause:
             continue
-        m = _CLAUSE.match(clause)
+        m = _CLAUSE_HEAD.match(clause)
         if not m:
-            raise LogitdiffError(f"gate {clause!r}: expected METRIC OP NUMBER with OP one of > >= < <=, e.g. kl_mean>0.05; {_known()}")
-        metric, op, num = m.groups()
+            raise LogitdiffError(f"gate {_quoted(clause)}: expected METRIC OP NUMBER with OP one of > >= < <=, e.g. kl_mean>0.05; {_known()}")
+        metric, op = m.groups()
+        num = clause[m.end():].strip()
         if metric not in METRICS:
-            raise LogitdiffError(f"gate {clause!r}: unknown metric {metric!r}; {_known()}")
+            raise LogitdiffError(f"gate {_quoted(clause)}: unknown metric {_quoted(metric)}; {_known()}")
         if op not in OPS:
-            raise LogitdiffError(f"gate {clause!r}: bad operator {op!r} (use one of > >= < <=); {_known()}")
+            raise LogitdiffError(f"gate {_quoted(clause)}: bad operator {_quoted(op)} (use one of > >= < <=); {_known()}")
         try:
             threshold = float(num)
         except ValueError:
             threshold = math.nan
         if not math.isfinite(threshold):
-            raise LogitdiffError(f"gate {clause!r}: threshold {num!r} is not a finite number; {_known()}")
+            raise LogitdiffError(f"gate {_quoted(clause)}: threshold {_quoted(num)} is not a finite number; {_known()}")
         written = f"{metric}{op}{num}"
         gates.append(Gate(metric=metric, op=op, threshold=threshold,
                           text=written if kind == GateKind.FAIL_ON else f"require {written}", kind=kind))

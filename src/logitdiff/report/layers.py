@@ -16,6 +16,16 @@ def _g(x, spec=".3g") -> str:
     return format(x, spec)
 
 
+def _script_json(obj) -> str:
+    """JSON for inside a ``<script>`` element: ``<``, ``>`` and ``&`` as ``\\u`` escapes, which
+    JSON strings read back as the same characters. Escaping ``</`` alone is not enough: a name
+    holding ``<!--<script>`` switches the HTML parser into the script's double-escaped state,
+    where the element's own ``</script>`` no longer ends it and no plot is drawn."""
+    import json
+
+    return json.dumps(obj).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 def render_markdown(doc: LayersDoc) -> str:
     """layers.md: per candidate, the first layer beyond the floor, the layers that add the
     most error, and the per-layer table."""
@@ -104,8 +114,8 @@ def render_html(doc: LayersDoc) -> str:
         tops = ", ".join(f"{names[j]} (+{_g(c['per_point']['added_rel_l2_median'][j])})" for j in c["top_added"]) or "none"
         rows.append(f"<tr><td><code>{H.escape(c['spec'])}</code></td><td>{_g(c['kl_mean_nats'])}</td>"
                     f"<td>{H.escape(names[first]) if first is not None else ('no floor' if floor is None else 'none')}</td><td>{H.escape(tops)}</td></tr>")
-    script = "".join(f"Plotly.newPlot({json.dumps(f['id'])}, {json.dumps(f['data'])}, {json.dumps(f['layout'])}, {{responsive: true}});"
-                     for f in figs).replace("</", "<\\/")
+    script = "".join(f"Plotly.newPlot({_script_json(f['id'])}, {_script_json(f['data'])}, {_script_json(f['layout'])}, {{responsive: true}});"
+                     for f in figs)
     csp = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:; font-src data:"
     title = f"logitdiff layers: where the drift from {doc['reference']['spec']} starts"
     return "".join([

@@ -60,6 +60,8 @@ import numpy as np
 from ..errors import LogitdiffError
 from ..contracts import json_clean
 from .base import Block, FullLogitSource, Generation, Spec, parse_spec, tokenizer_hash_of
+from .chat_template import render_bounded
+from .gguf_check import check_gguf_layout
 from .options import parse_options
 
 load_lock = threading.Lock()
@@ -313,6 +315,7 @@ class GGUFSource(FullLogitSource):
             reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
             raise LogitdiffError(f"{self.path}: not a readable GGUF file ({e})") from None
+        check_gguf_layout(reader, self.path)  # before llama.cpp, which aborts on some of it
 
         def get(key, default=None):
             f = reader.fields.get(key)
@@ -379,14 +382,17 @@ class GGUFSource(FullLogitSource):
                 raise LogitdiffError(f"{self.path}: chat template does not compile ({e})") from None
         kwargs = dict(self._special_strs)
         try:
-            return self._template.render(
+            return render_bounded(lambda: self._template.render(
                 messages=item.messages,
                 tools=item.tools,
                 add_generation_prompt=True,
                 **kwargs,
-            )
-        except jinja2.TemplateError as e:
-            raise LogitdiffError(f"item {item.id!r}: chat template of {self.path} failed ({e})") from None
+            ), f"item {item.id!r}: {self.spec}")
+        except LogitdiffError:
+            raise
+        except Exception as e:  # a template's own error (TemplateError, TypeError, RecursionError...): one line
+            msg = f"{type(e).__name__}: {e}".splitlines()[0]
+            raise LogitdiffError(f"item {item.id!r}: chat template of {self.path} failed ({msg})") from None
 
     def render(self, item: Any) -> list[int]:
         return self._tokenize(self.render_text(item))

@@ -61,6 +61,7 @@ import numpy as np
 from ..errors import LogitdiffError
 from ..store import bf16_to_f32 as _bits_to_f32
 from .base import Block, FullLogitSource, Generation, Spec, tokenizer_hash_of
+from .chat_template import render_bounded
 from ..store.filecache import file_sha256_cached
 from .options import parse_options
 
@@ -113,23 +114,9 @@ class HFSource(FullLogitSource):
         """``tokenizer_only``: the config and tokenizer alone, no weights: the source renders
         and tokenizes, and nothing else (a preflight's open)."""
         import torch
-        import transformers
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        self.path = Path(path).expanduser()
         self.spec = spec or f"hf:{path}"
-        if gguf_file is None and self.path.suffix.lower() == ".gguf":
-            self.path, gguf_file = self.path.parent, self.path.name
-        self.gguf_file = gguf_file
-        where = self.path / gguf_file if gguf_file else self.path
-        if not where.exists():
-            raise LogitdiffError(f"{where}: model path not found")
-        if gguf_file:
-            if not where.is_file():
-                raise LogitdiffError(f"{where}: not a GGUF file")
-        elif not self.path.is_dir() or not (self.path / "config.json").is_file():
-            raise LogitdiffError(f"{self.path}: not a transformers model directory (no config.json)")
-        load = {"gguf_file": gguf_file} if gguf_file else {}
+        where = self._locate(Path(path).expanduser(), gguf_file)
         if dtype is not None and dtype not in _DTYPES:
             raise LogitdiffError(f"{self.spec}: unknown dtype {dtype!r} (expected one of {', '.join(_DTYPES)})")
         if device not in ("cpu", "cuda"):
@@ -140,17 +127,56 @@ class HFSource(FullLogitSource):
         self.batch = batch
         self.prefill = prefill
         self.device = torch.device(device)
+        # a GGUF's layout is checked before transformers builds a model from its header (a
+        # block_count of 1000 would build 1000 layers); the one read also gives identity()
+        # what the weights were dequantized from
+        self._origin = _checked_gguf_origin(where) if self.gguf_file and not tokenizer_only else {}
+        cfg = self._load(where, dtype, tokenizer_only)
+        if tokenizer_only:
+            self.max_positions = getattr(cfg, "max_position_embeddings", None)
+            self.vocab_size = len(self.tok)
+            return
+        self._adopt_model()
 
+    def _locate(self, path: Path, gguf_file: str | None) -> Path:
+        """Set ``path`` (the directory) and ``gguf_file``; the file or directory the weights
+        come from, checked to exist and be of its kind."""
+        self.path = path
+        if gguf_file is None and path.suffix.lower() == ".gguf":
+            self.path, gguf_file = path.parent, path.name
+        self.gguf_file = gguf_file
+        where = self.path / gguf_file if gguf_file else self.path
+        if not where.exists():
+            raise LogitdiffError(f"{where}: model path not found")
+        if gguf_file:
+            if not where.is_file():
+                raise LogitdiffError(f"{where}: not a GGUF file")
+        elif not self.path.is_dir() or not (self.path / "config.json").is_file():
+            raise LogitdiffError(f"{self.path}: not a transformers model directory (no config.json)")
+        return where
+
+    def _load(self, where: Path, dtype: str | None, tokenizer_only: bool) -> Any:
+        """Config, weights (unless ``tokenizer_only``) and tokenizer; the config. A model whose
+        weight files do not cover its config is refused (:func:`_check_weights_cover`)."""
+        import torch
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        load = {"gguf_file": self.gguf_file} if self.gguf_file else {}
         try:
             cfg = AutoConfig.from_pretrained(str(self.path), **load)
             # a GGUF's weights are dequantized: bf16 unless asked (its config's dtype says nothing)
-            self.dtype_name = dtype or (None if gguf_file else _config_dtype(cfg)) or "bfloat16"
+            self.dtype_name = dtype or (None if self.gguf_file else _config_dtype(cfg)) or "bfloat16"
             self.torch_dtype = getattr(torch, self.dtype_name)
             # transformers >= 4.56 renamed ``torch_dtype`` to ``dtype`` (5.x warns on the old name).
             major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
             dkw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
             if not tokenizer_only:
-                self.model = AutoModelForCausalLM.from_pretrained(str(self.path), **{dkw: self.torch_dtype}, **load)
+                # mismatched sizes are listed in ``info`` (and refused there, by name) rather
+                # than raised as a message that points at a log line
+                self.model, info = AutoModelForCausalLM.from_pretrained(
+                    str(self.path), **{dkw: self.torch_dtype}, output_loading_info=True, ignore_mismatched_sizes=True, **load)
+                _check_weights_cover(where, info)
             self.tok = AutoTokenizer.from_pretrained(str(self.path), **load)
             # A GGUF is the authority on its own tokenizer: transformers' GGUF conversion
             # rebuilds it and can split text differently (SmolLM2's ``tokenizer.ggml.pre =
@@ -158,16 +184,17 @@ class HFSource(FullLogitSource):
             # to GPT-2's regex, so "\n    0.75" became ['ĊĠĠĠ','Ġ','0'] instead of llama.cpp's
             # ['ĊĠĠĠĠ','0']). Prompts are therefore tokenized by llama.cpp on the same file,
             # vocab only (no weights: ~0.3 s), exactly as ``gguf:FILE`` tokenizes them.
-            self._vocab = _gguf_vocab(where) if gguf_file else None
+            self._vocab = _gguf_vocab(where) if self.gguf_file else None
         except LogitdiffError:
             raise
         except Exception as e:  # transformers raises many types; the user needs one line
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise LogitdiffError(f"{where}: cannot load model/tokenizer ({type(e).__name__}: {msg})") from None
-        if tokenizer_only:
-            self.max_positions = getattr(cfg, "max_position_embeddings", None)
-            self.vocab_size = len(self.tok)
-            return
+        return cfg
+
+    def _adopt_model(self) -> None:
+        """The loaded model's parts and facts: the decoder stack and the head, the vocabulary
+        (padded head rows dropped), the end-of-sequence ids, the stored logits' dtype."""
         self.model.to(self.device).eval()
         self.config = self.model.config
         # the decoder stack without the lm_head: ``model.model`` for Llama-likes
@@ -222,9 +249,11 @@ class HFSource(FullLogitSource):
     def render(self, item: Any) -> list[int]:
         if item.messages is not None:
             try:
-                text = self.tok.apply_chat_template(
+                text = render_bounded(lambda: self.tok.apply_chat_template(
                     item.messages, tools=item.tools, add_generation_prompt=True, tokenize=False
-                )
+                ), f"item {item.id!r}: {self.spec}")
+            except LogitdiffError:
+                raise
             except Exception as e:
                 raise LogitdiffError(
                     f"item {item.id!r}: chat template of {self.path} failed ({type(e).__name__}: {e})".splitlines()[0]
@@ -665,7 +694,7 @@ class HFSource(FullLogitSource):
                 },
             }
             if self.gguf_file:
-                d.update(_gguf_origin(self.path / self.gguf_file))
+                d.update(self._origin)
                 d["tokenizer_files"] = {}  # the tokenizer is the GGUF's metadata (weight_files)
                 import llama_cpp
 
@@ -715,15 +744,35 @@ def _arrived(k: int, t0: int, rows, hid, ev) -> Block:
     return Block(k, t0, _host_array(rows), _host_array(hid) if hid is not None else None)
 
 
-def _gguf_origin(path: Path) -> dict:
-    """What a GGUF loaded through transformers was dequantized from: its declared file type
-    and the count of tensors per quantization type."""
+def _check_weights_cover(where: Path, info: dict) -> None:
+    """Refuse a model whose weight files do not cover its config: transformers fills a missing
+    tensor (an absent ``lm_head.weight``, the layers a config claims beyond the checkpoint's)
+    with random values and says so only in a log line, and drops tensors the config has no
+    place for; either way the logits are not the checkpoint's. A head tied to the embedding
+    (``tie_word_embeddings``) is no missing tensor: transformers does not list it."""
+    from .gguf_check import named
+
+    for key, what in (("missing_keys", "lack tensors the config asks for"),
+                      ("unexpected_keys", "hold tensors the config has no place for"),
+                      ("mismatched_keys", "hold tensors of another shape than the config's")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            raise LogitdiffError(f"{where}: the weights do not cover the config: they {what}: {named(names)}")
+
+
+def _checked_gguf_origin(path: Path) -> dict:
+    """A GGUF to be loaded through transformers, read once: its layout checked
+    (:func:`~logitdiff.sources.gguf_check.check_gguf_layout`), and what its weights are
+    dequantized from: its declared file type and the count of tensors per quantization type."""
     import gguf
+
+    from .gguf_check import check_gguf_layout
 
     try:
         r = gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # noqa: BLE001 - the model loaded; say what could not be read
-        return {"gguf_file_type": f"unreadable ({type(e).__name__})"}
+    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+        raise LogitdiffError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})".splitlines()[0]) from None
+    check_gguf_layout(r, path)
     kinds: dict[str, int] = {}
     for t in r.tensors:
         name = gguf.GGMLQuantizationType(int(t.tensor_type)).name

@@ -18,6 +18,7 @@ from ...store import validate
 from ...errors import LogitdiffError
 from ...contracts import json_clean
 from ..base import Generation, TopKRows, TopKSource, tokenizer_hash_of
+from ..chat_template import render_bounded
 from .client import HttpClient, ServerError, ServerKind, endpoint_host, one_line
 
 if TYPE_CHECKING:
@@ -284,7 +285,8 @@ class ServedSource(TopKSource):
         if tok is None:
             raise LogitdiffError(f"item {getattr(item, 'id', '?')!r}: {self.spec} has no local tokenizer (tokenizer=PATH) to render it")
         if item.messages is not None:
-            text = tok.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True, tokenize=False)
+            text = render_bounded(lambda: tok.apply_chat_template(item.messages, tools=item.tools, add_generation_prompt=True,
+                                                                  tokenize=False), f"item {getattr(item, 'id', '?')!r}: {self.spec}")
             if not isinstance(text, str):
                 text = text["text"] if isinstance(text, dict) else "".join(text)
         else:
