@@ -410,3 +410,20 @@ def test_metadata_is_read_once_per_version_of_the_file(ladder, tmp_path, monkeyp
     assert damaged.tokenizer_tokens == want and damaged.eos_token_ids == first.eos_token_ids
     assert (damaged.arch, damaged.n_ctx_train, damaged.file_type, damaged.chat_template) == \
         (first.arch, first.n_ctx_train, first.file_type, first.chat_template)
+
+
+def test_metadata_parser_reads_what_ggufreader_reads(ladder, tmp_path):
+    """The key/value parser (sources.gguf_meta) gives GGUFReader's values on every file of
+    the ladder; a file cut inside its key/value section is refused with GGUFReader's one-line
+    error, naming the file."""
+    from logitdiff.sources.gguf_meta import _read_with_gguf, gguf_metadata, read_keys
+
+    for q, path in ladder["paths"].items():
+        got = read_keys(path)
+        assert got == _read_with_gguf(path), q
+        assert len(got["tokenizer.ggml.tokens"]) > 100 and got["context_length"] and got["general.architecture"], q
+    raw = ladder["paths"]["Q8_0"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:4096])
+    with pytest.raises(LogitdiffError, match=r"cut\.gguf: not a readable GGUF file"):
+        gguf_metadata(cut)

@@ -194,44 +194,6 @@ def _jinja_env():
     return env
 
 
-# The metadata keys a source reads (besides ARCH.context_length), each tokenizer.ggml.* id
-METADATA_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "general.architecture", "general.name",
-                 "general.file_type", "tokenizer.chat_template", "tokenizer.ggml.model",
-                 *(f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "eot", "eom", "pad", "unk")))
-
-
-def gguf_metadata(path: Path) -> dict[str, Any]:
-    """The metadata a source reads (`METADATA_KEYS`, and ``context_length`` of the file's
-    architecture), read once per version of the file (store.filecache.file_json_cached):
-    ``gguf.GGUFReader`` spent ~20 s of every open on a 262,144-token file (issue 40)."""
-    import gguf
-
-    from ..store.filecache import file_json_cached
-
-    def read() -> dict[str, Any]:
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
-            raise LogitdiffError(f"{path}: not a readable GGUF file ({e})") from None
-
-        def get(key):
-            f = reader.fields.get(key)
-            if f is None:
-                return None
-            try:
-                return f.contents()
-            except Exception:  # noqa: BLE001
-                return None
-
-        out = {key: get(key) for key in METADATA_KEYS}
-        arch = out["general.architecture"]
-        out["context_length"] = get(f"{arch}.context_length") if arch else None
-        return out
-
-    return file_json_cached(path, "gguf.metadata", {"gguf": getattr(gguf, "__version__", "unknown")}, read,
-                            valid=lambda v: isinstance(v, dict) and set(METADATA_KEYS) <= set(v))
-
-
 # --------------------------------------------------------------------------------------
 # the source
 # --------------------------------------------------------------------------------------
@@ -345,6 +307,8 @@ class GGUFSource(FullLogitSource):
         return cls(spec.target, spec=text, tokenizer_only=True, **kw)
 
     def _read_metadata(self) -> None:
+        from .gguf_meta import gguf_metadata
+
         meta = gguf_metadata(self.path)
         get = meta.get
         tokens = get("tokenizer.ggml.tokens")
