@@ -3,6 +3,7 @@
 
     PYTHONPATH=src python bench/gguf_metadata_bench.py build /tmp/wide262k
     PYTHONPATH=src python bench/gguf_metadata_bench.py time /tmp/wide262k --rounds 5 --peer-src /work/main/src
+    PYTHONPATH=src python bench/gguf_metadata_bench.py read /tmp/wide262k/ref-F32.gguf --rounds 3
 
 ``build``: a random tiny Llama whose vocabulary is the bundled tokenizer widened with filler
 tokens to V = 262,144 (tests/_models.py, Gemma 3's vocabulary size), exported as two F32
@@ -86,6 +87,23 @@ def timing(out: Path, rounds: int, peer_src: str) -> None:
         print(f"| {k} | {statistics.median(pf):.2f} | {', '.join(f'{x:.2f}' for x in pf)} | {statistics.median(pr):.2f} |")
 
 
+def read(path: Path, rounds: int) -> None:
+    """The metadata read alone, in this process, interleaved: gguf.GGUFReader (before) and
+    the key/value parser (after, empty cache); the two give the same values."""
+    from logitdiff.sources.gguf_meta import _read_with_gguf, read_keys
+
+    times: dict[str, list[float]] = {"GGUFReader": [], "key/value parser": []}
+    for _ in range(rounds):
+        for name, fn in (("GGUFReader", _read_with_gguf), ("key/value parser", read_keys)):
+            t = time.perf_counter()
+            got = fn(path)
+            times[name].append(time.perf_counter() - t)
+            assert len(got["tokenizer.ggml.tokens"]) == V
+        print(", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+    for k, v in times.items():
+        print(f"| {k} | {statistics.median(v):.2f} | {', '.join(f'{x:.2f}' for x in v)} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -95,9 +113,14 @@ def main() -> None:
     t.add_argument("out", type=Path)
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--peer-src", required=True, help="src/ of the code before (e.g. /work/main/src)")
+    r = sub.add_parser("read")
+    r.add_argument("gguf", type=Path)
+    r.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if args.cmd == "build":
         build(args.out)
+    elif args.cmd == "read":
+        read(args.gguf, args.rounds)
     else:
         timing(args.out, args.rounds, args.peer_src)
 
