@@ -377,3 +377,53 @@ def test_load_vocab_restores_stderr_under_concurrent_and_failed_loads(ladder, tm
     with pytest.raises((ValueError, RuntimeError)):
         load_vocab(bad)
     assert sys.stderr is real
+
+
+def test_metadata_is_read_once_per_version_of_the_file(ladder, tmp_path, monkeypatch):
+    """The tokenizer metadata (V token strings, the special ids, the template) is parsed once
+    per version of the file: a second open reads the cache entry (a tampered entry is what it
+    sees), a new version of the file (another mtime) or a damaged entry is parsed again."""
+    import json
+    import os
+    import shutil
+
+    monkeypatch.setenv("LOGITDIFF_CACHE", str(tmp_path / "cache"))
+    g = tmp_path / "m.gguf"
+    shutil.copy2(ladder["paths"]["Q8_0"], g)
+    first = GGUFSource(g, tokenizer_only=True)
+    want = first.tokenizer_tokens
+    assert len(want) == first.vocab_size > 100 and first.eos_token_ids
+    (entry,) = (tmp_path / "cache" / "gguf.metadata").iterdir()
+    meta = json.loads(entry.read_text())
+    meta["tokenizer.ggml.tokens"][5] = "<tampered>"
+    entry.write_text(json.dumps(meta))
+    again = GGUFSource(g, tokenizer_only=True)
+    assert again.tokenizer_tokens[5] == "<tampered>" and again.tokenizer_hash != first.tokenizer_hash
+    st = g.stat()
+    os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new version: read again, a second entry
+    renewed = GGUFSource(g, tokenizer_only=True)
+    assert renewed.tokenizer_tokens == want and renewed.tokenizer_hash == first.tokenizer_hash
+    assert len(list((tmp_path / "cache" / "gguf.metadata").iterdir())) == 2
+    for e in (tmp_path / "cache" / "gguf.metadata").iterdir():  # damaged: valid JSON of the wrong shape
+        e.write_text('["x"]')
+    damaged = GGUFSource(g, tokenizer_only=True)
+    assert damaged.tokenizer_tokens == want and damaged.eos_token_ids == first.eos_token_ids
+    assert (damaged.arch, damaged.n_ctx_train, damaged.file_type, damaged.chat_template) == \
+        (first.arch, first.n_ctx_train, first.file_type, first.chat_template)
+
+
+def test_metadata_parser_reads_what_ggufreader_reads(ladder, tmp_path):
+    """The key/value parser (sources.gguf_meta) gives GGUFReader's values on every file of
+    the ladder; a file cut inside its key/value section is refused with GGUFReader's one-line
+    error, naming the file."""
+    from logitdiff.sources.gguf_meta import _read_with_gguf, gguf_metadata, read_keys
+
+    for q, path in ladder["paths"].items():
+        got = read_keys(path)
+        assert got == _read_with_gguf(path), q
+        assert len(got["tokenizer.ggml.tokens"]) > 100 and got["context_length"] and got["general.architecture"], q
+    raw = ladder["paths"]["Q8_0"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:4096])
+    with pytest.raises(LogitdiffError, match=r"cut\.gguf: not a readable GGUF file"):
+        gguf_metadata(cut)

@@ -840,3 +840,50 @@ def test_pairs_use_the_reports_bootstrap_setting(ladder):
     assert "not evaluated" in section.split("</p>")[0] and "resamples" not in section.split("</p>")[0]
     assert section.count("not evaluated: no interval") == 2 * len(d0["pairs"])
     assert "drifts more than" not in section and "cannot order" not in section
+
+
+GRADED_OUTPUTS = {  # (output, cut by the token budget) per grade, for the label {"answer": "42"}
+    "right": ("The answer is 42.", False),
+    "wrong": ("The answer is 41.", False),
+    "truncated": ("Let me work it out step by step: first", True),
+}
+
+
+@pytest.mark.parametrize("pairs", [
+    [("right", "truncated"), ("right", "right")],                      # issue 40: accuracy 50 % -> 25 %, "no answer changed"
+    [("right", "truncated"), ("wrong", "right")],
+    [("right", "wrong"), ("right", "truncated"), ("truncated", "right")],
+    [("right", "right"), ("wrong", "wrong"), ("truncated", "truncated"), ("wrong", "truncated")],
+], ids=["r2t", "r2t+w2r", "r2w+r2t+t2r", "unchanged"])
+def test_verdict_line_agrees_with_the_answers_the_report_lists(ladder, pairs):
+    """The verdict's answers part says "no answer changed" exactly when the report lists no
+    right→wrong, wrong→right or right→truncated item, and names each kind it lists with its
+    count. The correctness section is the real one (grading.grade on real outputs, then
+    consequences.correctness_section) inside a real report, rendered to report.md."""
+    from logitdiff.flips.consequences import Settings, correctness_section
+    from logitdiff.flips.grading import grade
+    from logitdiff.report.verdict import answers_part, verdict_text
+
+    rows = []
+    for i, (ref, cand) in enumerate(pairs + [("right", "right"), ("wrong", "wrong")]):
+        g = {side: grade({"answer": "42"}, *GRADED_OUTPUTS[which][:1], truncated=GRADED_OUTPUTS[which][1])
+             for side, which in (("ref", ref), ("cand", cand))}
+        rows.append({"item_id": f"math-{i}", "tags": ["math"], "check": g["ref"].check, "ref_correct": g["ref"].correct,
+                     "cand_correct": g["cand"].correct, "ref_verdict": g["ref"].verdict, "cand_verdict": g["cand"].verdict,
+                     "ref_cut": GRADED_OUTPUTS[ref][1], "cand_cut": GRADED_OUTPUTS[cand][1], "budget_tokens": 8,
+                     "divergence_at_top1_flip": None})
+    sec = correctness_section(rows, Settings(n_boot=50))
+    report = dict(ladder["reports"]["q8"], correctness=sec)
+    listed = {"right→wrong": sec["items_right_to_wrong"], "wrong→right": sec["items_wrong_to_right"],
+              "right→truncated": sec["items_right_to_truncated"]}
+    sev, text = answers_part(report)
+    line = verdict_text(report)
+    assert text in line
+    changed = any(listed.values())
+    assert text.endswith("no answer changed") is (not changed), text
+    assert (sec["accuracy_ref"] != sec["accuracy_cand"]) <= changed  # a changed accuracy is never "no answer changed"
+    for kind, items in listed.items():
+        if items:
+            assert f"{len(items)} {kind}" in text, (kind, text)
+    if sec["items_right_to_truncated"]:
+        assert sev != "ok" and f"{len(sec['items_right_to_truncated'])} right→truncated" in render_markdown(report)

@@ -148,12 +148,57 @@ def divergence_terms(term: str, lx, lw) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 
 
-def group_bounds(term: str, lw, llo, lhi, mass, valid=None) -> tuple[np.ndarray, np.ndarray]:
+def _placement(lt, lw_v, llo, lhi, valid) -> tuple[np.ndarray, np.ndarray]:
+    """ln x and x of the placement x_i = clip(tau w_i, lo_i, hi_i) (0 off the group)."""
+    lx = np.clip(lt[:, None] + lw_v, llo, lhi)
+    return lx, np.where(valid, np.exp(lx), 0.0)
+
+
+def _bisect_ratio(lw_v, llo, lhi, mass, valid) -> np.ndarray:
+    """ln tau per row with sum_i clip(tau w_i, lo_i, hi_i) = mass (to _BISECT_TOL in ln tau)."""
+    with np.errstate(invalid="ignore"):
+        r_lo = np.where(valid & (llo > _NEG_INF), llo - lw_v, np.inf).min(1)
+        r_hi = np.where(valid, lhi - lw_v, -np.inf).max(1)
+    # all entries at lo below a (or within e^-800 of it where some lo = 0), all at hi above b
+    some_zero = (valid & (llo == _NEG_INF)).any(1)
+    a = np.where(some_zero, np.minimum(r_lo, r_hi - 800.0), np.minimum(r_lo, r_hi)) - 1.0
+    b = r_hi + 1.0
+    a = np.where(np.isfinite(a), a, 0.0)
+    b = np.where(np.isfinite(b), b, 1.0)
+    for _ in range(_BISECT_STEPS):
+        if (b - a).max() < _BISECT_TOL:
+            break
+        mid = 0.5 * (a + b)
+        _, x = _placement(mid, lw_v, llo, lhi, valid)
+        low = x.sum(1) < mass
+        a = np.where(low, mid, a)
+        b = np.where(low, b, mid)
+    return 0.5 * (a + b)
+
+
+def group_ratio(lw, llo, lhi, mass) -> np.ndarray:
+    """ln tau of the placement that minimises every divergence of `TERMS` over one group of
+    every entry (``lw``, ``llo``, ``lhi`` [N, n], ``mass`` [N], as `group_bounds` reads
+    them): the same for all three, since each g is strictly convex and the KKT conditions
+    say x/w equal on the unclipped entries whatever g is (docs/bounds.md, section 1)."""
+    lw = np.asarray(lw, np.float64)
+    llo = np.asarray(llo, np.float64)
+    lhi = np.maximum(np.asarray(lhi, np.float64), llo)
+    valid = np.isfinite(lw)
+    lo = np.where(valid, np.exp(llo), 0.0)
+    hi = np.where(valid, np.exp(lhi), 0.0)
+    mass = np.clip(np.asarray(mass, np.float64), lo.sum(1), hi.sum(1))
+    return _bisect_ratio(np.where(valid, lw, 0.0), llo, lhi, mass, valid)
+
+
+def group_bounds(term: str, lw, llo, lhi, mass, valid=None, ltau=None) -> tuple[np.ndarray, np.ndarray]:
     """Lower and upper bound of ``sum_i phi(x_i)`` over a group, per row.
 
     ``lw``, ``llo``, ``lhi``: [N, n] ln w, ln lo, ln hi (``-inf`` for 0); ``mass``: [N];
     ``valid``: [N, n] bool, entries of the group (others ignored). Lower: the dual value
     at the bisected ratio (a valid bound at any ratio). Upper: chords + fractional knapsack.
+    ``ltau``: [N] ln tau from `group_ratio` for the same group, when the caller shares it
+    between divergences (the ratio depends on the group, not on ``term``).
     """
     lw = np.asarray(lw, np.float64)
     llo = np.asarray(llo, np.float64)
@@ -173,30 +218,8 @@ def group_bounds(term: str, lw, llo, lhi, mass, valid=None) -> tuple[np.ndarray,
         return z, z.copy()
 
     # ---- lower: dual value at tau found by bisection on ln tau ----------------------
-    with np.errstate(invalid="ignore"):
-        r_lo = np.where(valid & (llo > _NEG_INF), llo - lw_v, np.inf).min(1)
-        r_hi = np.where(valid, lhi - lw_v, -np.inf).max(1)
-    # all entries at lo below a (or within e^-800 of it where some lo = 0), all at hi above b
-    some_zero = (valid & (llo == _NEG_INF)).any(1)
-    a = np.where(some_zero, np.minimum(r_lo, r_hi - 800.0), np.minimum(r_lo, r_hi)) - 1.0
-    b = r_hi + 1.0
-    a = np.where(np.isfinite(a), a, 0.0)
-    b = np.where(np.isfinite(b), b, 1.0)
-
-    def x_at(lt):
-        lx = np.clip(lt[:, None] + lw_v, llo, lhi)
-        return lx, np.where(valid, np.exp(lx), 0.0)
-
-    for _ in range(_BISECT_STEPS):
-        if (b - a).max() < _BISECT_TOL:
-            break
-        mid = 0.5 * (a + b)
-        _, x = x_at(mid)
-        low = x.sum(1) < mass
-        a = np.where(low, mid, a)
-        b = np.where(low, b, mid)
-    lt = 0.5 * (a + b)
-    lx, x = x_at(lt)
+    lt = _bisect_ratio(lw_v, llo, lhi, mass, valid) if ltau is None else np.asarray(ltau, np.float64)
+    lx, x = _placement(lt, lw_v, llo, lhi, valid)
     phi = np.where(valid, _phi(term, lx, lw_v), 0.0)
     lower = phi.sum(1) + _dphi(term, lt) * (mass - x.sum(1))
 
@@ -618,28 +641,60 @@ def llamacpp_from_logp(logp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.clip(codes, 0, 65535).astype(np.uint16), scale, mn
 
 
+def llamacpp_placement(codes, scale, min_log_prob, lw) -> np.ndarray:
+    """ln p [N, V] of the distribution inside the boxes of llama.cpp base rows that is
+    closest to ``lw`` (ln w [N, V], any positive weights): p_i = clip(tau w_i, lo_i, hi_i)
+    with sum 1. With the candidate's log-probabilities it is the reference that minimises
+    every divergence at once (`group_ratio`); with the stored values it is the rows read on
+    their own, as a distribution (the floored entries share what the others leave, in the
+    stored shape, instead of e^min_log_prob each)."""
+    lo, hi = llamacpp_boxes(codes, scale, min_log_prob)
+    lw = np.asarray(lw, np.float64)
+    lt = group_ratio(lw, lo, hi, np.ones(lw.shape[0]))
+    return np.clip(lt[:, None] + lw, lo, hi)
+
+
+# How far a candidate's total probability may be from 1 for its rows to count as a
+# distribution inside the boxes (then the closest reference is the candidate itself): the
+# rounding of a float64 sum of V terms and of the bisection that placed it (_BISECT_TOL).
+_INSIDE_MASS_TOL = 1e-9
+
+
 def llamacpp_vs_full(codes, scale, min_log_prob, cand_logp, divergences=DIVERGENCES) -> dict[str, Interval]:
     """Intervals between imported llama.cpp base rows (the reference, known only up to its
-    quantisation step and floor) and a full candidate [N, V]. One group: every entry, total
-    mass 1. ``estimate``: the renormalised dequantised reference, as the import reads it,
-    clipped into the interval."""
+    quantisation step and floor) and a full candidate [N, V] (`llamacpp_compare`)."""
+    return llamacpp_compare(codes, scale, min_log_prob, cand_logp, divergences)[1]
+
+
+def llamacpp_compare(codes, scale, min_log_prob, cand_logp, divergences=DIVERGENCES) -> tuple[np.ndarray, dict[str, Interval]]:
+    """The reference a comparison reads from base rows, and each divergence's interval.
+
+    One group: every entry, total mass 1. The reference read is `llamacpp_placement` at the
+    candidate (ln p [N, V], float64): the distribution inside the boxes closest to the
+    candidate, so each divergence's ``estimate`` is its value there, the interval's lower
+    end (as for a compact reference). Not the dequantised rows renormalised: their floored
+    entries carry e^min_log_prob each, 96 % of a 262,144-token row, mass the true
+    distribution puts mostly where the candidate has little, which lifted a mean KL above
+    its own interval (issue 40). Where the candidate itself lies in the boxes (an imported
+    base against itself) the reference read is the candidate and every divergence is 0."""
     lo, hi = llamacpp_boxes(codes, scale, min_log_prob)
     lq = np.asarray(cand_logp, np.float64)
     n = lq.shape[0]
-    k = np.asarray(codes).astype(np.float64)
-    deq = np.asarray(min_log_prob, np.float64)[:, None] + np.asarray(scale, np.float64)[:, None] * k
-    deq = deq - np.logaddexp.reduce(deq, axis=1, keepdims=True)
+    lt = group_ratio(lq, lo, hi, np.ones(n))
+    lp = np.clip(lt[:, None] + lq, lo, hi)
+    inside = ((lq >= lo) & (lq <= hi)).all(1) & (np.abs(np.exp(lq).sum(1) - 1.0) <= _INSIDE_MASS_TOL)
+    lp[inside] = lq[inside]
     out = {}
     for div in divergences:
         term = TERMS[(div, UNKNOWN_REF)]
-        lower, upper = group_bounds(term, lq, lo, hi, np.ones(n))
+        lower, upper = group_bounds(term, lq, lo, hi, np.ones(n), ltau=lt)
+        lower = np.where(inside, 0.0, lower)
         reason = ""
         if not np.isfinite(upper).all():
             reason = "reverse KL: entries at llama.cpp's floor (code 0) have no lower bound on their probability"
         iv = _interval(lower, upper, reason)
         if div == JSD:
             iv = _interval(np.minimum(iv.lower, LN2), np.minimum(iv.upper, LN2))
-        est = _phi(term, deq, lq).sum(1)
-        iv.estimate = np.clip(est, iv.lower, iv.upper)
+        iv.estimate = iv.lower.copy()
         out[div] = iv
-    return out
+    return lp, out

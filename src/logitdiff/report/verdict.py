@@ -95,14 +95,18 @@ def answers_part(report: Mapping) -> tuple[str, str] | None:
     if ar is None or ac is None:
         return None
     r2w, w2r = int(c.get("right_to_wrong") or 0), int(c.get("wrong_to_right") or 0)
+    # right -> cut at the token budget: not counted as wrong, but an answer that changed
+    # (and one of McNemar's discordant pairs); schema 1.2, 0 when absent
+    r2t = int(c.get("right_to_truncated") or 0)
     p = _num(c.get("mcnemar_p"))
     text = f"accuracy {_pct(ar)} → {_pct(ac)}" + (f" ({c['n_labelled']} labelled)" if c.get("n_labelled") is not None else "")
-    if not (r2w or w2r):
+    if not (r2w or w2r or r2t):
         return "ok", text + ": no answer changed"
     sig = p is not None and p < SIGNIFICANCE
-    text += (f": {r2w} right→wrong, {w2r} wrong→right, McNemar p = {'n/a' if p is None else f'{p:.2g}'} "
+    text += (f": {r2w} right→wrong, " + (f"{r2t} right→truncated, " if r2t else "")
+             + f"{w2r} wrong→right, McNemar p = {'n/a' if p is None else f'{p:.2g}'} "
              + ("(significant)" if sig else "(not significant)"))
-    return ("bad" if sig and r2w > w2r else "warn" if r2w else "ok"), text
+    return ("bad" if sig and r2w + r2t > w2r else "warn" if r2w or r2t else "ok"), text
 
 
 def extra_parts(report: Mapping) -> list[tuple[str, str]]:

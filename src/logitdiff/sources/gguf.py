@@ -309,30 +309,18 @@ class GGUFSource(FullLogitSource):
         return cls(spec.target, spec=text, tokenizer_only=True, **kw)
 
     def _read_metadata(self) -> None:
-        import gguf
+        from .gguf_meta import gguf_metadata
 
-        try:
-            reader = gguf.GGUFReader(str(self.path))
-        except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
-            raise LogitdiffError(f"{self.path}: not a readable GGUF file ({e})") from None
-        check_gguf_layout(reader, self.path)  # before llama.cpp, which aborts on some of it
-
-        def get(key, default=None):
-            f = reader.fields.get(key)
-            if f is None:
-                return default
-            try:
-                return f.contents()
-            except Exception:  # noqa: BLE001
-                return default
-
+        meta = gguf_metadata(self.path)
+        check_gguf_layout(meta["layout"], self.path)  # before llama.cpp, which aborts on some of it
+        get = meta.get
         tokens = get("tokenizer.ggml.tokens")
         if not tokens:
             raise LogitdiffError(f"{self.path}: GGUF has no tokenizer.ggml.tokens (no embedded tokenizer)")
         self._tokens: list[str] = list(tokens)
         self._token_types: list[int] = list(get("tokenizer.ggml.token_type") or [])
         self.arch = get("general.architecture")
-        self.n_ctx_train = get(f"{self.arch}.context_length") if self.arch else None
+        self.n_ctx_train = get("context_length")
         self.model_name = get("general.name")
         self.file_type = get("general.file_type")
         self.chat_template: str | None = get("tokenizer.chat_template")

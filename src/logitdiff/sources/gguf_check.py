@@ -8,9 +8,10 @@ one line naming the file and the field: the layer count against the ``blk.N`` te
 holds, the token embedding's and the output head's shapes against ``{arch}.embedding_length``
 and the tokenizer's size, and every tensor's bytes inside the file.
 
-It reads what a ``gguf.GGUFReader`` already parsed (the caller's one read of the header: a
-262,144-token vocabulary takes seconds to parse, and is not parsed twice); it touches no tensor
-data.
+It reads a layout (architecture, layer count, width, vocabulary size, every tensor's name,
+shape, type and offset) that the caller's one read of the header gave: sources/gguf_meta.py's
+fast reader, cached per file version, or a ``gguf.GGUFReader`` the caller already built; it
+touches no tensor data.
 """
 
 from __future__ import annotations
@@ -42,27 +43,49 @@ def _scalar(reader: Any, key: str) -> Any:
         return None
 
 
-def _array_len(reader: Any, key: str) -> int | None:
-    """The element count of an array field, without decoding its elements."""
-    f = reader.fields.get(key)
-    return None if f is None else len(f.data)
-
-
-def check_gguf_layout(reader: Any, path: str | Path) -> None:
-    """Raise a one-line LogitdiffError where ``path``'s tensors do not cover what its metadata
-    claims (see the module's text); return None for a consistent file."""
+def layout_of_reader(reader: Any) -> dict:
+    """The layout :func:`check_gguf_layout` reads, from a ``gguf.GGUFReader`` (the fast reader
+    of sources/gguf_meta.py builds the same dict from the header alone)."""
     arch = _scalar(reader, "general.architecture")
+    f = reader.fields.get("tokenizer.ggml.tokens")
+    return {
+        "architecture": arch,
+        "block_count": _scalar(reader, f"{arch}.block_count") if isinstance(arch, str) else None,
+        "embedding_length": _scalar(reader, f"{arch}.embedding_length") if isinstance(arch, str) else None,
+        "vocab": None if f is None else len(f.data),
+        "tensors": [[t.name, [int(n) for n in t.shape], int(t.tensor_type), int(t.data_offset)] for t in reader.tensors],
+    }
+
+
+def _n_bytes(shape: list[int], ttype: int) -> int:
+    import gguf
+
+    try:
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+    except (ValueError, KeyError):
+        raise LogitdiffError(f"unknown tensor type {ttype}") from None
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n // block * size
+
+
+def check_gguf_layout(layout: dict, path: str | Path) -> None:
+    """Raise a one-line LogitdiffError where ``path``'s tensors do not cover what its metadata
+    claims (see the module's text); return None for a consistent file. ``layout``: from
+    :func:`layout_of_reader` or sources.gguf_meta."""
+    arch = layout.get("architecture")
     if not isinstance(arch, str) or not arch:
         raise LogitdiffError(f"{path}: GGUF has no general.architecture")
-    tensors = {t.name: t for t in reader.tensors}
-    _check_blocks(reader, path, arch, tensors)
-    _check_embedding(reader, path, arch, tensors)
-    _check_extents(reader, path)
+    tensors = {name: shape for name, shape, _, _ in layout["tensors"]}
+    _check_blocks(layout, path, arch, tensors)
+    _check_embedding(layout, path, arch, tensors)
+    _check_extents(layout, path)
 
 
-def _check_blocks(reader: Any, path: str | Path, arch: str, tensors: dict) -> None:
+def _check_blocks(layout: dict, path: str | Path, arch: str, tensors: dict) -> None:
     key = f"{arch}.block_count"
-    count = _scalar(reader, key)
+    count = layout.get("block_count")
     if isinstance(count, bool) or not isinstance(count, int):
         raise LogitdiffError(f"{path}: GGUF has no integer {key}")
     if not 1 <= count <= LLAMA_MAX_LAYERS:
@@ -78,27 +101,34 @@ def _check_blocks(reader: Any, path: str | Path, arch: str, tensors: dict) -> No
                              f"{named([f'blk.{i}' for i in extra])} beyond it")
 
 
-def _check_embedding(reader: Any, path: str | Path, arch: str, tensors: dict) -> None:
+def _check_embedding(layout: dict, path: str | Path, arch: str, tensors: dict) -> None:
     key = f"{arch}.embedding_length"
-    width = _scalar(reader, key)
+    width = layout.get("embedding_length")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise LogitdiffError(f"{path}: GGUF has no positive integer {key}")
-    vocab = _array_len(reader, "tokenizer.ggml.tokens")
+    vocab = layout.get("vocab")
     if "token_embd.weight" not in tensors:
         raise LogitdiffError(f"{path}: GGUF has no token_embd.weight tensor")
     for name in ("token_embd.weight", "output.weight"):
-        t = tensors.get(name)
-        if t is None:  # no output.weight: the head is tied to the embedding
+        shape = tensors.get(name)
+        if shape is None:  # no output.weight: the head is tied to the embedding
             continue
-        shape = [int(n) for n in t.shape]  # ggml order: [embedding, vocabulary]
+        shape = [int(n) for n in shape]  # ggml order: [embedding, vocabulary]
         if len(shape) != 2 or shape[0] != width:
             raise LogitdiffError(f"{path}: tensor {name} has shape {shape}, not [{key} = {width}, vocabulary]")
         if vocab is not None and shape[1] != vocab:
             raise LogitdiffError(f"{path}: tensor {name} has {shape[1]} rows but tokenizer.ggml.tokens holds {vocab} tokens")
 
 
-def _check_extents(reader: Any, path: str | Path) -> None:
+def _check_extents(layout: dict, path: str | Path) -> None:
     size = Path(path).stat().st_size
-    outside = [t.name for t in reader.tensors if int(t.data_offset) + int(t.n_bytes) > size]
+    outside = []
+    for name, shape, ttype, offset in layout["tensors"]:
+        try:
+            end = int(offset) + _n_bytes(shape, ttype)
+        except LogitdiffError as e:
+            raise LogitdiffError(f"{path}: tensor {name}: {e}") from None
+        if end > size:
+            outside.append(name)
     if outside:
         raise LogitdiffError(f"{path}: tensor data of {named(outside)} lies beyond the file's end ({size} bytes)")

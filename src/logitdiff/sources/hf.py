@@ -766,13 +766,13 @@ def _checked_gguf_origin(path: Path) -> dict:
     dequantized from: its declared file type and the count of tensors per quantization type."""
     import gguf
 
-    from .gguf_check import check_gguf_layout
+    from .gguf_check import check_gguf_layout, layout_of_reader
 
     try:
         r = gguf.GGUFReader(str(path), "r")
     except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
         raise LogitdiffError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})".splitlines()[0]) from None
-    check_gguf_layout(r, path)
+    check_gguf_layout(layout_of_reader(r), path)
     kinds: dict[str, int] = {}
     for t in r.tensors:
         name = gguf.GGMLQuantizationType(int(t.tensor_type)).name

@@ -17,6 +17,8 @@ texts of all V tokens (a RUN's ``vocab.json``) and the vocabulary's content hash
 * :func:`file_fact_cached`: any short text computed from one file's bytes (e.g. the
   sha256 of a hidden-state run's output head as its manifest records it), keyed by the
   file's identity as above and a name: read once per version of the file.
+* :func:`file_json_cached`: the same for a JSON value (a GGUF's tokenizer metadata: V
+  token strings that ``gguf.GGUFReader`` took ~20 s to parse at V = 262,144, issue 40).
 
 Every entry is one small file written through a temporary name and a rename; an entry
 that cannot be read is recomputed, and a cache directory that cannot be written is not an
@@ -117,6 +119,30 @@ def file_fact_cached(path: str | os.PathLike, name: str, compute: Callable[[], s
     value = compute()
     if file_identity(path) == ident:
         _write(entry, value.encode("ascii"))
+    return value
+
+
+def file_json_cached(path: str | os.PathLike, name: str, versions: dict, compute: Callable[[], object],
+                     valid: Callable[[object], bool] = lambda v: True):
+    """``compute()`` (a JSON value computed from the file ``path``), or its cached copy for
+    this version of the file (`file_identity`, no read of its bytes: a GGUF's metadata is
+    the point, and hashing the file would cost what reading it costs), ``name`` and
+    ``versions`` (the libraries that computed it); an entry that ``valid`` refuses is
+    recomputed, and a value is kept only when the file's identity is the same after
+    ``compute`` as before it."""
+    ident = file_identity(path)
+    entry = _entry(name, json.dumps([ident, sorted(versions.items())]))
+    got = _read(entry)
+    if got is not None:
+        try:
+            value = json.loads(got)
+        except ValueError:
+            value = None
+        if value is not None and valid(value):
+            return value
+    value = compute()
+    if file_identity(path) == ident:
+        _write(entry, json.dumps(value).encode())  # ASCII: lone surrogates survive as escapes
     return value
 
 

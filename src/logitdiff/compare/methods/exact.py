@@ -25,9 +25,11 @@ FULL_DESCRIPTION = (
 )
 LLAMACPP_BOUNDS = (
     " The reference is an imported llama.cpp --kl-divergence-base file: its log-probabilities are "
-    "uint16-quantised with a floor at max - 16 nats, so each divergence also carries a proven interval "
+    "uint16-quantised with a floor at max - 16 nats, so each divergence carries a proven interval "
     "[*_lower_nats, *_upper_nats] from the quantisation step and the floor (docs/bounds.md, section 4); "
-    "reverse KL has no finite upper bound (floored entries may have p -> 0)."
+    "reverse KL has no finite upper bound (floored entries may have p -> 0). The reference's figures are "
+    "those of the distribution inside the stored rows' bounds closest to the candidate, so each divergence "
+    "is its interval's lower end."
 )
 LLAMACPP_IMPORT = "llamacpp-kld"  # settings.imported_from of a RUN imported from a llama.cpp base file
 
@@ -81,7 +83,6 @@ class Exact(ComparisonMethod):
         ir, lr = m.pop("topk_ids_ref"), m.pop("topk_logprobs_ref")
         ic, lc = m.pop("topk_ids_cand"), m.pop("topk_logprobs_cand")
         out = dict(m)
-        out.update(self.interval_columns(ref_block, cand_block))
         # the seed's top-K fields from the same pass (no second log-softmax per side)
         t = M.topk(ir, lr, ic, lc, V, eps=self.eps)
         for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
@@ -90,39 +91,64 @@ class Exact(ComparisonMethod):
         out.update(tops_columns(ir, lr, ic, lc))
         return out
 
-    def interval_columns(self, ref_block: Any, cand_block: Any) -> dict[str, np.ndarray]:
-        """Columns of proven intervals besides the exact figures (none: they coincide)."""
-        return {}
-
     def description(self) -> str:
         return FULL_DESCRIPTION
 
 
 class LlamaCppBounded(Exact):
-    """An imported llama.cpp base file against full rows: the exact figures of the stored
-    (quantised) rows, and intervals that hold for the rows before quantisation."""
+    """An imported llama.cpp base file against full rows. The base knows each reference
+    log-probability only up to its quantisation step, and the floored entries only from
+    above; the reference read is the distribution inside those boxes closest to the
+    candidate (`bounds.llamacpp_compare`): every column comes from it, so each divergence
+    is its interval's lower end and the reference's figures (top-1, entropy, teacher
+    token) describe one distribution. A candidate that is itself an imported base is read
+    as its rows' own distribution (`bounds.llamacpp_placement`)."""
 
     bounds: ClassVar[str] = METHOD_LLAMACPP
 
     @classmethod
     def fits(cls, ref: Any, cand: Any) -> bool:
-        return super().fits(ref, cand) and (ref.manifest.get("settings") or {}).get("imported_from") == LLAMACPP_IMPORT
+        return super().fits(ref, cand) and imported_from_llamacpp(ref)
 
-    def interval_columns(self, ref_block: Any, cand_block: Any) -> dict[str, np.ndarray]:
+    def columns(self, ref_block: Any, cand_block: Any, next_tokens: np.ndarray, row0: int) -> dict[str, np.ndarray]:
         from ...numerics import bounds as Bd
         from ...store.compact import INTERVAL_COLUMNS, log_softmax
 
         zr, zc = float32_rows(ref_block), float32_rows(cand_block)
-        step = max(1, (32 << 20) // (zr.shape[1] * 8))
+        if not np.isfinite(zc).all():  # the exact path names the row
+            return super().columns(ref_block, cand_block, next_tokens, row0)
+        cand_base = imported_from_llamacpp(self.cand)
+        # both sides float64 when the candidate is read from a base (its rows sit on box
+        # edges that float32 would move by ~1e-6 nats); else the reference read in float32,
+        # like any capture, beside the candidate as stored
+        ref_rows = np.empty(zr.shape, np.float64 if cand_base else np.float32)
+        cand_rows = np.empty(zc.shape, np.float64) if cand_base else zc
+        step = max(1, (32 << 20) // (max(1, zr.shape[1]) * 8))
         parts: dict[str, list[np.ndarray]] = {}
         for a in range(0, zr.shape[0], step):
-            codes, scale, mn = Bd.llamacpp_from_logp(zr[a : a + step])
-            ivs = Bd.llamacpp_vs_full(codes, scale, mn, log_softmax(np.asarray(zc[a : a + step])))
+            sl = slice(a, a + step)
+            codes, scale, mn = Bd.llamacpp_from_logp(zr[sl])
+            if cand_base:
+                cand_rows[sl] = Bd.llamacpp_placement(*Bd.llamacpp_from_logp(zc[sl]), np.asarray(zc[sl], np.float64))
+                lq = cand_rows[sl]
+            else:
+                lq = log_softmax(np.asarray(zc[sl]))
+            lp, ivs = Bd.llamacpp_compare(codes, scale, mn, lq)
+            ref_rows[sl] = lp
             for name, (lo, hi) in INTERVAL_COLUMNS.items():
                 iv = ivs[name[: -len("_nats")]]
-                parts.setdefault(lo, []).append(np.asarray(iv.lower))
-                parts.setdefault(hi, []).append(np.asarray(iv.upper))
-        return {k: np.concatenate(v) for k, v in parts.items()}
+                parts.setdefault(name, []).append(iv.estimate)
+                parts.setdefault(lo, []).append(iv.lower)
+                parts.setdefault(hi, []).append(iv.upper)
+        out = super().columns(ref_rows, cand_rows, next_tokens, row0)
+        out.update({k: np.concatenate(v) for k, v in parts.items()})
+        return out
 
     def description(self) -> str:
         return FULL_DESCRIPTION + LLAMACPP_BOUNDS
+
+
+def imported_from_llamacpp(run: Any) -> bool:
+    """Whether a run is an imported llama.cpp base file (settings.imported_from)."""
+    manifest = getattr(run, "manifest", None) or {}
+    return (manifest.get("settings") or {}).get("imported_from") == LLAMACPP_IMPORT
