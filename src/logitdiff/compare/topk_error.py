@@ -125,7 +125,7 @@ def topk_error(ref: RunReader, cand: RunReader, ks: Sequence[int], *, eps: float
                 bnd[k][d][0].append(ivs[d].lower)
                 bnd[k][d][1].append(ivs[d].upper)
             approx_top1[k].append(t["top1_match"])
-            top_mass[k].append(t["baseline_top_mass"])
+            top_mass[k].append(t["reference_top_mass"])
         if specs:
             # ~32 MiB of float64 rows at a time (the bounds hold a few [rows, V] arrays)
             step = max(1, (32 << 20) // (V * 8))
