@@ -247,7 +247,7 @@ def test_mixing_incomparable_reports_is_refused(ladder, what):
     rep = json.loads((bad / "report.json").read_text())
     field = {"schema": "schema", "items": "item ids", "tokenizer": "tokenizer_hash", "teacher": "teacher tokens", "method": "method"}[what]
     if what == "schema":
-        rep["schema"] = "logitdiff.report/2"
+        rep["schema"] = "logitdiff.report/3"
     elif what == "items":
         rep["items"] = rep["items"][1:]
     elif what == "tokenizer":
@@ -267,7 +267,7 @@ def test_mixing_incomparable_reports_is_refused(ladder, what):
         write_html([first, bad], ladder["tmp"] / "bad.html")
     msg = str(e.value)
     if what == "schema":  # another major version is refused on reading, before any mixing
-        assert msg.startswith(f"{bad / 'report.json'}: field 'schema' is 'logitdiff.report/2'") and "\n" not in msg
+        assert msg.startswith(f"{bad / 'report.json'}: field 'schema' is 'logitdiff.report/3'") and "\n" not in msg
         return
     assert str(first) in msg and str(bad) in msg and field in msg and "\n" not in msg
     assert not (ladder["tmp"] / "bad.html").exists()

@@ -521,3 +521,24 @@ def test_a_schema_1_report_renders_through_logitdiff_report(tmp_path, capsys):
     ref_top, cand_top = table.column("baseline_top_token").to_pylist(), table.column("candidate_top_token").to_pylist()
     shown = [_e(f"reference top-1 {_show(a)} · candidate top-1 {_show(b)}") in page for a, b in zip(ref_top, cand_top)]
     assert all(shown) and len(shown) == len(raw["rows"])
+
+
+def test_a_1x_and_a_2x_report_of_one_workload_share_a_page(tmp_path):
+    """The page takes a report of the previous release beside a current one: both are read
+    as 2.0, so they measure the same thing and each keeps its figures."""
+    import pyarrow.parquet as pq
+
+    from logitdiff.report.html import write_html
+
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "report.json").write_text(C.report_json(C.load_report(OLD_REPORT)))
+    table = pq.read_table(OLD_REPORT / "tokens.parquet")
+    pq.write_table(table.rename_columns([C.RENAMED_COLUMNS_IN_2.get(c, c) for c in table.column_names]), new / "tokens.parquet")
+    assert json.loads((new / "report.json").read_text())["schema"] == C.REPORT_SCHEMA
+    page = write_html([OLD_REPORT, new], tmp_path / "page.html").read_text()
+    data = json.loads(re.search(r'id="logitdiff-data">(.*?)</script>', page, re.S).group(1))
+    kl = json.loads((OLD_REPORT / "report.json").read_text())["summary"]["metrics"]["kl_nats"]["mean"]
+    assert data["candidates"] == ["report_schema_1_2", "new"]
+    assert [data["matrix"][n]["kl_mean"]["value"] for n in data["candidates"]] == [kl, kl]
+    assert data["kl_cdf"]["report_schema_1_2"] == data["kl_cdf"]["new"] and data["kl_cdf"]["new"]["n"] == 8
