@@ -333,9 +333,9 @@ def wide(args) -> None:
             row["capture_hidden"] = _timed(lambda: capture_candidate(src, ref, out, batch=args.batch, store="hidden"))
             row["read_hidden"] = _timed(lambda: _read_rate(out))
         if args.fixed:
-            row["fixed"] = _wall(cli + ["capture", f"hf:{model}{dev}", "--teacher", str(refs[1]), "--out", str(fresh("cap1"))])
+            row["fixed"] = _wall(cli + ["capture", f"hf:{model}{dev}", "--reference", str(refs[1]), "--out", str(fresh("cap1"))])
             row["load"] = _wall([sys.executable, "-c", BARE_LOAD, str(model), args.device])
-            row["whole"] = _wall(cli + ["capture", f"hf:{model}{dev},batch={args.batch}", "--teacher", str(refs[args.tokens]),
+            row["whole"] = _wall(cli + ["capture", f"hf:{model}{dev},batch={args.batch}", "--reference", str(refs[args.tokens]),
                                         "--out", str(fresh("capw"))])
         if r:
             for k, (w, c, *sy) in row.items():

@@ -76,21 +76,21 @@ def run(wl: str, root: Path, kill_after: int) -> list[str]:
     for i in range(2):
         _cli("capture", "builtin:tiny", "--workload", wl, "--out", root / f"s{i}", "--shard", f"{i}/2")
     _cli("merge", root / "s0", root / "s1", "--out", root / "merged")
-    _cli("capture", "builtin:tiny", "--teacher", clean, "--out", root / "rerun")
-    _cli("capture", "builtin:tiny", "--teacher", clean, "--out", root / "batch3", "--batch", "3")
-    _cli("capture", "builtin:tiny", "--teacher", clean, "--out", root / "batch1", "--batch", "1")
+    _cli("capture", "builtin:tiny", "--reference", clean, "--out", root / "rerun")
+    _cli("capture", "builtin:tiny", "--reference", clean, "--out", root / "batch3", "--batch", "3")
+    _cli("capture", "builtin:tiny", "--reference", clean, "--out", root / "batch1", "--batch", "1")
     rows = [
         "| against the clean capture | items differing | max \\|Δlogit\\| | mean KL (nats) | max KL | top-1 flips |",
         "|---|---:|---:|---:|---:|---:|",
         _row(f"killed after {kill_after} items, `--resume`", ref, RunReader(root / "resumed")),
         _row("2 shards, `merge`", ref, RunReader(root / "merged")),
-        _row("plain rerun (`capture --teacher`)", ref, RunReader(root / "rerun")),
+        _row("plain rerun (`capture --reference`)", ref, RunReader(root / "rerun")),
     ]
     with open_source("builtin:tiny") as src:
         rows.append(_row("boundaries moved by 4 (`run`'s noise floor)", ref, LiveRun(src, ref, offset=4)))
     rows.append(_row("`--batch 3`", ref, RunReader(root / "batch3")))
     rows.append(_row("`--batch 1` (each item alone)", ref, RunReader(root / "batch1")))
-    _cli("capture", "builtin:tiny-F32", "--teacher", clean, "--out", root / "gguf")
+    _cli("capture", "builtin:tiny-F32", "--reference", clean, "--out", root / "gguf")
     gref = RunReader(root / "gguf")
     with open_source("builtin:tiny-F32") as src:
         rows.append(_row("llama.cpp F32 GGUF, boundaries moved by 4 (vs its own capture)", gref, LiveRun(src, gref, offset=4)))

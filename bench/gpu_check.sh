@@ -76,11 +76,11 @@ t() {  # t NAME POSITIONS CMD...: run, print wall time and positions/s
 N=$((TOKENS * ITEMS))
 t "capture reference (bf16)" $N LD capture "hf:$M,device=$DEVICE,batch=$ITEMS" --workload "$WORK/w.jsonl" \
   --max-tokens "$TOKENS" --out "$WORK/ref" --overwrite
-t "capture candidate (f16)" $N LD capture "hf:$M,dtype=float16,device=$DEVICE,batch=$ITEMS" --teacher "$WORK/ref" \
+t "capture candidate (f16)" $N LD capture "hf:$M,dtype=float16,device=$DEVICE,batch=$ITEMS" --reference "$WORK/ref" \
   --out "$WORK/cand" --overwrite
 t "compare on $DEVICE" $N LD compare "$WORK/ref" "$WORK/cand" --out "$WORK/report-dev" --device "$DEVICE" --bootstrap 100 --no-rows
 t "compare on cpu (same rows)" $N LD compare "$WORK/ref" "$WORK/cand" --out "$WORK/report-cpu" --device cpu --bootstrap 100 --no-rows
-t "candidate item0 on cpu" $TOKENS LD capture "hf:$M,dtype=float16,device=cpu,batch=1" --teacher "$WORK/ref" \
+t "candidate item0 on cpu" $TOKENS LD capture "hf:$M,dtype=float16,device=cpu,batch=1" --reference "$WORK/ref" \
   --shard "0/$ITEMS" --out "$WORK/cand-cpu" --overwrite
 
 "$PYTHON" - "$WORK" <<'EOF'

@@ -4,14 +4,14 @@ Two settings, each a subprocess per measurement (wall time and peak RSS of that 
 ``os.wait4``), interleaved, median of ``--repeats``:
 
 * ``ladder``: the bundled model; teacher = ``builtin:tiny`` on the bundled workload; for
-  each candidate of ``--candidates`` (default Q4_K_M) ``logitdiff capture CAND --teacher REF``
-  against ``logitdiff layers builtin:tiny CAND --teacher REF --floor none``;
+  each candidate of ``--candidates`` (default Q4_K_M) ``logitdiff capture CAND --reference REF``
+  against ``logitdiff layers builtin:tiny CAND --reference REF --floor none``;
 * ``wide``: a random bf16 Llama with V = 248,320 and H = ``--hidden`` (1,024), ``--layers``
   decoder layers; the candidate is the same model in float32 (a dtype change, hf vs hf).
 
 ``layers`` runs the reference and the candidate (two forward passes per window) and the
 per-layer metrics; the capture runs the candidate alone, so the same invocation also times
-the teacher-forced capture of the reference's spec (``capture REF --teacher REF_RUN``): the
+the teacher-forced capture of the reference's spec (``capture REF --reference REF_RUN``): the
 two captures together are what ``layers`` cannot go below. The goal is <= 2x
 the candidate capture's time. Positions/s = teacher-forced positions / wall seconds of the whole command
 (model loading included, as a user sees it).
@@ -75,13 +75,13 @@ def compare(name: str, ref_run: Path, cand: str, ref: str, work: Path, repeats: 
     for r in range(repeats):  # interleaved
         out = work / f"cap-{name}"
         shutil.rmtree(out, ignore_errors=True)
-        cap.append(timed(py + ["capture", cand, "--teacher", str(ref_run), "--out", str(out)], env))
+        cap.append(timed(py + ["capture", cand, "--reference", str(ref_run), "--out", str(out)], env))
         out = work / f"refcap-{name}"
         shutil.rmtree(out, ignore_errors=True)
-        refcap.append(timed(py + ["capture", ref, "--teacher", str(ref_run), "--out", str(out)], env))
+        refcap.append(timed(py + ["capture", ref, "--reference", str(ref_run), "--out", str(out)], env))
         out = work / f"lay-{name}"
         shutil.rmtree(out, ignore_errors=True)
-        lay.append(timed(py + ["layers", ref, cand, "--teacher", str(ref_run), "--floor", "none", "--out", str(out)], env))
+        lay.append(timed(py + ["layers", ref, cand, "--reference", str(ref_run), "--floor", "none", "--out", str(out)], env))
     ct, cr = statistics.median(x[0] for x in cap), statistics.median(x[1] for x in cap)
     lt, lr = statistics.median(x[0] for x in lay), statistics.median(x[1] for x in lay)
     rt, rr = statistics.median(x[0] for x in refcap), statistics.median(x[1] for x in refcap)

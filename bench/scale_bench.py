@@ -13,8 +13,8 @@ runs as its own ``logitdiff`` process (under ``prlimit --as``) and reports its p
                   by the source that generates fastest on a CPU (llama.cpp, one thread)
     ref           capture hf:M (bf16, stored as bf16 bits) — greedy generation + scoring;
                   with --ref-teacher, teacher-forced on the ``teacher`` run's output instead
-    cand-hf       capture hf:M,dtype=float16 --teacher ref (stored float16)
-    cand-gguf     capture gguf:Q8_0 --teacher ref (--store full, or topk:64 with --gguf-topk)
+    cand-hf       capture hf:M,dtype=float16 --reference ref (stored float16)
+    cand-gguf     capture gguf:Q8_0 --reference ref (--store full, or topk:64 with --gguf-topk)
     live          compare ref hf:M,dtype=float16 (scored live, nothing stored)
     compare       compare ref cand-hf
     topk-error    topk-error ref cand-hf --top-k 8,64,1024
@@ -186,13 +186,13 @@ def main() -> int:
         step("teacher", ["capture", fast, "--workload", str(wl), "--max-tokens", str(n), "--store", "topk:64",
                         "--out", str(teach), "--overwrite"], disk=teach)
     if "ref" in steps:
-        src = ["--teacher", str(teach)] if a.ref_teacher else ["--workload", str(wl), "--max-tokens", str(n)]
+        src = ["--reference", str(teach)] if a.ref_teacher else ["--workload", str(wl), "--max-tokens", str(n)]
         step("ref", ["capture", ref_spec, *src, "--out", str(ref), "--overwrite"], disk=ref)
     if "cand-hf" in steps:
-        step("cand-hf", ["capture", cand_spec, "--teacher", str(ref), "--out", str(cand), "--overwrite"], disk=cand)
+        step("cand-hf", ["capture", cand_spec, "--reference", str(ref), "--out", str(cand), "--overwrite"], disk=cand)
     if "cand-gguf" in steps:
         store = ["--store", "topk:64"] if a.gguf_topk else []
-        step("cand-gguf", ["capture", gguf_spec, "--teacher", str(ref), "--out", str(gg), "--overwrite", *store], disk=gg)
+        step("cand-gguf", ["capture", gguf_spec, "--reference", str(ref), "--out", str(gg), "--overwrite", *store], disk=gg)
         shutil.rmtree(gg, ignore_errors=True)
     if "live" in steps:
         step("live", ["compare", str(ref), cand_spec, "--out", str(rep) + "-live", "--bootstrap", "100", "--no-rows"])

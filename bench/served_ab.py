@@ -11,7 +11,7 @@ Variants (default: all):
   --top-k 20 --offline --no-preflight --no-png --no-cache`` (reference top-K from its greedy
   generation, one request per item; the candidate teacher-forced, one request per position;
   plus a free chat answer per item on both sides, which logitdiff does not do);
-* ``A-3step`` / ``B-3step``: ``capture`` reference + ``capture --teacher`` candidate +
+* ``A-3step`` / ``B-3step``: ``capture`` reference + ``capture --reference`` candidate +
   ``compare`` (three processes), batching=rounds;
 * ``B-run``: ``logitdiff run --reference openai:R --candidate openai:C --no-noise-floor
   --no-flips``: the same work in one process (like for like: no floor);
@@ -77,7 +77,7 @@ try:
             elif v.endswith("3step"):
                 e = env(A if v.startswith("A") else B); ld = [py, "-m", "logitdiff.cli"]
                 s = [t(ld + ["capture", f"openai:{R.url},top_k=20", "--workload", wl, "--max-tokens", "32", "--out", str(d / "ref")], e),
-                     t(ld + ["capture", f"openai:{C.url},top_k=20", "--teacher", str(d / "ref"), "--out", str(d / "cand")], e),
+                     t(ld + ["capture", f"openai:{C.url},top_k=20", "--reference", str(d / "ref"), "--out", str(d / "cand")], e),
                      t(ld + ["compare", str(d / "ref"), str(d / "cand"), "--out", str(d / "rep")], e)]
             else:
                 b = ",batching=serial" if v.endswith("serial") else ""

@@ -541,7 +541,7 @@ def cmd_peer(args) -> None:
                     b = ",batching=serial" if name.endswith("serial") else ""
                     w = _timed(ld + ["capture", f"openai:{ref_s.url},top_k={args.k}{b}", "--workload", str(wl), "--max-tokens",
                                      str(args.tokens), "--out", str(d / "ref")], env)
-                    w += _timed(ld + ["capture", f"openai:{cand_s.url},top_k={args.k}{b}", "--teacher", str(d / "ref"),
+                    w += _timed(ld + ["capture", f"openai:{cand_s.url},top_k={args.k}{b}", "--reference", str(d / "ref"),
                                       "--out", str(d / "cand")], env)
                     w += _timed(ld + ["compare", str(d / "ref"), str(d / "cand"), "--out", str(d / "rep")], env)
                 walls[name].append(w)
@@ -560,7 +560,7 @@ def cmd_peer(args) -> None:
             caps = []
             for batch in (8, 3):
                 d = out / f"floor-{mode}-b{batch}"
-                w = _timed(ld + ["capture", f"openai:{cand_s.url},top_k={args.k},batching={mode}", "--teacher", str(ref_run),
+                w = _timed(ld + ["capture", f"openai:{cand_s.url},top_k={args.k},batching={mode}", "--reference", str(ref_run),
                                  "--batch", str(batch), "--out", str(d), "--overwrite"], env)
                 caps.append((d, w))
             modes[mode] = {"positions_per_s": n_pos / statistics.median(w for _, w in caps),

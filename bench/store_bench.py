@@ -58,7 +58,7 @@ Needs full-logit captures of the reference and the ladder (teacher-forced):
 
     logitdiff capture builtin:tiny --out DIR/ref
     for q in Q8_0 Q6_K Q4_K_M IQ4_XS Q3_K_M Q2_K; do
-        logitdiff capture builtin:tiny-$q --teacher DIR/ref --out DIR/$q; done
+        logitdiff capture builtin:tiny-$q --reference DIR/ref --out DIR/$q; done
     python bench/store_bench.py DIR [--padded-rows 256] [--json out.json]
 
 Padding (the bundled model's rows are 4096 wide): each real row keeps its 4096 logits and
@@ -430,7 +430,7 @@ def cmd_ladder(argv=None) -> None:
     for q in ladder:
         c = work / f"cand-{q}"
         if not (c / "manifest.json").exists():
-            s = cli("capture", f"gguf:{paths[q]}", "--teacher", str(refs["full"]), "--out", str(c))
+            s = cli("capture", f"gguf:{paths[q]}", "--reference", str(refs["full"]), "--out", str(c))
             print(json.dumps({"step": f"capture {q}", "s": round(s, 1)}), flush=True)
 
     n_pos = json.loads((refs["full"] / "manifest.json").read_text())["n_positions"]

@@ -140,7 +140,10 @@ def _count(v):
 
 # ----------------------------------------------------------------------------- the block
 def figures(out: Path) -> dict:
-    """Everything the block quotes, read from a run's OUT directory."""
+    """Everything the block quotes, read from a run's OUT directory (a report of schema 1.x
+    read as 2.0: contracts.load_report migrates it)."""
+    from logitdiff.contracts import load_report
+
     s = json.loads((out / "summary.json").read_text())
     reports = {}
     for c in s["candidates"]:
@@ -149,7 +152,7 @@ def figures(out: Path) -> dict:
             rdir = out / "reports" / c["name"]
         if not (rdir / "report.json").exists():
             rdir = out / "reports" / c["name"]
-        reports[c["name"]] = (rdir, json.loads((rdir / "report.json").read_text()))
+        reports[c["name"]] = (rdir, load_report(rdir))
     return {"summary": s, "reports": reports}
 
 
@@ -172,7 +175,7 @@ def render(fig: dict, timing: dict | None, mach: dict) -> str:
     cands = s["candidates"]
     r0 = next(iter(reports.values()))[1]
     ident = _get(r0, "candidate.identity") or {}
-    ref_ident = _get(r0, "baseline.identity") or {}
+    ref_ident = _get(r0, "reference.identity") or {}
     versions = ", ".join(f"{k} {v}" for k, v in (("llama-cpp-python", ident.get("llama_cpp_python")), ("torch", ref_ident.get("torch")),
                                                   ("transformers", ref_ident.get("transformers"))) if v)
     cpu = f"{mach['cpu']} ({mach['isa']})" if mach.get("isa") else mach["cpu"]

@@ -203,7 +203,7 @@ def real_report(tmp_path_factory):
     wl = tmp / "w.jsonl"
     wl.write_text("\n".join(lines) + "\n", encoding="utf-8")
     logitdiff.capture_run("builtin:tiny", tmp / "ref", workload=wl, max_tokens=12)
-    logitdiff.capture_run("builtin:tiny,dtype=float32", tmp / "cand", teacher=tmp / "ref")
+    logitdiff.capture_run("builtin:tiny,dtype=float32", tmp / "cand", reference=tmp / "ref")
     report = logitdiff.diff_runs(tmp / "ref", tmp / "cand", out=tmp / "rep", bootstrap=0)
     return tmp / "rep", report
 
@@ -279,3 +279,84 @@ def test_run_is_the_run_command(real_report, tmp_path):
     with pytest.raises(LogitdiffError, match="--bootstrap -1"):
         logitdiff.run(out=str(tmp_path / "never"), bootstrap=-1)
     assert not (tmp_path / "never").exists()
+
+
+# ----------------------------------------------------------------------------- one name for the reference RUN
+def _renamed_callables():
+    """Every callable of the API, capture and layers that once took the reference RUN as
+    ``teacher=`` (docs/migration.md), with its new name."""
+    import logitdiff.api as api
+    from logitdiff import capture, layers
+
+    return [(api.capture_run, "reference"), (api.layers, "reference_run"), (capture.capture_candidate, "reference"),
+            (capture.verified_prompts, "reference"), (capture.LiveRun, "reference"), (layers.layer_attribution, "reference_run")]
+
+
+def test_no_parameter_names_the_reference_run_teacher():
+    """No function of the public API, capture or layers has a parameter named ``teacher``
+    (the deprecated name lives in errors.renamed_parameters only)."""
+    import inspect
+
+    import logitdiff.api as api
+    from logitdiff import capture, layers
+
+    found = []
+    for mod in (api, capture, layers):
+        for name, obj in vars(mod).items():
+            fns = [obj] if inspect.isfunction(obj) else [getattr(obj, "__init__", None)] if inspect.isclass(obj) else []
+            for fn in fns:
+                if fn is not None and getattr(fn, "__module__", "").startswith("logitdiff") and \
+                        "teacher" in inspect.signature(fn).parameters:
+                    found.append(f"{mod.__name__}.{name}")
+    assert found == []
+    for fn, new in _renamed_callables():
+        assert new in inspect.signature(fn).parameters, fn
+    assert logitdiff.api.__all__ == ["capture_run", "diff_runs", "layers", "load_report", "noise_floor_of", "run", "speculate"]
+
+
+@pytest.mark.parametrize("fn, new", _renamed_callables(), ids=lambda x: getattr(x, "__qualname__", str(x)))
+def test_old_and_new_name_together_is_an_error_before_anything_runs(fn, new, tmp_path):
+    """By keyword or by position (the first positional arguments stand for the new name's
+    place), giving the deprecated teacher= as well is one line, raised before the function
+    starts (the arguments here would fail it otherwise)."""
+    import inspect
+    import warnings
+
+    sig = inspect.signature(fn).parameters
+    params = [p for p in sig if p != "self"]
+    before = [p for p in params[: params.index(new)] if sig[p].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    calls = [([object()] * len(before), {new: tmp_path / "a"})]
+    if sig[new].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        calls.append(([object()] * (len(before) + 1), {}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for args, kwargs in calls:
+            with pytest.raises(LogitdiffError) as e:
+                fn(*args, teacher=tmp_path / "b", **kwargs)
+            name = fn.__qualname__.removesuffix(".__init__") if inspect.isfunction(fn) else fn.__name__
+            assert str(e.value) == (f"{name}: both teacher= and {new}= given; teacher= is the deprecated name of {new}= "
+                                    f"(accepted until 0.3): give {new}= only")
+    assert not caught and not (tmp_path / "a").exists()
+
+
+def test_capture_run_takes_the_old_keyword_with_one_warning(real_report, tmp_path):
+    """teacher= still captures the same candidate RUN, with exactly one DeprecationWarning,
+    pointing at the caller's line."""
+    import warnings
+
+    import numpy as np
+
+    from logitdiff.store import RunReader
+
+    tmp = real_report[0].parent
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = logitdiff.capture_run("builtin:tiny,dtype=float32", tmp_path / "old", teacher=tmp / "ref")
+    mine = [w for w in caught if issubclass(w.category, DeprecationWarning) and "teacher" in str(w.message)]
+    assert [str(w.message) for w in mine] == ["capture_run: teacher= is deprecated, use reference= (accepted until 0.3)"]
+    assert mine[0].filename == __file__
+    old, new = RunReader(out), RunReader(tmp / "cand")  # the fixture's capture with reference=
+    assert [(it.id, it.teacher_ids, it.positions) for it in old.items()] == [(it.id, it.teacher_ids, it.positions) for it in new.items()]
+    for a, b in zip(old.items(), new.items()):
+        np.testing.assert_array_equal(old.logits(a), new.logits(b))
+    assert logitdiff.diff_runs(tmp / "ref", out, bootstrap=0)["summary"]["kl_nats_mean"] == real_report[1]["summary"]["kl_nats_mean"]

@@ -98,7 +98,7 @@ def ladder(tmp_path_factory):
     wl.write_text("".join(json.dumps({**it.to_json(), "max_tokens": 16}) + "\n" for it in items[::12][:4]))
     assert main(["capture", "builtin:tiny", "--workload", str(wl), "--out", str(d / "ref")]) == 0
     for q in ("Q8_0", "Q4_K_M", "Q2_K"):
-        assert main(["capture", f"builtin:tiny-{q}", "--teacher", str(d / "ref"), "--out", str(d / q)]) == 0
+        assert main(["capture", f"builtin:tiny-{q}", "--reference", str(d / "ref"), "--out", str(d / q)]) == 0
     return d
 
 
@@ -125,7 +125,7 @@ def test_capture_compact_and_compare_end_to_end(ladder):
     import pandas as pd
 
     d = ladder
-    assert main(["capture", "builtin:tiny", "--teacher", str(d / "ref"), "--store", "compact:exact=64,band=512",
+    assert main(["capture", "builtin:tiny", "--reference", str(d / "ref"), "--store", "compact:exact=64,band=512",
                  "--out", str(d / "refc")]) == 0
     assert RunReader(d / "refc").compact is not None
     assert main(["compare", str(d / "refc"), str(d / "Q2_K"), "--out", str(d / "rep_c"), "--bootstrap", "10"]) == 0

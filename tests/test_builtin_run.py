@@ -81,13 +81,13 @@ def test_default_reports_cross_checked_with_parquet(default_run):
             if g["n"]:
                 assert sub["kl_nats"].mean() == pytest.approx(g["kl_nats"]["mean"], rel=1e-12)
         assert rep["method"]["vocab_size"] == 4096
-        assert rep["baseline"]["spec"] == "builtin:tiny"
+        assert rep["reference"]["spec"] == "builtin:tiny"
 
 
 def test_cross_engine_f32_agreement(default_run, tmp_path):
     """transformers F32 vs llama.cpp F32 GGUF of the bundled weights over the bundled workload."""
     ref = default_run / "runs" / "reference"
-    assert main(["capture", "builtin:tiny,dtype=float32", "--teacher", str(ref), "--out", str(tmp_path / "hf32")]) == 0
+    assert main(["capture", "builtin:tiny,dtype=float32", "--reference", str(ref), "--out", str(tmp_path / "hf32")]) == 0
     assert main(["compare", str(tmp_path / "hf32"), "builtin:tiny-F32", "--out", str(tmp_path / "rep"), "--bootstrap", "50"]) == 0
     s = json.loads((tmp_path / "rep" / "report.json").read_text())["summary"]
     assert s["kl_nats_mean"] <= 1e-4

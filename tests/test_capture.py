@@ -122,9 +122,47 @@ def test_tokenization_difference_names_item_and_position(model, ref_run, tmp_pat
         LiveRun(src, ref_run)
 
 
+DEPRECATION_LINE = "logitdiff: --teacher is deprecated, use --reference (accepted until 0.3)"
+
+
+def test_capture_takes_the_old_flag_with_one_stderr_line(model, ref_run, tmp_path, capsys):
+    """`capture --teacher RUN` (the old name of --reference) captures the same candidate and
+    says so in exactly one stderr line (no Python warning on top); both flags: one error line."""
+    import warnings
+
+    spec = f"hf:{model['dir']},dtype=float32"
+    assert main(["capture", spec, "--reference", str(ref_run.path), "--out", str(tmp_path / "new")]) == 0
+    assert "deprecated" not in capsys.readouterr().err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["capture", spec, "--teacher", str(ref_run.path), "--out", str(tmp_path / "old")]) == 0
+    assert not [w for w in caught if "teacher" in str(w.message)]
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "deprecated" in line] == [DEPRECATION_LINE]
+    old, new = RunReader(tmp_path / "old"), RunReader(tmp_path / "new")
+    assert [(it.id, it.teacher_ids, it.positions) for it in old.items()] == [(it.id, it.teacher_ids, it.positions) for it in new.items()]
+    for a, b in zip(old.items(), new.items()):
+        np.testing.assert_array_equal(old.logits(a), new.logits(b))
+    assert main(["capture", spec, "--teacher", str(ref_run.path), "--reference", str(ref_run.path), "--out", str(tmp_path / "both")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("logitdiff: error: --teacher and --reference both given: --teacher is the deprecated name of --reference "
+                   "(accepted until 0.3); give --reference only\n")
+    assert not (tmp_path / "both").exists()
+
+
+def test_capture_and_run_help_say_what_reference_takes(capsys):
+    """capture --reference takes a RUN (--teacher is not listed); run --reference a source spec."""
+    for argv, want in ((["capture", "--help"], "--reference RUN"), (["run", "--help"], "--reference SPEC")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = " ".join(capsys.readouterr().out.split())
+        assert want in out and "--teacher RUN" not in out
+    assert "a source, not a RUN" in out
+
+
 def test_cli_capture_compare_live_and_run(model, ref_run, tmp_path, capsys):
     f32 = model["ladder"]["F32"]
-    assert main(["capture", f"gguf:{f32}", "--teacher", str(ref_run.path), "--out", str(tmp_path / "cand")]) == 0
+    assert main(["capture", f"gguf:{f32}", "--reference", str(ref_run.path), "--out", str(tmp_path / "cand")]) == 0
     assert main(["compare", str(ref_run.path), str(tmp_path / "cand"), "--out", str(tmp_path / "rep1"), "--bootstrap", "20"]) == 0
     assert main(["compare", str(ref_run.path), f"gguf:{f32}", "--out", str(tmp_path / "rep2"), "--bootstrap", "20"]) == 0
     a = json.loads((tmp_path / "rep1" / "report.json").read_text())["summary"]

@@ -53,7 +53,7 @@ def test_report_numbers_match_scipy(pair):
     r, c, ref, cand, teacher, tmp = pair
     assert main(["compare", str(r), str(c), "--out", str(tmp / "rep"), "--bootstrap", "200"]) == 0
     rep = json.loads((tmp / "rep" / "report.json").read_text())
-    assert set(rep) >= {"baseline", "candidate", "method", "rows", "summary"}
+    assert set(rep) >= {"reference", "candidate", "method", "rows", "summary"}
     kls, t1 = [], []
     for iid in ref:
         lp = log_softmax(ref[iid].astype(np.float64), axis=1)
@@ -72,8 +72,8 @@ def test_report_numbers_match_scipy(pair):
     assert lo < kls.mean() < hi
     # Rows: seed fields + position + every metric.
     row = rep["rows"][0]
-    for f in ("baseline_top_mass", "baseline_top_token", "baseline_top_token_id", "candidate_top_mass", "candidate_top_token",
-              "candidate_top_token_id", "kl_bits", "kl_nats", "shared_baseline_mass", "shared_candidate_mass", "shared_tokens",
+    for f in ("reference_top_mass", "reference_top_token", "reference_top_token_id", "candidate_top_mass", "candidate_top_token",
+              "candidate_top_token_id", "kl_bits", "kl_nats", "shared_reference_mass", "shared_candidate_mass", "shared_tokens",
               "source_id", "top1_match", "position", "kl_rev_nats", "jsd_nats", "margin_ref", "p_ref_token", "delta_p",
               "nll_ref", "entropy_cand", "topk_overlap", "kl_topk_nats"):
         assert f in row, f
@@ -372,7 +372,7 @@ def test_zero_positions_give_a_null_report_with_its_reason(tmp_path, capsys, sto
     rep = json.loads((out / "report.json").read_text())
     s = rep["summary"]
     assert s["positions"] == 0 and s["paired_prompts"] == 2
-    for key in ("kl_nats_mean", "kl_nats_max", "kl_bits_mean", "top1_match_rate", "baseline_top_mass_mean", "max_kl_source_id"):
+    for key in ("kl_nats_mean", "kl_nats_max", "kl_bits_mean", "top1_match_rate", "reference_top_mass_mean", "max_kl_source_id"):
         assert s[key] is None, key
     assert s["top1_disagreement"]["rate"] is None and s["top1_disagreement"]["ci95"] == [None, None]
     assert s["metrics"]["kl_nats"]["mean"] is None and s["metrics"]["kl_nats"]["n"] == 0

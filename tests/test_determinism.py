@@ -123,10 +123,10 @@ def test_two_shards_merged_bit_exact(wl, clean, tmp_path):
 def test_candidate_shards_and_resume_keep_blocks(clean, tmp_path):
     """The teacher-forced path: a candidate captured in two shards equals one captured whole."""
     whole = tmp_path / "whole"
-    assert main(["capture", "builtin:tiny", "--teacher", str(clean.path), "--out", str(whole)]) == 0
+    assert main(["capture", "builtin:tiny", "--reference", str(clean.path), "--out", str(whole)]) == 0
     _same_bits(RunReader(whole), clean)  # the reference's own rerun: bit-identical
     for i in range(2):
-        assert main(["capture", "builtin:tiny", "--teacher", str(clean.path), "--out", str(tmp_path / f"c{i}"), "--shard", f"{i}/2"]) == 0
+        assert main(["capture", "builtin:tiny", "--reference", str(clean.path), "--out", str(tmp_path / f"c{i}"), "--shard", f"{i}/2"]) == 0
     assert main(["merge", str(tmp_path / "c0"), str(tmp_path / "c1"), "--out", str(tmp_path / "cm")]) == 0
     _same_bits(RunReader(tmp_path / "cm"), RunReader(whole))
     assert shard_items(list(range(20)), "1/2", block=8) == list(range(8, 16))
@@ -134,7 +134,7 @@ def test_candidate_shards_and_resume_keep_blocks(clean, tmp_path):
 
 def test_compare_noise_floor_from_a_rerun_with_other_batch_mates(clean, tmp_path):
     rerun = tmp_path / "rerun3"
-    assert main(["capture", "builtin:tiny", "--teacher", str(clean.path), "--out", str(rerun), "--batch", "3"]) == 0
+    assert main(["capture", "builtin:tiny", "--reference", str(clean.path), "--out", str(rerun), "--batch", "3"]) == 0
     assert RunReader(rerun).manifest["settings"]["batch"] == 3
     assert main(["compare", str(clean.path), "builtin:tiny-Q8_0", "--out", str(tmp_path / "rep"), "--bootstrap", "20",
                  "--noise-floor", str(rerun)]) == 0
@@ -144,7 +144,7 @@ def test_compare_noise_floor_from_a_rerun_with_other_batch_mates(clean, tmp_path
     assert s["kl_mean_x_noise_floor"] == pytest.approx(s["kl_nats_mean"] / nf["kl_nats_mean"], rel=1e-12)
     # the plain rerun (same blocks) as the floor: bit-identical, so x noise floor stays undefined and says why
     same = tmp_path / "rerun8"
-    assert main(["capture", "builtin:tiny", "--teacher", str(clean.path), "--out", str(same)]) == 0
+    assert main(["capture", "builtin:tiny", "--reference", str(clean.path), "--out", str(same)]) == 0
     assert main(["compare", str(clean.path), "builtin:tiny-Q8_0", "--out", str(tmp_path / "rep8"), "--bootstrap", "20",
                  "--noise-floor", str(same)]) == 0
     s = json.loads((tmp_path / "rep8" / "report.json").read_text())["summary"]

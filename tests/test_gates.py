@@ -16,7 +16,7 @@ from logitdiff.report.gates import CROSSED_EXIT, METRICS, NOT_EVALUATED_EXIT, OP
 # The gate-relevant sections of a real report.json (`logitdiff run`, builtin:tiny vs its
 # Q2_K GGUF, 68 items, flips and correctness on), trimmed to what gates read.
 REAL = {
-    "schema": "logitdiff.report/1",
+    "schema": "logitdiff.report/2",
     "summary": {
         "kl_nats_mean": 0.028858870190727477, "kl_nats_p95": 0.07487545996687463, "kl_nats_max": 2.055422647269395,
         "top1_disagreement": {"rate": 0.10546448087431694, "mismatches": 193, "ci95": [0.08376642613607925, 0.12654283776543598]},

@@ -335,9 +335,9 @@ def test_hostile_workload_lines(case, tmp_path, capsys):
     (["compare", "{ref}", "{ref}", "--out", "{tmp}/r", "--seed", "-1"], "--seed -1"),
     (["flips", "{ref}", "--seed", "-1"], "--seed -1"),
     (["compare", "{ref}", "{ref}", "--out", "{tmp}/r", "--logprob-floor", "nan"], "--logprob-floor"),
-    (["capture", "openai:http://127.0.0.1:9,timeout=nan", "--teacher", "{ref}", "--out", "{tmp}/r"], "timeout='nan'"),
-    (["capture", "openai:http://127.0.0.1:9,timeout=inf", "--teacher", "{ref}", "--out", "{tmp}/r"], "timeout='inf'"),
-    (["capture", "openai:http://127.0.0.1:9,top_k=1e400", "--teacher", "{ref}", "--out", "{tmp}/r"], "top_k='1e400'"),
+    (["capture", "openai:http://127.0.0.1:9,timeout=nan", "--reference", "{ref}", "--out", "{tmp}/r"], "timeout='nan'"),
+    (["capture", "openai:http://127.0.0.1:9,timeout=inf", "--reference", "{ref}", "--out", "{tmp}/r"], "timeout='inf'"),
+    (["capture", "openai:http://127.0.0.1:9,top_k=1e400", "--reference", "{ref}", "--out", "{tmp}/r"], "top_k='1e400'"),
     (["compare", "{ref}", "{ref}", "--out", "{tmp}/" + "x" * 300], "its name is 300 bytes"),
     (["compare", "{ref}", "{ref}", "--out", "{tmp}/" + "é" * 120], "its name is 240 bytes"),
     (["merge", "{ref}", "--out", "{tmp}/" + "y" * 255], "its name is 255 bytes"),
@@ -371,7 +371,7 @@ REPORT_DOCTORED = {
     "rows of strings": lambda d: {**d, "rows": ["x"] * 3},
     "method null": lambda d: {**d, "method": None},
     "reference a list": lambda d: {**d, "reference": [1, 2]},
-    "nested": lambda d: '{"schema": "logitdiff.report/1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    "nested": lambda d: '{"schema": "logitdiff.report/2", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
     "truncated": lambda d: json.dumps(d)[:100],
 }
 
@@ -684,7 +684,7 @@ def test_teacher_ids_outside_the_vocabulary_are_refused(bad, fake, wl, tmp_path,
     lines[1] = json.dumps(d)
     p.write_text("\n".join(lines) + "\n")
     what = "teacher position 2: id" if bad != -1 else "teacher position 2: id -1 outside [0, 64)"
-    fails(capsys, ["capture", fake.spec, "--teacher", ref, "--out", tmp_path / "cand"], "item 'w1'", what)
+    fails(capsys, ["capture", fake.spec, "--reference", ref, "--out", tmp_path / "cand"], "item 'w1'", what)
     assert not (tmp_path / "cand").exists()
 
 
@@ -842,7 +842,7 @@ def test_layers_bad_arguments(extra, teacher, what, runs, tmp_path, capsys):
     (tmp_path / "wl.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
     t = _damaged(runs, tmp_path) if teacher == "damaged" else given[teacher]
     before = tree(tmp_path)
-    fails(capsys, LAYERS + ["--teacher", t, "--out", tmp_path / "out", *extra], what)
+    fails(capsys, LAYERS + ["--reference", t, "--out", tmp_path / "out", *extra], what)
     assert tree(tmp_path) == before and not (tmp_path / "out").exists()
 
 

@@ -247,11 +247,11 @@ def test_mixing_incomparable_reports_is_refused(ladder, what):
     rep = json.loads((bad / "report.json").read_text())
     field = {"schema": "schema", "items": "item ids", "tokenizer": "tokenizer_hash", "teacher": "teacher tokens", "method": "method"}[what]
     if what == "schema":
-        rep["schema"] = "logitdiff.report/2"
+        rep["schema"] = "logitdiff.report/3"
     elif what == "items":
         rep["items"] = rep["items"][1:]
     elif what == "tokenizer":
-        rep["baseline"]["tokenizer_hash"] = "sha256:other"
+        rep["reference"]["tokenizer_hash"] = "sha256:other"
     elif what == "method":
         rep["method"]["kind"] = "top_k"
     else:
@@ -267,7 +267,7 @@ def test_mixing_incomparable_reports_is_refused(ladder, what):
         write_html([first, bad], ladder["tmp"] / "bad.html")
     msg = str(e.value)
     if what == "schema":  # another major version is refused on reading, before any mixing
-        assert msg.startswith(f"{bad / 'report.json'}: field 'schema' is 'logitdiff.report/2'") and "\n" not in msg
+        assert msg.startswith(f"{bad / 'report.json'}: field 'schema' is 'logitdiff.report/3'") and "\n" not in msg
         return
     assert str(first) in msg and str(bad) in msg and field in msg and "\n" not in msg
     assert not (ladder["tmp"] / "bad.html").exists()
@@ -386,7 +386,7 @@ def test_token_view_hover_shows_both_top5(ladder):
     assert ref_line == f"reference top-5: {want_ref}  ← FLIP"
     assert cand_line == f"candidate top-5: {want_cand}"
     # Each list is the model's own ranking: the reference's first token is its top-1, and so on.
-    assert row.top5_ref_tokens[0] == row.baseline_top_token and row.top5_cand_tokens[0] == row.candidate_top_token
+    assert row.top5_ref_tokens[0] == row.reference_top_token and row.top5_cand_tokens[0] == row.candidate_top_token
     assert list(row.top5_ref_p) == sorted(row.top5_ref_p, reverse=True)
     assert "reference top-1 " not in title  # the top-5 lines replace the top-1 line
 
@@ -419,7 +419,7 @@ def test_token_view_hover_without_token_strings_or_top5(ladder):
     page = render_html(reports, old, paths=ladder["dirs"])
     title = _token_titles(page, name, worst)[int(row.position)]
     assert "top-5" not in title
-    assert f"reference top-1 {_quoted(row.baseline_top_token)} · candidate top-1 {_quoted(row.candidate_top_token)}  ← FLIP" in title
+    assert f"reference top-1 {_quoted(row.reference_top_token)} · candidate top-1 {_quoted(row.candidate_top_token)}  ← FLIP" in title
     # ... and reference confidence falls back to p_ref_token where the teacher is the reference's top-1.
     data = _embedded(page, "logitdiff-data")
     assert data["ref_confidence"]["column"].startswith("p_ref_token where")
@@ -663,7 +663,7 @@ def test_readme_figures_script_writes_between_the_markers(ladder, tmp_path):
     import sys
     from pathlib import Path
 
-    from logitdiff.contracts import RUN_SUMMARY_SCHEMA, SCHEMA_VERSION, summary_json
+    from logitdiff.contracts import RUN_SUMMARY_SCHEMA, SUMMARY_SCHEMA_VERSION, summary_json
     from logitdiff.pipeline import _summary_row
 
     root = Path(__file__).resolve().parents[1]
@@ -676,7 +676,7 @@ def test_readme_figures_script_writes_between_the_markers(ladder, tmp_path):
         rows.append(_summary_row(rep["candidate"]["spec"], rep, out / "reports" / d.name, noise))
     for r in rows:
         r["x_cross_engine_floor"] = r["kl_mean"] / rows[0]["kl_mean"]
-    summary = {"schema": RUN_SUMMARY_SCHEMA, "schema_version": SCHEMA_VERSION, "reference": "test:ref", "workload": "w.jsonl",
+    summary = {"schema": RUN_SUMMARY_SCHEMA, "schema_version": SUMMARY_SCHEMA_VERSION, "reference": "test:ref", "workload": "w.jsonl",
                "workload_sha256": "0" * 64, "items": 4, "positions": 71, "noise_floor": noise,
                "cross_engine_floor": {"candidate": "test:q8", "kl_nats_mean": rows[0]["kl_mean"]}, "candidates": rows, "seconds": 12.5}
     (out / "summary.json").write_text(summary_json(summary, str(out / "summary.json")))

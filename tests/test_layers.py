@@ -380,8 +380,42 @@ def test_served_source_is_refused_before_anything_opens(teacher, tmp_path):
         api.layers("hf:/nonexistent", ["openai:http://127.0.0.1:9/v1"], teacher.path, tmp_path / "x")
     assert "\n" not in str(e.value)
     r = subprocess.run([sys.executable, "-m", "logitdiff.cli", "layers", "builtin:tiny", "served:http://127.0.0.1:9/v1",
-                        "--teacher", str(teacher.path), "--out", str(tmp_path / "y")], capture_output=True, text=True, timeout=120)
+                        "--reference", str(teacher.path), "--out", str(tmp_path / "y")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "served source" in r.stderr and not (tmp_path / "y").exists()
+
+
+def test_layers_takes_the_old_flag_and_keyword_with_one_notice(models, teacher, tmp_path, capsys):
+    """`layers ... --teacher RUN` and ``api.layers(..., teacher=RUN)`` (the old names of
+    --reference / reference_run=) give the same layers.json as the new names, each with exactly
+    one notice: a stderr line from the CLI, a DeprecationWarning at the caller's line from the API."""
+    import warnings
+
+    from logitdiff.cli import main
+
+    argv = ["layers", f"hf:{models['a']},dtype=float32,threads=1", f"hf:{models['b']},dtype=float32,threads=1", "--floor", "none"]
+    assert main(argv + ["--reference", str(teacher.path), "--out", str(tmp_path / "new")]) == 0
+    assert "deprecated" not in capsys.readouterr().err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(argv + ["--teacher", str(teacher.path), "--out", str(tmp_path / "old")]) == 0
+        assert not [w for w in caught if "teacher" in str(w.message)]
+        doc = api.layers(argv[1], [argv[2]], teacher=teacher.path, floor="none")
+    notes = [w for w in caught if issubclass(w.category, DeprecationWarning) and "teacher" in str(w.message)]
+    assert [str(w.message) for w in notes] == ["layers: teacher= is deprecated, use reference_run= (accepted until 0.3)"]
+    assert notes[0].filename == __file__
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "deprecated" in line] == [
+        "logitdiff: --teacher is deprecated, use --reference (accepted until 0.3)"]
+    new, old = (json.loads((tmp_path / d / "layers.json").read_text()) for d in ("new", "old"))
+    from logitdiff.contracts import layers_json
+
+    assert old["candidates"] == new["candidates"] == json.loads(layers_json(doc))["candidates"]
+    assert old["teacher"] == new["teacher"] == str(teacher.path)
+    for extra, line in ((["--teacher", str(teacher.path), "--reference", str(teacher.path)], "--teacher and --reference both given"),
+                        ([], "--reference RUN is required: the reference RUN whose tokens are teacher-forced")):
+        assert main(argv + extra + ["--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"logitdiff: error: {line}") and err.count("\n") == 1 and not (tmp_path / "x").exists()
 
 
 def test_bad_floor_and_unknown_architecture(teacher):

@@ -555,7 +555,7 @@ def test_row_stats_non_finite_names_row(bad):
 
 def ref_topk(ref_ids, ref_lp, cand_ids, cand_lp, vocab, eps=1e-12):
     """docs/formulas.md's top-K approximation, written out plainly one row at a time."""
-    out = {f: [] for f in ("kl_nats", "baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass")}
+    out = {f: [] for f in ("kl_nats", "reference_top_mass", "candidate_top_mass", "shared_tokens", "shared_reference_mass", "shared_candidate_mass")}
     for ri, rl, ci, cl in zip(ref_ids, ref_lp, cand_ids, cand_lp):
         P = {int(i): math.exp(l) for i, l in zip(ri, rl) if i >= 0}
         Q = {int(i): math.exp(l) for i, l in zip(ci, cl) if i >= 0}
@@ -570,10 +570,10 @@ def ref_topk(ref_ids, ref_lp, cand_ids, cand_lp, vocab, eps=1e-12):
         kl += tail_p * (math.log(max(tail_p, eps)) - math.log(max(tail_bucket_q, eps)))
         shared = set(P) & set(Q)
         out["kl_nats"].append(max(kl, 0.0))  # "Divergences are never negative."
-        out["baseline_top_mass"].append(base)
+        out["reference_top_mass"].append(base)
         out["candidate_top_mass"].append(cand)
         out["shared_tokens"].append(len(shared))
-        out["shared_baseline_mass"].append(sum(P[i] for i in shared))
+        out["shared_reference_mass"].append(sum(P[i] for i in shared))
         out["shared_candidate_mass"].append(sum(Q[i] for i in shared))
     return {f: np.array(v) for f, v in out.items()}
 
@@ -618,8 +618,8 @@ def test_topk_missing_candidate_tokens():
     tb = 1 - sum(qh.values())
     kl0 = sum(p[i] * math.log(p[i] / qh[i]) for i in p) + 0.2 * math.log(0.2 / tb)
     assert got["kl_nats"][0] == pytest.approx(kl0, rel=1e-12)
-    assert got["shared_baseline_mass"][1] == pytest.approx(0.8) and got["shared_candidate_mass"][1] == pytest.approx(0.75)
-    assert got["shared_baseline_mass"][2] == 0.0 and got["shared_candidate_mass"][2] == 0.0
+    assert got["shared_reference_mass"][1] == pytest.approx(0.8) and got["shared_candidate_mass"][1] == pytest.approx(0.75)
+    assert got["shared_reference_mass"][2] == 0.0 and got["shared_candidate_mass"][2] == 0.0
 
 
 def test_topk_padding_ids_are_ignored():
@@ -641,7 +641,7 @@ def test_topk_identical_inputs_exactly_zero():
     got = topk(ids, lp, ids.copy(), lp.copy(), 500)
     assert (got["kl_nats"] == 0.0).all()
     np.testing.assert_array_equal(got["shared_tokens"], 8)
-    np.testing.assert_array_equal(got["shared_baseline_mass"], got["baseline_top_mass"])
+    np.testing.assert_array_equal(got["shared_reference_mass"], got["reference_top_mass"])
 
 
 @pytest.mark.parametrize("vocab", [2, 17, 300])

@@ -17,7 +17,7 @@ import pytest
 from test_compare import make_run  # runs written with the store from numpy logits
 
 from logitdiff.compare import compare_runs
-from logitdiff.contracts import RUN_SUMMARY_SCHEMA, SCHEMA_VERSION, summary_json
+from logitdiff.contracts import RUN_SUMMARY_SCHEMA, SUMMARY_SCHEMA_VERSION, summary_json
 from logitdiff.pipeline import _cross_engine_floor, _summary_row, render_summary_md
 from logitdiff.report import build_report
 from logitdiff.store import RunReader
@@ -56,7 +56,7 @@ def _undefined(rep):
 
 
 def _summary(tmp, rows, noise, cross):
-    return {"schema": RUN_SUMMARY_SCHEMA, "schema_version": SCHEMA_VERSION, "reference": "test:ref", "workload": "w.jsonl",
+    return {"schema": RUN_SUMMARY_SCHEMA, "schema_version": SUMMARY_SCHEMA_VERSION, "reference": "test:ref", "workload": "w.jsonl",
             "workload_sha256": "0" * 64, "items": len(LENS), "positions": sum(LENS.values()), "noise_floor": noise,
             "cross_engine_floor": cross, "candidates": rows, "seconds": 0.0}
 

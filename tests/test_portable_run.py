@@ -28,7 +28,7 @@ def moved_runs(tmp_path_factory):
     wl = src_dir / "w.jsonl"
     wl.write_text(json.dumps(item) + "\n")
     logitdiff.capture_run("builtin:tiny", src_dir / "ref", workload=wl, max_tokens=4)
-    logitdiff.capture_run("builtin:tiny,dtype=float32", src_dir / "cand", teacher=src_dir / "ref")
+    logitdiff.capture_run("builtin:tiny,dtype=float32", src_dir / "cand", reference=src_dir / "ref")
     there = tmp / "there"
     shutil.move(str(src_dir), there)  # the workload and the module are gone from where they were
     (there / "impl.py").unlink()

@@ -216,8 +216,10 @@ def test_update_report_dir_is_all_or_nothing(written, tmp_path):
 def test_load_report_accepts_older_minor_and_refuses_other_major_or_kind(written, tmp_path):
     out, _ = written
     doc = json.loads((out / "report.json").read_text())
+    assert doc["schema"] == C.REPORT_SCHEMA == "logitdiff.report/2" and doc["schema_version"] == "2.0"
     p = tmp_path / "report.json"
-    for ver, ok in (("1.0", True), ("2.0", False), ("11.0", False)):
+    # schema_version's MAJOR must be the one in `schema` (2 here): 2.x is read, 1.x under /2 and 3.x are not
+    for ver, ok in (("2.0", True), ("2.7", True), ("1.2", False), ("3.0", False), ("11.0", False)):
         p.write_text(json.dumps({**doc, "schema_version": ver}))
         if ok:
             assert C.load_report(p)["summary"] == doc["summary"]
@@ -240,8 +242,8 @@ def test_other_minors_are_readable(written, tmp_path, monkeypatch):
     out, _ = written
     doc = json.loads((out / "report.json").read_text())
     monkeypatch.setenv(C.VALIDATE_ENV, "0")
-    (tmp_path / "report.json").write_text(json.dumps({**doc, "schema_version": "1.7", "added_in_1_7": True}))
-    assert C.load_report(tmp_path)["added_in_1_7"] is True
+    (tmp_path / "report.json").write_text(json.dumps({**doc, "schema_version": "2.7", "added_in_2_7": True}))
+    assert C.load_report(tmp_path)["added_in_2_7"] is True
     (tmp_path / "report.json").write_text(json.dumps({k: v for k, v in doc.items() if k != "schema_version"}))
     assert "schema_version" not in C.load_report(tmp_path)
 
@@ -405,3 +407,138 @@ def test_no_bootstrap_gives_no_interval_not_a_zero_width_one(runs, tmp_path, mon
     with_ci, _ = build_report(compare_runs(ref, cand), n_boot=50)
     lo, hi = with_ci["summary"]["metrics"]["kl_nats"]["ci95"]
     assert lo is not None and lo < with_ci["summary"]["metrics"]["kl_nats"]["mean"] < hi
+
+
+# ----------------------------------------------------------------------------- schema 1.x -> 2.0
+
+# A REPORT directory written by logitdiff before the rename (schema 1.2: the reference's side
+# named "baseline"), kept as it was written: tests/data/report_schema_1_2/README.md.
+OLD_REPORT = Path(__file__).parent / "data" / "report_schema_1_2"
+
+
+def _renamed(obj):
+    """Every key of the 1.x names under its 2.0 name, recursively (independent of migrate_report)."""
+    names = {**C.RENAMED_IN_2, **C.RENAMED_COLUMNS_IN_2}
+    if isinstance(obj, dict):
+        return {names.get(k, k): _renamed(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_renamed(v) for v in obj]
+    return obj
+
+
+def test_the_report_schema_says_reference_never_baseline():
+    for name in ("report", "summary"):
+        text = (resources.files("logitdiff") / "schemas" / f"{name}.schema.json").read_text()
+        assert "baseline" not in text.lower(), name
+    s = C.schema("report")
+    assert "reference" in s["required"] and s["properties"]["reference"] == {"$ref": "#/$defs/side"}
+    assert {"reference_top_mass_mean", "max_kl_reference_top_token", "shared_reference_mass_mean"} <= set(s["$defs"]["summary"]["required"])
+    assert set(C.RENAMED_COLUMNS_IN_2.values()) <= set(s["$defs"]["row"]["required"])
+    assert s["properties"]["schema"] == {"const": C.REPORT_SCHEMA}
+
+
+def test_a_schema_1_report_is_read_as_2_0_with_every_value_kept(monkeypatch):
+    raw = json.loads((OLD_REPORT / "report.json").read_text())
+    assert raw["schema"] == C.REPORT_SCHEMA_1 and raw["schema_version"] == "1.2" and "baseline" in raw
+    monkeypatch.setenv(C.VALIDATE_ENV, "1")  # the 2.0 schema checks the migrated report
+    doc = C.load_report(OLD_REPORT)
+    assert doc["schema"] == C.REPORT_SCHEMA and doc["schema_version"] == C.SCHEMA_VERSION
+    assert "baseline" not in json.dumps(doc)  # no key (nor value) of the old name is left
+    # every value as it was, under the new keys, in the same order
+    assert {k: v for k, v in doc.items() if k not in ("schema", "schema_version")} == {
+        k: v for k, v in _renamed(raw).items() if k not in ("schema", "schema_version")}
+    assert list(doc) == list(_renamed(raw))
+    assert list(doc["summary"]) == list(_renamed(raw["summary"])) and list(doc["rows"][0]) == list(_renamed(raw["rows"][0]))
+    assert doc["reference"]["spec"] == "builtin:tiny" and doc["summary"]["reference_top_mass_mean"] == raw["summary"]["baseline_top_mass_mean"]
+    C.validate(doc, "report")
+    # the same through the public API, and a 2.0 report passes through untouched (the same object)
+    import logitdiff
+
+    assert logitdiff.load_report(OLD_REPORT / "report.json") == doc
+    assert C.migrate_report(doc) is doc
+
+
+def test_the_schema_check_runs_after_the_migration(tmp_path, monkeypatch):
+    """A 1.x report is checked as the 2.0 report it is read as: its own fields by their new
+    names, so a doctored one is named, and no 1.x file fails for being 1.x."""
+    raw = json.loads((OLD_REPORT / "report.json").read_text())
+    monkeypatch.setenv(C.VALIDATE_ENV, "1")
+    bad = {**raw, "summary": {**raw["summary"], "shared_baseline_mass_mean": "much"}}
+    (tmp_path / "report.json").write_text(json.dumps(bad))
+    with pytest.raises(LogitdiffError, match=r"field 'summary.shared_reference_mass_mean' breaks the report schema"):
+        C.load_report(tmp_path)
+    for doc, field in (({**raw, "schema_version": "2.0"}, "schema_version"), ({**raw, "schema": "logitdiff.report/0"}, "schema")):
+        (tmp_path / "report.json").write_text(json.dumps(doc))
+        with pytest.raises(LogitdiffError, match=f"field '{field}'") as e:
+            C.load_report(tmp_path)
+        assert "\n" not in str(e.value)
+
+
+def test_a_schema_1_tokens_table_is_read_under_the_2_0_names():
+    import pyarrow.parquet as pq
+
+    from logitdiff.report import read_columns
+    from logitdiff.report.html import load_tokens
+
+    stored = pq.read_table(OLD_REPORT / "tokens.parquet")
+    assert "baseline_top_token" in stored.column_names
+    cols = read_columns(OLD_REPORT)
+    assert set(cols) == {C.RENAMED_COLUMNS_IN_2.get(k, k) for k in stored.column_names}
+    assert list(cols["reference_top_token"]) == stored.column("baseline_top_token").to_pylist()
+    assert list(read_columns(OLD_REPORT, ["reference_top_mass"])) == ["reference_top_mass"]
+    page_cols = load_tokens(OLD_REPORT / "tokens.parquet")
+    assert page_cols is not None and list(page_cols["reference_top_token"]) == stored.column("baseline_top_token").to_pylist()
+
+
+def test_a_schema_1_report_renders_through_logitdiff_report(tmp_path, capsys):
+    """`logitdiff report` on a REPORT directory of the previous release: the page, with the
+    figures of its report.json, and the token view fed by its old tokens.parquet columns."""
+    import shutil
+
+    from logitdiff.cli import main
+    from logitdiff.store.files import Kind, is_kind
+
+    old = tmp_path / "old"
+    shutil.copytree(OLD_REPORT, old)
+    assert is_kind(old, Kind.REPORT)  # an output a new `compare --out` may replace
+    assert main(["report", str(old), "--out", str(tmp_path / "page.html")]) == 0
+    page = (tmp_path / "page.html").read_text()
+    raw = json.loads((OLD_REPORT / "report.json").read_text())
+    data = json.loads(re.search(r'id="logitdiff-data">(.*?)</script>', page, re.S).group(1))
+    assert data["matrix"]["old"]["kl_mean"]["value"] == raw["summary"]["metrics"]["kl_nats"]["mean"]
+    assert f"drift from {raw['baseline']['spec']}" in page
+    assert (old / "report.json").read_text() == (OLD_REPORT / "report.json").read_text()  # reading rewrote nothing
+    # Without top-5 columns, each token's hover line names both top-1 tokens from the renamed
+    # columns (reference_top_token, read from the old file's baseline_top_token).
+    import pyarrow.parquet as pq
+
+    from logitdiff.report.html import _e, _show
+
+    table = pq.read_table(old / "tokens.parquet")
+    pq.write_table(table.drop([c for c in table.column_names if c.startswith("top5_")]), old / "tokens.parquet")
+    assert main(["report", str(old), "--out", str(tmp_path / "page.html")]) == 0
+    page = (tmp_path / "page.html").read_text()
+    ref_top, cand_top = table.column("baseline_top_token").to_pylist(), table.column("candidate_top_token").to_pylist()
+    shown = [_e(f"reference top-1 {_show(a)} · candidate top-1 {_show(b)}") in page for a, b in zip(ref_top, cand_top)]
+    assert all(shown) and len(shown) == len(raw["rows"])
+
+
+def test_a_1x_and_a_2x_report_of_one_workload_share_a_page(tmp_path):
+    """The page takes a report of the previous release beside a current one: both are read
+    as 2.0, so they measure the same thing and each keeps its figures."""
+    import pyarrow.parquet as pq
+
+    from logitdiff.report.html import write_html
+
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "report.json").write_text(C.report_json(C.load_report(OLD_REPORT)))
+    table = pq.read_table(OLD_REPORT / "tokens.parquet")
+    pq.write_table(table.rename_columns([C.RENAMED_COLUMNS_IN_2.get(c, c) for c in table.column_names]), new / "tokens.parquet")
+    assert json.loads((new / "report.json").read_text())["schema"] == C.REPORT_SCHEMA
+    page = write_html([OLD_REPORT, new], tmp_path / "page.html").read_text()
+    data = json.loads(re.search(r'id="logitdiff-data">(.*?)</script>', page, re.S).group(1))
+    kl = json.loads((OLD_REPORT / "report.json").read_text())["summary"]["metrics"]["kl_nats"]["mean"]
+    assert data["candidates"] == ["report_schema_1_2", "new"]
+    assert [data["matrix"][n]["kl_mean"]["value"] for n in data["candidates"]] == [kl, kl]
+    assert data["kl_cdf"]["report_schema_1_2"] == data["kl_cdf"]["new"] and data["kl_cdf"]["new"]["n"] == 8

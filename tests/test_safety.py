@@ -98,7 +98,7 @@ def w(tmp_path_factory):
                           for k, p in enumerate(["def add(a, b):", "The capital of France is", "1, 2, 3,"])))
     ref, cand, rep = root / "ref", root / "cand", root / "rep"
     assert main(["capture", "builtin:tiny", "--workload", str(wl), "--out", str(ref)]) == 0
-    assert main(["capture", "builtin:tiny,dtype=float32", "--teacher", str(ref), "--out", str(cand)]) == 0
+    assert main(["capture", "builtin:tiny,dtype=float32", "--reference", str(ref), "--out", str(cand)]) == 0
     assert main(["compare", str(ref), str(cand), "--out", str(rep), "--bootstrap", "10"]) == 0
     page = root / "page.html"
     assert main(["report", str(rep), "--out", str(page)]) == 0
@@ -149,7 +149,7 @@ def w(tmp_path_factory):
 
 
 def LAYERS_ARGS(teacher):
-    return ["layers", "builtin:tiny", "builtin:tiny,dtype=float32", "--teacher", str(teacher), "--floor", "none"]
+    return ["layers", "builtin:tiny", "builtin:tiny,dtype=float32", "--reference", str(teacher), "--floor", "none"]
 
 
 def SPEC_ARGS(url, wl):
@@ -183,12 +183,12 @@ COMMANDS = [
             lambda w, o: ["capture", "builtin:tiny", "--workload", str(w["wl"]), "--out", o], "wl", "ref",
             lambda w, o: ["capture", "builtin:tiny", "--workload", str(w["wl"]), "--out", o, "--overwrite", "--positions", "bogus"]),
     Command("capture-candidate", False,
-            lambda w, o: ["capture", "builtin:tiny", "--teacher", str(w["ref"]), "--out", o], "ref", "cand",
-            lambda w, o: ["capture", "builtin:tiny", "--teacher", str(w["ref"]), "--out", o, "--overwrite", "--store", "topk:abc"]),
+            lambda w, o: ["capture", "builtin:tiny", "--reference", str(w["ref"]), "--out", o], "ref", "cand",
+            lambda w, o: ["capture", "builtin:tiny", "--reference", str(w["ref"]), "--out", o, "--overwrite", "--store", "topk:abc"]),
     Command("capture-hidden", False,
-            lambda w, o: ["capture", "builtin:tiny", "--teacher", str(w["ref"]), "--out", o, "--store", "hidden"], "ref", "cand",
+            lambda w, o: ["capture", "builtin:tiny", "--reference", str(w["ref"]), "--out", o, "--store", "hidden"], "ref", "cand",
             # refused: float32 logits cannot fill a hidden-state store
-            lambda w, o: ["capture", "builtin:tiny,dtype=float32", "--teacher", str(w["ref"]), "--out", o, "--overwrite",
+            lambda w, o: ["capture", "builtin:tiny,dtype=float32", "--reference", str(w["ref"]), "--out", o, "--overwrite",
                           "--store", "hidden"]),
     Command("compare", False,
             lambda w, o: ["compare", str(w["ref"]), str(w["cand"]), "--out", o, "--bootstrap", "10"], "cand", "rep",
@@ -644,13 +644,13 @@ def test_candidate_resume_refuses_another_teacher(w, tmp_path, capsys, teacher_c
         tm["created"] = "2000-01-01T00:00:00Z"
         (teacher / "manifest.json").write_text(json.dumps(tm))
     before = digest(run)
-    check_error(capsys, ["capture", "builtin:tiny,dtype=float32", "--teacher", teacher, "--out", run, "--resume"],
+    check_error(capsys, ["capture", "builtin:tiny,dtype=float32", "--reference", teacher, "--out", run, "--resume"],
                 f"field {field!r}", "cannot resume")
     assert digest(run) == before
     # with the teacher it was made on, the resume completes it
     if teacher_change == "moved":
         teacher.rename(tmp_path / "ref")
-        assert main(["capture", "builtin:tiny,dtype=float32", "--teacher", str(tmp_path / "ref"), "--out", str(run), "--resume"]) == 0
+        assert main(["capture", "builtin:tiny,dtype=float32", "--reference", str(tmp_path / "ref"), "--out", str(run), "--resume"]) == 0
         assert [it.id for it in RunReader(run).items()] == [it.id for it in RunReader(w["cand"]).items()]
 
 

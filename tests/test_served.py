@@ -177,7 +177,7 @@ def test_llama_server_kl_end_to_end(env, llama, tmp_path, capsys):
     assert np.median(np.abs(kl - kl_local)) <= 1e-6
     assert abs(kl.mean() - kl_local.mean()) <= 0.25 * kl_local.mean() + 1e-6
     # the same through the command line, under the source's name served: (openai:, above, is its alias)
-    assert main(["capture", f"served:{srv.url},top_k={K}", "--teacher", str(ref.path), "--out", str(tmp_path / "cli")]) == 0
+    assert main(["capture", f"served:{srv.url},top_k={K}", "--reference", str(ref.path), "--out", str(tmp_path / "cli")]) == 0
     assert main(["compare", str(ref.path), str(tmp_path / "cli"), "--out", str(tmp_path / "rep"), "--bootstrap", "10"]) == 0
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["method"]["kind"] == "top_k" and rep["summary"]["kl_nats_mean"] == pytest.approx(float(kl.mean()), rel=0.25, abs=1e-6)
@@ -227,7 +227,7 @@ def test_llama_server_faults(env, llama, tmp_path, capsys):
             src.score_many([(it.prompt_ids, it.teacher_ids)])
     # nobody listening
     port = free_port()
-    err = _cli_error(capsys, ["capture", f"openai:http://127.0.0.1:{port},retries=2", "--teacher", str(ref.path), "--out", str(tmp_path / "x")])
+    err = _cli_error(capsys, ["capture", f"openai:http://127.0.0.1:{port},retries=2", "--reference", str(ref.path), "--out", str(tmp_path / "x")])
     assert "unreachable" in err
     assert not (tmp_path / "x").exists()
     # a server whose chat template differs: caught item by item before any scoring
@@ -235,7 +235,7 @@ def test_llama_server_faults(env, llama, tmp_path, capsys):
     tmpl.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}:{{ m['content'] }}<|im_end|>{% endfor %}<|im_start|>assistant\n")
     other = start_or_fail(llama_server, env["ladder"]["F32"], env["logs"], extra=["--chat-template-file", str(tmpl)])
     try:
-        err = _cli_error(capsys, ["capture", f"openai:{other.url}", "--teacher", str(ref.path), "--out", str(tmp_path / "y")])
+        err = _cli_error(capsys, ["capture", f"openai:{other.url}", "--reference", str(ref.path), "--out", str(tmp_path / "y")])
         assert "tokenization differs at prompt position" in err and "chat0" in err
         assert not (tmp_path / "y").exists()
     finally:
@@ -247,7 +247,7 @@ def test_llama_server_faults(env, llama, tmp_path, capsys):
     og = build_ladder(od, tmp_path / "ocache", [])["F32"]
     other = start_or_fail(llama_server, og, env["logs"])
     try:
-        err = _cli_error(capsys, ["capture", f"openai:{other.url}", "--teacher", str(ref.path), "--out", str(tmp_path / "z")])
+        err = _cli_error(capsys, ["capture", f"openai:{other.url}", "--reference", str(ref.path), "--out", str(tmp_path / "z")])
         assert "vocab size" in err
     finally:
         other.stop()
@@ -272,7 +272,7 @@ def test_llama_server_killed_mid_capture_resumes(env, tmp_path):
         "def flush(self, wait=True):\n    of(self, wait=True)\n    time.sleep(0.4)\n"
         "RunWriter.flush = flush\n"
         "from logitdiff.cli import main\n"
-        f"sys.exit(main(['capture', {spec!r}, '--teacher', {str(ref.path)!r}, '--out', {str(out)!r}, '--batch', '1']))\n"
+        f"sys.exit(main(['capture', {spec!r}, '--reference', {str(ref.path)!r}, '--out', {str(out)!r}, '--batch', '1']))\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -305,7 +305,7 @@ def test_llama_server_killed_mid_capture_resumes(env, tmp_path):
     srv2 = start_or_fail(llama_server, gguf, env["logs"], port=port)
     try:
         # the same batch layout as the killed capture (a resume refuses another one)
-        assert main(["capture", spec, "--teacher", str(ref.path), "--out", str(out), "--resume", "--batch", "1"]) == 0
+        assert main(["capture", spec, "--reference", str(ref.path), "--out", str(out), "--resume", "--batch", "1"]) == 0
         with open_source(spec) as src:
             fresh = RunReader(capture_candidate(src, ref, tmp_path / "fresh", batch=1))
     finally:
@@ -358,7 +358,7 @@ def test_vllm_faults(env, vllm, tmp_path, capsys):
         src.model = "nope"  # a model the server does not know: its 404 becomes one line
         with pytest.raises(LogitdiffError, match="not found|does not exist|nope"):
             src.score_many([(it.prompt_ids, it.teacher_ids)])
-    err = _cli_error(capsys, ["capture", f"openai:{vllm.url},top_k=128", "--teacher", str(ref.path), "--out", str(tmp_path / "cap")])
+    err = _cli_error(capsys, ["capture", f"openai:{vllm.url},top_k=128", "--reference", str(ref.path), "--out", str(tmp_path / "cap")])
     assert "caps logprobs at 64" in err and "--max-logprobs 128" in err
     assert not (tmp_path / "cap").exists()  # refused when the source opened, before any RUN
 
@@ -435,7 +435,7 @@ def test_sglang_schema_bad_logprobs_refused(env, sglang, tmp_path, capsys, mode,
     # a server misbehaving from the start: refused before anything is written
     sglang.post("/replay_mode", {"mode": mode})
     try:
-        err = _cli_error(capsys, ["capture", spec, "--teacher", str(ref.path), "--out", str(tmp_path / "cli")])
+        err = _cli_error(capsys, ["capture", spec, "--reference", str(ref.path), "--out", str(tmp_path / "cli")])
     finally:
         sglang.post("/replay_mode", {"mode": "normal"})
     assert needle in err, err

@@ -292,7 +292,7 @@ def test_prefetched_block_is_the_block_scored_now(served, tmp_path):
 
 
 def test_reference_rows_shown_in_how_measured(served, tmp_path):
-    """Where a served reference's rows came from (report.json's baseline.identity.reference_rows:
+    """Where a served reference's rows came from (report.json's reference.identity.reference_rows:
     its greedy generation, alone in its batches or with other items' steps as batch mates, or
     scored teacher-forced) is in the how-measured lines of report.md and of the page, as
     report.json says it, for each batching; a reference without it gets no such line."""
@@ -310,7 +310,7 @@ def test_reference_rows_shown_in_how_measured(served, tmp_path):
             cand = capture_candidate(src, ref, tmp_path / f"cand-{batching}")
         out = tmp_path / f"rep-{batching}"
         rep = diff_runs(ref.path, cand, out, bootstrap=0)
-        said[batching] = rep["baseline"]["identity"]["reference_rows"]
+        said[batching] = rep["reference"]["identity"]["reference_rows"]
         head = (out / "report.md").read_text().split("## Summary")[0]  # the lines above any figure
         assert f"- reference rows: {said[batching]}" in head
         page = (out / "report.html").read_text()

@@ -536,7 +536,7 @@ def test_teacher_forced_comparison_of_a_speculative_source_is_labelled(env, serv
     from logitdiff.api import capture_run, diff_runs
 
     ref_run = capture_run(f"gguf:{env['f32']}", tmp_path / "ref", workload=env["wl"], max_tokens=6)
-    cand_run = capture_run(f"openai:{servers('self').url},top_k=8,speculative=1", tmp_path / "cand", teacher=ref_run)
+    cand_run = capture_run(f"openai:{servers('self').url},top_k=8,speculative=1", tmp_path / "cand", reference=ref_run)
     rep = diff_runs(ref_run, cand_run, out=tmp_path / "rep")
     assert rep["candidate"]["identity"]["speculative"] is True
     assert any(n.startswith("speculation not exercised: the candidate") for n in rep["method"]["notes"])
@@ -548,7 +548,7 @@ def test_teacher_forced_comparison_of_a_speculative_source_is_labelled(env, serv
     print_summary(rep)
     assert "speculation not exercised" in "".join(capfd.readouterr())
     # the same server without the declaration: no label
-    plain = capture_run(f"openai:{servers('self').url},top_k=8", tmp_path / "plain", teacher=ref_run)
+    plain = capture_run(f"openai:{servers('self').url},top_k=8", tmp_path / "plain", reference=ref_run)
     assert not any("speculation not exercised" in n for n in diff_runs(ref_run, plain)["method"]["notes"])
 
 

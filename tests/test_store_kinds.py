@@ -87,10 +87,10 @@ def runs(tmp_path_factory):
     items = read_workload(WORKLOAD)[:10]  # 8 + 2: both shards of --shard i/2 (blocks of 8) hold items
     wl.write_text("".join(json.dumps({**it.to_json(), "max_tokens": 12}) + "\n" for it in items))
     assert main(["capture", "builtin:tiny", "--workload", str(wl), "--out", str(d / "ref")]) == 0
-    assert main(["capture", "builtin:tiny-Q4_K_M", "--teacher", str(d / "ref"), "--out", str(d / "cand")]) == 0
-    assert main(["capture", "builtin:tiny", "--teacher", str(d / "ref"), "--store", "int8", "--out", str(d / "int8")]) == 0
+    assert main(["capture", "builtin:tiny-Q4_K_M", "--reference", str(d / "ref"), "--out", str(d / "cand")]) == 0
+    assert main(["capture", "builtin:tiny", "--reference", str(d / "ref"), "--store", "int8", "--out", str(d / "int8")]) == 0
     for i in range(2):
-        assert main(["capture", "builtin:tiny", "--teacher", str(d / "ref"), "--store", "int8", "--shard", f"{i}/2",
+        assert main(["capture", "builtin:tiny", "--reference", str(d / "ref"), "--store", "int8", "--shard", f"{i}/2",
                      "--out", str(d / f"int8_{i}")]) == 0
     assert main(["merge", str(d / "int8_1"), str(d / "int8_0"), "--out", str(d / "int8_merged")]) == 0
     yield d

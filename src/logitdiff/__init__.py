@@ -5,7 +5,7 @@ The public API (everything in ``__all__``; the rest of the package is internal):
     import logitdiff
 
     logitdiff.capture_run("builtin:tiny", "runs/ref", max_tokens=16)             # reference RUN
-    logitdiff.capture_run("builtin:tiny-Q4_K_M", "runs/q4", teacher="runs/ref")   # candidate RUN
+    logitdiff.capture_run("builtin:tiny-Q4_K_M", "runs/q4", reference="runs/ref") # candidate RUN
     report = logitdiff.diff_runs("runs/ref", "runs/q4", out="reports/q4")        # REPORT
     logitdiff.testing.assert_drift_within("reports/q4", "kl_mean<0.05")
 

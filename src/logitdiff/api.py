@@ -6,7 +6,7 @@ import would otherwise shadow them).
     import logitdiff
 
     logitdiff.capture_run("builtin:tiny", "runs/ref", max_tokens=16)             # reference RUN
-    logitdiff.capture_run("builtin:tiny-Q4_K_M", "runs/q4", teacher="runs/ref")   # candidate RUN
+    logitdiff.capture_run("builtin:tiny-Q4_K_M", "runs/q4", reference="runs/ref") # candidate RUN
     report = logitdiff.diff_runs("runs/ref", "runs/q4", out="reports/q4")        # REPORT
     report["summary"]["kl_nats_mean"]                                          # a contracts.Report
 
@@ -25,10 +25,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar, cast
 
-from .errors import LogitdiffError
+from .errors import LogitdiffError, renamed_parameters
 
 if TYPE_CHECKING:  # the types only: importing the modules here would load numpy/torch on `import logitdiff.api`
     from .capture import LiveRun
+    from .compare import Comparison
     from .contracts import LayersDoc, NoiseFloor, Report, RunSummary, SpeculationReport
     from .report.gates import Gate
     from .store import RunReader
@@ -168,13 +169,14 @@ def _no_bar(total: int | None, label: str) -> Callable[..., None]:
     return lambda n=1: None
 
 
+@renamed_parameters(teacher="reference")
 @_checked
 def capture_run(
     spec: str,
     out: str | Path,
     *,
     workload: str | Path | None = None,
-    teacher: str | Path | None = None,
+    reference: str | Path | None = None,
     max_tokens: int | None = None,
     store: str = "full",
     positions: str = "all",
@@ -186,11 +188,11 @@ def capture_run(
     chunk_size: str | int | None = None,
     bar: Bar | None = None,
 ) -> Path:
-    """Capture a RUN: without ``teacher``, the source generates greedily over ``workload``
+    """Capture a RUN: without ``reference``, the source generates greedily over ``workload``
     (default: the bundled one) and is scored on its own output (a reference); with
-    ``teacher`` (a reference RUN), it is scored on the teacher's tokens (a candidate).
+    ``reference`` (a reference RUN), it is teacher-forced on that run's tokens (a candidate).
     ``spec`` is a source spec (``hf:PATH``, ``gguf:PATH``, ``served:URL``, ``builtin:tiny``...).
-    Returns ``out``."""
+    ``teacher=`` is the deprecated name of ``reference=`` (docs/migration.md). Returns ``out``."""
     from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
     from .store.files import Kind, check_output
     from .capture.shards import parse_shard, shard_items, with_endpoints
@@ -198,8 +200,8 @@ def capture_run(
     from .store import RunReader, parse_chunk_size, parse_store
 
     bar = bar or _no_bar
-    if teacher and workload:
-        raise LogitdiffError("--teacher and --workload exclude each other: a candidate capture takes its items from the teacher run")
+    if reference and workload:
+        raise LogitdiffError("--reference and --workload exclude each other: a candidate capture takes its items from the reference run")
     # Arguments first, then the output path, then the inputs; the source (slow) last.
     check_resume_flags(resume, overwrite)
     parse_store(store)
@@ -213,13 +215,13 @@ def capture_run(
     chunk_bytes = parse_chunk_size(chunk_size)
     # a shard holds whole scoring blocks: its items keep the batch mates of an unsharded capture
     extra = {"shard": shard, "shard_block": batch} if shard_ix else {}
-    if teacher:
-        check_output(out, Kind.RUN, inputs=[teacher], overwrite=overwrite, resume=resume)
-        teacher_run = RunReader(teacher)
-        teacher_run.items()  # a damaged teacher is a one-line error before the source loads
+    if reference:
+        check_output(out, Kind.RUN, inputs=[reference], overwrite=overwrite, resume=resume)
+        reference_run = RunReader(reference)
+        reference_run.items()  # a damaged reference is a one-line error before the source loads
         with open_source(full_spec) as src, applied_threads([src]):
-            advance = bar(len(shard_items(teacher_run.items(), shard_ix, block=batch)), f"scoring {spec}")
-            capture_candidate(src, teacher_run, out, store=store, resume=resume, overwrite=overwrite, progress=advance,
+            advance = bar(len(shard_items(reference_run.items(), shard_ix, block=batch)), f"scoring {spec}")
+            capture_candidate(src, reference_run, out, store=store, resume=resume, overwrite=overwrite, progress=advance,
                               shard=shard_ix, settings=extra, batch=batch, chunk_bytes=chunk_bytes)
     else:
         from .builtin import WORKLOAD
@@ -322,16 +324,42 @@ def diff_runs(
     this process may run on, ``metrics.default_threads()``). ``logprob_floor``: a stated
     lower bound (nats) on every log-probability of both models, for a finite KL upper bound
     of top-K comparisons (compare.check_floor)."""
-    from .compare import DEFAULT_TOP_LOGPROBS, check_floor_value, compare_runs, served_batching
-    from .contracts import ServedFloorSide
+    from .report import build_report
     from .store.files import Kind, reserved
-    from .report import build_report, write_report_dir
-    from .report.html import render_html
-    from .report.markdown import render_markdown
-    from .store import RunReader, parse_chunk_size
-    from .numerics.summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 
     bar = bar or _no_bar
+    ranges, bootstrap, gate_list, chunk_bytes = _diff_settings(
+        seed=seed, logprob_floor=logprob_floor, ranges=ranges, bootstrap=bootstrap, device=device, gates=gates,
+        chunk_size=chunk_size, threads=threads, top_logprobs=top_logprobs)
+    live = not Path(candidate).exists() and ":" in str(candidate)
+    inputs: list[str | Path] = [p for p in (reference, noise_floor) if p is not None] + ([] if live else [candidate])
+    # out guarded and locked for the whole comparison: a second writer is refused from the start
+    with reserved(out, Kind.REPORT, inputs=inputs) if out is not None else contextlib.nullcontext():
+        ref, cand, comp, noise = _compared(reference, candidate, live=live, noise_floor=noise_floor, top_logprobs=top_logprobs,
+                                           allow_partial=allow_partial, device=device, chunk_bytes=chunk_bytes, threads=threads,
+                                           logprob_floor=logprob_floor, bar=bar)
+        report, columns = build_report(comp, ranges=ranges, n_boot=bootstrap, seed=seed, include_rows=include_rows,
+                                       noise_floor=noise)
+        if allow_partial and (ref.is_partial or cand.is_partial):
+            report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
+        if gate_list:
+            from .report.gates import evaluate
+
+            report["gates"] = evaluate(report, gate_list)
+        if out is not None:
+            _write_report(out, report, columns, inputs)
+        return report
+
+
+def _diff_settings(*, seed: int, logprob_floor: float | None, ranges: Sequence[int] | None, bootstrap: int | None,
+                   device: str | None, gates: str | Sequence[Gate] | None, chunk_size: str | int | None, threads: int | None,
+                   top_logprobs: int | None) -> tuple[tuple[int, ...], int, list[Gate] | None, int | None]:
+    """diff_runs' arguments checked before anything is read (one-line errors), with their
+    defaults: (ranges, bootstrap resamples, gates, chunk bytes)."""
+    from .compare import check_floor_value
+    from .numerics.summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
+    from .store import parse_chunk_size
+
     if not 0 <= seed < 2**63:
         raise LogitdiffError(f"--seed {seed}: must be a non-negative integer")
     if logprob_floor is not None and not math.isfinite(logprob_floor):
@@ -353,67 +381,77 @@ def diff_runs(
         raise LogitdiffError(f"--threads {threads}: must be at least 1")
     if top_logprobs is not None and top_logprobs < 1:
         raise LogitdiffError(f"--top-k {top_logprobs}: must be at least 1")
-    live = not Path(candidate).exists() and ":" in str(candidate)
-    inputs: list[str | Path] = [p for p in (reference, noise_floor) if p is not None] + ([] if live else [candidate])
-    # out guarded and locked for the whole comparison: a second writer is refused from the start
-    with reserved(out, Kind.REPORT, inputs=inputs) if out is not None else contextlib.nullcontext():
-        ref = RunReader(reference, allow_partial=allow_partial, device=device)  # a hidden reference decodes there
-        if top_logprobs is None:
-            top_logprobs = min(DEFAULT_TOP_LOGPROBS, ref.vocab_size)
-        elif top_logprobs > ref.vocab_size:
-            raise LogitdiffError(f"--top-k {top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {reference}")
-        live_source = None
-        cand: RunReader | LiveRun
-        threads_scope = contextlib.ExitStack()
-        try:
-            if live:
-                from .capture import LiveRun
-                from .sources import applied_threads, open_source
-
-                live_source = open_source(str(candidate))
-                threads_scope.enter_context(applied_threads([live_source]))
-                cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
-            else:
-                cand = RunReader(candidate, allow_partial=allow_partial)
-            noise: NoiseFloor | None = None
-            if noise_floor:
-                nf_run = RunReader(noise_floor, allow_partial=allow_partial)
-                noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
-            advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
-            comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
-                                device=device, chunk_bytes=chunk_bytes, threads=threads, logprob_floor=logprob_floor)
-            if noise and served_batching(ref) and served_batching(nf_run):
-                # a served reference captured twice: its rerun is the served floor (servedfloor.py)
-                from .sources.served_floor import served_floor
-
-                comp.served_floor = served_floor(ServedFloorSide(
-                    spec=noise["spec"], batching=served_batching(nf_run), measured_by=f"compare --noise-floor: {noise['rerun']}",
-                    kl_nats_mean=noise["kl_nats_mean"], kl_nats_max=noise["kl_nats_max"],
-                    top1_disagreement=noise["top1_disagreement"], positions=noise["positions"]), None)
-        finally:
-            threads_scope.close()
-            if live_source is not None:
-                live_source.close()
-        report, columns = build_report(comp, ranges=ranges, n_boot=bootstrap, seed=seed, include_rows=include_rows,
-                                       noise_floor=noise)
-        if allow_partial and (ref.is_partial or cand.is_partial):
-            report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
-        if gate_list:
-            from .report.gates import evaluate
-
-            report["gates"] = evaluate(report, gate_list)
-        if out is not None:
-            html = render_html([report], [columns], paths=[out])
-            write_report_dir(out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()},
-                             inputs=inputs)
-        return report
+    return ranges, bootstrap, gate_list, chunk_bytes
 
 
+def _compared(reference: str | Path, candidate: str | Path, *, live: bool, noise_floor: str | Path | None,
+              top_logprobs: int | None, allow_partial: bool, device: str | None, chunk_bytes: int | None,
+              threads: int | None, logprob_floor: float | None, bar: Bar) -> tuple[RunReader, RunReader | LiveRun, Comparison, NoiseFloor | None]:
+    """The reference RUN and the candidate (a RUN, or a source scored live and closed again)
+    opened and compared: (reference, candidate, the Comparison, the noise floor section of
+    ``noise_floor``, a rerun of the reference, when given; a served reference's rerun is also
+    its served floor)."""
+    from .compare import DEFAULT_TOP_LOGPROBS, compare_runs, served_batching
+    from .contracts import ServedFloorSide
+    from .store import RunReader
+
+    ref = RunReader(reference, allow_partial=allow_partial, device=device)  # a hidden reference decodes there
+    if top_logprobs is None:
+        top_logprobs = min(DEFAULT_TOP_LOGPROBS, ref.vocab_size)
+    elif top_logprobs > ref.vocab_size:
+        raise LogitdiffError(f"--top-k {top_logprobs}: exceeds the vocabulary size {ref.vocab_size} of {reference}")
+    live_source = None
+    cand: RunReader | LiveRun
+    threads_scope = contextlib.ExitStack()
+    try:
+        if live:
+            from .capture import LiveRun
+            from .sources import applied_threads, open_source
+
+            live_source = open_source(str(candidate))
+            threads_scope.enter_context(applied_threads([live_source]))
+            cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
+        else:
+            cand = RunReader(candidate, allow_partial=allow_partial)
+        noise: NoiseFloor | None = None
+        if noise_floor:
+            nf_run = RunReader(noise_floor, allow_partial=allow_partial)
+            noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
+        advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
+        comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
+                            device=device, chunk_bytes=chunk_bytes, threads=threads, logprob_floor=logprob_floor)
+        if noise and served_batching(ref) and served_batching(nf_run):
+            # a served reference captured twice: its rerun is the served floor (servedfloor.py)
+            from .sources.served_floor import served_floor
+
+            comp.served_floor = served_floor(ServedFloorSide(
+                spec=noise["spec"], batching=served_batching(nf_run), measured_by=f"compare --noise-floor: {noise['rerun']}",
+                kl_nats_mean=noise["kl_nats_mean"], kl_nats_max=noise["kl_nats_max"],
+                top1_disagreement=noise["top1_disagreement"], positions=noise["positions"]), None)
+    finally:
+        threads_scope.close()
+        if live_source is not None:
+            live_source.close()
+    return ref, cand, comp, noise
+
+
+def _write_report(out: str | Path, report: Report, columns: dict, inputs: Sequence[str | Path]) -> None:
+    """The REPORT directory: report.json, tokens.parquet, report.md and the page."""
+    from .report import write_report_dir
+    from .report.html import render_html
+    from .report.markdown import render_markdown
+
+    html = render_html([report], [columns], paths=[out])
+    write_report_dir(out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()},
+                     inputs=inputs)
+
+
+@renamed_parameters(teacher="reference_run")
 @_checked
 def layers(
     reference: str,
     candidates: str | Sequence[str],
-    teacher: str | Path,
+    reference_run: str | Path,
     out: str | Path | None = None,
     *,
     floor: str = "rerun",
@@ -422,11 +460,13 @@ def layers(
 ) -> LayersDoc:
     """Where the drift starts (``logitdiff layers``): the residual stream after each decoder
     layer of the reference and of each candidate (source specs: ``hf:``, ``gguf:``,
-    ``builtin:``) at every teacher-forced position of the ``teacher`` RUN's tokens, compared
-    per layer (:mod:`logitdiff.layers`). ``floor``: ``"rerun"`` (the reference, each window in
-    two forward passes), ``"none"``, or a source spec compared like a candidate (e.g. the
-    BF16 GGUF: the cross-engine floor). Returns layers.json's object; with ``out``, also
-    writes the REPORT directory (layers.json, layers.md, layers.html)."""
+    ``builtin:``) at every teacher-forced position of the ``reference_run`` RUN's tokens (the
+    reference RUN: ``--reference`` of ``logitdiff layers``; ``reference`` is the reference's
+    source spec), compared per layer (:mod:`logitdiff.layers`). ``floor``: ``"rerun"`` (the
+    reference, each window in two forward passes), ``"none"``, or a source spec compared like a
+    candidate (e.g. the BF16 GGUF: the cross-engine floor). Returns layers.json's object; with
+    ``out``, also writes the REPORT directory (layers.json, layers.md, layers.html).
+    ``teacher=`` is the deprecated name of ``reference_run=`` (docs/migration.md)."""
     from .contracts import layers_json
     from .layers import FLOOR_NONE, FLOOR_RERUN, FLOOR_SPEC, check_layer_specs, layer_attribution
     from .report.layers import render_html, render_markdown
@@ -444,20 +484,20 @@ def layers(
     check_layer_specs([reference, *cands] + ([floor_spec] if floor_spec else []))
     chunk_bytes = parse_chunk_size(chunk_size)
     # out guarded and locked for the whole sweep: a second writer is refused from the start
-    with reserved(out, Kind.LAYERS, inputs=[teacher]) if out is not None else contextlib.nullcontext():
-        teacher_run = RunReader(teacher)
-        teacher_run.items()  # a damaged teacher is a one-line error before any source loads
+    with reserved(out, Kind.LAYERS, inputs=[reference_run]) if out is not None else contextlib.nullcontext():
+        ref_run = RunReader(reference_run)
+        ref_run.items()  # a damaged reference RUN is a one-line error before any source loads
         with contextlib.ExitStack() as stack:
             ref_src = stack.enter_context(open_source(reference))
             cand_srcs = [stack.enter_context(open_source(c)) for c in cands]
             floor_src = stack.enter_context(open_source(floor_spec)) if floor_spec else None
             stack.enter_context(applied_threads([ref_src, *cand_srcs] + ([floor_src] if floor_src else [])))
-            advance = bar(len(teacher_run.items()), "layers")
-            doc = layer_attribution(ref_src, cand_srcs, teacher_run, floor_src=floor_src, floor=FLOOR_SPEC if floor_spec else floor,
+            advance = bar(len(ref_run.items()), "layers")
+            doc = layer_attribution(ref_src, cand_srcs, ref_run, floor_src=floor_src, floor=FLOOR_SPEC if floor_spec else floor,
                                     chunk_bytes=chunk_bytes, progress=advance)
         if out is not None:
             text = layers_json(doc)
-            with writing(out, Kind.LAYERS, inputs=[teacher]) as tmp:
+            with writing(out, Kind.LAYERS, inputs=[reference_run]) as tmp:
                 (tmp / "layers.json").write_text(text)
                 (tmp / "layers.md").write_text(render_markdown(doc))
                 (tmp / "layers.html").write_text(render_html(doc))
@@ -467,7 +507,8 @@ def layers(
 @_checked
 def load_report(report_dir: str | Path) -> Report:
     """A REPORT directory's report.json (or the file itself), checked (kind, major version;
-    against the schema when validation is on) and typed (:class:`logitdiff.contracts.Report`)."""
+    against the schema when validation is on) and typed (:class:`logitdiff.contracts.Report`).
+    A report of schema 1.x (``baseline``) is read as 2.0 (``reference``): docs/migration.md."""
     from .contracts import load_report as _load
 
     return _load(report_dir)

@@ -14,9 +14,11 @@
   any test writes is checked); :func:`json_clean` is the one numpy/NaN-to-JSON cleaner.
 
 Versioning (README "Report schema"): ``schema`` names the document kind and its major
-version (``logitdiff.report/1``); ``schema_version`` is ``MAJOR.MINOR``. Adding a field
+version (``logitdiff.report/2``); ``schema_version`` is ``MAJOR.MINOR``. Adding a field
 bumps MINOR; removing or renaming one, or changing its meaning or type, bumps MAJOR.
-Readers accept every MINOR of their MAJOR (unknown fields are allowed and ignored).
+Readers accept every MINOR of their MAJOR (unknown fields are allowed and ignored), and a
+report.json of the previous MAJOR through :func:`migrate_report`, the one place that knows
+what changed (docs/migration.md).
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ from .errors import LogitdiffError
 
 # The schema ids of every file logitdiff writes (the first key of each JSON file).
 RUN_SCHEMA = "logitdiff.run/1"
-REPORT_SCHEMA = "logitdiff.report/1"
+REPORT_SCHEMA = "logitdiff.report/2"
+# report.json of schema 1.x (the reference's side named "baseline"), read through migrate_report
+REPORT_SCHEMA_1 = "logitdiff.report/1"
+REPORT_SCHEMAS = (REPORT_SCHEMA_1, REPORT_SCHEMA)  # the report.json kinds this logitdiff reads
 RUN_SUMMARY_SCHEMA = "logitdiff.run-summary/1"
 TOPK_ERROR_SCHEMA = "logitdiff.topk-error/1"
 LAYERS_SCHEMA = "logitdiff.layers/1"
@@ -44,7 +49,10 @@ QUANTIZE_SCHEMA = "logitdiff.quantize/1"
 HTML_GENERATOR_META = '<meta name="generator" content="logitdiff">'
 HTML_DATA_SCHEMA = "logitdiff.html-data/1"
 
-SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of report.json and summary.json; MAJOR matches REPORT_SCHEMA's "/1"
+SCHEMA_VERSION = "2.0"  # MAJOR.MINOR of report.json; MAJOR matches REPORT_SCHEMA's "/2"
+# MAJOR.MINOR of summary.json, MAJOR matching RUN_SUMMARY_SCHEMA's "/1": the rename of report.json 2.0
+# (baseline -> reference) left summary.json as it was (its reference was always "reference")
+SUMMARY_SCHEMA_VERSION = "1.2"
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
 SCHEMA_DIR = Path(__file__).with_name("schemas")
 SPECULATION_SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of a `logitdiff speculate` report.json (logitdiff.speculation/1)
@@ -210,7 +218,7 @@ class ServedFloor(TypedDict):
 
 
 class Side(TypedDict):
-    """``baseline`` / ``candidate``: which RUN (or live source) and how it was stored."""
+    """``reference`` / ``candidate``: which RUN (or live source) and how it was stored."""
 
     path: str
     served_model: str | None
@@ -256,8 +264,8 @@ class Method(_MethodBase, total=False):
 
 
 class _SummaryBase(TypedDict):
-    # the seed report's summary fields
-    baseline_top_mass_mean: float | None
+    # the seed report's summary fields (its "baseline" is the reference: reference_* since schema 2.0)
+    reference_top_mass_mean: float | None
     candidate_top_mass_mean: float | None
     kl_bits_max: float | None
     kl_bits_mean: float | None
@@ -265,12 +273,12 @@ class _SummaryBase(TypedDict):
     kl_nats_mean: float | None
     kl_nats_p50: float | None
     kl_nats_p95: float | None
-    max_kl_baseline_top_token: str | None
+    max_kl_reference_top_token: str | None
     max_kl_candidate_top_token: str | None
     max_kl_source_id: str | None
     max_kl_position: int | None
     paired_prompts: int
-    shared_baseline_mass_mean: float | None
+    shared_reference_mass_mean: float | None
     top1_match_rate: float | None
     top1_matches: int
     top1_mismatches: int
@@ -416,7 +424,7 @@ class _ReportBase(TypedDict):
     tool: Tool
     created: str
     machine: dict[str, Any]
-    baseline: Side
+    reference: Side  # 2.0: "baseline" in schema 1.x
     candidate: Side
     method: Method
     rows: list[dict[str, Any]]  # the seed's row fields + every per-position metric
@@ -503,7 +511,7 @@ class CandidateRow(_CandidateRowBase, total=False):
 
 class _RunSummaryBase(TypedDict):
     schema: str  # RUN_SUMMARY_SCHEMA
-    schema_version: str  # SCHEMA_VERSION
+    schema_version: str  # SUMMARY_SCHEMA_VERSION
     reference: str
     workload: str
     workload_sha256: str
@@ -702,16 +710,68 @@ def load_layers(path: str | Path) -> LayersDoc:
     return _load_checked(path, "layers.json", "layers REPORT directory", LAYERS_SCHEMA, "layers")  # type: ignore[return-value]
 
 
-def _accepts(doc: dict, kind: str, path: Path) -> None:
-    if not isinstance(doc, dict) or doc.get("schema") != kind:
+def _accepts(doc: dict, kinds: str | tuple[str, ...], path: Path) -> None:
+    """``doc``'s kind is one of ``kinds`` and its schema_version's MAJOR the kind's (the digits
+    after the id's "/"): a one-line error otherwise."""
+    kinds = (kinds,) if isinstance(kinds, str) else kinds
+    if not isinstance(doc, dict) or doc.get("schema") not in kinds:
         got = doc.get("schema") if isinstance(doc, dict) else None
-        raise LogitdiffError(f"{path}: field 'schema' is {got!r}, this logitdiff reads {kind!r}")
+        raise LogitdiffError(f"{path}: field 'schema' is {got!r}, this logitdiff reads {' or '.join(map(repr, kinds))}")
     ver = doc.get("schema_version")
     if ver is None:
         return  # written before schema_version existed: same MAJOR (the schema field says so), minor 0
-    major = str(ver).split(".", 1)[0]
-    if major != SCHEMA_VERSION.split(".", 1)[0]:
-        raise LogitdiffError(f"{path}: field 'schema_version' is {ver!r}, this logitdiff reads {SCHEMA_VERSION.split('.')[0]}.x")
+    major = str(doc["schema"]).rsplit("/", 1)[1]
+    if str(ver).split(".", 1)[0] != major:
+        raise LogitdiffError(f"{path}: field 'schema_version' is {ver!r}, but field 'schema' is {doc['schema']!r}: "
+                             f"this logitdiff reads {major}.x there")
+
+
+# --------------------------------------------------------------------------------------------
+# schema 1.x -> 2.0 (docs/migration.md): the reference RUN's side, and every field named after
+# it, were "baseline" (the seed report's word); since 2.0 the reference has one name.
+
+# report.json keys: the top level (the reference's Side) and the summary
+RENAMED_IN_2 = {
+    "baseline": "reference",
+    "baseline_top_mass_mean": "reference_top_mass_mean",
+    "max_kl_baseline_top_token": "max_kl_reference_top_token",
+    "shared_baseline_mass_mean": "shared_reference_mass_mean",
+}
+# per-position fields: report.json's rows and tokens.parquet's columns
+RENAMED_COLUMNS_IN_2 = {
+    "baseline_top_mass": "reference_top_mass",
+    "baseline_top_token": "reference_top_token",
+    "baseline_top_token_id": "reference_top_token_id",
+    "shared_baseline_mass": "shared_reference_mass",
+}
+
+
+def migrate_columns(columns: dict[str, Any]) -> dict[str, Any]:
+    """Per-position columns (tokens.parquet's, or one row of report.json) under their 2.0
+    names (RENAMED_COLUMNS_IN_2), in their order; columns of a 2.x report come back as they are."""
+    if not any(k in RENAMED_COLUMNS_IN_2 for k in columns):
+        return columns
+    return {RENAMED_COLUMNS_IN_2.get(k, k): v for k, v in columns.items()}
+
+
+def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
+    """A report.json object of any schema this logitdiff reads, as the current one: kind and
+    major version checked (a one-line error naming ``where``), a 2.x report returned as it is,
+    a 1.x report as 2.0 with the keys of RENAMED_IN_2 (top level, summary) and
+    RENAMED_COLUMNS_IN_2 (rows) renamed in place: same order, every value as it was.
+
+    The one place a 1.x report becomes a 2.0 one: every reader goes through it
+    (:func:`load_report` does), and the JSON Schema check comes after it."""
+    _accepts(doc, REPORT_SCHEMAS, Path(where))
+    if doc["schema"] == REPORT_SCHEMA:
+        return doc
+    out: dict[str, Any] = {"schema": REPORT_SCHEMA, "schema_version": SCHEMA_VERSION}
+    out.update((RENAMED_IN_2.get(k, k), v) for k, v in doc.items() if k not in out)
+    if isinstance(out.get("summary"), dict):
+        out["summary"] = {RENAMED_IN_2.get(k, k): v for k, v in out["summary"].items()}
+    if isinstance(out.get("rows"), list):
+        out["rows"] = [migrate_columns(r) if isinstance(r, dict) else r for r in out["rows"]]
+    return out  # type: ignore[return-value]
 
 
 def _load(path: Path, what: str) -> dict:
@@ -725,14 +785,19 @@ def _load(path: Path, what: str) -> dict:
         raise LogitdiffError(f"{path}: not valid JSON (not UTF-8 text)") from None
 
 
-def _load_checked(path: str | Path, file: str, what: str, kind: str, schema: str) -> dict:
+def _load_checked(path: str | Path, file: str, what: str, kind: str, schema: str,
+                  migrate: Callable[[Any, Path], Any] | None = None) -> dict:
     """``file`` in directory ``path`` (or ``path`` itself): parsed, its kind and major version
-    checked, and with validation on every field against the ``schema`` JSON Schema."""
+    checked (by ``migrate``, which also turns an older MAJOR into the current one, where
+    given), and with validation on every field against the ``schema`` JSON Schema."""
     path = Path(path)
     if path.is_dir():
         path = path / file
     doc = _load(path, what)
-    _accepts(doc, kind, path)
+    if migrate is not None:
+        doc = migrate(doc, path)
+    else:
+        _accepts(doc, kind, path)
     if validation_on():
         validate(doc, schema, str(path))
     return doc
@@ -740,8 +805,10 @@ def _load_checked(path: str | Path, file: str, what: str, kind: str, schema: str
 
 def load_report(path: str | Path) -> Report:
     """report.json (a REPORT directory or the file itself), checked: its kind and major
-    version, and with validation on (``LOGITDIFF_VALIDATE_OUTPUTS``, tests) every field."""
-    return _load_checked(path, "report.json", "REPORT directory", REPORT_SCHEMA, "report")  # type: ignore[return-value]
+    version, a 1.x report migrated to 2.0 (:func:`migrate_report`), and with validation on
+    (``LOGITDIFF_VALIDATE_OUTPUTS``, tests) every field."""
+    return _load_checked(path, "report.json", "REPORT directory", REPORT_SCHEMA, "report",  # type: ignore[return-value]
+                         migrate=migrate_report)
 
 
 def load_summary(path: str | Path) -> RunSummary:

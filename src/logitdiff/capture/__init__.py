@@ -31,7 +31,7 @@ import numpy as np
 
 from ..store import validate
 from ..store import tokenizer_identity
-from ..errors import LogitdiffError
+from ..errors import LogitdiffError, renamed_parameters
 from ..store.files import Kind, writing
 from ..sources import RowKind, Source, TopKRows, is_full, is_topk
 from ..store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
@@ -326,25 +326,26 @@ def _stored_items(out, items: Sequence, done: set[str], batch: int) -> dict[str,
     return {it.id: it for it in RunReader(out, allow_partial=True).items() if it.id in want}
 
 
-def verified_prompts(source: Source, teacher: RunReader, shard=None, block: int = 1) -> list[tuple[RunItem, list[int]]]:
-    """Check vocab, tokenizer and every item's tokenization against the teacher run
+@renamed_parameters(teacher="reference")
+def verified_prompts(source: Source, reference: RunReader, shard=None, block: int = 1) -> list[tuple[RunItem, list[int]]]:
+    """Check vocab, tokenizer and every item's tokenization against the reference run
     (only the items of ``shard`` when given, in blocks of ``block`` items)."""
     from .shards import shard_items
 
-    if source.vocab_size != teacher.vocab_size:
+    if source.vocab_size != reference.vocab_size:
         raise LogitdiffError(
-            f"{source.spec}: vocab size {source.vocab_size} differs from the reference run {teacher.path} ({teacher.vocab_size})"
+            f"{source.spec}: vocab size {source.vocab_size} differs from the reference run {reference.path} ({reference.vocab_size})"
         )
     # token strings compared under converter spellings; the item-by-item id check below decides.
-    # The teacher's token list is read only when the hashes differ (the check needs it only
+    # The reference's token list is read only when the hashes differ (the check needs it only
     # then): at V = 248,320 parsing its tokens.json cost every capture ~0.04 CPU s.
-    differ = bool(source.tokenizer_hash and teacher.tokenizer_hash and source.tokenizer_hash != teacher.tokenizer_hash)
+    differ = bool(source.tokenizer_hash and reference.tokenizer_hash and source.tokenizer_hash != reference.tokenizer_hash)
     tokenizer_identity.check(source.spec, source.tokenizer_hash, source.tokenizer_tokens,
-                             f"the reference run {teacher.path}", teacher.tokenizer_hash, teacher.tokens() if differ else None)
+                             f"the reference run {reference.path}", reference.tokenizer_hash, reference.tokens() if differ else None)
     out = []
-    mine = shard_items(teacher.items(), shard, block=block)
+    mine = shard_items(reference.items(), shard, block=block)
     for it in mine:
-        validate.check_ids(list(it.teacher_ids), source.vocab_size, f"reference run {teacher.path}: item {it.id!r}", what="teacher")
+        validate.check_ids(list(it.teacher_ids), source.vocab_size, f"reference run {reference.path}: item {it.id!r}", what="teacher")
     wl_items = [Item.from_json(it.extra["item"]) for it in mine if it.extra.get("item") is not None]
     rendered = iter(source.render_many(wl_items))  # in order (a served source overlaps the requests)
     for it in mine:
@@ -384,9 +385,10 @@ def preflight_tokenization(reference: str, candidates: Sequence[str], items: Seq
                 check_same_prompt(it.id, ref_ids, ids, spec)
 
 
+@renamed_parameters(teacher="reference")
 def capture_candidate(
     source: Source,
-    teacher: RunReader,
+    reference: RunReader,
     out: str | Path,
     *,
     store: str = "full",
@@ -401,15 +403,16 @@ def capture_candidate(
     """Teacher-forced capture at exactly the reference's positions, scored in the blocks of
     :func:`batch_blocks` (of one shard: blocks k of ``batch`` items with k mod n == i, see
     ``logitdiff merge``; a resumed block is rescored whole). ``out`` is guarded and locked;
-    it must not be, hold or sit inside the teacher run."""
+    it must not be, hold or sit inside the reference run."""
     check_resume_flags(resume, overwrite)
     store = _store_for(source, store)
-    pairs = verified_prompts(source, teacher, shard=shard, block=batch)
-    settings = {"role": "candidate", "teacher": str(teacher.path), "teacher_manifest_sha256": _manifest_sha256(teacher),
-                "positions": teacher.manifest["settings"].get("positions"),
-                **{k: v for k, v in teacher.manifest["settings"].items() if k == "positions_sampling"},
+    pairs = verified_prompts(source, reference, shard=shard, block=batch)
+    # "teacher": the RUN format's name for the reference RUN (manifest settings; --resume compares them)
+    settings = {"role": "candidate", "teacher": str(reference.path), "teacher_manifest_sha256": _manifest_sha256(reference),
+                "positions": reference.manifest["settings"].get("positions"),
+                **{k: v for k, v in reference.manifest["settings"].items() if k == "positions_sampling"},
                 **(settings or {}), **_layout(source, batch)}
-    with writing(out, Kind.RUN, inputs=[teacher.path], overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
+    with writing(out, Kind.RUN, inputs=[reference.path], overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
         writer = _writer(source, path, store, resume, settings, chunk_bytes)
         try:
             _candidate_rows(writer, source, pairs, resume=resume, progress=progress, batch=batch, chunk_bytes=chunk_bytes)
@@ -453,18 +456,19 @@ class LiveRun:
 
     is_partial = False
 
-    def __init__(self, source: Source, teacher: RunReader, *, batch: int = SCORE_BATCH, offset: int = 0,
+    @renamed_parameters(teacher="reference")
+    def __init__(self, source: Source, reference: RunReader, *, batch: int = SCORE_BATCH, offset: int = 0,
                  chunk_bytes: int | None = None):
         self.source = source
         # Served sources return top-K ids + logprobs per position instead of full logits.
         self.k = int(source.top_k) if is_topk(source) else 0
         # what a stored capture of the source would be: the comparison method is chosen from it
         self.kind = store_kind(f"topk:{self.k}" if self.k else "full", source.vocab_size, _rows_dtype(source))
-        self.teacher = teacher
+        self.reference = reference
         self.batch = batch
         self.offset = offset
         self.chunk_bytes = chunk_bytes
-        self._pairs = verified_prompts(source, teacher)
+        self._pairs = verified_prompts(source, reference)
         self._layout_blocks = batch_blocks(len(self._pairs), batch, offset)
         self.path = source.spec
         self.vocab_size = source.vocab_size

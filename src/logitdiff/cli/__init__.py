@@ -28,7 +28,7 @@ EPILOG = """\
 Typical use:
   logitdiff run                                   # the bundled default: tiny model + GGUF quant ladder
   logitdiff capture hf:./bf16-model --workload w.jsonl --out runs/ref
-  logitdiff capture gguf:./q4.gguf --teacher runs/ref --out runs/q4
+  logitdiff capture gguf:./q4.gguf --reference runs/ref --out runs/q4
   logitdiff compare runs/ref runs/q4 --out reports/q4
   logitdiff flips reports/q4                      # what the top-1 flips do; correctness flips
   logitdiff speculate http://h:8080 http://h:8081,speculative=1 --out spec/   # speculation on vs off, generating

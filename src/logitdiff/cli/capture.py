@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from .console import Bars, console
 from ..sources.options import spec_help
-from .options import add_chunk_size
+from .options import add_chunk_size, add_reference_run, reference_run_arg
 
 NAME = "capture"
 HELP = "capture a source's distributions over a workload (reference) or a reference's tokens (candidate)"
 DESCRIPTION = (
-    "Without --teacher: the source generates greedily (temperature 0) for every workload item; "
+    "Without --reference: the source generates greedily (temperature 0) for every workload item; "
     "the output token ids are the teacher sequence and the source's distribution at every output "
-    "position is kept. With --teacher RUN: the source is fed exactly the reference's token ids "
+    "position is kept. With --reference RUN: the source is fed exactly the reference RUN's token ids "
     "(teacher forcing) and scored at the same positions; its tokenization of every item is first "
     "checked against the reference's. Distributions always come from one prefill over prompt + "
     "teacher, so reference, rerun and candidates are computed alike. A killed capture resumes "
@@ -32,7 +32,8 @@ def register(sub) -> None:
     cap = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=EPILOG)
     cap.add_argument("spec", metavar="SPEC", help="source spec")
     cap.add_argument("--workload", help="workload JSONL (reference capture; default: the bundled workload)")
-    cap.add_argument("--teacher", metavar="RUN", help="reference RUN whose token ids the source is fed (candidate capture)")
+    add_reference_run(cap, "reference RUN whose token ids the source is fed (candidate capture); --teacher is its "
+                           "deprecated name")
     cap.add_argument("--out", required=True, help="RUN directory to write: new or empty (written in place, so --resume can "
                      "continue it), or a RUN with --resume / --overwrite; never anything else")
     cap.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's max_tokens, else 64)")
@@ -62,8 +63,9 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..api import capture_run
 
+    reference = reference_run_arg(args)
     with Bars() as bars:
-        capture_run(args.spec, args.out, workload=args.workload, teacher=args.teacher, max_tokens=args.max_tokens, store=args.store,
+        capture_run(args.spec, args.out, workload=args.workload, reference=reference, max_tokens=args.max_tokens, store=args.store,
                 positions=args.positions, resume=args.resume, overwrite=args.overwrite, shard=args.shard, batch=args.batch,
                 endpoints=args.endpoint, chunk_size=args.chunk_size, bar=bars.bar)
     console().print(f"wrote RUN {args.out}")

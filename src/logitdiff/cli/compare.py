@@ -40,7 +40,7 @@ def register(sub) -> None:
                    help=f"K of the seed's top-K fields, 1..V (default: {DEFAULT_TOP_LOGPROBS}, or V when smaller; "
                    "--top-logprobs is its old name)")
     c.add_argument("--noise-floor", metavar="RUN",
-                   help="a rerun of the reference (e.g. `capture REF_SPEC --teacher REF_RUN --batch 3`: other batch mates, "
+                   help="a rerun of the reference (e.g. `capture REF_SPEC --reference REF_RUN --batch 3`: other batch mates, "
                         "where a plain rerun on CPU is bit-identical): its drift is printed beside the candidate's")
     c.add_argument("--allow-partial", action="store_true", help="accept runs marked partial (stated in the report)")
     c.add_argument("--no-rows", action="store_true", help="omit per-position rows from report.json (tokens.parquet keeps them)")
@@ -81,7 +81,7 @@ def print_summary(report: Report) -> None:
     from rich.table import Table
 
     s = report["summary"]
-    t = Table(title=f"{report['candidate'].get('spec')} vs {report['baseline'].get('spec')}  ({report['method']['kind']})")
+    t = Table(title=f"{report['candidate'].get('spec')} vs {report['reference'].get('spec')}  ({report['method']['kind']})")
     for col in ("positions", "mean KL", "95% CI", "p99 KL", "max KL", "mean JSD", "top-1 disagr."):
         t.add_column(col, justify="right")
     groups: list[Mapping[str, Any]] = [{"group": "all", "n": s["positions"], **s["metrics"],

@@ -100,6 +100,42 @@ def add_logprob_floor(p) -> None:
                         "is an error. Recorded as method.logprob_floor_nats (default: none; the upper bound is inf)")
 
 
+def add_reference_run(p, help: str) -> None:
+    """``--reference RUN`` (the reference RUN; ``args.reference_run``) and its old name
+    ``--teacher``, accepted until DEPRECATED_UNTIL and no longer listed in --help (see
+    :func:`reference_run_arg`)."""
+    import argparse
+
+    p.add_argument("--reference", dest="reference_run", metavar="RUN", help=help)
+    p.add_argument("--teacher", dest="teacher_run", metavar="RUN", help=argparse.SUPPRESS)
+
+
+def reference_run_arg(args) -> str | None:
+    """The reference RUN of ``--reference`` or of its deprecated name ``--teacher`` (then one
+    line on stderr says so), None when neither is given; both given is an error."""
+    import sys
+
+    from ..errors import DEPRECATED_UNTIL
+
+    new, old = getattr(args, "reference_run", None), getattr(args, "teacher_run", None)
+    if new is not None and old is not None:
+        raise LogitdiffError(f"--teacher and --reference both given: --teacher is the deprecated name of --reference "
+                             f"(accepted until {DEPRECATED_UNTIL}); give --reference only")
+    if old is not None:
+        print(f"logitdiff: --teacher is deprecated, use --reference (accepted until {DEPRECATED_UNTIL})", file=sys.stderr)
+        return str(old)
+    return new
+
+
+def required_reference_run(args, why: str) -> str:
+    """:func:`reference_run_arg` for a command that cannot run without the reference RUN
+    (``why``: what it is for, in the error)."""
+    run = reference_run_arg(args)
+    if run is None:
+        raise LogitdiffError(f"--reference RUN is required: {why}")
+    return run
+
+
 def add_chunk_size(p) -> None:
     from ..store import CHUNK_SIZE_HELP
 

@@ -95,7 +95,7 @@ def _damaged_input(args, e: BaseException) -> LogitdiffError:
     """A report.json or summary.json that parses but cannot be rendered (doctored, or from
     another tool): only now is every input checked against its JSON Schema, to name the
     first field at fault (the happy path pays nothing for it)."""
-    from ..contracts import validate
+    from ..contracts import migrate_report, validate
 
     docs = []
     for a in args.report_dirs:
@@ -112,6 +112,8 @@ def _damaged_input(args, e: BaseException) -> LogitdiffError:
         except (ValueError, RecursionError, OSError):
             return LogitdiffError(f"{p}: not JSON this logitdiff reads (damaged?)")
         try:
+            if schema == "report":
+                doc = migrate_report(doc, p)  # a 1.x report is checked as the 2.0 report it is read as
             validate(doc, schema, str(p))
         except RecursionError:
             return LogitdiffError(f"{p}: nested too deeply (damaged?)")
@@ -126,10 +128,11 @@ CHECKED_ROWS = 1000  # rows of a report.json checked against the schema before r
 
 
 def _check_input(path: Path, schema: str) -> None:
-    """A report.json against its JSON Schema: every field but the per-position rows, of
-    which the first CHECKED_ROWS (a row that breaks rendering later is named then, by
-    _damaged_input); a one-line error naming the first field at fault."""
-    from ..contracts import validate
+    """A report.json against its JSON Schema, after the migration of a 1.x report
+    (contracts.migrate_report): every field but the per-position rows, of which the first
+    CHECKED_ROWS (a row that breaks rendering later is named then, by _damaged_input); a
+    one-line error naming the first field at fault."""
+    from ..contracts import migrate_report, validate
 
     try:
         doc = json.loads(path.read_bytes().decode("utf-8"))
@@ -137,6 +140,8 @@ def _check_input(path: Path, schema: str) -> None:
         raise LogitdiffError(f"{path}: not JSON this logitdiff reads ({type(e).__name__})") from None
     if isinstance(doc, dict) and isinstance(doc.get("rows"), list):
         doc = {**doc, "rows": doc["rows"][:CHECKED_ROWS]}
+    if schema == "report":
+        doc = migrate_report(doc, path)
     validate(doc, schema, str(path))
 
 

@@ -36,7 +36,9 @@ def register(sub) -> None:
     from ..defaults import SANDBOX_HELP
 
     run_p = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=SANDBOX_HELP)
-    run_p.add_argument("--reference", default="builtin:tiny", help="reference spec (default: %(default)s)")
+    run_p.add_argument("--reference", default="builtin:tiny", metavar="SPEC",
+                       help="the reference's source spec (hf:, gguf:, served:, builtin:...), captured into OUT/runs/reference; "
+                            "a source, not a RUN (default: %(default)s)")
     run_p.add_argument("--candidate", action="append", dest="candidates", metavar="SPEC",
                        help="candidate spec (repeatable; default: the bundled ladder); " + REPORT_NAMES_HELP)
     run_p.add_argument("--workload", help="workload JSONL (default: the bundled workload)")

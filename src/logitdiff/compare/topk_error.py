@@ -186,7 +186,7 @@ class _Columns:
                 self.bounds[k][d][0].append(ivs[d].lower)
                 self.bounds[k][d][1].append(ivs[d].upper)
             self.approx_top1[k].append(t["top1_match"])
-            self.top_mass[k].append(t["baseline_top_mass"])
+            self.top_mass[k].append(t["reference_top_mass"])
 
     def add_compact(self, zr: np.ndarray, zc: np.ndarray, y: np.ndarray, specs: Sequence, V: int) -> None:
         from ..numerics import bounds as Bd

@@ -604,18 +604,18 @@ def analyse_report_dir(
     missing = [c for c in FLIP_COLUMNS if c not in cols and not c.startswith("p_top1")]
     if missing:
         raise LogitdiffError(f"{report_dir}/tokens.parquet: column {missing[0]!r} is missing")
-    ref_path = report["baseline"].get("path")
+    ref_path = report["reference"].get("path")
     if not ref_path or not Path(ref_path).exists():
-        raise LogitdiffError(f"{report_dir}/report.json: field 'baseline.path' ({ref_path}) is not a reference RUN that exists here")
+        raise LogitdiffError(f"{report_dir}/report.json: field 'reference.path' ({ref_path}) is not a reference RUN that exists here")
     ref = RunReader(ref_path)
     spec = candidate or report["candidate"].get("spec")
     if not spec:
         raise LogitdiffError(f"{report_dir}/report.json: field 'candidate.spec' is empty; pass --candidate SPEC")
     sim = load_similarity(similarity, similarity_threshold)
     source = open_source(spec)
-    ref_spec = reference or report["baseline"].get("spec")
+    ref_spec = reference or report["reference"].get("spec")
     if settings.both and not ref_spec:
-        raise LogitdiffError(f"{report_dir}/report.json: field 'baseline.spec' is empty; pass --reference SPEC for --both")
+        raise LogitdiffError(f"{report_dir}/report.json: field 'reference.spec' is empty; pass --reference SPEC for --both")
     ref_src = open_source(ref_spec) if settings.both and ref_spec else None
     try:
         from ..store.tokenizer_identity import check as check_tokenizers

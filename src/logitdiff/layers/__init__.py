@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from ..errors import LogitdiffError
+from ..errors import LogitdiffError, renamed_parameters
 from ..contracts import LAYERS_SCHEMA
 from ..sources.layer_hooks import LayerHooks, geometry_of, layer_hooks, point_names
 
@@ -234,17 +234,18 @@ class _Side:
     top1: np.ndarray
 
 
+@renamed_parameters(teacher="reference_run")
 def layer_attribution(
     ref_src,
     cand_srcs: Sequence,
-    teacher,
+    reference_run,
     *,
     floor_src=None,
     floor: str = FLOOR_RERUN,
     chunk_bytes: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> LayersDoc:
-    """The layers.json object for open sources over an open teacher RUN (``RunReader``).
+    """The layers.json object for open sources over the open reference RUN (``RunReader``).
 
     ``floor``: ``FLOOR_RERUN`` (the reference, each window in two forward passes),
     ``FLOOR_NONE``, or ``FLOOR_SPEC``: ``floor_src``, an open source compared like a candidate."""
@@ -252,9 +253,9 @@ def layer_attribution(
     from ..store import DEFAULT_CHUNK_BYTES
 
     chunk_bytes = int(chunk_bytes or DEFAULT_CHUNK_BYTES)
-    pairs = verified_prompts(ref_src, teacher)
+    pairs = verified_prompts(ref_src, reference_run)
     for s in list(cand_srcs) + ([floor_src] if floor_src is not None else []):
-        verified_prompts(s, teacher)
+        verified_prompts(s, reference_run)
     family, n_layer, hidden = geometry_of(ref_src)
     win = window_tokens(chunk_bytes, len(point_names(family, n_layer)), hidden, ref_src.vocab_size)
     n_pos = sum(len(it.positions) for it, _ in pairs)
@@ -280,7 +281,7 @@ def layer_attribution(
         "schema": LAYERS_SCHEMA,
         "schema_version": LAYERS_SCHEMA_VERSION,
         "reference": {"spec": ref_src.spec, "engine": ref.engine},
-        "teacher": str(teacher.path),
+        "teacher": str(reference_run.path),  # layers.json 1.x's name for the reference RUN
         "n_items": len(pairs),
         "n_positions": n_pos,
         "geometry": geometry,

@@ -784,14 +784,14 @@ def topk(
     Inputs are ``[N, K]`` token ids and log-probabilities (normalised over the full
     vocabulary, as servers return them). With K_P, K_Q the two top-K sets:
 
-        baseline_top_mass  = sum_{i in K_P} p_i;   tail_P = max(1 - baseline_top_mass, 0)
+        reference_top_mass = sum_{i in K_P} p_i;   tail_P = max(1 - reference_top_mass, 0)
         candidate_top_mass = sum_{j in K_Q} q_j;   tail_Q = max(1 - candidate_top_mass, 0)
         qhat_i = q_i if i in K_Q else tail_Q / (V - K)
         tail bucket of Q = max(1 - sum_{i in K_P} qhat_i, 0)
         KL ~ sum_{i in K_P} p_i (ln max(p_i, eps) - ln max(qhat_i, eps))
              + tail_P (ln max(tail_P, eps) - ln max(tailbucket_Q, eps))
 
-    plus ``shared_tokens`` = |K_P & K_Q|, ``shared_baseline_mass`` = sum_{K_P & K_Q} p,
+    plus ``shared_tokens`` = |K_P & K_Q|, ``shared_reference_mass`` = sum_{K_P & K_Q} p,
     ``shared_candidate_mass`` = sum_{K_P & K_Q} q, ``top1_match`` (highest logprob of each
     side, lowest id on ties) and ``kl_bits``. Identical inputs give exactly 0. Padding:
     ids < 0 mark absent entries (a server that returned fewer than K) and are ignored.
@@ -843,10 +843,10 @@ def _topk_block(ref_ids, lp, cand_ids, lq, vocab_size: int, eps: float) -> dict[
     return {
         "kl_nats": kl,
         "kl_bits": kl / LN2,
-        "baseline_top_mass": base_mass,
+        "reference_top_mass": base_mass,
         "candidate_top_mass": cand_mass,
         "shared_tokens": shared.sum(1).astype(np.int64),
-        "shared_baseline_mass": np.where(shared, p, 0.0).sum(1),
+        "shared_reference_mass": np.where(shared, p, 0.0).sum(1),
         "shared_candidate_mass": np.where(shared, q_at_p, 0.0).sum(1),
         "top1_match": top1_p == top1_q,
         "top1_ref": top1_p,

@@ -25,7 +25,7 @@ import numpy as np
 from ..capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, preflight_tokenization
 from ..compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from ..defaults import DEFAULT_MAX_BRANCHES
-from ..contracts import SCHEMA_VERSION, CandidateRow, Column, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
+from ..contracts import SUMMARY_SCHEMA_VERSION, CandidateRow, Column, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from ..errors import LogitdiffError
 from ..contracts import RUN_SUMMARY_SCHEMA
 from ..store.files import Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
@@ -263,7 +263,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
             comp, (sections, files) = score(spec, name, consequences)
             comp.served_floor = served_floor(ref_floor, None)
         report, columns = build_report(comp, ranges=cfg.ranges, n_boot=cfg.bootstrap, seed=cfg.seed, noise_floor=noise)
-        report["baseline"]["spec"] = cfg.reference
+        report["reference"]["spec"] = cfg.reference
         report.update(sections)
         if cfg.gates:
             from ..report.gates import evaluate
@@ -278,7 +278,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     cross_engine = _cross_engine_floor(rows, cfg.reference)
     summary: RunSummary = {
         "schema": RUN_SUMMARY_SCHEMA,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": SUMMARY_SCHEMA_VERSION,
         "reference": cfg.reference,
         "workload": str(wl_path),
         "workload_sha256": wl_hash,

@@ -18,7 +18,8 @@ import numpy as np
 
 from .._version import __version__
 from ..compare import Comparison
-from ..contracts import SCHEMA_VERSION, GroupStats, NoiseFloor, Report, Side, Summary, json_clean, load_report, report_json
+from ..contracts import (SCHEMA_VERSION, GroupStats, NoiseFloor, Report, Side, Summary, json_clean, load_report, migrate_columns,
+                         report_json)
 from ..numerics.metrics import LN2
 from ..contracts import REPORT_SCHEMA
 from ..store.files import atomic_path, atomic_write_bytes, write_error
@@ -26,17 +27,17 @@ from ..numerics.segments import item_segments, segment_masks, vocab_scheme
 from ..numerics.summarize import DEFAULT_RANGES, by_groups, range_masks, summarize_group
 
 
-# Row fields of the seed report, in its order.
+# Row fields of the seed report, in its order (its "baseline" is the reference: reference_* since schema 2.0).
 SEED_ROW_FIELDS = (
-    "baseline_top_mass",
-    "baseline_top_token",
-    "baseline_top_token_id",
+    "reference_top_mass",
+    "reference_top_token",
+    "reference_top_token_id",
     "candidate_top_mass",
     "candidate_top_token",
     "candidate_top_token_id",
     "kl_bits",
     "kl_nats",
-    "shared_baseline_mass",
+    "shared_reference_mass",
     "shared_candidate_mass",
     "shared_tokens",
     "source_id",
@@ -50,8 +51,8 @@ NO_POSITIONS = "no positions compared: the paired items have no scored positions
 # (a method says its columns block by block, and no block means no columns)
 _EMPTY_COLUMNS = {
     "top1_ref": np.int64, "top1_cand": np.int64, "top1_match": np.bool_, "kl_nats": np.float64,
-    "baseline_top_mass": np.float64, "candidate_top_mass": np.float64, "shared_tokens": np.int64,
-    "shared_baseline_mass": np.float64, "shared_candidate_mass": np.float64,
+    "reference_top_mass": np.float64, "candidate_top_mass": np.float64, "shared_tokens": np.int64,
+    "shared_reference_mass": np.float64, "shared_candidate_mass": np.float64,
 }
 
 
@@ -155,108 +156,23 @@ def build_report(
     include_rows: bool = True,
     noise_floor: NoiseFloor | None = None,
 ) -> tuple[Report, dict[str, np.ndarray]]:
-    """The report.json object and the per-position table (columns) behind it."""
-    c = dict(comp.columns)
-    n = comp.n
-    notes = list(comp.notes)
-    if n == 0:
-        for key, dtype in _EMPTY_COLUMNS.items():
-            c.setdefault(key, np.empty(0, dtype))
-        notes.append(NO_POSITIONS)
-    # Seed-compatible names and bits twins.
-    c["source_id"] = c["item_id"]
-    c["baseline_top_token_id"] = c["top1_ref"]
-    c["candidate_top_token_id"] = c["top1_cand"]
-    for key in [k for k in list(c) if k.endswith("_nats")]:
-        c[key[:-5] + "_bits"] = np.asarray(c[key], dtype=np.float64) / LN2
+    """The report.json object and the per-position table (columns) behind it, in steps: the
+    columns (the seed's names, bits twins), the summary, the groups (ranges, tags, segments,
+    items), the rows, then the table's token texts."""
+    c, notes = _report_columns(comp)
     item_tags = {it.id: it.tags for it in comp.items}
     _, item_index = np.unique(c["item_id"].astype(str), return_inverse=True)
-    kw = {"n_boot": n_boot, "seed": seed}
-
-    overall = summarize_group(c, item_index, n_boot=n_boot, seed=seed)
-    kl = np.asarray(c["kl_nats"])
-    imax = int(np.argmax(kl)) if n else 0
-    match = np.asarray(c["top1_match"], dtype=bool)
-    summary: Summary = {
-        # The seed's summary fields first.
-        "baseline_top_mass_mean": json_clean(np.mean(c["baseline_top_mass"])) if n else None,
-        "candidate_top_mass_mean": json_clean(np.mean(c["candidate_top_mass"])) if n else None,
-        "kl_bits_max": json_clean(kl.max() / LN2) if n else None,
-        "kl_bits_mean": json_clean(kl.mean() / LN2) if n else None,
-        "kl_nats_max": json_clean(kl.max()) if n else None,
-        "kl_nats_mean": json_clean(kl.mean()) if n else None,
-        "kl_nats_p50": json_clean(np.percentile(kl, 50)) if n else None,
-        "kl_nats_p95": json_clean(np.percentile(kl, 95)) if n else None,
-        "max_kl_baseline_top_token": comp.token_text(int(c["top1_ref"][imax])) if n else None,
-        "max_kl_candidate_top_token": comp.token_text(int(c["top1_cand"][imax])) if n else None,
-        "max_kl_source_id": str(c["item_id"][imax]) if n else None,
-        "max_kl_position": int(c["position"][imax]) if n else None,
-        "paired_prompts": len(comp.items),
-        "shared_baseline_mass_mean": json_clean(np.mean(c["shared_baseline_mass"])) if n else None,
-        "top1_match_rate": json_clean(match.mean()) if n else None,
-        "top1_matches": int(match.sum()),
-        "top1_mismatches": int((~match).sum()),
-        # Ours.
-        "positions": n,
-        "top1_disagreement": overall.get("top1_disagreement"),
-        # the divergence entries of the overall group: Stats
-        "metrics": {k: v for k, v in overall.items() if isinstance(v, dict) and k != "top1_disagreement"},  # type: ignore[misc]
-    }
-    # the fields whose keys are built from names (Summary says which); written through a plain view
-    named = cast("dict[str, Any]", summary)
-    for key in ("ppl_ref", "ppl_cand", "ppl_ratio", "nll_ref_mean", "nll_cand_mean"):
-        if key in overall:
-            named[key] = cast("dict[str, Any]", overall)[key]
-    # Proven intervals (bounded methods): the mean of the bounds bounds the mean.
-    from ..store.compact import INTERVAL_COLUMNS
-
-    for lo, hi in INTERVAL_COLUMNS.values():
-        if lo in c and n:
-            named[f"{lo}_mean"] = json_clean(np.mean(c[lo]))
-            named[f"{hi}_mean"] = json_clean(np.mean(c[hi]))  # inf (JSON null): no finite upper bound
-            name = lo[:-len('_lower_nats')]
-            width = float(np.mean(np.asarray(c[hi]) - np.asarray(c[lo])))
-            named[f"{name}_interval_width_mean"] = json_clean(width)
-            # a real model's unstored tail can leave the upper end far off while the lower
-            # end is within ~1 % (bench/RESULTS.md): say so when the width exceeds the
-            # estimate itself, so the page reads the interval from below
-            est = float(np.mean(c[lo.replace("_lower", "")])) if lo.replace("_lower", "") in c else float("nan")
-            named[f"{name}_upper_uninformative"] = bool(not np.isfinite(width) or width > abs(est))
-    if noise_floor:
-        summary["noise_floor"] = noise_floor
-        floor = noise_floor.get("kl_nats_mean")
-        summary["kl_mean_x_noise_floor"] = (kl.mean() / floor) if (n and floor) else None
-    if comp.served_floor:  # served sides captured again with other batch mates (servedfloor.py)
-        from ..sources.served_floor import summary_fields
-
-        named.update(summary_fields(float(kl.mean()) if n else None, comp.served_floor))
-
-    pos = np.asarray(c["position"])
-    range_rows = by_groups(c, item_index, range_masks(pos, ranges), **kw)
-    all_tags = sorted({t for tags in item_tags.values() for t in tags})
+    summary = _summary(comp, c, item_index, n_boot=n_boot, seed=seed, noise_floor=noise_floor)
     tag_of_row = [item_tags.get(str(i), []) for i in c["item_id"]]
-    tag_rows = by_groups(
-        c, item_index, ((t, np.array([t in tags for tags in tag_of_row], dtype=bool)) for t in all_tags), **kw
-    )
-    seg_rows = []
-    if comp.vocab is not None:
-        labels = _segment_labels(comp)
-        if labels is not None:
-            c["segment"] = labels
-            seg_rows = by_groups(c, item_index, segment_masks(labels), **kw)
-    item_rows: list[GroupStats] = []
-    for it in comp.items:
-        mask = c["item_id"] == it.id
-        g = summarize_group({k: np.asarray(v)[mask] for k, v in c.items()}, item_index[mask], n_boot=0)
-        item_rows.append({"id": it.id, "tags": it.tags, **g})
-
+    range_rows, tag_rows, seg_rows = _group_rows(comp, c, item_index, item_tags, tag_of_row, ranges=ranges, n_boot=n_boot, seed=seed)
+    item_rows = _item_rows(comp, c, item_index)
     report: Report = {
         "schema": REPORT_SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "logitdiff", "version": __version__},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine_info(),
-        "baseline": _side(comp.ref, "reference"),
+        "reference": _side(comp.ref, "reference"),
         "candidate": _side(comp.cand, "candidate"),
         "method": {  # type: ignore[typeddict-item]  # comp.method (compare.methods) holds the rest of Method's keys
             **comp.method,
@@ -275,8 +191,137 @@ def build_report(
     rows = _rows(comp, c) if include_rows else None
     if not include_rows:
         report["rows_omitted"] = True
+    _add_token_texts(comp, c, tag_of_row)
+    report = json_clean(report)
+    if rows is not None:
+        report["rows"] = rows
+    return report, c
+
+
+def _report_columns(comp: Comparison) -> tuple[dict[str, Any], list[str]]:
+    """The comparison's columns with the seed's names and a bits twin of every ``*_nats``
+    column (empty ones where no position was compared), and the method's notes."""
+    c = dict(comp.columns)
+    notes = list(comp.notes)
+    if comp.n == 0:
+        for key, dtype in _EMPTY_COLUMNS.items():
+            c.setdefault(key, np.empty(0, dtype))
+        notes.append(NO_POSITIONS)
+    # Seed-compatible names and bits twins.
+    c["source_id"] = c["item_id"]
+    c["reference_top_token_id"] = c["top1_ref"]
+    c["candidate_top_token_id"] = c["top1_cand"]
+    for key in [k for k in list(c) if k.endswith("_nats")]:
+        c[key[:-5] + "_bits"] = np.asarray(c[key], dtype=np.float64) / LN2
+    return c, notes
+
+
+def _summary(comp: Comparison, c: dict[str, Any], item_index: np.ndarray, *, n_boot: int, seed: int,
+             noise_floor: NoiseFloor | None) -> Summary:
+    """report.json's ``summary``: the seed's fields, the overall group, the proven intervals of
+    bounded methods and the floors."""
+    n = comp.n
+    overall = summarize_group(c, item_index, n_boot=n_boot, seed=seed)
+    kl = np.asarray(c["kl_nats"])
+    imax = int(np.argmax(kl)) if n else 0
+    match = np.asarray(c["top1_match"], dtype=bool)
+    summary: Summary = {
+        # The seed's summary fields first (its "baseline" is the reference).
+        "reference_top_mass_mean": json_clean(np.mean(c["reference_top_mass"])) if n else None,
+        "candidate_top_mass_mean": json_clean(np.mean(c["candidate_top_mass"])) if n else None,
+        "kl_bits_max": json_clean(kl.max() / LN2) if n else None,
+        "kl_bits_mean": json_clean(kl.mean() / LN2) if n else None,
+        "kl_nats_max": json_clean(kl.max()) if n else None,
+        "kl_nats_mean": json_clean(kl.mean()) if n else None,
+        "kl_nats_p50": json_clean(np.percentile(kl, 50)) if n else None,
+        "kl_nats_p95": json_clean(np.percentile(kl, 95)) if n else None,
+        "max_kl_reference_top_token": comp.token_text(int(c["top1_ref"][imax])) if n else None,
+        "max_kl_candidate_top_token": comp.token_text(int(c["top1_cand"][imax])) if n else None,
+        "max_kl_source_id": str(c["item_id"][imax]) if n else None,
+        "max_kl_position": int(c["position"][imax]) if n else None,
+        "paired_prompts": len(comp.items),
+        "shared_reference_mass_mean": json_clean(np.mean(c["shared_reference_mass"])) if n else None,
+        "top1_match_rate": json_clean(match.mean()) if n else None,
+        "top1_matches": int(match.sum()),
+        "top1_mismatches": int((~match).sum()),
+        # Ours.
+        "positions": n,
+        "top1_disagreement": overall.get("top1_disagreement"),
+        # the divergence entries of the overall group: Stats
+        "metrics": {k: v for k, v in overall.items() if isinstance(v, dict) and k != "top1_disagreement"},  # type: ignore[misc]
+    }
+    # the fields whose keys are built from names (Summary says which); written through a plain view
+    named = cast("dict[str, Any]", summary)
+    for key in ("ppl_ref", "ppl_cand", "ppl_ratio", "nll_ref_mean", "nll_cand_mean"):
+        if key in overall:
+            named[key] = cast("dict[str, Any]", overall)[key]
+    if n:
+        named.update(_interval_fields(c))
+    if noise_floor:
+        summary["noise_floor"] = noise_floor
+        floor = noise_floor.get("kl_nats_mean")
+        summary["kl_mean_x_noise_floor"] = (kl.mean() / floor) if (n and floor) else None
+    if comp.served_floor:  # served sides captured again with other batch mates (servedfloor.py)
+        from ..sources.served_floor import summary_fields
+
+        named.update(summary_fields(float(kl.mean()) if n else None, comp.served_floor))
+    return summary
+
+
+def _interval_fields(c: dict[str, Any]) -> dict[str, Any]:
+    """Proven intervals (bounded methods): the mean of the bounds bounds the mean."""
+    from ..store.compact import INTERVAL_COLUMNS
+
+    out: dict[str, Any] = {}
+    for lo, hi in INTERVAL_COLUMNS.values():
+        if lo in c:
+            out[f"{lo}_mean"] = json_clean(np.mean(c[lo]))
+            out[f"{hi}_mean"] = json_clean(np.mean(c[hi]))  # inf (JSON null): no finite upper bound
+            name = lo[:-len('_lower_nats')]
+            width = float(np.mean(np.asarray(c[hi]) - np.asarray(c[lo])))
+            out[f"{name}_interval_width_mean"] = json_clean(width)
+            # a real model's unstored tail can leave the upper end far off while the lower
+            # end is within ~1 % (bench/RESULTS.md): say so when the width exceeds the
+            # estimate itself, so the page reads the interval from below
+            est = float(np.mean(c[lo.replace("_lower", "")])) if lo.replace("_lower", "") in c else float("nan")
+            out[f"{name}_upper_uninformative"] = bool(not np.isfinite(width) or width > abs(est))
+    return out
+
+
+def _group_rows(comp: Comparison, c: dict[str, Any], item_index: np.ndarray, item_tags: dict, tag_of_row: list, *,
+                ranges: Sequence[int], n_boot: int, seed: int) -> tuple[list[GroupStats], list[GroupStats], list[GroupStats]]:
+    """report.json's ``ranges``, ``tags`` and ``segments`` (adding the ``segment`` column to
+    ``c`` where the vocabulary gives one)."""
+    kw = {"n_boot": n_boot, "seed": seed}
+    pos = np.asarray(c["position"])
+    range_rows = by_groups(c, item_index, range_masks(pos, ranges), **kw)
+    all_tags = sorted({t for tags in item_tags.values() for t in tags})  # an item's tag is a group even where it has no position
+    tag_rows = by_groups(
+        c, item_index, ((t, np.array([t in tags for tags in tag_of_row], dtype=bool)) for t in all_tags), **kw
+    )
+    seg_rows: list[GroupStats] = []
+    if comp.vocab is not None:
+        labels = _segment_labels(comp)
+        if labels is not None:
+            c["segment"] = labels
+            seg_rows = by_groups(c, item_index, segment_masks(labels), **kw)
+    return range_rows, tag_rows, seg_rows
+
+
+def _item_rows(comp: Comparison, c: dict[str, Any], item_index: np.ndarray) -> list[GroupStats]:
+    """report.json's ``items``: one group per item, without bootstrap."""
+    item_rows: list[GroupStats] = []
+    for it in comp.items:
+        mask = c["item_id"] == it.id
+        g = summarize_group({k: np.asarray(v)[mask] for k, v in c.items()}, item_index[mask], n_boot=0)
+        item_rows.append({"id": it.id, "tags": it.tags, **g})
+    return item_rows
+
+
+def _add_token_texts(comp: Comparison, c: dict[str, Any], tag_of_row: list) -> None:
+    """The table's text columns: every row's tags, and the text of each token id column."""
     c["tags"] = np.array([list(t) for t in tag_of_row], dtype=object)
-    c["baseline_top_token"] = np.array([comp.token_text(int(t)) for t in c["top1_ref"]], dtype=object)
+    c["reference_top_token"] = np.array([comp.token_text(int(t)) for t in c["top1_ref"]], dtype=object)
     c["candidate_top_token"] = np.array([comp.token_text(int(t)) for t in c["top1_cand"]], dtype=object)
     c["token"] = np.array([comp.token_text(int(t)) for t in c["token_id"]], dtype=object)
     for side in ("ref", "cand"):
@@ -284,10 +329,6 @@ def build_report(
             c[f"top5_{side}_tokens"] = np.array(
                 [[comp.token_text(int(t)) for t in row] for row in np.asarray(c[f"top5_{side}_ids"])], dtype=object
             )
-    report = json_clean(report)
-    if rows is not None:
-        report["rows"] = rows
-    return report, c
 
 
 def _segment_labels(comp: Comparison) -> np.ndarray | None:
@@ -312,7 +353,7 @@ def _rows(comp: Comparison, c: dict) -> list[dict]:
     # rows are then zipped from the column lists with one key order for all of them.
     cols = {k: json_clean(np.asarray(c[k]).tolist()) for k in c if k != "item_id"}
     ids = [str(x) for x in c["item_id"]]
-    cols["baseline_top_token"] = [comp.token_text(int(t)) for t in cols["top1_ref"]]
+    cols["reference_top_token"] = [comp.token_text(int(t)) for t in cols["top1_ref"]]
     cols["candidate_top_token"] = [comp.token_text(int(t)) for t in cols["top1_cand"]]
     cols["token"] = [comp.token_text(int(t)) for t in cols["token_id"]]
     cols["item_id"] = ids
@@ -413,8 +454,10 @@ def read_columns(report_dir: str | Path, names: Sequence[str] | None = None) -> 
         raise LogitdiffError(f"{path}: not found (is {report_dir} a logitdiff REPORT directory?)")
     from .arrow_columns import to_numpy
 
-    t = pq.ParquetFile(path).read(columns=list(names) if names else None)
-    return {k: to_numpy(t.column(k)) for k in t.column_names}
+    # a schema-1.x report's columns under their 2.0 names (contracts.migrate_columns)
+    stored = migrate_columns({k: k for k in pq.read_schema(path).names})  # 2.0 name -> the name in the file
+    t = pq.ParquetFile(path).read(columns=[stored.get(k, k) for k in names] if names else None)
+    return migrate_columns({k: to_numpy(t.column(k)) for k in t.column_names})
 
 
 def read_report(report_dir: str | Path) -> Report:

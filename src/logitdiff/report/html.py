@@ -33,7 +33,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .._version import __version__
-from ..contracts import GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report
+from ..contracts import (REPORT_SCHEMA_1, GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report, migrate_columns,
+                         migrate_report)
 from ..errors import LogitdiffError
 from ..defaults import flip_agreement_sentence
 from .gates import get_path as _get
@@ -51,7 +52,7 @@ WORST_ITEMS = 5
 # tokens.parquet columns the page uses (others are not read).
 TOKEN_COLUMNS = (
     "item_id", "position", "token_id", "token", "kl_nats", "top1_match", "top1_ref", "top1_cand",
-    "p_ref_token", "p_cand_token", "margin_ref", "baseline_top_token", "candidate_top_token",
+    "p_ref_token", "p_cand_token", "margin_ref", "reference_top_token", "candidate_top_token",
     "p_top1_ref", "p_top1_cand", "top5_ref_ids", "top5_ref_p", "top5_cand_ids", "top5_cand_p", "top5_ref_tokens", "top5_cand_tokens",
 )
 # Columns holding a short list per position (the top-5 of each model).
@@ -270,8 +271,9 @@ def token_columns(tok) -> dict[str, np.ndarray] | None:
     if tok is None:
         return None
     if hasattr(tok, "columns") and hasattr(tok, "__getitem__") and not isinstance(tok, Mapping):
-        return {str(c): np.asarray(tok[c].to_numpy()) for c in tok.columns if str(c) in TOKEN_COLUMNS}
-    return {k: np.asarray(v) for k, v in tok.items() if k in TOKEN_COLUMNS}
+        cols = {str(c): tok[c] for c in tok.columns}
+        return {k: np.asarray(v.to_numpy()) for k, v in migrate_columns(cols).items() if k in TOKEN_COLUMNS}
+    return {k: np.asarray(v) for k, v in migrate_columns(dict(tok)).items() if k in TOKEN_COLUMNS}
 
 
 def _rows_as_columns(report: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
@@ -302,9 +304,11 @@ def load_tokens(path: str | Path) -> dict[str, np.ndarray] | None:
         return None
     from .arrow_columns import to_numpy
 
-    names = set(pq.read_schema(path).names)
-    table = pq.ParquetFile(path).read(columns=[c for c in TOKEN_COLUMNS if c in names])
-    return {name: to_numpy(table.column(name)) for name in table.column_names}
+    # a schema-1.x report's columns under their 2.0 names (contracts.migrate_columns)
+    stored = {name: name for name in pq.read_schema(path).names}
+    stored = migrate_columns(stored)  # 2.0 name -> the name in the file
+    table = pq.ParquetFile(path).read(columns=[stored[c] for c in TOKEN_COLUMNS if c in stored])
+    return migrate_columns({name: to_numpy(table.column(name)) for name in table.column_names})
 
 
 # ----------------------------------------------------------------------------- checks
@@ -339,9 +343,9 @@ def check_reports_on_one_page(reports: Sequence[Mapping[str, Any]], tokens: Sequ
 
         if r.get("schema") != first.get("schema"):
             refuse("schema", first.get("schema"), r.get("schema"))
-        ha, hb = _get(first, "baseline.tokenizer_hash"), _get(r, "baseline.tokenizer_hash")
+        ha, hb = _get(first, "reference.tokenizer_hash"), _get(r, "reference.tokenizer_hash")
         if ha and hb and ha != hb:
-            refuse("workload: baseline.tokenizer_hash", ha[:19] + "…", hb[:19] + "…")
+            refuse("workload: reference.tokenizer_hash", ha[:19] + "…", hb[:19] + "…")
         ia = sorted(str(x.get("id")) for x in first.get("items") or [])
         ib = sorted(str(x.get("id")) for x in r.get("items") or [])
         if ia != ib:
@@ -466,120 +470,148 @@ def _layout(fig, title: str, top: int = 50, **kw):
 
 
 def build_figures(names, reports, cdfs, buckets, conf_label, pareto) -> tuple[list[dict], list[str]]:
-    """The page's plots, each {id, title, note, data, layout}; and notes on omitted plots."""
+    """The page's plots, each {id, title, note, data, layout}; and notes on omitted plots.
+    Each plot in turn: KL CDF, KL and top-1 disagreement by output range, drift by reference
+    confidence, flip outcomes by tag, the size/KL Pareto frontier."""
+    figs: list[dict] = []
+    omitted: list[str] = []
+    colors = _palette(len(names))
+    for made, missing in (_kl_cdf_figures(names, colors, cdfs), _range_figures(names, colors, reports),
+                          _confidence_figures(names, colors, buckets, conf_label), _flips_by_tag_figures(names, reports),
+                          _pareto_figures(pareto)):
+        figs += made
+        omitted += [missing] if missing else []
+    return figs, omitted
+
+
+def _kl_cdf_figures(names, colors, cdfs) -> tuple[list[dict], str | None]:
+    """The KL CDF of every candidate with tokens (or why there is none)."""
+    import plotly.graph_objects as go
+
+    if not any(c and c["x"] for c in cdfs.values()):
+        return [], "KL CDF: no tokens.parquet"
+    f = go.Figure()
+    for name, col in zip(names, colors):
+        c = cdfs.get(name)
+        if c and c["x"]:
+            f.add_scatter(x=c["x"], y=c["y"], name=name, mode="lines", line={"color": col, "width": 2},
+                          hovertemplate=name + "<br>KL %{x:.3g} nats<br>share ≤ x: %{y:.4f}<extra></extra>")
+    _layout(f, "KL(P_ref‖P_cand) per position: cumulative share (log x)")
+    f.update_xaxes(type="log", title="KL, nats")
+    f.update_yaxes(title="share of positions ≤ x", range=[0, 1.01])
+    return [{"id": "plot-kl-cdf", "note": "Curves to the left are closer to the reference. Positions with KL exactly 0 "
+             "cannot sit on a log axis: a curve starts at their share.", **_fig(f)}], None
+
+
+def _range_figures(names, colors, reports) -> tuple[list[dict], str | None]:
+    """Mean and p95 KL, and top-1 disagreement, by output range (report.json ``ranges``)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    figs, omitted = [], []
-    colors = _palette(len(names))
-
-    if any(c and c["x"] for c in cdfs.values()):
-        f = go.Figure()
-        for name, col in zip(names, colors):
-            c = cdfs.get(name)
-            if c and c["x"]:
-                f.add_scatter(x=c["x"], y=c["y"], name=name, mode="lines", line={"color": col, "width": 2},
-                              hovertemplate=name + "<br>KL %{x:.3g} nats<br>share ≤ x: %{y:.4f}<extra></extra>")
-        _layout(f, "KL(P_ref‖P_cand) per position: cumulative share (log x)")
-        f.update_xaxes(type="log", title="KL, nats")
-        f.update_yaxes(title="share of positions ≤ x", range=[0, 1.01])
-        figs.append({"id": "plot-kl-cdf", "note": "Curves to the left are closer to the reference. Positions with KL exactly 0 "
-                     "cannot sit on a log axis: a curve starts at their share.", **_fig(f)})
-    else:
-        omitted.append("KL CDF: no tokens.parquet")
-
     ranges = [r.get("ranges") or [] for r in reports]
-    if any(ranges):
-        f = make_subplots(rows=1, cols=2, subplot_titles=("mean KL (95 % CI)", "p95 KL"), horizontal_spacing=0.08)
-        for name, col, rr in zip(names, colors, ranges):
-            rr = [g for g in rr if g.get("n")]
-            x = [g["group"] for g in rr]
-            mean = [_get(g, "kl_nats.mean") for g in rr]
-            ci = [_get(g, "kl_nats.ci95") or [None, None] for g in rr]
-            f.add_scatter(x=x, y=mean, name=name, legendgroup=name, mode="lines+markers", line={"color": col}, row=1, col=1,
-                          error_y={"type": "data", "symmetric": False, "array": [(c[1] - m) if None not in (c[1], m) else None for c, m in zip(ci, mean)],
-                                   "arrayminus": [(m - c[0]) if None not in (c[0], m) else None for c, m in zip(ci, mean)], "thickness": 1},
-                          hovertemplate=name + " %{x}<br>mean KL %{y:.4g}<extra></extra>")
-            f.add_scatter(x=x, y=[_get(g, "kl_nats.p95") for g in rr], name=name, legendgroup=name, showlegend=False, mode="lines+markers",
-                          line={"color": col, "dash": "dot"}, row=1, col=2, hovertemplate=name + " %{x}<br>p95 KL %{y:.4g}<extra></extra>")
-        _layout(f, "KL by output range (position from the start of the output)", top=80)
-        f.update_yaxes(type="log", title="KL, nats")
-        f.update_xaxes(type="category")
-        figs.append({"id": "plot-ranges-kl", "note": "From report.json ranges. Empty ranges are left out.", **_fig(f)})
+    if not any(ranges):
+        return [], "output ranges: no ranges in report.json"
+    figs = []
+    f = make_subplots(rows=1, cols=2, subplot_titles=("mean KL (95 % CI)", "p95 KL"), horizontal_spacing=0.08)
+    for name, col, rr in zip(names, colors, ranges):
+        rr = [g for g in rr if g.get("n")]
+        x = [g["group"] for g in rr]
+        mean = [_get(g, "kl_nats.mean") for g in rr]
+        ci = [_get(g, "kl_nats.ci95") or [None, None] for g in rr]
+        f.add_scatter(x=x, y=mean, name=name, legendgroup=name, mode="lines+markers", line={"color": col}, row=1, col=1,
+                      error_y={"type": "data", "symmetric": False, "array": [(c[1] - m) if None not in (c[1], m) else None for c, m in zip(ci, mean)],
+                               "arrayminus": [(m - c[0]) if None not in (c[0], m) else None for c, m in zip(ci, mean)], "thickness": 1},
+                      hovertemplate=name + " %{x}<br>mean KL %{y:.4g}<extra></extra>")
+        f.add_scatter(x=x, y=[_get(g, "kl_nats.p95") for g in rr], name=name, legendgroup=name, showlegend=False, mode="lines+markers",
+                      line={"color": col, "dash": "dot"}, row=1, col=2, hovertemplate=name + " %{x}<br>p95 KL %{y:.4g}<extra></extra>")
+    _layout(f, "KL by output range (position from the start of the output)", top=80)
+    f.update_yaxes(type="log", title="KL, nats")
+    f.update_xaxes(type="category")
+    figs.append({"id": "plot-ranges-kl", "note": "From report.json ranges. Empty ranges are left out.", **_fig(f)})
 
-        f = go.Figure()
-        for name, col, rr in zip(names, colors, ranges):
-            rr = [g for g in rr if g.get("n")]
-            rate = [_get(g, "top1_disagreement.rate") for g in rr]
-            ci = [_get(g, "top1_disagreement.ci95") or [None, None] for g in rr]
-            f.add_scatter(x=[g["group"] for g in rr], y=[None if v is None else 100 * v for v in rate], name=name, mode="lines+markers",
-                          line={"color": col},
-                          error_y={"type": "data", "symmetric": False, "thickness": 1,
-                                   "array": [100 * (c[1] - v) if None not in (c[1], v) else None for c, v in zip(ci, rate)],
-                                   "arrayminus": [100 * (v - c[0]) if None not in (c[0], v) else None for c, v in zip(ci, rate)]},
-                          hovertemplate=name + " %{x}<br>top-1 disagreement %{y:.2f} %<extra></extra>")
-        _layout(f, "Top-1 disagreement by output range (95 % CI)")
-        f.update_yaxes(title="% of positions", rangemode="tozero")
-        f.update_xaxes(type="category")
-        figs.append({"id": "plot-ranges-top1", "note": "From report.json ranges.", **_fig(f)})
-    else:
-        omitted.append("output ranges: no ranges in report.json")
+    f = go.Figure()
+    for name, col, rr in zip(names, colors, ranges):
+        rr = [g for g in rr if g.get("n")]
+        rate = [_get(g, "top1_disagreement.rate") for g in rr]
+        ci = [_get(g, "top1_disagreement.ci95") or [None, None] for g in rr]
+        f.add_scatter(x=[g["group"] for g in rr], y=[None if v is None else 100 * v for v in rate], name=name, mode="lines+markers",
+                      line={"color": col},
+                      error_y={"type": "data", "symmetric": False, "thickness": 1,
+                               "array": [100 * (c[1] - v) if None not in (c[1], v) else None for c, v in zip(ci, rate)],
+                               "arrayminus": [100 * (v - c[0]) if None not in (c[0], v) else None for c, v in zip(ci, rate)]},
+                      hovertemplate=name + " %{x}<br>top-1 disagreement %{y:.2f} %<extra></extra>")
+    _layout(f, "Top-1 disagreement by output range (95 % CI)")
+    f.update_yaxes(title="% of positions", rangemode="tozero")
+    f.update_xaxes(type="category")
+    figs.append({"id": "plot-ranges-top1", "note": "From report.json ranges.", **_fig(f)})
+    return figs, None
 
-    if buckets:
-        f = make_subplots(rows=1, cols=2, subplot_titles=("mean KL", "top-1 disagreement (%)"), horizontal_spacing=0.08)
-        for name, col in zip(names, colors):
-            b = buckets.get(name)
-            if not b:
-                continue
-            f.add_scatter(x=b["labels"], y=b["kl_mean"], customdata=b["n"], name=name, legendgroup=name, mode="lines+markers", line={"color": col},
-                          row=1, col=1, hovertemplate=name + " p_ref %{x}<br>mean KL %{y:.4g}<br>%{customdata} positions<extra></extra>")
-            f.add_scatter(x=b["labels"], y=[None if v is None else 100 * v for v in b["top1_disagreement"]], customdata=b["n"], name=name,
-                          legendgroup=name, showlegend=False, mode="lines+markers", line={"color": col}, row=1, col=2,
-                          hovertemplate=name + " p_ref %{x}<br>%{y:.2f} %<br>%{customdata} positions<extra></extra>")
-        _layout(f, "Drift by reference confidence (p of the reference's top token)", top=80)
-        f.update_yaxes(type="log", row=1, col=1, title="KL, nats")
-        f.update_yaxes(rangemode="tozero", row=1, col=2)
-        f.update_xaxes(type="category", title="reference confidence")
-        figs.append({"id": "plot-ref-confidence", "note": f"Confidence column: {conf_label}. Decisions the reference was unsure of "
-                     "flip first; drift on confident positions is the worrying kind.", **_fig(f)})
-    else:
-        omitted.append("reference confidence: no tokens.parquet")
+
+def _confidence_figures(names, colors, buckets, conf_label) -> tuple[list[dict], str | None]:
+    """Mean KL and top-1 disagreement by the reference's confidence in its own top token."""
+    from plotly.subplots import make_subplots
+
+    if not buckets:
+        return [], "reference confidence: no tokens.parquet"
+    f = make_subplots(rows=1, cols=2, subplot_titles=("mean KL", "top-1 disagreement (%)"), horizontal_spacing=0.08)
+    for name, col in zip(names, colors):
+        b = buckets.get(name)
+        if not b:
+            continue
+        f.add_scatter(x=b["labels"], y=b["kl_mean"], customdata=b["n"], name=name, legendgroup=name, mode="lines+markers", line={"color": col},
+                      row=1, col=1, hovertemplate=name + " p_ref %{x}<br>mean KL %{y:.4g}<br>%{customdata} positions<extra></extra>")
+        f.add_scatter(x=b["labels"], y=[None if v is None else 100 * v for v in b["top1_disagreement"]], customdata=b["n"], name=name,
+                      legendgroup=name, showlegend=False, mode="lines+markers", line={"color": col}, row=1, col=2,
+                      hovertemplate=name + " p_ref %{x}<br>%{y:.2f} %<br>%{customdata} positions<extra></extra>")
+    _layout(f, "Drift by reference confidence (p of the reference's top token)", top=80)
+    f.update_yaxes(type="log", row=1, col=1, title="KL, nats")
+    f.update_yaxes(rangemode="tozero", row=1, col=2)
+    f.update_xaxes(type="category", title="reference confidence")
+    return [{"id": "plot-ref-confidence", "note": f"Confidence column: {conf_label}. Decisions the reference was unsure of "
+             "flip first; drift on confident positions is the worrying kind.", **_fig(f)}], None
+
+
+def _flips_by_tag_figures(names, reports) -> tuple[list[dict], str | None]:
+    """Flip outcomes by tag, stacked (report.json ``flips.by_tag``)."""
+    import plotly.graph_objects as go
 
     by_tag = {n: _get(r, "flips.by_tag") for n, r in zip(names, reports) if _get(r, "flips.by_tag")}
-    if by_tag:
-        rows = []  # (candidate, tag, outcome, count)
-        for name, bt in by_tag.items():
-            for tag, d in bt.items():
-                for outcome, count in _outcome_counts(d).items():
-                    rows.append((name, str(tag), outcome, count))
-        # Outcomes that occurred, in the order the report lists them (flips.py: mildest first).
-        outcomes = list(dict.fromkeys(r[2] for r in rows if r[3]))
-        f = go.Figure()
-        for oc in outcomes:
-            sel = [r for r in rows if r[2] == oc and r[3]]
-            f.add_bar(x=[[r[0] for r in sel], [r[1] for r in sel]], y=[r[3] for r in sel], name=oc)
-        _layout(f, "Flip outcomes by tag", barmode="stack")
-        f.update_yaxes(title="flips")
-        figs.append({"id": "plot-flips-by-tag", "note": "From report.json flips.by_tag.", **_fig(f)})
-    else:
-        omitted.append("flip outcomes by tag: no report has flips.by_tag (run flips to get it)")
+    if not by_tag:
+        return [], "flip outcomes by tag: no report has flips.by_tag (run flips to get it)"
+    rows = []  # (candidate, tag, outcome, count)
+    for name, bt in by_tag.items():
+        for tag, d in bt.items():
+            for outcome, count in _outcome_counts(d).items():
+                rows.append((name, str(tag), outcome, count))
+    # Outcomes that occurred, in the order the report lists them (flips.py: mildest first).
+    outcomes = list(dict.fromkeys(r[2] for r in rows if r[3]))
+    f = go.Figure()
+    for oc in outcomes:
+        sel = [r for r in rows if r[2] == oc and r[3]]
+        f.add_bar(x=[[r[0] for r in sel], [r[1] for r in sel]], y=[r[3] for r in sel], name=oc)
+    _layout(f, "Flip outcomes by tag", barmode="stack")
+    f.update_yaxes(title="flips")
+    return [{"id": "plot-flips-by-tag", "note": "From report.json flips.by_tag.", **_fig(f)}], None
 
-    if len(pareto["points"]) >= 2:
-        pts, front = pareto["points"], set(pareto["front"])
-        f = go.Figure()
-        f.add_scatter(x=[p["size"] for p in pts], y=[p["kl_mean"] for p in pts], text=[p["name"] for p in pts], mode="markers+text",
-                      textposition="top center", marker={"size": 10, "color": ["#d62728" if p["name"] in front else "#7f7f7f" for p in pts]},
-                      name="candidates", hovertemplate="%{text}<br>%{x:.4s}B<br>mean KL %{y:.4g}<extra></extra>")
-        fp = sorted((p for p in pts if p["name"] in front), key=lambda p: p["size"])
-        f.add_scatter(x=[p["size"] for p in fp], y=[p["kl_mean"] for p in fp], mode="lines", line={"color": "#d62728", "dash": "dot"},
-                      name="Pareto frontier", hoverinfo="skip")
-        _layout(f, "Mean KL vs file size (Pareto frontier in red)")
-        f.update_xaxes(title="file size, bytes", type="log")
-        f.update_yaxes(title="mean KL, nats", type="log")
-        figs.append({"id": "plot-pareto", "note": "File size from candidate.identity; candidates without one are left out.", **_fig(f)})
-    else:
-        omitted.append("Pareto of KL vs file size: fewer than two candidates record a file size")
-    return figs, omitted
+
+def _pareto_figures(pareto) -> tuple[list[dict], str | None]:
+    """Mean KL against file size, the Pareto frontier in red (two candidates with a size at least)."""
+    import plotly.graph_objects as go
+
+    if len(pareto["points"]) < 2:
+        return [], "Pareto of KL vs file size: fewer than two candidates record a file size"
+    pts, front = pareto["points"], set(pareto["front"])
+    f = go.Figure()
+    f.add_scatter(x=[p["size"] for p in pts], y=[p["kl_mean"] for p in pts], text=[p["name"] for p in pts], mode="markers+text",
+                  textposition="top center", marker={"size": 10, "color": ["#d62728" if p["name"] in front else "#7f7f7f" for p in pts]},
+                  name="candidates", hovertemplate="%{text}<br>%{x:.4s}B<br>mean KL %{y:.4g}<extra></extra>")
+    fp = sorted((p for p in pts if p["name"] in front), key=lambda p: p["size"])
+    f.add_scatter(x=[p["size"] for p in fp], y=[p["kl_mean"] for p in fp], mode="lines", line={"color": "#d62728", "dash": "dot"},
+                  name="Pareto frontier", hoverinfo="skip")
+    _layout(f, "Mean KL vs file size (Pareto frontier in red)")
+    f.update_xaxes(title="file size, bytes", type="log")
+    f.update_yaxes(title="mean KL, nats", type="log")
+    return [{"id": "plot-pareto", "note": "File size from candidate.identity; candidates without one are left out.", **_fig(f)}], None
 
 
 def _outcome_counts(d) -> dict[str, int]:
@@ -597,7 +629,7 @@ def _palette(n: int) -> list[str]:
 # ----------------------------------------------------------------------------- HTML parts
 def _header(names, paths, reports, summary) -> str:
     r0 = reports[0]
-    b = r0.get("baseline") or {}
+    b = r0.get("reference") or {}
     m = r0.get("method") or {}
     s0 = r0.get("summary") or {}
     if m.get("kind") == MethodKind.TOP_K:
@@ -653,7 +685,7 @@ def _header(names, paths, reports, summary) -> str:
         sb = _get(reports[0], "method.served_batching") if len(batch) == 1 else None
         rows.append(("served batching", "differs per report" if sb is None else
                      ", ".join(f"{_e(k)}: {_e(v)}" for k, v in sb.items() if v)))
-    rows_from = {str(v) for r in reports if (v := _get(r, "baseline.identity.reference_rows"))}
+    rows_from = {str(v) for r in reports if (v := _get(r, "reference.identity.reference_rows"))}
     if rows_from:  # a served reference: its rows from its generation, or rescored teacher-forced
         rows.append(("reference rows", "<br>".join(_e(v) for v in sorted(rows_from))))
     xf = (summary or {}).get("cross_engine_floor")
@@ -985,8 +1017,8 @@ def _token_view(name, rep, cols, worst_ids, *, open_: bool) -> str:
                 # Both models' five most likely tokens with their probabilities, most likely first.
                 tip.append(f"reference top-5: {top5[0]}" + ("  ← FLIP" if flip else ""))
                 tip.append(f"candidate top-5: {top5[1]}")
-            elif "baseline_top_token" in cols and "candidate_top_token" in cols:
-                tip.append(f"reference top-1 {_show(cols['baseline_top_token'][j])} · candidate top-1 {_show(cols['candidate_top_token'][j])}"
+            elif "reference_top_token" in cols and "candidate_top_token" in cols:
+                tip.append(f"reference top-1 {_show(cols['reference_top_token'][j])} · candidate top-1 {_show(cols['candidate_top_token'][j])}"
                            + ("  ← FLIP" if flip else ""))
             if "margin_ref" in cols:
                 tip.append(f"ref margin p1−p2 {fmt(cols['margin_ref'][j])}")
@@ -1153,11 +1185,13 @@ def render_html(
     columns, or None (then report.json rows are used when present, and token-based parts
     are left out otherwise). ``summary`` is an optional run summary.json (cross-engine
     floor, workload path). ``paths`` name the report directories, for labels and errors.
-    """
-    import plotly.offline
 
+    In steps: the inputs checked (one page, one measurement), the numbers the page computes
+    from tokens (``logitdiff-data``), the figures, the worst items' token views, the page.
+    """
     if not reports:
         raise LogitdiffError("logitdiff report: no reports given")
+    reports = [migrate_report(r) if r.get("schema") == REPORT_SCHEMA_1 else r for r in reports]  # 1.x objects given as they are
     tokens = list(tokens) if tokens is not None else [None] * len(reports)
     if len(tokens) != len(reports):
         raise ValueError("tokens must have one entry per report")
@@ -1170,6 +1204,39 @@ def render_html(
     cells, conseq = matrix_data(names, reports, summary)
     data: dict = {"schema": HTML_DATA_SCHEMA, "generator": f"logitdiff {__version__}", "candidates": names,
                   "reports": labels, "matrix": cells, "kl_cdf": {}, "ref_confidence": {}, "worst_items": {}}
+    buckets, conf_label = _token_figures_data(names, cols, data)
+    item_ids = [str(x.get("id")) for x in reports[0].get("items") or []]
+    if not item_ids and cols[0] is not None:
+        item_ids = sorted(set(np.asarray(cols[0]["item_id"]).astype(str)))
+    ikl, it1 = _item_arrays(reports, cols, names, item_ids)
+    n_boot, boot_seed, boot_mixed = pairs_bootstrap(reports)
+    pairs = adjacent_pairs(item_ids, ikl, it1, n_boot=n_boot, seed=boot_seed) if len(ikl) >= 2 else []
+    data["pairs"] = pairs
+    data["pairs_bootstrap"] = {"n": n_boot, "seed": boot_seed}
+    data["gates"] = {n: r["gates"] for n, r in zip(names, reports) if r.get("gates")}
+    data["pareto"] = _pareto_data(names, cells)
+
+    figs, omitted = build_figures(names, reports, data["kl_cdf"], buckets, conf_label, data["pareto"])
+    views, worst_cand = _worst_item_views(names, reports, cols, cells, ikl, item_ids, data)
+    title = title or f"logitdiff: drift from {_get(reports[0], 'reference.spec') or 'the reference'}"
+    parts = {
+        "verdicts": _verdicts_html(names, reports, cells, summary),
+        "matrix": _matrix_html(names, [p or "" for p in paths_text], reports, cells, conseq, summary),
+        "setup": _header(names, paths_text, reports, summary),
+        "pairs": _pairs_html(pairs, len(item_ids), n_boot, boot_seed, boot_mixed),
+        "plots": "".join(f'<div class="plotbox"><div id="{f["id"]}" class="plot"></div><p class="note">{_e(f["note"])}</p></div>'
+                         for f in figs),
+        "omitted": "".join(f'<p class="note">Not shown: {_e(o)}.</p>' for o in omitted),
+        "flips": _flips_section(names, reports, worst_cand),
+        "tokens": "".join(_token_view(n, r, c, o, open_=(n == worst_cand)) for n, r, c, o in views)
+        or '<p class="note">No tokens.parquet: no token view.</p>',
+    }
+    return _page(title, parts, data, [{"id": f["id"], "data": f["data"], "layout": f["layout"]} for f in figs])
+
+
+def _token_figures_data(names, cols, data: dict) -> tuple[dict, str | None]:
+    """Per candidate with tokens, into ``data``: the KL CDF and the reference-confidence
+    buckets; returns (buckets by candidate, the confidence column's label)."""
     buckets, conf_label = {}, None
     for name, c in zip(names, cols):
         if c is None or "kl_nats" not in c:
@@ -1181,25 +1248,20 @@ def render_html(
         buckets[name] = b
     if buckets:
         data["ref_confidence"] = {"column": conf_label, "edges": list(REF_CONF_EDGES), "by_candidate": buckets}
+    return buckets, conf_label
 
-    item_ids = [str(x.get("id")) for x in reports[0].get("items") or []]
-    if not item_ids and cols[0] is not None:
-        item_ids = sorted(set(np.asarray(cols[0]["item_id"]).astype(str)))
-    ikl, it1 = _item_arrays(reports, cols, names, item_ids)
-    n_boot, boot_seed, boot_mixed = pairs_bootstrap(reports)
-    pairs = adjacent_pairs(item_ids, ikl, it1, n_boot=n_boot, seed=boot_seed) if len(ikl) >= 2 else []
-    data["pairs"] = pairs
-    data["pairs_bootstrap"] = {"n": n_boot, "seed": boot_seed}
 
+def _pareto_data(names, cells) -> dict:
+    """The candidates with a file size and a mean KL, and the size/KL Pareto frontier among them."""
     pts: list[dict[str, Any]] = [{"name": n, "size": _num(cells[n]["file_size"]["value"]), "kl_mean": _num(cells[n]["kl_mean"]["value"])}
                                  for n in names]
     pts = [p for p in pts if p["size"] and p["kl_mean"]]
-    data["gates"] = {n: r["gates"] for n, r in zip(names, reports) if r.get("gates")}
-    data["pareto"] = {"points": pts, "front": pareto_front([(p["name"], p["size"], p["kl_mean"]) for p in pts])}
+    return {"points": pts, "front": pareto_front([(p["name"], p["size"], p["kl_mean"]) for p in pts])}
 
-    figs, omitted = build_figures(names, reports, data["kl_cdf"], buckets, conf_label, data["pareto"])
 
-    # Token view: worst items by item mean KL, for every candidate; the worst candidate open.
+def _worst_item_views(names, reports, cols, cells, ikl, item_ids, data: dict) -> tuple[list[tuple], str]:
+    """Token views of the worst items by item mean KL, for every candidate with tokens, the
+    worst candidate first (its view open); ``data["worst_items"]`` gets each candidate's list."""
     kl_of = {n: (_num(cells[n]["kl_mean"]["value"]) or 0.0) for n in names}
     worst_cand = max(names, key=lambda n: kl_of[n])
     views = []
@@ -1213,16 +1275,27 @@ def render_html(
         data["worst_items"][name] = [{"id": i, "kl_mean": float(arr[item_ids.index(i)])} for i in order]
         views.append((name, rep, c, order))
     views.sort(key=lambda v: -kl_of[v[0]])
+    return views, worst_cand
 
-    title = title or f"logitdiff: drift from {_get(reports[0], 'baseline.spec') or 'the reference'}"
-    plot_divs = []
-    for f in figs:
-        plot_divs.append(f'<div class="plotbox"><div id="{f["id"]}" class="plot"></div><p class="note">{_e(f["note"])}</p></div>')
-    omitted_html = "".join(f'<p class="note">Not shown: {_e(o)}.</p>' for o in omitted)
-    tv = "".join(_token_view(n, r, c, o, open_=(n == worst_cand)) for n, r, c, o in views) or '<p class="note">No tokens.parquet: no token view.</p>'
-    fig_json = [{"id": f["id"], "data": f["data"], "layout": f["layout"]} for f in figs]
+
+def _flips_section(names, reports, worst_cand: str) -> str:
+    """The section "What the flips do": every candidate's branches, when any report has some to show."""
+    if not any((fl := r.get("flips")) and (fl.get("top") or _flips_notes(fl)) for r in reports):
+        return ""
+    return ('<h2 id="flips">What the flips do</h2><p class="note">Branches from top-1 flips: the most consequential '
+            "(malformed or changed tool call, changed meaning, benign, recovered; then KL) and examples of every outcome. The reference's "
+            "own continuation beside the candidate's, from the flip on: <span class=\"cont\"><span class=\"ftok\">flip token</span></span> outlined, "
+            "<span class=\"cont\"><span class=\"joined\">joined</span></span> from the re-join to where the branch "
+            "<span class=\"cont\"><span class=\"cut\"></span><span class=\"left\">left again</span></span> "
+            f"(report.json <code>flips.top</code>; every branch is in flips.parquet). {_e(flip_agreement_sentence())}</p>"
+            + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports)))
+
+
+def _page(title: str, parts: dict[str, str], data: dict, fig_json: list[dict]) -> str:
+    """The page around its parts: head (CSP, plotly.js inlined), sections, embedded data."""
+    import plotly.offline
+
     csp = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:; font-src data:"
-
     return "".join([
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
         HTML_GENERATOR_META,  # how `report --out` recognises a page it may replace
@@ -1236,31 +1309,25 @@ def render_html(
         "The reference is a numerical-fidelity reference, not an oracle: these figures are <em>drift from the reference</em>, "
         "not correctness.</p>",
         '<h2 id="verdicts">Verdict</h2>',
-        _verdicts_html(names, reports, cells, summary),
+        parts["verdicts"],
         '<h2 id="candidates">Candidates</h2>',
         '<p class="note">Click a header to sort. Means carry a 95 % CI from a bootstrap over items. '
         "Rows marked ⚠ are within 2× of a floor: their drift is not distinguishable from the floor's.</p>",
-        _matrix_html(names, [p or "" for p in paths_text], reports, cells, conseq, summary),
+        parts["matrix"],
         '<h2 id="setup">What was compared</h2>',
-        _header(names, paths_text, reports, summary),
+        parts["setup"],
         "<h3>Can the candidates be ordered?</h3>",
-        _pairs_html(pairs, len(item_ids), n_boot, boot_seed, boot_mixed),
+        parts["pairs"],
         '<h2 id="plots">Plots</h2>',
-        '<div class="grid2">' + "".join(plot_divs) + "</div>",
-        omitted_html,
-        ('<h2 id="flips">What the flips do</h2><p class="note">Branches from top-1 flips: the most consequential '
-         "(malformed or changed tool call, changed meaning, benign, recovered; then KL) and examples of every outcome. The reference's "
-         "own continuation beside the candidate's, from the flip on: <span class=\"cont\"><span class=\"ftok\">flip token</span></span> outlined, "
-         "<span class=\"cont\"><span class=\"joined\">joined</span></span> from the re-join to where the branch "
-         "<span class=\"cont\"><span class=\"cut\"></span><span class=\"left\">left again</span></span> "
-         f"(report.json <code>flips.top</code>; every branch is in flips.parquet). {_e(flip_agreement_sentence())}</p>"
-         + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports))) if any((fl := r.get("flips")) and (fl.get("top") or _flips_notes(fl)) for r in reports) else "",
+        '<div class="grid2">' + parts["plots"] + "</div>",
+        parts["omitted"],
+        parts["flips"],
         '<h2 id="tokens">Worst items, token by token</h2>',
         f'<p class="note">Teacher text; each token shaded by its KL (<span class="legend"></span> {SHADE_LO:g} → {SHADE_HI:g} nats, log scale); '
         "<span style=\"outline:2px solid #1f4fd1\">outlined</span> tokens are top-1 flips. Hover a token for both models' top-5 "
         "tokens with their probabilities (top-1 only where the report has no top-5 columns) and the teacher token's probability "
         "under each. ↵ marks a newline.</p>",
-        tv,
+        parts["tokens"],
         f'<footer>logitdiff {_e(__version__)} — report.json is the source of every number; the numbers computed here from tokens.parquet are in the '
         "embedded <code>logitdiff-data</code> JSON.</footer>",
         f'<script type="application/json" id="logitdiff-data">{_json_for_script(json_clean(data))}</script>',

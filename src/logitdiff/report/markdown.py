@@ -53,7 +53,7 @@ def group_table(rows: Sequence[Mapping[str, Any]], label: str) -> str:
 def render_markdown(report: Report) -> str:
     s = report["summary"]
     m = report["method"]
-    b, c = report["baseline"], report["candidate"]
+    b, c = report["reference"], report["candidate"]
     t1: Mapping[str, Any] = s.get("top1_disagreement") or {}
     mets = s.get("metrics", {})
     out = [
@@ -116,7 +116,7 @@ def render_markdown(report: Report) -> str:
     else:
         out.append(
             f"- largest KL: {_f(s['kl_nats_max'])} nats at item `{s['max_kl_source_id']}` position {s.get('max_kl_position')} "
-            f"(reference top token {s['max_kl_baseline_top_token']!r}, candidate {s['max_kl_candidate_top_token']!r})"
+            f"(reference top token {s['max_kl_reference_top_token']!r}, candidate {s['max_kl_candidate_top_token']!r})"
         )
     out.append("\n## By output range\n")
     out.append(group_table(report["ranges"], "positions"))

@@ -433,7 +433,7 @@ def _columns(block, res, ic, lc, y, lqy, entropy_cand, V, *, top_k, overlap_k, e
     kp, kq = ir[:, :overlap_k], ic[:, :overlap_k]
     cols["topk_overlap"] = (kp[:, :, None] == kq[:, None, :]).any(-1).sum(-1) / overlap_k
     t = M.topk(ir[:, :top_k], lr[:, :top_k], ic[:, :top_k], lc[:, :top_k], V, eps=eps)
-    for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
+    for key in ("reference_top_mass", "candidate_top_mass", "shared_tokens", "shared_reference_mass", "shared_candidate_mass"):
         cols[key] = t[key]
     cols["kl_topk_nats"] = t["kl_nats"]
     cols["_tops"] = (ir, lr, ic, lc)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
 
 from ..errors import LogitdiffError
-from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META, LAYERS_SCHEMA, REPORT_SCHEMA, RUN_SCHEMA, RUN_SUMMARY_SCHEMA, SPECULATION_SCHEMA, TOPK_ERROR_SCHEMA, QUANTIZE_SCHEMA
+from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META, LAYERS_SCHEMA, QUANTIZE_SCHEMA, REPORT_SCHEMAS, RUN_SCHEMA, RUN_SUMMARY_SCHEMA, SPECULATION_SCHEMA, TOPK_ERROR_SCHEMA
 
 
 @contextmanager
@@ -501,7 +501,7 @@ def is_kind(path: Path, kind: Kind) -> bool:
     if kind is Kind.RUN:
         return path.is_dir() and _json_schema(path / "manifest.json") == RUN_SCHEMA
     if kind is Kind.REPORT:
-        return path.is_dir() and _json_schema(path / "report.json") == REPORT_SCHEMA
+        return path.is_dir() and _json_schema(path / "report.json") in REPORT_SCHEMAS  # a 1.x report too
     if kind is Kind.RUN_OUT:
         return path.is_dir() and (
             _json_schema(path / "summary.json") == RUN_SUMMARY_SCHEMA or is_kind(path / "runs" / "reference", Kind.RUN)

@@ -85,7 +85,7 @@ class Exact(ComparisonMethod):
         out = dict(m)
         # the seed's top-K fields from the same pass (no second log-softmax per side)
         t = M.topk(ir, lr, ic, lc, V, eps=self.eps)
-        for key in ("baseline_top_mass", "candidate_top_mass", "shared_tokens", "shared_baseline_mass", "shared_candidate_mass"):
+        for key in ("reference_top_mass", "candidate_top_mass", "shared_tokens", "shared_reference_mass", "shared_candidate_mass"):
             out[key] = t[key]
         out["kl_topk_nats"] = t["kl_nats"]
         out.update(tops_columns(ir, lr, ic, lc))
