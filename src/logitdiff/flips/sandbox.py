@@ -91,7 +91,7 @@ FILE_SIZE_LIMIT = 16 << 20  # largest file the tool process may write (its stder
 RESULT_LIMIT = 16 << 20  # most bytes read from a tool's result pipe; more: the tool is killed
 _KILL_GRACE = 1.0  # seconds to reap the process group after SIGKILL
 
-# What `--help` says (flips; run). Keep in step with the module docstring and README.
+# What `--help` says (flips; run). Keep in step with the module docstring and docs/flips-and-correctness.md.
 SANDBOX_HELP = """\
 Executed tool calls (items with a tools_module) run one per fresh subprocess, in an empty
 temporary directory, with a timeout, memory/CPU/file-size limits and a Python audit hook.
