@@ -3,7 +3,7 @@
 
 * ``sources``      (docs/sources.md): every source option, from logitdiff.sources.options;
 * ``metrics``      (docs/compare.md): every metric a report carries, from logitdiff.report.metric_registry;
-* ``gates``        (docs/reports.md): the metrics a gate clause may name, from the same registry;
+* ``gates``        (docs/reports.md): the metrics a gate clause may name (metric_registry.GATE_METRICS, what gates accept);
 * ``architecture`` (README.md and docs/architecture.md): one row per stage of the package, in
   the order of tests/test_structure.py's STAGES (the import rule the tests hold), each row the
   stage's own docstring.
@@ -98,7 +98,7 @@ def architecture_table() -> str:
 
 def gates_table() -> str:
     lines = ["| metric | what it is | unit | direction |", "|---|---|---|---|"]
-    lines += [f"| `{m.name}` | {_cell(m.meaning)} | {m.unit} | {m.direction} |" for m in metric_registry.METRICS.values() if m.gate]
+    lines += [f"| `{m.name}` | {_cell(m.meaning)} | {m.unit} | {m.direction} |" for m in metric_registry.GATE_METRICS.values()]
     return "\n".join(lines) + "\n"
 
 
