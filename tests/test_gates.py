@@ -1,5 +1,5 @@
 """Quality gates: parsing, reading metrics out of report.json, evaluation (crossed, not
-evaluated), the two kinds (--fail-on / --require) and README's examples in the CLI and in
+evaluated), the two kinds (--fail-on / --require) and the docs' examples (docs/reports.md) in the CLI and in
 assert_drift_within."""
 
 import copy
@@ -230,14 +230,14 @@ def test_accuracy_drop_compares_as_written():
     assert metric_value({"correctness": {"accuracy_ref": 0.4, "accuracy_cand": 0.6}}, "accuracy_drop") == pytest.approx(-0.2)
 
 
-# ----------------------------------------------------------------------------- README's gates, pasted
+# ----------------------------------------------------------------------------- the docs' gates, pasted
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _readme_gate_rows():
-    """README's gate table: (flag, clauses, what README says it does on a compare report)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("**Gates for CI.**", 1)[1].split("\n## ", 1)[0]
+    """The docs' gate table (docs/reports.md): (flag, clauses, what the docs say it does on a compare report)."""
+    text = (ROOT / "docs" / "reports.md").read_text(encoding="utf-8")
+    section = text.split("\n## Gates for CI\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(--fail-on|--require) '([^']*)'` \| (.*) \|$", section, re.M)
     python = re.findall(r'assert_drift_within\("reports/q4", (fail_on|require)="([^"]*)"\)', section)
     return rows, python, section

@@ -1,6 +1,6 @@
 """The metric registry (logitdiff.report.metric_registry) is the one description of every metric:
 its declarations are complete and point at real functions, and every surface that describes
-a metric (gates, page tooltips, report.md, assert_drift_within, README) is generated from it.
+a metric (gates, page tooltips, report.md, assert_drift_within, the docs' tables) is generated from it.
 (That every metric in a real report.json is registered and vice versa: tests/test_builtin_run.py.)"""
 
 import importlib
@@ -51,6 +51,6 @@ def test_assert_drift_within_message_says_unit_and_direction():
     assert f"({m.unit}, {m.direction}: {m.meaning})" in str(e.value) and "a (0.3)" in str(e.value)
 
 
-def test_readme_metric_and_source_option_tables_are_the_generated_ones():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "readme_tables.py"), "--check"], capture_output=True, text=True)
+def test_docs_metric_and_source_option_tables_are_the_generated_ones():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "docs_tables.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

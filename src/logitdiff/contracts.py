@@ -13,7 +13,7 @@
   when ``LOGITDIFF_VALIDATE_OUTPUTS`` is set (tests/conftest.py sets it, so every report
   any test writes is checked); :func:`json_clean` is the one numpy/NaN-to-JSON cleaner.
 
-Versioning (README "Report schema"): ``schema`` names the document kind and its major
+Versioning (docs/files.md, "Report schema"): ``schema`` names the document kind and its major
 version (``logitdiff.report/2``); ``schema_version`` is ``MAJOR.MINOR``. Adding a field
 bumps MINOR; removing or renaming one, or changing its meaning or type, bumps MAJOR.
 Readers accept every MINOR of their MAJOR (unknown fields are allowed and ignored), and a

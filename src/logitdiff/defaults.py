@@ -44,7 +44,7 @@ def flip_agreement_sentence() -> str:
             "(each branch's decided_by says what decided it; docs/flips.md).")
 
 # What `--help` says of the sandbox (flips; run): here, not in flips/sandbox.py, so that building
-# the CLI's parser imports no flips module. Keep in step with flips/sandbox.py's docstring.
+# the CLI's parser imports no flips module. Keep in step with flips/sandbox.py's docstring and docs/flips-and-correctness.md.
 SANDBOX_HELP = """\
 Executed tool calls (items with a tools_module) run one per fresh subprocess, in an empty
 temporary directory, with a timeout, memory/CPU/file-size limits and a Python audit hook.

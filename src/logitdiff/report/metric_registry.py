@@ -5,7 +5,7 @@ A :class:`Metric` says what a figure means, its unit, which way is bad, how the 
 report.json. The gates (:mod:`logitdiff.report.gates`: which names a clause may use, their
 descriptions and paths), the page's table headers and tooltips (:mod:`logitdiff.report.html`),
 report.md's summary table, :func:`logitdiff.testing.assert_drift_within`'s messages and
-README's metric table (``scripts/readme_tables.py``) are all generated from :data:`METRICS`
+the docs' metric and gate tables (``scripts/docs_tables.py``) are all generated from :data:`METRICS`
 and :data:`SERIES`; tests/test_metric_registry.py checks that every metric in a real
 report.json is registered and every registered one is in it.
 
@@ -172,7 +172,7 @@ GATE_METRICS: dict[str, Metric] = {n: m for n, m in METRICS.items() if m.gate}
 
 
 def markdown_table() -> str:
-    """README's metric table (scripts/readme_tables.py writes it between its markers)."""
+    """The metric table of docs/compare.md (scripts/docs_tables.py writes it between its markers)."""
     lines = ["| metric | what it is | unit | direction | summarised as | gate | report.json |",
              "|---|---|---|---|---|---|---|"]
     for m in METRICS.values():

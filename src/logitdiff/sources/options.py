@@ -2,7 +2,7 @@
 
 A spec's ``,key=value`` options are checked and converted by one function,
 :func:`parse_options`, against its kind's declaration in :data:`OPTIONS`; ``capture --help``
-(:func:`spec_help`) and README's source-options table (``scripts/readme_tables.py``,
+(:func:`spec_help`) and the source-options table of docs/sources.md (``scripts/docs_tables.py``,
 :func:`markdown_table`) are generated from the same declarations. Every error is one line
 naming the spec and the option.
 
@@ -166,7 +166,7 @@ def spec_help() -> str:
 
 
 def markdown_table() -> str:
-    """README's source-options table."""
+    """The source-options table of docs/sources.md."""
     lines = ["| kind | option | value | default | what it sets |", "|---|---|---|---|---|"]
     for kind, opts in OPTIONS.items():
         for o in opts:

@@ -6,7 +6,7 @@ Spec (``openai:`` is another name for ``served:``; the options are declared in
     served:http://HOST:PORT[/v1][,model=NAME][,kind=auto|llamacpp|vllm|sglang][,top_k=K]...
 
 What each option sets, its type and default: :data:`logitdiff.sources.options.OPTIONS`
-(``capture --help`` and README's source-options table are generated from it). Without
+(``capture --help`` and the source-options table of docs/sources.md are generated from it). Without
 ``tokenizer=`` the V token texts (for reports) come from the server's ``/detokenize`` in
 ``ceil(V / 65,536)`` requests, never one per id. ``batching=rounds`` (default) puts several
 items in flight, so a server batch mixes their tasks (fast; a row depends on its batch mates,
