@@ -119,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Other libraries' tqdm bars (transformers' "Converting and de-quantizing GGUF tensors",
+    # drawn once per hf:FILE.gguf load, thousands of characters a line when piped): where
+    # stderr is not a terminal there is nobody to watch them; ours (rich) say the same.
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
     # llama.cpp's own log only at error level (what the progress bars and tables replace);
     # a process-wide setting, so made here and nowhere else.
     from ..sources.gguf import quiet_llama_log
