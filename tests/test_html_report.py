@@ -887,3 +887,46 @@ def test_verdict_line_agrees_with_the_answers_the_report_lists(ladder, pairs):
             assert f"{len(items)} {kind}" in text, (kind, text)
     if sec["items_right_to_truncated"]:
         assert sev != "ok" and f"{len(sec['items_right_to_truncated'])} right→truncated" in render_markdown(report)
+
+
+REAL_LONG = ["unsloth/Qwen3-30B-A3B-Instruct-2507-UD-Q4_K_XL", "unsloth/Qwen3-30B-A3B-Instruct-2507-UD-Q2_K_XL",
+             "unsloth/Qwen3-30B-A3B-Instruct-2507-UD-IQ3_XXS"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (scripts/install_chromium.sh installs it)")
+def test_the_longest_real_names_never_overprint_and_stay_distinguishable(ladder, capsys, monkeypatch):
+    """Three real names that differ only at the end: each row shows a different name, its text
+    stays inside its cell (Chromium, 1,400 px), the full name is on hover; the terminal table
+    tells them apart too."""
+    base = [ladder["reports"][d.name] for d in ladder["dirs"]]
+    reports = []
+    for i, name in enumerate(REAL_LONG):
+        r = json.loads(json.dumps(base[i % 3]))
+        r["candidate"]["spec"] = f"gguf:/models/{name}.gguf"
+        reports.append(r)
+    page = render_html(reports, [None] * 3, paths=[f"/out/reports/{n.split('/')[1]}" for n in REAL_LONG])
+    path = ladder["tmp"] / "long-names.html"
+    path.write_text(page, encoding="utf-8")
+    res = _layout(path, 1400)
+    assert res["errors"] == []
+    rows = res["layout"]["cands"]["matrix"]
+    assert len(rows) == 3 and len({r["shown"] for r in rows}) == 3, rows
+    assert sorted(r["title"].split(" — ")[0] for r in rows) == sorted(n.split("/")[1] for n in REAL_LONG)  # full names on hover
+    for r in rows:
+        assert r["inside"] and (r["next_left"] is None or r["next_left"] >= r["right"] - 0.5), r
+        assert r["shown"].endswith(r["title"].split(" — ")[0].rsplit("-", 1)[1])  # the part that differs is shown
+    # the terminal: the summary table's candidate column, at a narrow terminal width
+    from rich.console import Console
+
+    import logitdiff.cli.run as cli_run
+
+    row = {"candidate": "", "kl_mean": 0.01, "kl_mean_ci95": [0.009, 0.011], "kl_p99": 0.1, "jsd_mean": 0.005,
+           "top1_disagreement": 0.1, "ppl_ratio": 1.01, "x_noise_floor": None, "x_cross_engine_floor": None}
+    summary = {"reference": "hf:/models/Qwen3-30B-A3B-Instruct-2507", "items": 2, "positions": 9, "workload": "w", "seconds": 1.0,
+               "candidates": [{**row, "candidate": f"gguf:/models/{n}.gguf", "name": n.split("/")[1]} for n in REAL_LONG],
+               "noise_floor": None, "cross_engine_floor": None}
+    monkeypatch.setattr(cli_run, "table_console", lambda width=120: Console(width=120))
+    cli_run.print_run_summary(summary)
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "│" in ln and any(k in ln for k in ("Q4_K_XL", "Q2_K_XL", "IQ3_XXS"))]
+    assert len(lines) >= 3 and all(any(k in ln for ln in lines) for k in ("Q4_K_XL", "Q2_K_XL", "IQ3_XXS")), out

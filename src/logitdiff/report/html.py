@@ -38,6 +38,7 @@ from ..contracts import (REPORT_SCHEMA_1, GateResult, MethodKind, Outcome, Repor
 from ..errors import LogitdiffError
 from ..defaults import flip_agreement_sentence
 from .gates import get_path as _get
+from .names import distinct_names
 from .metric_registry import METRICS
 from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META
 from ..store.files import Kind, writing
@@ -108,7 +109,7 @@ th{background:var(--alt);position:sticky;top:0;font-weight:600}
 table.matrix th{white-space:normal;max-width:7.5em;vertical-align:bottom}table.matrix th,table.matrix td{padding:3px 5px}
 table.matrix .cand{position:sticky;left:0;z-index:1;background:var(--bg);max-width:13em;white-space:normal}
 table.matrix th.cand{z-index:2;background:var(--alt)}table.matrix tr.warn td.cand{background:var(--warn)}
-table.matrix .cand code{white-space:nowrap}table.matrix .badge{display:block;width:max-content;max-width:100%;white-space:normal;margin:2px 0 0}
+table.matrix .cand code{white-space:normal;overflow-wrap:anywhere}table.matrix .badge{display:block;width:max-content;max-width:100%;white-space:normal;margin:2px 0 0}
 ul.verdicts{list-style:none;padding:0;margin:0}ul.verdicts li{margin:0 0 6px;padding:4px 8px;border-left:3px solid var(--line)}
 ul.verdicts code{font-weight:600;margin-right:4px}.v-bad{color:#b71c1c;font-weight:600}.v-warn{color:#8a5a00}.v-ok{color:#2e7d32}
 .unevaluated{color:#8a5a00;font-weight:600}
@@ -185,6 +186,18 @@ JS = r"""
       if (!t) return;
       var w = t.parentNode, b = t.getBoundingClientRect();
       res.layout.tables[id] = {left: b.left, right: b.right, width: b.width, scroll: w.scrollWidth, client: w.clientWidth};
+    });
+    // Each candidate cell: the name it shows, and whether its text stays inside the cell
+    // (a long name must wrap or fold, never run under the next column).
+    res.layout.cands = {};
+    ['matrix', 'consequences'].forEach(function(id){
+      var rows = document.querySelectorAll('#' + id + ' tbody tr');
+      res.layout.cands[id] = Array.prototype.map.call(rows, function(r){
+        var td = r.children[0], code = td.querySelector('code'), next = r.children[1];
+        var c = td.getBoundingClientRect(), k = code.getBoundingClientRect();
+        return {shown: code.textContent, title: td.title, inside: k.right <= c.right + 0.5 && k.left >= c.left - 0.5,
+                next_left: next ? next.getBoundingClientRect().left : null, right: c.right};
+      });
     });
     var v = document.querySelector('ul.verdicts');
     res.layout.verdicts = v ? {top: v.getBoundingClientRect().top, n: v.children.length} : null;
@@ -809,7 +822,7 @@ def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
     return out, conseq
 
 
-def _candidate_cell(i, name, path, rep, xf, *, badges: bool = True) -> tuple[str, bool]:
+def _candidate_cell(i, name, path, rep, xf, *, badges: bool = True, shown: str | None = None) -> tuple[str, bool]:
     """The frozen first cell: the candidate's name, and under it the badges (floors, gates)."""
     kl = _num(_get(rep, "summary.metrics.kl_nats.mean"))
     floor = _num(_get(rep, "summary.noise_floor.kl_nats_mean"))
@@ -832,7 +845,9 @@ def _candidate_cell(i, name, path, rep, xf, *, badges: bool = True) -> tuple[str
     if missing:
         marks += (f'<span class="badge" title="{_e("not evaluated (metric not in the report): " + ", ".join(g["gate"] for g in missing))}">'
                    f'? {len(missing)} gate{"s" if len(missing) != 1 else ""} not evaluated</span>')
-    return f'<td data-v="{i}" class="cand" title="{_e(path)}"><code>{_e(name)}</code>{marks if badges else ""}</td>', bool(warn)
+    full = f"{name} — {path}" if path and str(path) != name else name
+    return (f'<td data-v="{i}" class="cand" title="{_e(full)}"><code>{_e(shown or name)}</code>{marks if badges else ""}</td>',
+            bool(warn))
 
 
 def _table_html(table_id, cols, names, paths, reports, cells_by_name, summary, *, badges: bool = True) -> str:
@@ -842,9 +857,11 @@ def _table_html(table_id, cols, names, paths, reports, cells_by_name, summary, *
             + "".join(f'<th data-sort="num" data-key="{k}" title="{_e(t)}">{_e(h)}</th>' for k, h, t, f in cols))
     xf = (summary or {}).get("cross_engine_floor") or {}
     body = []
+    # the part of each name that tells it apart (a shared start folded to …); the full name and path on hover
+    shown = distinct_names(names)
     for i, (name, path, rep) in enumerate(zip(names, paths, reports)):
         cells = cells_by_name[name]
-        first, warn = _candidate_cell(i, name, path, rep, xf, badges=badges)
+        first, warn = _candidate_cell(i, name, path, rep, xf, badges=badges, shown=shown[i])
         tds = [first]
         for k, h, t, f in cols:
             v = cells.get(k, {}).get("value")
