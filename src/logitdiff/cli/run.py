@@ -33,6 +33,7 @@ DESCRIPTION = (
 
 def register(sub) -> None:
     from ..store.files import REPORT_NAMES_HELP
+    from ..store.kinds import AUTO, STORE_KINDS, reference_store_choices
     from ..flips.sandbox import SANDBOX_HELP
 
     run_p = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=SANDBOX_HELP)
@@ -44,11 +45,11 @@ def register(sub) -> None:
                        help="output directory: new, empty or an earlier run's (its reference capture is reused) (default: %(default)s)")
     run_p.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's, else 64)")
     run_p.add_argument("--positions", default="all", help="all | first | sample:FRAC with 0 < FRAC <= 1 (default: %(default)s)")
-    run_p.add_argument("--reference-store", choices=("auto", "full", "hidden"), default="auto",
-                       help="how OUT/runs/reference keeps the reference's logits: full (bf16 rows, 2V bytes per position), "
-                            "hidden (a bf16/fp16 transformers reference's final hidden states and its output head once, decoded bit "
-                            "for bit: ~2H bytes per position; docs/bounds.md section 6), or auto: hidden where the reference "
-                            "allows it, else full; reports are the same either way (default: %(default)s)")
+    run_p.add_argument("--reference-store", choices=reference_store_choices(), default=AUTO,
+                       help="how OUT/runs/reference keeps the reference's logits, read back bit for bit whichever is chosen: "
+                            + "; ".join(f"{name} ({STORE_KINDS[name].summary})" for name in reference_store_choices()[1:])
+                            + f"; or {AUTO}: the most compact of these the reference allows (docs/bounds.md section 6); "
+                            "reports are the same either way (default: %(default)s)")
     run_p.add_argument("--no-noise-floor", action="store_true", help="skip the reference reruns")
     add_bootstrap(run_p)
     add_ranges(run_p)

@@ -34,6 +34,7 @@ from ..report.markdown import render_markdown
 from ..sources.served_floor import SHIFT_TEXT, floor_side, is_served, served_floor
 from ..sources import applied_threads, open_source
 from ..store import ResumeMismatch, RunReader
+from ..store.kinds import AUTO, reference_store_choices
 from ..numerics.summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 from ..workload import read_workload
 
@@ -67,10 +68,9 @@ class RunConfig:
     html: bool = True
     gates: list | None = None  # logitdiff.report.gates.Gate; crossed gates are listed in summary.json
     logprob_floor: float | None = None  # stated floor for top-K (served) candidates: compare.check_floor
-    # "auto": hidden (hidden.py: the logits bit for bit from the hidden states, ~2H bytes a
-    # position) for a bf16/f16 transformers reference whose logits are its head's output,
-    # full otherwise; or "full"/"hidden" explicitly (capture.reference_store_for)
-    reference_store: str = "auto"
+    # a lossless store kind (kinds.reference_store_choices), or AUTO: the most compact one
+    # the reference allows (kinds.auto_kind)
+    reference_store: str = AUTO
 
 
 class Hooks:
@@ -112,8 +112,8 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks, prefetch=N
         have = {"workload_sha256": m["settings"].get("workload_sha256"), "spec": m["source"]["spec"],
                 "max_tokens": m["settings"].get("max_tokens"), "positions": m["settings"].get("positions"),
                 "store": m["settings"].get("store")}
-        if cfg.reference_store == "auto" and have["store"] in ("full", "hidden"):
-            have["store"] = "auto"  # what auto picks depends only on the spec, compared above
+        if cfg.reference_store == AUTO and have["store"] in reference_store_choices():
+            have["store"] = AUTO  # what auto picks depends only on the spec, compared above
         if have == want:
             if m.get("status") == "complete":
                 hooks.stage(f"reference: reusing {path}")

@@ -171,18 +171,6 @@ class ResumeMismatch(LogitdiffError):
     """``--resume`` asked to continue a run captured with something else."""
 
 
-def parse_store(text: str, vocab_size: int | None = None) -> int:
-    """K of a ``topk:K`` store, 0 for every other kind (full, compact, hidden...); a one-line
-    error for a text no registered kind (storekinds.STORE_KINDS) spells, or K > vocab_size."""
-    return store_kind(text, vocab_size).k
-
-
-def format_store(k: int) -> str:
-    """The ``store`` text of a full (``k`` = 0) or top-K store: parse_store's inverse for
-    those two (compact stores keep the spec they were given)."""
-    return f"topk:{int(k)}" if k else "full"
-
-
 # settings that name a file whose bytes another setting hashes: --resume compares the hash
 # (a workload is its bytes; a teacher RUN stays named by its path, see capture_candidate)
 BY_HASH = {"workload": "workload_sha256"}
@@ -227,22 +215,6 @@ def _short(x, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class _KindViews:
-    """Views of a run's store kind for callers that predate storekinds (writer and reader alike)."""
-
-    kind: StoreKind
-
-    @property
-    def k(self) -> int:
-        """K of a top-K run (0 for every other kind)."""
-        return self.kind.k
-
-    @property
-    def compact(self):
-        """A compact run's spec (compact.CompactSpec), None for other kinds."""
-        return getattr(self.kind, "spec", None)
-
-
 _Init = TypeVar("_Init", bound=Callable[..., None])
 
 
@@ -278,16 +250,18 @@ def _refuse_second_live_writer(key: str, path: Path) -> None:
             f"{path}: a RunWriter of this run is open in this thread; finish() or close() it before opening another")
 
 
-class RunWriter(_KindViews):
-    """Writes a RUN chunk by chunk. ``store`` is a ``--store`` text: ``"full"``, ``"topk:K"``,
-    a compact spec (compact.py), ``"hidden"`` (hidden.py: pass the output head as ``head``)
-    or any kind registered in storekinds.STORE_KINDS, which encodes, writes and reads its rows.
+class RunWriter:
+    """Writes a RUN chunk by chunk. ``store`` is the run's store kind (``kinds.StoreKind``, as
+    ``kinds.store_kind`` parsed it once; bound here to the run's vocabulary and dtype) or a
+    ``--store`` text: ``"full"``, ``"topk:K"``, a compact spec (compact.py), ``"hidden"``
+    (hidden.py: pass the output head as ``head``) or any kind registered in
+    kinds.STORE_KINDS, which encodes, writes and reads its rows.
 
     Rows stream in: ``begin_item(item)``, then ``add_rows(logits)`` (a source's full rows
     ``[r, V]``, float or, for ``dtype="bfloat16"``, bf16 bits as uint16; the kind encodes
     them), ``add_topk(ids, logprobs)`` (a top-K source's rows) or ``add_rows(stored=block)``
-    (rows already in the kind's stored form, e.g. ``topk=dict`` of ids, logprobs, logsumexp,
-    tail_mass, entropy) as often as the source hands out blocks, then ``end_item()``;
+    (rows already in the kind's stored form, e.g. for a top-K run a dict of ids, logprobs,
+    logsumexp, tail_mass, entropy) as often as the source hands out blocks, then ``end_item()``;
     ``add(item, ...)`` does all three for a whole item. Each block goes to the writer
     thread as it comes, into the current chunk's file (``StoreKind.open_chunk``: full rows
     are written at once, other kinds keep them until the chunk closes); a chunk closes once
@@ -313,7 +287,7 @@ class RunWriter(_KindViews):
         source: dict,
         vocab_size: int,
         tokenizer_hash: str | None,
-        store: str = "full",
+        store: str | StoreKind = "full",
         dtype: str = "float32",
         settings: dict | None = None,
         chunk_rows: int | None = None,
@@ -335,8 +309,9 @@ class RunWriter(_KindViews):
         self._lock.enter_context(locked(self.path))
         self._key = held_key(self.path)
         _refuse_second_live_writer(self._key, self.path)
-        self.store = store
-        self.kind: StoreKind = store_kind(store, int(vocab_size), dtype)
+        self.kind: StoreKind = (store.bound(int(vocab_size), dtype) if isinstance(store, StoreKind)
+                                else store_kind(store, int(vocab_size), dtype))
+        self.store = self.kind.text
         kind_fields = self.kind.start_writing(head)  # checks that the source fits the kind
         self.dtype = dtype
         self.vocab_size = int(vocab_size)
@@ -377,7 +352,7 @@ class RunWriter(_KindViews):
             "source": source,
             "vocab_size": self.vocab_size,
             "tokenizer_hash": tokenizer_hash,
-            "settings": {**(settings or {}), "store": store, "dtype": self.kind.manifest_dtype()},
+            "settings": {**(settings or {}), "store": self.store, "dtype": self.kind.manifest_dtype()},
             "chunks": [],
             "n_items": 0,
             "n_positions": 0,
@@ -511,10 +486,10 @@ class RunWriter(_KindViews):
             ids.update(_parse_item_line(p, n, line, c["index"]).id for n, line in enumerate(lines, 1) if line.strip())
         return ids
 
-    def add(self, item: RunItem, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None) -> None:
+    def add(self, item: RunItem, logits=None, hidden=None, *, stored=None) -> None:
         """A whole item: ``begin_item`` + ``add_rows`` + ``end_item``."""
         self.begin_item(item)
-        self.add_rows(logits, topk=topk, compact=compact, hidden=hidden)
+        self.add_rows(logits, hidden, stored=stored)
         self.end_item()
 
     def begin_item(self, item: RunItem) -> None:
@@ -548,19 +523,16 @@ class RunWriter(_KindViews):
         self._kept_tools[path] = {"tools_module": rel, "tools_module_sha256": digest}
         return self._kept_tools[path]
 
-    def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None,
-                 hidden_block: dict | None = None, *, stored=None) -> None:
+    def add_rows(self, logits=None, hidden=None, *, stored=None) -> None:
         """The next rows of the current item (its positions in order): a source's full rows
         ``logits`` (checked, then encoded by the store kind; ``hidden``: their hidden states,
-        for a kind that keeps them), or rows already in the kind's stored form (``stored``;
-        ``topk``, ``compact`` and ``hidden_block`` are the older names of it)."""
+        for a kind that keeps them), or rows already in the kind's stored form (``stored``)."""
         item = self._cur
         if item is None:
             raise ValueError("add_rows outside begin_item/end_item")
         place = BlockPlace(item.id, item.positions, item.teacher_ids, self._cur_rows)
-        given = [b for b in (stored, topk, compact, hidden_block) if b is not None]
-        if given:
-            block, n = self.kind.check_block(given[0], place)
+        if stored is not None:
+            block, n = self.kind.check_block(stored, place)
         else:
             if logits is None:
                 raise ValueError(f"{self.store} run: pass logits= (full rows) or stored= rows")
@@ -958,7 +930,7 @@ def aligned_blocks(pieces_a: Iterable, pieces_b: Iterable, rows: int) -> Iterato
         ob += take
 
 
-class RunReader(_KindViews):
+class RunReader:
     """Streaming reader: chunks are memory-mapped on demand, never the whole run."""
 
     def __init__(self, path: str | Path, *, allow_partial: bool = False, device=None, read_ahead: bool = True):
@@ -1245,7 +1217,7 @@ class RunReader(_KindViews):
         pieces = list(self._pieces(item))
         if not pieces:
             data = self._chunk(item.chunk) if item.chunk < len(self.manifest["chunks"]) else {}
-            return {k: v[:0] for k, v in data.items()} or {"ids": np.zeros((0, self.k), np.int64), "logprobs": np.zeros((0, self.k))}
+            return {k: v[:0] for k, v in data.items()} or {"ids": np.zeros((0, self.kind.k), np.int64), "logprobs": np.zeros((0, self.kind.k))}
         return _joined(pieces)
 
     def row_blocks(self, items: Iterable[RunItem], rows: int, *, raw: bool = False) -> Iterator:
