@@ -400,9 +400,9 @@ def diff_runs(
         if allow_partial and (ref.is_partial or cand.is_partial):
             report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
         if gate_list:
-            from .report.gates import evaluate
+            from .report.gates import judge
 
-            report["gates"] = evaluate(report, gate_list)
+            report["gates"], _ = judge(report, gate_list)
         if out is not None:
             html = render_html([report], [columns], paths=[out])
             write_report_dir(out, report, columns, markdown=render_markdown(report), extra_files={"report.html": html.encode()},

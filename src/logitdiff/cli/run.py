@@ -118,8 +118,9 @@ def run(args) -> int:
 
 def _gates_exit(summary: RunSummary, con: Console) -> int:
     """Each candidate's crossed and not-evaluated gates (summary.json) and the exit status
-    they give (gates.exit_status); the values and reasons are in each report."""
-    from ..report.gates import CROSSED_EXIT, NOT_EVALUATED_EXIT
+    they give (gates.exit_status, over each candidate's report.json gates section as
+    summary.json lists it); the values and reasons are in each report."""
+    from ..report.gates import exit_status
 
     crossed = summary.get("gates_crossed") or {}
     missing = summary.get("gates_not_evaluated") or {}
@@ -128,7 +129,8 @@ def _gates_exit(summary: RunSummary, con: Console) -> int:
     for who, gs in missing.items():
         con.print(f"[bold yellow]gate not evaluated[/]: {who}: {', '.join(gs)}: its report does not have "
                   f"{'this metric' if len(gs) == 1 else 'these metrics'} (reasons in reports/{who}/report.md)")
-    return CROSSED_EXIT if crossed else NOT_EVALUATED_EXIT if missing else 0
+    return exit_status([{"crossed": r.get("gates_crossed", []), "not_evaluated": r.get("gates_not_evaluated", [])}
+                        for r in summary["candidates"]])
 
 
 def _warn_cut(summary: RunSummary, con: Console) -> None:

@@ -635,9 +635,9 @@ def analyse_report_dir(
     report.pop("gates", None)
     report.update(sections)
     if gates:
-        from ..report.gates import evaluate
+        from ..report.gates import judge
 
-        report["gates"] = evaluate(report, list(gates))
+        report["gates"], _ = judge(report, list(gates))
     files["report.md"] = render_markdown(report).encode()
     from ..report.html import render_html
 

@@ -266,9 +266,9 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         report["baseline"]["spec"] = cfg.reference
         report.update(sections)
         if cfg.gates:
-            from ..report.gates import evaluate
+            from ..report.gates import judge
 
-            report["gates"] = evaluate(report, cfg.gates)
+            report["gates"], _ = judge(report, cfg.gates)
         rdir = out / "reports" / name
         write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files, inputs=[wl_path])
         rows.append(_summary_row(spec, report, rdir, noise))
