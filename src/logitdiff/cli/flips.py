@@ -66,11 +66,11 @@ def register(sub) -> None:
     import argparse
     import textwrap
 
-    from ..defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN, flip_agreement_sentence
+    from ..defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN, FLIP_AGREEMENT_TEXT
     from ..defaults import DEFAULT_THRESHOLDS
     from ..flips.sandbox import SANDBOX_HELP
 
-    description = FLIPS_DESCRIPTION.replace("{agreement}", textwrap.fill(flip_agreement_sentence(), 92))
+    description = FLIPS_DESCRIPTION.replace("{agreement}", textwrap.fill(FLIP_AGREEMENT_TEXT, 92))
     f = sub.add_parser(NAME, help=HELP, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=SANDBOX_HELP)
     f.add_argument("report", metavar="REPORT", help="REPORT directory written by compare or run")

@@ -35,7 +35,7 @@ import numpy as np
 from .._version import __version__
 from ..contracts import GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report
 from ..errors import LogitdiffError
-from ..defaults import flip_agreement_sentence
+from ..defaults import FLIP_AGREEMENT_TEXT
 from .gates import get_path as _get
 from .metric_registry import METRICS
 from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META
@@ -1253,7 +1253,7 @@ def render_html(
          "own continuation beside the candidate's, from the flip on: <span class=\"cont\"><span class=\"ftok\">flip token</span></span> outlined, "
          "<span class=\"cont\"><span class=\"joined\">joined</span></span> from the re-join to where the branch "
          "<span class=\"cont\"><span class=\"cut\"></span><span class=\"left\">left again</span></span> "
-         f"(report.json <code>flips.top</code>; every branch is in flips.parquet). {_e(flip_agreement_sentence())}</p>"
+         f"(report.json <code>flips.top</code>; every branch is in flips.parquet). {_e(FLIP_AGREEMENT_TEXT)}</p>"
          + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports))) if any((fl := r.get("flips")) and (fl.get("top") or _flips_notes(fl)) for r in reports) else "",
         '<h2 id="tokens">Worst items, token by token</h2>',
         f'<p class="note">Teacher text; each token shaded by its KL (<span class="legend"></span> {SHADE_LO:g} → {SHADE_HI:g} nats, log scale); '
