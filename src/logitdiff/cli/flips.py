@@ -104,6 +104,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..flips.consequences import Settings, analyse_report_dir
+    from ..report import rewrite_report_dir
     from ..flips import parse_select
     from ..store.files import Kind, is_kind, locked
 
@@ -140,11 +141,13 @@ def run(args) -> int:
 
     # flips rewrites files of the REPORT it reads: one writer per REPORT at a time.
     with locked(Path(args.report)), Bars() as bars:
-        report = analyse_report_dir(
+        result = analyse_report_dir(
             args.report, candidate=args.candidate, reference=args.reference, settings=settings,
             similarity=args.similarity, similarity_threshold=args.similarity_threshold,
             correctness=not args.no_correctness, bar=bars.bar, gates=gates,
         )
+        rewrite_report_dir(args.report, result.report, result.columns, result.files, remove=result.remove)
+    report = result.report
     print_flips(report)
     console().print(f"wrote {args.report}/flips.parquet" + (", correctness.parquet" if report.get("correctness") else "")
                     + " and updated report.json, report.md, report.html")

@@ -52,6 +52,19 @@ class _Sections(TypedDict, total=False):
 
 
 @dataclass
+class ReportFlips:
+    """What ``analyse_report_dir`` gives its caller to write: the report with its flips and
+    correctness sections (and gates), the comparison's columns (for the page), the files to
+    add beside it (flips.parquet, correctness.parquet) and the ones an earlier run left that
+    no longer belong (``remove``)."""
+
+    report: Report
+    columns: dict[str, np.ndarray]
+    files: dict[str, bytes]
+    remove: list[str]
+
+
+@dataclass
 class Settings:
     select: str = "first"
     max_branches: int | None = DEFAULT_MAX_BRANCHES
@@ -590,11 +603,12 @@ def analyse_report_dir(
     correctness: bool = True,
     bar: Callable[[int, str], Callable[[int], None]] | None = None,
     gates: Sequence[Gate] | None = None,
-) -> Report:
-    """``logitdiff flips REPORT/``: add flips (+ correctness) to an existing report."""
+) -> ReportFlips:
+    """``logitdiff flips REPORT/``: flips (+ correctness, gates) of an existing report: the
+    report with them and the files to write beside it. Nothing is written or rendered here:
+    the caller hands the result to the report stage (``report.rewrite_report_dir``)."""
     from .grading import load_similarity
-    from ..report import read_columns, read_report, update_report_dir
-    from ..report.markdown import render_markdown
+    from ..report import read_columns, read_report
     from ..sources import applied_threads, open_source
 
     report = read_report(report_dir)
@@ -638,10 +652,5 @@ def analyse_report_dir(
         from ..report.gates import judge
 
         report["gates"], _ = judge(report, list(gates))
-    files["report.md"] = render_markdown(report).encode()
-    from ..report.html import render_html
-
-    files["report.html"] = render_html([report], [cols], paths=[str(report_dir)]).encode()
     stale = [n for n in ("flips.parquet", "correctness.parquet") if n not in files]
-    update_report_dir(report_dir, report, files, remove=stale)
-    return report
+    return ReportFlips(report=report, columns=cols, files=files, remove=stale)
