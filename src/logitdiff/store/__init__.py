@@ -299,16 +299,7 @@ class RunWriter:
         tokens: list[str | None] | None = None,
     ):
         self.path = Path(path)
-        if not self.path.parent.is_dir():  # the lock file lives beside the RUN
-            check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise LogitdiffError(f"{self.path}: cannot create its directory ({e.strerror})") from None
-        self._lock = ExitStack()  # closed by finish() / close()
-        self._lock.enter_context(locked(self.path))
-        self._key = held_key(self.path)
-        _refuse_second_live_writer(self._key, self.path)
+        self._take_lock(overwrite, resume)
         self.kind: StoreKind = (store.bound(int(vocab_size), dtype) if isinstance(store, StoreKind)
                                 else store_kind(store, int(vocab_size), dtype))
         self.store = self.kind.text
@@ -322,17 +313,49 @@ class RunWriter:
         self._nrows = 0  # rows handed to the writer for the chunk being filled
         self._cur: RunItem | None = None
         self._cur_rows = 0
-        # Blocks are written by one background thread, in order, into the chunk's file as
-        # they come (the full store streams them to the disk while the caller computes the
-        # next rows: after the last forward only the last block is left to write, not a
-        # whole chunk); a producer faster than the disk waits once chunk_bytes of blocks are
-        # queued rather than piling them up in memory. The files are written whole
-        # (temporary + rename) but not fsynced by that thread: a second thread (the syncer)
-        # fsyncs each chunk's files and only then lists the chunk in the manifest, so the
-        # manifest still names only durable chunks and a kill or a crash leaves whole chunks
-        # behind, while the disk's flushes do not hold up the writer (at V = 248,320 the
-        # producer's wait on a writer that fsynced each 64 MiB chunk fell ~10x, bench/RESULTS.md
-        # issue 24). The syncer may trail the writer by at most SYNC_LAG chunks (written, not listed).
+        self._init_write_queue()
+        self._kept_tools: dict[str, dict] = {}  # tools module path -> its copy in the RUN
+        fresh = self._fresh_manifest(source, tokenizer_hash, settings, kind_fields)
+        mpath = self.path / "manifest.json"
+        if mpath.exists() and resume:
+            self._resume_from(mpath, fresh, kind_fields)
+        else:
+            self._start_new(mpath, fresh, overwrite, resume)
+        # a new run writes these; a resumed one only when a kill came before them
+        fresh_start = self.manifest is fresh
+        self._send_side_files(fresh_start, vocab, tokens)
+        self.kind.write_files(self.path, fresh_start)
+        self._next_chunk = len(self.manifest["chunks"])
+        _LIVE_WRITERS[self._key] = self  # the last step: a constructor that fails leaves no entry
+
+    def _take_lock(self, overwrite: bool, resume: bool) -> None:
+        """The RUN's lock (held until finish() or close()), refused while another writer of the
+        RUN lives in this process."""
+        if not self.path.parent.is_dir():  # the lock file lives beside the RUN
+            check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise LogitdiffError(f"{self.path}: cannot create its directory ({e.strerror})") from None
+        self._lock = ExitStack()  # closed by finish() / close()
+        self._lock.enter_context(locked(self.path))
+        self._key = held_key(self.path)
+        _refuse_second_live_writer(self._key, self.path)
+
+    def _init_write_queue(self) -> None:
+        """The writer thread's and the syncer's state.
+
+        Blocks are written by one background thread, in order, into the chunk's file as
+        they come (the full store streams them to the disk while the caller computes the
+        next rows: after the last forward only the last block is left to write, not a
+        whole chunk); a producer faster than the disk waits once chunk_bytes of blocks are
+        queued rather than piling them up in memory. The files are written whole
+        (temporary + rename) but not fsynced by that thread: a second thread (the syncer)
+        fsyncs each chunk's files and only then lists the chunk in the manifest, so the
+        manifest still names only durable chunks and a kill or a crash leaves whole chunks
+        behind, while the disk's flushes do not hold up the writer (at V = 248,320 the
+        producer's wait on a writer that fsynced each 64 MiB chunk fell ~10x, bench/RESULTS.md
+        issue 24). The syncer may trail the writer by at most SYNC_LAG chunks (written, not listed)."""
         self._pool: ThreadPoolExecutor | None = None
         self._syncer: ThreadPoolExecutor | None = None
         self._pending: deque = deque()  # the writer's futures with the bytes of their blocks, in order
@@ -341,9 +364,10 @@ class RunWriter:
         self._sync_failed = False  # a chunk failed to become durable: no later chunk is listed
         self._chunk_file: Any = None  # the writer thread's: the chunk being filled (kind.open_chunk)
         self._write_failed = False  # the writer thread's: a block was not written, write nothing more
-        self._kept_tools: dict[str, dict] = {}  # tools module path -> its copy in the RUN
-        mpath = self.path / "manifest.json"
-        fresh = {
+
+    def _fresh_manifest(self, source: dict, tokenizer_hash: str | None, settings: dict | None, kind_fields: dict) -> dict:
+        """The manifest of a new run (a resumed run's must match it: ``resume_difference``)."""
+        return {
             "schema": RUN_SCHEMA,
             "tool": "logitdiff",
             "tool_version": __version__,
@@ -358,61 +382,65 @@ class RunWriter:
             "n_positions": 0,
             **kind_fields,
         }
-        if mpath.exists() and resume:
-            self.manifest = read_manifest(mpath)
-            try:
-                check_chunk_entries(self.manifest.get("chunks"), mpath)
-            except (KeyError, TypeError, ValueError, LogitdiffError) as e:
-                raise LogitdiffError(f"{mpath}: cannot resume, field {str(e).strip(chr(39))!r} malformed") from None
-            if self.manifest.get("schema") != RUN_SCHEMA:
-                raise LogitdiffError(f"{mpath}: schema {self.manifest.get('schema')!r}, expected {RUN_SCHEMA}")
-            diff = resume_difference(self.manifest, fresh)
-            for key in kind_fields:  # what the kind adds (the hidden store's head) must match too
-                if diff is None and self.manifest.get(key) != fresh[key]:
-                    diff = (key, self.manifest.get(key), fresh[key])
-            if diff is not None:
-                name, have, want = diff
-                raise ResumeMismatch(
-                    f"{mpath}: cannot resume, field {name!r} is {_short(have)} in the run but {_short(want)} now "
-                    "(resume with the run's own settings, or --overwrite to start again)"
-                )
-            self.manifest["status"] = "partial"
-            # A kill during a background chunk write leaves its temporary file behind; the
-            # manifest never listed it, so it is garbage: remove it before writing again.
-            for stale in (self.path / "chunks").glob(".*.tmp*"):
-                stale.unlink(missing_ok=True)
-            self._drop_orphan_rows()
-            self._remove_unlisted_files()
-        else:
-            if mpath.exists() and not overwrite:
-                raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
-            # Library callers too: never clear or fill a directory that is not a RUN.
-            check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
-            (self.path / "chunks").mkdir(parents=True, exist_ok=True)
-            if overwrite or resume:  # resume without a manifest: a capture killed before it
-                for f in (self.path / "chunks").iterdir():
-                    _unlink_any(f)
-                for f in self.path.iterdir():  # write temporaries (.NAME.tmpPID) a kill left
-                    if f.is_file() and f.name.startswith(".") and f.name.rpartition(".tmp")[2].isdigit():
-                        f.unlink()
-            self.manifest = fresh
-            # the manifest first: from here on a killed capture is a RUN that --resume continues
-            self._write_manifest()
-        # a new run writes these; a resumed one only when a kill came before them
-        fresh_start = self.manifest is fresh
+
+    def _resume_from(self, mpath: Path, fresh: dict, kind_fields: dict) -> None:
+        """Resume: the run's manifest, checked against what this capture would write (a
+        one-line ResumeMismatch naming the first field that differs); what a kill left
+        unlisted or half-listed removed."""
+        self.manifest = read_manifest(mpath)
+        try:
+            check_chunk_entries(self.manifest.get("chunks"), mpath)
+        except (KeyError, TypeError, ValueError, LogitdiffError) as e:
+            raise LogitdiffError(f"{mpath}: cannot resume, field {str(e).strip(chr(39))!r} malformed") from None
+        if self.manifest.get("schema") != RUN_SCHEMA:
+            raise LogitdiffError(f"{mpath}: schema {self.manifest.get('schema')!r}, expected {RUN_SCHEMA}")
+        diff = resume_difference(self.manifest, fresh)
+        for key in kind_fields:  # what the kind adds (the hidden store's head) must match too
+            if diff is None and self.manifest.get(key) != fresh[key]:
+                diff = (key, self.manifest.get(key), fresh[key])
+        if diff is not None:
+            name, have, want = diff
+            raise ResumeMismatch(
+                f"{mpath}: cannot resume, field {name!r} is {_short(have)} in the run but {_short(want)} now "
+                "(resume with the run's own settings, or --overwrite to start again)"
+            )
+        self.manifest["status"] = "partial"
+        # A kill during a background chunk write leaves its temporary file behind; the
+        # manifest never listed it, so it is garbage: remove it before writing again.
+        for stale in (self.path / "chunks").glob(".*.tmp*"):
+            stale.unlink(missing_ok=True)
+        self._drop_orphan_rows()
+        self._remove_unlisted_files()
+
+    def _start_new(self, mpath: Path, fresh: dict, overwrite: bool, resume: bool) -> None:
+        """A new run (or one replaced, or a resume that finds no manifest): the directory
+        checked and cleared of what an earlier capture or a kill left, then the manifest."""
+        if mpath.exists() and not overwrite:
+            raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
+        # Library callers too: never clear or fill a directory that is not a RUN.
+        check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
+        (self.path / "chunks").mkdir(parents=True, exist_ok=True)
+        if overwrite or resume:  # resume without a manifest: a capture killed before it
+            for f in (self.path / "chunks").iterdir():
+                _unlink_any(f)
+            for f in self.path.iterdir():  # write temporaries (.NAME.tmpPID) a kill left
+                if f.is_file() and f.name.startswith(".") and f.name.rpartition(".tmp")[2].isdigit():
+                    f.unlink()
+        self.manifest = fresh
+        # the manifest first: from here on a killed capture is a RUN that --resume continues
+        self._write_manifest()
+
+    def _send_side_files(self, fresh_start: bool, vocab: list[str] | None, tokens: list[str | None] | None) -> None:
+        """vocab.json and tokens.json, by the writer thread before any chunk (so durable before
+        the manifest lists one): encoding V strings twice, ~0.06 CPU s at V = 248,320, runs
+        beside the caller's first forward instead of before it."""
         side: list[tuple[str, list]] = []
         if vocab is not None and (fresh_start or not (self.path / "vocab.json").exists()):
             side.append(("vocab.json", vocab))
         if tokens is not None and (fresh_start or not (self.path / TOKENS_FILE).exists()):
             side.append((TOKENS_FILE, list(tokens)))  # the strings tokenizer_hash is of (tokenizer_identity.py)
         if side:
-            # by the writer thread, before any chunk (so durable before the manifest lists one):
-            # encoding V strings twice, ~0.06 CPU s at V = 248,320, runs beside the caller's
-            # first forward instead of before it
             self._send(0, self._write_side_files, side)
-        self.kind.write_files(self.path, fresh_start)
-        self._next_chunk = len(self.manifest["chunks"])
-        _LIVE_WRITERS[self._key] = self  # the last step: a constructor that fails leaves no entry
 
     def _drop_orphan_rows(self) -> None:
         """Resume: the rows of the item a kill interrupted, in listed chunks that no listed
