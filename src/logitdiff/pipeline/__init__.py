@@ -164,6 +164,8 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
 
 
 def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], opened) -> RunSummary:
+    """The job, step by step: the ladder and the preflight, the reference, its floor, one
+    report per candidate, then the summary and the pages."""
     t0 = time.time()
     wl_hash = hashlib.sha256(wl_path.read_bytes()).hexdigest()
     out = Path(cfg.out)
@@ -177,91 +179,120 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     first_served = next((c for c in cfg.candidates if is_served(c)), None)
     if is_served(cfg.reference) and first_served is not None:
         early = opened.enter_context(open_source(first_served))
-    ref = _reference_run(cfg, items, wl_hash, hooks, prefetch=early)
-    n_pos = sum(len(it.positions) for it in ref.items())
+    job = _Job(cfg, hooks, _reference_run(cfg, items, wl_hash, hooks, prefetch=early), out)
+    noise = job.noise_floor()
+    rows: list[CandidateRow] = []
+    for spec, name in zip(cfg.candidates, names):
+        rows.append(job.candidate(spec, name, noise, wl_path, opened=early if spec == first_served else None))
+        if spec == first_served:
+            early = None
+    summary = _run_summary(cfg, wl_path, wl_hash, len(items), job.n_pos, noise, rows, t0)
+    _write_summary(cfg, out, summary, rows, hooks)
+    hooks.done()
+    return summary
 
-    def score(spec: str, label: str, after=None, offset: int = 0):
+
+class _Job:
+    """The steps of one `run` after its reference is captured, and what they share: the
+    reference RUN, its scored positions, the text similarity of the flips and the served
+    reference's floor (set by :meth:`noise_floor`, read by each served candidate)."""
+
+    def __init__(self, cfg: RunConfig, hooks: Hooks, ref: RunReader, out: Path) -> None:
+        self.cfg, self.hooks, self.ref, self.out = cfg, hooks, ref, out
+        self.n_pos = sum(len(it.positions) for it in ref.items())
+        self.shift = SCORE_BATCH // 2  # the batch boundaries' move of a rerun with other batch mates
+        self.ref_floor: Any = None  # the served reference's floor (servedfloor.py)
+        self.similarity = None
+        if cfg.flips or cfg.correctness:
+            from ..flips.grading import load_similarity
+
+            self.similarity = load_similarity(cfg.similarity)
+
+    def score(self, spec: str, label: str, after=None, offset: int = 0):
+        """``spec`` scored live against the reference (``offset``: batch boundaries moved)."""
+        cfg = self.cfg
         with open_source(spec) as src, applied_threads([src]):
-            live = LiveRun(src, ref, offset=offset)
-            advance = hooks.bar(n_pos, label)
-            comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance, logprob_floor=cfg.logprob_floor)
+            live = LiveRun(src, self.ref, offset=offset)
+            advance = self.hooks.bar(self.n_pos, label)
+            comp = compare_runs(self.ref, live, top_logprobs=cfg.top_logprobs, progress=advance, logprob_floor=cfg.logprob_floor)
             return comp, (after(src, comp) if after else None)
 
-    def served_candidate(spec: str, name: str, opened=None):
+    def served_candidate(self, spec: str, name: str, opened=None):
         """A served candidate: captured into OUT/runs/<name> (top-K), compared from there,
         then scored again live with other batch mates against that capture: its floor.
         ``opened``: the source, already open (and prefetched on the reference's blocks)."""
-        run_dir = out / "runs" / f"candidate-{name}"
+        cfg, hooks, ref, shift = self.cfg, self.hooks, self.ref, self.shift
+        run_dir = self.out / "runs" / f"candidate-{name}"
         with (opened or open_source(spec)) as src, applied_threads([src]):
             hooks.stage(f"candidate: {spec} -> {run_dir}")
             capture_candidate(src, ref, run_dir, overwrite=True, progress=hooks.bar(len(ref.items()), name))
             cand = RunReader(run_dir)
-            comp = compare_runs(ref, cand, top_logprobs=cfg.top_logprobs, progress=hooks.bar(n_pos, f"{name}: compare"),
+            comp = compare_runs(ref, cand, top_logprobs=cfg.top_logprobs, progress=hooks.bar(self.n_pos, f"{name}: compare"),
                                 logprob_floor=cfg.logprob_floor)
             cand_floor = None
             if cfg.noise_floor:
                 hooks.stage(f"served floor: {spec} scored again with batch boundaries moved by {shift} items")
                 again = compare_runs(cand, LiveRun(src, ref, offset=shift), top_logprobs=cfg.top_logprobs,
-                                     progress=hooks.bar(n_pos, f"{name}: served floor"))
+                                     progress=hooks.bar(self.n_pos, f"{name}: served floor"))
                 cand_floor = floor_side(again, spec=spec, batching=getattr(src, "batching", None), shift=shift)
-            comp.served_floor = served_floor(ref_floor, cand_floor)
-            return comp, consequences(src, comp)
+            comp.served_floor = served_floor(self.ref_floor, cand_floor)
+            return comp, self.consequences(src, comp)
 
-    similarity = None
-    if cfg.flips or cfg.correctness:
-        from ..flips.grading import load_similarity
-
-        similarity = load_similarity(cfg.similarity)
-
-    def consequences(src, comp):
+    def consequences(self, src, comp):
+        """Flips and correctness of one candidate: (report sections, files)."""
+        cfg = self.cfg
         if not (cfg.flips or cfg.correctness):
             return {}, {}
         # imported only here: flips and grading (jsonschema, tool calls) are a third of the
         # import time of a run that does neither
         from ..flips.consequences import Settings, analyse
 
-        assert similarity is not None  # loaded above whenever flips or correctness is on
+        assert self.similarity is not None  # loaded whenever flips or correctness is on
         fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
-        return analyse(src, ref, comp.columns, similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
-                       bar=lambda n, label: hooks.bar(n, label))
+        return analyse(src, self.ref, comp.columns, self.similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
+                       bar=lambda n, label: self.hooks.bar(n, label))
 
-    noise: NoiseFloor | None = None
-    ref_floor = None  # the served reference's floor (servedfloor.py)
-    shift = SCORE_BATCH // 2
-    if cfg.noise_floor and is_served(cfg.reference):
-        # A served reference: its rerun has other batch mates by construction (the server's
-        # rounds), the floor a served comparison is read against.
-        hooks.stage(f"served floor: {cfg.reference} scored again with batch boundaries moved by {shift} items")
-        nf, batching = score(cfg.reference, "served floor", offset=shift, after=lambda src, comp: getattr(src, "batching", None))
-        ref_floor = floor_side(nf, spec=cfg.reference, batching=batching, shift=shift)
-        noise = noise_floor_section(nf, spec=cfg.reference, rerun="served: " + SHIFT_TEXT.format(shift=shift))
-    elif cfg.noise_floor:
+    def noise_floor(self) -> NoiseFloor | None:
+        """The reference against itself: a served reference scored again with other batch
+        mates (its floor, kept for the served candidates), else a rerun, and when that rerun
+        is bit-identical, a rerun with other batch mates."""
+        cfg, hooks, shift = self.cfg, self.hooks, self.shift
+        if cfg.noise_floor and is_served(cfg.reference):
+            # A served reference: its rerun has other batch mates by construction (the server's
+            # rounds), the floor a served comparison is read against.
+            hooks.stage(f"served floor: {cfg.reference} scored again with batch boundaries moved by {shift} items")
+            nf, batching = self.score(cfg.reference, "served floor", offset=shift, after=lambda src, comp: getattr(src, "batching", None))
+            self.ref_floor = floor_side(nf, spec=cfg.reference, batching=batching, shift=shift)
+            return noise_floor_section(nf, spec=cfg.reference, rerun="served: " + SHIFT_TEXT.format(shift=shift))
+        if not cfg.noise_floor:
+            return None
         hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
-        nf, _ = score(cfg.reference, "noise floor")
+        nf, _ = self.score(cfg.reference, "noise floor")
         noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun, same batch layout (blocks of {SCORE_BATCH} items)")
         if identical_distributions(nf):
             # A deterministic backend reruns bit-identically (CPU): that says nothing about its
             # numerical noise. Other batch mates (what --resume, --shard or a server's batching
             # give) change the float rounding of a batched backend: that is the floor.
-            shift = SCORE_BATCH // 2
             hooks.stage(f"noise floor: the rerun is bit-identical; rerun with batch boundaries moved by {shift} items")
-            nf, _ = score(cfg.reference, "noise floor, other batch mates", offset=shift)
+            nf, _ = self.score(cfg.reference, "noise floor, other batch mates", offset=shift)
             noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun with batch boundaries moved by {shift} items "
                                         "(other batch mates); the plain rerun is bit-identical")
             if identical_distributions(nf):
                 noise["rerun"] += ("; bit-identical with other batch mates too: on this workload the backend's numbers do "
                                    "not depend on the batch (llama.cpp, for one, scores each sequence alone), so x noise floor "
                                    "is undefined")
-    rows: list[CandidateRow] = []
-    for spec, name in zip(cfg.candidates, names):
-        hooks.stage(f"candidate: {spec}")
+        return noise
+
+    def candidate(self, spec: str, name: str, noise: NoiseFloor | None, wl_path: Path, opened=None) -> CandidateRow:
+        """One candidate scored, its report (gates judged) written to OUT/reports/<name>, and
+        its summary row."""
+        cfg = self.cfg
+        self.hooks.stage(f"candidate: {spec}")
         if is_served(spec):
-            comp, (sections, files) = served_candidate(spec, name, opened=early if spec == first_served else None)
-            if spec == first_served:
-                early = None
+            comp, (sections, files) = self.served_candidate(spec, name, opened=opened)
         else:
-            comp, (sections, files) = score(spec, name, consequences)
-            comp.served_floor = served_floor(ref_floor, None)
+            comp, (sections, files) = self.score(spec, name, self.consequences)
+            comp.served_floor = served_floor(self.ref_floor, None)
         report, columns = build_report(comp, ranges=cfg.ranges, n_boot=cfg.bootstrap, seed=cfg.seed, noise_floor=noise)
         report["baseline"]["spec"] = cfg.reference
         report.update(sections)
@@ -269,12 +300,18 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
             from ..report.gates import judge
 
             report["gates"], _ = judge(report, cfg.gates)
-        rdir = out / "reports" / name
+        rdir = self.out / "reports" / name
         write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files, inputs=[wl_path])
-        rows.append(_summary_row(spec, report, rdir, noise))
+        row = _summary_row(spec, report, rdir, noise)
         if "served_floor" in report["summary"]:
-            rows[-1]["x_served_floor"] = report["summary"]["kl_mean_x_served_floor"]
-            rows[-1]["within_2x_served_floor"] = report["summary"]["within_2x_served_floor"]
+            row["x_served_floor"] = report["summary"]["kl_mean_x_served_floor"]
+            row["within_2x_served_floor"] = report["summary"]["within_2x_served_floor"]
+        return row
+
+
+def _run_summary(cfg: RunConfig, wl_path: Path, wl_hash: str, n_items: int, n_pos: int, noise: NoiseFloor | None,
+                 rows: list[CandidateRow], t0: float) -> RunSummary:
+    """summary.json of the run (sets each row's x_cross_engine_floor)."""
     cross_engine = _cross_engine_floor(rows, cfg.reference)
     summary: RunSummary = {
         "schema": RUN_SUMMARY_SCHEMA,
@@ -282,7 +319,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         "reference": cfg.reference,
         "workload": str(wl_path),
         "workload_sha256": wl_hash,
-        "items": len(items),
+        "items": n_items,
         "positions": n_pos,
         "noise_floor": noise,
         "cross_engine_floor": cross_engine,
@@ -293,23 +330,28 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         summary["gates"] = [g.text for g in cfg.gates]
         summary["gates_crossed"] = {r["name"]: r["gates_crossed"] for r in rows if r.get("gates_crossed")}
         summary["gates_not_evaluated"] = {r["name"]: r["gates_not_evaluated"] for r in rows if r.get("gates_not_evaluated")}
+    return summary
+
+
+def _write_summary(cfg: RunConfig, out: Path, summary: RunSummary, rows: list[CandidateRow], hooks: Hooks) -> None:
+    """OUT/summary.json, summary.md, and the pages: OUT/report.html with every candidate and
+    each candidate's own."""
     atomic_write_bytes(out / "summary.json", summary_json(summary, str(out / "summary.json")).encode())
     atomic_write_bytes(out / "summary.md", render_summary_md(summary).encode())
-    if cfg.html:
-        from ..report import write_candidate_page
-        from ..report.html import write_html
+    if not cfg.html:
+        return
+    from ..report import write_candidate_page
+    from ..report.html import write_html
 
-        hooks.stage("report.html: every candidate on one page, and each candidate's own in reports/<name>/")
-        write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
-        if len(rows) == 1:
-            # one candidate: its own page is the run's page (the same report, tokens, summary
-            # and path rendered), written once and copied, not rendered twice
-            atomic_write_bytes(Path(rows[0]["report"]) / "report.html", (out / "report.html").read_bytes())
-        else:
-            for r in rows:
-                write_candidate_page(r["report"], summary)
-    hooks.done()
-    return summary
+    hooks.stage("report.html: every candidate on one page, and each candidate's own in reports/<name>/")
+    write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
+    if len(rows) == 1:
+        # one candidate: its own page is the run's page (the same report, tokens, summary
+        # and path rendered), written once and copied, not rendered twice
+        atomic_write_bytes(Path(rows[0]["report"]) / "report.html", (out / "report.html").read_bytes())
+    else:
+        for r in rows:
+            write_candidate_page(r["report"], summary)
 
 
 def identical_distributions(comp) -> bool:
