@@ -25,12 +25,13 @@ import numpy as np
 from ..capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, preflight_tokenization
 from ..compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from ..defaults import DEFAULT_MAX_BRANCHES
-from ..contracts import SCHEMA_VERSION, CandidateRow, Column, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
+from ..contracts import SCHEMA_VERSION, CandidateRow, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from ..errors import LogitdiffError
 from ..contracts import RUN_SUMMARY_SCHEMA
 from ..store.files import Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from ..report import build_report, noise_floor_section, write_report_dir
 from ..report.markdown import render_markdown
+from ..report.metric_registry import ACCURACY_PAIR, CONSEQUENCE_TABLE, DRIFT_TABLE, METRICS, header
 from ..sources.served_floor import SHIFT_TEXT, floor_side, is_served, served_floor
 from ..sources import applied_threads, open_source
 from ..store import ResumeMismatch, RunReader
@@ -452,6 +453,33 @@ def _pct(x, spec=".2f"):
     return "n/a" if x is None else f"{100 * x:{spec}} %"
 
 
+# summary.md's cells by the metric's table format (metric_registry.Metric.table_fmt)
+_MD_FORMAT: dict[str, Callable[[Any], str]] = {
+    "g": lambda x: _f(x), "int": lambda x: "n/a" if x is None else str(x), "p": lambda x: _f(x, ".3g"),
+    "x": lambda x: _f(x, ".3g"), "ratio": lambda x: _f(x, ".5f"), "pct": lambda x: _pct(x),
+    "pct0": lambda x: _pct(x, ".0f"), "pct1": lambda x: _pct(x, ".1f"),
+}
+# the CI column that follows a drift column in summary.md (its row field)
+_MD_CI = {"kl_mean": "kl_mean_ci95", "top1_disagreement": "top1_disagreement_ci95"}
+
+
+def _md_cell(x, name: str) -> str:
+    return _MD_FORMAT[METRICS[name].table_fmt](x)
+
+
+def _md_consequence(r: CandidateRow, name: str) -> str:
+    """A cell of summary.md's consequence table: an outcome from the row's flip_outcomes, the
+    two accuracies side by side, or the row's field."""
+    row = cast("dict[str, Any]", r)
+    if name in Outcome.ALL:
+        return str((row.get("flip_outcomes") or {}).get(name, "n/a"))
+    if name == ACCURACY_PAIR.name:
+        if row.get(ACCURACY_PAIR.cand) is None:
+            return "n/a"
+        return f"{_md_cell(row.get(ACCURACY_PAIR.ref), ACCURACY_PAIR.ref)} → {_md_cell(row[ACCURACY_PAIR.cand], ACCURACY_PAIR.cand)}"
+    return _md_cell(row.get(name), name)
+
+
 def render_summary_md(summary: RunSummary) -> str:
     nf = summary.get("noise_floor")
     lines = [
@@ -466,20 +494,20 @@ def render_summary_md(summary: RunSummary) -> str:
     xf = summary.get("cross_engine_floor")
     if xf:
         lines.append(f"- cross-engine floor (same weights, other engine): `{xf['candidate']}`, mean KL {_f(xf['kl_nats_mean'])} nats")
+    drift: list[tuple[str, str | None]] = []  # (metric, None): its column; (metric, row field): the CI column after it
+    for name in DRIFT_TABLE:
+        drift += [(name, None)] + ([(name, _MD_CI[name])] if name in _MD_CI else [])
     lines += [
         "",
-        f"| candidate | {Column.NAME['kl_mean']} (nats) | 95 % CI | {Column.NAME['kl_p99']} | {Column.NAME['jsd_mean']} | "
-        f"{Column.NAME['top1_disagreement']} | 95 % CI | {Column.NAME['ppl_ratio']} | {Column.NAME['x_noise_floor']} | "
-        f"{Column.NAME['x_cross_engine_floor']} |",
-        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
+        "| candidate | " + " | ".join("95 % CI" if ci else header(name) + (" (nats)" if name == "kl_mean" else "") for name, ci in drift)
+        + " |",
+        "|---|" + "".join("---|" if ci else "---:|" for _, ci in drift),
     ]
     for r in summary["candidates"]:
-        ci, tci = r["kl_mean_ci95"], r["top1_disagreement_ci95"]
-        lines.append(
-            f"| `{r['candidate']}` | {_f(r['kl_mean'])} | [{_f(ci[0])}, {_f(ci[1])}] | {_f(r['kl_p99'])} | {_f(r['jsd_mean'])} | "
-            f"{_pct(r['top1_disagreement'])} | [{_pct(tci[0])}, {_pct(tci[1])}] | {_f(r['ppl_ratio'], '.5f')} | "
-            f"{_f(r['x_noise_floor'], '.3g')} | {_f(r.get('x_cross_engine_floor'), '.3g')} |"
-        )
+        row = cast("dict[str, Any]", r)
+        cells = [f"[{_md_cell(row[ci][0], name)}, {_md_cell(row[ci][1], name)}]" if ci else _md_cell(row.get(name), name)
+                 for name, ci in drift]
+        lines.append(f"| `{r['candidate']}` | " + " | ".join(cells) + " |")
     served = [r for r in summary["candidates"] if "x_served_floor" in r]
     if served:
         lines += ["", "Served floor (each served side scored again with other batch mates; see each report):", ""]
@@ -492,20 +520,11 @@ def render_summary_md(summary: RunSummary) -> str:
             "",
             "What the drift does (free-running answers and branches from top-1 flips; see each report):",
             "",
-            f"| candidate | {Column.NAME['flip_branches']} | " + " | ".join(o.replace("_", " ") for o in Outcome.ALL) + " | "
-            + " | ".join(Column.NAME[k] for k in ("flip_ties", "accuracy", "right_to_wrong", "wrong_to_right", "mcnemar_p",
-                                                   "tool_call_valid_cand")) + " |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+            "| candidate | " + " | ".join(header(name) for name in CONSEQUENCE_TABLE) + " |",
+            "|---|" + "".join("---|" if name == ACCURACY_PAIR.name else "---:|" for name in CONSEQUENCE_TABLE),
         ]
         for r in summary["candidates"]:
-            o = r.get("flip_outcomes") or {}
-            acc = (f"{_pct(r.get('accuracy_ref'), '.1f')} → {_pct(r['accuracy_cand'], '.1f')}" if r.get("accuracy_cand") is not None else "n/a")
-            lines.append(
-                f"| `{r['candidate']}` | {r.get('flip_branches', 'n/a')} | "
-                + " | ".join(str(o.get(k, "n/a")) for k in Outcome.ALL)
-                + f" | {r.get('flip_ties', 'n/a')} | {acc} | {r.get('right_to_wrong', 'n/a')} | {r.get('wrong_to_right', 'n/a')} | {_f(r.get('mcnemar_p'), '.3g')} | "
-                + _pct(r.get("tool_call_valid_cand"), ".0f") + " |"
-            )
+            lines.append(f"| `{r['candidate']}` | " + " | ".join(_md_consequence(r, name) for name in CONSEQUENCE_TABLE) + " |")
     if summary.get("gates"):
         crossed = summary.get("gates_crossed") or {}
         missing = summary.get("gates_not_evaluated") or {}
