@@ -28,12 +28,12 @@ def make_run(path, logits_by_item, teacher_by_item, store="full"):
     for iid, lg in logits_by_item.items():
         T = lg.shape[0]
         it = RunItem(id=iid, prompt_ids=[1, 2], teacher_ids=list(teacher_by_item[iid]), positions=list(range(T)))
-        if w.compact:
-            w.add(it, compact=C.encode(lg, it.next_tokens, w.compact))
-        elif w.k:
+        if w.kind.name == "compact":
+            w.add(it, stored=C.encode(lg, it.next_tokens, w.kind.spec))
+        elif w.kind.k:
             lp = log_softmax(lg.astype(np.float64), axis=1)
-            ids = np.argsort(-lp, axis=1, kind="stable")[:, :w.k]
-            w.add(it, topk={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
+            ids = np.argsort(-lp, axis=1, kind="stable")[:, :w.kind.k]
+            w.add(it, stored={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
         else:
             w.add(it, logits=lg)
     w.finish()
@@ -65,7 +65,7 @@ def test_compact_run_round_trip_and_compare_intervals(runs, store):
     tmp, ref, cand, teacher = runs
     r = RunReader(make_run(tmp / "ref", ref, teacher, store=store))
     c = RunReader(make_run(tmp / "cand", cand, teacher))
-    assert r.compact == C.parse_spec(store) and r.manifest["settings"]["dtype"] is None
+    assert r.kind.spec == C.parse_spec(store) and r.manifest["settings"]["dtype"] is None
     assert all(ch["data"].endswith(C.CHUNK_SUFFIX) for ch in r.manifest["chunks"])
     with pytest.raises(LogitdiffError, match="compact reference"):
         r.logits(r.items()[0])

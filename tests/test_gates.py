@@ -366,3 +366,62 @@ def test_run_gates_not_evaluated_exit_4_and_each_candidates_page(tmp_path, capsy
     # crossed wins over not evaluated; all evaluated and none crossed is 0
     assert main(argv + ["--fail-on", "kl_mean>=0,meaning_changed>0"]) == CROSSED_EXIT
     assert main(argv + ["--require", "kl_mean<1e9"]) == 0
+    # repeated options accumulate: the first of two clauses still fails the run
+    assert main(argv + ["--fail-on", "kl_mean>=0", "--fail-on", "kl_mean>1e9"]) == CROSSED_EXIT
+    s = json.loads((out / "summary.json").read_text())
+    assert s["gates"] == ["kl_mean>=0", "kl_mean>1e9"] and s["gates_crossed"] == {name: ["kl_mean>=0"]}
+    assert main(argv + ["--require", "kl_mean<0", "--require", "kl_mean<1e9"]) == CROSSED_EXIT
+
+
+def test_repeated_gate_options_accumulate_in_every_command(compare_pair):
+    """--fail-on and --require given twice (or more) keep every clause, in every command that
+    takes them (the last one alone was kept: a crossed first clause was dropped, exit 0)."""
+    from logitdiff.cli import build_parser, main
+    from logitdiff.cli.options import parse_gate_args
+
+    p = build_parser()
+    gated = [cmd for cmd, sub in p._subparsers._group_actions[0].choices.items()
+             if any("--fail-on" in a.option_strings for a in sub._actions)]
+    assert set(gated) >= {"compare", "flips", "run"}
+    tmp, ref, cands = compare_pair
+    for cmd in gated:
+        positional = {"compare": [str(ref), str(cands["far"]), "--out", str(tmp / "x")], "flips": [str(tmp / "rep")], "run": []}[cmd]
+        args = p.parse_args([cmd, *positional, "--fail-on", "kl_mean>0", "--require", "kl_mean<=1", "--fail-on", "jsd_mean>2,kl_p99>3",
+                             "--require", "top1_disagreement<=0.5"])
+        assert [g.text for g in parse_gate_args(args)] == ["kl_mean>0", "jsd_mean>2", "kl_p99>3", "require kl_mean<=1",
+                                                          "require top1_disagreement<=0.5"], cmd
+        bad = p.parse_args([cmd, *positional, "--fail-on", "kl_mean>0", "--fail-on", ""])
+        with pytest.raises(LogitdiffError, match="no clause"):
+            parse_gate_args(bad)  # an empty one among them is still an error
+    # end to end: the far candidate crosses the first clause, not the second
+    out = tmp / "rep-repeat"
+    base = ["compare", str(ref), str(cands["far"]), "--out", str(out), "--bootstrap", "0"]
+    assert main(base + ["--fail-on", "kl_mean>0.05", "--fail-on", "kl_mean>1e9"]) == CROSSED_EXIT
+    gates = json.loads((out / "report.json").read_text())["gates"]
+    assert [g["gate"] for g in gates["gates"]] == ["kl_mean>0.05", "kl_mean>1e9"] and gates["crossed"] == ["kl_mean>0.05"]
+    assert main(base + ["--require", "kl_mean<=0.05", "--require", "kl_mean<1e9"]) == CROSSED_EXIT
+    assert main(base + ["--fail-on", "kl_mean>1e9", "--fail-on", "kl_mean>1e10"]) == 0
+
+
+def test_judge_is_the_one_place_that_evaluates_and_decides():
+    """judge gives the report.json section (evaluate's) and its exit status (exit_status's),
+    and leaves the report as it was; no module of the package evaluates gates or turns them
+    into an exit status by itself."""
+    from logitdiff.report.gates import judge
+
+    report = copy.deepcopy(REAL)
+    cases = [("kl_mean>0.05", None, 0), ("kl_mean>0.01", None, CROSSED_EXIT), (None, "x_noise_floor<=2", NOT_EVALUATED_EXIT),
+             ("kl_mean>0.01,x_noise_floor>2", None, CROSSED_EXIT), (None, "kl_mean<=0.05,accuracy_drop<=0.1", 0)]
+    for fail_on, require, status in cases:
+        gates = parse_gate_options(fail_on, require)
+        section, got = judge(report, gates)
+        assert section == evaluate(report, gates) and got == status == exit_status([section]), (fail_on, require)
+        assert (got == 0) is section["passed"]
+    assert report == REAL
+    src = Path(__file__).resolve().parents[1] / "src" / "logitdiff"
+    for path in src.rglob("*.py"):
+        if path.name == "gates.py":
+            continue
+        text = path.read_text()
+        assert not re.search(r"(?<![\w.])evaluate\(|import [^\n]*\bevaluate\b", text), path
+        assert not re.search(r"CROSSED_EXIT if|NOT_EVALUATED_EXIT if", text), path

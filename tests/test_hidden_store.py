@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from _models import WIDE_VOCAB, make_random_llama, make_wide_llama
 from logitdiff.store import hidden as Hs
+from logitdiff.store.kinds.hidden import HiddenStore
 from logitdiff.builtin import WORKLOAD
 from logitdiff.capture import capture_candidate, capture_reference
 from logitdiff.cli import main
@@ -90,7 +91,7 @@ def tiny(tmp_path_factory):
 
 def test_hidden_run_decodes_to_the_full_runs_bits(tiny):
     root, full, hid, _ = tiny
-    assert hid.store == "hidden" and hid.dtype == "bfloat16" and not hid.k and not hid.compact
+    assert hid.store == "hidden" and hid.dtype == "bfloat16" and not hid.kind.k and isinstance(hid.kind, HiddenStore)
     assert len(hid.manifest["chunks"]) > 1  # 1 MiB chunks: items run across chunk files
     assert [it.id for it in hid.items()] == [it.id for it in full.items()]
     n = 0
@@ -217,7 +218,7 @@ def test_logits_that_are_not_the_head_output_are_refused(tmp_path):
     # stored rows from another run (merge): an exception outside the block is refused
     bad = {"hidden": h, "exc_row": np.array([9], np.int32), "exc_id": np.array([0], np.int32), "exc_bits": np.zeros(1, np.uint16)}
     with pytest.raises(LogitdiffError, match=r"item 'y': hidden-state rows uint16 \(4, \d+\) \(or their exceptions\) do not fit"):
-        w.add_rows(hidden_block=bad)
+        w.add_rows(stored=bad)
     w.close()
 
 
@@ -308,10 +309,10 @@ def test_run_with_a_hidden_reference_writes_the_same_reports(tmp_path):
 
 
 def test_auto_reference_store_follows_the_source():
-    from logitdiff.capture import reference_store_for
+    from logitdiff.store.kinds import auto_kind
 
-    assert reference_store_for(open_source("builtin:tiny")) == "hidden"
-    assert reference_store_for(open_source("builtin:tiny,dtype=float32")) == "full"
+    assert auto_kind(open_source("builtin:tiny")) == "hidden"
+    assert auto_kind(open_source("builtin:tiny,dtype=float32")) == "full"
 
 
 def read_workload_rows(n):

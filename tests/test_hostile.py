@@ -70,7 +70,7 @@ def make_run(path, *, vocab=16, store="full", dtype="float32", identity=None, n_
         if k:
             lp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(1, keepdims=True))
             idx = np.argsort(-lp, axis=1, kind="stable")[:, :k]
-            w.add(it, topk={"ids": idx.astype(np.int64), "logprobs": np.take_along_axis(lp, idx, 1)})
+            w.add(it, stored={"ids": idx.astype(np.int64), "logprobs": np.take_along_axis(lp, idx, 1)})
         else:
             w.add(it, logits=logits)
     w.finish()

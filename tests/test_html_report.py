@@ -551,7 +551,9 @@ def test_significance_is_said(ladder):
 def test_one_name_per_column_everywhere(ladder, capsys, monkeypatch):
     """The floor columns (and the rest of the run table) carry one name on every surface."""
     from logitdiff.cli.run import print_run_summary
-    from logitdiff.contracts import Column, schema
+    from logitdiff import contracts
+    from logitdiff.contracts import schema
+    from logitdiff.report.metric_registry import CONSEQUENCE_TABLE, DRIFT_TABLE, METRICS, header
     from logitdiff.pipeline import render_summary_md
     from pathlib import Path
 
@@ -575,15 +577,18 @@ def test_one_name_per_column_everywhere(ladder, capsys, monkeypatch):
     md = render_summary_md(summary)
     desc = schema("summary")["$defs"]["candidate_row"]["properties"]
     for key in ("x_noise_floor", "x_cross_engine_floor"):
-        name = Column.NAME[key]
+        name = header(key)
         assert name in md and name in page and desc[key]["description"].startswith(name + ":"), key
         assert name in terminal, key
-    for key in ("kl_mean", "kl_p99", "jsd_mean", "top1_disagreement", "ppl_ratio", "flip_branches", "flip_ties", "right_to_wrong",
-                "wrong_to_right", "mcnemar_p", "tool_call_valid_cand", "accuracy"):
-        assert Column.NAME[key] in md, key
-        assert Column.NAME[key] in terminal, key
-        if key != "accuracy":  # the page shows accuracy as two columns, ref and cand
-            assert f">{htmlmod.escape(Column.NAME[key])}</th>" in page, key
+    # the summary tables' columns are the registry's, under the registry's headers: no second table of names
+    assert not hasattr(contracts, "Column")
+    assert set(DRIFT_TABLE) | (set(CONSEQUENCE_TABLE) - {"accuracy"}) <= set(METRICS)
+    for key in (*DRIFT_TABLE, *CONSEQUENCE_TABLE):
+        assert header(key) in md, key
+        assert header(key) in terminal, key
+        if key in ("kl_mean", "kl_p99", "jsd_mean", "top1_disagreement", "ppl_ratio", "flip_branches", "flip_ties", "right_to_wrong",
+                   "wrong_to_right", "mcnemar_p", "tool_call_valid_cand"):  # the page shows accuracy as two columns, ref and cand
+            assert f">{htmlmod.escape(header(key))}</th>" in page, key
     # the other names this column once had are gone from every surface and from the sources
     src = Path(__file__).resolve().parents[1] / "src" / "logitdiff"
     for old in ("× BF16 floor", "× engine floor", "BF16 floor"):

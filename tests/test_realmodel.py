@@ -121,9 +121,9 @@ def test_reference_from_a_gguf_through_transformers(reference):
     assert ident["gguf_tensor_types"].get("Q4_1", 0) > 0
     assert ident["weight_files"] == {SMOL_FILE: file_sha256(SMOL)}
     # a bf16 transformers reference: what `run` stores as hidden states by default
-    from logitdiff.capture import reference_store_for
+    from logitdiff.store.kinds import auto_kind
 
-    assert reference_store_for(src) == "hidden"
+    assert auto_kind(src) == "hidden"
 
 
 def test_hf_gguf_and_gguf_render_identical_prompt_ids(smol_hf):

@@ -315,11 +315,15 @@ def test_range_labels_and_edges():
 
 
 def test_store_text_has_one_parser_and_one_formatter():
-    from logitdiff.store import format_store, parse_store
+    """A source's rows kept as given (full rows, top-K lists) are spelled by their kind, and
+    that text parses back to the same kind."""
+    from logitdiff.store.kinds import given_rows_kind, store_kind
 
     for k in (0, 1, 64, 4096):
-        assert parse_store(format_store(k), vocab_size=4096) == k
-    assert format_store(0) == "full" and format_store(8) == "topk:8"
+        kind = given_rows_kind(k, 4096)
+        again = store_kind(kind.text, vocab_size=4096)
+        assert type(again) is type(kind) and again.k == k
+    assert given_rows_kind(0).text == "full" and given_rows_kind(8).text == "topk:8"
 
 
 def test_one_item_bootstrap():

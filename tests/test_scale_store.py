@@ -114,7 +114,7 @@ def test_topk_rows_span_chunks(tmp_path):
     ids, lp = (rng.integers(0, V, (n, 1)) + np.arange(4)) % V, -np.abs(rng.normal(size=(n, 4)))
     w.begin_item(_item(0, n))
     for a in range(0, n, 7000):
-        w.add_rows(topk={"ids": ids[a : a + 7000], "logprobs": lp[a : a + 7000]})
+        w.add_rows(stored={"ids": ids[a : a + 7000], "logprobs": lp[a : a + 7000]})
     w.end_item()
     w.finish()
     r = RunReader(tmp_path / "t")

@@ -164,7 +164,7 @@ def test_llama_server_kl_end_to_end(env, llama, tmp_path, capsys):
     ref = env["ref"]
     with open_source(f"openai:{srv.url}/v1,top_k={K}") as src:
         run = RunReader(capture_candidate(src, ref, tmp_path / "cand"))
-    assert run.k == K and run.manifest["status"] == "complete" and run.manifest["source"]["identity"]["server"] == "llamacpp"
+    assert run.kind.k == K and run.manifest["status"] == "complete" and run.manifest["source"]["identity"]["server"] == "llamacpp"
     assert run.manifest["n_positions"] == ref.manifest["n_positions"]
     comp = compare_runs(ref, run)
     assert comp.kind == "top_k" and comp.method["top_logprobs"] == K

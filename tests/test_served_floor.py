@@ -137,7 +137,7 @@ def _topk_run(path, logits, teacher, identity):
     it = RunItem(id="a", prompt_ids=[1, 2], teacher_ids=list(teacher), positions=list(range(len(teacher))))
     lp = log_softmax(logits.astype(np.float64), axis=1)
     ids = np.argsort(-lp, axis=1, kind="stable")[:, :K]
-    w.add(it, topk={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
+    w.add(it, stored={"ids": ids, "logprobs": np.take_along_axis(lp, ids, 1)})
     w.finish()
     return RunReader(path)
 

@@ -75,7 +75,7 @@ def test_topk_round_trip(tmp_path):
     rng = np.random.default_rng(0)
     it = RunItem(id="a", prompt_ids=[1], teacher_ids=[3, 4], positions=[0, 1])
     tk = {"ids": rng.integers(0, 50, (2, 4)), "logprobs": -rng.random((2, 4)), "logsumexp": np.zeros(2), "tail_mass": np.ones(2) * 0.1, "entropy": np.ones(2)}
-    w.add(it, topk=tk)
+    w.add(it, stored=tk)
     w.finish()
     r = RunReader(tmp_path / "run")
     got = r.topk(r.items()[0])

@@ -20,8 +20,9 @@ from logitdiff.cli import main
 from logitdiff.compare import compare_runs
 from logitdiff.errors import LogitdiffError
 from logitdiff.store.files import atomic_write_bytes
-from logitdiff.store import RunReader, parse_store
-from logitdiff.store.kinds import STORE_KINDS, BlockPlace, RowsForm, StoreKind
+from logitdiff.store import RunReader
+from logitdiff.store.kinds import STORE_KINDS, BlockPlace, RowsForm, StoreKind, store_kind
+from logitdiff.store.kinds.full import FullStore
 from logitdiff.store.kinds.rows import bf16_to_f32
 
 LEVELS = 254  # int8 codes -127..127
@@ -114,9 +115,9 @@ def test_the_registered_kind_is_what_the_run_holds(runs):
     run = RunReader(runs / "int8")
     assert run.store == "int8" and type(run.kind) is Int8Rows and run.manifest["settings"]["dtype"] is None
     assert {p.name.split(".", 1)[1] for p in (runs / "int8" / "chunks").iterdir()} == {"items.jsonl", "int8.npz"}
-    assert parse_store("int8") == 0  # not a top-K store
+    assert store_kind("int8").k == 0  # not a top-K store
     with pytest.raises(LogitdiffError, match="expected int8"):
-        parse_store("int8:3")
+        store_kind("int8:3")
 
 
 def test_stored_rows_are_within_half_a_step(runs):
@@ -166,10 +167,10 @@ def test_merged_shards_hold_the_same_rows(runs):
 def test_an_unregistered_store_is_refused_naming_the_registered_ones(monkeypatch):
     monkeypatch.setitem(STORE_KINDS, Int8Rows.name, Int8Rows)
     with pytest.raises(LogitdiffError, match=r"expected full, topk:K .*, hidden or int8$"):
-        parse_store("int9")
+        store_kind("int9")
     monkeypatch.delitem(STORE_KINDS, Int8Rows.name)
     with pytest.raises(LogitdiffError, match="expected full") as e:
-        parse_store("int8")
+        store_kind("int8")
     assert "int8" not in str(e.value).split("expected")[1]
 
 
@@ -210,3 +211,47 @@ def test_resume_continues_a_killed_capture_of_the_kind(tmp_path, monkeypatch):
     for x, y in zip(a.items(), b.items(), strict=True):
         np.testing.assert_array_equal(a.logits(x), b.logits(y))
         assert np.abs(b.logits(y) - rows[y.id]).max() <= (np.ptp(rows[y.id], 1).max() / LEVELS) / 2 * (1 + 1e-6) + 1e-5
+
+
+class KeptAsGiven(FullStore):
+    """``--store asgiven``: a lossless kind (the full store's files under another name) that
+    keeps a source's full rows as given and that ``auto`` prefers to every bundled kind."""
+
+    name: ClassVar[str] = "asgiven"
+    usage: ClassVar[str] = "asgiven"
+    summary: ClassVar[str] = "the source's rows as it gave them"
+    chunk_suffix: ClassVar[str] = "asgiven.npy"
+    auto_rank: ClassVar[int] = 5
+
+    @classmethod
+    def as_given(cls, top_k: int, vocab_size: int | None, dtype: str | None) -> StoreKind | None:
+        return None if top_k else cls(cls.name, vocab_size, dtype)
+
+
+def test_a_registered_kind_joins_every_list_of_kinds(runs, monkeypatch):
+    """Every list of kinds is read from the registry: a kind registered first (one line, no
+    other edit) is a choice of run --reference-store, what ``auto`` picks, and what a live
+    candidate's rows are held as; unregistered, it is none of them."""
+    from logitdiff.capture import LiveRun
+    from logitdiff.cli import build_parser
+    from logitdiff.sources import open_source
+    from logitdiff.store import kinds
+
+    def choices() -> tuple[str, ...]:
+        run_p = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+        return next(a.choices for a in run_p._actions if "--reference-store" in a.option_strings)
+
+    ref = RunReader(runs / "ref")
+    with open_source("builtin:tiny") as src:
+        assert choices() == ("auto", "full", "hidden") and kinds.auto_kind(src) == "hidden"
+        assert type(LiveRun(src, ref).kind).__name__ == "FullStore"
+        monkeypatch.setattr(kinds, "STORE_KINDS", {KeptAsGiven.name: KeptAsGiven, **kinds.STORE_KINDS})  # the registry line
+        assert choices() == ("auto", "asgiven", "full", "hidden")
+        assert kinds.auto_kind(src) == "asgiven"
+        live = LiveRun(src, ref)
+        assert type(live.kind) is KeptAsGiven and live.manifest["settings"]["store"] == "asgiven"
+        # read as full rows: compared exactly, the reference against a rerun of itself in the
+        # capture's batch layout (bit-identical on CPU: 0 at every position)
+        exact = compare_runs(ref, live)
+        assert exact.method["bounds"] == "exact" and exact.n == sum(len(it.positions) for it in ref.items()) > 50
+        assert not exact.columns["kl_nats"].any() and exact.columns["top1_match"].all()

@@ -197,14 +197,15 @@ def capture_run(
     from .store.files import Kind, check_output
     from .capture.shards import parse_shard, shard_items, with_endpoints
     from .sources import applied_threads, open_source
-    from .store import RunReader, parse_chunk_size, parse_store
+    from .store import RunReader, parse_chunk_size
+    from .store.kinds import store_kind
 
     bar = bar or _no_bar
     if reference and workload:
         raise LogitdiffError("--reference and --workload exclude each other: a candidate capture takes its items from the reference run")
     # Arguments first, then the output path, then the inputs; the source (slow) last.
     check_resume_flags(resume, overwrite)
-    parse_store(store)
+    kind = store_kind(store)  # parsed once; the capture binds it to the source
     check_max_tokens(max_tokens)
     parse_positions(positions)
     full_spec = with_endpoints(spec, list(endpoints))
@@ -221,7 +222,7 @@ def capture_run(
         reference_run.items()  # a damaged reference is a one-line error before the source loads
         with open_source(full_spec) as src, applied_threads([src]):
             advance = bar(len(shard_items(reference_run.items(), shard_ix, block=batch)), f"scoring {spec}")
-            capture_candidate(src, reference_run, out, store=store, resume=resume, overwrite=overwrite, progress=advance,
+            capture_candidate(src, reference_run, out, store=kind, resume=resume, overwrite=overwrite, progress=advance,
                               shard=shard_ix, settings=extra, batch=batch, chunk_bytes=chunk_bytes)
     else:
         from .builtin import WORKLOAD
@@ -234,7 +235,7 @@ def capture_run(
         wl_hash = hashlib.sha256(Path(wl).read_bytes()).hexdigest()
         with open_source(full_spec) as src, applied_threads([src]):
             advance = bar(len(items), f"capturing {spec}")
-            capture_reference(src, items, out, max_tokens=max_tokens, store=store, positions=positions, resume=resume,
+            capture_reference(src, items, out, max_tokens=max_tokens, store=kind, positions=positions, resume=resume,
                               overwrite=overwrite, settings={"workload": wl, "workload_sha256": wl_hash, **extra},
                               progress=advance, inputs=[wl], batch=batch, chunk_bytes=chunk_bytes)
     return Path(out)
@@ -343,9 +344,9 @@ def diff_runs(
         if allow_partial and (ref.is_partial or cand.is_partial):
             report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
         if gate_list:
-            from .report.gates import evaluate
+            from .report.gates import judge
 
-            report["gates"] = evaluate(report, gate_list)
+            report["gates"], _ = judge(report, gate_list)
         if out is not None:
             _write_report(out, report, columns, inputs)
         return report

@@ -111,33 +111,6 @@ class MethodKind:
     ALL = (FULL_VOCAB, COMPACT, TOP_K)
 
 
-class Column:
-    """One name per summary column, on every surface: terminal tables, summary.md, report.md,
-    report.html and the schemas' descriptions (key: the summary.json candidate-row field)."""
-
-    NAME = {
-        "kl_mean": "mean KL",
-        "kl_p99": "p99 KL",
-        "jsd_mean": "mean JSD",
-        "top1_disagreement": "top-1 disagreement",
-        "ppl_ratio": "PPL ratio",
-        "x_noise_floor": "× noise floor",
-        "x_cross_engine_floor": "× cross-engine floor",
-        "flip_branches": "branches",
-        "flip_ties": "ties (not flips)",
-        "accuracy": "accuracy (reference → candidate)",
-        "right_to_wrong": "right→wrong",
-        "wrong_to_right": "wrong→right",
-        "mcnemar_p": "McNemar p",
-        "tool_call_valid_cand": "valid tool calls",
-    }
-    MEANING = {
-        "x_noise_floor": "mean KL / mean KL of the reference against a rerun of itself (other batch mates on CPU)",
-        "x_cross_engine_floor": "mean KL / mean KL of the reference's own weights in another engine "
-                                "(the BF16 GGUF through llama.cpp in the default run)",
-    }
-
-
 # --------------------------------------------------------------------------------------------
 # shapes (``total=False`` classes hold the optional keys; JSON null is ``None``)
 

@@ -27,21 +27,14 @@ DEFAULT_TOP_K = 20
 DEFAULT_FLOOR_ITEMS = 8
 DEFAULT_SHAPE_WIDTH = 4  # llama-server's default draft (--spec-draft-n-max 3) + the target's token
 
-# flips: how far the classifier's outcomes held when checked, shown by `flips --help` and the page.
-# The branches of a trained model (SmolLM2-135M, two requantized ladders, 2 x 180 branches) that two
-# blind readers label alike: (agreeing, cases) per outcome, both sets pooled. Measured, not chosen:
-# tests/test_flips_labelled.py classifies them again and requires these exact counts, so a change
-# to the classifier that moves them must restate them here (docs/flips.md, "A second reader").
-FLIP_AGREEMENT_MEASURED = {"meaning_changed": (278, 306), "benign": (8, 25), "recovered": (5, 8)}
-
-
-def flip_agreement_sentence() -> str:
-    """FLIP_AGREEMENT_MEASURED in words, for the help and the page."""
-    parts = [f"{o} {k}/{n} ({100 * k / n:.0f} %)" for o, (k, n) in FLIP_AGREEMENT_MEASURED.items()]
-    return ("How far the classes hold when someone checks: on a trained model's branches (SmolLM2-135M, "
-            "2 x 180) that two blind readers label alike, the classifier agrees on " + ", ".join(parts)
-            + ": a benign or recovered verdict on a real model's prose is one to read for yourself "
-            "(each branch's decided_by says what decided it; docs/flips.md).")
+# flips: where to read how far the classifier's outcomes hold when checked (`flips --help` and
+# the page point there; the measured agreement lives in docs/flips.md, not in the code, and
+# tests/test_flips_labelled.py classifies the labelled branches again and requires docs' figures)
+FLIP_AGREEMENT_TEXT = (
+    "How far the classes hold when someone checks: docs/flips.md (\"A second reader\") gives how often the "
+    "classifier agrees with two blind readers on a trained model's branches, per class. A benign or recovered "
+    "verdict on a real model's prose is one to read for yourself (each branch's decided_by says what decided it)."
+)
 
 # What `--help` says of the sandbox (flips; run): here, not in flips/sandbox.py, so that building
 # the CLI's parser imports no flips module. Keep in step with flips/sandbox.py's docstring and docs/flips-and-correctness.md.

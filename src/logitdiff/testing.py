@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from .report.gates import Gate, GateKind, evaluate, parse_gate_options
+from .report.gates import Gate, GateKind, judge, parse_gate_options
 from .report.metric_registry import GATE_METRICS
 
 if TYPE_CHECKING:
@@ -98,8 +98,10 @@ def drift_failures(report_or_dir: Report | str | os.PathLike[str], *, fail_on: s
 
 
 def _failures(report: Report, gates: list[Gate]) -> list[DriftFailure]:
-    res = evaluate(report, gates)
+    res, status = judge(report, gates)
     failures: list[DriftFailure] = []
+    if status == 0:
+        return failures
     for g, r in zip(gates, res["gates"]):
         if r["crossed"] or r["missing"]:
             failures.append({"clause": g.clause, "kind": g.kind, "metric": g.metric, "value": r["value"], "not_evaluated": r["missing"],

@@ -35,7 +35,7 @@ from ..errors import LogitdiffError, renamed_parameters
 from ..store.files import Kind, writing
 from ..sources import RowKind, Source, TopKRows, is_full, is_topk
 from ..store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
-from ..store.kinds import store_kind
+from ..store.kinds import AUTO, StoreKind, auto_kind, given_rows_kind, store_kind
 from ..workload import Item
 
 from ..defaults import DEFAULT_MAX_TOKENS, SCORE_BATCH  # noqa: F401 (SCORE_BATCH: items per score_many call)
@@ -163,42 +163,32 @@ def _source_meta(source: Source) -> dict:
     return {"spec": source.spec, "identity": source.identity()}
 
 
-def reference_store_for(source: Source) -> str:
-    """What ``auto`` picks: ``hidden`` when the source's logits are its 16-bit output head's
-    output (a bf16/f16 transformers model: exact, ~2H bytes a position), else ``full``."""
-    if source.row_kind is RowKind.FULL and source.output_head() is not None:
-        return "hidden"
-    return "full"
+def _store_for(source: Source, store: str | StoreKind) -> StoreKind:
+    """The store kind a capture uses, bound to the source's vocabulary and rows dtype: a kind
+    the caller parsed (kinds.store_kind), or a ``--store`` text parsed here, once (``auto``:
+    the kind kinds.auto_kind picks). A top-K (served) source cannot give full rows, so the
+    kind that keeps full rows as given keeps its top-K lists as given instead."""
+    if not isinstance(store, StoreKind):
+        store = store_kind(auto_kind(source) if store == AUTO else store)
+    if is_topk(source) and isinstance(store, type(given_rows_kind(0))):
+        return given_rows_kind(int(source.top_k), source.vocab_size, _rows_dtype(source))
+    return store.bound(source.vocab_size, _rows_dtype(source))
 
 
-def _store_for(source: Source, store: str) -> str:
-    """The store a capture uses: ``auto`` as :func:`reference_store_for` picks; a served
-    (top-K) source cannot give full logits, so ``full`` means its top-K; ``topk:K`` is
-    checked against the vocabulary."""
-    from ..store import parse_store
-
-    if store == "auto":
-        store = reference_store_for(source)
-    parse_store(store, source.vocab_size)
-    if is_topk(source) and store == "full":
-        return f"topk:{source.top_k}"
-    return store
-
-
-def _writer(source: Source, out, store: str, resume: bool, settings: dict, chunk_bytes: int | None = None) -> RunWriter:
+def _writer(source: Source, out, kind: StoreKind, resume: bool, settings: dict, chunk_bytes: int | None = None) -> RunWriter:
     head = None
-    if store_kind(store).needs_hidden_states:
+    if kind.needs_hidden_states:
         head = source.output_head()
         if head is None:
-            raise LogitdiffError(f"{source.spec}: a hidden-state store (capture --store hidden, run --reference-store hidden) "
-                                 "needs a transformers model whose bf16 or float16 logits are its output head's output (no bias, "
-                                 "scaling or soft-capping); use --store full or compact")
+            raise LogitdiffError(f"{source.spec}: a hidden-state store (capture --store {kind.text}, run --reference-store "
+                                 f"{kind.text}) needs a transformers model whose bf16 or float16 logits are its output head's "
+                                 "output (no bias, scaling or soft-capping); use another --store")
     return RunWriter(
         out,
         source=_source_meta(source),
         vocab_size=source.vocab_size,
         tokenizer_hash=source.tokenizer_hash,
-        store=store,
+        store=kind,
         dtype=_rows_dtype(source),
         settings={**settings, "distributions": "teacher-forced prefill over prompt + teacher",
                   "source_dtype": "served top-K logprobs" if source.row_kind is RowKind.TOPK else _rows_dtype(source)},
@@ -230,7 +220,7 @@ def capture_reference(
     out: str | Path,
     *,
     max_tokens: int | None = None,
-    store: str = "full",
+    store: str | StoreKind = "full",
     positions: str = "all",
     resume: bool = False,
     overwrite: bool = False,
@@ -250,14 +240,14 @@ def capture_reference(
     check_resume_flags(resume, overwrite)
     check_max_tokens(max_tokens)
     parse_positions(positions)
-    store = _store_for(source, store)
+    kind = _store_for(source, store)
     # Render every item first: a prompt the source refuses (too long, bad template) is a
     # one-line error before any RUN file exists, not a half-written run.
     rendered = dict(zip((it.id for it in items), source.render_many(items)))
     settings = {"role": "reference", "max_tokens": max_tokens, "positions": positions, **_sampling(positions),
                 "decoding": "greedy (temperature 0)", **(settings or {}), **_layout(source, batch)}
     with writing(out, Kind.RUN, inputs=inputs, overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
-        writer = _writer(source, path, store, resume, settings, chunk_bytes)
+        writer = _writer(source, path, kind, resume, settings, chunk_bytes)
         try:
             _reference_rows(writer, source, items, rendered, max_tokens=max_tokens, positions=positions, resume=resume,
                             progress=progress, batch=batch, chunk_bytes=chunk_bytes)
@@ -391,7 +381,7 @@ def capture_candidate(
     reference: RunReader,
     out: str | Path,
     *,
-    store: str = "full",
+    store: str | StoreKind = "full",
     resume: bool = False,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
@@ -405,7 +395,7 @@ def capture_candidate(
     ``logitdiff merge``; a resumed block is rescored whole). ``out`` is guarded and locked;
     it must not be, hold or sit inside the reference run."""
     check_resume_flags(resume, overwrite)
-    store = _store_for(source, store)
+    kind = _store_for(source, store)
     pairs = verified_prompts(source, reference, shard=shard, block=batch)
     # "teacher": the RUN format's name for the reference RUN (manifest settings; --resume compares them)
     settings = {"role": "candidate", "teacher": str(reference.path), "teacher_manifest_sha256": _manifest_sha256(reference),
@@ -413,7 +403,7 @@ def capture_candidate(
                 **{k: v for k, v in reference.manifest["settings"].items() if k == "positions_sampling"},
                 **(settings or {}), **_layout(source, batch)}
     with writing(out, Kind.RUN, inputs=[reference.path], overwrite=overwrite, resume=resume, in_place_when_new=True) as path:
-        writer = _writer(source, path, store, resume, settings, chunk_bytes)
+        writer = _writer(source, path, kind, resume, settings, chunk_bytes)
         try:
             _candidate_rows(writer, source, pairs, resume=resume, progress=progress, batch=batch, chunk_bytes=chunk_bytes)
         except BaseException:
@@ -463,7 +453,7 @@ class LiveRun:
         # Served sources return top-K ids + logprobs per position instead of full logits.
         self.k = int(source.top_k) if is_topk(source) else 0
         # what a stored capture of the source would be: the comparison method is chosen from it
-        self.kind = store_kind(f"topk:{self.k}" if self.k else "full", source.vocab_size, _rows_dtype(source))
+        self.kind = given_rows_kind(self.k, source.vocab_size, _rows_dtype(source))
         self.reference = reference
         self.batch = batch
         self.offset = offset
@@ -478,7 +468,7 @@ class LiveRun:
             "source": _source_meta(source),
             "status": "complete",
             "tokenizer_hash": source.tokenizer_hash,
-            "settings": {"store": f"topk:{self.k}" if self.k else "full", "live": True, "dtype": self.dtype,
+            "settings": {"store": self.kind.text, "live": True, "dtype": self.dtype,
                          **_layout(source, batch), **({"batch_offset": offset} if offset else {})},
             "n_items": len(self._pairs),
             "n_positions": sum(len(it.positions) for it, _ in self._pairs),

@@ -66,11 +66,11 @@ def register(sub) -> None:
     import argparse
     import textwrap
 
-    from ..defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN, flip_agreement_sentence
+    from ..defaults import MAX_DETOUR, MAX_SHIFT, MIN_RUN, FLIP_AGREEMENT_TEXT
     from ..defaults import DEFAULT_THRESHOLDS
     from ..defaults import SANDBOX_HELP
 
-    description = FLIPS_DESCRIPTION.replace("{agreement}", textwrap.fill(flip_agreement_sentence(), 92))
+    description = FLIPS_DESCRIPTION.replace("{agreement}", textwrap.fill(FLIP_AGREEMENT_TEXT, 92))
     f = sub.add_parser(NAME, help=HELP, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=SANDBOX_HELP)
     f.add_argument("report", metavar="REPORT", help="REPORT directory written by compare or run")
@@ -104,6 +104,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..flips.consequences import Settings, analyse_report_dir
+    from ..report import rewrite_report_dir
     from ..flips import parse_select
     from ..store.files import Kind, is_kind, locked
 
@@ -140,11 +141,13 @@ def run(args) -> int:
 
     # flips rewrites files of the REPORT it reads: one writer per REPORT at a time.
     with locked(Path(args.report)), Bars() as bars:
-        report = analyse_report_dir(
+        result = analyse_report_dir(
             args.report, candidate=args.candidate, reference=args.reference, settings=settings,
             similarity=args.similarity, similarity_threshold=args.similarity_threshold,
             correctness=not args.no_correctness, bar=bars.bar, gates=gates,
         )
+        rewrite_report_dir(args.report, result.report, result.columns, result.files, remove=result.remove)
+    report = result.report
     print_flips(report)
     console().print(f"wrote {args.report}/flips.parquet" + (", correctness.parquet" if report.get("correctness") else "")
                     + " and updated report.json, report.md, report.html")

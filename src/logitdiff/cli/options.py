@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from ..contracts import Report
 
 GATES_HELP = f"""\
-Gates: --fail-on and --require take comma-separated METRIC OP NUMBER clauses (OP: > >= < <=).
+Gates: --fail-on and --require take comma-separated METRIC OP NUMBER clauses (OP: > >= < <=);
+each may be given more than once, and every clause of every one counts.
 A --fail-on clause is a failure condition (--fail-on 'kl_mean>0.05' is crossed when the mean
 KL is above 0.05); a --require clause must hold (--require 'kl_mean<=0.05' is crossed when it
 does not). The same grammar, names and meaning as assert_drift_within(REPORT, fail_on=...,
@@ -42,14 +43,15 @@ def check_at_least(flag: str, value: int | None, low: int) -> None:
 
 
 def parse_gate_args(args):
-    """The gates of ``--fail-on`` and ``--require`` (None when neither is given); an empty
-    clause list or a bad clause is a one-line error."""
-    from ..report.gates import parse_gate_options
+    """The gates of every ``--fail-on`` and ``--require`` given (each repeatable: all their
+    clauses count, failure conditions first; None when neither is given); an empty clause
+    list or a bad clause is a one-line error."""
+    from ..report.gates import GateKind, parse_gates
 
-    fail_on, require = getattr(args, "fail_on", None), getattr(args, "require", None)
-    if fail_on is None and require is None:
+    given = {GateKind.FAIL_ON: getattr(args, "fail_on", None) or [], GateKind.REQUIRE: getattr(args, "require", None) or []}
+    if not any(given.values()):
         return None
-    return parse_gate_options(fail_on, require)
+    return [g for kind, texts in given.items() for text in texts for g in parse_gates(text, kind)]
 
 
 def gate_exit(reports: Sequence[Report]) -> int:
@@ -144,8 +146,8 @@ def add_chunk_size(p) -> None:
 
 def add_gate_options(p, extra: str = "") -> None:
     """--fail-on and --require (gates.GateKind), documented together in the command's epilog."""
-    p.add_argument("--fail-on", metavar="CLAUSES", help=FAIL_ON_HELP + extra + "; see Gates below")
-    p.add_argument("--require", metavar="CLAUSES", help=REQUIRE_HELP + extra + "; see Gates below")
+    p.add_argument("--fail-on", metavar="CLAUSES", action="append", help=FAIL_ON_HELP + extra + "; repeatable; see Gates below")
+    p.add_argument("--require", metavar="CLAUSES", action="append", help=REQUIRE_HELP + extra + "; repeatable; see Gates below")
     p.epilog = ((p.epilog + "\n\n") if p.epilog else "") + GATES_HELP
 
 

@@ -4,7 +4,7 @@ with no arguments, the bundled default."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ..api import check_bootstrap
 from .console import Bars, console, table_console
@@ -33,6 +33,7 @@ DESCRIPTION = (
 
 def register(sub) -> None:
     from ..store.files import REPORT_NAMES_HELP
+    from ..store.kinds import AUTO, STORE_KINDS, reference_store_choices
     from ..defaults import SANDBOX_HELP
 
     run_p = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=SANDBOX_HELP)
@@ -46,11 +47,11 @@ def register(sub) -> None:
                        help="output directory: new, empty or an earlier run's (its reference capture is reused) (default: %(default)s)")
     run_p.add_argument("--max-tokens", type=int, default=None, help="generation budget per item, >= 1 (default: the item's, else 64)")
     run_p.add_argument("--positions", default="all", help="all | first | sample:FRAC with 0 < FRAC <= 1 (default: %(default)s)")
-    run_p.add_argument("--reference-store", choices=("auto", "full", "hidden"), default="auto",
-                       help="how OUT/runs/reference keeps the reference's logits: full (bf16 rows, 2V bytes per position), "
-                            "hidden (a bf16/fp16 transformers reference's final hidden states and its output head once, decoded bit "
-                            "for bit: ~2H bytes per position; docs/bounds.md section 6), or auto: hidden where the reference "
-                            "allows it, else full; reports are the same either way (default: %(default)s)")
+    run_p.add_argument("--reference-store", choices=reference_store_choices(), default=AUTO,
+                       help="how OUT/runs/reference keeps the reference's logits, read back bit for bit whichever is chosen: "
+                            + "; ".join(f"{name} ({STORE_KINDS[name].summary})" for name in reference_store_choices()[1:])
+                            + f"; or {AUTO}: the most compact of these the reference allows (docs/bounds.md section 6); "
+                            "reports are the same either way (default: %(default)s)")
     run_p.add_argument("--no-noise-floor", action="store_true", help="skip the reference reruns")
     add_bootstrap(run_p)
     add_ranges(run_p)
@@ -119,8 +120,9 @@ def run(args) -> int:
 
 def _gates_exit(summary: RunSummary, con: Console) -> int:
     """Each candidate's crossed and not-evaluated gates (summary.json) and the exit status
-    they give (gates.exit_status); the values and reasons are in each report."""
-    from ..report.gates import CROSSED_EXIT, NOT_EVALUATED_EXIT
+    they give (gates.exit_status, over each candidate's report.json gates section as
+    summary.json lists it); the values and reasons are in each report."""
+    from ..report.gates import exit_status
 
     crossed = summary.get("gates_crossed") or {}
     missing = summary.get("gates_not_evaluated") or {}
@@ -129,7 +131,8 @@ def _gates_exit(summary: RunSummary, con: Console) -> int:
     for who, gs in missing.items():
         con.print(f"[bold yellow]gate not evaluated[/]: {who}: {', '.join(gs)}: its report does not have "
                   f"{'this metric' if len(gs) == 1 else 'these metrics'} (reasons in reports/{who}/report.md)")
-    return CROSSED_EXIT if crossed else NOT_EVALUATED_EXIT if missing else 0
+    return exit_status([{"crossed": r.get("gates_crossed", []), "not_evaluated": r.get("gates_not_evaluated", [])}
+                        for r in summary["candidates"]])
 
 
 def _warn_cut(summary: RunSummary, con: Console) -> None:
@@ -151,29 +154,63 @@ def _warn_cut(summary: RunSummary, con: Console) -> None:
                 con.print(f"{r['name']}: {line}" if "candidate answers" in line else line)
 
 
+# the terminal's cells by the metric's table format (metric_registry.Metric.table_fmt)
+_TERMINAL_FORMAT: dict[str, Callable[[Any], str]] = {
+    "g": lambda x: f"{x:.3g}", "int": str, "p": lambda x: f"{x:.3g}", "x": lambda x: f"{x:.3g}", "ratio": lambda x: f"{x:.4f}",
+    "pct": lambda x: f"{100 * x:.2f}%", "pct0": lambda x: f"{100 * x:.0f}%", "pct1": lambda x: f"{100 * x:.1f}%",
+}
+
+
+def _cell(x: Any, name: str) -> str:
+    from ..report.metric_registry import METRICS
+
+    return "n/a" if x is None else _TERMINAL_FORMAT[METRICS[name].table_fmt](x)
+
+
+def _consequence_cell(r: CandidateRow, name: str) -> str:
+    """A cell of the consequence table: an outcome from the row's flip_outcomes, the two
+    accuracies side by side, or the row's field."""
+    from ..contracts import Outcome
+    from ..report.metric_registry import ACCURACY_PAIR
+
+    row = cast("dict[str, Any]", r)
+    if name in Outcome.ALL:
+        return str((row.get("flip_outcomes") or {}).get(name, "n/a"))
+    if name == ACCURACY_PAIR.name:
+        ref, cand = row.get(ACCURACY_PAIR.ref), row.get(ACCURACY_PAIR.cand)
+        return "n/a" if ref is None or cand is None else f"{_cell(ref, ACCURACY_PAIR.ref)} → {_cell(cand, ACCURACY_PAIR.cand)}"
+    return _cell(row.get(name), name)
+
+
 def print_run_summary(summary: RunSummary) -> None:
+    """The run's tables on the terminal: drift, then what it does (columns: the metric
+    registry's summary tables, with their headers and formats)."""
     from rich.table import Table
 
-    from ..contracts import Outcome
+    from ..report.metric_registry import CONSEQUENCE_TABLE, DRIFT_TABLE, header
 
     nf = summary.get("noise_floor")
     title = f"drift from {summary['reference']} — {summary['items']} items, {summary['positions']} positions"
     if nf:
         title += f"; noise floor mean KL {nf['kl_nats_mean']:.3g}"
     t = Table(title=title)
-    from ..contracts import Column
-
-    for col in ("candidate", Column.NAME["kl_mean"], "95% CI", Column.NAME["kl_p99"], Column.NAME["jsd_mean"], Column.NAME["top1_disagreement"],
-                Column.NAME["ppl_ratio"], Column.NAME["x_noise_floor"], Column.NAME["x_cross_engine_floor"]):
-        t.add_column(col, justify="right" if col != "candidate" else "left")
-    g = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
+    t.add_column("candidate", justify="left")
+    for name in DRIFT_TABLE:
+        t.add_column(header(name), justify="right")
+        if name == "kl_mean":
+            t.add_column("95% CI", justify="right")
     for r in summary["candidates"]:
-        ci = r["kl_mean_ci95"]
-        t.add_row(r.get("name") or r["candidate"], g(r["kl_mean"]), "n/a" if ci[0] is None else f"[{g(ci[0])}, {g(ci[1])}]", g(r["kl_p99"]), g(r["jsd_mean"]),
-                  "n/a" if r["top1_disagreement"] is None else f"{100 * r['top1_disagreement']:.2f}%", "n/a" if r["ppl_ratio"] is None else f"{r['ppl_ratio']:.4f}",
-                  g(r["x_noise_floor"]), g(r.get("x_cross_engine_floor")))
+        row = cast("dict[str, Any]", r)
+        cells = []
+        for name in DRIFT_TABLE:
+            cells.append(_cell(row.get(name), name))
+            if name == "kl_mean":
+                ci = r["kl_mean_ci95"]
+                cells.append("n/a" if ci[0] is None else f"[{_cell(ci[0], name)}, {_cell(ci[1], name)}]")
+        t.add_row(r.get("name") or r["candidate"], *cells)
     con = table_console()
     con.print(t)
+    g = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
     # a served candidate's drift is read against the servers' own batch arithmetic (summary.md says the same)
     for r in summary["candidates"]:
         if "x_served_floor" in r:
@@ -182,17 +219,11 @@ def print_run_summary(summary: RunSummary) -> None:
                       highlight=False)
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
         t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
-        for col in ("candidate", Column.NAME["flip_branches"], *(o.replace("_", " ") for o in Outcome.ALL),
-                    *(Column.NAME[k] for k in ("flip_ties", "accuracy", "right_to_wrong", "wrong_to_right", "mcnemar_p", "tool_call_valid_cand"))):
-            t2.add_column(col, justify="right" if col != "candidate" else "left")
+        t2.add_column("candidate", justify="left")
+        for name in CONSEQUENCE_TABLE:
+            t2.add_column(header(name), justify="right")
         for r in summary["candidates"]:
-            o = r.get("flip_outcomes") or {}
-            acc_ref, acc_cand = r.get("accuracy_ref"), r.get("accuracy_cand")
-            acc = "n/a" if acc_ref is None or acc_cand is None else f"{100 * acc_ref:.1f}% → {100 * acc_cand:.1f}%"
-            valid = "n/a" if (tv := r.get("tool_call_valid_cand")) is None else f"{100 * tv:.0f}%"
-            t2.add_row(r.get("name") or r["candidate"], str(r.get("flip_branches", "n/a")),
-                       *[str(o.get(k, "n/a")) for k in Outcome.ALL], str(r.get("flip_ties", "n/a")),
-                       acc, str(r.get("right_to_wrong", "n/a")), str(r.get("wrong_to_right", "n/a")), g(r.get("mcnemar_p")), valid)
+            t2.add_row(r.get("name") or r["candidate"], *(_consequence_cell(r, name) for name in CONSEQUENCE_TABLE))
         con.print(t2)
     print_verdicts(summary, con)
 

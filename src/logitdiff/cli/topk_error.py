@@ -96,9 +96,9 @@ def _bounds_table(res: dict):
                 "estimate err of mean"):
         t.add_column(col, justify="right")
     exact = {"kl": res["exact"]["mean"], "kl_rev": res["exact"]["kl_rev_mean"], "jsd": res["exact"]["jsd_mean"]}
-    from ..store import format_store
+    from ..store.kinds import given_rows_kind
 
-    lines = [(format_store(r["k"]), r["bounds"], {"kl": r["rel_err_of_mean"]}) for r in res["rows"]]
+    lines = [(given_rows_kind(r["k"]).text, r["bounds"], {"kl": r["rel_err_of_mean"]}) for r in res["rows"]]
     lines += [(c["store"], c["bounds"], {}) for c in res.get("compact", [])]
     for store, b, seed_err in lines:
         for d, x in b.items():

@@ -321,8 +321,3 @@ def check_floor_value(floor: float | None, V: int | None = None) -> None:
     if V is not None and floor > -math.log(V):
         raise LogitdiffError(f"--logprob-floor {floor}: above -ln V = {-math.log(V):.4f} for V = {V:,}; "
                              "no distribution over V tokens has every log-probability above it")
-
-
-def select_kind(ref, cand) -> str:
-    """``method.kind`` of the comparison of the two runs (compare.methods.select_method)."""
-    return select_method(ref, cand).kind

@@ -519,75 +519,102 @@ def classify(
     sig["left_ref_position"] = None if al.left is None else t + 1 + al.left[1]
     sig["joined_share"] = al.joined_share
     sig["detours"] = al.detours
-    stays = al.stays_joined()
-    ends_set = set(end_ids)
     # the candidate's token at the flip is an end token: the branch stopped there, where the
     # reference goes on (stopping earlier is benign, docs/flips.md)
-    stopped_at_flip = t < len(branch_ids) and branch_ids[t] in ends_set
+    stopped_at_flip = t < len(branch_ids) and branch_ids[t] in set(end_ids)
     tools = item.get("tools") or []
     expected = item.get("expected") or {}
     same: bool | None = None
     if tools:
-        pr, pb = parse_tool_calls(ref_text), parse_tool_calls(branch_text)
-        ref_valid, ref_errs = _call_state(pr, tools)
-        br_valid, br_errs = _call_state(pb, tools)
-        sig.update(
-            ref_call=[c.to_json() for c in pr.calls] or None,
-            branch_call=[c.to_json() for c in pb.calls] or None,
-            ref_call_valid=ref_valid,
-            branch_call_valid=br_valid,
-            branch_call_errors=br_errs if pb.attempted or ref_valid else [],
-        )
-        if ref_valid:
-            if not br_valid:
-                sig["decided_by"] = "reference call valid, branch call " + ("invalid" if pb.ok else "unparsable or absent")
-                return Outcome.TOOL_CALL_MALFORMED, sig
-            cmp = compare_calls(pb.calls, pr.calls, tools)
-            sig["call_differences"] = cmp.reasons
-            if exec_check is not None:
-                sig["exec"] = exec_check(pr.calls, pb.calls)
-            if not cmp.equal:
-                sig["decided_by"] = "valid call, different: " + cmp.reasons[0]
-                return Outcome.TOOL_CALL_CHANGED, sig
-            same = True
-        elif pb.attempted:
-            # The reference made no valid call; the branch's call is a behaviour change.
-            same = pr.ok and pb.ok and compare_calls(pb.calls, pr.calls, tools).equal
-    what = "same answer"
+        decided, same = _tool_calls_step(ref_text, branch_text, tools, exec_check, sig)
+        if decided is not None:
+            return decided, sig
+    what, stays = "same answer", al.stays_joined()
     if same is None:
-        key_r, key_b = _answer_key(expected, ref_text), _answer_key(expected, branch_text)
-        if expected and ("answer" in expected or "numeric" in expected or "regex" in expected):
-            same = key_r == key_b
-            sig["ref_answer"], sig["branch_answer"] = key_r, key_b
-        elif expected and ("tool_call" in expected or "tool_calls" in expected):
-            gr, gb = grade(expected, ref_text, tools), grade(expected, branch_text, tools)
-            same = gr.extracted == gb.extracted
-        else:
-            # No label, no tool call: no final answer to compare. A changed number, name,
-            # literal, negation or claim (salient.compare, both full sides) is a changed
-            # meaning whatever the rest of the text does; beyond that, re-joining or
-            # similarity decide.
-            ends = set(end_ids)
-            sal = salient.compare(ref_text, branch_text, code=code, ref_cut=not (ref_ids and ref_ids[-1] in ends),
-                                  branch_cut=not (branch_ids and branch_ids[-1] in ends),
-                                  start=_divergence(ref_text, branch_text), word_similarity=word_similarity)
-            sig["salient_changes"] = sal["changed"]
-            sig["shifted"] = sal["shifted"]
-            sig["content_share"] = sal["content_share"]
-            sig["word_salad"] = sal.get("word_salad", False)
-            same = not sal["changed"]
-            what = "same " + ("numbers, names and literals" if code else "numbers, names, negations and content")
-            if sal.get("word_salad") and not sal.get("local", True):
-                # word salad whose words differ in order or place (not by a synonym or a
-                # filler word): the same words, other sentences; not a local change
-                stays = False
-                what += " (word salad: the same content words, reworded)"
-            if sal["shifted"]:
-                # whole lines skipped right after the flip, then the reference's text: not
-                # re-joined at an aligned point, so at most benign (docs/flips.md)
-                stays = False
-                what += " (a pure shift: the branch skips lines of the reference, then writes its text)"
+        same, what, stays = _answer_step(expected, tools, ref_ids, branch_ids, ref_text, branch_text, end_ids, code,
+                                         word_similarity, sig, stays)
     sig["same_answer"] = bool(same)
+    return _decide(al, sig, same=same, what=what, stays=stays, expected=expected, stopped_at_flip=stopped_at_flip,
+                   similarity=similarity, threshold=threshold, end_similarity=end_similarity), sig
+
+
+def _tool_calls_step(ref_text: str, branch_text: str, tools: list, exec_check: Callable[[list, list], dict] | None,
+                     sig: dict[str, Any]) -> tuple[str | None, bool | None]:
+    """An item with tools: the two outputs' tool calls. Returns (the outcome when the calls
+    decide it, else None; whether the answers are the same, None when the calls say nothing)."""
+    pr, pb = parse_tool_calls(ref_text), parse_tool_calls(branch_text)
+    ref_valid, ref_errs = _call_state(pr, tools)
+    br_valid, br_errs = _call_state(pb, tools)
+    sig.update(
+        ref_call=[c.to_json() for c in pr.calls] or None,
+        branch_call=[c.to_json() for c in pb.calls] or None,
+        ref_call_valid=ref_valid,
+        branch_call_valid=br_valid,
+        branch_call_errors=br_errs if pb.attempted or ref_valid else [],
+    )
+    if ref_valid:
+        if not br_valid:
+            sig["decided_by"] = "reference call valid, branch call " + ("invalid" if pb.ok else "unparsable or absent")
+            return Outcome.TOOL_CALL_MALFORMED, None
+        cmp = compare_calls(pb.calls, pr.calls, tools)
+        sig["call_differences"] = cmp.reasons
+        if exec_check is not None:
+            sig["exec"] = exec_check(pr.calls, pb.calls)
+        if not cmp.equal:
+            sig["decided_by"] = "valid call, different: " + cmp.reasons[0]
+            return Outcome.TOOL_CALL_CHANGED, None
+        return None, True
+    if pb.attempted:
+        # The reference made no valid call; the branch's call is a behaviour change.
+        return None, pr.ok and pb.ok and compare_calls(pb.calls, pr.calls, tools).equal
+    return None, None
+
+
+def _answer_step(expected: dict, tools: list, ref_ids: Sequence[int], branch_ids: Sequence[int], ref_text: str,
+                 branch_text: str, end_ids: Sequence[int], code: bool, word_similarity: Callable | None,
+                 sig: dict[str, Any], stays: bool) -> tuple[bool, str, bool]:
+    """Whether the two outputs give the same answer when the tool calls did not say: by the
+    item's label, else by their salient content. Returns (same, what was compared, whether
+    a re-join still counts as staying)."""
+    what = "same answer"
+    key_r, key_b = _answer_key(expected, ref_text), _answer_key(expected, branch_text)
+    if expected and ("answer" in expected or "numeric" in expected or "regex" in expected):
+        sig["ref_answer"], sig["branch_answer"] = key_r, key_b
+        return key_r == key_b, what, stays
+    if expected and ("tool_call" in expected or "tool_calls" in expected):
+        gr, gb = grade(expected, ref_text, tools), grade(expected, branch_text, tools)
+        return gr.extracted == gb.extracted, what, stays
+    # No label, no tool call: no final answer to compare. A changed number, name,
+    # literal, negation or claim (salient.compare, both full sides) is a changed
+    # meaning whatever the rest of the text does; beyond that, re-joining or
+    # similarity decide.
+    ends = set(end_ids)
+    sal = salient.compare(ref_text, branch_text, code=code, ref_cut=not (ref_ids and ref_ids[-1] in ends),
+                          branch_cut=not (branch_ids and branch_ids[-1] in ends),
+                          start=_divergence(ref_text, branch_text), word_similarity=word_similarity)
+    sig["salient_changes"] = sal["changed"]
+    sig["shifted"] = sal["shifted"]
+    sig["content_share"] = sal["content_share"]
+    sig["word_salad"] = sal.get("word_salad", False)
+    what = "same " + ("numbers, names and literals" if code else "numbers, names, negations and content")
+    if sal.get("word_salad") and not sal.get("local", True):
+        # word salad whose words differ in order or place (not by a synonym or a
+        # filler word): the same words, other sentences; not a local change
+        stays = False
+        what += " (word salad: the same content words, reworded)"
+    if sal["shifted"]:
+        # whole lines skipped right after the flip, then the reference's text: not
+        # re-joined at an aligned point, so at most benign (docs/flips.md)
+        stays = False
+        what += " (a pure shift: the branch skips lines of the reference, then writes its text)"
+    return not sal["changed"], what, stays
+
+
+def _decide(al: Alignment, sig: dict[str, Any], *, same: bool | None, what: str, stays: bool, expected: dict,
+            stopped_at_flip: bool, similarity: float, threshold: float, end_similarity: float | None) -> str:
+    """The outcome from what the steps found (sets ``decided_by``): recovered when the branch
+    re-joined, stayed and means the same; benign when it means the same without staying;
+    meaning changed otherwise. Similarity stands in for the meaning only without a label."""
     # An answer label or a valid reference call says what the meaning is; only without
     # one does similarity stand in for it.
     # Word salad (salient.is_word_salad) is judged by its content words alone: an embedding
@@ -606,7 +633,7 @@ def classify(
         share = f"{100 * (al.joined_share or 0.0):.0f} %"  # stays: re-joined, so a share (never the 0)
         detours = f", {al.detours} short detour{'s' if al.detours != 1 else ''}" if al.detours else ""
         sig["decided_by"] = f"{rejoin} and stayed ({share} joined{detours}); " + ", ".join(x for x in (what, sim_text) if x)
-        return Outcome.RECOVERED, sig
+        return Outcome.RECOVERED
     if al.rejoin is None:
         how = "no aligned re-join"
     elif al.left is not None:
@@ -617,13 +644,13 @@ def classify(
         how = f"{rejoin} and stayed"
     if same and sim_ok:
         sig["decided_by"] = f"{how}; " + ", ".join(x for x in (what, sim_text) if x)
-        return Outcome.BENIGN, sig
+        return Outcome.BENIGN
     if not same:
         changes = sig.get("salient_changes")
         sig["decided_by"] = f"{how}; " + ("different answer" if not changes else "changed: " + "; ".join(changes[:3]))
     else:
         sig["decided_by"] = f"{how}; {what} but {sim_text}"
-    return Outcome.MEANING_CHANGED, sig
+    return Outcome.MEANING_CHANGED
 
 
 # --------------------------------------------------------------------------------------------

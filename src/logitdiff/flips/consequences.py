@@ -52,6 +52,19 @@ class _Sections(TypedDict, total=False):
 
 
 @dataclass
+class ReportFlips:
+    """What ``analyse_report_dir`` gives its caller to write: the report with its flips and
+    correctness sections (and gates), the comparison's columns (for the page), the files to
+    add beside it (flips.parquet, correctness.parquet) and the ones an earlier run left that
+    no longer belong (``remove``)."""
+
+    report: Report
+    columns: dict[str, np.ndarray]
+    files: dict[str, bytes]
+    remove: list[str]
+
+
+@dataclass
 class Settings:
     select: str = "first"
     max_branches: int | None = DEFAULT_MAX_BRANCHES
@@ -193,8 +206,55 @@ def run_flips(
     if on_total:
         on_total(len(chosen))
     eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
-    rows: list[dict] = []
-    pending = []
+    pending = _generate_branches(source, ref, items, chosen, settings, eos, reference_source, progress)
+    rows = _classify_branches(source, ref, pending, similarity, settings, eos)
+    ties = [
+        {"item_id": f.item_id, "position": f.position, "margin_ref": f.margin_ref, "p_ref": f.p_ref,
+         "ref_token": source.token_text(f.ref_token_id), "cand_token": source.token_text(f.cand_token_id)}
+        for f in all_flips if f.tie
+    ]
+    n_pos = len(columns["position"])
+    section = summarize_branches(
+        rows, n_flips=sum(not f.tie for f in all_flips), n_positions=n_pos, note=note, similarity_name=similarity.name,
+        ranges=settings.ranges, ties=ties,
+        settings={"select": settings.select, "max_branches": settings.max_branches, "max_tokens": settings.max_tokens,
+                  "resync_tokens": settings.resync, "max_shift": settings.max_shift, "max_detour": settings.max_detour,
+                  "similarity_thresholds": similarity.thresholds, "both": settings.both, "branch_ties": settings.branch_ties},
+    )
+    section["reference_self_consistency"] = reference_self_consistency(columns, teacher_of, source.token_text)
+    section["left_out"] = {
+        "n": len(left_out), "n_items": len({f.item_id for f in left_out}),
+        "list": [{"item_id": f.item_id, "position": f.position, "kl_nats": f.kl_nats, "margin_ref": f.margin_ref}
+                 for f in left_out[:100]],
+    }
+    section["changed_items"] = _changed_items_listed(changed, rows, all_flips, settings)
+    section["outputs_cut"] = {
+        "n_items": len(items),
+        "reference_cut": sum(hit_budget(it.teacher_ids, _budget(ref, it), eos) for it in items.values()),
+        "n_branches": len(rows),
+        "branches_cut": sum(bool(r["branch_cut"]) for r in rows),
+    }
+    return section, rows
+
+
+@dataclass
+class _Branch:
+    """One flip branched: the reference's output and the candidate's branch from the flip
+    token on (``alt``: the reference's own continuation from it, ``--both``)."""
+
+    flip: Flip
+    item: RunItem
+    ref_out: list[int]
+    branch: list[int]
+    alt: list[int] | None
+
+
+def _generate_branches(source: Source, ref: RunReader, items: dict[str, RunItem], chosen: Sequence[Flip], settings: Settings,
+                       eos: set[int], reference_source: Source | None,
+                       progress: Callable[[int], None] | None) -> list[_Branch]:
+    """Each chosen flip continued by the candidate (and by the reference, ``--both``) from
+    ``prompt + teacher[:t] + candidate token``, within what is left of the item's budget."""
+    pending: list[_Branch] = []
     for f in chosen:
         it = items.get(f.item_id)
         if it is None:
@@ -217,113 +277,113 @@ def run_flips(
         branch = teacher[:t] + [f.cand_token_id] + list(cont)
         ref_out = teacher[: t + 1 + max(left, 0)]
         alt = None
-        if settings.both and reference_source is not None:  # (--both without it was refused above)
+        if settings.both and reference_source is not None:  # (--both without it was refused by run_flips)
             alt_cont = [] if f.cand_token_id in eos or left <= 0 else reference_source.generate(prefix, left).token_ids
             alt = teacher[:t] + [f.cand_token_id] + list(alt_cont)
-        pending.append((f, it, ref_out, branch, alt))
+        pending.append(_Branch(f, it, ref_out, branch, alt))
         if progress:
             progress(1)
+    return pending
 
+
+def _classify_branches(source: Source, ref: RunReader, pending: list[_Branch], similarity: SimilarityPolicy,
+                       settings: Settings, eos: set[int]) -> list[dict[str, Any]]:
+    """One flips.parquet row per branch: the continuations as text, their similarity
+    (scored in one batch) and the outcome ``classify`` gives."""
     def text(ids):
         return source.detokenize(_strip_end(ids, eos))
 
-    ref_tails, br_tails, alt_tails = [], [], []
-    for f, it, ref_out, branch, alt in pending:
-        t = f.position
-        ref_tails.append(text(ref_out[t:]))
-        br_tails.append(text(branch[t:]))
-        alt_tails.append(text(alt[t:]) if alt is not None else "")
-    tags = [list(f.tags) for f, *_ in pending]
+    ref_tails = [text(b.ref_out[b.flip.position:]) for b in pending]
+    br_tails = [text(b.branch[b.flip.position:]) for b in pending]
+    alt_tails = [text(b.alt[b.flip.position:]) if b.alt is not None else "" for b in pending]
+    tags = [list(b.flip.tags) for b in pending]
     sims = similarity.score(tags, ref_tails, br_tails)
     alt_sims = similarity.score(tags, ref_tails, alt_tails) if settings.both else None
-    words = similarity.word_similarity
     rejoin_args = _Rejoin(min_run=settings.resync, max_shift=settings.max_shift, max_detour=settings.max_detour, end_ids=sorted(eos))
-    for k, (f, it, ref_out, branch, alt) in enumerate(pending):
-        item = _item_json(it)
-        t = f.position
-        ref_text, br_text = text(ref_out), text(branch)
+    rows = []
+    for k, b in enumerate(pending):
+        f, t = b.flip, b.flip.position
+        item = _item_json(b.item)
+        ref_text = text(b.ref_out)
         score, sim = sims[k]
         ends = end_ratio(ref_tails[k], br_tails[k])
         outcome, sig = classify(
-            item=item, ref_ids=ref_out, branch_ids=branch, position=t, ref_text=ref_text,
-            branch_text=br_text, similarity=score, threshold=sim.threshold,
+            item=item, ref_ids=b.ref_out, branch_ids=b.branch, position=t, ref_text=ref_text,
+            branch_text=text(b.branch), similarity=score, threshold=sim.threshold,
             end_similarity=ends if sim.kind == "edit" else None,
-            exec_check=exec_checker(item, settings.exec_timeout), code=is_code(f.tags, ref_tails[k]), word_similarity=words, **rejoin_args,
+            exec_check=exec_checker(item, settings.exec_timeout), code=is_code(f.tags, ref_tails[k]),
+            word_similarity=similarity.word_similarity, **rejoin_args,
         )
-        # Where the flip token ends, the branch re-joined and left again, in characters of
-        # both continuations (from the flip on): the page highlights them.
-        r_ids, b_ids = ref_out[t:], branch[t:]
-        marks = {
-            "ref": [_char_offset(text, r_ids, n, ref_tails[k]) for n in (
-                1, None if sig["rejoin_ref_position"] is None else sig["rejoin_ref_position"] - t,
-                None if sig["left_ref_position"] is None else sig["left_ref_position"] - t)],
-            "branch": [_char_offset(text, b_ids, n, br_tails[k]) for n in (
-                1, None if sig["rejoin_position"] is None else sig["rejoin_position"] - t,
-                None if sig["left_position"] is None else sig["left_position"] - t)],
-        }
-        row = {
-            "item_id": f.item_id,
-            "tags": list(f.tags),
-            "position": t,
-            "ref_token_id": f.ref_token_id,
-            "cand_token_id": f.cand_token_id,
-            "ref_token": source.token_text(f.ref_token_id),
-            "cand_token": source.token_text(f.cand_token_id),
-            "p_ref": f.p_ref,
-            "p_cand": f.p_cand,
-            "margin_ref": f.margin_ref,
-            "tie": f.tie,
-            "kl_nats": f.kl_nats,
-            "outcome": outcome,
-            "decided_by": sig.get("decided_by", ""),
-            "similarity": score,
-            "similarity_kind": sim.kind,
-            "similarity_threshold": sim.threshold,
-            "rejoin_position": sig["rejoin_position"],
-            "rejoin_ref_position": sig["rejoin_ref_position"],
-            "joined_share": sig["joined_share"],
-            "left_position": sig["left_position"],
-            "left_ref_position": sig["left_ref_position"],
-            "end_ratio": ends,
-            "ref_continuation": ref_tails[k],
-            "branch_continuation": br_tails[k],
-            "marks": json.dumps(marks),
-            "branch_tokens": len(branch) - t,
-            # both outputs have the item's budget: one that used it all without an end token was cut
-            "ref_cut": hit_budget(ref_out, _budget(ref, it), eos),
-            "branch_cut": hit_budget(branch, _budget(ref, it), eos),
-            "signals": json.dumps(sig, sort_keys=True, default=str),
-        }
-        if alt is not None and alt_sims is not None:
+        row = _branch_row(source, ref, b, outcome, sig, score, sim, ends, ref_tails[k], br_tails[k], text, eos)
+        if b.alt is not None and alt_sims is not None:
             a_score, a_sim = alt_sims[k]
             o2, s2 = classify(
-                item=item, ref_ids=ref_out, branch_ids=alt, position=t, ref_text=ref_text,
-                branch_text=text(alt), similarity=a_score, threshold=a_sim.threshold,
+                item=item, ref_ids=b.ref_out, branch_ids=b.alt, position=t, ref_text=ref_text,
+                branch_text=text(b.alt), similarity=a_score, threshold=a_sim.threshold,
                 end_similarity=end_ratio(ref_tails[k], alt_tails[k]) if a_sim.kind == "edit" else None,
-                code=is_code(f.tags, ref_tails[k]), word_similarity=words, **rejoin_args,
+                code=is_code(f.tags, ref_tails[k]), word_similarity=similarity.word_similarity, **rejoin_args,
             )
             row["outcome_ref_from_cand_token"] = o2
             row["ref_from_cand_continuation"] = alt_tails[k]
         rows.append(row)
-    ties = [
-        {"item_id": f.item_id, "position": f.position, "margin_ref": f.margin_ref, "p_ref": f.p_ref,
-         "ref_token": source.token_text(f.ref_token_id), "cand_token": source.token_text(f.cand_token_id)}
-        for f in all_flips if f.tie
-    ]
-    n_pos = len(columns["position"])
-    section = summarize_branches(
-        rows, n_flips=sum(not f.tie for f in all_flips), n_positions=n_pos, note=note, similarity_name=similarity.name,
-        ranges=settings.ranges, ties=ties,
-        settings={"select": settings.select, "max_branches": settings.max_branches, "max_tokens": settings.max_tokens,
-                  "resync_tokens": settings.resync, "max_shift": settings.max_shift, "max_detour": settings.max_detour,
-                  "similarity_thresholds": similarity.thresholds, "both": settings.both, "branch_ties": settings.branch_ties},
-    )
-    section["reference_self_consistency"] = reference_self_consistency(columns, teacher_of, source.token_text)
-    section["left_out"] = {
-        "n": len(left_out), "n_items": len({f.item_id for f in left_out}),
-        "list": [{"item_id": f.item_id, "position": f.position, "kl_nats": f.kl_nats, "margin_ref": f.margin_ref}
-                 for f in left_out[:100]],
+    return rows
+
+
+def _branch_row(source: Source, ref: RunReader, b: _Branch, outcome: str, sig: dict[str, Any], score: float, sim: Any,
+                ends: float, ref_tail: str, br_tail: str, text: Callable[[Sequence[int]], str], eos: set[int]) -> dict[str, Any]:
+    """A branch's flips.parquet row: the flip, the outcome and the signals behind it, the
+    continuations, and where the page marks them."""
+    f, t = b.flip, b.flip.position
+    # Where the flip token ends, the branch re-joined and left again, in characters of
+    # both continuations (from the flip on): the page highlights them.
+    r_ids, b_ids = b.ref_out[t:], b.branch[t:]
+    marks = {
+        "ref": [_char_offset(text, r_ids, n, ref_tail) for n in (
+            1, None if sig["rejoin_ref_position"] is None else sig["rejoin_ref_position"] - t,
+            None if sig["left_ref_position"] is None else sig["left_ref_position"] - t)],
+        "branch": [_char_offset(text, b_ids, n, br_tail) for n in (
+            1, None if sig["rejoin_position"] is None else sig["rejoin_position"] - t,
+            None if sig["left_position"] is None else sig["left_position"] - t)],
     }
+    return {
+        "item_id": f.item_id,
+        "tags": list(f.tags),
+        "position": t,
+        "ref_token_id": f.ref_token_id,
+        "cand_token_id": f.cand_token_id,
+        "ref_token": source.token_text(f.ref_token_id),
+        "cand_token": source.token_text(f.cand_token_id),
+        "p_ref": f.p_ref,
+        "p_cand": f.p_cand,
+        "margin_ref": f.margin_ref,
+        "tie": f.tie,
+        "kl_nats": f.kl_nats,
+        "outcome": outcome,
+        "decided_by": sig.get("decided_by", ""),
+        "similarity": score,
+        "similarity_kind": sim.kind,
+        "similarity_threshold": sim.threshold,
+        "rejoin_position": sig["rejoin_position"],
+        "rejoin_ref_position": sig["rejoin_ref_position"],
+        "joined_share": sig["joined_share"],
+        "left_position": sig["left_position"],
+        "left_ref_position": sig["left_ref_position"],
+        "end_ratio": ends,
+        "ref_continuation": ref_tail,
+        "branch_continuation": br_tail,
+        "marks": json.dumps(marks),
+        "branch_tokens": len(b.branch) - t,
+        # both outputs have the item's budget: one that used it all without an end token was cut
+        "ref_cut": hit_budget(b.ref_out, _budget(ref, b.item), eos),
+        "branch_cut": hit_budget(b.branch, _budget(ref, b.item), eos),
+        "signals": json.dumps(sig, sort_keys=True, default=str),
+    }
+
+
+def _changed_items_listed(changed: dict[str, tuple[str, int | None]], rows: list[dict[str, Any]], all_flips: Sequence[Flip],
+                          settings: Settings) -> list[dict[str, Any]]:
+    """Each item whose answer or tool call changed, with the branch taken at its flip, or
+    why none was (no flip, only ties, the cap)."""
     by_item: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by_item.setdefault(r["item_id"], []).append(r)
@@ -347,14 +407,7 @@ def run_flips(
         else:
             why = "left out by --max-branches"
         listed.append({"item_id": iid, "change": change, "branched": False, "position": pos, "outcome": None, "why_not": why})
-    section["changed_items"] = listed
-    section["outputs_cut"] = {
-        "n_items": len(items),
-        "reference_cut": sum(hit_budget(it.teacher_ids, _budget(ref, it), eos) for it in items.values()),
-        "n_branches": len(rows),
-        "branches_cut": sum(bool(r["branch_cut"]) for r in rows),
-    }
-    return section, rows
+    return listed
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,11 +643,12 @@ def analyse_report_dir(
     correctness: bool = True,
     bar: Callable[[int, str], Callable[[int], None]] | None = None,
     gates: Sequence[Gate] | None = None,
-) -> Report:
-    """``logitdiff flips REPORT/``: add flips (+ correctness) to an existing report."""
+) -> ReportFlips:
+    """``logitdiff flips REPORT/``: flips (+ correctness, gates) of an existing report: the
+    report with them and the files to write beside it. Nothing is written or rendered here:
+    the caller hands the result to the report stage (``report.rewrite_report_dir``)."""
     from .grading import load_similarity
-    from ..report import read_columns, read_report, update_report_dir
-    from ..report.markdown import render_markdown
+    from ..report import read_columns, read_report
     from ..sources import applied_threads, open_source
 
     report = read_report(report_dir)
@@ -635,13 +689,8 @@ def analyse_report_dir(
     report.pop("gates", None)
     report.update(sections)
     if gates:
-        from ..report.gates import evaluate
+        from ..report.gates import judge
 
-        report["gates"] = evaluate(report, list(gates))
-    files["report.md"] = render_markdown(report).encode()
-    from ..report.html import render_html
-
-    files["report.html"] = render_html([report], [cols], paths=[str(report_dir)]).encode()
+        report["gates"], _ = judge(report, list(gates))
     stale = [n for n in ("flips.parquet", "correctness.parquet") if n not in files]
-    update_report_dir(report_dir, report, files, remove=stale)
-    return report
+    return ReportFlips(report=report, columns=cols, files=files, remove=stale)

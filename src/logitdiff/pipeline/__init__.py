@@ -25,15 +25,17 @@ import numpy as np
 from ..capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, preflight_tokenization
 from ..compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from ..defaults import DEFAULT_MAX_BRANCHES
-from ..contracts import SUMMARY_SCHEMA_VERSION, CandidateRow, Column, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
+from ..contracts import SUMMARY_SCHEMA_VERSION, CandidateRow, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from ..errors import LogitdiffError
 from ..contracts import RUN_SUMMARY_SCHEMA
 from ..store.files import Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from ..report import build_report, noise_floor_section, write_report_dir
 from ..report.markdown import render_markdown
+from ..report.metric_registry import ACCURACY_PAIR, CONSEQUENCE_TABLE, DRIFT_TABLE, METRICS, header
 from ..sources.served_floor import SHIFT_TEXT, floor_side, is_served, served_floor
 from ..sources import applied_threads, open_source
 from ..store import ResumeMismatch, RunReader
+from ..store.kinds import AUTO, reference_store_choices
 from ..numerics.summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 from ..workload import read_workload
 
@@ -67,10 +69,9 @@ class RunConfig:
     html: bool = True
     gates: list | None = None  # logitdiff.report.gates.Gate; crossed gates are listed in summary.json
     logprob_floor: float | None = None  # stated floor for top-K (served) candidates: compare.check_floor
-    # "auto": hidden (hidden.py: the logits bit for bit from the hidden states, ~2H bytes a
-    # position) for a bf16/f16 transformers reference whose logits are its head's output,
-    # full otherwise; or "full"/"hidden" explicitly (capture.reference_store_for)
-    reference_store: str = "auto"
+    # a lossless store kind (kinds.reference_store_choices), or AUTO: the most compact one
+    # the reference allows (kinds.auto_kind)
+    reference_store: str = AUTO
 
 
 class Hooks:
@@ -112,8 +113,8 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks, prefetch=N
         have = {"workload_sha256": m["settings"].get("workload_sha256"), "spec": m["source"]["spec"],
                 "max_tokens": m["settings"].get("max_tokens"), "positions": m["settings"].get("positions"),
                 "store": m["settings"].get("store")}
-        if cfg.reference_store == "auto" and have["store"] in ("full", "hidden"):
-            have["store"] = "auto"  # what auto picks depends only on the spec, compared above
+        if cfg.reference_store == AUTO and have["store"] in reference_store_choices():
+            have["store"] = AUTO  # what auto picks depends only on the spec, compared above
         if have == want:
             if m.get("status") == "complete":
                 hooks.stage(f"reference: reusing {path}")
@@ -164,6 +165,8 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
 
 
 def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], opened) -> RunSummary:
+    """The job, step by step: the ladder and the preflight, the reference, its floor, one
+    report per candidate, then the summary and the pages."""
     t0 = time.time()
     wl_hash = hashlib.sha256(wl_path.read_bytes()).hexdigest()
     out = Path(cfg.out)
@@ -177,104 +180,139 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     first_served = next((c for c in cfg.candidates if is_served(c)), None)
     if is_served(cfg.reference) and first_served is not None:
         early = opened.enter_context(open_source(first_served))
-    ref = _reference_run(cfg, items, wl_hash, hooks, prefetch=early)
-    n_pos = sum(len(it.positions) for it in ref.items())
+    job = _Job(cfg, hooks, _reference_run(cfg, items, wl_hash, hooks, prefetch=early), out)
+    noise = job.noise_floor()
+    rows: list[CandidateRow] = []
+    for spec, name in zip(cfg.candidates, names):
+        rows.append(job.candidate(spec, name, noise, wl_path, opened=early if spec == first_served else None))
+        if spec == first_served:
+            early = None
+    summary = _run_summary(cfg, wl_path, wl_hash, len(items), job.n_pos, noise, rows, t0)
+    _write_summary(cfg, out, summary, rows, hooks)
+    hooks.done()
+    return summary
 
-    def score(spec: str, label: str, after=None, offset: int = 0):
+
+class _Job:
+    """The steps of one `run` after its reference is captured, and what they share: the
+    reference RUN, its scored positions, the text similarity of the flips and the served
+    reference's floor (set by :meth:`noise_floor`, read by each served candidate)."""
+
+    def __init__(self, cfg: RunConfig, hooks: Hooks, ref: RunReader, out: Path) -> None:
+        self.cfg, self.hooks, self.ref, self.out = cfg, hooks, ref, out
+        self.n_pos = sum(len(it.positions) for it in ref.items())
+        self.shift = SCORE_BATCH // 2  # the batch boundaries' move of a rerun with other batch mates
+        self.ref_floor: Any = None  # the served reference's floor (servedfloor.py)
+        self.similarity = None
+        if cfg.flips or cfg.correctness:
+            from ..flips.grading import load_similarity
+
+            self.similarity = load_similarity(cfg.similarity)
+
+    def score(self, spec: str, label: str, after=None, offset: int = 0):
+        """``spec`` scored live against the reference (``offset``: batch boundaries moved)."""
+        cfg = self.cfg
         with open_source(spec) as src, applied_threads([src]):
-            live = LiveRun(src, ref, offset=offset)
-            advance = hooks.bar(n_pos, label)
-            comp = compare_runs(ref, live, top_logprobs=cfg.top_logprobs, progress=advance, logprob_floor=cfg.logprob_floor)
+            live = LiveRun(src, self.ref, offset=offset)
+            advance = self.hooks.bar(self.n_pos, label)
+            comp = compare_runs(self.ref, live, top_logprobs=cfg.top_logprobs, progress=advance, logprob_floor=cfg.logprob_floor)
             return comp, (after(src, comp) if after else None)
 
-    def served_candidate(spec: str, name: str, opened=None):
+    def served_candidate(self, spec: str, name: str, opened=None):
         """A served candidate: captured into OUT/runs/<name> (top-K), compared from there,
         then scored again live with other batch mates against that capture: its floor.
         ``opened``: the source, already open (and prefetched on the reference's blocks)."""
-        run_dir = out / "runs" / f"candidate-{name}"
+        cfg, hooks, ref, shift = self.cfg, self.hooks, self.ref, self.shift
+        run_dir = self.out / "runs" / f"candidate-{name}"
         with (opened or open_source(spec)) as src, applied_threads([src]):
             hooks.stage(f"candidate: {spec} -> {run_dir}")
             capture_candidate(src, ref, run_dir, overwrite=True, progress=hooks.bar(len(ref.items()), name))
             cand = RunReader(run_dir)
-            comp = compare_runs(ref, cand, top_logprobs=cfg.top_logprobs, progress=hooks.bar(n_pos, f"{name}: compare"),
+            comp = compare_runs(ref, cand, top_logprobs=cfg.top_logprobs, progress=hooks.bar(self.n_pos, f"{name}: compare"),
                                 logprob_floor=cfg.logprob_floor)
             cand_floor = None
             if cfg.noise_floor:
                 hooks.stage(f"served floor: {spec} scored again with batch boundaries moved by {shift} items")
                 again = compare_runs(cand, LiveRun(src, ref, offset=shift), top_logprobs=cfg.top_logprobs,
-                                     progress=hooks.bar(n_pos, f"{name}: served floor"))
+                                     progress=hooks.bar(self.n_pos, f"{name}: served floor"))
                 cand_floor = floor_side(again, spec=spec, batching=getattr(src, "batching", None), shift=shift)
-            comp.served_floor = served_floor(ref_floor, cand_floor)
-            return comp, consequences(src, comp)
+            comp.served_floor = served_floor(self.ref_floor, cand_floor)
+            return comp, self.consequences(src, comp)
 
-    similarity = None
-    if cfg.flips or cfg.correctness:
-        from ..flips.grading import load_similarity
-
-        similarity = load_similarity(cfg.similarity)
-
-    def consequences(src, comp):
+    def consequences(self, src, comp):
+        """Flips and correctness of one candidate: (report sections, files)."""
+        cfg = self.cfg
         if not (cfg.flips or cfg.correctness):
             return {}, {}
         # imported only here: flips and grading (jsonschema, tool calls) are a third of the
         # import time of a run that does neither
         from ..flips.consequences import Settings, analyse
 
-        assert similarity is not None  # loaded above whenever flips or correctness is on
+        assert self.similarity is not None  # loaded whenever flips or correctness is on
         fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
-        return analyse(src, ref, comp.columns, similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
-                       bar=lambda n, label: hooks.bar(n, label))
+        return analyse(src, self.ref, comp.columns, self.similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
+                       bar=lambda n, label: self.hooks.bar(n, label))
 
-    noise: NoiseFloor | None = None
-    ref_floor = None  # the served reference's floor (servedfloor.py)
-    shift = SCORE_BATCH // 2
-    if cfg.noise_floor and is_served(cfg.reference):
-        # A served reference: its rerun has other batch mates by construction (the server's
-        # rounds), the floor a served comparison is read against.
-        hooks.stage(f"served floor: {cfg.reference} scored again with batch boundaries moved by {shift} items")
-        nf, batching = score(cfg.reference, "served floor", offset=shift, after=lambda src, comp: getattr(src, "batching", None))
-        ref_floor = floor_side(nf, spec=cfg.reference, batching=batching, shift=shift)
-        noise = noise_floor_section(nf, spec=cfg.reference, rerun="served: " + SHIFT_TEXT.format(shift=shift))
-    elif cfg.noise_floor:
+    def noise_floor(self) -> NoiseFloor | None:
+        """The reference against itself: a served reference scored again with other batch
+        mates (its floor, kept for the served candidates), else a rerun, and when that rerun
+        is bit-identical, a rerun with other batch mates."""
+        cfg, hooks, shift = self.cfg, self.hooks, self.shift
+        if cfg.noise_floor and is_served(cfg.reference):
+            # A served reference: its rerun has other batch mates by construction (the server's
+            # rounds), the floor a served comparison is read against.
+            hooks.stage(f"served floor: {cfg.reference} scored again with batch boundaries moved by {shift} items")
+            nf, batching = self.score(cfg.reference, "served floor", offset=shift, after=lambda src, comp: getattr(src, "batching", None))
+            self.ref_floor = floor_side(nf, spec=cfg.reference, batching=batching, shift=shift)
+            return noise_floor_section(nf, spec=cfg.reference, rerun="served: " + SHIFT_TEXT.format(shift=shift))
+        if not cfg.noise_floor:
+            return None
         hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
-        nf, _ = score(cfg.reference, "noise floor")
+        nf, _ = self.score(cfg.reference, "noise floor")
         noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun, same batch layout (blocks of {SCORE_BATCH} items)")
         if identical_distributions(nf):
             # A deterministic backend reruns bit-identically (CPU): that says nothing about its
             # numerical noise. Other batch mates (what --resume, --shard or a server's batching
             # give) change the float rounding of a batched backend: that is the floor.
-            shift = SCORE_BATCH // 2
             hooks.stage(f"noise floor: the rerun is bit-identical; rerun with batch boundaries moved by {shift} items")
-            nf, _ = score(cfg.reference, "noise floor, other batch mates", offset=shift)
+            nf, _ = self.score(cfg.reference, "noise floor, other batch mates", offset=shift)
             noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun with batch boundaries moved by {shift} items "
                                         "(other batch mates); the plain rerun is bit-identical")
             if identical_distributions(nf):
                 noise["rerun"] += ("; bit-identical with other batch mates too: on this workload the backend's numbers do "
                                    "not depend on the batch (llama.cpp, for one, scores each sequence alone), so x noise floor "
                                    "is undefined")
-    rows: list[CandidateRow] = []
-    for spec, name in zip(cfg.candidates, names):
-        hooks.stage(f"candidate: {spec}")
+        return noise
+
+    def candidate(self, spec: str, name: str, noise: NoiseFloor | None, wl_path: Path, opened=None) -> CandidateRow:
+        """One candidate scored, its report (gates judged) written to OUT/reports/<name>, and
+        its summary row."""
+        cfg = self.cfg
+        self.hooks.stage(f"candidate: {spec}")
         if is_served(spec):
-            comp, (sections, files) = served_candidate(spec, name, opened=early if spec == first_served else None)
-            if spec == first_served:
-                early = None
+            comp, (sections, files) = self.served_candidate(spec, name, opened=opened)
         else:
-            comp, (sections, files) = score(spec, name, consequences)
-            comp.served_floor = served_floor(ref_floor, None)
+            comp, (sections, files) = self.score(spec, name, self.consequences)
+            comp.served_floor = served_floor(self.ref_floor, None)
         report, columns = build_report(comp, ranges=cfg.ranges, n_boot=cfg.bootstrap, seed=cfg.seed, noise_floor=noise)
         report["reference"]["spec"] = cfg.reference
         report.update(sections)
         if cfg.gates:
-            from ..report.gates import evaluate
+            from ..report.gates import judge
 
-            report["gates"] = evaluate(report, cfg.gates)
-        rdir = out / "reports" / name
+            report["gates"], _ = judge(report, cfg.gates)
+        rdir = self.out / "reports" / name
         write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files, inputs=[wl_path])
-        rows.append(_summary_row(spec, report, rdir, noise))
+        row = _summary_row(spec, report, rdir, noise)
         if "served_floor" in report["summary"]:
-            rows[-1]["x_served_floor"] = report["summary"]["kl_mean_x_served_floor"]
-            rows[-1]["within_2x_served_floor"] = report["summary"]["within_2x_served_floor"]
+            row["x_served_floor"] = report["summary"]["kl_mean_x_served_floor"]
+            row["within_2x_served_floor"] = report["summary"]["within_2x_served_floor"]
+        return row
+
+
+def _run_summary(cfg: RunConfig, wl_path: Path, wl_hash: str, n_items: int, n_pos: int, noise: NoiseFloor | None,
+                 rows: list[CandidateRow], t0: float) -> RunSummary:
+    """summary.json of the run (sets each row's x_cross_engine_floor)."""
     cross_engine = _cross_engine_floor(rows, cfg.reference)
     summary: RunSummary = {
         "schema": RUN_SUMMARY_SCHEMA,
@@ -282,7 +320,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         "reference": cfg.reference,
         "workload": str(wl_path),
         "workload_sha256": wl_hash,
-        "items": len(items),
+        "items": n_items,
         "positions": n_pos,
         "noise_floor": noise,
         "cross_engine_floor": cross_engine,
@@ -293,23 +331,28 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         summary["gates"] = [g.text for g in cfg.gates]
         summary["gates_crossed"] = {r["name"]: r["gates_crossed"] for r in rows if r.get("gates_crossed")}
         summary["gates_not_evaluated"] = {r["name"]: r["gates_not_evaluated"] for r in rows if r.get("gates_not_evaluated")}
+    return summary
+
+
+def _write_summary(cfg: RunConfig, out: Path, summary: RunSummary, rows: list[CandidateRow], hooks: Hooks) -> None:
+    """OUT/summary.json, summary.md, and the pages: OUT/report.html with every candidate and
+    each candidate's own."""
     atomic_write_bytes(out / "summary.json", summary_json(summary, str(out / "summary.json")).encode())
     atomic_write_bytes(out / "summary.md", render_summary_md(summary).encode())
-    if cfg.html:
-        from ..report import write_candidate_page
-        from ..report.html import write_html
+    if not cfg.html:
+        return
+    from ..report import write_candidate_page
+    from ..report.html import write_html
 
-        hooks.stage("report.html: every candidate on one page, and each candidate's own in reports/<name>/")
-        write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
-        if len(rows) == 1:
-            # one candidate: its own page is the run's page (the same report, tokens, summary
-            # and path rendered), written once and copied, not rendered twice
-            atomic_write_bytes(Path(rows[0]["report"]) / "report.html", (out / "report.html").read_bytes())
-        else:
-            for r in rows:
-                write_candidate_page(r["report"], summary)
-    hooks.done()
-    return summary
+    hooks.stage("report.html: every candidate on one page, and each candidate's own in reports/<name>/")
+    write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
+    if len(rows) == 1:
+        # one candidate: its own page is the run's page (the same report, tokens, summary
+        # and path rendered), written once and copied, not rendered twice
+        atomic_write_bytes(Path(rows[0]["report"]) / "report.html", (out / "report.html").read_bytes())
+    else:
+        for r in rows:
+            write_candidate_page(r["report"], summary)
 
 
 def identical_distributions(comp) -> bool:
@@ -410,6 +453,33 @@ def _pct(x, spec=".2f"):
     return "n/a" if x is None else f"{100 * x:{spec}} %"
 
 
+# summary.md's cells by the metric's table format (metric_registry.Metric.table_fmt)
+_MD_FORMAT: dict[str, Callable[[Any], str]] = {
+    "g": lambda x: _f(x), "int": lambda x: "n/a" if x is None else str(x), "p": lambda x: _f(x, ".3g"),
+    "x": lambda x: _f(x, ".3g"), "ratio": lambda x: _f(x, ".5f"), "pct": lambda x: _pct(x),
+    "pct0": lambda x: _pct(x, ".0f"), "pct1": lambda x: _pct(x, ".1f"),
+}
+# the CI column that follows a drift column in summary.md (its row field)
+_MD_CI = {"kl_mean": "kl_mean_ci95", "top1_disagreement": "top1_disagreement_ci95"}
+
+
+def _md_cell(x, name: str) -> str:
+    return _MD_FORMAT[METRICS[name].table_fmt](x)
+
+
+def _md_consequence(r: CandidateRow, name: str) -> str:
+    """A cell of summary.md's consequence table: an outcome from the row's flip_outcomes, the
+    two accuracies side by side, or the row's field."""
+    row = cast("dict[str, Any]", r)
+    if name in Outcome.ALL:
+        return str((row.get("flip_outcomes") or {}).get(name, "n/a"))
+    if name == ACCURACY_PAIR.name:
+        if row.get(ACCURACY_PAIR.cand) is None:
+            return "n/a"
+        return f"{_md_cell(row.get(ACCURACY_PAIR.ref), ACCURACY_PAIR.ref)} → {_md_cell(row[ACCURACY_PAIR.cand], ACCURACY_PAIR.cand)}"
+    return _md_cell(row.get(name), name)
+
+
 def render_summary_md(summary: RunSummary) -> str:
     nf = summary.get("noise_floor")
     lines = [
@@ -424,20 +494,20 @@ def render_summary_md(summary: RunSummary) -> str:
     xf = summary.get("cross_engine_floor")
     if xf:
         lines.append(f"- cross-engine floor (same weights, other engine): `{xf['candidate']}`, mean KL {_f(xf['kl_nats_mean'])} nats")
+    drift: list[tuple[str, str | None]] = []  # (metric, None): its column; (metric, row field): the CI column after it
+    for name in DRIFT_TABLE:
+        drift += [(name, None)] + ([(name, _MD_CI[name])] if name in _MD_CI else [])
     lines += [
         "",
-        f"| candidate | {Column.NAME['kl_mean']} (nats) | 95 % CI | {Column.NAME['kl_p99']} | {Column.NAME['jsd_mean']} | "
-        f"{Column.NAME['top1_disagreement']} | 95 % CI | {Column.NAME['ppl_ratio']} | {Column.NAME['x_noise_floor']} | "
-        f"{Column.NAME['x_cross_engine_floor']} |",
-        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
+        "| candidate | " + " | ".join("95 % CI" if ci else header(name) + (" (nats)" if name == "kl_mean" else "") for name, ci in drift)
+        + " |",
+        "|---|" + "".join("---|" if ci else "---:|" for _, ci in drift),
     ]
     for r in summary["candidates"]:
-        ci, tci = r["kl_mean_ci95"], r["top1_disagreement_ci95"]
-        lines.append(
-            f"| `{r['candidate']}` | {_f(r['kl_mean'])} | [{_f(ci[0])}, {_f(ci[1])}] | {_f(r['kl_p99'])} | {_f(r['jsd_mean'])} | "
-            f"{_pct(r['top1_disagreement'])} | [{_pct(tci[0])}, {_pct(tci[1])}] | {_f(r['ppl_ratio'], '.5f')} | "
-            f"{_f(r['x_noise_floor'], '.3g')} | {_f(r.get('x_cross_engine_floor'), '.3g')} |"
-        )
+        row = cast("dict[str, Any]", r)
+        cells = [f"[{_md_cell(row[ci][0], name)}, {_md_cell(row[ci][1], name)}]" if ci else _md_cell(row.get(name), name)
+                 for name, ci in drift]
+        lines.append(f"| `{r['candidate']}` | " + " | ".join(cells) + " |")
     served = [r for r in summary["candidates"] if "x_served_floor" in r]
     if served:
         lines += ["", "Served floor (each served side scored again with other batch mates; see each report):", ""]
@@ -450,20 +520,11 @@ def render_summary_md(summary: RunSummary) -> str:
             "",
             "What the drift does (free-running answers and branches from top-1 flips; see each report):",
             "",
-            f"| candidate | {Column.NAME['flip_branches']} | " + " | ".join(o.replace("_", " ") for o in Outcome.ALL) + " | "
-            + " | ".join(Column.NAME[k] for k in ("flip_ties", "accuracy", "right_to_wrong", "wrong_to_right", "mcnemar_p",
-                                                   "tool_call_valid_cand")) + " |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+            "| candidate | " + " | ".join(header(name) for name in CONSEQUENCE_TABLE) + " |",
+            "|---|" + "".join("---|" if name == ACCURACY_PAIR.name else "---:|" for name in CONSEQUENCE_TABLE),
         ]
         for r in summary["candidates"]:
-            o = r.get("flip_outcomes") or {}
-            acc = (f"{_pct(r.get('accuracy_ref'), '.1f')} → {_pct(r['accuracy_cand'], '.1f')}" if r.get("accuracy_cand") is not None else "n/a")
-            lines.append(
-                f"| `{r['candidate']}` | {r.get('flip_branches', 'n/a')} | "
-                + " | ".join(str(o.get(k, "n/a")) for k in Outcome.ALL)
-                + f" | {r.get('flip_ties', 'n/a')} | {acc} | {r.get('right_to_wrong', 'n/a')} | {r.get('wrong_to_right', 'n/a')} | {_f(r.get('mcnemar_p'), '.3g')} | "
-                + _pct(r.get("tool_call_valid_cand"), ".0f") + " |"
-            )
+            lines.append(f"| `{r['candidate']}` | " + " | ".join(_md_consequence(r, name) for name in CONSEQUENCE_TABLE) + " |")
     if summary.get("gates"):
         crossed = summary.get("gates_crossed") or {}
         missing = summary.get("gates_not_evaluated") or {}

@@ -430,6 +430,20 @@ def update_report_dir(out: str | Path, report: Report, files: dict[str, bytes], 
         (out / name).unlink(missing_ok=True)
 
 
+def rewrite_report_dir(out: str | Path, report: Report, columns: dict[str, np.ndarray], files: dict[str, bytes],
+                       remove: Sequence[str] = ()) -> None:
+    """An existing REPORT brought up to ``report`` (e.g. with flips and correctness added):
+    report.json, ``files``, and report.md and report.html rendered again from the report and
+    ``columns`` (its tokens), all written at once as :func:`update_report_dir` does;
+    ``remove`` deleted."""
+    from .html import render_html
+    from .markdown import render_markdown
+
+    rendered = {"report.md": render_markdown(report).encode(),
+                "report.html": render_html([report], [columns], paths=[str(out)]).encode()}
+    update_report_dir(out, report, {**files, **rendered}, remove=remove)
+
+
 def write_candidate_page(report_dir: str | Path, summary=None) -> Path:
     """REPORT/report.html: the page of this one candidate (``summary``: the run's summary.json,
     for the cross-engine floor), from its report.json and tokens.parquet. The page is written

@@ -32,7 +32,9 @@ check nothing while looking like a check.
 :func:`evaluate`'s result is what a report.json ``gates`` section holds; report.html shows
 each candidate's crossed and not-evaluated gates in its header.
 
-Pure functions, no I/O: the CLI reads report.json, calls :func:`evaluate` and decides.
+Pure functions, no I/O. :func:`judge` is the one place that evaluates gates and decides:
+every caller (``compare``, ``flips``, ``run``, ``logitdiff.testing``) goes through it, and
+:func:`exit_status` (which it calls) is the one rule from gates sections to an exit status.
 """
 
 from __future__ import annotations
@@ -250,6 +252,14 @@ def crossed_of(section: Mapping | None) -> list[str]:
         return []
     missing = set() if "not_evaluated" in section else {g["gate"] for g in section.get("gates") or [] if g.get("missing")}
     return [g for g in section.get("crossed") or [] if g not in missing]
+
+
+def judge(report: Report, gates: list[Gate]) -> tuple[Gates, int]:
+    """Every gate against ``report`` (:func:`evaluate`; the report is not changed) and what
+    that decides: the report.json ``gates`` section and its exit status (:func:`exit_status`:
+    0 when it passes)."""
+    section = evaluate(report, list(gates))
+    return section, exit_status([section])
 
 
 def exit_status(sections: list[Mapping | None]) -> int:

@@ -36,7 +36,7 @@ from .._version import __version__
 from ..contracts import (REPORT_SCHEMA_1, GateResult, MethodKind, Outcome, Report, RunSummary, json_clean, load_report, migrate_columns,
                          migrate_report)
 from ..errors import LogitdiffError
-from ..defaults import flip_agreement_sentence
+from ..defaults import FLIP_AGREEMENT_TEXT
 from .gates import get_path as _get
 from .names import distinct_names
 from .metric_registry import METRICS
@@ -1304,7 +1304,7 @@ def _flips_section(names, reports, worst_cand: str) -> str:
             "own continuation beside the candidate's, from the flip on: <span class=\"cont\"><span class=\"ftok\">flip token</span></span> outlined, "
             "<span class=\"cont\"><span class=\"joined\">joined</span></span> from the re-join to where the branch "
             "<span class=\"cont\"><span class=\"cut\"></span><span class=\"left\">left again</span></span> "
-            f"(report.json <code>flips.top</code>; every branch is in flips.parquet). {_e(flip_agreement_sentence())}</p>"
+            f"(report.json <code>flips.top</code>; every branch is in flips.parquet). {_e(FLIP_AGREEMENT_TEXT)}</p>"
             + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports)))
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..contracts import Column, Correctness, Flips, Outcome, Report
+from ..contracts import Correctness, Flips, Outcome, Report
+from .metric_registry import header
 from .metric_registry import SERIES
 from .verdict import verdict_text
 
@@ -97,7 +98,7 @@ def render_markdown(report: Report) -> str:
         nf = s["noise_floor"]
         out.append(
             f"- noise floor (reference vs its {nf.get('rerun') or 'rerun'}): mean KL {_f(nf.get('kl_nats_mean'))}; this candidate is "
-            f"{_f(s.get('kl_mean_x_noise_floor'), 2)} (column {Column.NAME['x_noise_floor']})"
+            f"{_f(s.get('kl_mean_x_noise_floor'), 2)} (column {header('x_noise_floor')})"
         )
         x = s.get("kl_mean_x_noise_floor")
         if x is not None and x <= 2:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contracts import Column, Outcome
+from ..contracts import Outcome
 
 
 class Direction:
@@ -52,10 +52,16 @@ class Metric:
     aggregate: str  # how it is summarised from per-position or per-item values
     computed_by: tuple[str, ...]  # dotted names: the per-position function, then the summarising one
     paths: tuple[str, ...]  # report.json paths tried in order ("summary.json:" for a summary.json field)
-    fmt: str = "g"  # how the page prints it: g, pct, pct1, x, ratio, bytes
+    fmt: str = "g"  # how the page prints it: g, int (a count), p (a p-value), pct, pct1, x, ratio, bytes
     gate: bool = True  # a --fail-on / --require clause may name it
     item: tuple[str, str | None] | None = None  # per-item figure ranking the worst items: (items[] field, key)
     html_key: str | None = None  # the page's column key when it differs from ``name``
+    short_fmt: str | None = None  # how the terse summary tables (terminal, summary.md) print it, when not as ``fmt``
+
+    @property
+    def table_fmt(self) -> str:
+        """The format of its column in the summary tables."""
+        return self.short_fmt or self.fmt
 
     @property
     def key(self) -> str:
@@ -88,12 +94,12 @@ def _m(*args, **kw) -> Metric:
 
 _DECLARED: tuple[Metric, ...] = (
     # how far the candidate drifts (per-position metrics, summarised)
-    _m("kl_mean", Column.NAME["kl_mean"], "mean forward KL(P_ref‖P_cand) per position", "nats", _W, _BOOT,
+    _m("kl_mean", "mean KL", "mean forward KL(P_ref‖P_cand) per position", "nats", _W, _BOOT,
        (*_KL, "logitdiff.numerics.summarize.bootstrap_mean_ci"), ("summary.metrics.kl_nats.mean", "summary.kl_nats_mean"),
        item=("kl_nats", "mean")),
     _m("kl_p95", "p95 KL", "95th percentile of per-position forward KL", "nats", _W, "95th percentile over positions",
        _KL, ("summary.metrics.kl_nats.p95", "summary.kl_nats_p95"), item=("kl_nats", "p95")),
-    _m("kl_p99", Column.NAME["kl_p99"], "99th percentile of per-position forward KL", "nats", _W, "99th percentile over positions",
+    _m("kl_p99", "p99 KL", "99th percentile of per-position forward KL", "nats", _W, "99th percentile over positions",
        _KL, ("summary.metrics.kl_nats.p99",), item=("kl_nats", "p99")),
     _m("kl_max", "max KL", "largest per-position forward KL", "nats", _W, "maximum over positions",
        _KL, ("summary.metrics.kl_nats.max", "summary.kl_nats_max"), item=("kl_nats", "max")),
@@ -103,35 +109,36 @@ _DECLARED: tuple[Metric, ...] = (
        _KL, ("summary.metrics.kl_rev_nats.p95",), gate=False, item=("kl_rev_nats", "p95")),
     _m("kl_rev_p99", "p99 reverse KL", "99th percentile of per-position reverse KL", "nats", _W, "99th percentile over positions",
        _KL, ("summary.metrics.kl_rev_nats.p99",), gate=False, item=("kl_rev_nats", "p99")),
-    _m("jsd_mean", Column.NAME["jsd_mean"], "mean Jensen-Shannon divergence per position", "nats", _W, _BOOT,
+    _m("jsd_mean", "mean JSD", "mean Jensen-Shannon divergence per position", "nats", _W, _BOOT,
        (*_KL, "logitdiff.numerics.summarize.bootstrap_mean_ci"), ("summary.metrics.jsd_nats.mean",), item=("jsd_nats", "mean")),
-    _m("top1_disagreement", Column.NAME["top1_disagreement"], "share of positions whose top-1 token differs", "share (0-1)", _W,
+    _m("top1_disagreement", "top-1 disagreement", "share of positions whose top-1 token differs", "share (0-1)", _W,
        "share of positions, 95 % CI from an item bootstrap",
        ("logitdiff.numerics.metrics.full_vocab", "logitdiff.numerics.summarize.summarize_group"), ("summary.top1_disagreement.rate",),
        fmt="pct", item=("top1_disagreement", "rate"), html_key="top1"),
-    _m("x_noise_floor", Column.NAME["x_noise_floor"], Column.MEANING["x_noise_floor"], "ratio", _W,
+    _m("x_noise_floor", "× noise floor", "mean KL / mean KL of the reference against a rerun of itself (other batch mates on CPU)", "ratio", _W,
        "mean KL divided by the noise floor's mean KL (null when that floor is 0: not evaluated)",
        ("logitdiff.report.build_report",), ("summary.kl_mean_x_noise_floor",), fmt="x"),
-    _m("x_cross_engine_floor", Column.NAME["x_cross_engine_floor"], Column.MEANING["x_cross_engine_floor"], "ratio", _W,
+    _m("x_cross_engine_floor", "× cross-engine floor", "mean KL / mean KL of the reference's own weights in another engine "
+       "(the BF16 GGUF through llama.cpp in the default run)", "ratio", _W,
        "mean KL divided by the cross-engine floor's mean KL (a `logitdiff run` figure)",
        ("logitdiff.pipeline.run_pipeline",), ("summary.json:candidates[].x_cross_engine_floor",), fmt="x", gate=False),
-    _m("ppl_ratio", Column.NAME["ppl_ratio"], "candidate perplexity / reference perplexity on the teacher tokens", "ratio", _W,
+    _m("ppl_ratio", "PPL ratio", "candidate perplexity / reference perplexity on the teacher tokens", "ratio", _W,
        "exp(mean NLL of the candidate - mean NLL of the reference) over positions",
        ("logitdiff.numerics.metrics.full_vocab", "logitdiff.numerics.summarize.summarize_group"), ("summary.ppl_ratio",),
        fmt="ratio", item=("ppl_ratio", None)),
     # what the drift does: flips and their branches
     _m("flips", "top-1 flips", "top-1 flips (positions where the two top-1 tokens differ), ties at the reference "
        "(flips.n_ties) excluded", "count", _W, "count over positions", _FLIPS, ("flips.n_flips",), html_key="flips_n_flips"),
-    _m("flip_branches", Column.NAME["flip_branches"], "flips the candidate continued from (flips.selection says which, and the cap)",
-       "count", _N, "count of branched flips", _FLIPS, ("flips.n_branches",), gate=False, html_key="flips_n_branches"),
+    _m("flip_branches", "branches", "flips the candidate continued from (flips.selection says which, and the cap)",
+       "count", _N, "count of branched flips", _FLIPS, ("flips.n_branches",), gate=False, html_key="flips_n_branches", fmt="int"),
     *(_m(o, o.replace("_", " "), f"branched flips (ties excluded) whose outcome is {o}: {Outcome.TEXT[o]}", "count",
          _W if o in Outcome.BAD else _N, "count of branched flips", ("logitdiff.flips.classify", _FLIPS[1]),
          (f"flips.outcomes.{o}",), html_key=f"flips_{o}") for o in Outcome.ALL),
     *(_m(f"{o}_rate", f"{o.replace('_', ' ')} rate", f"share of branched flips whose outcome is {o}; 0 when there were no flips at all",
          "share (0-1)", _W if o in Outcome.BAD else _N, "share of branched flips", ("logitdiff.flips.classify", _FLIPS[1]),
          (f"flips.rates.{o}",), fmt="pct") for o in Outcome.ALL),
-    _m("flip_ties", Column.NAME["flip_ties"], "positions where the reference's own top two are tied: the engines broke the tie; "
-       "not branched", "count", _N, "count over positions", _FLIPS, ("flips.n_ties",), gate=False, html_key="flips_n_ties"),
+    _m("flip_ties", "ties (not flips)", "positions where the reference's own top two are tied: the engines broke the tie; "
+       "not branched", "count", _N, "count over positions", _FLIPS, ("flips.n_ties",), gate=False, html_key="flips_n_ties", fmt="int"),
     _m("flips_left_out", "over the cap", "selected flips the --max-branches cap left out (the flips section lists them)",
        "count", _N, "count of selected flips", _FLIPS, ("flips.left_out.n",), gate=False),
     _m("flips_ref_not_top1", "not own top-1", "positions where the token the reference wrote is not its own scored top-1 "
@@ -148,19 +155,19 @@ _DECLARED: tuple[Metric, ...] = (
     _m("accuracy_diff", "accuracy change", "accuracy_cand - accuracy_ref (negative: the candidate is worse)", "share (0-1)", _B,
        "difference of the two shares, 95 % CI from a paired item bootstrap", ("logitdiff.flips.grading.paired_diff_ci", _CORR[1]),
        ("correctness.accuracy_diff",), fmt="pct1", gate=False),
-    _m("right_to_wrong", Column.NAME["right_to_wrong"], "labelled items the reference gets right and the candidate wrong", "count", _W,
-       "count of labelled items", _CORR, ("correctness.right_to_wrong",)),
-    _m("wrong_to_right", Column.NAME["wrong_to_right"], "labelled items the reference gets wrong and the candidate right", "count", _B,
-       "count of labelled items", _CORR, ("correctness.wrong_to_right",)),
-    _m("mcnemar_p", Column.NAME["mcnemar_p"], "exact McNemar test of the correctness flips (below 0.05: the accuracy change is "
+    _m("right_to_wrong", "right→wrong", "labelled items the reference gets right and the candidate wrong", "count", _W,
+       "count of labelled items", _CORR, ("correctness.right_to_wrong",), fmt="int"),
+    _m("wrong_to_right", "wrong→right", "labelled items the reference gets wrong and the candidate right", "count", _B,
+       "count of labelled items", _CORR, ("correctness.wrong_to_right",), fmt="int"),
+    _m("mcnemar_p", "McNemar p", "exact McNemar test of the correctness flips (below 0.05: the accuracy change is "
        "significant)", "p-value", _N, "two-sided exact binomial test of right→wrong vs wrong→right",
-       ("logitdiff.flips.grading.mcnemar_exact", _CORR[1]), ("correctness.mcnemar_p",), gate=False),
+       ("logitdiff.flips.grading.mcnemar_exact", _CORR[1]), ("correctness.mcnemar_p",), gate=False, fmt="p"),
     _m("tool_call_valid_ref", "valid tool calls (reference)", "share of tool items whose reference tool call parses and validates",
        "share (0-1)", _B, "share of tool items", ("logitdiff.flips.toolcalls.parse_tool_calls", _CORR[1]),
        ("correctness.tool_call_valid_ref",), fmt="pct1", gate=False),
-    _m("tool_call_valid_cand", Column.NAME["tool_call_valid_cand"], "share of tool items whose candidate tool call parses and "
+    _m("tool_call_valid_cand", "valid tool calls", "share of tool items whose candidate tool call parses and "
        "validates", "share (0-1)", _B, "share of tool items", ("logitdiff.flips.toolcalls.parse_tool_calls", _CORR[1]),
-       ("correctness.tool_call_valid_cand",), fmt="pct1"),
+       ("correctness.tool_call_valid_cand",), fmt="pct1", short_fmt="pct0"),
     _m("cut_cand", "cut at budget", "the candidate's free-running outputs that hit the token budget: graded truncated, not wrong",
        "count", _W, "count of labelled items", _CORR, ("correctness.cut_cand",), gate=False),
 )
@@ -169,6 +176,34 @@ METRICS: dict[str, Metric] = {m.name: m for m in _DECLARED}
 assert len(METRICS) == len(_DECLARED), "a metric name is declared twice"
 
 GATE_METRICS: dict[str, Metric] = {n: m for n, m in METRICS.items() if m.gate}
+
+
+@dataclass(frozen=True)
+class PairedColumn:
+    """A summary-table column that shows two metrics side by side (reference → candidate),
+    each in its own format."""
+
+    name: str
+    header: str
+    ref: str  # the reference side's metric
+    cand: str  # the candidate side's metric
+
+
+ACCURACY_PAIR = PairedColumn("accuracy", "accuracy (reference → candidate)", "accuracy_ref", "accuracy_cand")
+
+# The summary tables of `logitdiff run` (its terminal tables and summary.md): the metric
+# (summary.json candidate-row field) of each column, in order; headers and formats are the
+# metrics' own. DRIFT_TABLE's come from the comparison, CONSEQUENCE_TABLE's from flips and
+# correctness (each outcome from the row's flip_outcomes).
+DRIFT_TABLE = ("kl_mean", "kl_p99", "jsd_mean", "top1_disagreement", "ppl_ratio", "x_noise_floor", "x_cross_engine_floor")
+CONSEQUENCE_TABLE = ("flip_branches", *Outcome.ALL, "flip_ties", ACCURACY_PAIR.name, "right_to_wrong", "wrong_to_right",
+                     "mcnemar_p", "tool_call_valid_cand")
+
+
+def header(name: str) -> str:
+    """The one header of a summary column, on every surface (terminal, summary.md, report.md,
+    report.html, the verdict lines)."""
+    return ACCURACY_PAIR.header if name == ACCURACY_PAIR.name else METRICS[name].header
 
 
 def markdown_table() -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..contracts import Column, Outcome
+from ..contracts import Outcome
+from .metric_registry import header
 
 # McNemar p below this is called significant (and said so, with the p-value beside it).
 SIGNIFICANCE = 0.05
@@ -50,7 +51,7 @@ def drift_part(report: Mapping, *, x_cross_engine_floor: float | None = None, is
     xn = _num(_get(report, "summary.kl_mean_x_noise_floor"))
     xc = _num(x_cross_engine_floor)
     kl_text = "mean KL n/a" if kl is None else f"mean KL {_g(kl)} nats"
-    noise = f", {_g(xn)}{Column.NAME['x_noise_floor']}" if xn is not None else ""
+    noise = f", {_g(xn)}{header('x_noise_floor')}" if xn is not None else ""
     xs = _num(_get(report, "summary.kl_mean_x_served_floor"))
     if xs is not None:  # a served comparison: the servers' own batching is the floor to read it against
         text = f"drifts {_g(xs)}× served floor ({kl_text})"
@@ -58,10 +59,10 @@ def drift_part(report: Mapping, *, x_cross_engine_floor: float | None = None, is
     if is_cross_engine_floor:
         return "info", f"the cross-engine floor (reference weights, other engine): {kl_text}{noise}"
     if xc is not None:
-        text = f"drifts {_g(xc)}{Column.NAME['x_cross_engine_floor']} ({kl_text}{noise})"
+        text = f"drifts {_g(xc)}{header('x_cross_engine_floor')} ({kl_text}{noise})"
         return ("ok", text + ": within 2× of the engine change alone") if xc <= 2 else ("warn", text)
     if xn is not None:
-        text = f"drifts {_g(xn)}{Column.NAME['x_noise_floor']} ({kl_text})"
+        text = f"drifts {_g(xn)}{header('x_noise_floor')} ({kl_text})"
         return ("ok", text + ": within 2× of the reference's own rerun") if xn <= 2 else ("warn", text)
     return "info", f"{kl_text}; no floor measured to read it against"
 

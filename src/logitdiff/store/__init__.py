@@ -171,18 +171,6 @@ class ResumeMismatch(LogitdiffError):
     """``--resume`` asked to continue a run captured with something else."""
 
 
-def parse_store(text: str, vocab_size: int | None = None) -> int:
-    """K of a ``topk:K`` store, 0 for every other kind (full, compact, hidden...); a one-line
-    error for a text no registered kind (storekinds.STORE_KINDS) spells, or K > vocab_size."""
-    return store_kind(text, vocab_size).k
-
-
-def format_store(k: int) -> str:
-    """The ``store`` text of a full (``k`` = 0) or top-K store: parse_store's inverse for
-    those two (compact stores keep the spec they were given)."""
-    return f"topk:{int(k)}" if k else "full"
-
-
 # settings that name a file whose bytes another setting hashes: --resume compares the hash
 # (a workload is its bytes; a teacher RUN stays named by its path, see capture_candidate)
 BY_HASH = {"workload": "workload_sha256"}
@@ -227,22 +215,6 @@ def _short(x, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class _KindViews:
-    """Views of a run's store kind for callers that predate storekinds (writer and reader alike)."""
-
-    kind: StoreKind
-
-    @property
-    def k(self) -> int:
-        """K of a top-K run (0 for every other kind)."""
-        return self.kind.k
-
-    @property
-    def compact(self):
-        """A compact run's spec (compact.CompactSpec), None for other kinds."""
-        return getattr(self.kind, "spec", None)
-
-
 _Init = TypeVar("_Init", bound=Callable[..., None])
 
 
@@ -278,16 +250,18 @@ def _refuse_second_live_writer(key: str, path: Path) -> None:
             f"{path}: a RunWriter of this run is open in this thread; finish() or close() it before opening another")
 
 
-class RunWriter(_KindViews):
-    """Writes a RUN chunk by chunk. ``store`` is a ``--store`` text: ``"full"``, ``"topk:K"``,
-    a compact spec (compact.py), ``"hidden"`` (hidden.py: pass the output head as ``head``)
-    or any kind registered in storekinds.STORE_KINDS, which encodes, writes and reads its rows.
+class RunWriter:
+    """Writes a RUN chunk by chunk. ``store`` is the run's store kind (``kinds.StoreKind``, as
+    ``kinds.store_kind`` parsed it once; bound here to the run's vocabulary and dtype) or a
+    ``--store`` text: ``"full"``, ``"topk:K"``, a compact spec (compact.py), ``"hidden"``
+    (hidden.py: pass the output head as ``head``) or any kind registered in
+    kinds.STORE_KINDS, which encodes, writes and reads its rows.
 
     Rows stream in: ``begin_item(item)``, then ``add_rows(logits)`` (a source's full rows
     ``[r, V]``, float or, for ``dtype="bfloat16"``, bf16 bits as uint16; the kind encodes
     them), ``add_topk(ids, logprobs)`` (a top-K source's rows) or ``add_rows(stored=block)``
-    (rows already in the kind's stored form, e.g. ``topk=dict`` of ids, logprobs, logsumexp,
-    tail_mass, entropy) as often as the source hands out blocks, then ``end_item()``;
+    (rows already in the kind's stored form, e.g. for a top-K run a dict of ids, logprobs,
+    logsumexp, tail_mass, entropy) as often as the source hands out blocks, then ``end_item()``;
     ``add(item, ...)`` does all three for a whole item. Each block goes to the writer
     thread as it comes, into the current chunk's file (``StoreKind.open_chunk``: full rows
     are written at once, other kinds keep them until the chunk closes); a chunk closes once
@@ -313,7 +287,7 @@ class RunWriter(_KindViews):
         source: dict,
         vocab_size: int,
         tokenizer_hash: str | None,
-        store: str = "full",
+        store: str | StoreKind = "full",
         dtype: str = "float32",
         settings: dict | None = None,
         chunk_rows: int | None = None,
@@ -325,18 +299,10 @@ class RunWriter(_KindViews):
         tokens: list[str | None] | None = None,
     ):
         self.path = Path(path)
-        if not self.path.parent.is_dir():  # the lock file lives beside the RUN
-            check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise LogitdiffError(f"{self.path}: cannot create its directory ({e.strerror})") from None
-        self._lock = ExitStack()  # closed by finish() / close()
-        self._lock.enter_context(locked(self.path))
-        self._key = held_key(self.path)
-        _refuse_second_live_writer(self._key, self.path)
-        self.store = store
-        self.kind: StoreKind = store_kind(store, int(vocab_size), dtype)
+        self._take_lock(overwrite, resume)
+        self.kind: StoreKind = (store.bound(int(vocab_size), dtype) if isinstance(store, StoreKind)
+                                else store_kind(store, int(vocab_size), dtype))
+        self.store = self.kind.text
         kind_fields = self.kind.start_writing(head)  # checks that the source fits the kind
         self.dtype = dtype
         self.vocab_size = int(vocab_size)
@@ -347,17 +313,49 @@ class RunWriter(_KindViews):
         self._nrows = 0  # rows handed to the writer for the chunk being filled
         self._cur: RunItem | None = None
         self._cur_rows = 0
-        # Blocks are written by one background thread, in order, into the chunk's file as
-        # they come (the full store streams them to the disk while the caller computes the
-        # next rows: after the last forward only the last block is left to write, not a
-        # whole chunk); a producer faster than the disk waits once chunk_bytes of blocks are
-        # queued rather than piling them up in memory. The files are written whole
-        # (temporary + rename) but not fsynced by that thread: a second thread (the syncer)
-        # fsyncs each chunk's files and only then lists the chunk in the manifest, so the
-        # manifest still names only durable chunks and a kill or a crash leaves whole chunks
-        # behind, while the disk's flushes do not hold up the writer (at V = 248,320 the
-        # producer's wait on a writer that fsynced each 64 MiB chunk fell ~10x, bench/RESULTS.md
-        # issue 24). The syncer may trail the writer by at most SYNC_LAG chunks (written, not listed).
+        self._init_write_queue()
+        self._kept_tools: dict[str, dict] = {}  # tools module path -> its copy in the RUN
+        fresh = self._fresh_manifest(source, tokenizer_hash, settings, kind_fields)
+        mpath = self.path / "manifest.json"
+        if mpath.exists() and resume:
+            self._resume_from(mpath, fresh, kind_fields)
+        else:
+            self._start_new(mpath, fresh, overwrite, resume)
+        # a new run writes these; a resumed one only when a kill came before them
+        fresh_start = self.manifest is fresh
+        self._send_side_files(fresh_start, vocab, tokens)
+        self.kind.write_files(self.path, fresh_start)
+        self._next_chunk = len(self.manifest["chunks"])
+        _LIVE_WRITERS[self._key] = self  # the last step: a constructor that fails leaves no entry
+
+    def _take_lock(self, overwrite: bool, resume: bool) -> None:
+        """The RUN's lock (held until finish() or close()), refused while another writer of the
+        RUN lives in this process."""
+        if not self.path.parent.is_dir():  # the lock file lives beside the RUN
+            check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise LogitdiffError(f"{self.path}: cannot create its directory ({e.strerror})") from None
+        self._lock = ExitStack()  # closed by finish() / close()
+        self._lock.enter_context(locked(self.path))
+        self._key = held_key(self.path)
+        _refuse_second_live_writer(self._key, self.path)
+
+    def _init_write_queue(self) -> None:
+        """The writer thread's and the syncer's state.
+
+        Blocks are written by one background thread, in order, into the chunk's file as
+        they come (the full store streams them to the disk while the caller computes the
+        next rows: after the last forward only the last block is left to write, not a
+        whole chunk); a producer faster than the disk waits once chunk_bytes of blocks are
+        queued rather than piling them up in memory. The files are written whole
+        (temporary + rename) but not fsynced by that thread: a second thread (the syncer)
+        fsyncs each chunk's files and only then lists the chunk in the manifest, so the
+        manifest still names only durable chunks and a kill or a crash leaves whole chunks
+        behind, while the disk's flushes do not hold up the writer (at V = 248,320 the
+        producer's wait on a writer that fsynced each 64 MiB chunk fell ~10x, bench/RESULTS.md
+        issue 24). The syncer may trail the writer by at most SYNC_LAG chunks (written, not listed)."""
         self._pool: ThreadPoolExecutor | None = None
         self._syncer: ThreadPoolExecutor | None = None
         self._pending: deque = deque()  # the writer's futures with the bytes of their blocks, in order
@@ -366,9 +364,10 @@ class RunWriter(_KindViews):
         self._sync_failed = False  # a chunk failed to become durable: no later chunk is listed
         self._chunk_file: Any = None  # the writer thread's: the chunk being filled (kind.open_chunk)
         self._write_failed = False  # the writer thread's: a block was not written, write nothing more
-        self._kept_tools: dict[str, dict] = {}  # tools module path -> its copy in the RUN
-        mpath = self.path / "manifest.json"
-        fresh = {
+
+    def _fresh_manifest(self, source: dict, tokenizer_hash: str | None, settings: dict | None, kind_fields: dict) -> dict:
+        """The manifest of a new run (a resumed run's must match it: ``resume_difference``)."""
+        return {
             "schema": RUN_SCHEMA,
             "tool": "logitdiff",
             "tool_version": __version__,
@@ -377,67 +376,71 @@ class RunWriter(_KindViews):
             "source": source,
             "vocab_size": self.vocab_size,
             "tokenizer_hash": tokenizer_hash,
-            "settings": {**(settings or {}), "store": store, "dtype": self.kind.manifest_dtype()},
+            "settings": {**(settings or {}), "store": self.store, "dtype": self.kind.manifest_dtype()},
             "chunks": [],
             "n_items": 0,
             "n_positions": 0,
             **kind_fields,
         }
-        if mpath.exists() and resume:
-            self.manifest = read_manifest(mpath)
-            try:
-                check_chunk_entries(self.manifest.get("chunks"), mpath)
-            except (KeyError, TypeError, ValueError, LogitdiffError) as e:
-                raise LogitdiffError(f"{mpath}: cannot resume, field {str(e).strip(chr(39))!r} malformed") from None
-            if self.manifest.get("schema") != RUN_SCHEMA:
-                raise LogitdiffError(f"{mpath}: schema {self.manifest.get('schema')!r}, expected {RUN_SCHEMA}")
-            diff = resume_difference(self.manifest, fresh)
-            for key in kind_fields:  # what the kind adds (the hidden store's head) must match too
-                if diff is None and self.manifest.get(key) != fresh[key]:
-                    diff = (key, self.manifest.get(key), fresh[key])
-            if diff is not None:
-                name, have, want = diff
-                raise ResumeMismatch(
-                    f"{mpath}: cannot resume, field {name!r} is {_short(have)} in the run but {_short(want)} now "
-                    "(resume with the run's own settings, or --overwrite to start again)"
-                )
-            self.manifest["status"] = "partial"
-            # A kill during a background chunk write leaves its temporary file behind; the
-            # manifest never listed it, so it is garbage: remove it before writing again.
-            for stale in (self.path / "chunks").glob(".*.tmp*"):
-                stale.unlink(missing_ok=True)
-            self._drop_orphan_rows()
-            self._remove_unlisted_files()
-        else:
-            if mpath.exists() and not overwrite:
-                raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
-            # Library callers too: never clear or fill a directory that is not a RUN.
-            check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
-            (self.path / "chunks").mkdir(parents=True, exist_ok=True)
-            if overwrite or resume:  # resume without a manifest: a capture killed before it
-                for f in (self.path / "chunks").iterdir():
-                    _unlink_any(f)
-                for f in self.path.iterdir():  # write temporaries (.NAME.tmpPID) a kill left
-                    if f.is_file() and f.name.startswith(".") and f.name.rpartition(".tmp")[2].isdigit():
-                        f.unlink()
-            self.manifest = fresh
-            # the manifest first: from here on a killed capture is a RUN that --resume continues
-            self._write_manifest()
-        # a new run writes these; a resumed one only when a kill came before them
-        fresh_start = self.manifest is fresh
+
+    def _resume_from(self, mpath: Path, fresh: dict, kind_fields: dict) -> None:
+        """Resume: the run's manifest, checked against what this capture would write (a
+        one-line ResumeMismatch naming the first field that differs); what a kill left
+        unlisted or half-listed removed."""
+        self.manifest = read_manifest(mpath)
+        try:
+            check_chunk_entries(self.manifest.get("chunks"), mpath)
+        except (KeyError, TypeError, ValueError, LogitdiffError) as e:
+            raise LogitdiffError(f"{mpath}: cannot resume, field {str(e).strip(chr(39))!r} malformed") from None
+        if self.manifest.get("schema") != RUN_SCHEMA:
+            raise LogitdiffError(f"{mpath}: schema {self.manifest.get('schema')!r}, expected {RUN_SCHEMA}")
+        diff = resume_difference(self.manifest, fresh)
+        for key in kind_fields:  # what the kind adds (the hidden store's head) must match too
+            if diff is None and self.manifest.get(key) != fresh[key]:
+                diff = (key, self.manifest.get(key), fresh[key])
+        if diff is not None:
+            name, have, want = diff
+            raise ResumeMismatch(
+                f"{mpath}: cannot resume, field {name!r} is {_short(have)} in the run but {_short(want)} now "
+                "(resume with the run's own settings, or --overwrite to start again)"
+            )
+        self.manifest["status"] = "partial"
+        # A kill during a background chunk write leaves its temporary file behind; the
+        # manifest never listed it, so it is garbage: remove it before writing again.
+        for stale in (self.path / "chunks").glob(".*.tmp*"):
+            stale.unlink(missing_ok=True)
+        self._drop_orphan_rows()
+        self._remove_unlisted_files()
+
+    def _start_new(self, mpath: Path, fresh: dict, overwrite: bool, resume: bool) -> None:
+        """A new run (or one replaced, or a resume that finds no manifest): the directory
+        checked and cleared of what an earlier capture or a kill left, then the manifest."""
+        if mpath.exists() and not overwrite:
+            raise LogitdiffError(f"{self.path}: already holds a run (use --resume to continue it or --overwrite)")
+        # Library callers too: never clear or fill a directory that is not a RUN.
+        check_output(self.path, Kind.RUN, overwrite=overwrite, resume=resume)
+        (self.path / "chunks").mkdir(parents=True, exist_ok=True)
+        if overwrite or resume:  # resume without a manifest: a capture killed before it
+            for f in (self.path / "chunks").iterdir():
+                _unlink_any(f)
+            for f in self.path.iterdir():  # write temporaries (.NAME.tmpPID) a kill left
+                if f.is_file() and f.name.startswith(".") and f.name.rpartition(".tmp")[2].isdigit():
+                    f.unlink()
+        self.manifest = fresh
+        # the manifest first: from here on a killed capture is a RUN that --resume continues
+        self._write_manifest()
+
+    def _send_side_files(self, fresh_start: bool, vocab: list[str] | None, tokens: list[str | None] | None) -> None:
+        """vocab.json and tokens.json, by the writer thread before any chunk (so durable before
+        the manifest lists one): encoding V strings twice, ~0.06 CPU s at V = 248,320, runs
+        beside the caller's first forward instead of before it."""
         side: list[tuple[str, list]] = []
         if vocab is not None and (fresh_start or not (self.path / "vocab.json").exists()):
             side.append(("vocab.json", vocab))
         if tokens is not None and (fresh_start or not (self.path / TOKENS_FILE).exists()):
             side.append((TOKENS_FILE, list(tokens)))  # the strings tokenizer_hash is of (tokenizer_identity.py)
         if side:
-            # by the writer thread, before any chunk (so durable before the manifest lists one):
-            # encoding V strings twice, ~0.06 CPU s at V = 248,320, runs beside the caller's
-            # first forward instead of before it
             self._send(0, self._write_side_files, side)
-        self.kind.write_files(self.path, fresh_start)
-        self._next_chunk = len(self.manifest["chunks"])
-        _LIVE_WRITERS[self._key] = self  # the last step: a constructor that fails leaves no entry
 
     def _drop_orphan_rows(self) -> None:
         """Resume: the rows of the item a kill interrupted, in listed chunks that no listed
@@ -511,10 +514,10 @@ class RunWriter(_KindViews):
             ids.update(_parse_item_line(p, n, line, c["index"]).id for n, line in enumerate(lines, 1) if line.strip())
         return ids
 
-    def add(self, item: RunItem, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None) -> None:
+    def add(self, item: RunItem, logits=None, hidden=None, *, stored=None) -> None:
         """A whole item: ``begin_item`` + ``add_rows`` + ``end_item``."""
         self.begin_item(item)
-        self.add_rows(logits, topk=topk, compact=compact, hidden=hidden)
+        self.add_rows(logits, hidden, stored=stored)
         self.end_item()
 
     def begin_item(self, item: RunItem) -> None:
@@ -548,19 +551,16 @@ class RunWriter(_KindViews):
         self._kept_tools[path] = {"tools_module": rel, "tools_module_sha256": digest}
         return self._kept_tools[path]
 
-    def add_rows(self, logits=None, topk: dict | None = None, compact: dict | None = None, hidden=None,
-                 hidden_block: dict | None = None, *, stored=None) -> None:
+    def add_rows(self, logits=None, hidden=None, *, stored=None) -> None:
         """The next rows of the current item (its positions in order): a source's full rows
         ``logits`` (checked, then encoded by the store kind; ``hidden``: their hidden states,
-        for a kind that keeps them), or rows already in the kind's stored form (``stored``;
-        ``topk``, ``compact`` and ``hidden_block`` are the older names of it)."""
+        for a kind that keeps them), or rows already in the kind's stored form (``stored``)."""
         item = self._cur
         if item is None:
             raise ValueError("add_rows outside begin_item/end_item")
         place = BlockPlace(item.id, item.positions, item.teacher_ids, self._cur_rows)
-        given = [b for b in (stored, topk, compact, hidden_block) if b is not None]
-        if given:
-            block, n = self.kind.check_block(given[0], place)
+        if stored is not None:
+            block, n = self.kind.check_block(stored, place)
         else:
             if logits is None:
                 raise ValueError(f"{self.store} run: pass logits= (full rows) or stored= rows")
@@ -958,7 +958,7 @@ def aligned_blocks(pieces_a: Iterable, pieces_b: Iterable, rows: int) -> Iterato
         ob += take
 
 
-class RunReader(_KindViews):
+class RunReader:
     """Streaming reader: chunks are memory-mapped on demand, never the whole run."""
 
     def __init__(self, path: str | Path, *, allow_partial: bool = False, device=None, read_ahead: bool = True):
@@ -1245,7 +1245,7 @@ class RunReader(_KindViews):
         pieces = list(self._pieces(item))
         if not pieces:
             data = self._chunk(item.chunk) if item.chunk < len(self.manifest["chunks"]) else {}
-            return {k: v[:0] for k, v in data.items()} or {"ids": np.zeros((0, self.k), np.int64), "logprobs": np.zeros((0, self.k))}
+            return {k: v[:0] for k, v in data.items()} or {"ids": np.zeros((0, self.kind.k), np.int64), "logprobs": np.zeros((0, self.kind.k))}
         return _joined(pieces)
 
     def row_blocks(self, items: Iterable[RunItem], rows: int, *, raw: bool = False) -> Iterator:

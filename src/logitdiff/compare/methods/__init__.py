@@ -30,5 +30,5 @@ def select_method(ref: Any, cand: Any) -> type[ComparisonMethod]:
         raise LogitdiffError(f"{cand.path}: a {getattr(cand, 'store', '')} store is a reference store (it gives {RowsForm.BOUNDED}); "
                              "capture the candidate with --store full")
     raise LogitdiffError(f"{ref.path} gives {form_of(ref)} ({getattr(ref, 'store', '')}) and {cand.path} gives {form_of(cand)}"
-                         f"{f' (top-{cand.k})' if getattr(cand, 'k', 0) else ''}: no bounded method for that pair; "
+                         f"{f' (top-{cand.kind.k})' if cand.kind.k else ''}: no bounded method for that pair; "
                          "capture the candidate with --store full")

@@ -18,13 +18,9 @@ TOP_SHOWN = 5  # top tokens kept per side for the token view of reports
 
 
 def form_of(run: Any) -> RowsForm:
-    """What a run (RunReader, a live candidate, any reader with ``row_blocks``) gives a
-    reader: its store kind's form; a reader without a kind gives top-K lists when it
-    declares ``k``, else full rows."""
-    kind = getattr(run, "kind", None)
-    if kind is not None:
-        return kind.reads_as
-    return RowsForm.TOPK if getattr(run, "k", 0) else RowsForm.FULL
+    """What a run (RunReader, a live candidate: any reader with ``row_blocks`` and a store
+    ``kind``) gives a reader: its store kind's form."""
+    return run.kind.reads_as
 
 
 def run_dtype(run: Any) -> str:

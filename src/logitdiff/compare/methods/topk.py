@@ -75,13 +75,13 @@ class TopKBounded(ComparisonMethod):
     def __init__(self, ref: Any, cand: Any, items_r: Any, items_c: Any, **kw: Any) -> None:
         super().__init__(ref, cand, items_r, items_c, **kw)
         # K of the top-K fields: what the top-K side(s) stored
-        self.top_k = min([x.k for x in (ref, cand) if x.k] + [self.V])
+        self.top_k = min([x.kind.k for x in (ref, cand) if x.kind.k] + [self.V])
         self.overlap_k = None
 
     def batch_rows(self, chunk_bytes: int | None) -> int:
         # two top-K stores: a block of K ids + logprobs per row (any K up to V in bounded
         # memory); full rows on either side: a block of V float32 values per row
-        if self.ref.k and self.cand.k:
+        if self.ref.kind.k and self.cand.kind.k:
             return rows_per_block(self.top_k, chunk_bytes, 16)
         return super().batch_rows(chunk_bytes)
 

@@ -6,6 +6,8 @@ registers one from its own file: tests/test_store_kinds.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...errors import LogitdiffError
 from .base import Block, BlockPlace, RowsForm, StoreKind, check_full_rows, cut_rows
 from .compact import CompactStore
@@ -21,7 +23,11 @@ STORE_KINDS: dict[str, type[StoreKind]] = {
     HiddenStore.name: HiddenStore,
 }
 
-__all__ = ["STORE_KINDS", "Block", "BlockPlace", "RowsForm", "StoreKind", "check_full_rows", "cut_rows", "store_help", "store_kind", "store_usage"]
+# ``run --reference-store``'s word for "the best lossless kind the reference allows" (auto_kind)
+AUTO = "auto"
+
+__all__ = ["AUTO", "STORE_KINDS", "Block", "BlockPlace", "RowsForm", "StoreKind", "auto_kind", "check_full_rows", "cut_rows",
+           "given_rows_kind", "reference_store_choices", "store_help", "store_kind", "store_usage"]
 
 
 def store_usage() -> str:
@@ -43,3 +49,28 @@ def store_kind(text: str, vocab_size: int | None = None, dtype: str | None = Non
         raise LogitdiffError(f"--store {text!r}: expected {store_usage()}")
     return cls.parse(str(text), vocab_size, dtype)
 
+
+
+def reference_store_choices() -> tuple[str, ...]:
+    """What ``run --reference-store`` takes: ``auto`` and every lossless kind (a reader gets
+    the reference's rows bit for bit, so its reports are the same whichever is chosen)."""
+    return (AUTO, *(name for name, cls in STORE_KINDS.items() if cls.lossless))
+
+
+def auto_kind(source: Any) -> str:
+    """What ``auto`` picks for ``source`` (a ``sources.Source``): of the lossless kinds that
+    can keep it, the one of the highest ``auto_rank`` (the first registered among equals)."""
+    fits = [cls for cls in STORE_KINDS.values() if cls.lossless and cls.can_keep(source)]
+    if not fits:
+        raise LogitdiffError(f"--reference-store {AUTO}: no registered lossless store kind keeps {getattr(source, 'spec', source)}")
+    return max(fits, key=lambda cls: cls.auto_rank).name
+
+
+def given_rows_kind(top_k: int, vocab_size: int | None = None, dtype: str | None = None) -> StoreKind:
+    """The kind that keeps a source's rows as it gives them: full rows (``top_k`` 0) or
+    top-K lists of ``top_k`` entries (a served source): the first registered that does."""
+    for cls in STORE_KINDS.values():
+        kind = cls.as_given(top_k, vocab_size, dtype)
+        if kind is not None:
+            return kind
+    raise LogitdiffError(f"no registered store kind keeps {'top-' + str(top_k) + ' lists' if top_k else 'full rows'} as given")

@@ -12,6 +12,7 @@ copies without decoding) and *readable* (what ``RunReader.row_blocks`` yields: f
 
 from __future__ import annotations
 
+import copy
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -136,6 +137,11 @@ class StoreKind(ABC):
     chunk_suffix: ClassVar[str]  # file name of a chunk's rows: NNNNNN.<suffix>
     keeps_dtype: ClassVar[bool] = True  # settings.dtype records the source's logits dtype
     needs_hidden_states: ClassVar[bool] = False  # encode takes the block's final hidden states too
+    # a reader gets the source's rows back bit for bit: a choice of ``run --reference-store``
+    lossless: ClassVar[bool] = False
+    # ``run --reference-store auto`` takes, of the lossless kinds that can keep the reference
+    # (``can_keep``), the one of the highest rank (the first registered among equals)
+    auto_rank: ClassVar[int] = 0
 
     def __init__(self, text: str, vocab_size: int | None = None, dtype: str | None = None) -> None:
         self.text = text  # the --store text, as the manifest's settings.store records it
@@ -149,6 +155,31 @@ class StoreKind(ABC):
         if text != cls.name:
             raise LogitdiffError(f"--store {text!r}: expected {cls.usage}")
         return cls(text, vocab_size, dtype)
+
+    @classmethod
+    def can_keep(cls, source: Any) -> bool:
+        """Whether this kind can store what ``source`` (a ``sources.Source``) gives; default:
+        any source (a kind that needs more, such as the output head, says so)."""
+        return True
+
+    @classmethod
+    def as_given(cls, top_k: int, vocab_size: int | None, dtype: str | None) -> StoreKind | None:
+        """This kind keeping a source's rows as the source gives them: full rows (``top_k`` 0)
+        or top-K lists of ``top_k`` entries; None (the default) when it does not keep them so."""
+        return None
+
+    def bound(self, vocab_size: int, dtype: str | None) -> StoreKind:
+        """This kind (parsed once from its text) bound to a run's vocabulary size and logits
+        dtype: itself when it already is, else a copy, checked against the vocabulary."""
+        if self.vocab_size == vocab_size and self.dtype == dtype:
+            return self
+        kind = copy.copy(self)
+        kind.vocab_size, kind.dtype = vocab_size, dtype
+        kind.check_vocab()
+        return kind
+
+    def check_vocab(self) -> None:
+        """A one-line error when the kind does not fit its run's vocabulary (default: any fits)."""
 
     # ------------------------------------------------------------------ what it holds
     @property

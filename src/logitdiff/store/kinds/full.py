@@ -30,11 +30,16 @@ class FullStore(StoreKind):
     summary: ClassVar[str] = "native-dtype logits"
     reads_as: ClassVar[RowsForm] = RowsForm.FULL
     chunk_suffix: ClassVar[str] = "logits.npy"
+    lossless: ClassVar[bool] = True
 
     def __init__(self, text: str, vocab_size: int | None = None, dtype: str | None = None) -> None:
         super().__init__(text, vocab_size, dtype)
         self._stage: Any = None  # the writer's O_DIRECT staging buffer (made on the first chunk)
         self._direct: dict[Path, bool] = {}  # directory -> whether O_DIRECT spares a copy there
+
+    @classmethod
+    def as_given(cls, top_k: int, vocab_size: int | None, dtype: str | None) -> StoreKind | None:
+        return None if top_k else cls(cls.name, vocab_size, dtype)
 
     def describe(self) -> str:
         return "full logits"

@@ -39,6 +39,14 @@ class HiddenStore(StoreKind):
     chunk_suffix: ClassVar[str] = H.CHUNK_SUFFIX
     needs_hidden_states: ClassVar[bool] = True
     decodes: ClassVar[bool] = True  # a reader decodes the next chunk ahead (RunReader._chunk)
+    lossless: ClassVar[bool] = True
+    auto_rank: ClassVar[int] = 1  # ~2H bytes a position instead of 2V: taken where the reference allows it
+
+    @classmethod
+    def can_keep(cls, source: Any) -> bool:
+        """A source whose logits are its 16-bit output head's output (a bf16/f16 transformers
+        model with no bias, scaling or soft-capping): ``source.output_head()`` says so."""
+        return source.output_head() is not None
 
     def __init__(self, text: str, vocab_size: int | None = None, dtype: str | None = None) -> None:
         super().__init__(text, vocab_size, dtype)

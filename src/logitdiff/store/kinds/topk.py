@@ -34,9 +34,21 @@ class TopKStore(StoreKind):
         name, _, k = str(text).partition(":")
         if name != cls.name or not k.isdigit() or int(k) < 1:
             raise LogitdiffError(f"--store {text!r}: expected {cls.usage}")
-        if vocab_size is not None and int(k) > vocab_size:
-            raise LogitdiffError(f"--store {text!r}: K={int(k)} exceeds the vocabulary size {vocab_size}")
-        return cls(text, vocab_size, dtype, k=int(k))
+        kind = cls(text, vocab_size, dtype, k=int(k))
+        kind.check_vocab()
+        return kind
+
+    @classmethod
+    def as_given(cls, top_k: int, vocab_size: int | None, dtype: str | None) -> StoreKind | None:
+        if not top_k:
+            return None
+        kind = cls(f"{cls.name}:{int(top_k)}", vocab_size, dtype, k=int(top_k))
+        kind.check_vocab()
+        return kind
+
+    def check_vocab(self) -> None:
+        if self.vocab_size is not None and self._k > self.vocab_size:
+            raise LogitdiffError(f"--store {self.text!r}: K={self._k} exceeds the vocabulary size {self.vocab_size}")
 
     @property
     def k(self) -> int:
