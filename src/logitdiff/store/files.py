@@ -31,7 +31,7 @@ import json
 import os
 import re
 import secrets
-import shutil
+import stat
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -440,6 +440,182 @@ def atomic_write_json(path: str | Path, obj, *, indent: int | None = 1) -> None:
 
 
 
+# --------------------------------------------------------------------------------------
+# inputs: every file a command reads is opened here
+# --------------------------------------------------------------------------------------
+
+# A JSON or JSONL document read whole (a RUN's manifest.json, a chunk's items.jsonl, a
+# report.json or summary.json, a workload): parsing holds ~10 bytes of Python objects per
+# byte of text, so this is ~10 GiB of memory at most, the most one document may take on the
+# machines logitdiff runs on. The largest real ones are far below it: a report.json of a
+# 100k-position run is ~100 MB, a manifest ~200 bytes per chunk.
+DOCUMENT_MAX_BYTES = 1 << 30
+# A file read only for its first bytes or a small marker (the output guard's schema sniff)
+SNIFF_BYTES = 4096
+
+
+def _kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _resolved_inside(path: Path, inside: str | Path) -> Path:
+    """``path``'s real path when it lies inside ``inside`` (a RUN or REPORT directory);
+    else a one-line error: a directory's files are its own, a symlink out of it is refused
+    (a RUN moved or shared must not read, or hand out, another directory's bytes)."""
+    real = Path(os.path.realpath(path))
+    root = Path(os.path.realpath(inside))
+    if root != real and root not in real.parents:
+        raise LogitdiffError(f"{path}: a symlink out of {inside} (to {real}); the files of {inside} must lie inside it")
+    return real
+
+
+def open_input(path: str | Path, *, max_bytes: int, inside: str | Path | None = None) -> BinaryIO:
+    """``path`` opened for reading as a regular file, or a one-line error naming it.
+
+    Opened with O_NONBLOCK, so a FIFO cannot hang the command (a FIFO, a device such as
+    /dev/zero, a socket or a directory is refused after ``fstat``, before any byte is read);
+    its size, from the same ``fstat``, is checked against ``max_bytes`` before anything is
+    allocated. With ``inside`` (the RUN or REPORT directory the file belongs to), a symlink
+    is followed only when it resolves inside that directory. Callers read at most
+    ``max_bytes`` + 1 bytes (a file growing while read is refused too: :func:`read_input_bytes`)."""
+    path = Path(path)
+    target = _resolved_inside(path, inside) if inside is not None else path
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if inside is not None:
+        flags |= getattr(os, "O_NOFOLLOW", 0)  # the resolved path: a symlink now is a swap since the check
+    try:
+        fd = os.open(target, flags)
+    except FileNotFoundError:
+        raise LogitdiffError(f"{path}: not found") from None
+    except OSError as e:
+        raise LogitdiffError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LogitdiffError(f"{path}: {_kind_of(st.st_mode)}, not a regular file; logitdiff reads its inputs from files")
+        if st.st_size > max_bytes:
+            raise LogitdiffError(f"{path}: {st.st_size} bytes, more than the {max_bytes} this input may hold")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_input_bytes(path: str | Path, *, max_bytes: int, inside: str | Path | None = None) -> bytes:
+    """The whole of the input file ``path`` (see :func:`open_input`), at most ``max_bytes``."""
+    with open_input(path, max_bytes=max_bytes, inside=inside) as f:
+        try:
+            # the size fstat gave (one buffer, no growing copies), then whatever was appended since
+            parts = [f.read(os.fstat(f.fileno()).st_size + 1)]
+            got = len(parts[0])
+            while got <= max_bytes and parts[-1]:
+                parts.append(f.read(min(1 << 20, max_bytes + 1 - got)))
+                got += len(parts[-1])
+        except OSError as e:
+            raise LogitdiffError(f"{path}: cannot read ({e.strerror})") from None
+    if got > max_bytes:
+        raise LogitdiffError(f"{path}: grew past {max_bytes} bytes while it was read")
+    return parts[0] if len(parts) == 1 or not parts[1] else b"".join(parts)
+
+
+def input_stat(path: str | Path, *, max_bytes: int, inside: str | Path | None = None) -> os.stat_result:
+    """The checks of :func:`open_input` for a file another library opens by name (a memory
+    map, pyarrow): its ``fstat``, or a one-line error."""
+    with open_input(path, max_bytes=max_bytes, inside=inside) as f:
+        return os.fstat(f.fileno())
+
+
+def read_input_json(path: str | Path, *, max_bytes: int = DOCUMENT_MAX_BYTES, inside: str | Path | None = None):
+    """The JSON document in the input file ``path``, or a one-line error naming it (not a
+    regular file, too large, not UTF-8, not JSON, nested beyond the recursion limit)."""
+    raw = read_input_bytes(path, max_bytes=max_bytes, inside=inside)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise LogitdiffError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise LogitdiffError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise LogitdiffError(f"{path}: JSON nested too deeply") from None
+
+
+def dir_identity(path: str | Path) -> tuple[int, int] | None:
+    """(device, inode) of a directory, None when it is not there: a REPORT replaced by a
+    writer (a temporary renamed over it) gets a new inode, so a reader that reads several
+    of its files compares this before and after (:func:`same_directory`)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+@contextmanager
+def same_directory(path: str | Path) -> Iterator[None]:
+    """The block reads several files of the directory ``path`` (a REPORT's report.json and
+    tokens.parquet) as one version: a one-line error when another command replaced the
+    directory meanwhile (logitdiff's writers swap a whole directory, never a file in it:
+    :func:`writing`), instead of figures of one report beside tokens of the other."""
+    before = dir_identity(path)
+    yield
+    if dir_identity(path) != before:
+        raise LogitdiffError(f"{path}: replaced by another command while it was read; run this one again")
+
+
+def holds_no_files(path: str | Path) -> bool:
+    """No file anywhere below the directory ``path`` (stops at the first one found). A walk
+    with its own stack: os.walk recurses (Python 3.11), and 3,000 nested directories would
+    stop the command with a RecursionError."""
+    stack = [str(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    else:
+                        return False
+        except OSError:
+            continue
+    return True
+
+
+def remove_tree(path: str | Path) -> None:
+    """Remove the directory ``path`` and everything below it, depth-first with its own stack
+    (shutil.rmtree recurses once per level in Python 3.11: a tree nested 3,000 deep stopped
+    it with a RecursionError); symlinks are removed, never followed; errors are ignored
+    (what stays is what could not be removed)."""
+    root = str(path)
+    stack: list[tuple[str, bool]] = [(root, False)]
+    while stack:
+        d, emptied = stack.pop()
+        if emptied:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+            continue
+        stack.append((d, True))
+        try:
+            with os.scandir(d) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                stack.append((e.path, False))
+            else:
+                try:
+                    os.unlink(e.path)
+                except OSError:
+                    pass
+
+
 class Kind(enum.Enum):
     """What a command writes; ``value`` is how error messages name it."""
 
@@ -463,22 +639,23 @@ def _json_schema(path: Path) -> str | None:
     """The ``schema`` of a JSON object file. Our files write it as the first key, so a big
     report.json is recognised from its head; anything else is parsed whole (when small)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        # a FIFO, a device (/dev/zero) or a file beyond DOCUMENT_MAX_BYTES is no logitdiff output
+        with open_input(path, max_bytes=DOCUMENT_MAX_BYTES) as f:
+            head = f.read(SNIFF_BYTES)
             m = _SCHEMA_FIRST.match(head)
             if m:
                 return json.loads(m.group(1))
             if os.fstat(f.fileno()).st_size > (16 << 20):
                 return None
-            return json.loads(head + f.read()).get("schema")
-    except (OSError, ValueError, AttributeError):
+            return json.loads(head + f.read(16 << 20)).get("schema")
+    except (OSError, ValueError, AttributeError, RecursionError, LogitdiffError):
         return None
 
 
 def _file_contains(path: Path, needle: bytes, limit: int = 256 << 20) -> bool:
     """Whether ``needle`` occurs in the first ``limit`` bytes, read in blocks (pages are MBs)."""
     try:
-        with open(path, "rb") as f:
+        with open_input(path, max_bytes=1 << 62) as f:  # read in blocks up to ``limit``, never whole
             tail = b""
             done = 0
             while done < limit:
@@ -489,7 +666,7 @@ def _file_contains(path: Path, needle: bytes, limit: int = 256 << 20) -> bool:
                     return True
                 tail = block[-len(needle):]
                 done += len(block)
-    except OSError:
+    except (OSError, LogitdiffError):
         return False
     return False
 
@@ -508,8 +685,11 @@ def is_kind(path: Path, kind: Kind) -> bool:
     if kind is Kind.HTML:
         if not path.is_file():
             return False
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        try:
+            with open_input(path, max_bytes=1 << 62) as f:  # the page is sniffed, not read whole
+                head = f.read(SNIFF_BYTES)
+        except LogitdiffError:
+            return False
         return head.lstrip().lower().startswith(b"<!doctype html") and (
             HTML_GENERATOR_META.encode() in head or _file_contains(path, HTML_DATA_SCHEMA.encode())
         )
@@ -520,14 +700,6 @@ def is_kind(path: Path, kind: Kind) -> bool:
     if kind is Kind.LAYERS:
         return path.is_dir() and _json_schema(path / "layers.json") == LAYERS_SCHEMA
     raise AssertionError(kind)
-
-
-def _holds_no_files(path: Path) -> bool:
-    """No file anywhere below ``path`` (stops at the first one found)."""
-    for _, _, files in os.walk(path):
-        if files:
-            return False
-    return True
 
 
 def _real(path: Path) -> Path:
@@ -583,7 +755,7 @@ def check_output(
     if kind.is_dir:
         if not out.is_dir():
             raise LogitdiffError(f"{out}: exists and is not a directory; refusing to replace it with a {kind.value}")
-        if _holds_no_files(out):
+        if holds_no_files(out):
             return  # nothing to lose: empty, or only empty directories (an interrupted start)
         if kind is Kind.RUN and _unstarted_run(out):
             return  # a capture killed before its manifest existed: only its own files
@@ -798,7 +970,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
     else:
         try:
             path.unlink()
@@ -847,7 +1019,7 @@ def _swap(tmp: Path, out: Path) -> None:
         old = _temp_sibling(out, "old")
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old)
     else:
         os.replace(tmp, out)  # a file, or nothing there: one atomic rename
 
@@ -921,8 +1093,8 @@ def _resumable(out: Path, kind: Kind) -> bool:
     if kind is not Kind.RUN:
         return False
     try:
-        m = json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
+        m = read_input_json(out / "manifest.json", inside=out)
+    except LogitdiffError:
         return False
     return isinstance(m, dict) and m.get("status") == "partial" and bool(m.get("chunks"))
 
