@@ -39,7 +39,7 @@ from ..defaults import flip_agreement_sentence
 from .gates import get_path as _get
 from .metric_registry import METRICS
 from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META
-from ..store.files import Kind, writing
+from ..store.files import Kind, same_directory, writing
 from ..numerics.stats import adjacent_pairs, per_item_values
 from ..numerics.summarize import DEFAULT_BOOTSTRAP
 
@@ -295,15 +295,12 @@ def _object_array(values: list) -> np.ndarray:
 
 def load_tokens(path: str | Path) -> dict[str, np.ndarray] | None:
     """The columns of tokens.parquet the page needs (pyarrow only; pandas not required)."""
-    import pyarrow.parquet as pq
-
     path = Path(path)
     if not path.exists():
         return None
-    from .arrow_columns import to_numpy
+    from .arrow_columns import read_parquet, to_numpy
 
-    names = set(pq.read_schema(path).names)
-    table = pq.ParquetFile(path).read(columns=[c for c in TOKEN_COLUMNS if c in names])
+    table = read_parquet(path, lambda names: [c for c in TOKEN_COLUMNS if c in names])
     return {name: to_numpy(table.column(name)) for name in table.column_names}
 
 
@@ -1278,8 +1275,9 @@ def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: RunS
         d = Path(d)
         if not (d / "report.json").is_file():
             raise LogitdiffError(f"{d}: not a REPORT directory (no report.json)")
-        reports.append(load_report(d))
-        tokens.append(load_tokens(d / "tokens.parquet"))
+        with same_directory(d):  # report.json and tokens.parquet of one version of the REPORT
+            reports.append(load_report(d))
+            tokens.append(load_tokens(d / "tokens.parquet"))
         paths.append(str(d))
     page = render_html(reports, tokens, title=title, summary=summary, paths=paths)
     out = Path(out)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LogitdiffError
+from ..store.files import DOCUMENT_MAX_BYTES, read_input_bytes
 
 
 
@@ -161,27 +162,29 @@ def read_workload(path: str | Path) -> list[Item]:
     seen: dict[str, int] = {}
     if not path.is_file():
         raise LogitdiffError(f"{path}: not a regular file (a workload is a JSONL file)")
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise LogitdiffError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
-            if not line.strip():
-                continue
-            d = parse_line(line, f"{path}:{lineno}")
-            item = Item.from_json(d, where=f"{path}:{lineno}")
-            if item.tools_module is not None:
-                tm = (path.parent / item.tools_module).resolve()
-                if not tm.is_file():
-                    raise LogitdiffError(f"{path}:{lineno} (id {item.id!r}): field 'tools_module' {item.tools_module!r} is not a file")
-                item.tools_module = str(tm)
-            if item.id in seen:
-                raise LogitdiffError(
-                    f"{path}:{lineno}: duplicate item id {item.id!r} (first on line {seen[item.id]})"
-                )
-            seen[item.id] = lineno
-            items.append(item)
+    # opened as a regular file, read whole within the document bound (a file swapped for a
+    # FIFO or a device after the check above is refused too)
+    data = read_input_bytes(path, max_bytes=DOCUMENT_MAX_BYTES)
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LogitdiffError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+        if not line.strip():
+            continue
+        d = parse_line(line, f"{path}:{lineno}")
+        item = Item.from_json(d, where=f"{path}:{lineno}")
+        if item.tools_module is not None:
+            tm = (path.parent / item.tools_module).resolve()
+            if not tm.is_file():
+                raise LogitdiffError(f"{path}:{lineno} (id {item.id!r}): field 'tools_module' {item.tools_module!r} is not a file")
+            item.tools_module = str(tm)
+        if item.id in seen:
+            raise LogitdiffError(
+                f"{path}:{lineno}: duplicate item id {item.id!r} (first on line {seen[item.id]})"
+            )
+        seen[item.id] = lineno
+        items.append(item)
     if not items:
         raise LogitdiffError(f"{path}: workload has no items")
     return items
