@@ -182,15 +182,22 @@ def _read_checked(path: str | Path, max_bytes: int | None) -> tuple[bytes, list[
     from .files import read_input_bytes
 
     raw = read_input_bytes(path, max_bytes=_file_bound(max_bytes))
-    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+    return raw, check_claims(raw, max_bytes)
+
+
+def check_claims(raw, max_bytes: int | None) -> list[zipfile.ZipInfo]:
+    """The zip directory of the .npz ``raw`` (its bytes, or a binary file), its members' sizes
+    together within ``max_bytes`` (plus one .npy header each); ValueError before anything is
+    inflated."""
+    with zipfile.ZipFile(io.BytesIO(raw) if isinstance(raw, bytes) else raw) as zf:
         infos = zf.infolist()
     if max_bytes is not None:
         claimed = sum(i.file_size for i in infos)
         if claimed > max_bytes + NPY_HEADER_MAX * len(infos):
             big = max(infos, key=lambda i: i.file_size)
             raise ValueError(f"members claim {claimed} bytes (member {big.filename!r}: {big.file_size}), more than "
-                             f"the {max_bytes} the manifest's rows of this chunk hold")
-    return raw, infos
+                             f"the {max_bytes} bytes they may hold")
+    return infos
 
 
 def load(path: str | Path, threads: int = 4, *, max_bytes: int | None = None) -> dict[str, np.ndarray] | None:
@@ -223,11 +230,11 @@ def load(path: str | Path, threads: int = 4, *, max_bytes: int | None = None) ->
     return {i.filename[: -len(".npy")]: arrays[i.filename] for i in infos}
 
 
-def _np_load_checked(raw: bytes, threads: int) -> dict[str, np.ndarray]:
-    """np.load's reading of the members (where `load` does not apply), each .npy header's
-    shape checked against its member's size first: numpy makes the array a header claims
-    before it reads the bytes that should fill it."""
-    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+def check_headers(raw) -> None:
+    """Each .npy member's header claims no more bytes than the member holds (np.load makes
+    the array a header claims before it reads the bytes that should fill it); ValueError.
+    ``raw``: the .npz's bytes, or a binary file."""
+    with zipfile.ZipFile(io.BytesIO(raw) if isinstance(raw, bytes) else raw) as zf:
         for info in zf.infolist():
             if not info.filename.endswith(".npy"):
                 continue
@@ -238,6 +245,11 @@ def _np_load_checked(raw: bytes, threads: int) -> dict[str, np.ndarray]:
             if int(np.prod(shape, dtype=object)) * dtype.itemsize > info.file_size:
                 raise ValueError(f"member {info.filename!r}: its .npy header claims {shape} {dtype}, more than its "
                                  f"{info.file_size} bytes")
+
+
+def _np_load_checked(raw: bytes, threads: int) -> dict[str, np.ndarray]:
+    """np.load's reading of the members (where `load` does not apply), headers checked first."""
+    check_headers(raw)
     with np.load(io.BytesIO(raw), allow_pickle=False) as z:
         if threads > 1 and len(z.files) > 1:
             from concurrent.futures import ThreadPoolExecutor
