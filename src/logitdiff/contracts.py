@@ -86,6 +86,12 @@ def open_input(path: str | Path, *, max_bytes: int, inside: str | Path | None = 
     except FileNotFoundError:
         raise LogitdiffError(f"{path}: not found") from None
     except OSError as e:
+        try:  # a socket cannot be opened at all (ENXIO): say what it is
+            mode = os.stat(target).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise LogitdiffError(f"{path}: {_kind_of(mode)}, not a regular file; logitdiff reads its inputs from files") from None
         raise LogitdiffError(f"{path}: cannot read ({e.strerror})") from None
     try:
         st = os.fstat(fd)

@@ -469,53 +469,111 @@ def same_directory(path: str | Path) -> Iterator[None]:
         raise LogitdiffError(f"{path}: replaced by another command while it was read; run this one again")
 
 
-def holds_no_files(path: str | Path) -> bool:
-    """No file anywhere below the directory ``path`` (stops at the first one found). A walk
-    with its own stack: os.walk recurses (Python 3.11), and 3,000 nested directories would
-    stop the command with a RecursionError."""
-    stack = [str(path)]
-    while stack:
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _walk_down(root: str | Path, visit: "_FindFile | _RemoveAll") -> bool:
+    """Depth-first through the tree below the directory ``root`` holding one descriptor at a
+    time (each directory opened relative to its parent, left through ``..``): no recursion
+    (os.walk and shutil.rmtree recurse once per level in Python 3.11: 3,000 nested
+    directories stopped them with a RecursionError), no path beyond PATH_MAX, no descriptor
+    per level. ``visit(fd, entries)`` sees each directory's entries (os.DirEntry, symlinks
+    not followed) and returns the names of the subdirectories to enter next and whether to
+    stop; ``leave(fd, name)`` is called as ``(fd of the parent, name)`` once a subdirectory
+    is done (None: nothing). Returns False when stopped, True when walked whole."""
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return True
+    todo: list[list[str]] = []  # per level: its subdirectories still to enter
+    names: list[str] = []  # the subdirectory entered at each level
+    try:
+        while True:
+            try:
+                with os.scandir(fd) as it:
+                    entries = list(it)
+            except OSError:
+                entries = []
+            subdirs, stop = visit(fd, entries)
+            if stop:
+                return False
+            todo.append(list(subdirs))
+            while True:
+                while todo and todo[-1]:
+                    name = todo[-1].pop()
+                    try:
+                        nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                    except OSError:
+                        continue
+                    os.close(fd)
+                    fd = nfd
+                    names.append(name)
+                    break
+                else:
+                    todo.pop()
+                    if not names:
+                        return True
+                    up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                    os.close(fd)
+                    fd = up
+                    visit.leave(fd, names.pop())
+                    continue
+                break
+    finally:
+        os.close(fd)
+
+
+class _FindFile:
+    """`_walk_down` visitor: stop at the first entry that is not a directory."""
+
+    def __call__(self, fd: int, entries: list) -> tuple[list[str], bool]:
+        subdirs = []
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                return [], True
+            subdirs.append(e.name)
+        return subdirs, False
+
+    def leave(self, fd: int, name: str) -> None:
+        pass
+
+
+class _RemoveAll:
+    """`_walk_down` visitor: unlink every non-directory, remove each directory once left."""
+
+    def __call__(self, fd: int, entries: list) -> tuple[list[str], bool]:
+        subdirs = []
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                subdirs.append(e.name)
+            else:
+                try:
+                    os.unlink(e.name, dir_fd=fd)
+                except OSError:
+                    pass
+        return subdirs, False
+
+    def leave(self, fd: int, name: str) -> None:
         try:
-            with os.scandir(stack.pop()) as it:
-                for e in it:
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append(e.path)
-                    else:
-                        return False
+            os.rmdir(name, dir_fd=fd)
         except OSError:
-            continue
-    return True
+            pass
+
+
+def holds_no_files(path: str | Path) -> bool:
+    """No file anywhere below the directory ``path`` (stops at the first one found; a
+    directory it cannot open counts as empty, as os.walk took it), at any depth."""
+    return _walk_down(path, _FindFile())
 
 
 def remove_tree(path: str | Path) -> None:
-    """Remove the directory ``path`` and everything below it, depth-first with its own stack
-    (shutil.rmtree recurses once per level in Python 3.11: a tree nested 3,000 deep stopped
-    it with a RecursionError); symlinks are removed, never followed; errors are ignored
-    (what stays is what could not be removed)."""
-    root = str(path)
-    stack: list[tuple[str, bool]] = [(root, False)]
-    while stack:
-        d, emptied = stack.pop()
-        if emptied:
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
-            continue
-        stack.append((d, True))
-        try:
-            with os.scandir(d) as it:
-                entries = list(it)
-        except OSError:
-            continue
-        for e in entries:
-            if e.is_dir(follow_symlinks=False):
-                stack.append((e.path, False))
-            else:
-                try:
-                    os.unlink(e.path)
-                except OSError:
-                    pass
+    """Remove the directory ``path`` and everything below it, at any depth; symlinks are
+    removed, never followed; what cannot be removed stays (as rmtree(ignore_errors=True))."""
+    _walk_down(path, _RemoveAll())
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 class Kind(enum.Enum):

@@ -227,6 +227,14 @@ def _first_outside(arr: np.ndarray, low: int, high: int) -> int | None:
     return int(np.nonzero(bad)[0][0]) if bad.any() else None
 
 
+# What an imported .npz's members may inflate to, per byte of the file: a model's logits do
+# not deflate below ~1/3 of their size (their low mantissa bits are noise; bf16 values held
+# as float32 ~1/2), and ids and positions are small beside them; a zip bomb's members claim
+# ~1000x. IMPORT_SLACK lets a small file hold small, very regular arrays (ids, positions).
+IMPORT_MAX_RATIO = 100
+IMPORT_SLACK = 64 << 20
+
+
 def _check_teacher_span(path: Path, ids: list[str], pos: np.ndarray, logits: np.ndarray) -> None:
     """Each item's teacher sequence runs to its largest position (ids unknown: -1), kept as a
     list in memory and in the RUN's items.jsonl (~4 bytes an entry): sparse positions would
@@ -264,7 +272,8 @@ def _import_npz(path: Path, out: str | Path, *, overwrite: bool, vocab_size: int
     # machine's memory cannot be imported, and is refused before anything is inflated
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with open_input(path, max_bytes=memory) as f:
-        return _import_npz_file(path, f, memory, out, overwrite=overwrite, vocab_size=vocab_size)
+        bound = min(memory, IMPORT_MAX_RATIO * os.fstat(f.fileno()).st_size + IMPORT_SLACK)
+        return _import_npz_file(path, f, bound, out, overwrite=overwrite, vocab_size=vocab_size)
 
 
 def _import_npz_file(path: Path, f, memory: int, out: str | Path, *, overwrite: bool, vocab_size: int | None) -> Path:
