@@ -130,7 +130,7 @@ def input_stat(path: str | Path, *, max_bytes: int, inside: str | Path | None = 
         return os.fstat(f.fileno())
 
 
-def read_input_json(path: str | Path, *, max_bytes: int = DOCUMENT_MAX_BYTES, inside: str | Path | None = None):
+def read_input_json(path: str | Path, *, max_bytes: int = DOCUMENT_MAX_BYTES, inside: str | Path | None = None) -> Any:
     """The JSON document in the input file ``path``, or a one-line error naming it (not a
     regular file, too large, not UTF-8, not JSON, nested beyond the recursion limit)."""
     raw = read_input_bytes(path, max_bytes=max_bytes, inside=inside)
