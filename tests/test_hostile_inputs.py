@@ -169,6 +169,27 @@ def test_a_fifo_or_a_device_in_place_of_any_input_is_one_line(name, replacement,
     assert any(w in line for w in ("FIFO", "character device", "symlink out of", "not a regular file", "no report.json")), line
 
 
+@pytest.mark.parametrize("replacement", ["fifo", "symlink to /dev/zero"])
+@pytest.mark.parametrize("output", ["REPORT report.json", "RUN manifest.json"])
+def test_an_existing_outputs_marker_replaced_by_a_fifo_or_device_is_refused_at_once(output, replacement, base, tmp_path):
+    """The output guard reads the marker of an existing --out (a REPORT's report.json, a
+    RUN's manifest.json) to tell whether it may replace it: a FIFO there hung the command, a
+    symlink to /dev/zero was read until memory ran out; now the --out is no logitdiff output
+    of that kind, refused in one line and left as it was."""
+    kind, marker = output.split()
+    out = Path(shutil.copytree(base["report"] if kind == "REPORT" else base["runs"]["full"], tmp_path / "out"))
+    (out / marker).unlink()
+    if replacement == "fifo":
+        os.mkfifo(out / marker)
+    else:
+        (out / marker).symlink_to("/dev/zero")
+    before = sorted(os.listdir(out))
+    argv = (["compare", base["runs"]["full"], base["runs"]["cand"], "--out", out, "--bootstrap", "0"] if kind == "REPORT"
+            else ["import", "npz", base["npz"], "--out", out, "--overwrite"])
+    one_line(cli(argv), str(out))
+    assert sorted(os.listdir(out)) == before
+
+
 RUN_FILES = {k: v for k, v in INPUTS.items() if v[2] is _compare}
 
 
