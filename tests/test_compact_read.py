@@ -132,9 +132,9 @@ def test_compact_chunks_are_read_ahead_with_the_same_comparison(runs, monkeypatc
     where = []
     real = C.load_chunk
 
-    def load(path):
+    def load(path, max_bytes=None):
         where.append(threading.current_thread().name)
-        return real(path)
+        return real(path, max_bytes)
 
     monkeypatch.setattr(C, "load_chunk", load)
     ahead = compare_runs(RunReader(comp), RunReader(cand)).columns
@@ -271,7 +271,7 @@ def test_hostile_members_are_refused_before_anything_large_is_made(tmp_path, kin
 def test_hostile_members_are_one_line_errors_on_the_np_load_path_too(tmp_path, monkeypatch, kind):
     """Without libdeflate (np.load reads the file): numpy's header parser raised
     tokenize.TokenError / TypeError, and zipfile struct errors, past load_chunk's net."""
-    monkeypatch.setattr(npzinflate, "load", lambda path, threads=4: None)
+    monkeypatch.setattr(npzinflate, "load", lambda path, threads=4, **k: None)
     p = tmp_path / "h.npz"
     p.write_bytes(bytes(_hostile(kind)))
     with pytest.raises(LogitdiffError, match=f"{p}: unreadable compact chunk"):

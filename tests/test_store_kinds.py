@@ -62,7 +62,7 @@ class Int8Rows(StoreKind):
         np.savez(bio, **{k: np.concatenate([b[k] for b in blocks]) for k in ("codes", "lo", "step")})
         atomic_write_bytes(path, bio.getvalue())
 
-    def load_chunk(self, path: Path, label: Any) -> Any:
+    def load_chunk(self, path: Path, label: Any, max_bytes: int | None = None) -> Any:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in ("codes", "lo", "step")}
 

@@ -194,7 +194,7 @@ def capture_run(
     ``spec`` is a source spec (``hf:PATH``, ``gguf:PATH``, ``served:URL``, ``builtin:tiny``...).
     ``teacher=`` is the deprecated name of ``reference=`` (docs/migration.md). Returns ``out``."""
     from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
-    from .store.files import Kind, check_output
+    from .store.files import DOCUMENT_MAX_BYTES, Kind, check_output, read_input_bytes
     from .capture.shards import parse_shard, shard_items, with_endpoints
     from .sources import applied_threads, open_source
     from .store import RunReader, parse_chunk_size
@@ -232,7 +232,7 @@ def capture_run(
         check_output(out, Kind.RUN, inputs=[wl], overwrite=overwrite, resume=resume)
         items = shard_items(read_workload(wl), shard_ix, block=batch)
         # The workload's bytes, not its path, decide whether a --resume continues the same capture.
-        wl_hash = hashlib.sha256(Path(wl).read_bytes()).hexdigest()
+        wl_hash = hashlib.sha256(read_input_bytes(wl, max_bytes=DOCUMENT_MAX_BYTES)).hexdigest()
         with open_source(full_spec) as src, applied_threads([src]):
             advance = bar(len(items), f"capturing {spec}")
             capture_reference(src, items, out, max_tokens=max_tokens, store=kind, positions=positions, resume=resume,

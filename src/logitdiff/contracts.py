@@ -23,16 +23,128 @@ what changed (docs/migration.md).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import stat
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, TypedDict
+from typing import Any, BinaryIO, Callable, TypedDict
 
 import numpy as np
 
 from .errors import LogitdiffError
+
+# --------------------------------------------------------------------------------------
+# the contract of every input file: a regular file, read with a size bound
+# --------------------------------------------------------------------------------------
+
+# A JSON or JSONL document read whole (a RUN's manifest.json, a chunk's items.jsonl, a
+# report.json or summary.json, a workload): parsing holds ~10 bytes of Python objects per
+# byte of text, so this is ~10 GiB of memory at most, the most one document may take on the
+# machines logitdiff runs on. The largest real ones are far below it: a report.json of a
+# 100k-position run is ~100 MB, a manifest ~200 bytes per chunk.
+DOCUMENT_MAX_BYTES = 1 << 30
+# A file read only for its first bytes or a small marker (the output guard's schema sniff)
+SNIFF_BYTES = 4096
+
+
+def _kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _resolved_inside(path: Path, inside: str | Path) -> Path:
+    """``path``'s real path when it lies inside ``inside`` (a RUN or REPORT directory);
+    else a one-line error: a directory's files are its own, a symlink out of it is refused
+    (a RUN moved or shared must not read, or hand out, another directory's bytes)."""
+    real = Path(os.path.realpath(path))
+    root = Path(os.path.realpath(inside))
+    if root != real and root not in real.parents:
+        raise LogitdiffError(f"{path}: a symlink out of {inside} (to {real}); the files of {inside} must lie inside it")
+    return real
+
+
+def open_input(path: str | Path, *, max_bytes: int, inside: str | Path | None = None) -> BinaryIO:
+    """``path`` opened for reading as a regular file, or a one-line error naming it.
+
+    Opened with O_NONBLOCK, so a FIFO cannot hang the command (a FIFO, a device such as
+    /dev/zero, a socket or a directory is refused after ``fstat``, before any byte is read);
+    its size, from the same ``fstat``, is checked against ``max_bytes`` before anything is
+    allocated. With ``inside`` (the RUN or REPORT directory the file belongs to), a symlink
+    is followed only when it resolves inside that directory. Callers read at most
+    ``max_bytes`` + 1 bytes (a file growing while read is refused too: :func:`read_input_bytes`)."""
+    path = Path(path)
+    target = _resolved_inside(path, inside) if inside is not None else path
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if inside is not None:
+        flags |= getattr(os, "O_NOFOLLOW", 0)  # the resolved path: a symlink now is a swap since the check
+    try:
+        fd = os.open(target, flags)
+    except FileNotFoundError:
+        raise LogitdiffError(f"{path}: not found") from None
+    except OSError as e:
+        try:  # a socket cannot be opened at all (ENXIO): say what it is
+            mode = os.stat(target).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise LogitdiffError(f"{path}: {_kind_of(mode)}, not a regular file; logitdiff reads its inputs from files") from None
+        raise LogitdiffError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LogitdiffError(f"{path}: {_kind_of(st.st_mode)}, not a regular file; logitdiff reads its inputs from files")
+        if st.st_size > max_bytes:
+            raise LogitdiffError(f"{path}: {st.st_size} bytes, more than the {max_bytes} this input may hold")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_input_bytes(path: str | Path, *, max_bytes: int, inside: str | Path | None = None) -> bytes:
+    """The whole of the input file ``path`` (see :func:`open_input`), at most ``max_bytes``."""
+    with open_input(path, max_bytes=max_bytes, inside=inside) as f:
+        try:
+            # the size fstat gave (one buffer, no growing copies), then whatever was appended since
+            parts = [f.read(os.fstat(f.fileno()).st_size + 1)]
+            got = len(parts[0])
+            while got <= max_bytes and parts[-1]:
+                parts.append(f.read(min(1 << 20, max_bytes + 1 - got)))
+                got += len(parts[-1])
+        except OSError as e:
+            raise LogitdiffError(f"{path}: cannot read ({e.strerror})") from None
+    if got > max_bytes:
+        raise LogitdiffError(f"{path}: grew past {max_bytes} bytes while it was read")
+    return parts[0] if len(parts) == 1 or not parts[1] else b"".join(parts)
+
+
+def input_stat(path: str | Path, *, max_bytes: int, inside: str | Path | None = None) -> os.stat_result:
+    """The checks of :func:`open_input` for a file another library opens by name (a memory
+    map, pyarrow): its ``fstat``, or a one-line error."""
+    with open_input(path, max_bytes=max_bytes, inside=inside) as f:
+        return os.fstat(f.fileno())
+
+
+def read_input_json(path: str | Path, *, max_bytes: int = DOCUMENT_MAX_BYTES, inside: str | Path | None = None) -> Any:
+    """The JSON document in the input file ``path``, or a one-line error naming it (not a
+    regular file, too large, not UTF-8, not JSON, nested beyond the recursion limit)."""
+    raw = read_input_bytes(path, max_bytes=max_bytes, inside=inside)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise LogitdiffError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise LogitdiffError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise LogitdiffError(f"{path}: JSON nested too deeply") from None
+
 
 # The schema ids of every file logitdiff writes (the first key of each JSON file).
 RUN_SCHEMA = "logitdiff.run/1"
@@ -748,14 +860,10 @@ def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
 
 
 def _load(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LogitdiffError(f"{path}: not found (is {path.parent} a logitdiff {what}?)") from None
-    except json.JSONDecodeError as e:
-        raise LogitdiffError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise LogitdiffError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    if not os.path.lexists(path):
+        raise LogitdiffError(f"{path}: not found (is {path.parent} a logitdiff {what}?)")
+    # a regular file (a FIFO or /dev/zero in its place is refused, not read until memory runs out)
+    return read_input_json(path)
 
 
 def _load_checked(path: str | Path, file: str, what: str, kind: str, schema: str,

@@ -30,6 +30,7 @@ from typing import AbstractSet, Any, Callable, Sequence, cast
 import numpy as np
 
 from ..store import validate
+from ..store.files import DOCUMENT_MAX_BYTES, read_input_bytes
 from ..store import tokenizer_identity
 from ..errors import LogitdiffError, renamed_parameters
 from ..store.files import Kind, writing
@@ -414,7 +415,8 @@ def capture_candidate(
 
 def _manifest_sha256(run: RunReader) -> str:
     """Which teacher a candidate was scored on (a recapture at the same path differs)."""
-    return hashlib.sha256((Path(run.path) / "manifest.json").read_bytes()).hexdigest()
+    raw = read_input_bytes(Path(run.path) / "manifest.json", max_bytes=DOCUMENT_MAX_BYTES, inside=run.path)
+    return hashlib.sha256(raw).hexdigest()
 
 
 def _candidate_rows(writer: RunWriter, source: Source, pairs, *, resume, progress, batch, chunk_bytes) -> None:

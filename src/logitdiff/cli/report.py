@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import LogitdiffError
-from ..contracts import RunSummary, load_summary
+from ..contracts import RunSummary, load_summary, read_input_json
 from .console import console
 
 NAME = "report"
@@ -108,8 +107,8 @@ def _damaged_input(args, e: BaseException) -> LogitdiffError:
         if not p.is_file():
             continue
         try:
-            doc = json.loads(p.read_text())
-        except (ValueError, RecursionError, OSError):
+            doc = read_input_json(p)
+        except LogitdiffError:
             return LogitdiffError(f"{p}: not JSON this logitdiff reads (damaged?)")
         try:
             if schema == "report":
@@ -134,10 +133,7 @@ def _check_input(path: Path, schema: str) -> None:
     one-line error naming the first field at fault."""
     from ..contracts import migrate_report, validate
 
-    try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise LogitdiffError(f"{path}: not JSON this logitdiff reads ({type(e).__name__})") from None
+    doc = read_input_json(path)  # a regular file of a bounded size, JSON: else one line naming it
     if isinstance(doc, dict) and isinstance(doc.get("rows"), list):
         doc = {**doc, "rows": doc["rows"][:CHECKED_ROWS]}
     if schema == "report":

@@ -137,16 +137,17 @@ def _gates_exit(summary: RunSummary, con: Console) -> int:
 
 def _warn_cut(summary: RunSummary, con: Console) -> None:
     """Warn when most outputs hit the token budget (from the candidates' report.json)."""
-    import json
     from pathlib import Path
 
+    from ..contracts import read_input_json
+    from ..errors import LogitdiffError
     from .flips import consequence_notes
 
     seen = set()
     for r in summary["candidates"]:
         try:
-            report = json.loads((Path(r["report"]) / "report.json").read_text())
-        except (OSError, ValueError):
+            report = read_input_json(Path(r["report"]) / "report.json")
+        except LogitdiffError:
             continue
         for line in consequence_notes(report):
             if line.startswith("[yellow]warning") and line not in seen:

@@ -648,13 +648,12 @@ def analyse_report_dir(
     report with them and the files to write beside it. Nothing is written or rendered here:
     the caller hands the result to the report stage (``report.rewrite_report_dir``)."""
     from .grading import load_similarity
-    from ..report import read_columns, read_report
+    from ..report import read_report_and_columns
     from ..sources import applied_threads, open_source
 
-    report = read_report(report_dir)
+    report, cols = read_report_and_columns(report_dir)  # one version of the REPORT
     if report["method"].get("kind") not in (MethodKind.FULL_VOCAB, MethodKind.TOP_K):
         raise LogitdiffError(f"{report_dir}/report.json: field 'method.kind' is {report['method'].get('kind')!r}")
-    cols = read_columns(report_dir)
     missing = [c for c in FLIP_COLUMNS if c not in cols and not c.startswith("p_top1")]
     if missing:
         raise LogitdiffError(f"{report_dir}/tokens.parquet: column {missing[0]!r} is missing")

@@ -14,7 +14,6 @@ flips and reports in one go (this module). Imports every stage below it; only `a
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +27,14 @@ from ..defaults import DEFAULT_MAX_BRANCHES
 from ..contracts import SUMMARY_SCHEMA_VERSION, CandidateRow, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from ..errors import LogitdiffError
 from ..contracts import RUN_SUMMARY_SCHEMA
+from ..store.files import DOCUMENT_MAX_BYTES, read_input_bytes
 from ..store.files import Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from ..report import build_report, noise_floor_section, write_report_dir
 from ..report.markdown import render_markdown
 from ..report.metric_registry import ACCURACY_PAIR, CONSEQUENCE_TABLE, DRIFT_TABLE, METRICS, header
 from ..sources.served_floor import SHIFT_TEXT, floor_side, is_served, served_floor
 from ..sources import applied_threads, open_source
-from ..store import ResumeMismatch, RunReader
+from ..store import ResumeMismatch, RunReader, read_manifest
 from ..store.kinds import AUTO, reference_store_choices
 from ..numerics.summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 from ..workload import read_workload
@@ -109,7 +109,7 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks, prefetch=N
             "store": cfg.reference_store}
     resume = False
     if is_kind(path, Kind.RUN) and not cfg.fresh:
-        m = json.loads((path / "manifest.json").read_text())
+        m = read_manifest(path / "manifest.json")
         have = {"workload_sha256": m["settings"].get("workload_sha256"), "spec": m["source"]["spec"],
                 "max_tokens": m["settings"].get("max_tokens"), "positions": m["settings"].get("positions"),
                 "store": m["settings"].get("store")}
@@ -168,7 +168,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     """The job, step by step: the ladder and the preflight, the reference, its floor, one
     report per candidate, then the summary and the pages."""
     t0 = time.time()
-    wl_hash = hashlib.sha256(wl_path.read_bytes()).hexdigest()
+    wl_hash = hashlib.sha256(read_input_bytes(wl_path, max_bytes=DOCUMENT_MAX_BYTES)).hexdigest()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     _prebuild_builtin_ladder(cfg, hooks)  # before the preflight, which renders with those GGUFs

@@ -450,28 +450,42 @@ def write_candidate_page(report_dir: str | Path, summary=None) -> Path:
     to a temporary name and renamed into place; nothing else in the REPORT changes."""
     from .html import load_tokens, render_html
 
+    from ..store.files import same_directory
+
     report_dir = Path(report_dir)
-    page = render_html([load_report(report_dir)], [load_tokens(report_dir / "tokens.parquet")], summary=summary,
-                       paths=[str(report_dir)])
+    with same_directory(report_dir):  # report.json and tokens.parquet of one version of the REPORT
+        report, tokens = load_report(report_dir), load_tokens(report_dir / "tokens.parquet")
+    page = render_html([report], [tokens], summary=summary, paths=[str(report_dir)])
     atomic_write_bytes(report_dir / "report.html", page.encode("utf-8"))
     return report_dir / "report.html"
 
 
 def read_columns(report_dir: str | Path, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
     """Columns of a REPORT's tokens.parquet as numpy arrays."""
-    import pyarrow.parquet as pq
-
     path = Path(report_dir) / "tokens.parquet"
     if not path.exists():
         from ..errors import LogitdiffError
 
         raise LogitdiffError(f"{path}: not found (is {report_dir} a logitdiff REPORT directory?)")
-    from .arrow_columns import to_numpy
+    from .arrow_columns import read_parquet, to_numpy
 
     # a schema-1.x report's columns under their 2.0 names (contracts.migrate_columns)
-    stored = migrate_columns({k: k for k in pq.read_schema(path).names})  # 2.0 name -> the name in the file
-    t = pq.ParquetFile(path).read(columns=[stored.get(k, k) for k in names] if names else None)
+    def stored(file_names: list[str]) -> list[str] | None:
+        in_file = migrate_columns({k: k for k in file_names})  # 2.0 name -> the name in the file
+        return [in_file.get(k, k) for k in names] if names else None
+
+    t = read_parquet(path, stored)
     return migrate_columns({k: to_numpy(t.column(k)) for k in t.column_names})
+
+
+def read_report_and_columns(report_dir: str | Path, names: Sequence[str] | None = None) -> tuple[Report, dict[str, np.ndarray]]:
+    """report.json and tokens.parquet's columns of one version of a REPORT directory: a
+    one-line error when another command (``compare --out`` the same REPORT) replaced it
+    between the two reads, never figures of one report beside tokens of another."""
+    from ..store.files import same_directory
+
+    with same_directory(report_dir):
+        return read_report(report_dir), read_columns(report_dir, names)
 
 
 def read_report(report_dir: str | Path) -> Report:

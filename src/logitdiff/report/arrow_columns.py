@@ -109,3 +109,24 @@ def to_numpy(col) -> np.ndarray:
     if not chunks:
         return col.to_numpy(zero_copy_only=False)
     return np.concatenate([_array_to_numpy(pa, c) for c in chunks])
+
+
+def read_parquet(path, columns=None):
+    """A REPORT's tokens.parquet as a pyarrow Table, or a one-line error naming the file: a
+    regular file (store.files.open_input: no FIFO or device; read whole, so bounded like a
+    document), and one that is not Parquet or is damaged is refused, not a pyarrow traceback.
+    ``columns``: the columns to read, a function of the file's column names giving them, or
+    None for all."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ..errors import LogitdiffError
+    from ..store.files import DOCUMENT_MAX_BYTES, open_input
+
+    with open_input(path, max_bytes=DOCUMENT_MAX_BYTES) as f:
+        try:
+            pf = pq.ParquetFile(f)
+            return pf.read(columns=columns(pf.schema_arrow.names) if callable(columns) else columns)
+        except (pa.ArrowException, OSError, ValueError, KeyError) as e:
+            msg = " ".join(str(e).split())[:160]
+            raise LogitdiffError(f"{path}: not a tokens.parquet this logitdiff reads ({type(e).__name__}: {msg})") from None

@@ -41,7 +41,7 @@ from .gates import get_path as _get
 from .names import distinct_names
 from .metric_registry import METRICS
 from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META
-from ..store.files import Kind, writing
+from ..store.files import Kind, same_directory, writing
 from ..numerics.stats import adjacent_pairs, per_item_values
 from ..numerics.summarize import DEFAULT_BOOTSTRAP
 
@@ -310,17 +310,17 @@ def _object_array(values: list) -> np.ndarray:
 
 def load_tokens(path: str | Path) -> dict[str, np.ndarray] | None:
     """The columns of tokens.parquet the page needs (pyarrow only; pandas not required)."""
-    import pyarrow.parquet as pq
-
     path = Path(path)
     if not path.exists():
         return None
-    from .arrow_columns import to_numpy
+    from .arrow_columns import read_parquet, to_numpy
 
     # a schema-1.x report's columns under their 2.0 names (contracts.migrate_columns)
-    stored = {name: name for name in pq.read_schema(path).names}
-    stored = migrate_columns(stored)  # 2.0 name -> the name in the file
-    table = pq.ParquetFile(path).read(columns=[stored[c] for c in TOKEN_COLUMNS if c in stored])
+    def stored(file_names: list[str]) -> list[str]:
+        in_file = migrate_columns({name: name for name in file_names})  # 2.0 name -> the name in the file
+        return [in_file[c] for c in TOKEN_COLUMNS if c in in_file]
+
+    table = read_parquet(path, stored)
     return migrate_columns({name: to_numpy(table.column(name)) for name in table.column_names})
 
 
@@ -1362,8 +1362,9 @@ def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: RunS
         d = Path(d)
         if not (d / "report.json").is_file():
             raise LogitdiffError(f"{d}: not a REPORT directory (no report.json)")
-        reports.append(load_report(d))
-        tokens.append(load_tokens(d / "tokens.parquet"))
+        with same_directory(d):  # report.json and tokens.parquet of one version of the REPORT
+            reports.append(load_report(d))
+            tokens.append(load_tokens(d / "tokens.parquet"))
         paths.append(str(d))
     page = render_html(reports, tokens, title=title, summary=summary, paths=paths)
     out = Path(out)

@@ -33,6 +33,7 @@ Conventions that matter for exact agreement with transformers:
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Callable, Iterator
@@ -40,7 +41,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..errors import LogitdiffError
-from ..store.files import atomic_path
+from ..store.files import atomic_path, open_input
 
 #: Bump when the bytes this exporter writes change (part of the ladder cache key).
 EXPORTER_VERSION = "1"
@@ -102,10 +103,14 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, str, np.ndarray]]:
     BF16 tensors come back as ``uint16`` arrays of raw bits.
     """
     try:
-        with open(path, "rb") as f:
+        # a regular file (memory-mapped below: its size allocates nothing); the header's
+        # claimed length is read only when the file holds it
+        with open_input(path, max_bytes=1 << 62) as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > os.fstat(f.fileno()).st_size - 8:
+                raise ValueError(f"its header claims {n} bytes, more than the file holds")
             header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
+    except (OSError, ValueError, struct.error, RecursionError) as e:
         raise LogitdiffError(f"{path}: not a readable safetensors file ({e})") from None
     base = 8 + n
     mm = np.memmap(path, dtype=np.uint8, mode="r")

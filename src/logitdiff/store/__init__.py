@@ -50,6 +50,7 @@ from . import validate
 from ..errors import LogitdiffError
 from ..contracts import RUN_SCHEMA
 from .files import Kind, atomic_file_unsynced, atomic_write_bytes, atomic_write_json, check_output, fsync_path, held_key, locked
+from .files import DOCUMENT_MAX_BYTES, input_stat, read_input_bytes, read_input_json
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 from .kinds import BlockPlace, RowsForm, StoreKind, check_full_rows, cut_rows, store_kind
@@ -71,6 +72,15 @@ RESUME_FREE_IDENTITY = ("threads", "endpoints", "extra_bufts", "total_slots")
 DEFAULT_CHUNK_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 1 << 40
 TOKENS_FILE = "tokens.json"
+# The most bytes per token a RUN's vocab.json / tokens.json hold (the manifest declares V):
+# a token's text JSON-escaped is at most 12 bytes per character (a surrogate pair), and the
+# longest tokens of real vocabularies are a few hundred characters (runs of spaces or dashes).
+TOKEN_TEXT_MAX_BYTES = 4096
+
+
+def token_texts_bound(vocab_size: int) -> int:
+    """The size bound of a RUN's list of V token texts (TOKEN_TEXT_MAX_BYTES each, 1 MiB beside)."""
+    return int(vocab_size) * TOKEN_TEXT_MAX_BYTES + (1 << 20)
 # Chunks a RunWriter may have written but not yet made durable and listed in the manifest
 # (the syncer's lag behind the writer): what the disk may owe when the producer waits, and
 # what a SIGKILL or a crash can cost a --resume on top of the chunk being written.
@@ -456,9 +466,10 @@ class RunWriter:
         for e in reversed(chunks):
             p = self.path / "chunks" / e["items"]
             try:
-                lines = [(n, ln) for n, ln in enumerate(p.read_bytes().split(b"\n"), 1) if ln.strip()]
-            except OSError as err:
-                raise LogitdiffError(f"{p}: cannot resume, unreadable chunk items ({err.strerror})") from None
+                raw = read_input_bytes(p, max_bytes=DOCUMENT_MAX_BYTES, inside=self.path)
+            except LogitdiffError as err:
+                raise LogitdiffError(f"cannot resume, unreadable chunk items: {err}") from None
+            lines = [(n, ln) for n, ln in enumerate(raw.split(b"\n"), 1) if ln.strip()]
             if lines:
                 last = e["index"]
                 it = _parse_item_line(p, *lines[-1], last)
@@ -472,7 +483,8 @@ class RunWriter:
             entry = keep[-1]
             src = self.path / "chunks" / entry["data"]
             try:
-                block = self.kind.load_chunk(src, lambda r: f"{src} row {r}")
+                input_stat(src, max_bytes=1 << 62, inside=self.path)  # a regular file of the RUN; the kind bounds its size
+                block = self.kind.load_chunk(src, lambda r: f"{src} row {r}", max_bytes=self.kind.chunk_bound(entry["rows"]))
             except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as err:
                 raise LogitdiffError(f"{src}: cannot resume, unreadable chunk ({err})") from None
             entry["data"] = f"{last:06d}.cut{end}.{self.kind.chunk_suffix}"
@@ -508,9 +520,9 @@ class RunWriter:
         for c in self.manifest["chunks"]:
             p = self.path / "chunks" / c["items"]
             try:
-                lines = p.read_bytes().split(b"\n")
-            except OSError as e:
-                raise LogitdiffError(f"{p}: cannot resume, unreadable chunk items ({e.strerror})") from None
+                lines = read_input_bytes(p, max_bytes=DOCUMENT_MAX_BYTES, inside=self.path).split(b"\n")
+            except LogitdiffError as e:
+                raise LogitdiffError(f"cannot resume, unreadable chunk items: {e}") from None
             ids.update(_parse_item_line(p, n, line, c["index"]).id for n, line in enumerate(lines, 1) if line.strip())
         return ids
 
@@ -538,9 +550,9 @@ class RunWriter:
             return self._kept_tools[path]
         src = Path(path)
         try:
-            data = src.read_bytes()
-        except OSError as e:
-            raise LogitdiffError(f"item {item_id!r}: field 'tools_module' {path!r}: cannot read ({e.strerror})") from None
+            data = read_input_bytes(src, max_bytes=DOCUMENT_MAX_BYTES)
+        except LogitdiffError as e:
+            raise LogitdiffError(f"item {item_id!r}: field 'tools_module': {e}") from None
         digest = hashlib.sha256(data).hexdigest()
         name = src.name.removeprefix(f"{digest[:16]}-")  # a teacher RUN's copy keeps its name
         rel = f"{TOOLS_DIR}/{digest[:16]}-{name}"
@@ -830,10 +842,7 @@ def _parse_item_line(path: Path, lineno: int, line: bytes, chunk: int) -> RunIte
 def read_manifest(mpath: Path) -> dict:
     """A RUN's manifest.json as a dict, or a one-line error (unreadable, not UTF-8, not
     JSON, nested beyond the recursion limit, not an object)."""
-    try:
-        raw = mpath.read_bytes()
-    except OSError as e:
-        raise LogitdiffError(f"{mpath}: cannot read ({e.strerror})") from None
+    raw = read_input_bytes(mpath, max_bytes=DOCUMENT_MAX_BYTES, inside=mpath.parent)
     return _json_object(raw, str(mpath))
 
 
@@ -1018,7 +1027,8 @@ class RunReader:
                 p = self.path / "chunks" / c["items"]
                 if not p.exists():
                     raise LogitdiffError(f"{p}: chunk file missing (truncated run)")
-                for lineno, line in enumerate(p.read_bytes().split(b"\n"), 1):
+                raw = read_input_bytes(p, max_bytes=DOCUMENT_MAX_BYTES, inside=self.path)
+                for lineno, line in enumerate(raw.split(b"\n"), 1):
                     if line.strip():
                         it = _parse_item_line(p, lineno, line, c["index"])
                         _check_item_ids(it, self.vocab_size, f"{p}:{lineno} (item {it.id!r})")
@@ -1051,24 +1061,21 @@ class RunReader:
         if not isinstance(want, str):
             raise LogitdiffError(f"{where}: no 'tools_module_sha256' recorded beside it; the run is damaged")
         if rel not in checked:
-            checked[rel] = hashlib.sha256(local.read_bytes()).hexdigest()
+            checked[rel] = hashlib.sha256(read_input_bytes(local, max_bytes=DOCUMENT_MAX_BYTES, inside=self.path)).hexdigest()
         if checked[rel] != want:
             raise LogitdiffError(f"{where}: its sha256 differs from the one recorded (the file was changed)")
         wl_item["tools_module"] = str(local)
 
     def vocab(self) -> list[str] | None:
         p = self.path / "vocab.json"
-        return json.loads(p.read_text()) if p.exists() else None
+        return read_input_json(p, max_bytes=token_texts_bound(self.vocab_size), inside=self.path) if p.exists() else None
 
     def tokens(self) -> list[str | None] | None:
         """The token strings ``tokenizer_hash`` is of (None for a run without them)."""
         p = self.path / TOKENS_FILE
         if not p.exists():
             return None
-        try:
-            t = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise LogitdiffError(f"{p}: unreadable ({e})") from None
+        t = read_input_json(p, max_bytes=token_texts_bound(self.vocab_size), inside=self.path)
         if not isinstance(t, list) or not all(x is None or isinstance(x, str) for x in t):
             raise LogitdiffError(f"{p}: expected a list of token strings")
         return t
@@ -1087,8 +1094,9 @@ class RunReader:
         p = self.path / "chunks" / c["data"]
         if not p.exists():
             raise LogitdiffError(f"{p}: chunk file missing (truncated run)")
+        input_stat(p, max_bytes=1 << 62, inside=self.path)  # a regular file of the RUN; the kind bounds its size
         try:
-            data = self.kind.load_chunk(p, lambda r: self._row_label(index, r))
+            data = self.kind.load_chunk(p, lambda r: self._row_label(index, r), max_bytes=self.kind.chunk_bound(c["rows"]))
             n = self.kind.rows_in(data)
         except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as e:
             raise LogitdiffError(f"{p}: unreadable chunk ({e})") from None

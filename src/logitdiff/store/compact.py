@@ -250,19 +250,15 @@ def save_chunk(path, blocks: list[dict[str, np.ndarray]]) -> bytes:
 LOAD_THREADS = 4  # members of a chunk file read at once by load_chunk
 
 
-def load_chunk(path) -> dict[str, np.ndarray]:
-    from concurrent.futures import ThreadPoolExecutor
-
+def load_chunk(path, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """A chunk file's arrays (``max_bytes``: what its members may hold together, the chunk's
+    rows as its manifest entry declares them; see npzinflate.read_npz)."""
     from . import npzinflate
 
     try:
-        # libdeflate where the system has it (the same streams, ~2/3 of zlib's instructions)
-        data = npzinflate.load(path, LOAD_THREADS)
-        if data is None:
-            with np.load(path) as z, ThreadPoolExecutor(LOAD_THREADS) as pool:
-                # members inflated side by side (zlib releases the GIL; ZipFile reads under its
-                # own lock): the band's ids and codes are most of a chunk (bench/RESULTS.md)
-                data = dict(zip(z.files, pool.map(z.__getitem__, z.files)))
+        # libdeflate where the system has it (the same streams, ~2/3 of zlib's instructions);
+        # else np.load, members inflated side by side (bench/RESULTS.md)
+        data = npzinflate.read_npz(path, max_bytes=max_bytes, threads=LOAD_THREADS)
     # zlib.error: np.load's, a bad stream; SyntaxError, TypeError, TokenError: numpy's .npy
     # header parser on some damaged headers; MemoryError: a header's shape beyond memory
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, SyntaxError, TypeError,

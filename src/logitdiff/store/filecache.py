@@ -81,8 +81,11 @@ def file_identity(path: str | os.PathLike) -> list:
 
 def file_sha256(path, chunk: int = 1 << 22) -> str:
     """``"sha256:<hex>"`` of a file's bytes, read in ``chunk``-byte pieces."""
+    from .files import open_input
+
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    # a regular file (a FIFO would hang, /dev/zero never end), read in pieces: no size bound
+    with open_input(path, max_bytes=1 << 62) as f:
         while True:
             b = f.read(chunk)
             if not b:

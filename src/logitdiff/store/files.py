@@ -31,13 +31,13 @@ import json
 import os
 import re
 import secrets
-import shutil
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
 
 from ..errors import LogitdiffError
+from ..contracts import DOCUMENT_MAX_BYTES, SNIFF_BYTES, input_stat, open_input, read_input_bytes, read_input_json  # noqa: F401 - the inputs' helpers, here with the outputs'
 from ..contracts import HTML_DATA_SCHEMA, HTML_GENERATOR_META, LAYERS_SCHEMA, QUANTIZE_SCHEMA, REPORT_SCHEMAS, RUN_SCHEMA, RUN_SUMMARY_SCHEMA, SPECULATION_SCHEMA, TOPK_ERROR_SCHEMA
 
 
@@ -440,6 +440,142 @@ def atomic_write_json(path: str | Path, obj, *, indent: int | None = 1) -> None:
 
 
 
+# --------------------------------------------------------------------------------------
+# inputs: every file a command reads is opened by open_input / read_input_bytes /
+# read_input_json / input_stat (defined in contracts, the base stage, so that its loaders of
+# report.json and summary.json read through them too; re-exported here)
+# --------------------------------------------------------------------------------------
+
+def dir_identity(path: str | Path) -> tuple[int, int] | None:
+    """(device, inode) of a directory, None when it is not there: a REPORT replaced by a
+    writer (a temporary renamed over it) gets a new inode, so a reader that reads several
+    of its files compares this before and after (:func:`same_directory`)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+@contextmanager
+def same_directory(path: str | Path) -> Iterator[None]:
+    """The block reads several files of the directory ``path`` (a REPORT's report.json and
+    tokens.parquet) as one version: a one-line error when another command replaced the
+    directory meanwhile (logitdiff's writers swap a whole directory, never a file in it:
+    :func:`writing`), instead of figures of one report beside tokens of the other."""
+    before = dir_identity(path)
+    yield
+    if dir_identity(path) != before:
+        raise LogitdiffError(f"{path}: replaced by another command while it was read; run this one again")
+
+
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _walk_down(root: str | Path, visit: "_FindFile | _RemoveAll") -> bool:
+    """Depth-first through the tree below the directory ``root`` holding one descriptor at a
+    time (each directory opened relative to its parent, left through ``..``): no recursion
+    (os.walk and shutil.rmtree recurse once per level in Python 3.11: 3,000 nested
+    directories stopped them with a RecursionError), no path beyond PATH_MAX, no descriptor
+    per level. ``visit(fd, entries)`` sees each directory's entries (os.DirEntry, symlinks
+    not followed) and returns the names of the subdirectories to enter next and whether to
+    stop; ``leave(fd, name)`` is called as ``(fd of the parent, name)`` once a subdirectory
+    is done (None: nothing). Returns False when stopped, True when walked whole."""
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return True
+    todo: list[list[str]] = []  # per level: its subdirectories still to enter
+    names: list[str] = []  # the subdirectory entered at each level
+    try:
+        while True:
+            try:
+                with os.scandir(fd) as it:
+                    entries = list(it)
+            except OSError:
+                entries = []
+            subdirs, stop = visit(fd, entries)
+            if stop:
+                return False
+            todo.append(list(subdirs))
+            while True:
+                while todo and todo[-1]:
+                    name = todo[-1].pop()
+                    try:
+                        nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                    except OSError:
+                        continue
+                    os.close(fd)
+                    fd = nfd
+                    names.append(name)
+                    break
+                else:
+                    todo.pop()
+                    if not names:
+                        return True
+                    up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                    os.close(fd)
+                    fd = up
+                    visit.leave(fd, names.pop())
+                    continue
+                break
+    finally:
+        os.close(fd)
+
+
+class _FindFile:
+    """`_walk_down` visitor: stop at the first entry that is not a directory."""
+
+    def __call__(self, fd: int, entries: list) -> tuple[list[str], bool]:
+        subdirs = []
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                return [], True
+            subdirs.append(e.name)
+        return subdirs, False
+
+    def leave(self, fd: int, name: str) -> None:
+        pass
+
+
+class _RemoveAll:
+    """`_walk_down` visitor: unlink every non-directory, remove each directory once left."""
+
+    def __call__(self, fd: int, entries: list) -> tuple[list[str], bool]:
+        subdirs = []
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                subdirs.append(e.name)
+            else:
+                try:
+                    os.unlink(e.name, dir_fd=fd)
+                except OSError:
+                    pass
+        return subdirs, False
+
+    def leave(self, fd: int, name: str) -> None:
+        try:
+            os.rmdir(name, dir_fd=fd)
+        except OSError:
+            pass
+
+
+def holds_no_files(path: str | Path) -> bool:
+    """No file anywhere below the directory ``path`` (stops at the first one found; a
+    directory it cannot open counts as empty, as os.walk took it), at any depth."""
+    return _walk_down(path, _FindFile())
+
+
+def remove_tree(path: str | Path) -> None:
+    """Remove the directory ``path`` and everything below it, at any depth; symlinks are
+    removed, never followed; what cannot be removed stays (as rmtree(ignore_errors=True))."""
+    _walk_down(path, _RemoveAll())
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
 class Kind(enum.Enum):
     """What a command writes; ``value`` is how error messages name it."""
 
@@ -464,22 +600,23 @@ def _json_schema(path: Path) -> str | None:
     """The ``schema`` of a JSON object file. Our files write it as the first key, so a big
     report.json is recognised from its head; anything else is parsed whole (when small)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        # a FIFO, a device (/dev/zero) or a file beyond DOCUMENT_MAX_BYTES is no logitdiff output
+        with open_input(path, max_bytes=DOCUMENT_MAX_BYTES) as f:
+            head = f.read(SNIFF_BYTES)
             m = _SCHEMA_FIRST.match(head)
             if m:
                 return json.loads(m.group(1))
             if os.fstat(f.fileno()).st_size > (16 << 20):
                 return None
-            return json.loads(head + f.read()).get("schema")
-    except (OSError, ValueError, AttributeError):
+            return json.loads(head + f.read(16 << 20)).get("schema")
+    except (OSError, ValueError, AttributeError, RecursionError, LogitdiffError):
         return None
 
 
 def _file_contains(path: Path, needle: bytes, limit: int = 256 << 20) -> bool:
     """Whether ``needle`` occurs in the first ``limit`` bytes, read in blocks (pages are MBs)."""
     try:
-        with open(path, "rb") as f:
+        with open_input(path, max_bytes=1 << 62) as f:  # read in blocks up to ``limit``, never whole
             tail = b""
             done = 0
             while done < limit:
@@ -490,7 +627,7 @@ def _file_contains(path: Path, needle: bytes, limit: int = 256 << 20) -> bool:
                     return True
                 tail = block[-len(needle):]
                 done += len(block)
-    except OSError:
+    except (OSError, LogitdiffError):
         return False
     return False
 
@@ -509,8 +646,11 @@ def is_kind(path: Path, kind: Kind) -> bool:
     if kind is Kind.HTML:
         if not path.is_file():
             return False
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        try:
+            with open_input(path, max_bytes=1 << 62) as f:  # the page is sniffed, not read whole
+                head = f.read(SNIFF_BYTES)
+        except LogitdiffError:
+            return False
         return head.lstrip().lower().startswith(b"<!doctype html") and (
             HTML_GENERATOR_META.encode() in head or _file_contains(path, HTML_DATA_SCHEMA.encode())
         )
@@ -523,14 +663,6 @@ def is_kind(path: Path, kind: Kind) -> bool:
     if kind is Kind.QUANT:
         return path.is_dir() and _json_schema(path / "quantize.json") == QUANTIZE_SCHEMA
     raise AssertionError(kind)
-
-
-def _holds_no_files(path: Path) -> bool:
-    """No file anywhere below ``path`` (stops at the first one found)."""
-    for _, _, files in os.walk(path):
-        if files:
-            return False
-    return True
 
 
 def _real(path: Path) -> Path:
@@ -586,7 +718,7 @@ def check_output(
     if kind.is_dir:
         if not out.is_dir():
             raise LogitdiffError(f"{out}: exists and is not a directory; refusing to replace it with a {kind.value}")
-        if _holds_no_files(out):
+        if holds_no_files(out):
             return  # nothing to lose: empty, or only empty directories (an interrupted start)
         if kind is Kind.RUN and _unstarted_run(out):
             return  # a capture killed before its manifest existed: only its own files
@@ -801,7 +933,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
     else:
         try:
             path.unlink()
@@ -850,7 +982,7 @@ def _swap(tmp: Path, out: Path) -> None:
         old = _temp_sibling(out, "old")
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old)
     else:
         os.replace(tmp, out)  # a file, or nothing there: one atomic rename
 
@@ -924,8 +1056,8 @@ def _resumable(out: Path, kind: Kind) -> bool:
     if kind is not Kind.RUN:
         return False
     try:
-        m = json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
+        m = read_input_json(out / "manifest.json", inside=out)
+    except LogitdiffError:
         return False
     return isinstance(m, dict) and m.get("status") == "partial" and bool(m.get("chunks"))
 

@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import tokenize
 import zipfile
+import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -264,11 +267,20 @@ def save_chunk(block: dict[str, np.ndarray]) -> bytes:
     return bio.getvalue()
 
 
-def load_chunk(path, hidden_size: int, vocab_size: int) -> dict[str, np.ndarray]:
+# what each exception field must be: a row and a token id index the decoded rows (a float
+# or a 64-bit value there was an IndexError traceback), the bits are bf16 values
+_EXC_KINDS = {"exc_row": "iu", "exc_id": "iu", "exc_bits": "u"}
+
+
+def load_chunk(path, hidden_size: int, vocab_size: int, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """A chunk file's arrays, checked (``max_bytes``: what its members may hold together, the
+    chunk's rows as its manifest entry declares them; see npzinflate.read_npz)."""
+    from .npzinflate import read_npz
+
     try:
-        with np.load(path) as z:
-            data = {k: z[k] for k in z.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        data = read_npz(path, max_bytes=max_bytes)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, SyntaxError, TypeError,
+            tokenize.TokenError, MemoryError) as e:
         raise LogitdiffError(f"{path}: unreadable hidden-state chunk ({e})") from None
     for k in ("hidden", *_EXC_FIELDS):
         if k not in data:
@@ -277,6 +289,9 @@ def load_chunk(path, hidden_size: int, vocab_size: int) -> dict[str, np.ndarray]
     if h.dtype != np.uint16 or h.ndim != 2 or h.shape[1] != hidden_size:
         raise LogitdiffError(f"{path}: field 'hidden' is {h.dtype} {h.shape}, expected uint16 (*, {hidden_size})")
     exc = [data[k] for k in _EXC_FIELDS]
+    for k, x in zip(_EXC_FIELDS, exc):
+        if x.dtype.kind not in _EXC_KINDS[k] or x.dtype.itemsize > (2 if k == "exc_bits" else 8):
+            raise LogitdiffError(f"{path}: field {k!r} is {x.dtype}, expected {'uint16' if k == 'exc_bits' else 'integers'}")
     if len({x.shape for x in exc}) != 1 or exc[0].ndim != 1:
         raise LogitdiffError(f"{path}: exception fields of different lengths")
     if exc[0].size and (exc[0].min() < 0 or exc[0].max() >= h.shape[0] or exc[1].min() < 0 or exc[1].max() >= vocab_size):
@@ -294,7 +309,13 @@ def load_head(path, vocab_size: int, sha256: str | None) -> np.ndarray:
     40 % of a whole compare against a full reference at V = 49,152 (bench/RESULTS.md). A
     head whose bytes changed has another identity, so it is hashed again and refused."""
     from .filecache import file_identity
+    from .files import input_stat
 
+    # a regular file inside the RUN (a FIFO would hang the map's open); memory-mapped, so its
+    # size allocates nothing: the shape below is what is checked
+    if not Path(path).exists():
+        raise LogitdiffError(f"{path}: missing (a hidden-state run needs its output head)")
+    input_stat(path, max_bytes=1 << 62, inside=Path(path).parent)
     try:
         ident = file_identity(path)  # before the map: the version the mapped bytes are
         head = np.load(path, mmap_mode="r")

@@ -25,7 +25,9 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -33,15 +35,18 @@ import numpy as np
 
 from . import validate
 from ..errors import LogitdiffError
-from .files import Kind, reserved, writing
+from . import npzinflate
+from .files import Kind, open_input, reserved, writing
 from . import RunItem, RunWriter
 
 MAGIC = b"_logits_"
 
 
 def read_kld_header(path: Path) -> tuple[int, int, int]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    # a regular file (a FIFO would hang here); memory-mapped after, so its size (checked
+    # against the header below) allocates nothing
+    with open_input(path, max_bytes=1 << 62) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(20)
     if len(head) < 20 or head[:8] != MAGIC:
         raise LogitdiffError(f"{path}: not a llama.cpp --kl-divergence-base file (no '_logits_' header)")
@@ -222,6 +227,33 @@ def _first_outside(arr: np.ndarray, low: int, high: int) -> int | None:
     return int(np.nonzero(bad)[0][0]) if bad.any() else None
 
 
+# What an imported .npz's members may inflate to, per byte of the file: a model's logits do
+# not deflate below ~1/3 of their size (their low mantissa bits are noise; bf16 values held
+# as float32 ~1/2), and ids and positions are small beside them; a zip bomb's members claim
+# ~1000x. IMPORT_SLACK lets a small file hold small, very regular arrays (ids, positions).
+IMPORT_MAX_RATIO = 100
+IMPORT_SLACK = 64 << 20
+
+
+def _check_teacher_span(path: Path, ids: list[str], pos: np.ndarray, logits: np.ndarray) -> None:
+    """Each item's teacher sequence runs to its largest position (ids unknown: -1), kept as a
+    list in memory and in the RUN's items.jsonl (~4 bytes an entry): sparse positions would
+    make a few KiB of input into GiB (issue 39). Together they may hold one entry per logit
+    imported, or one teacher sequence of MAX_POSITION: the RUN is then a small multiple of
+    the input's logits, never more."""
+    last: dict[str, int] = {}
+    for i, p in zip(ids, pos.tolist()):
+        last[i] = max(last.get(i, -1), p)
+    total = sum(p + 1 for p in last.values())
+    allowed = max(int(logits.shape[0]) * int(logits.shape[1]), MAX_POSITION)
+    if total > allowed:
+        worst = max(last, key=lambda i: last[i])
+        raise LogitdiffError(f"{path}: field 'positions' spans {total} teacher positions over {len(last)} items (item "
+                             f"{worst!r} up to {last[worst]}), more than the {allowed} its {logits.shape[0]} rows of "
+                             f"{logits.shape[1]} logits may stand for; positions must be the items' output positions, "
+                             "not sparse indices")
+
+
 def import_npz(path: str | Path, out: str | Path, *, overwrite: bool = False, vocab_size: int | None = None) -> Path:
     """Import ``logits [N, V]``, ``token_ids [N]``, ``item_ids [N]``, ``positions [N]``.
 
@@ -236,8 +268,21 @@ def _import_npz(path: Path, out: str | Path, *, overwrite: bool, vocab_size: int
     path = Path(path)
     if not path.exists():
         raise LogitdiffError(f"{path}: file not found")
+    # the import holds every array in memory: a file, or members inflating to, more than the
+    # machine's memory cannot be imported, and is refused before anything is inflated
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with open_input(path, max_bytes=memory) as f:
+        bound = min(memory, IMPORT_MAX_RATIO * os.fstat(f.fileno()).st_size + IMPORT_SLACK)
+        return _import_npz_file(path, f, bound, out, overwrite=overwrite, vocab_size=vocab_size)
+
+
+def _import_npz_file(path: Path, f, memory: int, out: str | Path, *, overwrite: bool, vocab_size: int | None) -> Path:
     try:
-        z = np.load(path, allow_pickle=False)
+        if zipfile.is_zipfile(f):
+            npzinflate.check_claims(f, memory)
+            npzinflate.check_headers(f)
+        f.seek(0)
+        z = np.load(f, allow_pickle=False)
     except Exception as e:  # ValueError, OSError, zipfile.BadZipFile, EOFError
         raise LogitdiffError(f"{path}: not a readable .npz ({type(e).__name__}: {_one_line(e)})") from None
     if not hasattr(z, "files"):
@@ -280,6 +325,7 @@ def _import_npz(path: Path, out: str | Path, *, overwrite: bool, vocab_size: int
         )
     tok = tok_raw.astype(np.int64)
     pos = pos_raw.astype(np.int64)
+    _check_teacher_span(path, ids, pos, logits)
     dtype = _NPZ_FLOATS[logits.dtype]
     order: list[str] = []
     rows_of: dict[str, list[int]] = {}

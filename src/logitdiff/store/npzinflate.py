@@ -162,19 +162,57 @@ def _member(lib, raw: memoryview, info: zipfile.ZipInfo, span: tuple[int, int]) 
     return arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
 
 
-def load(path: str | Path, threads: int = 4) -> dict[str, np.ndarray] | None:
+# A .npy header is at most 10 + 65,535 bytes (format 1.0; np.save writes ~128): what a
+# member may hold beyond its array's bytes, so beyond what a chunk's rows account for.
+NPY_HEADER_MAX = 10 + 0xFFFF
+
+
+def _file_bound(max_bytes: int | None) -> int:
+    """The most bytes an .npz whose members hold at most ``max_bytes`` may take on disk: deflate
+    adds at most 5 bytes per 16 KiB stored block, and the zip's headers and directory ~100
+    bytes per member (members are bounded by the same count through ``max_bytes``'s headers)."""
+    return 1 << 62 if max_bytes is None else max_bytes + max_bytes // 1024 + (1 << 20)
+
+
+def _read_checked(path: str | Path, max_bytes: int | None) -> tuple[bytes, list[zipfile.ZipInfo]]:
+    """The file's bytes (a regular file, read with a bound: files.read_input_bytes) and its zip
+    directory, after the check that bounds what its members may claim: their sizes together
+    within ``max_bytes`` (the chunk's rows at most, see StoreKind.chunk_bound) plus one .npy
+    header each. ValueError otherwise, before any member is inflated."""
+    from .files import read_input_bytes
+
+    raw = read_input_bytes(path, max_bytes=_file_bound(max_bytes))
+    return raw, check_claims(raw, max_bytes)
+
+
+def check_claims(raw, max_bytes: int | None) -> list[zipfile.ZipInfo]:
+    """The zip directory of the .npz ``raw`` (its bytes, or a binary file), its members' sizes
+    together within ``max_bytes`` (plus one .npy header each); ValueError before anything is
+    inflated."""
+    with zipfile.ZipFile(io.BytesIO(raw) if isinstance(raw, bytes) else raw) as zf:
+        infos = zf.infolist()
+    if max_bytes is not None:
+        claimed = sum(i.file_size for i in infos)
+        if claimed > max_bytes + NPY_HEADER_MAX * len(infos):
+            big = max(infos, key=lambda i: i.file_size)
+            raise ValueError(f"members claim {claimed} bytes (member {big.filename!r}: {big.file_size}), more than "
+                             f"the {max_bytes} bytes they may hold")
+    return infos
+
+
+def load(path: str | Path, threads: int = 4, *, max_bytes: int | None = None) -> dict[str, np.ndarray] | None:
     """``{name: array}`` of an ``.npz`` file (names without ``.npy``), members inflated by
     libdeflate, ``threads`` at once; None where this reader does not apply (see module doc).
-    Raises ValueError/OSError/zipfile.BadZipFile for a damaged file, as ``np.load`` does."""
+    ``max_bytes``: what the members may hold together (`_read_checked`). Raises
+    ValueError/OSError/zipfile.BadZipFile for a damaged file, as ``np.load`` does."""
     lib = _lib()
     if lib is None:
         return None
-    with zipfile.ZipFile(path) as zf:
-        infos = zf.infolist()
+    raw_bytes, infos = _read_checked(path, max_bytes)
     if any(i.compress_type not in (zipfile.ZIP_DEFLATED, zipfile.ZIP_STORED) or i.flag_bits & 0x1
            or not i.filename.endswith(".npy") for i in infos):
         return None
-    raw = memoryview(Path(path).read_bytes())
+    raw = memoryview(raw_bytes)
     spans = _checked_spans(raw, infos)
     try:
         if threads > 1 and len(infos) > 1:
@@ -190,3 +228,47 @@ def load(path: str | Path, threads: int = 4) -> dict[str, np.ndarray] | None:
     except _NotHere:
         return None
     return {i.filename[: -len(".npy")]: arrays[i.filename] for i in infos}
+
+
+def check_headers(raw) -> None:
+    """Each .npy member's header claims no more bytes than the member holds (np.load makes
+    the array a header claims before it reads the bytes that should fill it); ValueError.
+    ``raw``: the .npz's bytes, or a binary file."""
+    with zipfile.ZipFile(io.BytesIO(raw) if isinstance(raw, bytes) else raw) as zf:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(f)
+            if int(np.prod(shape, dtype=object)) * dtype.itemsize > info.file_size:
+                raise ValueError(f"member {info.filename!r}: its .npy header claims {shape} {dtype}, more than its "
+                                 f"{info.file_size} bytes")
+
+
+def _np_load_checked(raw: bytes, threads: int) -> dict[str, np.ndarray]:
+    """np.load's reading of the members (where `load` does not apply), headers checked first."""
+    check_headers(raw)
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        if threads > 1 and len(z.files) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # members inflated side by side (zlib releases the GIL; ZipFile reads under its own lock)
+            with ThreadPoolExecutor(min(threads, len(z.files))) as pool:
+                return dict(zip(z.files, pool.map(z.__getitem__, z.files)))
+        return {k: z[k] for k in z.files}
+
+
+def read_npz(path: str | Path, *, max_bytes: int | None, threads: int = 1) -> dict[str, np.ndarray]:
+    """``{name: array}`` of a chunk's ``.npz`` (the one reader of them: the top-K, compact and
+    hidden-state stores'): a regular file, every member's claimed size within ``max_bytes``
+    (the chunk's rows as the manifest declares them, StoreKind.chunk_bound) before anything is
+    inflated; by libdeflate (`load`) where it applies, else by np.load with each .npy header
+    checked against its member first. Raises ValueError/OSError/zipfile.BadZipFile/
+    LogitdiffError (not a regular file, too large) for a damaged or hostile file."""
+    got = load(path, threads, max_bytes=max_bytes)
+    if got is not None:
+        return got
+    raw, _ = _read_checked(path, max_bytes)
+    return _np_load_checked(raw, threads)

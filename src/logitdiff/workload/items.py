@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import LogitdiffError
+from ..store.files import DOCUMENT_MAX_BYTES, read_input_bytes
 
 
 
@@ -160,15 +161,17 @@ def records(path: str | Path) -> Iterator[tuple[int, Item | LogitdiffError]]:
     if not path.is_file():
         raise LogitdiffError(f"{path}: not a regular file (a workload is a JSONL file)")
     seen: dict[str, int] = {}
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                item = _record(path, lineno, raw, seen)
-            except LogitdiffError as e:
-                yield lineno, e
-                continue
-            if item is not None:
-                yield lineno, item
+    # opened as a regular file, read whole within the document bound (a file swapped for a
+    # FIFO or a device after the checks above is refused too)
+    data = read_input_bytes(path, max_bytes=DOCUMENT_MAX_BYTES)
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            item = _record(path, lineno, raw, seen)
+        except LogitdiffError as e:
+            yield lineno, e
+            continue
+        if item is not None:
+            yield lineno, item
 
 
 def _record(path: Path, lineno: int, raw: bytes, seen: dict[str, int]) -> Item | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LogitdiffError
+from ..store.files import DOCUMENT_MAX_BYTES, read_input_bytes
 from .items import Item, records
 
 # The fields an item may have (Item.from_json reads exactly these); any other is ignored by
@@ -60,10 +61,10 @@ def validate_workload(path: str | Path) -> WorkloadCheck:
             check.items.append(record)
     if not check.items and not check.errors:
         check.errors.append(f"{path}: workload has no items")
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if raw.strip():
-                check.warnings.extend(_unknown_fields(path, lineno, raw))
+    data = read_input_bytes(path, max_bytes=DOCUMENT_MAX_BYTES)
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        if raw.strip():
+            check.warnings.extend(_unknown_fields(path, lineno, raw))
     return check
 
 

@@ -251,10 +251,19 @@ class StoreKind(ABC):
     def start_reading(self, run: Path, manifest: dict[str, Any]) -> None:
         """Check the manifest fields the kind adds (a one-line error naming the field)."""
 
+    def chunk_bound(self, rows: int) -> int:
+        """The most bytes the arrays of a chunk of ``rows`` rows hold together, before any
+        compression (``rows``: its manifest entry's count). A compressed member claiming more
+        is refused before it is inflated (npzinflate.read_npz): a chunk cannot make a reader
+        allocate beyond what its rows stand for. Default: ``row_bytes`` per row, for a kind
+        whose ``row_bytes`` counts every array of a row at its widest stored dtype."""
+        return max(0, int(rows)) * self.row_bytes
+
     @abstractmethod
-    def load_chunk(self, path: Path, label: Any) -> Block:
+    def load_chunk(self, path: Path, label: Any, max_bytes: int | None = None) -> Block:
         """A chunk file's rows in the stored form, checked (``label(r)`` names row r in
-        errors). Raises LogitdiffError, or ValueError/OSError/KeyError... for a damaged file."""
+        errors; ``max_bytes``: what its arrays may hold, :meth:`chunk_bound` of its declared
+        rows). Raises LogitdiffError, or ValueError/OSError/KeyError... for a damaged file."""
 
     def rows_in(self, block: Block) -> int:
         """Rows of a block."""

@@ -66,8 +66,13 @@ class CompactStore(StoreKind):
             blocks = [C.encode(np.zeros((0, int(self.vocab_size or 0)), np.float32), np.zeros(0, np.int64), self.spec)]
         atomic_write_bytes_unsynced(path, C.save_chunk(path, blocks))  # fsynced by RunWriter before it lists the chunk
 
-    def load_chunk(self, path: Path, label: Any) -> Block:
-        data = C.load_chunk(path)
+    def chunk_bound(self, rows: int) -> int:
+        # row_bytes (ids as int64, which the stored gaps never exceed, float32 logits, 16-bit
+        # codes) and the float64 row figures
+        return max(0, int(rows)) * (self.row_bytes + 8 * len(C.ROW_FIELDS))
+
+    def load_chunk(self, path: Path, label: Any, max_bytes: int | None = None) -> Block:
+        data = C.load_chunk(path, max_bytes)
         C.check_rows(data, int(self.vocab_size or 0), str(path), label)
         return data
 

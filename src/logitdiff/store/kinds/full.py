@@ -79,7 +79,9 @@ class FullStore(StoreKind):
     def stop_writing(self) -> None:
         self._stage = None  # 16 MiB, not kept for as long as the writer object lives
 
-    def load_chunk(self, path: Path, label: Any) -> Block:
+    def load_chunk(self, path: Path, label: Any, max_bytes: int | None = None) -> Block:
+        # memory-mapped: nothing is allocated for its rows, whatever the file says (the shape
+        # is checked below, the row count by the reader)
         data = np.load(path, mmap_mode="r", allow_pickle=False)
         if data.ndim != 2 or data.shape[1] != self.vocab_size:
             raise LogitdiffError(f"{path}: logits shape {data.shape}, expected (*, {self.vocab_size})")

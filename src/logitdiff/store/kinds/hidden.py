@@ -145,8 +145,13 @@ class HiddenStore(StoreKind):
             self._head = head
         return self._head
 
-    def load_chunk(self, path: Path, label: Any) -> Block:
-        return H.load_chunk(path, self.hidden_size, int(self.vocab_size or 0))
+    def chunk_bound(self, rows: int) -> int:
+        # per row its H bf16 hidden values and at most V exceptions (a row and an id, int32
+        # each, and 16 bits: store/hidden.py encode)
+        return max(0, int(rows)) * (2 * self.hidden_size + 10 * int(self.vocab_size or 0))
+
+    def load_chunk(self, path: Path, label: Any, max_bytes: int | None = None) -> Block:
+        return H.load_chunk(path, self.hidden_size, int(self.vocab_size or 0), max_bytes)
 
     def rows_in(self, block: Block) -> int:
         return int(block["hidden"].shape[0])

@@ -99,9 +99,10 @@ class TopKStore(StoreKind):
         np.savez(bio, allow_pickle=False, **cat)
         atomic_write_bytes_unsynced(path, bio.getvalue())  # fsynced by RunWriter before it lists the chunk
 
-    def load_chunk(self, path: Path, label: Any) -> Block:
-        with np.load(path, allow_pickle=False) as z:
-            data = {key: z[key] for key in z.files}
+    def load_chunk(self, path: Path, label: Any, max_bytes: int | None = None) -> Block:
+        from ..npzinflate import read_npz
+
+        data = read_npz(path, max_bytes=max_bytes)
         if "ids" not in data or "logprobs" not in data:
             raise LogitdiffError(f"{path}: top-K chunk without 'ids' and 'logprobs' arrays; the run is damaged")
         validate.topk_rows(data["ids"], data["logprobs"], int(self.vocab_size or 0), self._k, str(path), label=label)
