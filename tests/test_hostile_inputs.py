@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from logitdiff.contracts import REPORT_SCHEMA
 from logitdiff.cli import main
 from logitdiff.errors import LogitdiffError
 from logitdiff.report import read_report_and_columns
@@ -59,7 +60,7 @@ def make_run(path: Path, store: str = "full", seed: int = 0) -> Path:
             lp = rng.standard_normal((ROWS, V))
             lp -= np.log(np.exp(lp).sum(1, keepdims=True))
             idx = np.argsort(-lp, axis=1, kind="stable")[:, :k]
-            w.add(it, topk={"ids": idx.astype(np.int64), "logprobs": np.take_along_axis(lp, idx, 1)})
+            w.add(it, stored={"ids": idx.astype(np.int64), "logprobs": np.take_along_axis(lp, idx, 1)})
         else:
             w.add(it, logits=rng.standard_normal((ROWS, V)).astype(np.float32))
     w.finish()
@@ -353,7 +354,7 @@ def test_a_report_replaced_between_its_reads_is_refused_not_mixed(base, tmp_path
             os.replace(rep, tmp_path / "old")
             os.replace(other, rep)
     report, cols = read_report_and_columns(rep)  # undisturbed: read whole
-    assert len(cols["kl_nats"]) == ITEMS * ROWS and report["schema"] == "logitdiff.report/1"
+    assert len(cols["kl_nats"]) == ITEMS * ROWS and report["schema"] == REPORT_SCHEMA
 
 
 def test_report_reads_racing_compare_never_mix(base, tmp_path):
@@ -404,7 +405,7 @@ def test_json_nested_200000_deep_is_one_line(where, base, tmp_path):
     deep = _deep(200_000)
     if where == "report.json":
         rep = Path(shutil.copytree(base["report"], tmp_path / "rep"))
-        (rep / "report.json").write_text('{"schema": "logitdiff.report/1", "x": ' + deep + "}")
+        (rep / "report.json").write_text('{"schema": "logitdiff.report/2", "x": ' + deep + "}")
         one_line(cli(["report", rep, "--out", tmp_path / "p.html"]), "report.json")
         return
     if where == "workload line":
