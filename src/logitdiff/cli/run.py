@@ -189,18 +189,23 @@ def print_run_summary(summary: RunSummary) -> None:
     from rich.table import Table
 
     from ..report.metric_registry import CONSEQUENCE_TABLE, DRIFT_TABLE, header
+    from ..report.names import distinct_names
 
     nf = summary.get("noise_floor")
     title = f"drift from {summary['reference']} — {summary['items']} items, {summary['positions']} positions"
     if nf:
         title += f"; noise floor mean KL {nf['kl_nats_mean']:.3g}"
     t = Table(title=title)
-    t.add_column("candidate", justify="left")
+    # each row shows the part of its name that differs (a shared start folded to …), folded
+    # onto more lines rather than cut, so no two rows read alike on a narrow terminal
+    shown = distinct_names([r.get("name") or r["candidate"] for r in summary["candidates"]])
+    width = min(max((len(s) for s in shown), default=9), 28)
+    t.add_column("candidate", justify="left", min_width=width, overflow="fold")
     for name in DRIFT_TABLE:
         t.add_column(header(name), justify="right")
         if name == "kl_mean":
             t.add_column("95% CI", justify="right")
-    for r in summary["candidates"]:
+    for r, label in zip(summary["candidates"], shown):
         row = cast("dict[str, Any]", r)
         cells = []
         for name in DRIFT_TABLE:
@@ -208,7 +213,7 @@ def print_run_summary(summary: RunSummary) -> None:
             if name == "kl_mean":
                 ci = r["kl_mean_ci95"]
                 cells.append("n/a" if ci[0] is None else f"[{_cell(ci[0], name)}, {_cell(ci[1], name)}]")
-        t.add_row(r.get("name") or r["candidate"], *cells)
+        t.add_row(label, *cells)
     con = table_console()
     con.print(t)
     g = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
@@ -220,11 +225,11 @@ def print_run_summary(summary: RunSummary) -> None:
                       highlight=False)
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
         t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
-        t2.add_column("candidate", justify="left")
+        t2.add_column("candidate", justify="left", min_width=width, overflow="fold")
         for name in CONSEQUENCE_TABLE:
             t2.add_column(header(name), justify="right")
-        for r in summary["candidates"]:
-            t2.add_row(r.get("name") or r["candidate"], *(_consequence_cell(r, name) for name in CONSEQUENCE_TABLE))
+        for r, label in zip(summary["candidates"], shown):
+            t2.add_row(label, *(_consequence_cell(r, name) for name in CONSEQUENCE_TABLE))
         con.print(t2)
     print_verdicts(summary, con)
 
