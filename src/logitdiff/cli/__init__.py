@@ -27,6 +27,8 @@ COMMANDS = (run, capture, compare, flips, speculate, report, import_, merge, top
 EPILOG = """\
 Typical use:
   logitdiff run                                   # the bundled default: tiny model + GGUF quant ladder
+  logitdiff quantize my-model.gguf --types Q8_0,Q4_K_M --out quants/   # candidates, llama.cpp's own quantizer
+  logitdiff workloads validate w.jsonl            # every bad record of your workload, one line each
   logitdiff capture hf:./bf16-model --workload w.jsonl --out runs/ref
   logitdiff capture gguf:./q4.gguf --reference runs/ref --out runs/q4
   logitdiff compare runs/ref runs/q4 --out reports/q4
