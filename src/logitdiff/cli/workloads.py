@@ -46,8 +46,9 @@ def register(sub) -> None:
     sc = wsub.add_parser("schema", help="print the JSON Schema of a workload record")
     sc.set_defaults(func=run_schema)
     ck = wsub.add_parser("check", help="grade a benchmark's own ground truth through logitdiff's grader (all must pass)",
-                         description="Grade a benchmark's ground truth (HumanEval's canonical solutions) through the "
-                                     "same path a model's answers take; every item must pass. A grader that fails its "
+                         description="Grade a benchmark's ground truth (HumanEval's canonical solutions, BFCL's "
+                                     "possible answers written as tool calls) through the same path a model's answers "
+                                     "take; every item must pass. A grader that fails its "
                                      "ground truth is a bug: the items that failed are named, exit status 1.")
     ck.add_argument("name", metavar="NAME[:N]", help="a benchmark (logitdiff workloads list)")
     ck.set_defaults(func=run_check)
@@ -89,7 +90,7 @@ def run_list(args) -> int:
     for col in ("name", "package", "installed", "what"):
         bt.add_column(col)
     for b in BENCHMARKS.values():
-        bt.add_row(b.name, b.package, "yes" if installed(b) else "no (pip install 'logitdiff[bench]')", b.about)
+        bt.add_row(b.name, b.package, "yes" if installed(b) else f"no ({b.install_hint})", b.about)
     table_console().print(bt)
     return 0
 

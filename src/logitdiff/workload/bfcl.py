@@ -1,0 +1,230 @@
+"""The Berkeley Function Calling Leaderboard (``--workload bfcl:CATEGORY[:N]``), its data and
+its own checker reached across a process boundary.
+
+BFCL (package ``bfcl-eval``) pins numpy 1.26.4 and its checker imports every provider SDK,
+so it lives in its own venv, ``$LOGITDIFF_TOOLS/bfcl-venv`` (``scripts/setup_bfcl.sh``;
+``LOGITDIFF_BFCL_VENV`` overrides). :class:`BfclBridge` runs ``bfcl_runner.py`` with that
+venv's python, one long-lived process spoken to in JSON lines: it loads a category's entries
+and grades one answer with BFCL's own evaluation of an entry (see the runner's docstring).
+Grading in a logitdiff process goes through one bridge, started on the first BFCL item and
+closed at exit (:func:`shared_bridge`): per item grading calls (``flips.grading.grade``)
+carry no session object to hold it.
+
+An item is the question's first turn as ``messages``, the functions as OpenAI tools (BFCL's
+own conversion), tags ``["tool", "bfcl", CATEGORY]`` and the label ``{"bfcl": {"category",
+"id"}}``. The ground truth of an entry (``logitdiff workloads check bfcl:CATEGORY``) is the
+first option of each parameter of its possible answer, written as a model writes a call (a
+Hermes ``<tool_call>`` JSON block per call, to the tool's name as offered), so it goes the
+same text -> parse -> BFCL path a model's answer takes; for irrelevance, a reply with no call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..errors import LogitdiffError
+from . import Item
+
+BFCL_VERSION = "2026.3.23"
+# the single-turn Python categories; irrelevance ones are right when the model calls nothing
+CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple", "live_multiple",
+              "live_parallel", "live_parallel_multiple", "irrelevance", "live_irrelevance")
+IRRELEVANCE = ("irrelevance", "live_irrelevance")
+# Output budget: the longest ground-truth answer, rendered as Hermes blocks, is ~120 tokens in
+# simple_python and live_simple and ~420 in parallel_multiple (SmolLM2's tokenizer).
+MAX_TOKENS = {"simple_python": 256, "live_simple": 256, "multiple": 256, "live_multiple": 256,
+              "irrelevance": 256, "live_irrelevance": 256}
+MAX_TOKENS_PARALLEL = 640
+NO_CALL_ANSWER = "None of the functions offered can answer this, so I will not call any of them."
+SETUP = "scripts/setup_bfcl.sh"
+
+
+def bfcl_venv() -> Path:
+    if os.environ.get("LOGITDIFF_BFCL_VENV"):
+        return Path(os.environ["LOGITDIFF_BFCL_VENV"])
+    tools = Path(os.environ.get("LOGITDIFF_TOOLS") or Path.home() / ".cache" / "logitdiff" / "tools")
+    return tools / "bfcl-venv"
+
+
+def bfcl_installed() -> bool:
+    """The BFCL venv has a python and the bfcl_eval package (not imported: that takes seconds)."""
+    venv = bfcl_venv()
+    return (venv / "bin" / "python").is_file() and any(venv.glob("lib/python*/site-packages/bfcl_eval/__init__.py"))
+
+
+class BfclBridge:
+    """One ``bfcl_runner.py`` process in BFCL's venv; :meth:`request` sends one JSON line and
+    reads one back. Its scratch directory (``BFCL_PROJECT_ROOT``: BFCL makes result, score
+    and lock folders there on import; the runner's stderr log) is removed on :meth:`close`."""
+
+    def __init__(self, venv: Path | None = None):
+        self.venv = venv or bfcl_venv()
+        python = self.venv / "bin" / "python"
+        if not python.is_file():
+            raise LogitdiffError(f"BFCL is not installed: {python} does not exist (run {SETUP})")
+        self.scratch = Path(tempfile.mkdtemp(prefix="logitdiff-bfcl-"))
+        self.log_path = self.scratch / "bfcl_runner.stderr"
+        self._lock = threading.Lock()
+        self._items: dict[str, list[dict]] = {}
+        env = dict(os.environ, BFCL_PROJECT_ROOT=str(self.scratch))
+        with open(self.log_path, "wb") as log:
+            # -I: the runner's folder (logitdiff's workload package) is not put on sys.path
+            self.proc = subprocess.Popen([str(python), "-I", str(Path(__file__).with_name("bfcl_runner.py"))],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                         cwd=self.scratch, text=True, encoding="utf-8", bufsize=1)
+        try:
+            self._read("starting")
+        except LogitdiffError:
+            self.close()
+            raise
+
+    def _stderr_tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1].strip() if lines else ""
+
+    def _read(self, what: str) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            tail = self._stderr_tail()
+            raise LogitdiffError(f"BFCL bridge ({self.venv}/bin/python) ended while {what} (exit status {code})"
+                                 + (f": {tail}" if tail else "") + f"; if the venv is broken, rerun {SETUP}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise LogitdiffError(f"BFCL bridge, {what}: {reply.get('error')}")
+        return reply
+
+    def request(self, req: dict, what: str) -> dict:
+        with self._lock:
+            if self.proc.poll() is not None or self.proc.stdin is None:
+                raise LogitdiffError(f"BFCL bridge ({self.venv}/bin/python) is not running ({what})")
+            try:
+                self.proc.stdin.write(json.dumps(req) + "\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass  # _read reports the exit and the runner's last line
+            return self._read(what)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def items(self, category: str) -> list[dict]:
+        """The category's entries as the runner's ``load`` returns them (read once per bridge)."""
+        check_category(category)
+        if category not in self._items:
+            self._items[category] = self.request({"op": "load", "category": category}, f"loading bfcl:{category}")["items"]
+        return self._items[category]
+
+    def grade(self, category: str, item_id: str, result: list[dict] | str) -> dict:
+        """BFCL's evaluation of one entry: ``result`` as BFCL stores an OpenAI function-calling
+        model's answer (``[{name: arguments_json}]``, or the reply's text when it called nothing)."""
+        check_category(category)
+        return self.request({"op": "grade", "category": category, "id": item_id, "result": result},
+                            f"grading bfcl:{category} item {item_id!r}")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def __enter__(self) -> "BfclBridge":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_shared: list[BfclBridge] = []  # at most one: the process's bridge, closed at exit
+_shared_lock = threading.Lock()
+
+
+def shared_bridge() -> BfclBridge:
+    """The process's bridge, started on first use (and again if it died), closed at exit."""
+    with _shared_lock:
+        if _shared and _shared[0].alive:
+            return _shared[0]
+        if _shared:
+            _shared.pop().close()
+        else:
+            atexit.register(close_shared_bridge)
+        _shared.append(BfclBridge())
+        return _shared[0]
+
+
+def close_shared_bridge() -> None:
+    with _shared_lock:
+        while _shared:
+            _shared.pop().close()
+
+
+def check_category(category: str) -> None:
+    if category not in CATEGORIES:
+        raise LogitdiffError(f"bfcl:{category}: not a BFCL category here (one of {', '.join(CATEGORIES)})")
+
+
+def bfcl_items(category: str) -> list[Item]:
+    check_category(category)
+    budget = MAX_TOKENS.get(category, MAX_TOKENS_PARALLEL)
+    return [Item(id=e["id"], messages=e["messages"], tools=e["tools"], tags=["tool", "bfcl", category], max_tokens=budget,
+                 expected={"bfcl": {"category": category, "id": e["id"]}})
+            for e in shared_bridge().items(category)]
+
+
+def first_option(value: Any) -> Any:
+    """A possible-answer value made concrete: in a dict (a dict parameter, or a dict in a list)
+    each key's options are a list, of which the first is taken (``""``: the key is left out);
+    other values are as they are."""
+    if isinstance(value, dict):
+        return {k: first_option(opts[0]) for k, opts in value.items() if opts and opts[0] != ""}
+    if isinstance(value, list):
+        return [first_option(v) for v in value]
+    return value
+
+
+def ground_truth_calls(possible_answer: list[dict], names: dict[str, str]) -> list[tuple[str, dict]]:
+    """(tool name as offered, arguments) per call of a possible answer: each parameter's
+    first option, an optional one (``""`` first) left out."""
+    calls = []
+    for call in possible_answer:
+        ((name, params),) = call.items()
+        args = {p: first_option(opts[0]) for p, opts in params.items() if opts and opts[0] != ""}
+        calls.append((names.get(name, name), args))
+    return calls
+
+
+def hermes_blocks(calls: list[tuple[str, dict]]) -> str:
+    return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
+
+
+def bfcl_ground_truth(category: str) -> dict[str, str]:
+    check_category(category)
+    out = {}
+    for e in shared_bridge().items(category):
+        if category in IRRELEVANCE:
+            out[e["id"]] = NO_CALL_ANSWER
+        else:
+            out[e["id"]] = hermes_blocks(ground_truth_calls(e["ground_truth"], e["names"]))
+    return out
