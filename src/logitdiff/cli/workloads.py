@@ -103,8 +103,11 @@ def run_check(args) -> int:
         result = check_ground_truth(args.name, progress=advance)
     for item_id, why in result.failed:
         console().print(f"[red]fail:[/] {item_id}: {why}", highlight=False, soft_wrap=True)
-    n, bad = result.n_items, len(result.failed)
-    print(f"{args.name}: {n - bad} of {n} ground-truth answers pass the grader" + ("" if not bad else f"; {bad} fail"))
+    for item_id, why in result.unpassable:
+        console().print(f"[yellow]no answer can pass:[/] {item_id}: {why}", highlight=False, soft_wrap=True)
+    n, bad, none = result.n_items, len(result.failed), len(result.unpassable)
+    print(f"{args.name}: {n - bad - none} of {n - none} ground-truth answers pass the grader" + ("" if not bad else f"; {bad} fail")
+          + ("" if not none else f"; {none} more the benchmark's own data leaves no passing answer for (rejected, as it must)"))
     return 1 if bad else 0
 
 

@@ -46,6 +46,8 @@ class Benchmark:
     # where the package is not in logitdiff's own venv: whether it is installed, and how to
     is_installed: Callable[[], bool] | None = None
     install_hint: str = "pip install 'logitdiff[bench]'"
+    # item id -> why no answer can pass it, by the benchmark's own data and rules (BFCL has a few)
+    unpassable: Callable[[], dict[str, str]] | None = None
 
 
 def _humaneval_file() -> Path:
@@ -90,7 +92,7 @@ def _bfcl_benchmarks() -> dict[str, Benchmark]:
     return {f"bfcl:{c}": Benchmark(f"bfcl:{c}", "bfcl-eval", "BFCL v4 " + about.get(c, c.replace("_", " ") + " calls")
                                    + ", graded by BFCL's own checker",
                                    partial(bfcl.bfcl_items, c), partial(bfcl.bfcl_ground_truth, c),
-                                   bfcl.bfcl_installed, f"bash {bfcl.SETUP}")
+                                   bfcl.bfcl_installed, f"bash {bfcl.SETUP}", partial(bfcl.bfcl_unpassable, c))
             for c in bfcl.CATEGORIES}
 
 

@@ -193,26 +193,50 @@ def bfcl_items(category: str) -> list[Item]:
             for e in shared_bridge().items(category)]
 
 
-def first_option(value: Any) -> Any:
-    """A possible-answer value made concrete: in a dict (a dict parameter, or a dict in a list)
-    each key's options are a list, of which the first is taken (``""``: the key is left out);
-    other values are as they are."""
-    if isinstance(value, dict):
-        return {k: first_option(opts[0]) for k, opts in value.items() if opts and opts[0] != ""}
-    if isinstance(value, list):
-        return [first_option(v) for v in value]
-    return value
+def _concrete(option: Any, schema: dict) -> Any:
+    """One option of a parameter made a value, as BFCL's checker reads it (ast_checker's
+    simple_function_checker): a dict parameter's option is a dict of key -> options
+    (dict_checker), an array-of-dicts parameter's a list of such dicts (list_dict_checker);
+    inside them each key takes its first option, "" meaning left out. Any other option is
+    the value itself."""
+    def one(d: dict) -> dict:
+        return {k: opts[0] for k, opts in d.items() if opts and opts[0] != ""}
+
+    kind = schema.get("type")
+    if kind == "object" and isinstance(option, dict):
+        return one(option)
+    if kind == "array" and (schema.get("items") or {}).get("type") == "object" and isinstance(option, list):
+        return [one(d) if isinstance(d, dict) else d for d in option]
+    return option
 
 
-def ground_truth_calls(possible_answer: list[dict], names: dict[str, str]) -> list[tuple[str, dict]]:
-    """(tool name as offered, arguments) per call of a possible answer: each parameter's
-    first option, an optional one (``""`` first) left out."""
-    calls = []
+def ground_truth_calls(possible_answer: list[dict], names: dict[str, str], tools: list[dict]) -> tuple[list[tuple[str, dict]], list[str]]:
+    """(tool name as offered, arguments) per call of a possible answer, and why no answer can
+    pass where BFCL's own data rules every one out (else empty). Per parameter: one the
+    function requires takes its first option that is not "" (BFCL's mark for "may be left
+    out"; "" itself when that is the only one), any other its first option, "" leaving it
+    out; a parameter the function does not define is left out (passes only where "" is among
+    its options). A parameter with no options at all cannot pass (left out, or given any value)."""
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+    calls, why = [], []
     for call in possible_answer:
         ((name, params),) = call.items()
-        args = {p: first_option(opts[0]) for p, opts in params.items() if opts and opts[0] != ""}
-        calls.append((names.get(name, name), args))
-    return calls
+        tool_name = names.get(name, name)
+        schema = schemas.get(tool_name, {})
+        props, required = schema.get("properties") or {}, set(schema.get("required") or ())
+        args = {}
+        for p, opts in params.items():
+            if not opts:
+                why.append(f"{name}: parameter {p!r} has no possible value")
+            elif p not in props:
+                if "" not in opts:
+                    why.append(f"{name}: parameter {p!r} is not the function's, and may not be left out")
+            else:
+                pick = next((o for o in opts if o != ""), "") if p in required else opts[0]
+                if pick != "" or p in required:
+                    args[p] = _concrete(pick, props[p])
+        calls.append((tool_name, args))
+    return calls, why
 
 
 def hermes_blocks(calls: list[tuple[str, dict]]) -> str:
@@ -220,11 +244,27 @@ def hermes_blocks(calls: list[tuple[str, dict]]) -> str:
 
 
 def bfcl_ground_truth(category: str) -> dict[str, str]:
+    """Entry id -> its possible answer written as a model writes calls (see ground_truth_calls);
+    for irrelevance, a reply that calls nothing."""
     check_category(category)
     out = {}
     for e in shared_bridge().items(category):
-        if category in IRRELEVANCE:
-            out[e["id"]] = NO_CALL_ANSWER
-        else:
-            out[e["id"]] = hermes_blocks(ground_truth_calls(e["ground_truth"], e["names"]))
+        out[e["id"]] = (NO_CALL_ANSWER if category in IRRELEVANCE
+                        else hermes_blocks(ground_truth_calls(e["ground_truth"], e["names"], e["tools"])[0]))
+    return out
+
+
+def bfcl_unpassable(category: str) -> dict[str, str]:
+    """Entry id -> why no answer can pass it, for the entries whose possible answer BFCL's own
+    checker can never accept (a parameter with no possible value; one the function does not
+    have that may not be left out). BFCL scores them wrong for every model; they stay in the
+    workload, and ``workloads check`` names them and confirms the checker rejects them."""
+    check_category(category)
+    if category in IRRELEVANCE:
+        return {}
+    out = {}
+    for e in shared_bridge().items(category):
+        why = ground_truth_calls(e["ground_truth"], e["names"], e["tools"])[1]
+        if why:
+            out[e["id"]] = "; ".join(why)
     return out
