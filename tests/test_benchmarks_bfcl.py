@@ -83,11 +83,23 @@ def test_list_says_whether_bfcl_is_installed(tmp_path):
 # with BFCL's venv
 
 
+# Entries whose possible answer BFCL's own checker can never accept (BFCL scores them wrong
+# for every model): a parameter with no possible value, or one the function does not have
+# that may not be left out. They stay in the workload; the check names them.
+UNPASSABLE = {"live_simple": ["live_simple_106-63-0", "live_simple_112-68-0"],
+              "live_multiple": ["live_multiple_862-181-3", "live_multiple_964-207-0"]}
+SIZES = {"simple_python": 400, "multiple": 200, "parallel": 200, "parallel_multiple": 200, "live_simple": 258,
+         "live_multiple": 1053, "live_parallel": 16, "live_parallel_multiple": 24, "irrelevance": 240,
+         "live_irrelevance": 884}
+
+
 @needs_bfcl
 @pytest.mark.parametrize("category", CATEGORIES)
 def test_every_ground_truth_passes_bfcls_checker(category):
+    # every entry of every category (about 1 s a category once the bridge runs)
     result = check_ground_truth(f"bfcl:{category}")
-    assert result.n_items >= 16 and result.failed == []
+    assert result.n_items == SIZES[category] and result.failed == []
+    assert [i for i, _ in result.unpassable] == UNPASSABLE.get(category, [])
 
 
 @needs_bfcl
@@ -102,7 +114,8 @@ def test_one_bridge_process_grades_a_whole_session():
 @pytest.mark.parametrize("category", CATEGORIES)
 def test_items_are_chat_messages_with_openai_tools(category):
     items = read_workload(f"bfcl:{category}:30")
-    assert len(items) == 30 and len({i.id for i in items}) == 30
+    n = min(30, SIZES[category])
+    assert len(items) == n and len({i.id for i in items}) == n
     for item in items:
         assert item.tags == ["tool", "bfcl", category] and item.expected == {"bfcl": {"category": category, "id": item.id}}
         assert item.messages and item.messages[-1]["role"] == "user" and item.prompt is None
@@ -118,7 +131,8 @@ def test_items_are_chat_messages_with_openai_tools(category):
 def _truth(category: str, n: int) -> list[tuple[Item, list[tuple[str, dict]]]]:
     items = read_workload(f"bfcl:{category}:{n}")
     entries = {e["id"]: e for e in shared_bridge().items(category)}
-    return [(i, ground_truth_calls(entries[i.id]["ground_truth"], entries[i.id]["names"])) for i in items]
+    return [(i, ground_truth_calls(entries[i.id]["ground_truth"], entries[i.id]["names"], entries[i.id]["tools"])[0])
+            for i in items]
 
 
 def _bfcl_grade(item: Item, output: str):
@@ -142,7 +156,7 @@ def _changed(v):
     if isinstance(v, str):
         return v + " zz-not-an-answer"
     if isinstance(v, list):
-        return v + ["zz-not-an-answer"]
+        return [_changed(v[0])] + v[1:] if v else ["zz-not-an-answer"]
     return {"zz_not_a_key": 1}
 
 
@@ -157,7 +171,9 @@ def test_a_wrong_argument_value_is_wrong_with_bfcls_reason(category):
         key = sorted(args)[0]
         g = _bfcl_grade(item, hermes_blocks([(name, {**args, key: _changed(args[key])})] + calls[1:]))
         assert not g.correct, (item.id, key, g.detail)
-        assert "Invalid value" in g.detail or "Incorrect type" in g.detail or "Could not find a matching" in g.detail, g.detail
+        # a value BFCL does not accept: value_error:*, or type_error:* where the changed value's
+        # type no longer fits; in the parallel categories, no output call matches that answer
+        assert g.detail.startswith(("BFCL value_error:", "BFCL type_error:")) or "cannot_find_match" in g.detail, g.detail
         changed += 1
     assert changed >= 8
 
