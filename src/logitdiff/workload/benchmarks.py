@@ -84,6 +84,14 @@ def humaneval_ground_truth() -> dict[str, str]:
     return {p["task_id"]: p["canonical_solution"] for p in _humaneval_problems()}
 
 
+def bfcl_items(category: str) -> list[Item]:
+    """``bfcl:CATEGORY``'s entries as items, each checked as a workload record is (its tools
+    valid JSON Schema, its label one the graders know)."""
+    from .bfcl import bfcl_records
+
+    return [Item.from_json(r, f"bfcl:{category} entry {r['id']!r}") for r in bfcl_records(category)]
+
+
 def _bfcl_benchmarks() -> dict[str, Benchmark]:
     from . import bfcl
 
@@ -91,7 +99,7 @@ def _bfcl_benchmarks() -> dict[str, Benchmark]:
              "live_irrelevance": "user-contributed, no function fits: right when the model calls none"}
     return {f"bfcl:{c}": Benchmark(f"bfcl:{c}", "bfcl-eval", "BFCL v4 " + about.get(c, c.replace("_", " ") + " calls")
                                    + ", graded by BFCL's own checker",
-                                   partial(bfcl.bfcl_items, c), partial(bfcl.bfcl_ground_truth, c),
+                                   partial(bfcl_items, c), partial(bfcl.bfcl_ground_truth, c),
                                    bfcl.bfcl_installed, f"bash {bfcl.SETUP}", partial(bfcl.bfcl_unpassable, c))
             for c in bfcl.CATEGORIES}
 

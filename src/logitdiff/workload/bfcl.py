@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LogitdiffError
-from . import Item
+from .checks import BFCL_CATEGORIES
 
 BFCL_VERSION = "2026.3.23"
 # the single-turn Python categories; irrelevance ones are right when the model calls nothing
-CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple", "live_multiple",
-              "live_parallel", "live_parallel_multiple", "irrelevance", "live_irrelevance")
+CATEGORIES = BFCL_CATEGORIES
 IRRELEVANCE = ("irrelevance", "live_irrelevance")
 # Output budget: the longest ground-truth answer, rendered as Hermes blocks, is ~120 tokens in
 # simple_python and live_simple and ~420 in parallel_multiple (SmolLM2's tokenizer).
@@ -185,11 +184,12 @@ def check_category(category: str) -> None:
         raise LogitdiffError(f"bfcl:{category}: not a BFCL category here (one of {', '.join(CATEGORIES)})")
 
 
-def bfcl_items(category: str) -> list[Item]:
+def bfcl_records(category: str) -> list[dict]:
+    """The category's entries as workload records (logitdiff.workload.benchmarks reads them as items)."""
     check_category(category)
     budget = MAX_TOKENS.get(category, MAX_TOKENS_PARALLEL)
-    return [Item(id=e["id"], messages=e["messages"], tools=e["tools"], tags=["tool", "bfcl", category], max_tokens=budget,
-                 expected={"bfcl": {"category": category, "id": e["id"]}})
+    return [{"id": e["id"], "messages": e["messages"], "tools": e["tools"], "tags": ["tool", "bfcl", category],
+             "max_tokens": budget, "expected": {"bfcl": {"category": category, "id": e["id"]}}}
             for e in shared_bridge().items(category)]
 
 

@@ -15,6 +15,9 @@ from jsonschema.validators import validator_for
 from ..errors import LogitdiffError
 
 CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls", "tests", "bfcl")
+# the Berkeley Function Calling Leaderboard's categories a "bfcl" label may name (logitdiff.workload.bfcl)
+BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple", "live_multiple",
+                   "live_parallel", "live_parallel_multiple", "irrelevance", "live_irrelevance")
 
 
 def json_type(v: Any) -> str:
@@ -132,12 +135,10 @@ def _check_tests(tests: Any, where: str) -> None:
 def _check_bfcl(label: Any, where: str) -> None:
     """``{"bfcl": {"category": str, "id": str}}``: an entry of the Berkeley Function Calling
     Leaderboard, graded by BFCL's own checker (logitdiff.workload.bfcl)."""
-    from .bfcl import CATEGORIES
-
     if not isinstance(label, dict):
         raise LogitdiffError(f"{where}: field 'expected.bfcl' must be an object")
-    if label.get("category") not in CATEGORIES:
-        raise LogitdiffError(f"{where}: field 'expected.bfcl.category' must be one of {', '.join(CATEGORIES)} "
+    if label.get("category") not in BFCL_CATEGORIES:
+        raise LogitdiffError(f"{where}: field 'expected.bfcl.category' must be one of {', '.join(BFCL_CATEGORIES)} "
                              f"(got {one_line(repr(label.get('category')), 60)})")
     if not isinstance(label.get("id"), str) or not label["id"]:
         raise LogitdiffError(f"{where}: field 'expected.bfcl.id' must be the BFCL entry's id (a non-empty string)")
