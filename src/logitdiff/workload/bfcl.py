@@ -37,11 +37,13 @@ BFCL_VERSION = "2026.3.23"
 # the single-turn Python categories; irrelevance ones are right when the model calls nothing
 CATEGORIES = BFCL_CATEGORIES
 IRRELEVANCE = ("irrelevance", "live_irrelevance")
-# Output budget: the longest ground-truth answer, rendered as Hermes blocks, is ~120 tokens in
-# simple_python and live_simple and ~420 in parallel_multiple (SmolLM2's tokenizer).
-MAX_TOKENS = {"simple_python": 256, "live_simple": 256, "multiple": 256, "live_multiple": 256,
-              "irrelevance": 256, "live_irrelevance": 256}
-MAX_TOKENS_PARALLEL = 640
+# Output budget per category: at least 1.4 x the longest ground-truth answer written as Hermes
+# blocks, in SmolLM2's tokens (measured: simple_python 147, multiple 95, parallel 439,
+# parallel_multiple 260, live_simple 320, live_multiple 172, live_parallel 369,
+# live_parallel_multiple 215), rounded up to a multiple of 128, and 256 at least.
+MAX_TOKENS = {"simple_python": 256, "multiple": 256, "parallel": 640, "parallel_multiple": 384, "live_simple": 512,
+              "live_multiple": 256, "live_parallel": 640, "live_parallel_multiple": 384, "irrelevance": 256,
+              "live_irrelevance": 256}
 NO_CALL_ANSWER = "None of the functions offered can answer this, so I will not call any of them."
 SETUP = "scripts/setup_bfcl.sh"
 
@@ -187,7 +189,7 @@ def check_category(category: str) -> None:
 def bfcl_records(category: str) -> list[dict]:
     """The category's entries as workload records (logitdiff.workload.benchmarks reads them as items)."""
     check_category(category)
-    budget = MAX_TOKENS.get(category, MAX_TOKENS_PARALLEL)
+    budget = MAX_TOKENS[category]
     return [{"id": e["id"], "messages": e["messages"], "tools": e["tools"], "tags": ["tool", "bfcl", category],
              "max_tokens": budget, "expected": {"bfcl": {"category": category, "id": e["id"]}}}
             for e in shared_bridge().items(category)]
