@@ -206,6 +206,8 @@ def test_no_call_is_wrong_with_bfcls_reason(category, output, error_type):
     item = read_workload(f"bfcl:{category}:1")[0]
     g = _bfcl_grade(item, output)
     assert not g.correct and error_type in g.detail, g.detail
+    # and says what logitdiff's parser saw: nothing, or why the call did not parse
+    assert ("found no tool call" in g.detail) if "<tool_call>" not in output else ("logitdiff's parser: " in g.detail), g.detail
 
 
 @needs_bfcl

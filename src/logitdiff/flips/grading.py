@@ -146,6 +146,8 @@ def grade_bfcl(label: dict, output: str) -> Grade:
         detail = f"BFCL {r['error_type']}: {one_line(' '.join(r['error']), 300)}"
         if parsed.error:
             detail += f" (logitdiff's parser: {parsed.error})"
+        elif not parsed.attempted:
+            detail += " (logitdiff's parser found no tool call in the output)"
     return Grade("bfcl", bool(r["valid"]), detail, r.get("decoded"))
 
 
