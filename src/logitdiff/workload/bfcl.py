@@ -12,10 +12,13 @@ carry no session object to hold it.
 
 An item is the question's first turn as ``messages``, the functions as OpenAI tools (BFCL's
 own conversion), tags ``["tool", "bfcl", CATEGORY]`` and the label ``{"bfcl": {"category",
-"id"}}``. The ground truth of an entry (``logitdiff workloads check bfcl:CATEGORY``) is the
-first option of each parameter of its possible answer, written as a model writes a call (a
-Hermes ``<tool_call>`` JSON block per call, to the tool's name as offered), so it goes the
-same text -> parse -> BFCL path a model's answer takes; for irrelevance, a reply with no call.
+"id"}}``. The ground truth of an entry (``logitdiff workloads check bfcl:CATEGORY``) is its
+possible answer with one option per parameter (:func:`ground_truth_calls`: the first, but a
+required parameter's first that is not "", BFCL's "may be left out"), written as a model
+writes a call (a Hermes ``<tool_call>`` JSON block per call, to the tool's name as offered),
+so it goes the same text -> parse -> BFCL path a model's answer takes; for irrelevance, a
+reply with no call. Four entries of BFCL's data admit no passing answer
+(:func:`bfcl_unpassable`); the check names them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from typing import Any
 from ..errors import LogitdiffError
 from .checks import BFCL_CATEGORIES
 
-BFCL_VERSION = "2026.3.23"
 # the single-turn Python categories; irrelevance ones are right when the model calls nothing
 CATEGORIES = BFCL_CATEGORIES
 IRRELEVANCE = ("irrelevance", "live_irrelevance")
