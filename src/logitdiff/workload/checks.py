@@ -14,7 +14,10 @@ from jsonschema.validators import validator_for
 
 from ..errors import LogitdiffError
 
-CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls", "tests")
+CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls", "tests", "bfcl")
+# the Berkeley Function Calling Leaderboard's categories a "bfcl" label may name (logitdiff.workload.bfcl)
+BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple", "live_multiple",
+                   "live_parallel", "live_parallel_multiple", "irrelevance", "live_irrelevance")
 
 
 def json_type(v: Any) -> str:
@@ -100,6 +103,8 @@ def check_expected(expected: dict, where: str) -> str:
             raise LogitdiffError(f"{where}: fields 'expected.numeric' and 'expected.tol' must be finite numbers")
     if kind == "tests":
         _check_tests(expected["tests"], where)
+    if kind == "bfcl":
+        _check_bfcl(expected["bfcl"], where)
     if kind in ("tool_call", "tool_calls"):
         calls = expected[kind] if kind == "tool_calls" else [expected[kind]]
         if not isinstance(calls, list) or not all(
@@ -125,3 +130,15 @@ def _check_tests(tests: Any, where: str) -> None:
     stop = tests.get("stop", [])
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise LogitdiffError(f"{where}: field 'expected.tests.stop' must be a list of non-empty strings")
+
+
+def _check_bfcl(label: Any, where: str) -> None:
+    """``{"bfcl": {"category": str, "id": str}}``: an entry of the Berkeley Function Calling
+    Leaderboard, graded by BFCL's own checker (logitdiff.workload.bfcl)."""
+    if not isinstance(label, dict):
+        raise LogitdiffError(f"{where}: field 'expected.bfcl' must be an object")
+    if label.get("category") not in BFCL_CATEGORIES:
+        raise LogitdiffError(f"{where}: field 'expected.bfcl.category' must be one of {', '.join(BFCL_CATEGORIES)} "
+                             f"(got {one_line(repr(label.get('category')), 60)})")
+    if not isinstance(label.get("id"), str) or not label["id"]:
+        raise LogitdiffError(f"{where}: field 'expected.bfcl.id' must be the BFCL entry's id (a non-empty string)")
