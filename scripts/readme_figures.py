@@ -177,7 +177,8 @@ def _flips_frames(reports):
 
 
 def render(fig: dict, timing: dict | None, mach: dict) -> str:
-    from logitdiff.contracts import Column, Outcome
+    from logitdiff.contracts import Outcome
+    from logitdiff.report.metric_registry import header  # the tables' one name per column
 
     s, reports = fig["summary"], fig["reports"]
     cands = s["candidates"]
@@ -199,8 +200,8 @@ def render(fig: dict, timing: dict | None, mach: dict) -> str:
     else:
         lines.append(f"Figures by `scripts/readme_figures.py` from an existing run on {where} ({versions}); "
                      f"`summary.json` seconds: {s.get('seconds')} (not re-timed).")
-    lines += ["", f"| candidate | {Column.NAME['kl_mean']} (nats) | 95 % CI | {Column.NAME['kl_p99']} | "
-              f"{Column.NAME['top1_disagreement']} | {Column.NAME['x_cross_engine_floor']} |", "|---|---:|---|---:|---:|---:|"]
+    lines += ["", f"| candidate | {header('kl_mean')} (nats) | 95 % CI | {header('kl_p99')} | "
+              f"{header('top1_disagreement')} | {header('x_cross_engine_floor')} |", "|---|---:|---|---:|---:|---:|"]
     for c in cands:
         ci = c.get("kl_mean_ci95") or [None, None]
         lines.append(f"| `{c['candidate']}` | {e2(c['kl_mean'])} | [{e2(ci[0])}, {e2(ci[1])}] | {e2(c.get('kl_p99'))} | "
@@ -228,10 +229,9 @@ def render(fig: dict, timing: dict | None, mach: dict) -> str:
 
         opt = [(h, paths) for _, h, _, paths, _ in OPTIONAL_COLUMNS
                if any(_count(_first(r, paths)) is not None for _, r in reports.values())]
-        N = Column.NAME
-        head = (f"| candidate | {N['flip_branches']} | recovered | benign | meaning changed | tool call malformed / changed | "
-                f"{N['flip_ties']} | " + "".join(f"{h} | " for h, _ in opt)
-                + f"{N['accuracy']} | {N['right_to_wrong']} | {N['mcnemar_p']} | {N['tool_call_valid_cand']} |")
+        head = (f"| candidate | {header('flip_branches')} | recovered | benign | meaning changed | tool call malformed / changed | "
+                f"{header('flip_ties')} | " + "".join(f"{h} | " for h, _ in opt)
+                + f"{header('accuracy')} | {header('right_to_wrong')} | {header('mcnemar_p')} | {header('tool_call_valid_cand')} |")
         lines += [head, "|---|" + "---:|" * (6 + len(opt)) + "---|---:|---:|---:|"]
         for c in cands:
             o = c.get("flip_outcomes") or {}
