@@ -36,7 +36,7 @@ def _wrapped(text: str) -> str:
     paragraph's lines as they are too."""
     import textwrap
 
-    return textwrap.fill(text, width=100)
+    return textwrap.fill(text, width=100, break_on_hyphens=False)
 
 
 def register(sub) -> None:
