@@ -4,7 +4,7 @@
     .venv/bin/python scripts/readme_figures.py                 # fresh `logitdiff run`, rewrite README
     .venv/bin/python scripts/readme_figures.py --from OUT      # an existing run's OUT directory
     .venv/bin/python scripts/readme_figures.py --print         # print the block, leave README alone
-    .venv/bin/python scripts/readme_figures.py --check --from OUT   # exit 1 when README differs
+    .venv/bin/python scripts/readme_figures.py --check --from OUT   # exit 1 when README's figures differ
 
 Without ``--from`` it runs ``logitdiff run --out DIR`` (DIR: ``--out``, else a new temporary
 directory, removed afterwards; with --out, the timing is kept in DIR/readme_figures.timing.json
@@ -22,7 +22,11 @@ paths with AVX-512 than with AVX2: other rounding, so other logits, ties and noi
 README keeps one section per machine class (vendor and widest SIMD level, e.g. ``amd-avx2``,
 ``amd-avx512bf16``), each opened by ``<!-- readme_figures:class KEY -->``. The script rewrites
 only this machine's section (added when README has none), and ``--check`` compares only it,
-with the run's own wall time and load left out (they are the run's, not the method's); a class
+and in it only what must match (:func:`pinned`): the machine class and cores, the tables and
+the figures of the paragraphs; not the header sentence's wall time, load, CPU model, memory or
+library versions (the run's, not the method's; a run read with ``--from`` words its header
+otherwise). Versions that differ from README's are named in a warning line, not a failure;
+figures that differ are printed as a unified diff of the compared lines (exit 1). A class
 README has no section for is reported as such (exit 1).
 """
 
@@ -51,6 +55,10 @@ FLOOR_MACHINE = re.compile(r"on [^`]*? \(" + ISA_WORDS + r", (\d+) cores\)\.")
 TIMING = re.compile(r"took \d+ s wall \(`summary\.json` seconds: [^)]*\); load average \(1/5/15 min\) \S+ before and \S+ after, "
                     r"so (?:other work shared the machine|the machine was otherwise quiet)\.")
 SIGNIFICANCE = 0.05
+# the header sentence render() opens a section with (fresh run or --from): not compared as text
+HEADER = re.compile(r"(Measured|Figures) by `scripts/readme_figures\.py`")
+# the library versions the header names, "(llama-cpp-python 0.3.36, torch 2.13.0+cpu, transformers 5.24.0)"
+VERSION = re.compile(r"\b(llama-cpp-python|torch|transformers) ([^\s,()]+)")
 
 
 # ----------------------------------------------------------------------------- the machine
@@ -169,7 +177,8 @@ def _flips_frames(reports):
 
 
 def render(fig: dict, timing: dict | None, mach: dict) -> str:
-    from logitdiff.contracts import Column, Outcome
+    from logitdiff.contracts import Outcome
+    from logitdiff.report.metric_registry import header  # the tables' one name per column
 
     s, reports = fig["summary"], fig["reports"]
     cands = s["candidates"]
@@ -191,8 +200,8 @@ def render(fig: dict, timing: dict | None, mach: dict) -> str:
     else:
         lines.append(f"Figures by `scripts/readme_figures.py` from an existing run on {where} ({versions}); "
                      f"`summary.json` seconds: {s.get('seconds')} (not re-timed).")
-    lines += ["", f"| candidate | {Column.NAME['kl_mean']} (nats) | 95 % CI | {Column.NAME['kl_p99']} | "
-              f"{Column.NAME['top1_disagreement']} | {Column.NAME['x_cross_engine_floor']} |", "|---|---:|---|---:|---:|---:|"]
+    lines += ["", f"| candidate | {header('kl_mean')} (nats) | 95 % CI | {header('kl_p99')} | "
+              f"{header('top1_disagreement')} | {header('x_cross_engine_floor')} |", "|---|---:|---|---:|---:|---:|"]
     for c in cands:
         ci = c.get("kl_mean_ci95") or [None, None]
         lines.append(f"| `{c['candidate']}` | {e2(c['kl_mean'])} | [{e2(ci[0])}, {e2(ci[1])}] | {e2(c.get('kl_p99'))} | "
@@ -220,10 +229,9 @@ def render(fig: dict, timing: dict | None, mach: dict) -> str:
 
         opt = [(h, paths) for _, h, _, paths, _ in OPTIONAL_COLUMNS
                if any(_count(_first(r, paths)) is not None for _, r in reports.values())]
-        N = Column.NAME
-        head = (f"| candidate | {N['flip_branches']} | recovered | benign | meaning changed | tool call malformed / changed | "
-                f"{N['flip_ties']} | " + "".join(f"{h} | " for h, _ in opt)
-                + f"{N['accuracy']} | {N['right_to_wrong']} | {N['mcnemar_p']} | {N['tool_call_valid_cand']} |")
+        head = (f"| candidate | {header('flip_branches')} | recovered | benign | meaning changed | tool call malformed / changed | "
+                f"{header('flip_ties')} | " + "".join(f"{h} | " for h, _ in opt)
+                + f"{header('accuracy')} | {header('right_to_wrong')} | {header('mcnemar_p')} | {header('tool_call_valid_cand')} |")
         lines += [head, "|---|" + "---:|" * (6 + len(opt)) + "---|---:|---:|---:|"]
         for c in cands:
             o = c.get("flip_outcomes") or {}
@@ -361,6 +369,58 @@ def comparable(block: str) -> str:
     return FLOOR_MACHINE.sub(r"on (a CPU) (\1, \2 cores).", text)
 
 
+def _paragraphs(section: str) -> list[str]:
+    return [p for p in re.split(r"\n[ \t]*\n", section.strip("\n")) if p.strip()]
+
+
+def pinned(section: str) -> list[str]:
+    """The lines --check compares of a section: from the header sentence only the machine
+    class words and the cores; every table row (whitespace collapsed) and every other
+    paragraph (:func:`comparable`, wrapped again so a difference shows as a line)."""
+    import textwrap
+
+    paras = _paragraphs(section)
+    lines = []
+    if paras and HEADER.match(paras[0]):
+        m = MACHINE.search(" ".join(paras[0].split()))
+        lines += [f"machine: ({m.group(1)}), {m.group(2)} cores" if m else "machine: (not read from the header)", ""]
+        paras = paras[1:]
+    for p in paras:
+        if p.startswith("|"):
+            lines += [" ".join(row.split()) for row in p.splitlines()]
+        else:
+            lines += textwrap.wrap(comparable(p), 92, break_long_words=False, break_on_hyphens=False)
+        lines.append("")
+    return lines
+
+
+def versions(section: str) -> dict[str, str]:
+    """The library versions the section's header sentence names (not compared: a warning)."""
+    paras = _paragraphs(section)
+    return dict(VERSION.findall(" ".join(paras[0].split()))) if paras and HEADER.match(paras[0]) else {}
+
+
+def check_section(readme: Path, have: str, block: str, key: str) -> int:
+    """--check of this machine class's section: 0 when the pinned lines match (version drift
+    only warned about), else 1 with the differing lines as a unified diff."""
+    import difflib
+
+    said, run = versions(have), versions(block)
+    drift = [f"{k} {said.get(k, '(none)')} in README, {run.get(k, '(none)')} in this run"
+             for k in sorted(set(said) | set(run)) if said.get(k) != run.get(k)]
+    if drift:
+        print(f"{readme}: warning: version drift (not compared): {'; '.join(drift)}", file=sys.stderr)
+    a, b = pinned(have), pinned(block)
+    if a != b:
+        print(f"{readme}: the figures for this machine class ({key}) differ from this run's (compared: the machine "
+              "class and cores, the tables and the figures; not the header's versions, wall time, load, CPU model):",
+              file=sys.stderr)
+        for line in difflib.unified_diff(a, b, fromfile=f"README ({key})", tofile="this run", lineterm="", n=1):
+            print(line, file=sys.stderr)
+        return 1
+    return 0
+
+
 def rewrite(readme: Path, block: str, key: str, check: bool) -> int:
     text = readme.read_text(encoding="utf-8")
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
@@ -373,8 +433,7 @@ def rewrite(readme: Path, block: str, key: str, check: bool) -> int:
             print(f"{readme}: no figures for this machine class ({key}; it has: {', '.join(sorted(have)) or 'none'}): "
                   f"run scripts/readme_figures.py to add them", file=sys.stderr)
             return 1
-        if comparable(have[key]) != comparable(block):
-            print(f"{readme}: the figures for this machine class ({key}) differ from this run's", file=sys.stderr)
+        if check_section(readme, have[key], block, key):
             return 1
         print(f"{readme}: the figures for this machine class ({key}) match this run's "
               f"(other classes: {', '.join(sorted(set(have) - {key})) or 'none'})", file=sys.stderr)

@@ -200,6 +200,8 @@ def test_flips_command_on_a_report(default_run, tmp_path, capsys):
     top = pd.read_parquet(d / "tokens.parquet").query("not top1_match and top1_cand != token_id").nlargest(4, "kl_nats")
     assert sorted(fl.kl_nats) == sorted(top.kl_nats)
     assert "report.html" in {p.name for p in d.iterdir()}
+    # a REPORT outside a RUN: its rewritten page carries plotly itself
+    assert '<script id="plotly-js">' in (d / "report.html").read_text() and not (d.parent / "plotly.min.js").exists()
     # a rerun replaces every section and file an earlier one wrote
     assert main(["flips", str(d), "--select", "top-kl:2", "--similarity", "edit"]) == 0
     rep = json.loads((d / "report.json").read_text())
@@ -298,3 +300,94 @@ def test_every_report_metric_is_registered_and_every_registered_one_reported(def
         shown += [f"summary.metrics.{s}.{stat}" for s in SERIES for stat in ("mean", "p95", "p99", "max") if s == "kl_nats"]
         assert [p for p in shown if p not in registered] == []
     assert set(GATE_METRICS) <= set(METRICS)
+
+
+def test_run_pages_share_one_plotly(default_run, tmp_path):
+    """A bundled RUN's pages load one OUT/plotly.min.js (not ~5 MB of plotly each): with it,
+    they weigh <= 10 MB in all; a candidate's page draws every plot in Chromium; `flips`
+    rewriting a report inside a RUN keeps the page on the shared file."""
+    import re
+    import shutil
+
+    from logitdiff.report.html import PLOTLY_FILE, plotly_js
+    from test_html_report import CHROMIUM, _embedded, _selftest
+
+    shared = default_run / PLOTLY_FILE
+    assert shared.read_text(encoding="utf-8") == plotly_js()
+    pages = sorted(default_run.rglob("report.html"))
+    assert [p.parent.name for p in pages[1:]] == sorted(f"tiny-{q}" for q in ["BF16", *LADDER]) and pages[0] == default_run / "report.html"
+    total = sum(p.stat().st_size for p in pages) + shared.stat().st_size
+    assert total <= 10_000_000, f"{total:,} bytes"
+    for p in pages:
+        text = p.read_text(encoding="utf-8")
+        src = re.findall(r'<script id="plotly-js" src="([^"]+)"></script>', text)
+        assert len(src) == 1 and (p.parent / src[0]).resolve() == shared.resolve(), (p, src)
+        assert "<script id=\"plotly-js\">" not in text and len(text) < 2_000_000, p
+    page = default_run / "reports" / "tiny-Q4_K_M" / "report.html"
+    if CHROMIUM is not None:
+        res, refused = _selftest(page.resolve().as_uri())
+        figs = [f["id"] for f in _embedded(page.read_text(encoding="utf-8"), "logitdiff-figures")]
+        assert res["errors"] == [] and not refused and res["plotly_missing"] is False, (res["errors"], refused)
+        assert figs and set(res["plots"]) == set(figs) and all(n >= 1 for n in res["plots"].values()), res["plots"]
+    # `flips` on a report of a RUN (summary.json and the shared file two levels up)
+    run = tmp_path / "out"
+    (run / "reports").mkdir(parents=True)
+    shutil.copy(default_run / "summary.json", run)
+    shutil.copy(shared, run)
+    d = run / "reports" / "tiny-Q2_K"
+    shutil.copytree(default_run / "reports" / "tiny-Q2_K", d)
+    assert main(["flips", str(d), "--select", "top-kl:1", "--no-correctness", "--similarity", "edit"]) == 0
+    text = (d / "report.html").read_text(encoding="utf-8")
+    assert '<script id="plotly-js" src="../../plotly.min.js"></script>' in text and len(text) < 2_000_000
+
+
+def test_readme_figures_check_on_the_run(default_run, tmp_path):
+    """scripts/readme_figures.py --check --from RUN on the run whose figures README holds
+    passes whatever the header sentence says (README's written from a timed fresh run, the
+    check's from --from; other library versions: a warning naming the drift); a figure that
+    differs fails with exactly the differing lines as a unified diff."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    shutil.copytree(default_run, out, ignore=shutil.ignore_patterns("runs", "*.html", "plotly.min.js"))
+    sys.path.insert(0, str(root / "scripts"))
+    import readme_figures as rf
+
+    timing = {"wall_s": 284.0, "load_before": "2.9/3.2/2.6", "load_after": "4.9/4.1/3.1", "machine": rf.machine()}
+    (out / "readme_figures.timing.json").write_text(json.dumps(timing))
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- readme_figures:begin -->\n<!-- readme_figures:end -->\n")
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    script = [sys.executable, str(root / "scripts" / "readme_figures.py"), "--from", str(out), "--readme", str(readme)]
+
+    def run(*extra):
+        return subprocess.run(script + list(extra), capture_output=True, text=True, env=env, timeout=300)
+
+    assert run().returncode == 0
+    text = readme.read_text()
+    assert "Measured by" in text and "took 284 s wall" in text
+    (out / "readme_figures.timing.json").unlink()  # now --from words the header "Figures by ... (not re-timed)"
+    assert "not re-timed" in run("--print").stdout
+    r = run("--check")
+    assert r.returncode == 0 and "match this run's" in r.stderr and "warning" not in r.stderr, r.stderr
+    # versions README names that this run does not: the drift named in a warning, not a failure
+    have = re.search(r"transformers ([^\s,()]+)", text).group(1)
+    readme.write_text(text.replace(f"transformers {have}", "transformers 0.0.0-readme", 1))
+    r = run("--check")
+    assert r.returncode == 0, r.stderr
+    assert f"warning: version drift (not compared): transformers 0.0.0-readme in README, {have} in this run" in r.stderr
+    # a figure that differs: exit 1, README's line and the run's as a unified diff, nothing else
+    row = next(ln for ln in text.splitlines() if ln.startswith("| `builtin:tiny-Q4_K_M` |"))
+    cells = row.split(" | ")
+    cells[1] = "9.99e-09"
+    readme.write_text(text.replace(row, " | ".join(cells)))
+    r = run("--check")
+    assert r.returncode == 1 and "differ from this run's" in r.stderr, r.stderr
+    diff = r.stderr.split("\n", 1)[1].splitlines()
+    assert diff[:2] == [f"--- README ({rf.machine_class()[0]})", "+++ this run"], diff
+    assert [ln for ln in diff[2:] if ln[:1] in "+-"] == ["-" + " | ".join(cells), "+" + row], diff

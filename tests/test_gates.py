@@ -363,8 +363,18 @@ def test_run_gates_not_evaluated_exit_4_and_each_candidates_page(tmp_path, capsy
     assert "no flips section" in (out / "reports" / name / "report.md").read_text()
     own = (out / "reports" / name / "report.html").read_text(encoding="utf-8")
     assert '<ul class="verdicts">' in own and "meaning_changed&gt;0" in own
+    assert own.count('<script id="plotly-js" src="../../plotly.min.js"></script>') == 1  # the RUN's shared plotly.js
+    assert (out / "report.html").read_text(encoding="utf-8").count('<script id="plotly-js" src="plotly.min.js"></script>') == 1
     # crossed wins over not evaluated; all evaluated and none crossed is 0
     assert main(argv + ["--fail-on", "kl_mean>=0,meaning_changed>0"]) == CROSSED_EXIT
+    # each line as `compare` prints it (cli.options.gate_lines): the crossed gate with the
+    # metric's value, the not-evaluated one with the reason from the report
+    err = " ".join(capsys.readouterr().err.split())
+    rep = json.loads((out / "reports" / name / "report.json").read_text())
+    kl = rep["summary"]["metrics"]["kl_nats"]["mean"]
+    assert f"gate crossed: {name}: kl_mean>=0 (value {kl:.6g})" in err, err
+    why = next(g["reason"] for g in rep["gates"]["gates"] if g["gate"] == "meaning_changed>0")
+    assert f"gate not evaluated: {name}: meaning_changed>0: {' '.join(why.split())}" in err, err
     assert main(argv + ["--require", "kl_mean<1e9"]) == 0
     # repeated options accumulate: the first of two clauses still fails the run
     assert main(argv + ["--fail-on", "kl_mean>=0", "--fail-on", "kl_mean>1e9"]) == CROSSED_EXIT

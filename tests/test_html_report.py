@@ -530,8 +530,8 @@ def test_verdict_line_per_candidate_first(ladder):
     assert plain["tiny-Q8_0"].startswith("drifts 138× cross-engine floor (mean KL ")  # 1 + 137.3, from summary.json
     assert "within 2× of the engine change" not in plain["tiny-Q8_0"]
     for n, text in plain.items():
-        assert "1 of 6 branches changed the meaning; 1 of 2 changed answers have no branched flip (listed on the page)" in text, n
-        assert "accuracy 75.0 % → 50.0 % (4 labelled): 2 right→wrong, 1 wrong→right, McNemar p = 1 (not significant)" in text
+        assert "1 of 6 counterfactual branches (the candidate's token forced at a flip) changed the meaning; 1 of 2 changed answers have no branched flip (listed on the page)" in text, n
+        assert "free-running accuracy 75.0 % → 50.0 % (4 labelled): 2 right→wrong, 1 wrong→right, McNemar p = 1 (not significant)" in text
         assert "valid tool calls 91.7 % (reference 100.0 %)" in text and "2 outputs cut at the token budget" in text
         assert "gates crossed: kl_mean>0.0001" in text and "not evaluated" not in text.split("gates crossed")[0]
     # the same words as report.verdict, from the same numbers
@@ -935,3 +935,127 @@ def test_the_longest_real_names_never_overprint_and_stay_distinguishable(ladder,
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if "│" in ln and any(k in ln for k in ("Q4_K_XL", "Q2_K_XL", "IQ3_XXS"))]
     assert len(lines) >= 3 and all(any(k in ln for ln in lines) for k in ("Q4_K_XL", "Q2_K_XL", "IQ3_XXS")), out
+
+
+# ----------------------------------------------------------------------------- a RUN's shared plotly.js
+def _selftest(url):
+    r = _chromium(url + "#selftest", "--dump-dom")
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r'<pre id="selftest-result">(.*?)</pre>', r.stdout, re.S)
+    assert m, "the #selftest hook did not run"
+    console = [ln for ln in r.stderr.splitlines() if ":CONSOLE" in ln and re.search(r"violates|Refused", ln)]
+    return json.loads(htmlmod.unescape(m.group(1))), console
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (scripts/install_chromium.sh installs it)")
+def test_shared_plotly_draws_from_file_and_from_a_server_and_says_when_missing(ladder, tmp_path):
+    """A page that loads a RUN's shared plotly.js (two directories up, as a candidate's page
+    does) draws every plot opened from disk and served over HTTP, its policy refusing nothing
+    it needs; the same page without the shared file says so in a visible line."""
+    import functools
+    import http.server
+    import threading
+
+    from logitdiff.report.html import PLOTLY_FILE, plotly_js, plotly_src_for
+
+    run = tmp_path / "run"
+    page_dir = run / "reports" / "q4"
+    page_dir.mkdir(parents=True)
+    (run / PLOTLY_FILE).write_text(plotly_js(), encoding="utf-8")
+    src = plotly_src_for(page_dir, run)
+    assert src == "../../plotly.min.js"
+    reports = [ladder["reports"][d.name] for d in ladder["dirs"]]
+    text = render_html(reports, [None] * len(reports), paths=ladder["dirs"], plotly_src=src)
+    assert plotly_js() not in text and text.count('<script id="plotly-js" src="../../plotly.min.js"></script>') == 1
+    assert len(text.encode()) < 1_000_000  # the figures and data, not plotly's ~4.7 MB
+    (page_dir / "report.html").write_text(text, encoding="utf-8")
+    figs = [f["id"] for f in _embedded(text, "logitdiff-figures")]
+    assert figs
+
+    res, refused = _selftest((page_dir / "report.html").resolve().as_uri())
+    assert res["errors"] == [] and not refused, (res["errors"], refused)
+    assert set(res["plots"]) == set(figs) and all(n >= 1 for n in res["plots"].values()), res["plots"]
+    assert res["plotly_missing"] is False
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(run))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        res, refused = _selftest(f"http://127.0.0.1:{server.server_address[1]}/reports/q4/report.html")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert res["errors"] == [] and not refused, (res["errors"], refused)
+    assert all(n >= 1 for n in res["plots"].values()) and set(res["plots"]) == set(figs)
+
+    (run / PLOTLY_FILE).unlink()
+    res, _ = _selftest((page_dir / "report.html").resolve().as_uri())
+    assert res["plotly_missing"] is True and res["errors"] == ["plotly.js not loaded"]
+    assert all(n == 0 for n in res["plots"].values())
+    # a page written alone carries plotly itself, and no missing-file line
+    alone = render_html(reports, [None] * len(reports), paths=ladder["dirs"])
+    assert alone.count(plotly_js()) == 1 and 'id="plotly-missing"' not in alone and "<script id=\"plotly-js\" src" not in alone
+
+
+# ----------------------------------------------------------------------------- verdict words, outcome colours
+@pytest.mark.parametrize("outcomes", [{"meaning_changed": 24}, {"meaning_changed": 20, "tool_call_changed": 3, "recovered": 1},
+                                      {"benign": 24}])
+def test_verdict_calls_branches_counterfactual_on_page_and_terminal(ladder, outcomes):
+    """Every branch changed the meaning (or none did) while no free-running answer changed:
+    on the page and in the terminal the flips are counterfactual branches and the accuracy is
+    free-running, so the line never reads as "24 of 24 changed ... no answer changed"."""
+    import io
+
+    from rich.console import Console
+
+    from logitdiff.cli.run import print_verdicts
+    from logitdiff.contracts import Outcome
+
+    n = sum(outcomes.values())
+    bad = sum(v for k, v in outcomes.items() if k in Outcome.BAD)
+    r = json.loads(json.dumps(ladder["reports"]["q4"]))
+    r["flips"]["n_branches"] = n
+    r["flips"]["outcomes"] = {o: outcomes.get(o, 0) for o in Outcome.ALL}
+    r["correctness"] |= {"accuracy_ref": 0.75, "accuracy_cand": 0.75, "right_to_wrong": 0, "wrong_to_right": 0, "mcnemar_p": 1.0}
+    page = render_html([r], [None], paths=[ladder["dirs"][1]])
+    li = re.search(r'<li data-name="[^"]+"><code>[^<]+</code> (.*?)</li>', page, re.S).group(1)
+    on_page = htmlmod.unescape(re.sub(r"<[^>]+>", "", li))
+    row = {"candidate": "test:q4", "name": "q4", "kl_mean": 1e-3, "x_noise_floor": 3.0, "flip_branches": n,
+           "flip_outcomes": r["flips"]["outcomes"], "accuracy_ref": 0.75, "accuracy_cand": 0.75, "right_to_wrong": 0,
+           "wrong_to_right": 0, "mcnemar_p": 1.0}
+    con = Console(file=io.StringIO(), width=1000, record=True)
+    print_verdicts({"candidates": [row]}, con)
+    in_terminal = con.export_text()
+    tool = outcomes.get("tool_call_changed", 0)
+    for text in (on_page, in_terminal):
+        assert (f"{bad} of {n} counterfactual branches (the candidate's token forced at a flip) changed the meaning"
+                + (f" or a tool call ({tool})" if tool else "")) in text, text
+        # (the terminal reads summary.json, whose rows do not carry the labelled count)
+        assert re.search(r"free-running accuracy 75\.0 % → 75\.0 %( \(4 labelled\))?: no answer changed", text), text
+        assert not re.search(r"\d+ of \d+ branches", text) and not re.search(r"(?<!free-running )accuracy \d", text), text
+
+
+def test_one_colour_per_flip_outcome_on_every_page(ladder):
+    """The by-tag bars and the branches table colour an outcome by the outcome, the same on
+    the combined page and on each candidate's own, whichever outcomes a page has."""
+    from logitdiff.contracts import Outcome
+    from logitdiff.report.html import OUTCOME_COLORS
+
+    assert set(OUTCOME_COLORS) == set(Outcome.ALL) and len(set(OUTCOME_COLORS.values())) == len(Outcome.ALL)
+    base = ladder["reports"]["q4"]
+    one, two = json.loads(json.dumps(base)), json.loads(json.dumps(base))
+    # the second candidate's tags hold other outcomes, in another order (plotly's colourway
+    # would colour its first outcome like the first one's first)
+    two["flips"]["by_tag"] = {"code": {"meaning_changed": 2, "tool_call_malformed": 1, "benign": 0, "recovered": 0, "tool_call_changed": 1,
+                                       "n": 4, "rates": {}}}
+    two["flips"]["top"] = [{"item_id": "code-1", "position": 3, "outcome": o, "kl_nats": 0.1} for o in Outcome.ALL]
+    colours = []
+    for reports in ([one], [two], [one, two]):
+        page = render_html(reports, [None] * len(reports), paths=[f"/tmp/x/{i}" for i in range(len(reports))])
+        fig = next(f for f in _embedded(page, "logitdiff-figures") if f["id"] == "plot-flips-by-tag")
+        seen = {t["name"]: t["marker"]["color"] for t in fig["data"]}
+        assert seen and all(OUTCOME_COLORS[o] == c for o, c in seen.items()), seen
+        colours.append(seen)
+        for o, c in OUTCOME_COLORS.items():
+            assert f".outcome.{o}{{border-left:4px solid {c};" in page
+    assert set(colours[1]) - set(colours[0])  # the pages do hold other outcomes, each in its one colour

@@ -132,3 +132,19 @@ def test_a_file_named_like_a_bundled_workload_wins(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _write(tmp_path, [GOOD], "builtin")
     assert [i.id for i in read_workload("builtin")] == ["g"]
+
+
+def test_run_help_shows_the_workload_format_and_a_readable_description():
+    """`run --help` carries the workload format (cli.workloads.FORMAT) with its columns kept,
+    and its own description wrapped to lines a terminal shows whole."""
+    from logitdiff.cli import build_parser
+    from logitdiff.cli.run import DESCRIPTION
+    from logitdiff.cli.workloads import FORMAT
+
+    text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
+    assert FORMAT in text  # every line as written, the field names aligned
+    head = text.split("options:")[0]
+    desc = [ln for ln in head.splitlines() if ln and not ln.startswith(("usage:", " "))]
+    assert " ".join(" ".join(desc).split()) == " ".join(DESCRIPTION.split())
+    assert len(desc) >= 5 and max(map(len, desc)) <= 100, desc
+    assert "Exit status:" in text and "Landlock" in text  # the gates' and the sandbox's epilog kept

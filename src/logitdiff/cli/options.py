@@ -3,7 +3,7 @@ library's own (one place for each), so a command's ``--help`` and the Python API
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..api import MAX_BOOTSTRAP
 from ..errors import LogitdiffError
@@ -67,18 +67,27 @@ def gate_exit(reports: Sequence[Report]) -> int:
 
 def print_gates(con, per_candidate: list) -> None:
     """``gate crossed`` (red) and ``gate not evaluated`` (yellow, with the reason) lines for
-    (candidate, report.json gates section) pairs."""
+    (candidate, report.json gates section) pairs: ``compare`` and ``run`` print the same lines."""
+    for who, g in per_candidate:
+        for line in gate_lines(who, g):
+            con.print(line)
+
+
+def gate_lines(who: str, g: Mapping) -> list[str]:
+    """The console lines of one report.json ``gates`` section: each crossed gate with the
+    metric's value, each not-evaluated gate with the reason its metric is missing."""
     from ..report.gates import crossed_of, not_evaluated_of
 
-    for who, g in per_candidate:
-        results = {x["gate"]: x for x in g.get("gates") or []}
-        for text in crossed_of(g):
-            x = results.get(text) or {}
-            value = "" if x.get("value") is None else f" (value {x['value']:.6g})"
-            con.print(f"[bold red]gate crossed[/]: {who}: {text}{value}")
-        for text in not_evaluated_of(g):
-            why = (results.get(text) or {}).get("reason") or "the report does not have this metric"
-            con.print(f"[bold yellow]gate not evaluated[/]: {who}: {text}: {why}")
+    results = {x["gate"]: x for x in g.get("gates") or []}
+    lines = []
+    for text in crossed_of(g):
+        x = results.get(text) or {}
+        value = "" if x.get("value") is None else f" (value {x['value']:.6g})"
+        lines.append(f"[bold red]gate crossed[/]: {who}: {text}{value}")
+    for text in not_evaluated_of(g):
+        why = (results.get(text) or {}).get("reason") or "the report does not have this metric"
+        lines.append(f"[bold yellow]gate not evaluated[/]: {who}: {text}: {why}")
+    return lines
 
 
 def add_ranges(p) -> None:

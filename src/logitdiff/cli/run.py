@@ -31,12 +31,24 @@ DESCRIPTION = (
 )
 
 
+def _wrapped(text: str) -> str:
+    """``text`` wrapped by hand: the raw formatter that keeps the epilog's columns keeps this
+    paragraph's lines as they are too."""
+    import textwrap
+
+    return textwrap.fill(text, width=100, break_on_hyphens=False)
+
+
 def register(sub) -> None:
+    import argparse
+
     from ..store.files import REPORT_NAMES_HELP
     from ..store.kinds import AUTO, STORE_KINDS, reference_store_choices
     from ..defaults import SANDBOX_HELP
+    from .workloads import FORMAT
 
-    run_p = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=SANDBOX_HELP)
+    run_p = sub.add_parser(NAME, help=HELP, description=_wrapped(DESCRIPTION), epilog=f"{FORMAT}\n{SANDBOX_HELP}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # the workload format's columns kept
     run_p.add_argument("--reference", default="builtin:tiny", metavar="SPEC",
                        help="the reference's source spec (hf:, gguf:, served:, builtin:...), captured into OUT/runs/reference; "
                             "a source, not a RUN (default: %(default)s)")
@@ -119,20 +131,16 @@ def run(args) -> int:
 
 
 def _gates_exit(summary: RunSummary, con: Console) -> int:
-    """Each candidate's crossed and not-evaluated gates (summary.json) and the exit status
-    they give (gates.exit_status, over each candidate's report.json gates section as
-    summary.json lists it); the values and reasons are in each report."""
+    """Each candidate's crossed gates with the metric's value and its not-evaluated gates
+    with the reason (read from its report.json gates section; printed as ``compare`` prints
+    them), and the exit status they give (gates.exit_status)."""
+    from ..report import read_report
     from ..report.gates import exit_status
+    from .options import print_gates
 
-    crossed = summary.get("gates_crossed") or {}
-    missing = summary.get("gates_not_evaluated") or {}
-    for who, gs in crossed.items():
-        con.print(f"[bold red]gate crossed[/]: {who}: {', '.join(gs)}")
-    for who, gs in missing.items():
-        con.print(f"[bold yellow]gate not evaluated[/]: {who}: {', '.join(gs)}: its report does not have "
-                  f"{'this metric' if len(gs) == 1 else 'these metrics'} (reasons in reports/{who}/report.md)")
-    return exit_status([{"crossed": r.get("gates_crossed", []), "not_evaluated": r.get("gates_not_evaluated", [])}
-                        for r in summary["candidates"]])
+    sections = [(r["name"], read_report(r["report"]).get("gates")) for r in summary["candidates"]]
+    print_gates(con, [(who, g) for who, g in sections if g])
+    return exit_status([g for _, g in sections])
 
 
 def _warn_cut(summary: RunSummary, con: Console) -> None:

@@ -342,17 +342,21 @@ def _write_summary(cfg: RunConfig, out: Path, summary: RunSummary, rows: list[Ca
     if not cfg.html:
         return
     from ..report import write_candidate_page
-    from ..report.html import write_html
+    from ..report.html import PLOTLY_FILE, plotly_js, plotly_src_for, with_plotly_src, write_html
 
     hooks.stage("report.html: every candidate on one page, and each candidate's own in reports/<name>/")
-    write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary)
+    # plotly.js once per RUN, beside the pages that load it (not inlined in each: ~5 MB a page)
+    atomic_write_bytes(out / PLOTLY_FILE, plotly_js().encode("utf-8"))
+    write_html([Path(r["report"]) for r in rows], out / "report.html", summary=summary, plotly_src=plotly_src_for(out, out))
     if len(rows) == 1:
         # one candidate: its own page is the run's page (the same report, tokens, summary
-        # and path rendered), written once and copied, not rendered twice
-        atomic_write_bytes(Path(rows[0]["report"]) / "report.html", (out / "report.html").read_bytes())
+        # and path rendered), written once and copied with its plotly.js URL, not rendered twice
+        page = (out / "report.html").read_text(encoding="utf-8")
+        rdir = Path(rows[0]["report"])
+        atomic_write_bytes(rdir / "report.html", with_plotly_src(page, plotly_src_for(rdir, out)).encode("utf-8"))
     else:
         for r in rows:
-            write_candidate_page(r["report"], summary)
+            write_candidate_page(r["report"], summary, plotly_src=plotly_src_for(r["report"], out))
 
 
 def identical_distributions(comp) -> bool:

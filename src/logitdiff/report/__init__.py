@@ -436,17 +436,31 @@ def rewrite_report_dir(out: str | Path, report: Report, columns: dict[str, np.nd
     report.json, ``files``, and report.md and report.html rendered again from the report and
     ``columns`` (its tokens), all written at once as :func:`update_report_dir` does;
     ``remove`` deleted."""
-    from .html import render_html
+    from .html import plotly_src_for, render_html
     from .markdown import render_markdown
 
-    rendered = {"report.md": render_markdown(report).encode(),
-                "report.html": render_html([report], [columns], paths=[str(out)]).encode()}
+    run = run_of_report(out)  # a REPORT of a RUN keeps loading the RUN's shared plotly.js
+    page = render_html([report], [columns], paths=[str(out)], plotly_src=None if run is None else plotly_src_for(out, run))
+    rendered = {"report.md": render_markdown(report).encode(), "report.html": page.encode()}
     update_report_dir(out, report, {**files, **rendered}, remove=remove)
 
 
-def write_candidate_page(report_dir: str | Path, summary=None) -> Path:
+def run_of_report(report_dir: str | Path) -> Path | None:
+    """The RUN directory (``logitdiff run``'s OUT) whose reports/ holds ``report_dir`` and
+    which has a shared plotly.js for its pages; None for a REPORT written alone (or by a
+    run from before the shared file)."""
+    from .html import PLOTLY_FILE
+
+    out = Path(report_dir).resolve().parent.parent
+    if Path(report_dir).resolve().parent.name != "reports" or not (out / "summary.json").is_file():
+        return None
+    return out if (out / PLOTLY_FILE).is_file() else None
+
+
+def write_candidate_page(report_dir: str | Path, summary=None, *, plotly_src: str | None = None) -> Path:
     """REPORT/report.html: the page of this one candidate (``summary``: the run's summary.json,
-    for the cross-engine floor), from its report.json and tokens.parquet. The page is written
+    for the cross-engine floor), from its report.json and tokens.parquet; self-contained, or
+    loading plotly.js from ``plotly_src`` (relative to the page). The page is written
     to a temporary name and renamed into place; nothing else in the REPORT changes."""
     from .html import load_tokens, render_html
 
@@ -455,7 +469,7 @@ def write_candidate_page(report_dir: str | Path, summary=None) -> Path:
     report_dir = Path(report_dir)
     with same_directory(report_dir):  # report.json and tokens.parquet of one version of the REPORT
         report, tokens = load_report(report_dir), load_tokens(report_dir / "tokens.parquet")
-    page = render_html([report], [tokens], summary=summary, paths=[str(report_dir)])
+    page = render_html([report], [tokens], summary=summary, paths=[str(report_dir)], plotly_src=plotly_src)
     atomic_write_bytes(report_dir / "report.html", page.encode("utf-8"))
     return report_dir / "report.html"
 

@@ -1,9 +1,14 @@
 """report.html: one self-contained page comparing one or more candidates' REPORTs.
 
-The page is a single file: plotly.js is inlined once, the figures and every number derived
-from tokens.parquet travel as JSON inside the page, and a Content-Security-Policy meta tag
-forbids the browser from fetching anything at all (no CDN, no fonts, no images), so the
-file can be mailed, archived or opened offline and always shows the same thing.
+A page written alone (``compare --out``, ``report``) is a single file: plotly.js is inlined
+once, the figures and every number derived from tokens.parquet travel as JSON inside the
+page, and a Content-Security-Policy meta tag forbids the browser from fetching anything at
+all (no CDN, no fonts, no images), so the file can be mailed, archived or opened offline and
+always shows the same thing. The pages of a RUN (``logitdiff run``: OUT/report.html and one
+per candidate) share one OUT/plotly.min.js instead (``plotly_src``, a path relative to the
+page), so a RUN of eight pages carries plotly once, not eight times; their policy allows
+scripts from that file's own place (file: or the serving origin) and nothing else, and a
+page whose shared file is missing says so in a visible line.
 
 Rules the page follows:
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -93,7 +99,21 @@ FLIP_COLUMNS = tuple(_col(n, paths=False) for n in ("flips", "flip_branches", *O
 OPTIONAL_COLUMNS = tuple(_col(n) for n in ("flips_left_out", "flips_ref_not_top1", "cut_cand"))
 X_CROSS_ENGINE_FLOOR = _col("x_cross_engine_floor")
 
-CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px;text-align:left} table.flips td{vertical-align:top} 
+# One colour per flip outcome on every page and in every part of it (the by-tag bars, the
+# outcome labels of the branches table): keyed by the outcome, never by the order in which a
+# page's outcomes happen to occur (plotly's colourway would give the same outcome another
+# colour on a page where another set of outcomes occurred).
+OUTCOME_COLORS = {
+    Outcome.RECOVERED: "#2ca02c",
+    Outcome.BENIGN: "#8fa9c8",
+    Outcome.MEANING_CHANGED: "#d62728",
+    Outcome.TOOL_CALL_MALFORMED: "#9467bd",
+    Outcome.TOOL_CALL_CHANGED: "#ff7f0e",
+}
+OTHER_OUTCOME_COLOR = "#7f7f7f"  # an outcome a newer flips stage writes that this map does not know
+OUTCOME_CSS = "".join(f".outcome.{o}{{border-left:4px solid {c};padding-left:4px}}" for o, c in OUTCOME_COLORS.items())
+
+CSS = OUTCOME_CSS + """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px;text-align:left} table.flips td{vertical-align:top} 
 .cont .ftok{outline:2px solid #1f4fd1;outline-offset:-1px;background:#e3ebff}.cont .joined{background:#dff3e1}
 .cont .left{background:#fde4e2}.cont .cut{display:inline-block;width:0;border-left:2px solid #c62828;height:1.1em;vertical-align:text-bottom}
 :root{--fg:#1d2330;--mut:#5b6475;--line:#d9dde5;--bg:#fff;--alt:#f5f7fa;--warn:#fff4d6;--warnb:#e0a800}
@@ -164,12 +184,19 @@ JS = r"""
     th.addEventListener('click', function(){ sortBy(th); });
   });
   var figs = JSON.parse(document.getElementById('logitdiff-figures').textContent);
+  if (typeof Plotly === 'undefined' && figs.length) {  // a RUN's shared plotly.min.js not found beside the page
+    var missing = document.getElementById('plotly-missing');
+    if (missing) missing.hidden = false;
+    errors.push('plotly.js not loaded');
+    figs = [];
+  }
   var config = {displaylogo: false, responsive: true, showLink: false, showSendToCloud: false, showEditInChartStudio: false};
   figs.forEach(function(f){
     try { Plotly.newPlot(f.id, f.data, f.layout, config); } catch (e) { errors.push(f.id + ': ' + e); }
   });
   if (location.hash === '#selftest') {
-    var res = {errors: errors, plots: {}, sort: null};
+    var pm = document.getElementById('plotly-missing');
+    var res = {errors: errors, plots: {}, sort: null, plotly_missing: pm ? !pm.hidden && pm.getBoundingClientRect().height > 0 : null};
     document.querySelectorAll('.plot').forEach(function(d){ res.plots[d.id] = d.querySelectorAll('.main-svg').length; });
     var th = document.querySelector('#matrix th[data-key=kl_mean]');
     if (th) {
@@ -601,7 +628,8 @@ def _flips_by_tag_figures(names, reports) -> tuple[list[dict], str | None]:
     f = go.Figure()
     for oc in outcomes:
         sel = [r for r in rows if r[2] == oc and r[3]]
-        f.add_bar(x=[[r[0] for r in sel], [r[1] for r in sel]], y=[r[3] for r in sel], name=oc)
+        f.add_bar(x=[[r[0] for r in sel], [r[1] for r in sel]], y=[r[3] for r in sel], name=oc,
+                  marker={"color": OUTCOME_COLORS.get(oc, OTHER_OUTCOME_COLOR)})
     _layout(f, "Flip outcomes by tag", barmode="stack")
     f.update_yaxes(title="flips")
     return [{"id": "plot-flips-by-tag", "note": "From report.json flips.by_tag.", **_fig(f)}], None
@@ -1195,8 +1223,10 @@ def render_html(
     title: str | None = None,
     summary: RunSummary | None = None,
     paths: Sequence[str | Path | None] | None = None,
+    plotly_src: str | None = None,
 ) -> str:
-    """The self-contained page for ``reports`` (report.json objects) and their tokens.
+    """The page for ``reports`` (report.json objects) and their tokens: self-contained, or
+    loading plotly.js from ``plotly_src`` (a URL relative to the page: a RUN's shared file).
 
     ``tokens[i]`` is report i's tokens.parquet as a pandas DataFrame or a mapping of
     columns, or None (then report.json rows are used when present, and token-based parts
@@ -1248,7 +1278,7 @@ def render_html(
         "tokens": "".join(_token_view(n, r, c, o, open_=(n == worst_cand)) for n, r, c, o in views)
         or '<p class="note">No tokens.parquet: no token view.</p>',
     }
-    return _page(title, parts, data, [{"id": f["id"], "data": f["data"], "layout": f["layout"]} for f in figs])
+    return _page(title, parts, data, [{"id": f["id"], "data": f["data"], "layout": f["layout"]} for f in figs], plotly_src=plotly_src)
 
 
 def _token_figures_data(names, cols, data: dict) -> tuple[dict, str | None]:
@@ -1308,20 +1338,62 @@ def _flips_section(names, reports, worst_cand: str) -> str:
             + "".join(_flips_view(n, r, open_=(n == worst_cand)) for n, r in zip(names, reports)))
 
 
-def _page(title: str, parts: dict[str, str], data: dict, fig_json: list[dict]) -> str:
-    """The page around its parts: head (CSP, plotly.js inlined), sections, embedded data."""
+# A RUN's shared plotly.js: OUT/PLOTLY_FILE, loaded by OUT/report.html and by each
+# OUT/reports/<name>/report.html through a relative URL (plotly_src_for).
+PLOTLY_FILE = "plotly.min.js"
+
+
+def plotly_src_for(page_dir: str | Path, run_out: str | Path) -> str:
+    """The URL, relative to a page in ``page_dir``, of the RUN ``run_out``'s shared plotly.js."""
+    import os
+
+    return Path(os.path.relpath(Path(run_out) / PLOTLY_FILE, Path(page_dir))).as_posix()
+
+
+def plotly_js() -> str:
+    """plotly.min.js as the installed plotly package ships it: inlined in a page written
+    alone, the content of a RUN's shared OUT/plotly.min.js."""
     import plotly.offline
 
-    csp = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:; font-src data:"
+    return plotly.offline.get_plotlyjs()
+
+
+def _plotly_head(plotly_src: str | None) -> tuple[str, str]:
+    """(Content-Security-Policy, the plotly script tag): inlined, or loaded from ``plotly_src``
+    (relative to the page), the only file the page may fetch: scripts from the page's own
+    place ('self' under a web server, file: when opened from disk), nothing else."""
+    base = "default-src 'none'; style-src 'unsafe-inline'; img-src data: blob:; font-src data:"
+    if plotly_src is None:
+        return f"{base}; script-src 'unsafe-inline'", f'<script id="plotly-js">{plotly_js()}</script>'
+    return f"{base}; script-src 'unsafe-inline' 'self' file:", f'<script id="plotly-js" src="{_e(plotly_src)}"></script>'
+
+
+def with_plotly_src(page: str, plotly_src: str) -> str:
+    """A page written with a shared plotly.js, pointing at it from another place (the same
+    page copied to another directory of the RUN)."""
+    tag = re.compile(r'<script id="plotly-js" src="[^"]*"></script>')
+    if len(tag.findall(page)) != 1:
+        raise ValueError("not a page that loads a shared plotly.js")
+    return tag.sub(lambda _: f'<script id="plotly-js" src="{_e(plotly_src)}"></script>', page, count=1)
+
+
+def _page(title: str, parts: dict[str, str], data: dict, fig_json: list[dict], *, plotly_src: str | None = None) -> str:
+    """The page around its parts: head (CSP, plotly.js inlined or the shared file), sections, embedded data."""
+    csp, plotly_tag = _plotly_head(plotly_src)
+    missing = ("" if plotly_src is None else
+               f'<p id="plotly-missing" class="note unevaluated" hidden>The plots are not drawn: {_e(plotly_src)} '
+               "(the RUN's shared plotly.js, beside OUT/report.html) was not found or not loaded; keep the page in its RUN "
+               "directory, or write a self-contained one with logitdiff report.</p>")
     return "".join([
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
         HTML_GENERATOR_META,  # how `report --out` recognises a page it may replace
         f'<meta http-equiv="Content-Security-Policy" content="{csp}">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_e(title)}</title><style>{CSS}</style>",
-        f'<script id="plotly-js">{plotly.offline.get_plotlyjs()}</script>',
+        plotly_tag,
         "</head><body>",
         f"<h1>{_e(title)}</h1>",
+        missing,
         '<p class="lead">Drift of each candidate\'s next-token distributions from the reference, teacher-forced on the same tokens. '
         "The reference is a numerical-fidelity reference, not an oracle: these figures are <em>drift from the reference</em>, "
         "not correctness.</p>",
@@ -1355,8 +1427,9 @@ def _page(title: str, parts: dict[str, str], data: dict, fig_json: list[dict]) -
 
 
 def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: RunSummary | None = None, *, title: str | None = None,
-               inputs: Sequence[str | Path] = ()) -> Path:
-    """Read each REPORT dir's report.json and tokens.parquet, write one page atomically."""
+               inputs: Sequence[str | Path] = (), plotly_src: str | None = None) -> Path:
+    """Read each REPORT dir's report.json and tokens.parquet, write one page atomically
+    (self-contained, or loading plotly.js from ``plotly_src``: :func:`render_html`)."""
     reports, tokens, paths = [], [], []
     for d in report_dirs:
         d = Path(d)
@@ -1366,7 +1439,7 @@ def write_html(report_dirs: Sequence[str | Path], out: str | Path, summary: RunS
             reports.append(load_report(d))
             tokens.append(load_tokens(d / "tokens.parquet"))
         paths.append(str(d))
-    page = render_html(reports, tokens, title=title, summary=summary, paths=paths)
+    page = render_html(reports, tokens, title=title, summary=summary, paths=paths, plotly_src=plotly_src)
     out = Path(out)
     # out: new, or a page this tool wrote; never a directory, another file or an input.
     with writing(out, Kind.HTML, inputs=[*report_dirs, *inputs]) as tmp:

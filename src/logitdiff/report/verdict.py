@@ -13,6 +13,8 @@ from typing import Any, Mapping
 from ..contracts import Outcome
 from .metric_registry import header
 
+# What a flip's branch is, in the verdict's words (flips_part).
+BRANCHES = "counterfactual branches (the candidate's token forced at a flip)"
 # McNemar p below this is called significant (and said so, with the p-value beside it).
 SIGNIFICANCE = 0.05
 
@@ -78,7 +80,10 @@ def flips_part(report: Mapping) -> tuple[str, str] | None:
     o = f.get("outcomes") or {}
     bad = sum(int(o.get(k) or 0) for k in Outcome.BAD)
     tool = int(o.get(Outcome.TOOL_CALL_MALFORMED) or 0) + int(o.get(Outcome.TOOL_CALL_CHANGED) or 0)
-    text = f"{bad} of {n_b} branches changed the meaning" + (f" or a tool call ({tool})" if tool else "")
+    # a branch is a counterfactual (the reference's text up to one flip, the candidate's
+    # token there, the candidate continuing), not one of its free-running answers: said so, lest
+    # "24 of 24 changed the meaning" read against "no answer changed" beside it
+    text = f"{bad} of {n_b} {BRANCHES} changed the meaning" + (f" or a tool call ({tool})" if tool else "")
     changed = [c for c in f.get("changed_items") or [] if isinstance(c, Mapping)]
     unbranched = sum(not c.get("branched") for c in changed)
     if unbranched:
@@ -87,7 +92,7 @@ def flips_part(report: Mapping) -> tuple[str, str] | None:
 
 
 def answers_part(report: Mapping) -> tuple[str, str] | None:
-    """(severity, text) of the labelled answers: accuracy both ways, correctness flips and
+    """(severity, text) of the labelled free-running answers: accuracy both ways, correctness flips and
     the McNemar test, said significant or not at SIGNIFICANCE; None without correctness."""
     c = report.get("correctness")
     if not isinstance(c, Mapping):
@@ -100,7 +105,7 @@ def answers_part(report: Mapping) -> tuple[str, str] | None:
     # (and one of McNemar's discordant pairs); schema 1.2, 0 when absent
     r2t = int(c.get("right_to_truncated") or 0)
     p = _num(c.get("mcnemar_p"))
-    text = f"accuracy {_pct(ar)} → {_pct(ac)}" + (f" ({c['n_labelled']} labelled)" if c.get("n_labelled") is not None else "")
+    text = f"free-running accuracy {_pct(ar)} → {_pct(ac)}" + (f" ({c['n_labelled']} labelled)" if c.get("n_labelled") is not None else "")
     if not (r2w or w2r or r2t):
         return "ok", text + ": no answer changed"
     sig = p is not None and p < SIGNIFICANCE
