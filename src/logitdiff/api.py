@@ -20,7 +20,6 @@ process-wide state. ``bar`` arguments are progress callbacks: ``bar(total, label
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar, cast
@@ -194,7 +193,7 @@ def capture_run(
     ``spec`` is a source spec (``hf:PATH``, ``gguf:PATH``, ``served:URL``, ``builtin:tiny``...).
     ``teacher=`` is the deprecated name of ``reference=`` (docs/migration.md). Returns ``out``."""
     from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
-    from .store.files import DOCUMENT_MAX_BYTES, Kind, check_output, read_input_bytes
+    from .store.files import Kind, check_output
     from .capture.shards import parse_shard, shard_items, with_endpoints
     from .sources import applied_threads, open_source
     from .store import RunReader, parse_chunk_size
@@ -226,18 +225,21 @@ def capture_run(
                               shard=shard_ix, settings=extra, batch=batch, chunk_bytes=chunk_bytes)
     else:
         from .builtin import WORKLOAD
-        from .workload import read_workload
+        from .workload import read_workload, workload_file, workload_sha256
 
         wl = str(workload) if workload else str(WORKLOAD)
-        check_output(out, Kind.RUN, inputs=[wl], overwrite=overwrite, resume=resume)
-        items = shard_items(read_workload(wl), shard_ix, block=batch)
-        # The workload's bytes, not its path, decide whether a --resume continues the same capture.
-        wl_hash = hashlib.sha256(read_input_bytes(wl, max_bytes=DOCUMENT_MAX_BYTES)).hexdigest()
+        wl_file = workload_file(wl)  # None: a benchmark read from its package
+        inputs = [wl_file] if wl_file is not None else []
+        check_output(out, Kind.RUN, inputs=inputs, overwrite=overwrite, resume=resume)
+        every = read_workload(wl)
+        items = shard_items(every, shard_ix, block=batch)
+        # The workload's bytes (a benchmark's items), not its path, decide whether a --resume continues the same capture.
+        wl_hash = workload_sha256(wl, every)
         with open_source(full_spec) as src, applied_threads([src]):
             advance = bar(len(items), f"capturing {spec}")
             capture_reference(src, items, out, max_tokens=max_tokens, store=kind, positions=positions, resume=resume,
                               overwrite=overwrite, settings={"workload": wl, "workload_sha256": wl_hash, **extra},
-                              progress=advance, inputs=[wl], batch=batch, chunk_bytes=chunk_bytes)
+                              progress=advance, inputs=inputs, batch=batch, chunk_bytes=chunk_bytes)
     return Path(out)
 
 
@@ -593,7 +595,7 @@ def speculate(
     from .store.files import Kind, reserved, writing
     from .report.speculation import render_html, render_markdown, speculation_json
     from .speculation import compare_generation, prepare_prompts
-    from .workload import read_workload
+    from .workload import read_workload, workload_file
 
     bar = bar or _no_bar
     ref_url, ref_decl = _server_spec(reference, "reference")
@@ -610,7 +612,8 @@ def speculate(
     wl = str(workload) if workload else str(WORKLOAD)
     # out guarded and locked for the whole generation: a second writer is refused from the start, not
     # replaced (whole) by whichever run finishes last
-    with reserved(out, Kind.SPECULATION, inputs=[wl]) if out is not None else contextlib.nullcontext():
+    wl_file = workload_file(wl)  # None: a benchmark read from its package
+    with reserved(out, Kind.SPECULATION, inputs=[wl_file] if wl_file else []) if out is not None else contextlib.nullcontext():
         items = read_workload(wl)[: limit or None]
         ref = LlamaServer(ref_url, role="reference", top_k=top_k, timeout=timeout)
         try:
