@@ -91,6 +91,7 @@ class FloorPlan:
 
     spec: str | None
     how: str
+    chosen_here: bool = False  # chosen by --floor auto and not a candidate: dropped, not fatal, if unusable
 
 
 class Hooks:
@@ -190,10 +191,29 @@ def _plan_candidates(cfg: RunConfig, hooks: Hooks) -> tuple[RunConfig, FloorPlan
     if cfg.floor == floors.AUTO and not is_served(cfg.reference):
         hooks.stage(f"cross-engine floor: choosing the same weights in another engine for {cfg.reference}")
     spec, how = floors.choose_floor(cfg.floor, cfg.reference)
+    chosen_here = spec is not None and spec not in candidates and cfg.floor == floors.AUTO
     if spec is not None and spec not in candidates:
         candidates.insert(0, spec)
     hooks.stage(f"cross-engine floor: {spec} ({how})" if spec else f"cross-engine floor: none ({how})")
-    return dataclasses.replace(cfg, candidates=candidates), FloorPlan(spec, how)
+    return dataclasses.replace(cfg, candidates=candidates), FloorPlan(spec, how, chosen_here)
+
+
+def _preflight(cfg: RunConfig, items, names: list[str], plan: FloorPlan, hooks: Hooks) -> None:
+    """Each candidate tokenizes every prompt as the reference does. An automatic floor that
+    does not is dropped (from cfg.candidates and names), the reason kept in ``plan``: the
+    user asked for the candidates, not for that floor."""
+    hooks.stage("preflight: each candidate tokenizes every prompt as the reference does")
+    if plan.chosen_here and plan.spec is not None:
+        try:
+            preflight_tokenization(cfg.reference, [plan.spec], items)
+        except LogitdiffError as e:
+            hooks.stage(f"cross-engine floor: {plan.spec} dropped ({e})")
+            cfg.candidates.remove(plan.spec)
+            names.pop(0)
+            plan.how = f"auto: no cross-engine floor, {plan.spec} was dropped ({e}); name one with --floor SPEC"
+            plan.spec = None
+    rest = [c for c in cfg.candidates if not (plan.chosen_here and c == plan.spec)]
+    preflight_tokenization(cfg.reference, rest, items)  # seconds, not after the reference capture
 
 
 def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], plan: FloorPlan) -> RunSummary:
@@ -211,8 +231,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     _prebuild_builtin_ladder(cfg, hooks)  # before the preflight, which renders with those GGUFs
-    hooks.stage("preflight: each candidate tokenizes every prompt as the reference does")
-    preflight_tokenization(cfg.reference, cfg.candidates, items)  # seconds, not after the reference capture
+    _preflight(cfg, items, names, plan, hooks)
     # A served reference and a served (first) candidate: the candidate is opened first and
     # scores each reference block (another server) while the reference generates the next.
     early = None

@@ -73,7 +73,10 @@ def automatic_floor(reference: str, *, build: bool = True) -> tuple[str | None, 
                 return f"gguf:<{outtype} export of {path}>", how
             from ..sources.quantize import build_ladder
 
-            return f"gguf:{build_ladder(path, quants=())[outtype]}", how
+            try:
+                return f"gguf:{build_ladder(path, quants=())[outtype]}", how
+            except LogitdiffError as e:  # e.g. an architecture the exporter does not write: no floor, said why
+                return None, f"auto: no cross-engine floor, the GGUF export of {path} failed ({e}); name one with --floor SPEC"
     return None, (f"no automatic cross-engine floor for {reference}: name one with --floor SPEC (the same weights "
                   "in another engine)")
 
