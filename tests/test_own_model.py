@@ -74,6 +74,12 @@ def test_automatic_floor_is_chosen_by_what_the_reference_is(tiny, cache, tmp_pat
         spec, how = automatic_floor(ref)
         assert spec is None and "--floor SPEC" in how, ref
     assert "served reference" in automatic_floor("served:http://127.0.0.1:9")[1]
+    # a model the exporter cannot write: no floor, the exporter's reason kept (never a failed run)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    spec, how = automatic_floor(f"hf:{broken}")
+    assert spec is None and f"the GGUF export of {broken} failed" in how and "--floor SPEC" in how
     assert choose_floor("none", "builtin:tiny") == (None, "none: --floor none")
     assert choose_floor("gguf:x.gguf", "builtin:tiny") == ("gguf:x.gguf", "--floor gguf:x.gguf")
     for bad in ("builtin:tiny", "no-kind-here"):
