@@ -271,7 +271,7 @@ def test_run_is_the_run_command(real_report, tmp_path):
     tmp = real_report[0].parent
     summary = logitdiff.run(reference="builtin:tiny", candidates=["builtin:tiny,dtype=float32"], workload=str(tmp / "w.jsonl"),
                             out=str(tmp_path / "out"), max_tokens=12, noise_floor=False, flips=False, correctness=False,
-                            bootstrap=0)
+                            bootstrap=0, floor="none")
     [row] = summary["candidates"]
     # the same reference output and the same candidate as the fixture's capture + compare
     assert row["kl_mean"] == real_report[1]["summary"]["kl_nats_mean"]

@@ -170,7 +170,7 @@ def test_cli_capture_compare_live_and_run(model, ref_run, tmp_path, capsys):
     assert a["kl_nats_mean"] == pytest.approx(b["kl_nats_mean"], rel=1e-12)
     out = tmp_path / "runout"
     assert main(["run", "--reference", f"hf:{model['dir']},dtype=float32", "--candidate", f"gguf:{model['ladder']['Q8_0']}",
-                 "--candidate", f"gguf:{model['ladder']['Q2_K']}", "--workload", str(model["wl"]), "--out", str(out), "--bootstrap", "50"]) == 0
+                 "--candidate", f"gguf:{model['ladder']['Q2_K']}", "--workload", str(model["wl"]), "--out", str(out), "--bootstrap", "50", "--floor", "none"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["noise_floor"]["kl_nats_mean"] == 0.0
     names = [c["name"] for c in summary["candidates"]]

@@ -349,7 +349,7 @@ def test_run_gates_not_evaluated_exit_4_and_each_candidates_page(tmp_path, capsy
                           for k, p in enumerate(["def add(a, b):", "The capital of France is"])))
     out = tmp_path / "out"
     argv = ["run", "--reference", "builtin:tiny", "--candidate", "builtin:tiny,dtype=float32", "--workload", str(wl),
-            "--no-noise-floor", "--no-flips", "--bootstrap", "0", "--out", str(out)]
+            "--no-noise-floor", "--no-flips", "--bootstrap", "0", "--floor", "none", "--out", str(out)]
     assert main(argv + ["--fail-on", "kl_mean>1e9,meaning_changed>0", "--require", "top1_disagreement<=1"]) == NOT_EVALUATED_EXIT
     err = " ".join(capsys.readouterr().err.split())
     assert "gate not evaluated" in err and "meaning_changed>0" in err and "gate crossed" not in err

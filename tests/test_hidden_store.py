@@ -293,7 +293,7 @@ def test_run_with_a_hidden_reference_writes_the_same_reports(tmp_path):
     wl = tmp_path / "wl.jsonl"
     wl.write_text("".join(json.dumps(r) + "\n" for r in read_workload_rows(3)))
     args = ["run", "--reference", "builtin:tiny", "--candidate", "builtin:tiny,dtype=float32", "--workload", str(wl),
-            "--no-noise-floor", "--no-flips", "--bootstrap", "10"]
+            "--no-noise-floor", "--no-flips", "--bootstrap", "10", "--floor", "none"]
     assert main(args + ["--out", str(tmp_path / "a"), "--reference-store", "full"]) == 0
     assert main(args + ["--out", str(tmp_path / "b")]) == 0
     assert RunReader(tmp_path / "a" / "runs" / "reference").store == "full"

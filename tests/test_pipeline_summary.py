@@ -75,7 +75,7 @@ def test_rows_without_figures_read_na(reports, with_floor):
     none_rep = _undefined(reps["Q2_K"])
     rows = [_summary_row(f"test:{n}", r, tmp / "reports" / n, noise) for n, r in (("Q8_0", reps["Q8_0"]), ("BF16", reps["BF16"]))]
     rows.append(_summary_row("test:none", none_rep, tmp / "reports" / "none", noise))
-    cross = _cross_engine_floor(rows, "test:ref")
+    cross = _cross_engine_floor(rows, "test:BF16")
 
     good, bf16, none = rows
     kl_good = reps["Q8_0"]["summary"]["metrics"]["kl_nats"]["mean"]
@@ -107,14 +107,35 @@ def test_rows_without_figures_read_na(reports, with_floor):
     assert re.search(r"\| n/a \| 0 \| 0 \| n/a \| n/a \|$", conseq), conseq
 
 
-def test_bf16_without_mean_gives_no_cross_engine_floor(reports):
-    """A BF16 candidate without a mean KL is no floor: summary.json says null, not a null mean
+def test_floor_without_mean_gives_no_cross_engine_floor(reports):
+    """A floor candidate without a mean KL is no floor: summary.json says null, not a null mean
     inside a floor (which the schema refuses), and no row gets a ratio."""
     tmp, reps = reports
     rows = [_summary_row("test:Q8_0", reps["Q8_0"], tmp / "reports" / "Q8_0", None),
             _summary_row("test:BF16", _undefined(reps["BF16"]), tmp / "reports" / "BF16", None)]
-    assert _cross_engine_floor(rows, "test:ref") is None
+    assert _cross_engine_floor(rows, "test:BF16") is None
     assert [r["x_cross_engine_floor"] for r in rows] == [None, None]
     summary = _summary(tmp, rows, None, None)
     json.loads(summary_json(summary))
     assert "cross-engine floor" not in render_summary_md(summary).split("\n\n")[0]
+
+
+def test_floor_is_the_named_spec_never_a_name_suffix(reports):
+    """The floor is the row of the floor's spec (floors.choose_floor), whatever the names: a
+    candidate named ...BF16 is not the floor unless it is that spec, and no floor spec, or one
+    no row holds, gives none; summary.md then says why (cross_engine_floor_rule)."""
+    tmp, reps = reports
+    rows = [_summary_row("test:Q8_0", reps["Q8_0"], tmp / "reports" / "Q8_0", None),
+            _summary_row("test:BF16", reps["BF16"], tmp / "reports" / "BF16", None),
+            _summary_row("test:Q2_K", reps["Q2_K"], tmp / "reports" / "Q2_K", None)]
+    kl = {n: reps[n]["summary"]["metrics"]["kl_nats"]["mean"] for n in ("Q8_0", "Q2_K")}
+    cross = _cross_engine_floor(rows, "test:Q8_0")
+    assert cross == {"candidate": "test:Q8_0", "kl_nats_mean": kl["Q8_0"]}
+    assert rows[2]["x_cross_engine_floor"] == pytest.approx(kl["Q2_K"] / kl["Q8_0"]) and rows[0]["x_cross_engine_floor"] == 1.0
+    for spec in (None, "test:absent"):
+        assert _cross_engine_floor(rows, spec) is None
+        assert [r["x_cross_engine_floor"] for r in rows] == [None, None, None]
+    summary = _summary(tmp, rows, None, None)
+    summary["cross_engine_floor_rule"] = "no automatic cross-engine floor for a served reference"
+    json.loads(summary_json(summary))
+    assert "- no cross-engine floor: no automatic cross-engine floor for a served reference" in render_summary_md(summary)

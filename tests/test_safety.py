@@ -162,7 +162,7 @@ DEAD_URL = "http://127.0.0.1:9"
 
 def RUN_ARGS(wl):
     return ["run", "--reference", "builtin:tiny", "--candidate", "builtin:tiny,dtype=float32", "--workload", str(wl),
-            "--no-noise-floor", "--no-flips", "--bootstrap", "10"]
+            "--no-noise-floor", "--no-flips", "--bootstrap", "10", "--floor", "none"]
 
 
 @dataclass
@@ -714,7 +714,7 @@ def test_run_keeps_one_report_per_candidate_with_the_same_file_name(w, tmp_path,
     specs = [f"hf:{tmp_path / 'a' / 'model'},dtype=float32", f"hf:{tmp_path / 'b' / 'model'},dtype=bfloat16"]
     out = tmp_path / "out"
     assert main(["run", "--reference", "builtin:tiny", "--candidate", specs[0], "--candidate", specs[1], "--workload", str(w["wl"]),
-                 "--no-noise-floor", "--no-flips", "--bootstrap", "10", "--out", str(out)]) == 0
+                 "--no-noise-floor", "--no-flips", "--bootstrap", "10", "--floor", "none", "--out", str(out)]) == 0
     reports = sorted(p.name for p in (out / "reports").iterdir())
     assert reports == ["a-model", "b-model"]
     got = {json.loads((out / "reports" / n / "report.json").read_text())["candidate"]["spec"] for n in reports}

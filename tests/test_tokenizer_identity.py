@@ -242,7 +242,7 @@ def test_run_refuses_a_tokenization_mismatch_before_the_reference_capture(pair, 
     _items(tmp_path, ["Hello world", "def f(x):\n    return x"])  # i1: four spaces, ids differ
     out = tmp_path / "out"
     rc = main(["run", "--reference", ref_spec, "--candidate", cand_spec, "--workload", str(wl), "--out", str(out),
-               "--no-noise-floor"])
+               "--no-noise-floor", "--floor", "none"])
     err = capsys.readouterr().err
     assert rc != 0
     line = [x for x in err.splitlines() if "tokenization differs" in x]
@@ -264,7 +264,7 @@ def test_run_refuses_a_tokenization_mismatch_before_the_reference_capture(pair, 
             return lambda n=1: None
 
     cfg = RunConfig(reference=ref_spec, candidates=[cand_spec], workload=str(wl), out=str(tmp_path / "out2"),
-                    noise_floor=False)
+                    noise_floor=False, floor="none")
     with pytest.raises(LogitdiffError, match=r"item 'i1': tokenization differs at prompt position \d+"):
         run_pipeline(cfg, Record())
     assert seen and seen[-1].startswith("preflight:"), seen

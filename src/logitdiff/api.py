@@ -542,6 +542,8 @@ def run(**config: Any) -> RunSummary:
             config[key] = os.fspath(config[key])
 
     check_arguments("run", typing.get_type_hints(RunConfig, globalns=vars(_pl)), config)
+    if config.get("candidates_from") and "candidates" not in config:
+        config["candidates"] = []  # the ladder alone, not the bundled one beside it
     cfg = RunConfig(**config)
     check_bootstrap(cfg.bootstrap)
     check_specs(cfg)

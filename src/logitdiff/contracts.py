@@ -164,7 +164,7 @@ HTML_DATA_SCHEMA = "logitdiff.html-data/1"
 SCHEMA_VERSION = "2.0"  # MAJOR.MINOR of report.json; MAJOR matches REPORT_SCHEMA's "/2"
 # MAJOR.MINOR of summary.json, MAJOR matching RUN_SUMMARY_SCHEMA's "/1": the rename of report.json 2.0
 # (baseline -> reference) left summary.json as it was (its reference was always "reference")
-SUMMARY_SCHEMA_VERSION = "1.2"
+SUMMARY_SCHEMA_VERSION = "1.3"  # 1.3: cross_engine_floor_rule
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
 SCHEMA_DIR = Path(__file__).with_name("schemas")
 SPECULATION_SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of a `logitdiff speculate` report.json (logitdiff.speculation/1)
@@ -609,6 +609,7 @@ class _RunSummaryBase(TypedDict):
 
 
 class RunSummary(_RunSummaryBase, total=False):
+    cross_engine_floor_rule: str  # how the floor was chosen, or why there is none (1.3)
     gates: list[str]
     gates_crossed: dict[str, list[str]]
     gates_not_evaluated: dict[str, list[str]]

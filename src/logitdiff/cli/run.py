@@ -54,6 +54,17 @@ def register(sub) -> None:
                             "a source, not a RUN (default: %(default)s)")
     run_p.add_argument("--candidate", action="append", dest="candidates", metavar="SPEC",
                        help="candidate spec (repeatable; default: the bundled ladder); " + REPORT_NAMES_HELP)
+    run_p.add_argument("--candidates-from", metavar="MODEL",
+                       help="your own model (a GGUF file or a transformers directory) quantized to each --types entry with "
+                            "llama.cpp's quantizer (as `logitdiff quantize`, made once into the cache), each added as a "
+                            "gguf: candidate: the one-line ladder")
+    run_p.add_argument("--types", metavar="T1,T2,...", help="the llama.cpp types of --candidates-from, e.g. Q8_0,Q4_K_M,Q2_K")
+    run_p.add_argument("--floor", default="auto", metavar="auto|none|SPEC",
+                       help="the cross-engine floor: the reference's own weights in another engine, scored like a candidate "
+                            "(its own report; not twice when it is a candidate too), every candidate's x cross-engine floor "
+                            "read against it. auto: builtin:tiny -> builtin:tiny-BF16; hf:DIR -> its GGUF BF16 export "
+                            "(F32 for a float32 model) through llama.cpp; hf:FILE.gguf -> gguf:FILE.gguf; gguf:FILE -> "
+                            "hf:FILE (transformers reading the same GGUF); a served reference: none (default: %(default)s)")
     run_p.add_argument("--workload", help="workload JSONL (default: the bundled workload)")
     run_p.add_argument("--out", default="logitdiff-out",
                        help="output directory: new, empty or an earlier run's (its reference capture is reused) (default: %(default)s)")
@@ -64,7 +75,9 @@ def register(sub) -> None:
                             + "; ".join(f"{name} ({STORE_KINDS[name].summary})" for name in reference_store_choices()[1:])
                             + f"; or {AUTO}: the most compact of these the reference allows (docs/bounds.md section 6); "
                             "reports are the same either way (default: %(default)s)")
-    run_p.add_argument("--no-noise-floor", action="store_true", help="skip the reference reruns")
+    run_p.add_argument("--no-noise-floor", action="store_true",
+                       help="skip the reference reruns (a rerun provably identical to the first is skipped anyway, the "
+                            "reason stated; a reused reference capture brings the floor measured with it)")
     add_bootstrap(run_p)
     add_ranges(run_p)
     run_p.add_argument("--fresh", action="store_true", help="recapture the reference even if OUT/runs/reference matches")
@@ -105,12 +118,15 @@ def run(args) -> int:
     check_bootstrap(args.bootstrap)
     check_max_tokens(args.max_tokens)
     parse_positions(args.positions)
+    types = [t.strip() for t in (args.types or "").split(",") if t.strip()] or None
+    candidates = args.candidates or ([] if args.candidates_from else default_candidates())
     cfg = RunConfig(
-        reference=args.reference, candidates=args.candidates or default_candidates(), workload=args.workload, out=args.out,
+        reference=args.reference, candidates=candidates, workload=args.workload, out=args.out,
         max_tokens=args.max_tokens, positions=args.positions, noise_floor=not args.no_noise_floor, bootstrap=args.bootstrap,
         ranges=ranges, fresh=args.fresh, flips=not args.no_flips, correctness=not (args.no_correctness or args.no_flips),
         flip_select=args.select, max_branches=args.max_branches, similarity=args.similarity,
-        logprob_floor=args.logprob_floor, reference_store=args.reference_store,
+        logprob_floor=args.logprob_floor, reference_store=args.reference_store, floor=args.floor,
+        candidates_from=args.candidates_from, types=types,
     )
     if not args.no_flips:  # flips.py (and what it imports) only for a run that branches
         from ..flips import parse_select

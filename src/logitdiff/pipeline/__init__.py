@@ -6,13 +6,16 @@ flips and reports in one go (this module). Imports every stage below it; only `a
 
     reference  --capture (greedy, then teacher-forced distributions)-->  OUT/runs/reference
     reference again, teacher-forced            --> noise floor (reproducibility; when that rerun
-                                                   is bit-identical, a rerun with other batch mates)
+                                                   is bit-identical, a rerun with other batch mates
+                                                   unless provably the same: floors.shift_skip_reason)
+    the cross-engine floor (--floor, floors.py) --> scored like a candidate, every row read against it
     each candidate, teacher-forced, scored live --> OUT/reports/<candidate>/
     all candidates                              --> OUT/summary.json, OUT/summary.md
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -38,6 +41,7 @@ from ..store import ResumeMismatch, RunReader, read_manifest
 from ..store.kinds import AUTO, reference_store_choices
 from ..numerics.summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
 from ..workload import read_workload
+from . import floors
 
 
 def default_candidates() -> list[str]:
@@ -72,6 +76,22 @@ class RunConfig:
     # a lossless store kind (kinds.reference_store_choices), or AUTO: the most compact one
     # the reference allows (kinds.auto_kind)
     reference_store: str = AUTO
+    # the cross-engine floor: auto (the rule in pipeline/floors.py), none, or a source spec,
+    # scored like a candidate (its own report); every row's x_cross_engine_floor reads against it
+    floor: str = floors.AUTO
+    # a model (GGUF file or transformers directory) quantized to ``types`` with llama.cpp's
+    # quantizer into the cache; each file is added as a gguf: candidate (the one-line ladder)
+    candidates_from: str | None = None
+    types: list[str] | None = None
+
+
+@dataclass
+class FloorPlan:
+    """The cross-engine floor of one run: its spec (None: none) and how it was chosen."""
+
+    spec: str | None
+    how: str
+    chosen_here: bool = False  # chosen by --floor auto and not a candidate: dropped, not fatal, if unusable
 
 
 class Hooks:
@@ -144,27 +164,66 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks, prefetch=N
 def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> RunSummary:
     hooks = hooks or Hooks()
     wl_path = _workload_path(cfg)
-    names = report_names(cfg.candidates)
     out = Path(cfg.out)
     # OUT is new, empty or an earlier run's OUT; each report dir in it new or a REPORT.
     check_output(out, Kind.RUN_OUT, inputs=[wl_path], resume=True)
+    items = read_workload(wl_path)
+    cfg, plan = _plan_candidates(cfg, hooks)
+    names = report_names(cfg.candidates)
     for name in names:
         check_output(out / "reports" / name, Kind.REPORT)
-    items = read_workload(wl_path)
     # One `run` per OUT at a time; a new OUT that fails is removed, an interrupted one kept
     # (its reference capture resumes).
     with writing(out, Kind.RUN_OUT, inputs=[wl_path], resume=True, in_place_when_new=True):
-        return _run_locked(cfg, hooks, wl_path, items, names)
+        return _run_locked(cfg, hooks, wl_path, items, names, plan)
 
 
-def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str]) -> RunSummary:
+def _plan_candidates(cfg: RunConfig, hooks: Hooks) -> tuple[RunConfig, FloorPlan]:
+    """The candidates to score: the ladder of --candidates-from (quantized, or found in the
+    cache), the cross-engine floor first unless it is a candidate already (never scored
+    twice), then the candidates as given."""
+    candidates = list(cfg.candidates)
+    if cfg.candidates_from:
+        hooks.stage(f"ladder: {cfg.candidates_from} quantized to {', '.join(cfg.types or [])} with llama.cpp's quantizer")
+        ladder, where = floors.ladder_candidates(cfg.candidates_from, cfg.types or [])
+        hooks.stage(f"ladder: {len(ladder)} GGUF candidates in {where}")
+        candidates += [c for c in ladder if c not in candidates]
+    if cfg.floor == floors.AUTO and not is_served(cfg.reference):
+        hooks.stage(f"cross-engine floor: choosing the same weights in another engine for {cfg.reference}")
+    spec, how = floors.choose_floor(cfg.floor, cfg.reference)
+    chosen_here = spec is not None and spec not in candidates and cfg.floor == floors.AUTO
+    if spec is not None and spec not in candidates:
+        candidates.insert(0, spec)
+    hooks.stage(f"cross-engine floor: {spec} ({how})" if spec else f"cross-engine floor: none ({how})")
+    return dataclasses.replace(cfg, candidates=candidates), FloorPlan(spec, how, chosen_here)
+
+
+def _preflight(cfg: RunConfig, items, names: list[str], plan: FloorPlan, hooks: Hooks) -> None:
+    """Each candidate tokenizes every prompt as the reference does. An automatic floor that
+    does not is dropped (from cfg.candidates and names), the reason kept in ``plan``: the
+    user asked for the candidates, not for that floor."""
+    hooks.stage("preflight: each candidate tokenizes every prompt as the reference does")
+    if plan.chosen_here and plan.spec is not None:
+        try:
+            preflight_tokenization(cfg.reference, [plan.spec], items)
+        except LogitdiffError as e:
+            hooks.stage(f"cross-engine floor: {plan.spec} dropped ({e})")
+            cfg.candidates.remove(plan.spec)
+            names.pop(0)
+            plan.how = f"auto: no cross-engine floor, {plan.spec} was dropped ({e}); name one with --floor SPEC"
+            plan.spec = None
+    rest = [c for c in cfg.candidates if not (plan.chosen_here and c == plan.spec)]
+    preflight_tokenization(cfg.reference, rest, items)  # seconds, not after the reference capture
+
+
+def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], plan: FloorPlan) -> RunSummary:
     import contextlib
 
     with contextlib.ExitStack() as opened:  # a source opened ahead is closed whatever happens
-        return _run_opened(cfg, hooks, wl_path, items, names, opened)
+        return _run_opened(cfg, hooks, wl_path, items, names, opened, plan)
 
 
-def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], opened) -> RunSummary:
+def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], opened, plan: FloorPlan) -> RunSummary:
     """The job, step by step: the ladder and the preflight, the reference, its floor, one
     report per candidate, then the summary and the pages."""
     t0 = time.time()
@@ -172,8 +231,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     _prebuild_builtin_ladder(cfg, hooks)  # before the preflight, which renders with those GGUFs
-    hooks.stage("preflight: each candidate tokenizes every prompt as the reference does")
-    preflight_tokenization(cfg.reference, cfg.candidates, items)  # seconds, not after the reference capture
+    _preflight(cfg, items, names, plan, hooks)
     # A served reference and a served (first) candidate: the candidate is opened first and
     # scores each reference block (another server) while the reference generates the next.
     early = None
@@ -187,7 +245,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
         rows.append(job.candidate(spec, name, noise, wl_path, opened=early if spec == first_served else None))
         if spec == first_served:
             early = None
-    summary = _run_summary(cfg, wl_path, wl_hash, len(items), job.n_pos, noise, rows, t0)
+    summary = _run_summary(cfg, wl_path, wl_hash, len(items), job.n_pos, noise, rows, t0, plan)
     _write_summary(cfg, out, summary, rows, hooks)
     hooks.done()
     return summary
@@ -254,34 +312,55 @@ class _Job:
                        bar=lambda n, label: self.hooks.bar(n, label))
 
     def noise_floor(self) -> NoiseFloor | None:
-        """The reference against itself: a served reference scored again with other batch
-        mates (its floor, kept for the served candidates), else a rerun, and when that rerun
-        is bit-identical, a rerun with other batch mates."""
+        """The reference against itself (:meth:`measure_noise_floor`), or the floor measured by
+        an earlier run of this same reference RUN (kept beside it, floors.read_stored_floor)."""
+        cfg, ref_dir = self.cfg, self.out / "runs" / "reference"
+        if not cfg.noise_floor:
+            return None
+        stored = floors.read_stored_floor(ref_dir, cfg.top_logprobs)
+        if stored is not None:
+            self.hooks.stage(f"noise floor: reusing the floor measured with {ref_dir} by an earlier run")
+            self.ref_floor = stored["served_side"]
+            noise = stored["noise_floor"]
+            if noise is not None:
+                noise["rerun"] += floors.reused_text(ref_dir)
+            return noise
+        noise = self.measure_noise_floor()
+        floors.write_stored_floor(ref_dir, cfg.top_logprobs, cast("dict | None", noise), cast("dict | None", self.ref_floor))
+        return noise
+
+    def measure_noise_floor(self) -> NoiseFloor:
+        """A served reference scored again with other batch mates (its floor, kept for the
+        served candidates), else a rerun, and when that rerun is bit-identical, a rerun with
+        other batch mates (skipped where it cannot differ: floors.shift_skip_reason)."""
         cfg, hooks, shift = self.cfg, self.hooks, self.shift
-        if cfg.noise_floor and is_served(cfg.reference):
+        if is_served(cfg.reference):
             # A served reference: its rerun has other batch mates by construction (the server's
             # rounds), the floor a served comparison is read against.
             hooks.stage(f"served floor: {cfg.reference} scored again with batch boundaries moved by {shift} items")
             nf, batching = self.score(cfg.reference, "served floor", offset=shift, after=lambda src, comp: getattr(src, "batching", None))
             self.ref_floor = floor_side(nf, spec=cfg.reference, batching=batching, shift=shift)
             return noise_floor_section(nf, spec=cfg.reference, rerun="served: " + SHIFT_TEXT.format(shift=shift))
-        if not cfg.noise_floor:
-            return None
         hooks.stage(f"noise floor: {cfg.reference} rerun, teacher-forced")
-        nf, _ = self.score(cfg.reference, "noise floor")
+        nf, (alone, engine) = self.score(cfg.reference, "noise floor", after=lambda src, comp: (src.scores_alone, src.engine))
         noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun, same batch layout (blocks of {SCORE_BATCH} items)")
+        if not identical_distributions(nf):
+            return noise
+        skip = floors.shift_skip_reason(alone, engine, len(self.ref.items()), shift)
+        if skip is not None:
+            hooks.stage(f"noise floor: the rerun is bit-identical; {skip}")
+            noise["rerun"] += f"; bit-identical; {skip}, so x noise floor is undefined"
+            return noise
+        # A deterministic backend reruns bit-identically (CPU): that says nothing about its
+        # numerical noise. Other batch mates (what --resume, --shard or a server's batching
+        # give) change the float rounding of a batched backend: that is the floor.
+        hooks.stage(f"noise floor: the rerun is bit-identical; rerun with batch boundaries moved by {shift} items")
+        nf, _ = self.score(cfg.reference, "noise floor, other batch mates", offset=shift)
+        noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun with batch boundaries moved by {shift} items "
+                                    "(other batch mates); the plain rerun is bit-identical")
         if identical_distributions(nf):
-            # A deterministic backend reruns bit-identically (CPU): that says nothing about its
-            # numerical noise. Other batch mates (what --resume, --shard or a server's batching
-            # give) change the float rounding of a batched backend: that is the floor.
-            hooks.stage(f"noise floor: the rerun is bit-identical; rerun with batch boundaries moved by {shift} items")
-            nf, _ = self.score(cfg.reference, "noise floor, other batch mates", offset=shift)
-            noise = noise_floor_section(nf, spec=cfg.reference, rerun=f"rerun with batch boundaries moved by {shift} items "
-                                        "(other batch mates); the plain rerun is bit-identical")
-            if identical_distributions(nf):
-                noise["rerun"] += ("; bit-identical with other batch mates too: on this workload the backend's numbers do "
-                                   "not depend on the batch (llama.cpp, for one, scores each sequence alone), so x noise floor "
-                                   "is undefined")
+            noise["rerun"] += (f"; bit-identical with other batch mates too: on this workload {engine}'s numbers do "
+                               "not depend on the batch, so x noise floor is undefined")
         return noise
 
     def candidate(self, spec: str, name: str, noise: NoiseFloor | None, wl_path: Path, opened=None) -> CandidateRow:
@@ -311,9 +390,9 @@ class _Job:
 
 
 def _run_summary(cfg: RunConfig, wl_path: Path, wl_hash: str, n_items: int, n_pos: int, noise: NoiseFloor | None,
-                 rows: list[CandidateRow], t0: float) -> RunSummary:
+                 rows: list[CandidateRow], t0: float, plan: FloorPlan) -> RunSummary:
     """summary.json of the run (sets each row's x_cross_engine_floor)."""
-    cross_engine = _cross_engine_floor(rows, cfg.reference)
+    cross_engine = _cross_engine_floor(rows, plan.spec)
     summary: RunSummary = {
         "schema": RUN_SUMMARY_SCHEMA,
         "schema_version": SUMMARY_SCHEMA_VERSION,
@@ -324,6 +403,7 @@ def _run_summary(cfg: RunConfig, wl_path: Path, wl_hash: str, n_items: int, n_po
         "positions": n_pos,
         "noise_floor": noise,
         "cross_engine_floor": cross_engine,
+        "cross_engine_floor_rule": plan.how,
         "candidates": rows,
         "seconds": round(time.time() - t0, 1),
     }
@@ -384,13 +464,14 @@ def _prebuild_builtin_ladder(cfg: RunConfig, hooks: Hooks) -> None:
     build_ladder(TINY_DIR, cache_dir(), quants, progress=progress)
 
 
-def _cross_engine_floor(rows: list[CandidateRow], reference: str) -> CrossEngineFloor | None:
-    """The cross-engine floor: the reference's own weights in another engine (BF16 GGUF in
-    the default run). A bit-identical rerun gives a noise floor of 0, so this is the floor
-    that says which drift is the quantization's and which the engine's. Sets each row's
-    x_cross_engine_floor (None without a floor, or for a row without a mean KL)."""
-    xf = next((r for r in rows if r["name"].upper().endswith("BF16") and r["candidate"] != reference), None)
-    xf_mean = xf["kl_mean"] if xf else None  # None: the BF16 run scored no positions, no floor
+def _cross_engine_floor(rows: list[CandidateRow], floor_spec: str | None) -> CrossEngineFloor | None:
+    """The cross-engine floor: the reference's own weights in another engine (the row of
+    ``floor_spec``, chosen by floors.choose_floor: builtin:tiny-BF16 in the default run). A
+    bit-identical rerun gives a noise floor of 0, so this is the floor that says which drift is
+    the quantization's and which the engine's. Sets each row's x_cross_engine_floor (None
+    without a floor, or for a row without a mean KL)."""
+    xf = next((r for r in rows if r["candidate"] == floor_spec), None) if floor_spec else None
+    xf_mean = xf["kl_mean"] if xf else None  # None: the floor's run scored no positions, no floor
     for r in rows:
         kl_mean = r["kl_mean"]
         r["x_cross_engine_floor"] = (kl_mean / xf_mean) if (xf_mean and kl_mean is not None) else None
@@ -498,6 +579,8 @@ def render_summary_md(summary: RunSummary) -> str:
     xf = summary.get("cross_engine_floor")
     if xf:
         lines.append(f"- cross-engine floor (same weights, other engine): `{xf['candidate']}`, mean KL {_f(xf['kl_nats_mean'])} nats")
+    elif summary.get("cross_engine_floor_rule"):
+        lines.append(f"- no cross-engine floor: {summary['cross_engine_floor_rule']}")
     drift: list[tuple[str, str | None]] = []  # (metric, None): its column; (metric, row field): the CI column after it
     for name in DRIFT_TABLE:
         drift += [(name, None)] + ([(name, _MD_CI[name])] if name in _MD_CI else [])
@@ -540,8 +623,11 @@ def render_summary_md(summary: RunSummary) -> str:
 
 
 def check_specs(cfg: RunConfig) -> None:
-    if not cfg.candidates:
-        raise LogitdiffError("logitdiff run: no candidates (pass --candidate SPEC)")
+    if not cfg.candidates and not cfg.candidates_from:
+        raise LogitdiffError("logitdiff run: no candidates (pass --candidate SPEC or --candidates-from MODEL --types ...)")
+    if bool(cfg.candidates_from) != bool(cfg.types):
+        raise LogitdiffError("logitdiff run: --candidates-from MODEL and --types T1,T2,... go together")
+    floors.check_floor_arg(cfg.floor)
     from ..compare import check_floor_value
 
     check_floor_value(cfg.logprob_floor)

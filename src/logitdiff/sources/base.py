@@ -155,6 +155,12 @@ class Source:
     eos_token_ids: tuple[int, ...] = ()
     threads: int | None = None
     batch: int | None = None  # sequences per forward pass (or request), where the backend batches
+    # what computes the numbers, as notes name it (e.g. "transformers", "llama.cpp in process")
+    engine: str = "this backend"
+    # True: score_blocks runs each sequence in its own forward pass, so a sequence never has
+    # batch mates and moving the batch boundaries cannot change a number (the noise floor's
+    # rerun with other batch mates is then skipped: pipeline/floors.py)
+    scores_alone: bool = False
     _token_texts: list[str] | None = None
 
     # --- tokenization -------------------------------------------------------------

@@ -202,6 +202,8 @@ def _jinja_env():
 
 
 class GGUFSource(FullLogitSource):
+    engine = "llama.cpp in process"
+    scores_alone = True  # score_blocks: one prefill per (prompt, teacher) pair
     def __init__(
         self,
         path: str | Path,

@@ -97,6 +97,7 @@ class HFSource(FullLogitSource):
     rows of the lm_head, ids ``>= len(tokenizer)``, are dropped before any softmax)."""
 
     batch: int  # always set (Source.batch: None for sources that do not batch)
+    engine = "transformers"
 
     def __init__(
         self,

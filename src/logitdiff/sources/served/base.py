@@ -110,6 +110,8 @@ class ServedSource(TopKSource):
     :func:`logitdiff.sources.served.open_served`, which owns the client until this is open.
     """
 
+    engine = "the server"
+
     kind: ServerKind
     batch: int  # sequences per request (never None here, unlike Source.batch)
     #: a model list that a server may refuse (SGLang): then no model check
