@@ -78,3 +78,26 @@ def test_cli_check_names_the_count():
     p = subprocess.run([sys.executable, "-m", "logitdiff.cli", "workloads", "check", "humaneval:10"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "humaneval:10: 10 of 10 ground-truth answers pass the grader" in p.stdout, p.stderr
+
+
+def test_a_run_on_humaneval_grades_with_the_benchmarks_program(tmp_path):
+    """`run --workload humaneval:N` end to end: the workload's identity is its items (no file),
+    and the answers are graded by the check program (prompt + completion + tests)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from logitdiff.workload import workload_file, workload_sha256
+
+    items = read_workload("humaneval:2")
+    assert workload_file("humaneval:2") is None and len(workload_sha256("humaneval:2", items)) == 64
+    p = subprocess.run([sys.executable, "-m", "logitdiff.cli", "run", "--workload", "humaneval:2", "--max-tokens", "6",
+                        "--candidate", "builtin:tiny-Q8_0", "--floor", "none", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((tmp_path / "out" / "runs" / "reference" / "manifest.json").read_text())
+    assert manifest["settings"]["workload_sha256"] == workload_sha256("humaneval:2", items)
+    rows = pq.read_table(tmp_path / "out" / "reports" / "tiny-Q8_0" / "correctness.parquet").to_pylist()
+    assert len(rows) == 2 and {r["check"] for r in rows if "check" in r} <= {"tests"}
+    # a 6-token completion of a tiny model passes no tests: cut by the budget, graded truncated
+    assert all(r.get("ref_verdict", r.get("verdict_ref")) in ("truncated", "wrong") for r in rows), rows

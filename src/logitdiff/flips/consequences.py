@@ -448,8 +448,9 @@ def run_correctness(
         ref_text = source.detokenize(_strip_end(ref_ids, eos))
         cand_text = source.detokenize(_strip_end(cand_ids, eos))
         ref_cut, cand_cut = hit_budget(ref_ids, budget, eos), hit_budget(cand_ids, budget, eos)
-        gr = grade(d["expected"], ref_text, tools, where=f"item {it.id!r}", truncated=ref_cut)
-        gc = grade(d["expected"], cand_text, tools, where=f"item {it.id!r}", truncated=cand_cut)
+        prompt = d.get("prompt") or ""  # a "tests" label's program starts with it (HumanEval)
+        gr = grade(d["expected"], ref_text, tools, where=f"item {it.id!r}", truncated=ref_cut, prompt=prompt)
+        gc = grade(d["expected"], cand_text, tools, where=f"item {it.id!r}", truncated=cand_cut, prompt=prompt)
         div = first_difference(ref_ids, cand_ids)
         diverged = div < max(len(ref_ids), len(cand_ids))
         at_flip = None

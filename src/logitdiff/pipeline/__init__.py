@@ -16,7 +16,6 @@ flips and reports in one go (this module). Imports every stage below it; only `a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,6 @@ from ..defaults import DEFAULT_MAX_BRANCHES
 from ..contracts import SUMMARY_SCHEMA_VERSION, CandidateRow, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
 from ..errors import LogitdiffError
 from ..contracts import RUN_SUMMARY_SCHEMA
-from ..store.files import DOCUMENT_MAX_BYTES, read_input_bytes
 from ..store.files import Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from ..report import build_report, noise_floor_section, write_report_dir
 from ..report.markdown import render_markdown
@@ -40,7 +38,7 @@ from ..sources import applied_threads, open_source
 from ..store import ResumeMismatch, RunReader, read_manifest
 from ..store.kinds import AUTO, reference_store_choices
 from ..numerics.summarize import DEFAULT_BOOTSTRAP, DEFAULT_RANGES
-from ..workload import read_workload
+from ..workload import read_workload, workload_file, workload_sha256
 from . import floors
 
 
@@ -110,6 +108,12 @@ class Hooks:
         pass
 
 
+def _workload_inputs(cfg: RunConfig) -> list[Path]:
+    """The workload file among a writer's inputs (none for a benchmark read from its package)."""
+    f = workload_file(_workload_path(cfg))
+    return [f] if f is not None else []
+
+
 def _workload_path(cfg: RunConfig) -> Path:
     if cfg.workload:
         return Path(cfg.workload)
@@ -149,14 +153,14 @@ def _reference_run(cfg: RunConfig, items, wl_hash: str, hooks: Hooks, prefetch=N
         settings = {"workload_sha256": wl_hash, "workload": str(_workload_path(cfg))}
         try:
             capture_reference(src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, resume=resume,
-                              overwrite=not resume, settings=settings, progress=advance, inputs=[_workload_path(cfg)],
+                              overwrite=not resume, settings=settings, progress=advance, inputs=_workload_inputs(cfg),
                               store=cfg.reference_store)
         except ResumeMismatch as e:
             # The partial capture was made with another model or settings: start again
             # rather than mix the two (the old one is replaced only when the new is whole).
             hooks.stage(f"reference: not resuming ({str(e).split('cannot resume, ', 1)[-1]}); capturing afresh")
             capture_reference(src, items, path, max_tokens=cfg.max_tokens, positions=cfg.positions, overwrite=True,
-                              settings=settings, progress=hooks.bar(len(items), "reference"), inputs=[_workload_path(cfg)],
+                              settings=settings, progress=hooks.bar(len(items), "reference"), inputs=_workload_inputs(cfg),
                               store=cfg.reference_store)
     return RunReader(path)
 
@@ -166,7 +170,7 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> RunSummary:
     wl_path = _workload_path(cfg)
     out = Path(cfg.out)
     # OUT is new, empty or an earlier run's OUT; each report dir in it new or a REPORT.
-    check_output(out, Kind.RUN_OUT, inputs=[wl_path], resume=True)
+    check_output(out, Kind.RUN_OUT, inputs=_workload_inputs(cfg), resume=True)
     items = read_workload(wl_path)
     cfg, plan = _plan_candidates(cfg, hooks)
     names = report_names(cfg.candidates)
@@ -174,7 +178,7 @@ def run_pipeline(cfg: RunConfig, hooks: Hooks | None = None) -> RunSummary:
         check_output(out / "reports" / name, Kind.REPORT)
     # One `run` per OUT at a time; a new OUT that fails is removed, an interrupted one kept
     # (its reference capture resumes).
-    with writing(out, Kind.RUN_OUT, inputs=[wl_path], resume=True, in_place_when_new=True):
+    with writing(out, Kind.RUN_OUT, inputs=_workload_inputs(cfg), resume=True, in_place_when_new=True):
         return _run_locked(cfg, hooks, wl_path, items, names, plan)
 
 
@@ -227,7 +231,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     """The job, step by step: the ladder and the preflight, the reference, its floor, one
     report per candidate, then the summary and the pages."""
     t0 = time.time()
-    wl_hash = hashlib.sha256(read_input_bytes(wl_path, max_bytes=DOCUMENT_MAX_BYTES)).hexdigest()
+    wl_hash = workload_sha256(wl_path, items)  # a file's bytes; a benchmark's items
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     _prebuild_builtin_ladder(cfg, hooks)  # before the preflight, which renders with those GGUFs
@@ -381,7 +385,7 @@ class _Job:
 
             report["gates"], _ = judge(report, cfg.gates)
         rdir = self.out / "reports" / name
-        write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files, inputs=[wl_path])
+        write_report_dir(rdir, report, columns, markdown=render_markdown(report), extra_files=files, inputs=_workload_inputs(self.cfg))
         row = _summary_row(spec, report, rdir, noise)
         if "served_floor" in report["summary"]:
             row["x_served_floor"] = report["summary"]["kl_mean_x_served_floor"]
