@@ -122,8 +122,13 @@ class TopKBounded(ComparisonMethod):
             out[lo] = iv.lower
             out[hi] = iv.upper
         # the seed's estimate clipped into its interval: where the two are equal in exact
-        # arithmetic the seed's float64 sum can fall ~1e-14 below the lower end
-        out["kl_nats"] = ivs["kl"].estimate
+        # arithmetic the seed's float64 sum can fall ~1e-14 below the lower end. Two identical
+        # rows (a run against itself, a bit-identical rerun) are exactly 0 and their interval's
+        # lower end too: the bound's own rounding (~1e-17) must not lift a zero floor.
+        same = np.all(ir == ic, axis=1) & np.all(lr == lc, axis=1)
+        out["kl_nats"] = np.where(same, 0.0, ivs["kl"].estimate)
+        for lo, _ in INTERVAL_COLUMNS.values():
+            out[lo] = np.where(same, 0.0, out[lo])
         # token metrics where the teacher token is inside a top-K set; NaN otherwise
         p_ref = prob_of(ir, lr, next_tokens)
         p_cand = prob_of(ic, lc, next_tokens)
