@@ -124,9 +124,13 @@ def read_parquet(path, columns=None):
     from ..store.files import DOCUMENT_MAX_BYTES, open_input
 
     with open_input(path, max_bytes=DOCUMENT_MAX_BYTES) as f:
-        try:
-            pf = pq.ParquetFile(f)
-            return pf.read(columns=columns(pf.schema_arrow.names) if callable(columns) else columns)
-        except (pa.ArrowException, OSError, ValueError, KeyError) as e:
-            msg = " ".join(str(e).split())[:160]
-            raise LogitdiffError(f"{path}: not a tokens.parquet this logitdiff reads ({type(e).__name__}: {msg})") from None
+        # the bytes, not the Python file object: pyarrow reading through a Python file from its
+        # own threads aborted the interpreter at exit now and then ("terminate called without
+        # an active exception", tests/test_arrow_columns.py); the size was bounded above
+        data = f.read()
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        return pf.read(columns=columns(pf.schema_arrow.names) if callable(columns) else columns)
+    except (pa.ArrowException, OSError, ValueError, KeyError) as e:
+        msg = " ".join(str(e).split())[:160]
+        raise LogitdiffError(f"{path}: not a tokens.parquet this logitdiff reads ({type(e).__name__}: {msg})") from None
