@@ -84,6 +84,11 @@ def test_missing_model_and_imatrix_are_one_line(tmp_path, models):
     _, even, _ = models
     p = _cli("quantize", str(tmp_path / "nope.gguf"), "--types", "Q8_0", "--out", str(tmp_path / "q"))
     assert p.returncode == 2 and "nope.gguf: model not found" in p.stderr
+    import os
+
+    os.mkfifo(tmp_path / "fifo.gguf")  # a FIFO in place of the model: refused at once, never opened
+    p = _cli("quantize", str(tmp_path / "fifo.gguf"), "--types", "Q8_0", "--out", str(tmp_path / "q"))
+    assert p.returncode == 2 and "fifo.gguf: not a regular file" in p.stderr, p.stderr
     p = _cli("quantize", str(even), "--types", "Q8_0", "--imatrix", str(tmp_path / "m.dat"), "--out", str(tmp_path / "q"))
     assert p.returncode == 2 and "--imatrix" in p.stderr and "file not found" in p.stderr
     assert not (tmp_path / "q").exists()

@@ -61,6 +61,8 @@ def _model_path(model: str) -> tuple[str, Path]:
         path, kind = Path(model), ""
     if not path.exists():
         raise LogitdiffError(f"{path}: model not found (a GGUF file or a transformers model directory)")
+    if not path.is_file() and not path.is_dir():  # a FIFO, a device, a socket: never read
+        raise LogitdiffError(f"{path}: not a regular file (a model is a GGUF file or a transformers model directory)")
     if path.is_file():
         if kind == "hf" and path.suffix != ".gguf":
             raise LogitdiffError(f"{model}: an hf: model is a directory (or a .gguf file)")
