@@ -182,6 +182,14 @@ class Outcome:
     MEANING_CHANGED = "meaning_changed"
     TOOL_CALL_MALFORMED = "tool_call_malformed"
     TOOL_CALL_CHANGED = "tool_call_changed"
+    # Decided by a rule anyone can re-run (issue #37): a checker's verdict on the branch's
+    # answer, the item's tests, or -- an unlabelled text that did not come back -- no claim.
+    ANSWER_SAME = "answer_same"
+    ANSWER_CHANGED = "answer_changed"
+    TESTS_PASSED = "tests_passed"
+    TESTS_FAILED = "tests_failed"
+    DIVERGED = "diverged"
+    # BENIGN / MEANING_CHANGED: only a named judge (--judge SOURCE) decides these.
     ALL = (RECOVERED, BENIGN, MEANING_CHANGED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED)
     # the outcomes a reader should worry about ("consequential" flips)
     BAD = (MEANING_CHANGED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED)
