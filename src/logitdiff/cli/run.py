@@ -207,11 +207,49 @@ def _consequence_cell(r: CandidateRow, name: str) -> str:
     return _cell(row.get(name), name)
 
 
+def _print_fitting(con: Console, title: str, labels: list[str], headers: list[str], rows: list[list[str]]) -> None:
+    """One table of a candidate column (``labels``) and ``headers``' columns: whole when it fits
+    the console on one line a cell, else each column at its narrowest (its longest word:
+    headers and cells wrap between words) and, where even that is too wide, as consecutive
+    tables of as many columns as fit, each repeating the candidate column. Left to itself, rich
+    cuts the widest columns' words ("branc…") and crops the right-hand columns off (a 120-column
+    terminal, or a pipe's 160, holds ~12)."""
+    from rich.cells import cell_len
+    from rich.table import Table
+
+    columns = [[h, *(cells[k] for cells in rows)] for k, h in enumerate(headers)]
+    natural = [max(cell_len(t) for t in col) for col in columns]
+    least = [max(cell_len(w) for t in col for w in t.split() or [""]) for col in columns]
+    # each row shows the part of its name that differs (a shared start folded to …), folded
+    # onto more lines rather than cut, so no two rows read alike on a narrow terminal
+    width = min(max((cell_len(s) for s in labels), default=9), 28)
+    first = max(width, len("candidate")) + 4  # the candidate column, its padding and both rules
+    fits = first + sum(n + 3 for n in natural) <= con.width
+
+    def table(cols: list[int], heading: str) -> Table:
+        t = Table(title=heading)
+        t.add_column("candidate", justify="left", min_width=width, overflow="fold")
+        for k in cols:
+            t.add_column(headers[k], justify="right", width=None if fits else least[k])
+        for label, cells in zip(labels, rows):
+            t.add_row(label, *(cells[k] for k in cols))
+        return t
+
+    groups: list[list[int]] = [[]]
+    used = first
+    for k in range(len(headers)):
+        if groups[-1] and used + least[k] + 3 > con.width:
+            groups.append([])
+            used = first
+        groups[-1].append(k)
+        used += least[k] + 3
+    for n, cols in enumerate(groups, 1):
+        con.print(table(cols, title if len(groups) == 1 else f"{title} ({n} of {len(groups)})"))
+
+
 def print_run_summary(summary: RunSummary) -> None:
     """The run's tables on the terminal: drift, then what it does (columns: the metric
     registry's summary tables, with their headers and formats)."""
-    from rich.table import Table
-
     from ..report.metric_registry import CONSEQUENCE_TABLE, DRIFT_TABLE, header
     from ..report.names import distinct_names
 
@@ -219,17 +257,14 @@ def print_run_summary(summary: RunSummary) -> None:
     title = f"drift from {summary['reference']} — {summary['items']} items, {summary['positions']} positions"
     if nf:
         title += f"; noise floor mean KL {nf['kl_nats_mean']:.3g}"
-    t = Table(title=title)
-    # each row shows the part of its name that differs (a shared start folded to …), folded
-    # onto more lines rather than cut, so no two rows read alike on a narrow terminal
     shown = distinct_names([r.get("name") or r["candidate"] for r in summary["candidates"]])
-    width = min(max((len(s) for s in shown), default=9), 28)
-    t.add_column("candidate", justify="left", min_width=width, overflow="fold")
+    headers: list[str] = []
     for name in DRIFT_TABLE:
-        t.add_column(header(name), justify="right")
+        headers.append(header(name))
         if name == "kl_mean":
-            t.add_column("95% CI", justify="right")
-    for r, label in zip(summary["candidates"], shown):
+            headers.append("95% CI")
+    rows = []
+    for r in summary["candidates"]:
         row = cast("dict[str, Any]", r)
         cells = []
         for name in DRIFT_TABLE:
@@ -237,9 +272,9 @@ def print_run_summary(summary: RunSummary) -> None:
             if name == "kl_mean":
                 ci = r["kl_mean_ci95"]
                 cells.append("n/a" if ci[0] is None else f"[{_cell(ci[0], name)}, {_cell(ci[1], name)}]")
-        t.add_row(label, *cells)
+        rows.append(cells)
     con = table_console()
-    con.print(t)
+    _print_fitting(con, title, shown, headers, rows)
     g = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
     # a served candidate's drift is read against the servers' own batch arithmetic (summary.md says the same)
     for r in summary["candidates"]:
@@ -248,13 +283,9 @@ def print_run_summary(summary: RunSummary) -> None:
                       + (" — within 2×: not distinguishable from the servers' batch arithmetic" if r.get("within_2x_served_floor") else ""),
                       highlight=False)
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
-        t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
-        t2.add_column("candidate", justify="left", min_width=width, overflow="fold")
-        for name in CONSEQUENCE_TABLE:
-            t2.add_column(header(name), justify="right")
-        for r, label in zip(summary["candidates"], shown):
-            t2.add_row(label, *(_consequence_cell(r, name) for name in CONSEQUENCE_TABLE))
-        con.print(t2)
+        _print_fitting(con, "what the drift does: branches from top-1 flips, and free-running answers", shown,
+                       [header(name) for name in CONSEQUENCE_TABLE],
+                       [[_consequence_cell(r, name) for name in CONSEQUENCE_TABLE] for r in summary["candidates"]])
     print_verdicts(summary, con)
 
 
