@@ -894,8 +894,8 @@ def test_verdict_line_agrees_with_the_answers_the_report_lists(ladder, pairs):
         assert sev != "ok" and f"{len(sec['items_right_to_truncated'])} right→truncated" in render_markdown(report)
 
 
-REAL_LONG = ["unsloth/Qwen3-30B-A3B-Instruct-2507-UD-Q4_K_XL", "unsloth/Qwen3-30B-A3B-Instruct-2507-UD-Q2_K_XL",
-             "unsloth/Qwen3-30B-A3B-Instruct-2507-UD-IQ3_XXS"]
+REAL_LONG = ["unsloth/Qwen3-30B-A3B-Instruct-2507-UD-Q4_K_XL", "unsloth/Qwen3-30B-A3B-Instruct-2507-UD-Q5_K_XL",
+             "unsloth/Qwen3-30B-A3B-Instruct-2507-UD-Q6_K_XL"]
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (scripts/install_chromium.sh installs it)")
@@ -908,18 +908,20 @@ def test_the_longest_real_names_never_overprint_and_stay_distinguishable(ladder,
     for i, name in enumerate(REAL_LONG):
         r = json.loads(json.dumps(base[i % 3]))
         r["candidate"]["spec"] = f"gguf:/models/{name}.gguf"
+        r["flips"] = _flips_section()  # the consequences table lists the candidates too
         reports.append(r)
     page = render_html(reports, [None] * 3, paths=[f"/out/reports/{n.split('/')[1]}" for n in REAL_LONG])
     path = ladder["tmp"] / "long-names.html"
     path.write_text(page, encoding="utf-8")
     res = _layout(path, 1400)
     assert res["errors"] == []
-    rows = res["layout"]["cands"]["matrix"]
-    assert len(rows) == 3 and len({r["shown"] for r in rows}) == 3, rows
-    assert sorted(r["title"].split(" — ")[0] for r in rows) == sorted(n.split("/")[1] for n in REAL_LONG)  # full names on hover
-    for r in rows:
-        assert r["inside"] and (r["next_left"] is None or r["next_left"] >= r["right"] - 0.5), r
-        assert r["shown"].endswith(r["title"].split(" — ")[0].rsplit("-", 1)[1])  # the part that differs is shown
+    assert set(res["layout"]["cands"]) == {"matrix", "consequences"}
+    for rows in res["layout"]["cands"].values():
+        assert len(rows) == 3 and len({r["shown"] for r in rows}) == 3, rows
+        assert sorted(r["title"].split(" — ")[0] for r in rows) == sorted(n.split("/")[1] for n in REAL_LONG)  # full names on hover
+        for r in rows:
+            assert r["inside"] and (r["next_left"] is None or r["next_left"] >= r["right"] - 0.5), r
+            assert r["shown"].endswith(r["title"].split(" — ")[0].rsplit("-", 1)[1])  # the part that differs is shown
     # the terminal: the summary table's candidate column, at a narrow terminal width
     from rich.console import Console
 
@@ -933,8 +935,8 @@ def test_the_longest_real_names_never_overprint_and_stay_distinguishable(ladder,
     monkeypatch.setattr(cli_run, "table_console", lambda width=120: Console(width=120))
     cli_run.print_run_summary(summary)
     out = capsys.readouterr().out
-    lines = [ln for ln in out.splitlines() if "│" in ln and any(k in ln for k in ("Q4_K_XL", "Q2_K_XL", "IQ3_XXS"))]
-    assert len(lines) >= 3 and all(any(k in ln for ln in lines) for k in ("Q4_K_XL", "Q2_K_XL", "IQ3_XXS")), out
+    lines = [ln for ln in out.splitlines() if "│" in ln and any(k in ln for k in ("Q4_K_XL", "Q5_K_XL", "Q6_K_XL"))]
+    assert len(lines) >= 3 and all(any(k in ln for ln in lines) for k in ("Q4_K_XL", "Q5_K_XL", "Q6_K_XL")), out
 
 
 # ----------------------------------------------------------------------------- a RUN's shared plotly.js
