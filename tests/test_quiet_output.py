@@ -33,3 +33,13 @@ def test_an_hf_gguf_capture_piped_draws_no_foreign_progress_bar(tmp_path):
             f"AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, gguf_file={gguf.name!r})\n")
     q = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "de-quantizing" in q.stderr, q.stderr[-2000:]
+
+
+def test_messages_piped_are_one_line_each(capsys):
+    """stderr not a terminal: a stage or gate line longer than 80 columns stays one line (rich
+    wrapped it at 80, splitting "gate not evaluated: ...: the report has no / flips section")."""
+    from logitdiff.cli.console import console
+
+    line = "gate not evaluated: Qwen3-30B-A3B-Instruct-2507-UD-Q4_K_XL: require tool_call_malformed<=0: the report has no flips section"
+    console().print(line, highlight=False)
+    assert capsys.readouterr().err == line + "\n"

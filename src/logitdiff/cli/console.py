@@ -10,10 +10,12 @@ import sys
 
 
 def console():
-    """The stderr console: messages, errors, progress."""
+    """The stderr console: messages, errors, progress. Not a terminal (a CI log, a file): one
+    message a line, never wrapped at rich's default 80 columns, so a gate line or a stage can
+    be grepped whole."""
     from rich.console import Console
 
-    return Console(stderr=True)
+    return Console(stderr=True, soft_wrap=not sys.stderr.isatty())
 
 
 def table_console(width: int = 160):
