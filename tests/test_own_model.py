@@ -63,6 +63,7 @@ def test_automatic_floor_is_chosen_by_what_the_reference_is(tiny, cache, tmp_pat
     assert automatic_floor("builtin:tiny")[0] == "builtin:tiny-BF16"
     assert automatic_floor(f"gguf:{gguf},threads=2")[0] == f"hf:{gguf}"
     assert automatic_floor(f"hf:{gguf}")[0] == f"gguf:{gguf}"
+    assert automatic_floor(f"hf:{tmp_path},gguf_file=m.gguf")[0] == f"gguf:{gguf}"  # the same file, named another way
     # an hf: directory: its GGUF export, F32 for a float32 model (config or dtype=), else BF16
     for ref, outtype in ((f"hf:{f32}", "F32"), (f"hf:{bf16}", "BF16"), (f"hf:{f32},dtype=bfloat16", "BF16"),
                          (f"hf:{bf16},dtype=float32", "F32")):

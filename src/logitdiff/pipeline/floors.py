@@ -10,7 +10,8 @@
   ``builtin:tiny``            ``builtin:tiny-BF16`` (the same weights as GGUF, llama.cpp)
   ``hf:DIR``                  its GGUF export through llama.cpp: BF16, or F32 for a model
                               loaded in float32 (built once into the ladder cache)
-  ``hf:FILE.gguf``            ``gguf:FILE.gguf`` (llama.cpp reading the same file)
+  ``hf:FILE.gguf``            ``gguf:FILE.gguf`` (llama.cpp reading the same file; also
+                              ``hf:DIR,gguf_file=NAME``: ``gguf:DIR/NAME``)
   ``gguf:FILE``               ``hf:FILE`` (transformers reading the same GGUF)
   served, anything else       none (the summary says so; name one with ``--floor``)
   ==========================  ==============================================================
@@ -66,6 +67,8 @@ def automatic_floor(reference: str, *, build: bool = True) -> tuple[str | None, 
         path = Path(spec.target).expanduser()
         if path.is_file() and path.suffix.lower() == ".gguf" and "gguf_file" not in spec.options:
             return f"gguf:{path}", "auto: the reference's GGUF file through llama.cpp"
+        if path.is_dir() and "gguf_file" in spec.options:  # hf:DIR,gguf_file=NAME: the same file, read by llama.cpp
+            return f"gguf:{path / spec.options['gguf_file']}", "auto: the reference's GGUF file through llama.cpp"
         if path.is_dir() and "gguf_file" not in spec.options:
             outtype = "F32" if _float32_hf(spec.options, path) else "BF16"
             how = f"auto: the reference's weights exported to a GGUF {outtype}, through llama.cpp"
