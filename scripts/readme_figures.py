@@ -435,8 +435,10 @@ def rewrite(readme: Path, block: str, key: str, check: bool) -> int:
             return 1
         if check_section(readme, have[key], block, key):
             return 1
-        print(f"{readme}: the figures for this machine class ({key}) match this run's "
-              f"(other classes: {', '.join(sorted(set(have) - {key})) or 'none'})", file=sys.stderr)
+        rows = [ln for ln in pinned(have[key]) if ln.startswith("| `")]
+        print(f"{readme}: the figures for this machine class ({key}) match this run's (compared: the machine class and "
+              f"cores, {len(rows)} table rows and every figure of the paragraphs; not the header's versions, wall time, "
+              f"load, CPU model; other classes, not compared: {', '.join(sorted(set(have) - {key})) or 'none'})", file=sys.stderr)
         return 0
     have[key] = block
     body = "\n\n".join(f"<!-- readme_figures:class {k} -->\n{have[k]}" for k in sorted(have))

@@ -375,6 +375,7 @@ def test_readme_figures_check_on_the_run(default_run, tmp_path):
     assert "not re-timed" in run("--print").stdout
     r = run("--check")
     assert r.returncode == 0 and "match this run's" in r.stderr and "warning" not in r.stderr, r.stderr
+    assert f"compared: the machine class and cores, {2 * (1 + len(LADDER))} table rows" in r.stderr, r.stderr  # what it compared
     # versions README names that this run does not: the drift named in a warning, not a failure
     have = re.search(r"transformers ([^\s,()]+)", text).group(1)
     readme.write_text(text.replace(f"transformers {have}", "transformers 0.0.0-readme", 1))
