@@ -197,3 +197,10 @@ def test_own_model_end_to_end_on_smollm2(tmp_path):
     assert "the cross-engine floor (reference weights, other engine)" in text
     assert f"drifts {cand['x_cross_engine_floor']:.3g}× cross-engine floor" in text
     assert "no floor measured" not in text
+    # and on the pages: the run's and the candidate's own, and summary.md names the floor
+    import html
+
+    for page in (out / "report.html", Path(cand["report"]) / "report.html"):
+        shown = " ".join(html.unescape(page.read_text(encoding="utf-8")).split())
+        assert f"drifts {cand['x_cross_engine_floor']:.3g}× cross-engine floor" in shown and "no floor measured" not in shown, page
+    assert f"- cross-engine floor (same weights, other engine): `hf:{smol}`" in (out / "summary.md").read_text()
