@@ -206,7 +206,8 @@ def rows(run: dict) -> list[str]:
         rep = run["reports"][c["name"]]
         corr = dict(rep["correctness"])
         corr.update({k: c[k] for k in ("right_to_truncated",) if k not in corr and k in c})
-        workload = f"`{s['workload']}` ({corr['n_labelled']} items" + (
+        n = corr["n_labelled"]
+        workload = f"`{s['workload']}` ({n} item{'' if n == 1 else 's'}" + (
             f"; {tool_forms(corr)})" if s["workload"].startswith("bfcl:") else ")")
         out.append(f"| {workload} | `{c['name']}` | {pass_rate(corr)} | {_pval(corr['mcnemar_p'])} | {changed_counts(corr)} | "
                    f"{parting_at_flip(corr)} | {attributed(corr)} | {c['kl_mean']:.3g} | {floor_words(run, c['name'])} |")
