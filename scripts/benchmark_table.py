@@ -154,6 +154,14 @@ def changed_counts(c: dict) -> str:
     return f"{c['right_to_wrong']} / {c['wrong_to_right']} / {ABSENT if r2t is None else r2t}"
 
 
+def cut(c: dict) -> str:
+    """Answers that used the whole token budget (graded truncated where not right), both sides."""
+    if c.get("cut_ref") is None or c.get("cut_cand") is None:
+        return ABSENT
+    budget = c.get("budget_tokens")
+    return f"{c['cut_ref']} / {c['cut_cand']}" + (f" ({budget} tokens)" if budget else "")
+
+
 def parting_at_flip(c: dict) -> str:
     """How many changed answers part (the free-running outputs first differ) at a teacher-forced
     top-1 flip: consequences.correctness_section's count."""
@@ -210,7 +218,7 @@ def rows(run: dict) -> list[str]:
         workload = f"`{s['workload']}` ({n} item{'' if n == 1 else 's'}" + (
             f"; {tool_forms(corr)})" if s["workload"].startswith("bfcl:") else ")")
         out.append(f"| {workload} | `{c['name']}` | {pass_rate(corr)} | {_pval(corr['mcnemar_p'])} | {changed_counts(corr)} | "
-                   f"{parting_at_flip(corr)} | {attributed(corr)} | {c['kl_mean']:.3g} | {floor_words(run, c['name'])} |")
+                   f"{cut(corr)} | {parting_at_flip(corr)} | {attributed(corr)} | {c['kl_mean']:.3g} | {floor_words(run, c['name'])} |")
     return out
 
 
@@ -286,9 +294,9 @@ def render(runs: list[dict]) -> str:
              + (f", {m['memory_gib']:.0f} GiB" if m.get("memory_gib") else "") + f". Took: {took}.")
     lines = [prose, "",
              f"| workload | candidate | pass rate, reference → candidate (95 % CI) | {header('mcnemar_p')} | right→wrong / "
-             "wrong→right / right→truncated | of these, parting at a top-1 flip | first flip and branch of each | "
-             f"{header('kl_mean')} (nats) | read against |",
-             "|---|---|---|---:|---|---|---|---:|---|"]
+             f"wrong→right / right→truncated | {header('cut_cand')}, reference / candidate | of these changes, parting at a "
+             f"top-1 flip | first flip and branch of each | {header('kl_mean')} (nats) | read against |",
+             "|---|---|---|---:|---|---|---|---|---:|---|"]
     for run in runs:
         lines += rows(run)
     return "\n".join(lines)

@@ -65,14 +65,15 @@ def test_the_table_is_the_runs_report_json(small_run, capsys):
         assert cells[2].startswith(f"{100 * corr['accuracy_ref']:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}] → ")
         assert cells[3] == f"{corr['mcnemar_p']:.2g}"
         assert cells[4] == f"{corr['right_to_wrong']} / {corr['wrong_to_right']} / {corr['right_to_truncated']}"
-        assert cells[5] == f"{corr['flips_starting_at_top1_flip']} of {corr['correctness_flips']}"
+        assert cells[5] == f"{corr['cut_ref']} / {corr['cut_cand']} (16 tokens)" and corr["budget_tokens"] == 16
+        assert cells[6] == f"{corr['flips_starting_at_top1_flip']} of {corr['correctness_flips']}"
         if (corr.get("attributed") or {}).get("with_flip") is None:
-            assert cells[6] == "not in this report"
+            assert cells[7] == "not in this report"
         else:
-            assert cells[6].startswith(f"{corr['attributed']['with_flip']} of {corr['attributed']['n']} have a flip")
-        assert cells[7] == f"{c['kl_mean']:.3g}"
-    assert "this row is the cross-engine floor" in _cells(rows[0])[8]
-    assert _cells(rows[1])[8] == f"{summary['candidates'][1]['x_cross_engine_floor']:.3g}× the cross-engine floor `builtin:tiny-BF16` (its row)"
+            assert cells[7].startswith(f"{corr['attributed']['with_flip']} of {corr['attributed']['n']} have a flip")
+        assert cells[8] == f"{c['kl_mean']:.3g}"
+    assert "this row is the cross-engine floor" in _cells(rows[0])[9]
+    assert _cells(rows[1])[9] == f"{summary['candidates'][1]['x_cross_engine_floor']:.3g}× the cross-engine floor `builtin:tiny-BF16` (its row)"
     prose = block.split("\n\n")[0]
     assert "\n" not in prose  # one line: README's line budget
     assert ("`logitdiff run --reference builtin:tiny --candidate builtin:tiny-Q2_K --workload humaneval:2 --max-tokens 16 "
@@ -89,7 +90,7 @@ def test_a_field_the_report_lacks_is_said_to_be_absent(small_run, tmp_path, caps
     for name in ("tiny-BF16", "tiny-Q2_K"):
         path = out / "reports" / name / "report.json"
         rep = json.loads(path.read_text())
-        for key in ("right_to_truncated", "items_right_to_truncated", "attributed", "attribution"):
+        for key in ("right_to_truncated", "items_right_to_truncated", "attributed", "attribution", "cut_cand"):
             rep["correctness"].pop(key, None)
         path.write_text(json.dumps(rep))
     bt = _script()
@@ -98,7 +99,7 @@ def test_a_field_the_report_lacks_is_said_to_be_absent(small_run, tmp_path, caps
     assert len(rows) == 2
     for row in rows:
         cells = _cells(row)
-        assert cells[4].endswith(" / not in this report") and cells[6] == "not in this report"
+        assert cells[4].endswith(" / not in this report") and cells[5] == cells[7] == "not in this report"
 
 
 def test_readme_is_rewritten_between_the_markers_and_check_names_the_differing_line(small_run, tmp_path, capsys):
