@@ -361,19 +361,28 @@ def preflight_tokenization(reference: str, candidates: Sequence[str], items: Seq
     """Before any capture: every item's prompt rendered by the reference and by each candidate
     spec gives the same ids (the check :func:`verified_prompts` makes against a captured
     reference, seconds instead of after it). Sources are opened tokenizer-only where their kind
-    allows (:func:`~logitdiff.sources.registry.open_tokenizer`: no weights), one at a time."""
+    allows (:func:`~logitdiff.sources.registry.open_tokenizer`: no weights), one at a time.
+
+    A candidate whose ``render_identity`` is that of a source already rendered here (the
+    reference, or a candidate that passed) is not rendered again: its renderer reads the same
+    bytes, so every item gives the ids already compared (a GGUF's tokenizer is loaded lazily,
+    so such a candidate costs its cached metadata read, not a llama.cpp load)."""
     from ..sources.registry import open_tokenizer
 
     if not candidates:
         return
     with open_tokenizer(reference) as src:
         want = [list(ids) for ids in src.render_many(items)]
+        proven = {src.render_identity} - {None}
     for spec in dict.fromkeys(candidates):
         if spec == reference:
             continue
         with open_tokenizer(spec) as src:
+            if src.render_identity in proven:
+                continue
             for it, ref_ids, ids in zip(items, want, src.render_many(items)):
                 check_same_prompt(it.id, ref_ids, ids, spec)
+            proven |= {src.render_identity} - {None}
 
 
 @renamed_parameters(teacher="reference")
