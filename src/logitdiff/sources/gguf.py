@@ -204,6 +204,7 @@ def _jinja_env():
 class GGUFSource(FullLogitSource):
     engine = "llama.cpp in process"
     scores_alone = True  # score_blocks: one prefill per (prompt, teacher) pair
+    llm: Any  # llama_cpp.Llama: the model, or (tokenizer-only) its vocabulary once loaded, else None
     def __init__(
         self,
         path: str | Path,
