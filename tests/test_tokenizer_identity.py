@@ -320,7 +320,9 @@ def test_preflight_renders_each_tokenizer_once(pair, tmp_path, monkeypatch):
     """Candidates whose metadata is the reference's but for the quantizer's keys (a copy; a
     file typed Q8_0 with imatrix provenance) are not rendered: llama.cpp loads the reference's
     vocabulary only. One with any other key changed (general.name, which llama.cpp's vocabulary
-    reads) is rendered, and passes: its prompts give the reference's ids."""
+    reads) is rendered, and passes: its prompts give the reference's ids. A later preflight of
+    the same prompts takes the ids from the cache (keyed by the tokenizer digest and the texts)
+    and loads no vocabulary; other prompts load them again, and the ids are the full source's."""
     import shutil
 
     from _models import rewrite_gguf
@@ -344,8 +346,16 @@ def test_preflight_renders_each_tokenizer_once(pair, tmp_path, monkeypatch):
     preflight_tokenization(f"gguf:{ref}", [f"gguf:{copy}", f"gguf:{typed}", f"gguf:{named}"], items)
     assert loads == [str(ref), str(named)]
     loads.clear()
-    preflight_tokenization(f"gguf:{ref}", [f"gguf:{named}", f"gguf:{copy}"], items)  # order: the first of a kind renders
+    preflight_tokenization(f"gguf:{ref}", [f"gguf:{named}", f"gguf:{copy}"], items)
+    assert loads == []  # every prompt's ids cached, for both tokenizers
+    other = _items(tmp_path, ["What is 12 + 30?", "Hello world"])
+    preflight_tokenization(f"gguf:{ref}", [f"gguf:{named}", f"gguf:{copy}"], other)  # order: the first of a kind renders
     assert loads == [str(ref), str(named)]
+    from logitdiff.sources.gguf import GGUFSource
+
+    with GGUFSource(named, tokenizer_only=True) as cached, GGUFSource(named, n_ctx=64, threads=1) as full:
+        assert cached.render_many(other) == full.render_many(other) == [full.render(it) for it in other]
+    assert loads == [str(ref), str(named)]  # the tokenizer-only open's ids came from the cache
 
 
 @pytest.mark.parametrize("mtime", ["new", "restored"])

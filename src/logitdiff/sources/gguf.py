@@ -246,6 +246,7 @@ class GGUFSource(FullLogitSource):
 
         n_batch = max(1, min(int(n_batch), int(n_ctx)))
         self._template: Any = None  # the compiled chat template (jinja2), on first use
+        self._tokenizer_only = tokenizer_only
         if tokenizer_only:
             self.llm = None  # loaded by the first tokenization (_vocab)
             self.vocab_size = len(self._tokens)  # llama.cpp's n_vocab (a full open checks they agree)
@@ -349,7 +350,7 @@ class GGUFSource(FullLogitSource):
         self.tokenizer_hash = tokenizer_hash_of(self.tokenizer_tokens)
         # what this class renders from: the GGUF's metadata (all of it but the quantizer's
         # keys); None from a reader that could not digest it
-        digest = get("tokenizer_metadata_sha256")
+        digest = self._tokenizer_digest = get("tokenizer_metadata_sha256")
         self.render_identity = f"gguf: llama.cpp vocabulary + chat template of metadata {digest}" if digest else None
 
     # ---- tokenization -----------------------------------------------------------------
@@ -399,6 +400,28 @@ class GGUFSource(FullLogitSource):
 
     def render(self, item: Any) -> list[int]:
         return self._tokenize(self.render_text(item))
+
+    def render_many(self, items: Sequence[Any]) -> list[list[int]]:
+        """`render` of several items. A tokenizer-only open (a preflight's) keeps the ids per
+        (tokenizer digest, llama-cpp-python version, texts): the ids are a function of those
+        alone (llama.cpp builds the vocabulary from the metadata the digest covers), so a
+        later preflight on the same tokenizer and prompts loads no vocabulary. A full open
+        (a capture) always tokenizes."""
+        texts = [self.render_text(it) for it in items]
+        if not self._tokenizer_only or self._tokenizer_digest is None:
+            return [self._tokenize(t) for t in texts]
+        import hashlib
+
+        import llama_cpp
+
+        from ..store.filecache import json_cached
+
+        key = {"tokenizer_metadata_sha256": self._tokenizer_digest, "llama_cpp_python": llama_cpp.__version__,
+               "call": "tokenize(add_bos=False, special=True)",
+               "texts_sha256": hashlib.sha256(json.dumps(texts).encode()).hexdigest()}
+        return json_cached("gguf.prompt_ids", key, lambda: [self._tokenize(t) for t in texts],
+                           valid=lambda v: isinstance(v, list) and len(v) == len(texts)
+                           and all(isinstance(ids, list) and all(type(i) is int for i in ids) for ids in v))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_ids(ids, "detokenize")

@@ -19,6 +19,9 @@ texts of all V tokens (a RUN's ``vocab.json``) and the vocabulary's content hash
   file's identity as above and a name: read once per version of the file.
 * :func:`file_json_cached`: the same for a JSON value (a GGUF's tokenizer metadata: V
   token strings that ``gguf.GGUFReader`` took ~20 s to parse at V = 262,144, issue 40).
+* :func:`json_cached`: a JSON value keyed by a JSON key that already names every input of
+  the computation by content (a tokenizer's digest, a library version, the texts): llama.cpp's
+  ids of a preflight's prompts, so that a later preflight loads no vocabulary.
 * :func:`file_dir_cached`: the same for a value kept as files in a directory (transformers'
   tokenizer and config converted from a GGUF: ~17 s of an ``hf:FILE.gguf`` open for
   SmolLM2, issue 38), written whole under a temporary name and renamed into place.
@@ -152,6 +155,24 @@ def file_json_cached(path: str | os.PathLike, name: str, versions: dict, compute
     value = compute()
     if file_identity(path) == ident:
         _write(entry, json.dumps(value).encode())  # ASCII: lone surrogates survive as escapes
+    return value
+
+
+def json_cached(name: str, key: object, compute: Callable[[], object], valid: Callable[[object], bool] = lambda v: True):
+    """``compute()`` (a JSON value), or its cached copy for ``name`` and ``key`` (a JSON value
+    that must name every input of ``compute`` by content: nothing else keys the entry); an
+    entry that ``valid`` refuses is recomputed."""
+    entry = _entry(name, json.dumps(key, sort_keys=True))
+    got = _read(entry)
+    if got is not None:
+        try:
+            value = json.loads(got)
+        except ValueError:
+            value = None
+        if value is not None and valid(value):
+            return value
+    value = compute()
+    _write(entry, json.dumps(value).encode())
     return value
 
 
