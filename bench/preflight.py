@@ -16,7 +16,9 @@ round:
 
 * ``gguf``: ``gguf:REF-F32`` against ``gguf:CAND-Q8_0`` at V = 262,144 (issue 40: <= 10 s);
 * ``hf``: ``hf:SmolLM2.Q4_1.gguf`` against ``gguf:SmolLM2.Q4_1.gguf`` and its Q8_0 (issue 38's
-  user: a transformers reference on the GGUF, llama.cpp candidates; 55.8 s measured).
+  user: a transformers reference on the GGUF, llama.cpp candidates; 55.8 s measured);
+* ``builtin``: the bundled default's (``builtin:tiny`` against its BF16 floor and ladder: the
+  ``~5 s`` docs/sources.md gave), its GGUFs linked from ``~/.cache/logitdiff``.
 
 Each under the code in ``--peer-src`` (before) and this checkout (after), each first with an
 empty cache (the first command on these files) and then with the cache that run left (every
@@ -59,10 +61,23 @@ print(json.dumps({"preflight_s": t2 - t1, "items": len(items)}))
 
 def specs(out: Path) -> dict[str, list[str]]:
     """The preflights measured: case -> [reference spec, candidate specs...]."""
+    from logitdiff.pipeline import default_candidates
+
     got = {"gguf": [f"gguf:{out / 'ref-F32.gguf'}", f"gguf:{out / 'cand-Q8_0.gguf'}"]}
     if (out / "smollm2-Q8_0.gguf").is_file() and SMOLLM2.is_file():
         got["hf"] = [f"hf:{SMOLLM2}", f"gguf:{SMOLLM2}", f"gguf:{out / 'smollm2-Q8_0.gguf'}"]
+    got["builtin"] = ["builtin:tiny", *default_candidates()]  # the bundled default's (its GGUFs already built)
     return got
+
+
+def fresh_cache(path: Path) -> str:
+    """An empty cache directory but for the bundled ladder's GGUFs (built once, linked)."""
+    path.mkdir(parents=True, exist_ok=True)
+    home = Path.home() / ".cache" / "logitdiff"
+    for name in ("ladders", "hashes.json"):
+        if (home / name).exists() and not (path / name).exists():
+            (path / name).symlink_to(home / name)
+    return str(path)
 
 
 def build(out: Path) -> None:
@@ -119,7 +134,7 @@ def timing(out: Path, rounds: int, peer_src: str, only: list[str]) -> None:
             la0 = os.getloadavg()
             for case, spec in cases.items():
                 for code, src in codes.items():
-                    cache = str(Path(tmp) / f"{case}-{code}-{r}")  # empty: the first command on these files
+                    cache = fresh_cache(Path(tmp) / f"{case}-{code}-{r}")  # empty: the first command on these files
                     for state in ("empty cache", "cache kept"):
                         results.setdefault((case, code, state), []).append(one(src, cache, spec))
             la1 = os.getloadavg()
@@ -149,7 +164,7 @@ def profile(out: Path, case: str, top: int) -> None:
     spec = specs(out)[case]
     items = read_workload(WORKLOAD)
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["LOGITDIFF_CACHE"] = tmp
+        os.environ["LOGITDIFF_CACHE"] = fresh_cache(Path(tmp))
         for state in ("empty cache", "cache kept"):
             prof = cProfile.Profile()
             t = time.perf_counter()
@@ -167,10 +182,10 @@ def main() -> None:
     t.add_argument("out", type=Path)
     t.add_argument("--rounds", type=int, default=3)
     t.add_argument("--peer-src", required=True, help="src/ of the code before (e.g. /work/main/src)")
-    t.add_argument("--only", action="append", default=[], choices=["gguf", "hf"])
+    t.add_argument("--only", action="append", default=[], choices=["gguf", "hf", "builtin"])
     p = sub.add_parser("profile")
     p.add_argument("out", type=Path)
-    p.add_argument("case", choices=["gguf", "hf"])
+    p.add_argument("case", choices=["gguf", "hf", "builtin"])
     p.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     if args.cmd == "build":
