@@ -60,6 +60,58 @@ def test_cached_json_keys_on_contents_versions_and_name(cache, tmp_path):
     assert fc.cached_json("n", [f], {"v": 1}, compute) == ["x\udc80", 5]
 
 
+def test_file_dir_cached_keeps_whole_entries_of_one_file_version(cache, tmp_path):
+    """A directory entry is made once per version of the file and versions: a second call
+    loads it; an entry its loader fails on is computed again and replaced; a value ``save``
+    refuses leaves no entry (nor a temporary); the file rewritten in place with the same size
+    and its old mtime put back, or other versions, is computed again."""
+    import json
+
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"abc")
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"bytes": f.read_text(), "n": len(calls)}
+
+    def save(value, d):
+        (d / "value.json").write_text(json.dumps(value))
+        return True
+
+    def load(d):
+        return json.loads((d / "value.json").read_text())
+
+    assert fc.file_dir_cached(f, "conv", {"lib": 1}, compute, save, load) == {"bytes": "abc", "n": 1}
+    assert fc.file_dir_cached(f, "conv", {"lib": 1}, compute, save, load) == {"bytes": "abc", "n": 1}
+    (entry,) = (cache / "conv").iterdir()
+    (entry / "value.json").write_text("{damaged")
+    assert fc.file_dir_cached(f, "conv", {"lib": 1}, compute, save, load) == {"bytes": "abc", "n": 2}
+    assert fc.file_dir_cached(f, "conv", {"lib": 1}, compute, save, load) == {"bytes": "abc", "n": 2}
+    assert [p.name for p in (cache / "conv").iterdir()] == [entry.name]  # replaced, nothing left beside it
+    assert fc.file_dir_cached(f, "conv", {"lib": 2}, compute, save, load)["n"] == 3
+    assert fc.file_dir_cached(f, "refused", {}, compute, lambda v, d: False, load)["n"] == 4
+    assert fc.file_dir_cached(f, "refused", {}, compute, lambda v, d: False, load)["n"] == 5
+    assert list((cache / "refused").iterdir()) == []
+    st = f.stat()
+    f.write_bytes(b"abd")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert fc.file_dir_cached(f, "conv", {"lib": 1}, compute, save, load) == {"bytes": "abd", "n": 6}
+
+
+def test_json_cached_keys_on_the_key_alone(cache):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return [[1, 2], [len(calls)]]
+
+    assert fc.json_cached("ids", {"digest": "a", "texts": "t"}, compute) == [[1, 2], [1]]
+    assert fc.json_cached("ids", {"texts": "t", "digest": "a"}, compute) == [[1, 2], [1]]  # key order: the same key
+    assert fc.json_cached("ids", {"digest": "b", "texts": "t"}, compute) == [[1, 2], [2]]
+    assert fc.json_cached("ids", {"digest": "a", "texts": "t"}, compute, valid=lambda v: len(v) == 3) == [[1, 2], [3]]
+
+
 def test_cache_off_and_unwritable(tmp_path, monkeypatch):
     f = tmp_path / "a"
     f.write_bytes(b"1")

@@ -7,6 +7,7 @@ quantized by llama.cpp, and compared against transformers in float32.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -427,3 +428,97 @@ def test_metadata_parser_reads_what_ggufreader_reads(ladder, tmp_path):
     cut.write_bytes(raw[:4096])
     with pytest.raises(LogitdiffError, match=r"cut\.gguf: not a readable GGUF file"):
         gguf_metadata(cut)
+
+
+# ----------------------------------------------------------------------------------------
+# the tokenizer digest (sources.gguf_meta) and transformers' conversion, cached
+# ----------------------------------------------------------------------------------------
+
+
+def test_quants_of_one_file_share_its_tokenizer_digest(ladder):
+    """llama-quantize copies the metadata and sets the file type and quantization version: every
+    quant of the F32 export has the F32's digest; the BF16 export (our exporter, same tokenizer)
+    too."""
+    from logitdiff.sources.gguf_meta import read_keys
+
+    digests = {q: read_keys(p)["tokenizer_metadata_sha256"] for q, p in ladder["paths"].items()}
+    assert len(set(digests.values())) == 1 and digests["F32"].startswith("sha256:"), digests
+    assert len({read_keys(p)["general.file_type"] for p in ladder["paths"].values()}) == len(digests)
+
+
+@pytest.mark.parametrize("field, value, same", [
+    ("general.file_type", 7, True),                      # the quantizer's keys
+    ("general.quantization_version", 3, True),
+    ("quantize.imatrix.file", "imatrix.dat", True),
+    ("general.name", "phi-3 mini", False),                # llama.cpp's vocabulary reads it (token attributes)
+    ("tokenizer.ggml.pre", "smollm", False),               # the pre-tokenizer
+    ("tokenizer.chat_template", "{{ messages[0]['content'] }}", False),
+    ("tokenizer.ggml.eos_token_id", 3, False),
+    ("llama.context_length", 333, False),                  # an architecture key: hf: checks prompt lengths with it
+    ("general.license", "mit", False),                     # read by no tokenizer today: in the digest all the same
+])
+def test_tokenizer_digest_changes_with_every_key_but_the_quantizers(ladder, tmp_path, field, value, same):
+    from _models import rewrite_gguf
+    from logitdiff.sources.gguf_meta import _read_with_gguf, read_keys
+
+    src = ladder["paths"]["Q8_0"]
+    changed = rewrite_gguf(src, tmp_path / "changed.gguf", fields={field: value})
+    a, b = read_keys(src)["tokenizer_metadata_sha256"], read_keys(changed)["tokenizer_metadata_sha256"]
+    assert (a == b) is same
+    assert _read_with_gguf(changed)["tokenizer_metadata_sha256"] == b  # both readers digest the same bytes
+
+
+def test_hf_gguf_conversion_is_cached_per_version_of_the_file(ladder, tmp_path, monkeypatch):
+    """transformers' config and tokenizer of an hf:FILE.gguf are converted once per version of
+    the file: a second open loads the cached copy (and renders and hashes as the conversion
+    does, tokenizer-only and full); the file rewritten in place with the same size (its chat
+    template changed) or a tokenizer_config.json put beside it is converted again."""
+    import json
+    import os
+    import shutil
+
+    from _models import rewrite_gguf
+    from logitdiff.sources.gguf_meta import read_keys
+    from logitdiff.sources.hf import HFSource
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LOGITDIFF_CACHE", str(cache))
+    d = tmp_path / "model"
+    d.mkdir()
+    g = shutil.copy2(ladder["paths"]["Q8_0"], d / "m.gguf")
+    first = HFSource(g, tokenizer_only=True)
+    (entry,) = (cache / "hf.gguf_conversion").iterdir()
+    again = HFSource(g, tokenizer_only=True)
+    assert Path(again.tok.name_or_path) == entry and Path(first.tok.name_or_path) != entry  # the copy, loaded
+    monkeypatch.setenv("LOGITDIFF_CACHE", "off")
+    fresh, fresh_full = HFSource(g, tokenizer_only=True), HFSource(g, dtype="float32")
+    monkeypatch.setenv("LOGITDIFF_CACHE", str(cache))
+    cached_full = HFSource(g, dtype="float32")
+    assert Path(cached_full.tok.name_or_path) == entry
+    assert again.render(CHAT) == fresh.render(CHAT) == first.render(CHAT)
+    assert again.tok.chat_template == fresh.tok.chat_template and again.max_positions == fresh.max_positions
+    assert (cached_full.tokenizer_hash, cached_full.eos_token_ids, cached_full.vocab_size) == \
+        (fresh_full.tokenizer_hash, fresh_full.eos_token_ids, fresh_full.vocab_size)
+    assert cached_full.token_texts() == fresh_full.token_texts()
+    for s in (first, again, fresh, fresh_full, cached_full):
+        s.close()
+
+    template = read_keys(g)["tokenizer.chat_template"]
+    assert "assistant" in template
+    new = rewrite_gguf(g, tmp_path / "new.gguf", fields={"tokenizer.chat_template": template.replace("assistant", "assistent")})
+    st = os.stat(g)
+    assert new.stat().st_size == st.st_size
+    with open(g, "r+b") as f:  # in place, the old mtime put back: the ctime tells the versions apart
+        f.write(new.read_bytes())
+    os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
+    renewed = HFSource(g, tokenizer_only=True)
+    assert "assistent" in renewed.tok.chat_template and renewed.render(CHAT) != first.render(CHAT)
+    assert len(list((cache / "hf.gguf_conversion").iterdir())) == 2
+    assert renewed.render_identity != first.render_identity
+
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    beside = HFSource(g, tokenizer_only=True)
+    assert len(list((cache / "hf.gguf_conversion").iterdir())) == 3
+    assert beside.render_identity != renewed.render_identity
+    for s in (renewed, beside):
+        s.close()

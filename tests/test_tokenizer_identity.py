@@ -268,3 +268,120 @@ def test_run_refuses_a_tokenization_mismatch_before_the_reference_capture(pair, 
     with pytest.raises(LogitdiffError, match=r"item 'i1': tokenization differs at prompt position \d+"):
         run_pipeline(cfg, Record())
     assert seen and seen[-1].startswith("preflight:"), seen
+
+
+# ---------------------------------------------------------------------------------------
+# the preflight: what it compares, what it renders once, and its cache
+# ---------------------------------------------------------------------------------------
+
+
+def _tokens_of(path):
+    from logitdiff.sources.gguf_meta import read_keys
+
+    return list(read_keys(path)["tokenizer.ggml.tokens"])
+
+
+def _with_token(src, dst, j, text):
+    from _models import rewrite_gguf
+
+    tokens = _tokens_of(src)
+    tokens[j] = text
+    return rewrite_gguf(src, dst, fields={"tokenizer.ggml.tokens": tokens})
+
+
+@pytest.mark.parametrize("which, new", [
+    ("the chat template's end token", lambda t: "<|im_stop|>"),   # every chat prompt holds it
+    ("the last token, widened", lambda t: t + "x"),              # no prompt produces it
+    ("the newline byte", lambda t: "<0x0B>" if t.startswith("<0x") else t + "\u2581"),
+])
+def test_preflight_refuses_a_changed_token_text_in_one_line_naming_both_files(pair, tmp_path, monkeypatch, which, new):
+    """A candidate GGUF whose token strings differ from the reference's in anything but a
+    converter's spelling is refused by the preflight, naming the token id, both spellings
+    and both files, whether or not a prompt of the workload produces that token."""
+    from logitdiff.capture import preflight_tokenization
+
+    monkeypatch.setenv("LOGITDIFF_CACHE", str(tmp_path / "cache"))
+    ref = pair[1]
+    tokens = _tokens_of(ref)
+    j = {"the chat template's end token": tokens.index("<|im_end|>"), "the last token, widened": len(tokens) - 1,
+         "the newline byte": next(i for i, t in enumerate(tokens) if t in ("<0x0A>", "Ċ"))}[which]
+    cand = _with_token(ref, tmp_path / "cand.gguf", j, new(tokens[j]))
+    ref_spec, cand_spec = f"gguf:{ref}", f"gguf:{cand}"
+    items = _items(tmp_path, ["Hello world"])
+    with pytest.raises(LogitdiffError) as e:
+        preflight_tokenization(ref_spec, [cand_spec], items)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"tokenizers differ at token id {j}: {tokens[j]!r} in {ref_spec} vs {new(tokens[j])!r} in {cand_spec}")
+    preflight_tokenization(ref_spec, [f"gguf:{_with_token(ref, tmp_path / 'same.gguf', j, tokens[j])}"], items)  # the control
+
+
+def test_preflight_renders_each_tokenizer_once(pair, tmp_path, monkeypatch):
+    """Candidates whose metadata is the reference's but for the quantizer's keys (a copy; a
+    file typed Q8_0 with imatrix provenance) are not rendered: llama.cpp loads the reference's
+    vocabulary only. One with any other key changed (general.name, which llama.cpp's vocabulary
+    reads) is rendered, and passes: its prompts give the reference's ids. A later preflight of
+    the same prompts takes the ids from the cache (keyed by the tokenizer digest and the texts)
+    and loads no vocabulary; other prompts load them again, and the ids are the full source's."""
+    import shutil
+
+    from _models import rewrite_gguf
+    from logitdiff.capture import preflight_tokenization
+    from logitdiff.sources import gguf as gguf_source
+
+    monkeypatch.setenv("LOGITDIFF_CACHE", str(tmp_path / "cache"))
+    loads = []
+    real = gguf_source.load_vocab
+
+    def counting(path):
+        loads.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(gguf_source, "load_vocab", counting)
+    ref = pair[1]
+    copy = shutil.copy2(ref, tmp_path / "copy.gguf")
+    typed = rewrite_gguf(ref, tmp_path / "typed.gguf", fields={"general.file_type": 7, "quantize.imatrix.file": "i.dat"})
+    named = rewrite_gguf(ref, tmp_path / "named.gguf", fields={"general.name": "another model"})
+    items = _items(tmp_path, ["Hello world", "def f(x):\n    return x"])
+    preflight_tokenization(f"gguf:{ref}", [f"gguf:{copy}", f"gguf:{typed}", f"gguf:{named}"], items)
+    assert loads == [str(ref), str(named)]
+    loads.clear()
+    preflight_tokenization(f"gguf:{ref}", [f"gguf:{named}", f"gguf:{copy}"], items)
+    assert loads == []  # every prompt's ids cached, for both tokenizers
+    other = _items(tmp_path, ["What is 12 + 30?", "Hello world"])
+    preflight_tokenization(f"gguf:{ref}", [f"gguf:{named}", f"gguf:{copy}"], other)  # order: the first of a kind renders
+    assert loads == [str(ref), str(named)]
+    from logitdiff.sources.gguf import GGUFSource
+
+    with GGUFSource(named, tokenizer_only=True) as cached, GGUFSource(named, n_ctx=64, threads=1) as full:
+        assert cached.render_many(other) == full.render_many(other) == [full.render(it) for it in other]
+    assert loads == [str(ref), str(named)]  # the tokenizer-only open's ids came from the cache
+
+
+@pytest.mark.parametrize("mtime", ["new", "restored"])
+def test_preflight_reads_a_candidate_rewritten_in_place_again(pair, tmp_path, monkeypatch, mtime):
+    """The metadata (tokens, digest) is cached per version of the file: a candidate rewritten in
+    place with the same size and one token's text changed (a new mtime; or the old mtime put
+    back, which leaves the new ctime) is read again and refused; the cached copy is not used."""
+    import os
+    import shutil
+
+    from logitdiff.capture import preflight_tokenization
+
+    monkeypatch.setenv("LOGITDIFF_CACHE", str(tmp_path / "cache"))
+    ref = pair[1]
+    cand = shutil.copy2(ref, tmp_path / "cand.gguf")
+    items = _items(tmp_path, ["Hello world"])
+    preflight_tokenization(f"gguf:{ref}", [f"gguf:{cand}"], items)  # both files' metadata now cached
+    tokens = _tokens_of(ref)
+    j = len(tokens) - 1
+    changed = _with_token(ref, tmp_path / "changed.gguf", j, tokens[j][:-1] + ("y" if tokens[j][-1] != "y" else "z"))
+    st = os.stat(cand)
+    assert changed.stat().st_size == st.st_size
+    with open(cand, "r+b") as f:  # in place: same path, inode and size
+        f.write(changed.read_bytes())
+    if mtime == "restored":
+        os.utime(cand, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(cand).st_size == st.st_size and os.stat(cand).st_ino == st.st_ino
+    with pytest.raises(LogitdiffError, match=rf"tokenizers differ at token id {j}: .* in gguf:{ref} vs .* in gguf:{cand}"):
+        preflight_tokenization(f"gguf:{ref}", [f"gguf:{cand}"], items)

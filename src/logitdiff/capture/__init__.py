@@ -347,33 +347,50 @@ def verified_prompts(source: Source, reference: RunReader, shard=None, block: in
     return out
 
 
-def check_same_prompt(item_id: str, reference_ids: Sequence[int], ids: Sequence[int], spec: str) -> None:
-    """Raise, naming the item and the first differing position, unless ``spec`` rendered the
-    item's prompt to the reference's ids."""
+def check_same_prompt(item_id: str, reference_ids: Sequence[int], ids: Sequence[int], spec: str,
+                      reference: str = "reference") -> None:
+    """Raise, naming the item, the first differing position and both sources (``reference``:
+    how the reference is named), unless ``spec`` rendered the item's prompt to the
+    reference's ids."""
     if list(ids) != list(reference_ids):
         j = first_difference(ids, reference_ids)
         a = reference_ids[j] if j < len(reference_ids) else "end"
         b = ids[j] if j < len(ids) else "end"
-        raise LogitdiffError(f"item {item_id!r}: tokenization differs at prompt position {j} (reference id {a}, {spec} id {b})")
+        raise LogitdiffError(f"item {item_id!r}: tokenization differs at prompt position {j} ({reference} id {a}, {spec} id {b})")
 
 
 def preflight_tokenization(reference: str, candidates: Sequence[str], items: Sequence[Item]) -> None:
     """Before any capture: every item's prompt rendered by the reference and by each candidate
     spec gives the same ids (the check :func:`verified_prompts` makes against a captured
-    reference, seconds instead of after it). Sources are opened tokenizer-only where their kind
-    allows (:func:`~logitdiff.sources.registry.open_tokenizer`: no weights), one at a time."""
+    reference, seconds instead of after it), and the token lists where both sources know theirs
+    (:func:`~logitdiff.store.tokenizer_identity.check`, as the capture checks them). Sources
+    are opened tokenizer-only where their kind allows
+    (:func:`~logitdiff.sources.registry.open_tokenizer`: no weights), one at a time. Errors
+    name the item (or token id) and both specs.
+
+    A candidate whose ``render_identity`` is that of a source already rendered here (the
+    reference, or a candidate that passed) is not rendered again: its renderer reads the same
+    bytes, so every item gives the ids already compared (a GGUF's tokenizer is loaded lazily,
+    so such a candidate costs its cached metadata read, not a llama.cpp load)."""
     from ..sources.registry import open_tokenizer
 
     if not candidates:
         return
     with open_tokenizer(reference) as src:
         want = [list(ids) for ids in src.render_many(items)]
+        proven = {src.render_identity} - {None}
+        ref_tokens = (getattr(src, "tokenizer_hash", None), src.tokenizer_tokens)
     for spec in dict.fromkeys(candidates):
         if spec == reference:
             continue
         with open_tokenizer(spec) as src:
+            tokenizer_identity.check(reference, ref_tokens[0], ref_tokens[1],
+                                     spec, getattr(src, "tokenizer_hash", None), src.tokenizer_tokens)
+            if src.render_identity in proven:
+                continue
             for it, ref_ids, ids in zip(items, want, src.render_many(items)):
-                check_same_prompt(it.id, ref_ids, ids, spec)
+                check_same_prompt(it.id, ref_ids, ids, spec, reference=f"reference {reference}")
+            proven |= {src.render_identity} - {None}
 
 
 @renamed_parameters(teacher="reference")

@@ -161,6 +161,10 @@ class Source:
     # batch mates and moving the batch boundaries cannot change a number (the noise floor's
     # rerun with other batch mates is then skipped: pipeline/floors.py)
     scores_alone: bool = False
+    # Equal, not None, for two sources only where both render every item to the same ids
+    # without either rendering it: the renderer and a digest of everything it reads (a GGUF's
+    # metadata: sources/gguf_meta.py); capture.preflight_tokenization renders one of them.
+    render_identity: str | None = None
     _token_texts: list[str] | None = None
 
     # --- tokenization -------------------------------------------------------------

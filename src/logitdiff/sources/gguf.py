@@ -204,6 +204,7 @@ def _jinja_env():
 class GGUFSource(FullLogitSource):
     engine = "llama.cpp in process"
     scores_alone = True  # score_blocks: one prefill per (prompt, teacher) pair
+    llm: Any  # llama_cpp.Llama: the model, or (tokenizer-only) its vocabulary once loaded, else None
     def __init__(
         self,
         path: str | Path,
@@ -216,7 +217,8 @@ class GGUFSource(FullLogitSource):
         tokenizer_only: bool = False,
     ):
         """``tokenizer_only``: llama.cpp opens the vocabulary alone (no weights, well under a
-        second): the source renders and tokenizes, and nothing else (a preflight's open)."""
+        second), on the first tokenization: the source renders and tokenizes, and nothing else
+        (a preflight's open; one whose ``render_identity`` is already proven loads nothing)."""
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
@@ -244,13 +246,10 @@ class GGUFSource(FullLogitSource):
 
         n_batch = max(1, min(int(n_batch), int(n_ctx)))
         self._template: Any = None  # the compiled chat template (jinja2), on first use
+        self._tokenizer_only = tokenizer_only
         if tokenizer_only:
-            try:
-                self.llm = load_vocab(p)
-            except (ValueError, RuntimeError) as e:
-                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise LogitdiffError(f"{p}: llama.cpp could not load the vocabulary ({msg})") from None
-            self.vocab_size = int(self.llm.n_vocab())
+            self.llm = None  # loaded by the first tokenization (_vocab)
+            self.vocab_size = len(self._tokens)  # llama.cpp's n_vocab (a full open checks they agree)
             return
         try:
             # Without ``logits_all``: with it, ``Llama`` keeps an [n_ctx, V] float32 array
@@ -349,10 +348,25 @@ class GGUFSource(FullLogitSource):
             n -= 1
         self.tokenizer_tokens = list(self._tokens[:n])
         self.tokenizer_hash = tokenizer_hash_of(self.tokenizer_tokens)
+        # what this class renders from: the GGUF's metadata (all of it but the quantizer's
+        # keys); None from a reader that could not digest it
+        digest = self._tokenizer_digest = get("tokenizer_metadata_sha256")
+        self.render_identity = f"gguf: llama.cpp vocabulary + chat template of metadata {digest}" if digest else None
 
     # ---- tokenization -----------------------------------------------------------------
+    def _vocab(self):
+        """llama.cpp's model: the one loaded at open, or (tokenizer-only) its vocabulary,
+        loaded on first use."""
+        if self.llm is None:
+            try:
+                self.llm = load_vocab(self.path)
+            except (ValueError, RuntimeError) as e:
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise LogitdiffError(f"{self.path}: llama.cpp could not load the vocabulary ({msg})") from None
+        return self.llm
+
     def _tokenize(self, text: str) -> list[int]:
-        ids = self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        ids = self._vocab().tokenize(text.encode("utf-8"), add_bos=False, special=True)
         return [int(i) for i in ids]
 
     def render_text(self, item: Any) -> str:
@@ -387,9 +401,31 @@ class GGUFSource(FullLogitSource):
     def render(self, item: Any) -> list[int]:
         return self._tokenize(self.render_text(item))
 
+    def render_many(self, items: Sequence[Any]) -> list[list[int]]:
+        """`render` of several items. A tokenizer-only open (a preflight's) keeps the ids per
+        (tokenizer digest, llama-cpp-python version, texts): the ids are a function of those
+        alone (llama.cpp builds the vocabulary from the metadata the digest covers), so a
+        later preflight on the same tokenizer and prompts loads no vocabulary. A full open
+        (a capture) always tokenizes."""
+        texts = [self.render_text(it) for it in items]
+        if not self._tokenizer_only or self._tokenizer_digest is None:
+            return [self._tokenize(t) for t in texts]
+        import hashlib
+
+        import llama_cpp
+
+        from ..store.filecache import json_cached
+
+        key = {"tokenizer_metadata_sha256": self._tokenizer_digest, "llama_cpp_python": llama_cpp.__version__,
+               "call": "tokenize(add_bos=False, special=True)",
+               "texts_sha256": hashlib.sha256(json.dumps(texts).encode()).hexdigest()}
+        return json_cached("gguf.prompt_ids", key, lambda: [self._tokenize(t) for t in texts],
+                           valid=lambda v: isinstance(v, list) and len(v) == len(texts)
+                           and all(isinstance(ids, list) and all(type(i) is int for i in ids) for ids in v))
+
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_ids(ids, "detokenize")
-        b = self.llm.detokenize([int(i) for i in ids], special=True)
+        b = self._vocab().detokenize([int(i) for i in ids], special=True)
         return b.decode("utf-8", errors="replace")
 
     def token_texts(self) -> list[str]:
@@ -407,7 +443,7 @@ class GGUFSource(FullLogitSource):
 
     def token_text(self, token_id: int) -> str:
         self._check_ids([token_id], "token_text")
-        b = self.llm.detokenize([int(token_id)], special=True)
+        b = self._vocab().detokenize([int(token_id)], special=True)
         return b.decode("utf-8", errors="backslashreplace")
 
     # ---- model ---------------------------------------------------------------------------

@@ -4,10 +4,23 @@ alone. ``gguf.GGUFReader`` builds a numpy view per array element and maps every 
 before any key can be read: ~20 s per open of a 262,144-token file on the issue's machine,
 50 s here under load (issue 40); this parser reads the same keys in well under a second.
 A file it cannot read (version 1, big-endian, a type it does not know) is handed to
-``gguf.GGUFReader`` as before, and so is its error."""
+``gguf.GGUFReader`` as before, and so is its error.
+
+``tokenizer_metadata_sha256`` says whether two files tokenize alike without loading either:
+the sha256 of every key/value entry's raw bytes (key, type and value as stored), sorted by
+key, except the entries a quantizer writes (`QUANTIZER_KEYS`). llama.cpp builds its
+vocabulary from metadata alone (``tokenizer.*``, ``general.name``, ``general.architecture``,
+``ARCH.vocab_size``: llama-vocab.cpp), transformers converts a GGUF's tokenizer and config from
+metadata alone, and a source renders from ``tokenizer.chat_template`` and the special tokens:
+so two files with the same digest give the same ids for every prompt, whichever renderer
+reads them, and the preflight renders one of them (capture.preflight_tokenization). All
+other keys are in the digest, not only those the renderers read today: a key a later
+llama.cpp reads cannot make two different tokenizers look alike, at the cost of two files
+differing in, say, ``general.license`` being rendered twice."""
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from pathlib import Path
@@ -19,6 +32,13 @@ from ..errors import LogitdiffError
 METADATA_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "general.architecture", "general.name",
                  "general.file_type", "tokenizer.chat_template", "tokenizer.ggml.model",
                  *(f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "eot", "eom", "pad", "unk")))
+
+# What a quantizer (llama-quantize, logitdiff quantize) writes into a copy of the metadata:
+# the file type, the quantization format version, imatrix provenance (quantize.imatrix.*).
+# Nothing that builds a tokenizer reads them (llama-vocab.cpp; transformers' GGUF tokenizer
+# conversion), so quants of one file share the tokenizer digest.
+QUANTIZER_KEYS = ("general.file_type", "general.quantization_version")
+QUANTIZER_PREFIX = "quantize."
 
 # GGUF value types: struct format of the fixed-size ones; 8 = string, 9 = array
 _FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -42,8 +62,21 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
         except _Unreadable:
             return _read_with_gguf(path)
 
-    return file_json_cached(path, "gguf.metadata", {"gguf": getattr(gguf, "__version__", "unknown"), "parser": 2}, read,
-                            valid=lambda v: isinstance(v, dict) and set(METADATA_KEYS) <= set(v) and isinstance(v.get("layout"), dict))
+    return file_json_cached(path, "gguf.metadata", {"gguf": getattr(gguf, "__version__", "unknown"), "parser": 3}, read,
+                            valid=lambda v: isinstance(v, dict) and set(METADATA_KEYS) <= set(v) and isinstance(v.get("layout"), dict)
+                            and "tokenizer_metadata_sha256" in v)
+
+
+def _tokenizer_digest(entries: list[tuple[bytes, bytes]]) -> str:
+    """``sha256:<hex>`` of the entries' digests (sha256 of each entry's raw bytes, key
+    included), sorted by key, without the quantizer's keys (see the module doc)."""
+    h = hashlib.sha256()
+    for key, digest in sorted(entries):
+        name = key.decode("utf-8", "replace")
+        if name in QUANTIZER_KEYS or name.startswith(QUANTIZER_PREFIX):
+            continue
+        h.update(digest)
+    return "sha256:" + h.hexdigest()
 
 
 def read_keys(path: Path) -> dict[str, Any]:
@@ -57,14 +90,17 @@ def read_keys(path: Path) -> dict[str, Any]:
         if version not in (2, 3):
             raise _Unreadable
         found: dict[str, Any] = {}
+        entries: list[tuple[bytes, bytes]] = []  # (key, sha256 of the entry's raw bytes): the tokenizer digest
         off = 24
         try:
             for _ in range(n_kv):
+                start = off
                 key, off = _string(m, off)
                 (vtype,), off = struct.unpack_from("<I", m, off), off + 4
                 name = key.decode("utf-8", "replace")
                 want = name in METADATA_KEYS or name.endswith(_LAYOUT_SUFFIXES) or name == "general.alignment"
                 value, off = _value(m, off, vtype, want)
+                entries.append((key, hashlib.sha256(m[start:off]).digest()))
                 if want:
                     found[name] = value
             tensors, off = _tensor_infos(m, off, n_tensors)
@@ -73,6 +109,7 @@ def read_keys(path: Path) -> dict[str, Any]:
     out = {key: found.get(key) for key in METADATA_KEYS}
     arch = out["general.architecture"]
     out["context_length"] = found.get(f"{arch}.context_length") if arch else None
+    out["tokenizer_metadata_sha256"] = _tokenizer_digest(entries)
     align = found.get("general.alignment") or 32
     data_start = off + (-off) % int(align)
     tokens = out["tokenizer.ggml.tokens"]
@@ -174,6 +211,11 @@ def _read_with_gguf(path: Path) -> dict[str, Any]:
     out = {key: get(key) for key in METADATA_KEYS}
     arch = out["general.architecture"]
     out["context_length"] = get(f"{arch}.context_length") if arch else None
+    # the entries' bytes as stored (a big-endian file's differ from a little-endian copy's:
+    # two digests, never a false match)
+    out["tokenizer_metadata_sha256"] = _tokenizer_digest(
+        [(f.parts[1].tobytes(), hashlib.sha256(b"".join(p.tobytes() for p in f.parts)).digest())
+         for f in reader.fields.values() if not f.name.startswith("GGUF.")])
     from .gguf_check import layout_of_reader
 
     out["layout"] = layout_of_reader(reader)

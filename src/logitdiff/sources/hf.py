@@ -165,7 +165,11 @@ class HFSource(FullLogitSource):
 
         load = {"gguf_file": self.gguf_file} if self.gguf_file else {}
         try:
-            cfg = AutoConfig.from_pretrained(str(self.path), **load)
+            if self.gguf_file:  # converted from the file's metadata, once per version (_converted_gguf)
+                cfg, self.tok = _converted_gguf(where)
+                self.render_identity = _gguf_render_identity(where)
+            else:
+                cfg = AutoConfig.from_pretrained(str(self.path))
             # a GGUF's weights are dequantized: bf16 unless asked (its config's dtype says nothing)
             self.dtype_name = dtype or (None if self.gguf_file else _config_dtype(cfg)) or "bfloat16"
             self.torch_dtype = getattr(torch, self.dtype_name)
@@ -178,14 +182,16 @@ class HFSource(FullLogitSource):
                 self.model, info = AutoModelForCausalLM.from_pretrained(
                     str(self.path), **{dkw: self.torch_dtype}, output_loading_info=True, ignore_mismatched_sizes=True, **load)
                 _check_weights_cover(where, info)
-            self.tok = AutoTokenizer.from_pretrained(str(self.path), **load)
+            if not self.gguf_file:
+                self.tok = AutoTokenizer.from_pretrained(str(self.path))
             # A GGUF is the authority on its own tokenizer: transformers' GGUF conversion
             # rebuilds it and can split text differently (SmolLM2's ``tokenizer.ggml.pre =
             # smollm`` isolates each digit; transformers 5.x has no split for it and falls back
             # to GPT-2's regex, so "\n    0.75" became ['ĊĠĠĠ','Ġ','0'] instead of llama.cpp's
             # ['ĊĠĠĠĠ','0']). Prompts are therefore tokenized by llama.cpp on the same file,
-            # vocab only (no weights: ~0.3 s), exactly as ``gguf:FILE`` tokenizes them.
-            self._vocab = _gguf_vocab(where) if self.gguf_file else None
+            # vocab only (no weights: ~0.3 s), exactly as ``gguf:FILE`` tokenizes them; a
+            # tokenizer-only open loads it on the first render (_llama_vocab).
+            self._vocab = _gguf_vocab(where) if self.gguf_file and not tokenizer_only else None
         except LogitdiffError:
             raise
         except Exception as e:  # transformers raises many types; the user needs one line
@@ -263,8 +269,8 @@ class HFSource(FullLogitSource):
                 text = text["text"] if isinstance(text, dict) else "".join(text)
         else:
             text = item.prompt
-        if self._vocab is not None:  # as GGUFSource._tokenize: no BOS, special tokens matched
-            ids = self._vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        if self.gguf_file:  # as GGUFSource._tokenize: no BOS, special tokens matched
+            ids = self._llama_vocab().tokenize(text.encode("utf-8"), add_bos=False, special=True)
         else:
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
         ids = [int(i) for i in ids]
@@ -276,6 +282,17 @@ class HFSource(FullLogitSource):
                 f"{self.max_positions} of {self.path}"
             )
         return ids
+
+    def _llama_vocab(self):
+        """llama.cpp's vocabulary of the GGUF, loaded at a full open or on first use."""
+        if self._vocab is None:
+            where = self.path / cast(str, self.gguf_file)
+            try:
+                self._vocab = _gguf_vocab(where)
+            except (ValueError, RuntimeError) as e:
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise LogitdiffError(f"{where}: llama.cpp could not load the vocabulary ({msg})") from None
+        return self._vocab
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -728,6 +745,83 @@ def _gguf_vocab(path: Path):
     from .gguf import load_vocab
 
     return load_vocab(path)
+
+
+def _gguf_neighbours(path: Path) -> list:
+    """What else transformers may read when it converts the GGUF ``path`` (a
+    ``tokenizer_config.json`` beside it names the tokenizer class and can carry a chat
+    template; ``chat_templates/*.jinja``): the name and `file_identity` of every file beside
+    it but GGUFs, and of those under ``chat_templates/``."""
+    from ..store.filecache import file_identity
+
+    d = path.parent
+    files = [p for p in d.iterdir() if p.is_file() and p.suffix.lower() != ".gguf"]
+    if (d / "chat_templates").is_dir():
+        files += [p for p in (d / "chat_templates").iterdir() if p.is_file()]
+    return [[p.relative_to(d).as_posix(), file_identity(p)] for p in sorted(files)]
+
+
+def _converted_gguf(path: Path) -> tuple[Any, Any]:
+    """transformers' config and tokenizer of the GGUF ``path`` (``AutoConfig`` and
+    ``AutoTokenizer`` with ``gguf_file``: each parses the file through gguf.GGUFReader, and
+    the tokenizer is rebuilt from its V token strings: 17 s of a 55.8-s preflight for
+    SmolLM2, V = 49,152, issue 38), kept per version of the file, of the files beside it that
+    transformers may read (`_gguf_neighbours`) and of the libraries (filecache.file_dir_cached),
+    as ``save_pretrained`` writes them, and kept only when the copy loads back alike
+    (`_same_conversion`); a cached open loads them in ~0.3 s."""
+    import gguf
+    import tokenizers
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..store.filecache import file_dir_cached
+
+    def convert() -> tuple[Any, Any]:
+        return (AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name),
+                AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+
+    def load(d: Path) -> tuple[Any, Any]:
+        return AutoConfig.from_pretrained(str(d)), AutoTokenizer.from_pretrained(str(d))
+
+    def save(value: tuple[Any, Any], d: Path) -> bool:
+        value[0].save_pretrained(str(d))
+        value[1].save_pretrained(str(d))
+        return _same_conversion(value, load(d))
+
+    versions = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+                "gguf": getattr(gguf, "__version__", "unknown"), "beside": _gguf_neighbours(path), "format": 1}
+    return file_dir_cached(path, "hf.gguf_conversion", versions, convert, save, load)
+
+
+def _same_conversion(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    """Whether two (config, tokenizer) pairs are alike in all a source reads of them: the
+    config (but the path it was read from), and the tokenizer's class, length, serialized
+    fast tokenizer (model, normalizer, pre-tokenizer, post-processor, added tokens), special
+    tokens and chat template."""
+    (ca, ta), (cb, tb) = a, b
+    da, db = ca.to_dict(), cb.to_dict()
+    da.pop("_name_or_path", None)
+    db.pop("_name_or_path", None)
+    ba, bb = getattr(ta, "backend_tokenizer", None), getattr(tb, "backend_tokenizer", None)
+    return (da == db and type(ta) is type(tb) and len(ta) == len(tb) and ba is not None and bb is not None
+            and ba.to_str() == bb.to_str() and ta.special_tokens_map == tb.special_tokens_map
+            and ta.chat_template == tb.chat_template)
+
+
+def _gguf_render_identity(path: Path) -> str | None:
+    """The ``render_identity`` of ``hf:`` on the GGUF ``path``: transformers' chat template and
+    llama.cpp's vocabulary, both from the file's metadata (its digest: sources/gguf_meta.py)
+    and what transformers may read beside it."""
+    import hashlib
+    import json
+
+    from .gguf_meta import gguf_metadata
+
+    digest = gguf_metadata(path).get("tokenizer_metadata_sha256")
+    if not digest:
+        return None
+    beside = hashlib.sha256(json.dumps(_gguf_neighbours(path)).encode()).hexdigest()
+    return f"hf: transformers' chat template + llama.cpp vocabulary of metadata {digest}, beside sha256:{beside}"
 
 
 def _host_array(t) -> np.ndarray:

@@ -19,6 +19,12 @@ texts of all V tokens (a RUN's ``vocab.json``) and the vocabulary's content hash
   file's identity as above and a name: read once per version of the file.
 * :func:`file_json_cached`: the same for a JSON value (a GGUF's tokenizer metadata: V
   token strings that ``gguf.GGUFReader`` took ~20 s to parse at V = 262,144, issue 40).
+* :func:`json_cached`: a JSON value keyed by a JSON key that already names every input of
+  the computation by content (a tokenizer's digest, a library version, the texts): llama.cpp's
+  ids of a preflight's prompts, so that a later preflight loads no vocabulary.
+* :func:`file_dir_cached`: the same for a value kept as files in a directory (transformers'
+  tokenizer and config converted from a GGUF: ~17 s of an ``hf:FILE.gguf`` open for
+  SmolLM2, issue 38), written whole under a temporary name and renamed into place.
 
 Every entry is one small file written through a temporary name and a rename; an entry
 that cannot be read is recomputed, and a cache directory that cannot be written is not an
@@ -31,8 +37,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def cache_root() -> Path | None:
@@ -149,6 +158,24 @@ def file_json_cached(path: str | os.PathLike, name: str, versions: dict, compute
     return value
 
 
+def json_cached(name: str, key: object, compute: Callable[[], object], valid: Callable[[object], bool] = lambda v: True):
+    """``compute()`` (a JSON value), or its cached copy for ``name`` and ``key`` (a JSON value
+    that must name every input of ``compute`` by content: nothing else keys the entry); an
+    entry that ``valid`` refuses is recomputed."""
+    entry = _entry(name, json.dumps(key, sort_keys=True))
+    got = _read(entry)
+    if got is not None:
+        try:
+            value = json.loads(got)
+        except ValueError:
+            value = None
+        if value is not None and valid(value):
+            return value
+    value = compute()
+    _write(entry, json.dumps(value).encode())
+    return value
+
+
 def cached_json(name: str, files: Sequence[str | os.PathLike], versions: dict, compute: Callable[[], object]):
     """``compute()`` (a JSON value), or its cached copy when ``files`` (their contents),
     ``versions`` and ``name`` are those it was computed from."""
@@ -163,4 +190,43 @@ def cached_json(name: str, files: Sequence[str | os.PathLike], versions: dict, c
             pass
     value = compute()
     _write(entry, json.dumps(value).encode())  # ASCII: lone surrogates survive as escapes
+    return value
+
+
+def file_dir_cached(path: str | os.PathLike, name: str, versions: dict, compute: Callable[[], T],
+                    save: Callable[[T, Path], bool], load: Callable[[Path], T]) -> T:
+    """``compute()``, or ``load(DIR)`` of its cached copy for this version of the file
+    ``path`` (`file_identity`: no read of its bytes), ``name`` and ``versions`` (the libraries
+    that computed it). On a miss the value is computed and ``save(value, DIR)`` writes it into
+    a new directory, which is kept only when ``save`` returns True (it may refuse: a value
+    whose copy does not load back the same) and the file's identity is the same after
+    ``compute`` as before it; the directory is renamed into place whole, so a reader sees a
+    complete entry or none. An entry that ``load`` fails on is computed again and replaced."""
+    from .files import remove_tree
+
+    ident = file_identity(path)
+    entry = _entry(name, json.dumps([ident, sorted(versions.items())]))
+    if entry is not None and entry.is_dir():
+        try:
+            return load(entry)
+        except Exception:  # noqa: BLE001 - a damaged entry (any loader's error): computed again
+            pass
+    value = compute()
+    if entry is None or file_identity(path) != ident:
+        return value
+    tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        tmp.mkdir(parents=True)
+        if not save(value, tmp):
+            return value
+        if entry.is_dir():  # the damaged entry, moved aside before the new one takes its name
+            old = entry.with_name(f".{entry.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+            os.rename(entry, old)
+            remove_tree(old)
+        os.rename(tmp, entry)  # fails if another process put its entry there first: keep that one
+    except Exception:  # noqa: BLE001 - a read-only cache, a writer's error: the value stands, computed again next time
+        pass
+    finally:
+        if tmp.exists():
+            remove_tree(tmp)
     return value
