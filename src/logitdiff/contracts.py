@@ -189,16 +189,28 @@ class Outcome:
     TESTS_PASSED = "tests_passed"
     TESTS_FAILED = "tests_failed"
     DIVERGED = "diverged"
-    # BENIGN / MEANING_CHANGED: only a named judge (--judge SOURCE) decides these.
-    ALL = (RECOVERED, BENIGN, MEANING_CHANGED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED)
-    # the outcomes a reader should worry about ("consequential" flips)
-    BAD = (MEANING_CHANGED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED)
+    # What flips.classify decides by default: the alignment and the item's checkers only.
+    RULE = (RECOVERED, ANSWER_SAME, TESTS_PASSED, DIVERGED, ANSWER_CHANGED, TESTS_FAILED, TOOL_CALL_CHANGED,
+            TOOL_CALL_MALFORMED)
+    # BENIGN / MEANING_CHANGED: only a named judge (--judge SOURCE) decides these, turning a
+    # diverged branch into one of them. A report without a judge carries neither.
+    JUDGED = (BENIGN, MEANING_CHANGED)
+    ALL = RULE + JUDGED
+    # the outcomes a reader should worry about ("consequential" flips); diverged is neither
+    # bad nor harmless: its meaning was not judged
+    BAD = (ANSWER_CHANGED, TESTS_FAILED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED, MEANING_CHANGED)
     TEXT = {
-        RECOVERED: "the branch re-joined the reference's continuation and stayed joined",
-        BENIGN: "the branch differs but means the same",
-        MEANING_CHANGED: "the branch means something else",
-        TOOL_CALL_MALFORMED: "the branch's tool call no longer parses/validates",
+        RECOVERED: "the branch re-joined the reference's continuation and stayed joined (and the item's checker, "
+                   "where it has one, gives the same verdict)",
+        ANSWER_SAME: "the branch did not stay joined; the item's checker finds the same answer",
+        TESTS_PASSED: "the branch did not stay joined; its program passes the item's tests",
+        DIVERGED: "the branch did not stay joined and the item has no checker: meaning not judged",
+        ANSWER_CHANGED: "the item's checker finds another answer in the branch",
+        TESTS_FAILED: "the branch's program fails the item's tests",
         TOOL_CALL_CHANGED: "the branch's tool call is valid but different",
+        TOOL_CALL_MALFORMED: "the branch's tool call no longer parses/validates",
+        BENIGN: "a named judge (--judge) finds the diverged branch says the same",
+        MEANING_CHANGED: "a named judge (--judge) finds the diverged branch says something else",
     }
 
 

@@ -54,14 +54,16 @@ import numpy as np
 from . import salient
 from ..contracts import Flips, Outcome
 from ..errors import LogitdiffError
-from .grading import grade, last_number, normalise_answer
+from .grading import grade, grade_tests, last_number, normalise_answer
 from ..numerics.summarize import range_label
 from .toolcalls import ParsedCalls, compare_calls, parse_tool_calls, validate_call
 
 OUTCOMES = Outcome.ALL  # declared in contracts (gates, reports and summaries read the same names)
-# Most consequential first: used to rank flips for the report.
-SEVERITY = {Outcome.TOOL_CALL_MALFORMED: 4, Outcome.TOOL_CALL_CHANGED: 3, Outcome.MEANING_CHANGED: 2, Outcome.BENIGN: 1,
-            Outcome.RECOVERED: 0}
+# Most consequential first: used to rank flips for the report. Diverged (meaning not judged)
+# ranks above the harmless classes and below every checker's bad verdict.
+SEVERITY = {Outcome.TOOL_CALL_MALFORMED: 7, Outcome.TOOL_CALL_CHANGED: 6, Outcome.TESTS_FAILED: 5, Outcome.ANSWER_CHANGED: 5,
+            Outcome.MEANING_CHANGED: 4, Outcome.DIVERGED: 3, Outcome.BENIGN: 2, Outcome.ANSWER_SAME: 1,
+            Outcome.TESTS_PASSED: 1, Outcome.RECOVERED: 0}
 MARGIN_BUCKETS = (0.0, 0.05, 0.2, 0.5, 1.0000001)
 
 # Recovery (docs/flips.md). A re-join is MIN_RUN common tokens at offsets in the branch and
@@ -496,22 +498,24 @@ def classify(
     code: bool = False,
     word_similarity: Callable | None = None,
 ) -> tuple[str, dict]:
-    """Outcome of one branch and the signals that decided it.
+    """Outcome of one branch and the signals that decided it, by rules anyone can re-run:
+    the token alignment (:func:`align`) and, where the item has one, its checker (tool-call
+    parse and schema, an answer label, a BFCL label, the item's tests). Meaning is never
+    judged here: an unlabelled text that did not come back is ``diverged`` (a named judge,
+    ``--judge``, may turn it into benign / meaning_changed).
 
     ``ref_ids``/``branch_ids`` are whole outputs (token ids after the prompt, with the end
     token when the model stopped) that agree before ``position``; ``ref_text``/``branch_text``
-    their decoded text without the end token. ``end_similarity`` (:func:`end_ratio` of the
-    continuations) is given where the similarity is a character similarity (code,
-    repetitive text): there the whole-text figure is dominated by shared boilerplate, so a
-    branch must also end alike (>= ``END_RATIO_DISSIMILAR``) to mean the same.
-    ``exec_check(ref_calls, branch_calls)`` runs both calls (optional). ``code``: the
-    texts are code (salient checks on identifiers, literals and signatures, else on the
-    numbers, negations, names and content words of prose; :mod:`logitdiff.flips.salient`);
-    ``word_similarity`` (``SimilarityPolicy.word_similarity``) tells a synonym from new
-    content among the content words of prose.
+    their decoded text without the end token. ``similarity`` / ``threshold``,
+    ``end_similarity`` (:func:`end_ratio` of the continuations, on character-scored text),
+    ``code`` and ``word_similarity`` feed the *observations* recorded on a diverged or
+    recovered unlabelled branch (salient differences, :mod:`logitdiff.flips.salient`, and the
+    similarity), never its class. ``exec_check(ref_calls, branch_calls)`` runs both calls
+    (optional).
     """
     t = position
-    sig: dict[str, Any] = {"similarity": float(similarity), "similarity_threshold": threshold}
+    sig: dict[str, Any] = {"similarity": float(similarity), "similarity_threshold": threshold,
+                           "end_similarity": end_similarity}
     al = align(ref_ids[t + 1 :], branch_ids[t + 1 :], min_run=min_run, max_shift=max_shift, max_detour=max_detour, end_ids=end_ids)
     sig["rejoin_position"] = None if al.rejoin is None else t + 1 + al.rejoin[0]
     sig["rejoin_ref_position"] = None if al.rejoin is None else t + 1 + al.rejoin[1]
@@ -519,23 +523,22 @@ def classify(
     sig["left_ref_position"] = None if al.left is None else t + 1 + al.left[1]
     sig["joined_share"] = al.joined_share
     sig["detours"] = al.detours
-    # the candidate's token at the flip is an end token: the branch stopped there, where the
-    # reference goes on (stopping earlier is benign, docs/flips.md)
-    stopped_at_flip = t < len(branch_ids) and branch_ids[t] in set(end_ids)
     tools = item.get("tools") or []
     expected = item.get("expected") or {}
     same: bool | None = None
+    checker = ""
     if tools:
         decided, same = _tool_calls_step(ref_text, branch_text, tools, exec_check, sig)
         if decided is not None:
             return decided, sig
-    what, stays = "same answer", al.stays_joined()
+        checker = "tool call" if same is not None else ""
+    if same is None and expected:
+        same, checker = _answer_step(expected, tools, item.get("prompt") or "", ref_text, branch_text, sig)
+    sig["same_answer"] = same
+    sig["checker"] = checker or None
     if same is None:
-        same, what, stays = _answer_step(expected, tools, ref_ids, branch_ids, ref_text, branch_text, end_ids, code,
-                                         word_similarity, sig, stays)
-    sig["same_answer"] = bool(same)
-    return _decide(al, sig, same=same, what=what, stays=stays, expected=expected, stopped_at_flip=stopped_at_flip,
-                   similarity=similarity, threshold=threshold, end_similarity=end_similarity), sig
+        _observe(ref_ids, branch_ids, ref_text, branch_text, end_ids, code, word_similarity, sig)
+    return _decide(al, sig, same=same, checker=checker, ends=end_ids, branch_ids=branch_ids, position=t, min_run=min_run), sig
 
 
 def _tool_calls_step(ref_text: str, branch_text: str, tools: list, exec_check: Callable[[list, list], dict] | None,
@@ -570,24 +573,38 @@ def _tool_calls_step(ref_text: str, branch_text: str, tools: list, exec_check: C
     return None, None
 
 
-def _answer_step(expected: dict, tools: list, ref_ids: Sequence[int], branch_ids: Sequence[int], ref_text: str,
-                 branch_text: str, end_ids: Sequence[int], code: bool, word_similarity: Callable | None,
-                 sig: dict[str, Any], stays: bool) -> tuple[bool, str, bool]:
-    """Whether the two outputs give the same answer when the tool calls did not say: by the
-    item's label, else by their salient content. Returns (same, what was compared, whether
-    a re-join still counts as staying)."""
-    what = "same answer"
-    key_r, key_b = _answer_key(expected, ref_text), _answer_key(expected, branch_text)
-    if expected and ("answer" in expected or "numeric" in expected or "regex" in expected):
+def _answer_step(expected: dict, tools: list, prompt: str, ref_text: str, branch_text: str,
+                 sig: dict[str, Any]) -> tuple[bool | None, str]:
+    """The item's checker on both outputs, where the tool calls did not decide: (whether its
+    verdicts are the same, None where the label has no checker; which checker). A ``tests``
+    label runs both programs in the sandbox and records both verdicts."""
+    if "tests" in expected:
+        gr, gb = grade_tests(expected["tests"], prompt, ref_text), grade_tests(expected["tests"], prompt, branch_text)
+        sig["ref_tests"], sig["branch_tests"] = gr.extracted, gb.extracted
+        sig["branch_tests_detail"] = gb.detail
+        return gr.extracted == gb.extracted, "tests"
+    if "bfcl" in expected:
+        gr, gb = grade(expected, ref_text, tools, prompt=prompt), grade(expected, branch_text, tools, prompt=prompt)
+        sig["ref_verdict"], sig["branch_verdict"] = gr.verdict, gb.verdict
+        sig["branch_verdict_detail"] = gb.detail
+        return gr.correct == gb.correct, "BFCL's checker"
+    if "answer" in expected or "numeric" in expected or "regex" in expected:
+        key_r, key_b = _answer_key(expected, ref_text), _answer_key(expected, branch_text)
         sig["ref_answer"], sig["branch_answer"] = key_r, key_b
-        return key_r == key_b, what, stays
-    if expected and ("tool_call" in expected or "tool_calls" in expected):
+        return key_r == key_b, "the label's extracted answer"
+    if "tool_call" in expected or "tool_calls" in expected:
         gr, gb = grade(expected, ref_text, tools), grade(expected, branch_text, tools)
-        return gr.extracted == gb.extracted, what, stays
-    # No label, no tool call: no final answer to compare. A changed number, name,
-    # literal, negation or claim (salient.compare, both full sides) is a changed
-    # meaning whatever the rest of the text does; beyond that, re-joining or
-    # similarity decide.
+        sig["ref_answer"], sig["branch_answer"] = gr.extracted, gb.extracted
+        return gr.extracted == gb.extracted, "the label's tool call"
+    return None, ""
+
+
+def _observe(ref_ids: Sequence[int], branch_ids: Sequence[int], ref_text: str, branch_text: str, end_ids: Sequence[int],
+             code: bool, word_similarity: Callable | None, sig: dict[str, Any]) -> None:
+    """What an unlabelled branch shows beside the alignment, recorded as observations (never
+    a verdict on its meaning): the salient differences (:mod:`logitdiff.flips.salient`:
+    numbers, names, literals, negations, content words) and whether the branch is word salad
+    or a pure shift."""
     ends = set(end_ids)
     sal = salient.compare(ref_text, branch_text, code=code, ref_cut=not (ref_ids and ref_ids[-1] in ends),
                           branch_cut=not (branch_ids and branch_ids[-1] in ends),
@@ -596,61 +613,70 @@ def _answer_step(expected: dict, tools: list, ref_ids: Sequence[int], branch_ids
     sig["shifted"] = sal["shifted"]
     sig["content_share"] = sal["content_share"]
     sig["word_salad"] = sal.get("word_salad", False)
-    what = "same " + ("numbers, names and literals" if code else "numbers, names, negations and content")
-    if sal.get("word_salad") and not sal.get("local", True):
-        # word salad whose words differ in order or place (not by a synonym or a
-        # filler word): the same words, other sentences; not a local change
-        stays = False
-        what += " (word salad: the same content words, reworded)"
-    if sal["shifted"]:
-        # whole lines skipped right after the flip, then the reference's text: not
-        # re-joined at an aligned point, so at most benign (docs/flips.md)
-        stays = False
-        what += " (a pure shift: the branch skips lines of the reference, then writes its text)"
-    return not sal["changed"], what, stays
 
 
-def _decide(al: Alignment, sig: dict[str, Any], *, same: bool | None, what: str, stays: bool, expected: dict,
-            stopped_at_flip: bool, similarity: float, threshold: float, end_similarity: float | None) -> str:
+def _observations(sig: dict[str, Any]) -> str:
+    """The observations of an unlabelled branch in words: salient differences, similarity."""
+    parts = []
+    changes = sig.get("salient_changes")
+    if changes is not None:
+        more = f" (+{len(changes) - 3} more)" if len(changes) > 3 else ""
+        parts.append("salient differences observed: " + ("; ".join(changes[:3]) + more if changes else "none"))
+    if sig.get("shifted"):
+        parts.append("whole lines of the reference skipped after the flip")
+    sim, thr = sig["similarity"], sig["similarity_threshold"]
+    parts.append(f"similarity {sim:.3f} (threshold {thr:g}, not used to decide)")
+    end = sig.get("end_similarity")
+    if end is not None:
+        parts.append(f"last thirds {end:.2f} alike")
+    return ", ".join(parts)
+
+
+def _decide(al: Alignment, sig: dict[str, Any], *, same: bool | None, checker: str, ends: Sequence[int],
+            branch_ids: Sequence[int], position: int, min_run: int = MIN_RUN) -> str:
     """The outcome from what the steps found (sets ``decided_by``): recovered when the branch
-    re-joined, stayed and means the same; benign when it means the same without staying;
-    meaning changed otherwise. Similarity stands in for the meaning only without a label."""
-    # An answer label or a valid reference call says what the meaning is; only without
-    # one does similarity stand in for it.
-    # Word salad (salient.is_word_salad) is judged by its content words alone: an embedding
-    # or character similarity of a dozen repeated words says nothing its words do not.
-    label_free = not expected and not sig.get("ref_call_valid") and not sig.get("word_salad") and not stopped_at_flip
-    if stopped_at_flip and not expected and not sig.get("ref_call_valid"):
-        what += " (the branch stopped at the flip where the reference goes on: it says nothing else)"
-    ends_alike = end_similarity is None or end_similarity >= END_RATIO_DISSIMILAR
-    sim_ok = not label_free or (similarity >= threshold and ends_alike)
-    sim_text = f"similarity {similarity:.3f} {'>=' if similarity >= threshold else '<'} {threshold:g}" if label_free else ""
-    if label_free and not ends_alike:
-        sim_text += f", ends unlike the reference (last thirds {end_similarity:.2f} < {END_RATIO_DISSIMILAR:g})"
-    sig["end_similarity"] = end_similarity
+    re-joined and stayed and the checker (where there is one) gives the same verdict; else
+    the checker's verdict (answer same / changed, tests passed / failed); else diverged."""
     rejoin = f"re-joined the reference {al.rejoin[0] + 1} tokens after the flip" if al.rejoin is not None else ""
-    if stays and same and sim_ok:
-        share = f"{100 * (al.joined_share or 0.0):.0f} %"  # stays: re-joined, so a share (never the 0)
-        detours = f", {al.detours} short detour{'s' if al.detours != 1 else ''}" if al.detours else ""
-        sig["decided_by"] = f"{rejoin} and stayed ({share} joined{detours}); " + ", ".join(x for x in (what, sim_text) if x)
-        return Outcome.RECOVERED
     if al.rejoin is None:
-        how = "no aligned re-join"
+        stopped = position < len(branch_ids) and branch_ids[position] in set(ends)
+        how = "stopped at the flip where the reference goes on" if stopped else "no aligned re-join"
     elif al.left is not None:
         how = f"{rejoin}, left again {al.left[0] - al.rejoin[0]} tokens later"
-    elif not stays:
+    elif not al.stays_joined():
         how = f"{rejoin}, only {100 * (al.joined_share or 0):.0f} % joined"
+    elif al.joined < min_run:
+        # a flip near the end of both budgets: too few tokens after it to see the reference's
+        # text come back (a reader shown it sees a different last word, not a return)
+        how = f"{rejoin}, but only {al.joined} token{'s' if al.joined != 1 else ''} joined before the budget ended"
     else:
-        how = f"{rejoin} and stayed"
-    if same and sim_ok:
-        sig["decided_by"] = f"{how}; " + ", ".join(x for x in (what, sim_text) if x)
-        return Outcome.BENIGN
-    if not same:
-        changes = sig.get("salient_changes")
-        sig["decided_by"] = f"{how}; " + ("different answer" if not changes else "changed: " + "; ".join(changes[:3]))
-    else:
-        sig["decided_by"] = f"{how}; {what} but {sim_text}"
-    return Outcome.MEANING_CHANGED
+        share = f"{100 * (al.joined_share or 0.0):.0f} %"  # stays: re-joined, so a share (never the 0)
+        detours = f", {al.detours} short detour{'s' if al.detours != 1 else ''}" if al.detours else ""
+        how = f"{rejoin} and stayed ({share} joined{detours})"
+    verdict = _checker_words(sig, same, checker)
+    if al.stays_joined() and al.joined >= min_run and same is not False:
+        sig["decided_by"] = f"{how}; " + (verdict if checker else _observations(sig))
+        return Outcome.RECOVERED
+    if not checker:
+        sig["decided_by"] = f"{how}; meaning not judged; " + _observations(sig)
+        return Outcome.DIVERGED
+    sig["decided_by"] = f"{how}; {verdict}"
+    if checker == "tests":
+        return Outcome.TESTS_PASSED if sig.get("branch_tests") == "pass" else Outcome.TESTS_FAILED
+    return Outcome.ANSWER_SAME if same else Outcome.ANSWER_CHANGED
+
+
+def _checker_words(sig: dict[str, Any], same: bool | None, checker: str) -> str:
+    """What the item's checker said on both outputs, in words."""
+    if checker == "tests":
+        return f"the item's tests: branch {sig['branch_tests']}, reference {sig['ref_tests']}"
+    if checker == "BFCL's checker":
+        return f"BFCL's checker: branch {sig['branch_verdict']}, reference {sig['ref_verdict']}"
+    if checker == "tool call":
+        return "the same tool call" if same else "a tool call where the reference made no valid one, or another"
+    if checker:
+        return f"{checker}: " + ("the same" if same else f"{sig.get('ref_answer')!r} -> {sig.get('branch_answer')!r}")
+    return ""
 
 
 # --------------------------------------------------------------------------------------------
