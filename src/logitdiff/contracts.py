@@ -30,7 +30,7 @@ import os
 import stat
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, TypedDict
+from typing import Any, BinaryIO, Callable, Mapping, TypedDict
 
 import numpy as np
 
@@ -161,7 +161,8 @@ QUANTIZE_SCHEMA = "logitdiff.quantize/1"
 HTML_GENERATOR_META = '<meta name="generator" content="logitdiff">'
 HTML_DATA_SCHEMA = "logitdiff.html-data/1"
 
-SCHEMA_VERSION = "2.0"  # MAJOR.MINOR of report.json; MAJOR matches REPORT_SCHEMA's "/2"
+SCHEMA_VERSION = "2.1"  # MAJOR.MINOR of report.json; MAJOR matches REPORT_SCHEMA's "/2"
+# 2.1: flip classes decided by rules only (Outcome.RULE), flips.meaning_judged_by
 # MAJOR.MINOR of summary.json, MAJOR matching RUN_SUMMARY_SCHEMA's "/1": the rename of report.json 2.0
 # (baseline -> reference) left summary.json as it was (its reference was always "reference")
 SUMMARY_SCHEMA_VERSION = "1.3"  # 1.3: cross_engine_floor_rule
@@ -212,6 +213,12 @@ class Outcome:
         BENIGN: "a named judge (--judge) finds the diverged branch says the same",
         MEANING_CHANGED: "a named judge (--judge) finds the diverged branch says something else",
     }
+
+    @classmethod
+    def occurring(cls, *counts: Mapping[str, Any]) -> tuple[str, ...]:
+        """The outcomes with a non-zero count in any of ``counts`` (report.json flips.outcomes,
+        or its groups), in ALL's order: what a table shows (ten columns would not fit)."""
+        return tuple(o for o in cls.ALL if any(isinstance(c, Mapping) and (c.get(o) or 0) for c in counts))
 
 
 class Verdict:
@@ -433,8 +440,11 @@ class _FlipsBase(TypedDict):
     selection: str
     similarity: str
     settings: dict[str, Any]
-    outcomes: dict[str, int]  # Outcome.ALL -> count
-    rates: dict[str, float | None]  # Outcome.ALL -> share of branches
+    outcomes: dict[str, int]  # Outcome.RULE (and a judge's Outcome.JUDGED, where one ran) -> count
+    rates: dict[str, float | None]  # the same names -> share of branches
+    # 2.1: the judge that decided benign / meaning_changed (None: no judge, the meaning of a
+    # diverged branch was not judged); a migrated 2.0 report: OLD_CLASSIFIER
+    meaning_judged_by: str | None
     recovered_ending_dissimilar: int
     by_tag: dict[str, OutcomeGroup]
     by_range: dict[str, OutcomeGroup]
@@ -860,16 +870,24 @@ def migrate_columns(columns: dict[str, Any]) -> dict[str, Any]:
     return {RENAMED_COLUMNS_IN_2.get(k, k): v for k, v in columns.items()}
 
 
+# A report written before 2.1: its benign / meaning_changed counts were decided by the
+# classifier of that time (similarity and salient checks, no judge); they are kept as they
+# were and said to be that classifier's.
+OLD_CLASSIFIER = "logitdiff's classifier before report 2.1 (similarity and salient checks, not a judge)"
+
+
 def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
     """A report.json object of any schema this logitdiff reads, as the current one: kind and
-    major version checked (a one-line error naming ``where``), a 2.x report returned as it is,
-    a 1.x report as 2.0 with the keys of RENAMED_IN_2 (top level, summary) and
-    RENAMED_COLUMNS_IN_2 (rows) renamed in place: same order, every value as it was.
+    major version checked (a one-line error naming ``where``), a current report returned as
+    it is, a 1.x report as 2.x with the keys of RENAMED_IN_2 (top level, summary) and
+    RENAMED_COLUMNS_IN_2 (rows) renamed in place: same order, every value as it was. A
+    report before 2.1 with a flips section gets ``flips.meaning_judged_by`` = OLD_CLASSIFIER
+    (its outcome counts as they were: the old classifier's benign / meaning_changed).
 
-    The one place a 1.x report becomes a 2.0 one: every reader goes through it
+    The one place an older report becomes a current one: every reader goes through it
     (:func:`load_report` does), and the JSON Schema check comes after it."""
     _accepts(doc, REPORT_SCHEMAS, Path(where))
-    if doc["schema"] == REPORT_SCHEMA:
+    if doc["schema"] == REPORT_SCHEMA and not _before_2_1(doc):
         return doc
     out: dict[str, Any] = {"schema": REPORT_SCHEMA, "schema_version": SCHEMA_VERSION}
     out.update((RENAMED_IN_2.get(k, k), v) for k, v in doc.items() if k not in out)
@@ -877,7 +895,16 @@ def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
         out["summary"] = {RENAMED_IN_2.get(k, k): v for k, v in out["summary"].items()}
     if isinstance(out.get("rows"), list):
         out["rows"] = [migrate_columns(r) if isinstance(r, dict) else r for r in out["rows"]]
+    if isinstance(out.get("flips"), dict) and "meaning_judged_by" not in out["flips"]:
+        out["flips"] = {**out["flips"], "meaning_judged_by": OLD_CLASSIFIER}
     return out  # type: ignore[return-value]
+
+
+def _before_2_1(doc: dict) -> bool:
+    """A 2.x report written before 2.1 (no schema_version: 2.0) whose flips section lacks
+    meaning_judged_by."""
+    flips = doc.get("flips")
+    return isinstance(flips, dict) and "meaning_judged_by" not in flips
 
 
 def _load(path: Path, what: str) -> dict:

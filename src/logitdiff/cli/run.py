@@ -212,7 +212,7 @@ def print_run_summary(summary: RunSummary) -> None:
     registry's summary tables, with their headers and formats)."""
     from rich.table import Table
 
-    from ..report.metric_registry import CONSEQUENCE_TABLE, DRIFT_TABLE, header
+    from ..report.metric_registry import DRIFT_TABLE, consequence_columns, header
     from ..report.names import distinct_names
 
     nf = summary.get("noise_floor")
@@ -250,10 +250,11 @@ def print_run_summary(summary: RunSummary) -> None:
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
         t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
         t2.add_column("candidate", justify="left", min_width=width, overflow="fold")
-        for name in CONSEQUENCE_TABLE:
+        columns = consequence_columns(summary["candidates"])
+        for name in columns:
             t2.add_column(header(name), justify="right")
         for r, label in zip(summary["candidates"], shown):
-            t2.add_row(label, *(_consequence_cell(r, name) for name in CONSEQUENCE_TABLE))
+            t2.add_row(label, *(_consequence_cell(r, name) for name in columns))
         con.print(t2)
     print_verdicts(summary, con)
 

@@ -20,27 +20,27 @@ A flip where the reference's own top two are tied within rounding (``tie_toleran
 *tie*: the engines broke it, the candidate did not flip. Ties are counted apart and not
 branched unless asked, and never enter outcome counts or gates.
 
-Outcomes (checked in this order; every branch stores the signals that decided it; the
-definitions are in docs/flips.md):
+Outcomes, decided only by rules anyone can re-run (checked in this order; every branch
+stores the signals that decided it; the definitions are in docs/flips.md):
 
 ``tool_call_malformed``  the reference made a schema-valid tool call and the branch's call
                          does not parse, is missing, or violates the tool's JSON schema;
 ``tool_call_changed``    the branch's call is valid but names another function or other
                          arguments (AST comparison, `toolcalls.compare_calls`);
 ``recovered``            the branch re-joins the reference at an aligned point and stays
-                         joined (:func:`align`), and its answer / tool call is the same
-                         (items without a label or tool call: nothing salient changed,
-                         :mod:`logitdiff.flips.salient`, and a similarity >= the threshold);
-``benign``               it does not stay joined (never re-joins, or leaves again, or is a
-                         pure shift), but the answer / tool call is the same (no label:
-                         nothing salient changed, similarity >= the threshold);
-``meaning_changed``      everything else: a different answer, a salient change (number,
-                         name, literal, signature, negation, claim), or a similarity below
-                         the threshold.
+                         joined (:func:`align`) for at least ``MIN_RUN`` tokens, and the
+                         item's checker, where it has one, gives both the same verdict;
+``answer_same`` /        otherwise, an item whose checker decides (an answer / numeric /
+``answer_changed``       regex label, a tool-call label or a valid reference call, a BFCL
+                         label): the checker's verdicts on both outputs, same or not;
+``tests_passed`` /       otherwise, an item with a ``tests`` label (HumanEval): the branch's
+``tests_failed``         program run by the item's tests in the sandbox;
+``diverged``             otherwise: an unlabelled text that did not come back. No claim about
+                         its meaning; ``decided_by`` records what was observed (where it left,
+                         the salient differences, the similarity) as observations.
 
-Similarity is measured on the text from the flip onward (the shared prefix would inflate
-it) by the similarity that fits the text (`grading.SimilarityPolicy`: edit similarity on
-code, tool calls and repetitive text, MiniLM on prose); each branch records which.
+``benign`` / ``meaning_changed`` are never produced here: only a named judge (``--judge``)
+turns a diverged branch into one of them.
 """
 
 from __future__ import annotations
@@ -690,15 +690,23 @@ def margin_bucket(m: float) -> str:
     return "n/a"
 
 
-def _counts(rows: list[dict], key: Callable[[dict], Any]) -> dict:
+def reported_outcomes(rows: Sequence[dict]) -> tuple[str, ...]:
+    """The outcomes a summary counts: every rule-decided one (Outcome.RULE, zero or not) and a
+    judge's (benign / meaning_changed) only where a judge gave one: a report without a judge
+    names neither."""
+    judged = {r.get(k) for r in rows for k in ("outcome", "outcome_ref_from_cand_token")} & set(Outcome.JUDGED)
+    return tuple(o for o in Outcome.ALL if o in Outcome.RULE or o in judged)
+
+
+def _counts(rows: list[dict], key: Callable[[dict], Any], outcomes: Sequence[str]) -> dict:
     out: dict[str, dict] = {}
     for r in rows:
         for k in key(r):
-            d = out.setdefault(k, {o: 0 for o in OUTCOMES} | {"n": 0})
+            d = out.setdefault(k, {o: 0 for o in outcomes} | {"n": 0})
             d[r["outcome"]] += 1
             d["n"] += 1
     for d in out.values():
-        d["rates"] = {o: d[o] / d["n"] for o in OUTCOMES}
+        d["rates"] = {o: d[o] / d["n"] for o in outcomes}
     return dict(sorted(out.items()))
 
 
@@ -727,6 +735,7 @@ def summarize_branches(
     ties: Sequence[dict] = (),
     n_top: int = 10,
     n_examples: int = 3,
+    judge: str | None = None,
 ) -> Flips:
     """The ``flips`` section of report.json.
 
@@ -734,16 +743,19 @@ def summarize_branches(
     reported under ``ties`` and kept out of the outcome counts, rates and groups, which are
     what gates read. ``ties`` lists every tie (branched or not). ``top`` is the ``n_top``
     most consequential branches followed by up to ``n_examples`` more of each outcome, so
-    that every class shows examples on the page.
+    that every class shows examples on the page. ``judge``: the named judge that turned
+    diverged branches into benign / meaning_changed (``--judge``), None when none did (the
+    section then says the meaning of a diverged branch was not judged).
     """
     tie_rows = [r for r in rows if r.get("tie")]
     rows = [r for r in rows if not r.get("tie")]
     n = len(rows)
-    outcomes = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
+    names = reported_outcomes(rows + tie_rows)
+    outcomes = {o: sum(r["outcome"] == o for r in rows) for o in names}
     rank = lambda r: (-SEVERITY[r["outcome"]], -r["kl_nats"])  # noqa: E731
     ranked = sorted(rows, key=rank)
     top = ranked[:n_top]
-    for o in OUTCOMES:
+    for o in names:
         top += [r for r in ranked if r["outcome"] == o and r not in top][: max(0, n_examples - sum(t["outcome"] == o for t in top))]
     top.sort(key=rank)
     rec = [r for r in rows if r["outcome"] == Outcome.RECOVERED and r.get("end_ratio") is not None]
@@ -754,18 +766,19 @@ def summarize_branches(
         "n_branches": n,
         "selection": note,
         "similarity": similarity_name,
+        "meaning_judged_by": judge,
         "settings": settings,
         "outcomes": outcomes,
         "rates": {o: (c / n if n else None) for o, c in outcomes.items()},
         "recovered_ending_dissimilar": sum(r["end_ratio"] < END_RATIO_DISSIMILAR for r in rec),
-        "by_tag": _counts(rows, lambda r: r["tags"] or ["(untagged)"]),
-        "by_range": _counts(rows, lambda r: [range_label(r["position"], ranges)]),
-        "by_margin": _counts(rows, lambda r: [margin_bucket(r["margin_ref"])]),
+        "by_tag": _counts(rows, lambda r: r["tags"] or ["(untagged)"], names),
+        "by_range": _counts(rows, lambda r: [range_label(r["position"], ranges)], names),
+        "by_margin": _counts(rows, lambda r: [margin_bucket(r["margin_ref"])], names),
         "top": [_shown(r) for r in top],
         "ties": {
             "tolerance": "reference margin <= the bf16 spacing at p(top1), 2^(floor(log2 p) - 7)",
             "n_branched": len(tie_rows),
-            "outcomes": {o: sum(r["outcome"] == o for r in tie_rows) for o in OUTCOMES},
+            "outcomes": {o: sum(r["outcome"] == o for r in tie_rows) for o in names},
             "list": [dict(t) for t in ties[:100]],  # n_ties counts them all
         },
     }
@@ -773,7 +786,7 @@ def summarize_branches(
         both = [r for r in rows if r.get("outcome_ref_from_cand_token")]
         bad = Outcome.BAD
         sec["both"] = {
-            "outcomes_ref_from_cand_token": {o: sum(r["outcome_ref_from_cand_token"] == o for r in both) for o in OUTCOMES},
+            "outcomes_ref_from_cand_token": {o: sum(r["outcome_ref_from_cand_token"] == o for r in both) for o in names},
             "token_was_poison": sum(r["outcome"] in bad and r["outcome_ref_from_cand_token"] in bad for r in both),
             "candidate_drifts_anyway": sum(r["outcome"] in bad and r["outcome_ref_from_cand_token"] not in bad for r in both),
         }
