@@ -637,7 +637,8 @@ def _decide(al: Alignment, sig: dict[str, Any], *, same: bool | None, checker: s
     """The outcome from what the steps found (sets ``decided_by``): recovered when the branch
     re-joined and stayed and the checker (where there is one) gives the same verdict; else
     the checker's verdict (answer same / changed, tests passed / failed); else diverged."""
-    rejoin = f"re-joined the reference {al.rejoin[0] + 1} tokens after the flip" if al.rejoin is not None else ""
+    after = None if al.rejoin is None else al.rejoin[0] + 1
+    rejoin = f"re-joined the reference {after} token{'s' if after != 1 else ''} after the flip" if after is not None else ""
     if al.rejoin is None:
         stopped = position < len(branch_ids) and branch_ids[position] in set(ends)
         how = "stopped at the flip where the reference goes on" if stopped else "no aligned re-join"

@@ -210,10 +210,14 @@ def _outcome_of(metric: str) -> str | None:
 
 
 def _judged_without_judge(report: Report, metric: str) -> bool:
-    """A clause on benign / meaning_changed (or their rates) against a flips section that no
-    judge classified: those classes are decided only by a named judge (``--judge``)."""
+    """A clause on benign / meaning_changed (or their rates) against a flips section that has
+    no count of it: no judge classified its branches (those classes are decided only by a
+    named judge, ``--judge``), so the count is not 0 but undecided, also where nothing flipped.
+    A report before 2.1 carries its own classifier's counts, and they are read."""
     flips = report.get("flips")
-    return (_outcome_of(metric) in Outcome.JUDGED and isinstance(flips, Mapping) and not flips.get("meaning_judged_by"))
+    outcome = _outcome_of(metric)
+    return (outcome in Outcome.JUDGED and isinstance(flips, Mapping)
+            and outcome not in (flips.get("outcomes") or {}) and not flips.get("meaning_judged_by"))
 
 
 def missing_reason(report: Report, metric: str) -> str:
