@@ -165,7 +165,7 @@ SCHEMA_VERSION = "2.1"  # MAJOR.MINOR of report.json; MAJOR matches REPORT_SCHEM
 # 2.1: flip classes decided by rules only (Outcome.RULE), flips.meaning_judged_by
 # MAJOR.MINOR of summary.json, MAJOR matching RUN_SUMMARY_SCHEMA's "/1": the rename of report.json 2.0
 # (baseline -> reference) left summary.json as it was (its reference was always "reference")
-SUMMARY_SCHEMA_VERSION = "1.3"  # 1.3: cross_engine_floor_rule
+SUMMARY_SCHEMA_VERSION = "1.4"  # 1.3: cross_engine_floor_rule; 1.4: rule-decided flip outcomes, flip_meaning_judged_by
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
 SCHEMA_DIR = Path(__file__).with_name("schemas")
 SPECULATION_SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of a `logitdiff speculate` report.json (logitdiff.speculation/1)
@@ -612,6 +612,7 @@ class CandidateRow(_CandidateRowBase, total=False):
     flip_ties: int
     flip_outcomes: dict[str, int]
     flips_consequential: int
+    flip_meaning_judged_by: str | None  # 1.4: report.json flips.meaning_judged_by
     accuracy_ref: float | None
     accuracy_cand: float | None
     right_to_wrong: int

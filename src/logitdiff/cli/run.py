@@ -263,7 +263,8 @@ def _row_as_report(r: CandidateRow) -> dict[str, Any]:
     """The report.json fields a verdict reads, from a summary.json candidate row."""
     rep: dict[str, Any] = {"summary": {"metrics": {"kl_nats": {"mean": r.get("kl_mean")}}, "kl_mean_x_noise_floor": r.get("x_noise_floor")}}
     if "flip_outcomes" in r:
-        rep["flips"] = {"n_branches": r.get("flip_branches"), "outcomes": r["flip_outcomes"]}
+        rep["flips"] = {"n_branches": r.get("flip_branches"), "outcomes": r["flip_outcomes"],
+                        "meaning_judged_by": r.get("flip_meaning_judged_by")}
     if r.get("accuracy_cand") is not None:
         rep["correctness"] = {k: r.get(k) for k in ("accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p")}
     return rep

@@ -524,6 +524,7 @@ def _consequence_cols(report: Report) -> dict:
         out["flip_ties"] = f.get("n_ties", 0)
         out["flip_outcomes"] = f["outcomes"]
         out["flips_consequential"] = sum(f["outcomes"].get(o, 0) for o in Outcome.BAD)
+        out["flip_meaning_judged_by"] = f.get("meaning_judged_by")
     c = report.get("correctness")
     if c:
         out.update(

@@ -88,7 +88,7 @@ def flips_part(report: Mapping) -> tuple[str, str] | None:
             f"none of {n_b} {BRANCHES} with a bad verdict (checked answers, tests, tool calls)")
     diverged = int(o.get(Outcome.DIVERGED) or 0)
     if diverged:
-        text += f"; {diverged} branches diverged (meaning not judged: " + ("no --judge)" if not judge else "the judge gave no verdict)")
+        text += f"; {diverged} branch{'es' if diverged != 1 else ''} diverged (meaning not judged: " + ("no --judge)" if not judge else "the judge gave no verdict)")
     changed = [c for c in f.get("changed_items") or [] if isinstance(c, Mapping)]
     unbranched = sum(not c.get("branched") for c in changed)
     if unbranched:
@@ -102,7 +102,7 @@ def _bad_kinds(o: Mapping, judge: str | None) -> list[tuple[int, str]]:
     return [(int(o.get(Outcome.ANSWER_CHANGED) or 0), "answer changed"),
             (int(o.get(Outcome.TESTS_FAILED) or 0), "tests failed"),
             (tool, "tool call changed or malformed"),
-            (int(o.get(Outcome.MEANING_CHANGED) or 0), f"meaning changed (judged by {judge})")]
+            (int(o.get(Outcome.MEANING_CHANGED) or 0), "meaning changed" + (f" (judged by {judge})" if judge else ""))]
 
 
 def answers_part(report: Mapping) -> tuple[str, str] | None:
