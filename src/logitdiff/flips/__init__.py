@@ -654,8 +654,15 @@ def _decide(al: Alignment, sig: dict[str, Any], *, same: bool | None, checker: s
         share = f"{100 * (al.joined_share or 0.0):.0f} %"  # stays: re-joined, so a share (never the 0)
         detours = f", {al.detours} short detour{'s' if al.detours != 1 else ''}" if al.detours else ""
         how = f"{rejoin} and stayed ({share} joined{detours})"
+    # Word salad (salient.is_word_salad) says what it says by which of its few words it uses:
+    # re-joined salad with a content word on one side only keeps re-writing the reference with
+    # another word, which a blind reader does not call the reference's text coming back
+    # (docs/flips.md, "Recovered, checked by a reader": 3 of the 33 recovered branches, all such).
+    salad_changed = not checker and bool(sig.get("word_salad")) and bool(sig.get("salient_changes"))
+    if salad_changed and al.stays_joined() and al.joined >= min_run:
+        how += ", but in word salad with a content word on one side only"
     verdict = _checker_words(sig, same, checker)
-    if al.stays_joined() and al.joined >= min_run and same is not False:
+    if al.stays_joined() and al.joined >= min_run and same is not False and not salad_changed:
         sig["decided_by"] = f"{how}; " + (verdict if checker else _observations(sig))
         return Outcome.RECOVERED
     if not checker:
