@@ -549,11 +549,21 @@ def test_word_salad_cut_tail_and_early_stop():
 
 
 def test_word_salad_through_classify():
-    # one changed word, then identical: the text came back (recovered), the changed word
-    # recorded as an observation whatever the similarity says
+    # one changed content word, then identical: word salad says what it says by which of its
+    # few words it uses, and a blind reader did not read such a branch as the reference coming
+    # back (docs/flips.md, "Recovered, checked by a reader"): diverged, whatever the similarity
     ref, br = SALAD + " If the exception is false, the exception is raised.", SALAD + " If the exception is found, the exception is raised."
-    o, sig = outcome(ref, br, {"tags": ["prose"]}, sim=0.99, threshold=0.7)
-    assert o == "recovered" and sig["word_salad"] and sig["salient_changes"], sig
+    for sim in (0.99, 0.1):
+        o, sig = outcome(ref, br, {"tags": ["prose"]}, sim=sim, threshold=0.7)
+        assert o == "diverged" and sig["word_salad"] and sig["salient_changes"], sig
+        assert "in word salad with a content word on one side only" in sig["decided_by"]
+    # the same salad with a stop word changed comes back: recovered
+    o, sig = outcome(SALAD + " If the exception is raised for the value.", SALAD + " If the exception is raised to the value.",
+                     {"tags": ["prose"]}, sim=0.5, threshold=0.7)
+    assert o == "recovered" and sig["word_salad"] and not sig["salient_changes"], sig
+    # prose that is not word salad keeps the alignment's verdict: a changed word is an observation
+    o, sig = outcome("The cat sat on the mat and slept.", "The dog sat on the mat and slept.", {"tags": ["prose"]})
+    assert o == "recovered" and not sig["word_salad"]
     # the same words reordered: the reference's text does not come back in line: diverged
     ref2 = SALAD + " If the exception is raised, the value is used for the exception; the exception is raised."
     br2 = SALAD + " If the value is used, the exception is raised for the exception; the exception is raised."
