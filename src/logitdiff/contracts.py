@@ -888,7 +888,7 @@ def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
     The one place an older report becomes a current one: every reader goes through it
     (:func:`load_report` does), and the JSON Schema check comes after it."""
     _accepts(doc, REPORT_SCHEMAS, Path(where))
-    if doc["schema"] == REPORT_SCHEMA and not _before_2_1(doc):
+    if doc["schema"] == REPORT_SCHEMA and not _flips_before_2_1(doc):
         return doc
     out: dict[str, Any] = {"schema": REPORT_SCHEMA, "schema_version": SCHEMA_VERSION}
     out.update((RENAMED_IN_2.get(k, k), v) for k, v in doc.items() if k not in out)
@@ -901,9 +901,9 @@ def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
     return out  # type: ignore[return-value]
 
 
-def _before_2_1(doc: dict) -> bool:
-    """A 2.x report written before 2.1 (no schema_version: 2.0) whose flips section lacks
-    meaning_judged_by."""
+def _flips_before_2_1(doc: dict) -> bool:
+    """The report's flips section was written before 2.1: it has no meaning_judged_by (2.1
+    writes the field always, null when no judge ran)."""
     flips = doc.get("flips")
     return isinstance(flips, dict) and "meaning_judged_by" not in flips
 
