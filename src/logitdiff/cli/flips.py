@@ -28,7 +28,8 @@ classified, with the signals that decided it, by rules anyone can re-run, as
                        (later detours re-join within --max-detour tokens, >= 80 % of the
                        tokens after the flip joined, or all but 2 of them near the end of the
                        budget; at least --resync tokens joined), and the item's checker, where
-                       it has one, gives both outputs the same verdict
+                       it has one, gives both outputs the same verdict (re-joined word salad
+                       with a content word on one side only is not recovered)
   answer_same          did not stay joined; the item's checker (answer / numeric / regex
   answer_changed       label, tool-call label or the reference's valid call, BFCL's own
                        checker) finds the same answer / another answer
