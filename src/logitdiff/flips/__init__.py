@@ -29,7 +29,9 @@ stores the signals that decided it; the definitions are in docs/flips.md):
                          arguments (AST comparison, `toolcalls.compare_calls`);
 ``recovered``            the branch re-joins the reference at an aligned point and stays
                          joined (:func:`align`) for at least ``MIN_RUN`` tokens, and the
-                         item's checker, where it has one, gives both the same verdict;
+                         item's checker, where it has one, gives both the same verdict
+                         (re-joined word salad with a content word on one side only is not:
+                         a blind reader did not read it as the reference coming back);
 ``answer_same`` /        otherwise, an item whose checker decides (an answer / numeric /
 ``answer_changed``       regex label, a tool-call label or a valid reference call, a BFCL
                          label): the checker's verdicts on both outputs, same or not;
