@@ -229,18 +229,23 @@ def render(fig: dict, timing: dict | None, mach: dict) -> str:
 
         opt = [(h, paths) for _, h, _, paths, _ in OPTIONAL_COLUMNS
                if any(_count(_first(r, paths)) is not None for _, r in reports.values())]
-        head = (f"| candidate | {header('flip_branches')} | recovered | benign | meaning changed | tool call malformed / changed | "
-                f"{header('flip_ties')} | " + "".join(f"{h} | " for h, _ in opt)
+        # the rule-decided classes (a judge's benign / meaning changed only where a judge ran)
+        judged = any((c.get("flip_outcomes") or {}).get(o) is not None for c in cands for o in Outcome.JUDGED)
+        head = (f"| candidate | {header('flip_branches')} | recovered | diverged | answer same / changed | tool call malformed / changed | "
+                + ("benign / meaning changed (judge) | " if judged else "")
+                + f"{header('flip_ties')} | " + "".join(f"{h} | " for h, _ in opt)
                 + f"{header('accuracy')} | {header('right_to_wrong')} | {header('mcnemar_p')} | {header('tool_call_valid_cand')} |")
-        lines += [head, "|---|" + "---:|" * (6 + len(opt)) + "---|---:|---:|---:|"]
+        lines += [head, "|---|" + "---:|" * (6 + judged + len(opt)) + "---|---:|---:|---:|"]
         for c in cands:
             o = c.get("flip_outcomes") or {}
             rep = reports[c["name"]][1]
             acc = "n/a" if c.get("accuracy_cand") is None else f"{pct(c['accuracy_ref'], 1)} → {pct(c['accuracy_cand'], 1)}"
             lines.append(
-                f"| `{c['candidate']}` | {c.get('flip_branches', 'n/a')} | {o.get(Outcome.RECOVERED, 'n/a')} | {o.get(Outcome.BENIGN, 'n/a')} | "
-                f"{o.get(Outcome.MEANING_CHANGED, 'n/a')} | {o.get(Outcome.TOOL_CALL_MALFORMED, 'n/a')} / {o.get(Outcome.TOOL_CALL_CHANGED, 'n/a')} | "
-                f"{c.get('flip_ties', 'n/a')} | " + "".join(f"{_count(_first(rep, p)) if _count(_first(rep, p)) is not None else 'n/a'} | " for _, p in opt)
+                f"| `{c['candidate']}` | {c.get('flip_branches', 'n/a')} | {o.get(Outcome.RECOVERED, 'n/a')} | {o.get(Outcome.DIVERGED, 'n/a')} | "
+                f"{o.get(Outcome.ANSWER_SAME, 'n/a')} / {o.get(Outcome.ANSWER_CHANGED, 'n/a')} | "
+                f"{o.get(Outcome.TOOL_CALL_MALFORMED, 'n/a')} / {o.get(Outcome.TOOL_CALL_CHANGED, 'n/a')} | "
+                + (f"{o.get(Outcome.BENIGN, 'n/a')} / {o.get(Outcome.MEANING_CHANGED, 'n/a')} | " if judged else "")
+                + f"{c.get('flip_ties', 'n/a')} | " + "".join(f"{_count(_first(rep, p)) if _count(_first(rep, p)) is not None else 'n/a'} | " for _, p in opt)
                 + f"{acc} | {c.get('right_to_wrong', 'n/a')} | {pval(c.get('mcnemar_p'))} | "
                 + ("n/a" if c.get("tool_call_valid_cand") is None else f"{100 * c['tool_call_valid_cand']:.0f} %") + " |"
             )

@@ -94,7 +94,9 @@ def test_cross_engine_f32_agreement(default_run, tmp_path):
     assert s["top1_match_rate"] >= 0.995
 
 
-BAD = ("meaning_changed", "tool_call_malformed", "tool_call_changed")
+# what a branch that did not come back does, by rule: a checker's bad verdict, or diverged
+# (meaning not judged); the bundled default runs no judge
+NOT_BACK = ("answer_changed", "tests_failed", "tool_call_malformed", "tool_call_changed", "diverged")
 
 
 def tok_written(d, item_id, position):
@@ -109,7 +111,7 @@ def test_default_run_flips_and_correctness(default_run):
     s = json.loads((default_run / "summary.json").read_text())
     assert s["noise_floor"]["top1_flips"] == 0
     rows = {c["name"]: c for c in s["candidates"]}
-    bad = {n: sum(rows[n]["flip_outcomes"][o] for o in BAD) for n in rows}
+    bad = {n: sum(rows[n]["flip_outcomes"][o] for o in NOT_BACK) for n in rows}
     assert bad["tiny-Q2_K"] > bad["tiny-Q8_0"]
     for name in ("tiny-Q8_0", "tiny-Q2_K"):
         d = default_run / "reports" / name
@@ -150,7 +152,31 @@ def test_default_run_flips_and_correctness(default_run):
         assert 0.0 <= c["mcnemar_p"] <= 1.0
         md = (d / "report.md").read_text()
         assert "What the flips do" in md and "Correctness of free-running answers" in md
-    assert "meaning changed" in (default_run / "summary.md").read_text()
+    assert "| diverged |" in (default_run / "summary.md").read_text()
+
+
+def test_default_run_claims_no_meaning_without_a_judge(default_run):
+    """With no --judge no report says benign or meaning_changed: not in report.json, report.md,
+    either page's text, summary.json or summary.md (the classes are a judge's alone), and each
+    says the meaning was not judged."""
+    import re
+
+    judged = re.compile(r"\bbenign\b|meaning[_ ]changed|changed (the )?meaning|means the same", re.I)
+    texts = {"summary.json": (default_run / "summary.json").read_text(), "summary.md": (default_run / "summary.md").read_text(),
+             "report.html": (default_run / "report.html").read_text()}
+    for d in sorted((default_run / "reports").iterdir()):
+        for f in ("report.json", "report.md", "report.html"):
+            texts[f"{d.name}/{f}"] = (d / f).read_text()
+        rep = json.loads((d / "report.json").read_text())
+        if "flips" in rep:
+            assert rep["flips"]["meaning_judged_by"] is None
+            assert "meaning: not judged (no --judge)" in texts[f"{d.name}/report.md"]
+            fl = pd.read_parquet(d / "flips.parquet")
+            texts[f"{d.name}/flips.parquet"] = "\n".join(fl["outcome"]) + "\n".join(fl["decided_by"])
+    for where, text in texts.items():
+        m = judged.search(text)
+        assert m is None, (where, text[max(0, m.start() - 200): m.end() + 200])
+    assert "meaning not judged: no --judge" in texts["report.html"]
 
 
 def test_default_run_recovered_means_recovered(default_run):
@@ -176,6 +202,9 @@ def test_default_run_recovered_means_recovered(default_run):
         local = (rec["branch_tokens"] - 1) * (1 - rec["joined_share"]) <= LOCAL_TOKENS + 1e-9
         assert rec["rejoin_position"].notna().all() and rec["left_position"].isna().all()
         assert ((rec["joined_share"] >= MIN_JOINED_SHARE) | local).all()
+        # the reference's text came back: at least MIN_RUN tokens joined after the flip
+        sig = [json.loads(x) for x in rec["signals"]]
+        assert all("joined before the budget ended" not in s["decided_by"] for s in sig)
         n_rec += len(rec)
         n_bad += sum(last_third_ratio(a, b) < 0.5 for a, b in zip(rec.ref_continuation, rec.branch_continuation))
     assert n_rec > 0 and n_bad <= 0.05 * n_rec, (n_bad, n_rec)
@@ -196,7 +225,9 @@ def test_flips_command_on_a_report(default_run, tmp_path, capsys):
     assert f["n_branches"] == 4 and "edit" in f["similarity"] and f["settings"]["both"]
     assert rep["gates"]["crossed"] == ["flips>0"]
     fl = pd.read_parquet(d / "flips.parquet")
-    assert set(fl.outcome_ref_from_cand_token) <= {"recovered", "benign", "meaning_changed", "tool_call_malformed", "tool_call_changed"}
+    from logitdiff.contracts import Outcome
+
+    assert set(fl.outcome_ref_from_cand_token) <= set(Outcome.RULE)  # no judge: rule classes only
     top = pd.read_parquet(d / "tokens.parquet").query("not top1_match and top1_cand != token_id").nlargest(4, "kl_nats")
     assert sorted(fl.kl_nats) == sorted(top.kl_nats)
     assert "report.html" in {p.name for p in d.iterdir()}
@@ -242,11 +273,17 @@ def test_default_run_html_numbers_match_parquet(default_run):
         m = data["matrix"][name]
         assert m["kl_mean"]["value"] == pytest.approx(df.kl_nats.mean(), rel=1e-12)
         assert m["top1"]["value"] == pytest.approx(1 - df.top1_match.mean(), rel=1e-12)
-        assert {o: m[f"flips_{o}"]["value"] for o in rep["flips"]["outcomes"]} == rep["flips"]["outcomes"]
+        # the page shows the outcome columns that occur on it (a count of 0 everywhere is left out)
+        shown = {o: m[f"flips_{o}"]["value"] for o in rep["flips"]["outcomes"] if f"flips_{o}" in m}
+        assert shown == {o: v for o, v in rep["flips"]["outcomes"].items() if f"flips_{o}" in m}
+        assert {o for o, v in rep["flips"]["outcomes"].items() if v} <= set(shown)
         # each candidate's own page, as README's Files section says: the same numbers
         own = (default_run / "reports" / name / "report.html").read_text()
         own_data = json.loads(re.search(r'<script type="application/json" id="logitdiff-data">(.*?)</script>', own, re.S).group(1))
-        assert own_data["candidates"] == [name] and own_data["matrix"][name] == m
+        # (its outcome columns are those occurring on it: a subset of the combined page's)
+        own_m = own_data["matrix"][name]
+        assert own_data["candidates"] == [name] and set(own_m) <= set(m) and all(own_m[k] == m[k] for k in own_m)
+        assert set(m) - set(own_m) <= {f"flips_{o}" for o, v in rep["flips"]["outcomes"].items() if not v}
         worst = df.groupby("item_id").kl_nats.mean().sort_values(ascending=False)
         assert [w["id"] for w in data["worst_items"][name]][:3] == list(worst.index[:3])
         rc = data["ref_confidence"]["by_candidate"][name]
@@ -285,13 +322,16 @@ def test_every_report_metric_is_registered_and_every_registered_one_reported(def
                 continue
             v = metric_value(rep, m.name) if m.gate else next(
                 (get_path(rep, p) for p in m.paths if get_path(rep, p) is not None), None)
+            if m.name.removesuffix("_rate") in Outcome.JUDGED:  # a judge's class: no judge ran, no number
+                assert v is None, (m.name, rdir.name, v)
+                continue
             assert isinstance(v, (int, float)) and math.isfinite(v), (m.name, rdir.name, v)
         # reported -> registered
         assert set(rep["summary"]["metrics"]) == set(SERIES)
         for item in rep["items"]:
             stats = {k for k, v in item.items() if isinstance(v, dict) and "mean" in v and k != "top1_disagreement"}
             assert stats == set(SERIES), (item["id"], stats)
-        assert set(rep["flips"]["outcomes"]) == set(rep["flips"]["rates"]) == set(Outcome.ALL)
+        assert set(rep["flips"]["outcomes"]) == set(rep["flips"]["rates"]) == set(Outcome.RULE)
         shown = ["summary.top1_disagreement.rate", "summary.ppl_ratio", "summary.kl_mean_x_noise_floor", "flips.n_flips",
                  "flips.n_branches", "flips.n_ties", *(f"flips.outcomes.{o}" for o in rep["flips"]["outcomes"]),
                  *(f"flips.rates.{o}" for o in rep["flips"]["rates"])]

@@ -4,6 +4,7 @@ Texts are "tokenized" one character per token, so positions are easy to read; ev
 and every tool-call format is exercised."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -100,38 +101,92 @@ def test_end_ratio():
     assert end_ratio("abcdefghi", "abcdefxyz") == 0.0
 
 
-def test_recovered_and_meaning_changed_for_text():
+def test_recovered_and_diverged_for_unlabelled_text():
+    """Without a checker only the alignment decides: recovered when the reference's text comes
+    back and stays, else diverged, whatever the similarity; the salient differences and the
+    similarity are recorded as observations, never as a claim about meaning."""
     item = {"id": "p"}
     ref = "The cat sat on the mat and slept."
     rejoin = "The dog sat on the mat and slept."
-    o, sig = outcome(ref, rejoin, item, sim=0.9)
-    assert o == "recovered" and sig["rejoin_position"] == 7 and sig["left_position"] is None and sig["same_answer"]
-    o, sig = outcome(ref, "The zebra ate all of my lunch today.", item, sim=0.3)
-    assert o == "meaning_changed" and sig["rejoin_position"] is None
-    # a paraphrase with no content word in common: without a word similarity to tell
-    # synonyms every such word counts, so it reads as changed (the safe error) ...
+    for sim in (0.9, 0.1):  # the similarity does not decide
+        o, sig = outcome(ref, rejoin, item, sim=sim)
+        assert o == "recovered" and sig["rejoin_position"] == 7 and sig["left_position"] is None and sig["same_answer"] is None
+        assert "not used to decide" in sig["decided_by"]
+    for sim in (0.3, 0.99):
+        o, sig = outcome(ref, "The zebra ate all of my lunch today.", item, sim=sim)
+        assert o == "diverged" and sig["rejoin_position"] is None and "no aligned re-join" in sig["decided_by"]
+    # a paraphrase: diverged; its content words on one side only are an observation
     o, sig = outcome(ref, "The kitten napped upon a rug.", item, sim=0.9)
-    assert o == "meaning_changed" and "content words" in sig["decided_by"]
-    # re-joins by a common phrase, then leaves for good: classified by the whole continuation
+    assert o == "diverged" and "salient differences observed" in sig["decided_by"] and "content words" in sig["decided_by"]
+    # re-joins by a common phrase, then leaves for good: diverged, where it left said
     o, sig = outcome("The cat sat on the mat and slept all day long in the sun.",
                      "The dog ran on the mat and then barked at every passing car.", item, sim=0.5)
-    assert o == "meaning_changed" and sig["rejoin_position"] is not None and sig["left_position"] is not None
-    # same text but one number changed: not recovered, whatever the similarity
+    assert o == "diverged" and sig["rejoin_position"] is not None and sig["left_position"] is not None
+    assert "left again" in sig["decided_by"]
+    # one number changed, then the reference's text: it came back (the changed number is
+    # recorded, not judged: an item whose number matters has a label)
     o, sig = outcome("Wait 5 minutes, then stir the pot well.", "Wait 9 minutes, then stir the pot well.", item, sim=0.95)
-    assert o == "meaning_changed" and "number" in sig["decided_by"]
+    assert o == "recovered" and "number 5.0 -> number 9.0" in sig["decided_by"], sig
+    # no verdict on meaning is ever worded
+    for text in (rejoin, "The zebra ate all of my lunch today.", "The kitten napped upon a rug."):
+        d = outcome(ref, text, item, sim=0.5)[1]["decided_by"]
+        assert not re.search(r"means the same|changed meaning|meaning changed|benign", d), d
+
+
+def test_a_flip_near_the_end_of_the_budget_is_not_recovered():
+    """Fewer than MIN_RUN tokens joined after the flip (the budget ended): nothing came back that
+    a reader could see, so not recovered, said why (issue #37: recovered means recovered)."""
+    ref, br = "If the exception is raised", "If the exception is false"
+    ids_r, ids_b = [ord(c) for c in ref], [ord(c) for c in br]
+    t = ref.index("raised")
+    # both cut by the budget right after the flip's word: the alignment re-joins at the end ...
+    al = align(ids_r[t + 1:], ids_b[t + 1:], end_ids=[0])
+    assert al.rejoin is None or al.joined < 4
+    o, sig = classify(item={"id": "s"}, ref_ids=ids_r[: t + 1], branch_ids=ids_b[: t + 1], position=t, ref_text=ref[: t + 1],
+                      branch_text=br[: t + 1], similarity=0.0, threshold=0.45, end_ids=[0])
+    assert o == "diverged" and "budget ended" in sig["decided_by"], sig
+    # four tokens back before the budget ends are a return
+    o, _ = classify(item={"id": "s"}, ref_ids=[ord(c) for c in "xabcd"], branch_ids=[ord(c) for c in "yabcd"], position=0,
+                    ref_text="xabcd", branch_text="yabcd", similarity=0.0, threshold=0.45, end_ids=[0])
+    assert o == "recovered"
 
 
 def test_labelled_answers():
     item = {"id": "m", "expected": {"answer": "12"}}
     o, sig = outcome("12", "13", item)
-    assert o == "meaning_changed" and sig["ref_answer"] == "12" and sig["branch_answer"] == "13"
+    assert o == "answer_changed" and sig["ref_answer"] == "12" and sig["branch_answer"] == "13"
+    assert sig["checker"] == "the label's extracted answer" and "'12' -> '13'" in sig["decided_by"]
     # numeric label: a different wording of the same number is the same answer
     item = {"id": "n", "expected": {"numeric": 12, "tol": 0.5}}
     o, sig = outcome("x = 12", "x equals 12", item, sim=0.9)
-    assert sig["same_answer"] and o == "benign"
+    assert sig["same_answer"] and o == "answer_same"
     # with a label the answer decides: the similarity of the wording does not
     o, _ = outcome("x = 12", "x equals 12", item, sim=0.1)
-    assert o == "benign"
+    assert o == "answer_same"
+    # re-joined and stayed, the same answer: recovered; re-joined but another answer: changed
+    o, _ = outcome("The total is 12 apples in the basket.", "So the total is 12 apples in the basket.", item)
+    assert o == "recovered"
+    o, _ = outcome("The total is 12 apples in the basket.", "The total is 19 apples in the basket.", item)
+    assert o == "answer_changed"
+
+
+def test_tests_label_runs_the_branch_program(tmp_path):
+    """An item with a 'tests' label (HumanEval's form): the branch's program runs by the item's
+    tests in the sandbox; the reference's verdict is recorded beside it."""
+    tests = {"test": "def check(f):\n    assert f(2) == 4\n    assert f(3) == 9\n", "entry_point": "sq", "timeout_s": 10}
+    item = {"id": "h", "prompt": "def sq(x):\n", "expected": {"tests": tests}}
+    ref = "    return x * x\n"
+    o, sig = outcome(ref, "    return x ** 2\n", item)
+    assert o == "tests_passed" and sig["ref_tests"] == "pass" and sig["branch_tests"] == "pass", sig
+    o, sig = outcome(ref, "    return x + x\n", item)
+    assert o == "tests_failed" and sig["ref_tests"] == "pass" and sig["branch_tests"] == "fail", sig
+    assert "branch fail, reference pass" in sig["decided_by"]
+    # a one-token change that re-joins and keeps the tests' verdict is recovered; one that
+    # re-joins but fails them is not
+    o, _ = outcome("    y = x * x\n    return y\n", "    z = x * x\n    return y\n", item)
+    assert o == "tests_failed"
+    o, _ = outcome("    return (x * x)\n", "    return  (x * x)\n", item)
+    assert o == "recovered"
 
 
 @pytest.mark.parametrize(
@@ -172,8 +227,8 @@ def test_tool_call_outcomes(branch, want):
 def test_same_call_in_other_formats_is_not_a_tool_failure(branch):
     item = {"id": "t", "tools": TOOLS, "expected": {"tool_call": CALL}}
     o, sig = outcome(hermes(CALL), branch, item, sim=0.95)
-    assert o in ("recovered", "benign"), sig
-    assert sig["branch_call_valid"]
+    assert o in ("recovered", "answer_same"), sig
+    assert sig["branch_call_valid"] and sig["checker"] == "tool call"
 
 
 def test_invalid_reference_call_falls_back_to_answers():
@@ -181,7 +236,7 @@ def test_invalid_reference_call_falls_back_to_answers():
     bad_ref = hermes({"name": "get_weather", "arguments": {"city": 1}})
     o, sig = outcome(bad_ref, hermes(CALL), item, sim=0.9)
     assert sig["ref_call_valid"] is False
-    assert o == "meaning_changed"  # the branch made another (here: the right) call
+    assert o == "answer_changed"  # the branch made another (here: the right) call
 
 
 def _cols():
@@ -391,9 +446,10 @@ def test_a_pure_shift_is_tolerated_and_benign():
     assert compare(ref, shifted, code=True)["changed"]
     # and a skip inside the flip's own line is not a shift
     assert compare("def f(a, *args, **kwargs):\n" + ref, "def f(a):\n" + ref, code=True)["changed"]
-    # through classify: not meaning_changed, never recovered
+    # through classify: three lines (more than --max-shift tokens) skipped is no aligned
+    # re-join: diverged, the shift recorded as an observation
     o, sig = outcome("# start\n" + ref, "# start\n" + shifted, {"tags": ["code"]}, sim=0.8, threshold=0.45)
-    assert o == "benign" and sig["shifted"], sig
+    assert o == "diverged" and sig["shifted"] and "whole lines of the reference skipped" in sig["decided_by"], sig
 
 
 def test_salient_changes_on_prose():
@@ -493,15 +549,26 @@ def test_word_salad_cut_tail_and_early_stop():
 
 
 def test_word_salad_through_classify():
-    # one changed word (a claim), then identical: meaning_changed whatever the similarity says
+    # one changed content word, then identical: word salad says what it says by which of its
+    # few words it uses, and a blind reader did not read such a branch as the reference coming
+    # back (docs/flips.md, "Recovered, checked by a reader"): diverged, whatever the similarity
     ref, br = SALAD + " If the exception is false, the exception is raised.", SALAD + " If the exception is found, the exception is raised."
-    o, sig = outcome(ref, br, {"tags": ["prose"]}, sim=0.99, threshold=0.7)
-    assert o == "meaning_changed" and sig["word_salad"], sig
-    # the same words reordered: benign whatever the similarity says, never recovered
+    for sim in (0.99, 0.1):
+        o, sig = outcome(ref, br, {"tags": ["prose"]}, sim=sim, threshold=0.7)
+        assert o == "diverged" and sig["word_salad"] and sig["salient_changes"], sig
+        assert "in word salad with a content word on one side only" in sig["decided_by"]
+    # the same salad with a stop word changed comes back: recovered
+    o, sig = outcome(SALAD + " If the exception is raised for the value.", SALAD + " If the exception is raised to the value.",
+                     {"tags": ["prose"]}, sim=0.5, threshold=0.7)
+    assert o == "recovered" and sig["word_salad"] and not sig["salient_changes"], sig
+    # prose that is not word salad keeps the alignment's verdict: a changed word is an observation
+    o, sig = outcome("The cat sat on the mat and slept.", "The dog sat on the mat and slept.", {"tags": ["prose"]})
+    assert o == "recovered" and not sig["word_salad"]
+    # the same words reordered: the reference's text does not come back in line: diverged
     ref2 = SALAD + " If the exception is raised, the value is used for the exception; the exception is raised."
     br2 = SALAD + " If the value is used, the exception is raised for the exception; the exception is raised."
     o, sig = outcome(ref2, br2, {"tags": ["prose"]}, sim=0.1, threshold=0.7)
-    assert o == "benign", sig
+    assert o == "diverged", sig
 
 
 def test_a_short_tail_joined_but_for_a_word_stays_joined():
@@ -551,20 +618,19 @@ def test_similarity_of_words_in_code_items_is_prose_similarity():
     assert pol.pick(["code"], words, "    return x[::1]\n") is edit  # one side code: edit
 
 
-def test_a_branch_that_stops_at_the_flip_is_benign():
+def test_a_branch_that_stops_at_the_flip_diverged():
     # the candidate's token at the flip is the end token: it stopped where the reference goes
-    # on with other numbers (stopping earlier is benign, the labelling rules)
+    # on; nothing came back, and its meaning is not judged (said where it stopped)
     ref = "The number b is 78. It is the base-10 logarithm of 67."
     pre = "The number b is 78."
     ref_ids, br_ids = [ord(c) for c in ref] + [0], [ord(c) for c in pre] + [0]
     o, sig = classify(item={"id": "l", "tags": ["lookup"]}, ref_ids=ref_ids, branch_ids=br_ids, position=len(pre),
                       ref_text=ref, branch_text=pre, similarity=0.0, threshold=0.45, end_ids=[0])
-    assert o == "benign" and "stopped at the flip" in sig["decided_by"], sig
-    # stopping after a changed number is still a change
-    br = "The number b is 79."
-    o, _ = classify(item={"id": "l"}, ref_ids=ref_ids, branch_ids=[ord(c) for c in br] + [0], position=len(pre) - 2,
-                    ref_text=ref, branch_text=br, similarity=0.0, threshold=0.45, end_ids=[0])
-    assert o == "meaning_changed"
+    assert o == "diverged" and "stopped at the flip" in sig["decided_by"], sig
+    # with an answer label the checker decides: the same answer before the stop
+    o, sig = classify(item={"id": "l", "expected": {"numeric": 78}}, ref_ids=ref_ids, branch_ids=br_ids, position=len(pre),
+                      ref_text=ref, branch_text=pre, similarity=0.0, threshold=0.45, end_ids=[0])
+    assert o == "answer_changed" and sig["branch_answer"] == 78.0 and sig["ref_answer"] == 67.0, sig
 
 
 def test_pronoun_i_and_contractions_are_not_names_or_content():

@@ -14,7 +14,9 @@ from logitdiff.errors import LogitdiffError
 from logitdiff.report.gates import CROSSED_EXIT, METRICS, NOT_EVALUATED_EXIT, OPS, Gate, GateKind, evaluate, exit_status, metric_value, parse_gate_options, parse_gates
 
 # The gate-relevant sections of a real report.json (`logitdiff run`, builtin:tiny vs its
-# Q2_K GGUF, 68 items, flips and correctness on), trimmed to what gates read.
+# Q2_K GGUF, 68 items, flips and correctness on), trimmed to what gates read. Written before
+# report 2.1: its flips carry the classifier of that time's benign / meaning_changed, which
+# gates still read (and none of the 2.1 rule classes, which are not evaluated on it).
 REAL = {
     "schema": "logitdiff.report/2",
     "summary": {
@@ -49,6 +51,7 @@ EXPECTED = {
     "recovered": 10, "benign": 0, "meaning_changed": 13, "tool_call_malformed": 0, "tool_call_changed": 1,
     "recovered_rate": 0.4166666666666667, "benign_rate": 0.0, "meaning_changed_rate": 0.5416666666666666,
     "tool_call_malformed_rate": 0.0, "tool_call_changed_rate": 0.041666666666666664,
+    **{name: None for o in ("answer_same", "tests_passed", "diverged", "answer_changed", "tests_failed") for name in (o, f"{o}_rate")},
     "accuracy_ref": 0.65, "accuracy_cand": 0.575, "accuracy_drop": 0.075, "right_to_wrong": 5, "wrong_to_right": 2,
     "tool_call_valid_cand": 0.6666666666666666,
 }
@@ -200,14 +203,62 @@ def test_require_is_the_complement_of_fail_on(op, value):
 def test_rates_without_any_flip_are_zero_not_missing():
     # flips.py writes rates as null when nothing branched; with no top-1 flip at all no
     # branch could have had any outcome, so the rate is 0. With flips but no branches, it stays unknown.
-    none = {"flips": {"n_flips": 0, "n_branches": 0, "outcomes": {"meaning_changed": 0}, "rates": {"meaning_changed": None}}}
-    assert metric_value(none, "meaning_changed_rate") == 0.0
-    assert evaluate(none, parse_gates("meaning_changed_rate>0"))["passed"] is True
-    unbranched = {"flips": {"n_flips": 5, "n_branches": 0, "outcomes": {"meaning_changed": 0}, "rates": {"meaning_changed": None}}}
-    assert metric_value(unbranched, "meaning_changed_rate") is None
-    res = evaluate(unbranched, parse_gates("meaning_changed_rate>0"))
-    assert res["crossed"] == [] and res["not_evaluated"] == ["meaning_changed_rate>0"]
+    none = {"flips": {"n_flips": 0, "n_branches": 0, "outcomes": {"diverged": 0}, "rates": {"diverged": None}, "meaning_judged_by": None}}
+    assert metric_value(none, "diverged_rate") == 0.0
+    assert evaluate(none, parse_gates("diverged_rate>0"))["passed"] is True
+    unbranched = {"flips": {"n_flips": 5, "n_branches": 0, "outcomes": {"diverged": 0}, "rates": {"diverged": None}, "meaning_judged_by": None}}
+    assert metric_value(unbranched, "diverged_rate") is None
+    res = evaluate(unbranched, parse_gates("diverged_rate>0"))
+    assert res["crossed"] == [] and res["not_evaluated"] == ["diverged_rate>0"]
     assert res["gates"][0]["reason"] == "no flip was branched, so no share of branches exists"
+    # a judged class with no judge is not 0 even where nothing flipped: it was not decided
+    assert metric_value(none, "meaning_changed_rate") is None and metric_value(none, "benign") is None
+
+
+def _rule_flips(outcomes: list[str], judge: str | None = None) -> dict:
+    """A flips section as flips.summarize_branches writes it, from branches of these outcomes."""
+    from logitdiff.flips import summarize_branches
+
+    rows = [{"item_id": f"i{k}", "position": k, "outcome": o, "kl_nats": 0.1, "margin_ref": 0.3, "tags": [], "end_ratio": 1.0}
+            for k, o in enumerate(outcomes)]
+    return {"flips": summarize_branches(rows, n_flips=len(rows) + 3, n_positions=100, note="", similarity_name="edit",
+                                        ranges=(0,), settings={}, judge=judge)}
+
+
+@pytest.mark.parametrize("name", ["meaning_changed", "benign", "meaning_changed_rate", "benign_rate"])
+def test_judged_classes_without_a_judge_are_not_evaluated_with_the_reason(name):
+    """Report 2.1 without --judge: no benign / meaning_changed count exists; a gate on one is
+    not evaluated (exit 4) with a line that says only a judge decides it and names the rule
+    classes to gate instead, under either kind, never a silent pass at 0."""
+    rep = _rule_flips(["diverged"] * 5 + ["recovered"] * 2 + ["answer_changed"])
+    assert set(rep["flips"]["outcomes"]) == set(("recovered", "answer_same", "tests_passed", "diverged", "answer_changed",
+                                                   "tests_failed", "tool_call_changed", "tool_call_malformed"))
+    for kind, clause in ((GateKind.FAIL_ON, f"{name}>0"), (GateKind.REQUIRE, f"{name}<=0")):
+        res = evaluate(rep, parse_gates(clause, kind))
+        [g] = res["gates"]
+        assert g["missing"] and not g["crossed"] and g["value"] is None and exit_status([res]) == NOT_EVALUATED_EXIT
+        assert "decided only by a named judge (--judge SOURCE)" in g["reason"] and "diverged" in g["reason"], g["reason"]
+    # the rule classes are evaluated on it, with their counts and shares
+    res = evaluate(rep, parse_gates("diverged>4, answer_changed>0, recovered_rate<0.2, tests_failed>0"))
+    assert res["crossed"] == ["diverged>4", "answer_changed>0"] and not res["not_evaluated"]
+    assert metric_value(rep, "recovered_rate") == 0.25 and metric_value(rep, "tests_failed") == 0
+    # with a judge, its classes are counted and gated
+    judged = _rule_flips(["meaning_changed"] * 2 + ["benign"] + ["recovered"], judge="gguf:judge.gguf")
+    assert judged["flips"]["meaning_judged_by"] == "gguf:judge.gguf"
+    assert metric_value(judged, "meaning_changed") == 2 and metric_value(judged, "benign_rate") == 0.25
+
+
+def test_rule_classes_on_a_report_before_2_1_are_not_evaluated_with_the_reason():
+    import logitdiff.contracts as C
+
+    old = C.migrate_report({**REAL, "schema_version": "2.0"})
+    assert old["flips"]["meaning_judged_by"] == C.OLD_CLASSIFIER and old["flips"]["outcomes"] == REAL["flips"]["outcomes"]
+    res = evaluate(old, parse_gates("diverged>0, answer_changed>0, meaning_changed>0"))
+    by = {g["gate"]: g for g in res["gates"]}
+    for clause in ("diverged>0", "answer_changed>0"):
+        assert by[clause]["missing"] and "classified before report 2.1" in by[clause]["reason"], by[clause]
+        assert C.OLD_CLASSIFIER in by[clause]["reason"]
+    assert by["meaning_changed>0"]["crossed"] and by["meaning_changed>0"]["value"] == 13  # the old counts, as they were
 
 
 @pytest.mark.parametrize("op, value, crossed", [

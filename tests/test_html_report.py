@@ -48,7 +48,8 @@ def _write_run(path, logits, teacher, spec, identity=None):
 
 
 def _flips_section():
-    """A report.json ``flips`` section in the shape flips.summarize_branches writes."""
+    """A report.json ``flips`` section in the shape flips.summarize_branches writes, with a
+    judge's classes (benign / meaning_changed exist only where a judge ran: --judge)."""
     from logitdiff.flips import OUTCOMES
 
     def group(**c):
@@ -59,7 +60,7 @@ def _flips_section():
 
     total = group(recovered=3, benign=2, meaning_changed=1)
     return {"n_flips": 9, "flip_rate": 0.1, "n_ties": 0, "n_branches": 6, "selection": "all flips", "similarity": "test",
-            "settings": {"similarity_thresholds": {"edit": 0.9}, "resync_tokens": 4},
+            "meaning_judged_by": "test:judge", "settings": {"similarity_thresholds": {"edit": 0.9}, "resync_tokens": 4},
             "outcomes": {o: total[o] for o in OUTCOMES}, "rates": total["rates"], "recovered_ending_dissimilar": 0,
             "by_tag": {"code": group(recovered=2, benign=1), "math": group(recovered=1, meaning_changed=1)},
             "by_range": {}, "by_margin": {}, "top": [],
@@ -428,9 +429,16 @@ def test_token_view_hover_without_token_strings_or_top5(ladder):
 
 
 def test_flips_and_tool_calls_columns(ladder):
+    """The consequences table shows the outcome columns that occur on the page (here a judge's
+    benign / meaning_changed and recovered), not ten columns of which most are 0 everywhere."""
+    from logitdiff.contracts import Outcome
+
     conseq = re.search(r'<table id="consequences".*?</table>', ladder["html"], re.S).group(0)
-    for key in ("flips_n_flips", "flips_n_branches", "flips_tool_call_malformed", "flips_n_ties", "tool_call_valid_cand", "accuracy_cand"):
+    for key in ("flips_n_flips", "flips_n_branches", "flips_recovered", "flips_benign", "flips_meaning_changed", "flips_n_ties",
+                "tool_call_valid_cand", "accuracy_cand"):
         assert f'data-key="{key}"' in conseq, key
+    for o in set(Outcome.ALL) - {"recovered", "benign", "meaning_changed"}:
+        assert f'data-key="flips_{o}"' not in conseq, o
 
 
 # ----------------------------------------------------------------------------- gates
@@ -530,7 +538,7 @@ def test_verdict_line_per_candidate_first(ladder):
     assert plain["tiny-Q8_0"].startswith("drifts 138× cross-engine floor (mean KL ")  # 1 + 137.3, from summary.json
     assert "within 2× of the engine change" not in plain["tiny-Q8_0"]
     for n, text in plain.items():
-        assert "1 of 6 counterfactual branches (the candidate's token forced at a flip) changed the meaning; 1 of 2 changed answers have no branched flip (listed on the page)" in text, n
+        assert "1 of 6 counterfactual branches (the candidate's token forced at a flip) with a bad verdict: meaning changed (judged by test:judge) 1; 1 of 2 changed answers have no branched flip (listed on the page)" in text, n
         assert "free-running accuracy 75.0 % → 50.0 % (4 labelled): 2 right→wrong, 1 wrong→right, McNemar p = 1 (not significant)" in text
         assert "valid tool calls 91.7 % (reference 100.0 %)" in text and "2 outputs cut at the token budget" in text
         assert "gates crossed: kl_mean>0.0001" in text and "not evaluated" not in text.split("gates crossed")[0]
@@ -553,7 +561,8 @@ def test_one_name_per_column_everywhere(ladder, capsys, monkeypatch):
     from logitdiff.cli.run import print_run_summary
     from logitdiff import contracts
     from logitdiff.contracts import schema
-    from logitdiff.report.metric_registry import CONSEQUENCE_TABLE, DRIFT_TABLE, METRICS, header
+    from logitdiff.contracts import Outcome
+    from logitdiff.report.metric_registry import CONSEQUENCE_TABLE, DRIFT_TABLE, METRICS, consequence_columns, header
     from logitdiff.pipeline import render_summary_md
     from pathlib import Path
 
@@ -562,7 +571,8 @@ def test_one_name_per_column_everywhere(ladder, capsys, monkeypatch):
            "kl_p99": 0.1, "kl_max": 1.0, "kl_rev_mean": 0.02, "jsd_mean": 0.005, "top1_disagreement": 0.1,
            "top1_disagreement_ci95": [0.09, 0.11], "ppl_ratio": 1.01, "x_noise_floor": 1.6e5, "within_2x_noise_floor": False,
            "x_cross_engine_floor": 471.0, "flip_branches": 24, "flip_ties": 5,
-           "flip_outcomes": {"recovered": 0, "benign": 4, "meaning_changed": 20, "tool_call_malformed": 0, "tool_call_changed": 0},
+           "flip_outcomes": {"recovered": 1, "answer_same": 0, "tests_passed": 0, "diverged": 20, "answer_changed": 3, "tests_failed": 0,
+                             "tool_call_changed": 0, "tool_call_malformed": 0}, "flip_meaning_judged_by": None,
            "accuracy_ref": 0.95, "accuracy_cand": 0.875, "right_to_wrong": 3, "wrong_to_right": 0, "mcnemar_p": 0.25,
            "tool_call_valid_cand": 1.0}
     summary = {"reference": "builtin:tiny", "items": 68, "positions": 1806, "workload": "w", "seconds": 1.0, "candidates": [row],
@@ -583,7 +593,12 @@ def test_one_name_per_column_everywhere(ladder, capsys, monkeypatch):
     # the summary tables' columns are the registry's, under the registry's headers: no second table of names
     assert not hasattr(contracts, "Column")
     assert set(DRIFT_TABLE) | (set(CONSEQUENCE_TABLE) - {"accuracy"}) <= set(METRICS)
-    for key in (*DRIFT_TABLE, *CONSEQUENCE_TABLE):
+    # of the outcome columns, those that occur in some row (ten would not fit); none of a judge's without one
+    shown = consequence_columns([row])
+    assert [k for k in shown if k in Outcome.ALL] == ["recovered", "diverged", "answer_changed"]
+    for text in (md, terminal):
+        assert not re.search(r"\bbenign\b|meaning.changed|tests passed", text), text
+    for key in (*DRIFT_TABLE, *shown):
         assert header(key) in md, key
         assert header(key) in terminal, key
         if key in ("kl_mean", "kl_p99", "jsd_mean", "top1_disagreement", "ppl_ratio", "flip_branches", "flip_ties", "right_to_wrong",
@@ -1000,12 +1015,25 @@ def test_shared_plotly_draws_from_file_and_from_a_server_and_says_when_missing(l
 
 
 # ----------------------------------------------------------------------------- verdict words, outcome colours
-@pytest.mark.parametrize("outcomes", [{"meaning_changed": 24}, {"meaning_changed": 20, "tool_call_changed": 3, "recovered": 1},
-                                      {"benign": 24}])
-def test_verdict_calls_branches_counterfactual_on_page_and_terminal(ladder, outcomes):
-    """Every branch changed the meaning (or none did) while no free-running answer changed:
-    on the page and in the terminal the flips are counterfactual branches and the accuracy is
-    free-running, so the line never reads as "24 of 24 changed ... no answer changed"."""
+VERDICT_CASES = [  # (outcomes, judge, the flips part of the verdict line)
+    ({"diverged": 24}, None, "none of 24 {B} with a bad verdict (checked answers, tests, tool calls); "
+                             "24 branches diverged (meaning not judged: no --judge)"),
+    ({"answer_changed": 20, "tool_call_changed": 3, "recovered": 1}, None,
+     "23 of 24 {B} with a bad verdict: answer changed 20, tool call changed or malformed 3"),
+    ({"tests_failed": 2, "tests_passed": 1, "diverged": 1}, None,
+     "2 of 4 {B} with a bad verdict: tests failed 2; 1 branch diverged (meaning not judged: no --judge)"),
+    ({"meaning_changed": 24}, "gguf:judge.gguf", "24 of 24 {B} with a bad verdict: meaning changed (judged by gguf:judge.gguf) 24"),
+    ({"benign": 24}, "gguf:judge.gguf", "none of 24 {B} with a bad verdict (checked answers, tests, tool calls)"),
+]
+
+
+@pytest.mark.parametrize("outcomes, judge, want", VERDICT_CASES)
+def test_verdict_calls_branches_counterfactual_on_page_and_terminal(ladder, outcomes, judge, want):
+    """Every branch changed (or none did) while no free-running answer changed: on the page and
+    in the terminal the flips are counterfactual branches and the accuracy is free-running, so
+    the line never reads as "24 of 24 changed ... no answer changed". Diverged branches are
+    neither bad nor harmless: counted apart, with the meaning said to be not judged; a judge's
+    meaning_changed is bad and names the judge."""
     import io
 
     from rich.console import Console
@@ -1014,24 +1042,22 @@ def test_verdict_calls_branches_counterfactual_on_page_and_terminal(ladder, outc
     from logitdiff.contracts import Outcome
 
     n = sum(outcomes.values())
-    bad = sum(v for k, v in outcomes.items() if k in Outcome.BAD)
     r = json.loads(json.dumps(ladder["reports"]["q4"]))
     r["flips"]["n_branches"] = n
-    r["flips"]["outcomes"] = {o: outcomes.get(o, 0) for o in Outcome.ALL}
+    r["flips"]["outcomes"] = {o: outcomes.get(o, 0) for o in (Outcome.ALL if judge else Outcome.RULE)}
+    r["flips"]["meaning_judged_by"] = judge
     r["correctness"] |= {"accuracy_ref": 0.75, "accuracy_cand": 0.75, "right_to_wrong": 0, "wrong_to_right": 0, "mcnemar_p": 1.0}
     page = render_html([r], [None], paths=[ladder["dirs"][1]])
     li = re.search(r'<li data-name="[^"]+"><code>[^<]+</code> (.*?)</li>', page, re.S).group(1)
     on_page = htmlmod.unescape(re.sub(r"<[^>]+>", "", li))
     row = {"candidate": "test:q4", "name": "q4", "kl_mean": 1e-3, "x_noise_floor": 3.0, "flip_branches": n,
-           "flip_outcomes": r["flips"]["outcomes"], "accuracy_ref": 0.75, "accuracy_cand": 0.75, "right_to_wrong": 0,
-           "wrong_to_right": 0, "mcnemar_p": 1.0}
+           "flip_outcomes": r["flips"]["outcomes"], "flip_meaning_judged_by": judge, "accuracy_ref": 0.75, "accuracy_cand": 0.75,
+           "right_to_wrong": 0, "wrong_to_right": 0, "mcnemar_p": 1.0}
     con = Console(file=io.StringIO(), width=1000, record=True)
     print_verdicts({"candidates": [row]}, con)
     in_terminal = con.export_text()
-    tool = outcomes.get("tool_call_changed", 0)
     for text in (on_page, in_terminal):
-        assert (f"{bad} of {n} counterfactual branches (the candidate's token forced at a flip) changed the meaning"
-                + (f" or a tool call ({tool})" if tool else "")) in text, text
+        assert want.format(B="counterfactual branches (the candidate's token forced at a flip)") in text, text
         # (the terminal reads summary.json, whose rows do not carry the labelled count)
         assert re.search(r"free-running accuracy 75\.0 % → 75\.0 %( \(4 labelled\))?: no answer changed", text), text
         assert not re.search(r"\d+ of \d+ branches", text) and not re.search(r"(?<!free-running )accuracy \d", text), text
@@ -1058,6 +1084,8 @@ def test_one_colour_per_flip_outcome_on_every_page(ladder):
         seen = {t["name"]: t["marker"]["color"] for t in fig["data"]}
         assert seen and all(OUTCOME_COLORS[o] == c for o, c in seen.items()), seen
         colours.append(seen)
+        # every outcome the page shows has its colour; one it does not show is not named at all
+        on_page = {t["outcome"] for r in reports for t in r["flips"]["top"]} | {o for r in reports for o, n in r["flips"]["outcomes"].items() if n}
         for o, c in OUTCOME_COLORS.items():
-            assert f".outcome.{o}{{border-left:4px solid {c};" in page
+            assert (f".outcome.{o}{{border-left:4px solid {c};" in page) == (o in on_page), o
     assert set(colours[1]) - set(colours[0])  # the pages do hold other outcomes, each in its one colour

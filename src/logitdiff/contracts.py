@@ -30,7 +30,7 @@ import os
 import stat
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, TypedDict
+from typing import Any, BinaryIO, Callable, Mapping, TypedDict
 
 import numpy as np
 
@@ -161,10 +161,11 @@ QUANTIZE_SCHEMA = "logitdiff.quantize/1"
 HTML_GENERATOR_META = '<meta name="generator" content="logitdiff">'
 HTML_DATA_SCHEMA = "logitdiff.html-data/1"
 
-SCHEMA_VERSION = "2.0"  # MAJOR.MINOR of report.json; MAJOR matches REPORT_SCHEMA's "/2"
+SCHEMA_VERSION = "2.1"  # MAJOR.MINOR of report.json; MAJOR matches REPORT_SCHEMA's "/2"
+# 2.1: flip classes decided by rules only (Outcome.RULE), flips.meaning_judged_by
 # MAJOR.MINOR of summary.json, MAJOR matching RUN_SUMMARY_SCHEMA's "/1": the rename of report.json 2.0
 # (baseline -> reference) left summary.json as it was (its reference was always "reference")
-SUMMARY_SCHEMA_VERSION = "1.3"  # 1.3: cross_engine_floor_rule
+SUMMARY_SCHEMA_VERSION = "1.4"  # 1.3: cross_engine_floor_rule; 1.4: rule-decided flip outcomes, flip_meaning_judged_by
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
 SCHEMA_DIR = Path(__file__).with_name("schemas")
 SPECULATION_SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of a `logitdiff speculate` report.json (logitdiff.speculation/1)
@@ -189,17 +190,35 @@ class Outcome:
     TESTS_PASSED = "tests_passed"
     TESTS_FAILED = "tests_failed"
     DIVERGED = "diverged"
-    # BENIGN / MEANING_CHANGED: only a named judge (--judge SOURCE) decides these.
-    ALL = (RECOVERED, BENIGN, MEANING_CHANGED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED)
-    # the outcomes a reader should worry about ("consequential" flips)
-    BAD = (MEANING_CHANGED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED)
+    # What flips.classify decides by default: the alignment and the item's checkers only.
+    RULE = (RECOVERED, ANSWER_SAME, TESTS_PASSED, DIVERGED, ANSWER_CHANGED, TESTS_FAILED, TOOL_CALL_CHANGED,
+            TOOL_CALL_MALFORMED)
+    # BENIGN / MEANING_CHANGED: only a named judge (--judge SOURCE) decides these, turning a
+    # diverged branch into one of them. A report without a judge carries neither.
+    JUDGED = (BENIGN, MEANING_CHANGED)
+    ALL = RULE + JUDGED
+    # the outcomes a reader should worry about ("consequential" flips); diverged is neither
+    # bad nor harmless: its meaning was not judged
+    BAD = (ANSWER_CHANGED, TESTS_FAILED, TOOL_CALL_MALFORMED, TOOL_CALL_CHANGED, MEANING_CHANGED)
     TEXT = {
-        RECOVERED: "the branch re-joined the reference's continuation and stayed joined",
-        BENIGN: "the branch differs but means the same",
-        MEANING_CHANGED: "the branch means something else",
-        TOOL_CALL_MALFORMED: "the branch's tool call no longer parses/validates",
+        RECOVERED: "the branch re-joined the reference's continuation and stayed joined (and the item's checker, "
+                   "where it has one, gives the same verdict)",
+        ANSWER_SAME: "the branch did not stay joined; the item's checker finds the same answer",
+        TESTS_PASSED: "the branch did not stay joined; its program passes the item's tests",
+        DIVERGED: "the branch did not stay joined and the item has no checker: meaning not judged",
+        ANSWER_CHANGED: "the item's checker finds another answer in the branch",
+        TESTS_FAILED: "the branch's program fails the item's tests",
         TOOL_CALL_CHANGED: "the branch's tool call is valid but different",
+        TOOL_CALL_MALFORMED: "the branch's tool call no longer parses/validates",
+        BENIGN: "a named judge (--judge) finds the diverged branch says the same",
+        MEANING_CHANGED: "a named judge (--judge) finds the diverged branch says something else",
     }
+
+    @classmethod
+    def occurring(cls, *counts: Mapping[str, Any]) -> tuple[str, ...]:
+        """The outcomes with a non-zero count in any of ``counts`` (report.json flips.outcomes,
+        or its groups), in ALL's order: what a table shows (ten columns would not fit)."""
+        return tuple(o for o in cls.ALL if any(isinstance(c, Mapping) and (c.get(o) or 0) for c in counts))
 
 
 class Verdict:
@@ -421,8 +440,11 @@ class _FlipsBase(TypedDict):
     selection: str
     similarity: str
     settings: dict[str, Any]
-    outcomes: dict[str, int]  # Outcome.ALL -> count
-    rates: dict[str, float | None]  # Outcome.ALL -> share of branches
+    outcomes: dict[str, int]  # Outcome.RULE (and a judge's Outcome.JUDGED, where one ran) -> count
+    rates: dict[str, float | None]  # the same names -> share of branches
+    # 2.1: the judge that decided benign / meaning_changed (None: no judge, the meaning of a
+    # diverged branch was not judged); a migrated 2.0 report: OLD_CLASSIFIER
+    meaning_judged_by: str | None
     recovered_ending_dissimilar: int
     by_tag: dict[str, OutcomeGroup]
     by_range: dict[str, OutcomeGroup]
@@ -590,6 +612,7 @@ class CandidateRow(_CandidateRowBase, total=False):
     flip_ties: int
     flip_outcomes: dict[str, int]
     flips_consequential: int
+    flip_meaning_judged_by: str | None  # 1.4: report.json flips.meaning_judged_by
     accuracy_ref: float | None
     accuracy_cand: float | None
     right_to_wrong: int
@@ -848,16 +871,24 @@ def migrate_columns(columns: dict[str, Any]) -> dict[str, Any]:
     return {RENAMED_COLUMNS_IN_2.get(k, k): v for k, v in columns.items()}
 
 
+# A report written before 2.1: its benign / meaning_changed counts were decided by the
+# classifier of that time (similarity and salient checks, no judge); they are kept as they
+# were and said to be that classifier's.
+OLD_CLASSIFIER = "logitdiff's classifier before report 2.1 (similarity and salient checks, not a judge)"
+
+
 def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
     """A report.json object of any schema this logitdiff reads, as the current one: kind and
-    major version checked (a one-line error naming ``where``), a 2.x report returned as it is,
-    a 1.x report as 2.0 with the keys of RENAMED_IN_2 (top level, summary) and
-    RENAMED_COLUMNS_IN_2 (rows) renamed in place: same order, every value as it was.
+    major version checked (a one-line error naming ``where``), a current report returned as
+    it is, a 1.x report as 2.x with the keys of RENAMED_IN_2 (top level, summary) and
+    RENAMED_COLUMNS_IN_2 (rows) renamed in place: same order, every value as it was. A
+    report before 2.1 with a flips section gets ``flips.meaning_judged_by`` = OLD_CLASSIFIER
+    (its outcome counts as they were: the old classifier's benign / meaning_changed).
 
-    The one place a 1.x report becomes a 2.0 one: every reader goes through it
+    The one place an older report becomes a current one: every reader goes through it
     (:func:`load_report` does), and the JSON Schema check comes after it."""
     _accepts(doc, REPORT_SCHEMAS, Path(where))
-    if doc["schema"] == REPORT_SCHEMA:
+    if doc["schema"] == REPORT_SCHEMA and not _flips_before_2_1(doc):
         return doc
     out: dict[str, Any] = {"schema": REPORT_SCHEMA, "schema_version": SCHEMA_VERSION}
     out.update((RENAMED_IN_2.get(k, k), v) for k, v in doc.items() if k not in out)
@@ -865,7 +896,16 @@ def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
         out["summary"] = {RENAMED_IN_2.get(k, k): v for k, v in out["summary"].items()}
     if isinstance(out.get("rows"), list):
         out["rows"] = [migrate_columns(r) if isinstance(r, dict) else r for r in out["rows"]]
+    if isinstance(out.get("flips"), dict) and "meaning_judged_by" not in out["flips"]:
+        out["flips"] = {**out["flips"], "meaning_judged_by": OLD_CLASSIFIER}
     return out  # type: ignore[return-value]
+
+
+def _flips_before_2_1(doc: dict) -> bool:
+    """The report's flips section was written before 2.1: it has no meaning_judged_by (2.1
+    writes the field always, null when no judge ran)."""
+    flips = doc.get("flips")
+    return isinstance(flips, dict) and "meaning_judged_by" not in flips
 
 
 def _load(path: Path, what: str) -> dict:

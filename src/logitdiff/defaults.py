@@ -31,9 +31,10 @@ DEFAULT_SHAPE_WIDTH = 4  # llama-server's default draft (--spec-draft-n-max 3) +
 # the page point there; the measured agreement lives in docs/flips.md, not in the code, and
 # tests/test_flips_labelled.py classifies the labelled branches again and requires docs' figures)
 FLIP_AGREEMENT_TEXT = (
-    "How far the classes hold when someone checks: docs/flips.md (\"A second reader\") gives how often the "
-    "classifier agrees with two blind readers on a trained model's branches, per class. A benign or recovered "
-    "verdict on a real model's prose is one to read for yourself (each branch's decided_by says what decided it)."
+    "How far the classes hold when someone checks: docs/flips.md (\"Recovered, checked by a reader\") gives how "
+    "often a blind reader shown a recovered branch sees the reference's text come back, and how the rule-decided "
+    "classes compare with blind readers' labels. Meaning is judged only with --judge; each branch's decided_by says "
+    "what decided it and, for a diverged one, what was observed."
 )
 
 # What `--help` says of the sandbox (flips; run): here, not in flips/sandbox.py, so that building

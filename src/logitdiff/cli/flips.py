@@ -21,28 +21,34 @@ the reference's and from the token the reference wrote): from prompt + teacher[:
 candidate's winner, the candidate continues greedily; the reference's own continuation (the
 teacher) is the control. Flips behind answers or tool calls that changed come first, then
 one per item, then the highest KL; what --max-branches leaves out is listed. Each branch is
-classified, with the signals that decided it, as
+classified, with the signals that decided it, by rules anyone can re-run, as
 
   recovered            re-joins the reference (--resync common tokens, at most --max-shift
                        tokens out of line) and stays joined to the end of the shorter output
                        (later detours re-join within --max-detour tokens, >= 80 % of the
                        tokens after the flip joined, or all but 2 of them near the end of the
-                       budget), with the same answer / tool call (no label: nothing salient
-                       changed and similarity >= threshold)
-  benign               does not stay joined (never re-joins, leaves again, or skips whole
-                       lines then writes the reference's text), but the same answer / call
-  meaning_changed      another answer, or (no label) a changed number, name, literal,
-                       signature, negation or claim, or similarity below the threshold
+                       budget; at least --resync tokens joined), and the item's checker, where
+                       it has one, gives both outputs the same verdict (re-joined word salad
+                       with a content word on one side only is not recovered)
+  answer_same          did not stay joined; the item's checker (answer / numeric / regex
+  answer_changed       label, tool-call label or the reference's valid call, BFCL's own
+                       checker) finds the same answer / another answer
+  tests_passed         did not stay joined, item with a 'tests' label (HumanEval): the
+  tests_failed         branch's program run by the item's tests in the sandbox (the
+                       reference's verdict is recorded beside it)
   tool_call_malformed  the reference's call was schema-valid; the branch's does not parse
                        or violates the tool's JSON schema
   tool_call_changed    valid, but another function or other arguments (AST check, BFCL-style)
+  diverged             did not stay joined, and the item has no checker: its meaning is not
+                       judged. decided_by records what was observed (where it left, salient
+                       differences in numbers, names, literals and negations, similarity)
 
-Similarity (--similarity auto): edit similarity on items tagged code or tool, on
-repetitive text and on texts of a word or two (there a branch must also end alike: last
-thirds, difflib ratio >= 0.5); MiniLM on prose when the optional extra is installed.
-Word salad (prose whose content words repeat, twice or more on average) is judged by its
-content words alone, as sets over both full sides: a content word on one side only is a
-change, the same words in another order are benign.
+benign / meaning_changed are not decided by these rules: only a named judge (--judge) turns
+a diverged branch into one of them, and the report names the judge.
+
+Similarity (--similarity auto), recorded as an observation: edit similarity on items tagged
+code or tool, on repetitive text and on texts of a word or two; MiniLM on prose when the
+optional extra is installed.
 
 {agreement}
 
@@ -165,11 +171,14 @@ def print_flips(report: Report) -> None:
     t.add_column("outcome")
     t.add_column("branches", justify="right")
     t.add_column("rate", justify="right")
-    for o in Outcome.ALL:
-        r = f["rates"][o]
+    for o in (o for o in Outcome.ALL if o in f["outcomes"]):
+        r = f["rates"].get(o)
         t.add_row(o, str(f["outcomes"][o]), "n/a" if r is None else f"{100 * r:.1f}%")
     con = table_console()
     con.print(t)
+    judge = f.get("meaning_judged_by")
+    con.print(f"meaning judged by {judge}" if judge else
+              "meaning not judged (no --judge): diverged branches carry what was observed in decided_by")
     c = report.get("correctness")
     if c:
         pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731

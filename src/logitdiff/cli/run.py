@@ -250,7 +250,7 @@ def _print_fitting(con: Console, title: str, labels: list[str], headers: list[st
 def print_run_summary(summary: RunSummary) -> None:
     """The run's tables on the terminal: drift, then what it does (columns: the metric
     registry's summary tables, with their headers and formats)."""
-    from ..report.metric_registry import CONSEQUENCE_TABLE, DRIFT_TABLE, header
+    from ..report.metric_registry import DRIFT_TABLE, consequence_columns, header
     from ..report.names import distinct_names
 
     nf = summary.get("noise_floor")
@@ -283,9 +283,10 @@ def print_run_summary(summary: RunSummary) -> None:
                       + (" — within 2×: not distinguishable from the servers' batch arithmetic" if r.get("within_2x_served_floor") else ""),
                       highlight=False)
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
+        columns = consequence_columns(summary["candidates"])
         _print_fitting(con, "what the drift does: branches from top-1 flips, and free-running answers", shown,
-                       [header(name) for name in CONSEQUENCE_TABLE],
-                       [[_consequence_cell(r, name) for name in CONSEQUENCE_TABLE] for r in summary["candidates"]])
+                       [header(name) for name in columns],
+                       [[_consequence_cell(r, name) for name in columns] for r in summary["candidates"]])
     print_verdicts(summary, con)
 
 
@@ -293,7 +294,8 @@ def _row_as_report(r: CandidateRow) -> dict[str, Any]:
     """The report.json fields a verdict reads, from a summary.json candidate row."""
     rep: dict[str, Any] = {"summary": {"metrics": {"kl_nats": {"mean": r.get("kl_mean")}}, "kl_mean_x_noise_floor": r.get("x_noise_floor")}}
     if "flip_outcomes" in r:
-        rep["flips"] = {"n_branches": r.get("flip_branches"), "outcomes": r["flip_outcomes"]}
+        rep["flips"] = {"n_branches": r.get("flip_branches"), "outcomes": r["flip_outcomes"],
+                        "meaning_judged_by": r.get("flip_meaning_judged_by")}
     if r.get("accuracy_cand") is not None:
         rep["correctness"] = {k: r.get(k) for k in ("accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p")}
     return rep

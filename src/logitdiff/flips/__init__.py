@@ -20,27 +20,29 @@ A flip where the reference's own top two are tied within rounding (``tie_toleran
 *tie*: the engines broke it, the candidate did not flip. Ties are counted apart and not
 branched unless asked, and never enter outcome counts or gates.
 
-Outcomes (checked in this order; every branch stores the signals that decided it; the
-definitions are in docs/flips.md):
+Outcomes, decided only by rules anyone can re-run (checked in this order; every branch
+stores the signals that decided it; the definitions are in docs/flips.md):
 
 ``tool_call_malformed``  the reference made a schema-valid tool call and the branch's call
                          does not parse, is missing, or violates the tool's JSON schema;
 ``tool_call_changed``    the branch's call is valid but names another function or other
                          arguments (AST comparison, `toolcalls.compare_calls`);
 ``recovered``            the branch re-joins the reference at an aligned point and stays
-                         joined (:func:`align`), and its answer / tool call is the same
-                         (items without a label or tool call: nothing salient changed,
-                         :mod:`logitdiff.flips.salient`, and a similarity >= the threshold);
-``benign``               it does not stay joined (never re-joins, or leaves again, or is a
-                         pure shift), but the answer / tool call is the same (no label:
-                         nothing salient changed, similarity >= the threshold);
-``meaning_changed``      everything else: a different answer, a salient change (number,
-                         name, literal, signature, negation, claim), or a similarity below
-                         the threshold.
+                         joined (:func:`align`) for at least ``MIN_RUN`` tokens, and the
+                         item's checker, where it has one, gives both the same verdict
+                         (re-joined word salad with a content word on one side only is not:
+                         a blind reader did not read it as the reference coming back);
+``answer_same`` /        otherwise, an item whose checker decides (an answer / numeric /
+``answer_changed``       regex label, a tool-call label or a valid reference call, a BFCL
+                         label): the checker's verdicts on both outputs, same or not;
+``tests_passed`` /       otherwise, an item with a ``tests`` label (HumanEval): the branch's
+``tests_failed``         program run by the item's tests in the sandbox;
+``diverged``             otherwise: an unlabelled text that did not come back. No claim about
+                         its meaning; ``decided_by`` records what was observed (where it left,
+                         the salient differences, the similarity) as observations.
 
-Similarity is measured on the text from the flip onward (the shared prefix would inflate
-it) by the similarity that fits the text (`grading.SimilarityPolicy`: edit similarity on
-code, tool calls and repetitive text, MiniLM on prose); each branch records which.
+``benign`` / ``meaning_changed`` are never produced here: only a named judge (``--judge``)
+turns a diverged branch into one of them.
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ import numpy as np
 from . import salient
 from ..contracts import Flips, Outcome
 from ..errors import LogitdiffError
-from .grading import grade, last_number, normalise_answer
+from .grading import grade, grade_tests, last_number, normalise_answer
 from ..numerics.summarize import range_label
 from .toolcalls import ParsedCalls, compare_calls, parse_tool_calls, validate_call
 
 OUTCOMES = Outcome.ALL  # declared in contracts (gates, reports and summaries read the same names)
-# Most consequential first: used to rank flips for the report.
-SEVERITY = {Outcome.TOOL_CALL_MALFORMED: 4, Outcome.TOOL_CALL_CHANGED: 3, Outcome.MEANING_CHANGED: 2, Outcome.BENIGN: 1,
-            Outcome.RECOVERED: 0}
+# Most consequential first: used to rank flips for the report. Diverged (meaning not judged)
+# ranks above the harmless classes and below every checker's bad verdict.
+SEVERITY = {Outcome.TOOL_CALL_MALFORMED: 7, Outcome.TOOL_CALL_CHANGED: 6, Outcome.TESTS_FAILED: 5, Outcome.ANSWER_CHANGED: 5,
+            Outcome.MEANING_CHANGED: 4, Outcome.DIVERGED: 3, Outcome.BENIGN: 2, Outcome.ANSWER_SAME: 1,
+            Outcome.TESTS_PASSED: 1, Outcome.RECOVERED: 0}
 MARGIN_BUCKETS = (0.0, 0.05, 0.2, 0.5, 1.0000001)
 
 # Recovery (docs/flips.md). A re-join is MIN_RUN common tokens at offsets in the branch and
@@ -496,22 +500,24 @@ def classify(
     code: bool = False,
     word_similarity: Callable | None = None,
 ) -> tuple[str, dict]:
-    """Outcome of one branch and the signals that decided it.
+    """Outcome of one branch and the signals that decided it, by rules anyone can re-run:
+    the token alignment (:func:`align`) and, where the item has one, its checker (tool-call
+    parse and schema, an answer label, a BFCL label, the item's tests). Meaning is never
+    judged here: an unlabelled text that did not come back is ``diverged`` (a named judge,
+    ``--judge``, may turn it into benign / meaning_changed).
 
     ``ref_ids``/``branch_ids`` are whole outputs (token ids after the prompt, with the end
     token when the model stopped) that agree before ``position``; ``ref_text``/``branch_text``
-    their decoded text without the end token. ``end_similarity`` (:func:`end_ratio` of the
-    continuations) is given where the similarity is a character similarity (code,
-    repetitive text): there the whole-text figure is dominated by shared boilerplate, so a
-    branch must also end alike (>= ``END_RATIO_DISSIMILAR``) to mean the same.
-    ``exec_check(ref_calls, branch_calls)`` runs both calls (optional). ``code``: the
-    texts are code (salient checks on identifiers, literals and signatures, else on the
-    numbers, negations, names and content words of prose; :mod:`logitdiff.flips.salient`);
-    ``word_similarity`` (``SimilarityPolicy.word_similarity``) tells a synonym from new
-    content among the content words of prose.
+    their decoded text without the end token. ``similarity`` / ``threshold``,
+    ``end_similarity`` (:func:`end_ratio` of the continuations, on character-scored text),
+    ``code`` and ``word_similarity`` feed the *observations* recorded on a diverged or
+    recovered unlabelled branch (salient differences, :mod:`logitdiff.flips.salient`, and the
+    similarity), never its class. ``exec_check(ref_calls, branch_calls)`` runs both calls
+    (optional).
     """
     t = position
-    sig: dict[str, Any] = {"similarity": float(similarity), "similarity_threshold": threshold}
+    sig: dict[str, Any] = {"similarity": float(similarity), "similarity_threshold": threshold,
+                           "end_similarity": end_similarity}
     al = align(ref_ids[t + 1 :], branch_ids[t + 1 :], min_run=min_run, max_shift=max_shift, max_detour=max_detour, end_ids=end_ids)
     sig["rejoin_position"] = None if al.rejoin is None else t + 1 + al.rejoin[0]
     sig["rejoin_ref_position"] = None if al.rejoin is None else t + 1 + al.rejoin[1]
@@ -519,23 +525,22 @@ def classify(
     sig["left_ref_position"] = None if al.left is None else t + 1 + al.left[1]
     sig["joined_share"] = al.joined_share
     sig["detours"] = al.detours
-    # the candidate's token at the flip is an end token: the branch stopped there, where the
-    # reference goes on (stopping earlier is benign, docs/flips.md)
-    stopped_at_flip = t < len(branch_ids) and branch_ids[t] in set(end_ids)
     tools = item.get("tools") or []
     expected = item.get("expected") or {}
     same: bool | None = None
+    checker = ""
     if tools:
         decided, same = _tool_calls_step(ref_text, branch_text, tools, exec_check, sig)
         if decided is not None:
             return decided, sig
-    what, stays = "same answer", al.stays_joined()
+        checker = "tool call" if same is not None else ""
+    if same is None and expected:
+        same, checker = _answer_step(expected, tools, item.get("prompt") or "", ref_text, branch_text, sig)
+    sig["same_answer"] = same
+    sig["checker"] = checker or None
     if same is None:
-        same, what, stays = _answer_step(expected, tools, ref_ids, branch_ids, ref_text, branch_text, end_ids, code,
-                                         word_similarity, sig, stays)
-    sig["same_answer"] = bool(same)
-    return _decide(al, sig, same=same, what=what, stays=stays, expected=expected, stopped_at_flip=stopped_at_flip,
-                   similarity=similarity, threshold=threshold, end_similarity=end_similarity), sig
+        _observe(ref_ids, branch_ids, ref_text, branch_text, end_ids, code, word_similarity, sig)
+    return _decide(al, sig, same=same, checker=checker, ends=end_ids, branch_ids=branch_ids, position=t, min_run=min_run), sig
 
 
 def _tool_calls_step(ref_text: str, branch_text: str, tools: list, exec_check: Callable[[list, list], dict] | None,
@@ -570,24 +575,38 @@ def _tool_calls_step(ref_text: str, branch_text: str, tools: list, exec_check: C
     return None, None
 
 
-def _answer_step(expected: dict, tools: list, ref_ids: Sequence[int], branch_ids: Sequence[int], ref_text: str,
-                 branch_text: str, end_ids: Sequence[int], code: bool, word_similarity: Callable | None,
-                 sig: dict[str, Any], stays: bool) -> tuple[bool, str, bool]:
-    """Whether the two outputs give the same answer when the tool calls did not say: by the
-    item's label, else by their salient content. Returns (same, what was compared, whether
-    a re-join still counts as staying)."""
-    what = "same answer"
-    key_r, key_b = _answer_key(expected, ref_text), _answer_key(expected, branch_text)
-    if expected and ("answer" in expected or "numeric" in expected or "regex" in expected):
+def _answer_step(expected: dict, tools: list, prompt: str, ref_text: str, branch_text: str,
+                 sig: dict[str, Any]) -> tuple[bool | None, str]:
+    """The item's checker on both outputs, where the tool calls did not decide: (whether its
+    verdicts are the same, None where the label has no checker; which checker). A ``tests``
+    label runs both programs in the sandbox and records both verdicts."""
+    if "tests" in expected:
+        gr, gb = grade_tests(expected["tests"], prompt, ref_text), grade_tests(expected["tests"], prompt, branch_text)
+        sig["ref_tests"], sig["branch_tests"] = gr.extracted, gb.extracted
+        sig["branch_tests_detail"] = gb.detail
+        return gr.extracted == gb.extracted, "tests"
+    if "bfcl" in expected:
+        gr, gb = grade(expected, ref_text, tools, prompt=prompt), grade(expected, branch_text, tools, prompt=prompt)
+        sig["ref_verdict"], sig["branch_verdict"] = gr.verdict, gb.verdict
+        sig["branch_verdict_detail"] = gb.detail
+        return gr.correct == gb.correct, "BFCL's checker"
+    if "answer" in expected or "numeric" in expected or "regex" in expected:
+        key_r, key_b = _answer_key(expected, ref_text), _answer_key(expected, branch_text)
         sig["ref_answer"], sig["branch_answer"] = key_r, key_b
-        return key_r == key_b, what, stays
-    if expected and ("tool_call" in expected or "tool_calls" in expected):
+        return key_r == key_b, "the label's extracted answer"
+    if "tool_call" in expected or "tool_calls" in expected:
         gr, gb = grade(expected, ref_text, tools), grade(expected, branch_text, tools)
-        return gr.extracted == gb.extracted, what, stays
-    # No label, no tool call: no final answer to compare. A changed number, name,
-    # literal, negation or claim (salient.compare, both full sides) is a changed
-    # meaning whatever the rest of the text does; beyond that, re-joining or
-    # similarity decide.
+        sig["ref_answer"], sig["branch_answer"] = gr.extracted, gb.extracted
+        return gr.extracted == gb.extracted, "the label's tool call"
+    return None, ""
+
+
+def _observe(ref_ids: Sequence[int], branch_ids: Sequence[int], ref_text: str, branch_text: str, end_ids: Sequence[int],
+             code: bool, word_similarity: Callable | None, sig: dict[str, Any]) -> None:
+    """What an unlabelled branch shows beside the alignment, recorded as observations (never
+    a verdict on its meaning): the salient differences (:mod:`logitdiff.flips.salient`:
+    numbers, names, literals, negations, content words) and whether the branch is word salad
+    or a pure shift."""
     ends = set(end_ids)
     sal = salient.compare(ref_text, branch_text, code=code, ref_cut=not (ref_ids and ref_ids[-1] in ends),
                           branch_cut=not (branch_ids and branch_ids[-1] in ends),
@@ -596,61 +615,78 @@ def _answer_step(expected: dict, tools: list, ref_ids: Sequence[int], branch_ids
     sig["shifted"] = sal["shifted"]
     sig["content_share"] = sal["content_share"]
     sig["word_salad"] = sal.get("word_salad", False)
-    what = "same " + ("numbers, names and literals" if code else "numbers, names, negations and content")
-    if sal.get("word_salad") and not sal.get("local", True):
-        # word salad whose words differ in order or place (not by a synonym or a
-        # filler word): the same words, other sentences; not a local change
-        stays = False
-        what += " (word salad: the same content words, reworded)"
-    if sal["shifted"]:
-        # whole lines skipped right after the flip, then the reference's text: not
-        # re-joined at an aligned point, so at most benign (docs/flips.md)
-        stays = False
-        what += " (a pure shift: the branch skips lines of the reference, then writes its text)"
-    return not sal["changed"], what, stays
 
 
-def _decide(al: Alignment, sig: dict[str, Any], *, same: bool | None, what: str, stays: bool, expected: dict,
-            stopped_at_flip: bool, similarity: float, threshold: float, end_similarity: float | None) -> str:
+def _observations(sig: dict[str, Any]) -> str:
+    """The observations of an unlabelled branch in words: salient differences, similarity."""
+    parts = []
+    changes = sig.get("salient_changes")
+    if changes is not None:
+        more = f" (+{len(changes) - 3} more)" if len(changes) > 3 else ""
+        parts.append("salient differences observed: " + ("; ".join(changes[:3]) + more if changes else "none"))
+    if sig.get("shifted"):
+        parts.append("whole lines of the reference skipped after the flip")
+    sim, thr = sig["similarity"], sig["similarity_threshold"]
+    parts.append(f"similarity {sim:.3f} (threshold {thr:g}, not used to decide)")
+    end = sig.get("end_similarity")
+    if end is not None:
+        parts.append(f"last thirds {end:.2f} alike")
+    return ", ".join(parts)
+
+
+def _decide(al: Alignment, sig: dict[str, Any], *, same: bool | None, checker: str, ends: Sequence[int],
+            branch_ids: Sequence[int], position: int, min_run: int = MIN_RUN) -> str:
     """The outcome from what the steps found (sets ``decided_by``): recovered when the branch
-    re-joined, stayed and means the same; benign when it means the same without staying;
-    meaning changed otherwise. Similarity stands in for the meaning only without a label."""
-    # An answer label or a valid reference call says what the meaning is; only without
-    # one does similarity stand in for it.
-    # Word salad (salient.is_word_salad) is judged by its content words alone: an embedding
-    # or character similarity of a dozen repeated words says nothing its words do not.
-    label_free = not expected and not sig.get("ref_call_valid") and not sig.get("word_salad") and not stopped_at_flip
-    if stopped_at_flip and not expected and not sig.get("ref_call_valid"):
-        what += " (the branch stopped at the flip where the reference goes on: it says nothing else)"
-    ends_alike = end_similarity is None or end_similarity >= END_RATIO_DISSIMILAR
-    sim_ok = not label_free or (similarity >= threshold and ends_alike)
-    sim_text = f"similarity {similarity:.3f} {'>=' if similarity >= threshold else '<'} {threshold:g}" if label_free else ""
-    if label_free and not ends_alike:
-        sim_text += f", ends unlike the reference (last thirds {end_similarity:.2f} < {END_RATIO_DISSIMILAR:g})"
-    sig["end_similarity"] = end_similarity
-    rejoin = f"re-joined the reference {al.rejoin[0] + 1} tokens after the flip" if al.rejoin is not None else ""
-    if stays and same and sim_ok:
-        share = f"{100 * (al.joined_share or 0.0):.0f} %"  # stays: re-joined, so a share (never the 0)
-        detours = f", {al.detours} short detour{'s' if al.detours != 1 else ''}" if al.detours else ""
-        sig["decided_by"] = f"{rejoin} and stayed ({share} joined{detours}); " + ", ".join(x for x in (what, sim_text) if x)
-        return Outcome.RECOVERED
+    re-joined and stayed and the checker (where there is one) gives the same verdict; else
+    the checker's verdict (answer same / changed, tests passed / failed); else diverged."""
+    after = None if al.rejoin is None else al.rejoin[0] + 1
+    rejoin = f"re-joined the reference {after} token{'s' if after != 1 else ''} after the flip" if after is not None else ""
     if al.rejoin is None:
-        how = "no aligned re-join"
+        stopped = position < len(branch_ids) and branch_ids[position] in set(ends)
+        how = "stopped at the flip where the reference goes on" if stopped else "no aligned re-join"
     elif al.left is not None:
         how = f"{rejoin}, left again {al.left[0] - al.rejoin[0]} tokens later"
-    elif not stays:
+    elif not al.stays_joined():
         how = f"{rejoin}, only {100 * (al.joined_share or 0):.0f} % joined"
+    elif al.joined < min_run:
+        # a flip near the end of both budgets: too few tokens after it to see the reference's
+        # text come back (a reader shown it sees a different last word, not a return)
+        how = f"{rejoin}, but only {al.joined} token{'s' if al.joined != 1 else ''} joined before the budget ended"
     else:
-        how = f"{rejoin} and stayed"
-    if same and sim_ok:
-        sig["decided_by"] = f"{how}; " + ", ".join(x for x in (what, sim_text) if x)
-        return Outcome.BENIGN
-    if not same:
-        changes = sig.get("salient_changes")
-        sig["decided_by"] = f"{how}; " + ("different answer" if not changes else "changed: " + "; ".join(changes[:3]))
-    else:
-        sig["decided_by"] = f"{how}; {what} but {sim_text}"
-    return Outcome.MEANING_CHANGED
+        share = f"{100 * (al.joined_share or 0.0):.0f} %"  # stays: re-joined, so a share (never the 0)
+        detours = f", {al.detours} short detour{'s' if al.detours != 1 else ''}" if al.detours else ""
+        how = f"{rejoin} and stayed ({share} joined{detours})"
+    # Word salad (salient.is_word_salad) says what it says by which of its few words it uses:
+    # re-joined salad with a content word on one side only keeps re-writing the reference with
+    # another word, which a blind reader does not call the reference's text coming back
+    # (docs/flips.md, "Recovered, checked by a reader": 3 of the 33 recovered branches, all such).
+    salad_changed = not checker and bool(sig.get("word_salad")) and bool(sig.get("salient_changes"))
+    if salad_changed and al.stays_joined() and al.joined >= min_run:
+        how += ", but in word salad with a content word on one side only"
+    verdict = _checker_words(sig, same, checker)
+    if al.stays_joined() and al.joined >= min_run and same is not False and not salad_changed:
+        sig["decided_by"] = f"{how}; " + (verdict if checker else _observations(sig))
+        return Outcome.RECOVERED
+    if not checker:
+        sig["decided_by"] = f"{how}; meaning not judged; " + _observations(sig)
+        return Outcome.DIVERGED
+    sig["decided_by"] = f"{how}; {verdict}"
+    if checker == "tests":
+        return Outcome.TESTS_PASSED if sig.get("branch_tests") == "pass" else Outcome.TESTS_FAILED
+    return Outcome.ANSWER_SAME if same else Outcome.ANSWER_CHANGED
+
+
+def _checker_words(sig: dict[str, Any], same: bool | None, checker: str) -> str:
+    """What the item's checker said on both outputs, in words."""
+    if checker == "tests":
+        return f"the item's tests: branch {sig['branch_tests']}, reference {sig['ref_tests']}"
+    if checker == "BFCL's checker":
+        return f"BFCL's checker: branch {sig['branch_verdict']}, reference {sig['ref_verdict']}"
+    if checker == "tool call":
+        return "the same tool call" if same else "a tool call where the reference made no valid one, or another"
+    if checker:
+        return f"{checker}: " + ("the same" if same else f"{sig.get('ref_answer')!r} -> {sig.get('branch_answer')!r}")
+    return ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -664,15 +700,23 @@ def margin_bucket(m: float) -> str:
     return "n/a"
 
 
-def _counts(rows: list[dict], key: Callable[[dict], Any]) -> dict:
+def reported_outcomes(rows: Sequence[dict]) -> tuple[str, ...]:
+    """The outcomes a summary counts: every rule-decided one (Outcome.RULE, zero or not) and a
+    judge's (benign / meaning_changed) only where a judge gave one: a report without a judge
+    names neither."""
+    judged = {r.get(k) for r in rows for k in ("outcome", "outcome_ref_from_cand_token")} & set(Outcome.JUDGED)
+    return tuple(o for o in Outcome.ALL if o in Outcome.RULE or o in judged)
+
+
+def _counts(rows: list[dict], key: Callable[[dict], Any], outcomes: Sequence[str]) -> dict:
     out: dict[str, dict] = {}
     for r in rows:
         for k in key(r):
-            d = out.setdefault(k, {o: 0 for o in OUTCOMES} | {"n": 0})
+            d = out.setdefault(k, {o: 0 for o in outcomes} | {"n": 0})
             d[r["outcome"]] += 1
             d["n"] += 1
     for d in out.values():
-        d["rates"] = {o: d[o] / d["n"] for o in OUTCOMES}
+        d["rates"] = {o: d[o] / d["n"] for o in outcomes}
     return dict(sorted(out.items()))
 
 
@@ -701,6 +745,7 @@ def summarize_branches(
     ties: Sequence[dict] = (),
     n_top: int = 10,
     n_examples: int = 3,
+    judge: str | None = None,
 ) -> Flips:
     """The ``flips`` section of report.json.
 
@@ -708,16 +753,19 @@ def summarize_branches(
     reported under ``ties`` and kept out of the outcome counts, rates and groups, which are
     what gates read. ``ties`` lists every tie (branched or not). ``top`` is the ``n_top``
     most consequential branches followed by up to ``n_examples`` more of each outcome, so
-    that every class shows examples on the page.
+    that every class shows examples on the page. ``judge``: the named judge that turned
+    diverged branches into benign / meaning_changed (``--judge``), None when none did (the
+    section then says the meaning of a diverged branch was not judged).
     """
     tie_rows = [r for r in rows if r.get("tie")]
     rows = [r for r in rows if not r.get("tie")]
     n = len(rows)
-    outcomes = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
+    names = reported_outcomes(rows + tie_rows)
+    outcomes = {o: sum(r["outcome"] == o for r in rows) for o in names}
     rank = lambda r: (-SEVERITY[r["outcome"]], -r["kl_nats"])  # noqa: E731
     ranked = sorted(rows, key=rank)
     top = ranked[:n_top]
-    for o in OUTCOMES:
+    for o in names:
         top += [r for r in ranked if r["outcome"] == o and r not in top][: max(0, n_examples - sum(t["outcome"] == o for t in top))]
     top.sort(key=rank)
     rec = [r for r in rows if r["outcome"] == Outcome.RECOVERED and r.get("end_ratio") is not None]
@@ -728,18 +776,19 @@ def summarize_branches(
         "n_branches": n,
         "selection": note,
         "similarity": similarity_name,
+        "meaning_judged_by": judge,
         "settings": settings,
         "outcomes": outcomes,
         "rates": {o: (c / n if n else None) for o, c in outcomes.items()},
         "recovered_ending_dissimilar": sum(r["end_ratio"] < END_RATIO_DISSIMILAR for r in rec),
-        "by_tag": _counts(rows, lambda r: r["tags"] or ["(untagged)"]),
-        "by_range": _counts(rows, lambda r: [range_label(r["position"], ranges)]),
-        "by_margin": _counts(rows, lambda r: [margin_bucket(r["margin_ref"])]),
+        "by_tag": _counts(rows, lambda r: r["tags"] or ["(untagged)"], names),
+        "by_range": _counts(rows, lambda r: [range_label(r["position"], ranges)], names),
+        "by_margin": _counts(rows, lambda r: [margin_bucket(r["margin_ref"])], names),
         "top": [_shown(r) for r in top],
         "ties": {
             "tolerance": "reference margin <= the bf16 spacing at p(top1), 2^(floor(log2 p) - 7)",
             "n_branched": len(tie_rows),
-            "outcomes": {o: sum(r["outcome"] == o for r in tie_rows) for o in OUTCOMES},
+            "outcomes": {o: sum(r["outcome"] == o for r in tie_rows) for o in names},
             "list": [dict(t) for t in ties[:100]],  # n_ties counts them all
         },
     }
@@ -747,7 +796,7 @@ def summarize_branches(
         both = [r for r in rows if r.get("outcome_ref_from_cand_token")]
         bad = Outcome.BAD
         sec["both"] = {
-            "outcomes_ref_from_cand_token": {o: sum(r["outcome_ref_from_cand_token"] == o for r in both) for o in OUTCOMES},
+            "outcomes_ref_from_cand_token": {o: sum(r["outcome_ref_from_cand_token"] == o for r in both) for o in names},
             "token_was_poison": sum(r["outcome"] in bad and r["outcome_ref_from_cand_token"] in bad for r in both),
             "candidate_drifts_anyway": sum(r["outcome"] in bad and r["outcome_ref_from_cand_token"] not in bad for r in both),
         }

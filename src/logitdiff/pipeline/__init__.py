@@ -32,7 +32,7 @@ from ..contracts import RUN_SUMMARY_SCHEMA
 from ..store.files import Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from ..report import build_report, noise_floor_section, write_report_dir
 from ..report.markdown import render_markdown
-from ..report.metric_registry import ACCURACY_PAIR, CONSEQUENCE_TABLE, DRIFT_TABLE, METRICS, header
+from ..report.metric_registry import ACCURACY_PAIR, DRIFT_TABLE, METRICS, consequence_columns, header
 from ..sources.served_floor import SHIFT_TEXT, floor_side, is_served, served_floor
 from ..sources import applied_threads, open_source
 from ..store import ResumeMismatch, RunReader, read_manifest
@@ -523,7 +523,8 @@ def _consequence_cols(report: Report) -> dict:
         out["flip_branches"] = f["n_branches"]
         out["flip_ties"] = f.get("n_ties", 0)
         out["flip_outcomes"] = f["outcomes"]
-        out["flips_consequential"] = sum(f["outcomes"][o] for o in Outcome.BAD)
+        out["flips_consequential"] = sum(f["outcomes"].get(o, 0) for o in Outcome.BAD)
+        out["flip_meaning_judged_by"] = f.get("meaning_judged_by")
     c = report.get("correctness")
     if c:
         out.update(
@@ -607,15 +608,16 @@ def render_summary_md(summary: RunSummary) -> str:
                          + (" — **within 2×: not distinguishable from the servers' batch arithmetic**"
                             if r["within_2x_served_floor"] else ""))
     if any("flip_branches" in r or "accuracy_cand" in r for r in summary["candidates"]):
+        columns = consequence_columns(summary["candidates"])
         lines += [
             "",
             "What the drift does (free-running answers and branches from top-1 flips; see each report):",
             "",
-            "| candidate | " + " | ".join(header(name) for name in CONSEQUENCE_TABLE) + " |",
-            "|---|" + "".join("---|" if name == ACCURACY_PAIR.name else "---:|" for name in CONSEQUENCE_TABLE),
+            "| candidate | " + " | ".join(header(name) for name in columns) + " |",
+            "|---|" + "".join("---|" if name == ACCURACY_PAIR.name else "---:|" for name in columns),
         ]
         for r in summary["candidates"]:
-            lines.append(f"| `{r['candidate']}` | " + " | ".join(_md_consequence(r, name) for name in CONSEQUENCE_TABLE) + " |")
+            lines.append(f"| `{r['candidate']}` | " + " | ".join(_md_consequence(r, name) for name in columns) + " |")
     if summary.get("gates"):
         crossed = summary.get("gates_crossed") or {}
         missing = summary.get("gates_not_evaluated") or {}

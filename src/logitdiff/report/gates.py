@@ -17,8 +17,9 @@ Both kinds are accepted under the same two names by the CLI (``--fail-on``/``--r
 and by :func:`logitdiff.testing.assert_drift_within` (``fail_on=``/``require=``).
 
 **Not evaluated.** A clause on a metric the report does not have (no ``flips`` section for
-``meaning_changed``, no ``correctness`` section for ``accuracy_drop``, a ``null`` such as
-``x_noise_floor`` when the noise floor is exactly zero) is neither crossed nor passed: it is
+``diverged``, no ``correctness`` section for ``accuracy_drop``, a ``null`` such as
+``x_noise_floor`` when the noise floor is exactly zero, ``benign`` / ``meaning_changed`` on
+flips no judge classified: only ``--judge`` decides those) is neither crossed nor passed: it is
 *not evaluated*, reported as such with the reason, and the CLI exits with its own status
 (:data:`NOT_EVALUATED_EXIT`) so a CI job sees that the gate did not check anything. A
 gate list *passes* only when every clause was evaluated and none was crossed.
@@ -46,7 +47,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ..contracts import Gates, GateResult, Report
+from ..contracts import Gates, GateResult, Outcome, Report
 from ..errors import LogitdiffError
 from .metric_registry import GATE_METRICS
 
@@ -181,6 +182,8 @@ def metric_value(report: Report, metric: str) -> float | None:
     if metric not in _SOURCES:
         raise LogitdiffError(f"unknown gate metric {metric!r}; {_known()}")
     paths = _SOURCES[metric][1]
+    if _judged_without_judge(report, metric):
+        return None  # benign / meaning_changed without a judge: not decided, never a 0 (missing_reason says why)
     if metric == "accuracy_drop":
         ref, cand = (_num(get_path(report, p)) for p in paths)
         # Rounded so that k/n fractions compare as written (0.5 - 0.45 is 0.04999999999999993).
@@ -200,12 +203,38 @@ _SECTION_HINT = {
 }
 
 
+def _outcome_of(metric: str) -> str | None:
+    """The flip outcome a gate metric counts (``meaning_changed``, ``diverged_rate``...), else None."""
+    o = metric[: -len("_rate")] if metric.endswith("_rate") else metric
+    return o if o in Outcome.ALL else None
+
+
+def _judged_without_judge(report: Report, metric: str) -> bool:
+    """A clause on benign / meaning_changed (or their rates) against a flips section that has
+    no count of it: no judge classified its branches (those classes are decided only by a
+    named judge, ``--judge``), so the count is not 0 but undecided, also where nothing flipped.
+    A report before 2.1 carries its own classifier's counts, and they are read."""
+    flips = report.get("flips")
+    outcome = _outcome_of(metric)
+    return (outcome in Outcome.JUDGED and isinstance(flips, Mapping)
+            and outcome not in (flips.get("outcomes") or {}) and not flips.get("meaning_judged_by"))
+
+
 def missing_reason(report: Report, metric: str) -> str:
     """Why ``metric`` has no value in ``report``, in words (for a clause that is not evaluated)."""
     paths = _SOURCES[metric][1]
     section = paths[0].split(".")[0]
     if section in _SECTION_HINT and not isinstance(report.get(section), Mapping):
         return _SECTION_HINT[section]
+    outcome = _outcome_of(metric)
+    if _judged_without_judge(report, metric):
+        return (f"{outcome} is decided only by a named judge (--judge SOURCE) and this report's flips were not judged: "
+                f"gate the rule-decided classes instead (diverged, answer_changed, tests_failed, tool_call_changed, "
+                f"tool_call_malformed)")
+    flips = report.get("flips")
+    if outcome in Outcome.RULE and isinstance(flips, Mapping) and outcome not in (flips.get("outcomes") or {}):
+        return (f"the report's flips were classified before report 2.1 ({flips.get('meaning_judged_by')}), "
+                f"which has no {outcome} class: classify them again (`logitdiff flips REPORT`)")
     if metric == "x_noise_floor":
         nf = get_path(report, "summary.noise_floor")
         if not isinstance(nf, Mapping):

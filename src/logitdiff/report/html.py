@@ -94,6 +94,7 @@ CORRECTNESS = tuple((k, h, t, f) for k, h, t, _, f in (_col(n) for n in (
     "accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p", "tool_call_valid_cand")))
 # The consequences table (what the drift does), flips part: (key, header, tooltip, report.json path, format).
 FLIP_COLUMNS = tuple(_col(n, paths=False) for n in ("flips", "flip_branches", *Outcome.ALL, "flip_ties"))
+_OUTCOME_KEYS = {METRICS[o].key: o for o in Outcome.ALL}  # a flip column's key -> the outcome it counts
 # Fields other parts of logitdiff add to report.json from schema 1.2 on, shown when a report
 # has them: (key, header, tooltip, report.json paths tried in order, format).
 OPTIONAL_COLUMNS = tuple(_col(n) for n in ("flips_left_out", "flips_ref_not_top1", "cut_cand"))
@@ -105,15 +106,27 @@ X_CROSS_ENGINE_FLOOR = _col("x_cross_engine_floor")
 # colour on a page where another set of outcomes occurred).
 OUTCOME_COLORS = {
     Outcome.RECOVERED: "#2ca02c",
+    Outcome.ANSWER_SAME: "#98df8a",
+    Outcome.TESTS_PASSED: "#17becf",
+    Outcome.DIVERGED: "#bcbd22",
+    Outcome.ANSWER_CHANGED: "#8c564b",
+    Outcome.TESTS_FAILED: "#e377c2",
+    Outcome.TOOL_CALL_CHANGED: "#ff7f0e",
+    Outcome.TOOL_CALL_MALFORMED: "#9467bd",
     Outcome.BENIGN: "#8fa9c8",
     Outcome.MEANING_CHANGED: "#d62728",
-    Outcome.TOOL_CALL_MALFORMED: "#9467bd",
-    Outcome.TOOL_CALL_CHANGED: "#ff7f0e",
 }
 OTHER_OUTCOME_COLOR = "#7f7f7f"  # an outcome a newer flips stage writes that this map does not know
-OUTCOME_CSS = "".join(f".outcome.{o}{{border-left:4px solid {c};padding-left:4px}}" for o, c in OUTCOME_COLORS.items())
 
-CSS = OUTCOME_CSS + """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px;text-align:left} table.flips td{vertical-align:top} 
+
+def outcome_css(outcomes: Sequence[str]) -> str:
+    """The outcome labels' colours, for the outcomes a page shows (a page names no class it
+    does not have: without a judge, never benign or meaning_changed)."""
+    return "".join(f".outcome.{o}{{border-left:4px solid {OUTCOME_COLORS[o]};padding-left:4px}}"
+                   for o in outcomes if o in OUTCOME_COLORS)
+
+
+CSS = """table.flips td.cont{white-space:pre-wrap;max-width:28em;font-size:12px;text-align:left} table.flips td{vertical-align:top} 
 .cont .ftok{outline:2px solid #1f4fd1;outline-offset:-1px;background:#e3ebff}.cont .joined{background:#dff3e1}
 .cont .left{background:#fde4e2}.cont .cut{display:inline-block;width:0;border-left:2px solid #c62828;height:1.1em;vertical-align:text-bottom}
 :root{--fg:#1d2330;--mut:#5b6475;--line:#d9dde5;--bg:#fff;--alt:#f5f7fa;--warn:#fff4d6;--warnb:#e0a800}
@@ -659,7 +672,7 @@ def _outcome_counts(d) -> dict[str, int]:
     """Outcome -> count of ``flips.outcomes`` or of one ``flips.by_*`` group (which adds n and rates)."""
     if not d:
         return {}
-    return {o: d[o] for o in Outcome.ALL}
+    return {o: d[o] for o in Outcome.ALL if o in d}
 
 
 def _palette(n: int) -> list[str]:
@@ -820,6 +833,9 @@ def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
     out = {}
     xrows = {str(c.get("candidate")): c for c in (summary or {}).get("candidates") or []}
     has_flips = any(_get(r, "flips.outcomes") is not None for r in reports)
+    # of the outcome columns, those that occur on this page (ten would not fit 1,400 px)
+    occurring = set(Outcome.occurring(*(_get(r, "flips.outcomes") for r in reports)))
+    flip_columns = [c for c in FLIP_COLUMNS if c[0] not in _OUTCOME_KEYS or _OUTCOME_KEYS[c[0]] in occurring]
     has_corr = any(r.get("correctness") for r in reports)
     optional = [(k, paths) for k, _, _, paths, _ in OPTIONAL_COLUMNS if any(_first(r, paths)[1] for r in reports)]
     for name, rep in zip(names, reports):
@@ -833,7 +849,7 @@ def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
         if summary is not None:
             cells["x_cross_engine_floor"] = {"value": (sc or {}).get("x_cross_engine_floor"), "from": "summary.json:candidates[].x_cross_engine_floor"}
         if has_flips:
-            for key, _, _, path, _ in FLIP_COLUMNS:
+            for key, _, _, path, _ in flip_columns:
                 cells[key] = {"value": _get(rep, path), "from": path}
         if has_corr:
             for key, *_ in CORRECTNESS:
@@ -842,10 +858,10 @@ def matrix_data(names, reports, summary) -> tuple[dict, list[str]]:
             v, p = _first(rep, paths)
             cells[key] = {"value": v, "from": p or paths[0]}
         out[name] = cells
-    conseq = ([k for k, *_ in FLIP_COLUMNS] if has_flips else []) + ([k for k, *_ in CORRECTNESS] if has_corr else [])
+    conseq = ([k for k, *_ in flip_columns] if has_flips else []) + ([k for k, *_ in CORRECTNESS] if has_corr else [])
     # the optional flips columns after the flips ones, the truncated column after correctness
     for key, _ in optional:
-        at = len(conseq) if key == "cut_cand" or not has_flips else len(FLIP_COLUMNS)
+        at = len(conseq) if key == "cut_cand" or not has_flips else len(flip_columns)
         conseq.insert(at, key)
     return out, conseq
 
@@ -1163,8 +1179,12 @@ def _flips_view(name, rep, *, open_: bool) -> str:
         tie_note = (f'<p class="note">{_e(f.get("n_ties"))} ties at the reference ({_e(ties.get("tolerance", ""))}): the engines '
                     f"broke a tie, the candidate did not flip; not branched by default and not counted above or in gates. {_e(listed)}</p>")
     table = f'<div class="scroll"><table class="flips">{head}{"".join(rows)}</table></div>' if rows else ""
+    judge = f.get("meaning_judged_by")
+    meaning = ('<p class="note meaning">Meaning ' + (f"judged by {_e(judge)} (benign / meaning_changed of diverged branches)."
+                                                      if judge else "not judged (no --judge): a branch that did not come back "
+                                                      "on an item without a checker is diverged, with what was observed.") + "</p>")
     return (f'<details{" open" if open_ else ""}><summary>{_e(name)}: {len(top)} of '
-            f'{_e(f.get("n_branches"))} branches ({_e(f.get("selection", ""))})</summary>{notes}{tie_note}{table}</details>')
+            f'{_e(f.get("n_branches"))} branches ({_e(f.get("selection", ""))})</summary>{meaning}{notes}{tie_note}{table}</details>')
 
 
 def _flips_notes(f: Mapping[str, Any]) -> str:
@@ -1278,7 +1298,10 @@ def render_html(
         "tokens": "".join(_token_view(n, r, c, o, open_=(n == worst_cand)) for n, r, c, o in views)
         or '<p class="note">No tokens.parquet: no token view.</p>',
     }
-    return _page(title, parts, data, [{"id": f["id"], "data": f["data"], "layout": f["layout"]} for f in figs], plotly_src=plotly_src)
+    shown = {str(r.get("outcome")) for rep in reports for r in _get(rep, "flips.top") or []}
+    shown |= set(Outcome.occurring(*(_get(r, "flips.outcomes") for r in reports)))
+    return _page(title, parts, data, [{"id": f["id"], "data": f["data"], "layout": f["layout"]} for f in figs], plotly_src=plotly_src,
+                 css=outcome_css([o for o in OUTCOME_COLORS if o in shown]) + CSS)
 
 
 def _token_figures_data(names, cols, data: dict) -> tuple[dict, str | None]:
@@ -1330,7 +1353,8 @@ def _flips_section(names, reports, worst_cand: str) -> str:
     if not any((fl := r.get("flips")) and (fl.get("top") or _flips_notes(fl)) for r in reports):
         return ""
     return ('<h2 id="flips">What the flips do</h2><p class="note">Branches from top-1 flips: the most consequential '
-            "(malformed or changed tool call, changed meaning, benign, recovered; then KL) and examples of every outcome. The reference's "
+            "(a tool call, tests or a checked answer changed, then diverged, then the rest; then KL) and examples of every "
+            "outcome. The reference's "
             "own continuation beside the candidate's, from the flip on: <span class=\"cont\"><span class=\"ftok\">flip token</span></span> outlined, "
             "<span class=\"cont\"><span class=\"joined\">joined</span></span> from the re-join to where the branch "
             "<span class=\"cont\"><span class=\"cut\"></span><span class=\"left\">left again</span></span> "
@@ -1377,7 +1401,8 @@ def with_plotly_src(page: str, plotly_src: str) -> str:
     return tag.sub(lambda _: f'<script id="plotly-js" src="{_e(plotly_src)}"></script>', page, count=1)
 
 
-def _page(title: str, parts: dict[str, str], data: dict, fig_json: list[dict], *, plotly_src: str | None = None) -> str:
+def _page(title: str, parts: dict[str, str], data: dict, fig_json: list[dict], *, plotly_src: str | None = None,
+          css: str = CSS) -> str:
     """The page around its parts: head (CSP, plotly.js inlined or the shared file), sections, embedded data."""
     csp, plotly_tag = _plotly_head(plotly_src)
     missing = ("" if plotly_src is None else
@@ -1389,7 +1414,7 @@ def _page(title: str, parts: dict[str, str], data: dict, fig_json: list[dict], *
         HTML_GENERATOR_META,  # how `report --out` recognises a page it may replace
         f'<meta http-equiv="Content-Security-Policy" content="{csp}">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{_e(title)}</title><style>{CSS}</style>",
+        f"<title>{_e(title)}</title><style>{css}</style>",
         plotly_tag,
         "</head><body>",
         f"<h1>{_e(title)}</h1>",

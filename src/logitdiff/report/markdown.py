@@ -166,10 +166,21 @@ def _one_line(text: str, n: int = 80) -> str:
 
 
 def _outcome_table(groups: dict, label: str) -> str:
-    lines = [f"| {label} | branches | " + " | ".join(Outcome.ALL) + " |", "|---|---:|" + "---:|" * len(Outcome.ALL)]
+    """One row per group; a column per outcome that occurs in some group (the others are 0 everywhere)."""
+    shown = Outcome.occurring(*groups.values())
+    lines = [f"| {label} | branches | " + " | ".join(shown) + " |", "|---|---:|" + "---:|" * len(shown)]
     for g, d in groups.items():
-        lines.append(f"| {g} | {d['n']} | " + " | ".join(f"{d[o]} ({_pct(d['rates'][o])})" for o in Outcome.ALL) + " |")
+        lines.append(f"| {g} | {d['n']} | " + " | ".join(f"{d.get(o, 0)} ({_pct(d['rates'].get(o))})" for o in shown) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _meaning_line(f: Flips) -> str:
+    """Who judged meaning: a named judge, the classifier before report 2.1 (an older report), or nobody."""
+    judge = f.get("meaning_judged_by")
+    if not judge:
+        return ("- meaning: not judged (no --judge). A branch that did not come back on an item without a checker is "
+                "`diverged`: what was observed (where it left, salient differences, similarity) is in its decided_by")
+    return f"- meaning (benign / meaning_changed of diverged branches): judged by {judge}"
 
 
 def flips_markdown(f: Flips) -> str:
@@ -201,18 +212,20 @@ def flips_markdown(f: Flips) -> str:
         out.append(f"- cut by the token budget: {cut['reference_cut']} of {cut['n_items']} reference outputs, "
                    f"{cut['branches_cut']} of {cut['n_branches']} branches")
     thr = st.get("similarity_thresholds")
-    out.append(f"- similarity: {f['similarity']}" + ("" if "threshold" in f["similarity"] else f" (threshold {thr})"))
+    out.append(f"- similarity (an observation, not a decision): {f['similarity']}" + ("" if "threshold" in f["similarity"] else f" (threshold {thr})"))
     if "max_shift" in st:
         out.append(f"- recovered = re-joined the reference ({st['resync_tokens']} common tokens at most {st['max_shift']} "
-                   f"tokens out of line) and stayed joined (detours of at most {st['max_detour']} tokens) to the end, with the "
-                   f"same answer; {f.get('recovered_ending_dissimilar', 0)} recovered branches end dissimilar to the reference "
+                   f"tokens out of line) and stayed joined (detours of at most {st['max_detour']} tokens) to the end, "
+                   f"and the item's checker, where it has one, gives the same verdict; "
+                   f"{f.get('recovered_ending_dissimilar', 0)} recovered branches end dissimilar to the reference "
                    "(last third, difflib ratio < 0.5)")
     else:
         out.append(f"- re-join = {st.get('resync_tokens')} common tokens")
+    out.append(_meaning_line(f))
     if f["n_branches"]:
         out.append("\n| outcome | branches | rate |\n|---|---:|---:|")
-        for o in Outcome.ALL:
-            out.append(f"| {o} | {f['outcomes'][o]} | {_pct(f['rates'][o])} |")
+        for o in (o for o in Outcome.ALL if o in f["outcomes"]):
+            out.append(f"| {o} | {f['outcomes'][o]} | {_pct(f['rates'].get(o))} |")
         out.append("\n### By tag\n")
         out.append(_outcome_table(f["by_tag"], "tag"))
         out.append("\n### By output range\n")

@@ -15,6 +15,7 @@ Pure declarations: no I/O, nothing computed here (the formulas: docs/formulas.md
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from ..contracts import Outcome
 
@@ -198,6 +199,14 @@ ACCURACY_PAIR = PairedColumn("accuracy", "accuracy (reference → candidate)", "
 DRIFT_TABLE = ("kl_mean", "kl_p99", "jsd_mean", "top1_disagreement", "ppl_ratio", "x_noise_floor", "x_cross_engine_floor")
 CONSEQUENCE_TABLE = ("flip_branches", *Outcome.ALL, "flip_ties", ACCURACY_PAIR.name, "right_to_wrong", "wrong_to_right",
                      "mcnemar_p", "tool_call_valid_cand")
+
+
+def consequence_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """CONSEQUENCE_TABLE for these summary.json candidate rows: of the outcome columns, those
+    that occur in some row's flip_outcomes (ten would not fit a terminal, and a table names no
+    class its run does not have: without a judge, never benign or meaning_changed)."""
+    occurring = set(Outcome.occurring(*(r.get("flip_outcomes") or {} for r in rows)))
+    return tuple(n for n in CONSEQUENCE_TABLE if n not in Outcome.ALL or n in occurring)
 
 
 def header(name: str) -> str:

@@ -79,16 +79,30 @@ def flips_part(report: Mapping) -> tuple[str, str] | None:
         return "ok" if not n_f else "info", f"no flip branched ({n_f} top-1 flips)"
     o = f.get("outcomes") or {}
     bad = sum(int(o.get(k) or 0) for k in Outcome.BAD)
-    tool = int(o.get(Outcome.TOOL_CALL_MALFORMED) or 0) + int(o.get(Outcome.TOOL_CALL_CHANGED) or 0)
     # a branch is a counterfactual (the reference's text up to one flip, the candidate's
     # token there, the candidate continuing), not one of its free-running answers: said so, lest
-    # "24 of 24 changed the meaning" read against "no answer changed" beside it
-    text = f"{bad} of {n_b} {BRANCHES} changed the meaning" + (f" or a tool call ({tool})" if tool else "")
+    # "24 of 24 changed" read against "no answer changed" beside it
+    judge = f.get("meaning_judged_by")
+    kinds = [f"{what} {n}" for n, what in _bad_kinds(o, judge) if n]
+    text = (f"{bad} of {n_b} {BRANCHES} with a bad verdict: " + ", ".join(kinds) if kinds else
+            f"none of {n_b} {BRANCHES} with a bad verdict (checked answers, tests, tool calls)")
+    diverged = int(o.get(Outcome.DIVERGED) or 0)
+    if diverged:
+        text += f"; {diverged} branch{'es' if diverged != 1 else ''} diverged (meaning not judged: " + ("no --judge)" if not judge else "the judge gave no verdict)")
     changed = [c for c in f.get("changed_items") or [] if isinstance(c, Mapping)]
     unbranched = sum(not c.get("branched") for c in changed)
     if unbranched:
         text += f"; {unbranched} of {len(changed)} changed answers have no branched flip (listed on the page)"
-    return ("warn" if bad else "ok"), text
+    return ("warn" if bad else "info" if diverged else "ok"), text
+
+
+def _bad_kinds(o: Mapping, judge: str | None) -> list[tuple[int, str]]:
+    """The bad outcomes (Outcome.BAD) of a counts dict, in words: (count, what changed)."""
+    tool = int(o.get(Outcome.TOOL_CALL_MALFORMED) or 0) + int(o.get(Outcome.TOOL_CALL_CHANGED) or 0)
+    return [(int(o.get(Outcome.ANSWER_CHANGED) or 0), "answer changed"),
+            (int(o.get(Outcome.TESTS_FAILED) or 0), "tests failed"),
+            (tool, "tool call changed or malformed"),
+            (int(o.get(Outcome.MEANING_CHANGED) or 0), "meaning changed" + (f" (judged by {judge})" if judge else ""))]
 
 
 def answers_part(report: Mapping) -> tuple[str, str] | None:
