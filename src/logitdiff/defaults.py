@@ -58,7 +58,7 @@ hostile code, use a container as well."""
 JUDGE_HELP = (
     "a source that generates (served:URL, gguf:PATH, hf:DIR, builtin:...) asked, with a fixed prompt "
     "(docs/flips.md, Judges), whether a diverged branch and the reference's continuation say the same thing: "
-    "SAME -> benign, DIFFERENT -> meaning_changed, any other answer leaves it diverged (recorded). "
+    "YES -> benign, NO -> meaning_changed, any other answer leaves it diverged (recorded). "
     "The report names the judge and its agreement with blind readers where measured (default: no judge; "
     "no branch is called benign or meaning_changed)"
 )

@@ -33,7 +33,7 @@ def register(sub) -> None:
     pr.set_defaults(func=run_prompt)
     ag = jsub.add_parser("agreement", help="measure a judge's agreement with the blind-labelled flip sets",
                          description=AGREEMENT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ag.add_argument("--judge", metavar="SOURCE", required=True, help=JUDGE_HELP.split(": SAME")[0])
+    ag.add_argument("--judge", metavar="SOURCE", required=True, help=JUDGE_HELP.split(": YES")[0])
     ag.add_argument("--set", dest="sets", default="smollm_b", choices=("smollm", "smollm_b", "real", "all"),
                     help="the labelled set (default: %(default)s)")
     ag.add_argument("--limit", type=int, default=None, metavar="N",

@@ -8,8 +8,9 @@ continuation and the branch's. The judge answers greedily (temperature 0, at mos
 :data:`JUDGE_MAX_TOKENS` tokens, its own chat template) and the answer is read by
 :func:`parse_answer`:
 
-* the first run of ASCII letters of the answer, upper-cased, is ``SAME`` -> ``benign``;
-* it is ``DIFFERENT`` -> ``meaning_changed``;
+* the first run of ASCII letters of the answer, upper-cased, is ``YES`` (they say the same
+  thing) -> ``benign``;
+* it is ``NO`` -> ``meaning_changed``;
 * anything else (no letters, another word) is *unparsed*: the branch stays ``diverged``, the
   answer is recorded, and no verdict is made up.
 
@@ -52,13 +53,14 @@ Continuation B:
 >>>
 
 Do continuations A and B say the same thing: the same facts, claims, numbers, names and \
-code behaviour, even if worded differently? Answer with one word: SAME or DIFFERENT."""
+code behaviour, even if worded differently? Answer YES or NO."""
 JUDGE_MAX_TOKENS = 8  # the answer is one word; a few tokens leave room for a leading "**" or space
 CHARS = 1500  # of each text shown: bounds the prompt (three texts of 64-token continuations fit easily)
-PARSE_RULE = ("the first run of ASCII letters of the answer, upper-cased: SAME -> benign, DIFFERENT -> "
+PARSE_RULE = ("the first run of ASCII letters of the answer, upper-cased: YES (the same thing) -> benign, NO -> "
               "meaning_changed; anything else is unparsed (the branch stays diverged, the answer is recorded)")
 _WORD = re.compile(r"[A-Za-z]+")
-_VERDICT_OF_WORD = {"SAME": JudgeVerdict.SAME, "DIFFERENT": JudgeVerdict.DIFFERENT}
+_VERDICT_OF_WORD = {"YES": JudgeVerdict.SAME, "NO": JudgeVerdict.DIFFERENT}
+WORD_OF_VERDICT = {v: w for w, v in _VERDICT_OF_WORD.items()}
 OUTCOME_OF_VERDICT = {JudgeVerdict.SAME: Outcome.BENIGN, JudgeVerdict.DIFFERENT: Outcome.MEANING_CHANGED}
 
 # Agreement measured here with `logitdiff judge agreement` (docs/flips.md, "Judges", is
@@ -202,8 +204,8 @@ def judge_branches(rows: list[dict[str, Any]], judge: Judge, contexts: Sequence[
 
 
 def apply_answers(rows: list[dict[str, Any]], answers: dict[int, str], spec: str) -> list[dict[str, Any]]:
-    """``rows`` with judge ``spec``'s answer ``answers[k]`` applied to diverged row k: SAME ->
-    benign, DIFFERENT -> meaning_changed, each with ``judge_verdict``, ``judge_raw`` and a
+    """``rows`` with judge ``spec``'s answer ``answers[k]`` applied to diverged row k: YES ->
+    benign, NO -> meaning_changed, each with ``judge_verdict``, ``judge_raw`` and a
     ``decided_by`` naming the judge; an unparsed answer leaves the branch diverged with its
     text recorded. A row that is not diverged is never changed."""
     out = list(rows)
@@ -217,6 +219,6 @@ def apply_answers(rows: list[dict[str, Any]], answers: dict[int, str], spec: str
             r["decided_by"] = f"{rule}; judge {spec} answered {text.strip()[:40]!r}: unparsed, no verdict"
         else:
             r["outcome"] = OUTCOME_OF_VERDICT[verdict]
-            r["decided_by"] = f"judge {spec} answered {verdict.upper()} ({rule})"
+            r["decided_by"] = f"judge {spec} answered {WORD_OF_VERDICT[verdict]}: {verdict} meaning ({rule})"
         out[k] = r
     return out

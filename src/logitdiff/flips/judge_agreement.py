@@ -28,7 +28,6 @@ from .judge import Judge, parse_answer
 
 SETS = ("smollm", "smollm_b", "real")
 # a reader's label -> the judge's class it should answer
-SAME_LABELS = (Outcome.BENIGN, Outcome.RECOVERED)
 CLASS_OF_LABEL = {Outcome.BENIGN: JudgeVerdict.SAME, Outcome.RECOVERED: JudgeVerdict.SAME,
                   Outcome.MEANING_CHANGED: JudgeVerdict.DIFFERENT}
 CLASSES = (JudgeVerdict.SAME, JudgeVerdict.DIFFERENT)
