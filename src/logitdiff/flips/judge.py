@@ -78,6 +78,10 @@ MEASURED: tuple[dict[str, Any], ...] = (
      "n": 60, "same": (2, 8), "different": (21, 52), "unparsed": 28, "kappa": 0.066, "consensus_kappa": 0.062,
      "command": "logitdiff judge agreement --judge gguf:SmolLM2-135M-Instruct.Q4_1.gguf,threads=1 --set smollm_b --limit 60",
      "seconds": 685},
+    {"judge": "SmolLM2-135M-Instruct Q4_1, served by llama-server", "kind": "served", "sha256": SMOLLM2_Q4_1, "set": "smollm_b",
+     "n": 20, "same": (1, 3), "different": (8, 17), "unparsed": 7, "kappa": 0.064, "consensus_kappa": 0.050,
+     "command": "logitdiff judge agreement --judge served:http://127.0.0.1:PORT --set smollm_b --limit 20 (llama-server -m "
+                "SmolLM2-135M-Instruct.Q4_1.gguf -t 1 -c 4096 -np 1 --jinja)", "seconds": 126},
     {**_TINY, "set": "smollm", "n": 180, "same": (0, 26), "different": (0, 154), "unparsed": 180, "kappa": 0.0,
      "consensus_kappa": 0.0, "seconds": 32},
     {**_TINY, "set": "smollm_b", "n": 180, "same": (0, 26), "different": (0, 154), "unparsed": 180, "kappa": 0.0,
