@@ -285,3 +285,17 @@ def test_measured_agreement_matches_sha_and_kind_only():
     assert measured_agreement({"kind": "served", "sha256": smol["sha256"]}) == [m for m in MEASURED if m["kind"] == "served"]
     assert measured_agreement({"kind": "gguf", "sha256": "sha256:" + "0" * 64}) == []
     assert measured_agreement({"kind": "gguf", "sha256": None}) == []
+
+
+def test_run_with_a_judge_names_it_in_each_report_and_the_page(report, tmp_path):
+    out = tmp_path / "out"
+    assert main(["run", "--reference", "builtin:tiny", "--candidate", "builtin:tiny-Q2_K", "--workload", str(report.parent / "wl.jsonl"),
+                 "--out", str(out), "--judge", TINY_JUDGE, "--floor", "none", "--no-noise-floor", "--bootstrap", "0",
+                 "--similarity", "edit", "--select", "all"]) == 0
+    rep = json.loads((out / "reports" / "tiny-Q2_K" / "report.json").read_text())
+    j = rep["flips"]["judge"]
+    rows = pd.read_parquet(out / "reports" / "tiny-Q2_K" / "flips.parquet")
+    judged = int(rows.judge_verdict.notna().sum()) if "judge_verdict" in rows else 0  # no column: no diverged branch
+    assert j["spec"] == TINY_JUDGE and j["n_judged"] == judged
+    assert f"`{TINY_JUDGE}`" in (out / "reports" / "tiny-Q2_K" / "report.md").read_text()
+    assert "<b>Judge</b>" in (out / "report.html").read_text()
