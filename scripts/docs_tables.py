@@ -4,6 +4,8 @@
 * ``sources``      (docs/sources.md): every source option, from logitdiff.sources.options;
 * ``metrics``      (docs/compare.md): every metric a report carries, from logitdiff.report.metric_registry;
 * ``gates``        (docs/reports.md): the metrics a gate clause may name (metric_registry.GATE_METRICS, what gates accept);
+* ``judge_prompt``, ``judges`` (docs/flips.md): the judge's prompt and parse rule, and every judge
+  model measured, from logitdiff.flips.judge (JUDGE_PROMPT, PARSE_RULE, MEASURED);
 * ``architecture`` (README.md and docs/architecture.md): one row per stage of the package, in
   the order of tests/test_structure.py's STAGES (the import rule the tests hold), each row the
   stage's own docstring.
@@ -102,11 +104,41 @@ def gates_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def judge_prompt_block() -> str:
+    """The judge's fixed prompt and parse rule (logitdiff.flips.judge), quoted as they are."""
+    from logitdiff.flips import judge
+
+    return (f"```text\n{judge.JUDGE_PROMPT}\n```\n\nGreedy, at most {judge.JUDGE_MAX_TOKENS} tokens, the judge's own chat "
+            f"template; each text cut to {judge.CHARS} characters (the context's end, each continuation's start). "
+            f"Parse rule: {judge.PARSE_RULE}.\n")
+
+
+def judges_table() -> str:
+    """Every judge model tried (logitdiff.flips.judge.MEASURED): its agreement with the blind readers."""
+    from logitdiff.flips import judge
+
+    def frac(kn) -> str:
+        return "—" if kn is None else f"{kn[0]}/{kn[1]}" + (f" ({100 * kn[0] / kn[1]:.0f} %)" if kn[1] else "")
+
+    def num(x, fmt="{:.2f}") -> str:
+        return "—" if x is None else fmt.format(x)
+
+    lines = ["| judge | source | set, cases | same | different | unparsed | κ (reader 1) | κ (consensus) | time | command |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---|"]
+    for m in judge.MEASURED:
+        lines.append(f"| {_cell(m['judge'])} | {m['kind']} | {m['set']}, {m['n']} | {frac(m['same'])} | {frac(m['different'])} | "
+                     f"{m['unparsed']} | {num(m['kappa'])} | {num(m.get('consensus_kappa'))} | {num(m['seconds'], '{:.0f} s')} | "
+                     f"`{_cell(m['command'])}` |")
+    return "\n".join(lines) + "\n"
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "sources": options.markdown_table,
     "metrics": metric_registry.markdown_table,
     "gates": gates_table,
     "architecture": architecture_table,
+    "judge_prompt": judge_prompt_block,
+    "judges": judges_table,
 }
 # which files hold which tables (a table may sit in more than one)
 FILES: dict[str, tuple[str, ...]] = {
@@ -114,6 +146,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "docs/compare.md": ("metrics",),
     "docs/reports.md": ("gates",),
     "docs/architecture.md": ("architecture",),
+    "docs/flips.md": ("judge_prompt", "judges"),
     "README.md": ("architecture",),
 }
 

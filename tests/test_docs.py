@@ -92,7 +92,8 @@ def test_a_stale_or_missing_table_is_caught(tmp_path):
              "docs/compare.md": ("| `kl_mean` |", "| `kl_average` |"),
              "docs/reports.md": ("| `kl_mean` |", "| `kl_avg` |"),
              "docs/architecture.md": ("| numerics |", "| maths |"),
-             "README.md": ("| store |", "| runs |")}
+             "README.md": ("| store |", "| runs |"),
+             "docs/flips.md": ("Answer YES or NO.\n```", "Answer YES or NO!\n```")}
     assert set(edits) == set(dt.FILES)
     for rel, (old, new) in edits.items():
         path = tmp_path / rel

@@ -221,6 +221,17 @@ class Outcome:
         return tuple(o for o in cls.ALL if any(isinstance(c, Mapping) and (c.get(o) or 0) for c in counts))
 
 
+class JudgeVerdict:
+    """What a judge (flips.judge, ``--judge SOURCE``) answered about a diverged branch: the two
+    continuations say the same thing, something different, or an answer its parse rule does not
+    read (the branch stays ``diverged``)."""
+
+    SAME = "same"
+    DIFFERENT = "different"
+    UNPARSED = "unparsed"
+    ALL = (SAME, DIFFERENT, UNPARSED)
+
+
 class Verdict:
     """How one free-running output was graded against its label (grading.grade)."""
 
@@ -463,6 +474,8 @@ class Flips(_FlipsBase, total=False):
     changed_items: list[dict[str, Any]]
     # schema 1.2: branches and reference outputs that hit the token budget
     outputs_cut: dict[str, Any]
+    # schema 2.1: the judge of --judge SOURCE (flips.judge.Judge.section): who judged diverged branches, how, and its measured agreement
+    judge: dict[str, Any]
 
 
 class _CorrectnessBase(TypedDict):

@@ -53,3 +53,13 @@ namespaces) falls back to the audit hook alone, which ctypes, C extensions and d
 go around, or to nothing: that part is NOT contained. Every execution records which parts
 held ("containment" in flips.parquet's signals). Reading files is never restricted. For
 hostile code, use a container as well."""
+
+# flips: what `--help` says of --judge (flips; run): here so that building the parser imports no
+# flips module. Keep in step with flips/judge.py's docstring and docs/flips.md ("Judges").
+JUDGE_HELP = (
+    "a source that generates (served:URL, gguf:PATH, hf:DIR, builtin:...) asked, with a fixed prompt "
+    "(docs/flips.md, Judges), whether a diverged branch and the reference's continuation say the same thing: "
+    "YES -> benign, NO -> meaning_changed, any other answer leaves it diverged (recorded). "
+    "The report names the judge and its agreement with blind readers where measured (default: no judge; "
+    "no branch is called benign or meaning_changed)"
+)

@@ -3,7 +3,7 @@
 The ``logitdiff`` command line: a thin layer over the library.
 
 One module per command (``capture``, ``compare``, ``run``, ``flips``, ``speculate``, ``report``, ``merge``,
-``topk-error``, ``import``, ``layers``, ``quantize``, ``workloads``), each with ``NAME``, ``HELP``, ``register(subparsers)`` and
+``topk-error``, ``import``, ``layers``, ``quantize``, ``workloads``, ``judge``), each with ``NAME``, ``HELP``, ``register(subparsers)`` and
 ``run(args) -> exit status``; they share one console/progress helper (``console.py``) and
 the option checks whose defaults are the library's (``options.py``). :func:`main` is the
 only place that sets process-wide state (environment, llama.cpp's log level, the SIGTERM
@@ -19,10 +19,10 @@ import sys
 
 from .._version import __version__
 from ..errors import LogitdiffError
-from . import capture, compare, flips, import_, layers, merge, quantize, report, run, speculate, topk_error, workloads
+from . import capture, compare, flips, import_, judge, layers, merge, quantize, report, run, speculate, topk_error, workloads
 
 # In the order `logitdiff --help` lists them.
-COMMANDS = (run, capture, compare, flips, speculate, report, import_, merge, topk_error, layers, quantize, workloads)
+COMMANDS = (run, capture, compare, flips, judge, speculate, report, import_, merge, topk_error, layers, quantize, workloads)
 
 EPILOG = """\
 Typical use:

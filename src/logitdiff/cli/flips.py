@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import LogitdiffError
 from .console import Bars, console, table_console
-from .options import add_gate_options, add_max_branches, check_max_branches, gate_exit, parse_gate_args
+from .options import add_gate_options, add_judge, add_max_branches, check_max_branches, gate_exit, parse_gate_args
 
 if TYPE_CHECKING:
     from ..contracts import Report
@@ -104,6 +104,7 @@ def register(sub) -> None:
     f.add_argument("--no-correctness", action="store_true", help="skip grading free-running answers")
     f.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per executed tool call (items with tools_module)")
     f.add_argument("--seed", type=int, default=0, help="seed of sample:N and the bootstrap (default: %(default)s)")
+    add_judge(f)
     add_gate_options(f)
     f.set_defaults(func=run)
 
@@ -146,11 +147,11 @@ def run(args) -> int:
         read_report(args.report)  # the one-line error saying what is wrong with it
 
     # flips rewrites files of the REPORT it reads: one writer per REPORT at a time.
-    with locked(Path(args.report)), Bars() as bars:
+    with locked(Path(args.report)), _judge(args.judge) as judge, Bars() as bars:
         result = analyse_report_dir(
             args.report, candidate=args.candidate, reference=args.reference, settings=settings,
             similarity=args.similarity, similarity_threshold=args.similarity_threshold,
-            correctness=not args.no_correctness, bar=bars.bar, gates=gates,
+            correctness=not args.no_correctness, bar=bars.bar, gates=gates, judge=judge,
         )
         rewrite_report_dir(args.report, result.report, result.columns, result.files, remove=result.remove)
     report = result.report
@@ -158,6 +159,17 @@ def run(args) -> int:
     console().print(f"wrote {args.report}/flips.parquet" + (", correctness.parquet" if report.get("correctness") else "")
                     + " and updated report.json, report.md, report.html")
     return gate_exit([report])
+
+
+def _judge(spec: str | None):
+    """The open judge of --judge (opened and asked once before any work), or none."""
+    import contextlib
+
+    if spec is None:
+        return contextlib.nullcontext()
+    from ..flips.judge import open_judge
+
+    return open_judge(spec)
 
 
 def print_flips(report: Report) -> None:
@@ -190,6 +202,11 @@ def print_flips(report: Report) -> None:
         )
     for line in consequence_notes(report):
         con.print(line)
+    j = f.get("judge")
+    if j:
+        con.print(f"judge {j['spec']} ({j['model'].get('model')}): {j['n_judged']} diverged branches judged "
+                  f"({j['verdicts']['same']} same, {j['verdicts']['different']} different, {j['verdicts']['unparsed']} unparsed); "
+                  f"{j['agreement_text']}")
 
 
 def consequence_notes(report: Mapping[str, Any]) -> list[str]:

@@ -170,3 +170,10 @@ def add_max_branches(p) -> None:
 def check_max_branches(n: int | None) -> None:
     if n is not None and n < 0:
         raise LogitdiffError("--max-branches must be >= 0")
+
+
+def add_judge(p) -> None:
+    """--judge SOURCE (flips.judge): ``flips`` and ``run`` alike."""
+    from ..defaults import JUDGE_HELP
+
+    p.add_argument("--judge", metavar="SOURCE", default=None, help=JUDGE_HELP)

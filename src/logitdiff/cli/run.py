@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ..api import check_bootstrap
 from .console import Bars, console, table_console
-from .options import add_bootstrap, add_gate_options, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_gate_args, parse_ranges_arg
+from .options import add_bootstrap, add_gate_options, add_judge, add_logprob_floor, add_max_branches, add_ranges, check_max_branches, parse_gate_args, parse_ranges_arg
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -86,6 +86,7 @@ def register(sub) -> None:
     run_p.add_argument("--select", default="first", help="flips to branch from: first | all | top-kl:N | low-margin:N | sample:N (default: %(default)s)")
     add_max_branches(run_p)
     run_p.add_argument("--similarity", default="auto", choices=("auto", "minilm", "edit"), help="text similarity for flips (default: %(default)s)")
+    add_judge(run_p)
     add_logprob_floor(run_p)
     add_gate_options(run_p, " (checked for every candidate)")
     run_p.set_defaults(func=run)
@@ -126,7 +127,7 @@ def run(args) -> int:
         ranges=ranges, fresh=args.fresh, flips=not args.no_flips, correctness=not (args.no_correctness or args.no_flips),
         flip_select=args.select, max_branches=args.max_branches, similarity=args.similarity,
         logprob_floor=args.logprob_floor, reference_store=args.reference_store, floor=args.floor,
-        candidates_from=args.candidates_from, types=types,
+        candidates_from=args.candidates_from, types=types, judge=args.judge,
     )
     if not args.no_flips:  # flips.py (and what it imports) only for a run that branches
         from ..flips import parse_select

@@ -726,6 +726,7 @@ SHOWN_FIELDS = (
     "ref_token", "cand_token", "ref_continuation", "branch_continuation", "decided_by",
     "similarity", "similarity_kind", "joined_share", "end_ratio",
     "rejoin_position", "rejoin_ref_position", "left_position", "left_ref_position", "marks",
+    "judge_verdict", "judge_raw",  # --judge (flips/judge.py): only on judged branches
 )
 
 

@@ -33,6 +33,7 @@ from ..workload.items import check_tools_once
 
 if TYPE_CHECKING:
     from ..report.gates import Gate
+    from .judge import Judge
 
 
 class _Rejoin(TypedDict):
@@ -187,6 +188,7 @@ def run_flips(
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
     changed: dict[str, tuple[str, int | None]] | None = None,
+    judge: Judge | None = None,
 ) -> tuple[Flips, list[dict[str, Any]]]:
     """Branch at the selected flips; return the report section and one row per branch.
 
@@ -208,6 +210,10 @@ def run_flips(
     eos = set(source.eos_token_ids) | set((ref.manifest.get("source") or {}).get("identity", {}).get("eos_token_ids") or [])
     pending = _generate_branches(source, ref, items, chosen, settings, eos, reference_source, progress)
     rows = _classify_branches(source, ref, pending, similarity, settings, eos)
+    if judge is not None:  # --judge: the diverged branches' meaning, by a named judge (flips/judge.py)
+        from .judge import judge_branches
+
+        rows = judge_branches(rows, judge, [source.detokenize(b.item.teacher_ids[: b.flip.position]) for b in pending])
     ties = [
         {"item_id": f.item_id, "position": f.position, "margin_ref": f.margin_ref, "p_ref": f.p_ref,
          "ref_token": source.token_text(f.ref_token_id), "cand_token": source.token_text(f.cand_token_id)}
@@ -216,12 +222,14 @@ def run_flips(
     n_pos = len(columns["position"])
     section = summarize_branches(
         rows, n_flips=sum(not f.tie for f in all_flips), n_positions=n_pos, note=note, similarity_name=similarity.name,
-        ranges=settings.ranges, ties=ties,
+        ranges=settings.ranges, ties=ties, judge=judge.spec if judge is not None else None,
         settings={"select": settings.select, "max_branches": settings.max_branches, "max_tokens": settings.max_tokens,
                   "resync_tokens": settings.resync, "max_shift": settings.max_shift, "max_detour": settings.max_detour,
                   "similarity_thresholds": similarity.thresholds, "both": settings.both, "branch_ties": settings.branch_ties},
     )
     section["reference_self_consistency"] = reference_self_consistency(columns, teacher_of, source.token_text)
+    if judge is not None:
+        section["judge"] = judge.section(rows)
     section["left_out"] = {
         "n": len(left_out), "n_items": len({f.item_id for f in left_out}),
         "list": [{"item_id": f.item_id, "position": f.position, "kl_nats": f.kl_nats, "margin_ref": f.margin_ref}
@@ -597,6 +605,7 @@ def analyse(
     correctness: bool = True,
     flips: bool = True,
     bar: Callable[[int, str], Callable[[int], None]] | None = None,
+    judge: Judge | None = None,
 ) -> tuple[_Sections, dict[str, bytes]]:
     """Flips (and correctness) for one comparison: report sections and file contents."""
     sections: _Sections = {}
@@ -627,7 +636,7 @@ def analyse(
             changed = changed_items(crow)
     if flips:
         sec, rows = run_flips(source, ref, columns, similarity, settings, reference_source=reference_source,
-                              progress=adv("branches"), on_total=total("branches"), changed=changed)
+                              progress=adv("branches"), on_total=total("branches"), changed=changed, judge=judge)
         sections = {"flips": sec, **sections}  # flips first: report.json's key order
         files["flips.parquet"] = parquet_bytes(rows)
     return sections, files
@@ -644,6 +653,7 @@ def analyse_report_dir(
     correctness: bool = True,
     bar: Callable[[int, str], Callable[[int], None]] | None = None,
     gates: Sequence[Gate] | None = None,
+    judge: Judge | None = None,
 ) -> ReportFlips:
     """``logitdiff flips REPORT/``: flips (+ correctness, gates) of an existing report: the
     report with them and the files to write beside it. Nothing is written or rendered here:
@@ -677,7 +687,8 @@ def analyse_report_dir(
         check_tokenizers(spec, source.tokenizer_hash, source.tokenizer_tokens, f"the reference run {ref.path}",
                          ref.tokenizer_hash, ref.tokens())
         with applied_threads([source] + ([ref_src] if ref_src is not None else [])):
-            sections, files = analyse(source, ref, cols, sim, settings, reference_source=ref_src, correctness=correctness, bar=bar)
+            sections, files = analyse(source, ref, cols, sim, settings, reference_source=ref_src, correctness=correctness, bar=bar,
+                                      judge=judge)
     finally:
         source.close()
         if ref_src is not None:
@@ -689,8 +700,8 @@ def analyse_report_dir(
     report.pop("gates", None)
     report.update(sections)
     if gates:
-        from ..report.gates import judge
+        from ..report.gates import judge as judge_gates
 
-        report["gates"], _ = judge(report, list(gates))
+        report["gates"], _ = judge_gates(report, list(gates))
     stale = [n for n in ("flips.parquet", "correctness.parquet") if n not in files]
     return ReportFlips(report=report, columns=cols, files=files, remove=stale)

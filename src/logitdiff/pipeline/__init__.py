@@ -68,6 +68,7 @@ class RunConfig:
     max_branches: int = DEFAULT_MAX_BRANCHES
     correctness: bool = True
     similarity: str = "auto"
+    judge: str | None = None  # --judge SOURCE: the diverged branches' meaning (flips/judge.py); None: not judged
     html: bool = True
     gates: list | None = None  # logitdiff.report.gates.Gate; crossed gates are listed in summary.json
     logprob_floor: float | None = None  # stated floor for top-K (served) candidates: compare.check_floor
@@ -224,10 +225,16 @@ def _run_locked(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     import contextlib
 
     with contextlib.ExitStack() as opened:  # a source opened ahead is closed whatever happens
-        return _run_opened(cfg, hooks, wl_path, items, names, opened, plan)
+        judge = None
+        if cfg.judge and (cfg.flips or cfg.correctness):  # opened and asked once before any work
+            from ..flips.judge import open_judge
+
+            judge = opened.enter_context(open_judge(cfg.judge))
+        return _run_opened(cfg, hooks, wl_path, items, names, opened, plan, judge)
 
 
-def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], opened, plan: FloorPlan) -> RunSummary:
+def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[str], opened, plan: FloorPlan,
+                judge=None) -> RunSummary:
     """The job, step by step: the ladder and the preflight, the reference, its floor, one
     report per candidate, then the summary and the pages."""
     t0 = time.time()
@@ -243,6 +250,7 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     if is_served(cfg.reference) and first_served is not None:
         early = opened.enter_context(open_source(first_served))
     job = _Job(cfg, hooks, _reference_run(cfg, items, wl_hash, hooks, prefetch=early), out)
+    job.judge = judge
     noise = job.noise_floor()
     rows: list[CandidateRow] = []
     for spec, name in zip(cfg.candidates, names):
@@ -266,6 +274,7 @@ class _Job:
         self.shift = SCORE_BATCH // 2  # the batch boundaries' move of a rerun with other batch mates
         self.ref_floor: Any = None  # the served reference's floor (servedfloor.py)
         self.similarity = None
+        self.judge: Any = None  # the open judge of --judge (flips.judge.Judge), set by the caller
         if cfg.flips or cfg.correctness:
             from ..flips.grading import load_similarity
 
@@ -313,7 +322,7 @@ class _Job:
         assert self.similarity is not None  # loaded whenever flips or correctness is on
         fsettings = Settings(select=cfg.flip_select, max_branches=cfg.max_branches, seed=cfg.seed, ranges=cfg.ranges)
         return analyse(src, self.ref, comp.columns, self.similarity, fsettings, correctness=cfg.correctness, flips=cfg.flips,
-                       bar=lambda n, label: self.hooks.bar(n, label))
+                       bar=lambda n, label: self.hooks.bar(n, label), judge=self.judge)
 
     def noise_floor(self) -> NoiseFloor | None:
         """The reference against itself (:meth:`measure_noise_floor`), or the floor measured by

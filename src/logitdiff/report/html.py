@@ -1217,6 +1217,11 @@ def _flips_notes(f: Mapping[str, Any]) -> str:
                    "reference wrote is not its own scored top-1 (generation and scoring ran in other batch shapes)"
                    + (f"; at {_e(rs['n_candidate_wrote_it'])} of them the candidate picked the written token: not a flip, not branched"
                       if rs.get("n_candidate_wrote_it") is not None else "") + ".</p>")
+    j = f.get("judge")
+    if isinstance(j, dict):
+        from .markdown import judge_line
+
+        out.append(f'<p class="note judge"><b>Judge</b>: {_e(judge_line(j).removeprefix("- judge of the diverged branches: "))}</p>')
     oc = f.get("outputs_cut")
     if isinstance(oc, dict) and (oc.get("reference_cut") or oc.get("branches_cut")):
         out.append(f'<p class="note outputs-cut">Cut at the token budget: {_e(oc.get("reference_cut"))} of {_e(oc.get("n_items"))} '

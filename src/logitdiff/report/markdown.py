@@ -183,6 +183,16 @@ def _meaning_line(f: Flips) -> str:
     return f"- meaning (benign / meaning_changed of diverged branches): judged by {judge}"
 
 
+def judge_line(j: dict) -> str:
+    """The report's line naming the judge of ``--judge`` (report.json ``flips.judge``)."""
+    m = j.get("model") or {}
+    v = j.get("verdicts") or {}
+    return (f"- judge of the diverged branches: `{j.get('spec')}` ({m.get('model')}, {m.get('sha256') or 'no sha256'}), "
+            f"{j.get('n_judged')} judged: {v.get('same')} same (benign), {v.get('different')} different (meaning_changed), "
+            f"{v.get('unparsed')} unparsed (left diverged); prompt and parse rule: docs/flips.md, Judges; "
+            f"{j.get('agreement_text')}")
+
+
 def flips_markdown(f: Flips) -> str:
     out = ["\n## What the flips do\n"]
     st = f.get("settings") or {}
@@ -211,6 +221,8 @@ def flips_markdown(f: Flips) -> str:
     if cut and (cut.get("reference_cut") or cut.get("branches_cut")):
         out.append(f"- cut by the token budget: {cut['reference_cut']} of {cut['n_items']} reference outputs, "
                    f"{cut['branches_cut']} of {cut['n_branches']} branches")
+    if f.get("judge"):
+        out.append(judge_line(f["judge"]))
     thr = st.get("similarity_thresholds")
     out.append(f"- similarity (an observation, not a decision): {f['similarity']}" + ("" if "threshold" in f["similarity"] else f" (threshold {thr})"))
     if "max_shift" in st:
