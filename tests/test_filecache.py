@@ -186,3 +186,15 @@ def test_hf_tokenizer_tokens_are_cached_per_version_of_every_file(cache, tmp_pat
         damaged = open_source(f"hf:{model}")
         assert damaged.tokenizer_tokens == want and len(calls) == 3
         assert damaged.token_texts() == first.token_texts()  # the texts' entry was damaged too
+
+
+def test_cache_off_never_builds_into_a_folder_named_off(tmp_path, monkeypatch):
+    """LOGITDIFF_CACHE=off once sent built quants into ./off (the value read as a path)."""
+    from logitdiff.sources.quantize import default_cache_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOGITDIFF_CACHE", "off")
+    d = default_cache_dir()
+    assert d.is_absolute() and d.name.startswith("logitdiff-uncached-") and tmp_path not in d.parents
+    monkeypatch.setenv("LOGITDIFF_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"

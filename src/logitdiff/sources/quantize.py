@@ -263,8 +263,18 @@ def check_tensor_types(path: str | Path, expected_ftype: str | int, *, display: 
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("LOGITDIFF_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "logitdiff"
+    """Where built files (quants, ladders) go: the cache root (store.filecache.cache_root, one
+    reading of $LOGITDIFF_CACHE). With ``LOGITDIFF_CACHE=off`` nothing is kept in a cache,
+    but a built file still needs a home while the run reads it: the system's temporary
+    directory, per user -- never a folder named ``off`` in the working directory."""
+    from ..store.filecache import cache_root
+
+    root = cache_root()
+    if root is None:
+        import tempfile
+
+        return Path(tempfile.gettempdir()) / f"logitdiff-uncached-{os.getuid()}"
+    return root
 
 
 def _llama_cpp_version() -> str:
