@@ -102,9 +102,9 @@ def humaneval_item(problem: dict, form: str) -> Item:
     common = dict(id=problem["task_id"], tags=["code", "humaneval"], max_tokens=HUMANEVAL_MAX_TOKENS)
     if form == PromptForm.EVALPLUS_INSTRUCT:
         return Item(messages=[{"role": "user", "content": evalplus_instruction(problem["prompt"])}],
-                    expected={"tests": tests}, **common)  # type: ignore[arg-type]
+                    expected={"tests": tests}, **common)
     tests["stop"] = list(HUMANEVAL_STOP)
-    return Item(prompt=problem["prompt"], expected={"tests": tests}, **common)  # type: ignore[arg-type]
+    return Item(prompt=problem["prompt"], expected={"tests": tests}, **common)
 
 
 def in_prompt_form(item: Item, form: str) -> Item:
