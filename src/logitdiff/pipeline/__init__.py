@@ -23,10 +23,11 @@ from typing import Any, Callable, cast
 
 import numpy as np
 
-from ..capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, preflight_tokenization
+from ..capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, items_in_prompt_form, preflight_tokenization
 from ..compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from ..defaults import DEFAULT_MAX_BRANCHES
-from ..contracts import SUMMARY_SCHEMA_VERSION, CandidateRow, CrossEngineFloor, NoiseFloor, Outcome, Report, RunSummary, summary_json
+from ..contracts import (SUMMARY_SCHEMA_VERSION, CandidateRow, CrossEngineFloor, NoiseFloor, Outcome, PromptForm, Report, RunSummary,
+                         summary_json)
 from ..errors import LogitdiffError
 from ..contracts import RUN_SUMMARY_SCHEMA
 from ..store.files import Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
@@ -238,6 +239,10 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     """The job, step by step: the ladder and the preflight, the reference, its floor, one
     report per candidate, then the summary and the pages."""
     t0 = time.time()
+    # HumanEval as the reference takes it (the raw prompt where it renders no chat messages)
+    items, prompt_form = items_in_prompt_form(cfg.reference, items)
+    if prompt_form is not None:
+        hooks.stage(f"HumanEval prompt form: {PromptForm.MEANS[prompt_form]}")
     wl_hash = workload_sha256(wl_path, items)  # a file's bytes; a benchmark's items
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

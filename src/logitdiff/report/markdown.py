@@ -282,6 +282,8 @@ def correctness_markdown(c: Correctness) -> str:
         f"(McNemar exact p = {_f(c['mcnemar_p'], 3)}); {c['flips_starting_at_top1_flip']} of {c['correctness_flips']} "
         f"start at a teacher-forced top-1 flip"
     )
+    for d in (c.get("prompt_forms") or {}).values():
+        out.append(f"- HumanEval prompt form ({d['n']} items): {d['means']}")
     if c.get("n_tool_items"):
         out.append(
             f"- schema-valid tool calls on {c['n_tool_items']} tool items: reference {_pct(c['tool_call_valid_ref'])}, "

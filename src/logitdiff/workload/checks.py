@@ -12,6 +12,7 @@ from typing import Any
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
+from ..contracts import PromptForm
 from ..errors import LogitdiffError
 
 CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls", "tests", "bfcl")
@@ -115,8 +116,9 @@ def check_expected(expected: dict, where: str) -> str:
 
 
 def _check_tests(tests: Any, where: str) -> None:
-    """``{"tests": {"test": str, "entry_point": str, "timeout_s"?: number > 0, "stop"?: [str]}}``:
-    a program run against the output (a benchmark's own tests, e.g. HumanEval's)."""
+    """``{"tests": {"test": str, "entry_point": str, "timeout_s"?: number > 0, "stop"?: [str],
+    "prompt"?: str, "prompt_form"?: PromptForm}}``: a program run against the output (a
+    benchmark's own tests, e.g. HumanEval's; flips.grading.check_program)."""
     if not isinstance(tests, dict):
         raise LogitdiffError(f"{where}: field 'expected.tests' must be an object")
     if not isinstance(tests.get("test"), str) or not tests["test"].strip():
@@ -130,6 +132,13 @@ def _check_tests(tests: Any, where: str) -> None:
     stop = tests.get("stop", [])
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise LogitdiffError(f"{where}: field 'expected.tests.stop' must be a list of non-empty strings")
+    if "prompt" in tests and not isinstance(tests["prompt"], str):
+        raise LogitdiffError(f"{where}: field 'expected.tests.prompt' must be the benchmark's prompt text")
+    form = tests.get(PromptForm.FIELD, PromptForm.COMPLETION)
+    if form not in PromptForm.ALL:
+        raise LogitdiffError(f"{where}: field 'expected.tests.{PromptForm.FIELD}' must be one of {', '.join(PromptForm.ALL)}")
+    if form == PromptForm.EVALPLUS_INSTRUCT and not isinstance(tests.get("prompt"), str):
+        raise LogitdiffError(f"{where}: field 'expected.tests.prompt' is required in the {form} form (prepended to code without the entry point)")
 
 
 def _check_bfcl(label: Any, where: str) -> None:
