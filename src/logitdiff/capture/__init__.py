@@ -35,6 +35,7 @@ from ..store import tokenizer_identity
 from ..errors import LogitdiffError, renamed_parameters
 from ..store.files import Kind, writing
 from ..sources import RowKind, Source, TopKRows, is_full, is_topk
+from ..sources.tool_form import in_source_tool_form, needs_tool_form
 from ..store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
 from ..store.kinds import AUTO, StoreKind, auto_kind, given_rows_kind, store_kind
 from ..workload import Item
@@ -242,6 +243,7 @@ def capture_reference(
     check_max_tokens(max_tokens)
     parse_positions(positions)
     kind = _store_for(source, store)
+    items = in_source_tool_form(source, items)[0]  # benchmark items as this template takes tools (sources.tool_form)
     # Render every item first: a prompt the source refuses (too long, bad template) is a
     # one-line error before any RUN file exists, not a half-written run.
     rendered = dict(zip((it.id for it in items), source.render_many(items)))
@@ -355,6 +357,18 @@ def check_same_prompt(item_id: str, reference_ids: Sequence[int], ids: Sequence[
         a = reference_ids[j] if j < len(reference_ids) else "end"
         b = ids[j] if j < len(ids) else "end"
         raise LogitdiffError(f"item {item_id!r}: tokenization differs at prompt position {j} (reference id {a}, {spec} id {b})")
+
+
+def items_in_tool_form(reference: str, items: Sequence[Item]) -> tuple[list[Item], str | None]:
+    """Benchmark items in the form the reference's chat template takes (sources.tool_form:
+    BFCL's plain prompt where the template has no tool support), and the ToolForm chosen
+    (None where no item needed one). The reference is opened tokenizer-only, and only then."""
+    from ..sources.registry import open_tokenizer
+
+    if not needs_tool_form(items):
+        return list(items), None
+    with open_tokenizer(reference) as src:
+        return in_source_tool_form(src, items)
 
 
 def preflight_tokenization(reference: str, candidates: Sequence[str], items: Sequence[Item]) -> None:

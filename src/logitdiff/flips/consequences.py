@@ -20,7 +20,7 @@ from ..capture import DEFAULT_MAX_TOKENS
 from ..contracts import Correctness, Flips, MethodKind, Report
 from ..defaults import DEFAULT_MAX_BRANCHES  # noqa: F401 (re-exported)
 from ..errors import LogitdiffError
-from ..contracts import CallVerdict, Verdict
+from ..contracts import CallVerdict, ToolForm, Verdict
 from . import MAX_DETOUR, MAX_SHIFT, MIN_RUN, Flip, classify, end_ratio, find_flips, reference_self_consistency, select_flips, summarize_branches
 from .grading import SimilarityPolicy, call_verdict, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
 from .salient import is_code
@@ -474,6 +474,9 @@ def run_correctness(
             "first_divergence": div if diverged else None,
             "divergence_at_top1_flip": at_flip,
         }
+        form = tool_form_of(d["expected"])
+        if form is not None:
+            row[ToolForm.FIELD] = form
         if tools:
             for side, txt, cut in (("ref", ref_text, ref_cut), ("cand", cand_text, cand_cut)):
                 v = call_verdict(txt, tools, truncated=cut)
@@ -545,8 +548,18 @@ def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
     for d in by_tag.values():
         d["accuracy_ref"] = d["ref_correct"] / d["n"]
         d["accuracy_cand"] = d["cand_correct"] / d["n"]
+    forms = [r[ToolForm.FIELD] for r in rows if ToolForm.FIELD in r]
+    if forms:
+        sec["tool_forms"] = {f: {"n": forms.count(f), "means": ToolForm.MEANS[f]} for f in ToolForm.ALL if f in forms}
     sec["by_tag"] = dict(sorted(by_tag.items()))
     return sec
+
+
+def tool_form_of(expected: dict) -> str | None:
+    """The ToolForm a benchmark label says its item was shown in (a BFCL label without one was
+    made before the choice: the chat template's); None for any other label."""
+    label = expected.get("bfcl")
+    return label.get(ToolForm.FIELD, ToolForm.CHAT_TEMPLATE) if isinstance(label, dict) else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -257,6 +257,8 @@ def correctness_markdown(c: Correctness) -> str:
         f"(McNemar exact p = {_f(c['mcnemar_p'], 3)}); {c['flips_starting_at_top1_flip']} of {c['correctness_flips']} "
         f"start at a teacher-forced top-1 flip"
     )
+    for form, d in (c.get("tool_forms") or {}).items():
+        out.append(f"- functions shown to the model ({d['n']} benchmark items): {d['means']}")
     if c.get("n_tool_items"):
         out.append(
             f"- schema-valid tool calls on {c['n_tool_items']} tool items: reference {_pct(c['tool_call_valid_ref'])}, "

@@ -122,12 +122,11 @@ class Bfcl:
         entries, truth = self._graded(category)
         if item_id not in entries:
             raise RuntimeError(f"{category}: no entry {item_id!r}")
-        if tool_form == BFCL_PROMPT:
-            if not isinstance(result, str):
-                raise RuntimeError(f"{category} {item_id}: a prompting-mode answer is the model's text")
-            decoder, model = self.prompting_decoder, PROMPTING_CHECKER_MODEL
-        else:
-            decoder, model = self.decoder, CHECKER_MODEL
+        prompting = tool_form == BFCL_PROMPT
+        if prompting and not isinstance(result, str):
+            raise RuntimeError(f"{category} {item_id}: a prompting-mode answer is the model's text")
+        decoder = self.prompting_decoder if prompting else self.decoder
+        model = PROMPTING_CHECKER_MODEL if prompting else CHECKER_MODEL
         if category in IRRELEVANCE:
             r = self.runner._evaluate_single_relevance_entry(decoder, item_id, result, entries[item_id], model, category)
         else:
