@@ -297,17 +297,22 @@ def test_tool_support_is_detected_on_real_templates(tools_model):
             assert list(src.tool_support_by_template.values()) == [takes]  # probed once for the template
 
 
-def test_a_template_that_refuses_tools_has_no_tool_support_and_one_that_fails_bare_is_an_error(tmp_path):
+def test_a_template_that_refuses_tools_has_no_tool_support_and_one_that_fails_bare_is_an_error(tools_model, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
     from logitdiff.sources.hf import HFSource
     from logitdiff.sources.tool_form import source_takes_tools
-    from tests._models import make_tokenizer
 
-    for template, outcome in [("{% if tools %}{{ raise_exception('tools are not supported') }}{% endif %}"
-                               "{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
-                              ("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools | length }}", True),
-                              ("{{ messages[7]['content'] }}", "error")]:
-        d = tmp_path / str(abs(hash(template)))
-        tok = make_tokenizer(d, vocab_size=300)
+    for k, (template, outcome) in enumerate([
+            ("{% if tools %}{{ raise_exception('tools are not supported') }}{% endif %}"
+             "{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+            ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}{{ tools[0]['function']['name'] }}{% endif %}",
+             True),
+            ("{{ messages[7]['content'] }}", "error")]):
+        d = shutil.copytree(tools_model["no_tools"], tmp_path / str(k))
+        tok = AutoTokenizer.from_pretrained(str(d))
         tok.chat_template = template
         tok.save_pretrained(str(d))
         src = HFSource(str(d), tokenizer_only=True)
@@ -468,7 +473,8 @@ def test_a_run_on_a_template_without_tools_uses_and_states_the_plain_prompt(smol
     from logitdiff.contracts import ToolForm
 
     out = tmp_path / "out"
-    p = run_cli("run", "--reference", f"gguf:{SMOLLM2}", "--candidate", f"gguf:{smollm2_lower_quant}",
+    # threads=1: llama.cpp's threads wait on each other, which on a shared 2-core machine costs 30x
+    p = run_cli("run", "--reference", f"gguf:{SMOLLM2},threads=1", "--candidate", f"gguf:{smollm2_lower_quant},threads=1",
                 "--workload", "bfcl:simple_python:3", "--floor", "none", "--no-noise-floor", "--out", str(out),
                 env=dict(os.environ, COLUMNS="200"))
     assert p.returncode == 0, p.stderr[-3000:]
