@@ -479,7 +479,9 @@ def test_a_run_on_a_template_without_tools_uses_and_states_the_plain_prompt(smol
                 env=dict(os.environ, COLUMNS="200"))
     assert p.returncode == 0, p.stderr[-3000:]
     means = ToolForm.MEANS[ToolForm.BFCL_PROMPT]
-    assert f"functions shown to the model (3 benchmark items): {means}" in p.stdout, p.stdout
+    said = p.stdout + p.stderr  # the tables on stdout, the notes on the console (stderr)
+    assert f"functions shown to the model (3 benchmark items): {means}" in said, said[-3000:]
+    assert f"tool form: {means}" in " ".join(said.split())  # the stage line, as the choice is made
     (report_dir,) = (out / "reports").iterdir()
     report = json.loads((report_dir / "report.json").read_text())
     assert report["correctness"]["tool_forms"] == {ToolForm.BFCL_PROMPT: {"n": 3, "means": means}}
