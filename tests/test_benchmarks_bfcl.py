@@ -263,3 +263,230 @@ def test_each_budget_holds_the_longest_ground_truth_with_room():
         longest = max(len(vocab.tokenize(t.encode(), add_bos=False)) for t in bfcl_ground_truth(category).values())
         assert MAX_TOKENS[category] >= 1.4 * longest, (category, longest)
         assert read_workload(f"bfcl:{category}:1")[0].max_tokens == MAX_TOKENS[category]
+
+
+# ------------------------------------------------------------------------------------------
+# the form the functions reach the model in (contracts.ToolForm): the chat template's tools,
+# or BFCL's plain prompt where the template has no tool support
+
+
+needs_smollm2 = pytest.mark.skipif(not os.path.isfile(SMOLLM2), reason="SmolLM2 GGUF absent (scripts/setup.sh fetches it)")
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory):
+    """A tests/_models.py model whose template (the bundled tokenizer's) renders tools, and
+    one whose template (_models.CHAT_TEMPLATE) has no tool support."""
+    from tests._models import make_random_llama, make_wide_llama
+
+    root = tmp_path_factory.mktemp("tool_templates")
+    return {"tools": make_wide_llama(root / "tools", vocab_size=4096 + 8, hidden=32, layers=1),
+            "no_tools": make_random_llama(root / "no_tools", hidden=32, intermediate=64, layers=1, vocab_size=320)}
+
+
+@needs_smollm2
+def test_tool_support_is_detected_on_real_templates(tools_model):
+    from logitdiff.sources.registry import open_tokenizer
+    from logitdiff.sources.tool_form import source_takes_tools, takes_tools
+
+    for spec, takes in [(f"gguf:{SMOLLM2}", False), (f"hf:{tools_model['tools']}", True),
+                        (f"hf:{tools_model['no_tools']}", False)]:
+        with open_tokenizer(spec) as src:
+            assert takes_tools(src.render) is takes, spec
+            assert source_takes_tools(src) is takes and source_takes_tools(src) is takes
+            assert list(src.tool_support_by_template.values()) == [takes]  # probed once for the template
+
+
+def test_a_template_that_refuses_tools_has_no_tool_support_and_one_that_fails_bare_is_an_error(tools_model, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from logitdiff.sources.hf import HFSource
+    from logitdiff.sources.tool_form import source_takes_tools
+
+    for k, (template, outcome) in enumerate([
+            ("{% if tools %}{{ raise_exception('tools are not supported') }}{% endif %}"
+             "{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+            ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if tools %}{{ tools[0]['function']['name'] }}{% endif %}",
+             True),
+            ("{{ messages[7]['content'] }}", "error")]):
+        d = shutil.copytree(tools_model["no_tools"], tmp_path / str(k))
+        tok = AutoTokenizer.from_pretrained(str(d))
+        tok.chat_template = template
+        tok.save_pretrained(str(d))
+        src = HFSource(str(d), tokenizer_only=True)
+        if outcome == "error":
+            with pytest.raises(LogitdiffError, match="chat template of .* failed"):
+                source_takes_tools(src)
+        else:
+            assert source_takes_tools(src) is outcome, template
+
+
+def _bfcl_python(code: str, tmp_path) -> str:
+    """What the BFCL venv's own python prints for ``code`` (bfcl_eval imported there)."""
+    python = bfcl_venv() / "bin" / "python"
+    p = subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env=dict(os.environ, BFCL_PROJECT_ROOT=str(tmp_path)))
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+@needs_bfcl
+@needs_smollm2
+def test_the_plain_prompt_is_bfcls_own_text_rendered_by_the_template(tmp_path):
+    from logitdiff.contracts import ToolForm
+    from logitdiff.sources.registry import open_tokenizer
+    from logitdiff.sources.tool_form import in_source_tool_form
+    from logitdiff.workload.bfcl import in_tool_form
+
+    ids = {"simple_python": "simple_python_1", "parallel_multiple": "parallel_multiple_3", "irrelevance": "irrelevance_2"}
+    want = json.loads(_bfcl_python(
+        "import json\n"
+        "from bfcl_eval.utils import load_dataset_entry\n"
+        "from bfcl_eval.model_handler.utils import system_prompt_pre_processing_chat_model as pre\n"
+        "from bfcl_eval.constants.default_prompts import PROMPT_STYLE_TEMPLATES as T\n"
+        f"ids = {ids!r}\n"
+        "out = {'persona': T['classic']['persona'], 'task': T['classic']['task']}\n"
+        "for c, i in ids.items():\n"
+        "    e = next(x for x in load_dataset_entry(c, include_prereq=False) if x['id'] == i)\n"
+        "    out[i] = pre(e['question'][0], e['function'], e['id'])\n"
+        "print(json.dumps(out))", tmp_path))
+    with open_tokenizer(f"gguf:{SMOLLM2}") as src:
+        for category, entry in ids.items():
+            item = next(i for i in read_workload(f"bfcl:{category}:10") if i.id == entry)
+            (plain,), form = in_source_tool_form(src, [item])
+            assert form == ToolForm.BFCL_PROMPT
+            assert plain.messages == want[entry] and plain.tools is None
+            assert plain.expected == {"bfcl": {"category": category, "id": entry, "tool_form": ToolForm.BFCL_PROMPT}}
+            system = plain.messages[0]["content"]
+            assert plain.messages[0]["role"] == "system" and system.startswith(want["persona"] + want["task"])
+            assert all(t["function"]["name"].replace("_", ".") in system.replace("_", ".") for t in item.tools or [])
+            text = src.render_text(plain)  # SmolLM2's template: BFCL's system turn replaces its own
+            assert system in text and "You are a helpful AI assistant named SmolLM" not in text
+            assert in_tool_form(plain, ToolForm.BFCL_PROMPT) is plain  # a form is chosen once
+
+
+@needs_bfcl
+def test_a_template_that_takes_tools_keeps_the_chat_template_form(tools_model):
+    from logitdiff.contracts import ToolForm
+    from logitdiff.sources.registry import open_tokenizer
+    from logitdiff.sources.tool_form import in_source_tool_form
+
+    items = read_workload("bfcl:multiple:3")
+    with open_tokenizer(f"hf:{tools_model['tools']}") as src:
+        shown, form = in_source_tool_form(src, items)
+        assert form == ToolForm.CHAT_TEMPLATE
+        assert [(s.messages, s.tools) for s in shown] == [(i.messages, i.tools) for i in items]
+        assert all(s.expected["bfcl"]["tool_form"] == ToolForm.CHAT_TEMPLATE for s in shown)
+        assert all(t["function"]["name"] in src.tok.decode(src.render(s)) for s in shown for t in s.tools or [])
+    # a workload without benchmark items is not probed and not changed
+    plain = [Item.from_json({"id": "a", "messages": [{"role": "user", "content": "hi"}]})]
+    assert in_source_tool_form(None, plain) == (plain, None)
+
+
+@needs_bfcl
+@pytest.mark.parametrize("tool_form", ["chat_template", "bfcl_prompt"])
+@pytest.mark.parametrize("category", ["simple_python", "multiple", "parallel", "parallel_multiple", "live_simple",
+                                      "irrelevance"])
+def test_ground_truth_passes_in_each_form(category, tool_form):
+    result = check_ground_truth(f"bfcl:{category}:40", tool_form=tool_form)
+    assert result.n_items == 40 and result.failed == []
+
+
+@needs_bfcl
+def test_every_ground_truth_passes_in_the_plain_prompt_form():
+    from logitdiff.contracts import ToolForm
+
+    for category in CATEGORIES:
+        result = check_ground_truth(f"bfcl:{category}", tool_form=ToolForm.BFCL_PROMPT)
+        assert result.n_items == SIZES[category] and result.failed == [], (category, result.failed[:3])
+        assert [i for i, _ in result.unpassable] == UNPASSABLE.get(category, [])
+
+
+def _plain(category: str, n: int) -> list[tuple[Item, list[tuple[str, dict]]]]:
+    """Items in the plain-prompt form with their ground truth's calls to the functions' own names."""
+    from logitdiff.contracts import ToolForm
+    from logitdiff.workload.bfcl import in_tool_form
+
+    entries = {e["id"]: e for e in shared_bridge().items(category)}
+    out = []
+    for item, calls in _truth(category, n):
+        own = {tool: name for name, tool in entries[item.id]["names"].items()}
+        out.append((in_tool_form(item, ToolForm.BFCL_PROMPT), [(own.get(c, c), a) for c, a in calls]))
+    return out
+
+
+@needs_bfcl
+@pytest.mark.parametrize("category", ["simple_python", "multiple", "parallel", "parallel_multiple", "live_simple"])
+def test_plain_prompt_answers_are_decoded_and_checked_by_bfcl(category):
+    from logitdiff.workload.bfcl import python_calls
+
+    for item, calls in _plain(category, 8):
+        assert _bfcl_grade(item, python_calls(calls)).correct
+        assert _bfcl_grade(item, f"```\n{python_calls(calls)}\n```").correct  # BFCL's decoder strips the fence
+        name, args = calls[0]
+        wrong = _bfcl_grade(item, python_calls([(name + "_other", args)] + calls[1:]))
+        assert not wrong.correct and ("wrong_func_name" in wrong.detail or "cannot_find_match" in wrong.detail), wrong.detail
+        # the chat template's syntax is not the plain prompt's: BFCL's prompting decoder fails on it
+        hermes = _bfcl_grade(item, hermes_blocks(calls))
+        assert not hermes.correct and "ast_decoder:decoder_failed" in hermes.detail, hermes.detail
+        prose = _bfcl_grade(item, "The answer is 42.")
+        assert not prose.correct and "ast_decoder:decoder_failed" in prose.detail, prose.detail
+
+
+@needs_bfcl
+def test_plain_prompt_irrelevance_no_call_is_right_a_call_is_wrong():
+    from logitdiff.contracts import ToolForm
+    from logitdiff.workload.bfcl import in_tool_form, python_calls
+
+    for item in read_workload("bfcl:irrelevance:8"):
+        plain = in_tool_form(item, ToolForm.BFCL_PROMPT)
+        assert _bfcl_grade(plain, "I cannot answer that with the functions given.").correct
+        tool = (item.tools or [])[0]["function"]["name"]
+        g = _bfcl_grade(plain, python_calls([(tool, {})]))
+        assert not g.correct and "irrelevance_error:decoder_success" in g.detail, g.detail
+
+
+def test_a_bad_tool_form_in_a_label_is_one_line():
+    for bad in ("hermes", "", 3):
+        with pytest.raises(LogitdiffError, match="w: field 'expected.bfcl.tool_form' must be one of chat_template, bfcl_prompt"):
+            check_expected({"bfcl": {"category": "parallel", "id": "parallel_0", "tool_form": bad}}, "w")
+    assert check_expected({"bfcl": {"category": "parallel", "id": "parallel_0", "tool_form": "bfcl_prompt"}}, "w") == "bfcl"
+
+
+@pytest.fixture(scope="module")
+def smollm2_lower_quant(tmp_path_factory):
+    """SmolLM2 requantized to Q3_K_M with `logitdiff quantize` (its 576-wide rows fall back to
+    Q4_0/Q5_x: a lower quant than Q4_1 all the same)."""
+    out = tmp_path_factory.mktemp("smol") / "quants"
+    p = run_cli("quantize", SMOLLM2, "--types", "Q3_K_M", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out / "SmolLM2-135M-Instruct-Q3_K_M.gguf"
+
+
+@needs_bfcl
+@needs_smollm2
+def test_a_run_on_a_template_without_tools_uses_and_states_the_plain_prompt(smollm2_lower_quant, tmp_path):
+    import pyarrow.parquet as pq
+
+    from logitdiff.contracts import ToolForm
+
+    out = tmp_path / "out"
+    # threads=1: llama.cpp's threads wait on each other, which on a shared 2-core machine costs 30x
+    p = run_cli("run", "--reference", f"gguf:{SMOLLM2},threads=1", "--candidate", f"gguf:{smollm2_lower_quant},threads=1",
+                "--workload", "bfcl:simple_python:3", "--floor", "none", "--no-noise-floor", "--out", str(out),
+                env=dict(os.environ, COLUMNS="200"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    means = ToolForm.MEANS[ToolForm.BFCL_PROMPT]
+    said = p.stdout + p.stderr  # the tables on stdout, the notes on the console (stderr)
+    assert f"functions shown to the model (3 benchmark items): {means}" in said, said[-3000:]
+    assert f"tool form: {means}" in " ".join(said.split())  # the stage line, as the choice is made
+    (report_dir,) = (out / "reports").iterdir()
+    report = json.loads((report_dir / "report.json").read_text())
+    assert report["correctness"]["tool_forms"] == {ToolForm.BFCL_PROMPT: {"n": 3, "means": means}}
+    assert f"functions shown to the model (3 benchmark items): {means}" in (report_dir / "report.md").read_text()
+    rows = pq.read_table(report_dir / "correctness.parquet").to_pylist()
+    assert [r["tool_form"] for r in rows] == [ToolForm.BFCL_PROMPT] * 3
+    # graded by BFCL's prompting decoder: a detail is BFCL's (valid, or its error type), never the Hermes parser's
+    assert all(r["ref_detail"].startswith("BFCL") and "logitdiff's parser" not in r["ref_detail"] for r in rows), rows

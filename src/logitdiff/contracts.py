@@ -265,6 +265,18 @@ class PromptForm:
     ALL = (EVALPLUS_INSTRUCT, COMPLETION)
     MEANS = {EVALPLUS_INSTRUCT: "EvalPlus instruction prompt through the chat template, code from the answer's first fenced block",
              COMPLETION: "raw completion prompt (the benchmark's own form)"}
+class ToolForm:
+    """How a benchmark item's functions reached the model (``expected.bfcl.tool_form`` of an
+    item, ``tool_form`` of a correctness row, ``correctness.tool_forms`` of report.json).
+    Chosen per source by whether its chat template renders tools
+    (logitdiff.sources.tool_form); absent means CHAT_TEMPLATE (items made before the choice)."""
+
+    FIELD = "tool_form"
+    CHAT_TEMPLATE = "chat_template"  # messages + tools= to the template; answers parsed as Hermes <tool_call> blocks
+    BFCL_PROMPT = "bfcl_prompt"  # BFCL's prompting-mode system prompt with the function docs; BFCL's prompting decoder
+    ALL = (CHAT_TEMPLATE, BFCL_PROMPT)
+    MEANS = {CHAT_TEMPLATE: "tools via the chat template",
+             BFCL_PROMPT: "BFCL plain prompt (prompting mode), template has no tool support"}
 
 
 class MethodKind:
@@ -531,6 +543,8 @@ class Correctness(_CorrectnessBase, total=False):
     tool_call_truncated_cand: int
     # how HumanEval items were put to the model: PromptForm name -> {"n", "means"}
     prompt_forms: dict[str, dict[str, Any]]
+    # how the functions of benchmark items reached the model: ToolForm name -> {"n", "means"}
+    tool_forms: dict[str, dict[str, Any]]
 
 
 class _GateResultBase(TypedDict):

@@ -36,6 +36,7 @@ from ..errors import LogitdiffError, renamed_parameters
 from ..store.files import Kind, writing
 from ..sources import RowKind, Source, TopKRows, is_full, is_topk
 from ..sources.prompt_form import in_source_prompt_form, needs_prompt_form
+from ..sources.tool_form import in_source_tool_form, needs_tool_form
 from ..store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
 from ..store.kinds import AUTO, StoreKind, auto_kind, given_rows_kind, store_kind
 from ..workload import Item
@@ -244,6 +245,7 @@ def capture_reference(
     parse_positions(positions)
     kind = _store_for(source, store)
     items = in_source_prompt_form(source, items)[0]  # HumanEval as this source takes it (sources.prompt_form)
+    items = in_source_tool_form(source, items)[0]  # benchmark items as this template takes tools (sources.tool_form)
     # Render every item first: a prompt the source refuses (too long, bad template) is a
     # one-line error before any RUN file exists, not a half-written run.
     rendered = dict(zip((it.id for it in items), source.render_many(items)))
@@ -371,6 +373,18 @@ def items_in_prompt_form(reference: str, items: Sequence[Item]) -> tuple[list[It
         return list(items), None
     with open_tokenizer(reference) as src:
         return in_source_prompt_form(src, items)
+
+
+def items_in_tool_form(reference: str, items: Sequence[Item]) -> tuple[list[Item], str | None]:
+    """Benchmark items in the form the reference's chat template takes (sources.tool_form:
+    BFCL's plain prompt where the template has no tool support), and the ToolForm chosen
+    (None where no item needed one). The reference is opened tokenizer-only, and only then."""
+    from ..sources.registry import open_tokenizer
+
+    if not needs_tool_form(items):
+        return list(items), None
+    with open_tokenizer(reference) as src:
+        return in_source_tool_form(src, items)
 
 
 def preflight_tokenization(reference: str, candidates: Sequence[str], items: Sequence[Item]) -> None:

@@ -209,6 +209,9 @@ def print_flips(report: Report) -> None:
                   f"{j['agreement_text']}")
 
 
+TOOL_FORM_NOTE = "functions shown to the model"  # the note on correctness.tool_forms (contracts.ToolForm)
+
+
 def consequence_notes(report: Mapping[str, Any]) -> list[str]:
     """Warnings and notes a reader of the terminal needs: outputs cut by the budget, flips
     left out by the cap, changed answers without a branch, the reference's self-consistency
@@ -224,6 +227,8 @@ def consequence_notes(report: Mapping[str, Any]) -> list[str]:
     if c.get("n_labelled") and c.get("cut_cand", 0) * 2 > c["n_labelled"]:
         out.append(f"[yellow]warning:[/] {c['cut_cand']} of {c['n_labelled']} candidate answers hit the token budget "
                    f"({c.get('budget_tokens') or 'per item'} tokens): {c['truncated_cand']} graded 'truncated', not wrong")
+    for d in (c.get("tool_forms") or {}).values():
+        out.append(f"{TOOL_FORM_NOTE} ({d['n']} benchmark items): {d['means']}")
     lo = f.get("left_out") or {}
     if lo.get("n"):
         out.append(f"{lo['n']} selected flips in {lo['n_items']} items left out by --max-branches (listed in report.json flips.left_out)")

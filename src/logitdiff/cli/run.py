@@ -161,12 +161,14 @@ def _gates_exit(summary: RunSummary, con: Console) -> int:
 
 
 def _warn_cut(summary: RunSummary, con: Console) -> None:
-    """Warn when most outputs hit the token budget (from the candidates' report.json)."""
+    """Warn when most outputs hit the token budget, and say how benchmark items' functions
+    reached the model (ToolForm: the reference's template decides, the same for every
+    candidate; from the candidates' report.json), each line once."""
     from pathlib import Path
 
     from ..contracts import read_input_json
     from ..errors import LogitdiffError
-    from .flips import consequence_notes
+    from .flips import TOOL_FORM_NOTE, consequence_notes
 
     seen = set()
     for r in summary["candidates"]:
@@ -175,7 +177,7 @@ def _warn_cut(summary: RunSummary, con: Console) -> None:
         except LogitdiffError:
             continue
         for line in consequence_notes(report):
-            if line.startswith("[yellow]warning") and line not in seen:
+            if line.startswith(("[yellow]warning", TOOL_FORM_NOTE)) and line not in seen:
                 seen.add(line)
                 con.print(f"{r['name']}: {line}" if "candidate answers" in line else line)
 

@@ -96,18 +96,29 @@ def run_list(args) -> int:
 
 
 def run_check(args) -> int:
+    """Every ground truth through the grader; a benchmark shown in several tool forms
+    (ToolForm: BFCL's chat-template tools and its plain prompt) is checked in each, one line each."""
+    from ..contracts import ToolForm
     from ..flips.groundtruth import check_ground_truth
+    from ..workload.benchmarks import parse_benchmark
 
-    bar, advance = progress(None, f"grading {args.name}'s ground truth")
-    with bar:
-        result = check_ground_truth(args.name, progress=advance)
-    for item_id, why in result.failed:
-        console().print(f"[red]fail:[/] {item_id}: {why}", highlight=False, soft_wrap=True)
-    for item_id, why in result.unpassable:
-        console().print(f"[yellow]no answer can pass:[/] {item_id}: {why}", highlight=False, soft_wrap=True)
-    n, bad, none = result.n_items, len(result.failed), len(result.unpassable)
-    print(f"{args.name}: {n - bad - none} of {n - none} ground-truth answers pass the grader" + ("" if not bad else f"; {bad} fail")
-          + ("" if not none else f"; {none} more the benchmark's own data leaves no passing answer for (rejected, as it must)"))
+    parsed = parse_benchmark(args.name)
+    forms: tuple[str | None, ...] = (parsed[0].tool_forms if parsed else ()) or (None,)
+    bad = 0
+    for form in forms:
+        bar, advance = progress(None, f"grading {args.name}'s ground truth" + (f" ({ToolForm.MEANS[form]})" if form else ""))
+        with bar:
+            result = check_ground_truth(args.name, progress=advance, tool_form=form)
+        for item_id, why in result.failed:
+            console().print(f"[red]fail:[/] {item_id}: {why}", highlight=False, soft_wrap=True)
+        for item_id, why in result.unpassable:
+            console().print(f"[yellow]no answer can pass:[/] {item_id}: {why}", highlight=False, soft_wrap=True)
+        n, failed, none = result.n_items, len(result.failed), len(result.unpassable)
+        bad += failed
+        print(f"{args.name}: {n - failed - none} of {n - none} ground-truth answers pass the grader"
+              + ("" if not failed else f"; {failed} fail")
+              + ("" if not none else f"; {none} more the benchmark's own data leaves no passing answer for (rejected, as it must)")
+              + (f" [{ToolForm.MEANS[form]}]" if form else ""))
     return 1 if bad else 0
 
 

@@ -20,7 +20,7 @@ from ..capture import DEFAULT_MAX_TOKENS
 from ..contracts import Correctness, Flips, MethodKind, Report
 from ..defaults import DEFAULT_MAX_BRANCHES  # noqa: F401 (re-exported)
 from ..errors import LogitdiffError
-from ..contracts import CallVerdict, PromptForm, Verdict
+from ..contracts import CallVerdict, PromptForm, ToolForm, Verdict
 from . import MAX_DETOUR, MAX_SHIFT, MIN_RUN, Flip, classify, end_ratio, find_flips, reference_self_consistency, select_flips, summarize_branches
 from .grading import SimilarityPolicy, call_verdict, check_expected, grade, mcnemar_exact, paired_diff_ci, wilson_ci
 from .salient import is_code
@@ -485,6 +485,9 @@ def run_correctness(
         prompt_form = prompt_form_of(d["expected"])
         if prompt_form is not None:
             row[PromptForm.FIELD] = prompt_form
+        form = tool_form_of(d["expected"])
+        if form is not None:
+            row[ToolForm.FIELD] = form
         if tools:
             for side, txt, cut in (("ref", ref_text, ref_cut), ("cand", cand_text, cand_cut)):
                 v = call_verdict(txt, tools, truncated=cut)
@@ -559,6 +562,9 @@ def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
     prompt_forms = [r[PromptForm.FIELD] for r in rows if PromptForm.FIELD in r]
     if prompt_forms:
         sec["prompt_forms"] = {f: {"n": prompt_forms.count(f), "means": PromptForm.MEANS[f]} for f in PromptForm.ALL if f in prompt_forms}
+    forms = [r[ToolForm.FIELD] for r in rows if ToolForm.FIELD in r]
+    if forms:
+        sec["tool_forms"] = {f: {"n": forms.count(f), "means": ToolForm.MEANS[f]} for f in ToolForm.ALL if f in forms}
     sec["by_tag"] = dict(sorted(by_tag.items()))
     return sec
 
@@ -568,6 +574,11 @@ def prompt_form_of(expected: dict) -> str | None:
     before the choice: the completion form); None for any other label."""
     tests = expected.get("tests")
     return tests.get(PromptForm.FIELD, PromptForm.COMPLETION) if isinstance(tests, dict) else None
+def tool_form_of(expected: dict) -> str | None:
+    """The ToolForm a benchmark label says its item was shown in (a BFCL label without one was
+    made before the choice: the chat template's); None for any other label."""
+    label = expected.get("bfcl")
+    return label.get(ToolForm.FIELD, ToolForm.CHAT_TEMPLATE) if isinstance(label, dict) else None
 
 
 # --------------------------------------------------------------------------------------------

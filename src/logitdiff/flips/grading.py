@@ -14,8 +14,10 @@ An item's ``expected`` names exactly one check:
 * ``{"tests": {...}}``             the benchmark's test program passes (HumanEval; in its
                                    instruct form on the answer's first fenced code block);
 * ``{"bfcl": {"category", "id"}}`` BFCL's own checker accepts the output's tool calls (found
-                                   by :func:`parse_tool_calls`), or, in an irrelevance
-                                   category, finds no call (:func:`grade_bfcl`).
+                                   by :func:`parse_tool_calls`, or by BFCL's prompting
+                                   decoder where the label's ``tool_form`` is its plain
+                                   prompt), or, in an irrelevance category, finds no call
+                                   (:func:`grade_bfcl`).
 
 ``Grade.correct`` is the verdict and ``Grade.detail`` the one-line reason, so a report
 can say why an answer was marked wrong. An output that hit its token budget (``truncated``:
@@ -32,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..contracts import CallVerdict, PromptForm, Verdict
+from ..contracts import CallVerdict, PromptForm, ToolForm, Verdict
 from ..errors import LogitdiffError
 from ..workload.checks import CHECKS, check_expected, one_line  # noqa: F401 (the checks a label may name, re-read here)
 from ..numerics.summarize import item_bootstrap_ci
@@ -148,25 +150,31 @@ def grade_tests(tests: dict, prompt: str, output: str) -> Grade:
 
 def grade_bfcl(label: dict, output: str) -> Grade:
     """BFCL's own evaluation of one entry (eval_runner's, through the process's BFCL bridge:
-    logitdiff.workload.bfcl). The output's tool calls, parsed by :func:`parse_tool_calls`, go
-    in the form BFCL stores an OpenAI function-calling model's answer (``[{name:
-    arguments_json}]``), as the server's tool parser would hand them over; an output with no
-    call that parses goes as its text. The detail is BFCL's error type and text."""
+    logitdiff.workload.bfcl), in the label's tool form (ToolForm). Tools via the chat template:
+    the output's tool calls, parsed by :func:`parse_tool_calls`, go in the form BFCL stores an
+    OpenAI function-calling model's answer (``[{name: arguments_json}]``), as the server's tool
+    parser would hand them over; an output with no call that parses goes as its text. BFCL's
+    plain prompt: the output's text goes as it is, and BFCL's prompting decoder reads it. The
+    detail is BFCL's error type and text."""
     import json
 
     from ..workload.bfcl import shared_bridge
 
-    parsed = parse_tool_calls(output)
-    result: list[dict] | str = [{c.name: json.dumps(c.arguments)} for c in parsed.calls] if parsed.ok else output
-    r = shared_bridge().grade(label["category"], label["id"], result)
-    if r["valid"]:
-        detail = "BFCL: no function call, as it should be" if label["category"].endswith("irrelevance") else "BFCL: valid"
+    tool_form = label.get(ToolForm.FIELD, ToolForm.CHAT_TEMPLATE)
+    irrelevance = label["category"].endswith("irrelevance")
+    if tool_form == ToolForm.BFCL_PROMPT:
+        r = shared_bridge().grade(label["category"], label["id"], output, tool_form)
+        parser_note = ""
     else:
-        detail = f"BFCL {r['error_type']}: {one_line(' '.join(r['error']), 300)}"
-        if parsed.error:
-            detail += f" (logitdiff's parser: {parsed.error})"
-        elif not parsed.attempted:
-            detail += " (logitdiff's parser found no tool call in the output)"
+        parsed = parse_tool_calls(output)
+        result: list[dict] | str = [{c.name: json.dumps(c.arguments)} for c in parsed.calls] if parsed.ok else output
+        r = shared_bridge().grade(label["category"], label["id"], result, tool_form)
+        parser_note = (f" (logitdiff's parser: {parsed.error})" if parsed.error else
+                       "" if parsed.attempted else " (logitdiff's parser found no tool call in the output)")
+    if r["valid"]:
+        detail = "BFCL: no function call, as it should be" if irrelevance else "BFCL: valid"
+    else:
+        detail = f"BFCL {r['error_type']}: {one_line(' '.join(r['error']), 300)}" + parser_note
     return Grade("bfcl", bool(r["valid"]), detail, r.get("decoded"))
 
 

@@ -20,16 +20,25 @@ class GroundTruthCheck:
     unpassable: list[tuple[str, str]] = field(default_factory=list)
 
 
-def check_ground_truth(text: str, progress: Callable[[], None] | None = None) -> GroundTruthCheck:
+def check_ground_truth(text: str, progress: Callable[[], None] | None = None,
+                       tool_form: str | None = None) -> GroundTruthCheck:
     """Grade ``NAME[:N]``'s ground truth through the grader a model's answers take
     (flips.grading.grade): every item must pass, but those the benchmark's own data leaves no
-    passing answer for (``Benchmark.unpassable``), which must be rejected."""
+    passing answer for (``Benchmark.unpassable``), which must be rejected. ``tool_form``
+    (a benchmark with ``tool_forms``): the items in that form (ToolForm), the ground truth
+    written in its output syntax."""
     parsed = parse_benchmark(text)
     if parsed is None:
         raise LogitdiffError(f"{text}: not a benchmark (one of {', '.join(BENCHMARKS)})")
     bench, count = parsed
     items = bench.load()[:count] if count is not None else bench.load()
-    truth = bench.ground_truth()
+    if tool_form is None:
+        truth = bench.ground_truth()
+    elif tool_form not in bench.tool_forms or bench.in_tool_form is None or bench.ground_truth_in is None:
+        raise LogitdiffError(f"{text}: no tool form {tool_form!r} (its forms: {', '.join(bench.tool_forms) or 'none'})")
+    else:
+        items = [bench.in_tool_form(item, tool_form) for item in items]
+        truth = bench.ground_truth_in(tool_form)
     unpassable = bench.unpassable() if bench.unpassable else {}
     failed, rejected = [], []
     for item in items:

@@ -23,10 +23,10 @@ from typing import Any, Callable, cast
 
 import numpy as np
 
-from ..capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, items_in_prompt_form, preflight_tokenization
+from ..capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, items_in_prompt_form, items_in_tool_form, preflight_tokenization
 from ..compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from ..defaults import DEFAULT_MAX_BRANCHES
-from ..contracts import (SUMMARY_SCHEMA_VERSION, CandidateRow, CrossEngineFloor, NoiseFloor, Outcome, PromptForm, Report, RunSummary,
+from ..contracts import (SUMMARY_SCHEMA_VERSION, CandidateRow, CrossEngineFloor, NoiseFloor, Outcome, PromptForm, Report, RunSummary, ToolForm,
                          summary_json)
 from ..errors import LogitdiffError
 from ..contracts import RUN_SUMMARY_SCHEMA
@@ -243,6 +243,11 @@ def _run_opened(cfg: RunConfig, hooks: Hooks, wl_path: Path, items, names: list[
     items, prompt_form = items_in_prompt_form(cfg.reference, items)
     if prompt_form is not None:
         hooks.stage(f"HumanEval prompt form: {PromptForm.MEANS[prompt_form]}")
+    # benchmark items as the reference's template takes tools (BFCL's plain prompt where it has no tool support)
+    items, form = items_in_tool_form(cfg.reference, items)
+    if form is not None:
+        hooks.stage(f"tool form: {ToolForm.MEANS[form]} ({cfg.reference}'s chat template "
+                    f"{'renders' if form == ToolForm.CHAT_TEMPLATE else 'ignores'} tools)")
     wl_hash = workload_sha256(wl_path, items)  # a file's bytes; a benchmark's items
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

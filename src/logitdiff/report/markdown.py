@@ -284,6 +284,8 @@ def correctness_markdown(c: Correctness) -> str:
     )
     for d in (c.get("prompt_forms") or {}).values():
         out.append(f"- HumanEval prompt form ({d['n']} items): {d['means']}")
+    for form, d in (c.get("tool_forms") or {}).items():
+        out.append(f"- functions shown to the model ({d['n']} benchmark items): {d['means']}")
     if c.get("n_tool_items"):
         out.append(
             f"- schema-valid tool calls on {c['n_tool_items']} tool items: reference {_pct(c['tool_call_valid_ref'])}, "

@@ -28,7 +28,10 @@ the benchmark's 3 s limit. ``N`` takes the first N problems in the benchmark's o
 
 ``bfcl:CATEGORY[:N]`` (package ``bfcl-eval``, in its own venv: :mod:`logitdiff.workload.bfcl`):
 the Berkeley Function Calling Leaderboard's single-turn Python categories, graded by BFCL's
-own evaluation of an entry; ``N`` takes the first N entries in BFCL's file order.
+own evaluation of an entry; ``N`` takes the first N entries in BFCL's file order. An item is
+read in the chat-template form (messages, tools); a source whose template has no tool support
+shows it in BFCL's plain-prompt form instead (``Benchmark.in_tool_form``, chosen by
+logitdiff.sources.tool_form).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from pathlib import Path
 from functools import partial
 from typing import Callable
 
-from ..contracts import PromptForm
+from ..contracts import PromptForm, ToolForm
 from ..errors import LogitdiffError
 from .items import Item
 
@@ -65,6 +68,11 @@ class Benchmark:
     install_hint: str = "pip install 'logitdiff[bench]'"
     # item id -> why no answer can pass it, by the benchmark's own data and rules (BFCL has a few)
     unpassable: Callable[[], dict[str, str]] | None = None
+    # the ToolForms its items can be shown in (a source's template decides which), an item in a
+    # form, and the ground truth written in a form's output syntax (BFCL); none for others
+    tool_forms: tuple[str, ...] = ()
+    in_tool_form: Callable[[Item, str], Item] | None = None
+    ground_truth_in: Callable[[str], dict[str, str]] | None = None
 
 
 def _humaneval_file() -> Path:
@@ -147,7 +155,8 @@ def _bfcl_benchmarks() -> dict[str, Benchmark]:
                                    f"BFCL v4 {'user-contributed ' if c.startswith('live_') else ''}"
                                    f"{shapes[c.removeprefix('live_').removesuffix('_python')]}; BFCL's own checker",
                                    partial(bfcl_items, c), partial(bfcl.bfcl_ground_truth, c),
-                                   bfcl.bfcl_installed, f"bash {bfcl.SETUP}", partial(bfcl.bfcl_unpassable, c))
+                                   bfcl.bfcl_installed, f"bash {bfcl.SETUP}", partial(bfcl.bfcl_unpassable, c),
+                                   ToolForm.ALL, bfcl.in_tool_form, partial(bfcl.bfcl_ground_truth, c))
             for c in bfcl.CATEGORIES}
 
 

@@ -24,6 +24,7 @@ reply with no call. Four entries of BFCL's data admit no passing answer
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -33,8 +34,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..contracts import ToolForm
 from ..errors import LogitdiffError
 from .checks import BFCL_CATEGORIES
+from .items import Item
 
 # the single-turn Python categories; irrelevance ones are right when the model calls nothing
 CATEGORIES = BFCL_CATEGORIES
@@ -131,12 +134,14 @@ class BfclBridge:
             self._items[category] = self.request({"op": "load", "category": category}, f"loading bfcl:{category}")["items"]
         return self._items[category]
 
-    def grade(self, category: str, item_id: str, result: list[dict] | str) -> dict:
+    def grade(self, category: str, item_id: str, result: list[dict] | str, tool_form: str | None = None) -> dict:
         """BFCL's evaluation of one entry: ``result`` as BFCL stores an OpenAI function-calling
-        model's answer (``[{name: arguments_json}]``, or the reply's text when it called nothing)."""
+        model's answer (``[{name: arguments_json}]``, or the reply's text when it called nothing);
+        with ``tool_form`` ToolForm.BFCL_PROMPT, the text answer to BFCL's plain prompt, which
+        BFCL's prompting decoder reads."""
         check_category(category)
-        return self.request({"op": "grade", "category": category, "id": item_id, "result": result},
-                            f"grading bfcl:{category} item {item_id!r}")
+        return self.request({"op": "grade", "category": category, "id": item_id, "result": result,
+                             "tool_form": tool_form}, f"grading bfcl:{category} item {item_id!r}")
 
     def close(self) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -247,15 +252,51 @@ def hermes_blocks(calls: list[tuple[str, dict]]) -> str:
     return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
 
 
-def bfcl_ground_truth(category: str) -> dict[str, str]:
-    """Entry id -> its possible answer written as a model writes calls (see ground_truth_calls);
-    for irrelevance, a reply that calls nothing."""
+def python_calls(calls: list[tuple[str, dict]]) -> str:
+    """Calls in the syntax BFCL's default plain prompt asks for (``[func(a=1, b='x'), g()]``,
+    Python literals), which its prompting decoder parses."""
+    return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls) + "]"
+
+
+def bfcl_ground_truth(category: str, tool_form: str = ToolForm.CHAT_TEMPLATE) -> dict[str, str]:
+    """Entry id -> its possible answer written as a model writes calls in ``tool_form`` (see
+    ground_truth_calls): Hermes blocks to the tools' names for the chat template's tools,
+    BFCL's Python call list to the functions' own names for its plain prompt; for
+    irrelevance, a reply that calls nothing."""
     check_category(category)
     out = {}
     for e in shared_bridge().items(category):
-        out[e["id"]] = (NO_CALL_ANSWER if category in IRRELEVANCE
-                        else hermes_blocks(ground_truth_calls(e["ground_truth"], e["names"], e["tools"])[0]))
+        if category in IRRELEVANCE:
+            out[e["id"]] = NO_CALL_ANSWER
+            continue
+        calls = ground_truth_calls(e["ground_truth"], e["names"], e["tools"])[0]
+        if tool_form == ToolForm.BFCL_PROMPT:
+            own = {tool: name for name, tool in e["names"].items()}
+            out[e["id"]] = python_calls([(own.get(n, n), a) for n, a in calls])
+        else:
+            out[e["id"]] = hermes_blocks(calls)
     return out
+
+
+def in_tool_form(item: Item, tool_form: str) -> Item:
+    """A BFCL item as ``tool_form`` shows it to the model, the form written in its label
+    (``expected.bfcl.tool_form``, which tells the grader which of BFCL's decoders reads the
+    answer). CHAT_TEMPLATE: the item as read (messages, tools for the template's ``tools``).
+    BFCL_PROMPT: BFCL's prompting-mode first turn (``prompt_messages``, from BFCL's own code
+    across the bridge: its default system prompt with the function docs, then the question),
+    no ``tools``. An item in that form already, or one without a BFCL label, is returned as is."""
+    label = (item.expected or {}).get("bfcl")
+    if tool_form not in ToolForm.ALL:
+        raise LogitdiffError(f"item {item.id!r}: tool form {tool_form!r} is not one of {', '.join(ToolForm.ALL)}")
+    if not isinstance(label, dict) or ToolForm.FIELD in label:
+        return item
+    expected = {**(item.expected or {}), "bfcl": {**label, ToolForm.FIELD: tool_form}}
+    if tool_form == ToolForm.CHAT_TEMPLATE:
+        return dataclasses.replace(item, expected=expected)
+    entry = next((e for e in shared_bridge().items(label["category"]) if e["id"] == label["id"]), None)
+    if entry is None:
+        raise LogitdiffError(f"item {item.id!r}: BFCL has no entry {label['id']!r} in {label['category']}")
+    return dataclasses.replace(item, messages=entry["prompt_messages"], tools=None, expected=expected)
 
 
 def bfcl_unpassable(category: str) -> dict[str, str]:

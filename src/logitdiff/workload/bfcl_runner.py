@@ -6,25 +6,34 @@ stdin/stdout (one request, one reply). It imports nothing of logitdiff, and logi
 imports nothing of it; :mod:`logitdiff.workload.bfcl` starts it and speaks the protocol:
 
 ``{"op": "load", "category": C}``
-    -> ``{"ok": true, "items": [{"id", "messages", "tools", "ground_truth", "names"}]}``: the
+    -> ``{"ok": true, "items": [{"id", "messages", "tools", "prompt_messages", "ground_truth",
+    "names"}]}``: the
     category's entries as BFCL's generation step loads them (``load_dataset_entry``, with
     its language hint), ``messages`` the question's first turn, ``tools`` the functions
     through BFCL's own conversion for OpenAI function-calling models (``convert_to_tool``
     with ``GORILLA_TO_OPENAPI``, ``ModelStyle.OPENAI_COMPLETIONS``: ``dict`` -> ``object``,
-    ``float`` -> ``number``, ``.`` in names -> ``_``), ``ground_truth`` the possible
-    answer's list (None for irrelevance), ``names`` each function's name -> its tool's name.
-``{"op": "grade", "category": C, "id": ID, "result": R}``
+    ``float`` -> ``number``, ``.`` in names -> ``_``), ``prompt_messages`` the first turn as
+    BFCL's prompting mode sends it to a model without function calling (its OSS handler's
+    ``_pre_query_processing_prompting``: ``system_prompt_pre_processing_chat_model`` puts
+    BFCL's default system prompt, the function docs in its JSON doc format, first),
+    ``ground_truth`` the possible answer's list (None for irrelevance), ``names`` each
+    function's name -> its tool's name.
+``{"op": "grade", "category": C, "id": ID, "result": R, "tool_form": F}``
     -> ``{"ok": true, "valid": bool, "error": [str], "error_type": str, "decoded": ...}``:
     BFCL's own evaluation of one entry (``eval_runner._evaluate_single_ast_entry``, or
     ``_evaluate_single_relevance_entry`` for irrelevance), given ``R`` in the form BFCL
     stores an OpenAI function-calling model's result: ``[{name: arguments_json}]`` when the
     model called tools, its text otherwise. BFCL's OpenAI handler's ``decode_ast`` decodes
-    it, exactly as ``bfcl evaluate`` would.
+    it, exactly as ``bfcl evaluate`` would. With ``F`` = ``"bfcl_prompt"``, ``R`` is the
+    model's text answer to the prompting-mode prompt, decoded as BFCL's OSS (prompting)
+    handler decodes one (``default_decode_ast_prompting``), the checker set for a prompting
+    model (function names as BFCL wrote them, ``.`` kept).
 
 Anything that goes wrong answers ``{"ok": false, "error": one line}``. BFCL prints while
 importing, so the protocol uses a duplicate of the original stdout and fd 1 points at stderr.
 """
 
+import copy
 import json
 import os
 import sys
@@ -33,6 +42,10 @@ import traceback
 # the OpenAI function-calling model whose checker settings apply: tools offered with "." in
 # names turned to "_" (BFCL's convert_to_tool for OpenAI), so the checker must map them back
 CHECKER_MODEL = "gpt-4o-2024-11-20-FC"
+# a prompting-mode model served by BFCL's OSS handler, whose checker settings apply to answers
+# to the plain prompt: names as offered (no "_" -> "." mapping), BFCL's default prompting decoder
+PROMPTING_CHECKER_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+BFCL_PROMPT = "bfcl_prompt"  # logitdiff's contracts.ToolForm.BFCL_PROMPT (this file imports nothing of logitdiff)
 IRRELEVANCE = ("irrelevance", "live_irrelevance")
 
 
@@ -50,11 +63,17 @@ class Bfcl:
         from bfcl_eval.constants.type_mappings import GORILLA_TO_OPENAPI
         from bfcl_eval.eval_checker import eval_runner
         from bfcl_eval.model_handler.api_inference.openai_completion import OpenAICompletionsHandler
-        from bfcl_eval.model_handler.utils import convert_to_tool
+        from bfcl_eval.model_handler.local_inference.base_oss_handler import OSSHandler
+        from bfcl_eval.model_handler.utils import convert_to_tool, system_prompt_pre_processing_chat_model
         from bfcl_eval.utils import load_dataset_entry, load_ground_truth_entry
 
         if not MODEL_CONFIG_MAPPING[CHECKER_MODEL].underscore_to_dot:
             raise RuntimeError(f"{CHECKER_MODEL}: BFCL no longer maps '_' back to '.' for it")
+        prompting = MODEL_CONFIG_MAPPING[PROMPTING_CHECKER_MODEL]
+        if prompting.is_fc_model or prompting.underscore_to_dot or not issubclass(prompting.model_handler, OSSHandler) \
+                or prompting.model_handler.decode_ast is not OSSHandler.decode_ast:
+            raise RuntimeError(f"{PROMPTING_CHECKER_MODEL}: no longer a prompting model with BFCL's default decoder")
+        self.to_prompt = system_prompt_pre_processing_chat_model
         self.runner = eval_runner
         self.language, self.return_format = Language.PYTHON, ReturnFormat.PYTHON
         self.load_entries, self.load_truth = load_dataset_entry, load_ground_truth_entry
@@ -66,7 +85,14 @@ class Bfcl:
             is_fc_model = True
             decode_ast = OpenAICompletionsHandler.decode_ast
 
+        class PromptingDecoder:
+            """BFCL's OSS (prompting) handler's decode_ast, without the server client its constructor opens."""
+
+            is_fc_model = False
+            decode_ast = OSSHandler.decode_ast
+
         self.decoder = OpenAIFunctionCallingDecoder()
+        self.prompting_decoder = PromptingDecoder()
         self.graded = {}  # category -> ({id: the entry as the evaluator loads it}, {id: possible answer})
 
     def load(self, category):
@@ -77,7 +103,10 @@ class Bfcl:
             if e["id"] not in truth and category not in IRRELEVANCE:
                 raise RuntimeError(f"{category}: entry {e['id']!r} has no possible answer")
             tools = self.to_tools(e["function"])
-            items.append({"id": e["id"], "messages": e["question"][0], "tools": tools, "ground_truth": truth.get(e["id"]),
+            # as the OSS handler's _pre_query_processing_prompting does (it edits the entry in place: a copy)
+            prompt = self.to_prompt(copy.deepcopy(e["question"][0]), copy.deepcopy(e["function"]), e["id"])
+            items.append({"id": e["id"], "messages": e["question"][0], "tools": tools, "prompt_messages": prompt,
+                          "ground_truth": truth.get(e["id"]),
                           "names": {f["name"]: t["function"]["name"] for f, t in zip(e["function"], tools)}})
         return {"items": items}
 
@@ -89,16 +118,20 @@ class Bfcl:
             self.graded[category] = ({e["id"]: e for e in entries}, truth)
         return self.graded[category]
 
-    def grade(self, category, item_id, result):
+    def grade(self, category, item_id, result, tool_form=None):
         entries, truth = self._graded(category)
         if item_id not in entries:
             raise RuntimeError(f"{category}: no entry {item_id!r}")
+        prompting = tool_form == BFCL_PROMPT
+        if prompting and not isinstance(result, str):
+            raise RuntimeError(f"{category} {item_id}: a prompting-mode answer is the model's text")
+        decoder = self.prompting_decoder if prompting else self.decoder
+        model = PROMPTING_CHECKER_MODEL if prompting else CHECKER_MODEL
         if category in IRRELEVANCE:
-            r = self.runner._evaluate_single_relevance_entry(self.decoder, item_id, result, entries[item_id],
-                                                              CHECKER_MODEL, category)
+            r = self.runner._evaluate_single_relevance_entry(decoder, item_id, result, entries[item_id], model, category)
         else:
-            r = self.runner._evaluate_single_ast_entry(self.decoder, item_id, result, truth[item_id], entries[item_id],
-                                                        CHECKER_MODEL, category, language=self.language,
+            r = self.runner._evaluate_single_ast_entry(decoder, item_id, result, truth[item_id], entries[item_id],
+                                                        model, category, language=self.language,
                                                         return_format=self.return_format, has_tool_call_tag=False)
         decoded = r.get("model_result_decoded", r.get("decoded_result"))
         return {"valid": bool(r["valid"]), "error": [str(x) for x in r.get("error", [])],
@@ -122,7 +155,7 @@ def main():
             if req.get("op") == "load":
                 reply = bfcl.load(req["category"])
             elif req.get("op") == "grade":
-                reply = bfcl.grade(req["category"], req["id"], req["result"])
+                reply = bfcl.grade(req["category"], req["id"], req["result"], req.get("tool_form"))
             else:
                 raise RuntimeError(f"unknown op {req.get('op')!r}")
             reply["ok"] = True

@@ -12,7 +12,7 @@ from typing import Any
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
-from ..contracts import PromptForm
+from ..contracts import PromptForm, ToolForm
 from ..errors import LogitdiffError
 
 CHECKS = ("answer", "regex", "numeric", "tool_call", "tool_calls", "tests", "bfcl")
@@ -142,8 +142,9 @@ def _check_tests(tests: Any, where: str) -> None:
 
 
 def _check_bfcl(label: Any, where: str) -> None:
-    """``{"bfcl": {"category": str, "id": str}}``: an entry of the Berkeley Function Calling
-    Leaderboard, graded by BFCL's own checker (logitdiff.workload.bfcl)."""
+    """``{"bfcl": {"category": str, "id": str, "tool_form"?: ToolForm}}``: an entry of the
+    Berkeley Function Calling Leaderboard, graded by BFCL's own checker (logitdiff.workload.bfcl);
+    ``tool_form`` says which of BFCL's decoders reads the answer (absent: the chat template's)."""
     if not isinstance(label, dict):
         raise LogitdiffError(f"{where}: field 'expected.bfcl' must be an object")
     if label.get("category") not in BFCL_CATEGORIES:
@@ -151,3 +152,6 @@ def _check_bfcl(label: Any, where: str) -> None:
                              f"(got {one_line(repr(label.get('category')), 60)})")
     if not isinstance(label.get("id"), str) or not label["id"]:
         raise LogitdiffError(f"{where}: field 'expected.bfcl.id' must be the BFCL entry's id (a non-empty string)")
+    if ToolForm.FIELD in label and label[ToolForm.FIELD] not in ToolForm.ALL:
+        raise LogitdiffError(f"{where}: field 'expected.bfcl.{ToolForm.FIELD}' must be one of {', '.join(ToolForm.ALL)} "
+                             f"(got {one_line(repr(label[ToolForm.FIELD]), 60)})")
