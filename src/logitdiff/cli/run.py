@@ -196,11 +196,14 @@ def _consequence_cell(r: CandidateRow, name: str) -> str:
     """A cell of the consequence table: an outcome from the row's flip_outcomes, the two
     accuracies side by side, or the row's field."""
     from ..contracts import Outcome
-    from ..report.metric_registry import ACCURACY_PAIR
+    from ..report.metric_registry import ACCURACY_PAIR, ATTRIBUTED
+    from ..report.verdict import attributed_cell
 
     row = cast("dict[str, Any]", r)
     if name in Outcome.ALL:
         return str((row.get("flip_outcomes") or {}).get(name, "n/a"))
+    if name == ATTRIBUTED:
+        return attributed_cell(row.get(ATTRIBUTED))
     if name == ACCURACY_PAIR.name:
         ref, cand = row.get(ACCURACY_PAIR.ref), row.get(ACCURACY_PAIR.cand)
         return "n/a" if ref is None or cand is None else f"{_cell(ref, ACCURACY_PAIR.ref)} → {_cell(cand, ACCURACY_PAIR.cand)}"
@@ -250,8 +253,10 @@ def print_run_summary(summary: RunSummary) -> None:
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
         t2 = Table(title="what the drift does: branches from top-1 flips, and free-running answers")
         t2.add_column("candidate", justify="left", min_width=width, overflow="fold")
+        from ..pipeline import accuracy_measure
+
         for name in CONSEQUENCE_TABLE:
-            t2.add_column(header(name), justify="right")
+            t2.add_column(header(name, accuracy_measure(summary["candidates"])), justify="right")
         for r, label in zip(summary["candidates"], shown):
             t2.add_row(label, *(_consequence_cell(r, name) for name in CONSEQUENCE_TABLE))
         con.print(t2)
@@ -264,7 +269,9 @@ def _row_as_report(r: CandidateRow) -> dict[str, Any]:
     if "flip_outcomes" in r:
         rep["flips"] = {"n_branches": r.get("flip_branches"), "outcomes": r["flip_outcomes"]}
     if r.get("accuracy_cand") is not None:
-        rep["correctness"] = {k: r.get(k) for k in ("accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p")}
+        rep["correctness"] = {k: r.get(k) for k in ("accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p",
+                                                    "right_to_truncated", "accuracy_ref_ci", "accuracy_cand_ci", "attributed")}
+        rep["correctness"]["measure"] = r.get("correctness_measure")
     return rep
 
 
