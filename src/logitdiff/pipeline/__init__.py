@@ -530,8 +530,8 @@ def _consequence_cols(report: Report) -> dict:
         out.update(
             accuracy_ref=c["accuracy_ref"], accuracy_cand=c["accuracy_cand"], right_to_wrong=c["right_to_wrong"],
             wrong_to_right=c["wrong_to_right"], mcnemar_p=c["mcnemar_p"], tool_call_valid_cand=c.get("tool_call_valid_cand"),
-            right_to_truncated=c.get("right_to_truncated", 0), accuracy_ref_ci=c["accuracy_ref_ci"],
-            accuracy_cand_ci=c["accuracy_cand_ci"], correctness_measure=c.get("measure", Measure.ACCURACY),
+            right_to_truncated=c.get("right_to_truncated", 0), accuracy_ref_ci=c.get("accuracy_ref_ci", [None, None]),
+            accuracy_cand_ci=c.get("accuracy_cand_ci", [None, None]), correctness_measure=c.get("measure", Measure.ACCURACY),
         )
         if "attributed" in c:
             out["attributed"] = c["attributed"]
