@@ -101,3 +101,11 @@ def test_a_run_on_humaneval_grades_with_the_benchmarks_program(tmp_path):
     assert len(rows) == 2 and {r["check"] for r in rows if "check" in r} <= {"tests"}
     # a 6-token completion of a tiny model passes no tests: cut by the budget, graded truncated
     assert all(r.get("ref_verdict", r.get("verdict_ref")) in ("truncated", "wrong") for r in rows), rows
+    # a benchmark graded by its own tests: its share of right answers is a pass rate, on every surface
+    rep = json.loads((tmp_path / "out" / "reports" / "tiny-Q8_0" / "report.json").read_text())
+    assert rep["correctness"]["measure"] == "pass rate" and rep["correctness"]["benchmark"] == "humaneval"
+    assert "free-running pass rate 0.0 %" in (tmp_path / "out" / "reports" / "tiny-Q8_0" / "report.md").read_text()
+    assert "free-running pass rate 0.0 %" in " ".join(p.stdout.split())
+    assert "| pass rate (reference → candidate) |" in (tmp_path / "out" / "summary.md").read_text()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["candidates"][0]["correctness_measure"] == "pass rate"

@@ -293,7 +293,7 @@ def attribution_markdown(c: Mapping[str, Any]) -> str:
             flip = (f"{f['position']} | {_one_line(repr(f['ref_token']), 20)} → {_one_line(repr(f['cand_token']), 20)} | "
                     f"{_f(f['p_ref'], 3)} / {_f(f['p_cand'], 3)} | {_f(f['margin_ref'], 3)} | {_f(f['kl_nats'], 3)}")
         else:
-            flip = f"— | {r.get('no_flip') or 'no teacher-forced flip on this item'} | | |"
+            flip = f"— | {r.get('no_flip') or 'no teacher-forced flip on this item'} | | | "
         part = {True: "yes", False: f"no (at {r.get('first_divergence')})", None: "n/a"}[r.get("divergence_at_first_flip")]
         branch = (f"{b['outcome']} at {b['position']}" + ("" if b.get("at_first_flip") else " (another flip of the item)")
                   + (f", {b['decided_by']}" if b.get("decided_by") else "")) if b else ""
