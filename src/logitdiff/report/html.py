@@ -91,7 +91,7 @@ CI_OF = {
 }
 # The labelled-items part of the consequences table: (key = correctness.KEY, header, tooltip, format).
 CORRECTNESS = tuple((k, h, t, f) for k, h, t, _, f in (_col(n) for n in (
-    "accuracy_ref", "accuracy_cand", "right_to_wrong", "right_to_truncated", "wrong_to_right", "mcnemar_p", "tool_call_valid_cand")))
+    "accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p", "tool_call_valid_cand")))
 # The consequences table (what the drift does), flips part: (key, header, tooltip, report.json path, format).
 FLIP_COLUMNS = tuple(_col(n, paths=False) for n in ("flips", "flip_branches", *Outcome.ALL, "flip_ties"))
 # Fields other parts of logitdiff add to report.json from schema 1.2 on, shown when a report
