@@ -112,6 +112,14 @@ def test_a_run_on_humaneval_grades_with_the_benchmarks_program(tmp_path):
     report = json.loads((tmp_path / "out" / "reports" / "tiny-Q8_0" / "report.json").read_text())
     assert report["correctness"]["prompt_forms"] == {form: {"n": 2, "means": PromptForm.MEANS[form]}}
     assert f"HumanEval prompt form (2 items): {PromptForm.MEANS[form]}" in (tmp_path / "out" / "reports" / "tiny-Q8_0" / "report.md").read_text()
+    # a benchmark graded by its own tests: its share of right answers is a pass rate, on every surface
+    rep = json.loads((tmp_path / "out" / "reports" / "tiny-Q8_0" / "report.json").read_text())
+    assert rep["correctness"]["measure"] == "pass rate" and rep["correctness"]["benchmark"] == "humaneval"
+    assert "free-running pass rate 0.0 %" in (tmp_path / "out" / "reports" / "tiny-Q8_0" / "report.md").read_text()
+    assert "free-running pass rate 0.0 %" in " ".join(p.stdout.split())
+    assert "| pass rate (reference → candidate) |" in (tmp_path / "out" / "summary.md").read_text()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["candidates"][0]["correctness_measure"] == "pass rate"
 
 
 # ---- the instruct form (EvalPlus's chat prompt, code from the answer's fenced block) ----------

@@ -41,6 +41,7 @@ REAL = {
         "n_labelled": 40, "accuracy_ref": 0.65, "accuracy_cand": 0.575, "accuracy_diff": -0.07500000000000007, "right_to_wrong": 5,
         "wrong_to_right": 2, "mcnemar_p": 0.453125, "tool_call_valid_ref": 0.6666666666666666, "tool_call_valid_cand": 0.6666666666666666,
         "n_tool_items": 12,
+        "right_to_truncated": 0,  # (not in the excerpt this was trimmed from: set to 0 here, read back as 0 below)
     },
 }
 
@@ -53,7 +54,7 @@ EXPECTED = {
     "tool_call_malformed_rate": 0.0, "tool_call_changed_rate": 0.041666666666666664,
     **{name: None for o in ("answer_same", "tests_passed", "diverged", "answer_changed", "tests_failed") for name in (o, f"{o}_rate")},
     "accuracy_ref": 0.65, "accuracy_cand": 0.575, "accuracy_drop": 0.075, "right_to_wrong": 5, "wrong_to_right": 2,
-    "tool_call_valid_cand": 0.6666666666666666,
+    "right_to_truncated": 0, "tool_call_valid_cand": 0.6666666666666666,
 }
 
 

@@ -539,7 +539,7 @@ def test_verdict_line_per_candidate_first(ladder):
     assert "within 2× of the engine change" not in plain["tiny-Q8_0"]
     for n, text in plain.items():
         assert "1 of 6 counterfactual branches (the candidate's token forced at a flip) with a bad verdict: meaning changed (judged by test:judge) 1; 1 of 2 changed answers have no branched flip (listed on the page)" in text, n
-        assert "free-running accuracy 75.0 % → 50.0 % (4 labelled): 2 right→wrong, 1 wrong→right, McNemar p = 1 (not significant)" in text
+        assert "free-running accuracy 75.0 % [25.0–100.0 %] → 50.0 % [0.0–100.0 %] (4 labelled): 2 right→wrong, 1 wrong→right, McNemar p = 1 (not significant)" in text, text
         assert "valid tool calls 91.7 % (reference 100.0 %)" in text and "2 outputs cut at the token budget" in text
         assert "gates crossed: kl_mean>0.0001" in text and "not evaluated" not in text.split("gates crossed")[0]
     # the same words as report.verdict, from the same numbers
@@ -552,8 +552,12 @@ def test_significance_is_said(ladder):
     c = dict(ladder["reports"]["q4"]["correctness"], right_to_wrong=9, wrong_to_right=0, mcnemar_p=0.0039, accuracy_cand=0.3)
     sev, text = answers_part({"correctness": c})
     assert sev == "bad" and "McNemar p = 0.0039 (significant)" in text
-    sev, text = answers_part({"correctness": dict(c, right_to_wrong=0, wrong_to_right=0, accuracy_cand=0.75)})
+    sev, text = answers_part({"correctness": dict(c, right_to_wrong=0, wrong_to_right=0, accuracy_cand=0.75, items_right_to_wrong=[],
+                                                  items_wrong_to_right=[])})
     assert sev == "ok" and text.endswith("no answer changed")
+    # counts of 0 beside items listed: the listed items are the changes said (never "no answer changed" beside them)
+    sev, text = answers_part({"correctness": dict(c, right_to_wrong=0, wrong_to_right=0, accuracy_cand=0.75, mcnemar_p=1.0)})
+    assert sev == "warn" and "2 right→wrong, 1 wrong→right" in text and "no answer changed" not in text
 
 
 def test_one_name_per_column_everywhere(ladder, capsys, monkeypatch):
@@ -592,7 +596,7 @@ def test_one_name_per_column_everywhere(ladder, capsys, monkeypatch):
         assert name in terminal, key
     # the summary tables' columns are the registry's, under the registry's headers: no second table of names
     assert not hasattr(contracts, "Column")
-    assert set(DRIFT_TABLE) | (set(CONSEQUENCE_TABLE) - {"accuracy"}) <= set(METRICS)
+    assert set(DRIFT_TABLE) | (set(CONSEQUENCE_TABLE) - {"accuracy", "attributed"}) <= set(METRICS)
     # of the outcome columns, those that occur in some row (ten would not fit); none of a judge's without one
     shown = consequence_columns([row])
     assert [k for k in shown if k in Outcome.ALL] == ["recovered", "diverged", "answer_changed"]
@@ -1046,7 +1050,9 @@ def test_verdict_calls_branches_counterfactual_on_page_and_terminal(ladder, outc
     r["flips"]["n_branches"] = n
     r["flips"]["outcomes"] = {o: outcomes.get(o, 0) for o in (Outcome.ALL if judge else Outcome.RULE)}
     r["flips"]["meaning_judged_by"] = judge
-    r["correctness"] |= {"accuracy_ref": 0.75, "accuracy_cand": 0.75, "right_to_wrong": 0, "wrong_to_right": 0, "mcnemar_p": 1.0}
+    r["correctness"] |= {"accuracy_ref": 0.75, "accuracy_cand": 0.75, "right_to_wrong": 0, "wrong_to_right": 0, "mcnemar_p": 1.0,
+                         "items_right_to_wrong": [], "items_wrong_to_right": [], "attribution": [],
+                         "attributed": {"n": 0, "with_flip": 0, "divergence_at_first_flip": 0, "branched": 0, "outcomes": {}}}
     page = render_html([r], [None], paths=[ladder["dirs"][1]])
     li = re.search(r'<li data-name="[^"]+"><code>[^<]+</code> (.*?)</li>', page, re.S).group(1)
     on_page = htmlmod.unescape(re.sub(r"<[^>]+>", "", li))
@@ -1059,7 +1065,9 @@ def test_verdict_calls_branches_counterfactual_on_page_and_terminal(ladder, outc
     for text in (on_page, in_terminal):
         assert want.format(B="counterfactual branches (the candidate's token forced at a flip)") in text, text
         # (the terminal reads summary.json, whose rows do not carry the labelled count)
-        assert re.search(r"free-running accuracy 75\.0 % → 75\.0 %( \(4 labelled\))?: no answer changed", text), text
+        # (nor the accuracies' CIs)
+        assert re.search(r"free-running accuracy 75\.0 %( \[25\.0–100\.0 %\])? → 75\.0 %( \[0\.0–100\.0 %\])?( \(4 labelled\))?: "
+                         r"no answer changed", text), text
         assert not re.search(r"\d+ of \d+ branches", text) and not re.search(r"(?<!free-running )accuracy \d", text), text
 
 

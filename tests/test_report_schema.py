@@ -72,6 +72,11 @@ SECTIONS = [
     (C.Flips, "report", "$defs/flips"),
     (C.FlipTies, "report", "$defs/flips/properties/ties"),
     (C.Correctness, "report", "$defs/correctness"),
+    (C.Attribution, "report", "$defs/attribution"),
+    (C.FirstFlip, "report", "$defs/first_flip"),
+    (C.AttributedBranch, "report", "$defs/attributed_branch"),
+    (C.AttributedCounts, "report", "$defs/attributed_counts"),
+    (C.AttributedCounts, "summary", "$defs/attributed_counts"),
     (C.Gates, "report", "$defs/gates"),
     (C.GateResult, "report", "$defs/gate_result"),
     (C.Tool, "report", "properties/tool"),
@@ -216,7 +221,7 @@ def test_update_report_dir_is_all_or_nothing(written, tmp_path):
 def test_load_report_accepts_older_minor_and_refuses_other_major_or_kind(written, tmp_path):
     out, _ = written
     doc = json.loads((out / "report.json").read_text())
-    assert doc["schema"] == C.REPORT_SCHEMA == "logitdiff.report/2" and doc["schema_version"] == C.SCHEMA_VERSION == "2.1"
+    assert doc["schema"] == C.REPORT_SCHEMA == "logitdiff.report/2" and doc["schema_version"] == C.SCHEMA_VERSION == "2.2"
     p = tmp_path / "report.json"
     # schema_version's MAJOR must be the one in `schema` (2 here): 2.x is read, 1.x under /2 and 3.x are not
     for ver, ok in (("2.0", True), ("2.7", True), ("1.2", False), ("3.0", False), ("11.0", False)):
@@ -450,9 +455,12 @@ def test_a_schema_1_report_is_read_as_2_0_with_every_value_kept(monkeypatch):
     assert "baseline" not in json.dumps(doc)  # no key (nor value) of the old name is left
     # its flips were classified before 2.1: said so, their counts as they were
     assert doc["flips"].pop("meaning_judged_by") == C.OLD_CLASSIFIER
-    # every value as it was, under the new keys, in the same order
-    assert {k: v for k, v in doc.items() if k not in ("schema", "schema_version")} == {
-        k: v for k, v in _renamed(raw).items() if k not in ("schema", "schema_version")}
+    # every value as it was, under the new keys, in the same order; the correctness section
+    # gains its 2.2 attribution (this report's answers did not change: no record, counts 0)
+    added = {"attribution": [], "attributed": {"n": 0, "with_flip": 0, "divergence_at_first_flip": 0, "branched": 0, "outcomes": {}}}
+    assert doc["correctness"] == {**raw["correctness"], **added}
+    assert {k: v for k, v in doc.items() if k not in ("schema", "schema_version", "correctness")} == {
+        k: v for k, v in _renamed(raw).items() if k not in ("schema", "schema_version", "correctness")}
     doc["flips"]["meaning_judged_by"] = C.OLD_CLASSIFIER
     assert list(doc) == list(_renamed(raw))
     assert list(doc["summary"]) == list(_renamed(raw["summary"])) and list(doc["rows"][0]) == list(_renamed(raw["rows"][0]))

@@ -161,11 +161,12 @@ QUANTIZE_SCHEMA = "logitdiff.quantize/1"
 HTML_GENERATOR_META = '<meta name="generator" content="logitdiff">'
 HTML_DATA_SCHEMA = "logitdiff.html-data/1"
 
-SCHEMA_VERSION = "2.1"  # MAJOR.MINOR of report.json; MAJOR matches REPORT_SCHEMA's "/2"
-# 2.1: flip classes decided by rules only (Outcome.RULE), flips.meaning_judged_by
+SCHEMA_VERSION = "2.2"  # MAJOR.MINOR of report.json; MAJOR matches REPORT_SCHEMA's "/2"
+# 2.1: flip classes decided by rules only (Outcome.RULE), flips.meaning_judged_by; 2.2: correctness.attribution
 # MAJOR.MINOR of summary.json, MAJOR matching RUN_SUMMARY_SCHEMA's "/1": the rename of report.json 2.0
 # (baseline -> reference) left summary.json as it was (its reference was always "reference")
-SUMMARY_SCHEMA_VERSION = "1.4"  # 1.3: cross_engine_floor_rule; 1.4: rule-decided flip outcomes, flip_meaning_judged_by
+SUMMARY_SCHEMA_VERSION = "1.5"  # 1.3: cross_engine_floor_rule; 1.4: rule-decided flip outcomes, flip_meaning_judged_by;
+# 1.5: right_to_truncated, accuracy CIs, measure, attributed
 VALIDATE_ENV = "LOGITDIFF_VALIDATE_OUTPUTS"  # set (non-empty, not "0"): writers validate against the schema
 SCHEMA_DIR = Path(__file__).with_name("schemas")
 SPECULATION_SCHEMA_VERSION = "1.2"  # MAJOR.MINOR of a `logitdiff speculate` report.json (logitdiff.speculation/1)
@@ -241,6 +242,32 @@ class Verdict:
     # could finish, which says nothing about whether the model would have been wrong
     TRUNCATED = "truncated"
     ALL = (RIGHT, WRONG, TRUNCATED)
+
+
+class AnswerChange:
+    """Which way one labelled item's free-running answer changed, reference -> candidate
+    (consequences.correctness_section). Right -> truncated (the candidate's output cut at the
+    token budget, not right) is an answer that changed, as right -> wrong is."""
+
+    RIGHT_TO_WRONG = "right_to_wrong"
+    RIGHT_TO_TRUNCATED = "right_to_truncated"
+    WRONG_TO_RIGHT = "wrong_to_right"
+    ALL = (RIGHT_TO_WRONG, RIGHT_TO_TRUNCATED, WRONG_TO_RIGHT)
+    ARROW = {RIGHT_TO_WRONG: "right→wrong", RIGHT_TO_TRUNCATED: "right→truncated", WRONG_TO_RIGHT: "wrong→right"}
+    # the correctness fields holding each direction's count and item list
+    COUNT_FIELD = {RIGHT_TO_WRONG: "right_to_wrong", RIGHT_TO_TRUNCATED: "right_to_truncated", WRONG_TO_RIGHT: "wrong_to_right"}
+    ITEMS_FIELD = {RIGHT_TO_WRONG: "items_right_to_wrong", RIGHT_TO_TRUNCATED: "items_right_to_truncated",
+                   WRONG_TO_RIGHT: "items_wrong_to_right"}
+
+
+class Measure:
+    """What the share of right answers is called (``correctness.measure``): a benchmark
+    graded by its own tests or checker (``--workload humaneval:N``, ``bfcl:CATEGORY:N``: the
+    reference RUN's workload names one) has a pass rate, any other labelled workload an accuracy."""
+
+    ACCURACY = "accuracy"
+    PASS_RATE = "pass rate"
+    ALL = (ACCURACY, PASS_RATE)
 
 
 class CallVerdict:
@@ -527,6 +554,54 @@ class _CorrectnessBase(TypedDict):
     by_tag: dict[str, dict[str, Any]]
 
 
+class FirstFlip(TypedDict):
+    """The first teacher-forced top-1 flip on an item (flips.find_flips; a tie at the
+    reference, flips.is_tie, is not a flip): tokens.parquet's figures at that position."""
+
+    position: int
+    ref_token_id: int
+    cand_token_id: int
+    ref_token: str
+    cand_token: str
+    p_ref: float | None  # the reference's probability of its own top-1 (null: not stored)
+    p_cand: float | None  # the candidate's probability of its own top-1
+    margin_ref: float
+    kl_nats: float
+
+
+class AttributedBranch(TypedDict):
+    """The branch the flips stage took on the item (flips.parquet row: item_id + position)."""
+
+    position: int
+    outcome: str
+    decided_by: str
+    at_first_flip: bool | None  # false: the branch is at another of the item's flips (the one behind the divergence); null: not recorded
+
+
+class Attribution(TypedDict):
+    """One labelled item whose free-running answer changed (an AnswerChange), linked to the first
+    teacher-forced top-1 flip on it and the branch taken there (schema 2.2)."""
+
+    item_id: str
+    direction: str  # AnswerChange.ALL
+    first_flip: FirstFlip | None
+    no_flip: str | None  # why first_flip is null (no flip on the item, only ties, not recorded)
+    first_divergence: int | None  # where the two free-running outputs first differ (output position)
+    divergence_at_first_flip: bool | None  # the outputs part at that flip (null: no flip or no divergence)
+    branch: AttributedBranch | None
+    not_branched: str | None  # why the first flip has no branch (null: it has one)
+
+
+class AttributedCounts(TypedDict):
+    """The attribution records counted (:func:`attributed_counts`): every surface prints these."""
+
+    n: int  # items whose answer changed (right->wrong + right->truncated + wrong->right)
+    with_flip: int | None  # of them, with a teacher-forced flip (null: not recorded, a migrated report)
+    divergence_at_first_flip: int | None  # of them, whose free-running outputs part at that flip
+    branched: int  # of them, with a branch taken on the item
+    outcomes: dict[str, int]  # the branches' outcomes
+
+
 class Correctness(_CorrectnessBase, total=False):
     tool_call_valid_ref: float
     tool_call_valid_cand: float
@@ -545,6 +620,12 @@ class Correctness(_CorrectnessBase, total=False):
     prompt_forms: dict[str, dict[str, Any]]
     # how the functions of benchmark items reached the model: ToolForm name -> {"n", "means"}
     tool_forms: dict[str, dict[str, Any]]
+    # schema 2.2: what the share of right answers is called (Measure), and the benchmark behind it
+    measure: str
+    benchmark: str | None
+    # schema 2.2: each changed answer linked to its first teacher-forced flip and branch, and the counts
+    attribution: list[Attribution]
+    attributed: AttributedCounts
 
 
 class _GateResultBase(TypedDict):
@@ -663,6 +744,11 @@ class CandidateRow(_CandidateRowBase, total=False):
     wrong_to_right: int
     mcnemar_p: float | None
     tool_call_valid_cand: float | None
+    right_to_truncated: int  # 1.4
+    accuracy_ref_ci: list[float | None]  # 1.4
+    accuracy_cand_ci: list[float | None]  # 1.4
+    correctness_measure: str  # 1.4: Measure
+    attributed: AttributedCounts  # 1.4
     gates_crossed: list[str]
     gates_not_evaluated: list[str]
     x_served_floor: float | None  # 1.2
@@ -921,18 +1007,66 @@ def migrate_columns(columns: dict[str, Any]) -> dict[str, Any]:
 OLD_CLASSIFIER = "logitdiff's classifier before report 2.1 (similarity and salient checks, not a judge)"
 
 
+def attributed_counts(records: list[Attribution]) -> AttributedCounts:
+    """The attribution records counted: how many changed answers have a teacher-forced flip,
+    part there, have a branch, and the branches' outcomes (the one count every surface prints)."""
+    recorded = not any(r["no_flip"] == NOT_RECORDED for r in records)
+    outcomes: dict[str, int] = {}
+    for r in records:
+        if r["branch"] is not None:
+            outcomes[r["branch"]["outcome"]] = outcomes.get(r["branch"]["outcome"], 0) + 1
+    return {
+        "n": len(records),
+        "with_flip": sum(r["first_flip"] is not None for r in records) if recorded else None,
+        "divergence_at_first_flip": sum(bool(r["divergence_at_first_flip"]) for r in records) if recorded else None,
+        "branched": sum(r["branch"] is not None for r in records),
+        "outcomes": dict(sorted(outcomes.items())),
+    }
+
+
+# no_flip of an attribution record migrated from a report written before schema 2.2
+NOT_RECORDED = "not recorded: the report predates schema 2.2 (logitdiff flips REPORT/ records the flip)"
+
+
+def _migrate_attribution(doc: dict) -> None:
+    """A report before 2.2 with a correctness section: one record per changed answer from its
+    item lists, its branch from flips.changed_items where that lists one; the flip itself is not
+    recorded in such a report (NOT_RECORDED), and nothing is guessed."""
+    c = doc.get("correctness")
+    if not isinstance(c, dict) or "attribution" in c:
+        return
+    listed = {x.get("item_id"): x for x in (doc.get("flips") or {}).get("changed_items") or [] if isinstance(x, dict)}
+    records: list[Attribution] = []
+    for direction in AnswerChange.ALL:
+        for iid in c.get(AnswerChange.ITEMS_FIELD[direction]) or []:
+            x = listed.get(iid) or {}
+            branch: AttributedBranch | None = None
+            if x.get("branched"):
+                branch = {"position": x["position"], "outcome": x["outcome"], "decided_by": "", "at_first_flip": None}
+            records.append({"item_id": iid, "direction": direction, "first_flip": None, "no_flip": NOT_RECORDED,
+                            "first_divergence": None, "divergence_at_first_flip": None, "branch": branch,
+                            "not_branched": None if branch else (x.get("why_not") or "not recorded (no flips section)")})
+    c["attribution"] = records
+    c["attributed"] = attributed_counts(records)
+    if doc.get("schema_version") is not None:
+        doc["schema_version"] = SCHEMA_VERSION
+
+
 def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
     """A report.json object of any schema this logitdiff reads, as the current one: kind and
     major version checked (a one-line error naming ``where``), a current report returned as
     it is, a 1.x report as 2.x with the keys of RENAMED_IN_2 (top level, summary) and
     RENAMED_COLUMNS_IN_2 (rows) renamed in place: same order, every value as it was. A
     report before 2.1 with a flips section gets ``flips.meaning_judged_by`` = OLD_CLASSIFIER
-    (its outcome counts as they were: the old classifier's benign / meaning_changed).
+    (its outcome counts as they were: the old classifier's benign / meaning_changed); a
+    correctness section written before 2.2 is given its ``attribution`` records
+    (:func:`_migrate_attribution`: what the report holds, the flips marked NOT_RECORDED).
 
     The one place an older report becomes a current one: every reader goes through it
     (:func:`load_report` does), and the JSON Schema check comes after it."""
     _accepts(doc, REPORT_SCHEMAS, Path(where))
     if doc["schema"] == REPORT_SCHEMA and not _flips_before_2_1(doc):
+        _migrate_attribution(doc)
         return doc
     out: dict[str, Any] = {"schema": REPORT_SCHEMA, "schema_version": SCHEMA_VERSION}
     out.update((RENAMED_IN_2.get(k, k), v) for k, v in doc.items() if k not in out)
@@ -942,6 +1076,7 @@ def migrate_report(doc: Any, where: str | Path = "report.json") -> Report:
         out["rows"] = [migrate_columns(r) if isinstance(r, dict) else r for r in out["rows"]]
     if isinstance(out.get("flips"), dict) and "meaning_judged_by" not in out["flips"]:
         out["flips"] = {**out["flips"], "meaning_judged_by": OLD_CLASSIFIER}
+    _migrate_attribution(out)
     return out  # type: ignore[return-value]
 
 

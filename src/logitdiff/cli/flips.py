@@ -193,13 +193,12 @@ def print_flips(report: Report) -> None:
               "meaning not judged (no --judge): diverged branches carry what was observed in decided_by")
     c = report.get("correctness")
     if c:
-        pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-        con.print(
-            f"correctness on {c['n_labelled']} labelled items: reference {pct(c['accuracy_ref'])}, "
-            f"candidate {pct(c['accuracy_cand'])}; {c['right_to_wrong']} right→wrong, "
-            f"{c['wrong_to_right']} wrong→right (McNemar p = {c['mcnemar_p']:.3g}); "
-            f"{c['flips_starting_at_top1_flip']} of {c['correctness_flips']} start at a top-1 flip"
-        )
+        from ..report.verdict import answers_part
+
+        # the verdict's words (every change listed, right->truncated included, and what each is attributed to)
+        said = answers_part(report)
+        con.print(f"correctness: {said[1] if said else 'no labelled answers graded'}; {c['flips_starting_at_top1_flip']} of "
+                  f"{c['correctness_flips']} start at a top-1 flip", highlight=False)
     for line in consequence_notes(report):
         con.print(line)
     j = f.get("judge")

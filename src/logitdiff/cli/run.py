@@ -199,11 +199,14 @@ def _consequence_cell(r: CandidateRow, name: str) -> str:
     """A cell of the consequence table: an outcome from the row's flip_outcomes, the two
     accuracies side by side, or the row's field."""
     from ..contracts import Outcome
-    from ..report.metric_registry import ACCURACY_PAIR
+    from ..report.metric_registry import ACCURACY_PAIR, ATTRIBUTED
+    from ..report.verdict import attributed_cell
 
     row = cast("dict[str, Any]", r)
     if name in Outcome.ALL:
         return str((row.get("flip_outcomes") or {}).get(name, "n/a"))
+    if name == ATTRIBUTED:
+        return attributed_cell(row.get(ATTRIBUTED))
     if name == ACCURACY_PAIR.name:
         ref, cand = row.get(ACCURACY_PAIR.ref), row.get(ACCURACY_PAIR.cand)
         return "n/a" if ref is None or cand is None else f"{_cell(ref, ACCURACY_PAIR.ref)} → {_cell(cand, ACCURACY_PAIR.cand)}"
@@ -286,9 +289,12 @@ def print_run_summary(summary: RunSummary) -> None:
                       + (" — within 2×: not distinguishable from the servers' batch arithmetic" if r.get("within_2x_served_floor") else ""),
                       highlight=False)
     if any("flip_outcomes" in r or "accuracy_cand" in r for r in summary["candidates"]):
+        from ..pipeline import accuracy_measure
+
         columns = consequence_columns(summary["candidates"])
+        measure = accuracy_measure(summary["candidates"])
         _print_fitting(con, "what the drift does: branches from top-1 flips, and free-running answers", shown,
-                       [header(name) for name in columns],
+                       [header(name, measure) for name in columns],
                        [[_consequence_cell(r, name) for name in columns] for r in summary["candidates"]])
     print_verdicts(summary, con)
 
@@ -300,7 +306,9 @@ def _row_as_report(r: CandidateRow) -> dict[str, Any]:
         rep["flips"] = {"n_branches": r.get("flip_branches"), "outcomes": r["flip_outcomes"],
                         "meaning_judged_by": r.get("flip_meaning_judged_by")}
     if r.get("accuracy_cand") is not None:
-        rep["correctness"] = {k: r.get(k) for k in ("accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p")}
+        rep["correctness"] = {k: r.get(k) for k in ("accuracy_ref", "accuracy_cand", "right_to_wrong", "wrong_to_right", "mcnemar_p",
+                                                    "right_to_truncated", "accuracy_ref_ci", "accuracy_cand_ci", "attributed")}
+        rep["correctness"]["measure"] = r.get("correctness_measure")
     return rep
 
 

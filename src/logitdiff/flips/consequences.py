@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypedDict
 import numpy as np
 
 from ..capture import DEFAULT_MAX_TOKENS
-from ..contracts import Correctness, Flips, MethodKind, Report
+from ..contracts import AnswerChange, Attribution, AttributedBranch, Correctness, FirstFlip, Flips, Measure, MethodKind, Report, \
+    attributed_counts
 from ..defaults import DEFAULT_MAX_BRANCHES  # noqa: F401 (re-exported)
 from ..errors import LogitdiffError
 from ..contracts import CallVerdict, PromptForm, ToolForm, Verdict
@@ -29,6 +30,7 @@ from ..store import RunItem, RunReader, first_difference
 from ..numerics.summarize import DEFAULT_RANGES
 
 from .toolcalls import ToolCall
+from ..workload.benchmarks import benchmark_of
 from ..workload.items import check_tools_once
 
 if TYPE_CHECKING:
@@ -177,7 +179,34 @@ def _char_offset(text_of: Callable[[Sequence[int]], str], ids: Sequence[int], n:
     return min(len(text_of(ids[:n])), len(whole))
 
 
-def run_flips(
+@dataclass
+class FlipRun:
+    """What branching did (:func:`branch_flips`): the flips section, one row per branch, every
+    flip of the comparison (ties included), and the flips selected and left out by the cap."""
+
+    section: Flips
+    rows: list[dict[str, Any]]
+    all_flips: list[Flip]
+    chosen: list[Flip]
+    left_out: list[Flip]
+
+
+def all_flips_of(items: Sequence[RunItem], columns: dict) -> list[Flip]:
+    """Every flip of a comparison (flips.find_flips, ties flagged), the reference's items
+    giving tags and the written (teacher) tokens."""
+    teacher_of: dict[str, Sequence[int]] = {it.id: it.teacher_ids for it in items}
+    return find_flips(columns, {it.id: it.tags for it in items}, teacher_of)
+
+
+def run_flips(source: Source, ref: RunReader, columns: dict, similarity: SimilarityPolicy, settings: Settings,
+              **kw: Any) -> tuple[Flips, list[dict[str, Any]]]:
+    """Branch at the selected flips; return the report section and one row per branch
+    (:func:`branch_flips`, its keywords)."""
+    done = branch_flips(source, ref, columns, similarity, settings, **kw)
+    return done.section, done.rows
+
+
+def branch_flips(
     source: Source,
     ref: RunReader,
     columns: dict,
@@ -189,8 +218,8 @@ def run_flips(
     on_total: Callable[[int], None] | None = None,
     changed: dict[str, tuple[str, int | None]] | None = None,
     judge: Judge | None = None,
-) -> tuple[Flips, list[dict[str, Any]]]:
-    """Branch at the selected flips; return the report section and one row per branch.
+) -> FlipRun:
+    """Branch at the selected flips: the report section, one row per branch and the flips.
 
     ``changed`` (:func:`changed_items`, from the correctness rows) names the items whose
     answer or tool call changed: the flip behind each is always selected and ranked first
@@ -199,9 +228,8 @@ def run_flips(
     check_items(list(items.values()), settings.exec_timeout)
     if settings.both and reference_source is None:
         raise LogitdiffError("--both needs the reference as a source (pass --reference SPEC)")
-    tags_of = {i: it.tags for i, it in items.items()}
+    all_flips = all_flips_of(list(items.values()), columns)
     teacher_of: dict[str, Sequence[int]] = {i: it.teacher_ids for i, it in items.items()}
-    all_flips = find_flips(columns, tags_of, teacher_of)
     changed = changed or {}
     chosen, note, left_out = select_flips(all_flips, settings.select, settings.max_branches, settings.seed, settings.branch_ties,
                                           priority={i: pos for i, (_, pos) in changed.items()})
@@ -242,7 +270,7 @@ def run_flips(
         "n_branches": len(rows),
         "branches_cut": sum(bool(r["branch_cut"]) for r in rows),
     }
-    return section, rows
+    return FlipRun(section, rows, all_flips, chosen, left_out)
 
 
 @dataclass
@@ -496,19 +524,34 @@ def run_correctness(
         rows.append(row)
         if progress:
             progress(1)
-    return correctness_section(rows, settings), rows
+    sec = correctness_section(rows, settings)
+    # a benchmark graded by its own tests or checker: the RUN's recorded workload names it
+    bench = benchmark_of((ref.manifest.get("settings") or {}).get("workload"))
+    sec["measure"] = Measure.PASS_RATE if bench else Measure.ACCURACY
+    sec["benchmark"] = bench
+    return sec, rows
+
+
+def answer_changes(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    """The correctness rows whose answer changed, by AnswerChange (every one in AnswerChange.ALL
+    order). A candidate output cut by the budget is not right, but not wrong either:
+    right->truncated is apart from right->wrong (both are changes, and McNemar's discordant
+    pairs compare right with not right)."""
+    cut = lambda r: r.get("cand_verdict") == Verdict.TRUNCATED  # noqa: E731
+    return {
+        AnswerChange.RIGHT_TO_WRONG: [r for r in rows if r["ref_correct"] and not r["cand_correct"] and not cut(r)],
+        AnswerChange.RIGHT_TO_TRUNCATED: [r for r in rows if r["ref_correct"] and not r["cand_correct"] and cut(r)],
+        AnswerChange.WRONG_TO_RIGHT: [r for r in rows if not r["ref_correct"] and r["cand_correct"]],
+    }
 
 
 def correctness_section(rows: list[dict], settings: Settings) -> Correctness:
     n = len(rows)
     r_ok = np.array([r["ref_correct"] for r in rows], dtype=bool)
     c_ok = np.array([r["cand_correct"] for r in rows], dtype=bool)
-    # A candidate output cut by the budget is not right, but not wrong either: right->truncated
-    # is counted apart (and in McNemar's discordant pairs, which compare right with not right).
     cut = lambda r, side: r.get(f"{side}_verdict") == Verdict.TRUNCATED  # noqa: E731
-    r2w = [r for r in rows if r["ref_correct"] and not r["cand_correct"] and not cut(r, "cand")]
-    r2t = [r for r in rows if r["ref_correct"] and not r["cand_correct"] and cut(r, "cand")]
-    w2r = [r for r in rows if not r["ref_correct"] and r["cand_correct"]]
+    changes = answer_changes(rows)
+    r2w, r2t, w2r = (changes[d] for d in AnswerChange.ALL)
     flips = r2w + r2t + w2r
     # by_tag is added last, after the optional tool-call fields: report.json's key order
     sec: Correctness = {  # type: ignore[typeddict-item]
@@ -574,11 +617,94 @@ def prompt_form_of(expected: dict) -> str | None:
     before the choice: the completion form); None for any other label."""
     tests = expected.get("tests")
     return tests.get(PromptForm.FIELD, PromptForm.COMPLETION) if isinstance(tests, dict) else None
+
+
 def tool_form_of(expected: dict) -> str | None:
     """The ToolForm a benchmark label says its item was shown in (a BFCL label without one was
     made before the choice: the chat template's); None for any other label."""
     label = expected.get("bfcl")
     return label.get(ToolForm.FIELD, ToolForm.CHAT_TEMPLATE) if isinstance(label, dict) else None
+
+
+# --------------------------------------------------------------------------------------------
+# attribution: each changed answer, its first teacher-forced flip and the branch there
+
+
+def _first_flip(f: Flip, token_text: Callable[[int], str]) -> FirstFlip:
+    opt = lambda x: float(x) if np.isfinite(x) else None  # noqa: E731 (NaN: p(top1) not stored)
+    return {"position": f.position, "ref_token_id": f.ref_token_id, "cand_token_id": f.cand_token_id,
+            "ref_token": token_text(f.ref_token_id), "cand_token": token_text(f.cand_token_id),
+            "p_ref": opt(f.p_ref), "p_cand": opt(f.p_cand), "margin_ref": float(f.margin_ref), "kl_nats": float(f.kl_nats)}
+
+
+def _no_flip(own: Sequence[Flip], n_scored: int) -> str:
+    """Why an item has no first flip, in words."""
+    if not n_scored:
+        return "no teacher-forced flip on this item: none of its positions was scored"
+    if own:  # only ties at the reference (flips.is_tie): the engines broke a tie, the candidate did not flip
+        return (f"no teacher-forced flip on this item: its {len(own)} top-1 difference{'s' if len(own) != 1 else ''} "
+                "are ties at the reference, not flips")
+    return "no teacher-forced flip on this item"
+
+
+def _branch_of(first: Flip | None, div: int | None, rows: Sequence[dict], done: FlipRun | None,
+               settings: Settings) -> tuple[AttributedBranch | None, str | None]:
+    """The branch taken on an item (at its first flip, else the one behind its divergence,
+    else its first) and why its first flip has none (None: it has one)."""
+    at = {int(r["position"]): r for r in rows}
+    why: str | None = None
+    if first is None:
+        why = "no flip to branch"
+    elif done is None:
+        why = "the flips stage did not run (--no-flips)"
+    elif first.position not in at:
+        key = (first.item_id, first.position)
+        if key in {(f.item_id, f.position) for f in done.left_out}:
+            why = f"not selected: left out by --max-branches {settings.max_branches}"
+        elif key not in {(f.item_id, f.position) for f in done.chosen}:
+            why = f"not selected by --select {settings.select}"
+        else:
+            why = "selected, but no branch was written"
+    if not at:
+        return None, why
+    pos = first.position if first is not None and first.position in at else (div if div in at else min(at))
+    r = at[pos]
+    branch: AttributedBranch = {"position": pos, "outcome": str(r["outcome"]), "decided_by": str(r.get("decided_by") or ""),
+                                "at_first_flip": first is not None and pos == first.position}
+    return branch, why
+
+
+def attribute(crow: Sequence[dict], all_flips: Sequence[Flip], done: FlipRun | None, settings: Settings,
+              token_text: Callable[[int], str], columns: dict) -> list[Attribution]:
+    """One record per item whose free-running answer changed (right->wrong, right->truncated,
+    wrong->right, in that order): the first teacher-forced top-1 flip on the item (ties are not
+    flips), whether the free-running outputs first part there, and the branch the flips stage
+    took on the item (flips.parquet: item_id + position) or why the flip has none."""
+    flips_of: dict[str, list[Flip]] = {}
+    for f in sorted(all_flips, key=lambda f: (f.item_id, f.position)):
+        flips_of.setdefault(f.item_id, []).append(f)
+    rows_of: dict[str, list[dict]] = {}
+    for r in done.rows if done is not None else []:
+        rows_of.setdefault(r["item_id"], []).append(r)
+    ids, n_scored = np.unique(np.asarray(columns["item_id"]).astype(str), return_counts=True)
+    scored = dict(zip(ids.tolist(), n_scored.tolist()))
+    out: list[Attribution] = []
+    for direction, changed in answer_changes(crow).items():
+        for row in changed:
+            iid = row["item_id"]
+            own = flips_of.get(iid, [])
+            first = next((f for f in own if not f.tie), None)
+            div = row.get("first_divergence")
+            branch, why = _branch_of(first, div, rows_of.get(iid, []), done, settings)
+            out.append({
+                "item_id": iid, "direction": direction,
+                "first_flip": _first_flip(first, token_text) if first is not None else None,
+                "no_flip": None if first is not None else _no_flip(own, scored.get(iid, 0)),
+                "first_divergence": div,
+                "divergence_at_first_flip": None if first is None or div is None else div == first.position,
+                "branch": branch, "not_branched": why,
+            })
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -651,6 +777,7 @@ def analyse(
     # Correctness first: the items whose answer or tool call changed decide which flips are
     # branched first (select_flips' priority), so none of them is dropped by the cap.
     changed: dict[str, tuple[str, int | None]] = {}
+    crow: list[dict[str, Any]] = []
     if correctness:
         csec, crow = run_correctness(source, ref, columns, settings=settings, progress=adv("correctness"),
                                      on_total=total("correctness"))
@@ -658,11 +785,17 @@ def analyse(
             sections["correctness"] = csec
             files["correctness.parquet"] = parquet_bytes(crow)
             changed = changed_items(crow)
+    done = None
     if flips:
-        sec, rows = run_flips(source, ref, columns, similarity, settings, reference_source=reference_source,
-                              progress=adv("branches"), on_total=total("branches"), changed=changed, judge=judge)
-        sections = {"flips": sec, **sections}  # flips first: report.json's key order
-        files["flips.parquet"] = parquet_bytes(rows)
+        done = branch_flips(source, ref, columns, similarity, settings, reference_source=reference_source,
+                            progress=adv("branches"), on_total=total("branches"), changed=changed, judge=judge)
+        sections = {"flips": done.section, **sections}  # flips first: report.json's key order
+        files["flips.parquet"] = parquet_bytes(done.rows)
+    if "correctness" in sections:  # each changed answer linked to its first flip and the branch there
+        all_flips = done.all_flips if done is not None else all_flips_of(list(ref.items()), columns)
+        records = attribute(crow, all_flips, done, settings, source.token_text, columns)
+        sections["correctness"]["attribution"] = records
+        sections["correctness"]["attributed"] = attributed_counts(records)
     return sections, files
 
 

@@ -26,14 +26,15 @@ import numpy as np
 from ..capture import SCORE_BATCH, LiveRun, capture_candidate, capture_reference, items_in_prompt_form, items_in_tool_form, preflight_tokenization
 from ..compare import DEFAULT_TOP_LOGPROBS, compare_runs
 from ..defaults import DEFAULT_MAX_BRANCHES
-from ..contracts import (SUMMARY_SCHEMA_VERSION, CandidateRow, CrossEngineFloor, NoiseFloor, Outcome, PromptForm, Report, RunSummary, ToolForm,
-                         summary_json)
+from ..contracts import (SUMMARY_SCHEMA_VERSION, CandidateRow, CrossEngineFloor, Measure, NoiseFloor, Outcome, PromptForm, Report, RunSummary,
+                         ToolForm, summary_json)
 from ..errors import LogitdiffError
 from ..contracts import RUN_SUMMARY_SCHEMA
 from ..store.files import Kind, atomic_write_bytes, check_output, is_kind, report_names, safe_name, writing  # noqa: F401 (safe_name: API)
 from ..report import build_report, noise_floor_section, write_report_dir
 from ..report.markdown import render_markdown
-from ..report.metric_registry import ACCURACY_PAIR, DRIFT_TABLE, METRICS, consequence_columns, header
+from ..report.metric_registry import ACCURACY_PAIR, ATTRIBUTED, DRIFT_TABLE, METRICS, consequence_columns, header
+from ..report.verdict import attributed_cell
 from ..sources.served_floor import SHIFT_TEXT, floor_side, is_served, served_floor
 from ..sources import applied_threads, open_source
 from ..store import ResumeMismatch, RunReader, read_manifest
@@ -549,8 +550,19 @@ def _consequence_cols(report: Report) -> dict:
         out.update(
             accuracy_ref=c["accuracy_ref"], accuracy_cand=c["accuracy_cand"], right_to_wrong=c["right_to_wrong"],
             wrong_to_right=c["wrong_to_right"], mcnemar_p=c["mcnemar_p"], tool_call_valid_cand=c.get("tool_call_valid_cand"),
+            right_to_truncated=c.get("right_to_truncated", 0), accuracy_ref_ci=c.get("accuracy_ref_ci", [None, None]),
+            accuracy_cand_ci=c.get("accuracy_cand_ci", [None, None]), correctness_measure=c.get("measure", Measure.ACCURACY),
         )
+        if "attributed" in c:
+            out["attributed"] = c["attributed"]
     return out
+
+
+def accuracy_measure(rows: list[CandidateRow]) -> str | None:
+    """What the accuracy pair's column is called (contracts.Measure) when every candidate with
+    labelled answers says the same (one workload: they do), else None (the generic header)."""
+    said = {r.get("correctness_measure") for r in rows if r.get("accuracy_cand") is not None}
+    return said.pop() if len(said) == 1 else None
 
 
 def _f(x, spec=".4g"):
@@ -582,6 +594,8 @@ def _md_consequence(r: CandidateRow, name: str) -> str:
     row = cast("dict[str, Any]", r)
     if name in Outcome.ALL:
         return str((row.get("flip_outcomes") or {}).get(name, "n/a"))
+    if name == ATTRIBUTED:
+        return attributed_cell(row.get(ATTRIBUTED))
     if name == ACCURACY_PAIR.name:
         if row.get(ACCURACY_PAIR.cand) is None:
             return "n/a"
@@ -632,7 +646,7 @@ def render_summary_md(summary: RunSummary) -> str:
             "",
             "What the drift does (free-running answers and branches from top-1 flips; see each report):",
             "",
-            "| candidate | " + " | ".join(header(name) for name in columns) + " |",
+            "| candidate | " + " | ".join(header(name, accuracy_measure(summary["candidates"])) for name in columns) + " |",
             "|---|" + "".join("---|" if name == ACCURACY_PAIR.name else "---:|" for name in columns),
         ]
         for r in summary["candidates"]:

@@ -795,8 +795,34 @@ def _verdicts_html(names, reports, cells, summary) -> str:
         parts = verdict(rep, x_cross_engine_floor=(cells[name].get("x_cross_engine_floor") or {}).get("value"),
                         is_cross_engine_floor=summary is not None and str(_get(rep, "candidate.spec")) == xf)
         text = " · ".join(f'<span class="v-{sev}">{_e(t)}</span>' for sev, t in parts)
-        items.append(f'<li data-name="{_e(name)}"><code>{_e(name)}</code> {text}</li>')
+        items.append(f'<li data-name="{_e(name)}"><code>{_e(name)}</code> {text}{_attributed_items(name, rep)}</li>')
     return f'<ul class="verdicts">{"".join(items)}</ul>'
+
+
+def flip_anchor(name: str, item_id: Any, position: Any) -> str:
+    """The id of a branch's row in "What the flips do" (one per candidate, item and position)."""
+    return "flip-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}-{item_id}-{position}")
+
+
+def _attributed_items(name: str, rep: Mapping[str, Any]) -> str:
+    """The verdict's changed answers (correctness.attribution), each with its first flip and
+    branch, linked to the branch's row where the page shows it (flips.top)."""
+    records = [r for r in _get(rep, "correctness.attribution") or [] if isinstance(r, Mapping)]
+    if not records:
+        return ""
+    shown = {(str(t.get("item_id")), t.get("position")) for t in _get(rep, "flips.top") or [] if isinstance(t, Mapping)}
+    each = []
+    for r in records:
+        f, b = r.get("first_flip"), r.get("branch")
+        said = f"{r.get('direction', '').replace('_to_', '→')}"
+        said += (f", flip at {f.get('position')} {_show(f.get('ref_token'))}→{_show(f.get('cand_token'))}" if f
+                 else f", {r.get('no_flip') or 'no teacher-forced flip'}")
+        said += f", branch {b.get('outcome')} at {b.get('position')}" if b else f", not branched: {r.get('not_branched')}"
+        item = f"<code>{_e(r.get('item_id'))}</code>"
+        if b and (str(r.get("item_id")), b.get("position")) in shown:
+            item = f'<a href="#{flip_anchor(name, r.get("item_id"), b.get("position"))}">{item}</a>'
+        each.append(f"{item} ({_e(said)})")
+    return f'<br><span class="attributed">changed answers: {"; ".join(each)}</span>'
 
 
 def _gates_html(names, reports) -> str:
@@ -1161,7 +1187,8 @@ def _flips_view(name, rep, *, open_: bool) -> str:
     for r in top:
         m = _marks(r)
         rows.append(
-            f"<tr><td><code>{_e(r.get('item_id'))}</code></td><td class=num>{_e(r.get('position'))}</td>"
+            f"<tr id=\"{flip_anchor(name, r.get('item_id'), r.get('position'))}\"><td><code>{_e(r.get('item_id'))}</code></td>"
+            f"<td class=num>{_e(r.get('position'))}</td>"
             f"<td><span class=\"outcome {_e(r.get('outcome'))}\">{_e(r.get('outcome'))}</span></td>"
             f"<td class=num>{fmt(r.get('kl_nats'))}</td><td class=num>{fmt(r.get('margin_ref'))}</td>"
             f"<td class=mono>{_e(_show(r.get('ref_token')))} → {_e(_show(r.get('cand_token')))}</td>"

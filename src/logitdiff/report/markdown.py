@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..contracts import Correctness, Flips, Outcome, Report
+from ..contracts import AnswerChange, Correctness, Flips, Outcome, Report
 from .metric_registry import header
 from .metric_registry import SERIES
-from .verdict import verdict_text
+from .verdict import attributed_text, verdict_text
 
 
 def _f(x, digits: int = 4) -> str:
@@ -273,12 +273,16 @@ def correctness_markdown(c: Correctness) -> str:
     ci = lambda x: f"[{_pct(x[0])}, {_pct(x[1])}]" if x and x[0] is not None else "n/a"  # noqa: E731
     out = ["\n## Correctness of free-running answers\n"]
     out.append(
-        f"- {c['n_labelled']} labelled items: reference {_pct(c['accuracy_ref'])} {ci(c['accuracy_ref_ci'])}, "
+        f"- {c['n_labelled']} labelled items, {c.get('measure') or 'accuracy'}"
+        + (f" ({c['benchmark']}, graded by its own tests or checker)" if c.get("benchmark") else "")
+        + f": reference {_pct(c['accuracy_ref'])} {ci(c['accuracy_ref_ci'])}, "
         f"candidate {_pct(c['accuracy_cand'])} {ci(c['accuracy_cand_ci'])}; difference {_pct(c['accuracy_diff'])} "
         f"{ci(c['accuracy_diff_ci'])}"
     )
     out.append(
-        f"- correctness flips: **{c['right_to_wrong']} right→wrong**, **{c['wrong_to_right']} wrong→right** "
+        f"- correctness flips: **{c['right_to_wrong']} right→wrong**, "
+        + (f"**{c['right_to_truncated']} right→truncated**, " if c.get("right_to_truncated") else "")
+        + f"**{c['wrong_to_right']} wrong→right** "
         f"(McNemar exact p = {_f(c['mcnemar_p'], 3)}); {c['flips_starting_at_top1_flip']} of {c['correctness_flips']} "
         f"start at a teacher-forced top-1 flip"
     )
@@ -300,6 +304,31 @@ def correctness_markdown(c: Correctness) -> str:
     out.append("\n| tag | n | reference | candidate | right→wrong | wrong→right |\n|---|---:|---:|---:|---:|---:|")
     for t, d in c["by_tag"].items():
         out.append(f"| {t} | {d['n']} | {_pct(d['accuracy_ref'])} | {_pct(d['accuracy_cand'])} | {d['right_to_wrong']} | {d['wrong_to_right']} |")
+    return "\n".join(out) + "\n" + attribution_markdown(c)
+
+
+def attribution_markdown(c: Mapping[str, Any]) -> str:
+    """report.md's table of correctness.attribution (schema 2.1): each changed answer, the first
+    teacher-forced top-1 flip on its item and the branch taken there, or why there is none."""
+    records = c.get("attribution") or []
+    if not records:
+        return ""
+    out = [f"\n### Changed answers, attributed\n\n{attributed_text(c.get('attributed')) or ''}.\n",
+           "| item | direction | first flip: position | reference → candidate token | p ref / p cand | margin | KL "
+           "| outputs part at it | branch |", "|---|---|---:|---|---|---:|---:|---|---|"]
+    for r in records:
+        f, b = r.get("first_flip"), r.get("branch")
+        if f:
+            flip = (f"{f['position']} | {_one_line(repr(f['ref_token']), 20)} → {_one_line(repr(f['cand_token']), 20)} | "
+                    f"{_f(f['p_ref'], 3)} / {_f(f['p_cand'], 3)} | {_f(f['margin_ref'], 3)} | {_f(f['kl_nats'], 3)}")
+        else:
+            flip = f"— | {r.get('no_flip') or 'no teacher-forced flip on this item'} | | | "
+        part = {True: "yes", False: f"no (at {r.get('first_divergence')})", None: "n/a"}[r.get("divergence_at_first_flip")]
+        branch = (f"{b['outcome']} at {b['position']}" + ("" if b.get("at_first_flip") else " (another flip of the item)")
+                  + (f", {b['decided_by']}" if b.get("decided_by") else "")) if b else ""
+        if r.get("not_branched"):
+            branch += ("; " if branch else "") + f"first flip not branched: {r['not_branched']}"
+        out.append(f"| {r['item_id']} | {AnswerChange.ARROW.get(r['direction'], r['direction'])} | {flip} | {part} | {branch} |")
     return "\n".join(out) + "\n"
 
 

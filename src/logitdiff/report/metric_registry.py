@@ -158,6 +158,9 @@ _DECLARED: tuple[Metric, ...] = (
        ("correctness.accuracy_diff",), fmt="pct1", gate=False),
     _m("right_to_wrong", "right→wrong", "labelled items the reference gets right and the candidate wrong", "count", _W,
        "count of labelled items", _CORR, ("correctness.right_to_wrong",), fmt="int"),
+    _m("right_to_truncated", "right→truncated", "labelled items the reference gets right and the candidate's output is cut at the "
+       "token budget, not right (an answer that changed, apart from right→wrong)", "count", _W, "count of labelled items", _CORR,
+       ("correctness.right_to_truncated",), fmt="int"),
     _m("wrong_to_right", "wrong→right", "labelled items the reference gets wrong and the candidate right", "count", _B,
        "count of labelled items", _CORR, ("correctness.wrong_to_right",), fmt="int"),
     _m("mcnemar_p", "McNemar p", "exact McNemar test of the correctness flips (below 0.05: the accuracy change is "
@@ -191,14 +194,19 @@ class PairedColumn:
 
 
 ACCURACY_PAIR = PairedColumn("accuracy", "accuracy (reference → candidate)", "accuracy_ref", "accuracy_cand")
+# A summary-table column of the attribution counts (correctness.attributed, summary.json
+# candidates[].attributed): of the changed answers, how many have a teacher-forced flip, and
+# how many a branch (report.verdict.attributed_cell words one).
+ATTRIBUTED = "attributed"
+ATTRIBUTED_HEADER = "changed answers at a flip, branched"
 
 # The summary tables of `logitdiff run` (its terminal tables and summary.md): the metric
 # (summary.json candidate-row field) of each column, in order; headers and formats are the
 # metrics' own. DRIFT_TABLE's come from the comparison, CONSEQUENCE_TABLE's from flips and
 # correctness (each outcome from the row's flip_outcomes).
 DRIFT_TABLE = ("kl_mean", "kl_p99", "jsd_mean", "top1_disagreement", "ppl_ratio", "x_noise_floor", "x_cross_engine_floor")
-CONSEQUENCE_TABLE = ("flip_branches", *Outcome.ALL, "flip_ties", ACCURACY_PAIR.name, "right_to_wrong", "wrong_to_right",
-                     "mcnemar_p", "tool_call_valid_cand")
+CONSEQUENCE_TABLE = ("flip_branches", *Outcome.ALL, "flip_ties", ACCURACY_PAIR.name, "right_to_wrong", "right_to_truncated",
+                     "wrong_to_right", "mcnemar_p", ATTRIBUTED, "tool_call_valid_cand")
 
 
 def consequence_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
@@ -209,10 +217,13 @@ def consequence_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     return tuple(n for n in CONSEQUENCE_TABLE if n not in Outcome.ALL or n in occurring)
 
 
-def header(name: str) -> str:
+def header(name: str, measure: str | None = None) -> str:
     """The one header of a summary column, on every surface (terminal, summary.md, report.md,
-    report.html, the verdict lines)."""
-    return ACCURACY_PAIR.header if name == ACCURACY_PAIR.name else METRICS[name].header
+    report.html, the verdict lines). ``measure`` (contracts.Measure) names the accuracy pair's
+    share where the workload is a benchmark: "pass rate (reference → candidate)"."""
+    if name == ACCURACY_PAIR.name:
+        return ACCURACY_PAIR.header.replace("accuracy", measure, 1) if measure else ACCURACY_PAIR.header
+    return ATTRIBUTED_HEADER if name == ATTRIBUTED else METRICS[name].header
 
 
 def markdown_table() -> str:

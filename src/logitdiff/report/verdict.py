@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..contracts import Outcome
+from ..contracts import AnswerChange, Measure, Outcome
 from .metric_registry import header
 
 # What a flip's branch is, in the verdict's words (flips_part).
@@ -105,27 +105,72 @@ def _bad_kinds(o: Mapping, judge: str | None) -> list[tuple[int, str]]:
             (int(o.get(Outcome.MEANING_CHANGED) or 0), "meaning changed" + (f" (judged by {judge})" if judge else ""))]
 
 
+def answer_changes(c: Mapping) -> dict[str, int]:
+    """Each AnswerChange's count in a correctness section (or a summary row): its count field,
+    or its item list where that is longer, so the words never say fewer than the items listed
+    (right -> truncated is schema 1.2: 0 when absent)."""
+    return {d: max(int(_num(c.get(AnswerChange.COUNT_FIELD[d])) or 0), len(c.get(AnswerChange.ITEMS_FIELD[d]) or []))
+            for d in AnswerChange.ALL}
+
+
+def _ci(ci) -> str:
+    lo, hi = (_num(x) for x in (ci or [None, None])[:2]) if isinstance(ci, (list, tuple)) and len(ci) >= 2 else (None, None)
+    return "" if lo is None or hi is None else f" [{100 * lo:.1f}–{100 * hi:.1f} %]"
+
+
+def attributed_text(a: Any) -> str | None:
+    """The attribution counts (correctness.attributed) in words; None without changed answers."""
+    if not isinstance(a, Mapping) or not a.get("n"):
+        return None
+    n = int(a["n"])
+    if a.get("with_flip") is None:
+        text = f"first flips of the {n} changed answers not recorded (a report before schema 2.1)"
+    else:
+        text = (f"{a['with_flip']} of {n} changed answers have a teacher-forced top-1 flip "
+                f"({a.get('divergence_at_first_flip') or 0} part there)")
+    outcomes = ", ".join(f"{k} {v}" for k, v in (a.get("outcomes") or {}).items())
+    return text + f", {a.get('branched') or 0} branched" + (f" ({outcomes})" if outcomes else "")
+
+
+def attributed_cell(a: Any) -> str:
+    """The attribution counts in a summary-table cell: "2/3, 2" (of 3 changed answers, 2 have
+    a teacher-forced flip, 2 a branch); "0" without changed answers, n/a without the counts."""
+    if not isinstance(a, Mapping) or a.get("n") is None:
+        return "n/a"
+    if not a["n"]:
+        return "0"
+    with_flip = "?" if a.get("with_flip") is None else a["with_flip"]
+    return f"{with_flip}/{a['n']}, {a.get('branched') or 0}"
+
+
 def answers_part(report: Mapping) -> tuple[str, str] | None:
-    """(severity, text) of the labelled free-running answers: accuracy both ways, correctness flips and
-    the McNemar test, said significant or not at SIGNIFICANCE; None without correctness."""
+    """(severity, text) of the labelled free-running answers: the share right both ways with
+    its CI (a pass rate on a benchmark graded by its own tests or checker, else an accuracy),
+    the answers that changed each way, the McNemar test said significant or not at
+    SIGNIFICANCE, and what they are attributed to; None without correctness."""
     c = report.get("correctness")
     if not isinstance(c, Mapping):
         return None
     ar, ac = _num(c.get("accuracy_ref")), _num(c.get("accuracy_cand"))
     if ar is None or ac is None:
         return None
-    r2w, w2r = int(c.get("right_to_wrong") or 0), int(c.get("wrong_to_right") or 0)
-    # right -> cut at the token budget: not counted as wrong, but an answer that changed
-    # (and one of McNemar's discordant pairs); schema 1.2, 0 when absent
-    r2t = int(c.get("right_to_truncated") or 0)
+    counts = answer_changes(c)
+    r2w, r2t, w2r = (counts[d] for d in AnswerChange.ALL)
     p = _num(c.get("mcnemar_p"))
-    text = f"free-running accuracy {_pct(ar)} → {_pct(ac)}" + (f" ({c['n_labelled']} labelled)" if c.get("n_labelled") is not None else "")
+    measure = c.get("measure") if c.get("measure") in Measure.ALL else Measure.ACCURACY
+    text = (f"free-running {measure} {_pct(ar)}{_ci(c.get('accuracy_ref_ci'))} → {_pct(ac)}{_ci(c.get('accuracy_cand_ci'))}"
+            + (f" ({c['n_labelled']} labelled)" if c.get("n_labelled") is not None else ""))
     if not (r2w or w2r or r2t):
+        if ar != ac:  # a share moved, but no change is counted (a summary row from before right->truncated was)
+            return "warn", text + ": answers changed (which ones is not recorded here)"
         return "ok", text + ": no answer changed"
     sig = p is not None and p < SIGNIFICANCE
     text += (f": {r2w} right→wrong, " + (f"{r2t} right→truncated, " if r2t else "")
              + f"{w2r} wrong→right, McNemar p = {'n/a' if p is None else f'{p:.2g}'} "
              + ("(significant)" if sig else "(not significant)"))
+    attributed = attributed_text(c.get("attributed"))
+    if attributed:
+        text += "; " + attributed
     return ("bad" if sig and r2w + r2t > w2r else "warn" if r2w or r2t else "ok"), text
 
 

@@ -192,6 +192,20 @@ def parse_benchmark(text: str) -> tuple[Benchmark, int | None] | None:
     return bench, int(count)
 
 
+def benchmark_of(workload: str | None) -> str | None:
+    """The benchmark a RUN's recorded workload names (``humaneval``, ``bfcl:simple_python``),
+    or None: a workload file (one of that name exists), a bundled workload, nothing recorded,
+    or a name no longer registered. Every benchmark here is graded by its own tests or
+    checker: its share of right answers is a pass rate."""
+    if not workload or Path(workload).exists():
+        return None
+    try:
+        parsed = parse_benchmark(workload)
+    except LogitdiffError:
+        return None
+    return parsed[0].name if parsed else None
+
+
 def benchmark_items(text: str) -> list[Item] | None:
     """The items of ``--workload NAME[:N]`` when it names a benchmark (first N in its order)."""
     parsed = parse_benchmark(text)
