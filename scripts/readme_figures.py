@@ -1,10 +1,18 @@
 #!/usr/bin/env python
-"""README's figures of the bundled default, regenerated from a run rather than remembered.
+"""The bundled default's figures (docs/figures.md, README's table), regenerated from a run rather than remembered.
 
-    .venv/bin/python scripts/readme_figures.py                 # fresh `logitdiff run`, rewrite README
+    .venv/bin/python scripts/readme_figures.py                 # fresh `logitdiff run`, rewrite docs/figures.md (+ README's table)
     .venv/bin/python scripts/readme_figures.py --from OUT      # an existing run's OUT directory
-    .venv/bin/python scripts/readme_figures.py --print         # print the block, leave README alone
-    .venv/bin/python scripts/readme_figures.py --check --from OUT   # exit 1 when README's figures differ
+    .venv/bin/python scripts/readme_figures.py --print         # print the block, leave the files alone
+    .venv/bin/python scripts/readme_figures.py --check --from OUT   # exit 1 when the files' figures differ
+
+Two files hold figures. docs/figures.md (``--readme FILE``; the name is historical: any file
+with the markers) holds one full section per machine class. README.md (``--summary FILE``)
+holds, between ``<!-- readme_figures:summary:begin -->`` and ``<!-- readme_figures:summary:end -->``,
+the first table (the candidates' KL) of the one class README was written on, opened by that
+class's marker: the script rewrites it, and ``--check`` compares it row by row, only on a
+machine of that class (another class's run says it did not compare it). ``--readme FILE``
+without ``--summary`` touches that file only (so a test's copy never reaches README.md).
 
 Without ``--from`` it runs ``logitdiff run --out DIR`` (DIR: ``--out``, else a new temporary
 directory, removed afterwards; with --out, the timing is kept in DIR/readme_figures.timing.json
@@ -456,11 +464,61 @@ def rewrite(readme: Path, block: str, key: str, check: bool) -> int:
     return 0
 
 
+SUMMARY_BEGIN, SUMMARY_END = "<!-- readme_figures:summary:begin -->", "<!-- readme_figures:summary:end -->"
+
+
+def first_table(block: str) -> str:
+    """The section's first table (the candidates' KL): what README's summary holds."""
+    return next((p for p in _paragraphs(block) if p.startswith("|")), "")
+
+
+def summary(path: Path, block: str, key: str, check: bool) -> int:
+    """README's summary table: rewritten (or --check compared row by row) when it is of this
+    machine's class; another class's is left alone and said so; a file without the summary
+    markers, or a summary that is not one class marker and one table, is refused."""
+    text = path.read_text(encoding="utf-8")
+    if text.count(SUMMARY_BEGIN) != 1 or text.count(SUMMARY_END) != 1 or text.index(SUMMARY_BEGIN) > text.index(SUMMARY_END):
+        sys.exit(f"readme_figures: {path}: expected one {SUMMARY_BEGIN} and one {SUMMARY_END} after it")
+    head, rest = text.split(SUMMARY_BEGIN, 1)
+    region, tail = rest.split(SUMMARY_END, 1)
+    have = sections(region, str(path))
+    if len(have) != 1:
+        sys.exit(f"readme_figures: {path}: the summary holds {len(have)} machine classes, expected one")
+    (said_key, said), = have.items()
+    if said_key != key:
+        print(f"{path}: its table is of machine class {said_key}, not this one ({key}): not "
+              f"{'compared' if check else 'rewritten'}", file=sys.stderr)
+        return 0
+    table = first_table(block)
+    if check:
+        import difflib
+
+        a = [" ".join(row.split()) for row in said.strip("\n").splitlines()]
+        b = [" ".join(row.split()) for row in table.splitlines()]
+        if a != b:
+            print(f"{path}: its table ({key}) differs from this run's:", file=sys.stderr)
+            for line in difflib.unified_diff(a, b, fromfile=f"{path.name} ({key})", tofile="this run", lineterm="", n=1):
+                print(line, file=sys.stderr)
+            return 1
+        print(f"{path}: its table ({key}) matches this run's ({len(a) - 2} rows compared)", file=sys.stderr)
+        return 0
+    new = f"{head}{SUMMARY_BEGIN}\n<!-- readme_figures:class {key} -->\n{table}\n{SUMMARY_END}{tail}"
+    if new != text:
+        from logitdiff.store.files import atomic_write_bytes
+
+        atomic_write_bytes(path, new.encode("utf-8"))
+    print(f"{path}: table for {key} {'rewritten' if new != text else 'unchanged'}", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from", dest="src", metavar="OUT", help="an existing `logitdiff run` OUT directory (no run)")
     ap.add_argument("--out", metavar="DIR", help="where the fresh run goes (must not exist; default: a temporary directory, removed)")
-    ap.add_argument("--readme", default=str(ROOT / "README.md"), help="README to rewrite between the markers (default: %(default)s)")
+    ap.add_argument("--readme", metavar="FILE", help="the file of every class's full section, rewritten between the markers "
+                    f"(default: {ROOT / 'docs' / 'figures.md'}, with README.md's table as --summary)")
+    ap.add_argument("--summary", metavar="FILE", help="the file of one class's table between the summary markers "
+                    f"(default: {ROOT / 'README.md'} when --readme is not given; else none)")
     ap.add_argument("--print", action="store_true", help="print the block instead of rewriting README")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 when README's section for this machine class differs from this run's (or is missing)")
@@ -497,7 +555,12 @@ def main(argv=None) -> int:
     if args.print:
         print(block)
         return 0
-    return rewrite(Path(args.readme), block, mach["class"], args.check)
+    page = Path(args.readme) if args.readme else ROOT / "docs" / "figures.md"
+    table = Path(args.summary) if args.summary else (None if args.readme else ROOT / "README.md")
+    status = rewrite(page, block, mach["class"], args.check)
+    if table is not None:
+        status = max(status, summary(table, block, mach["class"], args.check))
+    return status
 
 
 if __name__ == "__main__":

@@ -773,13 +773,46 @@ def test_readme_figures_script_writes_between_the_markers(ladder, tmp_path):
     saved.write_text(json.dumps({**other_run, "machine": {**other_run["machine"], "cores": 16}}))
     r = subprocess.run(script + ["--check"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 1 and "differ" in r.stderr
+    # README's table (summary markers, one class): rewritten and compared row by row on this class
+    # only; --readme FILE alone never reaches README.md
+    table = tmp_path / "TABLE.md"
+    table.write_text(f"# t\n{rf.SUMMARY_BEGIN}\n<!-- readme_figures:class {key} -->\nold\n{rf.SUMMARY_END}\nafter\n")
+    readme.write_text(two)
+    with_table = script + ["--summary", str(table)]
+    saved.unlink()
+    r = subprocess.run(with_table, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and f"table for {key} rewritten" in r.stderr, r.stderr
+    r = subprocess.run(script, capture_output=True, text=True, env=env, timeout=300)  # --readme alone: that file only
+    assert r.returncode == 0 and str(root / "README.md") not in r.stderr and str(table) not in r.stderr, r.stderr
+    t1 = table.read_text()
+    assert "old" not in t1 and t1.endswith(f"{rf.SUMMARY_END}\nafter\n") and t1.count("| `test:") == len(rows)
+    assert f"| `{rows[0]['candidate']}` | {rows[0]['kl_mean']:.2e} |" in t1 and "flip" not in t1.split(rf.SUMMARY_BEGIN)[1]
+    r = subprocess.run(with_table + ["--check"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and f"({len(rows)} rows compared)" in r.stderr, r.stderr
+    row0 = f"| `{rows[0]['candidate']}` | {rows[0]['kl_mean']:.2e} |"
+    table.write_text(t1.replace(row0, f"| `{rows[0]['candidate']}` | 9.99e-09 |"))  # a figure in README's table: a difference
+    r = subprocess.run(with_table + ["--check"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and f"its table ({key}) differs" in r.stderr and "-| `test:q8` | 9.99e-09 |" in r.stderr, r.stderr
+    table.write_text(t1.replace(f"class {key} -->", "class zz-other -->"))  # another class's table: said, not compared
+    r = subprocess.run(with_table + ["--check"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "of machine class zz-other, not this one" in r.stderr and "not compared" in r.stderr, r.stderr
+    for bad in ("no markers\n", t1.replace(f"<!-- readme_figures:class {key} -->\n", "")):  # no markers; no class in them
+        table.write_text(bad)
+        r = subprocess.run(with_table, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode != 0 and "readme_figures:" in r.stderr and table.read_text() == bad, r.stderr
     readme.write_text("no markers\n")
     r = subprocess.run(script, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0 and "readme_figures:begin" in r.stderr and readme.read_text() == "no markers\n"
-    # README itself has one region to rewrite, with a section per machine class measured
+    # the repository: docs/figures.md has one region, a section per machine class measured;
+    # README's table is the first table of its class's section there, figure for figure
+    page = (root / "docs" / "figures.md").read_text(encoding="utf-8")
+    assert page.count("<!-- readme_figures:begin -->") == 1 == page.count("<!-- readme_figures:end -->")
+    secs = rf.sections(page.split("<!-- readme_figures:begin -->")[1].split("<!-- readme_figures:end -->")[0])
+    assert {"amd-avx2", "amd-avx512bf16", "intel-avx512bf16-amx"} <= set(secs)
     real = (root / "README.md").read_text(encoding="utf-8")
-    assert real.count("<!-- readme_figures:begin -->") == 1 == real.count("<!-- readme_figures:end -->")
-    assert {"amd-avx2", "amd-avx512bf16"} <= set(rf.sections(real.split("<!-- readme_figures:begin -->")[1]))
+    assert "<!-- readme_figures:begin -->" not in real and real.count(rf.SUMMARY_BEGIN) == 1 == real.count(rf.SUMMARY_END)
+    (cls, readme_table), = rf.sections(real.split(rf.SUMMARY_BEGIN)[1].split(rf.SUMMARY_END)[0]).items()
+    assert readme_table == rf.first_table(secs[cls]) and readme_table.count("| `builtin:tiny-") == 7
 
 
 def test_readme_figures_machine_class_from_cpuinfo():
