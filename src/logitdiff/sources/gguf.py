@@ -387,6 +387,13 @@ class GGUFSource(FullLogitSource):
     def render(self, item: Any) -> list[int]:
         return self._tokenize(self.render_text(item))
 
+    def document_ids(self, text: str) -> tuple[list[int], int | None]:
+        # common_tokenize(ctx, text, add_special=true, parse_special=false), as llama-perplexity
+        if self.llm._model.add_eos_token():  # llama-perplexity asserts this too
+            raise LogitdiffError(f"{self.path}: the model appends EOS to every text; a text: workload cannot be chunked")
+        ids = [int(i) for i in self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)]
+        return ids, (int(self.llm.token_bos()) if self.llm._model.add_bos_token() else None)
+
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_ids(ids, "detokenize")
         b = self.llm.detokenize([int(i) for i in ids], special=True)
