@@ -24,7 +24,6 @@ pytest.importorskip("transformers")
 from _models import make_random_llama, rewrite_gguf  # noqa: E402
 
 from logitdiff.cli import main  # noqa: E402
-from logitdiff.errors import LogitdiffError  # noqa: E402
 from logitdiff.store import RunReader  # noqa: E402
 from logitdiff.workload.text import perplexity_chunks  # noqa: E402
 
