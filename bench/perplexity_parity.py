@@ -6,8 +6,12 @@ mean KL of the candidate from the reference at every scored position.
 
 (a) llama.cpp, two commands as its docs give them::
 
-        llama-perplexity -m REF  --kl-divergence-base BASE -f TEXT -c CTX -t T [--chunks N]
-        llama-perplexity -m CAND --kl-divergence-base BASE --kl-divergence -f TEXT -c CTX -t T [--chunks N]
+        llama-perplexity -m REF  --kl-divergence-base BASE -f TEXT -c CTX -t T [--chunks N] [--no-repack]
+        llama-perplexity -m CAND --kl-divergence-base BASE --kl-divergence -f TEXT -c CTX -t T [--chunks N] [--no-repack]
+
+Both sides use one weight layout: llama.cpp's repacked one (``--repack``: llama-perplexity's
+default, logitdiff's ``gguf:...,repack=true``) or the plain one (llama-perplexity
+``--no-repack``, logitdiff's default), so the engines do the same arithmetic.
 
 (b) logitdiff, two commands::
 
@@ -56,6 +60,7 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
 def llama_side(a, work: Path) -> tuple[list[float], float]:
     base = work / "base.kld"
     common = ["-f", str(a.text), "-c", str(a.ctx), "-t", str(a.threads)] + (["--chunks", str(a.chunks)] if a.chunks else [])
+    common += [] if a.repack else ["--no-repack"]
     t1, _ = timed([str(a.llama_perplexity), "-m", str(a.ref), "--kl-divergence-base", str(base), *common])
     t2, out = timed([str(a.llama_perplexity), "-m", str(a.cand), "--kl-divergence-base", str(base), "--kl-divergence", *common])
     m = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", out)
@@ -68,9 +73,10 @@ def logitdiff_side(a, work: Path) -> tuple[list[float], float]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     py = [sys.executable, "-m", "logitdiff.cli"]
     chunks = ["--chunks", str(a.chunks)] if a.chunks else []
-    t1, _ = timed([*py, "capture", f"gguf:{a.ref},threads={a.threads}", "--workload", f"text:{a.text}", "--ctx", str(a.ctx),
+    opt = f",threads={a.threads}" + (",repack=true" if a.repack else "")
+    t1, _ = timed([*py, "capture", f"gguf:{a.ref}{opt}", "--workload", f"text:{a.text}", "--ctx", str(a.ctx),
                    *chunks, "--out", str(work / "ref"), "--overwrite"], env)
-    t2, _ = timed([*py, "compare", str(work / "ref"), f"gguf:{a.cand},threads={a.threads}", "--out", str(work / "report"),
+    t2, _ = timed([*py, "compare", str(work / "ref"), f"gguf:{a.cand}{opt}", "--out", str(work / "report"),
                    *a.compare_args], env)
     report = json.loads((work / "report" / "report.json").read_text())
     return [t1, t2], float(report["summary"]["kl_nats_mean"])
@@ -105,6 +111,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/perplexity_parity"))
     ap.add_argument("--llama-perplexity", type=Path, default=DEFAULT_EXE)
+    ap.add_argument("--repack", action="store_true",
+                    help="both with llama.cpp's weight repacking (llama-perplexity's default; logitdiff gguf:...,repack=true); "
+                         "without it both use the plain layout (llama-perplexity --no-repack; logitdiff's default)")
     ap.add_argument("--compare-args", nargs=argparse.REMAINDER, default=[], help="extra arguments of logitdiff compare")
     a = ap.parse_args()
     if not a.llama_perplexity.is_file():
@@ -112,7 +121,8 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()
     print(f"machine: {machine()}; load average before {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}")
-    print(f"text {a.text} ({a.text.stat().st_size} bytes), -c {a.ctx}, chunks {a.chunks or 'all'}, threads {a.threads}")
+    print(f"text {a.text} ({a.text.stat().st_size} bytes), -c {a.ctx}, chunks {a.chunks or 'all'}, threads {a.threads}, "
+          f"weights {'repacked (both)' if a.repack else 'plain layout (both: llama-perplexity --no-repack)'}")
     rows = []
     for k in range(a.runs):
         sides = [("llama", llama_side), ("logitdiff", logitdiff_side)]

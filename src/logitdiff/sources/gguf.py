@@ -76,8 +76,9 @@ def extra_bufts_supported() -> bool:
     return any(f[0] == "use_extra_bufts" for f in llama_cpp.llama_model_params._fields_)
 
 
-def load_llama(path: str | Path, **kwargs):
-    """``llama_cpp.Llama(path, **kwargs)`` with extra buffer types (weight repacking) off.
+def load_llama(path: str | Path, *, repack: bool = False, **kwargs):
+    """``llama_cpp.Llama(path, **kwargs)`` with extra buffer types (weight repacking) off
+    (``repack=True``: llama.cpp's default, left as it is).
 
     Process state is the same after the call as before it: ``Llama`` has no parameter for
     ``use_extra_bufts``, so the binding's ``llama_model_default_params`` is swapped for the
@@ -89,6 +90,9 @@ def load_llama(path: str | Path, **kwargs):
     import llama_cpp
     import llama_cpp.llama_cpp as C
 
+    if repack:
+        with load_lock, llama_log_errors_only():
+            return llama_cpp.Llama(model_path=str(path), **kwargs)
     has_field = extra_bufts_supported()
     with load_lock, llama_log_errors_only():
         orig = C.llama_model_default_params
@@ -212,6 +216,7 @@ class GGUFSource(FullLogitSource):
         threads: int | None = None,
         seed: int = 0,
         n_batch: int = 512,
+        repack: bool = False,
         spec: str | None = None,
         tokenizer_only: bool = False,
     ):
@@ -237,6 +242,7 @@ class GGUFSource(FullLogitSource):
         # llama.cpp threads are per context (n_threads), nothing process-wide; ``threads`` (the
         # torch count an entry point applies) stays None for this source
         self.n_threads = int(threads) if threads else max(1, os.cpu_count() or 1)
+        self.repack = bool(repack)
         self._read_metadata()
         if n_ctx is None:
             # Default: the model's training context, capped at 4096 (KV memory).
@@ -269,6 +275,7 @@ class GGUFSource(FullLogitSource):
                     seed=int(seed),
                     n_gpu_layers=0,
                     verbose=False,
+                    repack=repack,
                 )
                 self._fast = _has_output_batch_api(self.llm)
                 if self._fast or logits_all:
@@ -582,7 +589,7 @@ class GGUFSource(FullLogitSource):
             "seed": self.seed,
             "vocab_size": self.vocab_size,
             "tokenizer_hash": self.tokenizer_hash,
-            "extra_bufts": False if extra_bufts_supported() else "not supported by this llama-cpp-python",
+            "extra_bufts": True if self.repack else False if extra_bufts_supported() else "not supported by this llama-cpp-python",
             "logits": "output rows only, in blocks" if self._fast else "Llama.eval with logits_all (binding lacks the internals)",
         })
 
