@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,13 +49,29 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXE = Path.home() / ".cache" / "logitdiff" / "tools" / "llama-server" / "current" / "bin" / "llama-perplexity"
 
 
+CPU: dict[str, float] = {}  # CPU seconds (user + sys) of the last command of each tool, beside its wall time
+
+
 def timed(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
+    """Wall seconds of ``cmd``; its CPU seconds (user + sys, from the children's rusage) are
+    added to CPU["last"]: on a shared, oversubscribed machine the wall time is mostly waiting
+    for a core, the CPU time is the work done."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     dt = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU["last"] = CPU.get("last", 0.0) + (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     if res.returncode != 0:
         sys.exit(f"failed ({res.returncode}): {' '.join(cmd)}\n{(res.stdout + res.stderr)[-3000:]}")
     return dt, res.stdout + res.stderr
+
+
+def with_cpu(fn):
+    """``fn()``'s result and the CPU seconds its commands took."""
+    CPU["last"] = 0.0
+    out = fn()
+    return out, CPU["last"]
 
 
 def llama_side(a, work: Path) -> tuple[list[float], float]:
@@ -69,8 +86,8 @@ def llama_side(a, work: Path) -> tuple[list[float], float]:
     return [t1, t2], float(m.group(1))
 
 
-def logitdiff_side(a, work: Path) -> tuple[list[float], float]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+def logitdiff_side(a, work: Path, src: Path = ROOT / "src") -> tuple[list[float], float]:
+    env = {**os.environ, "PYTHONPATH": str(src)}
     py = [sys.executable, "-m", "logitdiff.cli"]
     chunks = ["--chunks", str(a.chunks)] if a.chunks else []
     opt = f",threads={a.threads}" + (",repack=true" if a.repack else "")
@@ -114,6 +131,8 @@ def main() -> None:
     ap.add_argument("--repack", action="store_true",
                     help="both with llama.cpp's weight repacking (llama-perplexity's default; logitdiff gguf:...,repack=true); "
                          "without it both use the plain layout (llama-perplexity --no-repack; logitdiff's default)")
+    ap.add_argument("--before-src", type=Path, default=None,
+                    help="another checkout's src/ (e.g. the commit before an optimisation), timed as a third side")
     ap.add_argument("--compare-args", nargs=argparse.REMAINDER, default=[], help="extra arguments of logitdiff compare")
     a = ap.parse_args()
     if not a.llama_perplexity.is_file():
@@ -125,21 +144,36 @@ def main() -> None:
           f"weights {'repacked (both)' if a.repack else 'plain layout (both: llama-perplexity --no-repack)'}")
     rows = []
     for k in range(a.runs):
-        sides = [("llama", llama_side), ("logitdiff", logitdiff_side)]
-        if k % 2:
-            sides.reverse()
-        got = {name: fn(a, a.work) for name, fn in sides}
-        (lt, lkl), (dt, dkl) = got["llama"], got["logitdiff"]
-        rows.append((sum(lt), sum(dt), lt, dt, lkl, dkl))
+        sides = [("llama", lambda: llama_side(a, a.work)), ("logitdiff", lambda: logitdiff_side(a, a.work))]
+        if a.before_src:
+            sides.append(("before", lambda: logitdiff_side(a, a.work, a.before_src)))
+        sides = sides[k % len(sides):] + sides[: k % len(sides)]  # the order rotates run by run
+        got = {name: with_cpu(fn) for name, fn in sides}
+        cpu = {name: c for name, (_, c) in got.items()}
+        (lt, lkl), (dt, dkl) = got["llama"][0], got["logitdiff"][0]
+        bt, bkl = got["before"][0] if "before" in got else ([float("nan")] * 2, float("nan"))
+        rows.append((sum(lt), sum(dt), lt, dt, lkl, dkl, sum(bt), bkl, cpu))
         print(f"run {k + 1}: llama-perplexity {sum(lt):.2f} s (base {lt[0]:.2f} + kld {lt[1]:.2f}), "
-              f"logitdiff {sum(dt):.2f} s (capture {dt[0]:.2f} + compare {dt[1]:.2f}), ratio {sum(dt) / sum(lt):.3f}; "
-              f"mean KL llama.cpp {lkl:.6f}, logitdiff {dkl:.6f}", flush=True)
+              f"logitdiff {sum(dt):.2f} s (capture {dt[0]:.2f} + compare {dt[1]:.2f}), ratio {sum(dt) / sum(lt):.3f}"
+              + (f"; before {sum(bt):.2f} s (capture {bt[0]:.2f} + compare {bt[1]:.2f}), ratio {sum(bt) / sum(lt):.3f}"
+                 if a.before_src else "")
+              + f"; mean KL llama.cpp {lkl:.6f}, logitdiff {dkl:.6f}" + (f", before {bkl:.6f}" if a.before_src else "")
+              + "; CPU s " + ", ".join(f"{n} {c:.2f}" for n, c in cpu.items()),
+              flush=True)
     med_l = statistics.median(r[0] for r in rows)
     med_d = statistics.median(r[1] for r in rows)
     load1 = os.getloadavg()
     meta = [metadata_seconds(p) for p in (a.ref, a.cand)]
     print(f"median: llama-perplexity {med_l:.2f} s, logitdiff {med_d:.2f} s, ratio {med_d / med_l:.3f} "
           f"(per-run ratios {', '.join(f'{r[1] / r[0]:.3f}' for r in rows)})")
+    cpu_med = {n: statistics.median(r[8][n] for r in rows) for n in rows[0][8]}
+    print("median CPU seconds (user + sys): " + ", ".join(f"{n} {c:.2f}" for n, c in cpu_med.items())
+          + f"; ratio logitdiff / llama-perplexity {cpu_med['logitdiff'] / cpu_med['llama']:.3f}"
+          + (f", before / llama-perplexity {cpu_med['before'] / cpu_med['llama']:.3f}" if "before" in cpu_med else ""))
+    if a.before_src:
+        med_b = statistics.median(r[6] for r in rows)
+        print(f"median before ({a.before_src}): {med_b:.2f} s, ratio {med_b / med_l:.3f} "
+              f"(per-run ratios {', '.join(f'{r[6] / r[0]:.3f}' for r in rows)})")
     print(f"mean KL: llama.cpp 'Mean KLD' {rows[-1][4]:.6f}, logitdiff kl_nats_mean {rows[-1][5]:.6f} "
           f"(relative difference {abs(rows[-1][5] - rows[-1][4]) / rows[-1][4]:.2%})")
     print(f"GGUF metadata read alone (a process each, import included): ref {meta[0]:.2f} s, cand {meta[1]:.2f} s")

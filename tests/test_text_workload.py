@@ -167,6 +167,21 @@ def test_text_candidate_live_compare_equals_stored(models, tmp_path):
     kb = [row["kl_nats"] for row in b["rows"]]
     assert len(ka) == 2 * (CTX - 1 - CTX // 2)
     assert ka == kb and 0 < float(np.mean(ka)) < 1
+    # the report's per-position KL is the torch-free kernel path's; the torch path (what
+    # compare ran before it) gives the same to 1e-12 per position (tests/test_metrics.py says why)
+    import torch
+
+    from logitdiff.numerics.metrics import full_vocab
+
+    r, c = RunReader(ref), RunReader(cand)
+    zr = np.concatenate([np.asarray(r.logits(it), np.float32) for it in r.items()])
+    zc = np.concatenate([np.asarray(c.logits(it), np.float32) for it in c.items()])
+    y = np.concatenate([it.next_tokens for it in r.items()])
+    new = full_vocab(zr, zc, y, k=10)["kl_nats"]
+    old = full_vocab(torch.from_numpy(zr), torch.from_numpy(zc), y, k=10)["kl_nats"]
+    np.testing.assert_allclose(new, ka, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(new, old, rtol=0, atol=1e-12)
+    assert abs(new.mean() - old.mean()) <= 1e-12
 
 
 def _llama_perplexity() -> Path | None:
