@@ -206,9 +206,15 @@ def test_mean_kl_matches_llama_perplexity(models, tmp_path):
     common = ["-c", str(CTX), "-b", str(CTX), "-t", str(THREADS), "-f", str(text)]
     subprocess.run([str(exe), "-m", str(models["f32"]), "--kl-divergence-base", str(base), *common],
                    check=True, capture_output=True, text=True)
-    res = subprocess.run([str(exe), "-m", str(models["q8"]), "--kl-divergence-base", str(base), "--kl-divergence", *common],
-                         check=True, capture_output=True, text=True)
-    m = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", res.stdout + res.stderr)
+    # llama.cpp logs from a worker thread; on a loaded machine its last lines are sometimes lost
+    # at exit (seen here: the output cut after "Cor(ln(PPL(Q)), ...)"), so the pass is rerun
+    # (deterministic: same figure) up to three times
+    for _ in range(3):
+        res = subprocess.run([str(exe), "-m", str(models["q8"]), "--kl-divergence-base", str(base), "--kl-divergence",
+                              *common], check=True, capture_output=True, text=True)
+        m = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", res.stdout + res.stderr)
+        if m:
+            break
     assert m, (res.stdout + res.stderr)[-2000:]
     theirs = float(m.group(1))
     ref = tmp_path / "ref"
@@ -219,4 +225,6 @@ def test_mean_kl_matches_llama_perplexity(models, tmp_path):
     import json
 
     ours = json.loads((tmp_path / "rep" / "report.json").read_text())["summary"]["kl_nats_mean"]
+    print(f"\nmean KL: logitdiff {ours:.6f}, llama-perplexity 'Mean KLD' {theirs:.6f}, "
+          f"relative difference {abs(ours - theirs) / theirs:.3%}")
     assert abs(ours - theirs) <= 0.02 * theirs + 1e-4, (ours, theirs)
