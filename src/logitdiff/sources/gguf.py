@@ -4,7 +4,9 @@
 Uses llama-cpp-python's ``Llama`` and reads the file's metadata
 (tokens, special ids, chat template, file type) with ``gguf.GGUFReader``.
 
-Weight repacking is disabled.  llama.cpp's CPU backend, by default, moves quantized
+Weight repacking is disabled (unless the spec says ``repack=true``: llama.cpp's own default,
+what llama-perplexity and llama-server run; on SmolLM2 Q4_0 the two layouts' logits differ by up
+to 2.4, the repacked matmul quantising activations its own way).  llama.cpp's CPU backend, by default, moves quantized
 weights into "extra buffer types" at load time (``llama_model_params.use_extra_bufts``,
 default ``true``): the AMX / interleaved ("repack") layouts of ``ggml-cpu``.  With a
 natively built llama.cpp (``GGML_NATIVE=ON``, the pip default) on AMX-capable Xeons,
