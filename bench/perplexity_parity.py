@@ -6,12 +6,13 @@ mean KL of the candidate from the reference at every scored position.
 
 (a) llama.cpp, two commands as its docs give them::
 
-        llama-perplexity -m REF  --kl-divergence-base BASE -f TEXT -c CTX -t T [--chunks N] [--no-repack]
-        llama-perplexity -m CAND --kl-divergence-base BASE --kl-divergence -f TEXT -c CTX -t T [--chunks N] [--no-repack]
+        llama-perplexity -m REF  --kl-divergence-base BASE -f TEXT -c CTX -t T [--chunks N] [--no-repack -fa off]
+        llama-perplexity -m CAND --kl-divergence-base BASE --kl-divergence -f TEXT -c CTX -t T [--chunks N] [--no-repack -fa off]
 
 Both sides use one weight layout: llama.cpp's repacked one (``--repack``: llama-perplexity's
 default, logitdiff's ``gguf:...,repack=true``) or the plain one (llama-perplexity
-``--no-repack``, logitdiff's default), so the engines do the same arithmetic.
+``--no-repack -fa off``, logitdiff's default: llama-cpp-python runs without flash attention),
+so the engines do the same arithmetic.
 
 (b) logitdiff, two commands::
 
@@ -77,7 +78,9 @@ def with_cpu(fn):
 def llama_side(a, work: Path) -> tuple[list[float], float]:
     base = work / "base.kld"
     common = ["-f", str(a.text), "-c", str(a.ctx), "-t", str(a.threads)] + (["--chunks", str(a.chunks)] if a.chunks else [])
-    common += [] if a.repack else ["--no-repack"]
+    # the plain layout also without flash attention: llama-cpp-python's Llama (logitdiff's gguf:) runs
+    # with it off, llama-perplexity's default (auto) turns it on on the CPU
+    common += [] if a.repack else ["--no-repack", "-fa", "off"]
     t1, _ = timed([str(a.llama_perplexity), "-m", str(a.ref), "--kl-divergence-base", str(base), *common])
     t2, out = timed([str(a.llama_perplexity), "-m", str(a.cand), "--kl-divergence-base", str(base), "--kl-divergence", *common])
     m = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", out)
