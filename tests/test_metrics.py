@@ -384,10 +384,15 @@ def test_full_vocab_chunking_is_exact():
     many = full_vocab(zp, zq, y, k=7, chunk_bytes=1)
     for f in FULL_VOCAB_FIELDS:
         np.testing.assert_array_equal(one[f], many[f], err_msg=f)
-    # torch tensors, numpy arrays and memory-mapped arrays give the same answer
+    # torch tensors and numpy arrays give the same answer: the same kernel and sums, the
+    # float64 log/log1p/exp after it from torch or numpy (each within an ulp; see
+    # test_numpy_kernel_path_equals_torch_path): ids exact, figures to 1e-12
     t = full_vocab(torch.from_numpy(zp), torch.from_numpy(zq), y, k=7)
     for f in FULL_VOCAB_FIELDS:
-        np.testing.assert_array_equal(one[f], t[f], err_msg=f)
+        if one[f].dtype.kind in "biu":
+            np.testing.assert_array_equal(one[f], t[f], err_msg=f)
+        else:
+            np.testing.assert_allclose(one[f], t[f], rtol=0, atol=1e-12, err_msg=f)
 
 
 def test_batched_path_of_other_devices(monkeypatch):
@@ -748,3 +753,27 @@ def test_thread_count_is_a_parameter_and_torch_setting_is_left_alone():
             metrics.row_stats(zp, k=4, threads=0)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("sigma,vocab", [(0.1, 1000), (2.0, 49_152), (20.0, 4096)])
+def test_numpy_kernel_path_equals_torch_path(dtype, sigma, vocab):
+    """numpy rows take the torch-free kernel path (_full_vocab_numpy); the same rows as torch
+    tensors take the torch path (what every comparison ran before). Same kernel, same sums;
+    only the float64 log, log1p and exp after it come from numpy instead of torch, each within
+    an ulp of the exact value. The largest term a figure subtracts is below 100 nats here (the
+    logit range), so each per-position figure agrees to 2 ulp(100) ~ 3e-14: asserted at 1e-12;
+    ids and matches exactly; the mean KL to 1e-12 too."""
+    rng = np.random.default_rng(vocab + int(sigma * 10))
+    zp, zq, y = make_pair(rng, 37, vocab, sigma, dtype)
+    assert not isinstance(zp, torch.Tensor)
+    new = full_vocab(zp, zq, y, k=10, top_k_out=64, threads=2, chunk_bytes=20_000)  # several chunks
+    old = full_vocab(torch.from_numpy(zp), torch.from_numpy(zq), y, k=10, top_k_out=64, threads=2, chunk_bytes=20_000)
+    assert set(new) == set(old)
+    for key in old:
+        if old[key].dtype.kind in "biu":
+            np.testing.assert_array_equal(new[key], old[key], err_msg=key)
+        else:
+            np.testing.assert_allclose(new[key], old[key], rtol=0, atol=1e-12, err_msg=key)
+    assert abs(new["kl_nats"].mean() - old["kl_nats"].mean()) <= 1e-12
+    assert new["kl_nats"].max() > 0

@@ -186,12 +186,26 @@ def capture_run(
     endpoints: Sequence[str] = (),
     chunk_size: str | int | None = None,
     bar: Bar | None = None,
+    ctx: int | None = None,
+    chunks: int | None = None,
 ) -> Path:
     """Capture a RUN: without ``reference``, the source generates greedily over ``workload``
     (default: the bundled one) and is scored on its own output (a reference); with
     ``reference`` (a reference RUN), it is teacher-forced on that run's tokens (a candidate).
+    ``workload="text:FILE"``: no generation, the text is scored in llama-perplexity's chunks of
+    ``ctx`` tokens (at most ``chunks`` of them; :mod:`logitdiff.workload.text`).
     ``spec`` is a source spec (``hf:PATH``, ``gguf:PATH``, ``served:URL``, ``builtin:tiny``...).
     ``teacher=`` is the deprecated name of ``reference=`` (docs/migration.md). Returns ``out``."""
+    from .workload.text import text_path
+
+    text = text_path(workload) if workload is not None else None
+    if text is not None and not reference:
+        return _capture_text_run(spec, out, text, ctx=ctx, chunks=chunks, store=store, overwrite=overwrite,
+                                 others={"--resume": resume, "--shard": shard, "--max-tokens": max_tokens,
+                                         "--positions": positions != "all", "--endpoint": bool(endpoints)},
+                                 batch=batch, chunk_size=chunk_size, bar=bar)
+    if ctx is not None or chunks is not None:
+        raise LogitdiffError("--ctx and --chunks cut a text: workload into chunks; they need --workload text:FILE")
     from .capture import SCORE_BATCH, capture_candidate, capture_reference, check_max_tokens, check_resume_flags, parse_positions
     from .store.files import Kind, check_output
     from .capture.shards import parse_shard, shard_items, with_endpoints
@@ -241,6 +255,33 @@ def capture_run(
                               overwrite=overwrite, settings={"workload": wl, "workload_sha256": wl_hash, **extra},
                               progress=advance, inputs=inputs, batch=batch, chunk_bytes=chunk_bytes)
     return Path(out)
+
+
+def _capture_text_run(spec: str, out: str | Path, text: Path, *, ctx: int | None, chunks: int | None, store: str,
+                      overwrite: bool, others: dict[str, Any], batch: int | None, chunk_size: str | int | None,
+                      bar: Bar | None) -> Path:
+    """``capture SPEC --workload text:FILE``: the text in llama-perplexity's chunks (capture/text.py)."""
+    from .capture import SCORE_BATCH
+    from .capture.text import capture_text
+    from .sources import applied_threads, open_source
+    from .store import parse_chunk_size
+    from .store.files import Kind, check_output
+    from .store.kinds import store_kind
+    from .workload.text import DEFAULT_CTX
+
+    given = [flag for flag, value in others.items() if value]
+    if given:
+        raise LogitdiffError(f"{given[0]}: not available with a text: workload (the text is scored whole, no generation)")
+    kind = store_kind(store)
+    batch = SCORE_BATCH if batch is None else batch
+    if batch < 1:
+        raise LogitdiffError(f"--batch {batch}: must be at least 1")
+    chunk_bytes = parse_chunk_size(chunk_size)
+    check_output(out, Kind.RUN, inputs=[text], overwrite=overwrite)
+    with open_source(spec) as src, applied_threads([src]):
+        advance = (bar or _no_bar)(None, f"scoring {text} with {spec}")
+        return capture_text(src, text, out, ctx=DEFAULT_CTX if ctx is None else ctx, chunks=chunks, store=kind,
+                            overwrite=overwrite, progress=advance, batch=batch, chunk_bytes=chunk_bytes)
 
 
 # identity keys that say which model computed the rows (weights, dtype, quantization, engine,

@@ -31,7 +31,13 @@ def register(sub) -> None:
 
     cap = sub.add_parser(NAME, help=HELP, description=DESCRIPTION, epilog=EPILOG)
     cap.add_argument("spec", metavar="SPEC", help="source spec")
-    cap.add_argument("--workload", help="workload JSONL (reference capture; default: the bundled workload)")
+    cap.add_argument("--workload", help="workload JSONL (reference capture; default: the bundled workload), or text:FILE: "
+                     "a plain text scored in llama-perplexity's chunks, no generation (--ctx, --chunks)")
+    cap.add_argument("--ctx", type=int, default=None, metavar="N",
+                     help="text: workloads: tokens per chunk, llama-perplexity's -c; the second half of each chunk is "
+                          "scored (default: 512, as llama-perplexity)")
+    cap.add_argument("--chunks", type=int, default=None, metavar="N",
+                     help="text: workloads: score at most the first N chunks, llama-perplexity's --chunks (default: all)")
     add_reference_run(cap, "reference RUN whose token ids the source is fed (candidate capture); --teacher is its "
                            "deprecated name")
     cap.add_argument("--out", required=True, help="RUN directory to write: new or empty (written in place, so --resume can "
@@ -67,6 +73,6 @@ def run(args) -> int:
     with Bars() as bars:
         capture_run(args.spec, args.out, workload=args.workload, reference=reference, max_tokens=args.max_tokens, store=args.store,
                 positions=args.positions, resume=args.resume, overwrite=args.overwrite, shard=args.shard, batch=args.batch,
-                endpoints=args.endpoint, chunk_size=args.chunk_size, bar=bars.bar)
+                endpoints=args.endpoint, chunk_size=args.chunk_size, bar=bars.bar, ctx=args.ctx, chunks=args.chunks)
     console().print(f"wrote RUN {args.out}")
     return 0

@@ -1,6 +1,6 @@
 """Bridge to the compiled full-vocabulary kernel (``_kernel.cpp``, built by ``pip install``).
 
-`pair_rows` hands two ``[R, V]`` CPU tensors (float32, bfloat16 or float16, rows of unit
+`pair_rows` hands two ``[R, V]`` CPU tensors (float32, bfloat16 or float16; or numpy float32/float16 arrays, no torch needed; rows of unit
 stride; any row stride, so memory maps and stride-0 expansions are read in place, never
 copied or upcast) to the kernel and returns, per row, the maxima, the exact top-kk of
 each side and the eight float64 sums that `metrics.full_vocab` turns into its fields.
@@ -95,8 +95,16 @@ def has_avx512bf16() -> bool:
     return bool(f is not None and f())
 
 
+# numpy dtypes the kernel reads in place (bf16 has no numpy dtype: its bits come as a torch view)
+_NUMPY_CODES = {np.dtype(np.float32): DTYPE_CODES["float32"], np.dtype(np.float16): DTYPE_CODES["float16"]}
+
+
 def supports(z) -> bool:
-    """Whether ``z`` (a torch tensor) can be read by the kernel in place."""
+    """Whether ``z`` (a torch tensor, or a float32/float16 numpy array: no torch needed) can be
+    read by the kernel in place."""
+    if isinstance(z, np.ndarray):
+        return (z.ndim == 2 and z.dtype in _NUMPY_CODES and (z.shape[1] == 1 or z.strides[1] == z.itemsize)
+                and z.strides[0] % z.itemsize == 0)
     import torch
 
     return (
@@ -109,7 +117,7 @@ def supports(z) -> bool:
 
 
 def pair_rows(zp, zq, kk: int, threads: int, isa: str = "auto") -> dict[str, np.ndarray]:
-    """Per-row maxima, top-kk and sums of two ``[R, V]`` tensors of one dtype (see module doc).
+    """Per-row maxima, top-kk and sums of two ``[R, V]`` tensors (or numpy arrays) of one dtype (see module doc).
 
     Returns ``maxes`` [R, 2] (reference, candidate), ``top_ids`` [R, 2, kk] int64 (value
     descending, lowest id first on ties), ``top_vals`` [R, 2, kk] float64, ``sums`` [R, 8]
@@ -122,6 +130,14 @@ def pair_rows(zp, zq, kk: int, threads: int, isa: str = "auto") -> dict[str, np.
     if not (supports(zp) and supports(zq)) or zp.shape != zq.shape or zp.dtype != zq.dtype:
         raise ValueError(f"kernel input must be two CPU [R, V] tensors of one dtype in {sorted(DTYPE_CODES)} with unit column stride")
     n, vocab = zp.shape
+    if isinstance(zp, np.ndarray) != isinstance(zq, np.ndarray):
+        raise ValueError("kernel input must be two numpy arrays or two torch tensors, not one of each")
+    if isinstance(zp, np.ndarray):  # pointer, row stride in elements, dtype code
+        code = _NUMPY_CODES[zp.dtype]
+        ptrs = (zp.ctypes.data, zq.ctypes.data, zp.strides[0] // zp.itemsize, zq.strides[0] // zq.itemsize)
+    else:
+        code = DTYPE_CODES[str(zp.dtype).removeprefix("torch.")]
+        ptrs = (zp.data_ptr(), zq.data_ptr(), zp.stride(0), zq.stride(0))
     out = {
         "sums": np.empty((n, 8), np.float64),
         "maxes": np.empty((n, 2), np.float64),
@@ -132,8 +148,7 @@ def pair_rows(zp, zq, kk: int, threads: int, isa: str = "auto") -> dict[str, np.
     if n == 0:
         return out
     rc = lib.logitdiff_pair_rows(
-        zp.data_ptr(), zq.data_ptr(), n, vocab, zp.stride(0), zq.stride(0),
-        DTYPE_CODES[str(zp.dtype).removeprefix("torch.")], kk, max(1, int(threads)), ISA_CODES[isa],
+        ptrs[0], ptrs[1], n, vocab, ptrs[2], ptrs[3], code, kk, max(1, int(threads)), ISA_CODES[isa],
         *(out[f].ctypes.data for f in ("sums", "maxes", "top_ids", "top_vals", "flags")),
     )  # fmt: skip
     if rc:

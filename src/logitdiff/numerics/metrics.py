@@ -471,7 +471,20 @@ def full_vocab(
     on the chunking.
 
     Raises ``NonFiniteLogits`` naming the first row with NaN/inf.
+
+    Two numpy float32/float16 arrays on the CPU with the kernel built take `_full_vocab_numpy`:
+    the same kernel and formulas in numpy, without importing torch (~2-3 s of a short
+    command's start on a 2-core machine); its figures equal this path's to ~1e-14 (log,
+    log1p and exp of two libraries, each within an ulp: tests/test_metrics.py).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    if backend != "torch" and _numpy_native(ref_logits, cand_logits, device):
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads={threads} must be >= 1")
+        return _full_vocab_numpy(ref_logits, cand_logits, next_tokens, k=k, top_k_out=top_k_out, chunk_bytes=chunk_bytes,
+                                 check_finite=check_finite, threads=threads,
+                                 isa="scalar" if backend == "native-scalar" else "auto")
     import torch
 
     zp_all, zq_all, y_all = _checked_pair(ref_logits, cand_logits, next_tokens, k, top_k_out)
@@ -501,6 +514,103 @@ def full_vocab(
         if plan.per_row:
             torch.set_num_threads(torch_threads)
     return out
+
+
+def _numpy_native(ref_logits, cand_logits, device) -> bool:
+    """Whether `full_vocab` can run the compiled kernel on these inputs without torch: numpy
+    arrays of one dtype the kernel reads in place, on the CPU."""
+    if device is not None and str(device) != "cpu":
+        return False
+    return (isinstance(ref_logits, np.ndarray) and isinstance(cand_logits, np.ndarray)
+            and ref_logits.dtype == cand_logits.dtype and ref_logits.shape == cand_logits.shape
+            and kernel.supports(ref_logits) and kernel.supports(cand_logits) and kernel.available())
+
+
+def _full_vocab_numpy(zp_all: np.ndarray, zq_all: np.ndarray, next_tokens, *, k: int, top_k_out: int,
+                      chunk_bytes: int | None, check_finite: bool, threads: int | None, isa: str) -> dict[str, np.ndarray]:
+    """`full_vocab` on numpy rows through the compiled kernel: the torch path's kernel call and
+    formulas (`_write_chunk`) in numpy float64, chunked as that path chunks."""
+    n, vocab = zp_all.shape
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k={k} must be in [1, V={vocab}]")
+    if not 0 <= top_k_out <= vocab:
+        raise ValueError(f"top_k_out={top_k_out} must be in [0, V={vocab}]")
+    y_all = None
+    if next_tokens is not None:
+        y_all = np.asarray(next_tokens).astype(np.int64, copy=False)
+        if y_all.shape != (n,):
+            raise ValueError(f"next_tokens must have shape [{n}], got {tuple(y_all.shape)}")
+        if n and (int(y_all.min()) < 0 or int(y_all.max()) >= vocab):
+            raise ValueError(f"next_tokens out of range [0, {vocab})")
+    out = _empty_outputs(n, top_k_out)
+    kk = min(vocab, max(k, 2, top_k_out))
+    nt = threads or default_threads()
+    step = max(nt, int((chunk_bytes or (64 << 20)) // (16 * max(k, 2, top_k_out) + 128)))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        zp, zq = zp_all[a:b], zq_all[a:b]
+        r = kernel.pair_rows(zp, zq, kk, nt, isa)
+        _write_chunk_numpy(out, a, b, zp, zq, r, y_all, k, kk, top_k_out, check_finite)
+    return out
+
+
+def _write_chunk_numpy(out: dict, a: int, b: int, zp: np.ndarray, zq: np.ndarray, r: dict, y_all, k: int, kk: int,
+                       top_k_out: int, check_finite: bool) -> None:
+    """`_write_chunk` in numpy (the same formulas, term for term; the reasons are there)."""
+    ids_p, ids_q = r["top_ids"][:, 0], r["top_ids"][:, 1]
+    vals_p, vals_q = r["top_vals"][:, 0], r["top_vals"][:, 1]
+    mp, mq = vals_p[:, 0], vals_q[:, 0]
+    s_p, a_p, s_q, a_q, d_p, d_q, g, s_d = r["sums"].T
+    if check_finite:
+        bad_p = ~(np.isfinite(mp) & np.isfinite(a_p))
+        bad_q = ~(np.isfinite(mq) & np.isfinite(a_q))
+        for i in np.nonzero(bad_p | bad_q)[0].tolist():
+            for name, z, bad in (("reference", zp, bad_p), ("candidate", zq, bad_q)):
+                if bad[i]:
+                    nf = ~np.isfinite(z[i])
+                    if nf.any():
+                        raise NonFiniteLogits(name, a + i, float(z[i][nf][0]))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls_p, ls_q = np.log(s_p), np.log(s_q)
+        ent_p = ls_p - a_p / s_p
+        ent_q = ls_q - a_q / s_q
+        x = s_d / s_q
+        c = np.where(np.abs(x) <= 0.5, np.log1p(x), ls_p - ls_q)
+    kl = np.maximum(d_p / s_p - c, 0.0)
+    kl_rev = np.maximum(c - d_q / s_q, 0.0)
+    jsd = LN2 - 0.5 * (ent_p + ent_q) - 0.5 * (g / s_p) + ls_p
+    jsd = np.minimum(np.clip(jsd, 0.0, LN2), 0.25 * (kl + kl_rev))
+    lp_top = (vals_p[:, :2] - mp[:, None]) - ls_p[:, None]
+    margin = np.exp(lp_top[:, 0]) - np.exp(lp_top[:, 1]) if kk >= 2 else np.exp(lp_top[:, 0])
+    kp, kq = ids_p[:, :k], ids_q[:, :k]
+    overlap = (kp[:, :, None] == kq[:, None, :]).any(-1).sum(-1).astype(np.float64) / k
+    t1p, t1q = ids_p[:, 0], ids_q[:, 0]
+    sl = slice(a, b)
+    out["kl_nats"][sl] = kl
+    out["kl_rev_nats"][sl] = kl_rev
+    out["jsd_nats"][sl] = jsd
+    out["top1_ref"][sl] = t1p
+    out["top1_cand"][sl] = t1q
+    out["top1_match"][sl] = t1p == t1q
+    out["margin_ref"][sl] = margin
+    out["entropy_ref"][sl] = np.maximum(ent_p, 0.0)
+    out["entropy_cand"][sl] = np.maximum(ent_q, 0.0)
+    out["topk_overlap"][sl] = overlap
+    if top_k_out:
+        out["topk_ids_ref"][sl] = ids_p[:, :top_k_out]
+        out["topk_ids_cand"][sl] = ids_q[:, :top_k_out]
+        out["topk_logprobs_ref"][sl] = (vals_p[:, :top_k_out] - mp[:, None]) - ls_p[:, None]
+        out["topk_logprobs_cand"][sl] = (vals_q[:, :top_k_out] - mq[:, None]) - ls_q[:, None]
+    if y_all is not None:
+        rows = np.arange(b - a)
+        y = y_all[a:b]
+        lpy = (zp[rows, y].astype(np.float64) - mp) - ls_p
+        lqy = (zq[rows, y].astype(np.float64) - mq) - ls_q
+        out["p_ref_token"][sl] = np.exp(lpy)
+        out["p_cand_token"][sl] = np.exp(lqy)
+        out["delta_p"][sl] = np.exp(lqy) - np.exp(lpy)
+        out["nll_ref"][sl] = -lpy
+        out["nll_cand"][sl] = -lqy
 
 
 def _checked_pair(ref_logits, cand_logits, next_tokens, k: int, top_k_out: int):

@@ -179,6 +179,13 @@ class Source:
     def detokenize(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    def document_ids(self, text: str) -> tuple[list[int], int | None]:
+        """``text`` tokenized as one document, as llama.cpp's tools tokenize a file (BOS first
+        when the model adds one, special-token text read as plain text), and the BOS id every
+        chunk of it starts with (None: the model adds no BOS). What ``text:`` workloads read."""
+        raise LogitdiffError(f"{self.spec}: this source cannot tokenize a plain text document "
+                             "(a text: workload needs a gguf: source)")
+
     def token_text(self, token_id: int) -> str:
         """Printable text of one token (for reports)."""
         return self.detokenize([token_id])

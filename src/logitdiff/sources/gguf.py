@@ -4,7 +4,9 @@
 Uses llama-cpp-python's ``Llama`` and reads the file's metadata
 (tokens, special ids, chat template, file type) with ``gguf.GGUFReader``.
 
-Weight repacking is disabled.  llama.cpp's CPU backend, by default, moves quantized
+Weight repacking is disabled (unless the spec says ``repack=true``: llama.cpp's own default,
+what llama-perplexity and llama-server run; on SmolLM2 Q4_0 the two layouts' logits differ by up
+to 2.4, the repacked matmul quantising activations its own way).  llama.cpp's CPU backend, by default, moves quantized
 weights into "extra buffer types" at load time (``llama_model_params.use_extra_bufts``,
 default ``true``): the AMX / interleaved ("repack") layouts of ``ggml-cpu``.  With a
 natively built llama.cpp (``GGML_NATIVE=ON``, the pip default) on AMX-capable Xeons,
@@ -76,8 +78,9 @@ def extra_bufts_supported() -> bool:
     return any(f[0] == "use_extra_bufts" for f in llama_cpp.llama_model_params._fields_)
 
 
-def load_llama(path: str | Path, **kwargs):
-    """``llama_cpp.Llama(path, **kwargs)`` with extra buffer types (weight repacking) off.
+def load_llama(path: str | Path, *, repack: bool = False, **kwargs):
+    """``llama_cpp.Llama(path, **kwargs)`` with extra buffer types (weight repacking) off
+    (``repack=True``: llama.cpp's default, left as it is).
 
     Process state is the same after the call as before it: ``Llama`` has no parameter for
     ``use_extra_bufts``, so the binding's ``llama_model_default_params`` is swapped for the
@@ -89,6 +92,9 @@ def load_llama(path: str | Path, **kwargs):
     import llama_cpp
     import llama_cpp.llama_cpp as C
 
+    if repack:
+        with load_lock, llama_log_errors_only():
+            return llama_cpp.Llama(model_path=str(path), **kwargs)
     has_field = extra_bufts_supported()
     with load_lock, llama_log_errors_only():
         orig = C.llama_model_default_params
@@ -213,6 +219,7 @@ class GGUFSource(FullLogitSource):
         threads: int | None = None,
         seed: int = 0,
         n_batch: int = 512,
+        repack: bool = False,
         spec: str | None = None,
         tokenizer_only: bool = False,
     ):
@@ -239,6 +246,7 @@ class GGUFSource(FullLogitSource):
         # llama.cpp threads are per context (n_threads), nothing process-wide; ``threads`` (the
         # torch count an entry point applies) stays None for this source
         self.n_threads = int(threads) if threads else max(1, os.cpu_count() or 1)
+        self.repack = bool(repack)
         self._read_metadata()
         if n_ctx is None:
             # Default: the model's training context, capped at 4096 (KV memory).
@@ -268,6 +276,7 @@ class GGUFSource(FullLogitSource):
                     seed=int(seed),
                     n_gpu_layers=0,
                     verbose=False,
+                    repack=repack,
                 )
                 self._fast = _has_output_batch_api(self.llm)
                 if self._fast or logits_all:
@@ -422,6 +431,13 @@ class GGUFSource(FullLogitSource):
         return json_cached("gguf.prompt_ids", key, lambda: [self._tokenize(t) for t in texts],
                            valid=lambda v: isinstance(v, list) and len(v) == len(texts)
                            and all(isinstance(ids, list) and all(type(i) is int for i in ids) for ids in v))
+
+    def document_ids(self, text: str) -> tuple[list[int], int | None]:
+        # common_tokenize(ctx, text, add_special=true, parse_special=false), as llama-perplexity
+        if self.llm._model.add_eos_token():  # llama-perplexity asserts this too
+            raise LogitdiffError(f"{self.path}: the model appends EOS to every text; a text: workload cannot be chunked")
+        ids = [int(i) for i in self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)]
+        return ids, (int(self.llm.token_bos()) if self.llm._model.add_bos_token() else None)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         self._check_ids(ids, "detokenize")
@@ -611,7 +627,7 @@ class GGUFSource(FullLogitSource):
             "seed": self.seed,
             "vocab_size": self.vocab_size,
             "tokenizer_hash": self.tokenizer_hash,
-            "extra_bufts": False if extra_bufts_supported() else "not supported by this llama-cpp-python",
+            "extra_bufts": True if self.repack else False if extra_bufts_supported() else "not supported by this llama-cpp-python",
             "logits": "output rows only, in blocks" if self._fast else "Llama.eval with logits_all (binding lacks the internals)",
         })
 

@@ -100,6 +100,9 @@ OPTIONS: dict[str, tuple[Option, ...]] = {
         Option("threads", _T.POSITIVE_INT, None, "llama.cpp threads of this context (default: the CPU count)"),
         Option("seed", _T.INT, 0, "llama.cpp seed"),
         Option("n_batch", _T.POSITIVE_INT, 512, "llama.cpp batch size (tokens per decode call)"),
+        Option("repack", _T.BOOL, False, "llama.cpp's weight repacking (extra buffer types: interleaved Q4_0/Q8_0 layouts, "
+               "faster on AVX2; llama-perplexity's and llama-server's default). Off by default: its AMX path crashed native "
+               "builds; rows differ from the plain layout by float summation order"),
     ),
     "served": (
         Option("model", _T.TEXT, None, "the model name the server knows (default: the one it serves)"),
