@@ -386,13 +386,29 @@ def _paragraphs(section: str) -> list[str]:
     return [p for p in re.split(r"\n[ \t]*\n", section.strip("\n")) if p.strip()]
 
 
-def pinned(section: str) -> list[str]:
+FLIPS_TABLE = "| candidate | branches |"
+
+
+def flips_header(section: str) -> str | None:
+    """The header row of the section's flips table (whitespace collapsed), None without one."""
+    for p in _paragraphs(section):
+        if p.startswith(FLIPS_TABLE):
+            return " ".join(p.splitlines()[0].split())
+    return None
+
+
+def pinned(section: str, skip_flips: bool = False) -> list[str]:
     """The lines --check compares of a section: from the header sentence only the machine
     class words and the cores; every table row (whitespace collapsed) and every other
-    paragraph (:func:`comparable`, wrapped again so a difference shows as a line)."""
+    paragraph (:func:`comparable`, wrapped again so a difference shows as a line).
+    ``skip_flips``: without the flips table, the paragraph introducing it and the one after
+    it (the branches' sentences) -- a section written with other flip classes."""
     import textwrap
 
     paras = _paragraphs(section)
+    at = next((i for i, p in enumerate(paras) if p.startswith(FLIPS_TABLE)), None)
+    if skip_flips and at is not None:
+        paras = paras[:at - 1] + paras[at + 2:]
     lines = []
     if paras and HEADER.match(paras[0]):
         m = MACHINE.search(" ".join(paras[0].split()))
@@ -423,7 +439,15 @@ def check_section(readme: Path, have: str, block: str, key: str) -> int:
              for k in sorted(set(said) | set(run)) if said.get(k) != run.get(k)]
     if drift:
         print(f"{readme}: warning: version drift (not compared): {'; '.join(drift)}", file=sys.stderr)
-    a, b = pinned(have), pinned(block)
+    # A section written by a logitdiff with other flip classes (report schema before 2.1: benign /
+    # meaning changed by the old classifier) cannot match any run of this one: a version drift of
+    # logitdiff itself, said as such; its drift figures are still compared.
+    classes_drift = flips_header(have) != flips_header(block)
+    if classes_drift:
+        print(f"{readme}: warning: flip classes drift (not compared): the section's flips table has columns "
+              f"{flips_header(have)!r}, this run's {flips_header(block)!r} (written by a logitdiff with other flip "
+              "classes); the drift figures and the rest are compared; rewrite the section on this class", file=sys.stderr)
+    a, b = pinned(have, classes_drift), pinned(block, classes_drift)
     if a != b:
         print(f"{readme}: the figures for this machine class ({key}) differ from this run's (compared: the machine "
               "class and cores, the tables and the figures; not the header's versions, wall time, load, CPU model):",

@@ -432,3 +432,14 @@ def test_readme_figures_check_on_the_run(default_run, tmp_path):
     diff = r.stderr.split("\n", 1)[1].splitlines()
     assert diff[:2] == [f"--- README ({rf.machine_class()[0]})", "+++ this run"], diff
     assert [ln for ln in diff[2:] if ln[:1] in "+-"] == ["-" + " | ".join(cells), "+" + row], diff
+    # a section written with other flip classes (a logitdiff before report schema 2.1: benign / meaning
+    # changed by the old classifier): that drift named, the flips part not compared, the drift figures still are
+    flips_row = next(ln for ln in text.splitlines() if ln.startswith("| candidate | branches |"))
+    old = text.replace(flips_row, flips_row.replace("| diverged |", "| benign | meaning changed |", 1))
+    assert old != text
+    readme.write_text(old)
+    r = run("--check")
+    assert r.returncode == 0 and "warning: flip classes drift (not compared)" in r.stderr, r.stderr
+    readme.write_text(old.replace(row, " | ".join(cells)))
+    r = run("--check")
+    assert r.returncode == 1 and "flip classes drift" in r.stderr and "-" + " | ".join(cells) in r.stderr, r.stderr
