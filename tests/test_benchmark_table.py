@@ -93,13 +93,23 @@ def test_a_field_the_report_lacks_is_said_to_be_absent(small_run, tmp_path, caps
         for key in ("right_to_truncated", "items_right_to_truncated", "attributed", "attribution", "cut_cand"):
             rep["correctness"].pop(key, None)
         path.write_text(json.dumps(rep))
+    # summary.json before 1.5 had no right_to_truncated / attributed either
+    spath = out / "summary.json"
+    summ = json.loads(spath.read_text())
+    for c in summ["candidates"]:
+        for key in ("right_to_truncated", "attributed"):
+            c.pop(key, None)
+    spath.write_text(json.dumps(summ))
     bt = _script()
     assert bt.main(["--print", "--from", str(out)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `humaneval:2`")]
     assert len(rows) == 2
     for row in rows:
         cells = _cells(row)
-        assert cells[4].endswith(" / not in this report") and cells[5] == cells[7] == "not in this report"
+        assert cells[4].endswith(" / not in this report") and cells[5] == "not in this report"
+        # attribution: migrate_report gives an older report its records from what it holds; this
+        # run changed no answer, so there is nothing to attribute (not "not in this report")
+        assert cells[7] == "0 of 0 have a flip; 0 part at it; 0 branched", cells[7]
 
 
 def test_readme_is_rewritten_between_the_markers_and_check_names_the_differing_line(small_run, tmp_path, capsys):

@@ -352,7 +352,13 @@ def test_compare_blocks_across_unaligned_chunks(tmp_path, dtype):
     assert zr.dtype == np.float32  # bf16 runs: the stored values, converted exactly
     want = M.full_vocab(zr, zc, np.concatenate([teacher[k] for k in lens]), k=10, top_k_out=64, threads=1)
     for f in ("kl_nats", "kl_rev_nats", "jsd_nats", "entropy_ref", "nll_cand", "top1_ref", "topk_overlap"):
-        np.testing.assert_array_equal(comp.columns[f], want[f], err_msg=f)
+        if dtype == "bfloat16" and comp.columns[f].dtype.kind == "f":
+            # bf16 bits reach the kernel through torch, float32 rows (want) through numpy: the
+            # same kernel, but the formulas after it use each library's log/log1p/exp, which may
+            # differ by one ulp; the terms are < 100 nats, so at most ~3e-14 (metrics._full_vocab_numpy)
+            np.testing.assert_allclose(comp.columns[f], want[f], rtol=0, atol=1e-12, err_msg=f)
+        else:
+            np.testing.assert_array_equal(comp.columns[f], want[f], err_msg=f)
 
 
 @pytest.mark.parametrize("store", ["full", "topk:5"])

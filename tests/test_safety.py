@@ -538,6 +538,7 @@ def test_real_concurrent_capture_is_refused(w, tmp_path):
 SIGNAL_IN_WRITE = (
     "import os, signal, sys\n"
     "import logitdiff.report as R\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when started in a background job\n"
     "orig = R.write_parquet\n"
     "def write_parquet(path, columns):\n"
     "    orig(path, columns)\n"
