@@ -18,7 +18,7 @@ with this Python, timing each (wall time and load average before and after, kept
 DIR/<W>/benchmark_table.timing.json for a later ``--from``). The defaults are the settings
 README's table was measured with (``--help`` lists them): one llama.cpp thread per model
 (the machine's cores are shared: more threads than free cores make llama.cpp's spinning
-threads wait on each other), 128 tokens per answer, 8 branches per candidate and no
+threads wait on each other), 256 tokens per answer (an EvalPlus answer with its code block needs ~200), 8 branches per candidate and no
 cross-engine floor (transformers reading the GGUF, the automatic floor of a gguf:
 reference, costs more than the run itself on 2 shared cores; ``--floor auto`` asks for it).
 
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=str(MODEL), help="the reference GGUF (default: %(default)s)")
     ap.add_argument("--type", dest="qtype", default="Q4_0", help="the candidate's llama.cpp type (default: %(default)s)")
     ap.add_argument("--workload", action="append", help=f"a benchmark workload (repeatable; default: {', '.join(WORKLOADS)})")
-    ap.add_argument("--max-tokens", type=int, default=128, help="answer budget (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=256, help="answer budget (default: %(default)s)")
     ap.add_argument("--max-branches", type=int, default=8, help="branches per candidate (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads per model (default: %(default)s)")
     ap.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp context (default: %(default)s)")
