@@ -526,22 +526,30 @@ def _numpy_native(ref_logits, cand_logits, device) -> bool:
             and kernel.supports(ref_logits) and kernel.supports(cand_logits) and kernel.available())
 
 
+def _check_k(k: int, top_k_out: int, vocab: int) -> None:
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k={k} must be in [1, V={vocab}]")
+    if not 0 <= top_k_out <= vocab:
+        raise ValueError(f"top_k_out={top_k_out} must be in [0, V={vocab}]")
+
+
+def _check_next_tokens(y_all, n: int, vocab: int) -> None:
+    if tuple(y_all.shape) != (n,):
+        raise ValueError(f"next_tokens must have shape [{n}], got {tuple(y_all.shape)}")
+    if n and (int(y_all.min()) < 0 or int(y_all.max()) >= vocab):
+        raise ValueError(f"next_tokens out of range [0, {vocab})")
+
+
 def _full_vocab_numpy(zp_all: np.ndarray, zq_all: np.ndarray, next_tokens, *, k: int, top_k_out: int,
                       chunk_bytes: int | None, check_finite: bool, threads: int | None, isa: str) -> dict[str, np.ndarray]:
     """`full_vocab` on numpy rows through the compiled kernel: the torch path's kernel call and
     formulas (`_write_chunk`) in numpy float64, chunked as that path chunks."""
     n, vocab = zp_all.shape
-    if not 1 <= k <= vocab:
-        raise ValueError(f"k={k} must be in [1, V={vocab}]")
-    if not 0 <= top_k_out <= vocab:
-        raise ValueError(f"top_k_out={top_k_out} must be in [0, V={vocab}]")
+    _check_k(k, top_k_out, vocab)
     y_all = None
     if next_tokens is not None:
         y_all = np.asarray(next_tokens).astype(np.int64, copy=False)
-        if y_all.shape != (n,):
-            raise ValueError(f"next_tokens must have shape [{n}], got {tuple(y_all.shape)}")
-        if n and (int(y_all.min()) < 0 or int(y_all.max()) >= vocab):
-            raise ValueError(f"next_tokens out of range [0, {vocab})")
+        _check_next_tokens(y_all, n, vocab)
     out = _empty_outputs(n, top_k_out)
     kk = min(vocab, max(k, 2, top_k_out))
     nt = threads or default_threads()
@@ -625,17 +633,11 @@ def _checked_pair(ref_logits, cand_logits, next_tokens, k: int, top_k_out: int):
             f"reference and candidate logits must both be [N, V]; got {tuple(zp_all.shape)} and {tuple(zq_all.shape)}"
         )
     n, vocab = zp_all.shape
-    if not 1 <= k <= vocab:
-        raise ValueError(f"k={k} must be in [1, V={vocab}]")
-    if not 0 <= top_k_out <= vocab:
-        raise ValueError(f"top_k_out={top_k_out} must be in [0, V={vocab}]")
+    _check_k(k, top_k_out, vocab)
     y_all = None
     if next_tokens is not None:
         y_all = torch.as_tensor(np.asarray(next_tokens), dtype=torch.int64)
-        if y_all.shape != (n,):
-            raise ValueError(f"next_tokens must have shape [{n}], got {tuple(y_all.shape)}")
-        if n and (int(y_all.min()) < 0 or int(y_all.max()) >= vocab):
-            raise ValueError(f"next_tokens out of range [0, {vocab})")
+        _check_next_tokens(y_all, n, vocab)
     return zp_all, zq_all, y_all
 
 

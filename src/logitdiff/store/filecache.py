@@ -144,18 +144,25 @@ def file_json_cached(path: str | os.PathLike, name: str, versions: dict, compute
     ``compute`` as before it."""
     ident = file_identity(path)
     entry = _entry(name, json.dumps([ident, sorted(versions.items())]))
-    got = _read(entry)
-    if got is not None:
-        try:
-            value = json.loads(got)
-        except ValueError:
-            value = None
-        if value is not None and valid(value):
-            return value
+    cached = _read_json(entry, valid)
+    if cached is not None:
+        return cached
     value = compute()
     if file_identity(path) == ident:
         _write(entry, json.dumps(value).encode())  # ASCII: lone surrogates survive as escapes
     return value
+
+
+def _read_json(entry: Path | None, valid: Callable[[object], bool]) -> object | None:
+    """The JSON value an entry holds when it parses and ``valid`` accepts it, else None."""
+    got = _read(entry)
+    if got is None:
+        return None
+    try:
+        value = json.loads(got)
+    except ValueError:
+        return None
+    return value if value is not None and valid(value) else None
 
 
 def json_cached(name: str, key: object, compute: Callable[[], object], valid: Callable[[object], bool] = lambda v: True):
@@ -163,14 +170,9 @@ def json_cached(name: str, key: object, compute: Callable[[], object], valid: Ca
     that must name every input of ``compute`` by content: nothing else keys the entry); an
     entry that ``valid`` refuses is recomputed."""
     entry = _entry(name, json.dumps(key, sort_keys=True))
-    got = _read(entry)
-    if got is not None:
-        try:
-            value = json.loads(got)
-        except ValueError:
-            value = None
-        if value is not None and valid(value):
-            return value
+    cached = _read_json(entry, valid)
+    if cached is not None:
+        return cached
     value = compute()
     _write(entry, json.dumps(value).encode())
     return value
