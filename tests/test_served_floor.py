@@ -370,12 +370,17 @@ def test_close_on_a_hung_server_cancels_the_block_in_flight(served):
             px.held.clear()
             px.hang.add("/completion")
             assert src.prefetch(pairs) and px.held.wait(30)
-            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
-            t0 = time.monotonic()
-            with pytest.raises(KeyboardInterrupt):
-                with src:
-                    src.score_many(pairs)  # the prefetched block: waits on the hung server
-            took = time.monotonic() - t0
+            # Ctrl-C as in a terminal, even where pytest runs as a background job (SIGINT ignored)
+            before = signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+                t0 = time.monotonic()
+                with pytest.raises(KeyboardInterrupt):
+                    with src:
+                        src.score_many(pairs)  # the prefetched block: waits on the hung server
+                took = time.monotonic() - t0
+            finally:
+                signal.signal(signal.SIGINT, before)
         assert took < 2 * CLOSE_WAIT_S + 1.5, f"Ctrl-C and close took {took:.1f} s with a hung server (timeout {timeout} s)"
         assert src._client is None
 

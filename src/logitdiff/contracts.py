@@ -1100,7 +1100,9 @@ def _load_checked(path: str | Path, file: str, what: str, kind: str, schema: str
     checked (by ``migrate``, which also turns an older MAJOR into the current one, where
     given), and with validation on every field against the ``schema`` JSON Schema."""
     path = Path(path)
-    if path.is_dir():
+    # A directory, or -- for a moment while another command swaps a directory into place --
+    # a path that names nothing and no .json file: read as the directory it names.
+    if path.is_dir() or (path.suffix != ".json" and not os.path.lexists(path)):
         path = path / file
     doc = _load(path, what)
     if migrate is not None:
