@@ -379,6 +379,7 @@ def diff_runs(
     inputs: list[str | Path] = [p for p in (reference, noise_floor) if p is not None] + ([] if live else [candidate])
     # out guarded and locked for the whole comparison: a second writer is refused from the start
     with reserved(out, Kind.REPORT, inputs=inputs) if out is not None else contextlib.nullcontext():
+        warm = _warming_up() if out is not None else None
         ref, cand, comp, noise = _compared(reference, candidate, live=live, noise_floor=noise_floor, top_logprobs=top_logprobs,
                                            allow_partial=allow_partial, device=device, chunk_bytes=chunk_bytes, threads=threads,
                                            logprob_floor=logprob_floor, bar=bar)
@@ -391,8 +392,29 @@ def diff_runs(
 
             report["gates"], _ = judge(report, gate_list)
         if out is not None:
+            if warm is not None:
+                warm.join()
             _write_report(out, report, columns, inputs)
         return report
+
+
+def _warming_up():
+    """`report.html.warm_up` on a thread of its own, started (the report writer's imports and
+    plotly's first-use costs, paid while the comparison runs; joined before the report is
+    written, and harmless if it fails: the writer then pays them itself)."""
+    import threading
+
+    def warm() -> None:
+        try:
+            from .report.html import warm_up
+
+            warm_up()
+        except Exception:  # noqa: BLE001 - an optimisation only
+            pass
+
+    t = threading.Thread(target=warm, name="logitdiff-report-warm-up", daemon=True)
+    t.start()
+    return t
 
 
 def _diff_settings(*, seed: int, logprob_floor: float | None, ranges: Sequence[int] | None, bootstrap: int | None,
@@ -455,6 +477,10 @@ def _compared(reference: str | Path, candidate: str | Path, *, live: bool, noise
             live_source = open_source(str(candidate))
             threads_scope.enter_context(applied_threads([live_source]))
             cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
+            if threads is None:  # the metrics run beside the candidate's forward passes: the CPUs it leaves
+                from .numerics.metrics import default_threads
+
+                threads = max(1, default_threads() - live_source.forward_threads())
         else:
             cand = RunReader(candidate, allow_partial=allow_partial)
         noise: NoiseFloor | None = None

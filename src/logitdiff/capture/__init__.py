@@ -37,9 +37,10 @@ from ..store.files import Kind, writing
 from ..sources import RowKind, Source, TopKRows, is_full, is_topk
 from ..sources.prompt_form import in_source_prompt_form, needs_prompt_form
 from ..sources.tool_form import in_source_tool_form, needs_tool_form
-from ..store import RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
+from ..store import FORWARD_CHUNKS, RunItem, RunReader, RunWriter, bf16_to_f32, first_difference, reblock
 from ..store.kinds import AUTO, StoreKind, auto_kind, given_rows_kind, store_kind
 from ..workload import Item
+from .ahead import ahead
 
 from ..defaults import DEFAULT_MAX_TOKENS, SCORE_BATCH  # noqa: F401 (SCORE_BATCH: items per score_many call)
 BATCH_LAYOUT = "blocks of `batch` consecutive items in workload order"
@@ -545,9 +546,28 @@ class LiveRun:
                     # a top-K source's rows are TopKRows (Block.rows has the type of the row kind)
                     yield cast(TopKRows, b.rows).as_dict() if self.k else b.rows
 
+    def _made_ahead(self, items: list[RunItem]):
+        """``_blocks``, a full-row source's next block made while the caller computes on
+        this one (`ahead`: a decode beside the metrics), up to one forward pass's blocks
+        waiting (FORWARD_CHUNKS: the source is not held up while the caller works through
+        them). A top-K (served) source's blocks are not: its requests are already concurrent
+        on the server's side."""
+        if self.k:
+            return self._blocks(items)
+        return ahead(self._blocks(items), depth=FORWARD_CHUNKS + 1, name=f"logitdiff-live:{self.path}")
+
+    def row_pieces(self, items):
+        """The candidate's full rows at the items' positions, as the source made them
+        (stored dtype: bf16 bits as uint16), in pieces of at most a source block, each a
+        fresh array; pair them with a RUN's ``row_pieces`` through `aligned_blocks` (no
+        concatenation)."""
+        if self.k:
+            raise LogitdiffError(f"{self.path}: a top-{self.k} source has no full rows")
+        return self._made_ahead(list(items))
+
     def row_blocks(self, items, rows: int, *, raw: bool = False):
         """The candidate's rows at the items' positions, as ``RunReader.row_blocks``."""
-        for b in reblock(self._blocks(list(items)), rows):
+        for b in reblock(self._made_ahead(list(items)), rows):
             if not self.k and b.dtype == np.uint16 and not raw:
                 b = bf16_to_f32(b)
             yield b

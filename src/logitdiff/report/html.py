@@ -508,6 +508,20 @@ def _item_arrays(reports, tokens, names, item_ids):
 
 
 # ----------------------------------------------------------------------------- figures
+def warm_up() -> None:
+    """Pay the page's one-time costs now: plotly's figure classes imported, its property
+    validators and the ``plotly_white`` template loaded (~0.5 s on first use). A live
+    comparison calls it on a thread while the model runs (api.diff_runs), so the report is
+    written without them once the last row is in. The page itself does not depend on it."""
+    import plotly.graph_objects as go
+
+    from .markdown import render_markdown  # noqa: F401 - imported for its first use
+    from . import arrow_columns  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+
+    _fig(_layout(go.Figure(go.Scatter(x=[1.0], y=[1.0], error_y={"type": "data", "array": [0.0]})), "warm-up"))
+
+
 def _fig(fig) -> dict:
     """A plotly figure as plain JSON (data + layout) for Plotly.newPlot in the page."""
     d = json.loads(fig.to_json())

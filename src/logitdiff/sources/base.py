@@ -197,6 +197,13 @@ class Source:
         return self._token_texts
 
     # --- model --------------------------------------------------------------------
+    def forward_threads(self) -> int:
+        """The CPU threads of this machine a forward pass keeps busy (0: it runs elsewhere,
+        a server or a GPU). A live comparison gives the metrics the other CPUs, so the
+        metrics computed beside the next forward pass (capture/ahead.py) do not take cores
+        from it."""
+        return 0
+
     def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
         raise NotImplementedError
 

@@ -471,15 +471,21 @@ class GGUFSource(FullLogitSource):
     def _rows(self, start: int, stop: int) -> np.ndarray:
         return np.array(self.llm.scores[start:stop, : self.vocab_size], dtype=np.float32, copy=True)
 
-    def _output_blocks(self, seq: list[int], out_idx: np.ndarray, block: int) -> Iterator[np.ndarray]:
+    def _output_blocks(self, seq: list[int], out_idx: np.ndarray, block: int, window: int | None = None,
+                       pool: Any = None) -> Iterator[np.ndarray]:
         """Logits of the positions ``out_idx`` (sorted indices into ``seq``) of one prefill of
         ``seq``, as float32 blocks of at most ``block`` rows, in order.
 
         ``Llama.eval`` with ``logits_all`` asks llama.cpp for the logits of every position and
         copies them all into ``Llama.scores`` (an ``[n_ctx, V]`` array). Here the batch's
         output flags select the wanted rows, so llama.cpp runs the output layer on those rows
-        only, and a decode call never flags more than ``block`` of them, so llama.cpp's own
-        output buffer stays within a block too. The KV cache is cleared and ``Llama``'s own
+        only. A decode call flags at most ``window`` of them (default ``block``), so
+        llama.cpp's own output buffer stays within ``window`` rows; they are copied out
+        ``block`` rows at a time, each block a fresh array (from a pool of buffers used again
+        once every view of one is gone, ``pool``: no page faults per block). A window of several
+        blocks keeps a long scored span in one decode: cut into decodes of ``block`` rows, a
+        chunk of 512 tokens at V = 262,144 went through llama.cpp in four smaller batches,
+        8 % slower (bench/RESULTS.md, issue 40). The KV cache is cleared and ``Llama``'s own
         position counter is set, so ``Llama.eval`` can continue after it. This uses
         llama-cpp-python's internal context and batch objects (those ``Llama.eval`` itself
         uses); a version without them was loaded with ``logits_all`` (see ``__init__``) and
@@ -493,6 +499,7 @@ class GGUFSource(FullLogitSource):
             for a in range(0, len(out_idx), block):
                 yield np.array(llm.scores[out_idx[a : a + block], : self.vocab_size], dtype=np.float32)
             return
+        window = max(block, window or block)
         llama_get_logits = llama_cpp.llama_get_logits
         ctx, batch, n_vocab_model = llm._ctx, llm._batch, llm.n_vocab()
         ctx.kv_cache_seq_rm(-1, 0, -1)
@@ -502,9 +509,9 @@ class GGUFSource(FullLogitSource):
         while a < len(seq):
             b = min(len(seq), a + llm.n_batch)
             n_out = int(np.searchsorted(out_idx, b) - j)
-            if n_out > block:  # end the window right after its block-th output row
-                b = int(out_idx[j + block - 1]) + 1
-                n_out = block
+            if n_out > window:  # end the window right after its window-th output row
+                b = int(out_idx[j + window - 1]) + 1
+                n_out = window
             chunk = seq[a:b]
             batch.set_batch(batch=chunk, n_past=a, logits_all=False)
             for i in range(len(chunk)):
@@ -514,9 +521,16 @@ class GGUFSource(FullLogitSource):
             llm.n_tokens = b
             if n_out:
                 rows = np.ctypeslib.as_array(llama_get_logits(ctx.ctx), shape=(n_out, n_vocab_model))
-                yield np.array(rows[:, : self.vocab_size], dtype=np.float32)
+                for r in range(0, n_out, block):
+                    part = rows[r : r + block, : self.vocab_size]
+                    out = pool.take(len(part)) if pool is not None and len(part) <= pool.rows else np.empty(part.shape, np.float32)
+                    np.copyto(out, part)
+                    yield out
             j += n_out
             a = b
+
+    def forward_threads(self) -> int:
+        return self.n_threads  # a CPU build: every layer on the CPU (n_gpu_layers=0)
 
     def _check_pair(self, prompt: list[int], teacher: list[int]) -> None:
         if not prompt:
@@ -536,9 +550,15 @@ class GGUFSource(FullLogitSource):
     def score_blocks(self, batch, positions=None, *, chunk_bytes=None) -> Iterator[Block]:
         """Teacher-forced rows of each pair, one prefill of ``prompt + teacher[:-1]`` per pair,
         in blocks of at most ``chunk_bytes`` of float32 rows (see ``_output_blocks``)."""
-        from ..store import rows_per_block
+        from ..store import DEFAULT_CHUNK_BYTES, FORWARD_CHUNKS, rows_per_block
+        from ..store.rowpool import RowPool
 
         block = rows_per_block(self.vocab_size, chunk_bytes)
+        window = rows_per_block(self.vocab_size, FORWARD_CHUNKS * (chunk_bytes or DEFAULT_CHUNK_BYTES))
+        most = max((len(t) if positions is None or positions[k] is None else len(positions[k])
+                    for k, (_, t) in enumerate(batch)), default=0)
+        # buffers of this call's blocks, used again across its pairs (no larger than its rows)
+        pool = RowPool(min(block, most), self.vocab_size, np.float32) if most else None
         for k, (p, t) in enumerate(batch):
             prompt, teacher = [int(i) for i in p], [int(i) for i in t]
             if not teacher:
@@ -550,7 +570,7 @@ class GGUFSource(FullLogitSource):
             if want.min() < 0 or want.max() >= len(teacher):
                 raise LogitdiffError(f"{self.path}: scoring pair {k}: positions outside the {len(teacher)} teacher tokens")
             t0 = 0
-            for rows in self._output_blocks(prompt + teacher[:-1], len(prompt) - 1 + want, block):
+            for rows in self._output_blocks(prompt + teacher[:-1], len(prompt) - 1 + want, block, window, pool):
                 yield Block(k, t0, rows)
                 t0 += len(rows)
 

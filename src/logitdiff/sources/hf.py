@@ -464,6 +464,13 @@ class HFSource(FullLogitSource):
         if held is not None:
             yield _arrived(*held)
 
+    def forward_threads(self) -> int:
+        if self.device.type != "cpu":
+            return 0
+        import torch
+
+        return self.threads or torch.get_num_threads()
+
     def _check_len(self, n: int, what: str) -> None:
         if self.max_positions and n > self.max_positions:
             raise LogitdiffError(

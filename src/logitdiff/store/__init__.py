@@ -70,6 +70,11 @@ RESUME_FREE_IDENTITY = ("threads", "endpoints", "extra_bufts", "total_slots")
 # metrics take per batch. Memory of every streaming path is a small multiple of it,
 # whatever the output length or the vocabulary (at V = 248,320 float32: 67 rows).
 DEFAULT_CHUNK_BYTES = 64 << 20
+# The output rows one forward pass of an in-process source may produce, in chunks (they are
+# handed out a chunk at a time): one llama.cpp decode then covers a scored span of up to this
+# many chunks instead of being cut into decodes of one chunk (smaller batches, slower), at the
+# cost of the engine's output buffer holding that many chunks.
+FORWARD_CHUNKS = 4
 MAX_CHUNK_BYTES = 1 << 40
 TOKENS_FILE = "tokens.json"
 # The most bytes per token a RUN's vocab.json / tokens.json hold (the manifest declares V):

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ...capture import LiveRun
 from ...numerics import metrics as M
 from ...numerics.bounds import METHOD_EXACT, METHOD_LLAMACPP
 from ...contracts import MethodKind
@@ -64,7 +65,9 @@ class Exact(ComparisonMethod):
         # views of both RUNs' chunks (no concatenation), or a live candidate's blocks
         # re-cut next to the reference's
         ref, cand = self.ref, self.cand
-        if isinstance(ref, RunReader) and isinstance(cand, RunReader):
+        if isinstance(ref, RunReader) and (isinstance(cand, RunReader) or (isinstance(cand, LiveRun) and not cand.k)):
+            # a RUN's pieces are views of its chunks; a live candidate's are the blocks its
+            # source made (one decode each, made ahead while this side computes)
             return aligned_blocks(ref.row_pieces(self.items_r), cand.row_pieces(self.items_c), rows)
         return zip(ref.row_blocks(self.items_r, rows, raw=True), cand.row_blocks(self.items_c, rows, raw=True))
 
