@@ -20,6 +20,7 @@ process-wide state. ``bar`` arguments are progress callbacks: ``bar(total, label
 from __future__ import annotations
 
 import contextlib
+import threading
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar, cast
@@ -398,11 +399,10 @@ def diff_runs(
         return report
 
 
-def _warming_up():
+def _warming_up() -> threading.Thread:
     """`report.html.warm_up` on a thread of its own, started (the report writer's imports and
     plotly's first-use costs, paid while the comparison runs; joined before the report is
     written, and harmless if it fails: the writer then pays them itself)."""
-    import threading
 
     def warm() -> None:
         try:
