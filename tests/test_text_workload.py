@@ -184,6 +184,42 @@ def test_text_candidate_live_compare_equals_stored(models, tmp_path):
     assert abs(new.mean() - old.mean()) <= 1e-12
 
 
+def test_small_blocks_several_per_decode_live_equals_stored_and_direct(models, tmp_path):
+    """With a chunk of 5 rows, a chunk's 31 scored rows come from decodes that flag up to
+    FORWARD_CHUNKS blocks of output rows (two decode windows: 20 + 11 rows), each copied out
+    in blocks of 5 from pooled buffers, and the live candidate's blocks are made on a worker
+    thread ahead of the metrics (and, on one thread, without) and paired with the
+    reference's pieces without concatenation. Every live compare equals the stored
+    candidate's compare exactly (same chunk size: the same decodes), and the stored rows
+    equal the independent evaluation of each chunk in one decode within the float noise of
+    two batch layouts (1e-4)."""
+    from logitdiff.capture import LiveRun, capture_candidate
+    from logitdiff.compare import compare_runs
+    from logitdiff.sources.registry import open_source
+    from logitdiff.store import FORWARD_CHUNKS
+
+    ref = tmp_path / "ref"
+    assert main(["capture", f"gguf:{models['f32']},threads={THREADS}", "--workload", f"text:{models['text']}",
+                 "--ctx", str(CTX), "--chunks", "3", "--out", str(ref)]) == 0
+    r = RunReader(ref)
+    assert (CTX - 1 - CTX // 2) > 5 * FORWARD_CHUNKS  # the case: more rows than one decode window
+    with open_source(f"gguf:{models['q8']},threads={THREADS}") as src:
+        chunk = 5 * src.vocab_size * 4
+        capture_candidate(src, r, tmp_path / "cand", chunk_bytes=chunk)
+        c = RunReader(tmp_path / "cand")
+        stored = compare_runs(r, c, chunk_bytes=chunk)
+        for overlap in (True, False):
+            live_run = LiveRun(src, r, chunk_bytes=chunk)
+            live_run.overlap = overlap
+            live = compare_runs(r, live_run, chunk_bytes=chunk)
+            assert live.n == stored.n == 3 * (CTX - 1 - CTX // 2)
+            for key in ("kl_nats", "kl_rev_nats", "jsd_nats", "top1_cand", "entropy_cand", "p_cand_token"):
+                assert np.array_equal(live.columns[key], stored.columns[key]), (overlap, key)
+    _, _, direct = _direct_rows(models["q8"], models["text"].read_text(encoding="utf-8"), CTX, max_chunks=3)
+    for it, (_, rows) in zip(c.items(), direct):
+        np.testing.assert_allclose(np.asarray(c.logits(it), np.float32), rows, rtol=0, atol=1e-4)
+
+
 def _llama_perplexity() -> Path | None:
     tools = Path(os.environ.get("LOGITDIFF_TOOLS", Path.home() / ".cache" / "logitdiff" / "tools"))
     p = tools / "llama-server" / "current" / "bin" / "llama-perplexity"

@@ -477,7 +477,7 @@ def _compared(reference: str | Path, candidate: str | Path, *, live: bool, noise
             live_source = open_source(str(candidate))
             threads_scope.enter_context(applied_threads([live_source]))
             cand = LiveRun(live_source, ref, chunk_bytes=chunk_bytes)
-            if threads is None:  # the metrics run beside the candidate's forward passes: the CPUs it leaves
+            if threads is None and cand.overlap:  # the metrics run beside the candidate's forward passes: the CPUs it leaves
                 from .numerics.metrics import default_threads
 
                 threads = max(1, default_threads() - live_source.forward_threads())

@@ -41,6 +41,7 @@ from ..store import FORWARD_CHUNKS, RunItem, RunReader, RunWriter, bf16_to_f32, 
 from ..store.kinds import AUTO, StoreKind, auto_kind, given_rows_kind, store_kind
 from ..workload import Item
 from .ahead import ahead
+from ..numerics.metrics import default_threads
 
 from ..defaults import DEFAULT_MAX_TOKENS, SCORE_BATCH  # noqa: F401 (SCORE_BATCH: items per score_many call)
 BATCH_LAYOUT = "blocks of `batch` consecutive items in workload order"
@@ -505,6 +506,11 @@ class LiveRun:
         self.reference = reference
         self.batch = batch
         self.offset = offset
+        # blocks made ahead on a worker (`_made_ahead`) only where the source leaves a CPU for
+        # the caller's metrics: beside a forward pass that takes every core, the two would
+        # contend (llama.cpp's threads wait for each other at every op), so then the metrics
+        # run between forward passes on all the cores, as llama-perplexity does
+        self.overlap = not is_topk(source) and source.forward_threads() < default_threads()
         self.chunk_bytes = chunk_bytes
         self._pairs = verified_prompts(source, reference)
         self._layout_blocks = batch_blocks(len(self._pairs), batch, offset)
@@ -550,9 +556,9 @@ class LiveRun:
         """``_blocks``, a full-row source's next block made while the caller computes on
         this one (`ahead`: a decode beside the metrics), up to one forward pass's blocks
         waiting (FORWARD_CHUNKS: the source is not held up while the caller works through
-        them). A top-K (served) source's blocks are not: its requests are already concurrent
-        on the server's side."""
-        if self.k:
+        them); only where ``overlap`` (a CPU left for the metrics). A top-K (served) source's
+        blocks are not: its requests are already concurrent on the server's side."""
+        if not self.overlap:
             return self._blocks(items)
         return ahead(self._blocks(items), depth=FORWARD_CHUNKS + 1, name=f"logitdiff-live:{self.path}")
 
