@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -434,6 +435,42 @@ __attribute__((target("avx2,fma,f16c"))) inline float hmax(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// Top-kk of the first vv values (a multiple of 8) into `top`, once every tile's maximum is
+// known (est). The kk-th largest tile maximum T bounds the kk-th largest value from below (kk
+// tiles hold a value >= T each), so only tiles whose maximum is >= T can hold a top-kk value,
+// and in them only values >= T: those are offered, in ascending id order (the heap's tie
+// rule needs it). A threshold known before the scan, not the heap's running one: that one
+// starts low and, on real rows, rescanned ~kk ln(tiles / kk) tiles and made thousands of heap
+// operations per row (+0.67 ms per row at V = 262,144, kk = 64; bench/RESULTS.md, issue 40).
+template <int dtype>
+__attribute__((target("avx2,fma,f16c"))) void topk_from_tiles(const void* z, int64_t vv, TopK& top, const TileEst* est) {
+    const int64_t ntile = (vv + TILE1 - 1) / TILE1;
+    float T = -std::numeric_limits<float>::infinity();
+    if (ntile >= top.kk) {
+        thread_local std::vector<float> mx;
+        mx.resize((size_t)ntile);
+        for (int64_t t = 0; t < ntile; ++t) mx[(size_t)t] = est[t].tmax;
+        std::nth_element(mx.begin(), mx.begin() + (top.kk - 1), mx.end(), std::greater<float>());
+        T = mx[(size_t)(top.kk - 1)];
+    }
+    for (int64_t t = 0; t < ntile; ++t) {
+        if (!(est[t].tmax >= T)) continue;
+        const int64_t t1 = std::min(vv, (t + 1) * TILE1);
+        for (int64_t i = t * TILE1; i < t1; i += 8) {
+            __m256 x = load8<dtype>(z, i);
+            // not yet full: every value >= T; full: only one above the heap's worst (an equal
+            // one has the higher id and loses), which is >= T
+            int mask = top.full() ? _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(top.threshold()), _CMP_GT_OQ))
+                                  : _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(T), _CMP_GE_OQ));
+            while (mask) {
+                int j = __builtin_ctz(mask);
+                mask &= mask - 1;
+                top.offer(load1(z, i + j, dtype), i + j);
+            }
+        }
+    }
+}
+
 template <int dtype>
 __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t v, TopK& top, TileEst* est) {
     const float ninf = -std::numeric_limits<float>::infinity();
@@ -505,18 +542,8 @@ __attribute__((target("avx2,fma,f16c"))) Side1 pass1_avx2(const void* z, int64_t
         deep = ROUGH_ERR * ts <= 0.25 * DEEP_REL * std::max(s, 1.0);
         s += ts;
         est[t0 / TILE1] = {tm, m, hmin(vmin), ts};
-        if (!top.full() || tm > top.threshold()) {
-            for (int64_t i = t0; i < t1; i += 8) {
-                __m256 x = load8<dtype>(z, i);
-                int mask = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(top.threshold()), _CMP_GT_OQ));
-                while (mask) {
-                    int j = __builtin_ctz(mask);
-                    mask &= mask - 1;
-                    top.offer(load1(z, i + j, dtype), i + j);
-                }
-            }
-        }
     }
+    topk_from_tiles<dtype>(z, vv, top, est);
     for (int64_t i = vv; i < v; ++i) {  // tail
         float x = load1(z, i, dtype);
         if (!std::isfinite(x)) return {x, NAN, true};
