@@ -380,11 +380,14 @@ def diff_runs(
     inputs: list[str | Path] = [p for p in (reference, noise_floor) if p is not None] + ([] if live else [candidate])
     # out guarded and locked for the whole comparison: a second writer is refused from the start
     with reserved(out, Kind.REPORT, inputs=inputs) if out is not None else contextlib.nullcontext():
-        warm: list[threading.Thread] = []
+        # the report writer's first-use costs paid while the inputs open (a model loads on one
+        # core) and, beside a live candidate that leaves a CPU idle, while it runs; otherwise
+        # finished before the comparison starts, so it never takes a core from it
+        warm = _warming_up() if out is not None else None
         ref, cand, comp, noise = _compared(reference, candidate, live=live, noise_floor=noise_floor, top_logprobs=top_logprobs,
                                            allow_partial=allow_partial, device=device, chunk_bytes=chunk_bytes, threads=threads,
                                            logprob_floor=logprob_floor, bar=bar,
-                                           on_spare_cpu=(lambda: warm.append(_warming_up())) if out is not None else None)
+                                           before_compare=_settle(warm))
         report, columns = build_report(comp, ranges=ranges, n_boot=bootstrap, seed=seed, include_rows=include_rows,
                                        noise_floor=noise)
         if allow_partial and (ref.is_partial or cand.is_partial):
@@ -394,17 +397,28 @@ def diff_runs(
 
             report["gates"], _ = judge(report, gate_list)
         if out is not None:
-            for t in warm:
-                t.join()
+            if warm is not None:
+                warm.join()
             _write_report(out, report, columns, inputs)
         return report
 
 
+def _settle(warm: threading.Thread | None) -> Callable[[bool], None] | None:
+    """``_compared``'s ``before_compare``: the warm-up finished first unless a CPU stays idle."""
+    if warm is None:
+        return None
+
+    def settle(spare: bool) -> None:
+        if not spare:
+            warm.join()
+
+    return settle
+
+
 def _warming_up() -> threading.Thread:
     """`report.html.warm_up` on a thread of its own, started (the report writer's imports and
-    plotly's first-use costs, paid on a CPU the live candidate leaves idle while the
-    comparison runs; joined before the report is written, and harmless if it fails: the
-    writer then pays them itself)."""
+    plotly's first-use costs; joined before the report is written, and harmless if it
+    fails: the writer then pays them itself)."""
 
     def warm() -> None:
         try:
@@ -455,12 +469,13 @@ def _diff_settings(*, seed: int, logprob_floor: float | None, ranges: Sequence[i
 def _compared(reference: str | Path, candidate: str | Path, *, live: bool, noise_floor: str | Path | None,
               top_logprobs: int | None, allow_partial: bool, device: str | None, chunk_bytes: int | None,
               threads: int | None, logprob_floor: float | None, bar: Bar,
-              on_spare_cpu: Callable[[], None] | None = None) -> tuple[RunReader, RunReader | LiveRun, Comparison, NoiseFloor | None]:
+              before_compare: Callable[[bool], None] | None = None) -> tuple[RunReader, RunReader | LiveRun, Comparison, NoiseFloor | None]:
     """The reference RUN and the candidate (a RUN, or a source scored live and closed again)
     opened and compared: (reference, candidate, the Comparison, the noise floor section of
     ``noise_floor``, a rerun of the reference, when given; a served reference's rerun is also
-    its served floor). ``on_spare_cpu``: called once the live candidate is open when its
-    forward passes leave a CPU idle (work that can use it meanwhile)."""
+    its served floor). ``before_compare(spare)``: called once both sides are open, right
+    before the comparison, ``spare`` saying whether a CPU stays idle while it runs (a live
+    candidate whose forward passes leave one)."""
     from .compare import DEFAULT_TOP_LOGPROBS, compare_runs, served_batching
     from .contracts import ServedFloorSide
     from .store import RunReader
@@ -485,14 +500,14 @@ def _compared(reference: str | Path, candidate: str | Path, *, live: bool, noise
                 from .numerics.metrics import default_threads
 
                 threads = max(1, default_threads() - live_source.forward_threads())
-            if cand.overlap and on_spare_cpu is not None:
-                on_spare_cpu()
         else:
             cand = RunReader(candidate, allow_partial=allow_partial)
         noise: NoiseFloor | None = None
         if noise_floor:
             nf_run = RunReader(noise_floor, allow_partial=allow_partial)
             noise = noise_floor_of(ref, nf_run, top_logprobs=top_logprobs, chunk_bytes=chunk_bytes, threads=threads)
+        if before_compare is not None:
+            before_compare(bool(getattr(cand, "overlap", False)))
         advance = bar(sum(len(it.positions) for it in ref.items()), "comparing")
         comp = compare_runs(ref, cand, top_logprobs=top_logprobs, allow_partial=allow_partial, progress=advance,
                             device=device, chunk_bytes=chunk_bytes, threads=threads, logprob_floor=logprob_floor)

@@ -9,8 +9,6 @@ import math
 import re
 from typing import Any
 
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import validator_for
 
 from ..contracts import PromptForm, ToolForm
 from ..errors import LogitdiffError
@@ -72,6 +70,10 @@ def check_tools_schema(tools: list[dict], where: str) -> None:
         if not isinstance(params, dict):
             bad = f"expected an object, got {json_type(params)}"
         else:
+            # imported here: jsonschema costs ~50 ms of every command's start, and only tool items use it
+            from jsonschema.exceptions import SchemaError
+            from jsonschema.validators import validator_for
+
             try:
                 validator_for(params).check_schema(params)
             except SchemaError as e:
