@@ -306,11 +306,27 @@ def _workload(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def _text(path: Path) -> None:
+    """A plain text of several 512-token chunks for README's `text:` example: the bundled
+    workload's prompts, one after another, as often as it takes (a real text, no hub)."""
+    import json
+
+    from logitdiff.builtin import WORKLOAD
+
+    prompts = []
+    for line in WORKLOAD.read_text(encoding="utf-8").splitlines():
+        item = json.loads(line)
+        prompts.append(item.get("prompt") or " ".join(str(m.get("content", "")) for m in item.get("messages", [])))
+    text = "\n\n".join(p for p in prompts if p)
+    path.write_text((text + "\n\n") * max(1, -(-40_000 // max(1, len(text)))), encoding="utf-8")
+
+
 @pytest.mark.slow
 def test_readme_commands_run_as_written(tmp_path):
     """README's commands, in order, in one fresh directory holding what they name: `./my-model`
-    (the bundled model's transformers directory), `./my-model-Q4_K_M.gguf` (its llama.cpp
-    Q4_K_M) and `my.jsonl` (five items of the bundled workload). `logitdiff` is this checkout's
+    (the bundled model's transformers directory), `./my-model-Q4_K_M.gguf` and
+    `./my-model-Q8_0.gguf` (its llama.cpp quantizations), `my.jsonl` (five items of the bundled
+    workload) and `wiki.test.raw` (a plain text of several chunks). `logitdiff` is this checkout's
     (`python -m logitdiff.cli`), `llama-server` the one scripts/build_llama_server.sh built;
     the one change made to a command is the served example's port (a free one, not 8080)."""
     from servers import LLAMA_SERVER, Server, ServerFailed, free_port
@@ -321,7 +337,9 @@ def test_readme_commands_run_as_written(tmp_path):
     work.mkdir(), bin_dir.mkdir()
     shutil.copytree(TINY_DIR, work / "my-model")
     shutil.copy2(gguf_path("Q4_K_M"), work / "my-model-Q4_K_M.gguf")
+    shutil.copy2(gguf_path("Q8_0"), work / "my-model-Q8_0.gguf")
     _workload(work / "my.jsonl")
+    _text(work / "wiki.test.raw")
     shim = bin_dir / "logitdiff"
     shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m logitdiff.cli \"$@\"\n")
     shim.chmod(0o755)
