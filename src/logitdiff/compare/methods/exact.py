@@ -9,7 +9,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ...capture import LiveRun
 from ...numerics import metrics as M
 from ...numerics.bounds import METHOD_EXACT, METHOD_LLAMACPP
 from ...contracts import MethodKind
@@ -64,6 +63,8 @@ class Exact(ComparisonMethod):
         # stored dtype as is (bf16 bits stay uint16): the kernel reads them in place, from
         # views of both RUNs' chunks (no concatenation), or a live candidate's blocks
         # re-cut next to the reference's
+        from ...capture import LiveRun  # here: the CLI's start imports compare, not the capture stage
+
         ref, cand = self.ref, self.cand
         if isinstance(ref, RunReader) and (isinstance(cand, RunReader) or (isinstance(cand, LiveRun) and not cand.k)):
             # a RUN's pieces are views of its chunks; a live candidate's are the blocks its
