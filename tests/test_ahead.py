@@ -89,6 +89,33 @@ def test_an_error_in_the_caller_also_joins_the_worker():
     assert not [t for t in threading.enumerate() if t.name == "test-ahead-2"]
 
 
+def test_an_interrupt_waits_for_the_item_in_the_making_then_closes_the_source():
+    """Ctrl-C in the caller: the worker finishes the forward pass it is in, the source's
+    generator is closed on it, and only then does the interrupt propagate (a model closed
+    under a decode in flight would crash the process)."""
+    events = []
+
+    def source():
+        try:
+            for i in range(1000):
+                events.append(("begin", i))
+                time.sleep(0.01)
+                events.append(("end", i))
+                yield i
+        finally:
+            events.append(("closed", None))
+
+    with pytest.raises(KeyboardInterrupt):
+        for i in ahead(source(), name="test-ahead-3"):
+            if i == 2:
+                raise KeyboardInterrupt
+    assert events[-1] == ("closed", None)
+    begun = [i for kind, i in events if kind == "begin"]
+    ended = [i for kind, i in events if kind == "end"]
+    assert begun == ended  # no item was left half made
+    assert not [t for t in threading.enumerate() if t.name == "test-ahead-3"]
+
+
 def test_the_next_item_is_made_while_the_caller_holds_this_one():
     """The reason it exists: while the caller works on item i, the worker is already making
     item i + 1 (a decode beside the metrics). Checked by events, not by timing: the caller

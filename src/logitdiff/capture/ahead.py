@@ -10,11 +10,11 @@ does the same with its KL worker threads.
 
 Memory stays bounded: at most ``depth`` finished blocks wait in the queue, one is being
 made and one is in the caller's hands. The source is used from the worker only, and the
-worker is joined before :func:`ahead` returns (the caller stops early, raises, or reaches
-the end), so the source is never used from two threads at once. An exception on the
-worker is raised in the caller, where the block would have been. On an interrupt the
-caller does not wait for the forward pass in flight (it may be a hung server): the worker
-is told to stop and left to end on its own (a daemon thread).
+worker is joined before :func:`ahead` returns (the caller stops early, raises, is
+interrupted, or reaches the end), so the source is never used from two threads at once and
+never closed under a forward pass in flight (on Ctrl-C the caller waits for that pass: an
+in-process model's, seconds; served sources, which could hang, are never made ahead). An
+exception on the worker is raised in the caller, where the block would have been.
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ def ahead(blocks: Iterable[T], depth: int = 1, name: str = "logitdiff-ahead") ->
 
     worker = threading.Thread(target=work, name=name, daemon=True)
     worker.start()
-    interrupted = False
     try:
         while True:
             try:
@@ -88,10 +87,6 @@ def ahead(blocks: Iterable[T], depth: int = 1, name: str = "logitdiff-ahead") ->
                 raise msg.exc
             yield msg
             del msg
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
     finally:
         stop.set()
-        if not interrupted:
-            worker.join()
+        worker.join()
