@@ -220,6 +220,37 @@ def test_small_blocks_several_per_decode_live_equals_stored_and_direct(models, t
         np.testing.assert_allclose(np.asarray(c.logits(it), np.float32), rows, rtol=0, atol=1e-4)
 
 
+def test_an_interrupted_live_compare_leaves_no_forward_pass_running(models, tmp_path):
+    """Ctrl-C in the middle of a live compare (here raised by the progress callback, where a
+    terminal's bar sees it): compare_runs closes the candidate's stream before the interrupt
+    leaves it, so the worker that decodes ahead is joined then — not when the traceback is
+    freed — and the model can be closed right after without a decode in flight."""
+    import threading
+
+    from logitdiff.capture import LiveRun
+    from logitdiff.compare import compare_runs
+    from logitdiff.sources.registry import open_source
+
+    ref = tmp_path / "ref"
+    assert main(["capture", f"gguf:{models['f32']},threads={THREADS}", "--workload", f"text:{models['text']}",
+                 "--ctx", str(CTX), "--chunks", "3", "--out", str(ref)]) == 0
+    r = RunReader(ref)
+    seen = []
+
+    def interrupt(n):
+        seen.append(n)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    with open_source(f"gguf:{models['q8']},threads={THREADS}") as src:
+        live = LiveRun(src, r, chunk_bytes=5 * src.vocab_size * 4)
+        live.overlap = True
+        with pytest.raises(KeyboardInterrupt) as caught:
+            compare_runs(r, live, chunk_bytes=5 * src.vocab_size * 4, progress=interrupt)
+        assert not [t for t in threading.enumerate() if t.name.startswith("logitdiff-live:")]
+        assert caught.value is not None  # the traceback is still held: the worker did not wait for it to go
+
+
 def _llama_perplexity() -> Path | None:
     tools = Path(os.environ.get("LOGITDIFF_TOOLS", Path.home() / ".cache" / "logitdiff" / "tools"))
     p = tools / "llama-server" / "current" / "bin" / "llama-perplexity"

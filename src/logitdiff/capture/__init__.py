@@ -510,7 +510,7 @@ class LiveRun:
         # the caller's metrics: beside a forward pass that takes every core, the two would
         # contend (llama.cpp's threads wait for each other at every op), so then the metrics
         # run between forward passes on all the cores, as llama-perplexity does
-        self.overlap = not is_topk(source) and source.forward_threads() < default_threads()
+        self.overlap = source.forward_on_worker and not is_topk(source) and source.forward_threads() < default_threads()
         self.chunk_bytes = chunk_bytes
         self._pairs = verified_prompts(source, reference)
         self._layout_blocks = batch_blocks(len(self._pairs), batch, offset)

@@ -235,15 +235,24 @@ def compare_runs(
     next_all = np.concatenate([it.next_tokens for it in items_r])
     push("token_id", next_all)
     a = 0
-    # one loop over blocks of rows of both sides; the method says what its columns are
-    for zr, zc in method.blocks(max_batch_rows):
-        n = method.rows_in(zr, zc)
-        for key, v in method.columns(zr, zc, next_all[a : a + n], a).items():
-            push(key, v)
-        del zr, zc
-        a += n
-        if progress:
-            progress(n)
+    # one loop over blocks of rows of both sides; the method says what its columns are. The
+    # stream is closed on the way out, whatever happens: a live candidate's worker thread
+    # (capture/ahead.py) is joined here, not when a traceback holding it is freed, so no
+    # forward pass outlives the comparison or runs after its model is closed
+    blocks = iter(method.blocks(max_batch_rows))
+    try:
+        for zr, zc in blocks:
+            n = method.rows_in(zr, zc)
+            for key, v in method.columns(zr, zc, next_all[a : a + n], a).items():
+                push(key, v)
+            del zr, zc
+            a += n
+            if progress:
+                progress(n)
+    finally:
+        close = getattr(blocks, "close", None)
+        if close is not None:
+            close()
     if a != len(next_all):
         raise LogitdiffError(f"{ref.path} vs {cand.path}: read {a} rows for {len(next_all)} scored positions (truncated run)")
 

@@ -529,6 +529,8 @@ class GGUFSource(FullLogitSource):
             j += n_out
             a = b
 
+    forward_on_worker = True
+
     def forward_threads(self) -> int:
         return self.n_threads  # a CPU build: every layer on the CPU (n_gpu_layers=0)
 

@@ -17,6 +17,19 @@ from ...store.kinds import RowsForm
 TOP_SHOWN = 5  # top tokens kept per side for the token view of reports
 
 
+def paired(a: Iterator[Any], b: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
+    """``zip(a, b)`` that closes both streams when it is closed or ends: a live candidate's
+    stream owns a worker thread (capture/ahead.py), joined on close (compare_runs closes
+    the stream it reads, whatever happens)."""
+    try:
+        yield from zip(a, b)
+    finally:
+        for s in (a, b):
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
+
+
 def form_of(run: Any) -> RowsForm:
     """What a run (RunReader, a live candidate: any reader with ``row_blocks`` and a store
     ``kind``) gives a reader: its store kind's form."""

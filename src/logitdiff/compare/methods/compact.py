@@ -15,7 +15,7 @@ from ...contracts import MethodKind
 from ...errors import LogitdiffError
 from ...store import RunReader, aligned_blocks
 from ...store.kinds import RowsForm, cut_rows
-from .base import ComparisonMethod, form_of, joined, owner, tops_columns
+from .base import ComparisonMethod, form_of, joined, owner, paired, tops_columns
 
 COMPACT_DESCRIPTION = (
     "KL(P_ref || P_cand), reverse KL and Jensen-Shannon divergence between a compact reference "
@@ -75,7 +75,7 @@ class CompactBounded(ComparisonMethod):
         if isinstance(ref, RunReader) and isinstance(cand, RunReader):
             pieces = (_Rows(ref.compact_rows(it)) for it in self.items_r)  # an item's rows: views of its chunk
             return aligned_blocks(pieces, cand.row_pieces(self.items_c), rows)
-        return zip(ref.row_blocks(self.items_r, rows), cand.row_blocks(self.items_c, rows, raw=True))
+        return paired(ref.row_blocks(self.items_r, rows), cand.row_blocks(self.items_c, rows, raw=True))
 
     def rows_in(self, ref_block: Any, cand_block: Any) -> int:
         return len(cand_block)

@@ -15,7 +15,7 @@ from ...contracts import MethodKind
 from ...errors import LogitdiffError
 from ...store import RunReader, aligned_blocks, bf16_to_f32
 from ...store.kinds import RowsForm
-from .base import ComparisonMethod, form_of, owner, tops_columns
+from .base import ComparisonMethod, form_of, owner, paired, tops_columns
 
 FULL_DESCRIPTION = (
     "Exact KL(P_ref || P_cand), reverse KL and Jensen-Shannon divergence over the full vocabulary, "
@@ -70,7 +70,7 @@ class Exact(ComparisonMethod):
             # a RUN's pieces are views of its chunks; a live candidate's are the blocks its
             # source made (one decode each, made ahead while this side computes)
             return aligned_blocks(ref.row_pieces(self.items_r), cand.row_pieces(self.items_c), rows)
-        return zip(ref.row_blocks(self.items_r, rows, raw=True), cand.row_blocks(self.items_c, rows, raw=True))
+        return paired(ref.row_blocks(self.items_r, rows, raw=True), cand.row_blocks(self.items_c, rows, raw=True))
 
     def rows_in(self, ref_block: Any, cand_block: Any) -> int:
         return len(ref_block)

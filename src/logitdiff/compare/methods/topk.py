@@ -14,7 +14,7 @@ from ...contracts import MethodKind
 from ...errors import LogitdiffError
 from ...store import rows_per_block
 from ...store.kinds import RowsForm
-from .base import ComparisonMethod, form_of, owner, run_dtype, tops_columns
+from .base import ComparisonMethod, form_of, owner, paired, run_dtype, tops_columns
 
 TOPK_DESCRIPTION = (
     "Approximate KL(P_{ref} || P_{cand}) over next-token top-K distributions. Missing candidate "
@@ -97,7 +97,7 @@ class TopKBounded(ComparisonMethod):
                 yield st["topk_ids"], st["topk_logprobs"]
 
     def blocks(self, rows: int) -> Iterator[tuple[Any, Any]]:
-        return zip(self._side(self.ref, self.items_r, rows), self._side(self.cand, self.items_c, rows))
+        return paired(self._side(self.ref, self.items_r, rows), self._side(self.cand, self.items_c, rows))
 
     def rows_in(self, ref_block: Any, cand_block: Any) -> int:
         return len(ref_block[0])
