@@ -141,3 +141,26 @@ def test_the_next_item_is_made_while_the_caller_holds_this_one():
 def test_depth_must_be_positive():
     with pytest.raises(ValueError):
         list(ahead([1], depth=0))
+
+
+def test_a_small_process_wide_thread_stack_means_no_worker():
+    """threading.stack_size() is process-wide; where something set it small (a test's hostile
+    control once set 64 KiB, and a llama.cpp decode on such a worker crashed the suite), the
+    items are made on the caller's thread: same items, no worker started."""
+    before = threading.stack_size(64 << 10)
+    try:
+        names = []
+
+        def source():
+            for i in range(3):
+                names.append(threading.current_thread().name)
+                yield i
+
+        assert list(ahead(source(), name="test-ahead-small")) == [0, 1, 2]
+        assert names == [threading.current_thread().name] * 3
+    finally:
+        threading.stack_size(before)
+    names.clear()
+    assert list(ahead(source(), name="test-ahead-big")) == [0, 1, 2]
+    assert names == ["test-ahead-big"] * 3
+

@@ -210,8 +210,11 @@ def _isatty(n):
 
 # --- tasks and disk -----------------------------------------------------------------------------
 def threads(n):
-    """Start up to ``n`` threads at once (small stacks); how many started."""
-    threading.stack_size(64 << 10)
+    """Start up to ``n`` threads at once (small stacks); how many started. The stack size
+    is process-wide: it is put back, for the threads a caller starts afterwards (the
+    unsandboxed control runs this in the test process, where a model's forward pass on a
+    64 KiB thread stack crashed later tests)."""
+    before = threading.stack_size(64 << 10)
     release, started = threading.Event(), []
     try:
         for _ in range(int(n)):
@@ -222,6 +225,7 @@ def threads(n):
         pass
     finally:
         release.set()
+        threading.stack_size(before)
     for t in started:
         t.join()
     return len(started)

@@ -27,6 +27,10 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _END = object()  # the worker's last message: the iterator is exhausted
+# A model's forward pass needs a real thread stack (llama.cpp and torch crash on 64 KiB).
+# threading.stack_size() is process-wide: where something set it below this, the items are
+# made on the caller's thread instead (no worker, no overlap), never on a small stack.
+MIN_STACK_BYTES = 4 << 20
 _POLL_S = 0.2  # how often a blocked side looks at the stop flag (the caller stays interruptible)
 
 
@@ -40,6 +44,9 @@ def ahead(blocks: Iterable[T], depth: int = 1, name: str = "logitdiff-ahead") ->
     the one before (at most ``depth`` waiting)."""
     if depth < 1:
         raise ValueError(f"depth {depth}: must be at least 1")
+    if 0 < threading.stack_size() < MIN_STACK_BYTES:
+        yield from blocks
+        return
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 

@@ -206,9 +206,8 @@ class Source:
 
     # Whether ``score_blocks`` may run on a worker thread beside the caller (capture/ahead.py):
     # llama.cpp in process (one context, used from that thread alone). Not torch: its thread
-    # count is process-wide and set by the entry point (`applied_threads`), and a transformers
-    # forward on a worker crashed the process once in the full suite (2026-12-04), so it stays
-    # on the caller's thread.
+    # count is process-wide, set by the entry point from the main thread (`applied_threads`),
+    # so its forward passes stay on the caller's thread.
     forward_on_worker: bool = False
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generation:
