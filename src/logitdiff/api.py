@@ -384,23 +384,27 @@ def diff_runs(
         # core) and, beside a live candidate that leaves a CPU idle, while it runs; otherwise
         # finished before the comparison starts, so it never takes a core from it
         warm = _warming_up() if out is not None else None
-        ref, cand, comp, noise = _compared(reference, candidate, live=live, noise_floor=noise_floor, top_logprobs=top_logprobs,
-                                           allow_partial=allow_partial, device=device, chunk_bytes=chunk_bytes, threads=threads,
-                                           logprob_floor=logprob_floor, bar=bar,
-                                           before_compare=_settle(warm))
-        report, columns = build_report(comp, ranges=ranges, n_boot=bootstrap, seed=seed, include_rows=include_rows,
-                                       noise_floor=noise)
-        if allow_partial and (ref.is_partial or cand.is_partial):
-            report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
-        if gate_list:
-            from .report.gates import judge
+        try:
+            ref, cand, comp, noise = _compared(reference, candidate, live=live, noise_floor=noise_floor, top_logprobs=top_logprobs,
+                                               allow_partial=allow_partial, device=device, chunk_bytes=chunk_bytes, threads=threads,
+                                               logprob_floor=logprob_floor, bar=bar,
+                                               before_compare=_settle(warm))
+            report, columns = build_report(comp, ranges=ranges, n_boot=bootstrap, seed=seed, include_rows=include_rows,
+                                           noise_floor=noise)
+            if allow_partial and (ref.is_partial or cand.is_partial):
+                report["method"]["notes"].append("--allow-partial: at least one run is marked partial")
+            if gate_list:
+                from .report.gates import judge
 
-            report["gates"], _ = judge(report, gate_list)
-        if out is not None:
-            if warm is not None:
+                report["gates"], _ = judge(report, gate_list)
+            if out is not None:
+                if warm is not None:
+                    warm.join()
+                _write_report(out, report, columns, inputs)
+            return report
+        finally:
+            if warm is not None:  # an error exits with no thread still importing at interpreter shutdown
                 warm.join()
-            _write_report(out, report, columns, inputs)
-        return report
 
 
 def _settle(warm: threading.Thread | None) -> Callable[[bool], None] | None:
